@@ -1,0 +1,473 @@
+"""Advantage estimators against plain-Python loop references, plus the registry contract.
+
+The references below loop over rows, tokens and groups on Python floats and share no code
+with ``verlite.core.advantages`` (not even the masked helpers), so a vectorization or
+masking mistake in the module shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from verlite.core import advantages as adv_mod
+from verlite.core.advantages import (
+    ADV_ESTIMATORS,
+    ESTIMATORS_NEEDING_CRITIC,
+    compute_advantages,
+    register_advantage,
+)
+
+ALL_NAMES = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
+GROUP_NAMES = ["grpo", "rloo", "reinforce_plus_plus_baseline"]
+UNIFORM_KWARGS = {
+    "token_level_rewards",
+    "response_mask",
+    "values",
+    "index",
+    "gamma",
+    "lam",
+    "norm_adv_by_std",
+    "epsilon",
+}
+WHITEN_EPS = 1e-8  # masked_whiten's default, which the whitening estimators use
+PAD = 123.0  # garbage written outside the mask: must never leak into any output
+
+Rows = list[list[float]]
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@dataclass
+class Batch:
+    rewards: torch.Tensor
+    values: torch.Tensor
+    mask: torch.Tensor
+    index: torch.Tensor
+    lengths: list[int]
+
+    def kwargs(self, **extra: Any) -> dict[str, Any]:
+        return {
+            "token_level_rewards": self.rewards,
+            "response_mask": self.mask,
+            "values": self.values,
+            "index": self.index,
+            **extra,
+        }
+
+
+def make_batch(
+    seed: int,
+    steps: int = 9,
+    group_sizes: tuple[int, ...] = (3, 1, 4, 2, 1, 2),
+    lengths: list[int] | None = None,
+    pad: float = PAD,
+) -> Batch:
+    """Ragged right-padded batch; groups (sizes > 1 and = 1) interleaved, uids sparse."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    batch = sum(group_sizes)
+    uids = rng.sample(range(10, 10_000), len(group_sizes))
+    index = [uid for uid, size in zip(uids, group_sizes, strict=True) for _ in range(size)]
+    if lengths is None:
+        # One empty row, one full row, the rest random; then shuffle rows with the groups.
+        lengths = [0, steps] + [rng.randint(1, steps) for _ in range(batch - 2)]
+        order = list(range(batch))
+        rng.shuffle(order)
+        lengths = [lengths[i] for i in order]
+        rng.shuffle(index)
+    mask = torch.zeros(batch, steps, dtype=torch.float64)
+    for row, length in enumerate(lengths):
+        mask[row, :length] = 1.0
+    rewards = torch.randn(batch, steps, generator=gen, dtype=torch.float64)
+    values = torch.randn(batch, steps, generator=gen, dtype=torch.float64)
+    rewards = torch.where(mask.bool(), rewards, torch.full_like(rewards, pad))
+    values = torch.where(mask.bool(), values, torch.full_like(values, pad))
+    return Batch(rewards, values, mask, torch.tensor(index, dtype=torch.int64), lengths)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_whiten(x: Rows, lengths: list[int]) -> Rows:
+    flat = [x[i][t] for i, length in enumerate(lengths) for t in range(length)]
+    n = len(flat)
+    mean = sum(flat) / n if n else 0.0
+    var = sum((v - mean) ** 2 for v in flat) / max(n - 1, 1)
+    scale = 1.0 / math.sqrt(var + WHITEN_EPS)
+    return [
+        [(x[i][t] - mean) * scale if t < length else 0.0 for t in range(len(x[i]))]
+        for i, length in enumerate(lengths)
+    ]
+
+
+def ref_gae(b: Batch, gamma: float, lam: float) -> tuple[Rows, Rows]:
+    r, v = b.rewards.tolist(), b.values.tolist()
+    steps = b.mask.shape[1]
+    raw: Rows = []
+    returns: Rows = []
+    for i, length in enumerate(b.lengths):
+        a_row, ret_row = [0.0] * steps, [0.0] * steps
+        last = 0.0
+        for t in reversed(range(length)):
+            next_v = v[i][t + 1] if t + 1 < length else 0.0
+            delta = r[i][t] + gamma * next_v - v[i][t]
+            last = delta + gamma * lam * last
+            a_row[t] = last
+            ret_row[t] = last + v[i][t]
+        raw.append(a_row)
+        returns.append(ret_row)
+    return ref_whiten(raw, b.lengths), returns
+
+
+def ref_scores_and_groups(b: Batch) -> tuple[list[float], dict[int, list[int]]]:
+    r = b.rewards.tolist()
+    scores = [sum(r[i][:length]) for i, length in enumerate(b.lengths)]
+    groups: dict[int, list[int]] = {}
+    for i, uid in enumerate(b.index.tolist()):
+        groups.setdefault(uid, []).append(i)
+    return scores, groups
+
+
+def ref_broadcast(per_seq: list[float], b: Batch) -> Rows:
+    steps = b.mask.shape[1]
+    return [
+        [a if t < length else 0.0 for t in range(steps)]
+        for a, length in zip(per_seq, b.lengths, strict=True)
+    ]
+
+
+def ref_grpo(b: Batch, norm_by_std: bool, eps: float) -> Rows:
+    scores, groups = ref_scores_and_groups(b)
+    out = [0.0] * len(scores)
+    for rows in groups.values():
+        n = len(rows)
+        if n == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(scores[i] for i in rows) / n
+            std = math.sqrt(sum((scores[i] - mean) ** 2 for i in rows) / (n - 1))
+        for i in rows:
+            out[i] = (scores[i] - mean) / (std + eps) if norm_by_std else scores[i] - mean
+    return ref_broadcast(out, b)
+
+
+def ref_rloo(b: Batch) -> Rows:
+    scores, groups = ref_scores_and_groups(b)
+    out = [0.0] * len(scores)
+    for rows in groups.values():
+        for i in rows:
+            others = [scores[j] for j in rows if j != i]
+            out[i] = scores[i] - sum(others) / len(others) if others else scores[i]
+    return ref_broadcast(out, b)
+
+
+def ref_reinforce_pp(b: Batch, gamma: float) -> tuple[Rows, Rows]:
+    r = b.rewards.tolist()
+    steps = b.mask.shape[1]
+    returns: Rows = []
+    for i, length in enumerate(b.lengths):
+        row = [0.0] * steps
+        running = 0.0
+        for t in reversed(range(length)):
+            running = r[i][t] + gamma * running
+            row[t] = running
+        returns.append(row)
+    return ref_whiten(returns, b.lengths), returns
+
+
+def ref_reinforce_pp_baseline(b: Batch) -> Rows:
+    scores, groups = ref_scores_and_groups(b)
+    out = [0.0] * len(scores)
+    for rows in groups.values():
+        mean = sum(scores[i] for i in rows) / len(rows) if len(rows) > 1 else 0.0
+        for i in rows:
+            out[i] = scores[i] - mean
+    return ref_whiten(ref_broadcast(out, b), b.lengths)
+
+
+def close(actual: torch.Tensor, expected: Rows | torch.Tensor) -> None:
+    expected_t = torch.as_tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(actual, expected_t, rtol=1e-10, atol=1e-10)
+
+
+SEEDS = [0, 1, 2]
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0), (1.0, 0.5), (0.0, 1.0)]
+)
+def test_gae_matches_loop_reference(seed: int, gamma: float, lam: float) -> None:
+    b = make_batch(seed)
+    advantages, returns = compute_advantages("gae", **b.kwargs(gamma=gamma, lam=lam))
+    ref_adv, ref_ret = ref_gae(b, gamma, lam)
+    close(advantages, ref_adv)
+    close(returns, ref_ret)
+
+
+def test_gae_returns_telescope_to_reward_to_go_when_gamma_lam_one() -> None:
+    # With gamma = lam = 1 the deltas telescope: returns_t = sum_{s >= t} r_s exactly.
+    b = make_batch(5)
+    _, returns = compute_advantages("gae", **b.kwargs(gamma=1.0, lam=1.0))
+    r = b.rewards.tolist()
+    expected = [
+        [sum(r[i][t:length]) if t < length else 0.0 for t in range(b.mask.shape[1])]
+        for i, length in enumerate(b.lengths)
+    ]
+    close(returns, expected)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("norm_by_std", [True, False])
+@pytest.mark.parametrize("eps", [1e-6, 0.5])
+def test_grpo_matches_loop_reference(seed: int, norm_by_std: bool, eps: float) -> None:
+    b = make_batch(seed)
+    advantages, returns = compute_advantages(
+        "grpo", **b.kwargs(norm_adv_by_std=norm_by_std, epsilon=eps)
+    )
+    close(advantages, ref_grpo(b, norm_by_std, eps))
+    close(returns, advantages)
+
+
+def test_dr_grpo_differs_from_grpo_exactly_by_std_division() -> None:
+    b = make_batch(7)
+    eps = 1e-6
+    grpo, _ = compute_advantages("grpo", **b.kwargs(norm_adv_by_std=True, epsilon=eps))
+    dr_grpo, _ = compute_advantages("grpo", **b.kwargs(norm_adv_by_std=False, epsilon=eps))
+    scores, groups = ref_scores_and_groups(b)
+    std = torch.ones(len(scores), 1, dtype=torch.float64)
+    for rows in groups.values():
+        if len(rows) > 1:
+            std[rows] = torch.tensor([scores[i] for i in rows], dtype=torch.float64).std()
+    close(dr_grpo, grpo * (std + eps))
+    assert not torch.allclose(dr_grpo, grpo)  # the batch has groups whose std is not 1
+
+
+def test_grpo_constant_group_gives_zero_not_nan() -> None:
+    # All samples of a prompt score the same: std = 0, the epsilon keeps the division finite.
+    rewards = torch.tensor([[1.0, 0.0], [0.5, 0.5], [2.0, 0.0]], dtype=torch.float64)
+    mask = torch.ones_like(rewards)
+    index = torch.tensor([4, 4, 9])
+    advantages, _ = compute_advantages(
+        "grpo", token_level_rewards=rewards, response_mask=mask, index=index
+    )
+    assert torch.isfinite(advantages).all()
+    close(advantages[:2], torch.zeros(2, 2, dtype=torch.float64))
+    close(advantages[2], torch.full((2,), 2.0 / (1.0 + 1e-6), dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_rloo_matches_loop_reference(seed: int) -> None:
+    b = make_batch(seed)
+    advantages, returns = compute_advantages("rloo", **b.kwargs())
+    close(advantages, ref_rloo(b))
+    close(returns, advantages)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("gamma", [1.0, 0.99, 0.5, 0.0])
+def test_reinforce_plus_plus_matches_loop_reference(seed: int, gamma: float) -> None:
+    b = make_batch(seed)
+    advantages, returns = compute_advantages("reinforce_plus_plus", **b.kwargs(gamma=gamma))
+    ref_adv, ref_ret = ref_reinforce_pp(b, gamma)
+    close(advantages, ref_adv)
+    close(returns, ref_ret)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_reinforce_plus_plus_baseline_matches_loop_reference(seed: int) -> None:
+    b = make_batch(seed)
+    advantages, returns = compute_advantages("reinforce_plus_plus_baseline", **b.kwargs())
+    close(advantages, ref_reinforce_pp_baseline(b))
+    close(returns, advantages)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [
+        ("gae", {"gamma": 0.99, "lam": 0.95}),
+        ("gae", {"gamma": 1.0, "lam": 1.0}),
+        ("reinforce_plus_plus", {"gamma": 0.99}),
+        ("reinforce_plus_plus", {"gamma": 1.0}),
+        ("grpo", {}),
+        ("rloo", {}),
+    ],
+)
+def test_long_responses_match_reference(name: str, extra: dict[str, float]) -> None:
+    # The discounted sums are vectorized over T; check they stay exact at realistic lengths.
+    b = make_batch(11, steps=512, group_sizes=(3, 2), lengths=[512, 300, 1, 0, 477])
+    advantages, returns = compute_advantages(name, **b.kwargs(**extra))
+    if name == "gae":
+        ref_adv, ref_ret = ref_gae(b, extra["gamma"], extra["lam"])
+    elif name == "reinforce_plus_plus":
+        ref_adv, ref_ret = ref_reinforce_pp(b, extra["gamma"])
+    elif name == "grpo":
+        ref_adv = ref_ret = ref_grpo(b, True, 1e-6)
+    else:
+        ref_adv = ref_ret = ref_rloo(b)
+    close(advantages, ref_adv)
+    close(returns, ref_ret)
+
+
+# --------------------------------------------------------------------------- masking
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+def test_zero_outside_mask_and_empty_row(name: str) -> None:
+    b = make_batch(3)
+    advantages, returns = compute_advantages(name, **b.kwargs(gamma=0.9, lam=0.8))
+    outside = ~b.mask.bool()
+    assert outside.any() and (b.mask.sum(-1) == 0).any()
+    for out in (advantages, returns):
+        assert torch.isfinite(out).all()
+        assert (out[outside] == 0).all()
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+def test_all_masked_batch_gives_zeros_not_nan(name: str) -> None:
+    b = make_batch(4, group_sizes=(2, 1, 3), lengths=[0] * 6)
+    advantages, returns = compute_advantages(name, **b.kwargs())
+    assert torch.equal(advantages, torch.zeros_like(advantages))
+    assert torch.equal(returns, torch.zeros_like(returns))
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+@pytest.mark.parametrize("pad", [math.nan, math.inf])
+def test_non_finite_padding_is_ignored(name: str, pad: float) -> None:
+    clean = make_batch(6)
+    dirty = make_batch(6, pad=pad)
+    expected = compute_advantages(name, **clean.kwargs(gamma=0.9, lam=0.9))
+    actual = compute_advantages(name, **dirty.kwargs(gamma=0.9, lam=0.9))
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
+def test_mask_dtype_does_not_matter(name: str, mask_dtype: torch.dtype) -> None:
+    b = make_batch(8)
+    expected = compute_advantages(name, **b.kwargs(gamma=0.95, lam=0.9))
+    kwargs = b.kwargs(gamma=0.95, lam=0.9)
+    kwargs["response_mask"] = b.mask.to(mask_dtype)
+    actual = compute_advantages(name, **kwargs)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+def test_float32_inputs_stay_float32(name: str) -> None:
+    b = make_batch(9)
+    expected = compute_advantages(name, **b.kwargs(gamma=0.99, lam=0.95))
+    kwargs = b.kwargs(gamma=0.99, lam=0.95)
+    kwargs["token_level_rewards"] = b.rewards.float()
+    kwargs["values"] = b.values.float()
+    kwargs["response_mask"] = b.mask.float()
+    actual = compute_advantages(name, **kwargs)
+    for a, e in zip(actual, expected, strict=True):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_holds_the_five_estimators() -> None:
+    assert set(ADV_ESTIMATORS) == ALL_NAMES
+    assert frozenset({"gae"}) == ESTIMATORS_NEEDING_CRITIC
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+def test_every_estimator_takes_the_uniform_keyword_set(name: str) -> None:
+    params = inspect.signature(ADV_ESTIMATORS[name]).parameters.values()
+    assert {p.name for p in params} == UNIFORM_KWARGS
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+
+
+def test_unknown_name_lists_valid_names_sorted() -> None:
+    b = make_batch(0)
+    with pytest.raises(ValueError, match="ppo_magic") as info:
+        compute_advantages("ppo_magic", **b.kwargs())
+    assert ", ".join(sorted(ALL_NAMES)) in str(info.value)
+
+
+def test_gae_without_values_names_the_argument() -> None:
+    b = make_batch(0)
+    kwargs = b.kwargs()
+    kwargs["values"] = None
+    with pytest.raises(ValueError, match="`values`"):
+        compute_advantages("gae", **kwargs)
+
+
+@pytest.mark.parametrize("name", GROUP_NAMES)
+def test_group_estimators_without_index_name_the_argument(name: str) -> None:
+    b = make_batch(0)
+    kwargs = b.kwargs()
+    kwargs["index"] = None
+    with pytest.raises(ValueError, match="`index`"):
+        compute_advantages(name, **kwargs)
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "grpo"])
+def test_estimators_not_needing_values_run_without_them(name: str) -> None:
+    b = make_batch(2)
+    kwargs = b.kwargs(gamma=0.9)
+    expected = compute_advantages(name, **kwargs)
+    kwargs["values"] = None
+    actual = compute_advantages(name, **kwargs)
+    for a, e in zip(actual, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+def test_wrong_shapes_are_rejected() -> None:
+    b = make_batch(0)
+    kwargs = b.kwargs()
+    kwargs["index"] = b.index[:-1]
+    with pytest.raises(ValueError, match="index"):
+        compute_advantages("grpo", **kwargs)
+    kwargs = b.kwargs()
+    kwargs["values"] = b.values[:, :-1]
+    with pytest.raises(ValueError, match="values"):
+        compute_advantages("gae", **kwargs)
+    kwargs = b.kwargs()
+    kwargs["response_mask"] = b.mask[:, :-1]
+    with pytest.raises(ValueError, match="response_mask"):
+        compute_advantages("rloo", **kwargs)
+
+
+def test_compute_advantages_dispatches_with_the_uniform_keywords() -> None:
+    seen: dict[str, object] = {}
+    marker = (torch.zeros(1), torch.ones(1))
+
+    @register_advantage("_spy")
+    def spy(**kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.update(kwargs)
+        return marker
+
+    try:
+        b = make_batch(0)
+        out = compute_advantages("_spy", **b.kwargs(gamma=0.5, lam=0.25, epsilon=0.1))
+        assert out is marker
+        assert set(seen) == UNIFORM_KWARGS
+        assert seen["gamma"] == 0.5 and seen["lam"] == 0.25 and seen["epsilon"] == 0.1
+        assert seen["norm_adv_by_std"] is True
+        assert seen["token_level_rewards"] is b.rewards and seen["index"] is b.index
+    finally:
+        ADV_ESTIMATORS.pop("_spy", None)
+    assert "_spy" not in adv_mod.ADV_ESTIMATORS
+
+
+def test_registering_a_taken_name_fails() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_advantage("gae")(ADV_ESTIMATORS["gae"])
+    assert set(ADV_ESTIMATORS) == ALL_NAMES

@@ -1,0 +1,319 @@
+"""Advantage estimators (GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++), registered by name.
+
+Every estimator takes the same keyword set and returns ``(advantages, returns)``, both
+(B, T) and zero outside ``response_mask``, so the trainer calls ``compute_advantages(name,
+**batch_fields)`` whatever the algorithm. Estimators ignore the keywords they do not use.
+
+Conventions shared by all estimators:
+
+- ``token_level_rewards``, ``values`` and ``response_mask`` are (B, T); responses are
+  right-padded, so each row's mask is a prefix of ones (possibly empty). The mask may have
+  any dtype; nonzero means valid.
+- ``index`` is a (B,) integer tensor of group ids: the n samples of one prompt share it.
+- Everything is computed in the dtype of ``token_level_rewards``. Entries outside the mask
+  are ignored, even when they hold NaN or inf.
+- Nothing loops in Python over tokens or groups: discounted sums are one (T, T) matmul, and
+  group statistics use ``torch.unique`` + ``index_add``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from verlite.core.masked import masked_sum, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "ESTIMATORS_NEEDING_CRITIC",
+    "AdvantageFn",
+    "compute_advantages",
+    "register_advantage",
+]
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+_F = TypeVar("_F", bound=AdvantageFn)
+
+ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset({"gae"})
+
+
+def register_advantage(name: str) -> Callable[[_F], _F]:
+    """Register an estimator under ``name``; it must accept the uniform keyword set."""
+
+    def decorator(fn: _F) -> _F:
+        if name in ADV_ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        ADV_ESTIMATORS[name] = fn
+        return fn
+
+    return decorator
+
+
+def compute_advantages(
+    name: str,
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator registered as ``name``; returns ``(advantages, returns)``, (B, T)."""
+    fn = ADV_ESTIMATORS.get(name)
+    if fn is None:
+        valid = ", ".join(sorted(ADV_ESTIMATORS))
+        raise ValueError(f"unknown advantage estimator {name!r}; valid names: {valid}")
+    return fn(
+        token_level_rewards=token_level_rewards,
+        response_mask=response_mask,
+        values=values,
+        index=index,
+        gamma=gamma,
+        lam=lam,
+        norm_adv_by_std=norm_adv_by_std,
+        epsilon=epsilon,
+    )
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_inputs(
+    estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor
+) -> None:
+    if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"{estimator}: token_level_rewards {tuple(token_level_rewards.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must be the same (B, T) shape"
+        )
+
+
+def _require_values(
+    estimator: str, values: torch.Tensor | None, response_mask: torch.Tensor
+) -> torch.Tensor:
+    if values is None:
+        raise ValueError(f"{estimator}: `values` is required (critic value estimates, (B, T))")
+    if values.shape != response_mask.shape:
+        raise ValueError(
+            f"{estimator}: values {tuple(values.shape)} must match "
+            f"response_mask {tuple(response_mask.shape)}"
+        )
+    return values
+
+
+def _require_index(
+    estimator: str, index: torch.Tensor | None, response_mask: torch.Tensor
+) -> torch.Tensor:
+    if index is None:
+        raise ValueError(f"{estimator}: `index` is required (group id per sequence, (B,))")
+    if index.shape != response_mask.shape[:1]:
+        raise ValueError(
+            f"{estimator}: index {tuple(index.shape)} must be (B,) = {tuple(response_mask.shape[:1])}"
+        )
+    return index
+
+
+def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # torch.where rather than a multiply: 0 * NaN padding would still be NaN.
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """``y_t = sum_{s >= t} discount**(s - t) * x_s`` along the last dim of a (B, T) tensor.
+
+    One matmul with the (T, T) matrix ``M[s, t] = discount**(s - t)`` for ``s >= t``.
+    Powers are taken directly (not as ``discount**s / discount**t``), so nothing overflows
+    or underflows to 0/0 for long T or small discounts; ``0**0 == 1`` keeps discount=0 exact.
+    Costs O(T^2) memory for the matrix, negligible next to the (B, T, vocab) logits.
+    """
+    steps = x.shape[-1]
+    pos = torch.arange(steps, device=x.device)
+    lag = pos[:, None] - pos[None, :]  # s - t
+    base = torch.tensor(discount, dtype=x.dtype, device=x.device)
+    powers = torch.where(lag >= 0, base.pow(lag.clamp(min=0).to(x.dtype)), torch.zeros_like(base))
+    return x @ powers
+
+
+def _group_stats(
+    scores: torch.Tensor, index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sequence (group size, group mean, unbiased group std), gathered back to (B,).
+
+    Groups of one sample get mean 0 and std 1: with no peers there is no baseline, so the
+    score passes through unchanged (the convention of verl/OpenRLHF).
+    """
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    inverse = inverse.to(scores.device)
+    n_groups = uniq.numel()
+    zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
+    counts = zeros.index_add(0, inverse, torch.ones_like(scores))
+    means = zeros.index_add(0, inverse, scores) / counts.clamp(min=1)
+    # Two-pass variance (sum of squared deviations), not E[x^2] - E[x]^2, which cancels badly.
+    sq_dev = (scores - means[inverse]) ** 2
+    var = zeros.index_add(0, inverse, sq_dev) / (counts - 1).clamp(min=1)
+    singleton = counts <= 1
+    means = torch.where(singleton, torch.zeros_like(means), means)
+    stds = torch.where(singleton, torch.ones_like(var), var.sqrt())
+    return counts[inverse], means[inverse], stds[inverse]
+
+
+def _sequence_scores(
+    token_level_rewards: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    return masked_sum(token_level_rewards, response_mask, dim=-1)
+
+
+def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    return _zero_outside(per_seq[:, None].expand(response_mask.shape), response_mask)
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+@register_advantage("gae")
+def gae(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` = 0 beyond the last valid token,
+    ``A_t = sum_k (gamma * lam)**k * delta_{t+k}``, ``returns = A + V`` (the critic's target,
+    not whitened), and ``advantages = masked_whiten(A, mask)`` over the whole batch.
+    Uses ``values``; ignores ``index``, ``norm_adv_by_std`` and ``epsilon``.
+    """
+    _check_inputs("gae", token_level_rewards, response_mask)
+    dtype = token_level_rewards.dtype
+    rewards = _zero_outside(token_level_rewards, response_mask)
+    vals = _zero_outside(_require_values("gae", values, response_mask).to(dtype), response_mask)
+    # With prefix masks and values zeroed outside them, shifting left by one gives V_{t+1},
+    # which is already 0 right after the last valid token: no bootstrap past the response.
+    next_vals = torch.nn.functional.pad(vals[:, 1:], (0, 1))
+    deltas = rewards + gamma * next_vals - vals
+    adv = _zero_outside(_discounted_reverse_cumsum(deltas, gamma * lam), response_mask)
+    returns = adv + vals
+    return masked_whiten(adv, response_mask), returns
+
+
+@register_advantage("grpo")
+def grpo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-relative outcome advantage: GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
+
+    ``score_i = sum_t r_{i,t}`` over the mask; per group (same ``index``) ``mean`` and
+    unbiased ``std`` (``torch.std`` semantics; a group of one gets mean 0, std 1).
+    ``A_i = (score_i - mean) / (std + epsilon)``, or ``score_i - mean`` when
+    ``norm_adv_by_std`` is False, which is Dr. GRPO (Liu et al. 2025, "Understanding
+    R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783). ``A_i`` is broadcast
+    over the valid tokens; ``returns = advantages``. Ignores ``values``, ``gamma``, ``lam``.
+    """
+    _check_inputs("grpo", token_level_rewards, response_mask)
+    group = _require_index("grpo", index, response_mask)
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    _, mean, std = _group_stats(scores, group)
+    adv = scores - mean
+    if norm_adv_by_std:
+        adv = adv / (std + epsilon)
+    advantages = _broadcast(adv, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("rloo")
+def rloo(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
+
+    ``A_i = score_i - mean_{j != i} score_j`` over the other samples of the group, computed
+    as ``score_i * n/(n-1) - group_mean * n/(n-1)``; a group of one keeps ``score_i``.
+    Broadcast over the valid tokens; ``returns = advantages``. Uses only ``index``.
+    """
+    _check_inputs("rloo", token_level_rewards, response_mask)
+    group = _require_index("rloo", index, response_mask)
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    counts, mean, _ = _group_stats(scores, group)
+    scale = counts / (counts - 1).clamp(min=1)
+    # _group_stats zeroes the mean of singletons; the scale must be 1 for them too.
+    scale = torch.where(counts > 1, scale, torch.ones_like(scale))
+    advantages = _broadcast(scores * scale - mean * scale, response_mask)
+    return advantages, advantages
+
+
+@register_advantage("reinforce_plus_plus")
+def reinforce_plus_plus(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262).
+
+    ``G_t = sum_{s >= t} gamma**(s - t) * r_s`` within the mask (the returns), and
+    ``advantages = masked_whiten(G, mask)`` over the whole batch (global normalization
+    in place of a critic or group baseline). Uses only ``gamma``.
+    """
+    _check_inputs("reinforce_plus_plus", token_level_rewards, response_mask)
+    rewards = _zero_outside(token_level_rewards, response_mask)
+    returns = _zero_outside(_discounted_reverse_cumsum(rewards, gamma), response_mask)
+    return masked_whiten(returns, response_mask), returns
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+def reinforce_plus_plus_baseline(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group-mean baseline (Hu et al. 2025, arXiv:2501.03262).
+
+    ``A_i = score_i - group_mean`` (a group of one has mean 0), broadcast over the valid
+    tokens, then ``masked_whiten`` over the whole batch; ``returns = advantages``.
+    Uses only ``index``.
+    """
+    _check_inputs("reinforce_plus_plus_baseline", token_level_rewards, response_mask)
+    group = _require_index("reinforce_plus_plus_baseline", index, response_mask)
+    scores = _sequence_scores(token_level_rewards, response_mask)
+    _, mean, _ = _group_stats(scores, group)
+    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    return advantages, advantages

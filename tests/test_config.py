@@ -1,0 +1,282 @@
+"""Config loading, overrides, inherited defaults, derived sizes and every error path."""
+
+import ast
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from verlite.config import Config, ConfigError, check_paths, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["data.task=copy"]
+
+
+def error_of(*overrides: str, path: str | Path | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, [*BASE, *overrides] if path is None else list(overrides))
+    message = str(info.value)
+    assert "\n" not in message, "errors are one line"
+    return message
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (ROOT / "configs").glob("*.yaml")))
+def test_shipped_configs_load(name: str) -> None:
+    cfg = load_config(ROOT / "configs" / name)
+    assert cfg.sequences_per_step % cfg.actor.ppo_mini_batch_size == 0
+
+
+def test_overrides_are_typed_by_the_schema() -> None:
+    cfg = load_config(
+        ROOT / "configs" / "ppo_tiny.yaml",
+        [
+            "actor.loss_agg_mode=token-sum",
+            "actor.optim.lr=3e-4",  # YAML 1.1 reads this as a string; the schema makes it a float
+            "trainer.total_steps=7",
+            "actor.use_dynamic_bsz=true",
+            "actor.max_token_len_per_worker=64",
+            "trainer.loggers=[console, jsonl, tensorboard]",
+            "trainer.ray_address=127.0.0.1:6379",
+            "trainer.resume=123",  # a str field keeps digits as text
+            "model.path=null",
+            "actor.optim.betas=[0.9, 0.95]",
+        ],
+    )
+    assert cfg.actor.loss_agg_mode == "token-sum"
+    assert cfg.actor.optim.lr == 3e-4
+    assert cfg.trainer.total_steps == 7
+    assert cfg.actor.use_dynamic_bsz is True
+    assert cfg.trainer.loggers == ("console", "jsonl", "tensorboard")
+    assert cfg.trainer.ray_address == "127.0.0.1:6379"
+    assert cfg.trainer.resume == "123"
+    assert cfg.model.path is None
+    assert cfg.actor.optim.betas == (0.9, 0.95)
+
+
+def test_later_override_wins_and_value_may_contain_equals() -> None:
+    cfg = load_config(None, [*BASE, "trainer.output_dir=a", "trainer.output_dir=b=c"])
+    assert cfg.trainer.output_dir == "b=c"
+
+
+def test_critic_inherits_actor_loss_settings_unless_set() -> None:
+    cfg = load_config(
+        None,
+        [*BASE, "actor.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=12"],
+    )
+    assert cfg.actor.loss_scale_factor == 12  # the configured max response length
+    assert cfg.critic.loss_agg_mode == "seq-mean-token-sum-norm"
+    assert cfg.critic.loss_scale_factor == 12
+    cfg = load_config(
+        None, [*BASE, "actor.loss_agg_mode=token-sum", "critic.loss_agg_mode=token-mean"]
+    )
+    assert (cfg.actor.loss_agg_mode, cfg.critic.loss_agg_mode) == ("token-sum", "token-mean")
+    cfg = load_config(
+        None, [*BASE, "actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=100"]
+    )
+    assert cfg.critic.loss_scale_factor == 100
+
+
+def test_workers_per_node_inherited_and_role_sizes() -> None:
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "trainer.nnodes=2",
+            "trainer.workers_per_node=2",
+            "critic.workers_per_node=1",
+            "data.train_batch_size=32",
+            "actor.ppo_mini_batch_size=16",
+            "critic.ppo_mini_batch_size=8",
+            "actor.micro_batch_size_per_worker=2",
+            "critic.micro_batch_size_per_worker=4",
+        ],
+    )
+    assert (cfg.actor.workers_per_node, cfg.critic.workers_per_node, cfg.ref.workers_per_node) == (
+        2,
+        1,
+        2,
+    )
+    actor, critic = cfg.role_sizes("actor"), cfg.role_sizes("critic")
+    assert (actor.dp_size, actor.mini_batch_size_per_worker, actor.num_mini_batches) == (4, 4, 2)
+    assert (critic.dp_size, critic.mini_batch_size_per_worker, critic.num_mini_batches) == (2, 4, 4)
+
+
+def test_derived_roles() -> None:
+    assert load_config(None, BASE).use_critic
+    grpo = load_config(
+        None, [*BASE, "algorithm.adv_estimator=grpo", "rollout.n=2", "actor.use_kl_loss=true"]
+    )
+    assert not grpo.use_critic and grpo.use_reference
+    # the critic's sizes are not checked when there is no critic
+    load_config(
+        None, [*BASE, "algorithm.adv_estimator=rloo", "rollout.n=2", "critic.ppo_mini_batch_size=5"]
+    )
+
+
+def test_configs_are_frozen() -> None:
+    cfg = load_config(None, BASE)
+    with pytest.raises(Exception, match="frozen"):
+        cfg.actor.ppo_epochs = 3  # type: ignore[misc]
+
+
+def all_models(model: type[BaseModel]) -> list[type[BaseModel]]:
+    found = [model]
+    for field in model.model_fields.values():
+        args = getattr(field.annotation, "__args__", ()) or (field.annotation,)
+        for arg in args:
+            if isinstance(arg, type) and issubclass(arg, BaseModel) and arg not in found:
+                found += all_models(arg)
+    return found
+
+
+def test_every_field_has_a_description() -> None:
+    for model in all_models(Config):
+        assert model.model_config.get("extra") == "forbid", model.__name__
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+
+
+# ------------------------------------------------------------------------ error paths
+
+ERRORS = [
+    (["actor.lrr=1"], "unknown key 'actor.lrr'; did you mean 'actor.optim.lr'?"),
+    (["trainer.totl_steps=3"], "did you mean 'trainer.total_steps'?"),
+    (["actr.ppo_epochs=1"], "unknown key 'actr'; did you mean 'actor'?"),
+    (
+        ["actor.loss_agg_mode=mean"],
+        "actor.loss_agg_mode='mean': unknown loss aggregation mode; allowed: token-mean, token-sum",
+    ),
+    (["critic.loss_agg_mode=sum"], "critic.loss_agg_mode='sum'"),
+    (
+        ["actor.policy_loss=ppo"],
+        "actor.policy_loss='ppo': unknown policy loss; allowed: gspo, reinforce, vanilla",
+    ),
+    (
+        ["algorithm.adv_estimator=ppo"],
+        "algorithm.adv_estimator='ppo': unknown advantage estimator; allowed: gae, grpo",
+    ),
+    (["actor.kl_loss_type=k9"], "actor.kl_loss_type='k9': unknown KL kind; allowed: k1"),
+    (["algorithm.kl_penalty=k3++"], "algorithm.kl_penalty='k3++'"),
+    (
+        ["actor.ppo_mini_batch_size=0"],
+        "actor.ppo_mini_batch_size=0: Input should be greater than 0",
+    ),
+    (["data.train_batch_size=-4"], "data.train_batch_size=-4: Input should be greater than 0"),
+    (["trainer.total_steps=ten"], "trainer.total_steps='ten': Input should be a valid integer"),
+    (["actor.optim.lr=abc"], "actor.optim.lr='abc': Input should be a valid number"),
+    (["rollout.top_p=1.5"], "rollout.top_p=1.5: Input should be less than or equal to 1"),
+    (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5: Input should be greater than 1"),
+    (
+        ["trainer.loggers=[console, wandb]"],
+        "trainer.loggers.1='wandb': Input should be 'console', 'jsonl'",
+    ),
+    (
+        ["trainer.placement=spread"],
+        "trainer.placement='spread': Input should be 'colocate' or 'split'",
+    ),
+    (
+        ["actor.ppo_mini_batch_size=12"],
+        "actor.ppo_mini_batch_size=12 must divide the sequences per step, data.train_batch_size * rollout.n = 16 * 1 = 16",
+    ),
+    (
+        ["trainer.workers_per_node=3"],
+        "actor.ppo_mini_batch_size=16 must be divisible by the actor's 3 workers",
+    ),
+    (
+        ["actor.micro_batch_size_per_worker=32"],
+        "actor.micro_batch_size_per_worker=32 is larger than the per-worker mini-batch 16",
+    ),
+    (
+        ["actor.micro_batch_size_per_worker=3"],
+        "must be divisible by micro_batch_size_per_worker * workers = 3 * 1",
+    ),
+    (["critic.micro_batch_size_per_worker=32"], "critic.micro_batch_size_per_worker=32 is larger"),
+    (
+        ["actor.use_dynamic_bsz=true"],
+        "actor.use_dynamic_bsz=true needs actor.max_token_len_per_worker (>= 48)",
+    ),
+    (
+        ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_worker=20"],
+        "actor.max_token_len_per_worker=20 is below the longest sequence",
+    ),
+    (["trainer.workers_per_node=2", "actor.strategy=none"], "actor.strategy=none runs one worker"),
+    (["algorithm.adv_estimator=grpo"], "rollout.n must be >= 2, got 1"),
+    (["data.train_file=prompts.jsonl"], "data.task or data.train_file: set exactly one"),
+    (["model.hidden_size=30"], "model.hidden_size=30 must be divisible by model.num_heads=4"),
+    (["data.min_digits=6"], "data.min_digits=6 must be <= data.max_digits=5"),
+    (["actor.optim=3"], "actor.optim=3: Input should be a valid dictionary"),
+    (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
+    (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
+    (["foo"], "malformed override 'foo'; expected dotted.key=value"),
+    (["=3"], "malformed override '=3'"),
+    (["actor..lr=3"], "malformed override 'actor..lr=3'"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), ERRORS, ids=[e[1][:40] for e in ERRORS])
+def test_error_names_field_value_and_what_is_allowed(overrides: list[str], expected: str) -> None:
+    assert expected in error_of(*overrides)
+
+
+def test_an_invalid_actor_value_is_reported_once() -> None:
+    message = error_of("actor.loss_agg_mode=mean")
+    assert message.count("unknown loss aggregation mode") == 1
+
+
+def test_missing_data_source_is_reported() -> None:
+    with pytest.raises(ConfigError, match="data: required field is missing"):
+        load_config(None, [])
+
+
+def test_file_errors(tmp_path: Path) -> None:
+    assert "cannot read config file" in error_of(path=tmp_path / "missing.yaml")
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    assert "must hold a mapping of sections" in error_of(path=tmp_path / "list.yaml")
+    assert "got a list" in error_of(path=tmp_path / "list.yaml")
+    (tmp_path / "bad.yaml").write_text("data:\n  task: [copy\n")
+    assert "is not valid YAML at line" in error_of(path=tmp_path / "bad.yaml")
+    (tmp_path / "section.yaml").write_text("data: 3\n")
+    assert "data=3: Input should be a valid dictionary" in error_of(path=tmp_path / "section.yaml")
+    (tmp_path / "empty.yaml").write_text("")
+    assert "data: required field is missing" in error_of(path=tmp_path / "empty.yaml")
+
+
+def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("data: !!python/object/apply:os.system ['echo pwned']\n")
+    assert "is not valid YAML" in error_of(path=evil)
+
+
+def test_check_paths(tmp_path: Path) -> None:
+    cfg = load_config(None, ["data.train_file=" + str(tmp_path / "nope.jsonl")])
+    with pytest.raises(ConfigError, match="data.train_file=.*nope.jsonl.*no such file"):
+        check_paths(cfg)
+    (tmp_path / "p.jsonl").write_text("{}\n")
+    check_paths(load_config(None, ["data.train_file=" + str(tmp_path / "p.jsonl")]))
+
+
+def test_core_imports_neither_ray_nor_torch_distributed() -> None:
+    for path in (ROOT / "verlite" / "core").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            for name in names:
+                allowed = name in ("torch", "__future__") or name.startswith(
+                    (
+                        "verlite.core",
+                        "collections",
+                        "typing",
+                        "dataclasses",
+                        "enum",
+                        "math",
+                        "heapq",
+                        "itertools",
+                        "functools",
+                    )
+                )
+                assert allowed and not name.startswith("torch.distributed"), (
+                    f"{path.name} imports {name}"
+                )

@@ -1,0 +1,720 @@
+"""Typed run configuration: pydantic models, YAML loading, dotted overrides, clear errors.
+
+Every YAML section maps 1:1 onto a model below. Models are frozen and forbid unknown keys;
+every field carries a description (the reference in docs/config.md is generated from them).
+Values that default to another field (the critic's loss settings, per-role worker counts,
+the ``seq-mean-token-sum-norm`` scale) are filled in once, at load, so the resolved config
+that a run logs is the config it uses. Sizes derived from several fields live in
+:meth:`Config.role_sizes`, and nowhere else.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from verlite.core.advantages import ADV_ESTIMATORS, ESTIMATORS_NEEDING_CRITIC
+from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user can fix: the message names the field, value and what is allowed."""
+
+
+def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"unknown {what}; allowed: {', '.join(allowed)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _kl_kind(value: str) -> str:
+    if value.rstrip("+") not in KL_KINDS or value.count("+") > 1:
+        raise ValueError(
+            f"unknown KL kind; allowed: {', '.join(KL_KINDS)} (each also with a '+' suffix)"
+        )
+    return value
+
+
+LossAggMode = Annotated[str, _one_of(LOSS_AGG_MODES, "loss aggregation mode")]
+PolicyLossMode = Annotated[str, _one_of(sorted(POLICY_LOSSES), "policy loss")]
+AdvEstimator = Annotated[str, _one_of(sorted(ADV_ESTIMATORS), "advantage estimator")]
+KLKind = Annotated[str, AfterValidator(_kl_kind)]
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class ModelConfig(Section):
+    """The policy model (the critic uses the same trunk with a scalar value head)."""
+
+    path: str | None = Field(
+        None,
+        description="Local Hugging Face causal-LM directory (weights + tokenizer). "
+        "None builds the built-in tiny decoder from the fields below with verlite's task tokenizer.",
+    )
+    arch: Literal["llama", "qwen2"] = Field(
+        "llama", description="Architecture of the built-in model."
+    )
+    hidden_size: PositiveInt = Field(64, description="Built-in model: hidden size.")
+    num_layers: PositiveInt = Field(2, description="Built-in model: number of decoder layers.")
+    num_heads: PositiveInt = Field(4, description="Built-in model: attention heads.")
+    num_kv_heads: PositiveInt = Field(
+        2, description="Built-in model: key/value heads (grouped-query attention)."
+    )
+    intermediate_size: PositiveInt = Field(128, description="Built-in model: MLP width.")
+    dtype: Literal["float32", "float64", "bfloat16"] = Field(
+        "float32", description="Parameter and compute dtype of actor, critic and reference."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="Where workers run the model: auto picks cuda when the worker has a GPU.",
+    )
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} must be divisible by model.num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+
+class DataConfig(Section):
+    """Prompts: a synthetic task generated from the seed, or JSONL/Parquet files."""
+
+    task: Literal["copy", "reverse", "add"] | None = Field(
+        None,
+        description="Synthetic task (prompts and rule-based reward generated from trainer.seed).",
+    )
+    train_file: str | None = Field(
+        None,
+        description="JSONL or Parquet file of training prompts with 'prompt' and 'answer' fields.",
+    )
+    val_file: str | None = Field(
+        None,
+        description="Validation prompts in the same format; None holds out data.num_val_samples prompts.",
+    )
+    num_train_samples: PositiveInt = Field(
+        4096, description="Synthetic task: number of training prompts."
+    )
+    num_val_samples: PositiveInt = Field(64, description="Held-out prompts used for validation.")
+    min_digits: PositiveInt = Field(
+        2, description="Synthetic task: shortest digit string in a prompt."
+    )
+    max_digits: PositiveInt = Field(
+        5, description="Synthetic task: longest digit string in a prompt."
+    )
+    max_prompt_length: PositiveInt = Field(32, description="Longest prompt in tokens.")
+    prompt_overflow: Literal["truncate", "error"] = Field(
+        "error",
+        description="What to do with a prompt longer than max_prompt_length (truncated prompts are counted).",
+    )
+    train_batch_size: PositiveInt = Field(16, description="Prompts per training step.")
+    shuffle: bool = Field(
+        True, description="Shuffle training prompts each epoch (seeded by trainer.seed)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if (self.task is None) == (self.train_file is None):
+            raise ValueError("data.task or data.train_file: set exactly one of them (a synthetic task or a prompt file)")
+        if self.min_digits > self.max_digits:
+            raise ValueError(
+                f"data.min_digits={self.min_digits} must be <= data.max_digits={self.max_digits}"
+            )
+        return self
+
+
+class RolloutConfig(Section):
+    """Generation with the actor's current weights."""
+
+    n: PositiveInt = Field(1, description="Responses sampled per prompt (GRPO/RLOO need >= 2).")
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
+    top_k: NonNegativeInt = Field(0, description="Keep the k most likely tokens; 0 disables it.")
+    max_response_length: PositiveInt = Field(
+        16, description="Longest response in tokens (generation stops there)."
+    )
+    engine: Literal["native"] = Field(
+        "native", description="Generation engine: 'native' is verlite's batched KV-cached sampler."
+    )
+
+
+class OptimConfig(Section):
+    """AdamW with an optional warm-up and cosine decay."""
+
+    lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: NonNegativeInt = Field(
+        0, description="Optimizer steps of linear warm-up from 0 to lr."
+    )
+    schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warm-up.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Cosine schedule: final lr as a fraction of lr."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this; None only measures it."
+    )
+
+
+class WorkerRoleConfig(Section):
+    """What actor and critic share: parallelism, batching, loss aggregation, optimizer."""
+
+    strategy: Literal["ddp", "fsdp", "none"] = Field(
+        "ddp",
+        description="Data parallelism: DDP, FSDP2 (fully_shard per decoder layer) or none (one worker only).",
+    )
+    workers_per_node: PositiveInt | None = Field(
+        None, description="Workers of this role on each node; None uses trainer.workers_per_node."
+    )
+    ppo_mini_batch_size: PositiveInt = Field(
+        16, description="Sequences (responses) per optimizer step, over all workers of this role."
+    )
+    ppo_epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
+    shuffle_mini_batches: bool = Field(
+        False, description="Shuffle sequences before cutting mini-batches."
+    )
+    micro_batch_size_per_worker: PositiveInt = Field(
+        4,
+        description="Sequences per forward/backward on one worker (ignored with use_dynamic_bsz).",
+    )
+    use_dynamic_bsz: bool = Field(
+        False,
+        description="Cut micro-batches by a token budget (balanced partitioning) instead of a fixed size.",
+    )
+    max_token_len_per_worker: PositiveInt | None = Field(
+        None,
+        description="Token budget of one micro-batch with use_dynamic_bsz (>= the longest prompt + response).",
+    )
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description=f"How token losses aggregate: {', '.join(LOSS_AGG_MODES)}."
+    )
+    loss_scale_factor: float | None = Field(
+        None,
+        gt=0.0,
+        description="Constant divisor of seq-mean-token-sum-norm; None uses rollout.max_response_length.",
+    )
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="Optimizer and LR schedule."
+    )
+
+
+class ActorConfig(WorkerRoleConfig):
+    """The policy: PPO-family losses, entropy bonus, KL loss to the reference."""
+
+    policy_loss: PolicyLossMode = Field(
+        "vanilla", description=f"Policy loss: {', '.join(sorted(POLICY_LOSSES))}."
+    )
+    clip_ratio_low: float = Field(
+        0.2, ge=0.0, description="PPO clip below 1 (ratio >= 1 - clip_ratio_low)."
+    )
+    clip_ratio_high: float = Field(
+        0.2, ge=0.0, description="PPO clip above 1 (ratio <= 1 + clip_ratio_high)."
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1.0, description="Dual-clip bound for negative advantages (> 1)."
+    )
+    entropy_coeff: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
+    use_kl_loss: bool = Field(False, description="Add a KL-to-reference term to the actor loss.")
+    kl_loss_coef: float = Field(0.001, ge=0.0, description="Weight of the KL loss.")
+    kl_loss_type: KLKind = Field(
+        "low_var_kl", description=f"KL estimator of the loss: {', '.join(KL_KINDS)}, optional '+'."
+    )
+
+
+class CriticConfig(WorkerRoleConfig):
+    """The value model (used when the advantage estimator needs one, i.e. GAE)."""
+
+    loss_agg_mode: LossAggMode | None = Field(  # type: ignore[assignment]
+        None, description="How token value losses aggregate; None uses actor.loss_agg_mode."
+    )
+    cliprange_value: float = Field(
+        0.5, gt=0.0, description="Value clipping range around the rollout-time values."
+    )
+    warmup_steps: NonNegativeInt = Field(
+        0,
+        description="Training steps that update only the critic before the actor starts learning.",
+    )
+
+
+class RefConfig(Section):
+    """The frozen reference policy, used when a KL term is on."""
+
+    workers_per_node: PositiveInt | None = Field(
+        None, description="Reference workers on each node; None uses actor.workers_per_node."
+    )
+
+
+class KLControlConfig(Section):
+    """Coefficient of the KL penalty in the reward."""
+
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="Fixed coefficient or the adaptive controller (Ziegler 2019)."
+    )
+    kl_coef: float = Field(0.001, ge=0.0, description="(Initial) KL coefficient.")
+    target_kl: float = Field(0.1, gt=0.0, description="Adaptive: KL the controller steers towards.")
+    horizon: PositiveInt = Field(
+        10000, description="Adaptive: samples over which the coefficient adapts."
+    )
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation and KL-in-reward."""
+
+    adv_estimator: AdvEstimator = Field(
+        "gae", description=f"Advantage estimator: {', '.join(sorted(ADV_ESTIMATORS))}."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda.")
+    norm_adv_by_std: bool = Field(
+        True, description="GRPO: divide by the group std; false gives Dr. GRPO."
+    )
+    use_kl_in_reward: bool = Field(
+        False, description="Subtract a KL penalty to the reference from the token rewards."
+    )
+    kl_penalty: KLKind = Field("kl", description="KL estimator of the in-reward penalty.")
+    kl_ctrl: KLControlConfig = Field(
+        default_factory=KLControlConfig, description="KL coefficient controller."
+    )
+
+
+class RewardConfig(Section):
+    """How responses are scored (scores in [0, 1] for the built-in rewards)."""
+
+    fn: str | None = Field(
+        None,
+        description="A registered reward name or 'package.module:function'; None uses the task's reward "
+        "(exact match of the answer for prompt files).",
+    )
+
+
+class TrainerConfig(Section):
+    """The run: steps, cluster layout, validation, checkpoints, logging."""
+
+    total_steps: PositiveInt = Field(20, description="Training steps (one batch of prompts each).")
+    output_dir: str = Field(
+        "outputs/run",
+        description="Folder for metrics, checkpoints, workers.json and the exported model.",
+    )
+    seed: int = Field(0, description="Seed of data, sampling and initialization.")
+    nnodes: PositiveInt = Field(1, description="Nodes each worker group spans.")
+    workers_per_node: PositiveInt = Field(
+        1, description="Workers per node for every role without its own setting."
+    )
+    placement: Literal["colocate", "split"] = Field(
+        "colocate",
+        description="colocate: roles share bundles with fractional resources; split: a pool per role.",
+    )
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of one worker bundle.")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to connect to; None starts an embedded local Ray."
+    )
+    resource_timeout_s: float = Field(
+        60.0, gt=0.0, description="Fail if the workers cannot be placed within this many seconds."
+    )
+    torch_threads_per_worker: PositiveInt = Field(
+        1, description="torch threads of each CPU worker."
+    )
+    val_freq: NonNegativeInt = Field(
+        5, description="Validate every this many steps (and at the end); 0 never."
+    )
+    save_freq: NonNegativeInt = Field(
+        0, description="Checkpoint every this many steps (and at the end); 0 never."
+    )
+    max_checkpoints: PositiveInt = Field(3, description="Checkpoints kept; older ones are deleted.")
+    resume: str = Field(
+        "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
+    )
+    loggers: tuple[Literal["console", "jsonl", "tensorboard", "mlflow"], ...] = Field(
+        ("console", "jsonl"), description="Metric sinks."
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; None uses a file store in output_dir."
+    )
+    max_consecutive_skips: PositiveInt = Field(
+        3,
+        description="Stop after this many consecutive updates skipped for a non-finite loss or gradient.",
+    )
+
+
+@dataclass(frozen=True)
+class RoleSizes:
+    """Batch sizes of one role, derived once from the config."""
+
+    dp_size: int
+    mini_batch_size: int
+    mini_batch_size_per_worker: int
+    num_mini_batches: int
+
+
+class Config(Section):
+    """A whole run. Load with :func:`load_config`."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
+    data: DataConfig = Field(description="Prompts.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generation.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Policy training.")
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="Value-model training (GAE only)."
+    )
+    ref: RefConfig = Field(
+        default_factory=RefConfig, description="Reference policy (KL terms only)."
+    )
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="Advantages and KL-in-reward."
+    )
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Scoring.")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="The run.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_inherited(cls, data: Any) -> Any:
+        """Resolve fields that default to other fields, before validation, on the raw mapping."""
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        sections = {
+            name: _as_dict(data.get(name))
+            for name in ("actor", "critic", "ref", "trainer", "rollout")
+        }
+        actor, critic, ref = sections["actor"], sections["critic"], sections["ref"]
+        if isinstance(actor, dict) and isinstance(critic, dict) and isinstance(ref, dict):
+            trainer_wpn = _get(sections["trainer"], "workers_per_node", TrainerConfig)
+            for role in (actor, critic):
+                if role.get("workers_per_node") is None:
+                    role["workers_per_node"] = trainer_wpn
+            if ref.get("workers_per_node") is None:
+                ref["workers_per_node"] = actor["workers_per_node"]
+            if (
+                actor.get("loss_agg_mode", "token-mean") == "seq-mean-token-sum-norm"
+                and actor.get("loss_scale_factor") is None
+            ):
+                actor["loss_scale_factor"] = _get(
+                    sections["rollout"], "max_response_length", RolloutConfig
+                )
+            for key in ("loss_agg_mode", "loss_scale_factor"):
+                value = actor.get(key, ActorConfig.model_fields[key].default)
+                # An invalid actor value is reported once, on the actor, not again on the critic.
+                if critic.get(key) is None and _is_valid(ActorConfig, key, value):
+                    critic[key] = value
+            data.update(actor=actor, critic=critic, ref=ref)
+        return data
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator in ESTIMATORS_NEEDING_CRITIC
+
+    @property
+    def use_reference(self) -> bool:
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.data.train_batch_size * self.rollout.n
+
+    def role_sizes(self, role: Literal["actor", "critic"]) -> RoleSizes:
+        cfg: WorkerRoleConfig = getattr(self, role)
+        dp = self.trainer.nnodes * (cfg.workers_per_node or self.trainer.workers_per_node)
+        return RoleSizes(
+            dp_size=dp,
+            mini_batch_size=cfg.ppo_mini_batch_size,
+            mini_batch_size_per_worker=cfg.ppo_mini_batch_size // dp,
+            num_mini_batches=self.sequences_per_step // cfg.ppo_mini_batch_size,
+        )
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Config:
+        if (
+            self.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline")
+            and self.rollout.n < 2
+        ):
+            raise ValueError(
+                f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares samples of one prompt: "
+                f"rollout.n must be >= 2, got {self.rollout.n}"
+            )
+        roles: list[Literal["actor", "critic"]] = (
+            ["actor", "critic"] if self.use_critic else ["actor"]
+        )
+        for role in roles:
+            self._check_role_sizes(role)
+        return self
+
+    def _check_role_sizes(self, role: Literal["actor", "critic"]) -> None:
+        cfg: WorkerRoleConfig = getattr(self, role)
+        sizes = self.role_sizes(role)
+        seqs = self.sequences_per_step
+        mini = f"{role}.ppo_mini_batch_size={cfg.ppo_mini_batch_size}"
+        if seqs % cfg.ppo_mini_batch_size:
+            raise ValueError(
+                f"{mini} must divide the sequences per step, data.train_batch_size * rollout.n = "
+                f"{self.data.train_batch_size} * {self.rollout.n} = {seqs}"
+            )
+        if cfg.ppo_mini_batch_size % sizes.dp_size:
+            raise ValueError(
+                f"{mini} must be divisible by the {role}'s {sizes.dp_size} workers "
+                f"(trainer.nnodes={self.trainer.nnodes} * {role}.workers_per_node={cfg.workers_per_node})"
+            )
+        if cfg.strategy == "none" and sizes.dp_size > 1:
+            raise ValueError(
+                f"{role}.strategy=none runs one worker, but {role} has {sizes.dp_size} workers; use ddp or fsdp"
+            )
+        if cfg.use_dynamic_bsz:
+            longest = self.data.max_prompt_length + self.rollout.max_response_length
+            if cfg.max_token_len_per_worker is None:
+                raise ValueError(
+                    f"{role}.use_dynamic_bsz=true needs {role}.max_token_len_per_worker (>= {longest})"
+                )
+            if cfg.max_token_len_per_worker < longest:
+                raise ValueError(
+                    f"{role}.max_token_len_per_worker={cfg.max_token_len_per_worker} is below the longest sequence, "
+                    f"data.max_prompt_length + rollout.max_response_length = {longest}"
+                )
+            return
+        micro = f"{role}.micro_batch_size_per_worker={cfg.micro_batch_size_per_worker}"
+        per_worker = sizes.mini_batch_size_per_worker
+        if cfg.micro_batch_size_per_worker > per_worker:
+            raise ValueError(
+                f"{micro} is larger than the per-worker mini-batch {per_worker} ({mini} / {sizes.dp_size} workers)"
+            )
+        if per_worker % cfg.micro_batch_size_per_worker:
+            # Every rank must run the same number of micro-batches: FSDP collectives pair up
+            # forward and backward calls across ranks.
+            raise ValueError(
+                f"{mini} must be divisible by micro_batch_size_per_worker * workers = "
+                f"{cfg.micro_batch_size_per_worker} * {sizes.dp_size}"
+            )
+
+
+def _as_dict(section: Any) -> Any:
+    if section is None:
+        return {}
+    if isinstance(section, BaseModel):
+        return section.model_dump()
+    return dict(section) if isinstance(section, Mapping) else section
+
+
+def _is_valid(model: type[BaseModel], key: str, value: Any) -> bool:
+    field = model.model_fields[key]
+    try:
+        TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+def _get(section: Any, key: str, model: type[BaseModel]) -> Any:
+    if isinstance(section, dict) and section.get(key) is not None:
+        return section[key]
+    return model.model_fields[key].default
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML config (``yaml.safe_load``), apply ``dotted.key=value`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = _read_yaml(Path(path))
+    for item in overrides:
+        _apply_override(raw, item)
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, raw)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of sections (model:, data:, ...), "
+            f"got a {type(data).__name__}"
+        )
+    return data
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not p.isidentifier() for p in parts):
+        raise ConfigError(
+            f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
+        )
+    annotation = _field_annotation(parts)
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = _parse_value(text.strip(), annotation)
+
+
+def _field_annotation(parts: Sequence[str]) -> Any:
+    """The schema type at a dotted path; unknown keys raise with a suggestion."""
+    model: type[BaseModel] | None = Config
+    annotation: Any = None
+    for i, part in enumerate(parts):
+        prefix = ".".join(parts[:i])
+        if model is None:
+            raise ConfigError(f"{prefix} is a value, not a section: cannot set {'.'.join(parts)!r}")
+        if part not in model.model_fields:
+            raise ConfigError(
+                _unknown_key_message(".".join(parts[: i + 1]), prefix, list(model.model_fields))
+            )
+        annotation = model.model_fields[part].annotation
+        model = _section_type(annotation)
+    return annotation
+
+
+def _union_args(annotation: Any) -> tuple[Any, ...]:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return typing.get_args(annotation)
+    return (annotation,)
+
+
+def _accepts_str(annotation: Any) -> bool:
+    for arg in _union_args(annotation):
+        while typing.get_origin(arg) is Annotated:
+            arg = typing.get_args(arg)[0]
+        if arg is str or (
+            typing.get_origin(arg) is Literal
+            and any(isinstance(v, str) for v in typing.get_args(arg))
+        ):
+            return True
+    return False
+
+
+def _parse_value(text: str, annotation: Any) -> Any:
+    """Typed by the schema: a string field keeps the text as is (except null); others parse as YAML."""
+    if text in ("null", "~", "None") and type(None) in _union_args(annotation):
+        return None
+    if _accepts_str(annotation):
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text  # let validation report the field, value and expected type
+
+
+def _unknown_key_message(dotted: str, prefix: str, known: Sequence[str]) -> str:
+    leaf = dotted.rsplit(".", 1)[-1]
+    section = _model_at(prefix.split(".") if prefix else [])
+    candidates = {path.rsplit(".", 1)[-1]: path for path in reversed(_field_paths(section, prefix))}
+    close = difflib.get_close_matches(leaf, list(candidates), n=1)
+    hint = f"; did you mean {candidates[close[0]]!r}?" if close else ""
+    where = f"in {prefix}" if prefix else "at the top level"
+    return f"unknown key {dotted!r}{hint} (known keys {where}: {', '.join(known)})"
+
+
+def _field_paths(model: type[BaseModel], prefix: str) -> list[str]:
+    """Every dotted field path under ``model``, shallow ones first (they win suggestions)."""
+    paths = [".".join(filter(None, [prefix, name])) for name in model.model_fields]
+    for name, field in model.model_fields.items():
+        sub = _section_type(field.annotation)
+        if sub is not None:
+            paths += _field_paths(sub, ".".join(filter(None, [prefix, name])))
+    return paths
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | None:
+    return next(
+        (t for t in _union_args(annotation) if isinstance(t, type) and issubclass(t, BaseModel)),
+        None,
+    )
+
+
+def _model_at(loc: Sequence[str]) -> type[BaseModel]:
+    model: type[BaseModel] = Config
+    for part in loc:
+        sub = _section_type(model.model_fields[part].annotation)
+        assert sub is not None, f"{part} is not a section"
+        model = sub
+    return model
+
+
+def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str:
+    """One line per problem: the dotted field, the value given and what is allowed."""
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = [str(p) for p in err["loc"]]
+        dotted = ".".join(loc)
+        if err["type"] == "extra_forbidden":
+            prefix = ".".join(loc[:-1])
+            lines.append(
+                _unknown_key_message(dotted, prefix, list(_model_at(loc[:-1]).model_fields))
+            )
+            continue
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "missing":
+            lines.append(f"{dotted}: required field is missing")
+        elif not loc or message.startswith(dotted):  # a cross-field check names its fields
+            lines.append(message)
+        elif err["type"] == "value_error" and not _has_field_value(raw, loc):
+            lines.append(f"{dotted}: {message}")
+        else:
+            value = err.get("input")
+            lines.append(f"{dotted}={value!r}: {message}")
+    return "; ".join(dict.fromkeys(lines))
+
+
+def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
+    node: Any = raw
+    for part in loc:
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return not isinstance(node, Mapping)
+
+
+def check_paths(cfg: Config) -> None:
+    """Fail early, before Ray starts, on model or data paths that do not exist on this machine."""
+    for dotted, value in (
+        ("model.path", cfg.model.path),
+        ("data.train_file", cfg.data.train_file),
+        ("data.val_file", cfg.data.val_file),
+    ):
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{dotted}={value!r}: no such file or directory")

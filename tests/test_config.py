@@ -249,7 +249,7 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
 
 def test_check_paths(tmp_path: Path) -> None:
     cfg = load_config(None, ["data.train_file=" + str(tmp_path / "nope.jsonl")])
-    with pytest.raises(ConfigError, match="data.train_file=.*nope.jsonl.*no such file"):
+    with pytest.raises(ConfigError, match=r"data\.train_file=.*nope\.jsonl.*no such file"):
         check_paths(cfg)
     (tmp_path / "p.jsonl").write_text("{}\n")
     check_paths(load_config(None, ["data.train_file=" + str(tmp_path / "p.jsonl")]))

@@ -1,0 +1,74 @@
+"""run_on_ranks: results by rank, and failures (raise, hard exit, timeout) reported, not hung."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from verlite import dist as vdist
+
+# Well above a launch (~3-5 s of spawning) but far below the 60 s a stuck rank would sleep.
+_BOUND_S = 40.0
+
+
+def _echo_rank(rank: int, world: int, tag: str) -> tuple[int, int, str, torch.Tensor]:
+    dist.barrier()
+    return rank, world, tag, torch.full((2,), float(rank))
+
+
+def _raise_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    time.sleep(60)
+
+
+def _exit_on_rank_one(rank: int, world: int) -> None:
+    if rank == 1:
+        os._exit(3)
+    time.sleep(60)
+
+
+def _sleep(rank: int, world: int) -> None:
+    time.sleep(60)
+
+
+def test_results_come_back_in_rank_order() -> None:
+    out = vdist.run_on_ranks(_echo_rank, world_size=3, args=("tag",), timeout_s=120)
+    assert [r[:3] for r in out] == [(0, 3, "tag"), (1, 3, "tag"), (2, 3, "tag")]
+    for rank, r in enumerate(out):
+        assert torch.equal(r[3], torch.full((2,), float(rank)))
+
+
+def test_raising_rank_is_named_with_its_traceback() -> None:
+    start = time.monotonic()
+    with pytest.raises(vdist.RankFailedError) as info:
+        vdist.run_on_ranks(_raise_on_rank_one, world_size=2, timeout_s=120)
+    assert time.monotonic() - start < _BOUND_S
+    assert info.value.rank == 1
+    message = str(info.value)
+    assert "rank 1" in message
+    assert "ValueError: boom on purpose" in message
+    assert "_raise_on_rank_one" in message  # the remote traceback, not just the message
+    assert multiprocessing.active_children() == []
+
+
+def test_killed_rank_is_reported_not_hung() -> None:
+    start = time.monotonic()
+    with pytest.raises(vdist.RankFailedError, match=r"rank 1 exited with code 3") as info:
+        vdist.run_on_ranks(_exit_on_rank_one, world_size=2, timeout_s=120)
+    assert time.monotonic() - start < _BOUND_S
+    assert info.value.rank == 1
+    assert multiprocessing.active_children() == []
+
+
+def test_timeout_stops_every_rank() -> None:
+    start = time.monotonic()
+    with pytest.raises(vdist.RankTimeoutError, match=r"ranks \[0, 1\] still running"):
+        vdist.run_on_ranks(_sleep, world_size=2, timeout_s=5)
+    assert time.monotonic() - start < _BOUND_S
+    assert multiprocessing.active_children() == []

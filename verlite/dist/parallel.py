@@ -1,0 +1,166 @@
+"""Data parallelism applied from outside the model: DDP / FSDP2 wrapping, gradient-sync
+control for accumulation, global grad-norm clipping, and full (unsharded) state and grads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from verlite.dist.process_group import get_world_size
+
+# Attribute names Hugging Face models use for their stack of decoder blocks:
+# `layers` (Llama, Qwen2, Mistral, Gemma: model.model.layers) and `h` (GPT-2, Falcon).
+_LAYER_LIST_NAMES = ("layers", "h")
+
+
+def _device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of ``model``: children of every ``nn.ModuleList`` attribute named
+    ``layers`` or ``h`` found anywhere below it (so a value-model wrapper holding a trunk
+    works too), outermost lists only.
+    """
+    found: list[nn.Module] = []
+    taken: list[str] = []
+    for name, module in model.named_modules():
+        attr = name.rsplit(".", 1)[-1]
+        if not isinstance(module, nn.ModuleList) or attr not in _LAYER_LIST_NAMES:
+            continue
+        # A list nested inside an already-found block belongs to that block's shard unit.
+        if any(name.startswith(prefix + ".") for prefix in taken):
+            continue
+        taken.append(name)
+        found.extend(module)
+    return found
+
+
+def apply_ddp(model: nn.Module) -> nn.Module:
+    """Wrap ``model`` in DDP over the default group; unchanged at world size 1.
+
+    DDP broadcasts rank 0's parameters at construction, so ranks start identical.
+    """
+    if get_world_size() == 1:
+        return model
+    param = next(model.parameters())
+    device_ids = [param.device.index] if param.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def apply_fsdp(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
+    """Shard ``model`` with FSDP2: each decoder block, then the root; unchanged at world 1.
+
+    Unlike DDP, FSDP2 does not broadcast: every rank must hold the same weights beforehand
+    (same seed, or the same checkpoint). The model is modified in place and returned.
+    """
+    world = get_world_size()
+    if world == 1:
+        return model
+    mesh = init_device_mesh(_device_type(model), (world,))
+    layers = find_decoder_layers(model)
+    for i, layer in enumerate(layers):
+        # The last block's parameters are needed again right at the start of backward, so
+        # freeing them after forward would only cost an extra all-gather (torchtitan does this).
+        keep = i == len(layers) - 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Run a backward with (``enabled``) or without gradient reduction across ranks.
+
+    Accumulation micro-batches run with ``enabled=False``; the last one with ``True`` then
+    reduces the accumulated sum once. A plain module needs nothing.
+    """
+    if enabled:
+        yield
+        return
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+        return
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in fsdp_modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        # Always restore: a sync left off would silently train each rank on its own shard.
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Global L2 norm of all gradients (plain tensor); clip to ``max_norm`` when it is finite.
+
+    ``max_norm`` None or inf only measures. A non-finite norm is returned unclipped: scaling
+    by a NaN/inf coefficient would poison every gradient, and the caller skips the step.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if isinstance(total, DTensor):
+        # FSDP2 grads are shards: the local norm is a partial; full_tensor() reduces it.
+        total = total.full_tensor()
+    if max_norm is not None and math.isfinite(max_norm) and bool(torch.isfinite(total)):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total.detach()
+
+
+def _cpu_snapshot(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    out = t.cpu()
+    # On CPU, .cpu() aliases the live tensor; a snapshot must not change after a step.
+    return out.clone() if out.data_ptr() == t.data_ptr() else out
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full, unsharded CPU copy of the model state, keyed as the unwrapped model's.
+
+    Collective under FSDP2: every rank must call it. With ``rank0_only`` only rank 0 gets
+    the tensors (others get ``{}``), which bounds host memory when exporting large models.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
+    state = get_model_state_dict(model, options=options)
+    # get_model_state_dict already keys a DDP model's state without the `module.` prefix.
+    return {
+        name: _cpu_snapshot(value)
+        for name, value in state.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
+def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full, unsharded CPU copy of every gradient, by parameter name of the unwrapped model.
+
+    Collective under FSDP2 (each sharded grad is gathered): every rank must call it.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, param in _unwrap(model).named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            grad = grad.full_tensor()
+        out[name] = _cpu_snapshot(grad)
+    return out

@@ -1,0 +1,90 @@
+"""Process-group lifecycle: free ports, Ray-Train-style init, env init, teardown, rank queries."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that is free on ``host`` right now (the OS picks it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def default_backend() -> str:
+    """``nccl`` when a GPU is visible, ``gloo`` otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_process_group(
+    *,
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str | None = None,
+    timeout_s: float = 300,
+) -> None:
+    """Join the default process group; every rank calls this concurrently.
+
+    Rank 0 hosts the TCP store at ``master_addr:master_port`` (as in Ray Train, the driver
+    asks rank 0 for its address and a free port and hands both to every rank). The address
+    travels in the init method, so no environment variable is read or written.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if dist.is_initialized():
+        raise RuntimeError("the default process group is already initialized")
+    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    dist.init_process_group(
+        backend=backend or default_backend(),
+        init_method=f"tcp://{host}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def init_from_env() -> None:
+    """Join the default process group from RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
+    missing = [name for name in _ENV_VARS if not os.environ.get(name)]
+    if missing:
+        raise ValueError(
+            f"cannot init the process group from the environment: missing {', '.join(missing)}"
+        )
+    init_process_group(
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=int(os.environ["MASTER_PORT"]),
+    )
+
+
+def destroy_process_group() -> None:
+    """Tear down the default process group; a no-op when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether this process has joined a default process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank, 0 when no group is initialized."""
+    return dist.get_rank() if is_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of ranks, 1 when no group is initialized."""
+    return dist.get_world_size() if is_initialized() else 1

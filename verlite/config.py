@@ -143,7 +143,9 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
         if (self.task is None) == (self.train_file is None):
-            raise ValueError("data.task or data.train_file: set exactly one of them (a synthetic task or a prompt file)")
+            raise ValueError(
+                "data.task or data.train_file: set exactly one of them (a synthetic task or a prompt file)"
+            )
         if self.min_digits > self.max_digits:
             raise ValueError(
                 f"data.min_digits={self.min_digits} must be <= data.max_digits={self.max_digits}"
@@ -167,11 +169,15 @@ class RolloutConfig(Section):
 
 
 class OptimConfig(Section):
-    """AdamW with an optional warm-up and cosine decay."""
+    """Optimizer with an optional warm-up and cosine decay."""
 
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw",
+        description="adamw, or plain sgd (no momentum; the invariance audit uses it, see README).",
+    )
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (ignored by sgd).")
     warmup_steps: NonNegativeInt = Field(
         0, description="Optimizer steps of linear warm-up from 0 to lr."
     )

@@ -1,0 +1,68 @@
+"""The TensorDict one step carries, and the trimming that keeps padding out of the model.
+
+Batch dimension = sequences. Prompts are left-padded to a common width P and responses
+right-padded to R, so every response-aligned tensor is (B, R) and lines up across rows:
+
+=================  ========  ===================================================
+key                shape     meaning
+=================  ========  ===================================================
+input_ids          (B, P+R)  prompt then response token ids
+attention_mask     (B, P+R)  1 on real tokens
+position_ids       (B, P+R)  positions counted over real tokens only
+responses          (B, R)    the response token ids
+response_mask      (B, R)    1 on response tokens that carry loss
+(response-aligned) (B, R)    old_log_probs, ref_log_prob, values, advantages, returns, ...
+uid                (B,)      prompt id: the rollout.n samples of one prompt share it
+=================  ========  ===================================================
+
+Per-batch scalars (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
+``temperature``) travel as non-tensor entries, never inside a config object.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def response_width(td: TensorDict) -> int:
+    return int(td["response_mask"].shape[1])
+
+
+def sequence_lengths(td: TensorDict) -> list[int]:
+    """Real tokens per row (prompt + response): the cost of a row in a forward pass."""
+    return td["attention_mask"].sum(-1).tolist()
+
+
+def trim_padding(td: TensorDict) -> TensorDict:
+    """Drop the columns that are padding in every row: leading prompt and trailing response pads.
+
+    The model then runs on (b, a..P+r) instead of (b, P+R) — the micro-batch's own longest
+    prompt and response. Results are identical (positions come from ``position_ids``);
+    response-aligned tensors shrink to (b, r) and callers pad outputs back to R.
+    """
+    mask = td["attention_mask"]
+    width = response_width(td)
+    prompt_width = mask.shape[1] - width
+    used = mask.any(dim=0)
+    start = min(int(used[:prompt_width].int().argmax()), prompt_width - 1)
+    response_used = used[prompt_width:].nonzero()
+    keep = int(response_used[-1]) + 1 if response_used.numel() else 1
+    trimmed = td.empty()
+    for key, value in td.items():
+        if not isinstance(value, torch.Tensor):
+            trimmed.set_non_tensor(key, td.get_non_tensor(key))
+        elif key in SEQUENCE_KEYS:
+            trimmed.set(key, value[:, start : prompt_width + keep])
+        elif value.dim() >= 2 and value.shape[1] == width:
+            trimmed.set(key, value[:, :keep])
+        else:
+            trimmed.set(key, value)
+    return trimmed
+
+
+def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Right-pad a (b, r) response-aligned tensor back to (b, width) with zeros."""
+    return torch.nn.functional.pad(values, (0, width - values.shape[1]))

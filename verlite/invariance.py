@@ -1,0 +1,321 @@
+"""The invariance audit behind ``verlite check-invariance``.
+
+One actor update and one critic update run on the same reproducible ragged batch under
+every requested layout — data-parallel size, micro-batching and strategy — on real spawned
+ranks with gloo. Each is compared with a single-process, full-batch reference: gradients,
+updated parameters, the reported loss and grad_norm must agree within a tolerance.
+
+The difference of two tensors is ``max|a - b| / max|b|`` (b: the reference), the maximum
+over all parameters; loss and grad_norm differences are relative too.
+
+The update is a plain SGD step whatever the configured optimizer: Adam's first step is
+about ``lr * sign(g)``, which turns rounding noise in near-zero gradient entries into
+whole steps, so comparing parameters after it would measure float noise, not the
+normalization. With SGD the parameter update is linear in the gradient and checks the
+(sharded) optimizer step itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Literal
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from verlite.config import Config, WorkerRoleConfig
+from verlite.core.batching import partition_balanced
+from verlite.core.losses import LOSS_AGG_MODES
+from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
+from verlite.dist import (
+    all_gather_object,
+    full_grads,
+    full_state_dict,
+    get_rank,
+    get_world_size,
+    run_on_ranks,
+)
+from verlite.models import build_policy, build_value_model, model_dtype
+from verlite.workers.engine import TrainEngine
+from verlite.workers.forward import response_log_probs
+from verlite.workers.losses import (
+    COUNT_KEYS,
+    ActorLossSettings,
+    AggSettings,
+    CriticLossSettings,
+    ppo_loss,
+    value_loss,
+)
+
+Role = Literal["actor", "critic"]
+MICRO_LAYOUTS = ("1", "2", "full", "dynamic")
+STRATEGIES = ("ddp", "fsdp")
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
+LOSS_METRIC = {"actor": "actor/loss", "critic": "critic/vf_loss"}
+# Small on purpose: 4 ranks share 2 CPU cores in tests; raggedness matters, size does not.
+VOCAB_SIZE = 64
+NUM_SEQUENCES = 16
+
+
+@dataclass(frozen=True)
+class Case:
+    role: Role
+    loss_agg_mode: str
+    micro: str
+
+
+@dataclass(frozen=True)
+class Outcome:
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+    loss: float
+    grad_norm: float
+
+
+@dataclass(frozen=True)
+class LayoutReport:
+    dp: int
+    micro: str
+    strategy: str
+    role: str
+    loss_agg_mode: str
+    max_rel_grad_diff: float
+    max_rel_param_diff: float
+    loss_diff: float
+    grad_norm_diff: float
+
+    def worst(self) -> float:
+        return max(
+            self.max_rel_grad_diff, self.max_rel_param_diff, self.loss_diff, self.grad_norm_diff
+        )
+
+
+# ---------------------------------------------------------------------------- the batch
+
+
+def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES) -> TensorDict:
+    """A reproducible ragged batch in verlite's layout (``verlite.batch``), ready for both losses.
+
+    Prompt and response lengths vary per row, one row has a response whose loss mask is all
+    zero, and old/reference log-probs sit near the model's own so that some tokens clip.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    dtype = model_dtype(cfg.model)
+    prompt_width, width = cfg.data.max_prompt_length, cfg.rollout.max_response_length
+    prompt_lens = torch.randint(1, prompt_width + 1, (num_sequences,), generator=gen)
+    response_lens = torch.randint(1, width + 1, (num_sequences,), generator=gen)
+    cols = torch.arange(prompt_width + width)
+    prompt_part = (cols < prompt_width) & (cols >= prompt_width - prompt_lens[:, None])
+    response_part = (cols >= prompt_width) & (cols < prompt_width + response_lens[:, None])
+    attention_mask = (prompt_part | response_part).long()
+    input_ids = torch.randint(1, VOCAB_SIZE, attention_mask.shape, generator=gen) * attention_mask
+    response_mask = attention_mask[:, prompt_width:].clone()
+    response_mask[num_sequences // 3] = 0  # a fully masked row counts for nothing
+    td = TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask,
+            "responses": input_ids[:, prompt_width:],
+            "response_mask": response_mask,
+            "uid": torch.arange(num_sequences),
+            "advantages": torch.randn(num_sequences, width, generator=gen, dtype=dtype),
+            "values": 0.5 * torch.randn(num_sequences, width, generator=gen, dtype=dtype),
+        },
+        batch_size=[num_sequences],
+    )
+    td["returns"] = td["values"] + torch.randn(num_sequences, width, generator=gen, dtype=dtype)
+    td.set_non_tensor("temperature", 1.0)
+    policy = _build_model(cfg, "actor")
+    with torch.no_grad():
+        log_probs, _ = response_log_probs(policy, td, temperature=1.0, with_entropy=False)
+    noise = torch.randn(2, num_sequences, width, generator=gen, dtype=dtype)
+    td["old_log_probs"] = (log_probs + 0.3 * noise[0]) * response_mask
+    td["ref_log_prob"] = (log_probs + 0.3 * noise[1]) * response_mask
+    return td
+
+
+# ----------------------------------------------------------------------- one update
+
+
+def _build_model(cfg: Config, role: Role) -> nn.Module:
+    build = build_policy if role == "actor" else build_value_model
+    max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    return build(
+        cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=cfg.trainer.seed
+    )
+
+
+def _role_config(cfg: Config, case: Case, strategy: str, local_rows: int) -> WorkerRoleConfig:
+    base: WorkerRoleConfig = getattr(cfg, case.role)
+    base = base.model_copy(update={"optim": base.optim.model_copy(update={"name": "sgd"})})
+    if case.micro == "dynamic":
+        longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        return base.model_copy(
+            update={
+                "strategy": strategy,
+                "use_dynamic_bsz": True,
+                "max_token_len_per_worker": 2 * longest,
+            }
+        )
+    micro = local_rows if case.micro == "full" else int(case.micro)
+    return base.model_copy(
+        update={
+            "strategy": strategy,
+            "use_dynamic_bsz": False,
+            "micro_batch_size_per_worker": micro,
+        }
+    )
+
+
+def _loss_fn(cfg: Config, case: Case, naive: bool) -> Any:
+    scale = getattr(cfg, case.role).loss_scale_factor or float(cfg.rollout.max_response_length)
+    agg = AggSettings(case.loss_agg_mode, scale)
+    if case.role == "actor":
+        actor = dataclasses.replace(ActorLossSettings.from_config(cfg.actor), agg=agg)
+        fn = partial(ppo_loss, settings=actor)
+    else:
+        critic = dataclasses.replace(CriticLossSettings.from_config(cfg.critic), agg=agg)
+        fn = partial(value_loss, settings=critic)
+    return partial(_per_micro_batch_normalized, fn) if naive else fn
+
+
+def _per_micro_batch_normalized(
+    fn: Any, model: nn.Module, td: TensorDict
+) -> tuple[torch.Tensor, MetricDict]:
+    """The negative control: normalize each micro-batch by its own counts, as if alone."""
+    mask = td["response_mask"]
+    for key, value in zip(
+        COUNT_KEYS, (1, int(mask.sum()), int((mask.sum(-1) > 0).sum())), strict=True
+    ):
+        td.set_non_tensor(key, value)
+    result: tuple[torch.Tensor, MetricDict] = fn(model, td)
+    return result
+
+
+def run_case(
+    cfg: Config, case: Case, batch: TensorDict, *, strategy: str, naive: bool = False
+) -> Outcome | None:
+    """One update of this rank's share of ``batch``; the full results on rank 0, None elsewhere.
+
+    Must run on every rank of the group (gradients and parameters are gathered); without a
+    process group it is the single-process reference.
+    """
+    world, rank = get_world_size(), get_rank()
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    shares = (
+        partition_balanced(lengths, num_partitions=world, equal_size=True)
+        if world > 1
+        else [list(range(len(lengths)))]
+    )
+    local = batch[torch.tensor(shares[rank])]
+    role_cfg = _role_config(cfg, case, strategy, len(shares[rank]))
+    engine = TrainEngine(
+        _build_model(cfg, case.role), cfg=role_cfg, total_updates=1, metric_prefix=case.role
+    )
+    metrics = engine.train_mini_batch(local, _loss_fn(cfg, case, naive))
+    reduced = to_floats(reduce_metrics(all_gather_object(metrics), Stage.RANKS))
+    grads, params = full_grads(engine.model), full_state_dict(engine.model)
+    if rank != 0:
+        return None
+    return Outcome(
+        grads, params, reduced[LOSS_METRIC[case.role]], reduced[f"{case.role}/grad_norm"]
+    )
+
+
+def _rank_job(
+    rank: int,
+    world: int,
+    cfg: Config,
+    batch: TensorDict,
+    cases: Sequence[Case],
+    strategy: str,
+    naive: bool,
+) -> list[Outcome | None]:
+    return [run_case(cfg, case, batch, strategy=strategy, naive=naive) for case in cases]
+
+
+# ------------------------------------------------------------------------- the audit
+
+
+def _rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = float(b.abs().max())
+    diff = float((a.double() - b.double()).abs().max())
+    return diff / scale if scale > 0 else diff
+
+
+def _rel_scalar(a: float, b: float) -> float:
+    return abs(a - b) / abs(b) if b != 0 else abs(a - b)
+
+
+def compare(outcome: Outcome, reference: Outcome) -> dict[str, float]:
+    if outcome.grads.keys() != reference.grads.keys():
+        raise AssertionError("layouts produced gradients for different parameters")
+    return {
+        "max_rel_grad_diff": max(
+            _rel_diff(outcome.grads[k], g) for k, g in reference.grads.items()
+        ),
+        "max_rel_param_diff": max(
+            _rel_diff(outcome.params[k], p) for k, p in reference.params.items()
+        ),
+        "loss_diff": _rel_scalar(outcome.loss, reference.loss),
+        "grad_norm_diff": _rel_scalar(outcome.grad_norm, reference.grad_norm),
+    }
+
+
+def check_invariance(
+    cfg: Config,
+    *,
+    dps: Sequence[int] = (1, 2, 4),
+    micros: Sequence[str] = MICRO_LAYOUTS,
+    strategies: Sequence[str] = STRATEGIES,
+    roles: Sequence[Role] = ("actor", "critic"),
+    loss_agg_modes: Sequence[str] | None = None,
+    naive: bool = False,
+    timeout_s: float = 900,
+) -> list[LayoutReport]:
+    """Run every layout and compare it with the single-process full-batch reference.
+
+    ``loss_agg_modes`` defaults to each role's configured mode. ``naive`` swaps in
+    per-micro-batch normalization, the negative control that shows the audit can fail.
+    """
+    for mode in loss_agg_modes or ():
+        if mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"unknown loss_agg_mode {mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
+            )
+    batch = make_batch(cfg, seed=cfg.trainer.seed)
+    cases = [
+        Case(role, mode, micro)
+        for role in roles
+        for mode in (loss_agg_modes or [getattr(cfg, role).loss_agg_mode])
+        for micro in micros
+    ]
+    references = {}
+    for case in dict.fromkeys(dataclasses.replace(c, micro="full") for c in cases):
+        outcome = run_case(cfg, case, batch, strategy="none")
+        assert outcome is not None
+        references[(case.role, case.loss_agg_mode)] = outcome
+    reports = []
+    for dp in dps:
+        for strategy in strategies:
+            per_rank = run_on_ranks(
+                _rank_job,
+                world_size=dp,
+                args=(cfg, batch, cases, strategy, naive),
+                timeout_s=timeout_s,
+            )
+            for case, outcome in zip(cases, per_rank[0], strict=True):
+                diffs = compare(outcome, references[(case.role, case.loss_agg_mode)])
+                reports.append(
+                    LayoutReport(dp, case.micro, strategy, case.role, case.loss_agg_mode, **diffs)
+                )
+    return reports
+
+
+def tolerance_for(cfg: Config) -> float:
+    return TOLERANCE.get(model_dtype(cfg.model), 1e-2)

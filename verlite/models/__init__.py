@@ -1,0 +1,101 @@
+"""Model building: the built-in tiny decoder, local Hugging Face checkpoints, the value model.
+
+The built-in models are Hugging Face classes built from a config (no download), so every
+code path that runs here also runs on a real checkpoint loaded from ``model.path``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+)
+
+from verlite.config import ModelConfig
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+
+
+def model_dtype(cfg: ModelConfig) -> torch.dtype:
+    return DTYPES[cfg.dtype]
+
+
+def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> PretrainedConfig:
+    """A Hugging Face config for the built-in decoder described by ``cfg``."""
+    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
+    return config_class(
+        vocab_size=vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",  # eager attention yields NaN on fully padded query rows
+    )
+
+
+def _hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> PretrainedConfig:
+    if cfg.path is not None:
+        return AutoConfig.from_pretrained(cfg.path)
+    return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
+
+
+def build_policy(cfg: ModelConfig, *, vocab_size: int, max_positions: int, seed: int) -> nn.Module:
+    """The actor (and reference): a causal LM, from ``cfg.path`` or built from the config."""
+    dtype = model_dtype(cfg)
+    if cfg.path is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            cfg.path, dtype=dtype, attn_implementation="sdpa"
+        )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(_hf_config(cfg, vocab_size, max_positions)).to(dtype)
+
+
+class ValueModel(nn.Module):
+    """An LM trunk with a scalar head: one value per position."""
+
+    def __init__(self, trunk: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.trunk = trunk
+        self.value_head = nn.Linear(hidden_size, 1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        hidden = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        # A fresh (b, t) tensor rather than a squeezed view: FSDP2 warns that in-place ops
+        # on a root module's view output would skip its pre-backward hook.
+        return torch.matmul(hidden, self.value_head.weight[0]) + self.value_head.bias
+
+
+def build_value_model(
+    cfg: ModelConfig, *, vocab_size: int, max_positions: int, seed: int
+) -> ValueModel:
+    """The critic: the policy's trunk (pretrained weights when ``cfg.path`` is set) + a fresh head."""
+    dtype = model_dtype(cfg)
+    hf_config = _hf_config(cfg, vocab_size, max_positions)
+    torch.manual_seed(seed)
+    if cfg.path is not None:
+        trunk = AutoModel.from_pretrained(cfg.path, dtype=dtype, attn_implementation="sdpa")
+    else:
+        trunk = AutoModel.from_config(hf_config)
+    model = ValueModel(trunk, hf_config.hidden_size)
+    nn.init.normal_(model.value_head.weight, std=1.0 / hf_config.hidden_size)
+    nn.init.zeros_(model.value_head.bias)
+    return model.to(dtype)

@@ -1,0 +1,213 @@
+"""TrainEngine: one worker's model, optimizer and LR schedule, driven one mini-batch at a time.
+
+``train_mini_batch`` is where the normalization contract of DESIGN §2 is carried out:
+
+1. count the valid tokens and sequences of the DP-local mini-batch and all-reduce them
+   once, before any split (``stamp_global_counts``);
+2. split into micro-batches — fixed size, or a token budget with the same number of
+   micro-batches on every rank (FSDP pairs collectives across ranks);
+3. run each micro-batch trimmed to its own longest prompt and response, backward without
+   gradient sync, and sync only on the last (no ``1/grad_accum`` factor: ``agg_loss``
+   already divides by the global counts);
+4. clip with the global norm, step, and reduce metrics over micro-batches.
+
+Metrics come back per rank; the caller reduces them over ranks (``Stage.RANKS``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from verlite.batch import pad_responses, response_width, sequence_lengths, trim_padding
+from verlite.config import OptimConfig, WorkerRoleConfig
+from verlite.core.batching import (
+    count_token_budget_partitions,
+    inverse_permutation,
+    partition_by_token_budget,
+    split_fixed,
+)
+from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
+from verlite.dist import (
+    all_reduce_max,
+    all_reduce_sum,
+    apply_ddp,
+    apply_fsdp,
+    clip_grad_norm,
+    get_world_size,
+    grad_sync,
+)
+
+LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
+InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]
+
+
+def lr_multiplier(step: int, *, optim: OptimConfig, total_updates: int) -> float:
+    """Linear warm-up to 1, then constant or cosine decay to ``min_lr_ratio`` at ``total_updates``."""
+    if step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_updates - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
+
+
+def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    if optim.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(
+        model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+    )
+
+
+def stamp_global_counts(td: TensorDict, *, device: torch.device) -> TensorDict:
+    """Count once per DP-local mini-batch, all-reduce, and stamp the counts into ``td``."""
+    mask = td["response_mask"]
+    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(
+        device=device, dtype=torch.int64
+    )
+    all_reduce_sum(counts)
+    td.set_non_tensor("dp_size", get_world_size())
+    td.set_non_tensor("batch_num_tokens", int(counts[0]))
+    td.set_non_tensor("global_batch_size", int(counts[1]))
+    return td
+
+
+class TrainEngine:
+    """Owns a (wrapped) model, its optimizer and LR schedule; no Ray, no config of the run."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        cfg: WorkerRoleConfig,
+        total_updates: int,
+        metric_prefix: str,
+        device: torch.device | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.device = device or torch.device("cpu")
+        self.metric_prefix = metric_prefix
+        world = get_world_size()
+        if cfg.strategy == "none" and world > 1:
+            raise ValueError(f"strategy 'none' cannot train on {world} ranks; use ddp or fsdp")
+        model = model.to(self.device)
+        if cfg.strategy == "fsdp":
+            model = apply_fsdp(model)
+        elif cfg.strategy == "ddp":
+            model = apply_ddp(model)
+        self.model = model
+        optim = cfg.optim
+        self.optimizer = build_optimizer(model, optim)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: lr_multiplier(step, optim=optim, total_updates=total_updates),
+        )
+
+    # ----------------------------------------------------------------------- training
+
+    def train_mini_batch(self, td: TensorDict, loss_fn: LossFn) -> MetricDict:
+        """One optimizer step over this rank's share of a mini-batch; returns rank-local metrics."""
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        stamp_global_counts(td, device=self.device)
+        parts, _ = self._plan_micro_batches(td)
+        micro_metrics = []
+        for i, part in enumerate(parts):
+            micro = trim_padding(_take(td, part)).to(self.device)
+            with grad_sync(self.model, enabled=i == len(parts) - 1):
+                loss, metrics = loss_fn(self.model, micro)
+                loss.backward()
+            micro_metrics.append(metrics)
+        lr = self.scheduler.get_last_lr()[0]
+        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.scheduler.step()
+        out = reduce_metrics(micro_metrics, Stage.MICRO_BATCHES)
+        prefix = self.metric_prefix
+        out[f"{prefix}/grad_norm"] = Metric.mean(grad_norm)
+        out[f"{prefix}/lr"] = Metric.mean(lr)
+        out[f"{prefix}/skipped_updates"] = Metric.sum(0.0 if finite else 1.0)
+        return {k: m.to_float() for k, m in out.items()}
+
+    # ---------------------------------------------------------------------- inference
+
+    @torch.no_grad()
+    def infer(self, td: TensorDict, fn: InferFn) -> TensorDict:
+        """Forward-only in micro-batches; response-aligned outputs come back (B, R) in row order."""
+        self.model.eval()
+        parts, padding = self._plan_micro_batches(td, pad_to_agreed=True)
+        real = parts[: len(parts) - padding]
+        width = response_width(td)
+        outputs: dict[str, list[torch.Tensor]] = {}
+        for i, part in enumerate(parts):
+            result = fn(self.model, trim_padding(_take(td, part)).to(self.device))
+            if i >= len(real):
+                continue  # a repeat that only keeps this rank's FSDP collectives in step
+            for key, value in result.items():
+                outputs.setdefault(key, []).append(
+                    pad_responses(value, width) if value.dim() == 2 else value
+                )
+        order = inverse_permutation(real)
+        restore = None if order == sorted(order) else torch.tensor(order)
+        merged = {}
+        for key, chunks in outputs.items():
+            value = torch.cat(chunks)
+            merged[key] = value if restore is None else value[restore.to(value.device)]
+        return TensorDict(merged, batch_size=td.batch_size)
+
+    # ----------------------------------------------------------------------- batching
+
+    def _plan_micro_batches(
+        self, td: TensorDict, *, pad_to_agreed: bool = False
+    ) -> tuple[list[list[int]], int]:
+        """Row index lists of the micro-batches, the same number on every rank, and how
+        many of them are repeats.
+
+        With ``pad_to_agreed`` (inference) a rank that needs fewer micro-batches repeats its
+        last one; the caller discards those outputs. Training cannot do that without
+        counting rows twice, so a disagreement there is an error.
+        """
+        n = td.batch_size[0]
+        if self.cfg.use_dynamic_bsz:
+            assert self.cfg.max_token_len_per_worker is not None, "validated by the config"
+            budget = self.cfg.max_token_len_per_worker
+            lengths = sequence_lengths(td)
+            count = count_token_budget_partitions(lengths, max_tokens=budget)
+            while True:  # the budget may need one more part at the agreed count; agree again
+                agreed = self._max_over_ranks(count)
+                parts = partition_by_token_budget(
+                    lengths, max_tokens=budget, min_num_partitions=agreed
+                )
+                count = self._max_over_ranks(len(parts))
+                if count == agreed:
+                    return parts, 0
+        parts = split_fixed(n, micro_batch_size=self.cfg.micro_batch_size_per_worker)
+        agreed = self._max_over_ranks(len(parts))
+        if agreed > len(parts):
+            if not pad_to_agreed:
+                raise ValueError(
+                    f"this rank has {len(parts)} micro-batches but another has {agreed}: give every "
+                    "rank the same number of rows (ppo_mini_batch_size divisible by micro-batch x workers)"
+                )
+            padding = agreed - len(parts)
+            return parts + [parts[-1]] * padding, padding
+        return parts, 0
+
+    def _max_over_ranks(self, value: int) -> int:
+        return int(all_reduce_max(torch.tensor(value, device=self.device)))
+
+
+def _take(td: TensorDict, rows: list[int]) -> TensorDict:
+    """Rows of ``td``: a view for a contiguous range, a gather otherwise."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return td[rows[0] : rows[0] + len(rows)]
+    return td[torch.tensor(rows)]

@@ -1,0 +1,144 @@
+"""The actor and critic losses of one micro-batch, globally normalized.
+
+Both read the global counts (``dp_size``, ``batch_num_tokens``, ``global_batch_size``) from
+the TensorDict, where the engine stamped them once per mini-batch; settings that do not
+change between batches (clip ranges, coefficients) come from a small frozen dataclass.
+Every term goes through ``agg_loss`` with the same counts, so the sum of the terms keeps
+the invariance of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from verlite.config import ActorConfig, CriticConfig
+from verlite.core.losses import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
+from verlite.core.masked import masked_mean
+from verlite.core.metrics import Metric, MetricDict
+from verlite.workers.forward import response_log_probs, response_values
+
+COUNT_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")
+
+
+def global_counts(td: TensorDict) -> dict[str, int]:
+    missing = [k for k in COUNT_KEYS if k not in td]
+    if missing:
+        raise KeyError(
+            f"batch lacks the global counts {missing}; the engine stamps them per mini-batch"
+        )
+    return {k: int(td.get_non_tensor(k)) for k in COUNT_KEYS}
+
+
+@dataclass(frozen=True)
+class AggSettings:
+    loss_agg_mode: str
+    loss_scale_factor: float | None
+
+
+@dataclass(frozen=True)
+class ActorLossSettings:
+    agg: AggSettings
+    policy_loss: str
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+
+    @classmethod
+    def from_config(cls, cfg: ActorConfig) -> ActorLossSettings:
+        return cls(
+            agg=AggSettings(cfg.loss_agg_mode, cfg.loss_scale_factor),
+            policy_loss=cfg.policy_loss,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            entropy_coeff=cfg.entropy_coeff,
+            use_kl_loss=cfg.use_kl_loss,
+            kl_loss_coef=cfg.kl_loss_coef,
+            kl_loss_type=cfg.kl_loss_type,
+        )
+
+
+@dataclass(frozen=True)
+class CriticLossSettings:
+    agg: AggSettings
+    cliprange_value: float
+
+    @classmethod
+    def from_config(cls, cfg: CriticConfig) -> CriticLossSettings:
+        assert cfg.loss_agg_mode is not None, "the config fills critic.loss_agg_mode from the actor"
+        return cls(AggSettings(cfg.loss_agg_mode, cfg.loss_scale_factor), cfg.cliprange_value)
+
+
+def _agg_kwargs(td: TensorDict, agg: AggSettings) -> dict[str, object]:
+    return {
+        "loss_agg_mode": agg.loss_agg_mode,
+        "loss_scale_factor": agg.loss_scale_factor,
+        **global_counts(td),
+    }
+
+
+def ppo_loss(
+    model: nn.Module, td: TensorDict, settings: ActorLossSettings
+) -> tuple[torch.Tensor, MetricDict]:
+    """Policy loss - entropy bonus + KL loss to the reference, each term globally normalized."""
+    mask = td["response_mask"]
+    agg = _agg_kwargs(td, settings.agg)
+    log_probs, entropy = response_log_probs(
+        model, td, temperature=float(td.get_non_tensor("temperature")), with_entropy=True
+    )
+    assert entropy is not None
+    pg_loss, pg_metrics = compute_policy_loss(
+        old_log_prob=td["old_log_probs"],
+        log_prob=log_probs,
+        advantages=td["advantages"],
+        response_mask=mask,
+        loss_mode=settings.policy_loss,
+        clip_ratio_low=settings.clip_ratio_low,
+        clip_ratio_high=settings.clip_ratio_high,
+        clip_ratio_c=settings.clip_ratio_c,
+        **agg,  # type: ignore[arg-type]
+    )
+    entropy_loss = agg_loss(entropy, mask, **agg)  # type: ignore[arg-type]
+    loss = pg_loss - settings.entropy_coeff * entropy_loss
+    metrics = {
+        "actor/pg_loss": Metric.loss(pg_loss),
+        "actor/entropy": Metric.loss(entropy_loss),
+        **{f"actor/{name}": metric for name, metric in pg_metrics.items()},
+    }
+    if settings.use_kl_loss:
+        kl = kl_penalty(log_probs, td["ref_log_prob"], kind=settings.kl_loss_type)
+        kl_loss = agg_loss(kl, mask, **agg)  # type: ignore[arg-type]
+        loss = loss + settings.kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = Metric.loss(kl_loss)
+    metrics["actor/loss"] = Metric.loss(loss)
+    return loss, metrics
+
+
+def value_loss(
+    model: nn.Module, td: TensorDict, settings: CriticLossSettings
+) -> tuple[torch.Tensor, MetricDict]:
+    """Clipped value regression to the returns, globally normalized like the actor loss."""
+    mask = td["response_mask"]
+    vpreds = response_values(model, td)
+    loss, clipfrac = compute_value_loss(
+        vpreds=vpreds,
+        values=td["values"],
+        returns=td["returns"],
+        response_mask=mask,
+        cliprange_value=settings.cliprange_value,
+        **_agg_kwargs(td, settings.agg),  # type: ignore[arg-type]
+    )
+    metrics = {
+        "critic/vf_loss": Metric.loss(loss),
+        "critic/vf_clipfrac": clipfrac,
+        "critic/vpred_mean": Metric.weighted_mean(masked_mean(vpreds, mask), mask.sum()),
+    }
+    return loss, metrics

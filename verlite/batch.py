@@ -63,6 +63,9 @@ def trim_padding(td: TensorDict) -> TensorDict:
     return trimmed
 
 
-def pad_responses(values: torch.Tensor, width: int) -> torch.Tensor:
-    """Right-pad a (b, r) response-aligned tensor back to (b, width) with zeros."""
+def pad_responses(values: torch.Tensor, micro: TensorDict, width: int) -> torch.Tensor:
+    """A (b, r) output of a trimmed micro-batch as (b, width): zero on every padding position,
+    so no output depends on which rows happened to share a micro-batch."""
+    real = micro["attention_mask"][:, -values.shape[1] :].to(torch.bool)
+    values = torch.where(real, values, torch.zeros((), dtype=values.dtype, device=values.device))
     return torch.nn.functional.pad(values, (0, width - values.shape[1]))

@@ -12,7 +12,9 @@ The update is a plain SGD step whatever the configured optimizer: Adam's first s
 about ``lr * sign(g)``, which turns rounding noise in near-zero gradient entries into
 whole steps, so comparing parameters after it would measure float noise, not the
 normalization. With SGD the parameter update is linear in the gradient and checks the
-(sharded) optimizer step itself.
+(sharded) optimizer step itself. Gradient clipping is off for the same reason: it rescales
+every layout to the same norm and would hide a wrong gradient scale (grad_norm is still
+measured and compared).
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ def _build_model(cfg: Config, role: Role) -> nn.Module:
 
 def _role_config(cfg: Config, case: Case, strategy: str, local_rows: int) -> WorkerRoleConfig:
     base: WorkerRoleConfig = getattr(cfg, case.role)
-    base = base.model_copy(update={"optim": base.optim.model_copy(update={"name": "sgd"})})
+    audit_optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None})
+    base = base.model_copy(update={"optim": audit_optim})
     if case.micro == "dynamic":
         longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
         return base.model_copy(

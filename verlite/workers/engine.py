@@ -128,9 +128,9 @@ class TrainEngine:
         lr = self.scheduler.get_last_lr()[0]
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         finite = bool(torch.isfinite(grad_norm))
-        if finite:
+        if finite:  # a skipped update consumes no step of the LR schedule either
             self.optimizer.step()
-        self.scheduler.step()
+            self.scheduler.step()
         out = reduce_metrics(micro_metrics, Stage.MICRO_BATCHES)
         prefix = self.metric_prefix
         out[f"{prefix}/grad_norm"] = Metric.mean(grad_norm)
@@ -149,13 +149,13 @@ class TrainEngine:
         width = response_width(td)
         outputs: dict[str, list[torch.Tensor]] = {}
         for i, part in enumerate(parts):
-            result = fn(self.model, trim_padding(_take(td, part)).to(self.device))
+            micro = trim_padding(_take(td, part)).to(self.device)
+            result = fn(self.model, micro)
             if i >= len(real):
                 continue  # a repeat that only keeps this rank's FSDP collectives in step
             for key, value in result.items():
-                outputs.setdefault(key, []).append(
-                    pad_responses(value, width) if value.dim() == 2 else value
-                )
+                padded = pad_responses(value, micro, width) if value.dim() == 2 else value
+                outputs.setdefault(key, []).append(padded)
         order = inverse_permutation(real)
         restore = None if order == sorted(order) else torch.tensor(order)
         merged = {}

@@ -1,0 +1,94 @@
+"""`verlite check-invariance` end to end, as a user runs it (subprocess, real ranks)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CONFIG = "configs/ppo_tiny.yaml"
+
+
+def verlite(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "verlite.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+def test_json_report_ok() -> None:
+    proc = verlite(
+        "check-invariance",
+        "--config",
+        CONFIG,
+        "--dp",
+        "1,2",
+        "--micro",
+        "2,dynamic",
+        "--strategy",
+        "fsdp",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True and report["tolerance"] == 1e-5
+    assert len(report["layouts"]) == 2 * 2 * 2  # dp x micro x role
+    keys = {
+        "dp",
+        "micro",
+        "strategy",
+        "role",
+        "max_rel_grad_diff",
+        "max_rel_param_diff",
+        "loss_diff",
+        "grad_norm_diff",
+    }
+    for layout in report["layouts"]:
+        assert keys <= layout.keys()
+        assert layout["max_rel_grad_diff"] < 1e-5
+    assert {(x["dp"], x["micro"], x["role"]) for x in report["layouts"]} == {
+        (dp, micro, role)
+        for dp in (1, 2)
+        for micro in ("2", "dynamic")
+        for role in ("actor", "critic")
+    }
+
+
+def test_table_and_failure_exit_code_with_the_negative_control() -> None:
+    proc = verlite(
+        "check-invariance",
+        "--config",
+        CONFIG,
+        "--dp",
+        "2",
+        "--micro",
+        "1",
+        "--strategy",
+        "ddp",
+        "--negative-control",
+    )
+    assert proc.returncode == 1
+    assert "FAIL" in proc.stdout and "FAILED: 2 layouts" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--micro", "3"], "allowed: 1,2,full,dynamic"),
+        (["--dp", "0"], "expected positive integers"),
+        (["--strategy", "zero"], "allowed: ddp,fsdp"),
+        (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean'"),
+    ],
+)
+def test_user_errors_exit_2_without_traceback(args: list[str], message: str) -> None:
+    proc = verlite("check-invariance", "--config", CONFIG, *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_config_file() -> None:
+    proc = verlite("check-invariance", "--config", "nope.yaml")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "verlite: error: cannot read config file 'nope.yaml': No such file or directory"
+    )

@@ -204,9 +204,6 @@ class WorkerRoleConfig(Section):
         16, description="Sequences (responses) per optimizer step, over all workers of this role."
     )
     ppo_epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
-    shuffle_mini_batches: bool = Field(
-        False, description="Shuffle sequences before cutting mini-batches."
-    )
     micro_batch_size_per_worker: PositiveInt = Field(
         4,
         description="Sequences per forward/backward on one worker (ignored with use_dynamic_bsz).",

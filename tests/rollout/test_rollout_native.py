@@ -1,0 +1,137 @@
+"""The native sampler: matches Hugging Face greedy decoding, stops at EOS, samples correctly."""
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from verlite.config import ModelConfig
+from verlite.dist import run_on_ranks
+from verlite.models import build_policy
+from verlite.rollout import NativeRollout, SamplingParams, sample_next_token
+from verlite.workers.forward import response_log_probs
+
+EOS, PAD, VOCAB = 2, 0, 40
+
+
+def model() -> torch.nn.Module:
+    return build_policy(ModelConfig(dtype="float64"), vocab_size=VOCAB, max_positions=64, seed=0)
+
+
+def prompts(batch: int = 12, width: int = 9, seed: int = 0) -> TensorDict:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, width + 1, (batch,), generator=gen)
+    mask = (torch.arange(width) >= width - lengths[:, None]).long()
+    ids = torch.randint(3, VOCAB, (batch, width), generator=gen) * mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    td = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "uid": torch.arange(batch),
+        },
+        batch_size=[batch],
+    )
+    td.set_non_tensor("temperature", 1.0)
+    return td
+
+
+def test_greedy_matches_hugging_face_generate() -> None:
+    m, td = model(), prompts()
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+        td, SamplingParams(12, temperature=0), seed=0
+    )
+    hf = m.generate(
+        input_ids=td["input_ids"],
+        attention_mask=td["attention_mask"],
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+    )
+    expected = torch.nn.functional.pad(hf[:, td["input_ids"].shape[1] :], (0, 12), value=PAD)[
+        :, :12
+    ]
+    assert torch.equal(out["responses"], expected)
+
+
+def test_eos_ends_a_response_and_the_layout_is_consistent() -> None:
+    m = model()
+    with torch.no_grad():  # make EOS likely so some rows stop early
+        m.lm_head.bias = None
+        m.lm_head.weight[EOS] += 0.4 * m.lm_head.weight.norm(dim=-1).mean()
+    td = prompts(batch=16)
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+        td, SamplingParams(10), seed=3
+    )
+    responses, mask = out["responses"], out["response_mask"]
+    lengths = mask.sum(-1)
+    assert 0 < int((lengths < 10).sum()) < 16, "expected some rows to stop early"
+    for row, n in zip(responses, lengths.tolist(), strict=True):
+        if n < 10:
+            assert row[n - 1] == EOS and (row[: n - 1] != EOS).all()
+        assert (row[n:] == PAD).all()
+    assert torch.equal(out["input_ids"][:, -10:], responses)
+    assert torch.equal(out["attention_mask"][:, -10:], mask)
+    assert torch.equal(out["uid"], td["uid"]) and out.get_non_tensor("temperature") == 1.0
+    # the positions of the full sequence continue the prompt's
+    full = out["attention_mask"]
+    assert torch.equal(out["position_ids"], ((full.cumsum(-1) - 1).clamp(min=0)) * full)
+
+
+def test_sampled_tokens_have_the_probabilities_the_trainer_computes() -> None:
+    """The log-probs the trainer recomputes must be those the sampler drew from (temperature)."""
+    m, td = model(), prompts()
+    td.set_non_tensor("temperature", 0.7)
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+        td, SamplingParams(6, temperature=0.7), seed=1
+    )
+    with torch.no_grad():
+        log_probs, _ = response_log_probs(m, out, temperature=0.7, with_entropy=False)
+    assert torch.isfinite(log_probs).all()
+    assert (log_probs[out["response_mask"].bool()] < 0).all()
+
+
+def test_same_seed_same_samples_and_top_k_1_is_greedy() -> None:
+    m, td = model(), prompts()
+    rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
+    a = rollout.generate(td, SamplingParams(8), seed=5)["responses"]
+    b = rollout.generate(td, SamplingParams(8), seed=5)["responses"]
+    c = rollout.generate(td, SamplingParams(8), seed=6)["responses"]
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    greedy = rollout.generate(td, SamplingParams(8, temperature=0), seed=0)["responses"]
+    assert torch.equal(
+        rollout.generate(td, SamplingParams(8, top_k=1), seed=9)["responses"], greedy
+    )
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "allowed"),
+    [(2, 1.0, {0, 1}), (0, 0.5, {0}), (0, 0.6, {0, 1}), (3, 0.95, {0, 1, 2})],
+)
+def test_top_k_and_top_p_restrict_the_support(top_k: int, top_p: float, allowed: set[int]) -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().expand(4000, 4)
+    gen = torch.Generator().manual_seed(0)
+    drawn = sample_next_token(logits, SamplingParams(1, top_k=top_k, top_p=top_p), gen)
+    assert set(drawn.tolist()) == allowed
+
+
+def _lockstep(rank: int, world: int) -> list[int]:
+    from verlite.dist import apply_fsdp
+
+    m = apply_fsdp(model())
+    td = prompts(batch=4, seed=rank)
+    with torch.no_grad():  # rank 0 always emits EOS at once, rank 1 never: lengths differ
+        bias = torch.full((VOCAB,), -1e4 if rank else 0.0, dtype=torch.float64)
+        bias[EOS] = 1e4 if rank == 0 else -1e4
+    m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
+        td, SamplingParams(5), seed=0
+    )
+    return out["response_mask"].sum(-1).tolist()
+
+
+def test_fsdp_ranks_stay_in_lockstep_when_lengths_differ() -> None:
+    lengths = run_on_ranks(_lockstep, world_size=2, timeout_s=120)
+    assert lengths == [[1, 1, 1, 1], [5, 5, 5, 5]]

@@ -1,0 +1,139 @@
+"""Batched KV-cached sampling on a Hugging Face causal LM: temperature, top-k, top-p, EOS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+from transformers import DynamicCache
+
+from verlite.dist import all_reduce_max
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: TensorDict, params: SamplingParams, *, seed: int) -> TensorDict:
+        """Prompts (input_ids, attention_mask, position_ids; left-padded) -> step batch."""
+        ...
+
+
+def sample_next_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> torch.Tensor:
+    """One token per row from (B, vocab) logits."""
+    if params.temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the mass before it already reaches top_p (the first always stays)
+        drop = (cumulative - sorted_logits.softmax(dim=-1)) >= params.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+class NativeRollout:
+    """Samples with the given model; ``lockstep`` keeps FSDP ranks in the same number of steps.
+
+    Under FSDP every forward all-gathers parameters, so all ranks must run the same number
+    of decode steps: they agree each step on whether any rank still has an unfinished row.
+    """
+
+    def __init__(
+        self, model: nn.Module, *, eos_token_id: int, pad_token_id: int, lockstep: bool
+    ) -> None:
+        self.model = model
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.lockstep = lockstep
+
+    @torch.no_grad()
+    def generate(self, prompts: TensorDict, params: SamplingParams, *, seed: int) -> TensorDict:
+        self.model.eval()
+        input_ids = prompts["input_ids"]
+        prompt_mask = prompts["attention_mask"]
+        batch, device = input_ids.shape[0], input_ids.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        responses = torch.full(
+            (batch, params.max_new_tokens), self.pad_token_id, dtype=input_ids.dtype, device=device
+        )
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        mask = prompt_mask
+        positions = prompts["position_ids"]
+        next_positions = prompt_mask.sum(-1, keepdim=True)  # first response position per row
+        cache = DynamicCache()
+        step_ids = input_ids
+        for t in range(params.max_new_tokens):
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            token = sample_next_token(out.logits[:, -1], params, generator)
+            token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
+            responses[:, t] = token
+            lengths += (~finished).long()
+            finished |= token == self.eos_token_id
+            if not self._any_active(finished):
+                break
+            step_ids = token.unsqueeze(-1)
+            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=-1)
+            positions = next_positions + t
+        return build_step_batch(prompts, responses, lengths)
+
+    def _any_active(self, finished: torch.Tensor) -> bool:
+        active = (~finished).any().to(torch.int64)
+        if self.lockstep:
+            all_reduce_max(active)
+        return bool(active)
+
+
+def build_step_batch(
+    prompts: TensorDict, responses: torch.Tensor, lengths: torch.Tensor
+) -> TensorDict:
+    """The step TensorDict of ``verlite.batch``: prompt + response, masks and positions."""
+    width = responses.shape[1]
+    response_mask = (torch.arange(width, device=responses.device) < lengths[:, None]).to(
+        prompts["attention_mask"].dtype
+    )
+    first = prompts["attention_mask"].sum(-1, keepdim=True)
+    response_positions = first + torch.arange(width, device=responses.device)
+    td = TensorDict(
+        {
+            "input_ids": torch.cat([prompts["input_ids"], responses], dim=-1),
+            "attention_mask": torch.cat([prompts["attention_mask"], response_mask], dim=-1),
+            "position_ids": torch.cat(
+                [prompts["position_ids"], response_positions * response_mask], dim=-1
+            ),
+            "responses": responses,
+            "response_mask": response_mask,
+        },
+        batch_size=prompts.batch_size,
+    )
+    for key, value in prompts.items():  # carry uid, answers' index, non-tensor entries
+        if key in td:
+            continue
+        if isinstance(value, torch.Tensor):
+            td.set(key, value)
+        else:
+            td.set_non_tensor(key, prompts.get_non_tensor(key))
+    return td

@@ -9,7 +9,7 @@ from verlite.config import OptimConfig, load_config
 from verlite.dist import RankFailedError, run_on_ranks
 from verlite.invariance import make_batch
 from verlite.models import build_policy
-from verlite.workers.engine import TrainEngine, lr_multiplier
+from verlite.workers.engine import TrainEngine, lr_multiplier, plan_micro_batches
 from verlite.workers.forward import response_log_probs
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
@@ -61,7 +61,7 @@ def test_infer_returns_rows_in_original_order(overrides) -> None:
 def test_dynamic_batching_really_reorders_rows() -> None:
     batch = make_batch(CONFIG)
     eng = engine(use_dynamic_bsz=True, max_token_len_per_worker=30)
-    parts, padding = eng._plan_micro_batches(batch)
+    parts, padding = plan_micro_batches(batch, cfg=eng.cfg, device=eng.device)
     flat = [i for p in parts for i in p]
     assert padding == 0 and flat != sorted(flat) and sorted(flat) == list(range(len(flat)))
     lengths = batch["attention_mask"].sum(-1)

@@ -117,7 +117,7 @@ class TrainEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stamp_global_counts(td, device=self.device)
-        parts, _ = self._plan_micro_batches(td)
+        parts, _ = plan_micro_batches(td, cfg=self.cfg, device=self.device)
         micro_metrics = []
         for i, part in enumerate(parts):
             micro = trim_padding(_take(td, part)).to(self.device)
@@ -138,72 +138,74 @@ class TrainEngine:
         out[f"{prefix}/skipped_updates"] = Metric.sum(0.0 if finite else 1.0)
         return {k: m.to_float() for k, m in out.items()}
 
-    # ---------------------------------------------------------------------- inference
-
-    @torch.no_grad()
     def infer(self, td: TensorDict, fn: InferFn) -> TensorDict:
-        """Forward-only in micro-batches; response-aligned outputs come back (B, R) in row order."""
-        self.model.eval()
-        parts, padding = self._plan_micro_batches(td, pad_to_agreed=True)
-        real = parts[: len(parts) - padding]
-        width = response_width(td)
-        outputs: dict[str, list[torch.Tensor]] = {}
-        for i, part in enumerate(parts):
-            micro = trim_padding(_take(td, part)).to(self.device)
-            result = fn(self.model, micro)
-            if i >= len(real):
-                continue  # a repeat that only keeps this rank's FSDP collectives in step
-            for key, value in result.items():
-                padded = pad_responses(value, micro, width) if value.dim() == 2 else value
-                outputs.setdefault(key, []).append(padded)
-        order = inverse_permutation(real)
-        restore = None if order == sorted(order) else torch.tensor(order)
-        merged = {}
-        for key, chunks in outputs.items():
-            value = torch.cat(chunks)
-            merged[key] = value if restore is None else value[restore.to(value.device)]
-        return TensorDict(merged, batch_size=td.batch_size)
+        return infer(self.model, td, fn, cfg=self.cfg, device=self.device)
 
-    # ----------------------------------------------------------------------- batching
 
-    def _plan_micro_batches(
-        self, td: TensorDict, *, pad_to_agreed: bool = False
-    ) -> tuple[list[list[int]], int]:
-        """Row index lists of the micro-batches, the same number on every rank, and how
-        many of them are repeats.
+@torch.no_grad()
+def infer(
+    model: nn.Module, td: TensorDict, fn: InferFn, *, cfg: WorkerRoleConfig, device: torch.device
+) -> TensorDict:
+    """Forward-only in micro-batches; response-aligned outputs come back (B, R) in row order."""
+    model.eval()
+    parts, padding = plan_micro_batches(td, cfg=cfg, device=device, pad_to_agreed=True)
+    real = parts[: len(parts) - padding]
+    width = response_width(td)
+    outputs: dict[str, list[torch.Tensor]] = {}
+    for i, part in enumerate(parts):
+        micro = trim_padding(_take(td, part)).to(device)
+        result = fn(model, micro)
+        if i >= len(real):
+            continue  # a repeat that only keeps this rank's FSDP collectives in step
+        for key, value in result.items():
+            padded = pad_responses(value, micro, width) if value.dim() == 2 else value
+            outputs.setdefault(key, []).append(padded)
+    order = inverse_permutation(real)
+    restore = None if order == sorted(order) else torch.tensor(order)
+    merged = {}
+    for key, chunks in outputs.items():
+        value = torch.cat(chunks)
+        merged[key] = value if restore is None else value[restore.to(value.device)]
+    return TensorDict(merged, batch_size=td.batch_size)
 
-        With ``pad_to_agreed`` (inference) a rank that needs fewer micro-batches repeats its
-        last one; the caller discards those outputs. Training cannot do that without
-        counting rows twice, so a disagreement there is an error.
-        """
-        n = td.batch_size[0]
-        if self.cfg.use_dynamic_bsz:
-            assert self.cfg.max_token_len_per_worker is not None, "validated by the config"
-            budget = self.cfg.max_token_len_per_worker
-            lengths = sequence_lengths(td)
-            count = count_token_budget_partitions(lengths, max_tokens=budget)
-            while True:  # the budget may need one more part at the agreed count; agree again
-                agreed = self._max_over_ranks(count)
-                parts = partition_by_token_budget(
-                    lengths, max_tokens=budget, min_num_partitions=agreed
-                )
-                count = self._max_over_ranks(len(parts))
-                if count == agreed:
-                    return parts, 0
-        parts = split_fixed(n, micro_batch_size=self.cfg.micro_batch_size_per_worker)
-        agreed = self._max_over_ranks(len(parts))
-        if agreed > len(parts):
-            if not pad_to_agreed:
-                raise ValueError(
-                    f"this rank has {len(parts)} micro-batches but another has {agreed}: give every "
-                    "rank the same number of rows (ppo_mini_batch_size divisible by micro-batch x workers)"
-                )
-            padding = agreed - len(parts)
-            return parts + [parts[-1]] * padding, padding
-        return parts, 0
 
-    def _max_over_ranks(self, value: int) -> int:
-        return int(all_reduce_max(torch.tensor(value, device=self.device)))
+def plan_micro_batches(
+    td: TensorDict, *, cfg: WorkerRoleConfig, device: torch.device, pad_to_agreed: bool = False
+) -> tuple[list[list[int]], int]:
+    """Row index lists of the micro-batches, the same number on every rank, and how many
+    of them are repeats.
+
+    With ``pad_to_agreed`` (inference) a rank that needs fewer micro-batches repeats its
+    last one; the caller discards those outputs. Training cannot do that without counting
+    rows twice, so a disagreement there is an error.
+    """
+    n = td.batch_size[0]
+    if cfg.use_dynamic_bsz:
+        assert cfg.max_token_len_per_worker is not None, "validated by the config"
+        budget = cfg.max_token_len_per_worker
+        lengths = sequence_lengths(td)
+        count = count_token_budget_partitions(lengths, max_tokens=budget)
+        while True:  # the budget may need one more part at the agreed count; agree again
+            agreed = _max_over_ranks(count, device)
+            parts = partition_by_token_budget(lengths, max_tokens=budget, min_num_partitions=agreed)
+            count = _max_over_ranks(len(parts), device)
+            if count == agreed:
+                return parts, 0
+    parts = split_fixed(n, micro_batch_size=cfg.micro_batch_size_per_worker)
+    agreed = _max_over_ranks(len(parts), device)
+    if agreed > len(parts):
+        if not pad_to_agreed:
+            raise ValueError(
+                f"this rank has {len(parts)} micro-batches but another has {agreed}: give every "
+                "rank the same number of rows (ppo_mini_batch_size divisible by micro-batch x workers)"
+            )
+        padding = agreed - len(parts)
+        return parts + [parts[-1]] * padding, padding
+    return parts, 0
+
+
+def _max_over_ranks(value: int, device: torch.device) -> int:
+    return int(all_reduce_max(torch.tensor(value, device=device)))
 
 
 def _take(td: TensorDict, rows: list[int]) -> TensorDict:

@@ -91,11 +91,7 @@ def test_workers_per_node_inherited_and_role_sizes() -> None:
             "critic.micro_batch_size_per_worker=4",
         ],
     )
-    assert (cfg.actor.workers_per_node, cfg.critic.workers_per_node, cfg.ref.workers_per_node) == (
-        2,
-        1,
-        2,
-    )
+    assert (cfg.actor.workers_per_node, cfg.critic.workers_per_node) == (2, 1)
     actor, critic = cfg.role_sizes("actor"), cfg.role_sizes("critic")
     assert (actor.dp_size, actor.mini_batch_size_per_worker, actor.num_mini_batches) == (4, 4, 2)
     assert (critic.dp_size, critic.mini_batch_size_per_worker, critic.num_mini_batches) == (2, 4, 4)

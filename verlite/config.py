@@ -267,14 +267,6 @@ class CriticConfig(WorkerRoleConfig):
     )
 
 
-class RefConfig(Section):
-    """The frozen reference policy, used when a KL term is on."""
-
-    workers_per_node: PositiveInt | None = Field(
-        None, description="Reference workers on each node; None uses actor.workers_per_node."
-    )
-
-
 class KLControlConfig(Section):
     """Coefficient of the KL penalty in the reward."""
 
@@ -388,9 +380,6 @@ class Config(Section):
     critic: CriticConfig = Field(
         default_factory=CriticConfig, description="Value-model training (GAE only)."
     )
-    ref: RefConfig = Field(
-        default_factory=RefConfig, description="Reference policy (KL terms only)."
-    )
     algorithm: AlgorithmConfig = Field(
         default_factory=AlgorithmConfig, description="Advantages and KL-in-reward."
     )
@@ -406,16 +395,14 @@ class Config(Section):
         data = dict(data)
         sections = {
             name: _as_dict(data.get(name))
-            for name in ("actor", "critic", "ref", "trainer", "rollout")
+            for name in ("actor", "critic", "trainer", "rollout")
         }
-        actor, critic, ref = sections["actor"], sections["critic"], sections["ref"]
-        if isinstance(actor, dict) and isinstance(critic, dict) and isinstance(ref, dict):
+        actor, critic = sections["actor"], sections["critic"]
+        if isinstance(actor, dict) and isinstance(critic, dict):
             trainer_wpn = _get(sections["trainer"], "workers_per_node", TrainerConfig)
             for role in (actor, critic):
                 if role.get("workers_per_node") is None:
                     role["workers_per_node"] = trainer_wpn
-            if ref.get("workers_per_node") is None:
-                ref["workers_per_node"] = actor["workers_per_node"]
             if (
                 actor.get("loss_agg_mode", "token-mean") == "seq-mean-token-sum-norm"
                 and actor.get("loss_scale_factor") is None
@@ -428,7 +415,7 @@ class Config(Section):
                 # An invalid actor value is reported once, on the actor, not again on the critic.
                 if critic.get(key) is None and _is_valid(ActorConfig, key, value):
                     critic[key] = value
-            data.update(actor=actor, critic=critic, ref=ref)
+            data.update(actor=actor, critic=critic)
         return data
 
     @property
@@ -437,6 +424,7 @@ class Config(Section):
 
     @property
     def use_reference(self) -> bool:
+        """A frozen copy of the initial policy lives in each actor worker when a KL term is on."""
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property

@@ -18,6 +18,7 @@ from verlite.dist.parallel import (
     full_grads,
     full_state_dict,
     grad_sync,
+    inference_module,
 )
 from verlite.dist.process_group import (
     default_backend,
@@ -50,6 +51,7 @@ __all__ = [
     "get_rank",
     "get_world_size",
     "grad_sync",
+    "inference_module",
     "init_from_env",
     "init_process_group",
     "is_initialized",

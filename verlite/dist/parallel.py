@@ -32,6 +32,17 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
+def inference_module(model: nn.Module) -> nn.Module:
+    """The module to run forward-only passes on, with as few collectives as possible.
+
+    DDP's forward broadcasts buffers from rank 0 (a collective per call), which would
+    deadlock ranks that decode a different number of steps; its inner module holds the same
+    weights on every rank, so inference bypasses the wrapper. FSDP2 parameters are shards:
+    forward must go through the sharded module (and ranks must call it in lockstep).
+    """
+    return _unwrap(model)
+
+
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks of ``model``: children of every ``nn.ModuleList`` attribute named
     ``layers`` or ``h`` found anywhere below it (so a value-model wrapper holding a trunk

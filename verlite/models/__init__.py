@@ -26,6 +26,13 @@ def model_dtype(cfg: ModelConfig) -> torch.dtype:
     return DTYPES[cfg.dtype]
 
 
+def resolve_device(cfg: ModelConfig) -> torch.device:
+    """``auto``: the worker's GPU when Ray gave it one (it then sees it as cuda:0), else CPU."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
 def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> PretrainedConfig:
     """A Hugging Face config for the built-in decoder described by ``cfg``."""
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]

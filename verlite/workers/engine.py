@@ -40,6 +40,7 @@ from verlite.dist import (
     clip_grad_norm,
     get_world_size,
     grad_sync,
+    inference_module,
 )
 
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
@@ -138,8 +139,23 @@ class TrainEngine:
         out[f"{prefix}/skipped_updates"] = Metric.sum(0.0 if finite else 1.0)
         return {k: m.to_float() for k, m in out.items()}
 
+    def train_step(self, td: TensorDict, loss_fn: LossFn, *, num_mini_batches: int) -> MetricDict:
+        """All updates of one training step: ``ppo_epochs`` passes over ``num_mini_batches``.
+
+        ``td`` is this rank's share as dispatched with ``mini_batches=num_mini_batches``: its
+        k-th equal part is this rank's piece of global mini-batch k, so cutting it here gives
+        the same updates for any number of workers.
+        """
+        mini_batches = td.split(td.batch_size[0] // num_mini_batches)
+        metrics = [
+            self.train_mini_batch(mini_batch, loss_fn)
+            for _ in range(self.cfg.ppo_epochs)
+            for mini_batch in mini_batches
+        ]
+        return reduce_metrics(metrics, Stage.MINI_BATCHES)
+
     def infer(self, td: TensorDict, fn: InferFn) -> TensorDict:
-        return infer(self.model, td, fn, cfg=self.cfg, device=self.device)
+        return infer(inference_module(self.model), td, fn, cfg=self.cfg, device=self.device)
 
 
 @torch.no_grad()

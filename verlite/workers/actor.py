@@ -1,0 +1,92 @@
+"""The actor worker: generation, log-probs (policy and frozen reference), policy updates."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+from verlite.workers.base import Worker
+
+from verlite.config import Config
+from verlite.core.metrics import MetricDict
+from verlite.dist import inference_module
+from verlite.models import build_policy, resolve_device
+from verlite.rollout import NativeRollout, SamplingParams
+from verlite.workers.engine import TrainEngine, infer
+from verlite.workers.forward import response_log_probs
+from verlite.workers.losses import ActorLossSettings, ppo_loss
+
+
+def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
+    temperature = float(td.get_non_tensor("temperature"))
+    log_probs, _ = response_log_probs(model, td, temperature=temperature, with_entropy=False)
+    return {key: log_probs}
+
+
+class ActorWorker(Worker):
+    """One rank of the actor group; the model is built by ``init_model`` once the group's
+    process group exists (FSDP needs it)."""
+
+    def __init__(
+        self, *, cfg: Config, vocab_size: int, eos_token_id: int, pad_token_id: int, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    def init_model(self) -> None:
+        cfg = self.cfg
+        device = resolve_device(cfg.model)
+        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        policy = build_policy(
+            cfg.model,
+            vocab_size=self.vocab_size,
+            max_positions=max_positions,
+            seed=cfg.trainer.seed,
+        )
+        # The reference is the initial policy, frozen; a plain copy on every rank needs no collectives.
+        self.reference = (
+            copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
+        )
+        sizes = cfg.role_sizes("actor")
+        total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * sizes.num_mini_batches
+        self.engine = TrainEngine(
+            policy, cfg=cfg.actor, total_updates=total_updates, metric_prefix="actor", device=device
+        )
+        self.num_mini_batches = sizes.num_mini_batches
+        self.rollout = NativeRollout(
+            inference_module(self.engine.model),
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            lockstep=cfg.actor.strategy == "fsdp",
+        )
+        self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+
+    def generate(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
+        # Each rank samples its own rows; offset the seed so ranks do not share a stream.
+        return self.rollout.generate(
+            prompts.to(self.engine.device), params, seed=seed + self.rank
+        ).cpu()
+
+    def compute_log_probs(self, td: TensorDict) -> TensorDict:
+        """``old_log_probs`` of the current policy, and ``ref_log_prob`` when a KL term is on."""
+        out = self.engine.infer(td, partial(_log_probs, "old_log_probs"))
+        if self.reference is not None:
+            ref = infer(
+                self.reference,
+                td,
+                partial(_log_probs, "ref_log_prob"),
+                cfg=self.cfg.actor,
+                device=self.engine.device,
+            )
+            out["ref_log_prob"] = ref["ref_log_prob"]
+        return out.cpu()
+
+    def update_actor(self, td: TensorDict) -> MetricDict:
+        return self.engine.train_step(td, self.loss_fn, num_mini_batches=self.num_mini_batches)

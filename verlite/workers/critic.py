@@ -1,0 +1,58 @@
+"""The critic worker: value predictions and value-model updates."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+from verlite.workers.base import Worker
+
+from verlite.config import Config
+from verlite.core.metrics import MetricDict
+from verlite.models import build_value_model, resolve_device
+from verlite.workers.engine import TrainEngine
+from verlite.workers.forward import response_values
+from verlite.workers.losses import CriticLossSettings, value_loss
+
+
+def _values(model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
+    return {"values": response_values(model, td)}
+
+
+class CriticWorker(Worker):
+    """One rank of the critic group; the model is built by ``init_model``."""
+
+    def __init__(self, *, cfg: Config, vocab_size: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+
+    def init_model(self) -> None:
+        cfg = self.cfg
+        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        model = build_value_model(
+            cfg.model,
+            vocab_size=self.vocab_size,
+            max_positions=max_positions,
+            seed=cfg.trainer.seed + 1,
+        )
+        sizes = cfg.role_sizes("critic")
+        total_updates = cfg.trainer.total_steps * cfg.critic.ppo_epochs * sizes.num_mini_batches
+        self.engine = TrainEngine(
+            model,
+            cfg=cfg.critic,
+            total_updates=total_updates,
+            metric_prefix="critic",
+            device=resolve_device(cfg.model),
+        )
+        self.num_mini_batches = sizes.num_mini_batches
+        self.loss_fn = partial(value_loss, settings=CriticLossSettings.from_config(cfg.critic))
+
+    def compute_values(self, td: TensorDict) -> TensorDict:
+        return self.engine.infer(td, _values).cpu()
+
+    def update_critic(self, td: TensorDict) -> MetricDict:
+        return self.engine.train_step(td, self.loss_fn, num_mini_batches=self.num_mini_batches)

@@ -1,0 +1,57 @@
+"""Token-level reward placement and KL-in-reward."""
+
+import pytest
+import torch
+
+from verlite.core.rewards import KLController, apply_kl_penalty, place_scores
+
+
+def test_scores_land_on_the_last_valid_token() -> None:
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    out = place_scores(torch.tensor([0.5, 1.0, 0.7, 0.2]), mask)
+    expected = torch.tensor([[0, 0, 0.5, 0], [1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0.2]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_kl_penalty_only_on_response_tokens() -> None:
+    mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
+    scores = place_scores(torch.tensor([1.0, 0.0]), mask)
+    kl = torch.tensor([[0.1, 0.3, 9.0], [0.2, 9.0, 9.0]])
+    rewards, mean_kl = apply_kl_penalty(scores, kl, mask, coef=0.5)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 1 - 0.15, 0], [-0.1, 0, 0]]))
+    assert mean_kl == pytest.approx((0.2 + 0.2) / 2)
+
+
+def test_adaptive_controller_moves_towards_target_and_fixed_stays() -> None:
+    fixed = KLController(0.1)
+    fixed.update(10.0, 100)
+    assert fixed.value == 0.1
+    adaptive = KLController(0.1, adaptive=True, target_kl=0.1, horizon=100)
+    adaptive.update(1.0, 100)  # far above target: +20 %
+    assert adaptive.value == pytest.approx(0.12)
+    adaptive.update(0.0, 50)  # below target: -20 % * 50/100
+    assert adaptive.value == pytest.approx(0.12 * 0.9)
+
+
+def test_step_statistics() -> None:
+    from verlite.core.step_stats import step_statistics
+
+    mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
+    returns = torch.tensor([[1.0, 2, 3], [4, 9, 9]])
+    stats = step_statistics(
+        scores=torch.tensor([0.25, 0.75]),
+        token_rewards=torch.tensor([[0, 0, 0.25], [0.75, 5, 5]]),
+        advantages=torch.tensor([[1.0, -1, 2], [0.5, 99, 99]]),
+        returns=returns,
+        response_mask=mask,
+        max_response_length=3,
+        values=returns.clone(),
+    )
+    assert stats["critic/score/mean"] == 0.5 and stats["critic/score/min"] == 0.25
+    assert stats["critic/rewards/mean"] == pytest.approx(0.5)
+    assert stats["critic/advantages/max"] == 2.0 and stats[
+        "critic/advantages/mean"
+    ] == pytest.approx(2.5 / 4)
+    assert stats["critic/returns/mean"] == pytest.approx(2.5)
+    assert stats["response_length/mean"] == 2.0 and stats["response_length/clip_ratio"] == 0.5
+    assert stats["critic/vf_explained_var"] == pytest.approx(1.0)

@@ -1,0 +1,42 @@
+"""Per-step statistics of a rollout batch, named by the field's common conventions."""
+
+from __future__ import annotations
+
+import torch
+
+from verlite.core.masked import masked_mean, masked_var
+
+
+def step_statistics(
+    *,
+    scores: torch.Tensor,
+    token_rewards: torch.Tensor,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    max_response_length: int,
+    values: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """Scores are per sequence (B,); the rest (B, R) response-aligned."""
+    mask = response_mask.to(torch.bool)
+    lengths = response_mask.sum(-1).float()
+    stats = {
+        "critic/score/mean": scores.float().mean(),
+        "critic/score/max": scores.max(),
+        "critic/score/min": scores.min(),
+        "critic/rewards/mean": (token_rewards * response_mask).sum(-1).mean(),
+        "critic/advantages/mean": masked_mean(advantages, mask),
+        "critic/advantages/max": advantages[mask].max() if mask.any() else torch.zeros(()),
+        "critic/advantages/min": advantages[mask].min() if mask.any() else torch.zeros(()),
+        "critic/returns/mean": masked_mean(returns, mask),
+        "response_length/mean": lengths.mean(),
+        "response_length/max": lengths.max(),
+        "response_length/min": lengths.min(),
+        "response_length/clip_ratio": (lengths >= max_response_length).float().mean(),
+    }
+    if values is not None:
+        stats["critic/values/mean"] = masked_mean(values, mask)
+        # 1 - Var(returns - values) / Var(returns): 1 is a perfect critic, 0 predicts the mean.
+        residual_var = masked_var(returns - values, mask)
+        stats["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(returns, mask) + 1e-8)
+    return {key: float(value) for key, value in stats.items()}

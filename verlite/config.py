@@ -394,8 +394,7 @@ class Config(Section):
             return data
         data = dict(data)
         sections = {
-            name: _as_dict(data.get(name))
-            for name in ("actor", "critic", "trainer", "rollout")
+            name: _as_dict(data.get(name)) for name in ("actor", "critic", "trainer", "rollout")
         }
         actor, critic = sections["actor"], sections["critic"]
         if isinstance(actor, dict) and isinstance(critic, dict):

@@ -1,0 +1,159 @@
+"""Datasets from a synthetic task or prompt files: splits, disjointness, the prompt-length policy."""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from verlite.config import Config
+from verlite.data import (
+    DataError,
+    PromptDataset,
+    build_datasets,
+    build_task_tokenizer,
+    holdout_split,
+    task_records,
+)
+
+
+def _config(seed: int = 0, **data: Any) -> Config:
+    return Config.model_validate({"data": data, "trainer": {"seed": seed}})
+
+
+def _write_jsonl(path: Path, prompts: list[str]) -> Path:
+    path.write_text(
+        "".join(json.dumps({"prompt": p, "answer": str(i)}) + "\n" for i, p in enumerate(prompts))
+    )
+    return path
+
+
+def test_task_datasets_sizes_and_determinism() -> None:
+    tok = build_task_tokenizer()
+    cfg = _config(task="add", num_train_samples=300, num_val_samples=40)
+    train, val = build_datasets(cfg, tok)
+    assert isinstance(train, PromptDataset)
+    assert (len(train), len(val)) == (300, 40)
+    assert (train.name, val.name, train.num_truncated, val.num_truncated) == (
+        "train",
+        "validation",
+        0,
+        0,
+    )
+    again = build_datasets(cfg, tok)
+    assert (train, val) == again
+    other = build_datasets(
+        _config(seed=1, task="add", num_train_samples=300, num_val_samples=40), tok
+    )
+    assert other[0].records != train.records
+    a, b = train[0]["prompt"].removesuffix("=").split("+")
+    assert int(train[0]["answer"]) == int(a) + int(b)
+
+
+@pytest.mark.parametrize("task", ["copy", "reverse", "add"])
+def test_task_validation_is_disjoint_from_train(task: str) -> None:
+    # 2-digit strings: only 100 (copy/reverse) or 8100 (add) prompts exist, so train repeats
+    # itself and a naive validation draw would overlap it.
+    train, val = task_records(task, seed=0, num_train=50, num_val=30, min_digits=2, max_digits=2)
+    train_prompts = {r["prompt"] for r in train}
+    val_prompts = [r["prompt"] for r in val]
+    assert len(val_prompts) == len(set(val_prompts)) == 30
+    assert train_prompts.isdisjoint(val_prompts)
+
+
+def test_task_with_too_few_distinct_prompts_fails() -> None:
+    with pytest.raises(
+        DataError, match=r"data.task=copy with 1 to 1 digits has too few distinct prompts"
+    ):
+        task_records("copy", seed=0, num_train=100, num_val=5, min_digits=1, max_digits=1)
+
+
+def test_synthetic_prompt_too_long_names_the_sample() -> None:
+    # "reverse 12345=" is 14 characters, 15 tokens with BOS.
+    cfg = _config(task="reverse", min_digits=5, max_digits=5, max_prompt_length=14)
+    with pytest.raises(
+        DataError,
+        match=r"data.task=reverse train sample 0: prompt is 15 tokens \(BOS included\), "
+        r"longer than data.max_prompt_length=14",
+    ):
+        build_datasets(cfg, build_task_tokenizer())
+
+
+def test_truncate_counts_the_long_prompts(tmp_path: Path) -> None:
+    prompts = ["1+1=", "123456789+1=", "2+2=", "12345+12345="]  # 5, 13, 5 and 13 tokens
+    path = _write_jsonl(tmp_path / "p.jsonl", prompts)
+    val = _write_jsonl(tmp_path / "v.jsonl", ["123456789+1="])
+    cfg = _config(
+        train_file=str(path), val_file=str(val), max_prompt_length=8, prompt_overflow="truncate"
+    )
+    train, validation = build_datasets(cfg, build_task_tokenizer())
+    assert [r["prompt"] for r in train] == prompts  # records keep the full text
+    assert (train.num_truncated, validation.num_truncated) == (2, 1)
+
+    cfg = _config(
+        train_file=str(path), val_file=str(val), max_prompt_length=8, prompt_overflow="error"
+    )
+    with pytest.raises(
+        DataError,
+        match=rf"^{path}:2: prompt is 13 tokens \(BOS included\), longer than data.max_prompt_length=8",
+    ):
+        build_datasets(cfg, build_task_tokenizer())
+
+
+def test_file_with_val_file(tmp_path: Path) -> None:
+    train_path = _write_jsonl(tmp_path / "t.jsonl", ["1+1=", "2+2=", "3+3="])
+    val_path = _write_jsonl(tmp_path / "v.jsonl", ["4+4="])
+    train, val = build_datasets(
+        _config(train_file=str(train_path), val_file=str(val_path)), build_task_tokenizer()
+    )
+    assert [r["prompt"] for r in train] == ["1+1=", "2+2=", "3+3="]
+    assert [r["prompt"] for r in val] == ["4+4="]
+
+
+def test_file_holds_out_validation(tmp_path: Path) -> None:
+    prompts = [f"{i}+1=" for i in range(50)]
+    path = _write_jsonl(tmp_path / "p.jsonl", prompts)
+    cfg = _config(train_file=str(path), num_val_samples=10)
+    train, val = build_datasets(cfg, build_task_tokenizer())
+    assert (len(train), len(val)) == (40, 10)
+    train_prompts = [r["prompt"] for r in train]
+    assert train_prompts == [p for p in prompts if p in set(train_prompts)]  # file order kept
+    assert set(train_prompts).isdisjoint(r["prompt"] for r in val)
+    assert sorted([*train_prompts, *(r["prompt"] for r in val)]) == sorted(prompts)
+    assert build_datasets(cfg, build_task_tokenizer()) == (train, val)  # seeded
+    other = build_datasets(
+        _config(seed=5, train_file=str(path), num_val_samples=10), build_task_tokenizer()
+    )
+    assert other[1] != val
+
+
+def test_holdout_split_is_a_seeded_partition() -> None:
+    train, val = holdout_split(20, 5, seed=3)
+    assert train == sorted(train)
+    assert sorted(train + val) == list(range(20))
+    assert len(val) == 5
+    assert holdout_split(20, 5, seed=3) == (train, val)
+    assert holdout_split(20, 5, seed=4)[1] != val
+
+
+def test_file_too_small_to_hold_out(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "2+2="])
+    with pytest.raises(
+        DataError, match=r"2 prompts leave none for training .*data.num_val_samples=2"
+    ):
+        build_datasets(_config(train_file=str(path), num_val_samples=2), build_task_tokenizer())
+
+
+def test_unknown_characters_are_an_error(tmp_path: Path) -> None:
+    path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "What is 2+2?"])
+    with pytest.raises(
+        DataError, match=rf"{path}:2: prompt has characters the tokenizer does not know \('W'"
+    ):
+        build_datasets(_config(train_file=str(path), num_val_samples=1), build_task_tokenizer())
+
+
+def test_file_errors_surface_through_build_datasets(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "x"\n')
+    with pytest.raises(DataError, match=rf"^{path}:2: malformed JSON"):
+        build_datasets(_config(train_file=str(path)), build_task_tokenizer())

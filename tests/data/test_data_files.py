@@ -1,0 +1,96 @@
+"""Prompt files: JSONL and Parquet reading, and every error naming the file and line."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from verlite.data import DataError, read_prompt_file
+
+
+def _jsonl(path: Path, *lines: str) -> Path:
+    path.write_text("".join(f"{line}\n" for line in lines))
+    return path
+
+
+def test_reads_records_and_locations(tmp_path: Path) -> None:
+    path = _jsonl(
+        tmp_path / "p.jsonl",
+        json.dumps({"prompt": "1+1=", "answer": "2", "id": 7}),
+        "",
+        json.dumps({"prompt": "copy 12=", "answer": "12"}),
+    )
+    records, where = read_prompt_file(path)
+    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "copy 12=", "answer": "12"}]
+    assert where == [f"{path}:1", f"{path}:3"]  # blank lines skipped, line numbers kept
+
+
+def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
+    # U+2028 is valid unescaped inside a JSON string; it must not count as a line break.
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a\u2028b", "answer": "x"}\n{"prompt": 3, "answer": "y"}\n')
+    with pytest.raises(DataError, match=re.escape(f"{path}:2: field 'prompt' must be a string")):
+        read_prompt_file(path)
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        ([], r"no prompts \(the file is empty\)"),
+        (["", "  "], r"no prompts"),
+        (['{"prompt": "a", "answer": "b"}', '{"prompt": "a", '], r":2: malformed JSON"),
+        (['{"prompt": "a", "answer": "b"}', '["a", "b"]'], r":2: expected an object .* got list"),
+        (['{"answer": "b"}'], r":1: missing field 'prompt'"),
+        (['{"prompt": "a"}'], r":1: missing field 'answer'"),
+        (['{"prompt": "a", "answer": 42}'], r":1: field 'answer' must be a string, got int 42"),
+        (['{"prompt": null, "answer": "1"}'], r":1: field 'prompt' must be a string, got NoneType"),
+    ],
+)
+def test_errors_name_file_and_line(tmp_path: Path, lines: list[str], message: str) -> None:
+    path = _jsonl(tmp_path / "bad.jsonl", *lines)
+    with pytest.raises(DataError, match=message) as exc:
+        read_prompt_file(path)
+    assert str(exc.value).startswith(str(path))
+
+
+def test_missing_file_and_unknown_format(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match=r"nope.jsonl: cannot read prompt file"):
+        read_prompt_file(tmp_path / "nope.jsonl")
+    (tmp_path / "p.csv").write_text("prompt,answer\n")
+    with pytest.raises(DataError, match=r"p.csv: unknown prompt file format '.csv'"):
+        read_prompt_file(tmp_path / "p.csv")
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b'{"prompt": "\xff", "answer": "1"}\n')
+    with pytest.raises(DataError, match=r"p.jsonl: not UTF-8 text \(byte 12\)"):
+        read_prompt_file(path)
+
+
+def test_parquet_without_pyarrow_names_the_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail
+    path = tmp_path / "p.parquet"
+    path.write_bytes(b"")
+    with pytest.raises(DataError, match=r"p.parquet: .*pip install pyarrow"):
+        read_prompt_file(path)
+
+
+def test_parquet(tmp_path: Path) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), path)
+    records, where = read_prompt_file(path)
+    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    assert where == [f"{path} row 1", f"{path} row 2"]
+    pq.write_table(pa.table({"prompt": ["1+1="], "answer": [2]}), path)
+    with pytest.raises(DataError, match=r"row 1: field 'answer' must be a string"):
+        read_prompt_file(path)
+    path.write_bytes(b"not parquet")
+    with pytest.raises(DataError, match=r"p.parquet: cannot read Parquet file"):
+        read_prompt_file(path)

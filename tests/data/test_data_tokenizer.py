@@ -1,0 +1,93 @@
+"""The character-level task tokenizer: ids, round trips, save/load, and loading a model's tokenizer."""
+
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from verlite.data import build_task_tokenizer, encode_prompts, load_tokenizer
+from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS
+
+
+def test_special_tokens_and_small_vocab() -> None:
+    tok = build_task_tokenizer()
+    assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<pad>", "<bos>", "<eos>")
+    assert tok.pad_token_id == 0
+    assert len({tok.pad_token_id, tok.bos_token_id, tok.eos_token_id}) == 3
+    assert len(tok) == len(SPECIAL_TOKENS) + len(CHARACTERS) <= 64
+
+
+@pytest.mark.parametrize(
+    "text", ["copy 4821=", "reverse 4821=", "37+485=", "what is 3 * (4 - 1)?\n#### 9", " a  b "]
+)
+def test_one_token_per_character_round_trip(text: str) -> None:
+    tok = build_task_tokenizer()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text)
+    assert tok.decode(ids) == text
+    assert tok(text)["input_ids"] == [tok.bos_token_id, *ids]  # the template adds BOS
+
+
+def test_decode_skips_special_tokens() -> None:
+    tok = build_task_tokenizer()
+    ids = [tok.bos_token_id, *tok("42", add_special_tokens=False)["input_ids"], tok.eos_token_id]
+    assert tok.decode([*ids, tok.pad_token_id], skip_special_tokens=True) == "42"
+
+
+def test_unknown_characters_become_unk() -> None:
+    tok = build_task_tokenizer()
+    assert tok("aZb", add_special_tokens=False)["input_ids"][1] == tok.unk_token_id
+
+
+def test_save_and_auto_load_round_trip(tmp_path: Path) -> None:
+    tok = build_task_tokenizer()
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    assert loaded.get_vocab() == tok.get_vocab()
+    assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (0, 1, 2)
+    text = "12+9=\n#### 21"
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded.decode(loaded(text)["input_ids"], skip_special_tokens=True) == text
+    assert load_tokenizer(str(tmp_path)).get_vocab() == tok.get_vocab()
+
+
+def test_load_tokenizer_none_is_the_task_tokenizer() -> None:
+    assert load_tokenizer(None).get_vocab() == build_task_tokenizer().get_vocab()
+
+
+def _backend() -> Tokenizer:
+    return build_task_tokenizer().backend_tokenizer
+
+
+def test_load_tokenizer_falls_back_to_eos_for_padding(tmp_path: Path) -> None:
+    PreTrainedTokenizerFast(tokenizer_object=_backend(), eos_token="<eos>").save_pretrained(
+        tmp_path
+    )
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.pad_token == "<eos>"
+    assert tok.pad_token_id == tok.eos_token_id
+
+
+def test_load_tokenizer_without_pad_or_eos_fails(tmp_path: Path) -> None:
+    PreTrainedTokenizerFast(tokenizer_object=_backend()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="neither a pad nor an eos token"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_encode_prompts_prepends_bos_only() -> None:
+    tok = build_task_tokenizer()
+    [ids] = encode_prompts(tok, ["7+8="])
+    assert ids[0] == tok.bos_token_id
+    assert tok.eos_token_id not in ids
+    assert tok.decode(ids[1:]) == "7+8="
+    assert encode_prompts(tok, []) == []
+
+
+def test_encode_prompts_without_bos(tmp_path: Path) -> None:
+    PreTrainedTokenizerFast(
+        tokenizer_object=_backend(), pad_token="<pad>", eos_token="<eos>"
+    ).save_pretrained(tmp_path)
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.bos_token_id is None
+    assert encode_prompts(tok, ["12"]) == [tok("12", add_special_tokens=False)["input_ids"]]

@@ -1,0 +1,129 @@
+"""Reward resolution (registry, config defaults, user functions by import path) and score validation."""
+
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from verlite.config import Config, ConfigError
+from verlite.rewards import (
+    REWARDS,
+    RewardError,
+    digit_match,
+    exact_match,
+    get_reward,
+    gsm8k,
+    resolve_reward,
+    score_responses,
+)
+
+USER_MODULE = """
+def length_score(response, answer, prompt):
+    return min(len(response) / 10, 1.0)
+
+class Scorers:
+    @staticmethod
+    def always_one(response, answer, prompt):
+        return 1.0
+
+NOT_CALLABLE = 3
+
+def two_args(response, answer):
+    return 0.0
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    package = tmp_path / "userpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "scoring.py").write_text(USER_MODULE)
+    (package / "broken.py").write_text("import not_a_real_dependency_xyz\n")
+    (package / "raises.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n.startswith("userpkg")]:
+        monkeypatch.delitem(sys.modules, name)
+    return "userpkg"
+
+
+def _config(reward_fn: str | None = None, **data: Any) -> Config:
+    return Config.model_validate({"data": data, "reward": {"fn": reward_fn}})
+
+
+def test_registry() -> None:
+    assert dict(REWARDS) == {"exact_match": exact_match, "gsm8k": gsm8k, "digit_match": digit_match}
+    for name, fn in REWARDS.items():
+        assert get_reward(name) is fn
+
+
+def test_resolve_defaults() -> None:
+    assert resolve_reward(_config(task="reverse")) is digit_match
+    assert resolve_reward(_config(train_file="p.jsonl")) is exact_match
+    assert resolve_reward(_config("gsm8k", train_file="p.jsonl")) is gsm8k
+    assert resolve_reward(_config("exact_match", task="copy")) is exact_match
+
+
+def test_user_function(user_module: str) -> None:
+    fn = resolve_reward(_config(f"{user_module}.scoring:length_score", task="copy"))
+    assert fn("12345", "", "") == 0.5
+    assert get_reward(f"{user_module}.scoring:Scorers.always_one")("", "", "") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            "exact",
+            r"reward.fn='exact': not a registered reward \(exact_match, gsm8k, digit_match\)",
+        ),
+        ("userpkg.scoring", r"nor an import path 'package.module:function'"),
+        ("userpkg.scoring:f()", r"nor an import path"),
+        ("os:system; rm", r"nor an import path"),
+        ("nopkg_xyz.mod:fn", r"reward.fn='nopkg_xyz.mod:fn': no module named 'nopkg_xyz'"),
+        ("userpkg.missing:fn", r"no module named 'userpkg.missing'"),
+        (
+            "userpkg.broken:fn",
+            r"importing 'userpkg.broken' failed: No module named 'not_a_real_dependency_xyz'",
+        ),
+        ("userpkg.raises:fn", r"importing 'userpkg.raises' failed: RuntimeError: boom at import"),
+        (
+            "userpkg.scoring:nope",
+            r"reward.fn='userpkg.scoring:nope': 'userpkg.scoring' has no attribute 'nope'",
+        ),
+        ("userpkg.scoring:Scorers.nope", r"'Scorers' has no attribute 'nope'"),
+        (
+            "userpkg.scoring:NOT_CALLABLE",
+            r"reward.fn='userpkg.scoring:NOT_CALLABLE' is not callable \(it is a int\)",
+        ),
+        ("userpkg.scoring:two_args", r"must accept \(response, answer, prompt\) positionally"),
+    ],
+)
+def test_user_function_errors(user_module: str, spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        get_reward(spec)
+
+
+def test_score_responses() -> None:
+    scores = score_responses(digit_match, ["12", "13", ""], ["12", "12", "12"], ["a", "b", "c"])
+    assert scores == [1.0, 0.5, 0.0]
+    assert all(type(s) is float for s in score_responses(lambda r, a, p: 1, ["x"], ["y"], ["z"]))
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, math.nan, math.inf, "1.0", None])
+def test_score_responses_rejects_bad_scores(bad: object) -> None:
+    def bad_reward(response: str, answer: str, prompt: str) -> Any:
+        return bad if response == "second" else 0.5
+
+    with pytest.raises(
+        RewardError,
+        match=rf"reward function {__name__}:.*bad_reward returned .* for response 1 \('second'\)",
+    ):
+        score_responses(bad_reward, ["first", "second"], ["a", "a"], ["p", "p"])
+
+
+def test_score_responses_length_mismatch() -> None:
+    with pytest.raises(ValueError, match="got 2 responses, 1 answers, 2 prompts"):
+        score_responses(exact_match, ["a", "b"], ["a"], ["p", "q"])

@@ -1,0 +1,76 @@
+"""Built-in rule-based rewards and their edge cases."""
+
+import pytest
+
+from verlite.rewards import digit_match, exact_match, gsm8k
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "score"),
+    [
+        ("42", "42", 1.0),
+        ("  42 \n", "42", 1.0),
+        ("42", " 42 ", 1.0),
+        ("4 2", "42", 0.0),
+        ("", "42", 0.0),
+        ("", "", 1.0),
+        ("420", "42", 0.0),
+    ],
+)
+def test_exact_match(response: str, answer: str, score: float) -> None:
+    assert exact_match(response, answer, "prompt") == score
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "score"),
+    [
+        ("1284", "1284", 1.0),
+        (" 1284 ", "1284", 1.0),
+        ("1294", "1284", 0.75),
+        ("128", "1284", 0.75),  # a missing position counts against it
+        ("12845", "1284", 0.8),  # so does an extra one
+        ("4821", "1284", 0.0),
+        ("", "1284", 0.0),
+        ("1284", "", 0.0),
+        ("", "", 1.0),
+        ("  ", "", 1.0),
+    ],
+)
+def test_digit_match(response: str, answer: str, score: float) -> None:
+    assert digit_match(response, answer, "reverse 4821=") == pytest.approx(score)
+
+
+def test_digit_match_is_one_only_for_an_exact_match() -> None:
+    answer = "10293"
+    for response in ["1029", "102930", "10283", "10293 0", "0293"]:
+        assert 0.0 <= digit_match(response, answer, "") < 1.0
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "score"),
+    [
+        ("so the total is\n#### 42", "42", 1.0),
+        ("#### 42", "#### 42", 1.0),
+        ("#### 1,234", "1234", 1.0),
+        ("#### 1234", "step one... 1,000 + 234\n#### 1,234", 1.0),
+        ("#### 42.0", "42", 1.0),
+        ("#### $42", "42", 1.0),
+        ("####42 apples", "42", 1.0),
+        ("#### -3", "-3", 1.0),
+        ("#### 3", "-3", 0.0),
+        ("#### 41 ... #### 42", "42", 1.0),  # the last mark counts
+        ("#### 42 ... #### 41", "42", 0.0),
+        ("42", "42", 0.0),  # no final-answer mark
+        ("", "42", 0.0),
+        ("####", "42", 0.0),
+        ("#### forty-two", "42", 0.0),
+        ("#### 0.5", "0.50", 1.0),
+    ],
+)
+def test_gsm8k(response: str, answer: str, score: float) -> None:
+    assert gsm8k(response, answer, "question") == score
+
+
+def test_gsm8k_answer_without_a_number() -> None:
+    with pytest.raises(ValueError, match="the answer 'forty' holds no number"):
+        gsm8k("#### 40", "forty", "")

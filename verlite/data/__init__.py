@@ -1,0 +1,32 @@
+"""Prompts for training: the task tokenizer, synthetic tasks, prompt files, datasets and batches."""
+
+from verlite.data.dataset import (
+    PromptDataset,
+    build_datasets,
+    check_prompts,
+    holdout_split,
+    task_records,
+)
+from verlite.data.files import DataError, PromptRecord, read_prompt_file
+from verlite.data.loader import PromptBatch, PromptLoader, collate_prompts
+from verlite.data.tasks import TASKS, Task
+from verlite.data.tokenizer import build_task_tokenizer, encode_prompts, load_tokenizer
+
+__all__ = [
+    "TASKS",
+    "DataError",
+    "PromptBatch",
+    "PromptDataset",
+    "PromptLoader",
+    "PromptRecord",
+    "Task",
+    "build_datasets",
+    "build_task_tokenizer",
+    "check_prompts",
+    "collate_prompts",
+    "encode_prompts",
+    "holdout_split",
+    "load_tokenizer",
+    "read_prompt_file",
+    "task_records",
+]

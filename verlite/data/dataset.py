@@ -1,0 +1,182 @@
+"""Prompt datasets: a synthetic task or prompt files, split into train and validation, with the
+prompt-length policy (``data.prompt_overflow``) applied once, where errors can name the prompt."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, overload
+
+from transformers import PreTrainedTokenizerBase
+
+from verlite.config import Config, DataConfig
+from verlite.data.files import DataError, PromptRecord, read_prompt_file
+from verlite.data.tasks import TASKS
+from verlite.data.tokenizer import encode_prompts
+
+
+@dataclass(frozen=True)
+class PromptDataset(Sequence[PromptRecord]):
+    """The prompt records of one split.
+
+    ``num_truncated`` counts prompts longer than ``data.max_prompt_length`` that batches keep
+    only the last tokens of (``data.prompt_overflow=truncate``), for the trainer to log.
+    """
+
+    records: tuple[PromptRecord, ...]
+    name: str
+    num_truncated: int = 0
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @overload
+    def __getitem__(self, index: int) -> PromptRecord: ...
+    @overload
+    def __getitem__(self, index: slice) -> tuple[PromptRecord, ...]: ...
+    def __getitem__(self, index: int | slice) -> PromptRecord | tuple[PromptRecord, ...]:
+        return self.records[index]
+
+
+def build_datasets(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase
+) -> tuple[PromptDataset, PromptDataset]:
+    """The (train, validation) datasets of ``cfg.data``, generated from ``cfg.trainer.seed``."""
+    data, seed = cfg.data, cfg.trainer.seed
+    if data.task is not None:
+        train, val = task_records(
+            data.task,
+            seed=seed,
+            num_train=data.num_train_samples,
+            num_val=data.num_val_samples,
+            min_digits=data.min_digits,
+            max_digits=data.max_digits,
+        )
+        train_where = [f"data.task={data.task} train sample {i}" for i in range(len(train))]
+        val_where = [f"data.task={data.task} validation sample {i}" for i in range(len(val))]
+    else:
+        assert data.train_file is not None  # DataConfig requires a task or a train file
+        records, where = read_prompt_file(data.train_file)
+        if data.val_file is not None:
+            train, train_where = records, where
+            val, val_where = read_prompt_file(data.val_file)
+        else:
+            train_idx, val_idx = holdout_split(len(records), data.num_val_samples, seed=seed)
+            if not train_idx:
+                raise DataError(
+                    f"{data.train_file}: {len(records)} prompts leave none for training after holding "
+                    f"out data.num_val_samples={data.num_val_samples}; lower it or set data.val_file"
+                )
+            train, train_where = [records[i] for i in train_idx], [where[i] for i in train_idx]
+            val, val_where = [records[i] for i in val_idx], [where[i] for i in val_idx]
+    return (
+        _dataset(train, train_where, "train", tokenizer, data),
+        _dataset(val, val_where, "validation", tokenizer, data),
+    )
+
+
+def task_records(
+    task: str, *, seed: int, num_train: int, num_val: int, min_digits: int, max_digits: int
+) -> tuple[list[PromptRecord], list[PromptRecord]]:
+    """Training and validation records of a synthetic task.
+
+    The two splits come from separate seeded streams, and validation keeps only prompts that
+    are in neither the training set nor earlier in validation, so it measures generalization.
+    """
+    generate = TASKS[task].generate
+    train_rng = random.Random(f"verlite:{task}:train:{seed}")
+    train = [_pair(*generate(train_rng, min_digits, max_digits)) for _ in range(num_train)]
+    seen = {r["prompt"] for r in train}
+    val_rng = random.Random(f"verlite:{task}:validation:{seed}")
+    val: list[PromptRecord] = []
+    attempts = max(1000, 100 * num_val)  # a narrow digit range can run out of unseen prompts
+    while len(val) < num_val:
+        if attempts == 0:
+            raise DataError(
+                f"data.task={task} with {min_digits} to {max_digits} digits has too few distinct prompts "
+                f"to hold out data.num_val_samples={num_val} unseen in data.num_train_samples={num_train}; "
+                "widen data.min_digits..data.max_digits or lower the sample counts"
+            )
+        attempts -= 1
+        prompt, answer = generate(val_rng, min_digits, max_digits)
+        if prompt not in seen:
+            seen.add(prompt)
+            val.append(_pair(prompt, answer))
+    return train, val
+
+
+def holdout_split(num_records: int, num_val: int, *, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of (train, validation): validation is the last ``num_val`` of a seeded shuffle;
+    train keeps the file order."""
+    order = list(range(num_records))
+    random.Random(f"verlite:holdout:{seed}").shuffle(order)
+    cut = max(num_records - num_val, 0)
+    return sorted(order[:cut]), order[cut:]
+
+
+def check_prompts(
+    records: Sequence[PromptRecord],
+    where: Sequence[str],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_prompt_length: int,
+    overflow: Literal["truncate", "error"],
+) -> int:
+    """Apply the prompt-length policy; return how many prompts batches will truncate.
+
+    A prompt is measured as it is batched (BOS included). ``overflow="error"`` raises on the
+    first one longer than ``max_prompt_length``; ``"truncate"`` counts them (batches keep the
+    last tokens, where the question ends). Prompts with characters the tokenizer maps to its
+    unknown token are errors either way: the model could not read them.
+    """
+    truncated = 0
+    for location, record, ids in zip(
+        where, records, encode_prompts(tokenizer, [r["prompt"] for r in records]), strict=True
+    ):
+        if not ids:
+            raise DataError(f"{location}: prompt is empty (and the tokenizer adds no BOS)")
+        unk = tokenizer.unk_token_id
+        if unk is not None and unk in ids:
+            unknown = sorted(
+                {
+                    c
+                    for c in record["prompt"]
+                    if unk in tokenizer.encode(c, add_special_tokens=False)
+                }
+            )
+            raise DataError(
+                f"{location}: prompt has characters the tokenizer does not know "
+                f"({''.join(unknown)!r} become {tokenizer.unk_token!r})"
+            )
+        if len(ids) <= max_prompt_length:
+            continue
+        if overflow == "error":
+            with_bos = " (BOS included)" if tokenizer.bos_token_id is not None else ""
+            raise DataError(
+                f"{location}: prompt is {len(ids)} tokens{with_bos}, longer than "
+                f"data.max_prompt_length={max_prompt_length}; raise it or set data.prompt_overflow=truncate"
+            )
+        truncated += 1
+    return truncated
+
+
+def _pair(prompt: str, answer: str) -> PromptRecord:
+    return PromptRecord(prompt=prompt, answer=answer)
+
+
+def _dataset(
+    records: Sequence[PromptRecord],
+    where: Sequence[str],
+    name: str,
+    tokenizer: PreTrainedTokenizerBase,
+    data: DataConfig,
+) -> PromptDataset:
+    truncated = check_prompts(
+        records,
+        where,
+        tokenizer,
+        max_prompt_length=data.max_prompt_length,
+        overflow=data.prompt_overflow,
+    )
+    return PromptDataset(tuple(records), name=name, num_truncated=truncated)

@@ -1,0 +1,135 @@
+"""Batches of prompts: a resumable, seeded, endless loader and the collation into token tensors.
+
+Collated prompts are left-padded to ``data.max_prompt_length`` so responses start at the
+same column in every row (the layout of ``verlite.batch``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TypedDict
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from verlite.data.files import DataError, PromptRecord
+from verlite.data.tokenizer import encode_prompts
+
+STATE_KEYS = ("epoch", "position", "seed")
+
+
+class PromptLoader:
+    """Endless batches of ``batch_size`` records, epoch after epoch.
+
+    Each epoch visits the records in an order shuffled from ``(seed, epoch)`` (file order
+    with ``shuffle=False``) and drops the last ``len(dataset) % batch_size`` of them, so every
+    step has the same number of prompts. The state is ``(epoch, position, seed)``, with
+    ``position`` the batches already taken in the epoch: a loader that loads a state yields
+    exactly the batches the saved one would have.
+    """
+
+    def __init__(
+        self,
+        dataset: Sequence[PromptRecord],
+        batch_size: int,
+        *,
+        seed: int,
+        shuffle: bool = True,
+    ) -> None:
+        if len(dataset) < batch_size:
+            raise DataError(
+                f"{len(dataset)} training prompts are fewer than one batch of "
+                f"data.train_batch_size={batch_size}"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self._seed = seed
+        self._epoch = 0
+        self._position = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, record order) cache
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return len(self.dataset) // self.batch_size
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batch most recently taken (0 before the first)."""
+        return self._epoch
+
+    def __iter__(self) -> Iterator[list[PromptRecord]]:
+        return self
+
+    def __next__(self) -> list[PromptRecord]:
+        if self._position == self.batches_per_epoch:
+            self._epoch += 1
+            self._position = 0
+        start = self._position * self.batch_size
+        self._position += 1
+        return [self.dataset[i] for i in self._epoch_order()[start : start + self.batch_size]]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "position": self._position, "seed": self._seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        """Continue from a saved state (its seed wins, so the resumed order is the saved run's)."""
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(f"loader state lacks {', '.join(missing)}; got keys {sorted(state)}")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.batches_per_epoch:
+            raise ValueError(
+                f"loader state epoch={epoch}, position={position} does not fit this dataset "
+                f"({self.batches_per_epoch} batches of {self.batch_size} per epoch)"
+            )
+        self._epoch, self._position, self._seed = epoch, position, int(state["seed"])
+        self._order = None
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self._epoch:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(f"verlite:loader:{self._seed}:{self._epoch}").shuffle(order)
+            self._order = (self._epoch, order)
+        return self._order[1]
+
+
+class PromptBatch(TypedDict):
+    input_ids: torch.Tensor  # (B, P) long, left-padded with the pad id
+    attention_mask: torch.Tensor  # (B, P) long, 1 on real tokens
+    position_ids: torch.Tensor  # (B, P) long, 0.. over real tokens, 0 on pads
+    prompts: list[str]
+    answers: list[str]
+
+
+def collate_prompts(
+    records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int
+) -> PromptBatch:
+    """Token tensors of a batch of prompts, each BOS + prompt, left-padded to ``max_prompt_length``.
+
+    A longer prompt keeps its last ``max_prompt_length`` tokens: datasets have already applied
+    ``data.prompt_overflow``, so only prompts it allows to be truncated get here.
+    """
+    if not records:
+        raise ValueError("cannot collate an empty batch of prompts")
+    pad = tokenizer.pad_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has no pad token; load it with load_tokenizer()")
+    prompts = [r["prompt"] for r in records]
+    input_ids = torch.full((len(records), max_prompt_length), pad, dtype=torch.long)
+    attention_mask = torch.zeros((len(records), max_prompt_length), dtype=torch.long)
+    for row, ids in enumerate(encode_prompts(tokenizer, prompts)):
+        ids = ids[-max_prompt_length:]
+        start = max_prompt_length - len(ids)
+        input_ids[row, start:] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, start:] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return PromptBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        prompts=prompts,
+        answers=[r["answer"] for r in records],
+    )

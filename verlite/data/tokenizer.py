@@ -1,0 +1,74 @@
+"""Tokenizers: verlite's character-level task tokenizer, loading a model's own, and prompt encoding.
+
+The task tokenizer is built in code (nothing is downloaded): one token per character of a
+small alphabet, so the built-in model's ``vocab_size`` is ``len(tokenizer)``.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Sequence
+
+from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
+# Digits, lowercase letters, space, newline and the symbols of the tasks and of simple math prompts.
+CHARACTERS = string.digits + string.ascii_lowercase + " \n" + "+-*/=:#.,?!()'\"$%_"
+
+
+def build_task_tokenizer() -> PreTrainedTokenizerFast:
+    """The character-level tokenizer of the synthetic tasks (``<pad>`` is id 0).
+
+    Calling it on text prepends ``<bos>`` (like most causal-LM tokenizers); characters
+    outside :data:`CHARACTERS` become ``<unk>``. Decoding concatenates characters.
+    """
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
+    # Oniguruma has no DOTALL flag; [\s\S] matches every character, newline included.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        # The default clean-up rewrites " ." and " ," and would break the character round trip.
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerBase:
+    """The task tokenizer when ``model_path`` is None, else the model directory's own (local files
+    only), with a pad token guaranteed: the eos token when the tokenizer defines none."""
+    if model_path is None:
+        return build_task_tokenizer()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                f"the tokenizer in {model_path!r} has neither a pad nor an eos token; "
+                "prompts cannot be padded (add a pad_token to its tokenizer_config.json)"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each prompt: BOS (when the tokenizer has one) then the prompt, no EOS.
+
+    BOS is added here rather than by the tokenizer's template so that every tokenizer, with
+    or without a post-processor, gives the same layout.
+    """
+    if not prompts:
+        return []
+    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return [bos + ids for ids in encoded]

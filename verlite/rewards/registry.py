@@ -1,0 +1,119 @@
+"""Reward functions by name: the built-in registry, user functions by import path, the run's
+reward, and validated scoring of a batch of responses."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from verlite.config import Config, ConfigError
+from verlite.data.tasks import TASKS
+from verlite.rewards.rules import digit_match, exact_match, gsm8k
+
+RewardFn = Callable[[str, str, str], float]
+"""``fn(response, answer, prompt) -> score`` in [0, 1], called positionally."""
+
+REWARDS: dict[str, RewardFn] = {
+    "exact_match": exact_match,
+    "gsm8k": gsm8k,
+    "digit_match": digit_match,
+}
+
+_DOTTED = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
+_IMPORT_PATH = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
+
+
+class RewardError(ValueError):
+    """A reward function returned something that is not a score in [0, 1]."""
+
+
+def resolve_reward(cfg: Config) -> RewardFn:
+    """``reward.fn`` when set; else the task's reward (digit_match) or exact_match for prompt files."""
+    if cfg.reward.fn is not None:
+        return get_reward(cfg.reward.fn)
+    if cfg.data.task is not None:
+        return REWARDS[TASKS[cfg.data.task].reward]
+    return exact_match
+
+
+def get_reward(spec: str) -> RewardFn:
+    """A registered reward by name, or a user function by ``"package.module:function"``.
+
+    Only the module named in ``spec`` is imported (``importlib``, never ``eval``).
+    """
+    if spec in REWARDS:
+        return REWARDS[spec]
+    match = _IMPORT_PATH.fullmatch(spec)
+    if match is None:
+        raise ConfigError(
+            f"reward.fn={spec!r}: not a registered reward ({', '.join(REWARDS)}) "
+            "nor an import path 'package.module:function'"
+        )
+    module_name, attr = match["module"], match["attr"]
+    try:
+        target: object = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (module_name + ".").startswith(exc.name + "."):
+            raise ConfigError(
+                f"reward.fn={spec!r}: no module named {exc.name!r} (is it on PYTHONPATH?)"
+            ) from None
+        raise ConfigError(f"reward.fn={spec!r}: importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise ConfigError(
+            f"reward.fn={spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise ConfigError(
+                f"reward.fn={spec!r}: {getattr(target, '__name__', module_name)!r} has no attribute {part!r}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise ConfigError(f"reward.fn={spec!r} is not callable (it is a {type(target).__name__})")
+    _check_signature(spec, target)
+    return cast(RewardFn, target)
+
+
+def _check_signature(spec: str, fn: Callable[..., object]) -> None:
+    # Fail at start-up, not after the first rollout, when the function cannot take the 3 arguments.
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no introspectable signature
+        return
+    try:
+        signature.bind("response", "answer", "prompt")
+    except TypeError as exc:
+        raise ConfigError(
+            f"reward.fn={spec!r} must accept (response, answer, prompt) positionally: {exc}"
+        ) from None
+
+
+def score_responses(
+    fn: RewardFn, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str]
+) -> list[float]:
+    """Score each response; every score must be a finite number in [0, 1]."""
+    if not len(responses) == len(answers) == len(prompts):
+        raise ValueError(
+            f"score_responses needs one answer and prompt per response; got {len(responses)} responses, "
+            f"{len(answers)} answers, {len(prompts)} prompts"
+        )
+    scores: list[float] = []
+    for i, (response, answer, prompt) in enumerate(zip(responses, answers, prompts, strict=True)):
+        score = fn(response, answer, prompt)
+        if not (isinstance(score, numbers.Real) and math.isfinite(score) and 0.0 <= score <= 1.0):
+            raise RewardError(
+                f"reward function {_name(fn)} returned {score!r} for response {i} ({response!r}); "
+                "scores must be finite numbers in [0, 1]"
+            )
+        scores.append(float(score))
+    return scores
+
+
+def _name(fn: Callable[..., object]) -> str:
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    return f"{module}:{qualname}" if module and qualname else repr(fn)

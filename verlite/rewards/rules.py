@@ -1,0 +1,52 @@
+"""Built-in rule-based rewards: ``fn(response, answer, prompt) -> float`` in [0, 1].
+
+Responses arrive decoded up to EOS with special tokens skipped; leading and trailing
+whitespace never counts against them.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+
+# A number as GSM8K writes final answers: optional $, sign, thousands commas, decimals.
+_NUMBER = re.compile(r"\s*\$?\s*(-?[\d,]*\.?\d+)")
+_MARK = "####"
+
+
+def exact_match(response: str, answer: str, prompt: str) -> float:
+    """1 when the response is the answer (whitespace-stripped), else 0."""
+    return float(response.strip() == answer.strip())
+
+
+def gsm8k(response: str, answer: str, prompt: str) -> float:
+    """1 when the number after the response's last ``####`` equals the answer's number.
+
+    The answer is ``"42"`` or ends in ``"#### 42"``; commas are dropped and values compare
+    as decimals, so ``1,234`` matches ``1234`` and ``42.0`` matches ``42``. A response
+    without ``####`` scores 0.
+    """
+    expected = _leading_number(answer.rsplit(_MARK, 1)[-1])
+    if expected is None:
+        raise ValueError(f"gsm8k reward: the answer {answer!r} holds no number")
+    if _MARK not in response:
+        return 0.0
+    return float(_leading_number(response.rsplit(_MARK, 1)[1]) == expected)
+
+
+def _leading_number(text: str) -> Decimal | None:
+    match = _NUMBER.match(text)
+    return Decimal(match.group(1).replace(",", "")) if match else None
+
+
+def digit_match(response: str, answer: str, prompt: str) -> float:
+    """Partial credit: the positions where response and answer agree over the longer length.
+
+    Only an exact match scores 1 (a shorter or longer response loses the missing positions),
+    and a tiny model is rewarded for every digit it gets right: a dense learning signal.
+    """
+    response, answer = response.strip(), answer.strip()
+    if response == answer:
+        return 1.0
+    agree = sum(r == a for r, a in zip(response, answer, strict=False))
+    return agree / max(len(response), len(answer))

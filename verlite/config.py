@@ -31,9 +31,10 @@ from pydantic import (
 
 from verlite.core.advantages import ADV_ESTIMATORS, ESTIMATORS_NEEDING_CRITIC
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+from verlite.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A configuration problem a user can fix: the message names the field, value and what is allowed."""
 
 

@@ -50,7 +50,9 @@ class JsonlLogger:
 class ConsoleLogger:
     """A compact line per step: progress bar, ETA and the headline metrics."""
 
-    def __init__(self, *, total_steps: int, start_step: int = 0, stream: TextIO | None = None) -> None:
+    def __init__(
+        self, *, total_steps: int, start_step: int = 0, stream: TextIO | None = None
+    ) -> None:
         self.total_steps = total_steps
         self.start_step = start_step
         self.stream = stream or sys.stdout
@@ -84,7 +86,9 @@ def _duration(seconds: float) -> str:
 class Tracker:
     """Fans metrics out to the configured loggers."""
 
-    def __init__(self, names: Sequence[str], *, output_dir: Path, total_steps: int, start_step: int = 0) -> None:
+    def __init__(
+        self, names: Sequence[str], *, output_dir: Path, total_steps: int, start_step: int = 0
+    ) -> None:
         self.loggers: list[Logger] = []
         for name in names:
             if name == "console":

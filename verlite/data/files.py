@@ -11,8 +11,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypedDict
 
+from verlite.errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """A problem with the prompts a user can fix: the message names the file and line, or the setting."""
 
 

@@ -13,6 +13,7 @@ from typing import cast
 
 from verlite.config import Config, ConfigError
 from verlite.data.tasks import TASKS
+from verlite.errors import UserError
 from verlite.rewards.rules import digit_match, exact_match, gsm8k
 
 RewardFn = Callable[[str, str, str], float]
@@ -28,7 +29,7 @@ _DOTTED = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 _IMPORT_PATH = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
 
 
-class RewardError(ValueError):
+class RewardError(UserError):
     """A reward function returned something that is not a score in [0, 1]."""
 
 

@@ -1,0 +1,276 @@
+"""The PPO controller on the Ray driver: the numbered stages of DESIGN §1, one timed call each.
+
+``Trainer.fit`` reads as the training loop; everything it calls is either a worker-group
+call (generation, log-probs, values, updates) or pure math on the driver (rewards,
+advantages, statistics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict
+
+from verlite.config import Config
+from verlite.controller import WorkerGroup, build_pools, start_ray, stop_ray, write_placement_report
+from verlite.core.advantages import compute_advantages
+from verlite.core.losses import kl_penalty
+from verlite.core.rewards import KLController, apply_kl_penalty, place_scores
+from verlite.core.step_stats import step_statistics
+from verlite.data import PromptLoader, PromptRecord, build_datasets, collate_prompts, load_tokenizer
+from verlite.rewards import resolve_reward, score_responses
+from verlite.rollout import SamplingParams
+from verlite.tracking import Tracker
+from verlite.workers.actor import ActorWorker
+from verlite.workers.critic import CriticWorker
+
+
+class Timer:
+    """Wall time of each named stage of one step (``timing_s/<stage>``)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.output_dir = Path(cfg.trainer.output_dir)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.train_set, self.val_set = build_datasets(cfg, self.tokenizer)
+        self.loader = PromptLoader(
+            self.train_set,
+            cfg.data.train_batch_size,
+            seed=cfg.trainer.seed,
+            shuffle=cfg.data.shuffle,
+        )
+        self.reward_fn = resolve_reward(cfg)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = KLController(
+            kl.kl_coef, adaptive=kl.type == "adaptive", target_kl=kl.target_kl, horizon=kl.horizon
+        )
+        self.sampling = SamplingParams(
+            max_new_tokens=cfg.rollout.max_response_length,
+            temperature=cfg.rollout.temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+        )
+
+    # ------------------------------------------------------------------------ set-up
+
+    def _start_workers(self) -> None:
+        cfg = self.cfg
+        start_ray(cfg.trainer.ray_address)
+        roles = ["actor", "critic"] if cfg.use_critic else ["actor"]
+        pools = build_pools(cfg, roles)
+        common = {"cfg": cfg, "vocab_size": len(self.tokenizer)}
+        run_id = uuid.uuid4().hex[:8]
+        threads = cfg.trainer.torch_threads_per_worker
+        pool, share = pools["actor"]
+        self.actor = WorkerGroup(
+            "actor",
+            ActorWorker,
+            pool,
+            share=share,
+            worker_kwargs={
+                **common,
+                "eos_token_id": self.tokenizer.eos_token_id,
+                "pad_token_id": self.tokenizer.pad_token_id,
+            },
+            torch_threads=threads,
+            run_id=run_id,
+        )
+        self.groups = [self.actor]
+        self.critic = None
+        if cfg.use_critic:
+            pool, share = pools["critic"]
+            self.critic = WorkerGroup(
+                "critic",
+                CriticWorker,
+                pool,
+                share=share,
+                worker_kwargs=common,
+                torch_threads=threads,
+                run_id=run_id,
+            )
+            self.groups.append(self.critic)
+        for group in self.groups:
+            group.call("init_model", dispatch="broadcast", collect="list")
+        print(write_placement_report(self.groups, self.output_dir), flush=True)
+
+    # -------------------------------------------------------------------- the loop
+
+    def fit(self) -> None:
+        cfg = self.cfg
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._start_workers()
+        tracker = Tracker(
+            cfg.trainer.loggers, output_dir=self.output_dir, total_steps=cfg.trainer.total_steps
+        )
+        try:
+            for step in range(1, cfg.trainer.total_steps + 1):
+                metrics = self.train_step(step)
+                if cfg.trainer.val_freq and (
+                    step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps
+                ):
+                    metrics.update(self.validate())
+                tracker.log(step, metrics)
+        finally:
+            tracker.close()
+            for group in self.groups:
+                group.shutdown()
+            stop_ray()
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, timer = self.cfg, Timer()
+        step_start = time.perf_counter()
+        records = next(self.loader)
+        actor_k = cfg.role_sizes("actor").num_mini_batches
+        with timer("gen"):  # 1. generate
+            prompts, texts = self._prompt_batch(
+                records, repeat=cfg.rollout.n, temperature=cfg.rollout.temperature
+            )
+            seed = cfg.trainer.seed * 100_003 + step
+            batch = self.actor.call(
+                "generate", prompts, self.sampling, seed, dispatch="dp_split", collect="concat"
+            )
+        with timer("reward"):  # 2. reward
+            scores = self._score(batch, texts)
+            batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
+        with timer("old_log_prob"):  # 3-4. old and reference log-probs
+            batch.update(
+                self.actor.call("compute_log_probs", batch, dispatch="dp_split", collect="concat")
+            )
+        if self.critic is not None:
+            with timer("values"):  # 5. values
+                batch.update(
+                    self.critic.call("compute_values", batch, dispatch="dp_split", collect="concat")
+                )
+        with timer("adv"):  # 6. advantages
+            kl_metrics = self._token_rewards(batch)
+            batch["advantages"], batch["returns"] = compute_advantages(
+                cfg.algorithm.adv_estimator,
+                token_level_rewards=batch["token_level_rewards"],
+                response_mask=batch["response_mask"],
+                values=batch.get("values", None),
+                index=batch["uid"],
+                gamma=cfg.algorithm.gamma,
+                lam=cfg.algorithm.lam,
+                norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+            )
+        metrics: dict[str, float] = {}
+        if self.critic is not None:
+            with timer("update_critic"):  # 7. critic update
+                k = cfg.role_sizes("critic").num_mini_batches
+                metrics.update(
+                    self.critic.call(
+                        "update_critic",
+                        batch,
+                        dispatch="dp_split",
+                        mini_batches=k,
+                        collect="metrics",
+                    )
+                )
+        if step > cfg.critic.warmup_steps or self.critic is None:
+            with timer("update_actor"):  # 8. actor update
+                metrics.update(
+                    self.actor.call(
+                        "update_actor",
+                        batch,
+                        dispatch="dp_split",
+                        mini_batches=actor_k,
+                        collect="metrics",
+                    )
+                )
+        metrics.update(kl_metrics)
+        metrics.update(
+            step_statistics(
+                scores=scores,
+                token_rewards=batch["token_level_rewards"],
+                advantages=batch["advantages"],
+                returns=batch["returns"],
+                response_mask=batch["response_mask"],
+                max_response_length=cfg.rollout.max_response_length,
+                values=batch.get("values", None),
+            )
+        )
+        step_time = time.perf_counter() - step_start
+        metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
+        metrics["timing_s/step"] = step_time
+        metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
+        return metrics
+
+    # ---------------------------------------------------------------------- helpers
+
+    def _prompt_batch(
+        self, records: list[PromptRecord], *, repeat: int, temperature: float
+    ) -> tuple[TensorDict, list[PromptRecord]]:
+        """Prompts as a TensorDict, each repeated ``repeat`` times (one uid per prompt), and the
+        records in the same row order for scoring."""
+        collated = collate_prompts(records, self.tokenizer, self.cfg.data.max_prompt_length)
+        td = TensorDict(
+            {
+                "input_ids": collated["input_ids"],
+                "attention_mask": collated["attention_mask"],
+                "position_ids": collated["position_ids"],
+                "uid": torch.arange(len(records)),
+            },
+            batch_size=[len(records)],
+        )
+        td = td.repeat_interleave(repeat, dim=0) if repeat > 1 else td
+        td.set_non_tensor("temperature", temperature)
+        return td, [r for r in records for _ in range(repeat)]
+
+    def _score(self, batch: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
+        lengths = batch["response_mask"].sum(-1).tolist()
+        texts = [
+            self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
+            for row, n in zip(batch["responses"], lengths, strict=True)
+        ]
+        answers = [r["answer"] for r in records]
+        prompts = [r["prompt"] for r in records]
+        return torch.tensor(
+            score_responses(self.reward_fn, texts, answers, prompts), dtype=torch.float32
+        )
+
+    def _token_rewards(self, batch: TensorDict) -> dict[str, float]:
+        if not self.cfg.algorithm.use_kl_in_reward:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+            return {}
+        kl = kl_penalty(
+            batch["old_log_probs"], batch["ref_log_prob"], kind=self.cfg.algorithm.kl_penalty
+        )
+        rewards, mean_kl = apply_kl_penalty(
+            batch["token_level_scores"], kl, batch["response_mask"], coef=self.kl_ctrl.value
+        )
+        batch["token_level_rewards"] = rewards
+        metrics = {
+            "actor/reward_kl_penalty": mean_kl,
+            "actor/reward_kl_penalty_coeff": self.kl_ctrl.value,
+        }
+        self.kl_ctrl.update(mean_kl, n_samples=batch.batch_size[0])
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``."""
+        records = list(self.val_set)
+        prompts, texts = self._prompt_batch(records, repeat=1, temperature=0.0)
+        greedy = SamplingParams(
+            max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0
+        )
+        batch = self.actor.call(
+            "generate", prompts, greedy, 0, dispatch="dp_split", collect="concat"
+        )
+        scores = self._score(batch, texts)
+        return {"val/score/mean": float(scores.mean())}

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test lint fmt typecheck clean
+.PHONY: setup run test lint fmt clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# The main job: PPO with a critic on the tiny model and synthetic task, embedded local Ray.
+run: setup
+	$(VENV)/bin/verlite train --config configs/ppo_tiny.yaml $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q -m "not slow"

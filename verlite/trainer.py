@@ -47,7 +47,7 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         self.train_set, self.val_set = build_datasets(cfg, self.tokenizer)
         self.loader = PromptLoader(
             self.train_set,

@@ -69,12 +69,12 @@ def test_task_with_too_few_distinct_prompts_fails() -> None:
 
 
 def test_synthetic_prompt_too_long_names_the_sample() -> None:
-    # "reverse 12345=" is 14 characters, 15 tokens with BOS.
-    cfg = _config(task="reverse", min_digits=5, max_digits=5, max_prompt_length=14)
+    # "12345>" is 6 characters, 7 tokens with BOS.
+    cfg = _config(task="reverse", min_digits=5, max_digits=5, max_prompt_length=6)
     with pytest.raises(
         DataError,
-        match=r"data.task=reverse train sample 0: prompt is 15 tokens \(BOS included\), "
-        r"longer than data.max_prompt_length=14",
+        match=r"data.task=reverse train sample 0: prompt is 7 tokens \(BOS included\), "
+        r"longer than data.max_prompt_length=6",
     ):
         build_datasets(cfg, build_task_tokenizer())
 

@@ -32,14 +32,14 @@ def test_deterministic_from_the_seed(task: str) -> None:
 
 def test_copy() -> None:
     for prompt, answer in _pairs("copy", 0):
-        assert prompt == f"copy {answer}="
+        assert prompt == f"{answer}="
         assert answer.isdigit()
-    assert TASKS["copy"].generate(random.Random(0), 4, 4) == ("copy 6048=", "6048")
+    assert TASKS["copy"].generate(random.Random(0), 4, 4) == ("6048=", "6048")
 
 
 def test_reverse_of_reverse_is_identity() -> None:
     for prompt, answer in _pairs("reverse", 0):
-        digits = re.fullmatch(r"reverse (\d+)=", prompt)
+        digits = re.fullmatch(r"(\d+)>", prompt)
         assert digits is not None
         assert answer == digits[1][::-1]
         assert answer[::-1] == digits[1]
@@ -65,3 +65,11 @@ def test_digit_lengths_stay_in_range(task: str, lo: int, hi: int) -> None:
             assert lo <= len(number) <= hi
             lengths.add(len(number))
     assert lengths == set(range(lo, hi + 1))  # every length is drawn
+
+
+def test_every_task_prompt_and_answer_uses_the_task_alphabet() -> None:
+    from verlite.data.tasks import TASK_ALPHABET
+
+    for task in TASKS:
+        for prompt, answer in _pairs(task, 0, n=200):
+            assert set(prompt + answer) <= set(TASK_ALPHABET), (task, prompt, answer)

@@ -52,8 +52,13 @@ def test_save_and_auto_load_round_trip(tmp_path: Path) -> None:
     assert load_tokenizer(str(tmp_path)).get_vocab() == tok.get_vocab()
 
 
-def test_load_tokenizer_none_is_the_task_tokenizer() -> None:
+def test_load_tokenizer_without_a_model_is_a_character_tokenizer() -> None:
+    from verlite.data.tasks import TASK_ALPHABET
+
     assert load_tokenizer(None).get_vocab() == build_task_tokenizer().get_vocab()
+    small = load_tokenizer(None, task="copy")
+    assert len(small) == len(SPECIAL_TOKENS) + len(TASK_ALPHABET) == 17
+    assert small.decode(small("4821>", add_special_tokens=False)["input_ids"]) == "4821>"
 
 
 def _backend() -> Tokenizer:

@@ -14,6 +14,13 @@ from dataclasses import dataclass
 Generator = Callable[[random.Random, int, int], tuple[str, str]]
 
 
+# Every task prompt and answer is written with these characters only. A tokenizer of just
+# them (17 tokens with the specials) lets a model trained from scratch find the answer's
+# digits by chance often enough to learn from the reward; with a 60-character alphabet an
+# untrained policy almost never does.
+TASK_ALPHABET = "0123456789+=>"
+
+
 @dataclass(frozen=True)
 class Task:
     """A prompt generator and the name of the reward (in ``verlite.rewards.REWARDS``) that scores it."""
@@ -34,15 +41,15 @@ def _number(rng: random.Random, min_digits: int, max_digits: int) -> int:
 
 
 def copy(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]:
-    """``copy 4821=`` -> ``4821``."""
+    """``4821=`` -> ``4821``."""
     digits = _digit_string(rng, min_digits, max_digits)
-    return f"copy {digits}=", digits
+    return f"{digits}=", digits
 
 
 def reverse(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]:
-    """``reverse 4821=`` -> ``1284``."""
+    """``4821>`` -> ``1284``."""
     digits = _digit_string(rng, min_digits, max_digits)
-    return f"reverse {digits}=", digits[::-1]
+    return f"{digits}>", digits[::-1]
 
 
 def add(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]:

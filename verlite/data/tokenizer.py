@@ -13,19 +13,21 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from verlite.data.tasks import TASK_ALPHABET
+
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
 # Digits, lowercase letters, space, newline and the symbols of the tasks and of simple math prompts.
-CHARACTERS = string.digits + string.ascii_lowercase + " \n" + "+-*/=:#.,?!()'\"$%_"
+CHARACTERS = string.digits + string.ascii_lowercase + " \n" + "+-*/=<>:#.,?!()'\"$%_"
 
 
-def build_task_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer of the synthetic tasks (``<pad>`` is id 0).
+def build_task_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over ``characters`` (``<pad>`` is id 0).
 
-    Calling it on text prepends ``<bos>`` (like most causal-LM tokenizers); characters
-    outside :data:`CHARACTERS` become ``<unk>``. Decoding concatenates characters.
+    Calling it on text prepends ``<bos>`` (like most causal-LM tokenizers); other characters
+    become ``<unk>``. Decoding concatenates characters.
     """
-    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    vocab = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *characters))}
     tokenizer = Tokenizer(WordLevel(vocab, unk_token=UNK))
     # Oniguruma has no DOTALL flag; [\s\S] matches every character, newline included.
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
@@ -45,11 +47,13 @@ def build_task_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def load_tokenizer(model_path: str | None) -> PreTrainedTokenizerBase:
-    """The task tokenizer when ``model_path`` is None, else the model directory's own (local files
-    only), with a pad token guaranteed: the eos token when the tokenizer defines none."""
+def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTrainedTokenizerBase:
+    """The model directory's own tokenizer (local files only), with a pad token guaranteed
+    (the eos token when it defines none); without a model path, the built-in character
+    tokenizer: over the tasks' small alphabet for a synthetic task, else over
+    :data:`CHARACTERS` for prompt files."""
     if model_path is None:
-        return build_task_tokenizer()
+        return build_task_tokenizer(TASK_ALPHABET if task is not None else CHARACTERS)
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:

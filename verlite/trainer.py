@@ -233,16 +233,24 @@ class Trainer:
         return td, [r for r in records for _ in range(repeat)]
 
     def _score(self, batch: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
-        lengths = batch["response_mask"].sum(-1).tolist()
         texts = [
-            self.tokenizer.decode(row[:n].tolist(), skip_special_tokens=True)
-            for row, n in zip(batch["responses"], lengths, strict=True)
+            self._decode(row[:n].tolist())
+            for row, n in zip(
+                batch["responses"], batch["response_mask"].sum(-1).tolist(), strict=True
+            )
         ]
         answers = [r["answer"] for r in records]
         prompts = [r["prompt"] for r in records]
         return torch.tensor(
             score_responses(self.reward_fn, texts, answers, prompts), dtype=torch.float32
         )
+
+    def _decode(self, ids: list[int]) -> str:
+        """The response text up to its EOS. Other special tokens stay visible (as ``<pad>``
+        and the like), so a policy cannot end a response by emitting them instead of EOS."""
+        if ids and ids[-1] == self.tokenizer.eos_token_id:
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _token_rewards(self, batch: TensorDict) -> dict[str, float]:
         if not self.cfg.algorithm.use_kl_in_reward:

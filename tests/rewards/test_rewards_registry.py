@@ -108,7 +108,7 @@ def test_user_function_errors(user_module: str, spec: str, message: str) -> None
 
 def test_score_responses() -> None:
     scores = score_responses(digit_match, ["12", "13", ""], ["12", "12", "12"], ["a", "b", "c"])
-    assert scores == [1.0, 0.5, 0.0]
+    assert scores == [1.0, 0.75, 0.0]
     assert all(type(s) is float for s in score_responses(lambda r, a, p: 1, ["x"], ["y"], ["z"]))
 
 

@@ -26,10 +26,10 @@ def test_exact_match(response: str, answer: str, score: float) -> None:
     [
         ("1284", "1284", 1.0),
         (" 1284 ", "1284", 1.0),
-        ("1294", "1284", 0.75),
-        ("128", "1284", 0.75),  # a missing position counts against it
-        ("12845", "1284", 0.8),  # so does an extra one
-        ("4821", "1284", 0.0),
+        ("1294", "1284", 0.5 * 3 / 4 + 0.5),  # right length, one digit wrong
+        ("4821", "1284", 0.5),  # right length, no digit in place
+        ("128", "1284", 0.5 * 3 / 4),  # too short: no length credit
+        ("12845", "1284", 0.5),  # too long: all digits in place, no length credit
         ("", "1284", 0.0),
         ("1284", "", 0.0),
         ("", "", 1.0),

@@ -40,13 +40,15 @@ def _leading_number(text: str) -> Decimal | None:
 
 
 def digit_match(response: str, answer: str, prompt: str) -> float:
-    """Partial credit: the positions where response and answer agree over the longer length.
+    """Partial credit: half for the right length, half for the answer's characters in place.
 
-    Only an exact match scores 1 (a shorter or longer response loses the missing positions),
-    and a tiny model is rewarded for every digit it gets right: a dense learning signal.
+    Only an exact match scores 1. The length half is what teaches a model trained from
+    scratch to end its response: a response of the right length is rewarded even while its
+    digits are still wrong, so stopping at the right place is found and kept early, instead
+    of being drowned by the per-digit signal.
     """
     response, answer = response.strip(), answer.strip()
     if response == answer:
         return 1.0
     agree = sum(r == a for r, a in zip(response, answer, strict=False))
-    return agree / max(len(response), len(answer))
+    return 0.5 * agree / max(len(answer), 1) + 0.5 * (len(response) == len(answer))

@@ -17,7 +17,14 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import Config
-from verlite.controller import WorkerGroup, build_pools, start_ray, stop_ray, write_placement_report
+from verlite.controller import (
+    DpSplit,
+    WorkerGroup,
+    build_pools,
+    start_ray,
+    stop_ray,
+    write_placement_report,
+)
 from verlite.core.advantages import compute_advantages
 from verlite.core.losses import kl_penalty
 from verlite.core.rewards import KLController, apply_kl_penalty, place_scores
@@ -177,8 +184,7 @@ class Trainer:
                     self.critic.call(
                         "update_critic",
                         batch,
-                        dispatch="dp_split",
-                        mini_batches=k,
+                        dispatch=DpSplit(mini_batches=k),
                         collect="metrics",
                     )
                 )
@@ -188,8 +194,7 @@ class Trainer:
                     self.actor.call(
                         "update_actor",
                         batch,
-                        dispatch="dp_split",
-                        mini_batches=actor_k,
+                        dispatch=DpSplit(mini_batches=actor_k),
                         collect="metrics",
                     )
                 )

@@ -16,8 +16,10 @@ Metrics come back per rank; the caller reduces them over ranks (``Stage.RANKS``)
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tensordict import TensorDict
@@ -38,10 +40,12 @@ from verlite.dist import (
     apply_ddp,
     apply_fsdp,
     clip_grad_norm,
+    get_rank,
     get_world_size,
     grad_sync,
     inference_module,
 )
+from verlite.dist.checkpoint import load_train_state, save_train_state
 
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]
@@ -156,6 +160,22 @@ class TrainEngine:
 
     def infer(self, td: TensorDict, fn: InferFn) -> TensorDict:
         return infer(inference_module(self.model), td, fn, cfg=self.cfg, device=self.device)
+
+    # -------------------------------------------------------------------- checkpoints
+
+    def save(self, path: Path) -> None:
+        """Collective: model + optimizer (DCP, sharded per rank), LR schedule position."""
+        save_train_state(self.model, self.optimizer, path / "train_state")
+        if get_rank() == 0:
+            # LambdaLR's state is plain numbers (the lambda itself is rebuilt from the config).
+            (path / "schedule.json").write_text(json.dumps(self.scheduler.state_dict()))
+
+    def load(self, path: Path) -> None:
+        """Collective: restore what :meth:`save` wrote (any number of ranks may have saved it)."""
+        if not (path / "schedule.json").is_file():
+            raise FileNotFoundError(f"{path} holds no engine checkpoint (schedule.json is missing)")
+        load_train_state(self.model, self.optimizer, path / "train_state")
+        self.scheduler.load_state_dict(json.loads((path / "schedule.json").read_text()))
 
 
 @torch.no_grad()

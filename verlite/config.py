@@ -349,8 +349,11 @@ class TrainerConfig(Section):
     resume: str = Field(
         "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
     )
-    loggers: tuple[Literal["console", "jsonl", "tensorboard", "mlflow"], ...] = Field(
-        ("console", "jsonl"), description="Metric sinks."
+    loggers: tuple[Literal["console", "jsonl", "logline", "tensorboard", "mlflow"], ...] = Field(
+        ("console", "jsonl"),
+        description="Metric sinks: console (progress line), jsonl (<output_dir>/metrics.jsonl), "
+        "logline (one marked JSON line per step on stdout, read back by `verlite metrics --job`), "
+        "tensorboard, mlflow.",
     )
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking URI; None uses a file store in output_dir."

@@ -47,6 +47,27 @@ class JsonlLogger:
         self.file.close()
 
 
+METRICS_LINE_MARKER = "VERLITE_METRICS "
+
+
+class LogLineLogger:
+    """One ``VERLITE_METRICS {json}`` line per step on stdout: a job's driver log carries its
+    metrics, so they can be read back from a cluster without access to its files."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stdout
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        print(
+            METRICS_LINE_MARKER + json.dumps({"step": step, **metrics}),
+            file=self.stream,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        pass
+
+
 class ConsoleLogger:
     """A compact line per step: progress bar, ETA and the headline metrics."""
 
@@ -95,8 +116,12 @@ class Tracker:
                 self.loggers.append(ConsoleLogger(total_steps=total_steps, start_step=start_step))
             elif name == "jsonl":
                 self.loggers.append(JsonlLogger(output_dir / "metrics.jsonl"))
+            elif name == "logline":
+                self.loggers.append(LogLineLogger())
             else:
-                raise ValueError(f"logger {name!r} is not available yet; use console or jsonl")
+                raise ValueError(
+                    f"logger {name!r} is not available yet; use console, jsonl or logline"
+                )
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for logger in self.loggers:

@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from torch import nn
-from verlite.workers.base import Worker
 
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
 from verlite.dist import inference_module
 from verlite.models import build_policy, resolve_device
 from verlite.rollout import NativeRollout, SamplingParams
+from verlite.workers.base import Worker
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.forward import response_log_probs
 from verlite.workers.losses import ActorLossSettings, ppo_loss

@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from torch import nn
-from verlite.workers.base import Worker
 
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
+from verlite.workers.base import Worker
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_values
 from verlite.workers.losses import CriticLossSettings, value_loss

@@ -1,0 +1,253 @@
+"""Worker groups on one embedded Ray node: the loopback session, every dispatch and collect
+through real actors, overlap of groups on separate pools, failures that surface fast and
+leave nothing behind, resource errors, and the placement report."""
+
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray.util.placement_group import placement_group_table
+from tensordict import TensorDict
+
+from verlite.controller import (
+    DpSplit,
+    PlacementError,
+    ResourcePool,
+    WorkerGroup,
+    WorkerGroupError,
+    start_ray,
+    stop_ray,
+    write_placement_report,
+)
+from verlite.core.metrics import Metric, MetricDict
+from verlite.dist import all_reduce_sum, get_rank, get_world_size
+from verlite.workers.base import Worker
+
+# Ray workers cannot import this module (pytest puts tests/controller on the driver's
+# sys.path only), so the test workers travel by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class ProbeWorker(Worker):
+    """A tiny worker exercising each kind of call."""
+
+    def __init__(self, *, scale: float = 1.0, **base: Any) -> None:
+        super().__init__(**base)
+        self.scale = scale
+
+    def echo(self, *args: Any, **kwargs: Any) -> tuple[int, tuple[Any, ...], dict[str, Any]]:
+        return self.rank, args, kwargs
+
+    def group_sum(self) -> tuple[int, int, float]:
+        """The process group works: rank, world size, and an all-reduce over it."""
+        return get_rank(), get_world_size(), float(all_reduce_sum(torch.ones(1))[0])
+
+    def score(self, td: TensorDict) -> TensorDict:
+        return TensorDict(
+            {
+                "uid": td["uid"],
+                "y": td["x"] * self.scale,
+                "rank": torch.full((td.shape[0],), self.rank),
+                "temperature_seen": torch.full((td.shape[0],), td.get_non_tensor("temperature")),
+            },
+            batch_size=td.batch_size,
+        )
+
+    def metrics(self) -> MetricDict:
+        return {"loss": Metric.loss(float(self.rank)), "rows": Metric.sum(1.0)}
+
+    def sleep(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return self.rank
+
+    def fail_on(self, rank: int, seconds: float) -> None:
+        if self.rank == rank:
+            raise ValueError(f"bad batch on rank {self.rank}")
+        time.sleep(seconds)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_session() -> Iterator[None]:
+    start_ray(None, num_cpus=4)
+    yield
+    stop_ray()
+
+
+def make_group(name: str, *, nnodes: int = 1, workers_per_node: int = 2) -> WorkerGroup:
+    pool = ResourcePool(
+        name,
+        nnodes=nnodes,
+        workers_per_node=workers_per_node,
+        cpus_per_worker=1.0,
+        gpus_per_worker=0.0,
+        timeout_s=30,
+    )
+    return WorkerGroup(
+        name,
+        ProbeWorker,
+        pool,
+        share=1.0,
+        worker_kwargs={"scale": 3.0},
+        torch_threads=1,
+        run_id="test",
+    )
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[WorkerGroup]:
+    group = make_group("pair")
+    yield group
+    group.shutdown()
+    group.pool.remove()
+
+
+def assert_gone(pids: list[int], names: list[str], within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in alive if _running(pid)]
+        time.sleep(0.1)
+    assert not alive, f"worker processes {alive} outlived shutdown"
+    named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    assert not named & set(names)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_embedded_ray_is_loopback_only() -> None:
+    nodes = ray.nodes()
+    assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+def test_group_forms_a_process_group(pair: WorkerGroup) -> None:
+    assert pair.call("group_sum") == [(0, 2, 2.0), (1, 2, 2.0)]
+    assert pair.call("ping", collect="rank0") is True
+    records = pair.placement()
+    assert [r["rank"] for r in records] == [0, 1]
+    assert {r["node_ip"] for r in records} == {"127.0.0.1"}
+    assert all(r["role"] == "pair" and r["resources"] == {"CPU": 1.0} for r in records)
+
+
+def test_broadcast_and_all(pair: WorkerGroup) -> None:
+    assert pair.call("echo", 1, "a", k=2) == [(0, (1, "a"), {"k": 2}), (1, (1, "a"), {"k": 2})]
+    got = pair.call("echo", [10, 11], dispatch="all", k=["x", "y"])
+    assert got == [(0, (10,), {"k": "x"}), (1, (11,), {"k": "y"})]
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_dp_split_concat_restores_order(pair: WorkerGroup, mini_batches: int) -> None:
+    n, width = 12, 10
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(1, width + 1, (n,), generator=gen)
+    batch = TensorDict(
+        {
+            "uid": torch.arange(n),
+            "attention_mask": (torch.arange(width) < lengths[:, None]).long(),
+            "x": torch.randn(n, generator=gen),
+        },
+        batch_size=[n],
+    )
+    batch.set_non_tensor("temperature", 0.25)
+    out = pair.call("score", batch, dispatch=DpSplit(mini_batches=mini_batches), collect="concat")
+    assert out["uid"].tolist() == list(range(n))
+    torch.testing.assert_close(out["y"], batch["x"] * 3.0)
+    assert set(out["rank"].tolist()) == {0, 1}
+    assert (out["temperature_seen"] == 0.25).all()
+
+
+def test_metrics_are_reduced_over_ranks(pair: WorkerGroup) -> None:
+    assert pair.call("metrics", collect="metrics") == {"loss": 0.5, "rows": 2.0}
+
+
+def test_groups_on_separate_pools_overlap() -> None:
+    first, second = make_group("left", workers_per_node=1), make_group("right", workers_per_node=1)
+    try:
+        first.call("ping")
+        second.call("ping")
+        start = time.monotonic()
+        pending = [g.call_async("sleep", 1.0) for g in (first, second)]
+        assert [p.result() for p in pending] == [[0], [0]]
+        assert time.monotonic() - start < 1.8
+    finally:
+        for group in (first, second):
+            group.shutdown()
+            group.pool.remove()
+
+
+def test_failures_name_the_rank_and_leave_no_orphans() -> None:
+    group = make_group("fragile")
+    pids = [r["pid"] for r in group.placement()]
+    names = [f"verlite:test:fragile:{rank}" for rank in range(2)]
+    try:
+        # Rank 0 is still busy when rank 1 raises: the error must not wait for rank 0.
+        start = time.monotonic()
+        with pytest.raises(WorkerGroupError, match="rank 1") as raised:
+            group.call("fail_on", 1, 5.0)
+        assert time.monotonic() - start < 4.0
+        assert "ValueError: bad batch on rank 1" in str(raised.value)
+        assert raised.value.node_ip == "127.0.0.1" and raised.value.method == "fail_on"
+
+        pending = group.call_async("sleep", 60.0)
+        time.sleep(0.5)
+        start = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        with pytest.raises(WorkerGroupError, match=r"rank 1 .* worker process died"):
+            pending.result()
+        assert time.monotonic() - start < 30.0
+    finally:
+        group.shutdown()
+        group.pool.remove()
+    group.shutdown()  # idempotent
+    assert_gone(pids, names)
+
+
+def test_too_many_workers_fail_with_the_resources() -> None:
+    start = time.monotonic()
+    pool = ResourcePool(
+        "huge", nnodes=2, workers_per_node=1, cpus_per_worker=1, gpus_per_worker=1, timeout_s=2
+    )
+    with pytest.raises(PlacementError) as raised:
+        pool.ready()
+    message = str(raised.value)
+    assert "2 node(s) x 1 bundle(s) of {CPU 1, GPU 1}" in message
+    assert "1 alive node(s)" in message and "CPU 4 total" in message and "GPU 0 total" in message
+    assert time.monotonic() - start < 60
+
+
+def test_pending_placement_times_out_and_releases_its_groups(pair: WorkerGroup) -> None:
+    # The node has 4 CPUs, 2 of them held by `pair`: 3 fit the node but not what is free.
+    pool = ResourcePool(
+        "blocked", nnodes=1, workers_per_node=3, cpus_per_worker=1, gpus_per_worker=0, timeout_s=2
+    )
+    with pytest.raises(PlacementError, match="not placed in time") as raised:
+        pool.ready()
+    assert "CPU 4 total / 2 available" in str(raised.value)
+    states = [
+        pg["state"]
+        for pg in placement_group_table().values()
+        if pg["name"].startswith("verlite:blocked:")
+    ]
+    assert states == ["REMOVED"]
+
+
+def test_placement_report(pair: WorkerGroup, tmp_path: Path) -> None:
+    summary = write_placement_report([pair], tmp_path)
+    assert summary == "placed 2 workers in 2 bundles on 1 node: pair 1x2"
+    records = json.loads((tmp_path / "workers.json").read_text())
+    assert records == pair.placement()
+    assert {"role", "rank", "node_id", "node_ip", "pid", "resources"} <= set(records[0])

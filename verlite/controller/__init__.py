@@ -1,0 +1,24 @@
+"""The Ray side of the driver: the Ray session, resource pools (placement groups per node),
+worker groups, explicit dispatch/collect, failures, and the placement report."""
+
+from verlite.controller.dispatch import Collect, Dispatch, DpSplit
+from verlite.controller.errors import WorkerGroupError
+from verlite.controller.placement import write_placement_report
+from verlite.controller.resource_pool import PlacementError, ResourcePool, build_pools
+from verlite.controller.session import start_ray, stop_ray
+from verlite.controller.worker_group import PendingCall, WorkerGroup
+
+__all__ = [
+    "Collect",
+    "Dispatch",
+    "DpSplit",
+    "PendingCall",
+    "PlacementError",
+    "ResourcePool",
+    "WorkerGroup",
+    "WorkerGroupError",
+    "build_pools",
+    "start_ray",
+    "stop_ray",
+    "write_placement_report",
+]

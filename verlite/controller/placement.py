@@ -1,0 +1,48 @@
+"""The placement report of a run: ``workers.json`` (one record per worker) and a summary line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from verlite.controller.worker_group import WorkerGroup
+
+
+def _layout(groups: Sequence[WorkerGroup]) -> str:
+    by_pool: dict[int, list[str]] = {}
+    for group in groups:
+        by_pool.setdefault(id(group.pool), []).append(group.name)
+    if len(groups) < 2:
+        return ""
+    if len(by_pool) == 1:
+        return " (colocated)"
+    if len(by_pool) == len(groups):
+        return " (split)"
+    shared = ", ".join("+".join(names) for names in by_pool.values() if len(names) > 1)
+    return f" (colocated: {shared})"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def write_placement_report(groups: Sequence[WorkerGroup], out_dir: str | Path) -> str:
+    """Write ``out_dir/workers.json`` and return a one-line summary such as
+    ``placed 8 workers in 4 bundles on 2 nodes: actor 2x2, critic 2x2 (colocated)``
+    (``nnodes x workers_per_node`` per role; colocated roles share bundles)."""
+    records = [record for group in groups for record in group.placement()]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "workers.json").write_text(json.dumps(records, indent=2) + "\n")
+    pools = {id(group.pool): group.pool for group in groups}
+    bundles = sum(pool.world_size for pool in pools.values())
+    nodes = {record["node_id"] for record in records}
+    roles = ", ".join(
+        f"{group.name} {group.pool.nnodes}x{group.pool.workers_per_node}" for group in groups
+    )
+    return (
+        f"placed {_count(len(records), 'worker')} in {_count(bundles, 'bundle')} "
+        f"on {_count(len(nodes), 'node')}: "
+        f"{roles}{_layout(groups)}"
+    )

@@ -1,0 +1,242 @@
+"""Resource pools: one STRICT_PACK placement group per node, pinned to distinct nodes, and the
+mapping of roles onto pools (colocated or split).
+
+A pool of ``nnodes x workers_per_node`` bundles reserves the same slice of every node it
+spans. Ranks are numbered by node (node ids sorted) and then by bundle index, so a pool
+built again on the same cluster gives every rank the same node.
+
+Colocation: several worker groups may share one pool; each then takes ``share = 1/k`` of
+every bundle's CPU and GPU, so k workers (actor, critic, ref) sit in each bundle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import ray
+
+# A DeveloperAPI: the public per-node view (ray.util.state) needs the dashboard, which the
+# embedded Ray does not start.
+from ray._private.state import available_resources_per_node
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from verlite.config import Config
+
+# Ray's label for the node a bundle may go to; every node carries it by default.
+NODE_ID_LABEL = "ray.io/node-id"
+# Ray rounds resource amounts to 1e-4; compare with that slack.
+_EPS = 1e-4
+_POLL_S = 0.5
+
+
+class PlacementError(RuntimeError):
+    """The pool's bundles could not be reserved within the timeout."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one rank of a pool runs: a bundle of a placement group on a known node."""
+
+    placement_group: PlacementGroup
+    bundle_index: int
+    node_id: str
+    node_ip: str
+
+
+@dataclass(frozen=True)
+class _Node:
+    node_id: str
+    node_ip: str
+    total: dict[str, float]
+    available: dict[str, float]
+
+
+def _alive_nodes() -> list[_Node]:
+    available = available_resources_per_node()
+    return sorted(
+        (
+            _Node(
+                node_id=n["NodeID"],
+                node_ip=n["NodeManagerAddress"],
+                total=dict(n["Resources"]),
+                available=dict(available.get(n["NodeID"], {})),
+            )
+            for n in ray.nodes()
+            if n["Alive"]
+        ),
+        key=lambda n: n.node_id,
+    )
+
+
+class ResourcePool:
+    """``nnodes`` placement groups of ``workers_per_node`` bundles, each on its own node.
+
+    Nothing is reserved until :meth:`ready`, which picks the nodes and waits for the groups.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        nnodes: int,
+        workers_per_node: int,
+        cpus_per_worker: float,
+        gpus_per_worker: float,
+        timeout_s: float,
+    ) -> None:
+        if nnodes < 1 or workers_per_node < 1:
+            raise ValueError(
+                f"pool {name!r} needs nnodes >= 1 and workers_per_node >= 1, "
+                f"got {nnodes} and {workers_per_node}"
+            )
+        self.name = name
+        self.nnodes = nnodes
+        self.workers_per_node = workers_per_node
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = gpus_per_worker
+        self.timeout_s = timeout_s
+        self._groups: list[PlacementGroup] = []
+        self._slots: list[Slot] = []
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.workers_per_node
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """The resources of one bundle (GPU left out when none is asked for)."""
+        bundle = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker > 0:
+            bundle["GPU"] = self.gpus_per_worker
+        return bundle
+
+    @property
+    def slots(self) -> list[Slot]:
+        """One slot per rank, in rank order; empty before :meth:`ready`."""
+        return list(self._slots)
+
+    def ready(self) -> list[Slot]:
+        """Reserve the bundles (once) and return the slots; raises :class:`PlacementError`
+        when that does not happen within ``timeout_s``, leaving nothing reserved."""
+        if self._slots:
+            return self.slots
+        deadline = time.monotonic() + self.timeout_s
+        # Nodes may still be joining (a cluster starting up, an autoscaler): poll until
+        # enough of them can hold a node group.
+        while True:
+            nodes = _alive_nodes()
+            targets = self._pick_nodes(nodes)
+            if targets is not None:
+                break
+            if time.monotonic() >= deadline:
+                raise PlacementError(
+                    self._describe(nodes, "not enough alive nodes can hold a node group")
+                )
+            time.sleep(_POLL_S)
+        self._groups = [
+            placement_group(
+                [self.bundle] * self.workers_per_node,
+                strategy="STRICT_PACK",
+                name=f"verlite:{self.name}:{i}",
+                bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * self.workers_per_node,
+            )
+            for i, node in enumerate(targets)
+        ]
+        pending = [pg.ready() for pg in self._groups]
+        done, _ = ray.wait(
+            pending,
+            num_returns=len(pending),
+            timeout=max(0.0, deadline - time.monotonic()),
+        )
+        if len(done) < len(pending):
+            self.remove()
+            raise PlacementError(
+                self._describe(_alive_nodes(), "the placement groups were not placed in time")
+            )
+        self._slots = [
+            Slot(pg, index, node.node_id, node.node_ip)
+            for pg, node in zip(self._groups, targets, strict=True)
+            for index in range(self.workers_per_node)
+        ]
+        return self.slots
+
+    def remove(self) -> None:
+        """Release the placement groups (idempotent); shut the worker groups down first."""
+        for pg in self._groups:
+            remove_placement_group(pg)
+        self._groups = []
+        self._slots = []
+
+    def _fits(self, resources: dict[str, float]) -> bool:
+        return all(
+            resources.get(key, 0.0) + _EPS >= amount * self.workers_per_node
+            for key, amount in self.bundle.items()
+        )
+
+    def _pick_nodes(self, nodes: Sequence[_Node]) -> list[_Node] | None:
+        # Nodes with room now come first, then nodes that could hold a node group once
+        # freed; within each, node id order keeps the choice deterministic.
+        able = [n for n in nodes if self._fits(n.total)]
+        if len(able) < self.nnodes:
+            return None
+        able.sort(key=lambda n: (not self._fits(n.available), n.node_id))
+        return sorted(able[: self.nnodes], key=lambda n: n.node_id)
+
+    def _describe(self, nodes: Sequence[_Node], reason: str) -> str:
+        asked = ", ".join(f"{key} {amount:g}" for key, amount in self.bundle.items())
+        lines = [
+            f"cannot place pool {self.name!r} within {self.timeout_s:g}s: {reason}.",
+            f"asked for {self.nnodes} node(s) x {self.workers_per_node} bundle(s) of "
+            f"{{{asked}}}, each node group on a distinct node",
+            f"the cluster has {len(nodes)} alive node(s):",
+        ]
+        for n in nodes:
+            have = ", ".join(
+                f"{key} {n.total.get(key, 0.0):g} total / {n.available.get(key, 0.0):g} available"
+                for key in ("CPU", "GPU")
+            )
+            lines.append(f"  node {n.node_id[:12]} ({n.node_ip}): {have}")
+        return "\n".join(lines)
+
+
+def build_pools(cfg: Config, roles: Sequence[str]) -> dict[str, tuple[ResourcePool, float]]:
+    """A pool and a share of each bundle for every role in ``roles`` (actor, critic, ref).
+
+    ``trainer.placement=split`` gives each role its own pool (share 1). ``colocate`` puts
+    roles in one pool and gives each ``1/k`` of every bundle, except that roles with
+    different ``workers_per_node`` cannot share bundles: roles are grouped by their
+    ``workers_per_node`` and each group gets its own pool.
+    """
+    trainer = cfg.trainer
+    per_node = {role: _workers_per_node(cfg, role) for role in roles}
+    if trainer.placement == "split":
+        groups = [[role] for role in roles]
+    else:
+        by_size: dict[int, list[str]] = {}
+        for role in roles:
+            by_size.setdefault(per_node[role], []).append(role)
+        groups = list(by_size.values())
+    pools: dict[str, tuple[ResourcePool, float]] = {}
+    for members in groups:
+        pool = ResourcePool(
+            "+".join(members),
+            nnodes=trainer.nnodes,
+            workers_per_node=per_node[members[0]],
+            cpus_per_worker=trainer.cpus_per_worker,
+            gpus_per_worker=trainer.gpus_per_worker,
+            timeout_s=trainer.resource_timeout_s,
+        )
+        for role in members:
+            pools[role] = (pool, 1.0 / len(members))
+    return pools
+
+
+def _workers_per_node(cfg: Config, role: str) -> int:
+    if role not in ("actor", "critic", "ref"):
+        raise ValueError(f"unknown role {role!r}; roles are actor, critic and ref")
+    value: int | None = getattr(cfg, role).workers_per_node
+    # Config validation fills every role's workers_per_node (trainer's, or actor's for ref).
+    assert value is not None
+    return value

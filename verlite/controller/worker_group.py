@@ -1,0 +1,212 @@
+"""WorkerGroup: one Ray actor per bundle of a resource pool, joined in one process group,
+and called with an explicit dispatch and collect (``verlite.controller.dispatch``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from verlite.controller import dispatch as dispatching
+from verlite.controller.dispatch import Collect, Dispatch
+from verlite.controller.errors import WorkerGroupError, describe_failure
+from verlite.controller.resource_pool import ResourcePool
+from verlite.workers.base import Worker
+
+# Arguments of these types are sent inline with each call; anything else is put in the
+# object store once and passed by reference, so a batch broadcast to every rank is
+# serialized once, not once per rank.
+_INLINE = (type(None), bool, int, float, str)
+# How long a graceful shutdown may take before the workers are killed regardless.
+_SHUTDOWN_GRACE_S = 10.0
+
+
+class PendingCall:
+    """A call in flight on every rank of a group; :meth:`result` waits and collects."""
+
+    def __init__(
+        self,
+        group: WorkerGroup,
+        method: str,
+        refs: list[ray.ObjectRef[Any]],
+        mode: Collect,
+        restore: list[int] | None,
+    ) -> None:
+        self._group = group
+        self._method = method
+        self._refs = refs
+        self._mode = mode
+        self._restore = restore
+
+    def result(self) -> Any:
+        """The collected result; raises :class:`WorkerGroupError` at the first failed rank."""
+        results = self._group._wait(self._refs, self._method)
+        return dispatching.collect(self._mode, results, self._restore)
+
+
+class WorkerGroup:
+    """``worker_cls`` on every slot of ``pool``, each with ``share`` of its bundle.
+
+    Worker ``rank`` is the actor ``verlite:<run_id>:<name>:<rank>``; ``name`` is also the
+    role the workers receive. Construction reserves the pool, starts the workers and joins
+    them in one process group; a failure on the way shuts down what was started.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        worker_cls: type[Worker],
+        pool: ResourcePool,
+        *,
+        share: float,
+        worker_kwargs: dict[str, Any],
+        torch_threads: int,
+        run_id: str,
+    ) -> None:
+        if not issubclass(worker_cls, Worker):
+            raise TypeError(f"{worker_cls.__name__} must subclass verlite.workers.base.Worker")
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.name = name
+        self.pool = pool
+        self.share = share
+        self._slots = pool.ready()
+        self.world_size = len(self._slots)
+        self.resources = {key: amount * share for key, amount in pool.bundle.items()}
+        self._failed = False
+        remote_cls = ray.remote(worker_cls)
+        # Actor handles are typed loosely: Ray's stubs do not see the remote methods.
+        self._workers: list[Any] = []
+        try:
+            for rank, slot in enumerate(self._slots):
+                options = remote_cls.options(
+                    name=f"verlite:{run_id}:{name}:{rank}",
+                    num_cpus=self.resources["CPU"],
+                    num_gpus=self.resources.get("GPU", 0.0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=slot.placement_group,
+                        placement_group_bundle_index=slot.bundle_index,
+                    ),
+                )
+                self._workers.append(
+                    options.remote(
+                        role=name,
+                        rank=rank,
+                        world_size=self.world_size,
+                        torch_threads=torch_threads,
+                        **worker_kwargs,
+                    )
+                )
+            self._infos: list[dict[str, Any]] = self._wait(
+                [w.node_info.remote() for w in self._workers], "node_info"
+            )
+            # Rank 0's address goes to every rank as object refs, so all init calls are
+            # submitted together and the ranks rendezvous concurrently.
+            addr, port = self._workers[0].master_address.options(num_returns=2).remote()
+            self._wait(
+                [w.init_distributed.remote(addr, port) for w in self._workers], "init_distributed"
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def call(
+        self,
+        method: str,
+        *args: Any,
+        dispatch: Dispatch = "broadcast",
+        collect: Collect = "list",
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``method`` on every rank and wait for the collected result."""
+        return self.call_async(method, *args, dispatch=dispatch, collect=collect, **kwargs).result()
+
+    def call_async(
+        self,
+        method: str,
+        *args: Any,
+        dispatch: Dispatch = "broadcast",
+        collect: Collect = "list",
+        **kwargs: Any,
+    ) -> PendingCall:
+        """Start ``method`` on every rank; groups on separate pools then run side by side."""
+        if not self._workers:
+            raise RuntimeError(f"worker group {self.name!r} is shut down")
+        plan = dispatching.dispatch(dispatch, self.world_size, args, kwargs)
+        stored: dict[int, Any] = {}
+        refs = [
+            getattr(worker, method).remote(
+                *(_stored(a, stored) for a in rank_args),
+                **{k: _stored(v, stored) for k, v in rank_kwargs.items()},
+            )
+            for worker, rank_args, rank_kwargs in zip(
+                self._workers, plan.args, plan.kwargs, strict=True
+            )
+        ]
+        return PendingCall(self, method, refs, collect, plan.restore)
+
+    def placement(self) -> list[dict[str, Any]]:
+        """Where every rank runs: role, rank, pool, node, process, GPUs and resources."""
+        return [
+            {
+                "role": self.name,
+                "rank": rank,
+                "pool": self.pool.name,
+                "node_id": info["node_id"],
+                "node_ip": info["node_ip"],
+                "pid": info["pid"],
+                "gpu_ids": info["gpu_ids"],
+                "resources": dict(self.resources),
+            }
+            for rank, info in enumerate(self._infos)
+        ]
+
+    def shutdown(self) -> None:
+        """Leave the process groups, then kill every worker (idempotent)."""
+        workers, self._workers = self._workers, []
+        if not workers:
+            return
+        if not self._failed:
+            # A failed group may have ranks blocked in a collective with the dead one; they
+            # would never run shutdown, so it is skipped and they are killed directly.
+            refs = [w.shutdown.remote() for w in workers]
+            ray.wait(refs, num_returns=len(refs), timeout=_SHUTDOWN_GRACE_S)
+        for worker in workers:
+            ray.kill(worker, no_restart=True)
+
+    def _wait(self, refs: Sequence[ray.ObjectRef[Any]], method: str) -> list[Any]:
+        # Wait on all ranks at once and stop at the first failure: ranks that are fine may
+        # be blocked in a collective with the failed one, so a rank-order ray.get could hang.
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except RayError as err:
+                    self._failed = True
+                    slot = self._slots[rank]
+                    raise WorkerGroupError(
+                        group=self.name,
+                        rank=rank,
+                        node_id=slot.node_id,
+                        node_ip=slot.node_ip,
+                        method=method,
+                        cause=describe_failure(err),
+                    ) from err
+        return results
+
+
+def _stored(value: Any, stored: dict[int, Any]) -> Any:
+    if isinstance(value, _INLINE):
+        return value
+    key = id(value)
+    if key not in stored:
+        stored[key] = ray.put(value)
+    return stored[key]

@@ -1,0 +1,1 @@
+"""Ray worker classes of each role and the engine they drive."""

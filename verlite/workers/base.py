@@ -1,0 +1,64 @@
+"""Worker: the plain-Python base class of every Ray worker of a worker group.
+
+A :class:`verlite.controller.worker_group.WorkerGroup` wraps a subclass with ``ray.remote``
+and creates one per bundle, passing ``role``, ``rank``, ``world_size``, ``torch_threads``
+and the subclass's own keyword arguments. The group then asks rank 0 for a rendezvous
+address and has every rank join the process group concurrently (as Ray Train does).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+import torch
+
+from verlite.dist import destroy_process_group, find_free_port, init_process_group
+
+
+class Worker:
+    """One rank of a worker group; subclasses add the role's methods (e.g. ``update_actor``)."""
+
+    def __init__(
+        self, *, role: str, rank: int, world_size: int, torch_threads: int, **_: Any
+    ) -> None:
+        # Several workers share the node's cores; torch's default of one thread per core
+        # would oversubscribe them.
+        torch.set_num_threads(torch_threads)
+        self.role = role
+        self.rank = rank
+        self.world_size = world_size
+
+    def node_info(self) -> dict[str, Any]:
+        """Where this worker runs: node id and IP, process id, and the GPUs Ray gave it."""
+        context = ray.get_runtime_context()
+        return {
+            "node_id": context.get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
+        }
+
+    def master_address(self) -> tuple[str, int]:
+        """This node's IP and a port free on it: the rendezvous of the process group."""
+        ip = ray.util.get_node_ip_address()
+        return ip, find_free_port(ip)
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        """Join the group's process group; a single worker needs none and skips it."""
+        if self.world_size == 1:
+            return
+        init_process_group(
+            rank=self.rank,
+            world_size=self.world_size,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
+
+    def shutdown(self) -> None:
+        """Leave the process group (the group kills the process afterwards)."""
+        destroy_process_group()
+
+    def ping(self) -> bool:
+        return True

@@ -1,0 +1,226 @@
+"""`verlite train` end to end: a subprocess on an embedded local Ray, as a user runs it."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from verlite.config import load_config
+
+STEP_KEYS = {
+    "step",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/returns/mean",
+    "response_length/mean",
+    "response_length/max",
+    "response_length/clip_ratio",
+    "actor/pg_loss",
+    "actor/entropy",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/lr",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/throughput",
+}
+CRITIC_KEYS = {
+    "critic/values/mean",
+    "critic/vf_explained_var",
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/grad_norm",
+    "timing_s/values",
+    "timing_s/update_critic",
+}
+SMALL = [
+    "data.num_val_samples=8",
+    "trainer.val_freq=2",
+    "actor.micro_batch_size_per_worker=4",
+    "critic.micro_batch_size_per_worker=4",
+]
+
+
+def train(tmp_path: Path, *overrides: str, config: str = "configs/ppo_tiny.yaml") -> list[dict]:
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verlite.cli",
+            "train",
+            "--config",
+            config,
+            f"trainer.output_dir={out}",
+            *SMALL,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ppo_with_two_actor_and_two_critic_workers(tmp_path: Path) -> None:
+    records = train(
+        tmp_path,
+        "trainer.total_steps=3",
+        "trainer.workers_per_node=2",
+        "data.train_batch_size=16",
+        "actor.ppo_mini_batch_size=8",
+        "critic.ppo_mini_batch_size=16",
+    )
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record.keys() >= STEP_KEYS | CRITIC_KEYS, sorted(
+            (STEP_KEYS | CRITIC_KEYS) - record.keys()
+        )
+    assert "val/score/mean" in records[1] and "val/score/mean" in records[2]
+    placement = json.loads((tmp_path / "run" / "workers.json").read_text())
+    assert sorted((w["role"], w["rank"]) for w in placement) == [
+        ("actor", 0),
+        ("actor", 1),
+        ("critic", 0),
+        ("critic", 1),
+    ]
+    for worker in placement:
+        assert {"node_id", "node_ip", "pid", "resources"} <= worker.keys()
+        assert worker["node_ip"] == "127.0.0.1"
+    assert len({w["pid"] for w in placement}) == 4
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.use_kl_loss=true"],
+        [
+            "algorithm.adv_estimator=grpo",
+            "rollout.n=4",
+            "algorithm.norm_adv_by_std=false",
+            "actor.loss_agg_mode=seq-mean-token-sum-norm",
+        ],
+        ["algorithm.adv_estimator=rloo", "rollout.n=4", "actor.policy_loss=gspo"],
+        [
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+        ],
+        [
+            "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+            "rollout.n=2",
+            "actor.entropy_coeff=0.01",
+            "actor.ppo_epochs=2",
+        ],
+        [
+            "critic.warmup_steps=1",
+            "actor.use_dynamic_bsz=true",
+            "actor.max_token_len_per_worker=64",
+            "actor.strategy=fsdp",
+        ],
+    ],
+    ids=[
+        "grpo+kl_loss",
+        "dr_grpo",
+        "rloo+gspo",
+        "reinforce++ kl_in_reward",
+        "reinforce++_baseline",
+        "ppo warmup fsdp dynamic",
+    ],
+)
+def test_each_algorithm_runs(tmp_path: Path, overrides: list[str]) -> None:
+    records = train(
+        tmp_path,
+        "trainer.total_steps=2",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "critic.ppo_mini_batch_size=8",
+        *overrides,
+    )
+    assert [r["step"] for r in records] == [1, 2]
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            *SMALL,
+            *overrides,
+            "data.train_batch_size=8",
+            "actor.ppo_mini_batch_size=8",
+            "critic.ppo_mini_batch_size=8",
+        ],
+    )
+    for record in records:
+        assert all(isinstance(v, float | int) for v in record.values())
+        assert ("critic/vf_loss" in record) == cfg.use_critic
+    if cfg.actor.use_kl_loss:
+        assert "actor/kl_loss" in records[-1]
+    if cfg.algorithm.use_kl_in_reward:
+        assert "actor/reward_kl_penalty_coeff" in records[-1]
+    if cfg.critic.warmup_steps and cfg.use_critic:
+        assert "actor/pg_loss" not in records[0] and "actor/pg_loss" in records[1]
+
+
+def test_train_from_a_hugging_face_directory(tmp_path: Path) -> None:
+    from verlite.data import load_tokenizer
+    from verlite.models import build_policy
+
+    cfg = load_config("configs/ppo_tiny.yaml")
+    tokenizer = load_tokenizer(None, task="copy")
+    model = build_policy(cfg.model, vocab_size=len(tokenizer), max_positions=64, seed=3)
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    records = train(
+        tmp_path,
+        f"model.path={tmp_path / 'hf'}",
+        "trainer.total_steps=2",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "critic.ppo_mini_batch_size=8",
+    )
+    assert len(records) == 2
+
+
+def test_config_errors_exit_2_before_ray_starts(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verlite.cli",
+            "train",
+            "--config",
+            "configs/ppo_tiny.yaml",
+            "actor.ppo_mini_batch_size=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "actor.ppo_mini_batch_size=5" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verlite.cli",
+            "train",
+            "--config",
+            "configs/ppo_tiny.yaml",
+            f"model.path={tmp_path / 'nope'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "model.path=" in proc.stderr and "no such file" in proc.stderr

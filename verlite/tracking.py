@@ -1,18 +1,28 @@
-"""Where metrics go: a compact console line with a progress bar and ETA, and metrics.jsonl.
+"""Where metrics go: a compact console line with a progress bar and ETA, metrics.jsonl, a
+marked stdout line per step, TensorBoard and MLflow.
 
 Every logger receives the same ``(step, metrics)`` pairs from the driver; metrics are plain
-floats already reduced over micro-batches, ranks and mini-batches.
+floats already reduced over micro-batches, ranks and mini-batches. Once at the start, every
+logger also receives the resolved config and the worker placement (:meth:`Tracker.log_run_info`).
+TensorBoard and MLflow are optional extras, imported only when configured.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import os
+import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol, TextIO
+from types import ModuleType
+from typing import Any, Protocol, TextIO
+from urllib.parse import urlsplit
+
+from verlite.errors import UserError
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = (
@@ -26,18 +36,66 @@ CONSOLE_KEYS = (
 )
 
 
+# Config keys shown on the console's run line, when present.
+RUN_LINE_KEYS = (
+    "algorithm.adv_estimator",
+    "actor.loss_agg_mode",
+    "model.path",
+    "data.task",
+    "data.train_file",
+    "data.train_batch_size",
+    "rollout.n",
+    "trainer.total_steps",
+    "trainer.output_dir",
+)
+
+# Config keys whose values are never logged, whatever the section (none exist yet: this keeps
+# a future credential field out of every sink).
+_SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
+# user:password@ in a URL such as an MLflow tracking URI or a Ray address.
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
+
+
+class MissingExtraError(UserError):
+    """An optional feature is configured but its package is not installed."""
+
+
+def import_extra(module: str, *, feature: str, extra: str) -> ModuleType:
+    """Import the package behind an optional feature, or fail with the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{feature} needs the {module!r} package, which cannot be imported ({exc}); "
+            f"install it with: pip install 'verlite[{extra}]'"
+        ) from None
+
+
 class Logger(Protocol):
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None: ...
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
     def close(self) -> None: ...
 
 
 class JsonlLogger:
-    """One JSON object per step (with a ``step`` key), flushed at once so readers see it live."""
+    """One JSON object per step (with a ``step`` key), flushed at once so readers see it live;
+    the resolved config goes to ``config.json`` beside it."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_line(path)
+        self.config_path = path.parent / "config.json"
         self.file = path.open("a", encoding="utf-8")
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        # The placement is already in workers.json, written by the controller.
+        self.config_path.write_text(json.dumps(config, indent=2, default=str) + "\n")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
@@ -45,6 +103,19 @@ class JsonlLogger:
 
     def close(self) -> None:
         self.file.close()
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a last line left without its newline by a killed run: appended to, it would fuse
+    with the next record into one unreadable line."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open("rb+") as file:
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) == b"\n":
+            return
+        file.seek(0)
+        file.truncate(file.read().rfind(b"\n") + 1)
 
 
 METRICS_LINE_MARKER = "VERLITE_METRICS "
@@ -56,6 +127,11 @@ class LogLineLogger:
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        pass  # readers of the marked lines expect metrics only
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         print(
@@ -78,6 +154,19 @@ class ConsoleLogger:
         self.start_step = start_step
         self.stream = stream or sys.stdout
         self.started = time.monotonic()
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        flat = flatten_config(config)
+        parts = [f"{key}={flat[key]}" for key in RUN_LINE_KEYS if flat.get(key, "null") != "null"]
+        roles: dict[str, int] = {}
+        for record in placement:
+            roles[str(record.get("role"))] = roles.get(str(record.get("role")), 0) + 1
+        nodes = len({record.get("node_id") for record in placement})
+        workers = ", ".join(f"{role} {count}" for role, count in roles.items())
+        parts.append(f"{len(placement)} workers ({workers}) on {nodes} node{'s' * (nodes != 1)}")
+        print("run: " + " ".join(parts), file=self.stream, flush=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         done = step - self.start_step
@@ -104,24 +193,195 @@ def _duration(seconds: float) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+class TensorBoardLogger:
+    """Scalars under ``<output_dir>/tensorboard`` (``tensorboard --logdir`` it); the config and
+    placement as text summaries."""
+
+    def __init__(self, log_dir: Path, *, start_step: int = 0) -> None:
+        import_extra("tensorboard", feature="the tensorboard logger", extra="tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
+        # A resumed run re-logs the steps after its checkpoint: purge_step hides the old ones.
+        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+        self.start_step = start_step
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        for tag, value in (("run/config", config), ("run/placement", placement)):
+            # Indented four spaces: TensorBoard renders the text as Markdown, this as code.
+            text = json.dumps(value, indent=2, default=str).replace("\n", "\n    ")
+            self.writer.add_text(tag, "    " + text, global_step=self.start_step)
+        self.writer.flush()
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MlflowLogger:
+    """One MLflow run per training run, in experiment ``verlite``: metrics per step, the config
+    as params (dotted keys) and ``config.json``/``placement.json`` artifacts. A resumed run
+    (``start_step > 0``) continues the run recorded in ``<output_dir>/mlflow_run_id``."""
+
+    EXPERIMENT = "verlite"
+    MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
+
+    def __init__(
+        self, output_dir: Path, *, tracking_uri: str | None = None, start_step: int = 0
+    ) -> None:
+        mlflow = import_extra("mlflow", feature="the mlflow logger", extra="mlflow")
+        self.entities = mlflow.entities
+        self.mlflow_error: type[Exception] = mlflow.exceptions.MlflowException
+        uri = tracking_uri or (output_dir / "mlruns").resolve().as_uri()
+        if urlsplit(uri).scheme in ("", "file"):
+            # MLflow 3 refuses its file store unless opted in; a local folder is verlite's
+            # default and needs no server. An explicit MLFLOW_ALLOW_FILE_STORE still wins.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        try:
+            self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+            self.run_id = self._open_run(output_dir, resume=start_step > 0)
+        except self.mlflow_error as exc:
+            raise UserError(
+                f"mlflow logger: cannot open a run at tracking URI {_redact(uri)!r}: {exc}"
+            ) from None
+
+    def _open_run(self, output_dir: Path, *, resume: bool) -> str:
+        id_file = output_dir / "mlflow_run_id"
+        if resume and id_file.exists():
+            run_id = id_file.read_text().strip()
+            try:
+                self.client.update_run(run_id, status="RUNNING")
+                return run_id
+            except self.mlflow_error:
+                pass  # the run lives in another tracking store: start a new one
+        experiment = self.client.get_experiment_by_name(self.EXPERIMENT)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment is not None
+            else self.client.create_experiment(self.EXPERIMENT)
+        )
+        run_id: str = self.client.create_run(experiment_id, run_name=output_dir.name).info.run_id
+        output_dir.mkdir(parents=True, exist_ok=True)
+        id_file.write_text(run_id + "\n")
+        return run_id
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        # Params are immutable in MLflow: a resumed run keeps the values it started with
+        # (its config.json artifact shows the current ones).
+        logged = self.client.get_run(self.run_id).data.params
+        params = [
+            self.entities.Param(k, v) for k, v in flatten_config(config).items() if k not in logged
+        ]
+        for start in range(0, len(params), self.MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(
+                self.run_id, params=params[start : start + self.MAX_PARAMS_PER_BATCH]
+            )
+        self.client.log_dict(self.run_id, dict(config), "config.json")
+        self.client.log_dict(self.run_id, list(placement), "placement.json")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(
+            self.run_id,
+            metrics=[
+                self.entities.Metric(_mlflow_key(k), float(v), now, step)
+                for k, v in metrics.items()
+            ],
+        )
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+def _mlflow_key(key: str) -> str:
+    """MLflow accepts letters, digits, ``_-. /``; anything else would fail the whole batch."""
+    return re.sub(r"[^\w\-. /]", "_", key)
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """Dotted keys to JSON-formatted leaf values (strings as they are)."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_config(value, dotted + "."))
+        else:
+            flat[dotted] = value if isinstance(value, str) else json.dumps(value, default=str)
+    return flat
+
+
+def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config without credentials: secret-named fields and ``user:pass@`` in URLs masked."""
+    clean: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            clean[key] = redact_config(value)
+        elif _SECRET_KEY.search(str(key)) and value is not None:
+            clean[key] = "***"
+        else:
+            clean[key] = _redact(value) if isinstance(value, str) else value
+    return clean
+
+
+def _redact(text: str) -> str:
+    return _URL_CREDENTIALS.sub("***@", text)
+
+
 class Tracker:
     """Fans metrics out to the configured loggers."""
 
     def __init__(
-        self, names: Sequence[str], *, output_dir: Path, total_steps: int, start_step: int = 0
+        self,
+        names: Sequence[str],
+        *,
+        output_dir: Path,
+        total_steps: int,
+        start_step: int = 0,
+        mlflow_tracking_uri: str | None = None,
     ) -> None:
         self.loggers: list[Logger] = []
-        for name in names:
-            if name == "console":
-                self.loggers.append(ConsoleLogger(total_steps=total_steps, start_step=start_step))
-            elif name == "jsonl":
-                self.loggers.append(JsonlLogger(output_dir / "metrics.jsonl"))
-            elif name == "logline":
-                self.loggers.append(LogLineLogger())
-            else:
-                raise ValueError(
-                    f"logger {name!r} is not available yet; use console, jsonl or logline"
-                )
+        try:
+            for name in names:
+                if name == "console":
+                    self.loggers.append(
+                        ConsoleLogger(total_steps=total_steps, start_step=start_step)
+                    )
+                elif name == "jsonl":
+                    self.loggers.append(JsonlLogger(output_dir / "metrics.jsonl"))
+                elif name == "logline":
+                    self.loggers.append(LogLineLogger())
+                elif name == "tensorboard":
+                    self.loggers.append(
+                        TensorBoardLogger(output_dir / "tensorboard", start_step=start_step)
+                    )
+                elif name == "mlflow":
+                    self.loggers.append(
+                        MlflowLogger(
+                            output_dir, tracking_uri=mlflow_tracking_uri, start_step=start_step
+                        )
+                    )
+                else:
+                    raise ValueError(
+                        f"unknown logger {name!r}; use console, jsonl, logline, tensorboard or mlflow"
+                    )
+        except BaseException:
+            self.close()  # the loggers already open (files, an MLflow run) are not leaked
+            raise
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        """Record the resolved config and where every worker runs, once, at the start."""
+        clean = redact_config(config)
+        for logger in self.loggers:
+            logger.log_run_info(clean, placement)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for logger in self.loggers:

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from verlite.config import check_paths, load_config
 from verlite.errors import UserError
+from verlite.report import add_metrics_command
 
 EXIT_USER_ERROR = 2
 
@@ -104,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="normalize each micro-batch by its own counts (what the invariance rules out): must fail",
     )
     check.set_defaults(handler=cmd_check_invariance)
+
+    add_metrics_command(commands)
     return parser
 
 

@@ -265,7 +265,7 @@ class MlflowLogger:
             if experiment is not None
             else self.client.create_experiment(self.EXPERIMENT)
         )
-        run_id: str = self.client.create_run(experiment_id, run_name=output_dir.name).info.run_id
+        run_id = str(self.client.create_run(experiment_id, run_name=output_dir.name).info.run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
         return run_id

@@ -16,6 +16,13 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
+from verlite.checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
+    read_trainer_state,
+    resume_checkpoint,
+    truncate_metrics,
+)
 from verlite.config import Config
 from verlite.controller import (
     DpSplit,
@@ -35,6 +42,11 @@ from verlite.rollout import SamplingParams
 from verlite.tracking import Tracker
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
+
+
+def _every(freq: int, step: int, last: int) -> bool:
+    """Whether a periodic action (validation, checkpoint) runs after ``step``."""
+    return freq > 0 and (step % freq == 0 or step == last)
 
 
 class Timer:
@@ -121,23 +133,58 @@ class Trainer:
     def fit(self) -> None:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        resume_from = resume_checkpoint(self.output_dir, cfg.trainer.resume)
         self._start_workers()
-        tracker = Tracker(
-            cfg.trainer.loggers, output_dir=self.output_dir, total_steps=cfg.trainer.total_steps
-        )
         try:
-            for step in range(1, cfg.trainer.total_steps + 1):
-                metrics = self.train_step(step)
-                if cfg.trainer.val_freq and (
-                    step % cfg.trainer.val_freq == 0 or step == cfg.trainer.total_steps
-                ):
-                    metrics.update(self.validate())
-                tracker.log(step, metrics)
+            start = self._resume(resume_from) if resume_from else 0
+            # A resumed run drops what a crash logged after its checkpoint; a fresh run starts a new file.
+            truncate_metrics(self.output_dir / "metrics.jsonl", after_step=start)
+            tracker = Tracker(
+                cfg.trainer.loggers,
+                output_dir=self.output_dir,
+                total_steps=cfg.trainer.total_steps,
+                start_step=start,
+                mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
+            )
+            tracker.log_run_info(
+                cfg.model_dump(mode="json"), [w for g in self.groups for w in g.placement()]
+            )
+            try:
+                for step in range(start + 1, cfg.trainer.total_steps + 1):
+                    metrics = self.train_step(step)
+                    if _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
+                        metrics.update(self.validate())
+                    tracker.log(step, metrics)
+                    if _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
+                        self.save_checkpoint(step)
+            finally:
+                tracker.close()
+            self.actor.call("export_hf", str(self.output_dir / "hf_actor"))
+            self.tokenizer.save_pretrained(self.output_dir / "hf_actor")
         finally:
-            tracker.close()
             for group in self.groups:
                 group.shutdown()
             stop_ray()
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, step: int) -> None:
+        """Workers write their state into ``step_N.tmp``; the driver's state last, then rename."""
+        tmp = begin_checkpoint(self.output_dir, step)
+        for group in self.groups:
+            group.call("save_checkpoint", str(tmp / group.name))
+        state = {"step": step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
+
+    def _resume(self, path: Path) -> int:
+        state = read_trainer_state(path)
+        for group in self.groups:
+            group.call("load_checkpoint", str(path / group.name))
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+        step = int(state["step"])
+        print(f"resumed from {path} at step {step}", flush=True)
+        return step
 
     def train_step(self, step: int) -> dict[str, float]:
         cfg, timer = self.cfg, Timer()

@@ -12,10 +12,10 @@ from torch import nn
 
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
-from verlite.dist import inference_module
+from verlite.dist import full_state_dict, inference_module
 from verlite.models import build_policy, resolve_device
 from verlite.rollout import NativeRollout, SamplingParams
-from verlite.workers.base import Worker
+from verlite.workers.base import EngineWorker
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.forward import response_log_probs
 from verlite.workers.losses import ActorLossSettings, ppo_loss
@@ -27,7 +27,7 @@ def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Te
     return {key: log_probs}
 
 
-class ActorWorker(Worker):
+class ActorWorker(EngineWorker):
     """One rank of the actor group; the model is built by ``init_model`` once the group's
     process group exists (FSDP needs it)."""
 
@@ -43,13 +43,7 @@ class ActorWorker(Worker):
     def init_model(self) -> None:
         cfg = self.cfg
         device = resolve_device(cfg.model)
-        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
-        policy = build_policy(
-            cfg.model,
-            vocab_size=self.vocab_size,
-            max_positions=max_positions,
-            seed=cfg.trainer.seed,
-        )
+        policy = self._build_policy(seed=cfg.trainer.seed)
         # The reference is the initial policy, frozen; a plain copy on every rank needs no collectives.
         self.reference = (
             copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
@@ -67,6 +61,13 @@ class ActorWorker(Worker):
             lockstep=cfg.actor.strategy == "fsdp",
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+
+    def _build_policy(self, *, seed: int) -> nn.Module:
+        cfg = self.cfg
+        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        return build_policy(
+            cfg.model, vocab_size=self.vocab_size, max_positions=max_positions, seed=seed
+        )
 
     def generate(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
         # Each rank samples its own rows; offset the seed so ranks do not share a stream.
@@ -87,6 +88,14 @@ class ActorWorker(Worker):
             )
             out["ref_log_prob"] = ref["ref_log_prob"]
         return out.cpu()
+
+    def export_hf(self, path: str) -> None:
+        """Collective: the trained policy in Hugging Face format (written by rank 0)."""
+        state = full_state_dict(self.engine.model)
+        if self.rank == 0:
+            model = self._build_policy(seed=0)
+            model.load_state_dict(state)
+            model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:
         return self.engine.train_step(td, self.loss_fn, num_mini_batches=self.num_mini_batches)

@@ -12,7 +12,7 @@ from torch import nn
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
-from verlite.workers.base import Worker
+from verlite.workers.base import EngineWorker
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_values
 from verlite.workers.losses import CriticLossSettings, value_loss
@@ -22,7 +22,7 @@ def _values(model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
     return {"values": response_values(model, td)}
 
 
-class CriticWorker(Worker):
+class CriticWorker(EngineWorker):
     """One rank of the critic group; the model is built by ``init_model``."""
 
     def __init__(self, *, cfg: Config, vocab_size: int, **kwargs: Any) -> None:

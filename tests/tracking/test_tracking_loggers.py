@@ -1,0 +1,182 @@
+"""The Tracker's loggers: TensorBoard event files, an MLflow run on a local file store,
+config.json and the console run line, missing optional packages, torn jsonl lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from verlite.errors import UserError
+from verlite.tracking import MissingExtraError, Tracker
+
+CONFIG: dict[str, Any] = {
+    "algorithm": {"adv_estimator": "gae"},
+    "actor": {"loss_agg_mode": "token-mean", "optim": {"lr": 0.001, "betas": [0.9, 0.999]}},
+    "model": {"path": None},
+    "trainer": {
+        "total_steps": 3,
+        "loggers": ["console", "jsonl"],
+        "ray_address": "http://alice:s3cret@head:8265",
+        "api_token": "tok-123",
+    },
+}
+PLACEMENT = [
+    {"role": "actor", "rank": 0, "node_id": "n1", "pid": 11, "gpu_ids": []},
+    {"role": "critic", "rank": 0, "node_id": "n1", "pid": 12, "gpu_ids": []},
+]
+STEPS = [
+    {"critic/score/mean": 0.1, "actor/pg_loss": 0.5},
+    {"critic/score/mean": 0.3, "actor/pg_loss": 0.25},
+    {"critic/score/mean": 0.2, "actor/pg_loss": -0.5, "val/score/mean": 0.4},
+]
+
+
+def _run(names: list[str], out: Path, **kwargs: Any) -> None:
+    tracker = Tracker(names, output_dir=out, total_steps=len(STEPS), **kwargs)
+    tracker.log_run_info(CONFIG, PLACEMENT)
+    for step, metrics in enumerate(STEPS, 1):
+        tracker.log(step, metrics)
+    tracker.close()
+
+
+def test_jsonl_writes_config_json_without_credentials(tmp_path: Path) -> None:
+    _run(["jsonl"], tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["algorithm"] == CONFIG["algorithm"]
+    assert config["trainer"]["ray_address"] == "http://***@head:8265"
+    assert config["trainer"]["api_token"] == "***"
+    assert "s3cret" not in (tmp_path / "config.json").read_text()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [
+        {"step": i, **m} for i, m in enumerate(STEPS, 1)
+    ]
+
+
+def test_jsonl_drops_a_torn_last_line_before_appending(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a"')  # a run killed mid-write
+    tracker = Tracker(["jsonl"], output_dir=tmp_path, total_steps=3, start_step=1)
+    tracker.log(2, {"a": 2.0})
+    tracker.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "a": 1.0},
+        {"step": 2, "a": 2.0},
+    ]
+
+
+def test_console_prints_one_run_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    Tracker(["console"], output_dir=tmp_path, total_steps=3).log_run_info(CONFIG, PLACEMENT)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("run: algorithm.adv_estimator=gae actor.loss_agg_mode=token-mean")
+    assert "model.path" not in lines[0]  # unset values are left out
+    assert lines[0].endswith("2 workers (actor 1, critic 1) on 1 node")
+    assert "s3cret" not in lines[0]
+
+
+def test_tensorboard_event_files_hold_scalars_and_run_info(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _run(["tensorboard"], tmp_path)
+    log_dir = tmp_path / "tensorboard"
+    assert any(p.name.startswith("events.out.tfevents") for p in log_dir.iterdir())
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    score = events.Scalars("critic/score/mean")
+    assert [e.step for e in score] == [1, 2, 3]
+    assert [e.value for e in score] == pytest.approx([0.1, 0.3, 0.2])
+    assert [e.step for e in events.Scalars("val/score/mean")] == [3]
+    assert {"run/config/text_summary", "run/placement/text_summary"} <= set(
+        events.Tags()["tensors"]
+    )
+    text = events.Tensors("run/config/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert '"adv_estimator": "gae"' in text
+    assert "s3cret" not in text
+
+
+def _mlflow_client(uri: str) -> Any:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def _only_run(client: Any) -> Any:
+    experiment = client.get_experiment_by_name("verlite")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1
+    return runs[0]
+
+
+def test_mlflow_run_in_the_output_dir_file_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)  # restored after the test
+    out = tmp_path / "ppo-run"
+    _run(["mlflow"], out)
+    client = _mlflow_client((out / "mlruns").as_uri())
+    run = _only_run(client)
+    assert run.info.run_name == "ppo-run"
+    assert run.info.status == "FINISHED"
+    assert (out / "mlflow_run_id").read_text().strip() == run.info.run_id
+    history = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert [m.value for m in history] == pytest.approx([0.1, 0.3, 0.2])
+    assert run.data.metrics["actor/pg_loss"] == -0.5  # the latest value
+    params = run.data.params
+    assert params["algorithm.adv_estimator"] == "gae"
+    assert params["actor.optim.lr"] == "0.001"
+    assert params["actor.optim.betas"] == "[0.9, 0.999]"
+    assert params["trainer.ray_address"] == "http://***@head:8265"
+    assert params["trainer.api_token"] == "***"
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert artifacts == {"config.json", "placement.json"}
+    placement = client.download_artifacts(run.info.run_id, "placement.json", str(tmp_path))
+    assert json.loads(Path(placement).read_text()) == PLACEMENT
+
+
+def test_mlflow_resumed_run_continues_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    _run(["mlflow"], tmp_path)
+    tracker = Tracker(["mlflow"], output_dir=tmp_path, total_steps=5, start_step=3)
+    changed = {**CONFIG, "trainer": {**CONFIG["trainer"], "total_steps": 5}}
+    tracker.log_run_info(changed, PLACEMENT)  # params are immutable: no error, old value kept
+    tracker.log(4, {"critic/score/mean": 0.7})
+    tracker.close()
+    client = _mlflow_client((tmp_path / "mlruns").as_uri())
+    run = _only_run(client)
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")]
+    assert steps == [1, 2, 3, 4]
+    assert run.data.params["trainer.total_steps"] == "3"
+
+
+def test_mlflow_tracking_uri_is_used_when_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    store = (tmp_path / "shared-store").as_uri()
+    _run(["mlflow"], tmp_path / "out", mlflow_tracking_uri=store)
+    assert not (tmp_path / "out" / "mlruns").exists()
+    run = _only_run(_mlflow_client(store))
+    assert run.data.metrics["critic/score/mean"] == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(
+    ("logger", "module"), [("tensorboard", "tensorboard"), ("mlflow", "mlflow")]
+)
+def test_missing_package_fails_at_construction_with_the_install_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logger: str, module: str
+) -> None:
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` fail
+    with pytest.raises(MissingExtraError) as info:
+        Tracker(["jsonl", logger], output_dir=tmp_path, total_steps=3)
+    assert isinstance(info.value, UserError)  # the CLI prints it in one line, exit 2
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"the {logger} logger" in message
+    assert f"pip install 'verlite[{logger}]'" in message

@@ -1,0 +1,113 @@
+"""Atomic checkpoints of a run: the folder layout, finding the one to resume, pruning.
+
+``<output_dir>/checkpoints/step_N/`` holds everything needed to continue after step N:
+
+    actor/, critic/        each worker group's model + optimizer (DCP, one shard per rank),
+                           LR schedule, and one RNG file per rank
+    trainer_state.json     the driver's state: step, data position, KL coefficient
+
+A checkpoint is written into ``step_N.tmp/`` and renamed to ``step_N`` only when complete,
+so a crash while saving leaves the previous checkpoint valid and the partial one ignored
+(and removed by the next save). Workers write directly into the folder, so on a
+multi-node cluster ``trainer.output_dir`` must be on storage every node can see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from verlite.errors import UserError
+
+STEP_DIR = re.compile(r"^step_(\d+)$")
+TRAINER_STATE = "trainer_state.json"
+
+
+class CheckpointError(UserError):
+    """A checkpoint named for resuming is missing or incomplete."""
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints, oldest first (``step_N.tmp`` folders never count)."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m[1]), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / TRAINER_STATE).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
+    """The checkpoint ``trainer.resume`` asks for: ``auto`` (latest complete, if any),
+    ``disable`` (none), or a path to a ``step_N`` folder."""
+    if resume == "disable":
+        return None
+    if resume == "auto":
+        done = complete_checkpoints(output_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if not (path / TRAINER_STATE).is_file():
+        raise CheckpointError(
+            f"trainer.resume={resume!r}: not a complete checkpoint (no {TRAINER_STATE} in it)"
+        )
+    return path
+
+
+def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
+    """A fresh, empty ``step_N.tmp`` folder to write into."""
+    tmp = checkpoint_root(output_dir) / f"step_{step}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) -> Path:
+    """Write the driver state last, rename the folder into place, drop old checkpoints."""
+    state_file = tmp / TRAINER_STATE
+    state_file.write_text(json.dumps(trainer_state, indent=1))
+    with state_file.open() as f:
+        os.fsync(f.fileno())
+    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    if final.exists():  # re-saving the same step after a resume
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for stale in tmp.parent.glob("step_*.tmp"):  # partial saves of runs that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in complete_checkpoints(tmp.parent.parent)[:-keep]:
+        shutil.rmtree(old)
+    return final
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
+    return state
+
+
+def truncate_metrics(path: Path, *, after_step: int) -> None:
+    """Drop the records a crashed run logged after its last checkpoint (and any torn last
+    line), so that a resumed run's metrics.jsonl reads as if it had never stopped."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= after_step:
+            kept.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)

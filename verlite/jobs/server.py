@@ -1,0 +1,218 @@
+"""One Ray cluster's job server as verlite talks to it: the address, a bounded reachability
+check, Ray's token authentication, and the SDK calls with their failures turned into one-line
+:class:`JobsError` messages that never carry the token."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, TextIO
+
+import aiohttp
+import requests
+
+from verlite.errors import UserError
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobDetails, JobSubmissionClient
+
+ADDRESS_ENV = "RAY_ADDRESS"
+# Ray's token settings (Ray >= 2.52): the mode switch, then the token sources in Ray's order.
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+DEFAULT_TOKEN_FILE = "~/.ray/auth_token"
+TOKEN_SOURCES = f"{TOKEN_ENV}, {TOKEN_PATH_ENV} or {DEFAULT_TOKEN_FILE}"
+# The reachability check's limits: the Ray SDK sets no timeout on its requests, so an address
+# that accepts nothing, or accepts and never answers, is caught here within these bounds.
+CONNECT_TIMEOUT_S = 4.0
+READ_TIMEOUT_S = 4.0
+POLL_INTERVAL_S = 1.0
+# The SDK reports a failed request as RuntimeError("Request failed with status code N: body").
+_HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
+
+
+class JobsError(UserError):
+    """A cluster or job problem the user can fix: the address, the token, the job id."""
+
+
+def resolve_address(address: str | None) -> str:
+    """The dashboard URL of the cluster: ``address``, else ``$RAY_ADDRESS``; ``host:port`` means http."""
+    address = address or os.environ.get(ADDRESS_ENV)
+    if not address:
+        raise JobsError(
+            "no cluster address: pass --address http://HEAD:8265 (the Ray dashboard) or set RAY_ADDRESS"
+        )
+    if "://" not in address and address != "auto":
+        address = "http://" + address
+    if not address.startswith(("http://", "https://")):
+        raise JobsError(
+            f"expected the Ray dashboard address, e.g. http://HEAD:8265, got {address!r}"
+        )
+    return address.rstrip("/")
+
+
+def connect(address: str | None) -> JobServer:
+    """Reach the job server at ``address`` (see :func:`resolve_address`) or fail in seconds."""
+    url = resolve_address(address)
+    _check_reachable(url)
+    from ray.job_submission import JobSubmissionClient
+
+    # Ray logs every package upload and default exclude at INFO/WARNING on the console.
+    logging.getLogger("ray").setLevel(logging.ERROR)
+    with _errors(url), _address_env_unset():
+        return JobServer(url, JobSubmissionClient(url))
+
+
+class JobServer:
+    """The job calls verlite makes, each failing with a :class:`JobsError`."""
+
+    def __init__(self, url: str, client: JobSubmissionClient) -> None:
+        self.url = url
+        self.client = client
+
+    def submit(
+        self, *, entrypoint: str, runtime_env: dict[str, Any], submission_id: str | None
+    ) -> str:
+        with _errors(self.url):
+            job_id: str = self.client.submit_job(
+                entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id
+            )
+        return job_id
+
+    def info(self, job_id: str) -> JobDetails:
+        with _errors(self.url, job_id):
+            return self.client.get_job_info(job_id)
+
+    def logs(self, job_id: str) -> str:
+        with _errors(self.url, job_id):
+            logs: str = self.client.get_job_logs(job_id)
+        return logs
+
+    def stop(self, job_id: str) -> bool:
+        """Ask the job to stop; False when it had already ended."""
+        with _errors(self.url, job_id):
+            stopped: bool = self.client.stop_job(job_id)
+        return stopped
+
+    def jobs(self) -> list[JobDetails]:
+        with _errors(self.url):
+            return self.client.list_jobs()
+
+    def follow(self, job_id: str, out: TextIO) -> str:
+        """Copy the job's log to ``out`` as it grows until the job ends; return its final status."""
+        self.info(job_id)  # an unknown id fails here, in one line, not in the websocket
+        with _errors(self.url, job_id):
+            asyncio.run(self._tail(job_id, out))
+            # The log stream closes when the job ends; its status may trail by a moment.
+            while not (status := self.client.get_job_status(job_id)).is_terminal():
+                time.sleep(POLL_INTERVAL_S)
+        return str(status)
+
+    async def _tail(self, job_id: str, out: TextIO) -> None:
+        async for chunk in self.client.tail_job_logs(job_id):
+            out.write(chunk)
+            out.flush()
+
+
+def _check_reachable(url: str) -> None:
+    try:
+        response = requests.get(
+            f"{url}/api/version", timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
+        )
+    except requests.Timeout:
+        raise JobsError(
+            f"no answer from {url} within {CONNECT_TIMEOUT_S + READ_TIMEOUT_S:g} s; "
+            "is it the Ray dashboard address (usually port 8265)?"
+        ) from None
+    except requests.RequestException as exc:
+        raise JobsError(f"cannot connect to {url}: {_connection_problem(exc)}") from None
+    if response.status_code in (401, 403):
+        return  # a dashboard with token authentication on; the SDK sends the token
+    if response.status_code != 200 or "ray_version" not in _json_object(response):
+        raise JobsError(
+            f"{url} is not a Ray dashboard (GET /api/version answered HTTP {response.status_code}); "
+            "pass the dashboard address, usually http://HEAD:8265"
+        )
+
+
+def _connection_problem(exc: requests.RequestException) -> str:
+    text = str(exc)
+    if "NameResolutionError" in text or "Name or service not known" in text:
+        return "unknown host"
+    if "Connection refused" in text:
+        return "connection refused (is the cluster running, and is this the dashboard port?)"
+    return "the connection failed"
+
+
+def _json_object(response: requests.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+@contextlib.contextmanager
+def _address_env_unset() -> Iterator[None]:
+    # JobSubmissionClient replaces the address it is given by $RAY_API_SERVER_ADDRESS or
+    # $RAY_ADDRESS when either is set; the address resolved above must be the one used.
+    saved = {
+        name: os.environ.pop(name)
+        for name in ("RAY_API_SERVER_ADDRESS", ADDRESS_ENV)
+        if name in os.environ
+    }
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
+    """Turn the SDK's failures into one line. Messages are built here from the status and the
+    server's answer, never from request headers, so the token cannot leak into them."""
+    from ray.exceptions import AuthenticationError
+
+    try:
+        yield
+    except AuthenticationError as exc:
+        raise JobsError(_auth_problem(url, str(exc))) from None
+    except RuntimeError as exc:
+        match = _HTTP_ERROR.search(str(exc))
+        if match is None:
+            raise
+        code, body = int(match[1]), " ".join(match[2].split()).rstrip(".")
+        if code == 404 and job_id is not None:
+            raise JobsError(f"no job {job_id!r} on {url} (`verlite list` shows its jobs)") from None
+        raise JobsError(f"the job server at {url} answered HTTP {code}: {body[:300]}") from None
+    except (ConnectionError, requests.RequestException, aiohttp.ClientError) as exc:
+        raise JobsError(f"lost the connection to {url} ({type(exc).__name__})") from None
+
+
+def _auth_problem(url: str, text: str) -> str:
+    # Ray's messages start "Authentication failed" when the cluster refused the token sent
+    # (HTTP 403), and "Authentication required" when none was sent (HTTP 401).
+    if text.startswith("Authentication failed"):
+        return f"the cluster at {url} rejected the Ray token from {_token_source()}; use that cluster's token"
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        return (
+            f"the cluster at {url} requires a Ray token: set {AUTH_MODE_ENV}=token and provide the "
+            f"token in {TOKEN_SOURCES}"
+        )
+    if os.environ.get(TOKEN_PATH_ENV) and not os.environ.get(TOKEN_ENV):
+        return f"{TOKEN_PATH_ENV}={os.environ[TOKEN_PATH_ENV]} cannot be read or is empty"
+    return f"{AUTH_MODE_ENV}=token but no Ray token was found in {TOKEN_SOURCES}"
+
+
+def _token_source() -> str:
+    if os.environ.get(TOKEN_ENV):
+        return TOKEN_ENV
+    if os.environ.get(TOKEN_PATH_ENV):
+        return f"{TOKEN_PATH_ENV}={os.environ[TOKEN_PATH_ENV]}"
+    return DEFAULT_TOKEN_FILE

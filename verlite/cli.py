@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from verlite.config import check_paths, load_config
-from verlite.errors import UserError
+from verlite.errors import RunFailure, UserError
 from verlite.report import add_metrics_command
 
 EXIT_USER_ERROR = 2
@@ -200,6 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as exc:
         print(f"verlite: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RunFailure as exc:
+        # The cause is named in the message; a driver traceback would only bury it.
+        print(f"verlite: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("verlite: interrupted", file=sys.stderr)
         return 130

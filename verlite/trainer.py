@@ -37,11 +37,31 @@ from verlite.core.losses import kl_penalty
 from verlite.core.rewards import KLController, apply_kl_penalty, place_scores
 from verlite.core.step_stats import step_statistics
 from verlite.data import PromptLoader, PromptRecord, build_datasets, collate_prompts, load_tokenizer
+from verlite.errors import RunFailure
 from verlite.rewards import resolve_reward, score_responses
 from verlite.rollout import SamplingParams
 from verlite.tracking import Tracker
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
+
+
+class TrainingError(RunFailure):
+    """The run cannot go on (diverged); the last checkpoint is still good to resume from."""
+
+
+def check_divergence(metrics: dict[str, float], *, limit: int) -> None:
+    """Stop once a role has skipped ``limit`` updates in a row for a non-finite loss or norm.
+
+    Skipped updates never change the weights, so every checkpoint written so far is finite.
+    """
+    for role in ("actor", "critic"):
+        streak = metrics.get(f"{role}/nonfinite_streak", 0.0)
+        if streak >= limit:
+            raise TrainingError(
+                f"{role}: {int(streak)} consecutive updates skipped for a non-finite loss or gradient "
+                f"norm (trainer.max_consecutive_skips={limit}); the run diverged. Lower the learning "
+                "rate or check the rewards, then resume from the last checkpoint"
+            )
 
 
 def _every(freq: int, step: int, last: int) -> bool:
@@ -152,6 +172,7 @@ class Trainer:
             try:
                 for step in range(start + 1, cfg.trainer.total_steps + 1):
                     metrics = self.train_step(step)
+                    check_divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
                     if _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
                         metrics.update(self.validate())
                     tracker.log(step, metrics)
@@ -260,6 +281,7 @@ class Trainer:
         step_time = time.perf_counter() - step_start
         metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
         metrics["timing_s/step"] = step_time
+        metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
         metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
         return metrics
 

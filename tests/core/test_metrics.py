@@ -86,3 +86,12 @@ def test_tensor_values_are_detached_and_convert_to_floats() -> None:
     m = Metric.loss(x * 3)
     assert not m.value.requires_grad
     assert m.to_float() == Metric(6.0, Agg.LOSS, 1.0)
+
+
+def test_count_sums_updates_but_not_replicas() -> None:
+    """A skipped update is seen by every rank: 2 ranks x 3 updates, one skipped, count 1."""
+    per_rank = [
+        reduce_metrics([{"skipped": Metric.count(s)} for s in (0, 1, 0)], Stage.MINI_BATCHES)
+        for _ in range(2)
+    ]
+    assert to_floats(reduce_metrics(per_rank, Stage.RANKS)) == {"skipped": 1.0}

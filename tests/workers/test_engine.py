@@ -125,3 +125,38 @@ def test_strategy_none_refuses_several_ranks() -> None:
 
 def _engine_none(rank: int, world: int) -> None:
     engine(strategy="none")
+
+
+def test_all_masked_mini_batch_is_skipped_and_counted() -> None:
+    eng = engine()
+    before = [p.detach().clone() for p in eng.model.parameters()]
+    batch = make_batch(CONFIG)
+    batch["response_mask"] = batch["response_mask"] * 0
+    from functools import partial
+
+    from verlite.workers.losses import ActorLossSettings, ppo_loss
+
+    metrics = eng.train_mini_batch(
+        batch, partial(ppo_loss, settings=ActorLossSettings.from_config(CONFIG.actor))
+    )
+    assert metrics["actor/skipped_updates"].value == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, eng.model.parameters(), strict=True))
+    assert eng.scheduler.last_epoch == 0
+
+
+def test_nonfinite_streak_counts_consecutive_skips_and_resets() -> None:
+    eng = engine()
+    batch = make_batch(CONFIG)
+
+    def loss(scale):
+        def fn(model, td):
+            log_probs, _ = response_log_probs(model, td, temperature=1.0, with_entropy=False)
+            return log_probs.mean() * scale, {}
+
+        return fn
+
+    streaks = [
+        eng.train_mini_batch(batch.clone(), loss(s))["actor/nonfinite_streak"].value
+        for s in (float("nan"), float("inf"), 1.0, float("nan"))
+    ]
+    assert streaks == [1, 2, 0, 1]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from verlite.errors import RunFailure
 
-class WorkerGroupError(RuntimeError):
+
+class WorkerGroupError(RunFailure):
     """A worker raised or died during a call; names the group, rank, node and cause."""
 
     def __init__(

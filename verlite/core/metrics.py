@@ -9,6 +9,7 @@ number of data-parallel workers (DESIGN §2):
 aggregation     micro-batches      DP ranks          mini-batches
 ============== ================== ================= ===================
 loss            sum                mean              mean
+count           sum                mean              sum
 weighted_mean   weighted mean      weighted mean     weighted mean
 mean            mean               mean              mean
 sum             sum                sum               sum
@@ -20,7 +21,9 @@ the global count and multiplied by ``dp_size`` (``agg_loss``), so summing the mi
 of one rank gives ``dp_size * S_rank / N`` and averaging over ranks gives ``S / N``, the loss
 of the whole mini-batch. ``weighted_mean`` is for ratios such as clip fractions: the
 weight is the number of tokens the ratio was measured on, so the reduced value is the
-ratio over every token of the mini-batch.
+ratio over every token of the mini-batch. ``count`` is for events every rank sees alike,
+such as an update skipped for a non-finite gradient norm (the norm is global): summed over
+the updates of a step, not multiplied by the number of ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class Agg(StrEnum):
     """How a metric combines; see the module docstring for the table."""
 
     LOSS = "loss"
+    COUNT = "count"
     WEIGHTED_MEAN = "weighted_mean"
     MEAN = "mean"
     SUM = "sum"
@@ -62,6 +66,10 @@ class Metric:
     @classmethod
     def loss(cls, value: float | torch.Tensor) -> Metric:
         return cls(_detach(value), Agg.LOSS)
+
+    @classmethod
+    def count(cls, value: float | torch.Tensor) -> Metric:
+        return cls(_detach(value), Agg.COUNT)
 
     @classmethod
     def weighted_mean(cls, value: float | torch.Tensor, weight: float | torch.Tensor) -> Metric:
@@ -110,9 +118,13 @@ def reduce_metric(metrics: Sequence[Metric], stage: Stage) -> Metric:
         # A ratio measured on no token contributes nothing; all-empty reduces to 0, not NaN.
         value = weighted / weight if float(weight) > 0 else weighted * 0.0
         return Metric(value, agg, weight)
-    if agg is Agg.SUM or (agg is Agg.LOSS and stage is Stage.MICRO_BATCHES):
+    if (
+        agg is Agg.SUM
+        or (agg is Agg.LOSS and stage is Stage.MICRO_BATCHES)
+        or (agg is Agg.COUNT and stage is not Stage.RANKS)
+    ):
         return Metric(_total(values), agg)
-    if agg in (Agg.MEAN, Agg.LOSS):
+    if agg in (Agg.MEAN, Agg.LOSS, Agg.COUNT):
         return Metric(_total(values) / len(values), agg)
     pick = min if agg is Agg.MIN else max
     return Metric(pick(values, key=float), agg)

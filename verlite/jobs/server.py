@@ -33,6 +33,7 @@ TOKEN_SOURCES = f"{TOKEN_ENV}, {TOKEN_PATH_ENV} or {DEFAULT_TOKEN_FILE}"
 CONNECT_TIMEOUT_S = 4.0
 READ_TIMEOUT_S = 4.0
 POLL_INTERVAL_S = 1.0
+RAY_CHATTY_LOGGERS = ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
 # The SDK reports a failed request as RuntimeError("Request failed with status code N: body").
 _HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
 
@@ -63,8 +64,10 @@ def connect(address: str | None) -> JobServer:
     _check_reachable(url)
     from ray.job_submission import JobSubmissionClient
 
-    # Ray logs every package upload and default exclude at INFO/WARNING on the console.
-    logging.getLogger("ray").setLevel(logging.ERROR)
+    # The SDK logs each package upload, default exclude and websocket close on the console;
+    # its problems reach the user as JobsError instead.
+    for name in RAY_CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     with _errors(url), _address_env_unset():
         return JobServer(url, JobSubmissionClient(url))
 
@@ -122,9 +125,7 @@ class JobServer:
 
 def _check_reachable(url: str) -> None:
     try:
-        response = requests.get(
-            f"{url}/api/version", timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S)
-        )
+        response = requests.get(f"{url}/api/version", timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S))
     except requests.Timeout:
         raise JobsError(
             f"no answer from {url} within {CONNECT_TIMEOUT_S + READ_TIMEOUT_S:g} s; "

@@ -110,6 +110,7 @@ class TrainEngine:
         self.model = model
         optim = cfg.optim
         self.optimizer = build_optimizer(model, optim)
+        self.nonfinite_streak = 0
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer,
             lambda step: lr_multiplier(step, optim=optim, total_updates=total_updates),
@@ -118,10 +119,21 @@ class TrainEngine:
     # ----------------------------------------------------------------------- training
 
     def train_mini_batch(self, td: TensorDict, loss_fn: LossFn) -> MetricDict:
-        """One optimizer step over this rank's share of a mini-batch; returns rank-local metrics."""
+        """One optimizer step over this rank's share of a mini-batch; returns rank-local metrics.
+
+        The update is skipped (and counted in ``<role>/skipped_updates``) when no token of the
+        global mini-batch carries loss, or when the global gradient norm is not finite; every
+        rank decides alike, since both figures are global. ``<role>/nonfinite_streak`` counts
+        consecutive non-finite updates so the trainer can stop a run that diverged.
+        """
+        prefix = self.metric_prefix
+        lr = self.scheduler.get_last_lr()[0]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         stamp_global_counts(td, device=self.device)
+        if td.get_non_tensor("batch_num_tokens") == 0:
+            # An all-masked mini-batch has no gradient; Adam would still move the weights.
+            return {f"{prefix}/skipped_updates": Metric.count(1.0), f"{prefix}/lr": Metric.mean(lr)}
         parts, _ = plan_micro_batches(td, cfg=self.cfg, device=self.device)
         micro_metrics = []
         for i, part in enumerate(parts):
@@ -130,17 +142,17 @@ class TrainEngine:
                 loss, metrics = loss_fn(self.model, micro)
                 loss.backward()
             micro_metrics.append(metrics)
-        lr = self.scheduler.get_last_lr()[0]
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         finite = bool(torch.isfinite(grad_norm))
         if finite:  # a skipped update consumes no step of the LR schedule either
             self.optimizer.step()
             self.scheduler.step()
+        self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         out = reduce_metrics(micro_metrics, Stage.MICRO_BATCHES)
-        prefix = self.metric_prefix
         out[f"{prefix}/grad_norm"] = Metric.mean(grad_norm)
         out[f"{prefix}/lr"] = Metric.mean(lr)
-        out[f"{prefix}/skipped_updates"] = Metric.sum(0.0 if finite else 1.0)
+        out[f"{prefix}/skipped_updates"] = Metric.count(0.0 if finite else 1.0)
+        out[f"{prefix}/nonfinite_streak"] = Metric.max(self.nonfinite_streak)
         return {k: m.to_float() for k, m in out.items()}
 
     def train_step(self, td: TensorDict, loss_fn: LossFn, *, num_mini_batches: int) -> MetricDict:

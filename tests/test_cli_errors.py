@@ -1,0 +1,162 @@
+"""Bad input at the command line: one line on stderr naming field, value and what is allowed;
+exit code 2; no traceback; nothing started (all of these fail before Ray)."""
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from verlite.cli import main
+
+CONFIG = "configs/ppo_tiny.yaml"
+
+BAD_OVERRIDES = [
+    (["actor.lrr=1"], "did you mean 'actor.optim.lr'"),
+    (["trainer.totl_steps=3"], "did you mean 'trainer.total_steps'"),
+    (["actor.ppo_epochs=two"], "actor.ppo_epochs='two': Input should be a valid integer"),
+    (["actor.optim.lr=fast"], "actor.optim.lr='fast': Input should be a valid number"),
+    (["actor.use_kl_loss=maybe"], "actor.use_kl_loss='maybe': Input should be a valid boolean"),
+    (["actor.loss_agg_mode=mean"], "allowed: token-mean, token-sum"),
+    (["algorithm.adv_estimator=ppo"], "allowed: gae, grpo"),
+    (["actor.kl_loss_type=k9"], "unknown KL kind; allowed: k1"),
+    (["actor.policy_loss=trpo"], "unknown policy loss; allowed: gspo, reinforce, vanilla"),
+    (["trainer.loggers=[wandb]"], "trainer.loggers.0='wandb'"),
+    (["data.train_batch_size=0"], "data.train_batch_size=0: Input should be greater than 0"),
+    (["rollout.n=-2"], "rollout.n=-2: Input should be greater than 0"),
+    (["rollout.max_response_length=0"], "rollout.max_response_length=0"),
+    (["actor.optim.lr=-1"], "actor.optim.lr=-1: Input should be greater than 0"),
+    (["rollout.temperature=-0.5"], "rollout.temperature=-0.5"),
+    (
+        ["actor.ppo_mini_batch_size=48"],
+        "actor.ppo_mini_batch_size=48 must divide the sequences per step",
+    ),
+    (
+        ["actor.micro_batch_size_per_worker=32"],
+        "actor.micro_batch_size_per_worker=32 is larger than the per-worker mini-batch 16",
+    ),
+    (
+        ["actor.micro_batch_size_per_worker=6"],
+        "must be divisible by micro_batch_size_per_worker * workers = 6 * 1",
+    ),
+    (
+        ["trainer.workers_per_node=3"],
+        "actor.ppo_mini_batch_size=16 must be divisible by the actor's 3 workers",
+    ),
+    (
+        ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_worker=8"],
+        "actor.max_token_len_per_worker=8 is below the longest sequence",
+    ),
+    (["algorithm.adv_estimator=grpo"], "rollout.n must be >= 2"),
+    (["model.path=/no/such/model"], "model.path='/no/such/model': no such file or directory"),
+    (
+        ["data.task=null", "data.train_file=/no/such.jsonl"],
+        "data.train_file='/no/such.jsonl': no such file or directory",
+    ),
+    (
+        [
+            "actor.strategy=none",
+            "trainer.workers_per_node=2",
+            "actor.micro_batch_size_per_worker=8",
+            "critic.micro_batch_size_per_worker=8",
+        ],
+        "actor.strategy=none runs one worker",
+    ),
+    (["actor"], "malformed override 'actor'"),
+    (["=1"], "malformed override '=1'"),
+    (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
+    (["reward.fn=os.system"], "reward.fn='os.system'"),
+]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"), BAD_OVERRIDES, ids=[str(o) for o, _ in BAD_OVERRIDES]
+)
+def test_bad_override(
+    capsys: pytest.CaptureFixture[str], overrides: list[str], expected: str
+) -> None:
+    assert expected in run(capsys, "train", "--config", CONFIG, *overrides)
+
+
+def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert "cannot read config file" in run(
+        capsys, "train", "--config", str(tmp_path / "missing.yaml")
+    )
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    assert "must hold a mapping of sections" in run(
+        capsys, "train", "--config", str(tmp_path / "list.yaml")
+    )
+    (tmp_path / "broken.yaml").write_text("data: {task: copy\n")
+    assert "is not valid YAML at line" in run(
+        capsys, "train", "--config", str(tmp_path / "broken.yaml")
+    )
+    (tmp_path / "unknown.yaml").write_text("data: {task: copy}\ntrainer: {nodes: 2}\n")
+    assert "unknown key 'trainer.nodes'; did you mean 'trainer.nnodes'" in run(
+        capsys, "train", "--config", str(tmp_path / "unknown.yaml")
+    )
+
+
+def write_jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ([], "is empty"),
+        (['{"prompt": "12=", "answer": "12"}', '{"prompt": "13=", "answer": '], "prompts.jsonl:2"),
+        (['{"question": "12=", "answer": "12"}'], "prompts.jsonl:1"),
+        (['{"prompt": 12, "answer": "12"}'], "prompts.jsonl:1"),
+        (
+            ['{"prompt": "' + "1" * 40 + '=", "answer": "1"}', '{"prompt": "1=", "answer": "1"}'],
+            "longer than data.max_prompt_length=8",
+        ),
+    ],
+    ids=["empty", "malformed line", "missing prompt", "not a string", "too long"],
+)
+def test_bad_prompt_files(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, lines: list[str], expected: str
+) -> None:
+    path = write_jsonl(tmp_path / "prompts.jsonl", lines)
+    err = run(
+        capsys,
+        "train",
+        "--config",
+        CONFIG,
+        "data.task=null",
+        f"data.train_file={path}",
+        "data.num_val_samples=1",
+    )
+    assert expected in err
+
+
+def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) -> None:
+    """A checkpoint is data: a pickle that would run code is refused (weights_only=True)."""
+    from verlite.workers.base import EngineWorker
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.touch, (marker,))
+
+    (tmp_path / "rng_rank0.pt").write_bytes(pickle.dumps({"cpu": Payload()}))
+    (tmp_path / "schedule.json").write_text(json.dumps({}))
+    worker = EngineWorker(role="actor", rank=0, world_size=1, torch_threads=1)
+    worker.engine = type("NoEngine", (), {"load": lambda self, path: None})()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        worker.load_checkpoint(str(tmp_path))
+    assert not marker.exists()
+    torch.save({"cpu": torch.get_rng_state()}, tmp_path / "rng_rank0.pt")
+    worker.load_checkpoint(str(tmp_path))  # a real RNG file loads

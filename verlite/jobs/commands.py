@@ -1,0 +1,161 @@
+"""The job commands of the ``verlite`` CLI: ``submit``, ``status``, ``logs``, ``stop``, ``list``.
+
+Each handler takes the parsed arguments and returns the exit code; problems raise
+:class:`~verlite.errors.UserError` (one line on stderr, exit 2 in ``verlite.cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from verlite.jobs.server import connect
+from verlite.jobs.submission import default_working_dir, prepare_submission
+
+ADDRESS_HELP = "Ray dashboard URL, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
+TOKEN_NOTE = (
+    "On clusters with token authentication, set RAY_AUTH_MODE=token and provide the token in "
+    "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as for any Ray client."
+)
+
+
+def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``submit``, ``status``, ``logs``, ``stop`` and ``list`` on the CLI's subparsers."""
+    submit = subparsers.add_parser(
+        "submit",
+        help="run `verlite train` as a job on a Ray cluster",
+        description="Ship the project and the config to a Ray cluster and start `verlite train` there "
+        "as a Ray job, with metrics in its log (trainer.loggers gains logline). The config is checked "
+        "here first. Prints the submission id. " + TOKEN_NOTE,
+    )
+    submit.add_argument("--address", default=None, help=ADDRESS_HELP)
+    submit.add_argument("--config", required=True, help="run config YAML, inside the working dir")
+    submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="follow the job's log until it ends; exit 0 if it SUCCEEDED, 1 otherwise",
+    )
+    submit.add_argument(
+        "--runtime-env", metavar="FILE", help="YAML runtime_env merged in (env_vars, pip, ...)"
+    )
+    submit.add_argument("--submission-id", metavar="ID", help="job id to use (default: generated)")
+    submit.add_argument(
+        "--working-dir",
+        type=Path,
+        default=None,
+        help="directory shipped as the job's working directory (default: this verlite checkout)",
+    )
+    submit.set_defaults(handler=cmd_submit)
+
+    status = subparsers.add_parser(
+        "status",
+        help="print a job's status",
+        description="Print PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED.",
+    )
+    status.add_argument("job_id", metavar="ID", help="submission id")
+    status.add_argument("--address", default=None, help=ADDRESS_HELP)
+    status.set_defaults(handler=cmd_status)
+
+    logs = subparsers.add_parser(
+        "logs", help="print a job's log", description="Print a job's driver log."
+    )
+    logs.add_argument("job_id", metavar="ID", help="submission id")
+    logs.add_argument("--address", default=None, help=ADDRESS_HELP)
+    logs.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    logs.set_defaults(handler=cmd_logs)
+
+    stop = subparsers.add_parser(
+        "stop", help="stop a job", description="Ask a running job to stop."
+    )
+    stop.add_argument("job_id", metavar="ID", help="submission id")
+    stop.add_argument("--address", default=None, help=ADDRESS_HELP)
+    stop.set_defaults(handler=cmd_stop)
+
+    jobs = subparsers.add_parser(
+        "list", help="list a cluster's jobs", description="List the submitted jobs, oldest first."
+    )
+    jobs.add_argument("--address", default=None, help=ADDRESS_HELP)
+    jobs.set_defaults(handler=cmd_list)
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    submission = prepare_submission(
+        config=args.config,
+        overrides=args.overrides,
+        working_dir=args.working_dir or default_working_dir(),
+        runtime_env_file=args.runtime_env,
+    )
+    server = connect(args.address)
+    job_id = server.submit(
+        entrypoint=submission.entrypoint,
+        runtime_env=submission.runtime_env,
+        submission_id=args.submission_id,
+    )
+    print(job_id, flush=True)
+    where = f"--address {server.url}"
+    if not args.wait:
+        print(
+            f"follow: verlite logs {job_id} --follow {where}\n"
+            f"status: verlite status {job_id} {where}\n"
+            f"stop:   verlite stop {job_id} {where}",
+            file=sys.stderr,
+        )
+        return 0
+    print(f"following {job_id}; Ctrl-C stops following, not the job", file=sys.stderr)
+    status = server.follow(job_id, sys.stdout)
+    print(f"job {job_id} {status}", file=sys.stderr)
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    info = connect(args.address).info(args.job_id)
+    print(info.status)
+    if info.status == "FAILED" and info.message:
+        print(info.message, file=sys.stderr)
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    server = connect(args.address)
+    if args.follow:
+        server.follow(args.job_id, sys.stdout)
+    else:
+        sys.stdout.write(server.logs(args.job_id))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    server = connect(args.address)
+    if server.stop(args.job_id):
+        print(f"stop requested for {args.job_id}")
+    else:
+        print(f"{args.job_id} had already ended: {server.info(args.job_id).status}")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    submitted = [
+        job for job in connect(args.address).jobs() if job.type == "SUBMISSION"
+    ]  # DRIVER entries are the trainers' own Ray connections, not jobs
+    if not submitted:
+        print("no jobs", file=sys.stderr)
+        return 0
+    rows = [("ID", "STATUS", "STARTED", "ENTRYPOINT")]
+    for job in sorted(submitted, key=lambda j: j.start_time or 0):
+        started = (
+            datetime.fromtimestamp(job.start_time / 1000).isoformat(" ", "seconds")
+            if job.start_time
+            else "-"
+        )
+        rows.append(
+            (job.submission_id or job.job_id or "-", str(job.status), started, job.entrypoint)
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print(
+            "  ".join([*(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)), row[3]])
+        )
+    return 0

@@ -1,0 +1,124 @@
+"""What ``verlite submit`` sends: the ``verlite train`` entrypoint and the runtime_env that ships
+the project, built and validated on this machine before any cluster is contacted."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+import verlite
+from verlite.config import load_config
+from verlite.jobs.server import JobsError
+
+# Never shipped: version control, environments, run outputs, caches and build metadata.
+DEFAULT_EXCLUDES = (
+    ".git",
+    ".venv",
+    "outputs",
+    "__pycache__",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".mypy_cache",
+    "*.egg-info",
+)
+# The job's metrics travel in its driver log, where `verlite metrics --job` reads them.
+JOB_LOGGER = "logline"
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A job ready to submit."""
+
+    entrypoint: str
+    runtime_env: dict[str, Any]
+
+
+def default_working_dir() -> Path:
+    """The verlite checkout this command runs from, or the current directory for an installed
+    wheel (whose code the cluster's image must then carry)."""
+    root = Path(verlite.__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() else Path.cwd()
+
+
+def prepare_submission(
+    *,
+    config: str,
+    overrides: Sequence[str],
+    working_dir: Path,
+    runtime_env_file: str | None = None,
+) -> Submission:
+    """Validate the run config and build the job; config problems raise before any network call."""
+    cfg = load_config(config, overrides)
+    root = working_dir.resolve()
+    if not root.is_dir():
+        raise JobsError(f"--working-dir {str(working_dir)!r} is not a directory")
+    try:
+        config_in_job = Path(config).resolve().relative_to(root).as_posix()
+    except ValueError:
+        raise JobsError(
+            f"--config {config!r} is outside the working directory {str(root)!r} that the job "
+            "ships; move it there or pass --working-dir"
+        ) from None
+    loggers = [*cfg.trainer.loggers, *([] if JOB_LOGGER in cfg.trainer.loggers else [JOB_LOGGER])]
+    job_overrides = [
+        *overrides,
+        # Inside the job, Ray's RAY_ADDRESS names the cluster; without an address the trainer
+        # would start a private Ray on the head node instead of joining the cluster.
+        "trainer.ray_address=auto",
+        f"trainer.loggers=[{','.join(loggers)}]",
+    ]
+    extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}
+    return Submission(
+        entrypoint=shlex.join(["verlite", "train", "--config", config_in_job, *job_overrides]),
+        runtime_env=build_runtime_env(root, extra),
+    )
+
+
+def read_runtime_env(path: str) -> dict[str, Any]:
+    """A runtime_env mapping from YAML (``yaml.safe_load``); the project is shipped separately."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise JobsError(f"cannot read runtime env file {path!r}: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise JobsError(f"runtime env file {path!r} is not valid YAML") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise JobsError(
+            f"runtime env file {path!r} must hold a mapping (env_vars:, pip:, ...), "
+            f"got a {type(data).__name__}"
+        )
+    if "working_dir" in data:
+        raise JobsError(
+            f"runtime env file {path!r} sets working_dir; verlite ships the project itself "
+            "(choose it with --working-dir)"
+        )
+    return data
+
+
+def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``working_dir`` as the job's working directory, merged with ``extra``, whose excludes
+    add to the defaults."""
+    from ray.runtime_env import RuntimeEnv
+
+    excludes = extra.get("excludes", [])
+    if not isinstance(excludes, list):
+        raise JobsError(f"runtime env excludes must be a list of patterns, got {excludes!r}")
+    runtime_env = {
+        **extra,
+        "working_dir": str(working_dir),
+        "excludes": [*DEFAULT_EXCLUDES, *excludes],
+    }
+    try:
+        RuntimeEnv(**runtime_env)
+    except (TypeError, ValueError) as exc:
+        raise JobsError(f"invalid runtime env: {exc}") from None
+    return runtime_env

@@ -1,0 +1,133 @@
+"""Failures of a real run: a killed worker, a resume that loses nothing, secrets kept out."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from verlite.trainer import TrainingError, check_divergence
+
+RUN = [
+    "trainer.workers_per_node=2",
+    "data.num_val_samples=8",
+    "data.train_batch_size=32",
+    "actor.ppo_mini_batch_size=16",
+    "critic.ppo_mini_batch_size=32",
+    "actor.micro_batch_size_per_worker=4",
+    "critic.micro_batch_size_per_worker=8",
+    "trainer.val_freq=4",
+    "trainer.save_freq=2",
+    "trainer.total_steps=8",
+]
+SECRET = "s3cr3t-token-value-0451"
+
+
+def command(out: Path, *overrides: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "verlite.cli",
+        "train",
+        "--config",
+        "configs/ppo_tiny.yaml",
+        f"trainer.output_dir={out}",
+        *RUN,
+        *overrides,
+    ]
+
+
+def metrics(out: Path) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [
+        {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in records
+    ]
+
+
+def steps_logged(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    env = {**os.environ, "VERLITE_TEST_SECRET": SECRET, "RAY_AUTH_TOKEN": SECRET}
+    straight = subprocess.run(
+        command(tmp_path / "straight"), capture_output=True, text=True, timeout=600, env=env
+    )
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    out = tmp_path / "crashed"
+    proc = subprocess.Popen(
+        command(out), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+    deadline = time.monotonic() + 300
+    while steps_logged(out) < 3:  # two checkpoints' worth of progress, then a worker dies
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    actor = next(
+        w
+        for w in json.loads((out / "workers.json").read_text())
+        if w["role"] == "actor" and w["rank"] == 1
+    )
+    os.kill(actor["pid"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode == 1
+    last = stderr.strip().splitlines()[-1]
+    assert "actor" in last and "rank 1" in last, stderr[-3000:]
+    assert "Traceback" not in stderr
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "step_2" in checkpoints
+
+    resumed = subprocess.run(command(out), capture_output=True, text=True, timeout=600, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    assert metrics(out) == metrics(tmp_path / "straight")
+
+    # nothing the run wrote or printed carries the environment's secrets
+    for path in out.rglob("*"):
+        if path.is_file() and path.suffix in {".json", ".jsonl", ".txt", ".yaml"}:
+            assert SECRET not in path.read_text(errors="ignore"), path
+    assert (
+        SECRET not in straight.stdout + straight.stderr + resumed.stdout + resumed.stderr + stderr
+    )
+
+
+def test_truncated_prompts_are_counted(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(40)]
+    lines += [{"prompt": "1234567890123=", "answer": "1"}] * 3
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    proc = subprocess.run(
+        command(
+            tmp_path / "run",
+            "data.task=null",
+            f"data.train_file={prompts}",
+            "data.prompt_overflow=truncate",
+            "trainer.total_steps=1",
+            "trainer.workers_per_node=1",
+            "actor.micro_batch_size_per_worker=8",
+            "critic.micro_batch_size_per_worker=8",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["data/truncated_prompts"] >= 1
+
+
+def test_divergence_stops_after_the_configured_streak() -> None:
+    check_divergence({"actor/nonfinite_streak": 2.0, "critic/nonfinite_streak": 0.0}, limit=3)
+    with pytest.raises(
+        TrainingError, match=r"critic: 3 consecutive updates skipped .*max_consecutive_skips=3"
+    ):
+        check_divergence({"actor/nonfinite_streak": 0.0, "critic/nonfinite_streak": 3.0}, limit=3)

@@ -130,7 +130,7 @@ class Trainer:
             torch_threads=threads,
             run_id=run_id,
         )
-        self.groups = [self.actor]
+        self.groups.append(self.actor)
         self.critic = None
         if cfg.use_critic:
             pool, share = pools["critic"]
@@ -154,8 +154,9 @@ class Trainer:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume_from = resume_checkpoint(self.output_dir, cfg.trainer.resume)
-        self._start_workers()
+        self.groups: list[WorkerGroup] = []
         try:
+            self._start_workers()
             start = self._resume(resume_from) if resume_from else 0
             # A resumed run drops what a crash logged after its checkpoint; a fresh run starts a new file.
             truncate_metrics(self.output_dir / "metrics.jsonl", after_step=start)

@@ -23,6 +23,7 @@ from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from verlite.config import Config
+from verlite.errors import RunFailure
 
 # Ray's label for the node a bundle may go to; every node carries it by default.
 NODE_ID_LABEL = "ray.io/node-id"
@@ -31,7 +32,7 @@ _EPS = 1e-4
 _POLL_S = 0.5
 
 
-class PlacementError(RuntimeError):
+class PlacementError(RunFailure):
     """The pool's bundles could not be reserved within the timeout."""
 
 

@@ -1,8 +1,6 @@
 """`verlite train` end to end: a subprocess on an embedded local Ray, as a user runs it."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -52,30 +50,15 @@ SMALL = [
 ]
 
 
-def train(tmp_path: Path, *overrides: str, config: str = "configs/ppo_tiny.yaml") -> list[dict]:
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verlite.cli",
-            "train",
-            "--config",
-            config,
-            f"trainer.output_dir={out}",
-            *SMALL,
-            *overrides,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+def run(train, metrics, tmp_path: Path, *overrides: str) -> list[dict]:
+    train(tmp_path / "run", *SMALL, *overrides)
+    return metrics(tmp_path / "run")
 
 
-def test_ppo_with_two_actor_and_two_critic_workers(tmp_path: Path) -> None:
-    records = train(
+def test_ppo_with_two_actor_and_two_critic_workers(tmp_path: Path, train, metrics) -> None:
+    records = run(
+        train,
+        metrics,
         tmp_path,
         "trainer.total_steps=3",
         "trainer.workers_per_node=2",
@@ -140,8 +123,10 @@ def test_ppo_with_two_actor_and_two_critic_workers(tmp_path: Path) -> None:
         "ppo warmup fsdp dynamic",
     ],
 )
-def test_each_algorithm_runs(tmp_path: Path, overrides: list[str]) -> None:
-    records = train(
+def test_each_algorithm_runs(tmp_path: Path, overrides: list[str], train, metrics) -> None:
+    records = run(
+        train,
+        metrics,
         tmp_path,
         "trainer.total_steps=2",
         "data.train_batch_size=8",
@@ -171,7 +156,7 @@ def test_each_algorithm_runs(tmp_path: Path, overrides: list[str]) -> None:
         assert "actor/pg_loss" not in records[0] and "actor/pg_loss" in records[1]
 
 
-def test_train_from_a_hugging_face_directory(tmp_path: Path) -> None:
+def test_train_from_a_hugging_face_directory(tmp_path: Path, train, metrics) -> None:
     from verlite.data import load_tokenizer
     from verlite.models import build_policy
 
@@ -180,7 +165,9 @@ def test_train_from_a_hugging_face_directory(tmp_path: Path) -> None:
     model = build_policy(cfg.model, vocab_size=len(tokenizer), max_positions=64, seed=3)
     model.save_pretrained(tmp_path / "hf")
     tokenizer.save_pretrained(tmp_path / "hf")
-    records = train(
+    records = run(
+        train,
+        metrics,
         tmp_path,
         f"model.path={tmp_path / 'hf'}",
         "trainer.total_steps=2",
@@ -191,36 +178,14 @@ def test_train_from_a_hugging_face_directory(tmp_path: Path) -> None:
     assert len(records) == 2
 
 
-def test_config_errors_exit_2_before_ray_starts(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verlite.cli",
-            "train",
-            "--config",
-            "configs/ppo_tiny.yaml",
-            "actor.ppo_mini_batch_size=5",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+def test_config_errors_exit_2_before_ray_starts(tmp_path: Path, cli) -> None:
+    proc = cli(
+        "train", "--config", "configs/ppo_tiny.yaml", "actor.ppo_mini_batch_size=5", timeout=60
     )
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "actor.ppo_mini_batch_size=5" in proc.stderr
     assert "Traceback" not in proc.stderr and "Ray" not in proc.stderr
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verlite.cli",
-            "train",
-            "--config",
-            "configs/ppo_tiny.yaml",
-            f"model.path={tmp_path / 'nope'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    proc = cli(
+        "train", "--config", "configs/ppo_tiny.yaml", f"model.path={tmp_path / 'nope'}", timeout=60
     )
     assert proc.returncode == 2 and "model.path=" in proc.stderr and "no such file" in proc.stderr

@@ -35,3 +35,9 @@ fmt: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+
+# Jobs on a real Ray cluster: tests/jobs start a two-node cluster with token authentication
+# (`ray start`), submit, follow, stop and read real jobs, and stop it again (~3 min on 2 cores).
+.PHONY: test-cluster
+test-cluster: setup
+	$(PY) -m pytest -q -m cluster tests/jobs

@@ -15,6 +15,7 @@ from dataclasses import asdict
 
 from verlite.config import check_paths, load_config
 from verlite.errors import RunFailure, UserError
+from verlite.jobs import add_job_commands
 from verlite.report import add_metrics_command
 
 EXIT_USER_ERROR = 2
@@ -107,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(handler=cmd_check_invariance)
 
     add_metrics_command(commands)
+    add_job_commands(commands)
     return parser
 
 

@@ -65,7 +65,15 @@ def sorted_node_ids() -> list[str]:
 
 
 def placed_groups(overrides: list[str]) -> tuple[list[WorkerGroup], list[ResourcePool]]:
-    cfg = load_config(CONFIG, ["trainer.nnodes=2", *overrides])
+    cfg = load_config(
+        CONFIG,
+        [
+            "trainer.nnodes=2",
+            "actor.micro_batch_size_per_worker=4",
+            "critic.micro_batch_size_per_worker=4",
+            *overrides,
+        ],
+    )
     pools = build_pools(cfg, ["actor", "critic"])
     groups = [
         WorkerGroup(

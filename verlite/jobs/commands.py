@@ -137,25 +137,20 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    submitted = [
-        job for job in connect(args.address).jobs() if job.type == "SUBMISSION"
-    ]  # DRIVER entries are the trainers' own Ray connections, not jobs
-    if not submitted:
+    # DRIVER entries are the trainers' own connections to Ray, not submitted jobs.
+    jobs = [job for job in connect(args.address).jobs() if job.type == "SUBMISSION"]
+    if not jobs:
         print("no jobs", file=sys.stderr)
         return 0
     rows = [("ID", "STATUS", "STARTED", "ENTRYPOINT")]
-    for job in sorted(submitted, key=lambda j: j.start_time or 0):
+    for job in sorted(jobs, key=lambda j: j.start_time or 0):
         started = (
             datetime.fromtimestamp(job.start_time / 1000).isoformat(" ", "seconds")
             if job.start_time
             else "-"
         )
-        rows.append(
-            (job.submission_id or job.job_id or "-", str(job.status), started, job.entrypoint)
-        )
+        rows.append((job.submission_id or "-", str(job.status), started, job.entrypoint))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    for row in rows:
-        print(
-            "  ".join([*(cell.ljust(w) for cell, w in zip(row[:3], widths, strict=True)), row[3]])
-        )
+    for *cells, entrypoint in rows:
+        print("  ".join([*(c.ljust(w) for c, w in zip(cells, widths, strict=True)), entrypoint]))
     return 0

@@ -13,7 +13,6 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TextIO
 
-import aiohttp
 import requests
 
 from verlite.errors import UserError
@@ -62,6 +61,7 @@ def connect(address: str | None) -> JobServer:
     """Reach the job server at ``address`` (see :func:`resolve_address`) or fail in seconds."""
     url = resolve_address(address)
     _check_reachable(url)
+    # Ray loads here, not at import: the CLI builds its parser without it.
     from ray.job_submission import JobSubmissionClient
 
     # The SDK logs each package upload, default exclude and websocket close on the console;
@@ -144,11 +144,13 @@ def _check_reachable(url: str) -> None:
 
 def _connection_problem(exc: requests.RequestException) -> str:
     text = str(exc)
+    if isinstance(exc, requests.exceptions.SSLError):
+        return "TLS certificate verification failed"
     if "NameResolutionError" in text or "Name or service not known" in text:
         return "unknown host"
     if "Connection refused" in text:
         return "connection refused (is the cluster running, and is this the dashboard port?)"
-    return "the connection failed"
+    return "the connection failed (is this the Ray dashboard port, usually 8265?)"
 
 
 def _json_object(response: requests.Response) -> dict[str, Any]:
@@ -178,6 +180,7 @@ def _address_env_unset() -> Iterator[None]:
 def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
     """Turn the SDK's failures into one line. Messages are built here from the status and the
     server's answer, never from request headers, so the token cannot leak into them."""
+    import aiohttp
     from ray.exceptions import AuthenticationError
 
     try:
@@ -186,8 +189,8 @@ def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
         raise JobsError(_auth_problem(url, str(exc))) from None
     except RuntimeError as exc:
         match = _HTTP_ERROR.search(str(exc))
-        if match is None:
-            raise
+        if match is None:  # e.g. the log stream closing abnormally
+            raise JobsError(f"{url}: {' '.join(str(exc).split())[:300]}") from None
         code, body = int(match[1]), " ".join(match[2].split()).rstrip(".")
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {url} (`verlite list` shows its jobs)") from None

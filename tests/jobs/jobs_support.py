@@ -1,0 +1,187 @@
+"""Helpers of the job tests: ``verlite`` run as a subprocess, and a real Ray cluster started with
+``ray start`` (token authentication on) and stopped without touching any other Ray.
+
+Ray reads its authentication settings from the environment of a process once, so every client
+call runs in a fresh ``verlite`` process with the environment under test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("verlite_with_jobs.py")
+BIN = Path(sys.executable).parent
+# Settings that would point a client at another cluster or token than the test's own.
+RAY_CLIENT_ENV = (
+    "RAY_ADDRESS",
+    "RAY_API_SERVER_ADDRESS",
+    "RAY_AUTH_MODE",
+    "RAY_AUTH_TOKEN",
+    "RAY_AUTH_TOKEN_PATH",
+)
+START_TIMEOUT_S = 120.0
+
+
+def client_env(**changes: str) -> dict[str, str]:
+    """This process's environment without Ray client settings, plus ``changes``."""
+    env = {k: v for k, v in os.environ.items() if k not in RAY_CLIENT_ENV}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return {**env, **changes}
+
+
+def run_verlite(
+    args: list[str], env: Mapping[str, str], timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """``verlite ARGS`` with the job commands, in a fresh process, from the repository root."""
+    return subprocess.run(
+        [sys.executable, str(RUNNER), *args],
+        cwd=REPO,
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
+
+
+@dataclass
+class RayCluster:
+    """A head (and optional worker nodes) started by ``ray start --block`` in their own
+    sessions, so that stopping it ends these processes only, never another Ray on the machine
+    (``ray stop`` would end every Ray of the user here)."""
+
+    token: str
+    token_path: Path
+    url: str = ""
+    gcs_address: str = ""
+    nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    temp_dirs: list[Path] = field(default_factory=list)
+
+    def env(self, **changes: str) -> dict[str, str]:
+        """A client environment holding this cluster's token, the way a user would."""
+        return client_env(
+            RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.token_path), **changes
+        )
+
+    def start_head(self, num_cpus: int) -> None:
+        dashboard_port = free_port()
+        self.gcs_address = f"127.0.0.1:{free_port()}"
+        self.url = f"http://127.0.0.1:{dashboard_port}"
+        self._start_node(
+            "--head",
+            f"--port={self.gcs_address.rsplit(':', 1)[1]}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dashboard_port}",
+            f"--ray-client-server-port={free_port()}",
+            num_cpus=num_cpus,
+        )
+        self._wait(lambda: self.get("/api/version").status_code == 200, "the dashboard")
+
+    def add_node(self, num_cpus: int) -> None:
+        # Each node gets its own temp dir: nodes sharing one would unpack jobs' working
+        # directories over each other, deleting a running driver's current directory.
+        alive = len(self.alive_nodes())
+        self._start_node(f"--address={self.gcs_address}", num_cpus=num_cpus)
+        self._wait(lambda: len(self.alive_nodes()) > alive, "the new node")
+
+    def _start_node(self, *args: str, num_cpus: int) -> None:
+        temp_dir = Path(tempfile.mkdtemp(prefix="vlj", dir="/tmp"))  # short: socket paths
+        self.temp_dirs.append(temp_dir)
+        command = [
+            str(BIN / "ray"),
+            "start",
+            "--block",
+            *args,
+            "--node-ip-address=127.0.0.1",
+            f"--num-cpus={num_cpus}",
+            f"--temp-dir={temp_dir}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            "--disable-usage-stats",
+        ]
+        with (temp_dir / "ray-start.log").open("wb") as log:
+            self.nodes.append(
+                subprocess.Popen(
+                    command,
+                    env=self.env(),
+                    cwd=temp_dir,
+                    start_new_session=True,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+
+    def get(self, path: str) -> requests.Response:
+        return requests.get(
+            self.url + path, headers={"Authorization": f"Bearer {self.token}"}, timeout=5
+        )
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        info: dict[str, Any] = self.get(f"/api/jobs/{job_id}").json()
+        return info
+
+    def alive_nodes(self) -> list[dict[str, Any]]:
+        nodes = self.get("/api/v0/nodes").json()["data"]["result"]["result"]
+        return [n for n in nodes if n["state"] == "ALIVE"]
+
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for node in self.nodes:
+                if node.poll() is not None:
+                    raise RuntimeError(f"`ray start` exited with {node.returncode}: {self.logs()}")
+            try:
+                if ready():
+                    return
+            except (requests.RequestException, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{what} was not up within {START_TIMEOUT_S:.0f} s: {self.logs()}")
+
+    def logs(self) -> str:
+        logs = (d / "ray-start.log" for d in self.temp_dirs)
+        return "\n".join(log.read_text(errors="replace")[-2000:] for log in logs if log.exists())
+
+    def stop(self) -> None:
+        """End every process of this cluster: its nodes, and what runs in its temp dirs."""
+        for node in reversed(self.nodes):
+            node.send_signal(signal.SIGTERM)  # `ray start --block` then stops its node's processes
+        for node in reversed(self.nodes):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(timeout=30)
+            # Whatever survived in the node's own session (process group) is killed.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)
+        # Job drivers run in sessions of their own, inside the job's working directory here.
+        roots = tuple(f"{d}{os.sep}" for d in self.temp_dirs)
+        for proc in Path("/proc").iterdir():
+            try:
+                cwd = os.readlink(proc / "cwd")
+            except OSError:  # not a process, gone, or not ours to read
+                continue
+            if f"{cwd}{os.sep}".startswith(roots):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(proc.name), signal.SIGKILL)
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,157 @@
+"""The job commands without a cluster: the job verlite builds (entrypoint, runtime_env), metrics
+parsing, address resolution, and errors that cost seconds and one line: no address, an address
+that refuses or never answers, a bad config caught before any cluster is contacted."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from jobs_support import REPO, client_env, free_port, run_verlite
+
+from verlite.cli import build_parser
+from verlite.config import load_config
+from verlite.jobs import JobsError, connect, parse_metrics, resolve_address
+from verlite.jobs.submission import (
+    DEFAULT_EXCLUDES,
+    build_runtime_env,
+    prepare_submission,
+    read_runtime_env,
+)
+
+CONFIG = "configs/ppo_tiny.yaml"
+
+
+@pytest.fixture
+def silent_server() -> Iterator[str]:
+    """An address that accepts connections and never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def train_args(entrypoint: str) -> argparse.Namespace:
+    argv = shlex.split(entrypoint)
+    assert argv[:2] == ["verlite", "train"]
+    return build_parser().parse_args(argv[1:])
+
+
+def test_the_job_runs_verlite_train_on_the_cluster_with_metrics_in_its_log() -> None:
+    job = prepare_submission(
+        config=str(REPO / CONFIG), overrides=["trainer.total_steps=2"], working_dir=REPO
+    )
+    args = train_args(job.entrypoint)
+    assert args.config == CONFIG  # relative to the working dir the job runs in
+    assert args.overrides == [
+        "trainer.total_steps=2",
+        "trainer.ray_address=auto",
+        "trainer.loggers=[console,jsonl,logline]",
+    ]
+    cfg = load_config(REPO / args.config, args.overrides)
+    assert (cfg.trainer.total_steps, cfg.trainer.ray_address) == (2, "auto")
+    assert job.runtime_env == {"working_dir": str(REPO), "excludes": list(DEFAULT_EXCLUDES)}
+
+
+def test_the_job_keeps_the_users_loggers_and_adds_logline() -> None:
+    job = prepare_submission(
+        config=str(REPO / CONFIG), overrides=["trainer.loggers=[jsonl]"], working_dir=REPO
+    )
+    assert train_args(job.entrypoint).overrides[-1] == "trainer.loggers=[jsonl,logline]"
+
+
+def test_a_config_outside_the_working_dir_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text((REPO / CONFIG).read_text())
+    with pytest.raises(JobsError, match="outside the working directory"):
+        prepare_submission(config=str(config), overrides=[], working_dir=REPO)
+
+
+def test_a_runtime_env_file_merges_into_the_shipped_project(tmp_path: Path) -> None:
+    path = tmp_path / "env.yaml"
+    path.write_text("env_vars: {A: '1'}\nexcludes: [data/]\npip: [pyarrow]\n")
+    env = build_runtime_env(REPO, read_runtime_env(str(path)))
+    assert env == {
+        "env_vars": {"A": "1"},
+        "pip": ["pyarrow"],
+        "working_dir": str(REPO),
+        "excludes": [*DEFAULT_EXCLUDES, "data/"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ("[1, 2]", "must hold a mapping"),
+        ("env_vars: [", "not valid YAML"),
+        ("working_dir: /elsewhere", "--working-dir"),
+        ("excludes: data/", "must be a list"),
+        ("env_vars: {A: 1}", "invalid runtime env"),
+    ],
+)
+def test_a_bad_runtime_env_file_is_a_user_error(tmp_path: Path, text: str, problem: str) -> None:
+    path = tmp_path / "env.yaml"
+    path.write_text(text)
+    with pytest.raises(JobsError, match=problem):
+        build_runtime_env(REPO, read_runtime_env(str(path)))
+
+
+def test_metrics_are_one_record_per_step_the_latest_line_winning() -> None:
+    log = "\n".join(
+        [
+            "placed 2 workers",
+            'VERLITE_METRICS {"step": 2, "critic/score/mean": 0.5}',
+            '(driver) VERLITE_METRICS {"step": 1, "critic/score/mean": 0.1}',
+            'VERLITE_METRICS {"step": 2, "critic/score/mean": 0.7}',
+            'VERLITE_METRICS {"step": 3, "critic/sco',  # still being written
+            "VERLITE_METRICS [1, 2]",
+        ]
+    )
+    assert parse_metrics(log) == [
+        {"step": 1, "critic/score/mean": 0.1},
+        {"step": 2, "critic/score/mean": 0.7},
+    ]
+
+
+def test_addresses_resolve_to_dashboard_urls(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "http://head:8265/")
+    assert resolve_address(None) == "http://head:8265"
+    assert resolve_address("10.0.0.1:8265") == "http://10.0.0.1:8265"
+    assert resolve_address("https://ray.example.com") == "https://ray.example.com"
+    for wrong in ("auto", "ray://head:10001"):
+        with pytest.raises(JobsError, match="expected the Ray dashboard address"):
+            resolve_address(wrong)
+    monkeypatch.delenv("RAY_ADDRESS")
+    with pytest.raises(JobsError, match="no cluster address"):
+        resolve_address(None)
+
+
+def test_a_refused_or_silent_address_fails_within_10_seconds(silent_server: str) -> None:
+    for url, problem in (
+        (f"http://127.0.0.1:{free_port()}", "connection refused"),
+        (silent_server, "no answer"),
+    ):
+        started = time.monotonic()
+        with pytest.raises(JobsError, match=problem):
+            connect(url)
+        assert time.monotonic() - started < 10
+
+
+def test_cli_errors_are_one_line_exit_2() -> None:
+    refused = f"http://127.0.0.1:{free_port()}"
+    cases = [
+        (["status", "raysubmit_x"], client_env(), "no cluster address"),
+        (["list"], client_env(RAY_ADDRESS=refused), f"cannot connect to {refused}"),
+        # The config is checked first: no address is needed to learn it is wrong.
+        (["submit", "--config", CONFIG, "actor.lrr=1"], client_env(), "unknown key 'actor.lrr'"),
+    ]
+    for args, env, problem in cases:
+        result = run_verlite(args, env, timeout=120)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("verlite: error: ") and problem in result.stderr
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

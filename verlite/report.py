@@ -324,7 +324,7 @@ def add_metrics_command(subparsers: argparse._SubParsersAction[argparse.Argument
         "'timing_s/*' allowed)",
     )
     parser.add_argument("--job", metavar="ID", help="read the metrics of this Ray job instead")
-    parser.add_argument("--address", metavar="URL", help="Ray dashboard address of --job")
+    parser.add_argument("--address", metavar="URL", help="Ray dashboard address of --job (default: the RAY_ADDRESS variable)")
     parser.set_defaults(handler=cmd_metrics)
 
 
@@ -333,8 +333,6 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.job is not None:
         if args.output_dir is not None:
             raise UserError("give either OUTPUT_DIR or --job, not both")
-        if args.address is None:
-            raise UserError("--job needs --address, the Ray dashboard of the cluster it ran on")
         from verlite.jobs import read_job_metrics
 
         raw = read_job_metrics(args.address, args.job)
@@ -343,7 +341,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         records, title = normalize_records(raw), f"job {args.job}"
     else:
         if args.output_dir is None:
-            raise UserError("give the run's OUTPUT_DIR (or --job ID --address URL)")
+            raise UserError("give the run's OUTPUT_DIR (or --job ID [--address URL])")
         if args.address is not None:
             raise UserError("--address goes with --job")
         records, title = load_metrics(args.output_dir), str(args.output_dir)

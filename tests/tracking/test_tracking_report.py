@@ -222,7 +222,6 @@ def test_job_metrics_use_the_same_table(
     ("argv", "message"),
     [
         ([], "give the run's OUTPUT_DIR"),
-        (["--job", "j1"], "--job needs --address"),
         (["some/dir", "--job", "j1", "--address", "http://h:8265"], "not both"),
         (["some/dir", "--address", "http://h:8265"], "--address goes with --job"),
     ],

@@ -324,7 +324,11 @@ def add_metrics_command(subparsers: argparse._SubParsersAction[argparse.Argument
         "'timing_s/*' allowed)",
     )
     parser.add_argument("--job", metavar="ID", help="read the metrics of this Ray job instead")
-    parser.add_argument("--address", metavar="URL", help="Ray dashboard address of --job (default: the RAY_ADDRESS variable)")
+    parser.add_argument(
+        "--address",
+        metavar="URL",
+        help="Ray dashboard address of --job (default: the RAY_ADDRESS variable)",
+    )
     parser.set_defaults(handler=cmd_metrics)
 
 

@@ -120,9 +120,24 @@ def dispatch(mode: Dispatch, world: int, args: Sequence[Any], kwargs: Mapping[st
     batch, rest = args[0], tuple(args[1:])
     shares = split_rows(row_lengths(batch), world=world, mini_batches=split.mini_batches)
     return Plan(
-        [(batch[torch.tensor(share, dtype=torch.long)], *rest) for share in shares],
+        [(_take_rows(batch, share), *rest) for share in shares],
         [dict(kwargs)] * world,
         restore=inverse_permutation(shares),
+    )
+
+
+def _is_identity(rows: Sequence[int]) -> bool:
+    return all(i == row for i, row in enumerate(rows))
+
+
+def _take_rows(batch: TensorDict, rows: list[int]) -> TensorDict:
+    # A single rank gets every row in order: the batch itself, not a gathered copy of it.
+    if len(rows) == batch.batch_size[0] and _is_identity(rows):
+        return batch
+    index = torch.tensor(rows, dtype=torch.long)
+    # index_select copies rows ~2.5x faster than advanced indexing (batch[index]) on CPU.
+    return batch.apply(
+        lambda value: value.index_select(0, index), batch_size=[len(rows), *batch.batch_size[1:]]
     )
 
 
@@ -136,13 +151,61 @@ def collect(mode: Collect, results: Sequence[Any], restore: Sequence[int] | None
         parts: list[Mapping[str, Metric]] = list(results)
         return to_floats(reduce_metrics(parts, Stage.RANKS))
     if mode == "concat":
-        joined = torch.cat(list(results))
-        if restore is None:
+        if restore is None or _is_identity(restore):
+            joined = _concat(results)
+            if restore is not None:
+                _check_rows(joined.shape[0], len(restore))
             return joined
-        if len(restore) != joined.shape[0]:
-            raise ValueError(
-                f"ranks returned {joined.shape[0]} rows in all for a batch of {len(restore)}; "
-                "'concat' needs one result row per input row"
-            )
-        return joined[torch.tensor(restore, dtype=torch.long)]
+        _check_rows(sum(int(r.shape[0]) for r in results), len(restore))
+        if not _same_non_tensors(results):
+            return _concat(results)[torch.tensor(restore, dtype=torch.long)]
+        return _scatter_in_order(results, restore)
     raise ValueError(f"unknown collect {mode!r}; use concat, rank0, list or metrics")
+
+
+def _concat(results: Sequence[Any]) -> Any:
+    # One rank's result is the whole batch already; concatenating would only copy it.
+    return results[0] if len(results) == 1 else torch.cat(list(results))
+
+
+def _check_rows(returned: int, expected: int) -> None:
+    if returned != expected:
+        raise ValueError(
+            f"ranks returned {returned} rows in all for a batch of {expected}; "
+            "'concat' needs one result row per input row"
+        )
+
+
+def _same_non_tensors(results: Sequence[Any]) -> bool:
+    """Whether the results' non-tensor entries agree (``torch.cat`` would stack them per row
+    otherwise); plain tensors have none."""
+    if not isinstance(results[0], TensorDict):
+        return True
+    values = [
+        {key: td.get_non_tensor(key) for key, _ in td.non_tensor_items(include_nested=True)}
+        for td in results
+    ]
+    return all(v == values[0] for v in values[1:])
+
+
+def _scatter_in_order(results: Sequence[Any], restore: Sequence[int]) -> Any:
+    """``concat(results)[restore]`` with one copy instead of two: each rank's rows are
+    written straight to their places in the original order."""
+    n = len(restore)
+    # Position p of the concatenation holds row ``flat[p]``; the rows of rank r are the
+    # consecutive positions of its result.
+    flat = torch.empty(n, dtype=torch.long)
+    flat[torch.tensor(restore, dtype=torch.long)] = torch.arange(n)
+    rows = flat.split([int(r.shape[0]) for r in results])
+
+    def scatter(*values: torch.Tensor) -> torch.Tensor:
+        out = values[0].new_empty((n, *values[0].shape[1:]))
+        for index, value in zip(rows, values, strict=True):
+            out.index_copy_(0, index, value)
+        return out
+
+    first = results[0]
+    if isinstance(first, torch.Tensor):
+        return scatter(*results)
+    # apply keeps the non-tensor entries of the first result, equal on every rank here.
+    return first.apply(scatter, *results[1:], batch_size=[n, *first.batch_size[1:]])

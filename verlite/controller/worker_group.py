@@ -1,8 +1,12 @@
 """WorkerGroup: one Ray actor per bundle of a resource pool, joined in one process group,
-and called with an explicit dispatch and collect (``verlite.controller.dispatch``)."""
+and called with an explicit dispatch and collect (``verlite.controller.dispatch``).
+
+TensorDicts travel both ways as raw byte arrays (``verlite.controller.transport``).
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,11 +18,14 @@ from verlite.controller import dispatch as dispatching
 from verlite.controller.dispatch import Collect, Dispatch
 from verlite.controller.errors import WorkerGroupError, describe_failure
 from verlite.controller.resource_pool import ResourcePool
+from verlite.controller.transport import install_in_worker, use_tensordict_transport
 from verlite.workers.base import Worker
 
-# Arguments of these types are sent inline with each call; anything else is put in the
-# object store once and passed by reference, so a batch broadcast to every rank is
-# serialized once, not once per rank.
+# Arguments of these types are sent inline with each call. Anything else that several
+# ranks receive (a broadcast) is put in the object store once and passed by reference, so
+# it is serialized once, not once per rank; what one rank alone receives (its share of a
+# dp_split) goes with its call, which Ray sends inline when small and through the object
+# store when large — a ray.put of its own would only add a round trip.
 _INLINE = (type(None), bool, int, float, str)
 # How long a graceful shutdown may take before the workers are killed regardless.
 _SHUTDOWN_GRACE_S = 10.0
@@ -103,6 +110,13 @@ class WorkerGroup:
             self._infos: list[dict[str, Any]] = self._wait(
                 [w.node_info.remote() for w in self._workers], "node_info"
             )
+            # Batches go out and results come back as raw byte arrays: the driver's and
+            # every worker's Ray serializer learn the TensorDict transport.
+            use_tensordict_transport()
+            self._wait(
+                [w.__ray_call__.remote(install_in_worker) for w in self._workers],
+                "install_in_worker",
+            )
             # Rank 0's address goes to every rank as object refs, so all init calls are
             # submitted together and the ranks rendezvous concurrently.
             addr, port = self._workers[0].master_address.options(num_returns=2).remote()
@@ -136,11 +150,17 @@ class WorkerGroup:
         if not self._workers:
             raise RuntimeError(f"worker group {self.name!r} is shut down")
         plan = dispatching.dispatch(dispatch, self.world_size, args, kwargs)
+        receivers = Counter(
+            key
+            for rank_args, rank_kwargs in zip(plan.args, plan.kwargs, strict=True)
+            for key in {id(v) for v in (*rank_args, *rank_kwargs.values())}
+        )
+        shared = {key for key, count in receivers.items() if count > 1}
         stored: dict[int, Any] = {}
         refs = [
             getattr(worker, method).remote(
-                *(_stored(a, stored) for a in rank_args),
-                **{k: _stored(v, stored) for k, v in rank_kwargs.items()},
+                *(_transport(a, shared, stored) for a in rank_args),
+                **{k: _transport(v, shared, stored) for k, v in rank_kwargs.items()},
             )
             for worker, rank_args, rank_kwargs in zip(
                 self._workers, plan.args, plan.kwargs, strict=True
@@ -203,10 +223,11 @@ class WorkerGroup:
         return results
 
 
-def _stored(value: Any, stored: dict[int, Any]) -> Any:
-    if isinstance(value, _INLINE):
+def _transport(value: Any, shared: set[int], stored: dict[int, Any]) -> Any:
+    """How ``value`` travels to a rank: inline, with the call, or as a reference to the one
+    copy in the object store when several ranks receive it (see ``_INLINE``)."""
+    if isinstance(value, _INLINE) or id(value) not in shared:
         return value
-    key = id(value)
-    if key not in stored:
-        stored[key] = ray.put(value)
-    return stored[key]
+    if id(value) not in stored:
+        stored[id(value)] = ray.put(value)
+    return stored[id(value)]

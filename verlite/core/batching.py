@@ -6,8 +6,10 @@ tensor) and returns lists of row indices; callers index their TensorDicts with t
 
 Token cost. A partition's cost is the sum of its rows' lengths: what a packed (padding
 free) forward pays. A caller that pads each micro-batch to its longest row pays
-``padded_cost`` instead, which can be up to ``len(part)`` times larger; the token budget
-below bounds the packed cost only.
+``padded_cost`` instead, which can be up to ``len(part)`` times larger. The token budget
+below bounds one of the two, as the caller asks: ``cost="packed"`` (the default) balances
+token sums with Karmarkar-Karp, which mixes long and short rows in every part;
+``cost="padded"`` groups rows of similar length so that ``padded_cost`` fits the budget.
 
 Splitting never changes a loss (DESIGN §2): the normalizers are counted over the whole
 mini-batch before any of these functions run, so only the grouping of rows varies.
@@ -18,10 +20,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
 __all__ = [
+    "MAX_PADDING",
+    "TokenCost",
     "count_token_budget_partitions",
     "flatten",
     "inverse_permutation",
@@ -30,6 +35,11 @@ __all__ = [
     "partition_by_token_budget",
     "split_fixed",
 ]
+
+
+TokenCost = Literal["packed", "padded"]
+# Padding a ``cost="padded"`` partition may keep, as a share of the tokens it runs on.
+MAX_PADDING = 0.05
 
 
 def _as_lengths(seq_lens: Sequence[int] | torch.Tensor) -> list[int]:
@@ -147,15 +157,32 @@ def partition_balanced(
 
 
 def partition_by_token_budget(
-    seq_lens: Sequence[int] | torch.Tensor, *, max_tokens: int, min_num_partitions: int = 1
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    max_tokens: int,
+    min_num_partitions: int = 1,
+    cost: TokenCost = "packed",
+    max_padding: float = MAX_PADDING,
 ) -> list[list[int]]:
-    """Fewest balanced partitions (at least ``min_num_partitions``) whose token sums all
-    fit in ``max_tokens`` (dynamic batching).
+    """Partitions (at least ``min_num_partitions``) whose cost all fits in ``max_tokens``
+    (dynamic batching). Partitions are never empty.
 
-    Starts from k = max(min_num_partitions, ceil(total / max_tokens)) and raises k until
-    ``partition_balanced`` fits; k = len(seq_lens) always fits since every row does.
-    Partitions are never empty.
+    ``cost="packed"``: the token sum of a partition; the fewest balanced partitions that
+    fit. Starts from k = max(min_num_partitions, ceil(total / max_tokens)) and raises k
+    until ``partition_balanced`` fits; k = len(seq_lens) always fits since every row does.
+
+    ``cost="padded"``: ``padded_cost``, rows x longest row, for callers that pad each
+    micro-batch to its longest row. Rows of similar length go together, in as few
+    partitions as keep padding within ``max_padding`` of the padded tokens (see
+    :func:`_partition_padded`).
+
+    ``count_token_budget_partitions`` with the same arguments is the count of this
+    partition with no minimum.
     """
+    if cost not in ("packed", "padded"):
+        raise ValueError(f"unknown token cost {cost!r}; use packed or padded")
+    if not 0.0 <= max_padding < 1.0:
+        raise ValueError(f"max_padding must be in [0, 1), got {max_padding}")
     lens = _as_lengths(seq_lens)
     n = len(lens)
     if max_tokens <= 0:
@@ -169,6 +196,10 @@ def partition_by_token_budget(
     for i, length in enumerate(lens):
         if length > max_tokens:
             raise ValueError(f"sequence {i} has {length} tokens, more than max_tokens={max_tokens}")
+    if cost == "padded":
+        return _partition_padded(
+            lens, max_tokens=max_tokens, num_partitions=min_num_partitions, max_padding=max_padding
+        )
 
     k = max(min_num_partitions, math.ceil(sum(lens) / max_tokens))
     while True:
@@ -178,8 +209,73 @@ def partition_by_token_budget(
         k += 1
 
 
+def _partition_padded(
+    lens: list[int], *, max_tokens: int, num_partitions: int, max_padding: float
+) -> list[list[int]]:
+    """Runs of rows sorted by length, each run's ``padded_cost`` within ``max_tokens``.
+
+    1. Rows are sorted longest first and cut greedily: a run starts at its longest row and
+       takes rows while ``rows x that length`` fits. That is the fewest partitions possible
+       (some optimal partition is always made of such runs: give the part holding the
+       longest row the longest rows of all, and no other part's longest row grows; greedy
+       cutting is optimal for runs).
+    2. On a long-tailed batch those few runs pad heavily: a budget of a few longest rows
+       puts rows of very different lengths together. Runs are then cut further, each time
+       where one cut saves the most padded tokens, until padding is at most
+       ``max_padding`` of the padded tokens and there are ``num_partitions`` runs. A cut
+       costs one more forward/backward call, so cuts go where they save the most, and rows
+       that pad little (dense short rows) keep sharing large micro-batches.
+
+    Cutting a run (longest first) of m rows before its row j turns m x len[0] into
+    j x len[0] + (m - j) x len[j], a saving of (m - j) x (len[0] - len[j]); among equal
+    savings the most even cut wins, so runs of equal lengths split in halves.
+
+    Each partition is sorted ascending and partitions are ordered by their smallest index;
+    ties are broken by index, so the result depends only on the input. The caller has
+    checked that every row fits and that 0 < num_partitions <= rows.
+    """
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    ordered = [lens[i] for i in order]
+    # Runs are [start, end) ranges of ``order``.
+    runs: list[tuple[int, int]] = []
+    for pos in range(len(ordered)):
+        if runs and (pos - runs[-1][0] + 1) * ordered[runs[-1][0]] <= max_tokens:
+            runs[-1] = (runs[-1][0], pos + 1)
+        else:
+            runs.append((pos, pos + 1))
+    real = sum(ordered)
+    padded = sum((end - start) * ordered[start] for start, end in runs)
+    cuts = {run: _best_cut(run, ordered) for run in runs}
+    while len(cuts) < num_partitions or real < (1.0 - max_padding) * padded:
+        # The run whose cut saves most; ties: the more even cut, then the longer rows.
+        run, (saving, _, at) = max(cuts.items(), key=lambda kv: (*kv[1][:2], -kv[0][0]))
+        del cuts[run]
+        for piece in ((run[0], at), (at, run[1])):
+            cuts[piece] = _best_cut(piece, ordered)
+        padded -= saving
+    parts = [sorted(order[start:end]) for start, end in cuts]
+    parts.sort(key=lambda p: p[0])
+    return parts
+
+
+def _best_cut(run: tuple[int, int], ordered: list[int]) -> tuple[int, int, int]:
+    """(padded tokens saved, evenness, cut position) of the best cut of ``run``;
+    (-1, -1, -1) for a run of one row, which cannot be cut."""
+    start, end = run
+    best = (-1, -1, -1)
+    top = ordered[start]
+    for at in range(start + 1, end):
+        key = ((end - at) * (top - ordered[at]), min(at - start, end - at), at)
+        best = max(best, key)
+    return best
+
+
 def count_token_budget_partitions(
-    seq_lens: Sequence[int] | torch.Tensor, *, max_tokens: int
+    seq_lens: Sequence[int] | torch.Tensor,
+    *,
+    max_tokens: int,
+    cost: TokenCost = "packed",
+    max_padding: float = MAX_PADDING,
 ) -> int:
     """Number of partitions ``partition_by_token_budget`` makes with no minimum.
 
@@ -187,7 +283,11 @@ def count_token_budget_partitions(
     rank runs the same number of micro-batches (and so the same number of backward calls
     before the gradient sync).
     """
-    return len(partition_by_token_budget(seq_lens, max_tokens=max_tokens))
+    return len(
+        partition_by_token_budget(
+            seq_lens, max_tokens=max_tokens, cost=cost, max_padding=max_padding
+        )
+    )
 
 
 def inverse_permutation(index_lists: Sequence[Sequence[int]]) -> list[int]:

@@ -41,3 +41,8 @@ clean:
 .PHONY: test-cluster
 test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/jobs
+
+# Every benchmark in benchmarks/, each in a fresh process; figures in benchmarks/results.json.
+.PHONY: bench
+bench: setup
+	$(PY) -m benchmarks.run_all

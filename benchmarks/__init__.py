@@ -1,0 +1,1 @@
+"""verlite's benchmarks: one module per question, each printing one JSON object (``make bench``)."""

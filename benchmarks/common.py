@@ -1,0 +1,78 @@
+"""What every benchmark shares: side-by-side timing, medians, ratios and the JSON it prints.
+
+Every figure a benchmark reports is a ratio of two variants measured in the same process,
+interleaved repetition by repetition, so a slower or busier machine moves both sides alike.
+Absolute times are printed for reading only; nothing asserts them.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
+    """Wall time of one call and its result."""
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def interleaved(
+    variants: Mapping[str, Callable[[], Any]], *, repeats: int, warmup: int = 1
+) -> tuple[dict[str, list[float]], dict[str, list[Any]]]:
+    """Seconds and result of each variant per repetition, the variants taking turns within a
+    repetition (so drift in the machine's load spreads over all of them) in an order that
+    reverses every repetition (so neither always runs right after the other); warm-up calls
+    are not kept."""
+    for _ in range(warmup):
+        for fn in variants.values():
+            fn()
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    results: dict[str, list[Any]] = {name: [] for name in variants}
+    names = list(variants)
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else reversed(names):
+            elapsed, result = time_call(variants[name])
+            seconds[name].append(elapsed)
+            results[name].append(result)
+    return seconds, results
+
+
+def median(values: list[float]) -> float:
+    return float(statistics.median(values))
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> float:
+    """Median over repetitions of numerator / denominator, pairing the same repetition."""
+    return median(ratios(numerator, denominator))
+
+
+def ratios(numerator: list[float], denominator: list[float]) -> list[float]:
+    return [a / b for a, b in zip(numerator, denominator, strict=True)]
+
+
+def quartiles(values: list[float]) -> list[float]:
+    """First and third quartiles: how far repetitions spread around the median."""
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [q1, q3]
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """Floats rounded to ``digits`` significant digits, recursively, for readable JSON."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def emit(result: Mapping[str, Any]) -> None:
+    """Print the benchmark's one JSON object as the last line of stdout (Ray may print
+    worker logs before it; ``benchmarks.run_all`` reads the last line)."""
+    print(json.dumps(rounded(dict(result))), flush=True)

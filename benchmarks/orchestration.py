@@ -1,0 +1,152 @@
+"""Orchestration overhead: one PPO step through verlite's Ray worker groups against the same
+step with the same workers called directly in this process.
+
+verlite: ``Trainer.train_step`` with its actor and critic groups started as in a run (an
+embedded local Ray, one actor and one critic worker colocated in one bundle).
+in-process: ``Trainer.train_step`` of a second trainer whose groups are replaced by
+:class:`InProcessGroup` — an ``ActorWorker`` and a ``CriticWorker`` (world size 1) built
+in this process, whose methods are called directly in the same order with the same
+batches: no Ray, no dispatch, no serialization. Everything else, including the driver's
+math, is the same code.
+
+Both trainers start from the same seeds, so step k does the same work in both (their
+metrics are checked to match). Steps alternate between the two, and the figure is the
+median over steps of verlite / in-process step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from typing import Any
+
+import ray
+import torch
+
+from benchmarks.common import emit, median, paired_ratio, quartiles, ratios, time_call
+from verlite.config import load_config
+from verlite.controller import stop_ray
+from verlite.core.metrics import Stage, reduce_metrics, to_floats
+from verlite.trainer import Trainer
+from verlite.workers.actor import ActorWorker
+from verlite.workers.critic import CriticWorker
+
+# A step of ~0.5-1 s on 2 cores: a wider, deeper model and longer responses than the
+# main job's, so that the ratio measures overhead against real work.
+OVERRIDES = [
+    "model.hidden_size=128",
+    "model.num_layers=4",
+    "model.intermediate_size=256",
+    "data.train_batch_size=64",
+    "rollout.max_response_length=16",
+    "trainer.total_steps=1000",
+    "trainer.val_freq=0",
+]
+# Worker-group calls of one PPO step with a critic: generate, log-probs, values, two updates.
+CALLS_PER_STEP = 5
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class InProcessGroup:
+    """One worker in this process behind ``WorkerGroup.call``'s signature: the method is
+    called directly and its result returned as a one-rank collect would."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    def call(
+        self,
+        method: str,
+        *args: Any,
+        dispatch: Any = "broadcast",
+        collect: str = "list",
+        **kwargs: Any,
+    ) -> Any:
+        result = getattr(self.worker, method)(*args, **kwargs)
+        if collect == "metrics":
+            return to_floats(reduce_metrics([result], Stage.RANKS))
+        return [result] if collect == "list" else result
+
+
+def in_process_trainer(cfg: Any) -> Trainer:
+    trainer = Trainer(cfg)
+    tokenizer = trainer.tokenizer
+    base = {"rank": 0, "world_size": 1, "torch_threads": cfg.trainer.torch_threads_per_worker}
+    actor = ActorWorker(
+        role="actor",
+        cfg=cfg,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **base,
+    )
+    critic = CriticWorker(role="critic", cfg=cfg, vocab_size=len(tokenizer), **base)
+    for worker in (actor, critic):
+        worker.init_model()
+    trainer.actor, trainer.critic = InProcessGroup(actor), InProcessGroup(critic)
+    trainer.groups = [trainer.actor, trainer.critic]
+    return trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--config", default="configs/ppo_tiny.yaml")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(args.config, [*OVERRIDES, f"trainer.output_dir={out}"])
+        local = in_process_trainer(cfg)
+        remote = Trainer(cfg)
+        remote.output_dir.mkdir(parents=True, exist_ok=True)
+        # The start-up of Trainer.fit, without the rest of its loop.
+        remote.groups = []
+        try:
+            remote._start_workers()
+            seconds: dict[str, list[float]] = {"verlite": [], "in_process": []}
+            worst = 0.0
+            # Step 1 warms both up (lazy imports, allocator, Ray's first transfers).
+            for step in range(1, args.steps + 2):
+                # Which trainer goes first alternates, so neither always follows the other.
+                if step % 2:
+                    t_remote, m_remote = time_call(lambda step=step: remote.train_step(step))
+                    t_local, m_local = time_call(lambda step=step: local.train_step(step))
+                else:
+                    t_local, m_local = time_call(lambda step=step: local.train_step(step))
+                    t_remote, m_remote = time_call(lambda step=step: remote.train_step(step))
+                for key in ("critic/score/mean", "actor/pg_loss", "critic/vf_loss"):
+                    a, b = m_remote[key], m_local[key]
+                    worst = max(worst, abs(a - b) / max(abs(b), 1e-8))
+                if step > 1:
+                    seconds["verlite"].append(t_remote)
+                    seconds["in_process"].append(t_local)
+        finally:
+            for group in remote.groups:
+                group.shutdown()
+            stop_ray()
+    assert worst < 1e-4, f"the two trainers diverged (relative metric difference {worst:.2e})"
+    emit(
+        {
+            "benchmark": "orchestration",
+            "config": args.config,
+            "overrides": OVERRIDES,
+            "steps": args.steps,
+            "torch_threads": torch.get_num_threads(),
+            "verlite_step_s": median(seconds["verlite"]),
+            "in_process_step_s": median(seconds["in_process"]),
+            "ratio": paired_ratio(seconds["verlite"], seconds["in_process"]),
+            "ratio_quartiles": quartiles(ratios(seconds["verlite"], seconds["in_process"])),
+            "overhead_ms_per_call": 1000
+            * median(
+                [a - b for a, b in zip(seconds["verlite"], seconds["in_process"], strict=True)]
+            )
+            / CALLS_PER_STEP,
+            "max_rel_metric_diff": worst,
+            "goal": "ratio <= 1.10",
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

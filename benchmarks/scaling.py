@@ -1,0 +1,86 @@
+"""Scaling: PPO step time with 1, 2 and 4 data-parallel workers per role on this machine.
+
+The same step as ``benchmarks.orchestration`` (actor and critic colocated, one torch
+thread per worker) with ``trainer.workers_per_node`` = dp, each bundle taking 2 / dp of the
+machine's CPUs. Every layout trains on the same global batch with the same mini-batches
+(micro-batches of 4 sequences), so each does the same math; only its split differs. dp
+layouts run one after another, each after a warm-up step, and the figure is the median
+step time of each relative to dp = 1. With 2 cores, dp = 2 can use both and dp = 4
+oversubscribes them: the model of ``benchmarks/README.md`` says what changes on GPU nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+from benchmarks.common import emit, median, time_call
+from benchmarks.orchestration import OVERRIDES
+from verlite.config import load_config
+from verlite.controller import stop_ray
+from verlite.trainer import Trainer
+
+CORES = 2
+STAGES = ("gen", "old_log_prob", "values", "update_critic", "update_actor")
+
+
+def step_times(dp: int, *, steps: int, config: str) -> dict[str, float]:
+    """Median step and stage times of ``steps`` steps with dp workers per role."""
+    with tempfile.TemporaryDirectory() as out:
+        cfg = load_config(
+            config,
+            [
+                *OVERRIDES,
+                f"trainer.output_dir={out}",
+                f"trainer.workers_per_node={dp}",
+                f"trainer.cpus_per_worker={CORES / dp}",
+                "actor.micro_batch_size_per_worker=4",
+                "critic.micro_batch_size_per_worker=4",
+            ],
+        )
+        trainer = Trainer(cfg)
+        trainer.output_dir.mkdir(parents=True, exist_ok=True)
+        trainer.groups = []  # the start-up of Trainer.fit, without the rest of its loop
+        try:
+            trainer._start_workers()
+            runs = [
+                time_call(lambda step=step: trainer.train_step(step))
+                for step in range(1, steps + 2)
+            ]
+        finally:
+            for group in trainer.groups:
+                group.shutdown()
+            stop_ray()
+    kept = runs[1:]  # the first step warms up
+    result = {"step_s": median([seconds for seconds, _ in kept])}
+    for stage in STAGES:
+        result[f"{stage}_s"] = median([m[f"timing_s/{stage}"] for _, m in kept])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--dp", default="1,2,4")
+    parser.add_argument("--config", default="configs/ppo_tiny.yaml")
+    args = parser.parse_args()
+    layouts = {
+        int(dp): step_times(int(dp), steps=args.steps, config=args.config)
+        for dp in args.dp.split(",")
+    }
+    base = layouts[min(layouts)]["step_s"]
+    emit(
+        {
+            "benchmark": "scaling",
+            "cores": CORES,
+            "torch_threads_per_worker": 1,
+            "steps": args.steps,
+            "layouts": {
+                str(dp): {**t, "speedup_vs_dp1": base / t["step_s"]} for dp, t in layouts.items()
+            },
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

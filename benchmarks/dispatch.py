@@ -74,7 +74,7 @@ def step_batch(rows: int, prompt: int, response: int, *, seed: int = 0) -> Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=31)
     args = parser.parse_args()
 
     batch = step_batch(args.rows, prompt=256, response=1024)

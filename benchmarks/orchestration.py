@@ -32,13 +32,13 @@ from verlite.trainer import Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
 
-# A step of ~0.5-1 s on 2 cores: a wider, deeper model and longer responses than the
+# A step of ~0.8 s on 2 cores: a wider, deeper model and longer responses than the
 # main job's, so that the ratio measures overhead against real work.
 OVERRIDES = [
     "model.hidden_size=128",
     "model.num_layers=4",
     "model.intermediate_size=256",
-    "data.train_batch_size=64",
+    "data.train_batch_size=128",
     "rollout.max_response_length=16",
     "trainer.total_steps=1000",
     "trainer.val_freq=0",

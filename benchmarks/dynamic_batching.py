@@ -42,9 +42,10 @@ LONGEST = 1024
 
 
 def skewed_lengths(n: int, *, seed: int, shortest: int = 16, longest: int = LONGEST) -> list[int]:
-    """Long-tailed lengths (Pareto, shape 1.2): most rows short, a few near the maximum."""
+    """Long-tailed lengths (Pareto, shape 1.2, from ``shortest``): most rows short, a few
+    at the maximum."""
     rng = random.Random(seed)
-    return [min(longest, shortest + int(rng.paretovariate(1.2) * shortest)) for _ in range(n)]
+    return [min(longest, int(shortest * rng.paretovariate(1.2))) for _ in range(n)]
 
 
 def skewed_batch(n: int, *, seed: int, prompt_len: tuple[int, int]) -> TensorDict:
@@ -81,11 +82,13 @@ def skewed_batch(n: int, *, seed: int, prompt_len: tuple[int, int]) -> TensorDic
 
 
 def use_cost(cost: str) -> None:
-    """Point the engine's planner at partitions of this token cost."""
-    engine_module.partition_by_token_budget = partial(batching.partition_by_token_budget, cost=cost)
-    engine_module.count_token_budget_partitions = partial(
-        batching.count_token_budget_partitions, cost=cost
-    )
+    """Point the engine's planner at partitions of this token cost, whatever cost it asks for."""
+    for name in ("partition_by_token_budget", "count_token_budget_partitions"):
+        setattr(engine_module, name, with_cost(getattr(batching, name), cost))
+
+
+def with_cost(fn: Callable[..., Any], cost: str) -> Callable[..., Any]:
+    return lambda *args, **kwargs: fn(*args, **{**kwargs, "cost": cost})
 
 
 def padding_fraction(td: TensorDict, parts: list[list[int]]) -> float:
@@ -124,9 +127,11 @@ def main() -> None:
     loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(base))
     real_tokens = int(batch["attention_mask"].sum())
 
+    # The token cost each variant's planner uses; fixed micro-batches never ask for one.
+    costs = {"fixed": "packed", "packed": "packed", "padded": "padded"}
     engines, layouts, losses = {}, {}, {}
     for name, cfg in configs.items():
-        use_cost(name if name != "fixed" else "packed")
+        use_cost(costs[name])
         policy = build_policy(model_cfg, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
         engines[name] = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
         parts, _ = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"))
@@ -140,16 +145,16 @@ def main() -> None:
 
     def update(name: str) -> Callable[[], Any]:
         def run() -> Any:
-            use_cost(name if name != "fixed" else "packed")
+            use_cost(costs[name])
             metrics = engines[name].train_mini_batch(batch.clone(), loss_fn)
             losses.setdefault(name, float(metrics["actor/pg_loss"].value))
             return metrics
 
         return run
 
-    # No warm-up: the first update is the one whose loss is compared (same weights in all).
+    # The warm-up update is each engine's first, from the same weights: its losses compare.
     seconds, _ = interleaved(
-        {name: update(name) for name in configs}, repeats=args.repeats, warmup=0
+        {name: update(name) for name in configs}, repeats=args.repeats, warmup=1
     )
     spread = max(losses.values()) - min(losses.values())
     assert spread <= 1e-5 * max(1.0, max(abs(v) for v in losses.values())), losses

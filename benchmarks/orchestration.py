@@ -17,11 +17,9 @@ median over steps of verlite / in-process step time.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 from typing import Any
 
-import ray
 import torch
 
 from benchmarks.common import emit, median, paired_ratio, quartiles, ratios, time_call
@@ -45,12 +43,12 @@ OVERRIDES = [
 ]
 # Worker-group calls of one PPO step with a critic: generate, log-probs, values, two updates.
 CALLS_PER_STEP = 5
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class InProcessGroup:
     """One worker in this process behind ``WorkerGroup.call``'s signature: the method is
-    called directly and its result returned as a one-rank collect would."""
+    called directly and its result returned as a one-rank collect would. ``dispatch`` is
+    accepted and ignored: one rank gets every argument as it is."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -70,6 +68,7 @@ class InProcessGroup:
 
 
 def in_process_trainer(cfg: Any) -> Trainer:
+    """A trainer whose actor and critic groups are workers built in this process."""
     trainer = Trainer(cfg)
     tokenizer = trainer.tokenizer
     base = {"rank": 0, "world_size": 1, "torch_threads": cfg.trainer.torch_threads_per_worker}

@@ -1,8 +1,8 @@
 """Rollout: generated tokens per second of ``NativeRollout`` against Hugging Face ``generate``.
 
 The same randomly initialized Llama (built from a config, no download), the same
-left-padded prompts, the same sampling settings — greedy, and sampled with temperature,
-top-k and top-p — and the same EOS and maximum length. Both run the full batch until every
+left-padded prompts, the same sampling settings — greedy, sampled at temperature 1, and
+sampled with top-k 50 and top-p 0.9 — and the same EOS and maximum length. Both run the full batch until every
 row has ended or the maximum length is reached; a row's generated tokens are those up to
 and including its EOS. Greedy outputs must be identical (checked). The figure is the median
 over repetitions of native / HF tokens per second, paired by repetition.
@@ -24,12 +24,12 @@ EOS, PAD = 2, 0
 
 
 def prompts(batch: int, width: int, vocab: int, *, seed: int = 0) -> TensorDict:
-    """Left-padded prompts of 1..width tokens, in verlite's layout."""
+    """Left-padded prompts of width/2..width tokens, in verlite's layout."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(width // 2, width + 1, (batch,), generator=gen)
     mask = (torch.arange(width) >= width - lengths[:, None]).long()
     ids = torch.randint(3, vocab, (batch, width), generator=gen) * mask
-    td = TensorDict(
+    return TensorDict(
         {
             "input_ids": ids,
             "attention_mask": mask,
@@ -37,7 +37,6 @@ def prompts(batch: int, width: int, vocab: int, *, seed: int = 0) -> TensorDict:
         },
         batch_size=[batch],
     )
-    return td
 
 
 def generated_tokens(responses: torch.Tensor) -> int:
@@ -98,7 +97,7 @@ def main() -> None:
     )
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     # One thread: torch's threads wait on each other at every op, so when other work shares
     # the cores a multi-threaded run slows erratically, a single thread proportionally.
     parser.add_argument("--threads", type=int, default=1)
@@ -116,7 +115,8 @@ def main() -> None:
         td = prompts(batch, args.prompt_len, args.vocab)
         settings = {
             "greedy": SamplingParams(new_tokens, temperature=0.0),
-            "sampled": SamplingParams(new_tokens, temperature=1.0, top_k=50, top_p=0.9),
+            "temperature": SamplingParams(new_tokens, temperature=1.0),
+            "top_k_top_p": SamplingParams(new_tokens, temperature=1.0, top_k=50, top_p=0.9),
         }
         for name, params in settings.items():
             results[f"{name}_{batch}x{new_tokens}"] = compare(
@@ -125,7 +125,7 @@ def main() -> None:
     emit(
         {
             "benchmark": "rollout",
-            "model": "llama hidden 256, 4 layers, vocab 2048",
+            "model": f"llama hidden 256, 4 layers, vocab {args.vocab}",
             "prompt_len": args.prompt_len,
             "results": results,
             "min_speedup": min(r["speedup"] for r in results.values()),

@@ -3,10 +3,11 @@
 for every loss_agg_mode, actor and critic.
 
 The engine's planner calls ``partition_by_token_budget`` and
-``count_token_budget_partitions``; the test points both at the padded cost.
+``count_token_budget_partitions``; the tests point both at the cost they compare.
 """
 
-from functools import partial
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -22,10 +23,19 @@ CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
 TOLERANCE = 1e-9
 
 
+def use_cost(patch: pytest.MonkeyPatch, cost: str) -> None:
+    """Point the engine's planner at this token cost, whatever cost it asks for itself."""
+    for name in ("partition_by_token_budget", "count_token_budget_partitions"):
+        patch.setattr(engine_module, name, with_cost(getattr(batching, name), cost))
+
+
+def with_cost(fn: Callable[..., Any], cost: str) -> Callable[..., Any]:
+    return lambda *args, **kwargs: fn(*args, **{**kwargs, "cost": cost})
+
+
 @pytest.fixture
 def padded_cost(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("partition_by_token_budget", "count_token_budget_partitions"):
-        monkeypatch.setattr(engine_module, name, partial(getattr(batching, name), cost="padded"))
+    use_cost(monkeypatch, "padded")
 
 
 @pytest.mark.usefixtures("padded_cost")
@@ -40,7 +50,7 @@ def test_padded_micro_batches_match_the_full_batch(role: str, mode: str) -> None
     assert max(diffs.values()) <= TOLERANCE, diffs
 
 
-def test_padded_grouping_differs_from_packed() -> None:
+def test_padded_grouping_differs_from_packed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The padded planner really regroups the audit batch (or the test above proves nothing)."""
     batch = make_batch(CONFIG)
     longest = CONFIG.data.max_prompt_length + CONFIG.rollout.max_response_length
@@ -52,12 +62,10 @@ def test_padded_grouping_differs_from_packed() -> None:
             "max_token_len_per_worker": 2 * longest,
         }
     )
-    packed, _ = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"))
-    with pytest.MonkeyPatch.context() as patch:
-        for name in ("partition_by_token_budget", "count_token_budget_partitions"):
-            patch.setattr(engine_module, name, partial(getattr(batching, name), cost="padded"))
-        padded, _ = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"))
+    plans = {}
+    for cost in ("packed", "padded"):
+        use_cost(monkeypatch, cost)
+        plans[cost], _ = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"))
+    assert sorted(map(sorted, plans["padded"])) != sorted(map(sorted, plans["packed"]))
     lengths = batch["attention_mask"].sum(-1).tolist()
-    assert sorted(map(sorted, padded)) != sorted(map(sorted, packed))
-    budget = cfg.max_token_len_per_worker
-    assert all(batching.padded_cost(lengths, p) <= budget for p in padded)
+    assert all(batching.padded_cost(lengths, p) <= 2 * longest for p in plans["padded"])

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 from tensordict import TensorDict
 from torch import nn
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from verlite.dist import all_reduce_max
 
@@ -95,7 +96,11 @@ class NativeRollout:
         mask = prompt_mask
         positions = prompts["position_ids"]
         next_positions = prompt_mask.sum(-1, keepdim=True)  # first response position per row
-        cache = DynamicCache()
+        cache = Cache(
+            layer_class_to_replicate=partial(
+                PreallocatedCacheLayer, input_ids.shape[1] + params.max_new_tokens
+            )
+        )
         step_ids = input_ids
         for t in range(params.max_new_tokens):
             out = self.model(
@@ -123,6 +128,54 @@ class NativeRollout:
         if self.lockstep:
             all_reduce_max(active)
         return bool(active)
+
+
+class PreallocatedCacheLayer(CacheLayerMixin):
+    """One layer's KV cache with room for the whole generation, filled in place.
+
+    Hugging Face's ``DynamicLayer`` concatenates at every decode step, copying the layer's
+    whole cache once per generated token (quadratic in the length); here each step writes
+    its own positions and attention reads a view of the filled part. With one torch thread
+    per worker that is 4-8% of a decode on the benchmark's model (``benchmarks/rollout.py``).
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, dim = key_states.shape
+        self.device = key_states.device
+        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim))
+        self.value_buffer = value_states.new_empty(
+            (batch, value_states.shape[1], self.capacity, value_states.shape[-1])
+        )
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise ValueError(f"a KV cache of {self.capacity} positions cannot hold {end}")
+        self.key_buffer[:, :, self.length : end] = key_states
+        self.value_buffer[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys = self.key_buffer[:, :, :end]
+        self.values = self.value_buffer[:, :, :end]
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return self.capacity
 
 
 def build_step_batch(

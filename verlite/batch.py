@@ -36,6 +36,13 @@ def sequence_lengths(td: TensorDict) -> list[int]:
     return td["attention_mask"].sum(-1).tolist()
 
 
+def prompt_lengths(td: TensorDict) -> list[int]:
+    """Real prompt tokens per row: with :func:`sequence_lengths`, the width a group of rows
+    takes once trimmed (longest prompt + longest response)."""
+    mask = td["attention_mask"]
+    return mask[:, : mask.shape[1] - response_width(td)].sum(-1).tolist()
+
+
 def trim_padding(td: TensorDict) -> TensorDict:
     """Drop the columns that are padding in every row: leading prompt and trailing response pads.
 

@@ -211,11 +211,11 @@ class WorkerRoleConfig(Section):
     )
     use_dynamic_bsz: bool = Field(
         False,
-        description="Cut micro-batches by a token budget (balanced partitioning) instead of a fixed size.",
+        description="Cut micro-batches by a token budget (rows of similar length together) instead of a fixed size.",
     )
     max_token_len_per_worker: PositiveInt | None = Field(
         None,
-        description="Token budget of one micro-batch with use_dynamic_bsz (>= the longest prompt + response).",
+        description="Token budget of one micro-batch with use_dynamic_bsz: rows x (longest prompt + longest response), padding included (>= the longest prompt + response).",
     )
     loss_agg_mode: LossAggMode = Field(
         "token-mean", description=f"How token losses aggregate: {', '.join(LOSS_AGG_MODES)}."

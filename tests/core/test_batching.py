@@ -1,4 +1,5 @@
-"""Tests for verlite.core.batching: coverage, balance, budgets, errors, round trips."""
+"""Tests for verlite.core.batching: fixed splits, balanced partitions, the inverse
+permutation (token budgets are in test_token_budget.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import pytest
 import torch
 
 from verlite.core.batching import (
-    count_token_budget_partitions,
     flatten,
     inverse_permutation,
-    padded_cost,
     partition_balanced,
-    partition_by_token_budget,
     split_fixed,
 )
 
@@ -77,25 +75,6 @@ def test_partition_balanced_never_empty_with_zero_lengths() -> None:
         _assert_covers(partition_balanced(lens, num_partitions=k), n)
 
 
-def test_partition_by_token_budget_covers_and_fits() -> None:
-    for seed, lens, _ in _cases():
-        rng = random.Random(seed)
-        max_tokens = rng.randint(max(lens), 4 * max(lens))
-        parts = partition_by_token_budget(lens, max_tokens=max_tokens)
-        _assert_covers(parts, len(lens))
-        assert max(_sums(lens, parts)) <= max_tokens
-        assert len(parts) >= math.ceil(sum(lens) / max_tokens)
-        assert len(parts) == count_token_budget_partitions(lens, max_tokens=max_tokens)
-
-
-def test_budget_of_one_row_each_gives_n_partitions() -> None:
-    lens = [5, 5, 5, 5]
-    assert partition_by_token_budget(lens, max_tokens=5) == [[0], [1], [2], [3]]
-
-
-# --- balance ---------------------------------------------------------------------------
-
-
 def test_balanced_beats_contiguous_split_on_long_tailed_lengths() -> None:
     n, k = 256, 8
     worst_ratio = 0.0
@@ -131,36 +110,6 @@ def test_equal_size_balanced_and_equal_counts() -> None:
         assert contiguous >= 2 * balanced
 
 
-# --- token budget and the common micro-batch count --------------------------------------
-
-
-def test_min_num_partitions_is_honoured() -> None:
-    lens = [10] * 12
-    assert len(partition_by_token_budget(lens, max_tokens=1000)) == 1
-    for m in range(1, 13):
-        parts = partition_by_token_budget(lens, max_tokens=1000, min_num_partitions=m)
-        assert len(parts) == m
-        _assert_covers(parts, 12)
-
-
-def test_max_count_over_ranks_gives_every_rank_that_count() -> None:
-    # What DP ranks do: all-reduce MAX of their own counts, then partition with it as the
-    # minimum; every rank must then run exactly that many micro-batches within budget.
-    for seed in range(100):
-        rng = random.Random(seed)
-        max_tokens = 2048
-        ranks = [_random_lens(rng, rng.randint(8, 32)) for _ in range(4)]
-        common = max(count_token_budget_partitions(r, max_tokens=max_tokens) for r in ranks)
-        for lens in ranks:
-            if common > len(lens):
-                continue
-            parts = partition_by_token_budget(
-                lens, max_tokens=max_tokens, min_num_partitions=common
-            )
-            assert len(parts) == common
-            assert max(_sums(lens, parts)) <= max_tokens
-
-
 def test_accepts_tensor_lengths() -> None:
     mask = torch.zeros(6, 10, dtype=torch.long)
     for row, n in enumerate([3, 10, 1, 7, 7, 2]):
@@ -169,17 +118,6 @@ def test_accepts_tensor_lengths() -> None:
     assert partition_balanced(lens, num_partitions=2) == partition_balanced(
         lens.tolist(), num_partitions=2
     )
-    assert count_token_budget_partitions(lens, max_tokens=10) == 3
-
-
-def test_padded_cost() -> None:
-    lens = [3, 10, 1, 7]
-    assert padded_cost(lens, [0, 2]) == 2 * 3
-    assert padded_cost(lens, [0, 1, 2]) == 3 * 10
-    assert padded_cost(lens, []) == 0
-
-
-# --- errors ----------------------------------------------------------------------------
 
 
 def test_split_fixed_rejects_non_positive_sizes() -> None:
@@ -200,17 +138,6 @@ def test_partition_balanced_errors() -> None:
         partition_balanced([1, -2], num_partitions=1)
     with pytest.raises(ValueError, match="1-D integer tensor"):
         partition_balanced(torch.ones(4), num_partitions=2)
-
-
-def test_partition_by_token_budget_errors() -> None:
-    with pytest.raises(ValueError, match="sequence 2 has 300 tokens, more than max_tokens=256"):
-        partition_by_token_budget([10, 20, 300, 5], max_tokens=256)
-    with pytest.raises(ValueError, match=r"min_num_partitions \(5\) exceeds .* \(4\)"):
-        partition_by_token_budget([1, 2, 3, 4], max_tokens=100, min_num_partitions=5)
-    with pytest.raises(ValueError, match="max_tokens must be positive, got 0"):
-        partition_by_token_budget([1, 2], max_tokens=0)
-    with pytest.raises(ValueError, match="min_num_partitions must be positive, got 0"):
-        partition_by_token_budget([1, 2], max_tokens=10, min_num_partitions=0)
 
 
 def test_inverse_permutation_rejects_non_permutations() -> None:
@@ -247,5 +174,3 @@ def test_deterministic_for_same_input() -> None:
         for kwargs in ({"num_partitions": 6}, {"num_partitions": 6, "equal_size": True}):
             first = partition_balanced(lens, **kwargs)
             assert all(partition_balanced(list(lens), **kwargs) == first for _ in range(3))
-        first = partition_by_token_budget(lens, max_tokens=2048)
-        assert partition_by_token_budget(tuple(lens), max_tokens=2048) == first

@@ -4,12 +4,11 @@ the inverse permutation that puts concatenated results back in the original orde
 Everything here works on plain Python ints (sequence lengths may also be a 1-D integer
 tensor) and returns lists of row indices; callers index their TensorDicts with them.
 
-Token cost. A partition's cost is the sum of its rows' lengths: what a packed (padding
-free) forward pays. A caller that pads each micro-batch to its longest row pays
-``padded_cost`` instead, which can be up to ``len(part)`` times larger. The token budget
-below bounds one of the two, as the caller asks: ``cost="packed"`` (the default) balances
-token sums with Karmarkar-Karp, which mixes long and short rows in every part;
-``cost="padded"`` groups rows of similar length so that ``padded_cost`` fits the budget.
+Token budget (dynamic batching). A micro-batch runs padded to its own width, so what
+a budget must bound is ``padded_cost``, rows x width, not the rows' token sum: balancing
+token sums (Karmarkar-Karp, as ``partition_balanced`` does across DP ranks) mixes a long
+row into every micro-batch and pads the short ones to it. ``partition_by_token_budget``
+groups rows of similar length instead, and keeps padding within ``MAX_PADDING``.
 
 Splitting never changes a loss (DESIGN §2): the normalizers are counted over the whole
 mini-batch before any of these functions run, so only the grouping of rows varies.
@@ -18,15 +17,12 @@ mini-batch before any of these functions run, so only the grouping of rows varie
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
-from typing import Literal
 
 import torch
 
 __all__ = [
     "MAX_PADDING",
-    "TokenCost",
     "count_token_budget_partitions",
     "flatten",
     "inverse_permutation",
@@ -37,8 +33,7 @@ __all__ = [
 ]
 
 
-TokenCost = Literal["packed", "padded"]
-# Padding a ``cost="padded"`` partition may keep, as a share of the tokens it runs on.
+# Padding a token-budget partition may keep, as a share of the tokens it runs on.
 MAX_PADDING = 0.05
 
 
@@ -76,10 +71,37 @@ def split_fixed(batch_size: int, *, micro_batch_size: int) -> list[list[int]]:
     ]
 
 
-def padded_cost(seq_lens: Sequence[int] | torch.Tensor, part: Sequence[int]) -> int:
-    """Tokens a micro-batch costs when padded to its longest row: len(part) * max length."""
+def padded_cost(
+    seq_lens: Sequence[int] | torch.Tensor,
+    part: Sequence[int],
+    prompt_lens: Sequence[int] | torch.Tensor | None = None,
+) -> int:
+    """Tokens a micro-batch runs on when padded: rows x width.
+
+    Without ``prompt_lens`` the width is the longest row. With it, each row is a
+    left-padded prompt of ``prompt_lens[i]`` tokens then a right-padded response of the
+    rest, so the width is the longest prompt plus the longest response — more than the
+    longest row when a short prompt's row has the longest response.
+    """
     lens = _as_lengths(seq_lens)
-    return len(part) * max((lens[i] for i in part), default=0)
+    prompts = _prompt_lengths(lens, prompt_lens)
+    if not part:
+        return 0
+    width = max(prompts[i] for i in part) + max(lens[i] - prompts[i] for i in part)
+    return len(part) * width
+
+
+def _prompt_lengths(lens: list[int], prompt_lens: Sequence[int] | torch.Tensor | None) -> list[int]:
+    """Prompt lengths checked against the row lengths (all zero when not given)."""
+    if prompt_lens is None:
+        return [0] * len(lens)
+    prompts = _as_lengths(prompt_lens)
+    if len(prompts) != len(lens):
+        raise ValueError(f"prompt_lens has {len(prompts)} rows, seq_lens {len(lens)}")
+    for i, (prompt, total) in enumerate(zip(prompts, lens, strict=True)):
+        if prompt > total:
+            raise ValueError(f"prompt_lens[{i}] = {prompt} exceeds seq_lens[{i}] = {total}")
+    return prompts
 
 
 class _Part:
@@ -160,30 +182,24 @@ def partition_by_token_budget(
     seq_lens: Sequence[int] | torch.Tensor,
     *,
     max_tokens: int,
+    prompt_lens: Sequence[int] | torch.Tensor | None = None,
     min_num_partitions: int = 1,
-    cost: TokenCost = "packed",
     max_padding: float = MAX_PADDING,
 ) -> list[list[int]]:
-    """Partitions (at least ``min_num_partitions``) whose cost all fits in ``max_tokens``
-    (dynamic batching). Partitions are never empty.
+    """Partitions (at least ``min_num_partitions``, never empty) whose ``padded_cost`` all
+    fits in ``max_tokens`` (dynamic batching): rows of similar length go together, in as
+    few partitions as keep padding within ``max_padding`` of the padded tokens.
 
-    ``cost="packed"``: the token sum of a partition; the fewest balanced partitions that
-    fit. Starts from k = max(min_num_partitions, ceil(total / max_tokens)) and raises k
-    until ``partition_balanced`` fits; k = len(seq_lens) always fits since every row does.
-
-    ``cost="padded"``: ``padded_cost``, rows x longest row, for callers that pad each
-    micro-batch to its longest row. Rows of similar length go together, in as few
-    partitions as keep padding within ``max_padding`` of the padded tokens (see
-    :func:`_partition_padded`).
+    ``prompt_lens`` describes rows laid out as a left-padded prompt then a right-padded
+    response (see :func:`padded_cost`); without it a row is one right-padded sequence.
 
     ``count_token_budget_partitions`` with the same arguments is the count of this
     partition with no minimum.
     """
-    if cost not in ("packed", "padded"):
-        raise ValueError(f"unknown token cost {cost!r}; use packed or padded")
     if not 0.0 <= max_padding < 1.0:
         raise ValueError(f"max_padding must be in [0, 1), got {max_padding}")
     lens = _as_lengths(seq_lens)
+    prompts = _prompt_lengths(lens, prompt_lens)
     n = len(lens)
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -196,85 +212,97 @@ def partition_by_token_budget(
     for i, length in enumerate(lens):
         if length > max_tokens:
             raise ValueError(f"sequence {i} has {length} tokens, more than max_tokens={max_tokens}")
-    if cost == "padded":
-        return _partition_padded(
-            lens, max_tokens=max_tokens, num_partitions=min_num_partitions, max_padding=max_padding
-        )
 
-    k = max(min_num_partitions, math.ceil(sum(lens) / max_tokens))
-    while True:
-        parts = partition_balanced(lens, num_partitions=k)
-        if k == n or all(sum(lens[i] for i in p) <= max_tokens for p in parts):
-            return parts
-        k += 1
-
-
-def _partition_padded(
-    lens: list[int], *, max_tokens: int, num_partitions: int, max_padding: float
-) -> list[list[int]]:
-    """Runs of rows sorted by length, each run's ``padded_cost`` within ``max_tokens``.
-
-    1. Rows are sorted longest first and cut greedily: a run starts at its longest row and
-       takes rows while ``rows x that length`` fits. That is the fewest partitions possible
-       (some optimal partition is always made of such runs: give the part holding the
-       longest row the longest rows of all, and no other part's longest row grows; greedy
-       cutting is optimal for runs).
-    2. On a long-tailed batch those few runs pad heavily: a budget of a few longest rows
-       puts rows of very different lengths together. Runs are then cut further, each time
-       where one cut saves the most padded tokens, until padding is at most
-       ``max_padding`` of the padded tokens and there are ``num_partitions`` runs. A cut
-       costs one more forward/backward call, so cuts go where they save the most, and rows
-       that pad little (dense short rows) keep sharing large micro-batches.
-
-    Cutting a run (longest first) of m rows before its row j turns m x len[0] into
-    j x len[0] + (m - j) x len[j], a saving of (m - j) x (len[0] - len[j]); among equal
-    savings the most even cut wins, so runs of equal lengths split in halves.
-
-    Each partition is sorted ascending and partitions are ordered by their smallest index;
-    ties are broken by index, so the result depends only on the input. The caller has
-    checked that every row fits and that 0 < num_partitions <= rows.
-    """
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    ordered = [lens[i] for i in order]
-    # Runs are [start, end) ranges of ``order``.
-    runs: list[tuple[int, int]] = []
-    for pos in range(len(ordered)):
-        if runs and (pos - runs[-1][0] + 1) * ordered[runs[-1][0]] <= max_tokens:
-            runs[-1] = (runs[-1][0], pos + 1)
-        else:
-            runs.append((pos, pos + 1))
-    real = sum(ordered)
-    padded = sum((end - start) * ordered[start] for start, end in runs)
-    cuts = {run: _best_cut(run, ordered) for run in runs}
-    while len(cuts) < num_partitions or real < (1.0 - max_padding) * padded:
+    order = sorted(range(n), key=lambda i: (-lens[i], i))
+    runs = _Runs([prompts[i] for i in order], [lens[i] - prompts[i] for i in order])
+    bounds, padded = runs.cut_greedily(max_tokens)
+    real = sum(lens)
+    cuts = {run: runs.best_cut(*run) for run in bounds}
+    while len(cuts) < min_num_partitions or real < (1.0 - max_padding) * padded:
         # The run whose cut saves most; ties: the more even cut, then the longer rows.
         run, (saving, _, at) = max(cuts.items(), key=lambda kv: (*kv[1][:2], -kv[0][0]))
         del cuts[run]
         for piece in ((run[0], at), (at, run[1])):
-            cuts[piece] = _best_cut(piece, ordered)
+            cuts[piece] = runs.best_cut(*piece)
         padded -= saving
     parts = [sorted(order[start:end]) for start, end in cuts]
     parts.sort(key=lambda p: p[0])
     return parts
 
 
-def _best_cut(run: tuple[int, int], ordered: list[int]) -> tuple[int, int, int]:
-    """(padded tokens saved, evenness, cut position) of the best cut of ``run``;
-    (-1, -1, -1) for a run of one row, which cannot be cut."""
-    start, end = run
-    best = (-1, -1, -1)
-    top = ordered[start]
-    for at in range(start + 1, end):
-        key = ((end - at) * (top - ordered[at]), min(at - start, end - at), at)
-        best = max(best, key)
-    return best
+class _Runs:
+    """Rows sorted longest first, as (prompt, response) lengths; runs of them are
+    ``[start, end)`` ranges of positions.
+
+    How the partition is built:
+
+    1. Rows are sorted longest first and cut greedily: a run starts at its longest row and
+       takes rows while its padded cost fits. With one prompt length (or none) that is the
+       fewest partitions possible (some optimal partition is made of such runs: give the
+       part holding the longest row the longest rows of all, and no other part's longest
+       row grows; greedy cutting is optimal for runs); with ragged prompts it is close.
+    2. On a long-tailed batch those few runs pad heavily: a budget of a few longest rows
+       puts rows of very different lengths together. Runs are then cut further, each time
+       where one cut saves the most padded tokens, until padding is at most
+       ``max_padding`` of the padded tokens and there are ``min_num_partitions`` runs. A
+       cut costs one more forward/backward call, so cuts go where they save the most, and
+       rows that pad little (dense short rows) keep sharing large micro-batches. A run of
+       one row has no padding, so this always ends.
+
+    Among equal savings the most even cut wins, so runs of equal lengths split in halves.
+    Ties are broken by position in the (length, index) order, so the result depends only
+    on the input.
+    """
+
+    def __init__(self, prompts: list[int], responses: list[int]) -> None:
+        self.prompts = prompts
+        self.responses = responses
+
+    def cut_greedily(self, max_tokens: int) -> tuple[list[tuple[int, int]], int]:
+        """Step 1: runs, longest rows first, each as long as its padded cost fits (every
+        row fits alone), and their padded tokens."""
+        bounds = []
+        padded = start = top_prompt = top_response = 0
+        for pos, (prompt, response) in enumerate(zip(self.prompts, self.responses, strict=True)):
+            width = max(top_prompt, prompt) + max(top_response, response)
+            if (pos + 1 - start) * width > max_tokens:
+                bounds.append((start, pos))
+                padded += (pos - start) * (top_prompt + top_response)
+                start, top_prompt, top_response = pos, prompt, response
+            else:
+                top_prompt, top_response = max(top_prompt, prompt), max(top_response, response)
+        bounds.append((start, len(self.prompts)))
+        return bounds, padded + (len(self.prompts) - start) * (top_prompt + top_response)
+
+    def best_cut(self, start: int, end: int) -> tuple[int, int, int]:
+        """(padded tokens saved, evenness, cut position) of the best cut of [start, end);
+        (-1, -1, -1) for a run of one row, which cannot be cut."""
+        best = (-1, -1, -1)
+        if end - start < 2:
+            return best
+        # Widths of every head [start, at) and tail [at, end), by running maxima.
+        head, tail = [0] * (end - start + 1), [0] * (end - start + 1)
+        top_p = top_r = 0
+        for at in range(start, end):
+            top_p, top_r = max(top_p, self.prompts[at]), max(top_r, self.responses[at])
+            head[at - start + 1] = top_p + top_r
+        top_p = top_r = 0
+        for at in range(end - 1, start - 1, -1):
+            top_p, top_r = max(top_p, self.prompts[at]), max(top_r, self.responses[at])
+            tail[at - start] = top_p + top_r
+        whole = (end - start) * head[-1]
+        for at in range(start + 1, end):
+            j = at - start
+            saving = whole - j * head[j] - (end - at) * tail[j]
+            best = max(best, (saving, min(j, end - at), at))
+        return best
 
 
 def count_token_budget_partitions(
     seq_lens: Sequence[int] | torch.Tensor,
     *,
     max_tokens: int,
-    cost: TokenCost = "packed",
+    prompt_lens: Sequence[int] | torch.Tensor | None = None,
     max_padding: float = MAX_PADDING,
 ) -> int:
     """Number of partitions ``partition_by_token_budget`` makes with no minimum.
@@ -285,7 +313,7 @@ def count_token_budget_partitions(
     """
     return len(
         partition_by_token_budget(
-            seq_lens, max_tokens=max_tokens, cost=cost, max_padding=max_padding
+            seq_lens, max_tokens=max_tokens, prompt_lens=prompt_lens, max_padding=max_padding
         )
     )
 

@@ -25,7 +25,13 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.batch import pad_responses, response_width, sequence_lengths, trim_padding
+from verlite.batch import (
+    pad_responses,
+    prompt_lengths,
+    response_width,
+    sequence_lengths,
+    trim_padding,
+)
 from verlite.config import OptimConfig, WorkerRoleConfig
 from verlite.core.batching import (
     count_token_budget_partitions,
@@ -231,14 +237,14 @@ def plan_micro_batches(
     if cfg.use_dynamic_bsz:
         assert cfg.max_token_len_per_worker is not None, "validated by the config"
         budget = cfg.max_token_len_per_worker
-        lengths = sequence_lengths(td)
-        count = count_token_budget_partitions(lengths, max_tokens=budget)
-        while True:  # the budget may need one more part at the agreed count; agree again
-            agreed = _max_over_ranks(count, device)
-            parts = partition_by_token_budget(lengths, max_tokens=budget, min_num_partitions=agreed)
-            count = _max_over_ranks(len(parts), device)
-            if count == agreed:
-                return parts, 0
+        lengths, prompts = sequence_lengths(td), prompt_lengths(td)
+        count = count_token_budget_partitions(lengths, max_tokens=budget, prompt_lens=prompts)
+        # A minimum only makes more of the same cuts: every rank gets exactly the agreed count.
+        agreed = _max_over_ranks(count, device)
+        parts = partition_by_token_budget(
+            lengths, max_tokens=budget, prompt_lens=prompts, min_num_partitions=agreed
+        )
+        return parts, 0
     parts = split_fixed(n, micro_batch_size=cfg.micro_batch_size_per_worker)
     agreed = _max_over_ranks(len(parts), device)
     if agreed > len(parts):

@@ -41,8 +41,8 @@ OVERRIDES = [
     "trainer.total_steps=1000",
     "trainer.val_freq=0",
 ]
-# Worker-group calls of one PPO step with a critic: generate, log-probs, values, two updates.
-CALLS_PER_STEP = 5
+# Worker-group calls of one PPO step with a critic: rollout (with log-probs), values, two updates.
+CALLS_PER_STEP = 4
 
 
 class InProcessGroup:
@@ -90,7 +90,7 @@ def in_process_trainer(cfg: Any) -> Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--config", default="configs/ppo_tiny.yaml")
     args = parser.parse_args()
 

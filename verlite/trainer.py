@@ -213,27 +213,23 @@ class Trainer:
         step_start = time.perf_counter()
         records = next(self.loader)
         actor_k = cfg.role_sizes("actor").num_mini_batches
-        with timer("gen"):  # 1. generate
+        with timer("rollout"):  # 1. generate, with old and reference log-probs
             prompts, texts = self._prompt_batch(
                 records, repeat=cfg.rollout.n, temperature=cfg.rollout.temperature
             )
             seed = cfg.trainer.seed * 100_003 + step
             batch = self.actor.call(
-                "generate", prompts, self.sampling, seed, dispatch="dp_split", collect="concat"
-            )
-        with timer("reward"):  # 2. reward
-            scores = self._score(batch, texts)
-            batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
-        with timer("old_log_prob"):  # 3-4. old and reference log-probs
-            batch.update(
-                self.actor.call("compute_log_probs", batch, dispatch="dp_split", collect="concat")
+                "rollout", prompts, self.sampling, seed, dispatch="dp_split", collect="concat"
             )
         if self.critic is not None:
-            with timer("values"):  # 5. values
+            with timer("values"):  # 2. values
                 batch.update(
                     self.critic.call("compute_values", batch, dispatch="dp_split", collect="concat")
                 )
-        with timer("adv"):  # 6. advantages
+        with timer("reward"):  # 3. reward
+            scores = self._score(batch, texts)
+            batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
+        with timer("adv"):  # 4. advantages
             kl_metrics = self._token_rewards(batch)
             batch["advantages"], batch["returns"] = compute_advantages(
                 cfg.algorithm.adv_estimator,
@@ -247,7 +243,7 @@ class Trainer:
             )
         metrics: dict[str, float] = {}
         if self.critic is not None:
-            with timer("update_critic"):  # 7. critic update
+            with timer("update_critic"):  # 5. critic update
                 k = cfg.role_sizes("critic").num_mini_batches
                 metrics.update(
                     self.critic.call(
@@ -258,7 +254,7 @@ class Trainer:
                     )
                 )
         if step > cfg.critic.warmup_steps or self.critic is None:
-            with timer("update_actor"):  # 8. actor update
+            with timer("update_actor"):  # 6. actor update
                 metrics.update(
                     self.actor.call(
                         "update_actor",

@@ -93,7 +93,9 @@ class NativeRollout:
         )
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
-        mask = prompt_mask
+        width = prompt_mask.shape[1]
+        # Room for every response position, so a step passes a view instead of concatenating.
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones((batch, params.max_new_tokens))], -1)
         positions = prompts["position_ids"]
         next_positions = prompt_mask.sum(-1, keepdim=True)  # first response position per row
         cache = Cache(
@@ -105,7 +107,7 @@ class NativeRollout:
         for t in range(params.max_new_tokens):
             out = self.model(
                 input_ids=step_ids,
-                attention_mask=mask,
+                attention_mask=mask[:, : width + t],
                 position_ids=positions,
                 cache=cache,
                 use_cache=True,
@@ -119,7 +121,6 @@ class NativeRollout:
             if not self._any_active(finished):
                 break
             step_ids = token.unsqueeze(-1)
-            mask = torch.cat([mask, torch.ones_like(step_ids)], dim=-1)
             positions = next_positions + t
         return build_step_batch(prompts, responses, lengths)
 

@@ -54,7 +54,7 @@ class ActorWorker(EngineWorker):
             policy, cfg=cfg.actor, total_updates=total_updates, metric_prefix="actor", device=device
         )
         self.num_mini_batches = sizes.num_mini_batches
-        self.rollout = NativeRollout(
+        self.generator = NativeRollout(
             inference_module(self.engine.model),
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
@@ -71,9 +71,17 @@ class ActorWorker(EngineWorker):
 
     def generate(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
         # Each rank samples its own rows; offset the seed so ranks do not share a stream.
-        return self.rollout.generate(
+        return self.generator.generate(
             prompts.to(self.engine.device), params, seed=seed + self.rank
         ).cpu()
+
+    def rollout(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
+        """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:
+        log-probs need no reward, so they are computed where the rows were generated,
+        without sending the batch back and forth through the driver."""
+        batch = self.generate(prompts, params, seed)
+        batch.update(self.compute_log_probs(batch))
+        return batch
 
     def compute_log_probs(self, td: TensorDict) -> TensorDict:
         """``old_log_probs`` of the current policy, and ``ref_log_prob`` when a KL term is on."""

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
 from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
+from verlite.memory import retain_freed_memory
 from verlite.workers.base import Worker
 
 WORLD = 4
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=31)
     args = parser.parse_args()
 
+    retain_freed_memory()  # as the driver of `verlite train` does
     batch = step_batch(args.rows, prompt=256, response=1024)
     tensors = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
     megabytes = sum(v.numel() * v.element_size() for v in tensors.values()) / 1e6

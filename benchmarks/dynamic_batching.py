@@ -31,6 +31,7 @@ from tensordict import TensorDict
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
 from verlite.batch import trim_padding
 from verlite.config import ActorConfig, ModelConfig
+from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
 from verlite.workers.engine import TrainEngine, plan_micro_batches
 from verlite.workers.losses import ActorLossSettings, ppo_loss
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    retain_freed_memory()  # as every worker does
     prompts = {"one_prompt_length": (8, 8), "ragged_prompts": (8, 64)}
     results = {
         name: compare(

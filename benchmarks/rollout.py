@@ -17,6 +17,7 @@ from tensordict import TensorDict
 
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
 from verlite.config import ModelConfig
+from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
 from verlite.rollout import NativeRollout, SamplingParams
 
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    retain_freed_memory()  # as every worker does
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
 
     model_cfg = ModelConfig(

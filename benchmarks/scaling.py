@@ -21,7 +21,7 @@ from verlite.controller import stop_ray
 from verlite.trainer import Trainer
 
 CORES = 2
-STAGES = ("gen", "old_log_prob", "values", "update_critic", "update_actor")
+STAGES = ("rollout", "values", "update_critic", "update_actor")
 
 
 def step_times(dp: int, *, steps: int, config: str) -> dict[str, float]:

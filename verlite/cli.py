@@ -16,6 +16,7 @@ from dataclasses import asdict
 from verlite.config import check_paths, load_config
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import add_job_commands
+from verlite.memory import retain_freed_memory
 from verlite.report import add_metrics_command
 
 EXIT_USER_ERROR = 2
@@ -120,6 +121,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     check_paths(cfg)  # before Ray starts: a typo should cost a second, not a cluster start
     from verlite.trainer import Trainer
 
+    retain_freed_memory()  # the driver gathers and scatters every step batch
     Trainer(cfg).fit()
     return 0
 

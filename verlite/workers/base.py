@@ -16,6 +16,7 @@ import ray
 import torch
 
 from verlite.dist import destroy_process_group, find_free_port, init_process_group
+from verlite.memory import retain_freed_memory
 
 if TYPE_CHECKING:
     from verlite.workers.engine import TrainEngine
@@ -30,6 +31,7 @@ class Worker:
         # Several workers share the node's cores; torch's default of one thread per core
         # would oversubscribe them.
         torch.set_num_threads(torch_threads)
+        retain_freed_memory()
         self.role = role
         self.rank = rank
         self.world_size = world_size

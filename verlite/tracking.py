@@ -18,8 +18,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Protocol, TextIO
+from types import ModuleType, TracebackType
+from typing import Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
 from verlite.errors import UserError
@@ -71,6 +71,18 @@ def import_extra(module: str, *, feature: str, extra: str) -> ModuleType:
         ) from None
 
 
+# How a run ended, in MLflow's words: it finished, raised, or was interrupted or terminated.
+RunOutcome = Literal["FINISHED", "FAILED", "KILLED"]
+
+
+def run_outcome(error: BaseException | None) -> RunOutcome:
+    """The outcome of a run that ended by raising ``error`` (None: it returned)."""
+    if error is None:
+        return "FINISHED"
+    # Ctrl-C, and SIGTERM (``verlite stop``; ``ray.init`` turns it into SystemExit)
+    return "KILLED" if isinstance(error, KeyboardInterrupt | SystemExit) else "FAILED"
+
+
 class Logger(Protocol):
     def log_run_info(
         self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
@@ -78,7 +90,7 @@ class Logger(Protocol):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, outcome: RunOutcome = "FINISHED") -> None: ...
 
 
 class JsonlLogger:
@@ -101,7 +113,7 @@ class JsonlLogger:
         self.file.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
         self.file.flush()
 
-    def close(self) -> None:
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.file.close()
 
 
@@ -140,7 +152,7 @@ class LogLineLogger:
             flush=True,
         )
 
-    def close(self) -> None:
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
         pass
 
 
@@ -177,7 +189,7 @@ class ConsoleLogger:
         parts.append(f"{elapsed / max(done, 1):.1f}s/step ETA {_duration(remaining)}")
         print(" | ".join(parts), file=self.stream, flush=True)
 
-    def close(self) -> None:
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
         pass
 
 
@@ -219,7 +231,7 @@ class TensorBoardLogger:
             self.writer.add_scalar(key, value, global_step=step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.writer.close()
 
 
@@ -296,8 +308,8 @@ class MlflowLogger:
             ],
         )
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
+        self.client.set_terminated(self.run_id, status=outcome)
 
 
 def _mlflow_key(key: str) -> str:
@@ -371,8 +383,9 @@ class Tracker:
                     raise ValueError(
                         f"unknown logger {name!r}; use console, jsonl, logline, tensorboard or mlflow"
                     )
-        except BaseException:
-            self.close()  # the loggers already open (files, an MLflow run) are not leaked
+        except BaseException as exc:
+            # the loggers already open (files, an MLflow run) are not leaked
+            self.close(run_outcome(exc))
             raise
 
     def log_run_info(
@@ -387,6 +400,17 @@ class Tracker:
         for logger in self.loggers:
             logger.log(step, metrics)
 
-    def close(self) -> None:
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
         for logger in self.loggers:
-            logger.close()
+            logger.close(outcome)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close(run_outcome(exc))

@@ -160,17 +160,16 @@ class Trainer:
             start = self._resume(resume_from) if resume_from else 0
             # A resumed run drops what a crash logged after its checkpoint; a fresh run starts a new file.
             truncate_metrics(self.output_dir / "metrics.jsonl", after_step=start)
-            tracker = Tracker(
+            with Tracker(
                 cfg.trainer.loggers,
                 output_dir=self.output_dir,
                 total_steps=cfg.trainer.total_steps,
                 start_step=start,
                 mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
-            )
-            tracker.log_run_info(
-                cfg.model_dump(mode="json"), [w for g in self.groups for w in g.placement()]
-            )
-            try:
+            ) as tracker:
+                tracker.log_run_info(
+                    cfg.model_dump(mode="json"), [w for g in self.groups for w in g.placement()]
+                )
                 for step in range(start + 1, cfg.trainer.total_steps + 1):
                     metrics = self.train_step(step)
                     check_divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
@@ -179,8 +178,6 @@ class Trainer:
                     tracker.log(step, metrics)
                     if _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
                         self.save_checkpoint(step)
-            finally:
-                tracker.close()
             self.actor.call("export_hf", str(self.output_dir / "hf_actor"))
             self.tokenizer.save_pretrained(self.output_dir / "hf_actor")
         finally:

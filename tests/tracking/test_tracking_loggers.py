@@ -155,6 +155,29 @@ def test_mlflow_resumed_run_continues_the_same_run(
     assert run.data.params["trainer.total_steps"] == "3"
 
 
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (RuntimeError("worker group 'actor' rank 1 died"), "FAILED"),
+        (KeyboardInterrupt(), "KILLED"),
+        (SystemExit(15), "KILLED"),  # SIGTERM in a driver that called ray.init
+    ],
+)
+def test_mlflow_run_that_raises_is_not_marked_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: BaseException, status: str
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with (
+        pytest.raises(type(error)),
+        Tracker(["mlflow"], output_dir=tmp_path, total_steps=3) as tracker,
+    ):
+        tracker.log(1, STEPS[0])
+        raise error
+    run = _only_run(_mlflow_client((tmp_path / "mlruns").as_uri()))
+    assert run.info.status == status
+    assert run.data.metrics["critic/score/mean"] == pytest.approx(0.1)  # logged before it raised
+
+
 def test_mlflow_tracking_uri_is_used_when_set(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

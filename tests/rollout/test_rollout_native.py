@@ -8,6 +8,7 @@ from verlite.config import ModelConfig
 from verlite.dist import run_on_ranks
 from verlite.models import build_policy
 from verlite.rollout import NativeRollout, SamplingParams, sample_next_token
+from verlite.rollout.native import GenerationDiverged
 from verlite.workers.forward import response_log_probs
 
 EOS, PAD, VOCAB = 2, 0, 40
@@ -135,3 +136,74 @@ def _lockstep(rank: int, world: int) -> list[int]:
 def test_fsdp_ranks_stay_in_lockstep_when_lengths_differ() -> None:
     lengths = run_on_ranks(_lockstep, world_size=2, timeout_s=120)
     assert lengths == [[1, 1, 1, 1], [5, 5, 5, 5]]
+
+
+def _poison(
+    m: torch.nn.Module, *, rows: list[int], from_step: int, value: float = float("nan")
+) -> None:
+    """From decode step ``from_step`` on, one logit of each given row is ``value``."""
+    calls = [0]
+
+    def hook(mod: torch.nn.Module, inp: object, out: torch.Tensor) -> torch.Tensor:
+        if calls[0] >= from_step:
+            out = out.clone()
+            out[rows, :, 5] = value
+        calls[0] += 1
+        return out
+
+    m.lm_head.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_logits_stop_generation_with_a_named_error(temperature: float, value: float) -> None:
+    m = model()
+    _poison(m, rows=[3], from_step=2, value=value)
+    rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
+    with pytest.raises(GenerationDiverged, match=r"decode step 2 \(1 of 12 rows on this rank\)"):
+        rollout.generate(prompts(), SamplingParams(6, temperature=temperature), seed=0)
+
+
+def test_a_masked_token_at_minus_inf_is_not_divergence() -> None:
+    m = model()
+    _poison(m, rows=[0, 3], from_step=0, value=float("-inf"))
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+        prompts(), SamplingParams(6), seed=0
+    )
+    assert not (out["responses"][[0, 3]] == 5).any()  # the masked token is never drawn
+
+
+def test_nan_logits_of_a_finished_row_are_ignored() -> None:
+    m = model()
+    with torch.no_grad():  # every row emits EOS at once; later logits of those rows are unused
+        bias = torch.full((VOCAB,), -1e4, dtype=torch.float64)
+        bias[EOS] = 1e4
+    m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    _poison(m, rows=[0], from_step=1)
+    td = prompts(batch=4)
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+        td, SamplingParams(5), seed=0
+    )
+    assert out["response_mask"].sum(-1).tolist() == [1, 1, 1, 1]
+
+
+def _diverge_on_rank_1(rank: int, world: int) -> str:
+    from verlite.dist import apply_fsdp
+
+    m = apply_fsdp(model())
+    if rank == 1:
+        _poison(m, rows=[0], from_step=1)
+    try:
+        NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
+            prompts(batch=4, seed=rank), SamplingParams(5), seed=0
+        )
+    except GenerationDiverged as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_nan_logits_on_one_fsdp_rank_stop_every_rank() -> None:
+    """A rank that raised alone would leave the others waiting in the next all-gather."""
+    messages = run_on_ranks(_diverge_on_rank_1, world_size=2, timeout_s=120)
+    assert "0 of 4 rows on this rank" in messages[0]
+    assert "1 of 4 rows on this rank" in messages[1]

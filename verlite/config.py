@@ -406,18 +406,19 @@ class Config(Section):
             for role in (actor, critic):
                 if role.get("workers_per_node") is None:
                     role["workers_per_node"] = trainer_wpn
-            if (
-                actor.get("loss_agg_mode", "token-mean") == "seq-mean-token-sum-norm"
-                and actor.get("loss_scale_factor") is None
-            ):
-                actor["loss_scale_factor"] = _get(
-                    sections["rollout"], "max_response_length", RolloutConfig
-                )
             for key in ("loss_agg_mode", "loss_scale_factor"):
                 value = actor.get(key, ActorConfig.model_fields[key].default)
                 # An invalid actor value is reported once, on the actor, not again on the critic.
                 if critic.get(key) is None and _is_valid(ActorConfig, key, value):
                     critic[key] = value
+            for role in (actor, critic):  # each role's own mode: the critic may set its own
+                if (
+                    role.get("loss_agg_mode") == "seq-mean-token-sum-norm"
+                    and role.get("loss_scale_factor") is None
+                ):
+                    role["loss_scale_factor"] = _get(
+                        sections["rollout"], "max_response_length", RolloutConfig
+                    )
             data.update(actor=actor, critic=critic)
         return data
 

@@ -1,6 +1,7 @@
 """TrainEngine behaviour besides invariance: inference order, schedules, skips, rank agreement."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -68,17 +69,26 @@ def test_dynamic_batching_really_reorders_rows() -> None:
     assert all(int(lengths[p].sum()) <= 30 for p in parts)
 
 
-def _infer_uneven_rows(rank: int, world: int, strategy: str):
+def _infer_uneven_rows(rank: int, world: int, strategy: str, layout: dict[str, Any]):
     batch = make_batch(CONFIG)
-    rows = slice(0, 7) if rank == 0 else slice(7, 9)  # 4 vs 1 micro-batches of 2
-    eng = engine(strategy=strategy, micro_batch_size_per_worker=2)
+    rows = slice(0, 7) if rank == 0 else slice(7, 9)
+    eng = engine(strategy=strategy, **layout)
     out = eng.infer(batch[rows], log_probs_fn)
     return out["log_probs"], full_batch_reference(batch)["log_probs"][rows]
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_infer_with_uneven_rows_across_ranks(strategy: str) -> None:
-    for got, ref in run_on_ranks(_infer_uneven_rows, world_size=2, args=(strategy,)):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"micro_batch_size_per_worker": 2},  # 4 micro-batches against 1
+        # one row a micro-batch on rank 0 (7), more micro-batches than rank 1 has rows (2)
+        {"use_dynamic_bsz": True, "max_token_len_per_worker": 12},
+    ],
+    ids=["fixed", "token_budget"],
+)
+def test_infer_with_uneven_rows_across_ranks(strategy: str, layout: dict[str, Any]) -> None:
+    for got, ref in run_on_ranks(_infer_uneven_rows, world_size=2, args=(strategy, layout)):
         torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
 
 

@@ -239,19 +239,20 @@ def plan_micro_batches(
         budget = cfg.max_token_len_per_worker
         lengths, prompts = sequence_lengths(td), prompt_lengths(td)
         count = count_token_budget_partitions(lengths, max_tokens=budget, prompt_lens=prompts)
-        # A minimum only makes more of the same cuts: every rank gets exactly the agreed count.
         agreed = _max_over_ranks(count, device)
+        # A minimum only makes more of the same cuts: a rank gets exactly the agreed count
+        # unless it has fewer rows than that.
         parts = partition_by_token_budget(
-            lengths, max_tokens=budget, prompt_lens=prompts, min_num_partitions=agreed
+            lengths, max_tokens=budget, prompt_lens=prompts, min_num_partitions=min(agreed, n)
         )
-        return parts, 0
-    parts = split_fixed(n, micro_batch_size=cfg.micro_batch_size_per_worker)
-    agreed = _max_over_ranks(len(parts), device)
+    else:
+        parts = split_fixed(n, micro_batch_size=cfg.micro_batch_size_per_worker)
+        agreed = _max_over_ranks(len(parts), device)
     if agreed > len(parts):
         if not pad_to_agreed:
             raise ValueError(
                 f"this rank has {len(parts)} micro-batches but another has {agreed}: give every "
-                "rank the same number of rows (ppo_mini_batch_size divisible by micro-batch x workers)"
+                "rank the same number of rows"
             )
         padding = agreed - len(parts)
         return parts + [parts[-1]] * padding, padding

@@ -3,17 +3,88 @@
 Model and optimizer state go through ``get_state_dict`` / ``set_state_dict``, which key
 everything by the unwrapped model's parameter names whatever the wrapping (none, DDP,
 FSDP2), and DCP writes each rank's shard. Loading reshards: a checkpoint saved by N ranks
-loads into M ranks. DCP files are not pickles, so loading runs no code.
+loads into M ranks.
+
+Loading runs no code from the files. DCP's stock reader unpickles ``.metadata`` with plain
+``pickle`` and its planner reads non-tensor values (optimizer hyperparameters) with
+``torch.load(weights_only=False)``: a crafted checkpoint would run code on every worker at
+resume. Here the metadata unpickler resolves only DCP's own record types, torch sizes,
+dtypes and layouts, and non-tensor values load with ``weights_only=True``. Tensor shards
+are already read with ``weights_only=True`` by DCP.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
+import pickle
+from pathlib import Path, PosixPath
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.serialization import _get_layout
+
+# What a DCP ``.metadata`` pickle may name besides DCP's classes and torch dtypes; each is
+# data or a lookup, none runs code of the file's choosing.
+_METADATA_GLOBALS = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): _get_layout,
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("pathlib", "PosixPath"): PosixPath,
+}
+
+
+class CheckpointLoadError(RuntimeError):
+    """A training-state checkpoint could not be loaded; names the folder and each cause."""
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's metadata names something other than checkpoint records."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS:
+            return _METADATA_GLOBALS[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if module == dcp_metadata.__name__ and isinstance(getattr(dcp_metadata, name, None), type):
+            return getattr(dcp_metadata, name)
+        raise UnsafeCheckpointError(
+            f"checkpoint metadata refers to {module}.{name}, which is not a checkpoint record; "
+            "refusing to load it"
+        )
+
+
+class _SafeReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, dcp_metadata.Metadata):
+            raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not Metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        # DefaultLoadPlanner.load_bytes, with weights_only=True
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def save_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -26,7 +97,13 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
     """Collective: load in place into an identically built model and optimizer."""
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
+    except CheckpointException as exc:
+        # DCP gathers each rank's exception with its traceback into one BaseException;
+        # the causes alone say what is wrong (a refused pickle, a shape that differs).
+        causes = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
+        raise CheckpointLoadError(f"cannot load {path}: {'; '.join(causes)}") from None
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

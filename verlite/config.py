@@ -61,16 +61,22 @@ AdvEstimator = Annotated[str, _one_of(sorted(ADV_ESTIMATORS), "advantage estimat
 KLKind = Annotated[str, AfterValidator(_kl_kind)]
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # inf and nan are refused everywhere: no setting means anything with them, and torch
+    # would only report them after Ray and the workers had started.
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+    )
 
 
 class ModelConfig(Section):
     """The policy model (the critic uses the same trunk with a scalar value head)."""
 
-    path: str | None = Field(
+    path: NonEmptyStr | None = Field(
         None,
         description="Local Hugging Face causal-LM directory (weights + tokenizer). "
         "None builds the built-in tiny decoder from the fields below with verlite's task tokenizer.",
@@ -113,11 +119,11 @@ class DataConfig(Section):
         None,
         description="Synthetic task (prompts and rule-based reward generated from trainer.seed).",
     )
-    train_file: str | None = Field(
+    train_file: NonEmptyStr | None = Field(
         None,
         description="JSONL or Parquet file of training prompts with 'prompt' and 'answer' fields.",
     )
-    val_file: str | None = Field(
+    val_file: NonEmptyStr | None = Field(
         None,
         description="Validation prompts in the same format; None holds out data.num_val_samples prompts.",
     )
@@ -178,7 +184,9 @@ class OptimConfig(Section):
     )
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas (ignored by sgd).")
+    betas: tuple[Beta, Beta] = Field(
+        (0.9, 0.999), description="AdamW betas, each in [0, 1) (ignored by sgd)."
+    )
     warmup_steps: NonNegativeInt = Field(
         0, description="Optimizer steps of linear warm-up from 0 to lr."
     )
@@ -302,7 +310,7 @@ class AlgorithmConfig(Section):
 
 
 class RewardConfig(Section):
-    """How responses are scored (scores in [0, 1] for the built-in rewards)."""
+    """How responses are scored: every reward, built-in or user, returns a finite score in [0, 1]."""
 
     fn: str | None = Field(
         None,
@@ -315,7 +323,7 @@ class TrainerConfig(Section):
     """The run: steps, cluster layout, validation, checkpoints, logging."""
 
     total_steps: PositiveInt = Field(20, description="Training steps (one batch of prompts each).")
-    output_dir: str = Field(
+    output_dir: NonEmptyStr = Field(
         "outputs/run",
         description="Folder for metrics, checkpoints, workers.json and the exported model.",
     )
@@ -330,7 +338,7 @@ class TrainerConfig(Section):
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of one worker bundle.")
-    ray_address: str | None = Field(
+    ray_address: NonEmptyStr | None = Field(
         None, description="Ray cluster to connect to; None starts an embedded local Ray."
     )
     resource_timeout_s: float = Field(
@@ -355,7 +363,7 @@ class TrainerConfig(Section):
         "logline (one marked JSON line per step on stdout, read back by `verlite metrics --job`), "
         "tensorboard, mlflow.",
     )
-    mlflow_tracking_uri: str | None = Field(
+    mlflow_tracking_uri: NonEmptyStr | None = Field(
         None, description="MLflow tracking URI; None uses a file store in output_dir."
     )
     max_consecutive_skips: PositiveInt = Field(
@@ -549,11 +557,17 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#x} "
+            f"at offset {exc.start})"
+        ) from None
     try:
         data = yaml.safe_load(text)
+        _refuse_duplicate_keys(path, yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -567,6 +581,24 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"got a {type(data).__name__}"
         )
     return data
+
+
+def _refuse_duplicate_keys(path: Path, node: yaml.Node | None, where: str = "") -> None:
+    """A key given twice in one mapping is an error: YAML would silently keep the last one."""
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            name = f"{where}{key.value}"
+            if name in seen:
+                raise ConfigError(
+                    f"config file {str(path)!r} sets {name} twice (line {key.start_mark.line + 1}); "
+                    "remove one"
+                )
+            seen.add(name)
+            _refuse_duplicate_keys(path, value, name + ".")
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(path, item, f"{where}{i}.")
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
@@ -713,3 +745,9 @@ def check_paths(cfg: Config) -> None:
     ):
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{dotted}={value!r}: no such file or directory")
+    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json "
+            "in it); give a local folder written by save_pretrained, or leave it unset for the "
+            "built-in model"
+        )

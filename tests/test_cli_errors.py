@@ -3,6 +3,7 @@ exit code 2; no traceback; nothing started (all of these fail before Ray)."""
 
 import json
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,66 @@ def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) ->
     assert not marker.exists()
     torch.save({"cpu": torch.get_rng_state()}, tmp_path / "rng_rank0.pt")
     worker.load_checkpoint(str(tmp_path))  # a real RNG file loads
+
+
+def _checkpoint(output_dir: Path, step: int, model: dict[str, object], roles: list[str]) -> None:
+    folder = output_dir / "checkpoints" / f"step_{step}"
+    for role in roles:
+        (folder / role).mkdir(parents=True)
+    state = {"step": step, "loader": {}, "kl_coef": 0.0, "model": model}
+    (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def _model_settings(*overrides: str) -> dict[str, object]:
+    from verlite.config import load_config
+
+    return load_config(CONFIG, list(overrides)).model.model_dump(mode="json")
+
+
+@pytest.mark.parametrize(
+    ("saved", "roles", "overrides", "expected"),
+    [
+        (
+            ["model.hidden_size=64"],
+            ["actor", "critic"],
+            ["model.hidden_size=32"],
+            "cannot resume from .*step_3: model.hidden_size=64 there, 32 here",
+        ),
+        (
+            [],
+            ["actor"],  # written by a GRPO run; this config has a critic
+            [],
+            "cannot resume from .*step_3: no critic weights. Use trainer.resume=disable",
+        ),
+        (
+            [],
+            ["actor", "critic"],
+            ["trainer.total_steps=2"],
+            "trainer.total_steps=2 but the checkpoint to resume, .*step_3, is at step 3",
+        ),
+    ],
+    ids=["other model shape", "role without weights", "past total_steps"],
+)
+def test_resume_that_cannot_work_fails_before_ray(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    saved: list[str],
+    roles: list[str],
+    overrides: list[str],
+    expected: str,
+) -> None:
+    _checkpoint(tmp_path, 3, _model_settings(*saved), roles)
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}", *overrides)
+    assert re.search(expected, err), err
+
+
+def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:
+    from verlite.checkpoint import check_resumable
+
+    _checkpoint(tmp_path, 3, _model_settings("model.dtype=float64"), ["actor"])
+    check_resumable(
+        tmp_path / "checkpoints" / "step_3",
+        model=_model_settings(),
+        roles=["actor"],
+        total_steps=3,
+    )

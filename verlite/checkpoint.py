@@ -4,7 +4,8 @@
 
     actor/, critic/        each worker group's model + optimizer (DCP, one shard per rank),
                            LR schedule, and one RNG file per rank
-    trainer_state.json     the driver's state: step, data position, KL coefficient
+    trainer_state.json     the driver's state: step, data position, KL coefficient, and
+                           the model settings the weights were built with
 
 A checkpoint is written into ``step_N.tmp/`` and renamed to ``step_N`` only when complete,
 so a crash while saving leaves the previous checkpoint valid and the partial one ignored
@@ -18,6 +19,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,38 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
             f"trainer.resume={resume!r}: not a complete checkpoint (no {TRAINER_STATE} in it)"
         )
     return path
+
+
+# Model settings a checkpoint's weights may be loaded under although they differ.
+_CONVERTIBLE_MODEL_FIELDS = {"dtype"}
+
+
+def check_resumable(
+    path: Path, *, model: Mapping[str, Any], roles: Sequence[str], total_steps: int
+) -> None:
+    """Before any worker starts: the checkpoint holds weights of the configured model shape
+    for every role, and a step the run has not passed yet."""
+    state = read_trainer_state(path)
+    step = int(state["step"])
+    if step > total_steps:
+        raise CheckpointError(
+            f"trainer.total_steps={total_steps} but the checkpoint to resume, {path}, is at step "
+            f"{step}; raise trainer.total_steps, or use trainer.resume=disable or another "
+            "trainer.output_dir for a new run"
+        )
+    saved = state.get("model", {})  # checkpoints written before the model was recorded: {}
+    changed = [
+        f"model.{key}={saved[key]!r} there, {model[key]!r} here"
+        for key in sorted(saved)
+        if key in model and saved[key] != model[key] and key not in _CONVERTIBLE_MODEL_FIELDS
+    ]
+    missing = [role for role in roles if not (path / role).is_dir()]
+    if changed or missing:
+        problems = changed + [f"no {role} weights" for role in missing]
+        raise CheckpointError(
+            f"cannot resume from {path}: {'; '.join(problems)}. Use trainer.resume=disable or "
+            "another trainer.output_dir for a new run"
+        )
 
 
 def begin_checkpoint(output_dir: str | Path, step: int) -> Path:

@@ -440,6 +440,11 @@ class Config(Section):
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
+    def roles(self) -> list[Literal["actor", "critic"]]:
+        """The worker groups a run has."""
+        return ["actor", "critic"] if self.use_critic else ["actor"]
+
+    @property
     def sequences_per_step(self) -> int:
         return self.data.train_batch_size * self.rollout.n
 
@@ -463,10 +468,7 @@ class Config(Section):
                 f"algorithm.adv_estimator={self.algorithm.adv_estimator} compares samples of one prompt: "
                 f"rollout.n must be >= 2, got {self.rollout.n}"
             )
-        roles: list[Literal["actor", "critic"]] = (
-            ["actor", "critic"] if self.use_critic else ["actor"]
-        )
-        for role in roles:
+        for role in self.roles:
             self._check_role_sizes(role)
         return self
 

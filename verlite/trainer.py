@@ -18,6 +18,7 @@ from tensordict import TensorDict
 
 from verlite.checkpoint import (
     begin_checkpoint,
+    check_resumable,
     commit_checkpoint,
     read_trainer_state,
     resume_checkpoint,
@@ -49,19 +50,21 @@ class TrainingError(RunFailure):
     """The run cannot go on (diverged); the last checkpoint is still good to resume from."""
 
 
-def check_divergence(metrics: dict[str, float], *, limit: int) -> None:
-    """Stop once a role has skipped ``limit`` updates in a row for a non-finite loss or norm.
+def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None:
+    """The error that stops a run once a role has skipped ``limit`` updates in a row for a
+    non-finite loss or norm; None while it has not.
 
     Skipped updates never change the weights, so every checkpoint written so far is finite.
     """
     for role in ("actor", "critic"):
         streak = metrics.get(f"{role}/nonfinite_streak", 0.0)
         if streak >= limit:
-            raise TrainingError(
+            return TrainingError(
                 f"{role}: {int(streak)} consecutive updates skipped for a non-finite loss or gradient "
                 f"norm (trainer.max_consecutive_skips={limit}); the run diverged. Lower the learning "
                 "rate or check the rewards, then resume from the last checkpoint"
             )
+    return None
 
 
 def _every(freq: int, step: int, last: int) -> bool:
@@ -111,8 +114,7 @@ class Trainer:
     def _start_workers(self) -> None:
         cfg = self.cfg
         start_ray(cfg.trainer.ray_address)
-        roles = ["actor", "critic"] if cfg.use_critic else ["actor"]
-        pools = build_pools(cfg, roles)
+        pools = build_pools(cfg, cfg.roles)
         common = {"cfg": cfg, "vocab_size": len(self.tokenizer)}
         run_id = uuid.uuid4().hex[:8]
         threads = cfg.trainer.torch_threads_per_worker
@@ -154,6 +156,13 @@ class Trainer:
         cfg = self.cfg
         self.output_dir.mkdir(parents=True, exist_ok=True)
         resume_from = resume_checkpoint(self.output_dir, cfg.trainer.resume)
+        if resume_from:  # before Ray starts: a mismatch should cost a second
+            check_resumable(
+                resume_from,
+                model=cfg.model.model_dump(mode="json"),
+                roles=cfg.roles,
+                total_steps=cfg.trainer.total_steps,
+            )
         self.groups: list[WorkerGroup] = []
         try:
             self._start_workers()
@@ -172,10 +181,12 @@ class Trainer:
                 )
                 for step in range(start + 1, cfg.trainer.total_steps + 1):
                     metrics = self.train_step(step)
-                    check_divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
-                    if _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
+                    diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
+                    if not diverged and _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
                         metrics.update(self.validate())
-                    tracker.log(step, metrics)
+                    tracker.log(step, metrics)  # the step that diverged is logged too
+                    if diverged:
+                        raise diverged
                     if _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
                         self.save_checkpoint(step)
             self.actor.call("export_hf", str(self.output_dir / "hf_actor"))
@@ -192,7 +203,12 @@ class Trainer:
         tmp = begin_checkpoint(self.output_dir, step)
         for group in self.groups:
             group.call("save_checkpoint", str(tmp / group.name))
-        state = {"step": step, "loader": self.loader.state_dict(), "kl_coef": self.kl_ctrl.value}
+        state = {
+            "step": step,
+            "loader": self.loader.state_dict(),
+            "kl_coef": self.kl_ctrl.value,
+            "model": self.cfg.model.model_dump(mode="json"),
+        }
         commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
 
     def _resume(self, path: Path) -> int:

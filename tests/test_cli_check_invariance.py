@@ -77,6 +77,8 @@ def test_table_and_failure_exit_code_with_the_negative_control() -> None:
         (["--dp", "0"], "expected positive integers"),
         (["--strategy", "zero"], "allowed: ddp,fsdp"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean'"),
+        (["--tolerance", "-1"], "expected a positive finite number, got '-1'"),
+        (["--tolerance", "nan"], "expected a positive finite number, got 'nan'"),
     ],
 )
 def test_user_errors_exit_2_without_traceback(args: list[str], message: str) -> None:

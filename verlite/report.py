@@ -12,6 +12,7 @@ import difflib
 import fnmatch
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,10 +230,7 @@ def _duration(seconds: float) -> str:
 def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = "") -> None:
     """Write a PNG with panels for score and validation score, losses, KL and response length
     over steps. Renders with Agg through matplotlib's object API: no pyplot, no global state."""
-    path = Path(path)
-    if path.suffix.lower() != ".png":
-        raise UserError(f"--plot writes a PNG: name the file *.png, not {str(path)!r}")
-    import_extra("matplotlib", feature="--plot", extra="plot")
+    path = check_plot_target(path)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -252,10 +250,25 @@ def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = ""
         elif len(drawn) > 1:
             axes.legend(handles=drawn, fontsize="small")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=110)
     except OSError as exc:
         raise UserError(f"cannot write {str(path)!r}: {exc.strerror}") from None
+
+
+def check_plot_target(path: str | Path) -> Path:
+    """The PNG path, once it is known to be writable and matplotlib importable: checked
+    before any work, so a bad --plot fails before the table is printed."""
+    path = Path(path)
+    if path.suffix.lower() != ".png":
+        raise UserError(f"--plot writes a PNG: name the file *.png, not {str(path)!r}")
+    import_extra("matplotlib", feature="--plot", extra="plot")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot write {str(path)!r}: {exc.strerror}") from None
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"cannot write {str(path)!r}: permission denied")
+    return path
 
 
 def _draw_panel(axes: Any, records: Sequence[Record], keys: Sequence[str]) -> list[Any]:
@@ -334,6 +347,8 @@ def add_metrics_command(subparsers: argparse._SubParsersAction[argparse.Argument
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     """Print the summary table (and write the plot) of a run folder or a Ray job."""
+    if args.plot:
+        check_plot_target(args.plot)
     if args.job is not None:
         if args.output_dir is not None:
             raise UserError("give either OUTPUT_DIR or --job, not both")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 import types
 from collections.abc import Sequence
@@ -191,12 +193,29 @@ def test_plot_needs_a_png_name_and_matplotlib(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = str(_write(tmp_path, RECORDS))
-    code, _, err = _metrics([run, "--plot", str(tmp_path / "run.jpg")], capsys)
+    code, out, err = _metrics([run, "--plot", str(tmp_path / "run.jpg")], capsys)
     assert code == 2 and "name the file *.png" in err
+    assert out == ""  # refused before the table, not after it
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    code, _, err = _metrics([run, "--plot", str(tmp_path / "run.png")], capsys)
-    assert code == 2 and "pip install 'verlite[plot]'" in err
+    code, out, err = _metrics([run, "--plot", str(tmp_path / "run.png")], capsys)
+    assert code == 2 and "pip install 'verlite[plot]'" in err and out == ""
     assert not (tmp_path / "run.png").exists()
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:
+    """`verlite metrics RUN | head -1`: the closed pipe is not an error worth a traceback."""
+    run = _write(tmp_path, [{"step": i, **{f"actor/m{j}": j for j in range(300)}} for i in (1, 2)])
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "verlite", "metrics", str(run), "--keys", "actor/*"],
+        stdout=write_end,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write_end)
+    os.close(read_end)  # the reader goes away before the table is written
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 141, err
+    assert err == b""
 
 
 def test_job_metrics_use_the_same_table(

@@ -342,6 +342,11 @@ def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return clean
 
 
+def carries_secret(key: str, value: str) -> bool:
+    """Whether a config setting holds a credential: a secret-named key, or a URL with ``user:pass@``."""
+    return bool(value) and bool(_SECRET_KEY.search(key) or _URL_CREDENTIALS.search(value))
+
+
 def _redact(text: str) -> str:
     return _URL_CREDENTIALS.sub("***@", text)
 

@@ -72,6 +72,21 @@ def test_a_config_outside_the_working_dir_is_refused(tmp_path: Path) -> None:
         prepare_submission(config=str(config), overrides=[], working_dir=REPO)
 
 
+def test_a_credential_on_the_command_line_is_not_put_into_the_job() -> None:
+    """The entrypoint is public to whoever lists jobs; the config file travels privately."""
+    uri = "trainer.mlflow_tracking_uri=https://alice:s3cret@mlflow.example:5000"
+    with pytest.raises(
+        JobsError, match=r"override trainer\.mlflow_tracking_uri carries a credential"
+    ):
+        prepare_submission(config=str(REPO / CONFIG), overrides=[uri], working_dir=REPO)
+    job = prepare_submission(
+        config=str(REPO / CONFIG),
+        overrides=["trainer.mlflow_tracking_uri=https://mlflow.example:5000"],
+        working_dir=REPO,
+    )
+    assert "mlflow.example" in job.entrypoint  # a URL without credentials is fine
+
+
 def test_a_runtime_env_file_merges_into_the_shipped_project(tmp_path: Path) -> None:
     path = tmp_path / "env.yaml"
     path.write_text("env_vars: {A: '1'}\nexcludes: [data/]\npip: [pyarrow]\n")

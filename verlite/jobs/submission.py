@@ -14,6 +14,7 @@ import yaml
 import verlite
 from verlite.config import load_config
 from verlite.jobs.server import JobsError
+from verlite.tracking import carries_secret
 
 # Never shipped: version control, environments, run outputs, caches and build metadata.
 DEFAULT_EXCLUDES = (
@@ -54,6 +55,14 @@ def prepare_submission(
 ) -> Submission:
     """Validate the run config and build the job; config problems raise before any network call."""
     cfg = load_config(config, overrides)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if carries_secret(key.strip(), value.strip()):
+            raise JobsError(
+                f"override {key.strip()} carries a credential, and a job's command line is shown "
+                "to anyone who can list the cluster's jobs (verlite list, the Ray dashboard); set it "
+                "in the config file, which travels inside the job's working directory"
+            )
     root = working_dir.resolve()
     if not root.is_dir():
         raise JobsError(f"--working-dir {str(working_dir)!r} is not a directory")

@@ -46,3 +46,8 @@ test-cluster: setup
 .PHONY: bench
 bench: setup
 	$(PY) -m benchmarks.run_all
+
+# docs/config.md from the config models' descriptions (a test fails when it is stale).
+.PHONY: docs
+docs: setup
+	$(PY) -m verlite.config_docs > docs/config.md

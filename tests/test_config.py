@@ -292,3 +292,23 @@ def test_core_imports_neither_ray_nor_torch_distributed() -> None:
                 assert allowed and not name.startswith("torch.distributed"), (
                     f"{path.name} imports {name}"
                 )
+
+
+def test_the_config_reference_is_current_and_covers_every_field() -> None:
+    from verlite.config_docs import config_reference
+
+    reference = config_reference()
+    assert (ROOT / "docs" / "config.md").read_text() == reference, "run `make docs`"
+
+    def fields(model: type, prefix: str) -> list[str]:
+        found = []
+        for name, field in model.model_fields.items():
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                found += [f"## `{prefix}{name}`", *fields(sub, f"{prefix}{name}.")]
+            else:
+                found.append(f"| `{name}` |")
+        return found
+
+    for entry in fields(Config, ""):
+        assert entry in reference, entry

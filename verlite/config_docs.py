@@ -1,0 +1,106 @@
+"""The configuration reference, ``docs/config.md``, generated from the models in
+:mod:`verlite.config` (their docstrings and field descriptions), so it cannot drift from
+what is validated: ``make docs`` rewrites it and a test checks that it is current.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import types
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from verlite.config import Config
+
+HEADER = """# Configuration reference
+
+Generated from `verlite/config.py` by `make docs`; do not edit by hand.
+
+A run config is one YAML file with the sections below; any field may also be set on the
+command line as a dotted override, `section.field=value` (e.g. `actor.optim.lr=1e-5`).
+Unknown keys, wrong types, out-of-range values, `inf` and `nan` are refused before anything
+starts, with one line naming the field, the value and what is allowed.
+"""
+
+
+def config_reference() -> str:
+    """The Markdown reference of every section and field."""
+    lines = [HEADER]
+    for name, field in Config.model_fields.items():
+        _section(lines, name, _model_of(field), field.description or "")
+    return "\n".join(lines)
+
+
+def _section(lines: list[str], path: str, model: type[BaseModel], summary: str) -> None:
+    doc = " ".join((model.__doc__ or "").split()) or summary
+    lines += [f"## `{path}`", "", doc, ""]
+    lines += ["| field | type | default | description |", "|---|---|---|---|"]
+    nested = []
+    for name, field in model.model_fields.items():
+        sub = _model_of(field)
+        if sub is not None:
+            nested.append((f"{path}.{name}", sub, field.description or ""))
+            kind, default = "section", f"see `{path}.{name}`"
+        else:
+            kind = " ".join([_type_name(field.annotation), *_bounds(field.metadata)])
+            default = _default(field)
+        description = (field.description or "").replace("|", "\\|")
+        lines.append(f"| `{name}` | {kind} | {default} | {description} |")
+    lines.append("")
+    for sub_path, sub, sub_summary in nested:
+        _section(lines, sub_path, sub, sub_summary)
+
+
+def _model_of(field: FieldInfo) -> Any:
+    annotation = field.annotation
+    return (
+        annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    )
+
+
+def _type_name(annotation: Any) -> str:
+    """A short, readable type: ``int > 0``, ``"a" | "b"``, ``float | None``, ``list[str]``."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return " ".join([_type_name(args[0]), *_bounds(args[1:])])
+    if origin is typing.Literal:
+        return " \\| ".join(json.dumps(a) for a in args)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(a) for a in args)
+    if origin is tuple:
+        return f"list[{_type_name(args[0])}]"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", re.sub(r"typing\.", "", str(annotation)))
+
+
+def _bounds(metadata: Any) -> list[str]:
+    """``> 0``, ``<= 1``, ``min length 1`` from pydantic constraint metadata."""
+    found = []
+    for meta in metadata:
+        if isinstance(meta, FieldInfo):  # Field(...) inside Annotated keeps its own metadata
+            found += _bounds(meta.metadata)
+            continue
+        for attr, text in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
+            if getattr(meta, attr, None) is not None:
+                found.append(f"{text} {getattr(meta, attr)}")
+        if getattr(meta, "min_length", None):
+            found.append("non-empty")
+    return found
+
+
+def _default(field: FieldInfo) -> str:
+    if field.default is PydanticUndefined and field.default_factory is None:
+        return "required"
+    value = field.get_default(call_default_factory=True)
+    return f"`{json.dumps(value if not isinstance(value, tuple) else list(value))}`"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(config_reference())

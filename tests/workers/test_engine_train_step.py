@@ -64,6 +64,19 @@ def _step(
     return (reduced, params) if rank == 0 else None
 
 
+def _on_two_ranks(batch: TensorDict, role: str, strategy: str, micro: int | None) -> Any:
+    return run_on_ranks(_step, world_size=2, args=(batch, role, strategy, micro), timeout_s=300)[0]
+
+
+def _assert_same(got: Any, reference: Any) -> None:
+    (metrics, params), (ref_metrics, ref_params) = got, reference
+    assert metrics.keys() == ref_metrics.keys()
+    for key, value in ref_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=TOLERANCE, abs=1e-12), key
+    for name, tensor in ref_params.items():
+        torch.testing.assert_close(params[name], tensor, rtol=TOLERANCE, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("role", "strategy", "micro"),
     [("actor", "ddp", 1), ("actor", "fsdp", None), ("critic", "ddp", None), ("critic", "fsdp", 2)],
@@ -81,16 +94,9 @@ def test_two_ranks_two_mini_batches_two_epochs_equal_one_process(
     batch = make_batch(CONFIG, num_sequences=16)
     reference = _step(0, 1, batch, role, "none", 8)
     assert reference is not None
-    got = run_on_ranks(_step, world_size=2, args=(batch, role, strategy, micro), timeout_s=300)[0]
-    metrics, params = got
-    ref_metrics, ref_params = reference
-    assert metrics.keys() == ref_metrics.keys()
-    for key, value in ref_metrics.items():
-        assert metrics[key] == pytest.approx(value, rel=TOLERANCE, abs=1e-12), key
-    for name, tensor in ref_params.items():
-        torch.testing.assert_close(params[name], tensor, rtol=TOLERANCE, atol=1e-12)
+    _assert_same(_on_two_ranks(batch, role, strategy, micro), reference)
     # the step really moved the weights: a no-op update would pass the comparison
-    initial = _model(role).state_dict()
+    initial, ref_params = _model(role).state_dict(), reference[1]
     assert max(float((ref_params[k] - initial[k]).abs().max()) for k in ref_params) > 1e-4
 
 
@@ -104,10 +110,4 @@ def test_a_rank_whose_whole_share_carries_no_loss_still_matches(strategy: str) -
     batch["response_mask"][torch.tensor(silent)] = 0
     reference = _step(0, 1, batch, "actor", "none", 8)
     assert reference is not None
-    metrics, params = run_on_ranks(
-        _step, world_size=2, args=(batch, "actor", strategy, 2), timeout_s=300
-    )[0]
-    for key, value in reference[0].items():
-        assert metrics[key] == pytest.approx(value, rel=TOLERANCE, abs=1e-12), key
-    for name, tensor in reference[1].items():
-        torch.testing.assert_close(params[name], tensor, rtol=TOLERANCE, atol=1e-12)
+    _assert_same(_on_two_ranks(batch, "actor", strategy, 2), reference)

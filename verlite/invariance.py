@@ -33,7 +33,7 @@ from verlite.config import Config, WorkerRoleConfig
 from verlite.core.batching import partition_balanced
 from verlite.core.losses import LOSS_AGG_MODES
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
-from verlite.dist import (
+from verlite.distributed import (
     all_gather_object,
     full_grads,
     full_state_dict,

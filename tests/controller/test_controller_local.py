@@ -28,7 +28,7 @@ from verlite.controller import (
     write_placement_report,
 )
 from verlite.core.metrics import Metric, MetricDict
-from verlite.dist import all_reduce_sum, get_rank, get_world_size
+from verlite.distributed import all_reduce_sum, get_rank, get_world_size
 from verlite.workers.base import Worker
 
 # Ray workers cannot import this module (pytest puts tests/controller on the driver's

@@ -1,4 +1,4 @@
-"""Job tests: the ``cluster`` marker, and the Ray cluster the marked tests share."""
+"""Job tests: skipping ``cluster``-marked tests unless asked for, and the Ray cluster they share."""
 
 from __future__ import annotations
 
@@ -9,13 +9,6 @@ from pathlib import Path
 
 import pytest
 from jobs_support import RayCluster
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "cluster: starts a real Ray cluster with `ray start` and submits jobs (make test-cluster)",
-    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -5,7 +5,7 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import ModelConfig
-from verlite.dist import run_on_ranks
+from verlite.distributed import run_on_ranks
 from verlite.models import build_policy
 from verlite.rollout import NativeRollout, SamplingParams, sample_next_token
 from verlite.rollout.native import GenerationDiverged
@@ -119,7 +119,7 @@ def test_top_k_and_top_p_restrict_the_support(top_k: int, top_p: float, allowed:
 
 
 def _lockstep(rank: int, world: int) -> list[int]:
-    from verlite.dist import apply_fsdp
+    from verlite.distributed import apply_fsdp
 
     m = apply_fsdp(model())
     td = prompts(batch=4, seed=rank)
@@ -188,7 +188,7 @@ def test_nan_logits_of_a_finished_row_are_ignored() -> None:
 
 
 def _diverge_on_rank_1(rank: int, world: int) -> str:
-    from verlite.dist import apply_fsdp
+    from verlite.distributed import apply_fsdp
 
     m = apply_fsdp(model())
     if rank == 1:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verlite.config import OptimConfig, load_config
-from verlite.dist import RankFailedError, run_on_ranks
+from verlite.distributed import RankFailedError, run_on_ranks
 from verlite.invariance import make_batch
 from verlite.models import build_policy
 from verlite.workers.engine import TrainEngine, lr_multiplier, plan_micro_batches

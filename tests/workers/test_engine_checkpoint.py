@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from verlite.config import load_config
-from verlite.dist import full_state_dict, run_on_ranks
+from verlite.distributed import full_state_dict, run_on_ranks
 from verlite.invariance import make_batch
 from verlite.models import build_policy
 from verlite.workers.engine import TrainEngine

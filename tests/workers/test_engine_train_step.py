@@ -19,7 +19,7 @@ from tensordict import TensorDict
 from verlite.config import load_config
 from verlite.controller.dispatch import row_lengths, split_rows
 from verlite.core.metrics import Stage, reduce_metrics, to_floats
-from verlite.dist import all_gather_object, full_state_dict, run_on_ranks
+from verlite.distributed import all_gather_object, full_state_dict, run_on_ranks
 from verlite.invariance import VOCAB_SIZE, make_batch
 from verlite.models import build_policy, build_value_model
 from verlite.workers.engine import TrainEngine

@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from verlite.dist import all_reduce_max
+from verlite.distributed import all_reduce_max
 from verlite.errors import RunFailure
 
 

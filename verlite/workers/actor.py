@@ -12,7 +12,7 @@ from torch import nn
 
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
-from verlite.dist import full_state_dict, inference_module
+from verlite.distributed import full_state_dict, inference_module
 from verlite.models import build_policy, resolve_device
 from verlite.rollout import NativeRollout, SamplingParams
 from verlite.workers.base import EngineWorker

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 import torch
 
-from verlite.dist import destroy_process_group, find_free_port, init_process_group
+from verlite.distributed import destroy_process_group, find_free_port, init_process_group
 from verlite.memory import retain_freed_memory
 
 if TYPE_CHECKING:

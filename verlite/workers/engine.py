@@ -40,7 +40,7 @@ from verlite.core.batching import (
     split_fixed,
 )
 from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
-from verlite.dist import (
+from verlite.distributed import (
     all_reduce_max,
     all_reduce_sum,
     apply_ddp,
@@ -51,7 +51,7 @@ from verlite.dist import (
     grad_sync,
     inference_module,
 )
-from verlite.dist.checkpoint import load_train_state, save_train_state
+from verlite.distributed.checkpoint import load_train_state, save_train_state
 
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from verlite import dist as vdist
+from verlite import distributed as vdist
 
 _CONFIG = {
     "vocab_size": 64,

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from verlite import dist as vdist
+from verlite import distributed as vdist
 
 
 def test_collectives_are_noops_without_a_group() -> None:

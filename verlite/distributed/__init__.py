@@ -2,15 +2,15 @@
 DDP/FSDP2 wrapping, and a launcher for spawned ranks.
 """
 
-from verlite.dist.collectives import (
+from verlite.distributed.collectives import (
     all_gather_object,
     all_reduce_max,
     all_reduce_mean,
     all_reduce_sum,
     broadcast_object,
 )
-from verlite.dist.launch import RankFailedError, RankTimeoutError, run_on_ranks
-from verlite.dist.parallel import (
+from verlite.distributed.launch import RankFailedError, RankTimeoutError, run_on_ranks
+from verlite.distributed.parallel import (
     apply_ddp,
     apply_fsdp,
     clip_grad_norm,
@@ -20,7 +20,7 @@ from verlite.dist.parallel import (
     grad_sync,
     inference_module,
 )
-from verlite.dist.process_group import (
+from verlite.distributed.process_group import (
     default_backend,
     destroy_process_group,
     find_free_port,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from verlite import dist as vdist
+from verlite import distributed as vdist
 
 
 def test_queries_without_a_group() -> None:

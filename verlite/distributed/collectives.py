@@ -7,7 +7,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from verlite.dist.process_group import get_world_size
+from verlite.distributed.process_group import get_world_size
 
 T = TypeVar("T")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verlite import dist as vdist
+from verlite import distributed as vdist
 
 # Well above a launch (~3-5 s of spawning) but far below the 60 s a stuck rank would sleep.
 _BOUND_S = 40.0

@@ -19,7 +19,11 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from verlite.dist.process_group import destroy_process_group, find_free_port, init_process_group
+from verlite.distributed.process_group import (
+    destroy_process_group,
+    find_free_port,
+    init_process_group,
+)
 
 _HOST = "127.0.0.1"
 # Grace period for ranks that already returned their result to tear down their group.

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from verlite.dist.process_group import get_world_size
+from verlite.distributed.process_group import get_world_size
 
 # Attribute names Hugging Face models use for their stack of decoder blocks:
 # `layers` (Llama, Qwen2, Mistral, Gemma: model.model.layers) and `h` (GPT-2, Falcon).

@@ -29,12 +29,12 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
-from verlite.batch import trim_padding
 from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
+from verlite.step_batch import trim_padding
 from verlite.workers.engine import TrainEngine, plan_micro_batches
-from verlite.workers.losses import ActorLossSettings, ppo_loss
+from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
 VOCAB = 512
 LONGEST = 1024

@@ -30,9 +30,9 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import Config, WorkerRoleConfig
-from verlite.core.batching import partition_balanced
 from verlite.core.losses import LOSS_AGG_MODES
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
+from verlite.core.partition import partition_balanced
 from verlite.distributed import (
     all_gather_object,
     full_grads,
@@ -44,7 +44,7 @@ from verlite.distributed import (
 from verlite.models import build_policy, build_value_model, model_dtype
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_log_probs
-from verlite.workers.losses import (
+from verlite.workers.objectives import (
     COUNT_KEYS,
     ActorLossSettings,
     AggSettings,
@@ -100,7 +100,7 @@ class LayoutReport:
 
 
 def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES) -> TensorDict:
-    """A reproducible ragged batch in verlite's layout (``verlite.batch``), ready for both losses.
+    """A reproducible ragged batch in verlite's layout (``verlite.step_batch``), ready for both losses.
 
     Prompt and response lengths vary per row, one row has a response whose loss mask is all
     zero, and old/reference log-probs sit near the model's own so that some tokens clip.

@@ -35,8 +35,8 @@ from verlite.controller import (
 )
 from verlite.core.advantages import compute_advantages
 from verlite.core.losses import kl_penalty
-from verlite.core.rewards import KLController, apply_kl_penalty, place_scores
 from verlite.core.step_stats import step_statistics
+from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.data import PromptLoader, PromptRecord, build_datasets, collate_prompts, load_tokenizer
 from verlite.errors import RunFailure
 from verlite.rewards import resolve_reward, score_responses

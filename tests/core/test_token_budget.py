@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from verlite.core.batching import (
+from verlite.core.partition import (
     MAX_PADDING,
     count_token_budget_partitions,
     flatten,

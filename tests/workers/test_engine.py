@@ -144,7 +144,7 @@ def test_all_masked_mini_batch_is_skipped_and_counted() -> None:
     batch["response_mask"] = batch["response_mask"] * 0
     from functools import partial
 
-    from verlite.workers.losses import ActorLossSettings, ppo_loss
+    from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
     metrics = eng.train_mini_batch(
         batch, partial(ppo_loss, settings=ActorLossSettings.from_config(CONFIG.actor))

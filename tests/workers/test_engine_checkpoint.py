@@ -11,7 +11,7 @@ from verlite.distributed import full_state_dict, run_on_ranks
 from verlite.invariance import make_batch
 from verlite.models import build_policy
 from verlite.workers.engine import TrainEngine
-from verlite.workers.losses import ActorLossSettings, ppo_loss
+from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",

@@ -23,7 +23,7 @@ from verlite.distributed import all_gather_object, full_state_dict, run_on_ranks
 from verlite.invariance import VOCAB_SIZE, make_batch
 from verlite.models import build_policy, build_value_model
 from verlite.workers.engine import TrainEngine
-from verlite.workers.losses import ActorLossSettings, CriticLossSettings, ppo_loss, value_loss
+from verlite.workers.objectives import ActorLossSettings, CriticLossSettings, ppo_loss, value_loss
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",

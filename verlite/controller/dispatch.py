@@ -30,8 +30,8 @@ from typing import Any, Literal
 import torch
 from tensordict import TensorDict
 
-from verlite.core.batching import inverse_permutation, partition_balanced
 from verlite.core.metrics import Metric, Stage, reduce_metrics, to_floats
+from verlite.core.partition import inverse_permutation, partition_balanced
 
 
 @dataclass(frozen=True)

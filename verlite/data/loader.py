@@ -1,7 +1,7 @@
 """Batches of prompts: a resumable, seeded, endless loader and the collation into token tensors.
 
 Collated prompts are left-padded to ``data.max_prompt_length`` so responses start at the
-same column in every row (the layout of ``verlite.batch``).
+same column in every row (the layout of ``verlite.step_batch``).
 """
 
 from __future__ import annotations

@@ -203,7 +203,7 @@ class PreallocatedCacheLayer(CacheLayerMixin):
 def build_step_batch(
     prompts: TensorDict, responses: torch.Tensor, lengths: torch.Tensor
 ) -> TensorDict:
-    """The step TensorDict of ``verlite.batch``: prompt + response, masks and positions."""
+    """The step TensorDict of ``verlite.step_batch``: prompt + response, masks and positions."""
     width = responses.shape[1]
     response_mask = (torch.arange(width, device=responses.device) < lengths[:, None]).to(
         prompts["attention_mask"].dtype

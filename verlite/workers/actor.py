@@ -18,7 +18,7 @@ from verlite.rollout import NativeRollout, SamplingParams
 from verlite.workers.base import EngineWorker
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.forward import response_log_probs
-from verlite.workers.losses import ActorLossSettings, ppo_loss
+from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
 
 def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:

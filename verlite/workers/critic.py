@@ -15,7 +15,7 @@ from verlite.models import build_value_model, resolve_device
 from verlite.workers.base import EngineWorker
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_values
-from verlite.workers.losses import CriticLossSettings, value_loss
+from verlite.workers.objectives import CriticLossSettings, value_loss
 
 
 def _values(model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:

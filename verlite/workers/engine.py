@@ -25,21 +25,14 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.batch import (
-    pad_responses,
-    prompt_lengths,
-    response_width,
-    sequence_lengths,
-    trim_padding,
-)
 from verlite.config import OptimConfig, WorkerRoleConfig
-from verlite.core.batching import (
+from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
+from verlite.core.partition import (
     count_token_budget_partitions,
     inverse_permutation,
     partition_by_token_budget,
     split_fixed,
 )
-from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
 from verlite.distributed import (
     all_reduce_max,
     all_reduce_sum,
@@ -52,6 +45,13 @@ from verlite.distributed import (
     inference_module,
 )
 from verlite.distributed.checkpoint import load_train_state, save_train_state
+from verlite.step_batch import (
+    pad_responses,
+    prompt_lengths,
+    response_width,
+    sequence_lengths,
+    trim_padding,
+)
 
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]

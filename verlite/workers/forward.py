@@ -11,8 +11,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.batch import response_width
 from verlite.core.losses import entropy_from_logits, log_probs_from_logits
+from verlite.step_batch import response_width
 
 
 def _model_inputs(td: TensorDict) -> dict[str, torch.Tensor | int]:

@@ -1,4 +1,4 @@
-"""Tests for verlite.core.batching: fixed splits, balanced partitions, the inverse
+"""Tests for verlite.core.partition: fixed splits, balanced partitions, the inverse
 permutation (token budgets are in test_token_budget.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from verlite.core.batching import (
+from verlite.core.partition import (
     flatten,
     inverse_permutation,
     partition_balanced,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from verlite.core.rewards import KLController, apply_kl_penalty, place_scores
+from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 
 
 def test_scores_land_on_the_last_valid_token() -> None:

@@ -53,4 +53,4 @@ bench: setup
 # docs/config.md from the config models' descriptions (a test fails when it is stale).
 .PHONY: docs
 docs: setup
-	$(PY) -m verlite.config_docs > docs/config.md
+	$(PY) -m verlite.config.reference > docs/config.md

@@ -295,7 +295,7 @@ def test_core_imports_neither_ray_nor_torch_distributed() -> None:
 
 
 def test_the_config_reference_is_current_and_covers_every_field() -> None:
-    from verlite.config_docs import config_reference
+    from verlite.config.reference import config_reference
 
     reference = config_reference()
     assert (ROOT / "docs" / "config.md").read_text() == reference, "run `make docs`"

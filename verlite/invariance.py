@@ -146,7 +146,7 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
 
 def _build_model(cfg: Config, role: Role) -> nn.Module:
     build = build_policy if role == "actor" else build_value_model
-    max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    max_positions = cfg.max_sequence_length
     return build(
         cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=cfg.trainer.seed
     )
@@ -157,7 +157,7 @@ def _role_config(cfg: Config, case: Case, strategy: str, local_rows: int) -> Wor
     audit_optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None})
     base = base.model_copy(update={"optim": audit_optim})
     if case.micro == "dynamic":
-        longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        longest = cfg.max_sequence_length
         return base.model_copy(
             update={
                 "strategy": strategy,

@@ -19,7 +19,7 @@ def test_trimmed_micro_batches_fit_the_budget_with_little_padding(budget_rows: i
     batch = make_batch(CONFIG)
     prompt_widths = batch["attention_mask"][:, : CONFIG.data.max_prompt_length].sum(-1)
     assert len(set(prompt_widths.tolist())) > 1, "the audit batch should have ragged prompts"
-    longest = CONFIG.data.max_prompt_length + CONFIG.rollout.max_response_length
+    longest = CONFIG.max_sequence_length
     budget = budget_rows * longest
     cfg = CONFIG.actor.model_copy(
         update={"strategy": "none", "use_dynamic_bsz": True, "max_token_len_per_worker": budget}

@@ -49,7 +49,7 @@ class ActorWorker(EngineWorker):
             copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
         )
         sizes = cfg.role_sizes("actor")
-        total_updates = cfg.trainer.total_steps * cfg.actor.ppo_epochs * sizes.num_mini_batches
+        total_updates = sizes.total_updates
         self.engine = TrainEngine(
             policy, cfg=cfg.actor, total_updates=total_updates, metric_prefix="actor", device=device
         )
@@ -64,7 +64,7 @@ class ActorWorker(EngineWorker):
 
     def _build_policy(self, *, seed: int) -> nn.Module:
         cfg = self.cfg
-        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        max_positions = cfg.max_sequence_length
         return build_policy(
             cfg.model, vocab_size=self.vocab_size, max_positions=max_positions, seed=seed
         )

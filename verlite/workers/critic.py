@@ -32,7 +32,7 @@ class CriticWorker(EngineWorker):
 
     def init_model(self) -> None:
         cfg = self.cfg
-        max_positions = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        max_positions = cfg.max_sequence_length
         model = build_value_model(
             cfg.model,
             vocab_size=self.vocab_size,
@@ -40,7 +40,7 @@ class CriticWorker(EngineWorker):
             seed=cfg.trainer.seed + 1,
         )
         sizes = cfg.role_sizes("critic")
-        total_updates = cfg.trainer.total_steps * cfg.critic.ppo_epochs * sizes.num_mini_batches
+        total_updates = sizes.total_updates
         self.engine = TrainEngine(
             model,
             cfg=cfg.critic,

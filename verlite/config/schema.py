@@ -1,24 +1,19 @@
-"""Typed run configuration: pydantic models, YAML loading, dotted overrides, clear errors.
+"""The run configuration's schema: one frozen pydantic model per YAML section.
 
 Every YAML section maps 1:1 onto a model below. Models are frozen and forbid unknown keys;
 every field carries a description (the reference in docs/config.md is generated from them).
 Values that default to another field (the critic's loss settings, per-role worker counts,
 the ``seq-mean-token-sum-norm`` scale) are filled in once, at load, so the resolved config
 that a run logs is the config it uses. Sizes derived from several fields live in
-:meth:`Config.role_sizes`, and nowhere else.
+:class:`RoleSizes` and :attr:`Config.max_sequence_length`, and nowhere else.
 """
 
 from __future__ import annotations
 
-import difflib
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -31,11 +26,6 @@ from pydantic import (
 
 from verlite.core.advantages import ADV_ESTIMATORS, ESTIMATORS_NEEDING_CRITIC
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
-from verlite.errors import UserError
-
-
-class ConfigError(UserError):
-    """A configuration problem a user can fix: the message names the field, value and what is allowed."""
 
 
 def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
@@ -377,9 +367,10 @@ class RoleSizes:
     """Batch sizes of one role, derived once from the config."""
 
     dp_size: int
-    mini_batch_size: int
     mini_batch_size_per_worker: int
+    # Optimizer steps of one training step, and of the whole run (the LR schedule's length).
     num_mini_batches: int
+    total_updates: int
 
 
 class Config(Section):
@@ -448,14 +439,21 @@ class Config(Section):
     def sequences_per_step(self) -> int:
         return self.data.train_batch_size * self.rollout.n
 
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest row of a step: a full prompt and a full response (the models'
+        position range, and the least a token budget must hold)."""
+        return self.data.max_prompt_length + self.rollout.max_response_length
+
     def role_sizes(self, role: Literal["actor", "critic"]) -> RoleSizes:
         cfg: WorkerRoleConfig = getattr(self, role)
         dp = self.trainer.nnodes * (cfg.workers_per_node or self.trainer.workers_per_node)
+        num_mini_batches = self.sequences_per_step // cfg.ppo_mini_batch_size
         return RoleSizes(
             dp_size=dp,
-            mini_batch_size=cfg.ppo_mini_batch_size,
             mini_batch_size_per_worker=cfg.ppo_mini_batch_size // dp,
-            num_mini_batches=self.sequences_per_step // cfg.ppo_mini_batch_size,
+            num_mini_batches=num_mini_batches,
+            total_updates=self.trainer.total_steps * cfg.ppo_epochs * num_mini_batches,
         )
 
     @model_validator(mode="after")
@@ -492,7 +490,7 @@ class Config(Section):
                 f"{role}.strategy=none runs one worker, but {role} has {sizes.dp_size} workers; use ddp or fsdp"
             )
         if cfg.use_dynamic_bsz:
-            longest = self.data.max_prompt_length + self.rollout.max_response_length
+            longest = self.max_sequence_length
             if cfg.max_token_len_per_worker is None:
                 raise ValueError(
                     f"{role}.use_dynamic_bsz=true needs {role}.max_token_len_per_worker (>= {longest})"
@@ -539,217 +537,3 @@ def _get(section: Any, key: str, model: type[BaseModel]) -> Any:
     if isinstance(section, dict) and section.get(key) is not None:
         return section[key]
     return model.model_fields[key].default
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML config (``yaml.safe_load``), apply ``dotted.key=value`` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        raw = _read_yaml(Path(path))
-    for item in overrides:
-        _apply_override(raw, item)
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, raw)) from None
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#x} "
-            f"at offset {exc.start})"
-        ) from None
-    try:
-        data = yaml.safe_load(text)
-        _refuse_duplicate_keys(path, yaml.compose(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{at}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(path)!r} must hold a mapping of sections (model:, data:, ...), "
-            f"got a {type(data).__name__}"
-        )
-    return data
-
-
-def _refuse_duplicate_keys(path: Path, node: yaml.Node | None, where: str = "") -> None:
-    """A key given twice in one mapping is an error: YAML would silently keep the last one."""
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key, value in node.value:
-            name = f"{where}{key.value}"
-            if name in seen:
-                raise ConfigError(
-                    f"config file {str(path)!r} sets {name} twice (line {key.start_mark.line + 1}); "
-                    "remove one"
-                )
-            seen.add(name)
-            _refuse_duplicate_keys(path, value, name + ".")
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(path, item, f"{where}{i}.")
-
-
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not sep or not key or any(not p.isidentifier() for p in parts):
-        raise ConfigError(
-            f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
-        )
-    annotation = _field_annotation(parts)
-    node = raw
-    for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = _parse_value(text.strip(), annotation)
-
-
-def _field_annotation(parts: Sequence[str]) -> Any:
-    """The schema type at a dotted path; unknown keys raise with a suggestion."""
-    model: type[BaseModel] | None = Config
-    annotation: Any = None
-    for i, part in enumerate(parts):
-        prefix = ".".join(parts[:i])
-        if model is None:
-            raise ConfigError(f"{prefix} is a value, not a section: cannot set {'.'.join(parts)!r}")
-        if part not in model.model_fields:
-            raise ConfigError(
-                _unknown_key_message(".".join(parts[: i + 1]), prefix, list(model.model_fields))
-            )
-        annotation = model.model_fields[part].annotation
-        model = _section_type(annotation)
-    return annotation
-
-
-def _union_args(annotation: Any) -> tuple[Any, ...]:
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return typing.get_args(annotation)
-    return (annotation,)
-
-
-def _accepts_str(annotation: Any) -> bool:
-    for arg in _union_args(annotation):
-        while typing.get_origin(arg) is Annotated:
-            arg = typing.get_args(arg)[0]
-        if arg is str or (
-            typing.get_origin(arg) is Literal
-            and any(isinstance(v, str) for v in typing.get_args(arg))
-        ):
-            return True
-    return False
-
-
-def _parse_value(text: str, annotation: Any) -> Any:
-    """Typed by the schema: a string field keeps the text as is (except null); others parse as YAML."""
-    if text in ("null", "~", "None") and type(None) in _union_args(annotation):
-        return None
-    if _accepts_str(annotation):
-        return text
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text  # let validation report the field, value and expected type
-
-
-def _unknown_key_message(dotted: str, prefix: str, known: Sequence[str]) -> str:
-    leaf = dotted.rsplit(".", 1)[-1]
-    section = _model_at(prefix.split(".") if prefix else [])
-    candidates = {path.rsplit(".", 1)[-1]: path for path in reversed(_field_paths(section, prefix))}
-    close = difflib.get_close_matches(leaf, list(candidates), n=1)
-    hint = f"; did you mean {candidates[close[0]]!r}?" if close else ""
-    where = f"in {prefix}" if prefix else "at the top level"
-    return f"unknown key {dotted!r}{hint} (known keys {where}: {', '.join(known)})"
-
-
-def _field_paths(model: type[BaseModel], prefix: str) -> list[str]:
-    """Every dotted field path under ``model``, shallow ones first (they win suggestions)."""
-    paths = [".".join(filter(None, [prefix, name])) for name in model.model_fields]
-    for name, field in model.model_fields.items():
-        sub = _section_type(field.annotation)
-        if sub is not None:
-            paths += _field_paths(sub, ".".join(filter(None, [prefix, name])))
-    return paths
-
-
-def _section_type(annotation: Any) -> type[BaseModel] | None:
-    return next(
-        (t for t in _union_args(annotation) if isinstance(t, type) and issubclass(t, BaseModel)),
-        None,
-    )
-
-
-def _model_at(loc: Sequence[str]) -> type[BaseModel]:
-    model: type[BaseModel] = Config
-    for part in loc:
-        sub = _section_type(model.model_fields[part].annotation)
-        assert sub is not None, f"{part} is not a section"
-        model = sub
-    return model
-
-
-def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str:
-    """One line per problem: the dotted field, the value given and what is allowed."""
-    lines = []
-    for err in exc.errors(include_url=False):
-        loc = [str(p) for p in err["loc"]]
-        dotted = ".".join(loc)
-        if err["type"] == "extra_forbidden":
-            prefix = ".".join(loc[:-1])
-            lines.append(
-                _unknown_key_message(dotted, prefix, list(_model_at(loc[:-1]).model_fields))
-            )
-            continue
-        message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "missing":
-            lines.append(f"{dotted}: required field is missing")
-        elif not loc or message.startswith(dotted):  # a cross-field check names its fields
-            lines.append(message)
-        elif err["type"] == "value_error" and not _has_field_value(raw, loc):
-            lines.append(f"{dotted}: {message}")
-        else:
-            value = err.get("input")
-            lines.append(f"{dotted}={value!r}: {message}")
-    return "; ".join(dict.fromkeys(lines))
-
-
-def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
-    node: Any = raw
-    for part in loc:
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    return not isinstance(node, Mapping)
-
-
-def check_paths(cfg: Config) -> None:
-    """Fail early, before Ray starts, on model or data paths that do not exist on this machine."""
-    for dotted, value in (
-        ("model.path", cfg.model.path),
-        ("data.train_file", cfg.data.train_file),
-        ("data.val_file", cfg.data.val_file),
-    ):
-        if value is not None and not Path(value).exists():
-            raise ConfigError(f"{dotted}={value!r}: no such file or directory")
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json "
-            "in it); give a local folder written by save_pretrained, or leave it unset for the "
-            "built-in model"
-        )

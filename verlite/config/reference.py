@@ -1,5 +1,5 @@
 """The configuration reference, ``docs/config.md``, generated from the models in
-:mod:`verlite.config` (their docstrings and field descriptions), so it cannot drift from
+:mod:`verlite.config.schema` (their docstrings and field descriptions), so it cannot drift from
 what is validated: ``make docs`` rewrites it and a test checks that it is current.
 """
 
@@ -20,7 +20,7 @@ from verlite.config import Config
 
 HEADER = """# Configuration reference
 
-Generated from `verlite/config.py` by `make docs`; do not edit by hand.
+Generated from `verlite/config/schema.py` by `make docs`; do not edit by hand.
 
 A run config is one YAML file with the sections below; any field may also be set on the
 command line as a dotted override, `section.field=value` (e.g. `actor.optim.lr=1e-5`).

@@ -1,0 +1,40 @@
+"""The run configuration: the schema (:mod:`verlite.config.schema`), loading with overrides
+and one-line errors (:mod:`verlite.config.loading`), and the generated reference
+(:mod:`verlite.config.reference`, ``make docs``)."""
+
+from verlite.config.loading import ConfigError, check_paths, format_validation_error, load_config
+from verlite.config.schema import (
+    ActorConfig,
+    AlgorithmConfig,
+    Config,
+    CriticConfig,
+    DataConfig,
+    KLControlConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardConfig,
+    RoleSizes,
+    RolloutConfig,
+    TrainerConfig,
+    WorkerRoleConfig,
+)
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "CriticConfig",
+    "DataConfig",
+    "KLControlConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RewardConfig",
+    "RoleSizes",
+    "RolloutConfig",
+    "TrainerConfig",
+    "WorkerRoleConfig",
+    "check_paths",
+    "format_validation_error",
+    "load_config",
+]

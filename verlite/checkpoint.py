@@ -127,21 +127,3 @@ def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) ->
 def read_trainer_state(path: Path) -> dict[str, Any]:
     state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
     return state
-
-
-def truncate_metrics(path: Path, *, after_step: int) -> None:
-    """Drop the records a crashed run logged after its last checkpoint (and any torn last
-    line), so that a resumed run's metrics.jsonl reads as if it had never stopped."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= after_step:
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)

@@ -7,18 +7,18 @@ Works on a run still in progress: a partially written last line is ignored.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import fnmatch
-import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from verlite import metrics_log
 from verlite.errors import UserError
+from verlite.metrics_log import Record
 from verlite.tracking import import_extra
 
 # The table's rows by default, in this order, when present.
@@ -45,8 +45,6 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("response length (band: min to max)", ("response_length/mean",)),
 )
 
-Record = dict[str, float]
-
 
 @dataclass(frozen=True)
 class SummaryRow:
@@ -59,55 +57,6 @@ class SummaryRow:
     best: float | None
     best_step: int | None
     mean: float
-
-
-def load_metrics(path: str | Path) -> list[Record]:
-    """The records of ``metrics.jsonl`` (or of the run folder holding it), one per step in step
-    order. A last line without its newline is a write in progress and is skipped unless it is
-    complete JSON; a step logged twice (a resumed run) keeps its latest record."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    elif not path.exists() and path.suffix != ".jsonl":
-        raise UserError(f"no such folder: {str(path)!r}")
-    if not path.exists():
-        raise UserError(
-            f"no metrics file {str(path)!r}: has the run logged a step yet, with 'jsonl' in "
-            "trainer.loggers?"
-        )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot read {str(path)!r}: {exc.strerror}") from None
-    lines = text.split("\n")
-    torn = lines.pop()  # "" when the file ends with a newline
-    records = [_parse_line(line, path, number) for number, line in enumerate(lines, 1) if line]
-    if torn:
-        with contextlib.suppress(json.JSONDecodeError, UserError):  # still being written
-            records.append(_as_record(json.loads(torn), path, len(lines) + 1))
-    if not records:
-        raise UserError(f"{str(path)!r} holds no metrics yet")
-    return normalize_records(records)
-
-
-def _parse_line(line: str, path: Path, number: int) -> Record:
-    try:
-        value = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{str(path)!r} line {number} is not valid JSON: {exc.msg}") from None
-    return _as_record(value, path, number)
-
-
-def _as_record(value: Any, path: Path, number: int) -> Record:
-    if not isinstance(value, dict) or not isinstance(value.get("step"), int):
-        raise UserError(f"{str(path)!r} line {number} is not a metrics record with a 'step'")
-    return value
-
-
-def normalize_records(records: Sequence[Mapping[str, Any]]) -> list[Record]:
-    """One record per step, in step order; a repeated step keeps its last record."""
-    by_step = {int(record["step"]): dict(record) for record in records}
-    return [by_step[step] for step in sorted(by_step)]
 
 
 def _series(records: Sequence[Record], key: str) -> list[tuple[int, float]]:
@@ -354,16 +303,16 @@ def cmd_metrics(args: argparse.Namespace) -> int:
             raise UserError("give either OUTPUT_DIR or --job, not both")
         from verlite.jobs import read_job_metrics
 
-        raw = read_job_metrics(args.address, args.job)
-        if not raw:
+        records = read_job_metrics(args.address, args.job)
+        if not records:
             raise UserError(f"job {args.job!r} has logged no metrics yet")
-        records, title = normalize_records(raw), f"job {args.job}"
+        title = f"job {args.job}"
     else:
         if args.output_dir is None:
             raise UserError("give the run's OUTPUT_DIR (or --job ID [--address URL])")
         if args.address is not None:
             raise UserError("--address goes with --job")
-        records, title = load_metrics(args.output_dir), str(args.output_dir)
+        records, title = metrics_log.read(args.output_dir), str(args.output_dir)
     keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
     print(format_summary(records, summary_rows(records, keys)))
     if args.plot:

@@ -22,6 +22,7 @@ from types import ModuleType, TracebackType
 from typing import Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
+from verlite import metrics_log
 from verlite.errors import UserError
 
 # Shown on the console line, in this order, when present.
@@ -94,14 +95,12 @@ class Logger(Protocol):
 
 
 class JsonlLogger:
-    """One JSON object per step (with a ``step`` key), flushed at once so readers see it live;
-    the resolved config goes to ``config.json`` beside it."""
+    """One record per step in ``metrics.jsonl`` (:mod:`verlite.metrics_log`); the resolved
+    config goes to ``config.json`` beside it."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_torn_line(path)
-        self.config_path = path.parent / "config.json"
-        self.file = path.open("a", encoding="utf-8")
+    def __init__(self, output_dir: Path) -> None:
+        self.writer = metrics_log.MetricsWriter(output_dir / metrics_log.FILE_NAME)
+        self.config_path = output_dir / "config.json"
 
     def log_run_info(
         self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
@@ -110,32 +109,16 @@ class JsonlLogger:
         self.config_path.write_text(json.dumps(config, indent=2, default=str) + "\n")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}, allow_nan=True) + "\n")
-        self.file.flush()
+        self.writer.write(step, metrics)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
-        self.file.close()
-
-
-def _drop_torn_line(path: Path) -> None:
-    """Cut a last line left without its newline by a killed run: appended to, it would fuse
-    with the next record into one unreadable line."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with path.open("rb+") as file:
-        file.seek(-1, os.SEEK_END)
-        if file.read(1) == b"\n":
-            return
-        file.seek(0)
-        file.truncate(file.read().rfind(b"\n") + 1)
-
-
-METRICS_LINE_MARKER = "VERLITE_METRICS "
+        self.writer.close()
 
 
 class LogLineLogger:
-    """One ``VERLITE_METRICS {json}`` line per step on stdout: a job's driver log carries its
-    metrics, so they can be read back from a cluster without access to its files."""
+    """One marked record per step on stdout (:func:`verlite.metrics_log.marked_line`): a job's
+    driver log carries its metrics, so they can be read back from a cluster without access
+    to its files."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
@@ -146,11 +129,7 @@ class LogLineLogger:
         pass  # readers of the marked lines expect metrics only
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        print(
-            METRICS_LINE_MARKER + json.dumps({"step": step, **metrics}),
-            file=self.stream,
-            flush=True,
-        )
+        print(metrics_log.marked_line(step, metrics), file=self.stream, flush=True)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         pass
@@ -371,7 +350,7 @@ class Tracker:
                         ConsoleLogger(total_steps=total_steps, start_step=start_step)
                     )
                 elif name == "jsonl":
-                    self.loggers.append(JsonlLogger(output_dir / "metrics.jsonl"))
+                    self.loggers.append(JsonlLogger(output_dir))
                 elif name == "logline":
                     self.loggers.append(LogLineLogger())
                 elif name == "tensorboard":

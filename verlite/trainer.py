@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 from tensordict import TensorDict
 
+from verlite import metrics_log
 from verlite.checkpoint import (
     begin_checkpoint,
     check_resumable,
     commit_checkpoint,
     read_trainer_state,
     resume_checkpoint,
-    truncate_metrics,
 )
 from verlite.config import Config
 from verlite.controller import (
@@ -168,7 +168,7 @@ class Trainer:
             self._start_workers()
             start = self._resume(resume_from) if resume_from else 0
             # A resumed run drops what a crash logged after its checkpoint; a fresh run starts a new file.
-            truncate_metrics(self.output_dir / "metrics.jsonl", after_step=start)
+            metrics_log.truncate(self.output_dir, after_step=start)
             with Tracker(
                 cfg.trainer.loggers,
                 output_dir=self.output_dir,

@@ -16,7 +16,7 @@ from jobs_support import REPO, client_env, free_port, run_verlite
 
 from verlite.cli import build_parser
 from verlite.config import load_config
-from verlite.jobs import JobsError, connect, parse_metrics, resolve_address
+from verlite.jobs import JobsError, connect, resolve_address
 from verlite.jobs.submission import (
     DEFAULT_EXCLUDES,
     build_runtime_env,
@@ -114,23 +114,6 @@ def test_a_bad_runtime_env_file_is_a_user_error(tmp_path: Path, text: str, probl
     path.write_text(text)
     with pytest.raises(JobsError, match=problem):
         build_runtime_env(REPO, read_runtime_env(str(path)))
-
-
-def test_metrics_are_one_record_per_step_the_latest_line_winning() -> None:
-    log = "\n".join(
-        [
-            "placed 2 workers",
-            'VERLITE_METRICS {"step": 2, "critic/score/mean": 0.5}',
-            '(driver) VERLITE_METRICS {"step": 1, "critic/score/mean": 0.1}',
-            'VERLITE_METRICS {"step": 2, "critic/score/mean": 0.7}',
-            'VERLITE_METRICS {"step": 3, "critic/sco',  # still being written
-            "VERLITE_METRICS [1, 2]",
-        ]
-    )
-    assert parse_metrics(log) == [
-        {"step": 1, "critic/score/mean": 0.1},
-        {"step": 2, "critic/score/mean": 0.7},
-    ]
 
 
 def test_addresses_resolve_to_dashboard_urls(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from verlite.errors import UserError
-from verlite.report import add_metrics_command, load_metrics, summary_rows
+from verlite.metrics_log import read as load_metrics
+from verlite.report import add_metrics_command, summary_rows
 
 RECORDS: list[dict[str, Any]] = [
     {"step": 1, "critic/score/mean": 0.1, "actor/pg_loss": 1.0, "actor/entropy": 2.0},
@@ -225,7 +226,7 @@ def test_job_metrics_use_the_same_table(
 
     def read_job_metrics(address: str, job_id: str) -> list[dict[str, Any]]:
         calls.append((address, job_id))
-        return list(reversed(RECORDS))  # any order: the table sorts by step
+        return list(RECORDS)  # one per step in step order, as metrics_log.parse_marked_lines gives
 
     jobs = types.ModuleType("verlite.jobs")
     jobs.read_job_metrics = read_job_metrics  # type: ignore[attr-defined]

@@ -6,15 +6,13 @@ and stop it, and read its metrics back from its log.
 """
 
 from verlite.jobs.commands import add_job_commands
-from verlite.jobs.metrics import parse_metrics, read_job_metrics
-from verlite.jobs.server import JobsError, JobServer, connect, resolve_address
+from verlite.jobs.server import JobsError, JobServer, connect, read_job_metrics, resolve_address
 
 __all__ = [
     "JobServer",
     "JobsError",
     "add_job_commands",
     "connect",
-    "parse_metrics",
     "read_job_metrics",
     "resolve_address",
 ]

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import requests
 
+from verlite import metrics_log
 from verlite.errors import UserError
+from verlite.metrics_log import Record
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -57,6 +59,12 @@ def resolve_address(address: str | None) -> str:
     return address.rstrip("/")
 
 
+def read_job_metrics(address: str | None, job_id: str) -> list[Record]:
+    """The metrics of job ``job_id`` on the cluster whose dashboard is at ``address``
+    (None: ``$RAY_ADDRESS``): what ``verlite metrics --job`` shows."""
+    return connect(address).metrics(job_id)
+
+
 def connect(address: str | None) -> JobServer:
     """Reach the job server at ``address`` (see :func:`resolve_address`) or fail in seconds."""
     url = resolve_address(address)
@@ -96,6 +104,10 @@ class JobServer:
         with _errors(self.url, job_id):
             logs: str = self.client.get_job_logs(job_id)
         return logs
+
+    def metrics(self, job_id: str) -> list[Record]:
+        """The job's metrics records, read from the marked lines of its driver log."""
+        return metrics_log.parse_marked_lines(self.logs(job_id))
 
     def stop(self, job_id: str) -> bool:
         """Ask the job to stop; False when it had already ended."""

@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import Config, WorkerRoleConfig
-from verlite.core.losses import LOSS_AGG_MODES
+from verlite.core.losses import LOSS_AGG_MODES, GlobalCounts
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
 from verlite.core.partition import partition_balanced
 from verlite.distributed import (
@@ -42,10 +42,10 @@ from verlite.distributed import (
     run_on_ranks,
 )
 from verlite.models import build_policy, build_value_model, model_dtype
+from verlite.step_batch import stamp_counts
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import (
-    COUNT_KEYS,
     ActorLossSettings,
     AggSettings,
     CriticLossSettings,
@@ -191,11 +191,7 @@ def _per_micro_batch_normalized(
     fn: Any, model: nn.Module, td: TensorDict
 ) -> tuple[torch.Tensor, MetricDict]:
     """The negative control: normalize each micro-batch by its own counts, as if alone."""
-    mask = td["response_mask"]
-    for key, value in zip(
-        COUNT_KEYS, (1, int(mask.sum()), int((mask.sum(-1) > 0).sum())), strict=True
-    ):
-        td.set_non_tensor(key, value)
+    stamp_counts(td, GlobalCounts.of(td["response_mask"]))
     result: tuple[torch.Tensor, MetricDict] = fn(model, td)
     return result
 

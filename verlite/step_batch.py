@@ -15,8 +15,10 @@ response_mask      (B, R)    1 on response tokens that carry loss
 uid                (B,)      prompt id: the rollout.n samples of one prompt share it
 =================  ========  ===================================================
 
-Per-batch scalars (``dp_size``, ``batch_num_tokens``, ``global_batch_size``,
-``temperature``) travel as non-tensor entries, never inside a config object.
+Per-batch values travel as non-tensor entries, never inside a config object:
+``temperature`` (the sampling temperature the log-probs must use) and, on a worker during
+an update, ``global_counts`` (the :class:`~verlite.core.losses.GlobalCounts` of the
+mini-batch, through :func:`stamp_counts` and :func:`read_counts` only).
 """
 
 from __future__ import annotations
@@ -24,7 +26,28 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from verlite.core.losses import GlobalCounts
+
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+COUNTS_KEY = "global_counts"
+
+
+def stamp_counts(td: TensorDict, counts: GlobalCounts) -> None:
+    """Attach the mini-batch's counts; every micro-batch cut from ``td`` carries them."""
+    td.set_non_tensor(COUNTS_KEY, counts)
+
+
+def read_counts(td: TensorDict) -> GlobalCounts:
+    """The counts :func:`stamp_counts` attached to the mini-batch ``td`` was cut from."""
+    if COUNTS_KEY not in td:
+        raise KeyError(
+            "batch lacks its global counts; the engine stamps them once per mini-batch, "
+            "before cutting micro-batches"
+        )
+    counts = td.get_non_tensor(COUNTS_KEY)
+    if not isinstance(counts, GlobalCounts):
+        raise TypeError(f"{COUNTS_KEY} must be GlobalCounts, got {type(counts).__name__}")
+    return counts
 
 
 def response_width(td: TensorDict) -> int:

@@ -7,9 +7,11 @@ import torch
 
 from verlite.core.losses import (
     LOSS_AGG_MODES,
+    GlobalCounts,
     agg_loss,
     compute_policy_loss,
     compute_value_loss,
+    count_valid,
     entropy_from_logits,
     kl_penalty,
     log_probs_from_logits,
@@ -24,12 +26,12 @@ SCALE = 6.0  # loss_scale_factor for seq-mean-token-sum-norm: a constant, not a 
 @pytest.mark.parametrize(
     ("mode", "kwargs", "expected"),
     [
-        ("token-sum", {"dp_size": 4}, 52.0),
+        ("token-sum", {"counts": GlobalCounts(4, 4, 2)}, 52.0),
         ("token-sum", {}, 13.0),
         ("token-mean", {}, 13 / 4),
-        ("token-mean", {"dp_size": 4, "batch_num_tokens": 16}, 13 / 16 * 4),
+        ("token-mean", {"counts": GlobalCounts(4, 16, 8)}, 13 / 16 * 4),
         ("seq-mean-token-sum", {}, 13 / 2),
-        ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 4}, 13 / 4 * 2),
+        ("seq-mean-token-sum", {"counts": GlobalCounts(2, 8, 4)}, 13 / 4 * 2),
         ("seq-mean-token-mean", {}, (1.5 + 5.0) / 2),
         ("seq-mean-token-sum-norm", {"loss_scale_factor": 3.0}, 13 / 2 / 3),
     ],
@@ -67,18 +69,23 @@ def test_nan_in_masked_positions_does_not_leak() -> None:
 def test_errors_name_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="valid modes: token-mean, token-sum"):
         agg_loss(LOSS, MASK, loss_agg_mode="mean")
-    for bad in (0, -1, 1.0, True, "2"):
+    for bad in (0, -1):
         with pytest.raises(ValueError, match="dp_size must be an int >= 1"):
-            agg_loss(LOSS, MASK, loss_agg_mode="token-sum", dp_size=bad)
-    with pytest.raises(ValueError, match="needs batch_num_tokens"):
-        agg_loss(LOSS, MASK, loss_agg_mode="token-mean", dp_size=2)
-    for mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        with pytest.raises(ValueError, match="needs global_batch_size"):
-            agg_loss(LOSS, MASK, loss_agg_mode=mode, dp_size=2)
+            GlobalCounts(bad, 4, 2)
+    for field in range(3):
+        for bad in (-1, 1.0, True, "2", torch.tensor(2)):
+            values = [2, 4, 2]
+            values[field] = bad
+            with pytest.raises(ValueError, match="must be an int >= "):
+                GlobalCounts(*values)
     with pytest.raises(ValueError, match="needs a positive loss_scale_factor"):
         agg_loss(LOSS, MASK, loss_agg_mode="seq-mean-token-sum-norm")
-    # token-sum needs no count, so dp_size > 1 alone is fine
-    assert agg_loss(LOSS, MASK, loss_agg_mode="token-sum", dp_size=2).item() == 26.0
+
+
+def test_counts_of_a_mask_are_its_valid_tokens_and_sequences() -> None:
+    mask = torch.cat([MASK, torch.zeros(1, 3, dtype=MASK.dtype)])
+    assert GlobalCounts.of(mask) == GlobalCounts(1, 4, 2)
+    assert count_valid(mask.float()).tolist() == [4, 2]
 
 
 # ------------------------------------------------------------------ invariance harness
@@ -86,7 +93,7 @@ def test_errors_name_what_is_allowed() -> None:
 # A "layout" is, per DP rank, a list of micro-batches (row index lists). The harness does
 # exactly what the engine does: count once over the global mini-batch, compute every
 # micro-batch loss with the global counts and dp_size, sum gradients over micro-batches,
-# average them over ranks (what DDP does), and reduce the loss metric per DESIGN §2.
+# average them over ranks (what DDP does), and reduce the loss metric (docs/design.md, "The normalization contract").
 
 B, T, V = 8, 7, 5
 LENGTHS = [7, 3, 0, 5, 1, 6, 2, 4]  # ragged, with one fully masked row
@@ -109,19 +116,17 @@ def ragged_mask(dtype: torch.dtype = torch.float64) -> torch.Tensor:
 
 
 def run_layout(
-    loss_of_rows: LossOfRows, params: torch.Tensor, mask: torch.Tensor, layout: list, **counts
+    loss_of_rows: LossOfRows, params: torch.Tensor, mask: torch.Tensor, layout: list
 ) -> tuple[torch.Tensor, float]:
     dp = len(layout)
-    global_counts = {
-        "batch_num_tokens": mask.sum(),
-        "global_batch_size": (mask.sum(-1) > 0).sum(),
-    }
+    tokens, sequences = int(mask.sum()), int((mask.sum(-1) > 0).sum())
+    global_counts = GlobalCounts(dp, tokens, sequences)
     rank_grads, rank_metrics = [], []
     for micro_batches in layout:
         params.grad = None
         micro_metrics = []
         for rows in micro_batches:
-            loss, metric = loss_of_rows(rows, dp_size=dp, **global_counts, **counts)
+            loss, metric = loss_of_rows(rows, counts=global_counts)
             loss.backward()
             micro_metrics.append({"loss": metric})
         rank_grads.append(params.grad.clone())
@@ -132,11 +137,9 @@ def run_layout(
     return grad, float(reported)
 
 
-def reference(
-    loss_of_rows: LossOfRows, params: torch.Tensor, **counts
-) -> tuple[torch.Tensor, float]:
+def reference(loss_of_rows: LossOfRows, params: torch.Tensor) -> tuple[torch.Tensor, float]:
     params.grad = None
-    loss, _ = loss_of_rows(list(range(B)), **counts)  # dp_size=1, local counts = global counts
+    loss, _ = loss_of_rows(list(range(B)))  # dp_size=1, local counts = global counts
     loss.backward()
     grad = params.grad.clone()
     params.grad = None

@@ -2,8 +2,8 @@
 
 The one rule that makes losses independent of micro-batching and data parallelism lives
 in :func:`agg_loss`. A worker counts the valid tokens and sequences of its DP-local
-mini-batch, all-reduces the counts once (``batch_num_tokens``, ``global_batch_size``) and
-passes them into every micro-batch loss together with ``dp_size``:
+mini-batch, all-reduces the counts once and passes them, with ``dp_size``, into every
+micro-batch loss as one :class:`GlobalCounts`:
 
 * each micro-batch loss is its masked sum divided by the *global* count, so summing the
   micro-batch gradients (plain gradient accumulation, no ``1/grad_accum`` factor) gives the
@@ -18,6 +18,7 @@ all-masked batch yields a zero loss that still carries a gradient (never NaN).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -33,7 +34,40 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum-norm",
 )
 
-Count = int | float | torch.Tensor
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """What one global mini-batch is normalized by, counted once before it is split over
+    data-parallel ranks and micro-batches, and handed to every :func:`agg_loss` of it.
+
+    ``batch_num_tokens`` is the number of valid (loss-carrying) tokens and
+    ``global_batch_size`` the number of sequences with at least one, both over the whole
+    global mini-batch; ``dp_size`` is the number of ranks whose gradients are averaged.
+    """
+
+    dp_size: int
+    batch_num_tokens: int
+    global_batch_size: int
+
+    def __post_init__(self) -> None:
+        for name, least in (("dp_size", 1), ("batch_num_tokens", 0), ("global_batch_size", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+    @classmethod
+    def of(cls, loss_mask: torch.Tensor) -> GlobalCounts:
+        """The counts of ``loss_mask`` as a whole mini-batch on one rank."""
+        tokens, sequences = count_valid(loss_mask).tolist()
+        return cls(dp_size=1, batch_num_tokens=tokens, global_batch_size=sequences)
+
+
+def count_valid(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[valid tokens, sequences with a valid token]`` of a (batch, tokens) mask, as one
+    int64 tensor: a rank's part of the :class:`GlobalCounts`, summed over ranks in one
+    all-reduce."""
+    valid = loss_mask != 0
+    return torch.stack([valid.sum(), valid.any(dim=-1).sum()]).to(torch.int64)
 
 
 def agg_loss(
@@ -41,43 +75,34 @@ def agg_loss(
     loss_mask: torch.Tensor,
     *,
     loss_agg_mode: str,
-    dp_size: int = 1,
-    batch_num_tokens: Count | None = None,
-    global_batch_size: Count | None = None,
+    counts: GlobalCounts | None = None,
     loss_scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Aggregate a (batch, tokens) loss matrix into this micro-batch's share of the global loss.
 
-    ``batch_num_tokens`` is the number of valid tokens and ``global_batch_size`` the number of
-    sequences with at least one valid token, both over the *global* mini-batch (all DP ranks,
-    all micro-batches). With ``dp_size == 1`` a missing count falls back to the local one,
-    which is right only when this call sees the whole mini-batch.
+    ``counts`` are those of the global mini-batch this micro-batch belongs to. None counts
+    ``loss_mask`` itself, which is right only when this call sees the whole mini-batch on
+    a single rank.
     """
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(
             f"unknown loss_agg_mode {loss_agg_mode!r}; valid modes: {', '.join(LOSS_AGG_MODES)}"
         )
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
+    counts = counts or GlobalCounts.of(loss_mask)
     mask = loss_mask.to(loss_mat.dtype)
 
     if loss_agg_mode == "token-sum":
-        return masked_sum(loss_mat, mask) * dp_size
+        return masked_sum(loss_mat, mask) * counts.dp_size
     if loss_agg_mode == "token-mean":
-        tokens = _global_count(
-            batch_num_tokens, "batch_num_tokens", mask.sum(), dp_size, mode=loss_agg_mode
-        )
-        return masked_sum(loss_mat, mask) / _at_least_one(tokens, loss_mat) * dp_size
+        tokens = _at_least_one(counts.batch_num_tokens, loss_mat)
+        return masked_sum(loss_mat, mask) / tokens * counts.dp_size
 
     if loss_agg_mode == "seq-mean-token-mean":
         seq_losses = masked_mean(loss_mat, mask, dim=-1)
     else:
         seq_losses = masked_sum(loss_mat, mask, dim=-1)
-    local_seqs = (mask.sum(dim=-1) > 0).sum()
-    seqs = _global_count(
-        global_batch_size, "global_batch_size", local_seqs, dp_size, mode=loss_agg_mode
-    )
-    loss = seq_losses.sum() / _at_least_one(seqs, loss_mat) * dp_size
+    seqs = _at_least_one(counts.global_batch_size, loss_mat)
+    loss = seq_losses.sum() / seqs * counts.dp_size
     if loss_agg_mode == "seq-mean-token-sum-norm":
         if loss_scale_factor is None or loss_scale_factor <= 0:
             # The padded width of the micro-batch would make the loss depend on how the
@@ -90,21 +115,8 @@ def agg_loss(
     return loss
 
 
-def _global_count(
-    count: Count | None, name: str, local: torch.Tensor, dp_size: int, *, mode: str
-) -> Count:
-    if count is not None:
-        return count
-    if dp_size > 1:
-        raise ValueError(
-            f"loss_agg_mode {mode!r} with dp_size={dp_size} needs {name}, the count over all "
-            "DP ranks; a local count would change the loss with the number of workers"
-        )
-    return local
-
-
-def _at_least_one(count: Count, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1)
+def _at_least_one(count: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(max(count, 1), dtype=like.dtype, device=like.device)
 
 
 # --------------------------------------------------------------------------- policy loss
@@ -223,9 +235,7 @@ def compute_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str,
-    dp_size: int = 1,
-    batch_num_tokens: Count | None = None,
-    global_batch_size: Count | None = None,
+    counts: GlobalCounts | None = None,
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, MetricDict]:
     """Policy-gradient loss of one micro-batch, globally normalized by :func:`agg_loss`.
@@ -253,9 +263,7 @@ def compute_policy_loss(
         loss_mat,
         response_mask,
         loss_agg_mode=loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
+        counts=counts,
         loss_scale_factor=loss_scale_factor,
     )
     tokens = response_mask.sum()
@@ -284,9 +292,7 @@ def compute_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: str,
-    dp_size: int = 1,
-    batch_num_tokens: Count | None = None,
-    global_batch_size: Count | None = None,
+    counts: GlobalCounts | None = None,
     loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, Metric]:
     """Clipped value loss ``0.5 * agg(max((v - R)^2, (clip(v, V±c) - R)^2))``.
@@ -302,9 +308,7 @@ def compute_value_loss(
         torch.maximum(unclipped_loss, clipped_loss),
         response_mask,
         loss_agg_mode=loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
+        counts=counts,
         loss_scale_factor=loss_scale_factor,
     )
     clipfrac = masked_mean((clipped_loss > unclipped_loss).to(vpreds.dtype), response_mask)

@@ -3,7 +3,7 @@
 ``train_mini_batch`` is where the normalization contract of DESIGN §2 is carried out:
 
 1. count the valid tokens and sequences of the DP-local mini-batch and all-reduce them
-   once, before any split (``stamp_global_counts``);
+   once, before any split (``global_counts``), and stamp them on every micro-batch;
 2. split into micro-batches — fixed size, or a token budget with the same number of
    micro-batches on every rank (FSDP pairs collectives across ranks);
 3. run each micro-batch trimmed to its own longest prompt and response, backward without
@@ -26,6 +26,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import OptimConfig, WorkerRoleConfig
+from verlite.core.losses import GlobalCounts, count_valid
 from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
 from verlite.core.partition import (
     count_token_budget_partitions,
@@ -50,6 +51,7 @@ from verlite.step_batch import (
     prompt_lengths,
     response_width,
     sequence_lengths,
+    stamp_counts,
     trim_padding,
 )
 
@@ -77,17 +79,14 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
     )
 
 
-def stamp_global_counts(td: TensorDict, *, device: torch.device) -> TensorDict:
-    """Count once per DP-local mini-batch, all-reduce, and stamp the counts into ``td``."""
-    mask = td["response_mask"]
-    counts = torch.stack([mask.sum(), (mask.sum(-1) > 0).sum()]).to(
-        device=device, dtype=torch.int64
+def global_counts(td: TensorDict, *, device: torch.device) -> GlobalCounts:
+    """The counts of the global mini-batch this rank holds a share of: counted here, before
+    any split, and summed over the ranks in one all-reduce."""
+    counts = all_reduce_sum(count_valid(td["response_mask"]).to(device))
+    tokens, sequences = counts.tolist()
+    return GlobalCounts(
+        dp_size=get_world_size(), batch_num_tokens=tokens, global_batch_size=sequences
     )
-    all_reduce_sum(counts)
-    td.set_non_tensor("dp_size", get_world_size())
-    td.set_non_tensor("batch_num_tokens", int(counts[0]))
-    td.set_non_tensor("global_batch_size", int(counts[1]))
-    return td
 
 
 class TrainEngine:
@@ -136,14 +135,15 @@ class TrainEngine:
         lr = self.scheduler.get_last_lr()[0]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        stamp_global_counts(td, device=self.device)
-        if td.get_non_tensor("batch_num_tokens") == 0:
+        counts = global_counts(td, device=self.device)
+        if counts.batch_num_tokens == 0:
             # An all-masked mini-batch has no gradient; Adam would still move the weights.
             return {f"{prefix}/skipped_updates": Metric.count(1.0), f"{prefix}/lr": Metric.mean(lr)}
         parts, _ = plan_micro_batches(td, cfg=self.cfg, device=self.device)
         micro_metrics = []
         for i, part in enumerate(parts):
             micro = trim_padding(_take(td, part)).to(self.device)
+            stamp_counts(micro, counts)
             with grad_sync(self.model, enabled=i == len(parts) - 1):
                 loss, metrics = loss_fn(self.model, micro)
                 loss.backward()

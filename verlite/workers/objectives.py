@@ -1,7 +1,7 @@
 """The actor and critic losses of one micro-batch, globally normalized.
 
-Both read the global counts (``dp_size``, ``batch_num_tokens``, ``global_batch_size``) from
-the TensorDict, where the engine stamped them once per mini-batch; settings that do not
+Both read the :class:`~verlite.core.losses.GlobalCounts` from the TensorDict, where the
+engine stamped them once per mini-batch (``verlite.step_batch.read_counts``); settings that do not
 change between batches (clip ranges, coefficients) come from a small frozen dataclass.
 Every term goes through ``agg_loss`` with the same counts, so the sum of the terms keeps
 the invariance of each.
@@ -16,27 +16,36 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import ActorConfig, CriticConfig
-from verlite.core.losses import agg_loss, compute_policy_loss, compute_value_loss, kl_penalty
+from verlite.core.losses import (
+    GlobalCounts,
+    agg_loss,
+    compute_policy_loss,
+    compute_value_loss,
+    kl_penalty,
+)
 from verlite.core.masked import masked_mean
 from verlite.core.metrics import Metric, MetricDict
+from verlite.step_batch import read_counts
 from verlite.workers.forward import response_log_probs, response_values
-
-COUNT_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size")
-
-
-def global_counts(td: TensorDict) -> dict[str, int]:
-    missing = [k for k in COUNT_KEYS if k not in td]
-    if missing:
-        raise KeyError(
-            f"batch lacks the global counts {missing}; the engine stamps them per mini-batch"
-        )
-    return {k: int(td.get_non_tensor(k)) for k in COUNT_KEYS}
 
 
 @dataclass(frozen=True)
 class AggSettings:
+    """How a role aggregates token losses (``agg_loss``'s settings besides the counts)."""
+
     loss_agg_mode: str
     loss_scale_factor: float | None
+
+    def apply(
+        self, loss_mat: torch.Tensor, mask: torch.Tensor, counts: GlobalCounts
+    ) -> torch.Tensor:
+        return agg_loss(
+            loss_mat,
+            mask,
+            loss_agg_mode=self.loss_agg_mode,
+            counts=counts,
+            loss_scale_factor=self.loss_scale_factor,
+        )
 
 
 @dataclass(frozen=True)
@@ -77,20 +86,11 @@ class CriticLossSettings:
         return cls(AggSettings(cfg.loss_agg_mode, cfg.loss_scale_factor), cfg.cliprange_value)
 
 
-def _agg_kwargs(td: TensorDict, agg: AggSettings) -> dict[str, object]:
-    return {
-        "loss_agg_mode": agg.loss_agg_mode,
-        "loss_scale_factor": agg.loss_scale_factor,
-        **global_counts(td),
-    }
-
-
 def ppo_loss(
     model: nn.Module, td: TensorDict, settings: ActorLossSettings
 ) -> tuple[torch.Tensor, MetricDict]:
     """Policy loss - entropy bonus + KL loss to the reference, each term globally normalized."""
-    mask = td["response_mask"]
-    agg = _agg_kwargs(td, settings.agg)
+    mask, counts, agg = td["response_mask"], read_counts(td), settings.agg
     log_probs, entropy = response_log_probs(
         model, td, temperature=float(td.get_non_tensor("temperature")), with_entropy=True
     )
@@ -104,9 +104,11 @@ def ppo_loss(
         clip_ratio_low=settings.clip_ratio_low,
         clip_ratio_high=settings.clip_ratio_high,
         clip_ratio_c=settings.clip_ratio_c,
-        **agg,  # type: ignore[arg-type]
+        loss_agg_mode=agg.loss_agg_mode,
+        counts=counts,
+        loss_scale_factor=agg.loss_scale_factor,
     )
-    entropy_loss = agg_loss(entropy, mask, **agg)  # type: ignore[arg-type]
+    entropy_loss = agg.apply(entropy, mask, counts)
     loss = pg_loss - settings.entropy_coeff * entropy_loss
     metrics = {
         "actor/pg_loss": Metric.loss(pg_loss),
@@ -115,7 +117,7 @@ def ppo_loss(
     }
     if settings.use_kl_loss:
         kl = kl_penalty(log_probs, td["ref_log_prob"], kind=settings.kl_loss_type)
-        kl_loss = agg_loss(kl, mask, **agg)  # type: ignore[arg-type]
+        kl_loss = agg.apply(kl, mask, counts)
         loss = loss + settings.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = Metric.loss(kl_loss)
     metrics["actor/loss"] = Metric.loss(loss)
@@ -134,7 +136,9 @@ def value_loss(
         returns=td["returns"],
         response_mask=mask,
         cliprange_value=settings.cliprange_value,
-        **_agg_kwargs(td, settings.agg),  # type: ignore[arg-type]
+        loss_agg_mode=settings.agg.loss_agg_mode,
+        counts=read_counts(td),
+        loss_scale_factor=settings.agg.loss_scale_factor,
     )
     metrics = {
         "critic/vf_loss": Metric.loss(loss),

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -33,7 +33,7 @@ from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
 from verlite.step_batch import trim_padding
-from verlite.workers.engine import TrainEngine, plan_micro_batches
+from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
 VOCAB = 512
@@ -81,7 +81,7 @@ def skewed_batch(n: int, *, seed: int, prompt_len: tuple[int, int]) -> TensorDic
     return td
 
 
-def padding_fraction(td: TensorDict, parts: list[list[int]]) -> float:
+def padding_fraction(td: TensorDict, parts: Sequence[Sequence[int]]) -> float:
     """Padding share of the tokens the model runs on, each micro-batch trimmed as the engine does."""
     ran = sum(trim_padding(td[torch.tensor(p)])["attention_mask"].numel() for p in parts)
     return 1.0 - int(td["attention_mask"].sum()) / ran
@@ -106,7 +106,7 @@ def compare(batch: TensorDict, *, budget: int, repeats: int) -> dict[str, Any]:
     for name, cfg in configs.items():
         policy = build_policy(model_cfg, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
         engines[name] = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
-        parts, _ = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"))
+        parts = engines[name].plan(batch, training=True).parts
         layouts[name] = {
             "micro_batches": len(parts),
             "padding": padding_fraction(batch, parts),

@@ -32,7 +32,7 @@ from torch import nn
 from verlite.config import Config, WorkerRoleConfig
 from verlite.core.losses import LOSS_AGG_MODES, GlobalCounts
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
-from verlite.core.partition import partition_balanced
+from verlite.core.partition import dp_shares
 from verlite.distributed import (
     all_gather_object,
     full_grads,
@@ -42,7 +42,7 @@ from verlite.distributed import (
     run_on_ranks,
 )
 from verlite.models import build_policy, build_value_model, model_dtype
-from verlite.step_batch import stamp_counts
+from verlite.step_batch import row_costs, stamp_counts, take_rows
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import (
@@ -205,13 +205,8 @@ def run_case(
     process group it is the single-process reference.
     """
     world, rank = get_world_size(), get_rank()
-    lengths = batch["attention_mask"].sum(-1).tolist()
-    shares = (
-        partition_balanced(lengths, num_partitions=world, equal_size=True)
-        if world > 1
-        else [list(range(len(lengths)))]
-    )
-    local = batch[torch.tensor(shares[rank])]
+    shares = dp_shares(row_costs(batch), world=world)
+    local = take_rows(batch, shares[rank])
     role_cfg = _role_config(cfg, case, strategy, len(shares[rank]))
     engine = TrainEngine(
         _build_model(cfg, case.role), cfg=role_cfg, total_updates=1, metric_prefix=case.role

@@ -23,6 +23,8 @@ mini-batch, through :func:`stamp_counts` and :func:`read_counts` only).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from tensordict import TensorDict
 
@@ -64,6 +66,35 @@ def prompt_lengths(td: TensorDict) -> list[int]:
     takes once trimmed (longest prompt + longest response)."""
     mask = td["attention_mask"]
     return mask[:, : mask.shape[1] - response_width(td)].sum(-1).tolist()
+
+
+def row_costs(td: TensorDict) -> list[int]:
+    """What DP shares are balanced by: each row's real tokens, or 1 per row for a batch
+    without an attention mask."""
+    if "attention_mask" in td:
+        return sequence_lengths(td)
+    return [1] * int(td.batch_size[0])
+
+
+def take_rows(td: TensorDict, rows: Sequence[int]) -> TensorDict:
+    """The rows of ``td`` in the given order: ``td`` itself when that is every row in order,
+    a view for a contiguous range, a gathered copy otherwise."""
+    n = len(rows)
+    if list(rows) == list(range(rows[0], rows[0] + n)):
+        return td if n == td.batch_size[0] else td[rows[0] : rows[0] + n]
+    index = torch.tensor(rows, dtype=torch.long)
+    # index_select copies rows ~2.5x faster than advanced indexing (td[index]) on CPU.
+    return td.apply(lambda value: value.index_select(0, index), batch_size=[n, *td.batch_size[1:]])
+
+
+def cut_mini_batches(td: TensorDict, mini_batches: int) -> TensorDict:
+    """A rank's share of ``mini_batches`` global mini-batches (``dp_shares``: equal pieces in
+    mini-batch order) as a ``(mini_batches, rows)`` TensorDict: ``td[j]`` is its piece of
+    global mini-batch j. A view, no copy."""
+    rows = td.batch_size[0]
+    if rows % mini_batches:
+        raise ValueError(f"cannot cut {rows} rows into {mini_batches} equal mini-batches")
+    return td.reshape(mini_batches, rows // mini_batches)
 
 
 def trim_padding(td: TensorDict) -> TensorDict:

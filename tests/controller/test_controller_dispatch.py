@@ -5,8 +5,10 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from verlite.controller.dispatch import DpSplit, collect, dispatch, row_lengths, split_rows
+from verlite.controller.dispatch import DpSplit, collect, dispatch
 from verlite.core.metrics import Metric
+from verlite.core.partition import dp_shares
+from verlite.step_batch import row_costs
 
 
 def ragged_batch(n: int, *, width: int = 12, seed: int = 0) -> TensorDict:
@@ -53,7 +55,7 @@ def test_dp_split_balances_tokens_and_restores_order(world: int) -> None:
     assert plan.kwargs == [{"flag": True}] * world
     assert {c.shape[0] for c in chunks} == {16 // world}
     tokens = [int(c["attention_mask"].sum()) for c in chunks]
-    assert max(tokens) - min(tokens) <= max(row_lengths(batch))
+    assert max(tokens) - min(tokens) <= max(row_costs(batch))
     if world > 1:
         # Balancing must have moved rows around, or the order check below proves nothing.
         assert torch.cat([c["uid"] for c in chunks]).tolist() != list(range(16))
@@ -73,13 +75,15 @@ def test_dp_split_with_uneven_rows_keeps_every_row_once() -> None:
 
 def test_dp_split_without_attention_mask_counts_rows() -> None:
     td = TensorDict({"uid": torch.arange(8)}, batch_size=[8])
-    assert row_lengths(td) == [1] * 8
+    assert row_costs(td) == [1] * 8
     chunks = [args[0] for args in dispatch("dp_split", 2, (td,), {}).args]
     assert [c.shape[0] for c in chunks] == [4, 4]
 
 
 def test_non_tensor_entries_survive_the_split_and_the_concat() -> None:
-    plan = dispatch(DpSplit(mini_batches=2), 2, (ragged_batch(8),), {})
+    cut = dispatch(DpSplit(mini_batches=2), 2, (ragged_batch(8),), {})
+    assert [args[0][1].get_non_tensor("temperature") for args in cut.args] == [0.7, 0.7]
+    plan = dispatch("dp_split", 2, (ragged_batch(8),), {})
     chunks = [args[0] for args in plan.args]
     assert [c.get_non_tensor("temperature") for c in chunks] == [0.7, 0.7]
     out = collect("concat", chunks, plan.restore)
@@ -95,18 +99,17 @@ def test_each_ranks_kth_part_is_its_piece_of_global_mini_batch_k(
     n = 16
     chunk = n // mini_batches
     plan = dispatch(DpSplit(mini_batches=mini_batches), world, (ragged_batch(n),), {})
+    assert {tuple(args[0].batch_size) for args in plan.args} == {(mini_batches, chunk // world)}
     shares = [args[0]["uid"].tolist() for args in plan.args]
     for k in range(mini_batches):
-        # What a worker does: cut its share into mini_batches equal parts, take part k.
-        parts = [share[k * chunk // world : (k + 1) * chunk // world] for share in shares]
-        union = sorted(uid for part in parts for uid in part)
+        # What a worker does: take row k of its (mini_batches, rows) share.
+        union = sorted(uid for share in shares for uid in share[k])
         assert union == list(range(k * chunk, (k + 1) * chunk))
-    assert sorted(uid for share in shares for uid in share) == list(range(n))
 
 
 def test_mini_batches_balance_each_chunk() -> None:
     lengths = [1, 1, 9, 9, 1, 9, 1, 9]
-    shares = split_rows(lengths, world=2, mini_batches=2)
+    shares = dp_shares(lengths, world=2, mini_batches=2)
     for k in range(2):
         pieces = [[i for i in share if k * 4 <= i < (k + 1) * 4] for share in shares]
         assert [sum(lengths[i] for i in p) for p in pieces] == [10, 10]
@@ -114,9 +117,9 @@ def test_mini_batches_balance_each_chunk() -> None:
 
 def test_mini_batches_must_divide_evenly() -> None:
     with pytest.raises(ValueError, match="equal mini-batches"):
-        split_rows([1] * 10, world=2, mini_batches=3)
+        dp_shares([1] * 10, world=2, mini_batches=3)
     with pytest.raises(ValueError, match="must divide over the 4 ranks"):
-        split_rows([1] * 12, world=4, mini_batches=2)
+        dp_shares([1] * 12, world=4, mini_batches=2)
 
 
 def test_collect_rank0_list_and_metrics() -> None:

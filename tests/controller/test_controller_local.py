@@ -51,6 +51,8 @@ class ProbeWorker(Worker):
         return get_rank(), get_world_size(), float(all_reduce_sum(torch.ones(1))[0])
 
     def score(self, td: TensorDict) -> TensorDict:
+        # A share cut into mini-batches, (k, rows), flattens back to the share's row order.
+        td = td.reshape(-1)
         return TensorDict(
             {
                 "uid": td["uid"],

@@ -13,7 +13,7 @@ import torch
 
 from verlite.core.partition import (
     MAX_PADDING,
-    count_token_budget_partitions,
+    TokenBudgetPartition,
     flatten,
     inverse_permutation,
     padded_cost,
@@ -52,7 +52,7 @@ def test_covers_every_row_once_and_fits_the_budget() -> None:
         assert max(padded_cost(lens, p, prompts) for p in parts) <= budget
         assert len(parts) >= math.ceil(sum(lens) / budget)
         assert padding(lens, parts, prompts) <= MAX_PADDING
-        count = count_token_budget_partitions(lens, max_tokens=budget, prompt_lens=prompts)
+        count = TokenBudgetPartition(lens, max_tokens=budget, prompt_lens=prompts).count
         assert len(parts) == count
 
 
@@ -133,7 +133,7 @@ def test_every_rank_runs_the_agreed_count() -> None:
         prompts = [with_prompts(rng, lens) for lens in ranks]
         budget = 4 * 1024
         common = max(
-            count_token_budget_partitions(r, max_tokens=budget, prompt_lens=p)
+            TokenBudgetPartition(r, max_tokens=budget, prompt_lens=p).count
             for r, p in zip(ranks, prompts, strict=True)
         )
         for lens, prompt_lens in zip(ranks, prompts, strict=True):

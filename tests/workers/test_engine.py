@@ -62,9 +62,10 @@ def test_infer_returns_rows_in_original_order(overrides) -> None:
 def test_dynamic_batching_really_reorders_rows() -> None:
     batch = make_batch(CONFIG)
     eng = engine(use_dynamic_bsz=True, max_token_len_per_worker=30)
-    parts, padding = plan_micro_batches(batch, cfg=eng.cfg, device=eng.device)
+    plan = plan_micro_batches(batch, cfg=eng.cfg, device=eng.device, training=True)
+    parts = plan.parts
     flat = [i for p in parts for i in p]
-    assert padding == 0 and flat != sorted(flat) and sorted(flat) == list(range(len(flat)))
+    assert plan.repeats == 0 and flat != sorted(flat) and sorted(flat) == list(range(len(flat)))
     lengths = batch["attention_mask"].sum(-1)
     assert all(int(lengths[p].sum()) <= 30 for p in parts)
 

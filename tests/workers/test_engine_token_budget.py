@@ -24,8 +24,9 @@ def test_trimmed_micro_batches_fit_the_budget_with_little_padding(budget_rows: i
     cfg = CONFIG.actor.model_copy(
         update={"strategy": "none", "use_dynamic_bsz": True, "max_token_len_per_worker": budget}
     )
-    parts, repeats = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"))
-    assert repeats == 0 and sorted(flatten(parts)) == list(range(batch.batch_size[0]))
+    plan = plan_micro_batches(batch, cfg=cfg, device=torch.device("cpu"), training=True)
+    parts = plan.parts
+    assert plan.repeats == 0 and sorted(flatten(parts)) == list(range(batch.batch_size[0]))
     ran = [trim_padding(batch[torch.tensor(p)])["attention_mask"] for p in parts]
     assert max(mask.numel() for mask in ran) <= budget
     padding = 1 - sum(int(mask.sum()) for mask in ran) / sum(mask.numel() for mask in ran)

@@ -1,6 +1,6 @@
 """How a worker-group call spreads its arguments over the ranks and combines their results.
 
-Every call names both explicitly (DESIGN §4.5):
+Every call names both explicitly (docs/design.md, "Dispatch"):
 
 dispatch
     ``"broadcast"``  the same arguments to every rank;
@@ -8,7 +8,8 @@ dispatch
     ``"dp_split"``   the first positional argument, a ``TensorDict`` whose batch dimension is
                      sequences, is split over the ranks with balanced token counts; the other
                      arguments are broadcast. ``DpSplit(mini_batches=k)`` splits each of k
-                     contiguous chunks separately (see :func:`split_rows`).
+                     contiguous chunks separately and hands every rank its share cut into
+                     them, ``(k, rows)`` (see :func:`verlite.core.partition.dp_shares`).
 collect
     ``"concat"``     ranks return TensorDicts (or tensors) row-aligned with what they got;
                      they are concatenated and, after a ``dp_split``, put back in the order
@@ -31,14 +32,17 @@ import torch
 from tensordict import TensorDict
 
 from verlite.core.metrics import Metric, Stage, reduce_metrics, to_floats
-from verlite.core.partition import inverse_permutation, partition_balanced
+from verlite.core.partition import dp_shares, inverse_permutation
+from verlite.step_batch import cut_mini_batches, row_costs, take_rows
 
 
 @dataclass(frozen=True)
 class DpSplit:
-    """``dp_split`` with the batch cut into ``mini_batches`` global mini-batches first."""
+    """``dp_split``; with ``mini_batches=k`` the batch is k global mini-batches, each balanced
+    over the ranks on its own, and every rank receives its share as a ``(k, rows)``
+    TensorDict whose row j is its piece of mini-batch j (``core.partition.dp_shares``)."""
 
-    mini_batches: int = 1
+    mini_batches: int | None = None
 
 
 Dispatch = Literal["broadcast", "all", "dp_split"] | DpSplit
@@ -53,45 +57,6 @@ class Plan:
     args: list[tuple[Any, ...]]
     kwargs: list[dict[str, Any]]
     restore: list[int] | None = None
-
-
-def row_lengths(td: TensorDict) -> list[int]:
-    """The cost of each row: its real tokens, or 1 per row when there is no attention mask."""
-    if "attention_mask" in td:
-        return [int(n) for n in td["attention_mask"].sum(-1).tolist()]
-    return [1] * int(td.batch_size[0])
-
-
-def split_rows(lengths: Sequence[int], *, world: int, mini_batches: int = 1) -> list[list[int]]:
-    """Row indices of each rank: token-balanced, with equal row counts whenever they divide.
-
-    The batch is first cut into ``mini_batches`` contiguous chunks (the global mini-batches
-    of one update); each chunk is balanced over the ranks on its own, and rank r gets its
-    pieces concatenated in chunk order. Every piece of a rank has the same size, so a worker
-    that cuts its share into ``mini_batches`` equal parts gets in part j exactly its piece
-    of global mini-batch j. The optimizer steps therefore see the same global mini-batches
-    whatever the number of ranks; balancing the whole batch at once would mix rows of
-    different mini-batches in a way that depends on the DP size.
-    """
-    n = len(lengths)
-    if mini_batches < 1:
-        raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
-    if n % mini_batches:
-        raise ValueError(f"cannot cut {n} rows into {mini_batches} equal mini-batches")
-    chunk = n // mini_batches
-    if mini_batches > 1 and chunk % world:
-        raise ValueError(
-            f"each mini-batch of {chunk} rows must divide over the {world} ranks, so that "
-            "every rank's share cuts into equal parts"
-        )
-    shares: list[list[int]] = [[] for _ in range(world)]
-    for start in range(0, n, chunk):
-        parts = partition_balanced(
-            lengths[start : start + chunk], num_partitions=world, equal_size=chunk % world == 0
-        )
-        for share, part in zip(shares, parts, strict=True):
-            share.extend(start + i for i in part)
-    return shares
 
 
 def dispatch(mode: Dispatch, world: int, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Plan:
@@ -118,9 +83,13 @@ def dispatch(mode: Dispatch, world: int, args: Sequence[Any], kwargs: Mapping[st
     if not args or not isinstance(args[0], TensorDict):
         raise TypeError("dp_split splits the first positional argument, which must be a TensorDict")
     batch, rest = args[0], tuple(args[1:])
-    shares = split_rows(row_lengths(batch), world=world, mini_batches=split.mini_batches)
+    k = split.mini_batches
+    shares = dp_shares(row_costs(batch), world=world, mini_batches=k or 1)
+    pieces = [take_rows(batch, share) for share in shares]
+    if k is not None:
+        pieces = [cut_mini_batches(piece, k) for piece in pieces]
     return Plan(
-        [(_take_rows(batch, share), *rest) for share in shares],
+        [(piece, *rest) for piece in pieces],
         [dict(kwargs)] * world,
         restore=inverse_permutation(shares),
     )
@@ -128,17 +97,6 @@ def dispatch(mode: Dispatch, world: int, args: Sequence[Any], kwargs: Mapping[st
 
 def _is_identity(rows: Sequence[int]) -> bool:
     return all(i == row for i, row in enumerate(rows))
-
-
-def _take_rows(batch: TensorDict, rows: list[int]) -> TensorDict:
-    # A single rank gets every row in order: the batch itself, not a gathered copy of it.
-    if len(rows) == batch.batch_size[0] and _is_identity(rows):
-        return batch
-    index = torch.tensor(rows, dtype=torch.long)
-    # index_select copies rows ~2.5x faster than advanced indexing (batch[index]) on CPU.
-    return batch.apply(
-        lambda value: value.index_select(0, index), batch_size=[len(rows), *batch.batch_size[1:]]
-    )
 
 
 def collect(mode: Collect, results: Sequence[Any], restore: Sequence[int] | None = None) -> Any:

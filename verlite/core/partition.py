@@ -19,12 +19,15 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 __all__ = [
     "MAX_PADDING",
-    "count_token_budget_partitions",
+    "MicroBatchPlan",
+    "TokenBudgetPartition",
+    "dp_shares",
     "flatten",
     "inverse_permutation",
     "padded_cost",
@@ -235,6 +238,81 @@ def _trade_from_heaviest(lens: list[int], groups: list[list[int]], sums: list[in
     return False
 
 
+class TokenBudgetPartition:
+    """Partitions (never empty) whose ``padded_cost`` all fits in ``max_tokens`` (dynamic
+    batching): rows of similar length go together, in as few partitions as keep padding
+    within ``max_padding`` of the padded tokens.
+
+    ``count`` is the number of partitions that takes; :meth:`parts` makes the partition,
+    with at least ``min_num_partitions``. DP ranks all-reduce the MAX of their ``count``
+    and ask each for that many, so every rank runs the same number of micro-batches; the
+    cuts made for ``count`` are kept, so nothing is partitioned twice.
+
+    ``prompt_lens`` describes rows laid out as a left-padded prompt then a right-padded
+    response (see :func:`padded_cost`); without it a row is one right-padded sequence.
+    """
+
+    def __init__(
+        self,
+        seq_lens: Sequence[int] | torch.Tensor,
+        *,
+        max_tokens: int,
+        prompt_lens: Sequence[int] | torch.Tensor | None = None,
+        max_padding: float = MAX_PADDING,
+    ) -> None:
+        if not 0.0 <= max_padding < 1.0:
+            raise ValueError(f"max_padding must be in [0, 1), got {max_padding}")
+        lens = _as_lengths(seq_lens)
+        prompts = _prompt_lengths(lens, prompt_lens)
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        for i, length in enumerate(lens):
+            if length > max_tokens:
+                raise ValueError(
+                    f"sequence {i} has {length} tokens, more than max_tokens={max_tokens}"
+                )
+        self._order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+        self._runs = _Runs(
+            [prompts[i] for i in self._order], [lens[i] - prompts[i] for i in self._order]
+        )
+        bounds, padded = self._runs.cut_greedily(max_tokens)
+        self._real = sum(lens)
+        self._max_padding = max_padding
+        self._cuts = {run: self._runs.best_cut(*run) for run in bounds}
+        self._padded = self._cut(self._cuts, padded, min_parts=1)
+        self.count = len(self._cuts)
+
+    def parts(self, min_num_partitions: int = 1) -> list[list[int]]:
+        """Row indices of each partition, at least ``min_num_partitions`` of them: each sorted, the
+        partitions ordered by their first row."""
+        n = len(self._order)
+        if min_num_partitions <= 0:
+            raise ValueError(f"min_num_partitions must be positive, got {min_num_partitions}")
+        if min_num_partitions > n:
+            raise ValueError(
+                f"min_num_partitions ({min_num_partitions}) exceeds the number of sequences ({n})"
+            )
+        cuts = dict(self._cuts)
+        self._cut(cuts, self._padded, min_parts=min_num_partitions)
+        parts = [sorted(self._order[start:end]) for start, end in cuts]
+        parts.sort(key=lambda p: p[0])
+        return parts
+
+    def _cut(
+        self, cuts: dict[tuple[int, int], tuple[int, int, int]], padded: int, *, min_parts: int
+    ) -> int:
+        """Cut runs in place until there are ``min_parts`` and padding is within bounds;
+        returns the padded tokens left."""
+        while len(cuts) < min_parts or self._real < (1.0 - self._max_padding) * padded:
+            # The run whose cut saves most; ties: the more even cut, then the longer rows.
+            run, (saving, _, at) = max(cuts.items(), key=lambda kv: (*kv[1][:2], -kv[0][0]))
+            del cuts[run]
+            for piece in ((run[0], at), (at, run[1])):
+                cuts[piece] = self._runs.best_cut(*piece)
+            padded -= saving
+        return padded
+
+
 def partition_by_token_budget(
     seq_lens: Sequence[int] | torch.Tensor,
     *,
@@ -243,48 +321,10 @@ def partition_by_token_budget(
     min_num_partitions: int = 1,
     max_padding: float = MAX_PADDING,
 ) -> list[list[int]]:
-    """Partitions (at least ``min_num_partitions``, never empty) whose ``padded_cost`` all
-    fits in ``max_tokens`` (dynamic batching): rows of similar length go together, in as
-    few partitions as keep padding within ``max_padding`` of the padded tokens.
-
-    ``prompt_lens`` describes rows laid out as a left-padded prompt then a right-padded
-    response (see :func:`padded_cost`); without it a row is one right-padded sequence.
-
-    ``count_token_budget_partitions`` with the same arguments is the count of this
-    partition with no minimum.
-    """
-    if not 0.0 <= max_padding < 1.0:
-        raise ValueError(f"max_padding must be in [0, 1), got {max_padding}")
-    lens = _as_lengths(seq_lens)
-    prompts = _prompt_lengths(lens, prompt_lens)
-    n = len(lens)
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    if min_num_partitions <= 0:
-        raise ValueError(f"min_num_partitions must be positive, got {min_num_partitions}")
-    if min_num_partitions > n:
-        raise ValueError(
-            f"min_num_partitions ({min_num_partitions}) exceeds the number of sequences ({n})"
-        )
-    for i, length in enumerate(lens):
-        if length > max_tokens:
-            raise ValueError(f"sequence {i} has {length} tokens, more than max_tokens={max_tokens}")
-
-    order = sorted(range(n), key=lambda i: (-lens[i], i))
-    runs = _Runs([prompts[i] for i in order], [lens[i] - prompts[i] for i in order])
-    bounds, padded = runs.cut_greedily(max_tokens)
-    real = sum(lens)
-    cuts = {run: runs.best_cut(*run) for run in bounds}
-    while len(cuts) < min_num_partitions or real < (1.0 - max_padding) * padded:
-        # The run whose cut saves most; ties: the more even cut, then the longer rows.
-        run, (saving, _, at) = max(cuts.items(), key=lambda kv: (*kv[1][:2], -kv[0][0]))
-        del cuts[run]
-        for piece in ((run[0], at), (at, run[1])):
-            cuts[piece] = runs.best_cut(*piece)
-        padded -= saving
-    parts = [sorted(order[start:end]) for start, end in cuts]
-    parts.sort(key=lambda p: p[0])
-    return parts
+    """The parts of a :class:`TokenBudgetPartition`, at least ``min_num_partitions``."""
+    return TokenBudgetPartition(
+        seq_lens, max_tokens=max_tokens, prompt_lens=prompt_lens, max_padding=max_padding
+    ).parts(min_num_partitions)
 
 
 class _Runs:
@@ -355,24 +395,73 @@ class _Runs:
         return best
 
 
-def count_token_budget_partitions(
-    seq_lens: Sequence[int] | torch.Tensor,
-    *,
-    max_tokens: int,
-    prompt_lens: Sequence[int] | torch.Tensor | None = None,
-    max_padding: float = MAX_PADDING,
-) -> int:
-    """Number of partitions ``partition_by_token_budget`` makes with no minimum.
+def dp_shares(lengths: Sequence[int], *, world: int, mini_batches: int = 1) -> list[list[int]]:
+    """Row indices of each of ``world`` data-parallel ranks: token-balanced, with equal row
+    counts whenever they divide.
 
-    DP ranks all-reduce the MAX of this and pass it as ``min_num_partitions``, so every
-    rank runs the same number of micro-batches (and so the same number of backward calls
-    before the gradient sync).
+    The batch is first cut into ``mini_batches`` contiguous chunks (the global mini-batches
+    of one training step); each chunk is balanced over the ranks on its own, and rank r gets
+    its pieces concatenated in chunk order. Every piece of a rank has the same size, so the
+    rank's share reshaped to ``(mini_batches, rows)`` holds in row j exactly its piece of
+    global mini-batch j. The optimizer steps therefore see the same global mini-batches
+    whatever the number of ranks; balancing the whole batch at once would mix rows of
+    different mini-batches in a way that depends on the DP size.
     """
-    return len(
-        partition_by_token_budget(
-            seq_lens, max_tokens=max_tokens, prompt_lens=prompt_lens, max_padding=max_padding
+    n = len(lengths)
+    if mini_batches < 1:
+        raise ValueError(f"mini_batches must be >= 1, got {mini_batches}")
+    if n % mini_batches:
+        raise ValueError(f"cannot cut {n} rows into {mini_batches} equal mini-batches")
+    chunk = n // mini_batches
+    if mini_batches > 1 and chunk % world:
+        raise ValueError(
+            f"each mini-batch of {chunk} rows must divide over the {world} ranks, so that "
+            "every rank's share cuts into equal parts"
         )
-    )
+    shares: list[list[int]] = [[] for _ in range(world)]
+    for start in range(0, n, chunk):
+        parts = partition_balanced(
+            lengths[start : start + chunk], num_partitions=world, equal_size=chunk % world == 0
+        )
+        for share, part in zip(shares, parts, strict=True):
+            share.extend(start + i for i in part)
+    return shares
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """The micro-batches one rank runs over its rows: row index lists, in run order.
+
+    Every rank of a group runs the same number of micro-batches (FSDP pairs its collectives
+    across ranks, and a rank may only sync gradients on its last backward). For inference a
+    rank that needs fewer repeats its last micro-batch ``repeats`` times and drops their
+    outputs; a training step cannot (it would count rows twice), so there ``repeats`` is 0.
+    """
+
+    # Lists, not tuples: a tuple indexes a tensor along several dimensions.
+    parts: list[list[int]]
+    repeats: int = 0
+
+    @classmethod
+    def agreed(
+        cls, parts: Sequence[Sequence[int]], count: int, *, training: bool
+    ) -> MicroBatchPlan:
+        """``parts`` brought to the ``count`` every rank agreed on (the maximum over ranks)."""
+        if count < len(parts):
+            raise ValueError(f"the agreed count {count} is below this rank's {len(parts)} parts")
+        missing = count - len(parts)
+        if missing and training:
+            raise ValueError(
+                f"this rank has {len(parts)} micro-batches but another has {count}: give every "
+                "rank the same number of rows"
+            )
+        planned = [list(part) for part in parts]
+        return cls(planned + [planned[-1]] * missing, missing)
+
+    @property
+    def real_parts(self) -> list[list[int]]:
+        """The micro-batches whose outputs count (all but the repeats)."""
+        return self.parts[: len(self.parts) - self.repeats]
 
 
 def inverse_permutation(index_lists: Sequence[Sequence[int]]) -> list[int]:

@@ -48,12 +48,13 @@ class ActorWorker(EngineWorker):
         self.reference = (
             copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
         )
-        sizes = cfg.role_sizes("actor")
-        total_updates = sizes.total_updates
         self.engine = TrainEngine(
-            policy, cfg=cfg.actor, total_updates=total_updates, metric_prefix="actor", device=device
+            policy,
+            cfg=cfg.actor,
+            total_updates=cfg.role_sizes("actor").total_updates,
+            metric_prefix="actor",
+            device=device,
         )
-        self.num_mini_batches = sizes.num_mini_batches
         self.generator = NativeRollout(
             inference_module(self.engine.model),
             eos_token_id=self.eos_token_id,
@@ -84,26 +85,30 @@ class ActorWorker(EngineWorker):
         return batch
 
     def compute_log_probs(self, td: TensorDict) -> TensorDict:
-        """``old_log_probs`` of the current policy, and ``ref_log_prob`` when a KL term is on."""
-        out = self.engine.infer(td, partial(_log_probs, "old_log_probs"))
+        """``old_log_probs`` of the current policy, and ``ref_log_prob`` when a KL term is on;
+        both passes run the same micro-batches."""
+        plan = self.engine.plan(td, training=False)
+        out = self.engine.infer(td, partial(_log_probs, "old_log_probs"), plan)
         if self.reference is not None:
             ref = infer(
                 self.reference,
                 td,
                 partial(_log_probs, "ref_log_prob"),
-                cfg=self.cfg.actor,
+                plan=plan,
                 device=self.engine.device,
             )
             out["ref_log_prob"] = ref["ref_log_prob"]
         return out.cpu()
 
     def export_hf(self, path: str) -> None:
-        """Collective: the trained policy in Hugging Face format (written by rank 0)."""
-        state = full_state_dict(self.engine.model)
+        """Collective: the trained policy in Hugging Face format, gathered on and written by
+        rank 0 only."""
+        state = full_state_dict(self.engine.model, rank0_only=True)
         if self.rank == 0:
             model = self._build_policy(seed=0)
             model.load_state_dict(state)
             model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:
-        return self.engine.train_step(td, self.loss_fn, num_mini_batches=self.num_mini_batches)
+        """The policy updates of one step over this rank's share, ``(mini_batches, rows)``."""
+        return self.engine.train_step(td, self.loss_fn)

@@ -39,20 +39,18 @@ class CriticWorker(EngineWorker):
             max_positions=max_positions,
             seed=cfg.trainer.seed + 1,
         )
-        sizes = cfg.role_sizes("critic")
-        total_updates = sizes.total_updates
         self.engine = TrainEngine(
             model,
             cfg=cfg.critic,
-            total_updates=total_updates,
+            total_updates=cfg.role_sizes("critic").total_updates,
             metric_prefix="critic",
             device=resolve_device(cfg.model),
         )
-        self.num_mini_batches = sizes.num_mini_batches
         self.loss_fn = partial(value_loss, settings=CriticLossSettings.from_config(cfg.critic))
 
     def compute_values(self, td: TensorDict) -> TensorDict:
         return self.engine.infer(td, _values).cpu()
 
     def update_critic(self, td: TensorDict) -> MetricDict:
-        return self.engine.train_step(td, self.loss_fn, num_mini_batches=self.num_mini_batches)
+        """The value updates of one step over this rank's share, ``(mini_batches, rows)``."""
+        return self.engine.train_step(td, self.loss_fn)

@@ -29,9 +29,9 @@ from verlite.config import OptimConfig, WorkerRoleConfig
 from verlite.core.losses import GlobalCounts, count_valid
 from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
 from verlite.core.partition import (
-    count_token_budget_partitions,
+    MicroBatchPlan,
+    TokenBudgetPartition,
     inverse_permutation,
-    partition_by_token_budget,
     split_fixed,
 )
 from verlite.distributed import (
@@ -52,6 +52,7 @@ from verlite.step_batch import (
     response_width,
     sequence_lengths,
     stamp_counts,
+    take_rows,
     trim_padding,
 )
 
@@ -139,10 +140,10 @@ class TrainEngine:
         if counts.batch_num_tokens == 0:
             # An all-masked mini-batch has no gradient; Adam would still move the weights.
             return {f"{prefix}/skipped_updates": Metric.count(1.0), f"{prefix}/lr": Metric.mean(lr)}
-        parts, _ = plan_micro_batches(td, cfg=self.cfg, device=self.device)
+        parts = self.plan(td, training=True).parts
         micro_metrics = []
         for i, part in enumerate(parts):
-            micro = trim_padding(_take(td, part)).to(self.device)
+            micro = trim_padding(take_rows(td, part)).to(self.device)
             stamp_counts(micro, counts)
             with grad_sync(self.model, enabled=i == len(parts) - 1):
                 loss, metrics = loss_fn(self.model, micro)
@@ -161,23 +162,35 @@ class TrainEngine:
         out[f"{prefix}/nonfinite_streak"] = Metric.max(self.nonfinite_streak)
         return {k: m.to_float() for k, m in out.items()}
 
-    def train_step(self, td: TensorDict, loss_fn: LossFn, *, num_mini_batches: int) -> MetricDict:
-        """All updates of one training step: ``ppo_epochs`` passes over ``num_mini_batches``.
+    def train_step(self, td: TensorDict, loss_fn: LossFn) -> MetricDict:
+        """All updates of one training step: ``ppo_epochs`` passes over the mini-batches.
 
-        ``td`` is this rank's share as dispatched with ``mini_batches=num_mini_batches``: its
-        k-th equal part is this rank's piece of global mini-batch k, so cutting it here gives
-        the same updates for any number of workers.
+        ``td`` is this rank's share cut into global mini-batches, ``(mini_batches, rows)``
+        as ``DpSplit(mini_batches=k)`` dispatches it (``step_batch.cut_mini_batches``):
+        ``td[j]`` is this rank's piece of global mini-batch j, so the updates are the same
+        for any number of workers.
         """
-        mini_batches = td.split(td.batch_size[0] // num_mini_batches)
+        if td.batch_dims != 2:
+            raise ValueError(
+                f"train_step takes a share cut into mini-batches, (mini_batches, rows); got a "
+                f"batch of size {tuple(td.batch_size)}"
+            )
         metrics = [
-            self.train_mini_batch(mini_batch, loss_fn)
+            self.train_mini_batch(td[j], loss_fn)
             for _ in range(self.cfg.ppo_epochs)
-            for mini_batch in mini_batches
+            for j in range(td.batch_size[0])
         ]
         return reduce_metrics(metrics, Stage.MINI_BATCHES)
 
-    def infer(self, td: TensorDict, fn: InferFn) -> TensorDict:
-        return infer(inference_module(self.model), td, fn, cfg=self.cfg, device=self.device)
+    def plan(self, td: TensorDict, *, training: bool) -> MicroBatchPlan:
+        """The micro-batches of ``td`` on this rank (collective: every rank agrees on the count)."""
+        return plan_micro_batches(td, cfg=self.cfg, device=self.device, training=training)
+
+    def infer(self, td: TensorDict, fn: InferFn, plan: MicroBatchPlan | None = None) -> TensorDict:
+        """Forward-only ``fn`` over ``td`` with the policy being trained; ``plan`` reuses the
+        micro-batches another pass over the same rows already agreed on."""
+        plan = plan or self.plan(td, training=False)
+        return infer(inference_module(self.model), td, fn, plan=plan, device=self.device)
 
     # -------------------------------------------------------------------- checkpoints
 
@@ -198,23 +211,23 @@ class TrainEngine:
 
 @torch.no_grad()
 def infer(
-    model: nn.Module, td: TensorDict, fn: InferFn, *, cfg: WorkerRoleConfig, device: torch.device
+    model: nn.Module, td: TensorDict, fn: InferFn, *, plan: MicroBatchPlan, device: torch.device
 ) -> TensorDict:
-    """Forward-only in micro-batches; response-aligned outputs come back (B, R) in row order."""
+    """Forward-only in the micro-batches of ``plan``; response-aligned outputs come back
+    (B, R) in row order. The outputs of repeated micro-batches are dropped: they only keep
+    this rank's FSDP collectives in step with the other ranks'."""
     model.eval()
-    parts, padding = plan_micro_batches(td, cfg=cfg, device=device, pad_to_agreed=True)
-    real = parts[: len(parts) - padding]
     width = response_width(td)
     outputs: dict[str, list[torch.Tensor]] = {}
-    for i, part in enumerate(parts):
-        micro = trim_padding(_take(td, part)).to(device)
+    for i, part in enumerate(plan.parts):
+        micro = trim_padding(take_rows(td, part)).to(device)
         result = fn(model, micro)
-        if i >= len(real):
-            continue  # a repeat that only keeps this rank's FSDP collectives in step
+        if i >= len(plan.real_parts):
+            continue
         for key, value in result.items():
             padded = pad_responses(value, micro, width) if value.dim() == 2 else value
             outputs.setdefault(key, []).append(padded)
-    order = inverse_permutation(real)
+    order = inverse_permutation(plan.real_parts)
     restore = None if order == sorted(order) else torch.tensor(order)
     merged = {}
     for key, chunks in outputs.items():
@@ -224,47 +237,27 @@ def infer(
 
 
 def plan_micro_batches(
-    td: TensorDict, *, cfg: WorkerRoleConfig, device: torch.device, pad_to_agreed: bool = False
-) -> tuple[list[list[int]], int]:
-    """Row index lists of the micro-batches, the same number on every rank, and how many
-    of them are repeats.
-
-    With ``pad_to_agreed`` (inference) a rank that needs fewer micro-batches repeats its
-    last one; the caller discards those outputs. Training cannot do that without counting
-    rows twice, so a disagreement there is an error.
-    """
+    td: TensorDict, *, cfg: WorkerRoleConfig, device: torch.device, training: bool
+) -> MicroBatchPlan:
+    """This rank's micro-batches of ``td``, as many as the rank that needs the most: a fixed
+    number of rows each, or a token budget (``core.partition``). One all-reduce."""
     n = td.batch_size[0]
     if cfg.use_dynamic_bsz:
         assert cfg.max_token_len_per_worker is not None, "validated by the config"
-        budget = cfg.max_token_len_per_worker
-        lengths, prompts = sequence_lengths(td), prompt_lengths(td)
-        count = count_token_budget_partitions(lengths, max_tokens=budget, prompt_lens=prompts)
-        agreed = _max_over_ranks(count, device)
-        # A minimum only makes more of the same cuts: a rank gets exactly the agreed count
-        # unless it has fewer rows than that.
-        parts = partition_by_token_budget(
-            lengths, max_tokens=budget, prompt_lens=prompts, min_num_partitions=min(agreed, n)
+        partition = TokenBudgetPartition(
+            sequence_lengths(td),
+            max_tokens=cfg.max_token_len_per_worker,
+            prompt_lens=prompt_lengths(td),
         )
+        agreed = _max_over_ranks(partition.count, device)
+        # More parts only make more of the same cuts: a rank gets exactly the agreed count
+        # unless it has fewer rows than that.
+        parts = partition.parts(min(agreed, n))
     else:
         parts = split_fixed(n, micro_batch_size=cfg.micro_batch_size_per_worker)
         agreed = _max_over_ranks(len(parts), device)
-    if agreed > len(parts):
-        if not pad_to_agreed:
-            raise ValueError(
-                f"this rank has {len(parts)} micro-batches but another has {agreed}: give every "
-                "rank the same number of rows"
-            )
-        padding = agreed - len(parts)
-        return parts + [parts[-1]] * padding, padding
-    return parts, 0
+    return MicroBatchPlan.agreed(parts, agreed, training=training)
 
 
 def _max_over_ranks(value: int, device: torch.device) -> int:
     return int(all_reduce_max(torch.tensor(value, device=device)))
-
-
-def _take(td: TensorDict, rows: list[int]) -> TensorDict:
-    """Rows of ``td``: a view for a contiguous range, a gather otherwise."""
-    if rows == list(range(rows[0], rows[0] + len(rows))):
-        return td[rows[0] : rows[0] + len(rows)]
-    return td[torch.tensor(rows)]

@@ -1,13 +1,13 @@
-"""Orchestration overhead: one PPO step through verlite's Ray worker groups against the same
+r"""Orchestration overhead: one PPO step through verlite's Ray worker groups against the same
 step with the same workers called directly in this process.
 
 verlite: ``Trainer.train_step`` with its actor and critic groups started as in a run (an
 embedded local Ray, one actor and one critic worker colocated in one bundle).
-in-process: ``Trainer.train_step`` of a second trainer whose groups are replaced by
-:class:`InProcessGroup` — an ``ActorWorker`` and a ``CriticWorker`` (world size 1) built
-in this process, whose methods are called directly in the same order with the same
-batches: no Ray, no dispatch, no serialization. Everything else, including the driver's
-math, is the same code.
+in-process: ``Trainer.train_step`` of a second trainer handed :class:`InProcessGroup`\ s
+instead — an ``ActorWorker`` and a ``CriticWorker`` (world size 1) built in this process,
+whose methods are called directly in the same order with the same batches: no Ray, no
+transport, no serialization. Everything else, including the driver's math and the
+one-rank dispatch and collect, is the same code.
 
 Both trainers start from the same seeds, so step k does the same work in both (their
 metrics are checked to match). Steps alternate between the two, and the figure is the
@@ -24,9 +24,10 @@ import torch
 
 from benchmarks.common import emit, median, paired_ratio, quartiles, ratios, time_call
 from verlite.config import load_config
-from verlite.controller import stop_ray
-from verlite.core.metrics import Stage, reduce_metrics, to_floats
-from verlite.trainer import Trainer
+from verlite.controller import dispatch as dispatching
+from verlite.controller import ray_session
+from verlite.run import start_groups
+from verlite.trainer import RunInputs, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
 
@@ -46,9 +47,8 @@ CALLS_PER_STEP = 4
 
 
 class InProcessGroup:
-    """One worker in this process behind ``WorkerGroup.call``'s signature: the method is
-    called directly and its result returned as a one-rank collect would. ``dispatch`` is
-    accepted and ignored: one rank gets every argument as it is."""
+    """One worker in this process behind ``WorkerGroup.call``'s signature: the arguments of
+    its one rank dispatched, the method called directly, the result collected."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
@@ -61,16 +61,14 @@ class InProcessGroup:
         collect: str = "list",
         **kwargs: Any,
     ) -> Any:
-        result = getattr(self.worker, method)(*args, **kwargs)
-        if collect == "metrics":
-            return to_floats(reduce_metrics([result], Stage.RANKS))
-        return [result] if collect == "list" else result
+        plan = dispatching.dispatch(dispatch, 1, args, kwargs)
+        result = getattr(self.worker, method)(*plan.args[0], **plan.kwargs[0])
+        return dispatching.collect(collect, [result], plan.restore)
 
 
-def in_process_trainer(cfg: Any) -> Trainer:
+def in_process_trainer(cfg: Any, inputs: RunInputs) -> Trainer:
     """A trainer whose actor and critic groups are workers built in this process."""
-    trainer = Trainer(cfg)
-    tokenizer = trainer.tokenizer
+    tokenizer = inputs.tokenizer
     base = {"rank": 0, "world_size": 1, "torch_threads": cfg.trainer.torch_threads_per_worker}
     actor = ActorWorker(
         role="actor",
@@ -83,9 +81,7 @@ def in_process_trainer(cfg: Any) -> Trainer:
     critic = CriticWorker(role="critic", cfg=cfg, vocab_size=len(tokenizer), **base)
     for worker in (actor, critic):
         worker.init_model()
-    trainer.actor, trainer.critic = InProcessGroup(actor), InProcessGroup(critic)
-    trainer.groups = [trainer.actor, trainer.critic]
-    return trainer
+    return Trainer(cfg, inputs, actor=InProcessGroup(actor), critic=InProcessGroup(critic))
 
 
 def main() -> None:
@@ -96,13 +92,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(args.config, [*OVERRIDES, f"trainer.output_dir={out}"])
-        local = in_process_trainer(cfg)
-        remote = Trainer(cfg)
-        remote.output_dir.mkdir(parents=True, exist_ok=True)
-        # The start-up of Trainer.fit, without the rest of its loop.
-        remote.groups = []
-        try:
-            remote._start_workers()
+        inputs = RunInputs.load(cfg)
+        local = in_process_trainer(cfg, inputs)
+        with ray_session(None), start_groups(cfg, inputs.tokenizer) as groups:
+            remote = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
             seconds: dict[str, list[float]] = {"verlite": [], "in_process": []}
             worst = 0.0
             # Step 1 warms both up (lazy imports, allocator, Ray's first transfers).
@@ -120,10 +113,6 @@ def main() -> None:
                 if step > 1:
                     seconds["verlite"].append(t_remote)
                     seconds["in_process"].append(t_local)
-        finally:
-            for group in remote.groups:
-                group.shutdown()
-            stop_ray()
     assert worst < 1e-4, f"the two trainers diverged (relative metric difference {worst:.2e})"
     emit(
         {

@@ -17,8 +17,9 @@ import tempfile
 from benchmarks.common import emit, median, time_call
 from benchmarks.orchestration import OVERRIDES
 from verlite.config import load_config
-from verlite.controller import stop_ray
-from verlite.trainer import Trainer
+from verlite.controller import ray_session
+from verlite.run import start_groups
+from verlite.trainer import RunInputs, Trainer
 
 CORES = 2
 STAGES = ("rollout", "values", "update_critic", "update_actor")
@@ -38,19 +39,13 @@ def step_times(dp: int, *, steps: int, config: str) -> dict[str, float]:
                 "critic.micro_batch_size_per_worker=4",
             ],
         )
-        trainer = Trainer(cfg)
-        trainer.output_dir.mkdir(parents=True, exist_ok=True)
-        trainer.groups = []  # the start-up of Trainer.fit, without the rest of its loop
-        try:
-            trainer._start_workers()
+        inputs = RunInputs.load(cfg)
+        with ray_session(None), start_groups(cfg, inputs.tokenizer) as groups:
+            trainer = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
             runs = [
                 time_call(lambda step=step: trainer.train_step(step))
                 for step in range(1, steps + 2)
             ]
-        finally:
-            for group in trainer.groups:
-                group.shutdown()
-            stop_ray()
     kept = runs[1:]  # the first step warms up
     result = {"step_s": median([seconds for seconds, _ in kept])}
     for stage in STAGES:

@@ -1,5 +1,43 @@
-"""Shared test settings: deterministic, single-threaded torch (several ranks share 2 cores)."""
+"""Shared test settings: deterministic, single-threaded torch (several ranks share 2 cores),
+and one embedded Ray that the tests needing a plain local Ray share."""
 
+from collections.abc import Iterator
+
+import pytest
+import ray
 import torch
 
+from verlite.controller import start_ray, stop_ray
+
 torch.set_num_threads(1)
+
+# The shared Ray's size: tests/controller expects 4 CPUs in its resource messages.
+SHARED_RAY_CPUS = 4
+
+
+class SharedRay:
+    """An embedded Ray started on first use and kept for the session: a start costs seconds,
+    and a run or worker group cleans up its own actors and placement groups. A module that
+    needs a cluster of its own calls :meth:`release` first."""
+
+    def ensure(self) -> None:
+        if not ray.is_initialized():
+            start_ray(None, num_cpus=SHARED_RAY_CPUS)
+
+    def release(self) -> None:
+        if ray.is_initialized():
+            stop_ray()
+
+
+@pytest.fixture(scope="session")
+def shared_ray() -> Iterator[SharedRay]:
+    holder = SharedRay()
+    yield holder
+    holder.release()
+
+
+@pytest.fixture
+def local_ray(shared_ray: SharedRay) -> SharedRay:
+    """The shared embedded Ray, started if it is not running."""
+    shared_ray.ensure()
+    return shared_ray

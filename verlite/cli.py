@@ -131,10 +131,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"trainer.ray_address={args.address}")
     cfg = load_config(args.config, overrides)
     check_paths(cfg)  # before Ray starts: a typo should cost a second, not a cluster start
-    from verlite.trainer import Trainer
+    from verlite.run import train
 
     retain_freed_memory()  # the driver gathers and scatters every step batch
-    Trainer(cfg).fit()
+    train(cfg)
     return 0
 
 

@@ -1,20 +1,23 @@
-"""The PPO controller on the Ray driver: the numbered stages of DESIGN §1, one timed call each.
+"""The PPO controller on the Ray driver: the stages of one step (docs/design.md, "A step"),
+one timed call each.
 
 ``Trainer.fit`` reads as the training loop; everything it calls is either a worker-group
 call (generation, log-probs, values, updates) or pure math on the driver (rewards,
-advantages, statistics).
+advantages, statistics). The trainer is handed its worker groups (``verlite.run`` places
+and removes them) and never touches the Ray session.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tensordict import TensorDict
+from transformers import PreTrainedTokenizerBase
 
 from verlite import metrics_log
 from verlite.checkpoint import (
@@ -25,25 +28,23 @@ from verlite.checkpoint import (
     resume_checkpoint,
 )
 from verlite.config import Config
-from verlite.controller import (
-    DpSplit,
-    WorkerGroup,
-    build_pools,
-    start_ray,
-    stop_ray,
-    write_placement_report,
-)
+from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import compute_advantages
 from verlite.core.losses import kl_penalty
 from verlite.core.step_stats import step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
-from verlite.data import PromptLoader, PromptRecord, build_datasets, collate_prompts, load_tokenizer
+from verlite.data import (
+    PromptDataset,
+    PromptLoader,
+    PromptRecord,
+    build_datasets,
+    load_tokenizer,
+    prompt_tensordict,
+)
 from verlite.errors import RunFailure
-from verlite.rewards import resolve_reward, score_responses
+from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams
 from verlite.tracking import Tracker
-from verlite.workers.actor import ActorWorker
-from verlite.workers.critic import CriticWorker
 
 
 class TrainingError(RunFailure):
@@ -85,19 +86,53 @@ class Timer:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 
 
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run reads before any worker starts, so that a bad file or checkpoint fails in a
+    second, before Ray: the tokenizer, the prompt datasets, the reward function and the
+    checkpoint to resume from (None: a fresh run)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    train_set: PromptDataset
+    val_set: PromptDataset
+    reward_fn: RewardFn
+    resume_from: Path | None
+
+    @classmethod
+    def load(cls, cfg: Config) -> RunInputs:
+        tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+        train_set, val_set = build_datasets(cfg, tokenizer)
+        resume_from = resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
+        if resume_from:
+            check_resumable(
+                resume_from,
+                model=cfg.model.model_dump(mode="json"),
+                roles=cfg.roles,
+                total_steps=cfg.trainer.total_steps,
+            )
+        return cls(tokenizer, train_set, val_set, resolve_reward(cfg), resume_from)
+
+
 class Trainer:
-    def __init__(self, cfg: Config) -> None:
+    """The training loop on the driver over worker groups it is handed (the actor's, and the
+    critic's when the advantage estimator needs one); it never starts or stops them."""
+
+    def __init__(
+        self, cfg: Config, inputs: RunInputs, *, actor: WorkerGroup, critic: WorkerGroup | None
+    ) -> None:
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
-        self.train_set, self.val_set = build_datasets(cfg, self.tokenizer)
+        self.tokenizer = inputs.tokenizer
+        self.train_set, self.val_set = inputs.train_set, inputs.val_set
+        self.reward_fn = inputs.reward_fn
+        self.actor, self.critic = actor, critic
+        self.groups = [actor] if critic is None else [actor, critic]
         self.loader = PromptLoader(
             self.train_set,
             cfg.data.train_batch_size,
             seed=cfg.trainer.seed,
             shuffle=cfg.data.shuffle,
         )
-        self.reward_fn = resolve_reward(cfg)
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLController(
             kl.kl_coef, adaptive=kl.type == "adaptive", target_kl=kl.target_kl, horizon=kl.horizon
@@ -109,92 +144,41 @@ class Trainer:
             top_k=cfg.rollout.top_k,
         )
 
-    # ------------------------------------------------------------------------ set-up
-
-    def _start_workers(self) -> None:
-        cfg = self.cfg
-        start_ray(cfg.trainer.ray_address)
-        pools = build_pools(cfg, cfg.roles)
-        common = {"cfg": cfg, "vocab_size": len(self.tokenizer)}
-        run_id = uuid.uuid4().hex[:8]
-        threads = cfg.trainer.torch_threads_per_worker
-        pool, share = pools["actor"]
-        self.actor = WorkerGroup(
-            "actor",
-            ActorWorker,
-            pool,
-            share=share,
-            worker_kwargs={
-                **common,
-                "eos_token_id": self.tokenizer.eos_token_id,
-                "pad_token_id": self.tokenizer.pad_token_id,
-            },
-            torch_threads=threads,
-            run_id=run_id,
-        )
-        self.groups.append(self.actor)
-        self.critic = None
-        if cfg.use_critic:
-            pool, share = pools["critic"]
-            self.critic = WorkerGroup(
-                "critic",
-                CriticWorker,
-                pool,
-                share=share,
-                worker_kwargs=common,
-                torch_threads=threads,
-                run_id=run_id,
-            )
-            self.groups.append(self.critic)
-        for group in self.groups:
-            group.call("init_model", dispatch="broadcast", collect="list")
-        print(write_placement_report(self.groups, self.output_dir), flush=True)
-
     # -------------------------------------------------------------------- the loop
 
-    def fit(self) -> None:
+    def fit(self, start_step: int = 0) -> None:
+        """Train from ``start_step`` (the step of the checkpoint resumed, 0 for a fresh run)
+        to ``trainer.total_steps``: validate and checkpoint on schedule, log every step."""
         cfg = self.cfg
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        resume_from = resume_checkpoint(self.output_dir, cfg.trainer.resume)
-        if resume_from:  # before Ray starts: a mismatch should cost a second
-            check_resumable(
-                resume_from,
-                model=cfg.model.model_dump(mode="json"),
-                roles=cfg.roles,
-                total_steps=cfg.trainer.total_steps,
+        # A resumed run drops what a crash logged after its checkpoint.
+        metrics_log.truncate(self.output_dir, after_step=start_step)
+        with Tracker(
+            cfg.trainer.loggers,
+            output_dir=self.output_dir,
+            total_steps=cfg.trainer.total_steps,
+            start_step=start_step,
+            mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
+        ) as tracker:
+            tracker.log_run_info(
+                cfg.model_dump(mode="json"), [w for g in self.groups for w in g.placement()]
             )
-        self.groups: list[WorkerGroup] = []
-        try:
-            self._start_workers()
-            start = self._resume(resume_from) if resume_from else 0
-            # A resumed run drops what a crash logged after its checkpoint; a fresh run starts a new file.
-            metrics_log.truncate(self.output_dir, after_step=start)
-            with Tracker(
-                cfg.trainer.loggers,
-                output_dir=self.output_dir,
-                total_steps=cfg.trainer.total_steps,
-                start_step=start,
-                mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
-            ) as tracker:
-                tracker.log_run_info(
-                    cfg.model_dump(mode="json"), [w for g in self.groups for w in g.placement()]
-                )
-                for step in range(start + 1, cfg.trainer.total_steps + 1):
-                    metrics = self.train_step(step)
-                    diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
-                    if not diverged and _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
-                        metrics.update(self.validate())
-                    tracker.log(step, metrics)  # the step that diverged is logged too
-                    if diverged:
-                        raise diverged
-                    if _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
-                        self.save_checkpoint(step)
-            self.actor.call("export_hf", str(self.output_dir / "hf_actor"))
-            self.tokenizer.save_pretrained(self.output_dir / "hf_actor")
-        finally:
-            for group in self.groups:
-                group.shutdown()
-            stop_ray()
+            for step in range(start_step + 1, cfg.trainer.total_steps + 1):
+                metrics = self.train_step(step)
+                diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
+                if not diverged and _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
+                    metrics.update(self.validate())
+                tracker.log(step, metrics)  # the step that diverged is logged too
+                if diverged:
+                    raise diverged
+                if _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
+                    self.save_checkpoint(step)
+
+    def export_policy(self) -> Path:
+        """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``."""
+        path = self.output_dir / "hf_actor"
+        self.actor.call("export_hf", str(path))
+        self.tokenizer.save_pretrained(path)
+        return path
 
     # ---------------------------------------------------------------- checkpoints
 
@@ -211,7 +195,8 @@ class Trainer:
         }
         commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
 
-    def _resume(self, path: Path) -> int:
+    def resume(self, path: Path) -> int:
+        """Load the checkpoint at ``path`` into the workers and the driver; its step."""
         state = read_trainer_state(path)
         for group in self.groups:
             group.call("load_checkpoint", str(path / group.name))
@@ -300,21 +285,15 @@ class Trainer:
     def _prompt_batch(
         self, records: list[PromptRecord], *, repeat: int, temperature: float
     ) -> tuple[TensorDict, list[PromptRecord]]:
-        """Prompts as a TensorDict, each repeated ``repeat`` times (one uid per prompt), and the
-        records in the same row order for scoring."""
-        collated = collate_prompts(records, self.tokenizer, self.cfg.data.max_prompt_length)
-        td = TensorDict(
-            {
-                "input_ids": collated["input_ids"],
-                "attention_mask": collated["attention_mask"],
-                "position_ids": collated["position_ids"],
-                "uid": torch.arange(len(records)),
-            },
-            batch_size=[len(records)],
+        """The prompts as a TensorDict, and the records in the same row order for scoring."""
+        prompts = prompt_tensordict(
+            records,
+            self.tokenizer,
+            max_prompt_length=self.cfg.data.max_prompt_length,
+            repeat=repeat,
+            temperature=temperature,
         )
-        td = td.repeat_interleave(repeat, dim=0) if repeat > 1 else td
-        td.set_non_tensor("temperature", temperature)
-        return td, [r for r in records for _ in range(repeat)]
+        return prompts, [r for r in records for _ in range(repeat)]
 
     def _score(self, batch: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
         texts = [

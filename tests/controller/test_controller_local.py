@@ -23,8 +23,6 @@ from verlite.controller import (
     ResourcePool,
     WorkerGroup,
     WorkerGroupError,
-    start_ray,
-    stop_ray,
     write_placement_report,
 )
 from verlite.core.metrics import Metric, MetricDict
@@ -77,10 +75,8 @@ class ProbeWorker(Worker):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_session() -> Iterator[None]:
-    start_ray(None, num_cpus=4)
-    yield
-    stop_ray()
+def ray_session(shared_ray: Any) -> None:
+    shared_ray.ensure()
 
 
 def make_group(name: str, *, nnodes: int = 1, workers_per_node: int = 2) -> WorkerGroup:

@@ -44,7 +44,8 @@ class UpdateWorker(Worker):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def cluster() -> Iterator[Cluster]:
+def cluster(shared_ray: Any) -> Iterator[Cluster]:
+    shared_ray.release()  # the simulated cluster needs this process's Ray connection
     node_args: dict[str, Any] = {"num_cpus": CPUS_PER_NODE, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(
         initialize_head=True, head_node_args={**node_args, "include_dashboard": False}

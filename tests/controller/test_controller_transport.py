@@ -12,7 +12,7 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
+from verlite.controller import ResourcePool, WorkerGroup
 from verlite.controller.transport import fits, from_wire, to_wire
 from verlite.workers.base import Worker
 
@@ -86,8 +86,8 @@ class MutatingWorker(Worker):
 
 
 @pytest.fixture(scope="module")
-def group() -> Iterator[WorkerGroup]:
-    start_ray(None, num_cpus=2)
+def group(shared_ray: Any) -> Iterator[WorkerGroup]:
+    shared_ray.ensure()
     pool = ResourcePool(
         "wire", nnodes=1, workers_per_node=2, cpus_per_worker=1.0, gpus_per_worker=0.0, timeout_s=30
     )
@@ -97,7 +97,6 @@ def group() -> Iterator[WorkerGroup]:
     yield workers
     workers.shutdown()
     pool.remove()
-    stop_ray()
 
 
 def test_broadcast_batch_is_each_workers_own_copy(group: WorkerGroup) -> None:

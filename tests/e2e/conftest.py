@@ -1,4 +1,5 @@
-"""Run the verlite command line as a user would: a subprocess, its metrics read back."""
+"""End-to-end runs: whole training runs in this process on the shared embedded Ray (a run
+places and removes its own worker groups), and the command line as a user runs it."""
 
 import json
 import subprocess
@@ -7,6 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from verlite.config import Config, load_config
+from verlite.run import run
+from verlite.trainer import RunInputs
 
 CONFIG = "configs/ppo_tiny.yaml"
 VOLATILE = ("timing_s/", "perf/")  # wall-clock figures differ between otherwise equal runs
@@ -22,11 +27,11 @@ def verlite(*args: str, timeout: float = 600, **kwargs) -> subprocess.CompletedP
     )
 
 
-def train_run(out: Path, *overrides: str, **kwargs) -> subprocess.CompletedProcess:
-    """`verlite train` of the main config into ``out``; asserts it succeeded."""
-    proc = verlite("train", "--config", CONFIG, f"trainer.output_dir={out}", *overrides, **kwargs)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+def train_run(out: Path, *overrides: str) -> Config:
+    """A whole run of the main config into ``out``, as `verlite train` does after Ray starts."""
+    cfg = load_config(CONFIG, [f"trainer.output_dir={out}", *overrides])
+    run(cfg, RunInputs.load(cfg))
+    return cfg
 
 
 def read_metrics(out: Path, *, stable_only: bool = False) -> list[dict]:
@@ -42,7 +47,7 @@ def cli() -> Callable[..., subprocess.CompletedProcess]:
 
 
 @pytest.fixture
-def train() -> Callable[..., subprocess.CompletedProcess]:
+def train(local_ray) -> Callable[..., Config]:
     return train_run
 
 

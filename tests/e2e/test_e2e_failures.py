@@ -92,27 +92,22 @@ def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
     )
 
 
-def test_truncated_prompts_are_counted(tmp_path: Path) -> None:
+def test_truncated_prompts_are_counted(tmp_path: Path, train) -> None:
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(40)]
     lines += [{"prompt": "1234567890123=", "answer": "1"}] * 3
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    proc = subprocess.run(
-        command(
-            tmp_path / "run",
-            "data.task=null",
-            f"data.train_file={prompts}",
-            "data.prompt_overflow=truncate",
-            "trainer.total_steps=1",
-            "trainer.workers_per_node=1",
-            "actor.micro_batch_size_per_worker=8",
-            "critic.micro_batch_size_per_worker=8",
-        ),
-        capture_output=True,
-        text=True,
-        timeout=600,
+    train(
+        tmp_path / "run",
+        *RUN,
+        "data.task=null",
+        f"data.train_file={prompts}",
+        "data.prompt_overflow=truncate",
+        "trainer.total_steps=1",
+        "trainer.workers_per_node=1",
+        "actor.micro_batch_size_per_worker=8",
+        "critic.micro_batch_size_per_worker=8",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert record["data/truncated_prompts"] >= 1
 

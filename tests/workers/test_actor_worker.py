@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from verlite.config import load_config
-from verlite.trainer import Trainer
+from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
+from verlite.rollout import SamplingParams
 from verlite.workers.actor import ActorWorker
 
 
@@ -19,8 +20,8 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
             f"trainer.output_dir={tmp_path}",
         ],
     )
-    trainer = Trainer(cfg)
-    tokenizer = trainer.tokenizer
+    tokenizer = load_tokenizer(None, task=cfg.data.task)
+    train_set, _ = build_datasets(cfg, tokenizer)
     worker = ActorWorker(
         rank=0,
         world_size=1,
@@ -32,10 +33,17 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
         pad_token_id=tokenizer.pad_token_id,
     )
     worker.init_model()
-    prompts, _ = trainer._prompt_batch(next(trainer.loader), repeat=2, temperature=1.0)
+    prompts = prompt_tensordict(
+        train_set[:8],
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        repeat=2,
+        temperature=1.0,
+    )
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
 
-    fused = worker.rollout(prompts, trainer.sampling, 7)
-    separate = worker.generate(prompts, trainer.sampling, 7)
+    fused = worker.rollout(prompts, sampling, 7)
+    separate = worker.generate(prompts, sampling, 7)
     separate.update(worker.compute_log_probs(separate))
 
     keys = sorted(separate.keys())  # iterating a TensorDict itself walks its rows

@@ -5,7 +5,7 @@ from verlite.controller.dispatch import Collect, Dispatch, DpSplit
 from verlite.controller.errors import WorkerGroupError
 from verlite.controller.placement import write_placement_report
 from verlite.controller.resource_pool import PlacementError, ResourcePool, build_pools
-from verlite.controller.session import start_ray, stop_ray
+from verlite.controller.session import ray_session, start_ray, stop_ray
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupError",
     "build_pools",
+    "ray_session",
     "start_ray",
     "stop_ray",
     "write_placement_report",

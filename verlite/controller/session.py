@@ -81,3 +81,13 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
 def stop_ray() -> None:
     """Disconnect from Ray, stopping the embedded Ray if this process started one."""
     ray.shutdown()
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, *, num_cpus: int | None = None) -> Iterator[None]:
+    """:func:`start_ray`, and :func:`stop_ray` however the block ends."""
+    start_ray(address, num_cpus=num_cpus)
+    try:
+        yield
+    finally:
+        stop_ray()

@@ -8,7 +8,7 @@ from verlite.data.dataset import (
     task_records,
 )
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
-from verlite.data.loader import PromptBatch, PromptLoader, collate_prompts
+from verlite.data.loader import PromptBatch, PromptLoader, collate_prompts, prompt_tensordict
 from verlite.data.tasks import TASKS, Task
 from verlite.data.tokenizer import build_task_tokenizer, encode_prompts, load_tokenizer
 
@@ -27,6 +27,7 @@ __all__ = [
     "encode_prompts",
     "holdout_split",
     "load_tokenizer",
+    "prompt_tensordict",
     "read_prompt_file",
     "task_records",
 ]

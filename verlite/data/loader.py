@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TypedDict
 
 import torch
+from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from verlite.data.files import DataError, PromptRecord
@@ -133,3 +134,29 @@ def collate_prompts(
         prompts=prompts,
         answers=[r["answer"] for r in records],
     )
+
+
+def prompt_tensordict(
+    records: Sequence[PromptRecord],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    max_prompt_length: int,
+    repeat: int,
+    temperature: float,
+) -> TensorDict:
+    """The prompts of one rollout in the step batch's layout (``verlite.step_batch``): each
+    prompt repeated ``repeat`` times in a row, the copies sharing one ``uid``, and the
+    sampling ``temperature`` the log-probs of the responses must use."""
+    collated = collate_prompts(records, tokenizer, max_prompt_length)
+    td = TensorDict(
+        {
+            "input_ids": collated["input_ids"],
+            "attention_mask": collated["attention_mask"],
+            "position_ids": collated["position_ids"],
+            "uid": torch.arange(len(records)),
+        },
+        batch_size=[len(records)],
+    )
+    td = td.repeat_interleave(repeat, dim=0) if repeat > 1 else td
+    td.set_non_tensor("temperature", temperature)
+    return td

@@ -1,7 +1,9 @@
 """The ``verlite`` command line.
 
 User errors (bad config, bad flags) print one line on stderr and exit 2, without a
-traceback; a failed audit exits 1.
+traceback; a failed audit exits 1. Commands import what they need when they run: torch,
+transformers and Ray load only for the commands that train, audit or submit, so help,
+status, logs, list, stop and metrics answer at once.
 """
 
 from __future__ import annotations
@@ -15,10 +17,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 
-from verlite.config import check_paths, load_config
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import add_job_commands
-from verlite.memory import retain_freed_memory
 from verlite.report import add_metrics_command
 
 EXIT_USER_ERROR = 2
@@ -46,22 +46,25 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _choice_list(allowed: Sequence[str]) -> object:
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.split(",") if v]
-        bad = [v for v in values if v not in allowed]
-        if bad or not values:
-            raise argparse.ArgumentTypeError(
-                f"got {text!r}; allowed: {','.join(allowed)} (comma-separated)"
-            )
-        return values
+def _str_list(text: str) -> list[str]:
+    return [v for v in text.split(",") if v]
 
-    return parse
+
+def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[str]) -> list[str]:
+    """The values of a comma-separated flag (all of ``allowed`` when it is not given), each
+    one of ``allowed``: checked once the command runs, since the allowed values live with
+    the audit, which loads torch."""
+    if values is None:
+        return list(allowed)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise UserError(
+            f"{flag}: got {','.join(values)!r}; allowed: {','.join(allowed)} (comma-separated)"
+        )
+    return list(values)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from verlite.invariance import MICRO_LAYOUTS, STRATEGIES
-
     parser = argparse.ArgumentParser(
         prog="verlite", description="Ray-distributed RL post-training for LMs."
     )
@@ -94,16 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--micro",
-        type=_choice_list(MICRO_LAYOUTS),
-        default=list(MICRO_LAYOUTS),
-        help="micro-batching: 1 or 2 sequences, full (one micro-batch), dynamic (token budget); default all",
+        type=_str_list,
+        default=None,
+        help="micro-batching: 1 or 2 sequences, full (one micro-batch), dynamic (token budget); "
+        "comma-separated, default all",
     )
-    check.add_argument(
-        "--strategy",
-        type=_choice_list(STRATEGIES),
-        default=list(STRATEGIES),
-        help="ddp,fsdp (default both)",
-    )
+    check.add_argument("--strategy", type=_str_list, default=None, help="ddp,fsdp (default both)")
     check.add_argument(
         "--tolerance",
         type=_positive_float,
@@ -126,12 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from verlite.config import check_paths, load_config
+    from verlite.memory import retain_freed_memory
+    from verlite.run import train
+
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"trainer.ray_address={args.address}")
     cfg = load_config(args.config, overrides)
     check_paths(cfg)  # before Ray starts: a typo should cost a second, not a cluster start
-    from verlite.run import train
 
     retain_freed_memory()  # the driver gathers and scatters every step batch
     train(cfg)
@@ -139,19 +141,22 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
-    from verlite.invariance import check_invariance, tolerance_for
+    from verlite.config import load_config
+    from verlite.invariance import MICRO_LAYOUTS, STRATEGIES, check_invariance, tolerance_for
 
+    micros = _checked_choices("--micro", args.micro, MICRO_LAYOUTS)
+    strategies = _checked_choices("--strategy", args.strategy, STRATEGIES)
     cfg = load_config(args.config, args.overrides)
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg)
     started = time.monotonic()
     if not args.json:
         print(
-            f"checking {len(args.dp) * len(args.strategy)} rank launches ...",
+            f"checking {len(args.dp) * len(strategies)} rank launches ...",
             file=sys.stderr,
             flush=True,
         )
     reports = check_invariance(
-        cfg, dps=args.dp, micros=args.micro, strategies=args.strategy, naive=args.negative_control
+        cfg, dps=args.dp, micros=micros, strategies=strategies, naive=args.negative_control
     )
     ok = all(r.worst() <= tolerance for r in reports)
     if args.json:

@@ -1,4 +1,6 @@
-"""The one base class of problems the user can fix: the CLI prints them in one line, exit 2."""
+"""The two kinds of failure the command line reports in one line, without a traceback: a
+:class:`UserError` (bad input: exit 2) and a :class:`RunFailure` (a run that stopped for a
+reason its message names: exit 1)."""
 
 
 class UserError(ValueError):

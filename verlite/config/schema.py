@@ -160,9 +160,6 @@ class RolloutConfig(Section):
     max_response_length: PositiveInt = Field(
         16, description="Longest response in tokens (generation stops there)."
     )
-    engine: Literal["native"] = Field(
-        "native", description="Generation engine: 'native' is verlite's batched KV-cached sampler."
-    )
 
 
 class OptimConfig(Section):

@@ -12,7 +12,6 @@ from datetime import datetime
 from pathlib import Path
 
 from verlite.jobs.server import connect
-from verlite.jobs.submission import default_working_dir, prepare_submission
 
 ADDRESS_HELP = "Ray dashboard URL, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
 TOKEN_NOTE = (
@@ -82,6 +81,10 @@ def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    # Checking the config loads torch (the config validates names against the loss and
+    # advantage registries); the other job commands answer without it.
+    from verlite.jobs.submission import default_working_dir, prepare_submission
+
     submission = prepare_submission(
         config=args.config,
         overrides=args.overrides,

@@ -1,9 +1,8 @@
 """Generation of responses with the actor's current weights.
 
-An engine turns a batch of left-padded prompts into the step TensorDict of
-``verlite.step_batch``. ``native`` is verlite's batched, KV-cached sampler that runs on the
-training model itself (no weight sync); engines such as vLLM or SGLang for GPU clusters
-plug in behind the same ``RolloutEngine`` protocol.
+``NativeRollout`` turns a batch of left-padded prompts into the step TensorDict of
+``verlite.step_batch``: verlite's batched, KV-cached sampler, run by the actor workers on
+the model they train (no weight sync).
 """
 
 from verlite.rollout.native import NativeRollout, SamplingParams, sample_next_token

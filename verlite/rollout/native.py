@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -25,12 +25,6 @@ class SamplingParams:
 
 class GenerationDiverged(RunFailure):
     """The policy gave non-finite next-token logits: sampling from them would draw garbage."""
-
-
-class RolloutEngine(Protocol):
-    def generate(self, prompts: TensorDict, params: SamplingParams, *, seed: int) -> TensorDict:
-        """Prompts (input_ids, attention_mask, position_ids; left-padded) -> step batch."""
-        ...
 
 
 def sample_next_token(

@@ -29,7 +29,7 @@ from verlite.checkpoint import (
 )
 from verlite.config import Config
 from verlite.controller import DpSplit, WorkerGroup
-from verlite.core.advantages import compute_advantages
+from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.losses import kl_penalty
 from verlite.core.step_stats import step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
@@ -231,13 +231,15 @@ class Trainer:
             kl_metrics = self._token_rewards(batch)
             batch["advantages"], batch["returns"] = compute_advantages(
                 cfg.algorithm.adv_estimator,
-                token_level_rewards=batch["token_level_rewards"],
-                response_mask=batch["response_mask"],
-                values=batch.get("values", None),
-                index=batch["uid"],
-                gamma=cfg.algorithm.gamma,
-                lam=cfg.algorithm.lam,
-                norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                AdvantageInputs(
+                    token_level_rewards=batch["token_level_rewards"],
+                    response_mask=batch["response_mask"],
+                    values=batch.get("values", None),
+                    index=batch["uid"],
+                    gamma=cfg.algorithm.gamma,
+                    lam=cfg.algorithm.lam,
+                    norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
+                ),
             )
         metrics: dict[str, float] = {}
         if self.critic is not None:

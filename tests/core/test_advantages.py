@@ -7,6 +7,7 @@ masking mistake in the module shows up as a mismatch.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import random
@@ -20,6 +21,7 @@ from verlite.core import advantages as adv_mod
 from verlite.core.advantages import (
     ADV_ESTIMATORS,
     ESTIMATORS_NEEDING_CRITIC,
+    AdvantageInputs,
     compute_advantages,
     register_advantage,
 )
@@ -210,7 +212,9 @@ SEEDS = [0, 1, 2]
 )
 def test_gae_matches_loop_reference(seed: int, gamma: float, lam: float) -> None:
     b = make_batch(seed)
-    advantages, returns = compute_advantages("gae", **b.kwargs(gamma=gamma, lam=lam))
+    advantages, returns = compute_advantages(
+        "gae", AdvantageInputs(**b.kwargs(gamma=gamma, lam=lam))
+    )
     ref_adv, ref_ret = ref_gae(b, gamma, lam)
     close(advantages, ref_adv)
     close(returns, ref_ret)
@@ -219,7 +223,7 @@ def test_gae_matches_loop_reference(seed: int, gamma: float, lam: float) -> None
 def test_gae_returns_telescope_to_reward_to_go_when_gamma_lam_one() -> None:
     # With gamma = lam = 1 the deltas telescope: returns_t = sum_{s >= t} r_s exactly.
     b = make_batch(5)
-    _, returns = compute_advantages("gae", **b.kwargs(gamma=1.0, lam=1.0))
+    _, returns = compute_advantages("gae", AdvantageInputs(**b.kwargs(gamma=1.0, lam=1.0)))
     r = b.rewards.tolist()
     expected = [
         [sum(r[i][t:length]) if t < length else 0.0 for t in range(b.mask.shape[1])]
@@ -234,7 +238,7 @@ def test_gae_returns_telescope_to_reward_to_go_when_gamma_lam_one() -> None:
 def test_grpo_matches_loop_reference(seed: int, norm_by_std: bool, eps: float) -> None:
     b = make_batch(seed)
     advantages, returns = compute_advantages(
-        "grpo", **b.kwargs(norm_adv_by_std=norm_by_std, epsilon=eps)
+        "grpo", AdvantageInputs(**b.kwargs(norm_adv_by_std=norm_by_std, epsilon=eps))
     )
     close(advantages, ref_grpo(b, norm_by_std, eps))
     close(returns, advantages)
@@ -243,8 +247,12 @@ def test_grpo_matches_loop_reference(seed: int, norm_by_std: bool, eps: float) -
 def test_dr_grpo_differs_from_grpo_exactly_by_std_division() -> None:
     b = make_batch(7)
     eps = 1e-6
-    grpo, _ = compute_advantages("grpo", **b.kwargs(norm_adv_by_std=True, epsilon=eps))
-    dr_grpo, _ = compute_advantages("grpo", **b.kwargs(norm_adv_by_std=False, epsilon=eps))
+    grpo, _ = compute_advantages(
+        "grpo", AdvantageInputs(**b.kwargs(norm_adv_by_std=True, epsilon=eps))
+    )
+    dr_grpo, _ = compute_advantages(
+        "grpo", AdvantageInputs(**b.kwargs(norm_adv_by_std=False, epsilon=eps))
+    )
     scores, groups = ref_scores_and_groups(b)
     std = torch.ones(len(scores), 1, dtype=torch.float64)
     for rows in groups.values():
@@ -260,7 +268,7 @@ def test_grpo_constant_group_gives_zero_not_nan() -> None:
     mask = torch.ones_like(rewards)
     index = torch.tensor([4, 4, 9])
     advantages, _ = compute_advantages(
-        "grpo", token_level_rewards=rewards, response_mask=mask, index=index
+        "grpo", AdvantageInputs(token_level_rewards=rewards, response_mask=mask, index=index)
     )
     assert torch.isfinite(advantages).all()
     close(advantages[:2], torch.zeros(2, 2, dtype=torch.float64))
@@ -270,7 +278,7 @@ def test_grpo_constant_group_gives_zero_not_nan() -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_rloo_matches_loop_reference(seed: int) -> None:
     b = make_batch(seed)
-    advantages, returns = compute_advantages("rloo", **b.kwargs())
+    advantages, returns = compute_advantages("rloo", AdvantageInputs(**b.kwargs()))
     close(advantages, ref_rloo(b))
     close(returns, advantages)
 
@@ -279,7 +287,9 @@ def test_rloo_matches_loop_reference(seed: int) -> None:
 @pytest.mark.parametrize("gamma", [1.0, 0.99, 0.5, 0.0])
 def test_reinforce_plus_plus_matches_loop_reference(seed: int, gamma: float) -> None:
     b = make_batch(seed)
-    advantages, returns = compute_advantages("reinforce_plus_plus", **b.kwargs(gamma=gamma))
+    advantages, returns = compute_advantages(
+        "reinforce_plus_plus", AdvantageInputs(**b.kwargs(gamma=gamma))
+    )
     ref_adv, ref_ret = ref_reinforce_pp(b, gamma)
     close(advantages, ref_adv)
     close(returns, ref_ret)
@@ -288,7 +298,9 @@ def test_reinforce_plus_plus_matches_loop_reference(seed: int, gamma: float) -> 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_reinforce_plus_plus_baseline_matches_loop_reference(seed: int) -> None:
     b = make_batch(seed)
-    advantages, returns = compute_advantages("reinforce_plus_plus_baseline", **b.kwargs())
+    advantages, returns = compute_advantages(
+        "reinforce_plus_plus_baseline", AdvantageInputs(**b.kwargs())
+    )
     close(advantages, ref_reinforce_pp_baseline(b))
     close(returns, advantages)
 
@@ -307,7 +319,7 @@ def test_reinforce_plus_plus_baseline_matches_loop_reference(seed: int) -> None:
 def test_long_responses_match_reference(name: str, extra: dict[str, float]) -> None:
     # The discounted sums are vectorized over T; check they stay exact at realistic lengths.
     b = make_batch(11, steps=512, group_sizes=(3, 2), lengths=[512, 300, 1, 0, 477])
-    advantages, returns = compute_advantages(name, **b.kwargs(**extra))
+    advantages, returns = compute_advantages(name, AdvantageInputs(**b.kwargs(**extra)))
     if name == "gae":
         ref_adv, ref_ret = ref_gae(b, extra["gamma"], extra["lam"])
     elif name == "reinforce_plus_plus":
@@ -326,7 +338,7 @@ def test_long_responses_match_reference(name: str, extra: dict[str, float]) -> N
 @pytest.mark.parametrize("name", sorted(ALL_NAMES))
 def test_zero_outside_mask_and_empty_row(name: str) -> None:
     b = make_batch(3)
-    advantages, returns = compute_advantages(name, **b.kwargs(gamma=0.9, lam=0.8))
+    advantages, returns = compute_advantages(name, AdvantageInputs(**b.kwargs(gamma=0.9, lam=0.8)))
     outside = ~b.mask.bool()
     assert outside.any() and (b.mask.sum(-1) == 0).any()
     for out in (advantages, returns):
@@ -337,7 +349,7 @@ def test_zero_outside_mask_and_empty_row(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(ALL_NAMES))
 def test_all_masked_batch_gives_zeros_not_nan(name: str) -> None:
     b = make_batch(4, group_sizes=(2, 1, 3), lengths=[0] * 6)
-    advantages, returns = compute_advantages(name, **b.kwargs())
+    advantages, returns = compute_advantages(name, AdvantageInputs(**b.kwargs()))
     assert torch.equal(advantages, torch.zeros_like(advantages))
     assert torch.equal(returns, torch.zeros_like(returns))
 
@@ -347,8 +359,8 @@ def test_all_masked_batch_gives_zeros_not_nan(name: str) -> None:
 def test_non_finite_padding_is_ignored(name: str, pad: float) -> None:
     clean = make_batch(6)
     dirty = make_batch(6, pad=pad)
-    expected = compute_advantages(name, **clean.kwargs(gamma=0.9, lam=0.9))
-    actual = compute_advantages(name, **dirty.kwargs(gamma=0.9, lam=0.9))
+    expected = compute_advantages(name, AdvantageInputs(**clean.kwargs(gamma=0.9, lam=0.9)))
+    actual = compute_advantages(name, AdvantageInputs(**dirty.kwargs(gamma=0.9, lam=0.9)))
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
@@ -357,10 +369,10 @@ def test_non_finite_padding_is_ignored(name: str, pad: float) -> None:
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32])
 def test_mask_dtype_does_not_matter(name: str, mask_dtype: torch.dtype) -> None:
     b = make_batch(8)
-    expected = compute_advantages(name, **b.kwargs(gamma=0.95, lam=0.9))
+    expected = compute_advantages(name, AdvantageInputs(**b.kwargs(gamma=0.95, lam=0.9)))
     kwargs = b.kwargs(gamma=0.95, lam=0.9)
     kwargs["response_mask"] = b.mask.to(mask_dtype)
-    actual = compute_advantages(name, **kwargs)
+    actual = compute_advantages(name, AdvantageInputs(**kwargs))
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
@@ -368,12 +380,12 @@ def test_mask_dtype_does_not_matter(name: str, mask_dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("name", sorted(ALL_NAMES))
 def test_float32_inputs_stay_float32(name: str) -> None:
     b = make_batch(9)
-    expected = compute_advantages(name, **b.kwargs(gamma=0.99, lam=0.95))
+    expected = compute_advantages(name, AdvantageInputs(**b.kwargs(gamma=0.99, lam=0.95)))
     kwargs = b.kwargs(gamma=0.99, lam=0.95)
     kwargs["token_level_rewards"] = b.rewards.float()
     kwargs["values"] = b.values.float()
     kwargs["response_mask"] = b.mask.float()
-    actual = compute_advantages(name, **kwargs)
+    actual = compute_advantages(name, AdvantageInputs(**kwargs))
     for a, e in zip(actual, expected, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-4)
@@ -388,16 +400,16 @@ def test_registry_holds_the_five_estimators() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(ALL_NAMES))
-def test_every_estimator_takes_the_uniform_keyword_set(name: str) -> None:
-    params = inspect.signature(ADV_ESTIMATORS[name]).parameters.values()
-    assert {p.name for p in params} == UNIFORM_KWARGS
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+def test_every_estimator_takes_one_advantage_inputs(name: str) -> None:
+    (param,) = inspect.signature(ADV_ESTIMATORS[name]).parameters.values()
+    assert param.annotation in (AdvantageInputs, "AdvantageInputs")
+    assert {f.name for f in dataclasses.fields(AdvantageInputs)} == UNIFORM_KWARGS
 
 
 def test_unknown_name_lists_valid_names_sorted() -> None:
     b = make_batch(0)
     with pytest.raises(ValueError, match="ppo_magic") as info:
-        compute_advantages("ppo_magic", **b.kwargs())
+        compute_advantages("ppo_magic", AdvantageInputs(**b.kwargs()))
     assert ", ".join(sorted(ALL_NAMES)) in str(info.value)
 
 
@@ -406,7 +418,7 @@ def test_gae_without_values_names_the_argument() -> None:
     kwargs = b.kwargs()
     kwargs["values"] = None
     with pytest.raises(ValueError, match="`values`"):
-        compute_advantages("gae", **kwargs)
+        compute_advantages("gae", AdvantageInputs(**kwargs))
 
 
 @pytest.mark.parametrize("name", GROUP_NAMES)
@@ -415,16 +427,16 @@ def test_group_estimators_without_index_name_the_argument(name: str) -> None:
     kwargs = b.kwargs()
     kwargs["index"] = None
     with pytest.raises(ValueError, match="`index`"):
-        compute_advantages(name, **kwargs)
+        compute_advantages(name, AdvantageInputs(**kwargs))
 
 
 @pytest.mark.parametrize("name", ["reinforce_plus_plus", "grpo"])
 def test_estimators_not_needing_values_run_without_them(name: str) -> None:
     b = make_batch(2)
     kwargs = b.kwargs(gamma=0.9)
-    expected = compute_advantages(name, **kwargs)
+    expected = compute_advantages(name, AdvantageInputs(**kwargs))
     kwargs["values"] = None
-    actual = compute_advantages(name, **kwargs)
+    actual = compute_advantages(name, AdvantageInputs(**kwargs))
     for a, e in zip(actual, expected, strict=True):
         torch.testing.assert_close(a, e, rtol=0, atol=0)
 
@@ -434,34 +446,32 @@ def test_wrong_shapes_are_rejected() -> None:
     kwargs = b.kwargs()
     kwargs["index"] = b.index[:-1]
     with pytest.raises(ValueError, match="index"):
-        compute_advantages("grpo", **kwargs)
+        compute_advantages("grpo", AdvantageInputs(**kwargs))
     kwargs = b.kwargs()
     kwargs["values"] = b.values[:, :-1]
     with pytest.raises(ValueError, match="values"):
-        compute_advantages("gae", **kwargs)
+        compute_advantages("gae", AdvantageInputs(**kwargs))
     kwargs = b.kwargs()
     kwargs["response_mask"] = b.mask[:, :-1]
     with pytest.raises(ValueError, match="response_mask"):
-        compute_advantages("rloo", **kwargs)
+        compute_advantages("rloo", AdvantageInputs(**kwargs))
 
 
-def test_compute_advantages_dispatches_with_the_uniform_keywords() -> None:
-    seen: dict[str, object] = {}
+def test_compute_advantages_hands_the_estimator_its_inputs() -> None:
+    seen: list[AdvantageInputs] = []
     marker = (torch.zeros(1), torch.ones(1))
 
     @register_advantage("_spy")
-    def spy(**kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.update(kwargs)
+    def spy(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(inputs)
         return marker
 
     try:
         b = make_batch(0)
-        out = compute_advantages("_spy", **b.kwargs(gamma=0.5, lam=0.25, epsilon=0.1))
-        assert out is marker
-        assert set(seen) == UNIFORM_KWARGS
-        assert seen["gamma"] == 0.5 and seen["lam"] == 0.25 and seen["epsilon"] == 0.1
-        assert seen["norm_adv_by_std"] is True
-        assert seen["token_level_rewards"] is b.rewards and seen["index"] is b.index
+        inputs = AdvantageInputs(**b.kwargs(gamma=0.5, lam=0.25, epsilon=0.1))
+        assert compute_advantages("_spy", inputs) is marker
+        assert seen == [inputs]
+        assert inputs.norm_adv_by_std is True
     finally:
         ADV_ESTIMATORS.pop("_spy", None)
     assert "_spy" not in adv_mod.ADV_ESTIMATORS

@@ -1,8 +1,10 @@
 """Advantage estimators (GAE, GRPO / Dr. GRPO, RLOO, REINFORCE++), registered by name.
 
-Every estimator takes the same keyword set and returns ``(advantages, returns)``, both
-(B, T) and zero outside ``response_mask``, so the trainer calls ``compute_advantages(name,
-**batch_fields)`` whatever the algorithm. Estimators ignore the keywords they do not use.
+Every estimator takes one :class:`AdvantageInputs` and returns ``(advantages, returns)``,
+both (B, T) and zero outside ``response_mask``, so the trainer calls
+``compute_advantages(name, inputs)`` whatever the algorithm. Estimators use the
+fields they need and check that those are given. ``AdvantageInputs`` is the one place
+their inputs are listed.
 
 Conventions shared by all estimators:
 
@@ -19,7 +21,7 @@ Conventions shared by all estimators:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
 
 import torch
 
@@ -29,21 +31,36 @@ __all__ = [
     "ADV_ESTIMATORS",
     "ESTIMATORS_NEEDING_CRITIC",
     "AdvantageFn",
+    "AdvantageInputs",
     "compute_advantages",
     "register_advantage",
 ]
 
-AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-_F = TypeVar("_F", bound=AdvantageFn)
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an estimator may use; each reads the fields its algorithm needs."""
+
+    token_level_rewards: torch.Tensor
+    response_mask: torch.Tensor
+    values: torch.Tensor | None = None  # the critic's, for GAE
+    index: torch.Tensor | None = None  # group ids, for the group baselines
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True  # GRPO; False is Dr. GRPO
+    epsilon: float = 1e-6
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset({"gae"})
 
 
-def register_advantage(name: str) -> Callable[[_F], _F]:
-    """Register an estimator under ``name``; it must accept the uniform keyword set."""
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an estimator, a function of one :class:`AdvantageInputs`, under ``name``."""
 
-    def decorator(fn: _F) -> _F:
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADV_ESTIMATORS[name] = fn
@@ -52,69 +69,48 @@ def register_advantage(name: str) -> Callable[[_F], _F]:
     return decorator
 
 
-def compute_advantages(
-    name: str,
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(name: str, inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the estimator registered as ``name``; returns ``(advantages, returns)``, (B, T)."""
     fn = ADV_ESTIMATORS.get(name)
     if fn is None:
         valid = ", ".join(sorted(ADV_ESTIMATORS))
         raise ValueError(f"unknown advantage estimator {name!r}; valid names: {valid}")
-    return fn(
-        token_level_rewards=token_level_rewards,
-        response_mask=response_mask,
-        values=values,
-        index=index,
-        gamma=gamma,
-        lam=lam,
-        norm_adv_by_std=norm_adv_by_std,
-        epsilon=epsilon,
-    )
+    return fn(inputs)
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def _check_inputs(
-    estimator: str, token_level_rewards: torch.Tensor, response_mask: torch.Tensor
-) -> None:
-    if token_level_rewards.dim() != 2 or token_level_rewards.shape != response_mask.shape:
+def _checked(inputs: AdvantageInputs, estimator: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token rewards and the response mask, once their shapes agree."""
+    rewards, mask = inputs.token_level_rewards, inputs.response_mask
+    if rewards.dim() != 2 or rewards.shape != mask.shape:
         raise ValueError(
-            f"{estimator}: token_level_rewards {tuple(token_level_rewards.shape)} and "
-            f"response_mask {tuple(response_mask.shape)} must be the same (B, T) shape"
+            f"{estimator}: token_level_rewards {tuple(rewards.shape)} and "
+            f"response_mask {tuple(mask.shape)} must be the same (B, T) shape"
         )
+    return rewards, mask
 
 
-def _require_values(
-    estimator: str, values: torch.Tensor | None, response_mask: torch.Tensor
-) -> torch.Tensor:
+def _require_values(inputs: AdvantageInputs, estimator: str) -> torch.Tensor:
+    values, mask = inputs.values, inputs.response_mask
     if values is None:
         raise ValueError(f"{estimator}: `values` is required (critic value estimates, (B, T))")
-    if values.shape != response_mask.shape:
+    if values.shape != mask.shape:
         raise ValueError(
             f"{estimator}: values {tuple(values.shape)} must match "
-            f"response_mask {tuple(response_mask.shape)}"
+            f"response_mask {tuple(mask.shape)}"
         )
     return values
 
 
-def _require_index(
-    estimator: str, index: torch.Tensor | None, response_mask: torch.Tensor
-) -> torch.Tensor:
+def _require_index(inputs: AdvantageInputs, estimator: str) -> torch.Tensor:
+    index, mask = inputs.index, inputs.response_mask
     if index is None:
         raise ValueError(f"{estimator}: `index` is required (group id per sequence, (B,))")
-    if index.shape != response_mask.shape[:1]:
+    if index.shape != mask.shape[:1]:
         raise ValueError(
-            f"{estimator}: index {tuple(index.shape)} must be (B,) = {tuple(response_mask.shape[:1])}"
+            f"{estimator}: index {tuple(index.shape)} must be (B,) = {tuple(mask.shape[:1])}"
         )
     return index
 
@@ -177,17 +173,7 @@ def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tens
 
 
 @register_advantage("gae")
-def gae(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` = 0 beyond the last valid token,
@@ -195,31 +181,23 @@ def gae(
     not whitened), and ``advantages = masked_whiten(A, mask)`` over the whole batch.
     Uses ``values``; ignores ``index``, ``norm_adv_by_std`` and ``epsilon``.
     """
-    _check_inputs("gae", token_level_rewards, response_mask)
+    token_level_rewards, response_mask = _checked(inputs, "gae")
     dtype = token_level_rewards.dtype
     rewards = _zero_outside(token_level_rewards, response_mask)
-    vals = _zero_outside(_require_values("gae", values, response_mask).to(dtype), response_mask)
+    vals = _zero_outside(_require_values(inputs, "gae").to(dtype), response_mask)
     # With prefix masks and values zeroed outside them, shifting left by one gives V_{t+1},
     # which is already 0 right after the last valid token: no bootstrap past the response.
     next_vals = torch.nn.functional.pad(vals[:, 1:], (0, 1))
-    deltas = rewards + gamma * next_vals - vals
-    adv = _zero_outside(_discounted_reverse_cumsum(deltas, gamma * lam), response_mask)
+    deltas = rewards + inputs.gamma * next_vals - vals
+    adv = _zero_outside(
+        _discounted_reverse_cumsum(deltas, inputs.gamma * inputs.lam), response_mask
+    )
     returns = adv + vals
     return masked_whiten(adv, response_mask), returns
 
 
 @register_advantage("grpo")
-def grpo(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative outcome advantage: GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
     ``score_i = sum_t r_{i,t}`` over the mask; per group (same ``index``) ``mean`` and
@@ -229,37 +207,27 @@ def grpo(
     R1-Zero-Like Training: A Critical Perspective", arXiv:2503.20783). ``A_i`` is broadcast
     over the valid tokens; ``returns = advantages``. Ignores ``values``, ``gamma``, ``lam``.
     """
-    _check_inputs("grpo", token_level_rewards, response_mask)
-    group = _require_index("grpo", index, response_mask)
+    token_level_rewards, response_mask = _checked(inputs, "grpo")
+    group = _require_index(inputs, "grpo")
     scores = _sequence_scores(token_level_rewards, response_mask)
     _, mean, std = _group_stats(scores, group)
     adv = scores - mean
-    if norm_adv_by_std:
-        adv = adv / (std + epsilon)
+    if inputs.norm_adv_by_std:
+        adv = adv / (std + inputs.epsilon)
     advantages = _broadcast(adv, response_mask)
     return advantages, advantages
 
 
 @register_advantage("rloo")
-def rloo(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
 
     ``A_i = score_i - mean_{j != i} score_j`` over the other samples of the group, computed
     as ``score_i * n/(n-1) - group_mean * n/(n-1)``; a group of one keeps ``score_i``.
     Broadcast over the valid tokens; ``returns = advantages``. Uses only ``index``.
     """
-    _check_inputs("rloo", token_level_rewards, response_mask)
-    group = _require_index("rloo", index, response_mask)
+    token_level_rewards, response_mask = _checked(inputs, "rloo")
+    group = _require_index(inputs, "rloo")
     scores = _sequence_scores(token_level_rewards, response_mask)
     counts, mean, _ = _group_stats(scores, group)
     scale = counts / (counts - 1).clamp(min=1)
@@ -270,49 +238,29 @@ def rloo(
 
 
 @register_advantage("reinforce_plus_plus")
-def reinforce_plus_plus(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262).
 
     ``G_t = sum_{s >= t} gamma**(s - t) * r_s`` within the mask (the returns), and
     ``advantages = masked_whiten(G, mask)`` over the whole batch (global normalization
     in place of a critic or group baseline). Uses only ``gamma``.
     """
-    _check_inputs("reinforce_plus_plus", token_level_rewards, response_mask)
+    token_level_rewards, response_mask = _checked(inputs, "reinforce_plus_plus")
     rewards = _zero_outside(token_level_rewards, response_mask)
-    returns = _zero_outside(_discounted_reverse_cumsum(rewards, gamma), response_mask)
+    returns = _zero_outside(_discounted_reverse_cumsum(rewards, inputs.gamma), response_mask)
     return masked_whiten(returns, response_mask), returns
 
 
 @register_advantage("reinforce_plus_plus_baseline")
-def reinforce_plus_plus_baseline(
-    *,
-    token_level_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    values: torch.Tensor | None = None,
-    index: torch.Tensor | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-    norm_adv_by_std: bool = True,
-    epsilon: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu et al. 2025, arXiv:2501.03262).
 
     ``A_i = score_i - group_mean`` (a group of one has mean 0), broadcast over the valid
     tokens, then ``masked_whiten`` over the whole batch; ``returns = advantages``.
     Uses only ``index``.
     """
-    _check_inputs("reinforce_plus_plus_baseline", token_level_rewards, response_mask)
-    group = _require_index("reinforce_plus_plus_baseline", index, response_mask)
+    token_level_rewards, response_mask = _checked(inputs, "reinforce_plus_plus_baseline")
+    group = _require_index(inputs, "reinforce_plus_plus_baseline")
     scores = _sequence_scores(token_level_rewards, response_mask)
     _, mean, _ = _group_stats(scores, group)
     advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -122,21 +121,21 @@ def _at_least_one(count: int, like: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- policy loss
 
 
-class PolicyLossFn(Protocol):
-    def __call__(
-        self,
-        *,
-        old_log_prob: torch.Tensor,
-        log_prob: torch.Tensor,
-        advantages: torch.Tensor,
-        response_mask: torch.Tensor,
-        clip_ratio_low: float,
-        clip_ratio_high: float,
-        clip_ratio_c: float,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Return the per-token loss matrix and per-token boolean indicators for metrics."""
-        ...
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What every policy loss is given; each reads the fields its objective needs."""
 
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    response_mask: torch.Tensor
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+
+
+# The per-token loss matrix, and per-token boolean indicators for metrics.
+PolicyLossFn = Callable[[PolicyLossInputs], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
@@ -154,27 +153,19 @@ LOG_RATIO_CLAMP = 20.0
 
 
 @register_policy_loss("vanilla")
-def _vanilla_policy_loss(
-    *,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _vanilla_policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman 2017) with asymmetric ranges and dual-clip (Ye 2020).
 
     Dual-clip bounds the loss of negative-advantage tokens at ``-A * clip_ratio_c`` so a
     huge ratio on a bad action cannot dominate the update.
     """
-    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    log_ratio = torch.clamp(x.log_prob - x.old_log_prob, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -x.advantages * ratio
+    clipped = -x.advantages * torch.clamp(ratio, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high)
     clip_loss = torch.maximum(unclipped, clipped)
-    dual_bound = -advantages * clip_ratio_c
-    negative = advantages < 0
+    dual_bound = -x.advantages * x.clip_ratio_c
+    negative = x.advantages < 0
     loss = torch.where(negative, torch.minimum(clip_loss, dual_bound), clip_loss)
     indicators = {
         "pg_clipfrac": clipped > unclipped,
@@ -184,44 +175,26 @@ def _vanilla_policy_loss(
 
 
 @register_policy_loss("gspo")
-def _gspo_policy_loss(
-    *,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _gspo_policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng 2025): clip a sequence-level ratio, the geometric mean of token ratios.
 
     The token-level form ``s_i * exp(logp_t - sg(logp_t))`` has the value of the sequence
     ratio and routes its gradient through every token. The paper pairs it with
     ``seq-mean-token-mean`` aggregation and much smaller clip ranges (3e-4 / 4e-4).
     """
-    log_ratio = log_prob - old_log_prob
-    seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1).detach().unsqueeze(-1)
-    token_log_ratio = log_prob - log_prob.detach() + seq_log_ratio
+    log_ratio = x.log_prob - x.old_log_prob
+    seq_log_ratio = masked_mean(log_ratio, x.response_mask, dim=-1).detach().unsqueeze(-1)
+    token_log_ratio = x.log_prob - x.log_prob.detach() + seq_log_ratio
     ratio = torch.exp(torch.clamp(token_log_ratio, max=10.0))
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    unclipped = -x.advantages * ratio
+    clipped = -x.advantages * torch.clamp(ratio, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high)
     return torch.maximum(unclipped, clipped), {"pg_clipfrac": clipped > unclipped}
 
 
 @register_policy_loss("reinforce")
-def _reinforce_policy_loss(
-    *,
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _reinforce_policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Plain policy gradient ``-A * log pi``: no ratio, so it is exact only on-policy."""
-    return -advantages * log_prob, {}
+    return -x.advantages * x.log_prob, {}
 
 
 def compute_policy_loss(
@@ -251,13 +224,15 @@ def compute_policy_loss(
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1.0 for dual-clip PPO, got {clip_ratio_c}")
     loss_mat, indicators = POLICY_LOSSES[loss_mode](
-        old_log_prob=old_log_prob,
-        log_prob=log_prob,
-        advantages=advantages,
-        response_mask=response_mask,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
+        PolicyLossInputs(
+            old_log_prob=old_log_prob,
+            log_prob=log_prob,
+            advantages=advantages,
+            response_mask=response_mask,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+        )
     )
     loss = agg_loss(
         loss_mat,

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tensordict import TensorDict
@@ -207,10 +208,10 @@ class Trainer:
         return step
 
     def train_step(self, step: int) -> dict[str, float]:
+        """One step: the numbered stages, each one worker-group call or driver math."""
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
         records = next(self.loader)
-        actor_k = cfg.role_sizes("actor").num_mini_batches
         with timer("rollout"):  # 1. generate, with old and reference log-probs
             prompts, texts = self._prompt_batch(
                 records, repeat=cfg.rollout.n, temperature=cfg.rollout.temperature
@@ -244,25 +245,10 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with timer("update_critic"):  # 5. critic update
-                k = cfg.role_sizes("critic").num_mini_batches
-                metrics.update(
-                    self.critic.call(
-                        "update_critic",
-                        batch,
-                        dispatch=DpSplit(mini_batches=k),
-                        collect="metrics",
-                    )
-                )
+                metrics.update(self._update("critic", self.critic, batch))
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
-                metrics.update(
-                    self.actor.call(
-                        "update_actor",
-                        batch,
-                        dispatch=DpSplit(mini_batches=actor_k),
-                        collect="metrics",
-                    )
-                )
+                metrics.update(self._update("actor", self.actor, batch))
         metrics.update(kl_metrics)
         metrics.update(
             step_statistics(
@@ -283,6 +269,17 @@ class Trainer:
         return metrics
 
     # ---------------------------------------------------------------------- helpers
+
+    def _update(
+        self, role: Literal["actor", "critic"], group: WorkerGroup, batch: TensorDict
+    ) -> dict[str, float]:
+        """The updates of one role over the step batch: its global mini-batches (a count the
+        config fixes) balanced over its ranks, metrics reduced over them."""
+        k = self.cfg.role_sizes(role).num_mini_batches
+        metrics: dict[str, float] = group.call(
+            f"update_{role}", batch, dispatch=DpSplit(mini_batches=k), collect="metrics"
+        )
+        return metrics
 
     def _prompt_batch(
         self, records: list[PromptRecord], *, repeat: int, temperature: float

@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (DESIGN §5).
+# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (docs/design.md, "Running here").
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -19,9 +19,8 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
-from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
+from verlite.controller import ResourcePool, Worker, WorkerGroup, start_ray, stop_ray
 from verlite.memory import retain_freed_memory
-from verlite.workers.base import Worker
 
 WORLD = 4
 # Ray workers cannot import the benchmarks package; the worker classes travel by value.

@@ -158,7 +158,7 @@ def test_bad_prompt_files(
 
 def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) -> None:
     """A checkpoint is data: a pickle that would run code is refused (weights_only=True)."""
-    from verlite.workers.base import EngineWorker
+    from verlite.workers.engine_worker import EngineWorker
 
     marker = tmp_path / "pwned"
 

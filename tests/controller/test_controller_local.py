@@ -21,13 +21,13 @@ from verlite.controller import (
     DpSplit,
     PlacementError,
     ResourcePool,
+    Worker,
     WorkerGroup,
     WorkerGroupError,
     write_placement_report,
 )
 from verlite.core.metrics import Metric, MetricDict
 from verlite.distributed import all_reduce_sum, get_rank, get_world_size
-from verlite.workers.base import Worker
 
 # Ray workers cannot import this module (pytest puts tests/controller on the driver's
 # sys.path only), so the test workers travel by value.

@@ -16,6 +16,7 @@ from tensordict import TensorDict
 from verlite.config import Config, load_config
 from verlite.controller import (
     ResourcePool,
+    Worker,
     WorkerGroup,
     build_pools,
     start_ray,
@@ -23,7 +24,6 @@ from verlite.controller import (
     write_placement_report,
 )
 from verlite.invariance import Case, Outcome, compare, make_batch, run_case
-from verlite.workers.base import Worker
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_tiny.yaml"

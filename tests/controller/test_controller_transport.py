@@ -12,9 +12,8 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from verlite.controller import ResourcePool, WorkerGroup
+from verlite.controller import ResourcePool, Worker, WorkerGroup
 from verlite.controller.transport import fits, from_wire, to_wire
-from verlite.workers.base import Worker
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -3,7 +3,8 @@
 Each rank takes a contiguous shard of one fixed batch with ragged valid lengths, so ranks
 hold different token counts. Its loss is (sum of its token NLLs) / (global token count) *
 world size: DDP and FSDP2 average gradients over ranks, so the world-size factor cancels
-that mean and the reduced gradient is the full-batch token-mean gradient (DESIGN §2).
+that mean and the reduced gradient is the full-batch token-mean gradient (docs/design.md,
+"The normalization contract").
 """
 
 from __future__ import annotations

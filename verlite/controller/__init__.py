@@ -6,6 +6,7 @@ from verlite.controller.errors import WorkerGroupError
 from verlite.controller.placement import write_placement_report
 from verlite.controller.resource_pool import PlacementError, ResourcePool, build_pools
 from verlite.controller.session import ray_session, start_ray, stop_ray
+from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "PendingCall",
     "PlacementError",
     "ResourcePool",
+    "Worker",
     "WorkerGroup",
     "WorkerGroupError",
     "build_pools",

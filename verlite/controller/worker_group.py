@@ -19,7 +19,7 @@ from verlite.controller.dispatch import Collect, Dispatch
 from verlite.controller.errors import WorkerGroupError, describe_failure
 from verlite.controller.resource_pool import ResourcePool
 from verlite.controller.transport import install_in_worker, use_tensordict_transport
-from verlite.workers.base import Worker
+from verlite.controller.worker import Worker
 
 # Arguments of these types are sent inline with each call. Anything else that several
 # ranks receive (a broadcast) is put in the object store once and passed by reference, so
@@ -74,7 +74,7 @@ class WorkerGroup:
         run_id: str,
     ) -> None:
         if not issubclass(worker_cls, Worker):
-            raise TypeError(f"{worker_cls.__name__} must subclass verlite.workers.base.Worker")
+            raise TypeError(f"{worker_cls.__name__} must subclass verlite.controller.Worker")
         if not 0.0 < share <= 1.0:
             raise ValueError(f"share must be in (0, 1], got {share}")
         self.name = name

@@ -3,7 +3,7 @@
 Every figure a worker reports is a :class:`Metric`: a value, a weight and an aggregation.
 The aggregation says what happens at each of the three reduction stages, so that the
 number shown on the driver means the same thing whatever the micro-batch size or the
-number of data-parallel workers (DESIGN §2):
+number of data-parallel workers (docs/design.md, "The metric algebra"):
 
 ============== ================== ================= ===================
 aggregation     micro-batches      DP ranks          mini-batches

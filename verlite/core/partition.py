@@ -1,8 +1,12 @@
-"""Index math for splitting a batch: fixed micro-batches, token-balanced partitions, and
-the inverse permutation that puts concatenated results back in the original order.
+"""How a batch is cut, planned in one place: the data-parallel shares of a step's global
+mini-batches (:func:`dp_shares`), micro-batches of a fixed size (:func:`split_fixed`) or
+by a token budget (:class:`TokenBudgetPartition`), the micro-batches a rank runs
+(:class:`MicroBatchPlan`), and the inverse permutation that puts concatenated results back
+in the original order.
 
 Everything here works on plain Python ints (sequence lengths may also be a 1-D integer
-tensor) and returns lists of row indices; callers index their TensorDicts with them.
+tensor) and returns lists of row indices; ``verlite.step_batch`` applies them to
+TensorDicts (``take_rows``, ``cut_mini_batches``).
 
 Token budget (dynamic batching). A micro-batch runs padded to its own width, so what
 a budget must bound is ``padded_cost``, rows x width, not the rows' token sum: balancing
@@ -10,8 +14,9 @@ token sums (as ``partition_balanced`` does across DP ranks) mixes a long
 row into every micro-batch and pads the short ones to it. ``partition_by_token_budget``
 groups rows of similar length instead, and keeps padding within ``MAX_PADDING``.
 
-Splitting never changes a loss (DESIGN §2): the normalizers are counted over the whole
-mini-batch before any of these functions run, so only the grouping of rows varies.
+Splitting never changes a loss (docs/design.md, "The normalization contract"): the
+normalizers are counted over the whole mini-batch before any of these functions run, so
+only the grouping of rows varies.
 """
 
 from __future__ import annotations

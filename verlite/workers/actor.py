@@ -15,8 +15,8 @@ from verlite.core.metrics import MetricDict
 from verlite.distributed import full_state_dict, inference_module
 from verlite.models import build_policy, resolve_device
 from verlite.rollout import NativeRollout, SamplingParams
-from verlite.workers.base import EngineWorker
 from verlite.workers.engine import TrainEngine, infer
+from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 

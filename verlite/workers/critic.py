@@ -12,8 +12,8 @@ from torch import nn
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
-from verlite.workers.base import EngineWorker
 from verlite.workers.engine import TrainEngine
+from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_values
 from verlite.workers.objectives import CriticLossSettings, value_loss
 

@@ -1,6 +1,6 @@
 """TrainEngine: one worker's model, optimizer and LR schedule, driven one mini-batch at a time.
 
-``train_mini_batch`` is where the normalization contract of DESIGN §2 is carried out:
+``train_mini_batch`` is where the normalization contract (docs/design.md) is carried out:
 
 1. count the valid tokens and sequences of the DP-local mini-batch and all-reduce them
    once, before any split (``global_counts``), and stamp them on every micro-batch;

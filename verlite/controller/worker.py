@@ -1,4 +1,5 @@
-"""Worker: the plain-Python base class of every Ray worker of a worker group.
+"""Worker: the plain-Python base class of every Ray worker of a worker group, the member's side
+of the group protocol.
 
 A :class:`verlite.controller.worker_group.WorkerGroup` wraps a subclass with ``ray.remote``
 and creates one per bundle, passing ``role``, ``rank``, ``world_size``, ``torch_threads``
@@ -9,17 +10,13 @@ address and has every rank join the process group concurrently (as Ray Train doe
 from __future__ import annotations
 
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 import torch
 
 from verlite.distributed import destroy_process_group, find_free_port, init_process_group
 from verlite.memory import retain_freed_memory
-
-if TYPE_CHECKING:
-    from verlite.workers.engine import TrainEngine
 
 
 class Worker:
@@ -68,29 +65,3 @@ class Worker:
 
     def ping(self) -> bool:
         return True
-
-
-class EngineWorker(Worker):
-    """A worker that trains with a :class:`~verlite.workers.engine.TrainEngine` (``self.engine``,
-    built by the subclass's ``init_model``): checkpoints of its training state."""
-
-    engine: TrainEngine
-
-    def save_checkpoint(self, path: str) -> None:
-        """Collective over the group: model, optimizer and schedule (DCP), and this rank's RNG."""
-        folder = Path(path)
-        folder.mkdir(parents=True, exist_ok=True)
-        self.engine.save(folder)
-        torch.save({"cpu": torch.get_rng_state()}, folder / f"rng_rank{self.rank}.pt")
-
-    def load_checkpoint(self, path: str) -> None:
-        """Collective: restore what ``save_checkpoint`` wrote, with any number of ranks then.
-
-        The RNG file of this rank is restored when it exists (same worker count as the save);
-        sampling seeds come from the step number, so a different count still resumes cleanly.
-        """
-        folder = Path(path)
-        self.engine.load(folder)
-        rng_file = folder / f"rng_rank{self.rank}.pt"
-        if rng_file.is_file():
-            torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])

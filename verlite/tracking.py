@@ -330,6 +330,22 @@ def _redact(text: str) -> str:
     return _URL_CREDENTIALS.sub("***@", text)
 
 
+# An HTTP authorization header or bearer credential quoted in a message (a server that
+# echoes the request back in its error).
+_AUTH_HEADER = re.compile(r"(?i)((?:x-ray-)?authorization\W{0,3}\s*[:=]\s*)(\S+(?:\s+\S+)?)")
+_BEARER = re.compile(r"(?i)(bearer\s+)\S+")
+
+
+def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
+    """``text`` (a server's answer, an error message) without credentials: the given
+    ``secrets``, authorization headers, bearer tokens and ``user:pass@`` in URLs masked."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    text = _AUTH_HEADER.sub(r"\1***", text)
+    return _redact(_BEARER.sub(r"\1***", text))
+
+
 class Tracker:
     """Fans metrics out to the configured loggers."""
 

@@ -115,9 +115,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     info = connect(args.address).info(args.job_id)
-    print(info.status)
-    if info.status == "FAILED" and info.message:
-        print(info.message, file=sys.stderr)
+    print(info["status"])
+    if info["status"] == "FAILED" and info.get("message"):
+        print(info["message"], file=sys.stderr)
     return 0
 
 
@@ -135,24 +135,23 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if server.stop(args.job_id):
         print(f"stop requested for {args.job_id}")
     else:
-        print(f"{args.job_id} had already ended: {server.info(args.job_id).status}")
+        print(f"{args.job_id} had already ended: {server.info(args.job_id)['status']}")
     return 0
 
 
 def cmd_list(args: argparse.Namespace) -> int:
     # DRIVER entries are the trainers' own connections to Ray, not submitted jobs.
-    jobs = [job for job in connect(args.address).jobs() if job.type == "SUBMISSION"]
+    jobs = [job for job in connect(args.address).jobs() if job.get("type") == "SUBMISSION"]
     if not jobs:
         print("no jobs", file=sys.stderr)
         return 0
     rows = [("ID", "STATUS", "STARTED", "ENTRYPOINT")]
-    for job in sorted(jobs, key=lambda j: j.start_time or 0):
-        started = (
-            datetime.fromtimestamp(job.start_time / 1000).isoformat(" ", "seconds")
-            if job.start_time
-            else "-"
+    for job in sorted(jobs, key=lambda j: j.get("start_time") or 0):
+        start = job.get("start_time")
+        started = datetime.fromtimestamp(start / 1000).isoformat(" ", "seconds") if start else "-"
+        rows.append(
+            (job.get("submission_id") or "-", str(job["status"]), started, job["entrypoint"])
         )
-        rows.append((job.submission_id or "-", str(job.status), started, job.entrypoint))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for *cells, entrypoint in rows:
         print("  ".join([*(c.ljust(w) for c, w in zip(cells, widths, strict=True)), entrypoint]))

@@ -1,6 +1,7 @@
 """One Ray cluster's job server as verlite talks to it: the address, a bounded reachability
-check, Ray's token authentication, and the SDK calls with their failures turned into one-line
-:class:`JobsError` messages that never carry the token."""
+check, Ray's token authentication, the dashboard's job API (and Ray's SDK to submit and to
+follow a log), with failures turned into one-line :class:`JobsError` messages from which
+the token and any authorization header are masked."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import requests
@@ -18,9 +20,10 @@ import requests
 from verlite import metrics_log
 from verlite.errors import UserError
 from verlite.metrics_log import Record
+from verlite.tracking import redact_text
 
 if TYPE_CHECKING:
-    from ray.job_submission import JobDetails, JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient
 
 ADDRESS_ENV = "RAY_ADDRESS"
 # Ray's token settings (Ray >= 2.52): the mode switch, then the token sources in Ray's order.
@@ -34,6 +37,9 @@ TOKEN_SOURCES = f"{TOKEN_ENV}, {TOKEN_PATH_ENV} or {DEFAULT_TOKEN_FILE}"
 CONNECT_TIMEOUT_S = 4.0
 READ_TIMEOUT_S = 4.0
 POLL_INTERVAL_S = 1.0
+# A job API call (a log of a long run is the largest answer).
+API_TIMEOUT_S = 30.0
+TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 RAY_CHATTY_LOGGERS = ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
 # The SDK reports a failed request as RuntimeError("Request failed with status code N: body").
 _HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
@@ -69,41 +75,36 @@ def connect(address: str | None) -> JobServer:
     """Reach the job server at ``address`` (see :func:`resolve_address`) or fail in seconds."""
     url = resolve_address(address)
     _check_reachable(url)
-    # Ray loads here, not at import: the CLI builds its parser without it.
-    from ray.job_submission import JobSubmissionClient
-
-    # The SDK logs each package upload, default exclude and websocket close on the console;
-    # its problems reach the user as JobsError instead.
-    for name in RAY_CHATTY_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    with _errors(url), _address_env_unset():
-        return JobServer(url, JobSubmissionClient(url))
+    return JobServer(url)
 
 
 class JobServer:
-    """The job calls verlite makes, each failing with a :class:`JobsError`."""
+    """The job calls verlite makes, each failing with a :class:`JobsError`.
 
-    def __init__(self, url: str, client: JobSubmissionClient) -> None:
+    Reading and stopping jobs are plain requests to the dashboard's job API, so those commands
+    answer without loading Ray; submitting (which packages the working directory) and
+    following a log stream go through Ray's Job Submission SDK.
+    """
+
+    def __init__(self, url: str) -> None:
         self.url = url
-        self.client = client
+        self._sdk: JobSubmissionClient | None = None
 
     def submit(
         self, *, entrypoint: str, runtime_env: dict[str, Any], submission_id: str | None
     ) -> str:
         with _errors(self.url):
-            job_id: str = self.client.submit_job(
+            job_id: str = self.sdk.submit_job(
                 entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id
             )
         return job_id
 
-    def info(self, job_id: str) -> JobDetails:
-        with _errors(self.url, job_id):
-            return self.client.get_job_info(job_id)
+    def info(self, job_id: str) -> dict[str, Any]:
+        """The job's record: ``status``, ``message``, ``entrypoint``, ``start_time``, ..."""
+        return self._job_record(self._request("GET", f"/api/jobs/{job_id}", job_id))
 
     def logs(self, job_id: str) -> str:
-        with _errors(self.url, job_id):
-            logs: str = self.client.get_job_logs(job_id)
-        return logs
+        return str(self._request("GET", f"/api/jobs/{job_id}/logs", job_id).get("logs", ""))
 
     def metrics(self, job_id: str) -> list[Record]:
         """The job's metrics records, read from the marked lines of its driver log."""
@@ -111,28 +112,81 @@ class JobServer:
 
     def stop(self, job_id: str) -> bool:
         """Ask the job to stop; False when it had already ended."""
-        with _errors(self.url, job_id):
-            stopped: bool = self.client.stop_job(job_id)
-        return stopped
+        return bool(self._request("POST", f"/api/jobs/{job_id}/stop", job_id).get("stopped"))
 
-    def jobs(self) -> list[JobDetails]:
-        with _errors(self.url):
-            return self.client.list_jobs()
+    def jobs(self) -> list[dict[str, Any]]:
+        jobs = self._request("GET", "/api/jobs/")
+        if not isinstance(jobs, list):
+            raise JobsError(
+                f"the job server at {self.url} answered a {type(jobs).__name__}, not a list of jobs"
+            )
+        return [self._job_record(job) for job in jobs]
 
     def follow(self, job_id: str, out: TextIO) -> str:
         """Copy the job's log to ``out`` as it grows until the job ends; return its final status."""
         self.info(job_id)  # an unknown id fails here, in one line, not in the websocket
         with _errors(self.url, job_id):
             asyncio.run(self._tail(job_id, out))
-            # The log stream closes when the job ends; its status may trail by a moment.
-            while not (status := self.client.get_job_status(job_id)).is_terminal():
-                time.sleep(POLL_INTERVAL_S)
-        return str(status)
+        # The log stream closes when the job ends; its status may trail by a moment.
+        while (status := str(self.info(job_id)["status"])) not in TERMINAL_STATUSES:
+            time.sleep(POLL_INTERVAL_S)
+        return status
 
     async def _tail(self, job_id: str, out: TextIO) -> None:
-        async for chunk in self.client.tail_job_logs(job_id):
+        async for chunk in self.sdk.tail_job_logs(job_id):
             out.write(chunk)
             out.flush()
+
+    def _job_record(self, value: Any) -> dict[str, Any]:
+        """A job record as the commands read it: a mapping with a status and an entrypoint."""
+        if not isinstance(value, dict) or not {"status", "entrypoint"} <= value.keys():
+            shown = redact_text(repr(value), [_token() or ""])[:200]
+            raise JobsError(
+                f"the job server at {self.url} answered a job record of another shape: {shown}"
+            )
+        return value
+
+    @property
+    def sdk(self) -> JobSubmissionClient:
+        """Ray's client, loaded on first use (it takes over a second to import)."""
+        if self._sdk is None:
+            from ray.job_submission import JobSubmissionClient
+
+            # The SDK logs each package upload, default exclude and websocket close on the
+            # console; its problems reach the user as JobsError instead.
+            for name in RAY_CHATTY_LOGGERS:
+                logging.getLogger(name).setLevel(logging.ERROR)
+            with _errors(self.url), _address_env_unset():
+                self._sdk = JobSubmissionClient(self.url)
+        return self._sdk
+
+    def _request(self, method: str, path: str, job_id: str | None = None) -> Any:
+        """One call of the dashboard's job API with the user's Ray token; its JSON answer."""
+        token = _token()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            response = requests.request(
+                method, self.url + path, headers=headers, timeout=(CONNECT_TIMEOUT_S, API_TIMEOUT_S)
+            )
+        except requests.Timeout:
+            raise JobsError(f"no answer from {self.url} within {API_TIMEOUT_S:g} s") from None
+        except requests.RequestException as exc:
+            raise JobsError(f"lost the connection to {self.url} ({type(exc).__name__})") from None
+        code = response.status_code
+        if code in (401, 403):
+            raise JobsError(_auth_problem(self.url, rejected=code == 403))
+        if code == 404 and job_id is not None:
+            raise JobsError(f"no job {job_id!r} on {self.url} (`verlite list` shows its jobs)")
+        body = redact_text(" ".join(response.text.split()), [token or ""])
+        if not response.ok:
+            raise JobsError(f"the job server at {self.url} answered HTTP {code}: {body[:300]}")
+        try:
+            return response.json()
+        except ValueError:
+            raise JobsError(
+                f"the job server at {self.url} answered {method} {path} with something that is "
+                f"not JSON: {body[:100]!r}"
+            ) from None
 
 
 def _check_reachable(url: str) -> None:
@@ -198,12 +252,17 @@ def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
     try:
         yield
     except AuthenticationError as exc:
-        raise JobsError(_auth_problem(url, str(exc))) from None
+        # Ray's message starts "Authentication failed" when the cluster refused the token
+        # sent (HTTP 403), and "Authentication required" when none was sent (HTTP 401).
+        rejected = str(exc).startswith("Authentication failed")
+        raise JobsError(_auth_problem(url, rejected=rejected)) from None
     except RuntimeError as exc:
         match = _HTTP_ERROR.search(str(exc))
         if match is None:  # e.g. the log stream closing abnormally
-            raise JobsError(f"{url}: {' '.join(str(exc).split())[:300]}") from None
-        code, body = int(match[1]), " ".join(match[2].split()).rstrip(".")
+            message = redact_text(" ".join(str(exc).split()), [_token() or ""])
+            raise JobsError(f"{url}: {message[:300]}") from None
+        code = int(match[1])
+        body = redact_text(" ".join(match[2].split()).rstrip("."), [_token() or ""])
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {url} (`verlite list` shows its jobs)") from None
         raise JobsError(f"the job server at {url} answered HTTP {code}: {body[:300]}") from None
@@ -211,10 +270,9 @@ def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
         raise JobsError(f"lost the connection to {url} ({type(exc).__name__})") from None
 
 
-def _auth_problem(url: str, text: str) -> str:
-    # Ray's messages start "Authentication failed" when the cluster refused the token sent
-    # (HTTP 403), and "Authentication required" when none was sent (HTTP 401).
-    if text.startswith("Authentication failed"):
+def _auth_problem(url: str, *, rejected: bool) -> str:
+    """What to do when the cluster refused the token sent (``rejected``) or got none."""
+    if rejected:
         return f"the cluster at {url} rejected the Ray token from {_token_source()}; use that cluster's token"
     if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
         return (
@@ -224,6 +282,21 @@ def _auth_problem(url: str, text: str) -> str:
     if os.environ.get(TOKEN_PATH_ENV) and not os.environ.get(TOKEN_ENV):
         return f"{TOKEN_PATH_ENV}={os.environ[TOKEN_PATH_ENV]} cannot be read or is empty"
     return f"{AUTH_MODE_ENV}=token but no Ray token was found in {TOKEN_SOURCES}"
+
+
+def _token() -> str | None:
+    """The Ray token a client sends, found where Ray's own clients look: none unless
+    ``RAY_AUTH_MODE=token``; then ``RAY_AUTH_TOKEN``, the file ``RAY_AUTH_TOKEN_PATH`` names,
+    or ``~/.ray/auth_token``."""
+    if os.environ.get(AUTH_MODE_ENV, "").lower() != "token":
+        return None
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    path = Path(os.environ.get(TOKEN_PATH_ENV) or DEFAULT_TOKEN_FILE).expanduser()
+    try:
+        return path.read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _token_source() -> str:

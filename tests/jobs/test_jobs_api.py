@@ -1,0 +1,160 @@
+"""The job commands that read and stop jobs, against a real HTTP server on 127.0.0.1 that
+answers like a Ray dashboard's job API: the records they print, the token they send, and one
+line for every kind of bad answer, with no credential in it. They load neither Ray nor torch."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
+
+import pytest
+from jobs_support import REPO, client_env
+
+TOKEN = "tok-7f3e9a"
+JOB = {
+    "type": "SUBMISSION",
+    "submission_id": "raysubmit_1",
+    "status": "FAILED",
+    "message": "the driver exited with 1",
+    "entrypoint": "verlite train --config configs/ppo_tiny.yaml",
+    "start_time": 1_700_000_000_000,
+}
+DRIVER = {**JOB, "type": "DRIVER", "submission_id": None, "entrypoint": "python x.py"}
+
+
+class Dashboard(BaseHTTPRequestHandler):
+    """Routes of the job API; ``answers`` (class level) overrides a path's answer."""
+
+    answers: ClassVar[dict[str, tuple[int, str]]] = {}
+    seen: ClassVar[list[tuple[str, str, str | None]]] = []
+
+    def _answer(self) -> None:
+        self.seen.append((self.command, self.path, self.headers.get("Authorization")))
+        routes = {
+            "/api/version": (200, json.dumps({"ray_version": "2.60"})),
+            "/api/jobs/": (200, json.dumps([JOB, DRIVER])),
+            "/api/jobs/raysubmit_1": (200, json.dumps(JOB)),
+            "/api/jobs/raysubmit_1/logs": (200, json.dumps({"logs": "line 1\nline 2\n"})),
+            "/api/jobs/raysubmit_1/stop": (200, json.dumps({"stopped": True})),
+        }
+        code, body = self.answers.get(self.path) or routes.get(self.path, (404, "no such job"))
+        if self.path != "/api/version" and self.headers.get("Authorization") != f"Bearer {TOKEN}":
+            code, body = (403, "bad token") if self.headers.get("Authorization") else (401, "")
+        data = body.encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def dashboard() -> Iterator[str]:
+    Dashboard.answers, Dashboard.seen = {}, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def verlite(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    environment = client_env(**{"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "verlite", *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_status_logs_stop_and_list_read_the_job_api_with_the_token(dashboard: str) -> None:
+    status = verlite("status", "raysubmit_1", "--address", dashboard)
+    assert status.returncode == 0 and status.stdout == "FAILED\n"
+    assert status.stderr == "the driver exited with 1\n"
+    logs = verlite("logs", "raysubmit_1", "--address", dashboard)
+    assert logs.stdout == "line 1\nline 2\n"
+    stop = verlite("stop", "raysubmit_1", "--address", dashboard)
+    assert stop.stdout == "stop requested for raysubmit_1\n"
+    listing = verlite("list", "--address", dashboard)
+    lines = listing.stdout.splitlines()
+    assert lines[0].split() == ["ID", "STATUS", "STARTED", "ENTRYPOINT"]
+    assert len(lines) == 2 and lines[1].startswith("raysubmit_1  FAILED")  # no DRIVER entry
+    assert ("POST", "/api/jobs/raysubmit_1/stop", f"Bearer {TOKEN}") in Dashboard.seen
+    assert TOKEN not in "".join(p.stdout + p.stderr for p in (status, logs, stop, listing))
+
+
+def test_reading_a_job_loads_neither_ray_nor_torch(dashboard: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "verlite", "status", "raysubmit_1"],
+        cwd=REPO,
+        env=client_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN, RAY_ADDRESS=dashboard),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "requests" in imported  # the probe sees imports at all
+    assert not {"ray", "torch", "transformers"} & imported
+
+
+@pytest.mark.parametrize(
+    ("path", "answer", "message"),
+    [
+        (
+            "/api/jobs/raysubmit_1",
+            (200, "<html>gateway</html>"),
+            "not JSON: '<html>gateway</html>'",
+        ),
+        (
+            "/api/jobs/raysubmit_1",
+            (200, json.dumps({"state": "ok"})),
+            "job record of another shape",
+        ),
+        ("/api/jobs/raysubmit_1", (200, json.dumps([1, 2])), "job record of another shape"),
+        (
+            "/api/jobs/raysubmit_1",
+            (500, f"boom; request headers: Authorization: Bearer {TOKEN}"),
+            "answered HTTP 500: boom; request headers: Authorization: ***",
+        ),
+    ],
+)
+def test_bad_answers_are_one_line_without_the_token(
+    dashboard: str, path: str, answer: tuple[int, str], message: str
+) -> None:
+    Dashboard.answers[path] = answer
+    proc = verlite("status", "raysubmit_1", "--address", dashboard)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert message in proc.stderr and TOKEN not in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_job_and_token_problems_say_what_to_do(dashboard: str) -> None:
+    unknown = verlite("status", "raysubmit_9", "--address", dashboard)
+    assert unknown.returncode == 2 and "no job 'raysubmit_9'" in unknown.stderr
+    rejected = verlite("status", "raysubmit_1", "--address", dashboard, RAY_AUTH_TOKEN="wrong")
+    assert (
+        rejected.returncode == 2 and "rejected the Ray token from RAY_AUTH_TOKEN" in rejected.stderr
+    )
+    none = subprocess.run(
+        [sys.executable, "-m", "verlite", "status", "raysubmit_1", "--address", dashboard],
+        cwd=REPO,
+        env=client_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert none.returncode == 2 and "set RAY_AUTH_MODE=token" in none.stderr

@@ -1,6 +1,7 @@
 """Config loading, overrides, inherited defaults, derived sizes and every error path."""
 
 import ast
+import time
 from pathlib import Path
 
 import pytest
@@ -250,6 +251,29 @@ def test_file_errors(tmp_path: Path) -> None:
     assert "data=3: Input should be a valid dictionary" in error_of(path=tmp_path / "section.yaml")
     (tmp_path / "empty.yaml").write_text("")
     assert "data: required field is missing" in error_of(path=tmp_path / "empty.yaml")
+
+
+def test_yaml_aliases_that_expand_past_the_bound_are_refused_in_linear_time(
+    tmp_path: Path,
+) -> None:
+    # 450 bytes that expand to 1.2e9 values: walking the expansion (as the duplicate-key
+    # check once did, ~10x per level) would take hours.
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x, x]"]
+    for prev, name in zip("abcdefgh", "bcdefghi", strict=True):
+        levels.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\n")
+    started = time.monotonic()
+    message = error_of(path=bomb)
+    assert "expands to 1,234,567,909 values through YAML aliases" in message
+    assert time.monotonic() - started < 60  # a hang guard only: it takes milliseconds
+    # A few aliases are fine, and a key set twice under a shared node is still found once.
+    shared = tmp_path / "shared.yaml"
+    shared.write_text("x: &t {task: copy, task: add}\ndata: *t\n")
+    assert "sets x.task twice" in error_of(path=shared)
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("data: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert "nests too deeply to read" in error_of(path=deep)
 
 
 def test_yaml_is_loaded_safely(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
 from verlite.errors import UserError
+from verlite.yaml_files import read_mapping
 
 
 class ConfigError(UserError):
@@ -27,59 +28,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     """Read a YAML config (``yaml.safe_load``), apply ``dotted.key=value`` overrides, validate."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(Path(path))
+        raw = read_mapping(
+            path, what="config file", example="of sections: model:, data:, ...", error=ConfigError
+        )
     for item in overrides:
         _apply_override(raw, item)
     try:
         return Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, raw)) from None
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#x} "
-            f"at offset {exc.start})"
-        ) from None
-    try:
-        data = yaml.safe_load(text)
-        _refuse_duplicate_keys(path, yaml.compose(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML{at}: {problem}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {str(path)!r} must hold a mapping of sections (model:, data:, ...), "
-            f"got a {type(data).__name__}"
-        )
-    return data
-
-
-def _refuse_duplicate_keys(path: Path, node: yaml.Node | None, where: str = "") -> None:
-    """A key given twice in one mapping is an error: YAML would silently keep the last one."""
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key, value in node.value:
-            name = f"{where}{key.value}"
-            if name in seen:
-                raise ConfigError(
-                    f"config file {str(path)!r} sets {name} twice (line {key.start_mark.line + 1}); "
-                    "remove one"
-                )
-            seen.add(name)
-            _refuse_duplicate_keys(path, value, name + ".")
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(path, item, f"{where}{i}.")
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

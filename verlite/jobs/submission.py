@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 import verlite
 from verlite.config import load_config
 from verlite.jobs.server import JobsError
 from verlite.tracking import carries_secret
+from verlite.yaml_files import read_mapping
 
 # Never shipped: version control, environments, run outputs, caches and build metadata.
 DEFAULT_EXCLUDES = (
@@ -90,21 +89,9 @@ def prepare_submission(
 
 def read_runtime_env(path: str) -> dict[str, Any]:
     """A runtime_env mapping from YAML (``yaml.safe_load``); the project is shipped separately."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise JobsError(f"cannot read runtime env file {path!r}: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise JobsError(f"runtime env file {path!r} is not valid YAML") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise JobsError(
-            f"runtime env file {path!r} must hold a mapping (env_vars:, pip:, ...), "
-            f"got a {type(data).__name__}"
-        )
+    data = read_mapping(
+        path, what="runtime env file", example="(env_vars:, pip:, ...)", error=JobsError
+    )
     if "working_dir" in data:
         raise JobsError(
             f"runtime env file {path!r} sets working_dir; verlite ships the project itself "

@@ -1,0 +1,102 @@
+"""A user's YAML file read as one mapping: ``yaml.safe_load`` (no tags that build Python
+objects), one line for every problem, a key set twice refused, and aliases bounded.
+
+YAML aliases share nodes, so a few hundred bytes can describe a structure of billions of
+values ("billion laughs"): every later walk over it (validation, error messages, logging)
+would take that long. The composed node graph is measured once, each shared node counted
+once per place it is used but computed once, and a file that expands past
+:data:`MAX_VALUES` is refused before anything reads the values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from verlite.errors import UserError
+
+# Values a file may expand to, aliases counted where they are used: a run config has a few
+# hundred, a runtime env a few thousand at most.
+MAX_VALUES = 100_000
+
+
+def read_mapping(
+    path: str | Path, *, what: str, example: str, error: type[UserError] = UserError
+) -> dict[str, Any]:
+    """The mapping in the YAML file ``path`` ({} for an empty file). ``what`` names the file
+    in messages ("config file"), ``example`` says what the mapping holds ("of sections:
+    model:, data:, ..."); problems raise ``error`` with one line."""
+    shown = repr(str(path))
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise error(f"cannot read {what} {shown}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise error(
+            f"{what} {shown} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "
+            f"{exc.start})"
+        ) from None
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        values = _expanded_size(root, {})
+        if values > MAX_VALUES:
+            raise error(
+                f"{what} {shown} expands to {values:,} values through YAML aliases "
+                f"(at most {MAX_VALUES:,}); write the values out instead of nesting aliases"
+            )
+        _refuse_duplicate_keys(root, "", set(), what=f"{what} {shown}", error=error)
+        data = yaml.safe_load(text)
+    except RecursionError:
+        raise error(f"{what} {shown} nests too deeply to read") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise error(f"{what} {shown} is not valid YAML{at}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise error(f"{what} {shown} must hold a mapping {example}, got a {type(data).__name__}")
+    return data
+
+
+def _expanded_size(node: yaml.Node | None, sizes: dict[int, int]) -> int:
+    """Values under ``node`` as if every alias were written out; each node computed once."""
+    if node is None:
+        return 0
+    if id(node) in sizes:
+        return sizes[id(node)]
+    sizes[id(node)] = 1  # a node that contains itself (a recursive alias) counts once
+    if isinstance(node, yaml.MappingNode):
+        total = 1 + sum(_expanded_size(k, sizes) + _expanded_size(v, sizes) for k, v in node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        total = 1 + sum(_expanded_size(item, sizes) for item in node.value)
+    else:
+        total = 1
+    sizes[id(node)] = total
+    return total
+
+
+def _refuse_duplicate_keys(
+    node: yaml.Node | None, where: str, checked: set[int], *, what: str, error: type[UserError]
+) -> None:
+    """A key given twice in one mapping is an error: YAML would silently keep the last one.
+    A node shared through aliases is checked once."""
+    if node is None or id(node) in checked:
+        return
+    checked.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            name = f"{where}{key.value}"
+            if name in seen:
+                raise error(
+                    f"{what} sets {name} twice (line {key.start_mark.line + 1}); remove one"
+                )
+            seen.add(name)
+            _refuse_duplicate_keys(value, name + ".", checked, what=what, error=error)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicate_keys(item, f"{where}{i}.", checked, what=what, error=error)

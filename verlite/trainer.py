@@ -304,7 +304,10 @@ class Trainer:
         answers = [r["answer"] for r in records]
         prompts = [r["prompt"] for r in records]
         return torch.tensor(
-            score_responses(self.reward_fn, texts, answers, prompts), dtype=torch.float32
+            score_responses(
+                self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
+            ),
+            dtype=torch.float32,
         )
 
     def _decode(self, ids: list[int]) -> str:

@@ -1,6 +1,5 @@
 """Reward resolution (registry, config defaults, user functions by import path) and score validation."""
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -10,13 +9,11 @@ import pytest
 from verlite.config import Config, ConfigError
 from verlite.rewards import (
     REWARDS,
-    RewardError,
     digit_match,
     exact_match,
     get_reward,
     gsm8k,
     resolve_reward,
-    score_responses,
 )
 
 USER_MODULE = """
@@ -104,26 +101,3 @@ def test_user_function(user_module: str) -> None:
 def test_user_function_errors(user_module: str, spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         get_reward(spec)
-
-
-def test_score_responses() -> None:
-    scores = score_responses(digit_match, ["12", "13", ""], ["12", "12", "12"], ["a", "b", "c"])
-    assert scores == [1.0, 0.75, 0.0]
-    assert all(type(s) is float for s in score_responses(lambda r, a, p: 1, ["x"], ["y"], ["z"]))
-
-
-@pytest.mark.parametrize("bad", [1.5, -0.1, math.nan, math.inf, "1.0", None])
-def test_score_responses_rejects_bad_scores(bad: object) -> None:
-    def bad_reward(response: str, answer: str, prompt: str) -> Any:
-        return bad if response == "second" else 0.5
-
-    with pytest.raises(
-        RewardError,
-        match=rf"reward function {__name__}:.*bad_reward returned .* for response 1 \('second'\)",
-    ):
-        score_responses(bad_reward, ["first", "second"], ["a", "a"], ["p", "p"])
-
-
-def test_score_responses_length_mismatch() -> None:
-    with pytest.raises(ValueError, match="got 2 responses, 1 answers, 2 prompts"):
-        score_responses(exact_match, ["a", "b"], ["a"], ["p", "q"])

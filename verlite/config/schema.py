@@ -304,6 +304,12 @@ class RewardConfig(Section):
         description="A registered reward name or 'package.module:function'; None uses the task's reward "
         "(exact match of the answer for prompt files).",
     )
+    timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="Longest one call of the reward function may take; a slower call stops the "
+        "run with an error naming the response.",
+    )
 
 
 class TrainerConfig(Section):

@@ -1,15 +1,9 @@
 """Rule-based rewards: a registry of ``fn(response, answer, prompt) -> float`` in [0, 1],
-user functions by import path, and validated batch scoring."""
+user functions by import path, and checked, time-bounded scoring of a batch."""
 
-from verlite.rewards.registry import (
-    REWARDS,
-    RewardError,
-    RewardFn,
-    get_reward,
-    resolve_reward,
-    score_responses,
-)
+from verlite.rewards.registry import REWARDS, RewardFn, get_reward, resolve_reward
 from verlite.rewards.rules import digit_match, exact_match, gsm8k
+from verlite.rewards.scoring import RewardError, score_responses
 
 __all__ = [
     "REWARDS",

@@ -1,19 +1,16 @@
-"""Reward functions by name: the built-in registry, user functions by import path, the run's
-reward, and validated scoring of a batch of responses."""
+"""Reward functions by name: the built-in registry, user functions by import path, and the
+run's reward."""
 
 from __future__ import annotations
 
 import importlib
 import inspect
-import math
-import numbers
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import cast
 
 from verlite.config import Config, ConfigError
 from verlite.data.tasks import TASKS
-from verlite.errors import UserError
 from verlite.rewards.rules import digit_match, exact_match, gsm8k
 
 RewardFn = Callable[[str, str, str], float]
@@ -27,10 +24,6 @@ REWARDS: dict[str, RewardFn] = {
 
 _DOTTED = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
 _IMPORT_PATH = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
-
-
-class RewardError(UserError):
-    """A reward function returned something that is not a score in [0, 1]."""
 
 
 def resolve_reward(cfg: Config) -> RewardFn:
@@ -94,27 +87,7 @@ def _check_signature(spec: str, fn: Callable[..., object]) -> None:
         ) from None
 
 
-def score_responses(
-    fn: RewardFn, responses: Sequence[str], answers: Sequence[str], prompts: Sequence[str]
-) -> list[float]:
-    """Score each response; every score must be a finite number in [0, 1]."""
-    if not len(responses) == len(answers) == len(prompts):
-        raise ValueError(
-            f"score_responses needs one answer and prompt per response; got {len(responses)} responses, "
-            f"{len(answers)} answers, {len(prompts)} prompts"
-        )
-    scores: list[float] = []
-    for i, (response, answer, prompt) in enumerate(zip(responses, answers, prompts, strict=True)):
-        score = fn(response, answer, prompt)
-        if not (isinstance(score, numbers.Real) and math.isfinite(score) and 0.0 <= score <= 1.0):
-            raise RewardError(
-                f"reward function {_name(fn)} returned {score!r} for response {i} ({response!r}); "
-                "scores must be finite numbers in [0, 1]"
-            )
-        scores.append(float(score))
-    return scores
-
-
-def _name(fn: Callable[..., object]) -> str:
+def reward_name(fn: Callable[..., object]) -> str:
+    """How messages name a reward function: ``module:qualname``."""
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     return f"{module}:{qualname}" if module and qualname else repr(fn)

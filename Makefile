@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job: PPO with a critic on the tiny model and synthetic task, embedded local Ray.
+# Each `make run` starts afresh: an earlier outputs/ppo_tiny is moved aside, not deleted.
 run: setup
-	$(VENV)/bin/verlite train --config configs/ppo_tiny.yaml $(ARGS)
+	$(VENV)/bin/verlite train --config configs/ppo_tiny.yaml trainer.overwrite=true $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -42,10 +42,10 @@ LAYERS: dict[str, tuple[set[str], set[str]]] = {
         {"config", "errors"},
     ),
     "rewards": (set(), {"config", "data", "errors"}),
-    "config": ({"pydantic", "pydantic_core", "yaml"}, {"core", "errors"}),
+    "config": ({"pydantic", "pydantic_core", "yaml"}, {"core", "errors", "yaml_files"}),
     "jobs": (
         {"aiohttp", "ray", "requests", "yaml"},
-        {"", "config", "errors", "metrics_log", "tracking"},
+        {"", "config", "errors", "metrics_log", "tracking", "yaml_files"},
     ),
 }
 

@@ -79,7 +79,6 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
     """One whole run in the open Ray session: place the groups, resume when a checkpoint was
     found, train to ``trainer.total_steps``, export the policy; the output folder."""
     output_dir = Path(cfg.trainer.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     with start_groups(cfg, inputs.tokenizer) as groups:
         print(write_placement_report(groups.all, output_dir), flush=True)
         trainer = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)

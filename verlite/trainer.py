@@ -23,10 +23,8 @@ from transformers import PreTrainedTokenizerBase
 from verlite import metrics_log
 from verlite.checkpoint import (
     begin_checkpoint,
-    check_resumable,
     commit_checkpoint,
     read_trainer_state,
-    resume_checkpoint,
 )
 from verlite.config import Config
 from verlite.controller import DpSplit, WorkerGroup
@@ -43,6 +41,8 @@ from verlite.data import (
     prompt_tensordict,
 )
 from verlite.errors import RunFailure
+from verlite.models import check_tokenizer_fits
+from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams
 from verlite.tracking import Tracker
@@ -89,9 +89,10 @@ class Timer:
 
 @dataclass(frozen=True)
 class RunInputs:
-    """What a run reads before any worker starts, so that a bad file or checkpoint fails in a
-    second, before Ray: the tokenizer, the prompt datasets, the reward function and the
-    checkpoint to resume from (None: a fresh run)."""
+    """What a run reads before any worker starts, so that a bad file, checkpoint or output
+    folder fails in a second, before Ray: the tokenizer, the prompt datasets, the reward
+    function and the checkpoint to resume from (None: a fresh run, in an output folder made
+    ready under its contract, ``verlite.output_folder``)."""
 
     tokenizer: PreTrainedTokenizerBase
     train_set: PromptDataset
@@ -102,16 +103,12 @@ class RunInputs:
     @classmethod
     def load(cls, cfg: Config) -> RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+        check_tokenizer_fits(cfg.model, len(tokenizer))
         train_set, val_set = build_datasets(cfg, tokenizer)
-        resume_from = resume_checkpoint(cfg.trainer.output_dir, cfg.trainer.resume)
-        if resume_from:
-            check_resumable(
-                resume_from,
-                model=cfg.model.model_dump(mode="json"),
-                roles=cfg.roles,
-                total_steps=cfg.trainer.total_steps,
-            )
-        return cls(tokenizer, train_set, val_set, resolve_reward(cfg), resume_from)
+        reward_fn = resolve_reward(cfg)
+        # Last: it may move an earlier folder aside, which only a run that starts should do.
+        resume_from = prepare_output_folder(cfg)
+        return cls(tokenizer, train_set, val_set, reward_fn, resume_from)
 
 
 class Trainer:

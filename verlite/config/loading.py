@@ -6,6 +6,7 @@ and what is allowed.
 from __future__ import annotations
 
 import difflib
+import json
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -175,17 +176,56 @@ def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
 
 
 def check_paths(cfg: Config) -> None:
-    """Fail early, before Ray starts, on model or data paths that do not exist on this machine."""
-    for dotted, value in (
-        ("model.path", cfg.model.path),
-        ("data.train_file", cfg.data.train_file),
-        ("data.val_file", cfg.data.val_file),
-    ):
+    """Fail early, before Ray starts, on input paths that do not exist on this machine, a
+    model folder that cannot be a Hugging Face model, and an output folder that overlaps an
+    input (the run would write over what it reads)."""
+    inputs = {
+        "model.path": cfg.model.path,
+        "data.train_file": cfg.data.train_file,
+        "data.val_file": cfg.data.val_file,
+    }
+    for dotted, value in inputs.items():
         if value is not None and not Path(value).exists():
             raise ConfigError(f"{dotted}={value!r}: no such file or directory")
-    if cfg.model.path is not None and not (Path(cfg.model.path) / "config.json").is_file():
+    if cfg.model.path is not None:
+        _check_model_dir(cfg.model.path)
+    output = Path(cfg.trainer.output_dir).resolve()
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "disable"):
+        inputs["trainer.resume"] = resume
+    for dotted, value in inputs.items():
+        if value is None:
+            continue
+        path = Path(value).resolve()
+        if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
+            continue  # a checkpoint of the run in this folder: resuming it is what it is for
+        if path == output or path.is_relative_to(output) or output.is_relative_to(path):
+            raise ConfigError(
+                f"trainer.output_dir={cfg.trainer.output_dir!r} overlaps {dotted}={value!r}: "
+                "the run would write where it reads; choose an output folder apart from its inputs"
+            )
+
+
+def _check_model_dir(path: str) -> None:
+    config = Path(path) / "config.json"
+    if not config.is_file():
         raise ConfigError(
-            f"model.path={cfg.model.path!r} is not a Hugging Face model directory (no config.json "
+            f"model.path={path!r} is not a Hugging Face model directory (no config.json "
             "in it); give a local folder written by save_pretrained, or leave it unset for the "
             "built-in model"
         )
+    try:
+        fields = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(
+            f"model.path={path!r}: its config.json cannot be read as JSON ({_one_line(exc)})"
+        ) from None
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise ConfigError(
+            f"model.path={path!r}: its config.json names no model_type; it is not a Hugging "
+            "Face model config"
+        )
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:200]

@@ -347,6 +347,11 @@ class TrainerConfig(Section):
         0, description="Checkpoint every this many steps (and at the end); 0 never."
     )
     max_checkpoints: PositiveInt = Field(3, description="Checkpoints kept; older ones are deleted.")
+    overwrite: bool = Field(
+        False,
+        description="A non-empty output_dir that this run does not continue is refused; true moves "
+        "its contents aside (to <output_dir>.replaced-<UTC time>) and starts a fresh run there.",
+    )
     resume: str = Field(
         "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
     )

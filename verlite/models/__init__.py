@@ -17,7 +17,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from verlite.config import ModelConfig
+from verlite.config import ConfigError, ModelConfig
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -31,6 +31,20 @@ def resolve_device(cfg: ModelConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def check_tokenizer_fits(cfg: ModelConfig, tokenizer_size: int) -> None:
+    """A tokenizer whose ids reach past the model's vocabulary would index past its embedding
+    (an ``IndexError`` deep in the first rollout): refused at start-up, in one line."""
+    if cfg.path is None:
+        return  # the built-in model is built for the tokenizer's size
+    vocab = getattr(AutoConfig.from_pretrained(cfg.path), "vocab_size", None)
+    if isinstance(vocab, int) and tokenizer_size > vocab:
+        raise ConfigError(
+            f"model.path={cfg.path!r}: its tokenizer has {tokenizer_size} tokens but the model's "
+            f"vocabulary holds {vocab} (config.json vocab_size); use the tokenizer the model was "
+            "trained with"
+        )
 
 
 def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> PretrainedConfig:

@@ -1,0 +1,156 @@
+"""The output folder contract: a run never writes over what it did not make, never restarts
+over a run it could continue, and never reads and writes the same paths."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from verlite.checkpoint import CheckpointError
+from verlite.config import Config, ConfigError, check_paths, load_config
+from verlite.output_folder import prepare_output_folder
+
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
+
+
+def config(out: Path, *overrides: str) -> Config:
+    return load_config(CONFIG, [f"trainer.output_dir={out}", "trainer.total_steps=6", *overrides])
+
+
+def someones_files(out: Path) -> dict[str, str]:
+    files = {"config.json": '{"mine": 1}', "notes.txt": "do not lose me"}
+    out.mkdir(parents=True)
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return files
+
+
+def earlier_run(out: Path, *, checkpoint_step: int | None) -> None:
+    out.mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n')
+    (out / "config.json").write_text("{}")
+    if checkpoint_step is not None:
+        folder = out / "checkpoints" / f"step_{checkpoint_step}"
+        for role in ("actor", "critic"):
+            (folder / role).mkdir(parents=True)
+        state = {"step": checkpoint_step, "model": config(out).model.model_dump(mode="json")}
+        (folder / "trainer_state.json").write_text(json.dumps(state))
+
+
+def test_a_missing_or_empty_folder_starts_a_fresh_run(tmp_path: Path) -> None:
+    assert prepare_output_folder(config(tmp_path / "new" / "run")) is None
+    assert (tmp_path / "new" / "run").is_dir()
+    (tmp_path / "empty").mkdir()
+    assert prepare_output_folder(config(tmp_path / "empty")) is None
+
+
+def test_someones_files_are_refused_and_left_as_they_are(tmp_path: Path) -> None:
+    out = tmp_path / "theirs"
+    files = someones_files(out)
+    with pytest.raises(ConfigError, match=r"is not empty \(it holds config.json, notes.txt\)"):
+        prepare_output_folder(config(out))
+    assert {p.name: p.read_text() for p in out.iterdir()} == files
+
+
+def test_overwrite_moves_the_contents_aside_whole(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "theirs"
+    files = someones_files(out)
+    assert prepare_output_folder(config(out, "trainer.overwrite=true")) is None
+    assert list(out.iterdir()) == []
+    (moved,) = tmp_path.glob("theirs.replaced-*")
+    assert {p.name: p.read_text() for p in moved.iterdir()} == files
+    assert f"moved the earlier contents of {out} to {moved}" in capsys.readouterr().out
+
+
+def test_an_earlier_run_without_a_checkpoint_is_refused_not_truncated(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=None)
+    with pytest.raises(ConfigError, match=r"not empty \(an earlier run\)"):
+        prepare_output_folder(config(out))
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1, "a": 1.0}\n'
+
+
+def test_a_run_with_a_checkpoint_continues(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_3"
+    named = config(out, f"trainer.resume={out / 'checkpoints' / 'step_3'}")
+    assert prepare_output_folder(named) == out / "checkpoints" / "step_3"
+    assert (out / "metrics.jsonl").is_file()  # nothing moved
+
+
+def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=6)
+    with pytest.raises(CheckpointError, match=r"already reached trainer\.total_steps=6"):
+        prepare_output_folder(config(out))
+
+
+def test_resume_disable_over_a_run_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    with pytest.raises(ConfigError, match=r"a run with checkpoints, and trainer\.resume=disable"):
+        prepare_output_folder(config(out, "trainer.resume=disable"))
+
+
+def test_a_checkpoint_of_another_folder_starts_only_in_an_empty_one(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    earlier_run(source, checkpoint_step=3)
+    step = source / "checkpoints" / "step_3"
+    assert prepare_output_folder(config(tmp_path / "fork", f"trainer.resume={step}")) == step
+    someones_files(tmp_path / "busy")
+    with pytest.raises(ConfigError, match="holds no checkpoint this run continues"):
+        prepare_output_folder(config(tmp_path / "busy", f"trainer.resume={step}"))
+
+
+def test_a_file_or_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file, not a folder"):
+        prepare_output_folder(config(tmp_path / "file"))
+    with pytest.raises(ConfigError, match="cannot be written"):
+        prepare_output_folder(config(Path("/proc/verlite-run")))
+
+
+@pytest.mark.parametrize(
+    ("inputs", "output"),
+    [
+        ("model.path={model}", "{model}"),
+        ("model.path={model}", "{model}/run"),
+        ("model.path={model}", "{tmp}"),
+        ("data.train_file={model}/train.jsonl", "{model}"),
+        ("trainer.resume={tmp}/other/checkpoints/step_3", "{tmp}/other/checkpoints/step_3/x"),
+    ],
+)
+def test_an_output_folder_overlapping_an_input_is_refused(
+    tmp_path: Path, inputs: str, output: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "train.jsonl").write_text('{"prompt": "1", "answer": "1"}\n')
+    (tmp_path / "other" / "checkpoints" / "step_3").mkdir(parents=True)
+    fill = {"model": model, "tmp": tmp_path}
+    overrides = [inputs.format(**fill), f"trainer.output_dir={output.format(**fill)}"]
+    if inputs.startswith("data."):
+        overrides.append("data.task=null")
+    with pytest.raises(ConfigError, match=r"overlaps .* the run would write where it reads"):
+        check_paths(load_config(CONFIG, overrides))
+
+
+def test_a_checkpoint_of_the_output_folder_itself_may_be_resumed(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    step = out / "checkpoints" / "step_3"
+    step.mkdir(parents=True)
+    check_paths(load_config(CONFIG, [f"trainer.output_dir={out}", f"trainer.resume={step}"]))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("{not json", "cannot be read as JSON"), ('{"hidden_size": 8}', "names no model_type")],
+)
+def test_a_corrupt_model_config_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        check_paths(load_config(CONFIG, [f"model.path={tmp_path}"]))

@@ -40,7 +40,7 @@ def step_times(dp: int, *, steps: int, config: str) -> dict[str, float]:
             ],
         )
         inputs = RunInputs.load(cfg)
-        with ray_session(None), start_groups(cfg, inputs.tokenizer) as groups:
+        with start_groups(cfg, inputs.tokenizer) as groups:
             trainer = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
             runs = [
                 time_call(lambda step=step: trainer.train_step(step))
@@ -59,10 +59,11 @@ def main() -> None:
     parser.add_argument("--dp", default="1,2,4")
     parser.add_argument("--config", default="configs/ppo_tiny.yaml")
     args = parser.parse_args()
-    layouts = {
-        int(dp): step_times(int(dp), steps=args.steps, config=args.config)
-        for dp in args.dp.split(",")
-    }
+    with ray_session(None):  # one embedded Ray; each layout places and releases its groups
+        layouts = {
+            int(dp): step_times(int(dp), steps=args.steps, config=args.config)
+            for dp in args.dp.split(",")
+        }
     base = layouts[min(layouts)]["step_s"]
     emit(
         {

@@ -4,10 +4,7 @@ and one embedded Ray that the tests needing a plain local Ray share."""
 from collections.abc import Iterator
 
 import pytest
-import ray
 import torch
-
-from verlite.controller import start_ray, stop_ray
 
 torch.set_num_threads(1)
 
@@ -21,11 +18,20 @@ class SharedRay:
     needs a cluster of its own calls :meth:`release` first."""
 
     def ensure(self) -> None:
+        import ray
+
+        from verlite.controller import start_ray
+
         if not ray.is_initialized():
             start_ray(None, num_cpus=SHARED_RAY_CPUS)
 
     def release(self) -> None:
-        if ray.is_initialized():
+        import sys
+
+        ray = sys.modules.get("ray")  # never started when ray was never imported
+        if ray is not None and ray.is_initialized():
+            from verlite.controller import stop_ray
+
             stop_ray()
 
 

@@ -1,6 +1,5 @@
 """Config loading, overrides, inherited defaults, derived sizes and every error path."""
 
-import ast
 import time
 from pathlib import Path
 
@@ -288,34 +287,6 @@ def test_check_paths(tmp_path: Path) -> None:
         check_paths(cfg)
     (tmp_path / "p.jsonl").write_text("{}\n")
     check_paths(load_config(None, ["data.train_file=" + str(tmp_path / "p.jsonl")]))
-
-
-def test_core_imports_neither_ray_nor_torch_distributed() -> None:
-    for path in (ROOT / "verlite" / "core").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            for name in names:
-                allowed = name in ("torch", "__future__") or name.startswith(
-                    (
-                        "verlite.core",
-                        "collections",
-                        "typing",
-                        "dataclasses",
-                        "enum",
-                        "math",
-                        "heapq",
-                        "bisect",
-                        "itertools",
-                        "functools",
-                    )
-                )
-                assert allowed and not name.startswith("torch.distributed"), (
-                    f"{path.name} imports {name}"
-                )
 
 
 def test_the_config_reference_is_current_and_covers_every_field() -> None:

@@ -1,7 +1,6 @@
-"""The project's layout holds: each package imports only the layers below it (read from the
-source, lazy imports included), the README's Layout section lists every package folder,
-ruff lints every tracked Python file, and nothing refers to a design document outside the
-repository."""
+"""The project's layout holds: every import in the source obeys the README's Layout table
+(lazy and relative imports included), the README lists every module, ruff lints every tracked
+Python file, and nothing refers to a design document outside the repository."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,92 +18,128 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "verlite"
 STDLIB = set(sys.stdlib_module_names)
 
-# What each package folder may import besides the standard library and itself: third-party
-# top-level modules, and verlite's own packages and top-level modules.
-LAYERS: dict[str, tuple[set[str], set[str]]] = {
-    # The math: torch only, nothing of verlite but core.
-    "core": ({"torch"}, set()),
-    # torch.distributed behind small functions; no Ray, nothing above it.
-    "distributed": ({"torch"}, set()),
-    # Ray: sessions, pools, worker groups, dispatch. No model code: no transformers, models,
-    # rollout, workers, data or rewards.
-    "controller": (
-        {"ray", "tensordict", "torch"},
-        {"config", "core", "distributed", "errors", "memory", "step_batch"},
-    ),
-    "models": ({"torch", "transformers"}, {"config"}),
-    "rollout": ({"tensordict", "torch", "transformers"}, {"distributed", "errors"}),
-    "workers": (
-        {"tensordict", "torch"},
-        {"config", "controller", "core", "distributed", "models", "rollout", "step_batch"},
-    ),
-    "data": (
-        {"pyarrow", "tensordict", "tokenizers", "torch", "transformers"},
-        {"config", "errors"},
-    ),
-    "rewards": (set(), {"config", "data", "errors"}),
-    "config": ({"pydantic", "pydantic_core", "yaml"}, {"core", "errors", "yaml_files"}),
-    "jobs": (
-        {"aiohttp", "ray", "requests", "yaml"},
-        {"", "config", "errors", "metrics_log", "tracking", "yaml_files"},
-    ),
-}
+
+@dataclass(frozen=True)
+class Layer:
+    """One row of the README's Layout table: what a package folder (or module) may import."""
+
+    third_party: frozenset[str]
+    banned: frozenset[str]  # submodules of an allowed package that stay out: "torch (not ...)"
+    own: frozenset[str]  # verlite's packages and top-level modules
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module a file imports, at the top or inside a function (``from verlite import x``
-    counts as ``verlite.x``)."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "verlite":
-                found.update(f"verlite.{alias.name}" for alias in node.names)
-            elif node.module != "__future__":
-                found.add(node.module)
-    return found
+def _names(cell: str) -> tuple[set[str], set[str]]:
+    allowed, banned = set(), set()
+    for item in cell.split(","):
+        name, _, rest = item.strip().partition(" (not ")
+        if name not in ("", "-"):
+            allowed.add(name.strip())
+        if rest:
+            banned.add(rest.rstrip(")").strip())
+    return allowed, banned
+
+
+def readme_layers() -> dict[str, Layer]:
+    """The Layout table of README.md, by folder or module name."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(
+        r"^\| `([a-z_]+)(?:/|\.py)` \|[^|]*\|([^|]*)\|([^|]*)\|$", section, re.MULTILINE
+    )
+    layers = {}
+    for name, third_party, own in rows:
+        allowed, banned = _names(third_party)
+        layers[name] = Layer(frozenset(allowed), frozenset(banned), frozenset(_names(own)[0]))
+    return layers
+
+
+LAYERS = readme_layers()
 
 
 def package_folders() -> list[str]:
     return sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
 
 
-def test_every_package_folder_has_its_layer_rule() -> None:
-    assert sorted(LAYERS) == package_folders()
+def imports_of(text: str, package: str) -> set[str]:
+    """Every module a file of ``package`` (dotted) imports, at the top or inside a function:
+    ``from verlite import x`` counts as ``verlite.x``, a relative import as the module it
+    names."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}".rstrip(".")
+            if base == "verlite":
+                found.update(f"verlite.{alias.name}" for alias in node.names)
+            elif base != "__future__":
+                found.add(base)
+    return found
 
 
-@pytest.mark.parametrize("package", sorted(LAYERS))
-def test_each_package_imports_only_the_layers_below_it(package: str) -> None:
-    third_party, own = LAYERS[package]
+def forbidden(module: str, name: str, layer: Layer) -> bool:
+    """Whether ``name``'s row forbids importing ``module``."""
+    top, _, rest = module.partition(".")
+    if top == "verlite":
+        return rest.split(".")[0] not in (name, *layer.own)
+    if any(module == b or module.startswith(b + ".") for b in layer.banned):
+        return True
+    return top not in STDLIB and top not in layer.third_party
+
+
+def violations(name: str, layer: Layer) -> list[str]:
+    """The imports of ``name`` (a package folder or a top-level module) its row forbids."""
+    folder = PACKAGE / name
+    files = sorted(folder.rglob("*.py")) if folder.is_dir() else [PACKAGE / f"{name}.py"]
     problems = []
-    for path in sorted((PACKAGE / package).rglob("*.py")):
-        for module in sorted(imports_of(path)):
-            top, _, rest = module.partition(".")
-            if top == "verlite":
-                layer = rest.split(".")[0]
-                if layer != package and layer not in own:
-                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
-            elif top not in STDLIB and top not in third_party:
+    for path in files:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        for module in sorted(imports_of(path.read_text(), package)):
+            if forbidden(module, name, layer):
                 problems.append(f"{path.relative_to(ROOT)} imports {module}")
+    return problems
+
+
+def test_every_package_folder_has_its_row_and_the_rows_say_what_matters() -> None:
+    folders = {name for name in LAYERS if (PACKAGE / name).is_dir()}
+    assert sorted(folders) == package_folders()
+    assert LAYERS["core"].third_party == {"torch"} and "torch.distributed" in LAYERS["core"].banned
+    assert not LAYERS["core"].own
+    assert "ray" not in LAYERS["distributed"].third_party
+    assert "transformers" not in LAYERS["controller"].third_party
+    assert not {"models", "rollout", "workers", "data", "rewards"} & LAYERS["controller"].own
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_each_package_imports_only_what_its_row_allows(name: str) -> None:
+    problems = violations(name, LAYERS[name])
     assert not problems, "\n".join(problems)
 
 
-def test_the_rule_check_sees_every_kind_of_import(tmp_path: Path) -> None:
-    # The negative control: an import written in any of these forms is found.
-    probe = tmp_path / "probe.py"
-    probe.write_text(
-        "import ray\nfrom verlite.models import build_policy\nfrom verlite import workers\n"
-        "def later():\n    import transformers.models\n"
-    )
-    assert imports_of(probe) == {"ray", "verlite.models", "verlite.workers", "transformers.models"}
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("core", "import torch.distributed as dist\n"),
+        ("core", "from torch.distributed import all_reduce\n"),
+        ("core", "from ..controller import WorkerGroup\n"),
+        ("distributed", "def later():\n    import ray\n"),
+        ("controller", "from verlite.models import build_policy\n"),
+        ("controller", "from verlite import workers\n"),
+        ("controller", "import transformers\n"),
+    ],
+)
+def test_the_rule_check_finds_a_forbidden_import(name: str, text: str) -> None:
+    # The negative control: code that breaks a row is caught, in every import form.
+    found = imports_of(text, f"verlite.{name}")
+    assert any(forbidden(module, name, LAYERS[name]) for module in found), found
 
 
-def test_the_readme_layout_lists_every_package_folder() -> None:
+def test_the_readme_layout_lists_every_module() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"^  ([a-z_]+)/ ", section, flags=re.MULTILINE))
-    assert listed == set(package_folders())
     modules = set(re.findall(r"^  ([a-z_]+)\.py ", section, flags=re.MULTILINE))
     assert modules == {p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("__")}
 

@@ -1,4 +1,5 @@
-"""The TensorDict one step carries, and the trimming that keeps padding out of the model.
+"""The TensorDict one step carries: its layout, the global counts it carries during an update,
+taking rows and mini-batches of it, and the trimming that keeps padding out of the model.
 
 Batch dimension = sequences. Prompts are left-padded to a common width P and responses
 right-padded to R, so every response-aligned tensor is (B, R) and lines up across rows:
@@ -80,6 +81,8 @@ def take_rows(td: TensorDict, rows: Sequence[int]) -> TensorDict:
     """The rows of ``td`` in the given order: ``td`` itself when that is every row in order,
     a view for a contiguous range, a gathered copy otherwise."""
     n = len(rows)
+    if n == 0:
+        return td[:0]
     if list(rows) == list(range(rows[0], rows[0] + n)):
         return td if n == td.batch_size[0] else td[rows[0] : rows[0] + n]
     index = torch.tensor(rows, dtype=torch.long)

@@ -118,6 +118,12 @@ class Trainer:
     def __init__(
         self, cfg: Config, inputs: RunInputs, *, actor: WorkerGroup, critic: WorkerGroup | None
     ) -> None:
+        if (critic is not None) != cfg.use_critic:
+            raise ValueError(
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs "
+                f"{'a' if cfg.use_critic else 'no'} critic group; the trainer was handed "
+                f"{'one' if critic is not None else 'none'}"
+            )
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
         self.tokenizer = inputs.tokenizer

@@ -49,8 +49,6 @@ class ProbeWorker(Worker):
         return get_rank(), get_world_size(), float(all_reduce_sum(torch.ones(1))[0])
 
     def score(self, td: TensorDict) -> TensorDict:
-        # A share cut into mini-batches, (k, rows), flattens back to the share's row order.
-        td = td.reshape(-1)
         return TensorDict(
             {
                 "uid": td["uid"],
@@ -147,8 +145,7 @@ def test_broadcast_and_all(pair: WorkerGroup) -> None:
     assert got == [(0, (10,), {"k": "x"}), (1, (11,), {"k": "y"})]
 
 
-@pytest.mark.parametrize("mini_batches", [1, 2])
-def test_dp_split_concat_restores_order(pair: WorkerGroup, mini_batches: int) -> None:
+def test_dp_split_concat_restores_order(pair: WorkerGroup) -> None:
     n, width = 12, 10
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(1, width + 1, (n,), generator=gen)
@@ -161,11 +158,22 @@ def test_dp_split_concat_restores_order(pair: WorkerGroup, mini_batches: int) ->
         batch_size=[n],
     )
     batch.set_non_tensor("temperature", 0.25)
-    out = pair.call("score", batch, dispatch=DpSplit(mini_batches=mini_batches), collect="concat")
+    out = pair.call("score", batch, dispatch="dp_split", collect="concat")
     assert out["uid"].tolist() == list(range(n))
     torch.testing.assert_close(out["y"], batch["x"] * 3.0)
     assert set(out["rank"].tolist()) == {0, 1}
     assert (out["temperature_seen"] == 0.25).all()
+
+
+def test_shares_cut_into_mini_batches_reach_each_rank_as_k_rows(pair: WorkerGroup) -> None:
+    batch = TensorDict({"uid": torch.arange(8), "x": torch.arange(8.0)}, batch_size=[8])
+    shares = pair.call("echo", batch, dispatch=DpSplit(mini_batches=2), collect="list")
+    pieces = [args[0] for _, args, _ in shares]
+    assert [tuple(p.batch_size) for p in pieces] == [(2, 2), (2, 2)]
+    for j in range(2):  # row j of every share: its piece of global mini-batch j
+        assert sorted(int(u) for p in pieces for u in p[j]["uid"]) == list(range(4 * j, 4 * j + 4))
+    with pytest.raises(ValueError, match="'concat' cannot follow DpSplit"):
+        pair.call("score", batch, dispatch=DpSplit(mini_batches=2), collect="concat")
 
 
 def test_metrics_are_reduced_over_ranks(pair: WorkerGroup) -> None:

@@ -1,7 +1,7 @@
 """The production update path equals one process updating on the whole batch.
 
 Unlike the invariance audit (one mini-batch, one update), this follows a step as the
-trainer runs it: ``dp_shares`` cuts the batch into DP shares of two global
+trainer runs it: the driver's dispatch cuts the batch into DP shares of two global
 mini-batches, and every rank's ``train_step`` makes ``ppo_epochs=2`` passes with a KL loss
 and an entropy bonus. The metrics reduced over ranks and the final parameters must equal
 those of a single process, for DDP and FSDP2, fixed and token-budget micro-batches.
@@ -17,12 +17,13 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import load_config
+from verlite.controller.dispatch import DpSplit, dispatch
 from verlite.core.metrics import Stage, reduce_metrics, to_floats
 from verlite.core.partition import dp_shares
 from verlite.distributed import all_gather_object, full_state_dict, run_on_ranks
 from verlite.invariance import VOCAB_SIZE, make_batch
 from verlite.models import build_policy, build_value_model
-from verlite.step_batch import cut_mini_batches, row_costs, take_rows
+from verlite.step_batch import row_costs
 from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, CriticLossSettings, ppo_loss, value_loss
 
@@ -43,7 +44,8 @@ def _step(
     rank: int, world: int, batch: TensorDict, role: str, strategy: str, micro: int | None
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]] | None:
     """One training step of this rank's share; rank 0 returns reduced metrics and parameters."""
-    share = dp_shares(row_costs(batch), world=world, mini_batches=MINI_BATCHES)[rank]
+    # The driver's own dispatch: this rank's share of the global mini-batches, (k, rows).
+    (share,) = dispatch(DpSplit(mini_batches=MINI_BATCHES), world, (batch,), {}).args[rank]
     base = getattr(CONFIG, role)
     # Plain SGD without clipping: Adam and clipping would hide a wrong gradient (README, audit).
     optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None, "lr": 0.5})
@@ -59,7 +61,7 @@ def _step(
         if role == "actor"
         else partial(value_loss, settings=CriticLossSettings.from_config(CONFIG.critic))
     )
-    metrics = engine.train_step(cut_mini_batches(take_rows(batch, share), MINI_BATCHES), loss)
+    metrics = engine.train_step(share, loss)
     reduced = to_floats(reduce_metrics(all_gather_object(metrics), Stage.RANKS))
     params = full_state_dict(engine.model)
     return (reduced, params) if rank == 0 else None

@@ -99,6 +99,16 @@ def _is_identity(rows: Sequence[int]) -> bool:
     return all(i == row for i, row in enumerate(rows))
 
 
+def check_pairing(mode: Dispatch, collect_mode: Collect) -> None:
+    """``concat`` puts result rows back in batch order; shares cut into mini-batches have no
+    single row order to return, so that pairing is refused."""
+    if isinstance(mode, DpSplit) and mode.mini_batches is not None and collect_mode == "concat":
+        raise ValueError(
+            "collect 'concat' cannot follow DpSplit(mini_batches=k): ranks receive (k, rows) "
+            "shares; use dp_split to get rows back in order"
+        )
+
+
 def collect(mode: Collect, results: Sequence[Any], restore: Sequence[int] | None = None) -> Any:
     """Combine the results of every rank (in rank order) as ``mode`` says."""
     if mode == "list":

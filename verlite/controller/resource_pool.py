@@ -6,7 +6,7 @@ spans. Ranks are numbered by node (node ids sorted) and then by bundle index, so
 built again on the same cluster gives every rank the same node.
 
 Colocation: several worker groups may share one pool; each then takes ``share = 1/k`` of
-every bundle's CPU and GPU, so k workers (actor, critic, ref) sit in each bundle.
+every bundle's CPU and GPU, so k workers (actor and critic) sit in each bundle.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ class ResourcePool:
 
 
 def build_pools(cfg: Config, roles: Sequence[str]) -> dict[str, tuple[ResourcePool, float]]:
-    """A pool and a share of each bundle for every role in ``roles`` (actor, critic, ref).
+    """A pool and a share of each bundle for every role in ``roles`` (actor, critic).
 
     ``trainer.placement=split`` gives each role its own pool (share 1). ``colocate`` puts
     roles in one pool and gives each ``1/k`` of every bundle, except that roles with
@@ -235,9 +235,9 @@ def build_pools(cfg: Config, roles: Sequence[str]) -> dict[str, tuple[ResourcePo
 
 
 def _workers_per_node(cfg: Config, role: str) -> int:
-    if role not in ("actor", "critic", "ref"):
-        raise ValueError(f"unknown role {role!r}; roles are actor, critic and ref")
+    if role not in ("actor", "critic"):
+        raise ValueError(f"unknown role {role!r}; roles are actor and critic")
     value: int | None = getattr(cfg, role).workers_per_node
-    # Config validation fills every role's workers_per_node (trainer's, or actor's for ref).
+    # Config validation fills every role's workers_per_node (the trainer's by default).
     assert value is not None
     return value

@@ -149,6 +149,7 @@ class WorkerGroup:
         """Start ``method`` on every rank; groups on separate pools then run side by side."""
         if not self._workers:
             raise RuntimeError(f"worker group {self.name!r} is shut down")
+        dispatching.check_pairing(dispatch, collect)
         plan = dispatching.dispatch(dispatch, self.world_size, args, kwargs)
         receivers = Counter(
             key

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
+from urllib.parse import quote
 
 import requests
 
@@ -39,7 +40,6 @@ READ_TIMEOUT_S = 4.0
 POLL_INTERVAL_S = 1.0
 # A job API call (a log of a long run is the largest answer).
 API_TIMEOUT_S = 30.0
-TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 RAY_CHATTY_LOGGERS = ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
 # The SDK reports a failed request as RuntimeError("Request failed with status code N: body").
 _HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
@@ -101,10 +101,10 @@ class JobServer:
 
     def info(self, job_id: str) -> dict[str, Any]:
         """The job's record: ``status``, ``message``, ``entrypoint``, ``start_time``, ..."""
-        return self._job_record(self._request("GET", f"/api/jobs/{job_id}", job_id))
+        return self._job_record(self._job_request("GET", job_id))
 
     def logs(self, job_id: str) -> str:
-        return str(self._request("GET", f"/api/jobs/{job_id}/logs", job_id).get("logs", ""))
+        return str(self._job_request("GET", job_id, "/logs").get("logs", ""))
 
     def metrics(self, job_id: str) -> list[Record]:
         """The job's metrics records, read from the marked lines of its driver log."""
@@ -112,7 +112,7 @@ class JobServer:
 
     def stop(self, job_id: str) -> bool:
         """Ask the job to stop; False when it had already ended."""
-        return bool(self._request("POST", f"/api/jobs/{job_id}/stop", job_id).get("stopped"))
+        return bool(self._job_request("POST", job_id, "/stop").get("stopped"))
 
     def jobs(self) -> list[dict[str, Any]]:
         jobs = self._request("GET", "/api/jobs/")
@@ -127,8 +127,10 @@ class JobServer:
         self.info(job_id)  # an unknown id fails here, in one line, not in the websocket
         with _errors(self.url, job_id):
             asyncio.run(self._tail(job_id, out))
+        from ray.job_submission import JobStatus  # loaded with the SDK the tail used
+
         # The log stream closes when the job ends; its status may trail by a moment.
-        while (status := str(self.info(job_id)["status"])) not in TERMINAL_STATUSES:
+        while not JobStatus(status := str(self.info(job_id)["status"])).is_terminal():
             time.sleep(POLL_INTERVAL_S)
         return status
 
@@ -159,6 +161,9 @@ class JobServer:
             with _errors(self.url), _address_env_unset():
                 self._sdk = JobSubmissionClient(self.url)
         return self._sdk
+
+    def _job_request(self, method: str, job_id: str, suffix: str = "") -> Any:
+        return self._request(method, f"/api/jobs/{quote(job_id, safe='')}{suffix}", job_id)
 
     def _request(self, method: str, path: str, job_id: str | None = None) -> Any:
         """One call of the dashboard's job API with the user's Ray token; its JSON answer."""

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import verlite
 from verlite.config import load_config
 from verlite.jobs.server import JobsError
 from verlite.tracking import carries_secret
@@ -41,7 +40,7 @@ class Submission:
 def default_working_dir() -> Path:
     """The verlite checkout this command runs from, or the current directory for an installed
     wheel (whose code the cluster's image must then carry)."""
-    root = Path(verlite.__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]  # verlite/jobs/submission.py -> the checkout
     return root if (root / "pyproject.toml").is_file() else Path.cwd()
 
 

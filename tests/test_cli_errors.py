@@ -178,9 +178,13 @@ def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) ->
 
 
 def _checkpoint(output_dir: Path, step: int, model: dict[str, object], roles: list[str]) -> None:
+    from verlite.checkpoint import ENGINE_FILES
+
     folder = output_dir / "checkpoints" / f"step_{step}"
     for role in roles:
-        (folder / role).mkdir(parents=True)
+        for name in ENGINE_FILES:
+            (folder / role / name).parent.mkdir(parents=True, exist_ok=True)
+            (folder / role / name).write_text("")
     state = {"step": step, "loader": {}, "kl_coef": 0.0, "model": model}
     (folder / "trainer_state.json").write_text(json.dumps(state))
 
@@ -228,13 +232,24 @@ def test_resume_that_cannot_work_fails_before_ray(
     assert re.search(expected, err), err
 
 
+def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    _checkpoint(tmp_path, 3, _model_settings(), ["actor", "critic"])
+    (tmp_path / "checkpoints" / "step_3" / "critic" / "train_state" / ".metadata").unlink()
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert re.search(
+        r"cannot resume from .*step_3: critic/train_state/\.metadata is missing", err
+    ), err
+
+
 def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:
     from verlite.checkpoint import check_resumable
 
     _checkpoint(tmp_path, 3, _model_settings("model.dtype=float64"), ["actor"])
     check_resumable(
         tmp_path / "checkpoints" / "step_3",
-        model=_model_settings(),
+        config={"model": _model_settings()},
         roles=["actor"],
         total_steps=3,
     )

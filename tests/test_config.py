@@ -252,6 +252,22 @@ def test_file_errors(tmp_path: Path) -> None:
     assert "data: required field is missing" in error_of(path=tmp_path / "empty.yaml")
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "trainer.total_steps=10000000000000000000000000000",
+        "data.train_batch_size=2147483648",
+        "trainer.seed=-1",
+    ],
+)
+def test_sizes_and_seeds_outside_32_bits_are_refused(override: str) -> None:
+    key = override.split("=")[0]
+    message = error_of(override)
+    assert message.startswith(key) and (
+        "less than or equal to 2147483647" in message or "greater than or equal to 0" in message
+    )
+
+
 def test_yaml_aliases_that_expand_past_the_bound_are_refused_in_linear_time(
     tmp_path: Path,
 ) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verlite.checkpoint import CheckpointError
+from verlite.checkpoint import ENGINE_FILES, CheckpointError
 from verlite.config import Config, ConfigError, check_paths, load_config
 from verlite.output_folder import prepare_output_folder
 
@@ -27,15 +27,17 @@ def someones_files(out: Path) -> dict[str, str]:
     return files
 
 
-def earlier_run(out: Path, *, checkpoint_step: int | None) -> None:
+def earlier_run(out: Path, *, checkpoint_step: int | None, saved: Config | None = None) -> None:
     out.mkdir(parents=True)
     (out / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n')
     (out / "config.json").write_text("{}")
     if checkpoint_step is not None:
         folder = out / "checkpoints" / f"step_{checkpoint_step}"
         for role in ("actor", "critic"):
-            (folder / role).mkdir(parents=True)
-        state = {"step": checkpoint_step, "model": config(out).model.model_dump(mode="json")}
+            for name in ENGINE_FILES:
+                (folder / role / name).parent.mkdir(parents=True, exist_ok=True)
+                (folder / role / name).write_text("")
+        state = {"step": checkpoint_step, "config": (saved or config(out)).model_dump(mode="json")}
         (folder / "trainer_state.json").write_text(json.dumps(state))
 
 
@@ -79,6 +81,23 @@ def test_a_run_with_a_checkpoint_continues(tmp_path: Path) -> None:
     named = config(out, f"trainer.resume={out / 'checkpoints' / 'step_3'}")
     assert prepare_output_folder(named) == out / "checkpoints" / "step_3"
     assert (out / "metrics.jsonl").is_file()  # nothing moved
+
+
+def test_a_resume_may_change_settings_but_not_the_data_it_counts_in(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    with pytest.raises(CheckpointError, match=r"data\.train_batch_size=64 there, 32 here"):
+        prepare_output_folder(
+            config(out, "data.train_batch_size=32", "actor.ppo_mini_batch_size=16")
+        )
+    changed = config(out, "actor.optim.lr=0.0005", "algorithm.adv_estimator=grpo", "rollout.n=2")
+    assert prepare_output_folder(changed) == out / "checkpoints" / "step_3"
+    said = capsys.readouterr().out
+    assert (
+        "with changed settings: actor.optim.lr: 0.001 -> 0.0005; algorithm.adv_estimator: 'gae' -> 'grpo'"
+        in said
+    )
+    assert "rollout.n: 1 -> 2" in said and "total_steps" not in said
 
 
 def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> None:

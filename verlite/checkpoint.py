@@ -27,6 +27,9 @@ from verlite.errors import UserError
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
+# What every role's folder must hold: the DCP index of its model and optimizer shards, and
+# the LR schedule (``TrainEngine.save``).
+ENGINE_FILES = ("train_state/.metadata", "schedule.json")
 
 
 class CheckpointError(UserError):
@@ -66,15 +69,31 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-# Model settings a checkpoint's weights may be loaded under although they differ.
-_CONVERTIBLE_MODEL_FIELDS = {"dtype"}
+# Settings that must be the same to resume: the model's shape (its dtype may change: weights
+# convert), and what the data position of the checkpoint counts in (the prompts and their
+# order). The run's place and bounds may change freely; any other change is allowed and
+# reported in one line.
+_MAY_CONVERT = {"model.dtype"}
+_MUST_MATCH = ("model.", "data.", "trainer.seed")
+_FREE = {
+    "data.val_file",
+    "trainer.total_steps",
+    "trainer.output_dir",
+    "trainer.resume",
+    "trainer.overwrite",
+    "trainer.loggers",
+    "trainer.ray_address",
+    "trainer.mlflow_tracking_uri",
+    "trainer.resource_timeout_s",
+}
 
 
 def check_resumable(
-    path: Path, *, model: Mapping[str, Any], roles: Sequence[str], total_steps: int
-) -> None:
-    """Before any worker starts: the checkpoint holds weights of the configured model shape
-    for every role, and a step the run has not passed yet."""
+    path: Path, *, config: Mapping[str, Any], roles: Sequence[str], total_steps: int
+) -> list[str]:
+    """Before any worker starts: the checkpoint holds complete weights for every role, a step
+    the run has not passed, and was written under settings this run may continue. Returns
+    the settings that changed but may ("actor.optim.lr: 0.001 -> 0.0005")."""
     state = read_trainer_state(path)
     step = int(state["step"])
     if step > total_steps:
@@ -83,19 +102,44 @@ def check_resumable(
             f"{step}; raise trainer.total_steps, or use trainer.resume=disable or another "
             "trainer.output_dir for a new run"
         )
-    saved = state.get("model", {})  # checkpoints written before the model was recorded: {}
-    changed = [
-        f"model.{key}={saved[key]!r} there, {model[key]!r} here"
-        for key in sorted(saved)
-        if key in model and saved[key] != model[key] and key not in _CONVERTIBLE_MODEL_FIELDS
+    here = _flatten(config)
+    # Checkpoints record the whole config; older ones only the model settings.
+    there = (
+        _flatten(state["config"])
+        if "config" in state
+        else _flatten({"model": state.get("model", {})})
+    )
+    changed = sorted(key for key in there.keys() & here.keys() if there[key] != here[key])
+    blocking = [
+        f"{key}={there[key]!r} there, {here[key]!r} here"
+        for key in changed
+        if key.startswith(_MUST_MATCH) and key not in _MAY_CONVERT and key not in _FREE
     ]
     missing = [role for role in roles if not (path / role).is_dir()]
-    if changed or missing:
-        problems = changed + [f"no {role} weights" for role in missing]
+    incomplete = [
+        f"{role}/{name} is missing"
+        for role in roles
+        if role not in missing
+        for name in ENGINE_FILES
+        if not (path / role / name).is_file()
+    ]
+    if blocking or missing or incomplete:
+        problems = blocking + [f"no {role} weights" for role in missing] + incomplete
         raise CheckpointError(
             f"cannot resume from {path}: {'; '.join(problems)}. Use trainer.resume=disable or "
             "another trainer.output_dir for a new run"
         )
+    return [f"{key}: {there[key]!r} -> {here[key]!r}" for key in changed if key not in _FREE]
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
 
 
 def begin_checkpoint(output_dir: str | Path, step: int) -> Path:

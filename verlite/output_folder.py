@@ -55,9 +55,9 @@ def _resume_point(cfg: Config, out: Path) -> Path | None:
     path = resume_checkpoint(out, cfg.trainer.resume)
     if path is None:
         return None
-    check_resumable(
+    changed = check_resumable(
         path,
-        model=cfg.model.model_dump(mode="json"),
+        config=cfg.model_dump(mode="json"),
         roles=cfg.roles,
         total_steps=cfg.trainer.total_steps,
     )
@@ -68,6 +68,8 @@ def _resume_point(cfg: Config, out: Path) -> Path | None:
             f"{path.name}); raise trainer.total_steps to train further, or choose another "
             "trainer.output_dir for a new run"
         )
+    if changed:
+        print(f"resuming {path} with changed settings: {'; '.join(changed)}", flush=True)
     return path
 
 

@@ -296,6 +296,11 @@ def add_metrics_command(subparsers: argparse._SubParsersAction[argparse.Argument
 
 def cmd_metrics(args: argparse.Namespace) -> int:
     """Print the summary table (and write the plot) of a run folder or a Ray job."""
+    keys = None
+    if args.keys is not None:
+        keys = [k.strip() for k in args.keys.split(",") if k.strip()]
+        if not keys:
+            raise UserError(f"--keys {args.keys!r} names no metric; give k1,k2 or a pattern")
     if args.plot:
         check_plot_target(args.plot)
     if args.job is not None:
@@ -313,7 +318,6 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         if args.address is not None:
             raise UserError("--address goes with --job")
         records, title = metrics_log.read(args.output_dir), str(args.output_dir)
-    keys = [k.strip() for k in (args.keys or "").split(",") if k.strip()] or None
     print(format_summary(records, summary_rows(records, keys)))
     if args.plot:
         plot_metrics(records, args.plot, title=title)

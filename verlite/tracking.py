@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -229,6 +230,10 @@ class MlflowLogger:
         self.entities = mlflow.entities
         self.mlflow_error: type[Exception] = mlflow.exceptions.MlflowException
         uri = tracking_uri or (output_dir / "mlruns").resolve().as_uri()
+        # MLflow retries a request 7 times over ~2 minutes by default; a server that is down
+        # should stop the run in seconds (a user's own setting still wins).
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         if urlsplit(uri).scheme in ("", "file"):
             # MLflow 3 refuses its file store unless opted in; a local folder is verlite's
             # default and needs no server. An explicit MLFLOW_ALLOW_FILE_STORE still wins.
@@ -344,6 +349,26 @@ def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
             text = text.replace(secret, "***")
     text = _AUTH_HEADER.sub(r"\1***", text)
     return _redact(_BEARER.sub(r"\1***", text))
+
+
+def check_tracking_server(uri: str | None, *, timeout_s: float = 5.0) -> None:
+    """Before a run starts: an MLflow server named by an http(s) URI accepts connections, so
+    a closed port stops the run in seconds (``trainer.mlflow_tracking_uri``)."""
+    if uri is None:
+        return
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise UserError(
+            f"trainer.mlflow_tracking_uri={_redact(uri)!r}: nothing accepts connections at "
+            f"{parts.hostname}:{port} ({reason} within {timeout_s:g} s); start the MLflow server "
+            "or leave the URI unset for a file store in the output folder"
+        ) from None
 
 
 class Tracker:

@@ -45,7 +45,7 @@ from verlite.models import check_tokenizer_fits
 from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams
-from verlite.tracking import Tracker
+from verlite.tracking import Tracker, check_tracking_server, redact_config
 
 
 class TrainingError(RunFailure):
@@ -106,6 +106,8 @@ class RunInputs:
         check_tokenizer_fits(cfg.model, len(tokenizer))
         train_set, val_set = build_datasets(cfg, tokenizer)
         reward_fn = resolve_reward(cfg)
+        if "mlflow" in cfg.trainer.loggers:
+            check_tracking_server(cfg.trainer.mlflow_tracking_uri)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from = prepare_output_folder(cfg)
         return cls(tokenizer, train_set, val_set, reward_fn, resume_from)
@@ -195,7 +197,8 @@ class Trainer:
             "step": step,
             "loader": self.loader.state_dict(),
             "kl_coef": self.kl_ctrl.value,
-            "model": self.cfg.model.model_dump(mode="json"),
+            # What a resume compares its settings with (credentials masked, as in config.json).
+            "config": redact_config(self.cfg.model_dump(mode="json")),
         }
         commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
 

@@ -46,6 +46,10 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
         (['{"prompt": "a"}'], r":1: missing field 'answer'"),
         (['{"prompt": "a", "answer": 42}'], r":1: field 'answer' must be a string, got int 42"),
         (['{"prompt": null, "answer": "1"}'], r":1: field 'prompt' must be a string, got NoneType"),
+        (
+            ['{"prompt": "a", "answer": "b"}', '{"prompt": " ", "answer": "1"}'],
+            r":2: the prompt is empty",
+        ),
     ],
 )
 def test_errors_name_file_and_line(tmp_path: Path, lines: list[str], message: str) -> None:

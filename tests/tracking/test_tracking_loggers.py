@@ -203,3 +203,23 @@ def test_missing_package_fails_at_construction_with_the_install_command(
     assert "\n" not in message
     assert f"the {logger} logger" in message
     assert f"pip install 'verlite[{logger}]'" in message
+
+
+def test_a_closed_mlflow_server_fails_in_seconds_without_its_credentials() -> None:
+    import socket
+    import time
+
+    from verlite.errors import UserError
+    from verlite.tracking import check_tracking_server
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    started = time.monotonic()
+    with pytest.raises(
+        UserError, match=rf"'http://\*\*\*@127.0.0.1:{port}': nothing accepts"
+    ) as info:
+        check_tracking_server(f"http://user:s3cret@127.0.0.1:{port}")
+    assert "s3cret" not in str(info.value) and time.monotonic() - started < 30
+    check_tracking_server(None)
+    check_tracking_server("file:///tmp/mlruns")  # a file store needs no server

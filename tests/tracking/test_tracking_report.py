@@ -244,6 +244,8 @@ def test_job_metrics_use_the_same_table(
         ([], "give the run's OUTPUT_DIR"),
         (["some/dir", "--job", "j1", "--address", "http://h:8265"], "not both"),
         (["some/dir", "--address", "http://h:8265"], "--address goes with --job"),
+        (["some/dir", "--keys", ","], "--keys ',' names no metric"),
+        (["some/dir", "--keys", " "], "--keys ' ' names no metric"),
     ],
 )
 def test_job_flags_are_checked(

@@ -49,8 +49,10 @@ LossAggMode = Annotated[str, _one_of(LOSS_AGG_MODES, "loss aggregation mode")]
 PolicyLossMode = Annotated[str, _one_of(sorted(POLICY_LOSSES), "policy loss")]
 AdvEstimator = Annotated[str, _one_of(sorted(ADV_ESTIMATORS), "advantage estimator")]
 KLKind = Annotated[str, AfterValidator(_kl_kind)]
-PositiveInt = Annotated[int, Field(gt=0)]
-NonNegativeInt = Annotated[int, Field(ge=0)]
+# Every size and count fits a 32-bit int: a 29-digit step count is a typo, not a plan.
+MAX_INT = 2**31 - 1
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_INT)]
+NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
@@ -320,7 +322,7 @@ class TrainerConfig(Section):
         "outputs/run",
         description="Folder for metrics, checkpoints, workers.json and the exported model.",
     )
-    seed: int = Field(0, description="Seed of data, sampling and initialization.")
+    seed: NonNegativeInt = Field(0, description="Seed of data, sampling and initialization.")
     nnodes: PositiveInt = Field(1, description="Nodes each worker group spans.")
     workers_per_node: PositiveInt = Field(
         1, description="Workers per node for every role without its own setting."

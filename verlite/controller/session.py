@@ -3,15 +3,23 @@ to an existing cluster."""
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import ipaddress
 import logging
+import socket
+import threading
 from collections.abc import Iterator
 
 import ray
 from ray._private import ray_constants
 
+from verlite.errors import UserError
+
 LOOPBACK = "127.0.0.1"
+# How long a cluster address may take to accept a connection, and Ray to join the cluster.
+CONNECT_TIMEOUT_S = 5.0
+JOIN_TIMEOUT_S = 30.0
 # Named actors (``verlite:<run_id>:<group>:<rank>``) are looked up in this namespace.
 NAMESPACE = "verlite"
 
@@ -42,6 +50,59 @@ def _keep_loopback() -> Iterator[None]:
         ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
+class ClusterUnreachable(UserError):
+    """Nothing accepts connections at the configured Ray address."""
+
+
+def _check_reachable(address: str) -> None:
+    """Fail within :data:`CONNECT_TIMEOUT_S` when nothing listens at ``host:port`` (or
+    ``ray://host:port``): ``ray.init`` would otherwise retry for minutes. ``auto`` is left to
+    Ray, which finds a local cluster or says there is none."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+        raise ClusterUnreachable(
+            f"trainer.ray_address={address!r}: nothing accepts connections at {host}:{port} "
+            f"({reason} within {CONNECT_TIMEOUT_S:g} s); start the cluster (ray start --head) or "
+            "give its head's address (the GCS port, 6379 unless set)"
+        ) from None
+
+
+@contextlib.contextmanager
+def _bounded_connect(address: str) -> Iterator[None]:
+    """Stop a ``ray.init`` that is still connecting after :data:`JOIN_TIMEOUT_S`: something
+    that accepts connections but is not a Ray head (the dashboard's port given for the
+    GCS's) has Ray retry for minutes. The main thread is interrupted; Ray notices between
+    its attempts, so the bound holds to within one attempt (about 30 s)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = threading.Event()
+
+    def interrupt() -> None:
+        fired.set()
+        _thread.interrupt_main()
+
+    timer = threading.Timer(JOIN_TIMEOUT_S, interrupt)
+    timer.start()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if not fired.is_set():
+            raise
+        raise ClusterUnreachable(
+            f"trainer.ray_address={address!r}: connected, but no Ray cluster answered within "
+            f"{JOIN_TIMEOUT_S:g} s; is it the head's GCS port (6379 unless set), not the "
+            "dashboard's (8265)?"
+        ) from None
+    finally:
+        timer.cancel()
+
+
 def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     """Connect the driver to Ray.
 
@@ -67,8 +128,12 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
         return
     if num_cpus is not None:
         raise ValueError("num_cpus applies to an embedded Ray only, not to a cluster address")
+    _check_reachable(address)
     loopback = _is_loopback(address)
-    with _keep_loopback() if loopback else contextlib.nullcontext():
+    with (
+        _keep_loopback() if loopback else contextlib.nullcontext(),
+        _bounded_connect(address),
+    ):
         ray.init(
             address=address,
             namespace=NAMESPACE,

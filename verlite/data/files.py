@@ -1,6 +1,7 @@
 """Prompt files: JSONL and Parquet readers whose errors name the file and the line (or row).
 
-Each record needs string ``prompt`` and ``answer`` fields; other fields are ignored.
+Each record needs string ``prompt`` and ``answer`` fields, the prompt not blank (an empty
+answer is allowed: a task may expect no output); other fields are ignored.
 Parquet support imports ``pyarrow`` only when a Parquet file is read.
 """
 
@@ -61,6 +62,9 @@ def _record(location: str, row: Any) -> PromptRecord:
             raise DataError(
                 f"{location}: field {field!r} must be a string, got {type(value).__name__} {value!r}"
             )
+    if not row["prompt"].strip():
+        # The policy would answer nothing but the begin-of-sequence token.
+        raise DataError(f"{location}: the prompt is empty")
     return PromptRecord(prompt=row["prompt"], answer=row["answer"])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import re
@@ -271,6 +272,10 @@ def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {url} (`verlite list` shows its jobs)") from None
         raise JobsError(f"the job server at {url} answered HTTP {code}: {body[:300]}") from None
+    except json.JSONDecodeError as exc:
+        raise JobsError(
+            f"the job server at {url} answered with something that is not JSON ({exc.msg})"
+        ) from None
     except (ConnectionError, requests.RequestException, aiohttp.ClientError) as exc:
         raise JobsError(f"lost the connection to {url} ({type(exc).__name__})") from None
 

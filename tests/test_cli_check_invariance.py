@@ -75,6 +75,8 @@ def test_table_and_failure_exit_code_with_the_negative_control() -> None:
     [
         (["--micro", "3"], "allowed: 1,2,full,dynamic"),
         (["--dp", "0"], "expected positive integers"),
+        (["--dp", "1000"], "--dp 1000: the audit batch has 16 sequences"),
+        (["--dp", "2,3"], "--dp 3: the audit batch has 16 sequences"),
         (["--strategy", "zero"], "allowed: ddp,fsdp"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean'"),
         (["--tolerance", "-1"], "expected a positive finite number, got '-1'"),
@@ -85,6 +87,7 @@ def test_user_errors_exit_2_without_traceback(args: list[str], message: str) -> 
     proc = verlite("check-invariance", "--config", CONFIG, *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
 
 
 def test_missing_config_file() -> None:

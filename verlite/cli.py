@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import NoReturn
 
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import add_job_commands
@@ -64,10 +65,15 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
     return list(values)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Flag mistakes in one line, like every other user error (argparse prints its usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="verlite", description="Ray-distributed RL post-training for LMs."
-    )
+    parser = _OneLineParser(prog="verlite", description="Ray-distributed RL post-training for LMs.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = commands.add_parser(
@@ -142,10 +148,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
     from verlite.config import load_config
-    from verlite.invariance import MICRO_LAYOUTS, STRATEGIES, check_invariance, tolerance_for
+    from verlite.invariance import (
+        MICRO_LAYOUTS,
+        STRATEGIES,
+        check_invariance,
+        check_layouts,
+        tolerance_for,
+    )
 
     micros = _checked_choices("--micro", args.micro, MICRO_LAYOUTS)
     strategies = _checked_choices("--strategy", args.strategy, STRATEGIES)
+    check_layouts(args.dp)
     cfg = load_config(args.config, args.overrides)
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg)
     started = time.monotonic()

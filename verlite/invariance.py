@@ -23,6 +23,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -41,6 +42,7 @@ from verlite.distributed import (
     get_world_size,
     run_on_ranks,
 )
+from verlite.errors import UserError
 from verlite.models import build_policy, build_value_model, model_dtype
 from verlite.step_batch import row_costs, stamp_counts, take_rows
 from verlite.workers.engine import TrainEngine
@@ -61,6 +63,9 @@ LOSS_METRIC = {"actor": "actor/loss", "critic": "critic/vf_loss"}
 # Small on purpose: 4 ranks share 2 CPU cores in tests; raggedness matters, size does not.
 VOCAB_SIZE = 64
 NUM_SEQUENCES = 16
+# What one spawned rank holds (torch, transformers and the tiny model: ~350 MiB measured),
+# with room to spare; a layout whose ranks would not fit the memory available is refused.
+RANK_MEMORY_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -261,6 +266,37 @@ def compare(outcome: Outcome, reference: Outcome) -> dict[str, float]:
     }
 
 
+def check_layouts(dps: Sequence[int]) -> None:
+    """Refuse, before spawning anything, a data-parallel size the audit batch cannot split
+    into equal shares or whose ranks would not fit this machine's available memory."""
+    divisors = [d for d in range(1, NUM_SEQUENCES + 1) if NUM_SEQUENCES % d == 0]
+    for dp in dps:
+        if dp not in divisors:
+            raise UserError(
+                f"--dp {dp}: the audit batch has {NUM_SEQUENCES} sequences, split equally over "
+                f"the ranks; use divisors of {NUM_SEQUENCES}: {', '.join(map(str, divisors))}"
+            )
+    available = _available_memory()
+    need = max(dps) * RANK_MEMORY_BYTES
+    if available is not None and need > available:
+        raise UserError(
+            f"--dp {max(dps)}: its ranks need about {need / 2**30:.1f} GiB "
+            f"({RANK_MEMORY_BYTES // 2**20} MiB each); this machine has "
+            f"{available / 2**30:.1f} GiB available"
+        )
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory available to new processes (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def check_invariance(
     cfg: Config,
     *,
@@ -277,6 +313,7 @@ def check_invariance(
     ``loss_agg_modes`` defaults to each role's configured mode. ``naive`` swaps in
     per-micro-batch normalization, the negative control that shows the audit can fail.
     """
+    check_layouts(dps)
     for mode in loss_agg_modes or ():
         if mode not in LOSS_AGG_MODES:
             raise ValueError(

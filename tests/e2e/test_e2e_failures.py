@@ -119,3 +119,35 @@ def test_divergence_stops_after_the_configured_streak() -> None:
     error = divergence({"actor/nonfinite_streak": 0.0, "critic/nonfinite_streak": 3.0}, limit=3)
     assert error is not None
     assert re.search(r"critic: 3 consecutive updates skipped .*max_consecutive_skips=3", str(error))
+
+
+def test_a_reward_that_raises_stops_the_run_in_one_line(tmp_path: Path, cli) -> None:
+    (tmp_path / "userreward.py").write_text(
+        "def score(response, answer, prompt):\n    raise ValueError(f'cannot parse {response!r}')\n"
+    )
+    proc = cli(
+        "train",
+        "--config",
+        "configs/ppo_tiny.yaml",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        "reward.fn=userreward:score",
+        "trainer.total_steps=1",
+        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("verlite: error: reward function userreward:score raised on response 0")
+    assert "ValueError: cannot parse" in last and "Traceback" not in proc.stderr
+
+
+def test_someones_folder_is_left_untouched(tmp_path: Path, cli) -> None:
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    proc = cli(
+        "train", "--config", "configs/ppo_tiny.yaml", f"trainer.output_dir={out}", timeout=120
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "is not empty (it holds config.json)" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["config.json"]
+    assert (out / "config.json").read_text() == '{"mine": true}'

@@ -1,5 +1,6 @@
-"""Helpers of the job tests: ``verlite`` run as a subprocess, and a real Ray cluster started with
-``ray start`` (token authentication on) and stopped without touching any other Ray.
+"""Helpers of the job tests: the installed ``verlite`` command run as a subprocess, and a real
+Ray cluster started with ``ray start`` (token authentication on) and stopped without
+touching any other Ray.
 
 Ray reads its authentication settings from the environment of a process once, so every client
 call runs in a fresh ``verlite`` process with the environment under test.
@@ -24,7 +25,6 @@ from typing import Any
 import requests
 
 REPO = Path(__file__).resolve().parents[2]
-RUNNER = Path(__file__).with_name("verlite_with_jobs.py")
 BIN = Path(sys.executable).parent
 # Settings that would point a client at another cluster or token than the test's own.
 RAY_CLIENT_ENV = (
@@ -47,9 +47,10 @@ def client_env(**changes: str) -> dict[str, str]:
 def run_verlite(
     args: list[str], env: Mapping[str, str], timeout: float = 300.0
 ) -> subprocess.CompletedProcess[str]:
-    """``verlite ARGS`` with the job commands, in a fresh process, from the repository root."""
+    """The installed ``verlite ARGS`` command (the console script, as a user runs it), in a
+    fresh process, from the repository root."""
     return subprocess.run(
-        [sys.executable, str(RUNNER), *args],
+        [str(BIN / "verlite"), *args],
         cwd=REPO,
         env=dict(env),
         capture_output=True,

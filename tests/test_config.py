@@ -268,6 +268,17 @@ def test_sizes_and_seeds_outside_32_bits_are_refused(override: str) -> None:
     )
 
 
+def test_a_pasted_megabyte_is_quoted_shortened_and_a_too_long_path_is_one_line(
+    tmp_path: Path,
+) -> None:
+    message = error_of("actor.loss_agg_mode=" + "b" * 100_000)
+    assert len(message) < 400 and "[...]" in message
+    assert len(error_of("z" * 5000 + "=1")) < 2000
+    too_long = str(tmp_path / ("a" * 5000))
+    with pytest.raises(ConfigError, match=r"model\.path=.*\[\.\.\.\].*: File name too long"):
+        check_paths(load_config(None, [*BASE, f"model.path={too_long}"]))
+
+
 def test_yaml_aliases_that_expand_past_the_bound_are_refused_in_linear_time(
     tmp_path: Path,
 ) -> None:

@@ -130,6 +130,8 @@ def test_a_file_or_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
         prepare_output_folder(config(tmp_path / "file"))
     with pytest.raises(ConfigError, match="cannot be written"):
         prepare_output_folder(config(Path("/proc/verlite-run")))
+    with pytest.raises(ConfigError, match=r"\[\.\.\.\].*: File name too long"):
+        prepare_output_folder(config(tmp_path / ("a" * 5000)))
 
 
 @pytest.mark.parametrize(

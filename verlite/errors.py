@@ -10,3 +10,13 @@ class UserError(ValueError):
 class RunFailure(RuntimeError):
     """A run stopped for a reason its message names (a worker died, training diverged):
     the CLI prints it in one line and exits 1; checkpoints written so far stay valid."""
+
+
+def shown(value: object, limit: int = 120) -> str:
+    """A user's value as a one-line message quotes it: its ``repr``, the middle cut out when
+    longer than ``limit`` characters (a pasted megabyte must not become the message)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    half = (limit - 5) // 2
+    return f"{text[:half]}[...]{text[-half:]}"

@@ -28,20 +28,25 @@ from verlite.checkpoint import (
     resume_checkpoint,
 )
 from verlite.config import Config, ConfigError
+from verlite.errors import shown
 
 
 def prepare_output_folder(cfg: Config) -> Path | None:
     """Make ``trainer.output_dir`` ready under the contract above; the checkpoint to resume
     from, or None for a fresh run. Raises a one-line user error otherwise."""
     out = Path(cfg.trainer.output_dir)
+    try:
+        out.exists()
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise ConfigError(f"trainer.output_dir={shown(str(out))}: {exc.strerror}") from None
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"trainer.output_dir={str(out)!r} is a file, not a folder")
+        raise ConfigError(f"trainer.output_dir={shown(str(out))} is a file, not a folder")
     resume_from = _resume_point(cfg, out)
     continuing = resume_from is not None and resume_from.resolve().is_relative_to(out.resolve())
     if not continuing and _has_contents(out):
         if not cfg.trainer.overwrite:
             raise ConfigError(
-                f"trainer.output_dir={str(out)!r} is not empty ({_describe(out, cfg)}) and holds "
+                f"trainer.output_dir={shown(str(out))} is not empty ({_describe(out, cfg)}) and holds "
                 "no checkpoint this run continues; choose an empty folder, or set "
                 "trainer.overwrite=true to move its contents aside"
             )
@@ -64,7 +69,7 @@ def _resume_point(cfg: Config, out: Path) -> Path | None:
     step = int(read_trainer_state(path)["step"])
     if step == cfg.trainer.total_steps:
         raise CheckpointError(
-            f"the run in {str(out)!r} already reached trainer.total_steps={step} (checkpoint "
+            f"the run in {shown(str(out))} already reached trainer.total_steps={step} (checkpoint "
             f"{path.name}); raise trainer.total_steps to train further, or choose another "
             "trainer.output_dir for a new run"
         )
@@ -99,7 +104,7 @@ def _move_contents_aside(out: Path) -> Path:
         os.replace(out, target)
     except OSError as exc:
         raise ConfigError(
-            f"trainer.overwrite=true: cannot move {str(out)!r} aside to {str(target)!r}: "
+            f"trainer.overwrite=true: cannot move {shown(str(out))} aside to {str(target)!r}: "
             f"{exc.strerror}"
         ) from None
     return target
@@ -113,5 +118,5 @@ def _make_writable_folder(out: Path) -> None:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(
-            f"trainer.output_dir={str(out)!r} cannot be written: {exc.strerror or exc}"
+            f"trainer.output_dir={shown(str(out))} cannot be written: {exc.strerror or exc}"
         ) from None

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.yaml_files import read_mapping
 
 
@@ -112,7 +112,7 @@ def _unknown_key_message(dotted: str, prefix: str, known: Sequence[str]) -> str:
     close = difflib.get_close_matches(leaf, list(candidates), n=1)
     hint = f"; did you mean {candidates[close[0]]!r}?" if close else ""
     where = f"in {prefix}" if prefix else "at the top level"
-    return f"unknown key {dotted!r}{hint} (known keys {where}: {', '.join(known)})"
+    return f"unknown key {shown(dotted)}{hint} (known keys {where}: {', '.join(known)})"
 
 
 def _field_paths(model: type[BaseModel], prefix: str) -> list[str]:
@@ -162,7 +162,7 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             lines.append(f"{dotted}: {message}")
         else:
             value = err.get("input")
-            lines.append(f"{dotted}={value!r}: {message}")
+            lines.append(f"{dotted}={shown(value)}: {message}")
     return "; ".join(dict.fromkeys(lines))
 
 
@@ -185,8 +185,8 @@ def check_paths(cfg: Config) -> None:
         "data.val_file": cfg.data.val_file,
     }
     for dotted, value in inputs.items():
-        if value is not None and not Path(value).exists():
-            raise ConfigError(f"{dotted}={value!r}: no such file or directory")
+        if value is not None and not _exists(dotted, value):
+            raise ConfigError(f"{dotted}={shown(value)}: no such file or directory")
     if cfg.model.path is not None:
         _check_model_dir(cfg.model.path)
     output = Path(cfg.trainer.output_dir).resolve()
@@ -201,9 +201,16 @@ def check_paths(cfg: Config) -> None:
             continue  # a checkpoint of the run in this folder: resuming it is what it is for
         if path == output or path.is_relative_to(output) or output.is_relative_to(path):
             raise ConfigError(
-                f"trainer.output_dir={cfg.trainer.output_dir!r} overlaps {dotted}={value!r}: "
+                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
                 "the run would write where it reads; choose an output folder apart from its inputs"
             )
+
+
+def _exists(dotted: str, value: str) -> bool:
+    try:
+        return Path(value).exists()
+    except OSError as exc:  # a name too long for the file system, a path it cannot look at
+        raise ConfigError(f"{dotted}={shown(value)}: {exc.strerror}") from None
 
 
 def _check_model_dir(path: str) -> None:

@@ -95,6 +95,15 @@ def test_bad_override(
     assert expected in run(capsys, "train", "--config", CONFIG, *overrides)
 
 
+def test_no_error_shows_the_value_of_a_credential_in_the_environment(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Any message may quote what it was given: a value, or a user reward's exception text.
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "hunter2-pw")
+    err = run(capsys, "train", "--config", CONFIG, "actor.loss_agg_mode=hunter2-pw")
+    assert "actor.loss_agg_mode='***'" in err and "hunter2" not in err
+
+
 def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "cannot read config file" in run(
         capsys, "train", "--config", str(tmp_path / "missing.yaml")

@@ -1,5 +1,6 @@
 """Config loading, overrides, inherited defaults, derived sizes and every error path."""
 
+import os
 import time
 from pathlib import Path
 
@@ -176,6 +177,8 @@ ERRORS = [
     (["trainer.total_steps=ten"], "trainer.total_steps='ten': Input should be a valid integer"),
     (["actor.optim.lr=abc"], "actor.optim.lr='abc': Input should be a valid number"),
     (["rollout.top_p=1.5"], "rollout.top_p=1.5: Input should be less than or equal to 1"),
+    (["rollout.temperature=1e-40"], "rollout.temperature='1e-40': must be 0 (greedy) or at least"),
+    (["rollout.temperature=0.005"], "rollout.temperature=0.005: must be 0 (greedy) or at least"),
     (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5: Input should be greater than 1"),
     (
         ["trainer.loggers=[console, wandb]"],
@@ -314,6 +317,24 @@ def test_check_paths(tmp_path: Path) -> None:
         check_paths(cfg)
     (tmp_path / "p.jsonl").write_text("{}\n")
     check_paths(load_config(None, ["data.train_file=" + str(tmp_path / "p.jsonl")]))
+
+
+def test_a_data_file_that_is_a_folder_pipe_or_device_is_refused_before_reading(
+    tmp_path: Path,
+) -> None:
+    # Opening a pipe with no writer blocks forever; /dev/zero never ends.
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    for path in (tmp_path / "pipe.jsonl", Path("/dev/zero"), tmp_path):
+        cfg = load_config(None, [*BASE, f"data.val_file={path}"])
+        with pytest.raises(ConfigError, match=r"data\.val_file=.*: not a regular file"):
+            check_paths(cfg)
+
+
+def test_a_config_file_that_never_ends_is_refused_after_a_bounded_read(tmp_path: Path) -> None:
+    assert "is larger than 1,048,576 bytes" in error_of(path=Path("/dev/zero"))
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1 << 20) + "\n")
+    assert "is larger than" in error_of(path=big)
 
 
 def test_the_config_reference_is_current_and_covers_every_field() -> None:

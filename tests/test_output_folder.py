@@ -150,6 +150,7 @@ def test_an_output_folder_overlapping_an_input_is_refused(
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"")
     (model / "train.jsonl").write_text('{"prompt": "1", "answer": "1"}\n')
     (tmp_path / "other" / "checkpoints" / "step_3").mkdir(parents=True)
     fill = {"model": model, "tmp": tmp_path}
@@ -169,9 +170,15 @@ def test_a_checkpoint_of_the_output_folder_itself_may_be_resumed(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("text", "message"),
-    [("{not json", "cannot be read as JSON"), ('{"hidden_size": 8}', "names no model_type")],
+    [
+        ("{not json", "cannot be read as JSON"),
+        ('{"hidden_size": 8}', "names no model_type"),
+        ('{"model_type": "llama"}', r"holds no weights \(none of model.safetensors, "),
+    ],
 )
-def test_a_corrupt_model_config_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+def test_a_corrupt_or_weightless_model_folder_is_one_line(
+    tmp_path: Path, text: str, message: str
+) -> None:
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ConfigError, match=message):
         check_paths(load_config(CONFIG, [f"model.path={tmp_path}"]))

@@ -226,17 +226,23 @@ def format_invariance_table(reports: Sequence[object], tolerance: float) -> str:
     )
 
 
+def _report(exc: Exception) -> None:
+    from verlite.tracking import redact_text, secrets_in_environment
+
+    print(f"verlite: error: {redact_text(str(exc), secrets_in_environment())}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         code: int = args.handler(args)
     except UserError as exc:
-        print(f"verlite: error: {exc}", file=sys.stderr)
+        _report(exc)
         return EXIT_USER_ERROR
     except RunFailure as exc:
         # The cause is named in the message; a driver traceback would only bury it.
-        print(f"verlite: error: {exc}", file=sys.stderr)
+        _report(exc)
         return 1
     except KeyboardInterrupt:
         print("verlite: interrupted", file=sys.stderr)

@@ -111,6 +111,10 @@ def read(path: str | Path) -> list[Record]:
             f"no metrics file {str(path)!r}: has the run logged a step yet, with 'jsonl' in "
             "trainer.loggers?"
         )
+    if not path.is_file():  # a pipe would block, a device such as /dev/zero never end
+        raise UserError(
+            f"{str(path)!r} is not a regular file; give a run folder or its metrics.jsonl"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:

@@ -54,6 +54,7 @@ RUN_LINE_KEYS = (
 # Config keys whose values are never logged, whatever the section (none exist yet: this keeps
 # a future credential field out of every sink).
 _SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
+MIN_SECRET_LENGTH = 8
 # user:password@ in a URL such as an MLflow tracking URI or a Ray address.
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 
@@ -339,6 +340,19 @@ def _redact(text: str) -> str:
 # echoes the request back in its error).
 _AUTH_HEADER = re.compile(r"(?i)((?:x-ray-)?authorization\W{0,3}\s*[:=]\s*)(\S+(?:\s+\S+)?)")
 _BEARER = re.compile(r"(?i)(bearer\s+)\S+")
+
+
+def secrets_in_environment() -> list[str]:
+    """Values of environment variables named like credentials (``RAY_AUTH_TOKEN``,
+    ``MLFLOW_TRACKING_PASSWORD``, ``WANDB_API_KEY``, ...): what no message may show, whoever
+    wrote it (a user's reward function may quote one in its exception). Values shorter than
+    8 characters are switches such as ``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``, not credentials:
+    masking them would garble every message."""
+    return [
+        value
+        for name, value in os.environ.items()
+        if _SECRET_KEY.search(name) and len(value) >= MIN_SECRET_LENGTH
+    ]
 
 
 def redact_text(text: str, secrets: Sequence[str] = ()) -> str:

@@ -20,6 +20,9 @@ from verlite.errors import UserError
 # Values a file may expand to, aliases counted where they are used: a run config has a few
 # hundred, a runtime env a few thousand at most.
 MAX_VALUES = 100_000
+# Bytes a file may hold: a run config is a few KB. Reading stops there, so a device such as
+# /dev/zero, or a pipe that never ends, is refused instead of filling the memory.
+MAX_BYTES = 1 << 20
 
 
 def read_mapping(
@@ -30,9 +33,14 @@ def read_mapping(
     model:, data:, ..."); problems raise ``error`` with one line."""
     shown = repr(str(path))
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_BYTES + 1)
     except OSError as exc:
         raise error(f"cannot read {what} {shown}: {exc.strerror}") from None
+    if len(raw) > MAX_BYTES:
+        raise error(f"{what} {shown} is larger than {MAX_BYTES:,} bytes; is it the right file?")
+    try:
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise error(
             f"{what} {shown} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "

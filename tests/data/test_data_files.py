@@ -50,6 +50,11 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
             ['{"prompt": "a", "answer": "b"}', '{"prompt": " ", "answer": "1"}'],
             r":2: the prompt is empty",
         ),
+        (
+            ['{"prompt": "a", "answer": "b"}', '{"prompt": "1", "prompt": "2", "answer": "1"}'],
+            r":2: field 'prompt' is set twice",
+        ),
+        (['{"prompt": "1", "answer": "1", "x": {"k": 1, "k": 2}}'], r":1: field 'k' is set twice"),
     ],
 )
 def test_errors_name_file_and_line(tmp_path: Path, lines: list[str], message: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from verlite.config import ConfigError
 from verlite.data import build_task_tokenizer, encode_prompts, load_tokenizer
 from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS
 
@@ -76,7 +77,13 @@ def test_load_tokenizer_falls_back_to_eos_for_padding(tmp_path: Path) -> None:
 
 def test_load_tokenizer_without_pad_or_eos_fails(tmp_path: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=_backend()).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="neither a pad nor an eos token"):
+    with pytest.raises(ConfigError, match="neither a pad nor an eos token"):
+        load_tokenizer(str(tmp_path))
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"model\.path=.*: no tokenizer loads from it"):
         load_tokenizer(str(tmp_path))
 
 

@@ -4,16 +4,21 @@ line for every kind of bad answer, with no credential in it. They load neither R
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
 import pytest
 from jobs_support import REPO, client_env
+
+from verlite.jobs import server as jobs_server
+from verlite.jobs.server import JobsError
 
 TOKEN = "tok-7f3e9a"
 JOB = {
@@ -158,3 +163,47 @@ def test_unknown_job_and_token_problems_say_what_to_do(dashboard: str) -> None:
         timeout=60,
     )
     assert none.returncode == 2 and "set RAY_AUTH_MODE=token" in none.stderr
+
+
+class EndlessAnswer(BaseHTTPRequestHandler):
+    """A server that trickles a chunked answer a byte at a time, or never stops sending."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        trickle = self.path == "/trickle"
+        with contextlib.suppress(OSError):  # the client hangs up
+            while True:
+                data = b" " if trickle else b" " * (1 << 16)
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+                if trickle:
+                    time.sleep(0.1)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_an_answer_that_trickles_or_never_ends_is_cut_at_its_time_and_size_bounds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The read timeout bounds one wait for data only: both servers would hold the command
+    # forever (or fill the memory) without a bound on the whole answer.
+    server = ThreadingHTTPServer(("127.0.0.1", 0), EndlessAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setattr(jobs_server, "API_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(jobs_server, "MAX_ANSWER_BYTES", 1 << 20)
+    try:
+        started = time.monotonic()
+        with pytest.raises(JobsError, match=r"no complete answer from .* within 1 s"):
+            jobs_server.JobServer(url)._request("GET", "/trickle")
+        assert time.monotonic() - started < 10
+        with pytest.raises(JobsError, match=r"answered more than 1 MiB"):
+            jobs_server.JobServer(url)._request("GET", "/endless")
+    finally:
+        server.shutdown()
+        server.server_close()

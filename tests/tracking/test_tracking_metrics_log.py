@@ -2,9 +2,13 @@
 run's ``metrics.jsonl`` cut back to its checkpoint."""
 
 import json
+import os
 from pathlib import Path
 
+import pytest
+
 from verlite import metrics_log
+from verlite.errors import UserError
 
 
 def test_marked_lines_are_one_record_per_step_the_latest_line_winning() -> None:
@@ -41,3 +45,11 @@ def test_writer_and_reader_agree_on_nan_and_repeated_steps(tmp_path: Path) -> No
         writer.write(step, {"a": value})
     writer.close()
     assert metrics_log.read(tmp_path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
+
+
+def test_a_metrics_path_that_is_a_pipe_or_device_is_refused_before_reading(tmp_path: Path) -> None:
+    # Reading a pipe with no writer blocks forever; /dev/zero would fill the memory.
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    for path in (tmp_path, tmp_path / "metrics.jsonl", Path("/dev/zero")):
+        with pytest.raises(UserError, match="is not a regular file"):
+            metrics_log.read(path)

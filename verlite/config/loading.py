@@ -187,6 +187,11 @@ def check_paths(cfg: Config) -> None:
     for dotted, value in inputs.items():
         if value is not None and not _exists(dotted, value):
             raise ConfigError(f"{dotted}={shown(value)}: no such file or directory")
+        if dotted.startswith("data.") and value is not None and not Path(value).is_file():
+            # a folder cannot be read, a pipe or device may block or never end
+            raise ConfigError(
+                f"{dotted}={shown(value)}: not a regular file; give a JSONL or Parquet file"
+            )
     if cfg.model.path is not None:
         _check_model_dir(cfg.model.path)
     output = Path(cfg.trainer.output_dir).resolve()
@@ -213,6 +218,15 @@ def _exists(dotted: str, value: str) -> bool:
         raise ConfigError(f"{dotted}={shown(value)}: {exc.strerror}") from None
 
 
+# What Hugging Face's from_pretrained loads weights from, in one file or sharded.
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
 def _check_model_dir(path: str) -> None:
     config = Path(path) / "config.json"
     if not config.is_file():
@@ -231,6 +245,11 @@ def _check_model_dir(path: str) -> None:
         raise ConfigError(
             f"model.path={path!r}: its config.json names no model_type; it is not a Hugging "
             "Face model config"
+        )
+    if not any((Path(path) / name).is_file() for name in WEIGHT_FILES):
+        raise ConfigError(
+            f"model.path={path!r} holds no weights (none of {', '.join(WEIGHT_FILES)}); "
+            "save the model with save_pretrained"
         )
 
 

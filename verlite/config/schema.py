@@ -37,6 +37,20 @@ def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
     return AfterValidator(check)
 
 
+MIN_TEMPERATURE = 0.01
+
+
+def _greedy_or_at_least_min_temperature(value: float) -> float:
+    # Log-probs and their gradients scale as 1/temperature: near 0 they overflow float32
+    # (the sampler then draws past the vocabulary) long before sampling differs from greedy.
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: logits divided by a smaller "
+            "temperature overflow and its gradients grow as 1/temperature"
+        )
+    return value
+
+
 def _kl_kind(value: str) -> str:
     if value.rstrip("+") not in KL_KINDS or value.count("+") > 1:
         raise ValueError(
@@ -156,7 +170,11 @@ class RolloutConfig(Section):
     """Generation with the actor's current weights."""
 
     n: PositiveInt = Field(1, description="Responses sampled per prompt (GRPO/RLOO need >= 2).")
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    temperature: Annotated[float, AfterValidator(_greedy_or_at_least_min_temperature)] = Field(
+        1.0,
+        ge=0.0,
+        description=f"Sampling temperature; 0 is greedy, otherwise at least {MIN_TEMPERATURE}.",
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
     top_k: NonNegativeInt = Field(0, description="Keep the k most likely tokens; 0 disables it.")
     max_response_length: PositiveInt = Field(

@@ -13,7 +13,9 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from verlite.config import ConfigError
 from verlite.data.tasks import TASK_ALPHABET
+from verlite.errors import shown
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
@@ -54,10 +56,17 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
     :data:`CHARACTERS` for prompt files."""
     if model_path is None:
         return build_task_tokenizer(TASK_ALPHABET if task is not None else CHARACTERS)
-    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError) as exc:  # no tokenizer files, or ones it cannot build from
+        reason = " ".join(str(exc).split())
+        raise ConfigError(
+            f"model.path={model_path!r}: no tokenizer loads from it: {shown(reason, 160)}; "
+            "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
+        ) from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(
+            raise ConfigError(
                 f"the tokenizer in {model_path!r} has neither a pad nor an eos token; "
                 "prompts cannot be padded (add a pad_token to its tokenizer_config.json)"
             )

@@ -39,8 +39,9 @@ TOKEN_SOURCES = f"{TOKEN_ENV}, {TOKEN_PATH_ENV} or {DEFAULT_TOKEN_FILE}"
 CONNECT_TIMEOUT_S = 4.0
 READ_TIMEOUT_S = 4.0
 POLL_INTERVAL_S = 1.0
-# A job API call (a log of a long run is the largest answer).
+# A job API call, the whole answer read (a log of a long run is the largest answer).
 API_TIMEOUT_S = 30.0
+MAX_ANSWER_BYTES = 256 << 20
 RAY_CHATTY_LOGGERS = ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
 # The SDK reports a failed request as RuntimeError("Request failed with status code N: body").
 _HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
@@ -171,23 +172,22 @@ class JobServer:
         token = _token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            response = requests.request(
-                method, self.url + path, headers=headers, timeout=(CONNECT_TIMEOUT_S, API_TIMEOUT_S)
-            )
+            code, answer = _answer(method, self.url + path, headers, API_TIMEOUT_S)
         except requests.Timeout:
-            raise JobsError(f"no answer from {self.url} within {API_TIMEOUT_S:g} s") from None
+            raise JobsError(
+                f"no complete answer from {self.url} within {API_TIMEOUT_S:g} s"
+            ) from None
         except requests.RequestException as exc:
             raise JobsError(f"lost the connection to {self.url} ({type(exc).__name__})") from None
-        code = response.status_code
         if code in (401, 403):
             raise JobsError(_auth_problem(self.url, rejected=code == 403))
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {self.url} (`verlite list` shows its jobs)")
-        body = redact_text(" ".join(response.text.split()), [token or ""])
-        if not response.ok:
+        body = redact_text(" ".join(answer.decode("utf-8", "replace").split()), [token or ""])
+        if not 200 <= code < 400:
             raise JobsError(f"the job server at {self.url} answered HTTP {code}: {body[:300]}")
         try:
-            return response.json()
+            return json.loads(answer)
         except ValueError:
             raise JobsError(
                 f"the job server at {self.url} answered {method} {path} with something that is "
@@ -195,9 +195,30 @@ class JobServer:
             ) from None
 
 
+def _answer(method: str, url: str, headers: dict[str, str], seconds: float) -> tuple[int, bytes]:
+    """The status and the whole body of one request, read within ``seconds`` and
+    :data:`MAX_ANSWER_BYTES`: a read timeout bounds each wait for data, not a server that
+    trickles a byte at a time, or one that never stops sending. Raises ``requests.Timeout``."""
+    deadline = time.monotonic() + seconds
+    with requests.request(
+        method, url, headers=headers, timeout=(CONNECT_TIMEOUT_S, seconds), stream=True
+    ) as response:
+        body = bytearray()
+        while chunk := response.raw.read1(1 << 20, decode_content=True):
+            body += chunk
+            if len(body) > MAX_ANSWER_BYTES:
+                raise JobsError(
+                    f"the server at {url} answered more than {MAX_ANSWER_BYTES >> 20} MiB; "
+                    "is it the Ray dashboard?"
+                )
+            if time.monotonic() > deadline:
+                raise requests.Timeout
+        return response.status_code, bytes(body)
+
+
 def _check_reachable(url: str) -> None:
     try:
-        response = requests.get(f"{url}/api/version", timeout=(CONNECT_TIMEOUT_S, READ_TIMEOUT_S))
+        code, answer = _answer("GET", f"{url}/api/version", {}, READ_TIMEOUT_S)
     except requests.Timeout:
         raise JobsError(
             f"no answer from {url} within {CONNECT_TIMEOUT_S + READ_TIMEOUT_S:g} s; "
@@ -205,11 +226,11 @@ def _check_reachable(url: str) -> None:
         ) from None
     except requests.RequestException as exc:
         raise JobsError(f"cannot connect to {url}: {_connection_problem(exc)}") from None
-    if response.status_code in (401, 403):
+    if code in (401, 403):
         return  # a dashboard with token authentication on; the SDK sends the token
-    if response.status_code != 200 or "ray_version" not in _json_object(response):
+    if code != 200 or "ray_version" not in _json_object(answer):
         raise JobsError(
-            f"{url} is not a Ray dashboard (GET /api/version answered HTTP {response.status_code}); "
+            f"{url} is not a Ray dashboard (GET /api/version answered HTTP {code}); "
             "pass the dashboard address, usually http://HEAD:8265"
         )
 
@@ -225,9 +246,9 @@ def _connection_problem(exc: requests.RequestException) -> str:
     return "the connection failed (is this the Ray dashboard port, usually 8265?)"
 
 
-def _json_object(response: requests.Response) -> dict[str, Any]:
+def _json_object(answer: bytes) -> dict[str, Any]:
     try:
-        body = response.json()
+        body = json.loads(answer)
     except ValueError:
         return {}
     return body if isinstance(body, dict) else {}

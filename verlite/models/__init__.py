@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from verlite.config import ConfigError, ModelConfig
+from verlite.errors import UserError
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -73,11 +74,41 @@ def build_policy(cfg: ModelConfig, *, vocab_size: int, max_positions: int, seed:
     """The actor (and reference): a causal LM, from ``cfg.path`` or built from the config."""
     dtype = model_dtype(cfg)
     if cfg.path is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            cfg.path, dtype=dtype, attn_implementation="sdpa"
-        )
+        return _pretrained(AutoModelForCausalLM, cfg.path, dtype)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(_hf_config(cfg, vocab_size, max_positions)).to(dtype)
+
+
+class ModelWeightsError(UserError):
+    """The weights in ``model.path`` do not fill the model its config.json describes."""
+
+
+def _pretrained(auto_class: type[AutoModel], path: str, dtype: torch.dtype) -> nn.Module:
+    """The model in ``path``, every parameter loaded from its weights. Hugging Face only warns
+    when a parameter is missing from the files or of another shape, and trains it from a
+    random start: a config.json that does not match the weights would train a random model."""
+    model, info = auto_class.from_pretrained(
+        path,
+        dtype=dtype,
+        attn_implementation="sdpa",
+        output_loading_info=True,
+        ignore_mismatched_sizes=True,  # reported below, with the names, instead of raised
+    )
+    problems = []
+    if missing := info["missing_keys"]:
+        problems.append(f"{len(missing)} parameters missing (e.g. {sorted(missing)[0]!r})")
+    if mismatched := info["mismatched_keys"]:
+        name, stored, wanted = sorted(mismatched)[0]
+        problems.append(
+            f"{len(mismatched)} of another shape (e.g. {name!r}: {tuple(stored)} stored, "
+            f"{tuple(wanted)} in the config)"
+        )
+    if problems:
+        raise ModelWeightsError(
+            f"model.path={path!r}: its weights do not fit its config.json: "
+            f"{'; '.join(problems)}; training would start them from random values"
+        )
+    return model
 
 
 class ValueModel(nn.Module):
@@ -113,7 +144,7 @@ def build_value_model(
     hf_config = _hf_config(cfg, vocab_size, max_positions)
     torch.manual_seed(seed)
     if cfg.path is not None:
-        trunk = AutoModel.from_pretrained(cfg.path, dtype=dtype, attn_implementation="sdpa")
+        trunk = _pretrained(AutoModel, cfg.path, dtype)
     else:
         trunk = AutoModel.from_config(hf_config)
     model = ValueModel(trunk, hf_config.hidden_size)

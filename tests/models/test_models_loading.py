@@ -1,0 +1,60 @@
+"""Loading ``model.path``: a folder whose weights do not fill the model its config.json
+describes is refused, naming a parameter, instead of trained from random values (Hugging
+Face only warns)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from verlite.config import load_config
+from verlite.models import ModelWeightsError, build_policy, build_value_model, tiny_hf_config
+
+Builder = Callable[..., Any]
+BUILDERS: list[Builder] = [build_policy, build_value_model]
+
+
+def _saved_model(folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(None, ["data.task=copy"]).model
+    AutoModelForCausalLM.from_config(
+        tiny_hf_config(cfg, vocab_size=17, max_positions=16)
+    ).save_pretrained(folder)
+    return folder
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+def _build(builder: Builder, folder: Path) -> Any:
+    cfg = load_config(None, ["data.task=copy", f"model.path={folder}"]).model
+    return builder(cfg, vocab_size=17, max_positions=16, seed=0)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_a_matching_folder_loads(tmp_path: Path, builder: Builder) -> None:
+    _build(builder, _saved_model(tmp_path))
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_weights_of_another_architecture_are_refused(tmp_path: Path, builder: Builder) -> None:
+    # A config.json that says bert over llama weights: every bert parameter would be random.
+    folder = _saved_model(tmp_path)
+    _edit_config(folder, model_type="bert", architectures=["BertModel"])
+    with pytest.raises(ModelWeightsError, match=r"its weights do not fit .* parameters missing"):
+        _build(builder, folder)
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
+def test_weights_of_another_shape_are_refused(tmp_path: Path, builder: Builder) -> None:
+    folder = _saved_model(tmp_path)
+    _edit_config(folder, hidden_size=32, head_dim=8)
+    with pytest.raises(ModelWeightsError, match=r"of another shape \(e\.g\. .*: \(17, 64\) stored"):
+        _build(builder, folder)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoint_support import fake_checkpoint
 
 from verlite.cli import main
 
@@ -187,15 +188,7 @@ def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) ->
 
 
 def _checkpoint(output_dir: Path, step: int, model: dict[str, object], roles: list[str]) -> None:
-    from verlite.checkpoint import ENGINE_FILES
-
-    folder = output_dir / "checkpoints" / f"step_{step}"
-    for role in roles:
-        for name in ENGINE_FILES:
-            (folder / role / name).parent.mkdir(parents=True, exist_ok=True)
-            (folder / role / name).write_text("")
-    state = {"step": step, "loader": {}, "kl_coef": 0.0, "model": model}
-    (folder / "trainer_state.json").write_text(json.dumps(state))
+    fake_checkpoint(output_dir, step, roles, model=model)
 
 
 def _model_settings(*overrides: str) -> dict[str, object]:
@@ -250,6 +243,24 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
     assert re.search(
         r"cannot resume from .*step_3: critic/train_state/\.metadata is missing", err
     ), err
+
+
+@pytest.mark.parametrize(
+    ("file", "text", "expected"),
+    [
+        ("trainer_state.json", '{"step": 3,', r"trainer_state\.json is damaged: Expecting"),
+        ("trainer_state.json", '{"step": "3"}', r"'step' is not a whole number >= 0; 'kl_coef'"),
+        ("trainer_state.json", "[3]", r"trainer_state\.json is damaged: a list, not a JSON"),
+        ("critic/schedule.json", '{"last_epoch":', r"critic/schedule\.json is damaged"),
+    ],
+)
+def test_a_damaged_checkpoint_file_is_one_line_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, file: str, text: str, expected: str
+) -> None:
+    _checkpoint(tmp_path, 3, _model_settings(), ["actor", "critic"])
+    (tmp_path / "checkpoints" / "step_3" / file).write_text(text)
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert re.search(expected, err), err
 
 
 def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:

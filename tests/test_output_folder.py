@@ -3,12 +3,12 @@ over a run it could continue, and never reads and writes the same paths."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+from checkpoint_support import fake_checkpoint
 
-from verlite.checkpoint import ENGINE_FILES, CheckpointError
+from verlite.checkpoint import CheckpointError
 from verlite.config import Config, ConfigError, check_paths, load_config
 from verlite.output_folder import prepare_output_folder
 
@@ -32,13 +32,8 @@ def earlier_run(out: Path, *, checkpoint_step: int | None, saved: Config | None 
     (out / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n')
     (out / "config.json").write_text("{}")
     if checkpoint_step is not None:
-        folder = out / "checkpoints" / f"step_{checkpoint_step}"
-        for role in ("actor", "critic"):
-            for name in ENGINE_FILES:
-                (folder / role / name).parent.mkdir(parents=True, exist_ok=True)
-                (folder / role / name).write_text("")
-        state = {"step": checkpoint_step, "config": (saved or config(out)).model_dump(mode="json")}
-        (folder / "trainer_state.json").write_text(json.dumps(state))
+        saved_config = (saved or config(out)).model_dump(mode="json")
+        fake_checkpoint(out, checkpoint_step, ("actor", "critic"), config=saved_config)
 
 
 def test_a_missing_or_empty_folder_starts_a_fresh_run(tmp_path: Path) -> None:

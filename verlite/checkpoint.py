@@ -123,6 +123,9 @@ def check_resumable(
         for name in ENGINE_FILES
         if not (path / role / name).is_file()
     ]
+    for role in roles:
+        if (path / role / "schedule.json").is_file():
+            _json_file(path / role / "schedule.json")
     if blocking or missing or incomplete:
         problems = blocking + [f"no {role} weights" for role in missing] + incomplete
         raise CheckpointError(
@@ -169,5 +172,33 @@ def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) ->
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:
-    state: dict[str, Any] = json.loads((path / TRAINER_STATE).read_text())
+    """The driver's state saved with the checkpoint at ``path``, its fields checked."""
+    state = _json_file(path / TRAINER_STATE)
+    step, kl_coef = state.get("step"), state.get("kl_coef")
+    problems = [
+        *(["'step' is not a whole number >= 0"] if not _is_count(step) else []),
+        *(["'kl_coef' is not a number"] if not _is_number(kl_coef) else []),
+        *(["'loader' is not a mapping"] if not isinstance(state.get("loader"), dict) else []),
+    ]
+    if problems:
+        raise CheckpointError(f"{path / TRAINER_STATE} is damaged: {'; '.join(problems)}")
     return state
+
+
+def _json_file(path: Path) -> dict[str, Any]:
+    """A JSON object the checkpoint holds; a damaged file is one line naming it."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path} is damaged: {' '.join(str(exc).split())[:200]}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} is damaged: a {type(value).__name__}, not a JSON object")
+    return value
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

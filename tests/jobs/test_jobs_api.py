@@ -147,6 +147,32 @@ def test_bad_answers_are_one_line_without_the_token(
     assert "Traceback" not in proc.stderr
 
 
+def test_a_servers_control_characters_and_bogus_times_are_printed_harmlessly(
+    dashboard: str,
+) -> None:
+    # A terminal escape clears the screen; a line break forges a row; a start time that is
+    # a string or past year 9999 once raised a traceback.
+    hostile = {
+        **JOB,
+        "submission_id": "raysubmit_\x1b[2J",
+        "entrypoint": "x\r\nraysubmit_0  SUCCEEDED",
+        "status": "RUNNING\x1b]0;title\x07",
+    }
+    for start in ("soon", 1e30, True):
+        Dashboard.answers["/api/jobs/"] = (200, json.dumps([{**hostile, "start_time": start}]))
+        listing = verlite("list", "--address", dashboard)
+        assert listing.returncode == 0 and listing.stderr == "", listing.stderr
+        row = listing.stdout.splitlines()[1]
+        assert len(listing.stdout.splitlines()) == 2 and "\x1b" not in listing.stdout
+        assert row.split() == [
+            "raysubmit_\\x1b[2J",
+            "RUNNING\\x1b]0;title\\x07",
+            "-",
+            "x\\r\\nraysubmit_0",
+            "SUCCEEDED",
+        ]
+
+
 def test_unknown_job_and_token_problems_say_what_to_do(dashboard: str) -> None:
     unknown = verlite("status", "raysubmit_9", "--address", dashboard)
     assert unknown.returncode == 2 and "no job 'raysubmit_9'" in unknown.stderr

@@ -10,6 +10,7 @@ import argparse
 import sys
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from verlite.jobs.server import connect
 
@@ -115,9 +116,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     info = connect(args.address).info(args.job_id)
-    print(info["status"])
+    print(printable(info["status"]))
     if info["status"] == "FAILED" and info.get("message"):
-        print(info["message"], file=sys.stderr)
+        print(printable(info["message"]), file=sys.stderr)
     return 0
 
 
@@ -135,8 +136,23 @@ def cmd_stop(args: argparse.Namespace) -> int:
     if server.stop(args.job_id):
         print(f"stop requested for {args.job_id}")
     else:
-        print(f"{args.job_id} had already ended: {server.info(args.job_id)['status']}")
+        print(f"{args.job_id} had already ended: {printable(server.info(args.job_id)['status'])}")
     return 0
+
+
+def printable(value: object) -> str:
+    """A value from the job server as one line of plain text: control characters (line
+    breaks, terminal escape sequences that would clear or retitle the terminal) escaped."""
+    text = str(value)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _start_ms(job: dict[str, Any]) -> float | None:
+    """The job's start time in ms since the epoch, when the server gave a plausible one."""
+    start = job.get("start_time")
+    if isinstance(start, bool) or not isinstance(start, int | float):
+        return None
+    return start if 0 < start < 1e14 else None  # 1e14 ms is the year 5138
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -146,12 +162,12 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("no jobs", file=sys.stderr)
         return 0
     rows = [("ID", "STATUS", "STARTED", "ENTRYPOINT")]
-    for job in sorted(jobs, key=lambda j: j.get("start_time") or 0):
-        start = job.get("start_time")
+    for job in sorted(jobs, key=lambda j: _start_ms(j) or 0):
+        start = _start_ms(job)
         started = datetime.fromtimestamp(start / 1000).isoformat(" ", "seconds") if start else "-"
-        rows.append(
-            (job.get("submission_id") or "-", str(job["status"]), started, job["entrypoint"])
-        )
+        fields = (job.get("submission_id") or "-", job["status"], job["entrypoint"])
+        submission_id, status, entrypoint = map(printable, fields)
+        rows.append((submission_id, status, started, entrypoint))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for *cells, entrypoint in rows:
         print("  ".join([*(c.ljust(w) for c, w in zip(cells, widths, strict=True)), entrypoint]))

@@ -226,6 +226,10 @@ def format_invariance_table(reports: Sequence[object], tolerance: float) -> str:
     )
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
+    sys.exit(signum)
+
+
 def _report(exc: Exception) -> None:
     from verlite.tracking import redact_text, secrets_in_environment
 
@@ -235,6 +239,7 @@ def _report(exc: Exception) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         code: int = args.handler(args)
     except UserError as exc:
@@ -247,6 +252,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("verlite: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        # SIGTERM (`verlite stop`, a scheduler's preemption) raised SystemExit(15), here or
+        # in Ray's handler, which does the same; the run's finally blocks closed its files.
+        if exc.code != signal.SIGTERM:
+            raise
+        print(
+            "verlite: terminated (SIGTERM); trainer.resume=auto continues from the last checkpoint",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     except BrokenPipeError:
         # The reader of stdout left (`verlite metrics ... | head`): stop quietly. Point stdout
         # at /dev/null so the interpreter's final flush does not raise again.

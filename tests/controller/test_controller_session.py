@@ -63,3 +63,12 @@ def test_an_address_that_is_not_a_ray_head_fails_after_the_join_timeout(http_por
         f"ERROR trainer.ray_address='127.0.0.1:{http_port}': connected, but no Ray cluster answered within 1 s"
         in proc.stdout
     ), proc.stderr[-2000:]
+
+
+def test_the_ray_switch_that_lets_python_handle_sigterm_still_exists() -> None:
+    # start_ray sets this private constant so that a SIGTERM raises SystemExit in the driver
+    # instead of aborting it inside a Ray call (tests/e2e: SIGTERM stops a run in one line);
+    # if Ray renames it, setting it would silently do nothing.
+    from ray._private import ray_constants
+
+    assert isinstance(ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER, bool)

@@ -151,3 +151,25 @@ def test_someones_folder_is_left_untouched(tmp_path: Path, cli) -> None:
     assert "is not empty (it holds config.json)" in proc.stderr
     assert [p.name for p in out.iterdir()] == ["config.json"]
     assert (out / "config.json").read_text() == '{"mine": true}'
+
+
+def test_sigterm_stops_the_run_in_one_line_with_its_files_whole(tmp_path: Path) -> None:
+    # `verlite stop` and schedulers' preemption send SIGTERM; the run used to exit 15 silently.
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        command(out, "trainer.total_steps=200"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while steps_logged(out) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("verlite: terminated (SIGTERM)")
+    assert "Traceback" not in stderr
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1))

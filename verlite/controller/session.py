@@ -113,6 +113,12 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     """
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process; call stop_ray() first")
+    # The driver's Ray core installs a C++ handler for SIGTERM (and crash signals) that dumps
+    # a stack and aborts the process when the signal lands inside a Ray call: a `verlite stop`
+    # or a preemption then skipped every cleanup. Without it, Python's own handler (which Ray
+    # sets to raise SystemExit) stops the run between two statements. Read at ray.init;
+    # workers keep theirs.
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     if address is None:
         with _keep_loopback():
             ray.init(

@@ -1,11 +1,17 @@
-"""Shared test settings: deterministic, single-threaded torch (several ranks share 2 cores),
-and one embedded Ray that the tests needing a plain local Ray share."""
+"""Shared test settings: the repository root as working directory, deterministic,
+single-threaded torch (several ranks share 2 cores), and one embedded Ray that the tests
+needing a plain local Ray share."""
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+# Tests name the repository's files as a user in its root does (configs/ppo_tiny.yaml), and
+# some read them at import: the suite runs the same from any folder.
+os.chdir(Path(__file__).resolve().parents[1])
 torch.set_num_threads(1)
 
 # The shared Ray's size: tests/controller expects 4 CPUs in its resource messages.

@@ -176,6 +176,9 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
+PLOT_LIMIT = 1e30
+
+
 def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = "") -> None:
     """Write a PNG with panels for score and validation score, losses, KL and response length
     over steps. Renders with Agg through matplotlib's object API: no pyplot, no global state."""
@@ -229,7 +232,10 @@ def _draw_panel(axes: Any, records: Sequence[Record], keys: Sequence[str]) -> li
         series = _series(records, key)
         if not series:
             continue
-        steps, values = zip(*series, strict=True)
+        steps = [step for step, _ in series]
+        # A diverged run's 1e308 or inf has no place on an axis (matplotlib fails to lay
+        # one out): such points are left as gaps in the line.
+        values = [v if abs(v) <= PLOT_LIMIT else math.nan for _, v in series]
         scale = max((abs(v) for v in values if math.isfinite(v)), default=0.0)
         target = axes
         if not drawn:

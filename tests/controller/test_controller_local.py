@@ -66,6 +66,12 @@ class ProbeWorker(Worker):
         time.sleep(seconds)
         return self.rank
 
+    def timed_sleep(self, seconds: float) -> tuple[float, float]:
+        """When the sleep began and ended, on the machine's clock all workers share."""
+        began = time.time()
+        time.sleep(seconds)
+        return began, time.time()
+
     def fail_on(self, rank: int, seconds: float) -> None:
         if self.rank == rank:
             raise ValueError(f"bad batch on rank {self.rank}")
@@ -185,10 +191,11 @@ def test_groups_on_separate_pools_overlap() -> None:
     try:
         first.call("ping")
         second.call("ping")
-        start = time.monotonic()
-        pending = [g.call_async("sleep", 1.0) for g in (first, second)]
-        assert [p.result() for p in pending] == [[0], [0]]
-        assert time.monotonic() - start < 1.8
+        pending = [g.call_async("timed_sleep", 1.0) for g in (first, second)]
+        (left,), (right,) = (p.result() for p in pending)
+        # The calls ran at the same time: each began before the other ended (evidence that
+        # does not depend on how loaded the machine is, unlike a bound on the wall time).
+        assert left[0] < right[1] and right[0] < left[1], (left, right)
     finally:
         for group in (first, second):
             group.shutdown()
@@ -200,11 +207,12 @@ def test_failures_name_the_rank_and_leave_no_orphans() -> None:
     pids = [r["pid"] for r in group.placement()]
     names = [f"verlite:test:fragile:{rank}" for rank in range(2)]
     try:
-        # Rank 0 is still busy when rank 1 raises: the error must not wait for rank 0.
+        # Rank 0 is still busy for a minute when rank 1 raises: the error must not wait for
+        # it (the bound is generous: it only has to be well below the minute).
         start = time.monotonic()
         with pytest.raises(WorkerGroupError, match="rank 1") as raised:
-            group.call("fail_on", 1, 5.0)
-        assert time.monotonic() - start < 4.0
+            group.call("fail_on", 1, 60.0)
+        assert time.monotonic() - start < 30.0
         assert "ValueError: bad batch on rank 1" in str(raised.value)
         assert raised.value.node_ip == "127.0.0.1" and raised.value.method == "fail_on"
 

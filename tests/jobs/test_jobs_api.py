@@ -37,9 +37,15 @@ class Dashboard(BaseHTTPRequestHandler):
 
     answers: ClassVar[dict[str, tuple[int, str]]] = {}
     seen: ClassVar[list[tuple[str, str, str | None]]] = []
+    # Job API answers still to give as a head does while its job agent starts.
+    busy: ClassVar[list[tuple[int, str]]] = []
 
     def _answer(self) -> None:
         self.seen.append((self.command, self.path, self.headers.get("Authorization")))
+        if self.busy and self.path != "/api/version":
+            code, text = self.busy.pop(0)
+            self._send(code, text)
+            return
         routes = {
             "/api/version": (200, json.dumps({"ray_version": "2.60"})),
             "/api/jobs/": (200, json.dumps([JOB, DRIVER])),
@@ -50,6 +56,9 @@ class Dashboard(BaseHTTPRequestHandler):
         code, body = self.answers.get(self.path) or routes.get(self.path, (404, "no such job"))
         if self.path != "/api/version" and self.headers.get("Authorization") != f"Bearer {TOKEN}":
             code, body = (403, "bad token") if self.headers.get("Authorization") else (401, "")
+        self._send(code, body)
+
+    def _send(self, code: int, body: str) -> None:
         data = body.encode()
         self.send_response(code)
         self.send_header("Content-Length", str(len(data)))
@@ -64,7 +73,7 @@ class Dashboard(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def dashboard() -> Iterator[str]:
-    Dashboard.answers, Dashboard.seen = {}, []
+    Dashboard.answers, Dashboard.seen, Dashboard.busy = {}, [], []
     server = ThreadingHTTPServer(("127.0.0.1", 0), Dashboard)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -171,6 +180,38 @@ def test_a_servers_control_characters_and_bogus_times_are_printed_harmlessly(
             "x\\r\\nraysubmit_0",
             "SUCCEEDED",
         ]
+
+
+NO_AGENT = (500, "No available agent to submit job, please try again later.")
+
+
+def test_a_busy_job_server_is_retried_with_one_line_and_other_failures_are_not(
+    dashboard: str,
+) -> None:
+    # A head a few seconds old answers 500 "No available agent"; a gateway 502/503.
+    Dashboard.busy = [NO_AGENT, (503, "starting")]
+    status = verlite("status", "raysubmit_1", "--address", dashboard, "--retry-for", "30")
+    assert status.returncode == 0 and status.stdout == "FAILED\n", status.stderr
+    retrying = [line for line in status.stderr.splitlines() if "retrying" in line]
+    assert len(retrying) == 1 and "No available agent" in retrying[0]
+    assert not Dashboard.busy  # every busy answer was met by a new try
+    # Still busy when the time is up: one line that says it retried.
+    Dashboard.busy = [NO_AGENT] * 100
+    gave_up = verlite("status", "raysubmit_1", "--address", dashboard, "--retry-for", "2")
+    assert gave_up.returncode == 2, gave_up.stderr
+    assert gave_up.stderr.splitlines()[-1].endswith("(still, after retrying for 2 s)")
+    # Not busy: a plain 500, an unknown job and a refused token fail at the first answer.
+    Dashboard.busy = [(500, "internal error")] + [NO_AGENT] * 5
+    plain = verlite("status", "raysubmit_1", "--address", dashboard, "--retry-for", "30")
+    assert plain.returncode == 2 and "retrying" not in plain.stderr
+    assert len(Dashboard.busy) == 5
+    Dashboard.busy = []
+    for args, env in (
+        (("status", "raysubmit_9"), {}),
+        (("status", "raysubmit_1"), {"RAY_AUTH_TOKEN": "wrong"}),
+    ):
+        proc = verlite(*args, "--address", dashboard, "--retry-for", "30", **env)
+        assert proc.returncode == 2 and "retrying" not in proc.stderr
 
 
 def test_unknown_job_and_token_problems_say_what_to_do(dashboard: str) -> None:

@@ -80,17 +80,32 @@ def test_eos_ends_a_response_and_the_layout_is_consistent() -> None:
     assert torch.equal(out["position_ids"], ((full.cumsum(-1) - 1).clamp(min=0)) * full)
 
 
-def test_sampled_tokens_have_the_probabilities_the_trainer_computes() -> None:
-    """The log-probs the trainer recomputes must be those the sampler drew from (temperature)."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
+    temperature: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The log-probs the trainer recomputes (one padded forward over prompt + response) are
+    those of the distributions the sampler drew each token from (KV-cached, step by step)."""
+    drawn: list[torch.Tensor] = []
+
+    def recording(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
+        token = sample_next_token(logits, params, generator)
+        scaled = logits.double() / params.temperature
+        drawn.append(scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
+        return token
+
+    monkeypatch.setattr("verlite.rollout.native.sample_next_token", recording)
     m, td = model(), prompts()
-    td.set_non_tensor("temperature", 0.7)
+    td.set_non_tensor("temperature", temperature)
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
-        td, SamplingParams(6, temperature=0.7), seed=1
+        td, SamplingParams(6, temperature=temperature), seed=1
     )
     with torch.no_grad():
-        log_probs, _ = response_log_probs(m, out, temperature=0.7, with_entropy=False)
-    assert torch.isfinite(log_probs).all()
-    assert (log_probs[out["response_mask"].bool()] < 0).all()
+        log_probs, _ = response_log_probs(m, out, temperature=temperature, with_entropy=False)
+    sampler = torch.stack(drawn, dim=1)[:, : log_probs.shape[1]]
+    mask = out["response_mask"].bool()
+    assert mask.sum() > 30 and sampler.shape == log_probs.shape
+    torch.testing.assert_close(log_probs[mask], sampler[mask], rtol=0, atol=1e-9)
 
 
 def test_same_seed_same_samples_and_top_k_1_is_greedy() -> None:

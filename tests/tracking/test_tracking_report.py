@@ -190,6 +190,21 @@ def test_plot_writes_a_png_matplotlib_reads_back(
     assert width > height > 400 and channels in (3, 4)
 
 
+def test_a_diverged_runs_huge_and_infinite_values_are_gaps_in_the_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # matplotlib cannot lay out an axis spanning 1e308 (it raised a ValueError traceback).
+    diverged = [
+        {"step": 1, "critic/score/mean": 1e308, "actor/pg_loss": 0.5},
+        {"step": 2, "critic/score/mean": float("nan"), "actor/pg_loss": 0.4},
+        {"step": 3, "critic/score/mean": float("-inf"), "actor/pg_loss": 0.3},
+    ]
+    png = tmp_path / "run.png"
+    code, _, err = _metrics([str(_write(tmp_path / "run", diverged)), "--plot", str(png)], capsys)
+    assert code == 0, err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_plot_needs_a_png_name_and_matplotlib(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

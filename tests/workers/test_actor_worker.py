@@ -1,6 +1,8 @@
 """The actor's fused ``rollout`` call returns exactly what ``generate`` followed by
 ``compute_log_probs`` returns: the same rows, tokens, old and reference log-probs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,3 +54,43 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
     for key in keys:
         assert torch.equal(torch.as_tensor(fused[key]), torch.as_tensor(separate[key])), key
     assert bool(fused["response_mask"].any()) and bool((fused["old_log_probs"] < 0).any())
+
+
+def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from verlite.workers.forward import response_log_probs
+
+    cfg = load_config("configs/ppo_tiny.yaml", [f"trainer.output_dir={tmp_path}"])
+    tokenizer = load_tokenizer(None, task=cfg.data.task)
+    train_set, _ = build_datasets(cfg, tokenizer)
+    worker = ActorWorker(
+        rank=0,
+        world_size=1,
+        torch_threads=1,
+        role="actor",
+        cfg=cfg,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    worker.init_model()
+    with torch.no_grad():  # weights away from the seed-0 initialization an export rebuilds
+        for param in worker.engine.model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    prompts = prompt_tensordict(
+        train_set[:8],
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        repeat=1,
+        temperature=1.0,
+    )
+    batch = worker.generate(prompts, SamplingParams(max_new_tokens=6), 3)
+    trained = worker.compute_log_probs(batch)["old_log_probs"]
+
+    worker.export_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        reloaded, _ = response_log_probs(exported, batch, temperature=1.0, with_entropy=False)
+    mask = batch["response_mask"].bool()
+    torch.testing.assert_close(reloaded[mask], trained[mask], rtol=0, atol=1e-6)

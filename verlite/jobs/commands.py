@@ -7,18 +7,42 @@ Each handler takes the parsed arguments and returns the exit code; problems rais
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from verlite.jobs.server import connect
+from verlite.jobs.server import RETRY_S, connect
 
 ADDRESS_HELP = "Ray dashboard URL, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
 TOKEN_NOTE = (
     "On clusters with token authentication, set RAY_AUTH_MODE=token and provide the token in "
     "RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token, as for any Ray client."
 )
+
+
+def _server_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--address", default=None, help=ADDRESS_HELP)
+    parser.add_argument(
+        "--retry-for",
+        metavar="SECONDS",
+        type=_seconds,
+        default=RETRY_S,
+        help="how long to retry a job server that answers busy (a head still starting its "
+        "job agent, HTTP 502/503/504, a reset connection); a refused token or an unknown job "
+        f"fails at once (default: {RETRY_S:g})",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value <= 86_400:
+        raise argparse.ArgumentTypeError(f"expected seconds from 0 to 86400, got {text!r}")
+    return value
 
 
 def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,7 +54,7 @@ def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "as a Ray job, with metrics in its log (trainer.loggers gains logline). The config is checked "
         "here first. Prints the submission id. " + TOKEN_NOTE,
     )
-    submit.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _server_arguments(submit)
     submit.add_argument("--config", required=True, help="run config YAML, inside the working dir")
     submit.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     submit.add_argument(
@@ -56,14 +80,14 @@ def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         description="Print PENDING, RUNNING, SUCCEEDED, FAILED or STOPPED.",
     )
     status.add_argument("job_id", metavar="ID", help="submission id")
-    status.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _server_arguments(status)
     status.set_defaults(handler=cmd_status)
 
     logs = subparsers.add_parser(
         "logs", help="print a job's log", description="Print a job's driver log."
     )
     logs.add_argument("job_id", metavar="ID", help="submission id")
-    logs.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _server_arguments(logs)
     logs.add_argument("--follow", action="store_true", help="keep printing until the job ends")
     logs.set_defaults(handler=cmd_logs)
 
@@ -71,13 +95,13 @@ def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "stop", help="stop a job", description="Ask a running job to stop."
     )
     stop.add_argument("job_id", metavar="ID", help="submission id")
-    stop.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _server_arguments(stop)
     stop.set_defaults(handler=cmd_stop)
 
     jobs = subparsers.add_parser(
         "list", help="list a cluster's jobs", description="List the submitted jobs, oldest first."
     )
-    jobs.add_argument("--address", default=None, help=ADDRESS_HELP)
+    _server_arguments(jobs)
     jobs.set_defaults(handler=cmd_list)
 
 
@@ -92,7 +116,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         working_dir=args.working_dir or default_working_dir(),
         runtime_env_file=args.runtime_env,
     )
-    server = connect(args.address)
+    server = connect(args.address, retry_s=args.retry_for)
     job_id = server.submit(
         entrypoint=submission.entrypoint,
         runtime_env=submission.runtime_env,
@@ -115,7 +139,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    info = connect(args.address).info(args.job_id)
+    info = connect(args.address, retry_s=args.retry_for).info(args.job_id)
     print(printable(info["status"]))
     if info["status"] == "FAILED" and info.get("message"):
         print(printable(info["message"]), file=sys.stderr)
@@ -123,7 +147,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    server = connect(args.address)
+    server = connect(args.address, retry_s=args.retry_for)
     if args.follow:
         server.follow(args.job_id, sys.stdout)
     else:
@@ -132,7 +156,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    server = connect(args.address)
+    server = connect(args.address, retry_s=args.retry_for)
     if server.stop(args.job_id):
         print(f"stop requested for {args.job_id}")
     else:
@@ -157,7 +181,11 @@ def _start_ms(job: dict[str, Any]) -> float | None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     # DRIVER entries are the trainers' own connections to Ray, not submitted jobs.
-    jobs = [job for job in connect(args.address).jobs() if job.get("type") == "SUBMISSION"]
+    jobs = [
+        job
+        for job in connect(args.address, retry_s=args.retry_for).jobs()
+        if job.get("type") == "SUBMISSION"
+    ]
     if not jobs:
         print("no jobs", file=sys.stderr)
         return 0

@@ -11,10 +11,12 @@ import json
 import logging
 import os
 import re
+import secrets
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from urllib.parse import quote
 
 import requests
@@ -42,6 +44,7 @@ POLL_INTERVAL_S = 1.0
 # A job API call, the whole answer read (a log of a long run is the largest answer).
 API_TIMEOUT_S = 30.0
 MAX_ANSWER_BYTES = 256 << 20
+_T = TypeVar("_T")
 RAY_CHATTY_LOGGERS = ("ray", "ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk")
 # The SDK reports a failed request as RuntimeError("Request failed with status code N: body").
 _HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
@@ -49,6 +52,20 @@ _HTTP_ERROR = re.compile(r"status code (\d+): (.*)", re.DOTALL)
 
 class JobsError(UserError):
     """A cluster or job problem the user can fix: the address, the token, the job id."""
+
+
+class JobServerBusy(JobsError):
+    """An answer that a moment later may be different: a head still starting its job agent
+    (HTTP 500 "No available agent"), a gateway or server out of service (502, 503, 504), a
+    connection reset. Retried for up to ``retry_s`` seconds; other failures are not."""
+
+
+# How long a job command retries a busy job server by default (a fresh head takes ~20 s to
+# start its job agent), and the longest pause between two tries.
+RETRY_S = 60.0
+MAX_RETRY_PAUSE_S = 8.0
+_BUSY_CODES = (502, 503, 504)
+_BUSY_500 = re.compile(r"no available agent|try again", re.IGNORECASE)
 
 
 def resolve_address(address: str | None) -> str:
@@ -73,11 +90,11 @@ def read_job_metrics(address: str | None, job_id: str) -> list[Record]:
     return connect(address).metrics(job_id)
 
 
-def connect(address: str | None) -> JobServer:
+def connect(address: str | None, *, retry_s: float = RETRY_S) -> JobServer:
     """Reach the job server at ``address`` (see :func:`resolve_address`) or fail in seconds."""
     url = resolve_address(address)
     _check_reachable(url)
-    return JobServer(url)
+    return JobServer(url, retry_s=retry_s)
 
 
 class JobServer:
@@ -88,18 +105,52 @@ class JobServer:
     following a log stream go through Ray's Job Submission SDK.
     """
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, retry_s: float = RETRY_S) -> None:
         self.url = url
+        self.retry_s = retry_s
         self._sdk: JobSubmissionClient | None = None
 
     def submit(
         self, *, entrypoint: str, runtime_env: dict[str, Any], submission_id: str | None
     ) -> str:
-        with _errors(self.url):
-            job_id: str = self.sdk.submit_job(
-                entrypoint=entrypoint, runtime_env=runtime_env, submission_id=submission_id
-            )
-        return job_id
+        # One id for every try: a try whose answer was lost may have created the job, and
+        # the next then finds it instead of starting a second one.
+        job_id = submission_id or f"raysubmit_{secrets.token_hex(8)}"
+        first = True
+
+        def attempt() -> str:
+            nonlocal first
+            try:
+                with _errors(self.url):
+                    self.sdk.submit_job(
+                        entrypoint=entrypoint, runtime_env=runtime_env, submission_id=job_id
+                    )
+            except JobsError as exc:
+                if first or "already exists" not in str(exc):
+                    raise
+            finally:
+                first = False
+            return job_id
+
+        return self._retrying(attempt)
+
+    def _retrying(self, attempt: Callable[[], _T]) -> _T:
+        """``attempt()``, tried again while the server is busy, for up to ``retry_s`` seconds."""
+        deadline = time.monotonic() + self.retry_s
+        pause = 1.0
+        while True:
+            try:
+                return attempt()
+            except JobServerBusy as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise JobsError(
+                        f"{exc} (still, after retrying for {self.retry_s:g} s)"
+                    ) from None
+                if pause == 1.0:
+                    print(f"verlite: {exc}; retrying for up to {self.retry_s:g} s", file=sys.stderr)
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, MAX_RETRY_PAUSE_S)
 
     def info(self, job_id: str) -> dict[str, Any]:
         """The job's record: ``status``, ``message``, ``entrypoint``, ``start_time``, ..."""
@@ -168,7 +219,11 @@ class JobServer:
         return self._request(method, f"/api/jobs/{quote(job_id, safe='')}{suffix}", job_id)
 
     def _request(self, method: str, path: str, job_id: str | None = None) -> Any:
-        """One call of the dashboard's job API with the user's Ray token; its JSON answer."""
+        """A call of the dashboard's job API with the user's Ray token, tried again while the
+        server is busy; its JSON answer."""
+        return self._retrying(lambda: self._request_once(method, path, job_id))
+
+    def _request_once(self, method: str, path: str, job_id: str | None) -> Any:
         token = _token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
@@ -176,6 +231,10 @@ class JobServer:
         except requests.Timeout:
             raise JobsError(
                 f"no complete answer from {self.url} within {API_TIMEOUT_S:g} s"
+            ) from None
+        except requests.ConnectionError as exc:
+            raise JobServerBusy(
+                f"lost the connection to {self.url} ({type(exc).__name__})"
             ) from None
         except requests.RequestException as exc:
             raise JobsError(f"lost the connection to {self.url} ({type(exc).__name__})") from None
@@ -185,7 +244,7 @@ class JobServer:
             raise JobsError(f"no job {job_id!r} on {self.url} (`verlite list` shows its jobs)")
         body = redact_text(" ".join(answer.decode("utf-8", "replace").split()), [token or ""])
         if not 200 <= code < 400:
-            raise JobsError(f"the job server at {self.url} answered HTTP {code}: {body[:300]}")
+            raise _http_error(self.url, code, body)
         try:
             return json.loads(answer)
         except ValueError:
@@ -292,13 +351,22 @@ def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
         body = redact_text(" ".join(match[2].split()).rstrip("."), [_token() or ""])
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {url} (`verlite list` shows its jobs)") from None
-        raise JobsError(f"the job server at {url} answered HTTP {code}: {body[:300]}") from None
+        raise _http_error(url, code, body) from None
     except json.JSONDecodeError as exc:
         raise JobsError(
             f"the job server at {url} answered with something that is not JSON ({exc.msg})"
         ) from None
-    except (ConnectionError, requests.RequestException, aiohttp.ClientError) as exc:
+    except (ConnectionError, requests.ConnectionError, aiohttp.ClientConnectionError) as exc:
+        raise JobServerBusy(f"lost the connection to {url} ({type(exc).__name__})") from None
+    except (requests.RequestException, aiohttp.ClientError) as exc:
         raise JobsError(f"lost the connection to {url} ({type(exc).__name__})") from None
+
+
+def _http_error(url: str, code: int, body: str) -> JobsError:
+    """The error for an HTTP failure ``code`` with the (redacted) ``body``: busy or not."""
+    message = f"the job server at {url} answered HTTP {code}: {body[:300]}"
+    busy = code in _BUSY_CODES or (code == 500 and _BUSY_500.search(body) is not None)
+    return JobServerBusy(message) if busy else JobsError(message)
 
 
 def _auth_problem(url: str, *, rejected: bool) -> str:

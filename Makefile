@@ -44,7 +44,7 @@ clean:
 # (`ray start`), submit, follow, stop and read real jobs, and stop it again (~3 min on 2 cores).
 .PHONY: test-cluster
 test-cluster: setup
-	$(PY) -m pytest -q -m cluster tests/jobs
+	$(PY) -m pytest -q -m cluster tests/jobs tests/controller/test_controller_session.py
 
 # Every benchmark in benchmarks/, each in a fresh process; figures in benchmarks/results.json.
 .PHONY: bench

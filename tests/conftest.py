@@ -1,6 +1,6 @@
-"""Shared test settings: the repository root as working directory, deterministic,
-single-threaded torch (several ranks share 2 cores), and one embedded Ray that the tests
-needing a plain local Ray share."""
+"""Shared test settings: ``cluster``-marked tests only when asked for, the repository root
+as working directory, deterministic single-threaded torch (several ranks share 2 cores),
+and one embedded Ray that the tests needing a plain local Ray share."""
 
 import os
 from collections.abc import Iterator
@@ -13,6 +13,18 @@ import torch
 # some read them at import: the suite runs the same from any folder.
 os.chdir(Path(__file__).resolve().parents[1])
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # A cluster costs minutes and many processes on a 2-core machine: it runs when asked for
+    # (`-m cluster`, `make test-cluster`), not in every `make test`.
+    if "cluster" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="starts or joins a Ray cluster; run with `make test-cluster`")
+    for item in items:
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(skip)
+
 
 # The shared Ray's size: tests/controller expects 4 CPUs in its resource messages.
 SHARED_RAY_CPUS = 4

@@ -49,6 +49,7 @@ def http_port() -> Iterator[int]:
     server.server_close()
 
 
+@pytest.mark.cluster  # Ray's own join attempt takes ~40 s: run with the cluster tests
 def test_an_address_that_is_not_a_ray_head_fails_after_the_join_timeout(http_port: int) -> None:
     code = (
         "import verlite.controller.session as s\n"

@@ -9,6 +9,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from verlite.rewards.scoring import RewardError
 from verlite.trainer import divergence
 
 RUN = [
@@ -46,13 +49,10 @@ def steps_logged(out: Path) -> int:
 
 
 def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
-    tmp_path: Path, metrics
+    tmp_path: Path, train, metrics
 ) -> None:
     env = {**os.environ, "VERLITE_TEST_SECRET": SECRET, "RAY_AUTH_TOKEN": SECRET}
-    straight = subprocess.run(
-        command(tmp_path / "straight"), capture_output=True, text=True, timeout=600, env=env
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    train(tmp_path / "straight", *RUN)  # the uninterrupted run, in-process on the shared Ray
 
     out = tmp_path / "crashed"
     proc = subprocess.Popen(
@@ -87,9 +87,7 @@ def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
     for path in out.rglob("*"):
         if path.is_file() and path.suffix in {".json", ".jsonl", ".txt", ".yaml"}:
             assert SECRET not in path.read_text(errors="ignore"), path
-    assert (
-        SECRET not in straight.stdout + straight.stderr + resumed.stdout + resumed.stderr + stderr
-    )
+    assert SECRET not in resumed.stdout + resumed.stderr + stderr
 
 
 def test_truncated_prompts_are_counted(tmp_path: Path, train) -> None:
@@ -121,23 +119,18 @@ def test_divergence_stops_after_the_configured_streak() -> None:
     assert re.search(r"critic: 3 consecutive updates skipped .*max_consecutive_skips=3", str(error))
 
 
-def test_a_reward_that_raises_stops_the_run_in_one_line(tmp_path: Path, cli) -> None:
+def test_a_reward_that_raises_stops_the_run_in_one_line(tmp_path: Path, train, monkeypatch) -> None:
+    # In-process on the shared Ray: the CLI prints a UserError in one line with exit 2
+    # (tests/test_cli_errors.py); here, the run stops with the message that line shows.
     (tmp_path / "userreward.py").write_text(
         "def score(response, answer, prompt):\n    raise ValueError(f'cannot parse {response!r}')\n"
     )
-    proc = cli(
-        "train",
-        "--config",
-        "configs/ppo_tiny.yaml",
-        f"trainer.output_dir={tmp_path / 'run'}",
-        "reward.fn=userreward:score",
-        "trainer.total_steps=1",
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("verlite: error: reward function userreward:score raised on response 0")
-    assert "ValueError: cannot parse" in last and "Traceback" not in proc.stderr
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError) as raised:
+        train(tmp_path / "run", "reward.fn=userreward:score", "trainer.total_steps=1")
+    message = str(raised.value)
+    assert message.startswith("reward function userreward:score raised on response 0")
+    assert "ValueError: cannot parse" in message and "\n" not in message
 
 
 def test_someones_folder_is_left_untouched(tmp_path: Path, cli) -> None:
@@ -157,13 +150,13 @@ def test_sigterm_stops_the_run_in_one_line_with_its_files_whole(tmp_path: Path) 
     # `verlite stop` and schedulers' preemption send SIGTERM; the run used to exit 15 silently.
     out = tmp_path / "run"
     proc = subprocess.Popen(
-        command(out, "trainer.total_steps=200"),
+        command(out, "trainer.total_steps=200", "trainer.workers_per_node=1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 300
-    while steps_logged(out) < 3:
+    while steps_logged(out) < 1:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,4 @@
-"""Job tests: skipping ``cluster``-marked tests unless asked for, and the Ray cluster they share."""
+"""Job tests: the Ray cluster the ``cluster``-marked ones share."""
 
 from __future__ import annotations
 
@@ -9,17 +9,6 @@ from pathlib import Path
 
 import pytest
 from jobs_support import RayCluster
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # A cluster costs minutes and many processes on a 2-core machine: it runs when asked for
-    # (`-m cluster`), not in every `make test`.
-    if "cluster" in (config.getoption("markexpr") or ""):
-        return
-    skip = pytest.mark.skip(reason="starts a Ray cluster; run with `make test-cluster`")
-    for item in items:
-        if item.get_closest_marker("cluster") is not None:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

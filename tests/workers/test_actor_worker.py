@@ -5,23 +5,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedTokenizerBase
 
-from verlite.config import load_config
+from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
+from verlite.data.dataset import PromptDataset
 from verlite.rollout import SamplingParams
 from verlite.workers.actor import ActorWorker
 
 
-@pytest.mark.parametrize("kl_in_reward", ["false", "true"])
-def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: object) -> None:
-    cfg = load_config(
-        "configs/ppo_tiny.yaml",
-        [
-            f"algorithm.use_kl_in_reward={kl_in_reward}",
-            "actor.use_kl_loss=false",
-            f"trainer.output_dir={tmp_path}",
-        ],
-    )
+def _actor(cfg: Config) -> tuple[ActorWorker, PreTrainedTokenizerBase, PromptDataset]:
+    """A ready actor worker of ``cfg`` in this process, its tokenizer and training prompts."""
     tokenizer = load_tokenizer(None, task=cfg.data.task)
     train_set, _ = build_datasets(cfg, tokenizer)
     worker = ActorWorker(
@@ -35,6 +29,20 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
         pad_token_id=tokenizer.pad_token_id,
     )
     worker.init_model()
+    return worker, tokenizer, train_set
+
+
+@pytest.mark.parametrize("kl_in_reward", ["false", "true"])
+def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: object) -> None:
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            f"algorithm.use_kl_in_reward={kl_in_reward}",
+            "actor.use_kl_loss=false",
+            f"trainer.output_dir={tmp_path}",
+        ],
+    )
+    worker, tokenizer, train_set = _actor(cfg)
     prompts = prompt_tensordict(
         train_set[:8],
         tokenizer,
@@ -62,19 +70,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
     from verlite.workers.forward import response_log_probs
 
     cfg = load_config("configs/ppo_tiny.yaml", [f"trainer.output_dir={tmp_path}"])
-    tokenizer = load_tokenizer(None, task=cfg.data.task)
-    train_set, _ = build_datasets(cfg, tokenizer)
-    worker = ActorWorker(
-        rank=0,
-        world_size=1,
-        torch_threads=1,
-        role="actor",
-        cfg=cfg,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    worker.init_model()
+    worker, tokenizer, train_set = _actor(cfg)
     with torch.no_grad():  # weights away from the seed-0 initialization an export rebuilds
         for param in worker.engine.model.parameters():
             param.add_(torch.randn_like(param) * 0.05)

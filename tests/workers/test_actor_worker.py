@@ -1,5 +1,6 @@
-"""The actor's fused ``rollout`` call returns exactly what ``generate`` followed by
-``compute_log_probs`` returns: the same rows, tokens, old and reference log-probs."""
+"""The actor worker in this process: its fused ``rollout`` call returns exactly what
+``generate`` followed by ``compute_log_probs`` returns (the same rows, tokens, old and
+reference log-probs), and the model it exports computes the trained policy's log-probs."""
 
 from pathlib import Path
 

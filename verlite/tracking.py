@@ -14,7 +14,6 @@ import json
 import math
 import os
 import re
-import socket
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -25,6 +24,7 @@ from urllib.parse import urlsplit
 
 from verlite import metrics_log
 from verlite.errors import UserError
+from verlite.reachable import connection_problem
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = (
@@ -374,15 +374,13 @@ def check_tracking_server(uri: str | None, *, timeout_s: float = 5.0) -> None:
     if parts.scheme not in ("http", "https") or not parts.hostname:
         return
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    try:
-        socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
-    except OSError as exc:
-        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+    reason = connection_problem(parts.hostname, port, timeout_s)
+    if reason is not None:
         raise UserError(
             f"trainer.mlflow_tracking_uri={_redact(uri)!r}: nothing accepts connections at "
             f"{parts.hostname}:{port} ({reason} within {timeout_s:g} s); start the MLflow server "
             "or leave the URI unset for a file store in the output folder"
-        ) from None
+        )
 
 
 class Tracker:

@@ -7,7 +7,6 @@ import _thread
 import contextlib
 import ipaddress
 import logging
-import socket
 import threading
 from collections.abc import Iterator
 
@@ -15,6 +14,7 @@ import ray
 from ray._private import ray_constants
 
 from verlite.errors import UserError
+from verlite.reachable import connection_problem
 
 LOOPBACK = "127.0.0.1"
 # How long a cluster address may take to accept a connection, and Ray to join the cluster.
@@ -61,15 +61,13 @@ def _check_reachable(address: str) -> None:
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
         return
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+    reason = connection_problem(host.strip("[]"), int(port), CONNECT_TIMEOUT_S)
+    if reason is not None:
         raise ClusterUnreachable(
             f"trainer.ray_address={address!r}: nothing accepts connections at {host}:{port} "
             f"({reason} within {CONNECT_TIMEOUT_S:g} s); start the cluster (ray start --head) or "
             "give its head's address (the GCS port, 6379 unless set)"
-        ) from None
+        )
 
 
 @contextlib.contextmanager

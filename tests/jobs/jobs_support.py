@@ -37,6 +37,13 @@ RAY_CLIENT_ENV = (
 START_TIMEOUT_S = 120.0
 
 
+def path_without_verlite() -> str:
+    """This PATH without the folders that hold a ``verlite`` command: the PATH of a head started
+    as ``/venv/bin/ray start`` from a shell that did not activate the virtualenv."""
+    folders = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    return os.pathsep.join(f for f in folders if not shutil.which("verlite", path=f))
+
+
 def client_env(**changes: str) -> dict[str, str]:
     """This process's environment without Ray client settings, plus ``changes``."""
     env = {k: v for k, v in os.environ.items() if k not in RAY_CLIENT_ENV}
@@ -86,6 +93,8 @@ class RayCluster:
         )
 
     def start_head(self, num_cpus: int) -> None:
+        """The head, started without a ``verlite`` command on its PATH, as a user who runs
+        ``/venv/bin/ray start --head`` unactivated does: jobs must find verlite anyway."""
         dashboard_port = free_port()
         self.gcs_address = f"127.0.0.1:{free_port()}"
         self.url = f"http://127.0.0.1:{dashboard_port}"
@@ -97,6 +106,7 @@ class RayCluster:
             f"--dashboard-port={dashboard_port}",
             f"--ray-client-server-port={free_port()}",
             num_cpus=num_cpus,
+            env=self.env(PATH=path_without_verlite()),
         )
         self._wait(lambda: self.get("/api/version").status_code == 200, "the dashboard")
 
@@ -104,10 +114,10 @@ class RayCluster:
         # Each node gets its own temp dir: nodes sharing one would unpack jobs' working
         # directories over each other, deleting a running driver's current directory.
         alive = len(self.alive_nodes())
-        self._start_node(f"--address={self.gcs_address}", num_cpus=num_cpus)
+        self._start_node(f"--address={self.gcs_address}", num_cpus=num_cpus, env=self.env())
         self._wait(lambda: len(self.alive_nodes()) > alive, "the new node")
 
-    def _start_node(self, *args: str, num_cpus: int) -> None:
+    def _start_node(self, *args: str, num_cpus: int, env: dict[str, str]) -> None:
         temp_dir = Path(tempfile.mkdtemp(prefix="vlj", dir="/tmp"))  # short: socket paths
         self.temp_dirs.append(temp_dir)
         command = [
@@ -125,13 +135,19 @@ class RayCluster:
             self.nodes.append(
                 subprocess.Popen(
                     command,
-                    env=self.env(),
+                    env=env,
                     cwd=temp_dir,
                     start_new_session=True,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
             )
+
+    def head_path(self) -> str:
+        """The PATH the head's processes (and so its jobs' entrypoints) run with."""
+        environ = Path(f"/proc/{self.nodes[0].pid}/environ").read_bytes().split(b"\0")
+        (path,) = (v[5:].decode() for v in environ if v.startswith(b"PATH="))
+        return path
 
     def get(self, path: str) -> requests.Response:
         return requests.get(

@@ -18,6 +18,7 @@ import pytest
 from jobs_support import REPO, client_env
 
 from verlite.jobs import server as jobs_server
+from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.server import JobsError
 
 TOKEN = "tok-7f3e9a"
@@ -26,7 +27,7 @@ JOB = {
     "submission_id": "raysubmit_1",
     "status": "FAILED",
     "message": "the driver exited with 1",
-    "entrypoint": "verlite train --config configs/ppo_tiny.yaml",
+    "entrypoint": job_entrypoint(["train", "--config", "configs/ppo_tiny.yaml"]),
     "start_time": 1_700_000_000_000,
 }
 DRIVER = {**JOB, "type": "DRIVER", "submission_id": None, "entrypoint": "python x.py"}
@@ -104,8 +105,9 @@ def test_status_logs_stop_and_list_read_the_job_api_with_the_token(dashboard: st
     assert stop.stdout == "stop requested for raysubmit_1\n"
     listing = verlite("list", "--address", dashboard)
     lines = listing.stdout.splitlines()
-    assert lines[0].split() == ["ID", "STATUS", "STARTED", "ENTRYPOINT"]
+    assert lines[0].split() == ["ID", "STATUS", "STARTED", "COMMAND"]
     assert len(lines) == 2 and lines[1].startswith("raysubmit_1  FAILED")  # no DRIVER entry
+    assert lines[1].endswith("  verlite train --config configs/ppo_tiny.yaml")  # what the job runs
     assert ("POST", "/api/jobs/raysubmit_1/stop", f"Bearer {TOKEN}") in Dashboard.seen
     assert TOKEN not in "".join(p.stdout + p.stderr for p in (status, logs, stop, listing))
 

@@ -5,8 +5,12 @@ that refuses or never answers, a bad config caught before any cluster is contact
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
+import shutil
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +21,7 @@ from jobs_support import REPO, client_env, free_port, run_verlite
 from verlite.cli import build_parser
 from verlite.config import load_config
 from verlite.jobs import JobsError, connect, resolve_address
+from verlite.jobs.entrypoint import job_entrypoint, shown_command
 from verlite.jobs.submission import (
     DEFAULT_EXCLUDES,
     build_runtime_env,
@@ -37,9 +42,50 @@ def silent_server() -> Iterator[str]:
 
 
 def train_args(entrypoint: str) -> argparse.Namespace:
-    argv = shlex.split(entrypoint)
+    argv = shlex.split(shown_command(entrypoint))
     assert argv[:2] == ["verlite", "train"]
     return build_parser().parse_args(argv[1:])
+
+
+# A head's PATH without this environment's bin/ (a virtualenv's ray started unactivated).
+BARE_PATH = "/usr/bin:/bin"
+
+
+def run_entrypoint(args: list[str], *, via: list[str]) -> subprocess.CompletedProcess[str]:
+    """The job's entrypoint run by ``sh -c`` as Ray's job supervisor runs it, with a bare
+    PATH; ``via`` is the parent process that starts the shell (a command ending in ``-c``)."""
+    env = {"PATH": BARE_PATH, "HOME": os.environ.get("HOME", "/")}
+    return subprocess.run(
+        [*via, job_entrypoint(args)], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_entrypoint_finds_verlite_beside_the_python_that_runs_ray_jobs() -> None:
+    # The parent is a Python of this environment with ray imported, as Ray's job supervisor is.
+    parent = [
+        sys.executable,
+        "-c",
+        "import ray, subprocess, sys; sys.exit(subprocess.call(['/bin/sh', '-c', sys.argv[1]]))",
+    ]
+    assert shutil.which("verlite", path=BARE_PATH) is None
+    proc = run_entrypoint(["--help"], via=parent)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: verlite")
+
+
+def test_an_entrypoint_that_finds_no_verlite_says_so_in_one_line() -> None:
+    # The parent is a shell: no Python with ray names an environment.
+    proc = run_entrypoint(["--help"], via=["/bin/sh", "-c", 'sh -c "$0"'])
+    assert proc.returncode == 127 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("verlite: error: the Ray head has no verlite command on its PATH")
+    assert f"({BARE_PATH})" in proc.stderr and "activate its virtualenv" in proc.stderr
+
+
+def test_a_verlite_job_is_shown_as_the_command_it_runs() -> None:
+    entrypoint = job_entrypoint(["train", "--config", "a b.yaml"])
+    assert shown_command(entrypoint) == "verlite train --config 'a b.yaml'"
+    assert shown_command("python x.py") == "python x.py"
 
 
 def test_the_job_runs_verlite_train_on_the_cluster_with_metrics_in_its_log() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import pytest
 from jobs_support import REPO, RayCluster, run_verlite
 
 from verlite.config import load_config
+from verlite.jobs.entrypoint import shown_command
 
 pytestmark = pytest.mark.cluster
 
@@ -73,10 +75,11 @@ def test_submit_wait_follows_the_run_to_success_on_both_nodes(
     assert f"job {job_id} SUCCEEDED" in result.stderr
     job = ray_cluster.job(job_id)
     assert job["status"] == "SUCCEEDED"
-    assert job["entrypoint"].startswith(f"verlite train --config {CONFIG} ")
-    assert job["entrypoint"].endswith(
-        "trainer.ray_address=auto 'trainer.loggers=[console,jsonl,logline]'"
-    )
+    # The head has no verlite on its PATH; the entrypoint found it beside Ray's Python.
+    assert shutil.which("verlite", path=ray_cluster.head_path()) is None
+    command = shown_command(job["entrypoint"])
+    assert command.startswith(f"verlite train --config {CONFIG} ")
+    assert command.endswith("trainer.ray_address=auto 'trainer.loggers=[console,jsonl,logline]'")
     assert ray_cluster.token not in result.stdout + result.stderr
 
 

@@ -1,10 +1,11 @@
 """The production update path equals one process updating on the whole batch.
 
 Unlike the invariance audit (one mini-batch, one update), this follows a step as the
-trainer runs it: the driver's dispatch cuts the batch into DP shares of two global
-mini-batches, and every rank's ``train_step`` makes ``ppo_epochs=2`` passes with a KL loss
-and an entropy bonus. The metrics reduced over ranks and the final parameters must equal
-those of a single process, for DDP and FSDP2, fixed and token-budget micro-batches.
+trainer runs it: the driver's dispatch cuts the batch into DP shares of global mini-batches,
+and every rank's ``train_step`` makes ``ppo_epochs=2`` passes with a KL loss and an entropy
+bonus. The metrics reduced over ranks and the final parameters must equal those of a single
+process, for DDP and FSDP2, fixed and token-budget micro-batches, on 2 and 4 ranks: ranks
+holding unequal numbers of rows, and a rank whose whole share carries no loss.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ CONFIG = load_config(
     "configs/ppo_tiny.yaml",
     ["model.dtype=float64", "actor.use_kl_loss=true", "actor.entropy_coeff=0.05"],
 )
-MINI_BATCHES = 2
 TOLERANCE = 1e-9
 
 
@@ -41,11 +41,17 @@ def _model(role: str) -> torch.nn.Module:
 
 
 def _step(
-    rank: int, world: int, batch: TensorDict, role: str, strategy: str, micro: int | None
+    rank: int,
+    world: int,
+    batch: TensorDict,
+    role: str,
+    strategy: str,
+    micro: int | None,
+    mini_batches: int,
 ) -> tuple[dict[str, float], dict[str, torch.Tensor]] | None:
     """One training step of this rank's share; rank 0 returns reduced metrics and parameters."""
     # The driver's own dispatch: this rank's share of the global mini-batches, (k, rows).
-    (share,) = dispatch(DpSplit(mini_batches=MINI_BATCHES), world, (batch,), {}).args[rank]
+    (share,) = dispatch(DpSplit(mini_batches=mini_batches), world, (batch,), {}).args[rank]
     base = getattr(CONFIG, role)
     # Plain SGD without clipping: Adam and clipping would hide a wrong gradient (README, audit).
     optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None, "lr": 0.5})
@@ -67,8 +73,23 @@ def _step(
     return (reduced, params) if rank == 0 else None
 
 
-def _on_two_ranks(batch: TensorDict, role: str, strategy: str, micro: int | None) -> Any:
-    return run_on_ranks(_step, world_size=2, args=(batch, role, strategy, micro), timeout_s=300)[0]
+def _check_step_on_ranks(
+    world: int,
+    batch: TensorDict,
+    role: str,
+    strategy: str,
+    micro: int | None,
+    mini_batches: int = 2,
+) -> None:
+    """The step on ``world`` ranks equals the single-process step, which moved the weights."""
+    torch.set_num_threads(1)
+    reference = _step(0, 1, batch, role, "none", 8, mini_batches)
+    assert reference is not None
+    args = (batch, role, strategy, micro, mini_batches)
+    _assert_same(run_on_ranks(_step, world_size=world, args=args, timeout_s=300)[0], reference)
+    # the step really moved the weights: a no-op update would pass the comparison
+    initial, ref_params = _model(role).state_dict(), reference[1]
+    assert max(float((ref_params[k] - initial[k]).abs().max()) for k in ref_params) > 1e-4
 
 
 def _assert_same(got: Any, reference: Any) -> None:
@@ -93,24 +114,38 @@ def _assert_same(got: Any, reference: Any) -> None:
 def test_two_ranks_two_mini_batches_two_epochs_equal_one_process(
     role: str, strategy: str, micro: int | None
 ) -> None:
-    torch.set_num_threads(1)
+    _check_step_on_ranks(2, make_batch(CONFIG, num_sequences=16), role, strategy, micro)
+
+
+@pytest.mark.parametrize(
+    ("role", "strategy", "micro"),
+    [("actor", "ddp", 1), ("actor", "fsdp", None), ("critic", "ddp", 2), ("critic", "fsdp", None)],
+    ids=[
+        "actor-ddp-micro1",
+        "actor-fsdp-token_budget",
+        "critic-ddp-micro2",
+        "critic-fsdp-token_budget",
+    ],
+)
+def test_four_ranks_with_unequal_loss_rows_and_a_silent_rank_equal_one_process(
+    role: str, strategy: str, micro: int | None
+) -> None:
+    """Every rank holds 4 rows (2 of each global mini-batch; the config requires equal rows),
+    but 4, 3, 2 and 0 of them carry loss: the last rank's whole share is masked."""
     batch = make_batch(CONFIG, num_sequences=16)
-    reference = _step(0, 1, batch, role, "none", 8)
-    assert reference is not None
-    _assert_same(_on_two_ranks(batch, role, strategy, micro), reference)
-    # the step really moved the weights: a no-op update would pass the comparison
-    initial, ref_params = _model(role).state_dict(), reference[1]
-    assert max(float((ref_params[k] - initial[k]).abs().max()) for k in ref_params) > 1e-4
+    shares = dp_shares(row_costs(batch), world=4, mini_batches=2)
+    masked = [i for share, k in zip(shares, (0, 1, 2, 4), strict=True) for i in share[:k]]
+    batch["response_mask"][torch.tensor(masked)] = 0
+    carrying = [int(batch["response_mask"][share].any(dim=1).sum()) for share in shares]
+    assert carrying == [4, 3, 2, 0]
+    _check_step_on_ranks(4, batch, role, strategy, micro)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_rank_whose_whole_share_carries_no_loss_still_matches(strategy: str) -> None:
     """That rank contributes zero gradient but still joins every collective; the counts
     from the other rank alone normalize the loss."""
-    torch.set_num_threads(1)
     batch = make_batch(CONFIG, num_sequences=16)
-    silent = dp_shares(row_costs(batch), world=2, mini_batches=MINI_BATCHES)[1]
+    silent = dp_shares(row_costs(batch), world=2, mini_batches=2)[1]
     batch["response_mask"][torch.tensor(silent)] = 0
-    reference = _step(0, 1, batch, "actor", "none", 8)
-    assert reference is not None
-    _assert_same(_on_two_ranks(batch, "actor", strategy, 2), reference)
+    _check_step_on_ranks(2, batch, "actor", strategy, 2)

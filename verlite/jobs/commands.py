@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from verlite.jobs.entrypoint import shown_command
 from verlite.jobs.server import RETRY_S, connect
 
 ADDRESS_HELP = "Ray dashboard URL, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
@@ -189,11 +190,12 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not jobs:
         print("no jobs", file=sys.stderr)
         return 0
-    rows = [("ID", "STATUS", "STARTED", "ENTRYPOINT")]
+    rows = [("ID", "STATUS", "STARTED", "COMMAND")]
     for job in sorted(jobs, key=lambda j: _start_ms(j) or 0):
         start = _start_ms(job)
         started = datetime.fromtimestamp(start / 1000).isoformat(" ", "seconds") if start else "-"
-        fields = (job.get("submission_id") or "-", job["status"], job["entrypoint"])
+        command = shown_command(job["entrypoint"])
+        fields = (job.get("submission_id") or "-", job["status"], command)
         submission_id, status, entrypoint = map(printable, fields)
         rows.append((submission_id, status, started, entrypoint))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]

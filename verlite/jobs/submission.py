@@ -3,13 +3,13 @@ the project, built and validated on this machine before any cluster is contacted
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from verlite.config import load_config
+from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.server import JobsError
 from verlite.tracking import carries_secret
 from verlite.yaml_files import read_mapping
@@ -81,7 +81,7 @@ def prepare_submission(
     ]
     extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}
     return Submission(
-        entrypoint=shlex.join(["verlite", "train", "--config", config_in_job, *job_overrides]),
+        entrypoint=job_entrypoint(["train", "--config", config_in_job, *job_overrides]),
         runtime_env=build_runtime_env(root, extra),
     )
 

@@ -51,6 +51,12 @@ test-cluster: setup
 bench: setup
 	$(PY) -m benchmarks.run_all
 
+# CUDA, NCCL and bfloat16: check-invariance over every visible GPU and the main job on cuda,
+# as one table; without a GPU it says so and exits 0. CI does not run it.
+.PHONY: gpu-check
+gpu-check: setup
+	$(PY) -m benchmarks.gpu_check
+
 # docs/config.md from the config models' descriptions (a test fails when it is stale).
 .PHONY: docs
 docs: setup

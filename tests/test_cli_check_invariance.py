@@ -53,6 +53,29 @@ def test_json_report_ok() -> None:
     }
 
 
+def test_the_configured_optimizer_over_three_steps_in_float32() -> None:
+    proc = verlite(
+        "check-invariance",
+        "--config",
+        CONFIG,
+        "--dp",
+        "2",
+        "--micro",
+        "1",
+        "--strategy",
+        "fsdp",
+        "--optimizer",
+        "configured",
+        "--steps",
+        "3",
+        "--json",
+    )
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["ok"] is True and report["tolerance"] == 1e-3
+    assert len(report["layouts"]) == 2
+
+
 def test_table_and_failure_exit_code_with_the_negative_control() -> None:
     proc = verlite(
         "check-invariance",
@@ -78,6 +101,8 @@ def test_table_and_failure_exit_code_with_the_negative_control() -> None:
         (["--dp", "1000"], "--dp 1000: the audit batch has 16 sequences"),
         (["--dp", "2,3"], "--dp 3: the audit batch has 16 sequences"),
         (["--strategy", "zero"], "allowed: ddp,fsdp"),
+        (["--steps", "0"], "argument --steps: expected positive integers, got '0'"),
+        (["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam'"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean'"),
         (["--tolerance", "-1"], "expected a positive finite number, got '-1'"),
         (["--tolerance", "nan"], "expected a positive finite number, got 'nan'"),

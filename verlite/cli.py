@@ -37,6 +37,13 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _positive_int(text: str) -> int:
+    values = _int_list(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
+    return values[0]
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -113,10 +120,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--tolerance",
         type=_positive_float,
         default=None,
-        help="max relative difference (default 1e-5 float32, 1e-9 float64)",
+        help="max relative difference (default 1e-5 float32, 1e-9 float64; with --optimizer "
+        "configured 1e-3 float32, 1e-9 float64)",
     )
     check.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
+    )
+    check.add_argument(
+        "--optimizer",
+        choices=["sgd", "configured"],
+        default="sgd",
+        help="sgd: one plain SGD step without clipping (default; exposes a wrong gradient scale "
+        "most directly); configured: the config's optimizer and gradient clipping, as training runs",
+    )
+    check.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=1,
+        help="updates on the batch before comparing (use 3 or more with --optimizer configured)",
     )
     check.add_argument(
         "--negative-control",
@@ -160,7 +181,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     strategies = _checked_choices("--strategy", args.strategy, STRATEGIES)
     check_layouts(args.dp)
     cfg = load_config(args.config, args.overrides)
-    tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg)
+    tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, args.optimizer)
     started = time.monotonic()
     if not args.json:
         print(
@@ -169,7 +190,13 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
             flush=True,
         )
     reports = check_invariance(
-        cfg, dps=args.dp, micros=micros, strategies=strategies, naive=args.negative_control
+        cfg,
+        dps=args.dp,
+        micros=micros,
+        strategies=strategies,
+        naive=args.negative_control,
+        optimizer=args.optimizer,
+        steps=args.steps,
     )
     ok = all(r.worst() <= tolerance for r in reports)
     if args.json:

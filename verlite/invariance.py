@@ -2,19 +2,24 @@
 
 One actor update and one critic update run on the same reproducible ragged batch under
 every requested layout — data-parallel size, micro-batching and strategy — on real spawned
-ranks with gloo. Each is compared with a single-process, full-batch reference: gradients,
+ranks: gloo on CPU, NCCL with one GPU per rank when the model runs on cuda. Each is compared with a single-process, full-batch reference: gradients,
 updated parameters, the reported loss and grad_norm must agree within a tolerance.
 
 The difference of two tensors is ``max|a - b| / max|b|`` (b: the reference), the maximum
 over all parameters; loss and grad_norm differences are relative too.
 
-The update is a plain SGD step whatever the configured optimizer: Adam's first step is
-about ``lr * sign(g)``, which turns rounding noise in near-zero gradient entries into
+By default the update is a plain SGD step whatever the configured optimizer: Adam's first
+step is about ``lr * sign(g)``, which turns rounding noise in near-zero gradient entries into
 whole steps, so comparing parameters after it would measure float noise, not the
 normalization. With SGD the parameter update is linear in the gradient and checks the
 (sharded) optimizer step itself. Gradient clipping is off for the same reason: it rescales
 every layout to the same norm and would hide a wrong gradient scale (grad_norm is still
 measured and compared).
+
+``optimizer="configured"`` audits the update as users run it instead: the configured
+optimizer (AdamW) and gradient clipping, over ``steps`` updates on the same batch, so that a
+wrong gradient shows in the second and later steps' moments (float64 makes the rounding
+noise negligible).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from verlite.distributed import (
     run_on_ranks,
 )
 from verlite.errors import UserError
-from verlite.models import build_policy, build_value_model, model_dtype
+from verlite.models import build_policy, build_value_model, model_dtype, resolve_device
 from verlite.step_batch import row_costs, stamp_counts, take_rows
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_log_probs
@@ -58,7 +63,13 @@ from verlite.workers.objectives import (
 Role = Literal["actor", "critic"]
 MICRO_LAYOUTS = ("1", "2", "full", "dynamic")
 STRATEGIES = ("ddp", "fsdp")
+Optimizer = Literal["sgd", "configured"]
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
+# AdamW divides every gradient entry by its own running magnitude, so float32 rounding of
+# small entries (1e-7 relative) becomes parameter differences of up to ~6e-5 after 3 steps
+# of the main job's model; per-micro-batch normalization differs by ~8e-2 there. float64
+# keeps 1e-9.
+CONFIGURED_OPTIMIZER_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-9}
 LOSS_METRIC = {"actor": "actor/loss", "critic": "critic/vf_loss"}
 # Small on purpose: 4 ranks share 2 CPU cores in tests; raggedness matters, size does not.
 VOCAB_SIZE = 64
@@ -157,10 +168,13 @@ def _build_model(cfg: Config, role: Role) -> nn.Module:
     )
 
 
-def _role_config(cfg: Config, case: Case, strategy: str, local_rows: int) -> WorkerRoleConfig:
+def _role_config(
+    cfg: Config, case: Case, strategy: str, local_rows: int, optimizer: Optimizer
+) -> WorkerRoleConfig:
     base: WorkerRoleConfig = getattr(cfg, case.role)
-    audit_optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None})
-    base = base.model_copy(update={"optim": audit_optim})
+    if optimizer == "sgd":
+        audit_optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None})
+        base = base.model_copy(update={"optim": audit_optim})
     if case.micro == "dynamic":
         longest = cfg.max_sequence_length
         return base.model_copy(
@@ -202,9 +216,17 @@ def _per_micro_batch_normalized(
 
 
 def run_case(
-    cfg: Config, case: Case, batch: TensorDict, *, strategy: str, naive: bool = False
+    cfg: Config,
+    case: Case,
+    batch: TensorDict,
+    *,
+    strategy: str,
+    naive: bool = False,
+    optimizer: Optimizer = "sgd",
+    steps: int = 1,
 ) -> Outcome | None:
-    """One update of this rank's share of ``batch``; the full results on rank 0, None elsewhere.
+    """``steps`` updates of this rank's share of ``batch``; the full results after the last
+    (its gradients, loss and grad_norm) on rank 0, None elsewhere.
 
     Must run on every rank of the group (gradients and parameters are gathered); without a
     process group it is the single-process reference.
@@ -212,11 +234,17 @@ def run_case(
     world, rank = get_world_size(), get_rank()
     shares = dp_shares(row_costs(batch), world=world)
     local = take_rows(batch, shares[rank])
-    role_cfg = _role_config(cfg, case, strategy, len(shares[rank]))
+    role_cfg = _role_config(cfg, case, strategy, len(shares[rank]), optimizer)
     engine = TrainEngine(
-        _build_model(cfg, case.role), cfg=role_cfg, total_updates=1, metric_prefix=case.role
+        _build_model(cfg, case.role),
+        cfg=role_cfg,
+        total_updates=steps,
+        metric_prefix=case.role,
+        device=resolve_device(cfg.model),
     )
-    metrics = engine.train_mini_batch(local, _loss_fn(cfg, case, naive))
+    loss_fn = _loss_fn(cfg, case, naive)
+    for _ in range(steps):
+        metrics = engine.train_mini_batch(local, loss_fn)
     reduced = to_floats(reduce_metrics(all_gather_object(metrics), Stage.RANKS))
     grads, params = full_grads(engine.model), full_state_dict(engine.model)
     if rank != 0:
@@ -234,8 +262,13 @@ def _rank_job(
     cases: Sequence[Case],
     strategy: str,
     naive: bool,
+    optimizer: Optimizer,
+    steps: int,
 ) -> list[Outcome | None]:
-    return [run_case(cfg, case, batch, strategy=strategy, naive=naive) for case in cases]
+    return [
+        run_case(cfg, case, batch, strategy=strategy, naive=naive, optimizer=optimizer, steps=steps)
+        for case in cases
+    ]
 
 
 # ------------------------------------------------------------------------- the audit
@@ -306,12 +339,15 @@ def check_invariance(
     roles: Sequence[Role] = ("actor", "critic"),
     loss_agg_modes: Sequence[str] | None = None,
     naive: bool = False,
+    optimizer: Optimizer = "sgd",
+    steps: int = 1,
     timeout_s: float = 900,
 ) -> list[LayoutReport]:
     """Run every layout and compare it with the single-process full-batch reference.
 
     ``loss_agg_modes`` defaults to each role's configured mode. ``naive`` swaps in
     per-micro-batch normalization, the negative control that shows the audit can fail.
+    ``optimizer`` and ``steps``: see the module docstring.
     """
     check_layouts(dps)
     for mode in loss_agg_modes or ():
@@ -328,16 +364,19 @@ def check_invariance(
     ]
     references = {}
     for case in dict.fromkeys(dataclasses.replace(c, micro="full") for c in cases):
-        outcome = run_case(cfg, case, batch, strategy="none")
+        outcome = run_case(cfg, case, batch, strategy="none", optimizer=optimizer, steps=steps)
         assert outcome is not None
         references[(case.role, case.loss_agg_mode)] = outcome
+    # On a GPU each rank takes one visible GPU and the ranks talk over NCCL.
+    backend = "nccl" if resolve_device(cfg.model).type == "cuda" else "gloo"
     reports = []
     for dp in dps:
         for strategy in strategies:
             per_rank = run_on_ranks(
                 _rank_job,
                 world_size=dp,
-                args=(cfg, batch, cases, strategy, naive),
+                args=(cfg, batch, cases, strategy, naive, optimizer, steps),
+                backend=backend,
                 timeout_s=timeout_s,
             )
             for case, outcome in zip(cases, per_rank[0], strict=True):
@@ -348,5 +387,6 @@ def check_invariance(
     return reports
 
 
-def tolerance_for(cfg: Config) -> float:
-    return TOLERANCE.get(model_dtype(cfg.model), 1e-2)
+def tolerance_for(cfg: Config, optimizer: Optimizer = "sgd") -> float:
+    table = TOLERANCE if optimizer == "sgd" else CONFIGURED_OPTIMIZER_TOLERANCE
+    return table.get(model_dtype(cfg.model), 1e-2)

@@ -2,8 +2,11 @@
 
 Real spawned ranks with gloo, a tiny Hugging Face Llama (actor) and value model (critic),
 float64, ragged prompts and responses with a fully masked row, all five loss_agg_modes,
-DDP and FSDP2, dp 1/2/4, micro-batches of 1, 2, all rows, and a token budget.
+DDP and FSDP2, dp 1/2/4, micro-batches of 1, 2, all rows, and a token budget: one plain SGD
+step, and three steps of AdamW with gradient clipping active, as training runs.
 """
+
+import itertools
 
 import pytest
 
@@ -13,6 +16,14 @@ from verlite.invariance import Case, check_invariance, make_batch, run_case
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
 TOLERANCE = 1e-9
+# The configured optimizer (AdamW) with a clip threshold below every step's gradient norm.
+CLIP = 0.5
+ADAMW = load_config(
+    "configs/ppo_tiny.yaml",
+    ["model.dtype=float64", f"actor.optim.grad_clip={CLIP}", f"critic.optim.grad_clip={CLIP}"],
+)
+ADAMW_STEPS = 3
+ADAMW_MICROS = ["1", "full", "dynamic"]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -50,3 +61,56 @@ def test_reference_update_is_not_trivial() -> None:
         outcome = run_case(CONFIG, Case(role, "token-mean", "full"), batch, strategy="none")
         assert outcome is not None and outcome.grad_norm > 1e-3
         assert sum(int(g.ne(0).sum()) for g in outcome.grads.values()) > 1000
+
+
+@pytest.mark.parametrize(("dp", "strategy"), [(1, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")])
+def test_three_adamw_steps_with_clipping_match_the_reference(dp: int, strategy: str) -> None:
+    reports = check_invariance(
+        ADAMW,
+        dps=[dp],
+        strategies=[strategy],
+        micros=ADAMW_MICROS,
+        optimizer="configured",
+        steps=ADAMW_STEPS,
+    )
+    assert len(reports) == 2 * len(ADAMW_MICROS)
+    failures = [r for r in reports if r.worst() > TOLERANCE]
+    assert not failures, failures
+
+
+def test_the_adamw_reference_clips_and_moves_every_step() -> None:
+    """Clipping is active at each of the steps (the norm is above the threshold), and the
+    steps after the first (where AdamW is no longer lr * sign(g)) change the parameters."""
+    assert ADAMW.actor.optim.name == ADAMW.critic.optim.name == "adamw"
+    batch = make_batch(ADAMW)
+    for role in ("actor", "critic"):
+        outcomes = [
+            run_case(
+                ADAMW,
+                Case(role, "token-mean", "full"),
+                batch,
+                strategy="none",
+                optimizer="configured",
+                steps=steps,
+            )
+            for steps in range(1, ADAMW_STEPS + 1)
+        ]
+        assert all(o is not None and o.grad_norm > CLIP for o in outcomes), role
+        for before, after in itertools.pairwise(outcomes):
+            assert before is not None and after is not None
+            moved = max(float((after.params[k] - p).abs().max()) for k, p in before.params.items())
+            assert moved > 1e-4, role
+
+
+def test_negative_control_fails_after_three_adamw_steps() -> None:
+    reports = check_invariance(
+        ADAMW,
+        dps=[2],
+        strategies=["ddp"],
+        micros=["1", "dynamic"],
+        naive=True,
+        optimizer="configured",
+        steps=ADAMW_STEPS,
+    )
+    too_close = [r for r in reports if r.max_rel_param_diff < 1e-4]
+    assert not too_close, f"AdamW and clipping hid per-micro-batch normalization: {too_close}"

@@ -64,12 +64,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def rank_gpus(backend: str, world_size: int) -> list[str | None]:
+    """The GPU each rank runs on: with NCCL one visible GPU per rank (the rank then sees only
+    it, as cuda:0, like a Ray worker given one GPU); none with gloo."""
+    if backend != "nccl":
+        return [None] * world_size
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
+    if world_size > len(visible):
+        raise ValueError(
+            f"NCCL needs one GPU per rank: {world_size} ranks, {len(visible)} GPUs visible"
+        )
+    return [visible[rank] for rank in range(world_size)]
+
+
 def _rank_main(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
     args: tuple[Any, ...],
     backend: str,
+    gpu: str | None,
     master_port: int,
     timeout_s: float,
     num_threads: int,
@@ -78,6 +93,9 @@ def _rank_main(
 ) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     torch.set_num_threads(num_threads)
+    if gpu is not None:  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+        torch.cuda.set_device(0)
     try:
         init_process_group(
             rank=rank,
@@ -118,10 +136,13 @@ def _reap(procs: list[BaseProcess], grace_s: float) -> None:
             p.join()
 
 
-def _context() -> mp.context.BaseContext:
+def _context(backend: str) -> mp.context.BaseContext:
     """Ranks start as forks of one server process that has imported torch and transformers
     once (a fresh interpreter per rank spent ~2 s importing them), and nothing else: no
-    threads, process group or CUDA state are inherited, as with spawn."""
+    threads, process group or CUDA state are inherited, as with spawn. NCCL ranks are
+    spawned: an import in the server that asked CUDA anything would break CUDA in its forks."""
+    if backend == "nccl":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "transformers", "verlite.distributed"])
     return ctx
@@ -138,14 +159,17 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; results by rank.
 
+    With ``backend="nccl"`` each rank gets one of the visible GPUs (``rank_gpus``).
+
     ``fn`` and ``args`` must be picklable (a module-level function), and so must the
     results. Raises ``RankFailedError`` naming the first rank that raised (with its
     traceback) or died, and ``RankTimeoutError`` when ``timeout_s`` passes first.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    gpus = rank_gpus(backend, world_size)
     deadline = time.monotonic() + timeout_s
-    ctx = _context()
+    ctx = _context(backend)
     port = find_free_port(_HOST)
     procs: list[BaseProcess] = []
     conns: list[Connection] = []
@@ -162,6 +186,7 @@ def run_on_ranks(
                     world_size,
                     args,
                     backend,
+                    gpus[rank],
                     port,
                     timeout_s,
                     num_threads,

@@ -188,3 +188,13 @@ def test_config_errors_exit_2_before_ray_starts(tmp_path: Path, cli) -> None:
         "train", "--config", "configs/ppo_tiny.yaml", f"model.path={tmp_path / 'nope'}", timeout=60
     )
     assert proc.returncode == 2 and "model.path=" in proc.stderr and "no such file" in proc.stderr
+
+
+def test_the_main_job_learns_in_a_short_run(tmp_path: Path, train, metrics) -> None:
+    """The score of the main job's samples rises within LEARN_STEPS steps by a margin that a
+    policy pushed the wrong way (the advantage's sign flipped) does not reach: it unlearns
+    the response length that the first half of the reward pays for, and the score falls."""
+    train(tmp_path / "run", f"trainer.total_steps={LEARN_STEPS}", "trainer.val_freq=0")
+    scores = [r["critic/score/mean"] for r in metrics(tmp_path / "run")]
+    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
+    assert first < 0.2 and last > first + LEARN_MARGIN, (first, last)

@@ -41,6 +41,11 @@ CRITIC_KEYS = {
     "timing_s/values",
     "timing_s/update_critic",
 }
+# The main job's samples score ~0.05 at first; within LEARN_STEPS steps they learn the
+# response length (half the reward) and the score rises past the first ten steps' mean by
+# more than LEARN_MARGIN.
+LEARN_STEPS = 80
+LEARN_MARGIN = 0.25
 SMALL = [
     "data.num_val_samples=8",
     "trainer.val_freq=2",

@@ -2,8 +2,9 @@
 
 One actor update and one critic update run on the same reproducible ragged batch under
 every requested layout — data-parallel size, micro-batching and strategy — on real spawned
-ranks: gloo on CPU, NCCL with one GPU per rank when the model runs on cuda. Each is compared with a single-process, full-batch reference: gradients,
-updated parameters, the reported loss and grad_norm must agree within a tolerance.
+ranks: gloo on CPU, NCCL with one GPU per rank when the model runs on cuda. Each is compared
+with a single-process, full-batch reference: gradients, updated parameters, the reported
+loss and grad_norm must agree within a tolerance.
 
 The difference of two tensors is ``max|a - b| / max|b|`` (b: the reference), the maximum
 over all parameters; loss and grad_norm differences are relative too.

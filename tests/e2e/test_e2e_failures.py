@@ -25,6 +25,7 @@ RUN = [
     "trainer.val_freq=4",
     "trainer.save_freq=2",
     "trainer.total_steps=8",
+    "critic.warmup_steps=0",  # the actor trains (and is checkpointed) from the first step
 ]
 SECRET = "s3cr3t-token-value-0451"
 

@@ -199,7 +199,9 @@ def test_the_main_job_learns_in_a_short_run(tmp_path: Path, train, metrics) -> N
     """The score of the main job's samples rises within LEARN_STEPS steps by a margin that a
     policy pushed the wrong way (the advantage's sign flipped) does not reach: it unlearns
     the response length that the first half of the reward pays for, and the score falls."""
-    train(tmp_path / "run", f"trainer.total_steps={LEARN_STEPS}", "trainer.val_freq=0")
+    warmup = load_config("configs/ppo_tiny.yaml").critic.warmup_steps  # the main job as it is
+    overrides = [f"trainer.total_steps={LEARN_STEPS}", f"critic.warmup_steps={warmup}"]
+    train(tmp_path / "run", *overrides, "trainer.val_freq=0")
     scores = [r["critic/score/mean"] for r in metrics(tmp_path / "run")]
     first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
     assert first < 0.2 and last > first + LEARN_MARGIN, (first, last)

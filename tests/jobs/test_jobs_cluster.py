@@ -30,6 +30,7 @@ def two_node_overrides(steps: int) -> list[str]:
     micro-batches that fit each worker's half of a mini-batch)."""
     cfg = load_config(REPO / CONFIG)
     overrides = [f"trainer.total_steps={steps}", "trainer.val_freq=0", "trainer.nnodes=2"]
+    overrides.append("critic.warmup_steps=0")  # the actor's update spans both nodes too
     for role in ("actor", "critic"):
         section = getattr(cfg, role)
         micro = math.gcd(section.micro_batch_size_per_worker, section.ppo_mini_batch_size // 2)

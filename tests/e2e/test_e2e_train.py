@@ -42,10 +42,11 @@ CRITIC_KEYS = {
     "timing_s/update_critic",
 }
 # The main job's samples score ~0.05 at first; within LEARN_STEPS steps they learn the
-# response length (half the reward) and the score rises past the first ten steps' mean by
-# more than LEARN_MARGIN.
-LEARN_STEPS = 80
-LEARN_MARGIN = 0.25
+# response length (half the reward): some 5 consecutive steps score more than LEARN_MARGIN
+# above the first ten. (Later the entropy bonus briefly unsettles the end of the response
+# before the digits are learnt, so the last steps of a short run are not the measure.)
+LEARN_STEPS = 50
+LEARN_MARGIN = 0.3
 SMALL = [
     "data.num_val_samples=8",
     "trainer.val_freq=2",
@@ -199,9 +200,8 @@ def test_the_main_job_learns_in_a_short_run(tmp_path: Path, train, metrics) -> N
     """The score of the main job's samples rises within LEARN_STEPS steps by a margin that a
     policy pushed the wrong way (the advantage's sign flipped) does not reach: it unlearns
     the response length that the first half of the reward pays for, and the score falls."""
-    warmup = load_config("configs/ppo_tiny.yaml").critic.warmup_steps  # the main job as it is
-    overrides = [f"trainer.total_steps={LEARN_STEPS}", f"critic.warmup_steps={warmup}"]
-    train(tmp_path / "run", *overrides, "trainer.val_freq=0")
+    train(tmp_path / "run", f"trainer.total_steps={LEARN_STEPS}", "trainer.val_freq=0")
     scores = [r["critic/score/mean"] for r in metrics(tmp_path / "run")]
-    first, last = sum(scores[:10]) / 10, sum(scores[-10:]) / 10
-    assert first < 0.2 and last > first + LEARN_MARGIN, (first, last)
+    first = sum(scores[:10]) / 10
+    best = max(sum(scores[i : i + 5]) / 5 for i in range(len(scores) - 4))
+    assert first < 0.2 and best > first + LEARN_MARGIN, (first, best, scores)

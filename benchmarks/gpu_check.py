@@ -69,6 +69,13 @@ def main_job() -> tuple[str, ...]:
 
 
 def main() -> int:
+    if torch.version.cuda is None:
+        print(
+            f"gpu-check: no GPU visible here: torch {torch.__version__} is a CPU build, which "
+            "sees none even on a machine with GPUs (install a CUDA build of the same version "
+            "there); nothing to check"
+        )
+        return 0
     gpus = torch.cuda.device_count()
     if gpus == 0:
         print("gpu-check: no GPU visible here (torch.cuda.device_count() is 0): nothing to check")

@@ -41,6 +41,7 @@ OVERRIDES = [
     "rollout.max_response_length=16",
     "trainer.total_steps=1000",
     "trainer.val_freq=0",
+    "critic.warmup_steps=0",  # every measured step updates the actor too
 ]
 # Worker-group calls of one PPO step with a critic: rollout (with log-probs), values, two updates.
 CALLS_PER_STEP = 4

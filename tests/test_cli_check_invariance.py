@@ -66,13 +66,12 @@ def test_the_configured_optimizer_over_three_steps_in_float32() -> None:
         "fsdp",
         "--optimizer",
         "configured",
-        "--steps",
-        "3",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] is True and report["tolerance"] == 1e-3
+    assert (report["optimizer"], report["steps"]) == ("configured", 3)  # 3 steps by default
     assert len(report["layouts"]) == 2
 
 
@@ -101,7 +100,8 @@ def test_table_and_failure_exit_code_with_the_negative_control() -> None:
         (["--dp", "1000"], "--dp 1000: the audit batch has 16 sequences"),
         (["--dp", "2,3"], "--dp 3: the audit batch has 16 sequences"),
         (["--strategy", "zero"], "allowed: ddp,fsdp"),
-        (["--steps", "0"], "argument --steps: expected positive integers, got '0'"),
+        (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+        (["--steps", "3,"], "argument --steps: expected a positive integer, got '3,'"),
         (["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam'"),
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean'"),
         (["--tolerance", "-1"], "expected a positive finite number, got '-1'"),

@@ -14,6 +14,7 @@ def test_without_a_gpu_the_check_says_so_and_passes() -> None:
         [sys.executable, "-m", "benchmarks.gpu_check"], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == (
-        "gpu-check: no GPU visible here (torch.cuda.device_count() is 0): nothing to check\n"
-    )
+    assert proc.stdout.startswith("gpu-check: no GPU visible here")
+    assert proc.stdout.endswith("nothing to check\n") and proc.stdout.count("\n") == 1
+    if torch.version.cuda is None:  # this machine's torch: say why it cannot see a GPU
+        assert f"torch {torch.__version__} is a CPU build" in proc.stdout

@@ -38,10 +38,13 @@ def _int_list(text: str) -> list[int]:
 
 
 def _positive_int(text: str) -> int:
-    values = _int_list(text)
-    if len(values) != 1:
-        raise argparse.ArgumentTypeError(f"expected one positive integer, got {text!r}")
-    return values[0]
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
 
 
 def _positive_float(text: str) -> float:
@@ -136,8 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--steps",
         type=_positive_int,
-        default=1,
-        help="updates on the batch before comparing (use 3 or more with --optimizer configured)",
+        default=None,
+        help="updates on the batch before comparing (default 1 with sgd, 3 with configured: "
+        "AdamW's first step is about lr*sign(g) and hides a wrong gradient)",
     )
     check.add_argument(
         "--negative-control",
@@ -189,6 +193,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+    steps = args.steps or (3 if args.optimizer == "configured" else 1)
     reports = check_invariance(
         cfg,
         dps=args.dp,
@@ -196,13 +201,13 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         strategies=strategies,
         naive=args.negative_control,
         optimizer=args.optimizer,
-        steps=args.steps,
+        steps=steps,
     )
     ok = all(r.worst() <= tolerance for r in reports)
     if args.json:
-        print(
-            json.dumps({"ok": ok, "tolerance": tolerance, "layouts": [asdict(r) for r in reports]})
-        )
+        layouts = [asdict(r) for r in reports]
+        setting = {"optimizer": args.optimizer, "steps": steps}
+        print(json.dumps({"ok": ok, "tolerance": tolerance, **setting, "layouts": layouts}))
     else:
         print(format_invariance_table(reports, tolerance))
         verdict = "ok" if ok else "FAILED"

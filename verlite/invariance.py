@@ -46,10 +46,11 @@ from verlite.distributed import (
     full_state_dict,
     get_rank,
     get_world_size,
+    rank_gpus,
     run_on_ranks,
 )
 from verlite.errors import UserError
-from verlite.models import build_policy, build_value_model, model_dtype, resolve_device
+from verlite.models import build_policy, build_value_model, model_dtype
 from verlite.step_batch import row_costs, stamp_counts, take_rows
 from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_log_probs
@@ -169,6 +170,12 @@ def _build_model(cfg: Config, role: Role) -> nn.Module:
     )
 
 
+def audit_device(cfg: Config) -> torch.device:
+    """Where the audit's ranks run: one GPU each (as cuda:0) only for ``model.device=cuda``;
+    ``auto`` audits on CPU with gloo, whatever GPUs the machine has."""
+    return torch.device("cuda", 0) if cfg.model.device == "cuda" else torch.device("cpu")
+
+
 def _role_config(
     cfg: Config, case: Case, strategy: str, local_rows: int, optimizer: Optimizer
 ) -> WorkerRoleConfig:
@@ -241,7 +248,7 @@ def run_case(
         cfg=role_cfg,
         total_updates=steps,
         metric_prefix=case.role,
-        device=resolve_device(cfg.model),
+        device=audit_device(cfg),
     )
     loss_fn = _loss_fn(cfg, case, naive)
     for _ in range(steps):
@@ -351,6 +358,14 @@ def check_invariance(
     ``optimizer`` and ``steps``: see the module docstring.
     """
     check_layouts(dps)
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    # On a GPU each rank takes one visible GPU and the ranks talk over NCCL.
+    backend = "nccl" if audit_device(cfg).type == "cuda" else "gloo"
+    try:
+        rank_gpus(backend, max(dps))
+    except ValueError as exc:
+        raise UserError(f"--dp {max(dps)} with model.device=cuda: {exc}") from None
     for mode in loss_agg_modes or ():
         if mode not in LOSS_AGG_MODES:
             raise ValueError(
@@ -368,8 +383,6 @@ def check_invariance(
         outcome = run_case(cfg, case, batch, strategy="none", optimizer=optimizer, steps=steps)
         assert outcome is not None
         references[(case.role, case.loss_agg_mode)] = outcome
-    # On a GPU each rank takes one visible GPU and the ranks talk over NCCL.
-    backend = "nccl" if resolve_device(cfg.model).type == "cuda" else "gloo"
     reports = []
     for dp in dps:
         for strategy in strategies:

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 
 from verlite import distributed as vdist
-from verlite.distributed.launch import rank_gpus
 
 # Well above a launch (~3-5 s of spawning) but far below the 60 s a stuck rank would sleep.
 _BOUND_S = 40.0
@@ -77,7 +76,7 @@ def test_timeout_stops_every_rank() -> None:
 
 def test_nccl_ranks_take_one_visible_gpu_each(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    assert rank_gpus("nccl", 2) == ["3", "5"]
-    assert rank_gpus("gloo", 3) == [None, None, None]
+    assert vdist.rank_gpus("nccl", 2) == ["3", "5"]
+    assert vdist.rank_gpus("gloo", 3) == [None, None, None]
     with pytest.raises(ValueError, match="NCCL needs one GPU per rank: 3 ranks, 2 GPUs visible"):
-        rank_gpus("nccl", 3)
+        vdist.rank_gpus("nccl", 3)

@@ -41,9 +41,9 @@ CRITIC_KEYS = {
     "timing_s/values",
     "timing_s/update_critic",
 }
-# The main job's samples score ~0.05 at first; within LEARN_STEPS steps they learn the
-# response length (half the reward): some 5 consecutive steps score more than LEARN_MARGIN
-# above the first ten. (Later the entropy bonus briefly unsettles the end of the response
+# The main job's samples (without its critic warm-up) score ~0.05 at first; within
+# LEARN_STEPS steps they learn the response length (half the reward): some 5 consecutive
+# steps score more than LEARN_MARGIN above the first ten. (Later the entropy bonus briefly unsettles the end of the response
 # before the digits are learnt, so the last steps of a short run are not the measure.)
 LEARN_STEPS = 50
 LEARN_MARGIN = 0.3
@@ -196,8 +196,9 @@ def test_config_errors_exit_2_before_ray_starts(tmp_path: Path, cli) -> None:
     assert proc.returncode == 2 and "model.path=" in proc.stderr and "no such file" in proc.stderr
 
 
-def test_the_main_job_learns_in_a_short_run(tmp_path: Path, train, metrics) -> None:
-    """The score of the main job's samples rises within LEARN_STEPS steps by a margin that a
+def test_a_short_run_of_the_main_job_learns(tmp_path: Path, train, metrics) -> None:
+    """The score of the main job's samples (actor training from step 1) rises within
+    LEARN_STEPS steps by a margin that a
     policy pushed the wrong way (the advantage's sign flipped) does not reach: it unlearns
     the response length that the first half of the reward pays for, and the score falls."""
     train(tmp_path / "run", f"trainer.total_steps={LEARN_STEPS}", "trainer.val_freq=0")

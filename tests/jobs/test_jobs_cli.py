@@ -74,8 +74,9 @@ def test_the_entrypoint_finds_verlite_beside_the_python_that_runs_ray_jobs() -> 
 
 
 def test_an_entrypoint_that_finds_no_verlite_says_so_in_one_line() -> None:
-    # The parent is a shell: no Python with ray names an environment.
-    proc = run_entrypoint(["--help"], via=["/bin/sh", "-c", 'sh -c "$0"'])
+    # The parent is a shell (not replaced by the inner one: a command follows it), so no
+    # Python with ray names an environment.
+    proc = run_entrypoint(["--help"], via=["/bin/sh", "-c", 'sh -c "$0"; exit $?'])
     assert proc.returncode == 127 and proc.stdout == ""
     assert proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("verlite: error: the Ray head has no verlite command on its PATH")

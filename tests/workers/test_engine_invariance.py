@@ -63,7 +63,7 @@ def test_reference_update_is_not_trivial() -> None:
         assert sum(int(g.ne(0).sum()) for g in outcome.grads.values()) > 1000
 
 
-@pytest.mark.parametrize(("dp", "strategy"), [(1, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")])
+@pytest.mark.parametrize(("dp", "strategy"), [(2, "fsdp"), (4, "ddp")])
 def test_three_adamw_steps_with_clipping_match_the_reference(dp: int, strategy: str) -> None:
     reports = check_invariance(
         ADAMW,

@@ -119,13 +119,8 @@ def test_two_ranks_two_mini_batches_two_epochs_equal_one_process(
 
 @pytest.mark.parametrize(
     ("role", "strategy", "micro"),
-    [("actor", "ddp", 1), ("actor", "fsdp", None), ("critic", "ddp", 2), ("critic", "fsdp", None)],
-    ids=[
-        "actor-ddp-micro1",
-        "actor-fsdp-token_budget",
-        "critic-ddp-micro2",
-        "critic-fsdp-token_budget",
-    ],
+    [("actor", "fsdp", None), ("critic", "ddp", 2)],
+    ids=["actor-fsdp-token_budget", "critic-ddp-micro2"],
 )
 def test_four_ranks_with_unequal_loss_rows_and_a_silent_rank_equal_one_process(
     role: str, strategy: str, micro: int | None
@@ -139,13 +134,3 @@ def test_four_ranks_with_unequal_loss_rows_and_a_silent_rank_equal_one_process(
     carrying = [int(batch["response_mask"][share].any(dim=1).sum()) for share in shares]
     assert carrying == [4, 3, 2, 0]
     _check_step_on_ranks(4, batch, role, strategy, micro)
-
-
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_a_rank_whose_whole_share_carries_no_loss_still_matches(strategy: str) -> None:
-    """That rank contributes zero gradient but still joins every collective; the counts
-    from the other rank alone normalize the loss."""
-    batch = make_batch(CONFIG, num_sequences=16)
-    silent = dp_shares(row_costs(batch), world=2, mini_batches=2)[1]
-    batch["response_mask"][torch.tensor(silent)] = 0
-    _check_step_on_ranks(2, batch, "actor", strategy, 2)

@@ -9,7 +9,7 @@ from verlite.distributed.collectives import (
     all_reduce_sum,
     broadcast_object,
 )
-from verlite.distributed.launch import RankFailedError, RankTimeoutError, run_on_ranks
+from verlite.distributed.launch import RankFailedError, RankTimeoutError, rank_gpus, run_on_ranks
 from verlite.distributed.parallel import (
     apply_ddp,
     apply_fsdp,
@@ -55,5 +55,6 @@ __all__ = [
     "init_from_env",
     "init_process_group",
     "is_initialized",
+    "rank_gpus",
     "run_on_ranks",
 ]

@@ -194,11 +194,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     for job in sorted(jobs, key=lambda j: _start_ms(j) or 0):
         start = _start_ms(job)
         started = datetime.fromtimestamp(start / 1000).isoformat(" ", "seconds") if start else "-"
-        command = shown_command(job["entrypoint"])
-        fields = (job.get("submission_id") or "-", job["status"], command)
-        submission_id, status, entrypoint = map(printable, fields)
-        rows.append((submission_id, status, started, entrypoint))
+        fields = (job.get("submission_id") or "-", job["status"], shown_command(job["entrypoint"]))
+        submission_id, status, command = map(printable, fields)
+        rows.append((submission_id, status, started, command))
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    for *cells, entrypoint in rows:
-        print("  ".join([*(c.ljust(w) for c, w in zip(cells, widths, strict=True)), entrypoint]))
+    for *cells, command in rows:
+        print("  ".join([*(c.ljust(w) for c, w in zip(cells, widths, strict=True)), command]))
     return 0

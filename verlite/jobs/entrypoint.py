@@ -10,8 +10,10 @@ from collections.abc import Sequence
 # `ray start`. A head started as `/venv/bin/ray start` without activating the virtualenv has no
 # `verlite` on that PATH; its environment is still named by the Python running the supervisor
 # (the entrypoint shell's parent), whose memory maps `<env>/lib/pythonX.Y/site-packages/ray/
-# _raylet.so`, and `<env>/bin/verlite` is the command. Where neither finds one (no /proc, or
-# verlite not installed there), the job's log says so in one line.
+# _raylet.so`, and `<env>/bin/verlite` is the command. Where neither finds one, the job's log
+# says so in one line: no /proc (not Linux), verlite not installed there, a Python under
+# lib64/ or named python3.Xt, a path with " /" in it, or a _raylet.so replaced on disk while
+# the head runs.
 FIND_VERLITE = (
     'v=$(command -v verlite || sed -n "s#^.* \\(/.*\\)/lib/python[0-9.]*/site-packages/ray/'
     '_raylet[.]so\\$#\\1/bin/verlite#p" /proc/$PPID/maps 2>/dev/null | head -n 1); '

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 CONFIG = "configs/ppo_tiny.yaml"
 
@@ -121,4 +122,15 @@ def test_missing_config_file() -> None:
     assert (
         proc.stderr.strip()
         == "verlite: error: cannot read config file 'nope.yaml': No such file or directory"
+    )
+
+
+def test_a_gpu_audit_needs_a_gpu_per_rank() -> None:
+    if torch.cuda.device_count() >= 4:
+        pytest.skip("this machine has a GPU for every rank of --dp 4")
+    proc = verlite("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    progress, error = proc.stderr.splitlines()
+    assert progress == "checking 4 rank launches ..." and error.startswith(
+        "verlite: error: --dp 4 with model.device=cuda: NCCL needs one GPU per rank: 4 ranks"
     )

@@ -1,11 +1,16 @@
-"""`verlite check-invariance` end to end, as a user runs it (subprocess, real ranks)."""
+"""`verlite check-invariance` end to end (real ranks): as a user runs it (a subprocess), and
+through the same ``main`` in this process where a fresh interpreter would only add seconds of
+imports (the user errors)."""
 
 import json
+import signal
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from verlite.cli import main
 
 CONFIG = "configs/ppo_tiny.yaml"
 
@@ -14,6 +19,24 @@ def verlite(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "verlite.cli", *args], capture_output=True, text=True, timeout=600
     )
+
+
+@pytest.fixture
+def in_process(capsys: pytest.CaptureFixture[str]):
+    """``verlite ARGS`` through ``verlite.cli.main`` here: exit code, stdout and stderr."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        previous = signal.getsignal(signal.SIGTERM)  # main installs its own handler
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's errors
+            code = exc.code
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
 
 
 def test_json_report_ok() -> None:
@@ -54,8 +77,8 @@ def test_json_report_ok() -> None:
     }
 
 
-def test_the_configured_optimizer_over_three_steps_in_float32() -> None:
-    proc = verlite(
+def test_the_configured_optimizer_over_three_steps_in_float32(in_process) -> None:
+    proc = in_process(
         "check-invariance",
         "--config",
         CONFIG,
@@ -76,8 +99,8 @@ def test_the_configured_optimizer_over_three_steps_in_float32() -> None:
     assert len(report["layouts"]) == 2
 
 
-def test_table_and_failure_exit_code_with_the_negative_control() -> None:
-    proc = verlite(
+def test_table_and_failure_exit_code_with_the_negative_control(in_process) -> None:
+    proc = in_process(
         "check-invariance",
         "--config",
         CONFIG,
@@ -109,8 +132,8 @@ def test_table_and_failure_exit_code_with_the_negative_control() -> None:
         (["--tolerance", "nan"], "expected a positive finite number, got 'nan'"),
     ],
 )
-def test_user_errors_exit_2_without_traceback(args: list[str], message: str) -> None:
-    proc = verlite("check-invariance", "--config", CONFIG, *args)
+def test_user_errors_exit_2_in_one_line(in_process, args: list[str], message: str) -> None:
+    proc = in_process("check-invariance", "--config", CONFIG, *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
@@ -125,10 +148,10 @@ def test_missing_config_file() -> None:
     )
 
 
-def test_a_gpu_audit_needs_a_gpu_per_rank() -> None:
+def test_a_gpu_audit_needs_a_gpu_per_rank(in_process) -> None:
     if torch.cuda.device_count() >= 4:
         pytest.skip("this machine has a GPU for every rank of --dp 4")
-    proc = verlite("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
+    proc = in_process("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     progress, error = proc.stderr.splitlines()
     assert progress == "checking 4 rank launches ..." and error.startswith(

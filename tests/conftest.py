@@ -1,9 +1,12 @@
 """Shared test settings: ``cluster``-marked tests only when asked for, the repository root
 as working directory, deterministic single-threaded torch (several ranks share 2 cores),
-and one embedded Ray that the tests needing a plain local Ray share."""
+one embedded Ray that the tests needing a plain local Ray share, and the ``verlite`` command
+run in this process."""
 
 import os
-from collections.abc import Iterator
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -65,3 +68,27 @@ def local_ray(shared_ray: SharedRay) -> SharedRay:
     """The shared embedded Ray, started if it is not running."""
     shared_ray.ensure()
     return shared_ray
+
+
+@pytest.fixture
+def verlite_main(
+    capsys: pytest.CaptureFixture[str],
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``verlite ARGS`` through ``verlite.cli.main`` in this process: its exit code, stdout and
+    stderr. The same code path as the command, without a fresh interpreter's seconds of
+    imports; tests of the command as a user runs it spawn it instead."""
+    from verlite.cli import main
+
+    def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+        argv = [str(a) for a in args]
+        previous = signal.getsignal(signal.SIGTERM)  # main installs its own handler
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's errors
+            code = exc.code if isinstance(exc.code, int) else 2
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(argv, code, out, err)
+
+    return run

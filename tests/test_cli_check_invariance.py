@@ -1,16 +1,12 @@
-"""`verlite check-invariance` end to end (real ranks): as a user runs it (a subprocess), and
-through the same ``main`` in this process where a fresh interpreter would only add seconds of
-imports (the user errors)."""
+"""`verlite check-invariance` end to end (real ranks): through ``verlite.cli.main`` in this
+process, and once as a user runs it (a subprocess)."""
 
 import json
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
-
-from verlite.cli import main
 
 CONFIG = "configs/ppo_tiny.yaml"
 
@@ -21,26 +17,10 @@ def verlite(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture
-def in_process(capsys: pytest.CaptureFixture[str]):
-    """``verlite ARGS`` through ``verlite.cli.main`` here: exit code, stdout and stderr."""
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        previous = signal.getsignal(signal.SIGTERM)  # main installs its own handler
-        try:
-            code = main(list(args))
-        except SystemExit as exc:  # argparse's errors
-            code = exc.code
-        finally:
-            signal.signal(signal.SIGTERM, previous)
-        out, err = capsys.readouterr()
-        return subprocess.CompletedProcess(list(args), code, out, err)
-
-    return run
-
-
-def test_json_report_ok() -> None:
-    proc = verlite(
+def test_json_report_ok(verlite_main) -> None:
+    """The configured optimizer (AdamW, clipping) in float32: 3 steps by default and the
+    tolerance for AdamW's magnified rounding."""
+    proc = verlite_main(
         "check-invariance",
         "--config",
         CONFIG,
@@ -50,11 +30,14 @@ def test_json_report_ok() -> None:
         "2,dynamic",
         "--strategy",
         "fsdp",
+        "--optimizer",
+        "configured",
         "--json",
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["ok"] is True and report["tolerance"] == 1e-5
+    assert report["ok"] is True and report["tolerance"] == 1e-3
+    assert (report["optimizer"], report["steps"]) == ("configured", 3)
     assert len(report["layouts"]) == 2 * 2 * 2  # dp x micro x role
     keys = {
         "dp",
@@ -68,7 +51,7 @@ def test_json_report_ok() -> None:
     }
     for layout in report["layouts"]:
         assert keys <= layout.keys()
-        assert layout["max_rel_grad_diff"] < 1e-5
+        assert layout["max_rel_grad_diff"] < 1e-3
     assert {(x["dp"], x["micro"], x["role"]) for x in report["layouts"]} == {
         (dp, micro, role)
         for dp in (1, 2)
@@ -77,30 +60,8 @@ def test_json_report_ok() -> None:
     }
 
 
-def test_the_configured_optimizer_over_three_steps_in_float32(in_process) -> None:
-    proc = in_process(
-        "check-invariance",
-        "--config",
-        CONFIG,
-        "--dp",
-        "2",
-        "--micro",
-        "1",
-        "--strategy",
-        "fsdp",
-        "--optimizer",
-        "configured",
-        "--json",
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["ok"] is True and report["tolerance"] == 1e-3
-    assert (report["optimizer"], report["steps"]) == ("configured", 3)  # 3 steps by default
-    assert len(report["layouts"]) == 2
-
-
-def test_table_and_failure_exit_code_with_the_negative_control(in_process) -> None:
-    proc = in_process(
+def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> None:
+    proc = verlite_main(
         "check-invariance",
         "--config",
         CONFIG,
@@ -132,8 +93,8 @@ def test_table_and_failure_exit_code_with_the_negative_control(in_process) -> No
         (["--tolerance", "nan"], "expected a positive finite number, got 'nan'"),
     ],
 )
-def test_user_errors_exit_2_in_one_line(in_process, args: list[str], message: str) -> None:
-    proc = in_process("check-invariance", "--config", CONFIG, *args)
+def test_user_errors_exit_2_in_one_line(verlite_main, args: list[str], message: str) -> None:
+    proc = verlite_main("check-invariance", "--config", CONFIG, *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
@@ -148,10 +109,10 @@ def test_missing_config_file() -> None:
     )
 
 
-def test_a_gpu_audit_needs_a_gpu_per_rank(in_process) -> None:
+def test_a_gpu_audit_needs_a_gpu_per_rank(verlite_main) -> None:
     if torch.cuda.device_count() >= 4:
         pytest.skip("this machine has a GPU for every rank of --dp 4")
-    proc = in_process("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
+    proc = verlite_main("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     progress, error = proc.stderr.splitlines()
     assert progress == "checking 4 rank launches ..." and error.startswith(

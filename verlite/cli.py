@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
 
+from verlite.compare import add_compare_command
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import add_job_commands
 from verlite.report import add_metrics_command
@@ -151,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(handler=cmd_check_invariance)
 
     add_metrics_command(commands)
+    add_compare_command(commands)
     add_job_commands(commands)
     return parser
 

@@ -28,6 +28,12 @@ FILE_NAME = "metrics.jsonl"
 LINE_MARKER = "VERLITE_METRICS "
 
 Record = dict[str, Any]
+# Metrics measured by the clock: they differ between two otherwise identical runs.
+WALL_CLOCK_PREFIXES = ("timing_s/", "perf/")
+
+
+def is_wall_clock(metric: str) -> bool:
+    return metric.startswith(WALL_CLOCK_PREFIXES)
 
 
 def encode(step: int, metrics: Mapping[str, float]) -> str:

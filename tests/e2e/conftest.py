@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from verlite.config import Config, load_config
+from verlite.metrics_log import is_wall_clock
 from verlite.run import run
 from verlite.trainer import RunInputs
 
 CONFIG = "configs/ppo_tiny.yaml"
-VOLATILE = ("timing_s/", "perf/")  # wall-clock figures differ between otherwise equal runs
 # The main job's critic warm-up would leave the actor untrained in runs of a few steps.
 SHORT_RUN = ("critic.warmup_steps=0",)
 
@@ -40,7 +40,7 @@ def train_run(out: Path, *overrides: str) -> Config:
 def read_metrics(out: Path, *, stable_only: bool = False) -> list[dict]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if stable_only:
-        return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+        return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in records]
     return records
 
 

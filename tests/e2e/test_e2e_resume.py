@@ -21,7 +21,7 @@ GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.use_kl_loss=true"]
 
 @pytest.mark.parametrize("algorithm", [[], GRPO], ids=["ppo_critic", "grpo"])
 def test_resume_gives_identical_metrics(
-    tmp_path: Path, algorithm: list[str], train, metrics
+    tmp_path: Path, algorithm: list[str], train, metrics, verlite_main
 ) -> None:
     train(tmp_path / "straight", *TWO_WORKERS, "trainer.total_steps=6", *algorithm)
     train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=3", *algorithm)
@@ -34,6 +34,8 @@ def test_resume_gives_identical_metrics(
     resumed = metrics(tmp_path / "resumed", stable_only=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert resumed == straight
+    compared = verlite_main("compare", tmp_path / "straight", tmp_path / "resumed")
+    assert compared.returncode == 0 and " are identical to 0 over 6 steps " in compared.stdout
     assert not partial.exists()  # the next save cleaned it up
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir()) == [
         "step_3",

@@ -87,9 +87,7 @@ def test_a_missing_step_or_metric_is_a_difference(tmp_path: Path, run) -> None:
     assert code == 1 and out.endswith(f"differ: step 3 is logged by {a} only\n")
     extra = write_run(tmp_path / "extra", changed(1, **{"actor/kl_loss": 0.0}))
     code, out, _ = run(a, extra)
-    assert code == 1 and out.endswith(
-        f"differ: step 1: actor/kl_loss is logged by {extra} only\n"
-    )
+    assert code == 1 and out.endswith(f"differ: step 1: actor/kl_loss is logged by {extra} only\n")
 
 
 def test_nan_equals_nan_and_nothing_else() -> None:

@@ -1,20 +1,13 @@
-"""`verlite check-invariance` end to end (real ranks): through ``verlite.cli.main`` in this
-process, and once as a user runs it (a subprocess)."""
+"""`verlite check-invariance` end to end (real ranks), through ``verlite.cli.main`` in this
+process: the command's own code without a fresh interpreter's seconds of imports (tests/e2e
+and tests/jobs run ``verlite`` as a user does, in a subprocess)."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 CONFIG = "configs/ppo_tiny.yaml"
-
-
-def verlite(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "verlite.cli", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 def test_json_report_ok(verlite_main) -> None:
@@ -100,8 +93,8 @@ def test_user_errors_exit_2_in_one_line(verlite_main, args: list[str], message: 
     assert proc.stderr.count("\n") == 1, proc.stderr
 
 
-def test_missing_config_file() -> None:
-    proc = verlite("check-invariance", "--config", "nope.yaml")
+def test_missing_config_file(verlite_main) -> None:
+    proc = verlite_main("check-invariance", "--config", "nope.yaml")
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()

@@ -44,7 +44,7 @@ from verlite.errors import RunFailure
 from verlite.models import check_tokenizer_fits
 from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
-from verlite.rollout import SamplingParams
+from verlite.rollout import SamplingParams, sample_keys
 from verlite.tracking import Tracker, check_tracking_server, redact_config
 
 
@@ -222,6 +222,9 @@ class Trainer:
             prompts, texts = self._prompt_batch(
                 records, repeat=cfg.rollout.n, temperature=cfg.rollout.temperature
             )
+            # Each response's draws are keyed by what names it in the data order (design.md,
+            # "Whole-run invariance"); the stream seed serves rollout.randomness=per_rank.
+            prompts["sample_key"] = sample_keys(cfg.trainer.seed, step, len(records), cfg.rollout.n)
             seed = cfg.trainer.seed * 100_003 + step
             batch = self.actor.call(
                 "rollout", prompts, self.sampling, seed, dispatch="dp_split", collect="concat"

@@ -7,7 +7,13 @@ from tensordict import TensorDict
 from verlite.config import ModelConfig
 from verlite.distributed import run_on_ranks
 from verlite.models import build_policy
-from verlite.rollout import NativeRollout, SamplingParams, sample_next_token
+from verlite.rollout import (
+    KeyedNoise,
+    NativeRollout,
+    SamplingParams,
+    sample_keys,
+    sample_next_token,
+)
 from verlite.rollout.native import GenerationDiverged
 from verlite.workers.forward import response_log_probs
 
@@ -16,6 +22,11 @@ EOS, PAD, VOCAB = 2, 0, 40
 
 def model() -> torch.nn.Module:
     return build_policy(ModelConfig(dtype="float64"), vocab_size=VOCAB, max_positions=64, seed=0)
+
+
+def keyed(td: TensorDict, seed: int) -> KeyedNoise:
+    """The noise of one step's rows, one sample per prompt."""
+    return KeyedNoise(sample_keys(seed, 1, len(td), 1), horizon=16)
 
 
 def prompts(batch: int = 12, width: int = 9, seed: int = 0) -> TensorDict:
@@ -40,7 +51,7 @@ def prompts(batch: int = 12, width: int = 9, seed: int = 0) -> TensorDict:
 def test_greedy_matches_hugging_face_generate() -> None:
     m, td = model(), prompts()
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
-        td, SamplingParams(12, temperature=0), seed=0
+        td, SamplingParams(12, temperature=0), keyed(td, 0)
     )
     hf = m.generate(
         input_ids=td["input_ids"],
@@ -63,7 +74,7 @@ def test_eos_ends_a_response_and_the_layout_is_consistent() -> None:
         m.lm_head.weight[EOS] += 0.4 * m.lm_head.weight.norm(dim=-1).mean()
     td = prompts(batch=16)
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
-        td, SamplingParams(10), seed=3
+        td, SamplingParams(10), keyed(td, 3)
     )
     responses, mask = out["responses"], out["response_mask"]
     lengths = mask.sum(-1)
@@ -88,8 +99,8 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
     those of the distributions the sampler drew each token from (KV-cached, step by step)."""
     drawn: list[torch.Tensor] = []
 
-    def recording(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator):
-        token = sample_next_token(logits, params, generator)
+    def recording(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor):
+        token = sample_next_token(logits, params, uniforms)
         scaled = logits.double() / params.temperature
         drawn.append(scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
         return token
@@ -98,7 +109,7 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
     m, td = model(), prompts()
     td.set_non_tensor("temperature", temperature)
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
-        td, SamplingParams(6, temperature=temperature), seed=1
+        td, SamplingParams(6, temperature=temperature), keyed(td, 1)
     )
     with torch.no_grad():
         log_probs, _ = response_log_probs(m, out, temperature=temperature, with_entropy=False)
@@ -111,13 +122,13 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
 def test_same_seed_same_samples_and_top_k_1_is_greedy() -> None:
     m, td = model(), prompts()
     rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
-    a = rollout.generate(td, SamplingParams(8), seed=5)["responses"]
-    b = rollout.generate(td, SamplingParams(8), seed=5)["responses"]
-    c = rollout.generate(td, SamplingParams(8), seed=6)["responses"]
+    a = rollout.generate(td, SamplingParams(8), keyed(td, 5))["responses"]
+    b = rollout.generate(td, SamplingParams(8), keyed(td, 5))["responses"]
+    c = rollout.generate(td, SamplingParams(8), keyed(td, 6))["responses"]
     assert torch.equal(a, b) and not torch.equal(a, c)
-    greedy = rollout.generate(td, SamplingParams(8, temperature=0), seed=0)["responses"]
+    greedy = rollout.generate(td, SamplingParams(8, temperature=0), keyed(td, 0))["responses"]
     assert torch.equal(
-        rollout.generate(td, SamplingParams(8, top_k=1), seed=9)["responses"], greedy
+        rollout.generate(td, SamplingParams(8, top_k=1), keyed(td, 9))["responses"], greedy
     )
 
 
@@ -128,8 +139,8 @@ def test_same_seed_same_samples_and_top_k_1_is_greedy() -> None:
 def test_top_k_and_top_p_restrict_the_support(top_k: int, top_p: float, allowed: set[int]) -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(4000, 4)
-    gen = torch.Generator().manual_seed(0)
-    drawn = sample_next_token(logits, SamplingParams(1, top_k=top_k, top_p=top_p), gen)
+    uniforms = torch.rand(4000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    drawn = sample_next_token(logits, SamplingParams(1, top_k=top_k, top_p=top_p), uniforms)
     assert set(drawn.tolist()) == allowed
 
 
@@ -143,7 +154,7 @@ def _lockstep(rank: int, world: int) -> list[int]:
         bias[EOS] = 1e4 if rank == 0 else -1e4
     m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
-        td, SamplingParams(5), seed=0
+        td, SamplingParams(5), keyed(td, 0)
     )
     return out["response_mask"].sum(-1).tolist()
 
@@ -176,14 +187,16 @@ def test_nan_logits_stop_generation_with_a_named_error(temperature: float, value
     _poison(m, rows=[3], from_step=2, value=value)
     rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
     with pytest.raises(GenerationDiverged, match=r"decode step 2 \(1 of 12 rows on this rank\)"):
-        rollout.generate(prompts(), SamplingParams(6, temperature=temperature), seed=0)
+        td = prompts()
+        rollout.generate(td, SamplingParams(6, temperature=temperature), keyed(td, 0))
 
 
 def test_a_masked_token_at_minus_inf_is_not_divergence() -> None:
     m = model()
     _poison(m, rows=[0, 3], from_step=0, value=float("-inf"))
+    td = prompts()
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
-        prompts(), SamplingParams(6), seed=0
+        td, SamplingParams(6), keyed(td, 0)
     )
     assert not (out["responses"][[0, 3]] == 5).any()  # the masked token is never drawn
 
@@ -197,7 +210,7 @@ def test_nan_logits_of_a_finished_row_are_ignored() -> None:
     _poison(m, rows=[0], from_step=1)
     td = prompts(batch=4)
     out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
-        td, SamplingParams(5), seed=0
+        td, SamplingParams(5), keyed(td, 0)
     )
     assert out["response_mask"].sum(-1).tolist() == [1, 1, 1, 1]
 
@@ -209,8 +222,9 @@ def _diverge_on_rank_1(rank: int, world: int) -> str:
     if rank == 1:
         _poison(m, rows=[0], from_step=1)
     try:
+        td = prompts(batch=4, seed=rank)
         NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
-            prompts(batch=4, seed=rank), SamplingParams(5), seed=0
+            td, SamplingParams(5), keyed(td, 0)
         )
     except GenerationDiverged as exc:
         return str(exc)

@@ -1,18 +1,25 @@
 """The sampler draws from the right distribution: plain temperature, top-k and top-p, with
-the removed tokens never drawn (the draw inverts the CDF with one uniform per row)."""
+the removed tokens never drawn (the draw inverts the CDF with one uniform per row), from
+keyed uniforms (``rollout.randomness=per_sample``) as from a generator stream."""
 
 import pytest
 import torch
 
-from verlite.rollout import SamplingParams, sample_next_token
+from verlite.rollout import KeyedNoise, SamplingParams, StreamNoise, sample_keys, sample_next_token
 
 PROBS = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.2, 0.1])
 ROWS = 40_000
 
 
-def frequencies(params: SamplingParams, seed: int = 0) -> torch.Tensor:
+def uniforms(noise: str, seed: int) -> torch.Tensor:
+    if noise == "keyed":  # one step's rows: ROWS prompts, one sample each
+        return KeyedNoise(sample_keys(seed, 1, ROWS, 1), horizon=1).uniforms(0)
+    return StreamNoise(seed, ROWS, torch.device("cpu")).uniforms(0)
+
+
+def frequencies(params: SamplingParams, seed: int = 0, noise: str = "keyed") -> torch.Tensor:
     logits = PROBS.log().expand(ROWS, -1)  # log(0) = -inf: a token no setting may draw
-    drawn = sample_next_token(logits, params, torch.Generator().manual_seed(seed))
+    drawn = sample_next_token(logits, params, uniforms(noise, seed))
     return torch.bincount(drawn, minlength=len(PROBS)).double() / ROWS
 
 
@@ -22,6 +29,7 @@ def renormalized(keep: list[int]) -> torch.Tensor:
     return kept / kept.sum()
 
 
+@pytest.mark.parametrize("noise", ["keyed", "stream"])
 @pytest.mark.parametrize(
     ("top_k", "top_p", "keep"),
     [
@@ -32,8 +40,10 @@ def renormalized(keep: list[int]) -> torch.Tensor:
         (4, 0.85, [1, 3, 4]),
     ],
 )
-def test_draws_follow_the_kept_distribution(top_k: int, top_p: float, keep: list[int]) -> None:
-    freq = frequencies(SamplingParams(1, top_k=top_k, top_p=top_p))
+def test_draws_follow_the_kept_distribution(
+    top_k: int, top_p: float, keep: list[int], noise: str
+) -> None:
+    freq = frequencies(SamplingParams(1, top_k=top_k, top_p=top_p), noise=noise)
     expected = renormalized(keep)
     # 5 standard deviations of a binomial frequency: a wrong distribution is far outside.
     sigma = (expected * (1 - expected) / ROWS).sqrt()

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.data.dataset import PromptDataset
-from verlite.rollout import SamplingParams
+from verlite.rollout import SamplingParams, sample_keys
 from verlite.workers.actor import ActorWorker
 
 
@@ -51,6 +51,7 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
         repeat=2,
         temperature=1.0,
     )
+    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
 
     fused = worker.rollout(prompts, sampling, 7)
@@ -82,6 +83,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
         repeat=1,
         temperature=1.0,
     )
+    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 1)
     batch = worker.generate(prompts, SamplingParams(max_new_tokens=6), 3)
     trained = worker.compute_log_probs(batch)["old_log_probs"]
 

@@ -180,6 +180,13 @@ class RolloutConfig(Section):
     max_response_length: PositiveInt = Field(
         16, description="Longest response in tokens (generation stops there)."
     )
+    randomness: Literal["per_sample", "per_rank"] = Field(
+        "per_sample",
+        description="per_sample: a response's random draws are keyed by (trainer.seed, step, "
+        "prompt position, sample index), so a run does not depend on how many workers ran it; "
+        "per_rank: one random stream per actor worker, the negative control of "
+        "`verlite check-invariance --run`.",
+    )
 
 
 class OptimConfig(Section):

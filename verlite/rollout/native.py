@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from verlite.distributed import all_reduce_max
 from verlite.errors import RunFailure
+from verlite.rollout.noise import Noise
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,14 @@ class GenerationDiverged(RunFailure):
 
 
 def sample_next_token(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+    logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
 ) -> torch.Tensor:
-    """One token per row from (B, vocab) logits."""
+    """One token per row from (B, vocab) logits, drawn with the row's uniform in [0, 1)
+    (``uniforms``, (B,) float64; None when greedy)."""
     if params.temperature == 0:
         return logits.argmax(dim=-1)
+    if uniforms is None:
+        raise ValueError(f"sampling at temperature {params.temperature} needs uniforms")
     logits = logits.float() / params.temperature
     # Top-k and top-p only ever keep the most likely tokens: work on those candidates,
     # sorted descending, instead of masking and sorting the whole vocabulary.
@@ -45,14 +49,14 @@ def sample_next_token(
         probs = logits.softmax(dim=-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         logits = logits.masked_fill(probs.cumsum(dim=-1) - probs >= params.top_p, float("-inf"))
-    choice = _draw(logits.softmax(dim=-1), generator)
+    choice = _draw(logits.softmax(dim=-1), uniforms)
     return choice if candidates is None else candidates.gather(-1, choice[:, None]).squeeze(-1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One index per row, drawn with probability ``probs``, by inverting the CDF with one
-    uniform per row: ``torch.multinomial`` costs ~30x more per decode step on CPU (2 ms
-    against 70 us for 64 rows of 2048 tokens).
+def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row, drawn with probability ``probs``, by inverting the CDF at the
+    row's uniform: ``torch.multinomial`` costs ~30x more per decode step on CPU (2 ms
+    against 70 us for 64 rows of 2048 tokens), and could not take keyed noise.
 
     The uniform is scaled to each row's total and kept strictly below it, so the first
     CDF entry above it always belongs to a token of positive probability: a token that
@@ -60,8 +64,9 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """
     cdf = probs.double().cumsum(dim=-1)
     total = cdf[:, -1:]
-    uniform = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device, generator=generator)
-    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(
+        uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
+    )
     return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
 
@@ -81,12 +86,15 @@ class NativeRollout:
         self.lockstep = lockstep
 
     @torch.no_grad()
-    def generate(self, prompts: TensorDict, params: SamplingParams, *, seed: int) -> TensorDict:
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
+    ) -> TensorDict:
+        """Responses to ``prompts``, sampled with ``noise`` (``verlite.rollout.noise``; None
+        when greedy)."""
         self.model.eval()
         input_ids = prompts["input_ids"]
         prompt_mask = prompts["attention_mask"]
         batch, device = input_ids.shape[0], input_ids.device
-        generator = torch.Generator(device=device).manual_seed(seed)
         responses = torch.full(
             (batch, params.max_new_tokens), self.pad_token_id, dtype=input_ids.dtype, device=device
         )
@@ -117,7 +125,8 @@ class NativeRollout:
             # one pass, 20x cheaper than isfinite over the vocabulary.
             row_sums = logits.sum(-1)
             nonfinite = (row_sums.isnan() | row_sums.isposinf()) & ~finished
-            token = sample_next_token(logits, params, generator)
+            uniforms = None if noise is None or params.temperature == 0 else noise.uniforms(t)
+            token = sample_next_token(logits, params, uniforms)
             token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
             responses[:, t] = token
             lengths += (~finished).long()

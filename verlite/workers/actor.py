@@ -14,7 +14,7 @@ from verlite.config import Config
 from verlite.core.metrics import MetricDict
 from verlite.distributed import full_state_dict, inference_module
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import NativeRollout, SamplingParams
+from verlite.rollout import KeyedNoise, NativeRollout, Noise, SamplingParams, StreamNoise
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_log_probs
@@ -71,10 +71,16 @@ class ActorWorker(EngineWorker):
         )
 
     def generate(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
-        # Each rank samples its own rows; offset the seed so ranks do not share a stream.
-        return self.generator.generate(
-            prompts.to(self.engine.device), params, seed=seed + self.rank
-        ).cpu()
+        """Responses to this rank's prompts. Sampling draws from each row's ``sample_key``
+        (``rollout.randomness=per_sample``), or from a stream seeded ``seed + rank``."""
+        prompts = prompts.to(self.engine.device)
+        noise: Noise | None = None
+        if params.temperature > 0:
+            if self.cfg.rollout.randomness == "per_rank":
+                noise = StreamNoise(seed + self.rank, len(prompts), self.engine.device)
+            else:
+                noise = KeyedNoise(prompts["sample_key"], horizon=params.max_new_tokens)
+        return self.generator.generate(prompts, params, noise).cpu()
 
     def rollout(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
         """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:

@@ -21,6 +21,7 @@ import torch
 
 from verlite.config import load_config
 from verlite.invariance import check_invariance, tolerance_for
+from verlite.table import format_table
 
 CONFIG = "configs/ppo_tiny.yaml"
 OUTPUT_DIR = "outputs/gpu_check"
@@ -83,9 +84,7 @@ def main() -> int:
     dps = [dp for dp in (1, 2, 4, 8) if dp <= gpus]
     print(f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     rows = [audit("float32", dps), audit("bfloat16", dps), main_job()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(format_table(rows))
     return 0 if all(row[-1] == "ok" for row in rows) else 1
 
 

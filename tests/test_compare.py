@@ -80,6 +80,21 @@ def test_a_tolerance_accepts_rounding_and_not_more(tmp_path: Path, run) -> None:
     assert code == 1 and "step 2: critic/score/mean = 0.5 in" in out
 
 
+def test_an_absolute_tolerance_accepts_noise_around_zero_and_not_more(tmp_path: Path, run) -> None:
+    """The PPO KL of a step's first mini-batch is 0 in exact arithmetic: one layout logs
+    0.0, another -9.5e-19, a relative difference of 1."""
+    a = write_run(tmp_path / "a", changed(1, **{"actor/ppo_kl": 0.0}))
+    b = write_run(tmp_path / "b", changed(1, **{"actor/ppo_kl": -9.5e-19}))
+    assert run(a, b, "--tolerance", "1e-9")[0] == 1
+    code, out, _ = run(a, b, "--tolerance", "1e-9", "--atol", "1e-15")
+    assert code == 0 and "identical to 1e-09 (absolute 1e-15) over 3 steps" in out
+    # the absolute tolerance does not widen the relative one for larger values
+    plain = write_run(tmp_path / "plain", STEPS)
+    c = write_run(tmp_path / "c", changed(2, **{"critic/score/mean": 0.5 + 1e-12}))
+    code, out, _ = run(plain, c, "--tolerance", "1e-15", "--atol", "1e-15")
+    assert code == 1 and "step 2: critic/score/mean" in out
+
+
 def test_a_missing_step_or_metric_is_a_difference(tmp_path: Path, run) -> None:
     a = write_run(tmp_path / "a", STEPS)
     shorter = write_run(tmp_path / "shorter", STEPS[:2])

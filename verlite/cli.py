@@ -22,6 +22,7 @@ from verlite.compare import add_compare_command
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import add_job_commands
 from verlite.report import add_metrics_command
+from verlite.table import format_table
 
 EXIT_USER_ERROR = 2
 
@@ -105,12 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="audit a config: every DP/micro-batch layout must give the single-process update",
         description="Run one actor and one critic update of the configured model on a ragged batch under "
         "every layout (real spawned ranks, gloo) and compare gradients, updated parameters, reported loss "
-        "and grad_norm with the single-process full-batch reference. Exit 1 if any exceeds the tolerance.",
+        "and grad_norm with the single-process full-batch reference. With --run, train the configured "
+        "job for a few steps under several worker/micro-batch layouts on Ray instead and compare every "
+        "run's metrics with the first's. Exit 1 if any exceeds the tolerance.",
     )
     check.add_argument("--config", required=True, help="run config YAML")
     check.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
     check.add_argument(
-        "--dp", type=_int_list, default=[1, 2, 4], help="data-parallel sizes (default 1,2,4)"
+        "--dp", type=_int_list, default=None, help="data-parallel sizes (default 1,2,4)"
     )
     check.add_argument(
         "--micro",
@@ -133,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--optimizer",
         choices=["sgd", "configured"],
-        default="sgd",
+        default=None,
         help="sgd: one plain SGD step without clipping (default; exposes a wrong gradient scale "
         "most directly); configured: the config's optimizer and gradient clipping, as training runs",
     )
@@ -142,12 +145,41 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=None,
         help="updates on the batch before comparing (default 1 with sgd, 3 with configured: "
-        "AdamW's first step is about lr*sign(g) and hides a wrong gradient)",
+        "AdamW's first step is about lr*sign(g) and hides a wrong gradient); with --run, training "
+        "steps of each run (default 10)",
     )
     check.add_argument(
         "--negative-control",
         action="store_true",
-        help="normalize each micro-batch by its own counts (what the invariance rules out): must fail",
+        help="normalize each micro-batch by its own counts (what the invariance rules out): must "
+        "fail; with --run, sample with one random stream per actor worker (rollout.randomness=per_rank)",
+    )
+    check.add_argument(
+        "--run",
+        action="store_true",
+        help="whole runs: train the job under several layouts and compare their metrics.jsonl",
+    )
+    check.add_argument(
+        "--layout",
+        action="append",
+        default=None,
+        metavar="A[/C]",
+        help="with --run, a layout to train, repeatable, the first being the reference: the actor's "
+        "WORKERS:STRATEGY:MICRO, then optionally /WORKERS:STRATEGY:MICRO for the critic (MICRO: rows, "
+        "full or dynamic), e.g. 2:fsdp:1/2:ddp:dynamic (default: 4 layouts covering actor workers "
+        "1/2/4, critic workers 1/2, micro 1/full/dynamic, ddp and fsdp)",
+    )
+    check.add_argument(
+        "--runs-dir",
+        default=None,
+        help="with --run, a new or empty folder that keeps the runs (default: a temporary one, removed)",
+    )
+    check.add_argument(
+        "--atol",
+        type=_positive_float,
+        default=None,
+        help="with --run, absolute difference still equal, for metrics that are zero in exact "
+        "arithmetic (default 1e-15 float64, 1e-11 float32)",
     )
     check.set_defaults(handler=cmd_check_invariance)
 
@@ -174,6 +206,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
+    if args.run:
+        from verlite.run_invariance import cmd_check_run_invariance
+
+        return cmd_check_run_invariance(args)
     from verlite.config import load_config
     from verlite.invariance import (
         MICRO_LAYOUTS,
@@ -183,35 +219,40 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         tolerance_for,
     )
 
+    for flag in ("layout", "runs_dir", "atol"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag.replace('_', '-')} needs --run")
     micros = _checked_choices("--micro", args.micro, MICRO_LAYOUTS)
     strategies = _checked_choices("--strategy", args.strategy, STRATEGIES)
-    check_layouts(args.dp)
+    dps = args.dp or [1, 2, 4]
+    optimizer = args.optimizer or "sgd"
+    check_layouts(dps)
     cfg = load_config(args.config, args.overrides)
-    tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, args.optimizer)
+    tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     if not args.json:
         print(
-            f"checking {len(args.dp) * len(strategies)} rank launches ...",
+            f"checking {len(dps) * len(strategies)} rank launches ...",
             file=sys.stderr,
             flush=True,
         )
-    steps = args.steps or (3 if args.optimizer == "configured" else 1)
+    steps = args.steps or (3 if optimizer == "configured" else 1)
     reports = check_invariance(
         cfg,
-        dps=args.dp,
+        dps=dps,
         micros=micros,
         strategies=strategies,
         naive=args.negative_control,
-        optimizer=args.optimizer,
+        optimizer=optimizer,
         steps=steps,
     )
     ok = all(r.worst() <= tolerance for r in reports)
     if args.json:
         layouts = [asdict(r) for r in reports]
-        setting = {"optimizer": args.optimizer, "steps": steps}
+        setting = {"optimizer": optimizer, "steps": steps}
         print(json.dumps({"ok": ok, "tolerance": tolerance, **setting, "layouts": layouts}))
     else:
-        print(format_invariance_table(reports, tolerance))
+        print(format_table(invariance_rows(reports, tolerance)))
         verdict = "ok" if ok else "FAILED"
         print(
             f"{verdict}: {len(reports)} layouts, tolerance {tolerance:g}, {time.monotonic() - started:.0f} s"
@@ -219,20 +260,22 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def format_invariance_table(reports: Sequence[object], tolerance: float) -> str:
-    header = (
-        "role",
-        "loss_agg_mode",
-        "strategy",
-        "dp",
-        "micro",
-        "grad",
-        "param",
-        "loss",
-        "grad_norm",
-        "",
-    )
-    rows = [header]
+def invariance_rows(reports: Sequence[object], tolerance: float) -> list[tuple[str, ...]]:
+    """The one-update audit's table: a header, then a row per layout."""
+    rows = [
+        (
+            "role",
+            "loss_agg_mode",
+            "strategy",
+            "dp",
+            "micro",
+            "grad",
+            "param",
+            "loss",
+            "grad_norm",
+            "",
+        )
+    ]
     for r in reports:
         d = asdict(r)  # type: ignore[call-overload]
         diffs = [
@@ -253,11 +296,7 @@ def format_invariance_table(reports: Sequence[object], tolerance: float) -> str:
                 flag,
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
+    return rows
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:

@@ -2,7 +2,10 @@
 
 Two output folders are compared step by step on every metric except the wall-clock ones
 (``timing_s/*``, ``perf/*``, which differ between equal runs). A value differs when
-``|a - b| > tolerance * max(|a|, |b|)``; NaN equals NaN and an infinity equals itself. The
+``|a - b| > max(tolerance * max(|a|, |b|), atol)``; NaN equals NaN and an infinity equals
+itself. ``atol`` (default 0) serves metrics that are zero in exact arithmetic, such as the
+PPO KL of a step's first mini-batch: their rounding noise (~1e-18 in float64) has no
+meaningful relative difference. The
 first step (in step order) and metric (in name order) that differ is reported; runs of
 different lengths, or a metric logged by one run only, differ too.
 """
@@ -50,6 +53,12 @@ def relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b))
 
 
+def differs(a: float, b: float, *, tolerance: float, atol: float = 0.0) -> bool:
+    """Whether ``a`` and ``b`` differ by more than ``tolerance`` (relative) and ``atol``."""
+    relative = relative_difference(a, b)
+    return relative > tolerance and (math.isinf(relative) or abs(a - b) > atol)
+
+
 def compared_metrics(record: Record) -> dict[str, float]:
     """A record's metrics that two equal runs share: all but the step and the wall-clock ones."""
     return {
@@ -60,9 +69,9 @@ def compared_metrics(record: Record) -> dict[str, float]:
 
 
 def first_difference(
-    run_a: list[Record], run_b: list[Record], *, tolerance: float
+    run_a: list[Record], run_b: list[Record], *, tolerance: float, atol: float = 0.0
 ) -> Difference | None:
-    """The first step and metric where the runs differ by more than ``tolerance``, if any."""
+    """The first step and metric where the runs differ (:func:`differs`), if any."""
     steps_a = {r["step"]: compared_metrics(r) for r in run_a}
     steps_b = {r["step"]: compared_metrics(r) for r in run_b}
     for step in sorted(steps_a.keys() | steps_b.keys()):
@@ -77,7 +86,7 @@ def first_difference(
             if metric not in metrics_a:
                 return Difference(step, metric, only_in="b")
             a, b = metrics_a[metric], metrics_b[metric]
-            if relative_difference(a, b) > tolerance:
+            if differs(a, b, tolerance=tolerance, atol=atol):
                 return Difference(step, metric, a, b)
     return None
 
@@ -100,6 +109,12 @@ def add_compare_command(subparsers: argparse._SubParsersAction[argparse.Argument
         default=0.0,
         help="largest relative difference |a-b|/max(|a|,|b|) still equal (default 0: exact)",
     )
+    parser.add_argument(
+        "--atol",
+        type=_tolerance,
+        default=0.0,
+        help="largest absolute difference still equal, for metrics near zero (default 0)",
+    )
     parser.set_defaults(handler=cmd_compare)
 
 
@@ -116,13 +131,14 @@ def _tolerance(text: str) -> float:
 def cmd_compare(args: argparse.Namespace) -> int:
     run_a, run_b = metrics_log.read(args.run_a), metrics_log.read(args.run_b)
     name_a, name_b = Path(args.run_a).as_posix(), Path(args.run_b).as_posix()
-    difference = first_difference(run_a, run_b, tolerance=args.tolerance)
+    difference = first_difference(run_a, run_b, tolerance=args.tolerance, atol=args.atol)
     if difference is not None:
         print(f"{name_a} and {name_b} differ: {difference.describe(name_a, name_b)}")
         return 1
     metrics = len(compared_metrics(run_a[-1]))
+    atol = f" (absolute {args.atol:g})" if args.atol else ""
     print(
-        f"{name_a} and {name_b} are identical to {args.tolerance:g} over {len(run_a)} steps "
+        f"{name_a} and {name_b} are identical to {args.tolerance:g}{atol} over {len(run_a)} steps "
         f"({metrics} metrics a step; wall-clock ones not compared)"
     )
     return 0

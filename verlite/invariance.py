@@ -176,6 +176,16 @@ def audit_device(cfg: Config) -> torch.device:
     return torch.device("cuda", 0) if cfg.model.device == "cuda" else torch.device("cpu")
 
 
+def micro_settings(micro: str, *, rows_per_worker: int, longest: int) -> dict[str, Any]:
+    """A role's micro-batching fields for the micro layout ``micro``: a number of rows per
+    micro-batch, ``full`` (the worker's whole mini-batch share, ``rows_per_worker``) or
+    ``dynamic`` (a token budget of two of the longest rows, so micro-batches differ in rows)."""
+    if micro == "dynamic":
+        return {"use_dynamic_bsz": True, "max_token_len_per_worker": 2 * longest}
+    rows = rows_per_worker if micro == "full" else int(micro)
+    return {"use_dynamic_bsz": False, "micro_batch_size_per_worker": rows}
+
+
 def _role_config(
     cfg: Config, case: Case, strategy: str, local_rows: int, optimizer: Optimizer
 ) -> WorkerRoleConfig:
@@ -183,23 +193,8 @@ def _role_config(
     if optimizer == "sgd":
         audit_optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None})
         base = base.model_copy(update={"optim": audit_optim})
-    if case.micro == "dynamic":
-        longest = cfg.max_sequence_length
-        return base.model_copy(
-            update={
-                "strategy": strategy,
-                "use_dynamic_bsz": True,
-                "max_token_len_per_worker": 2 * longest,
-            }
-        )
-    micro = local_rows if case.micro == "full" else int(case.micro)
-    return base.model_copy(
-        update={
-            "strategy": strategy,
-            "use_dynamic_bsz": False,
-            "micro_batch_size_per_worker": micro,
-        }
-    )
+    micro = micro_settings(case.micro, rows_per_worker=local_rows, longest=cfg.max_sequence_length)
+    return base.model_copy(update={"strategy": strategy, **micro})
 
 
 def _loss_fn(cfg: Config, case: Case, naive: bool) -> Any:

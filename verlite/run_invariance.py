@@ -1,0 +1,359 @@
+"""The whole-run audit behind ``verlite check-invariance --run``.
+
+The configured job trains for a few steps under several layouts: actor and critic worker
+counts, DDP or FSDP, micro-batches of one row, of the worker's whole share, or cut by a
+token budget. Each is a real run on Ray, with its own worker groups and output folder. Every
+run's ``metrics.jsonl`` is compared with the first layout's, step by step, with
+``verlite compare``'s comparison (``verlite.compare``).
+
+A run is the same run under every layout because each stage follows the data order, not
+the layout: sampling draws from keys that name each response (``verlite.rollout.noise``),
+the losses are normalized by global counts (``verlite.core.losses``), and rewards,
+advantages, statistics and validation run on the driver over the whole step batch.
+``negative_control`` samples with one random stream per actor worker instead
+(``rollout.randomness=per_rank``): runs with different actor worker counts then differ from
+the first step.
+
+In float64 the runs agree to rounding (1e-9 relative). In float32 they agree to 1e-5 until
+a response samples a different token: a logit that differs in its last bit can move a
+token's probability across the uniform drawn for it, and from there the runs train on
+different data. ``RunReport.identical_steps`` says how many steps stayed within tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from verlite import metrics_log
+from verlite.compare import compared_metrics, first_difference, relative_difference
+from verlite.config import Config, load_config
+from verlite.errors import UserError
+from verlite.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
+from verlite.metrics_log import Record
+from verlite.table import format_table
+
+# Metrics that are zero in exact arithmetic (the PPO KL of a step's first mini-batch) carry
+# rounding noise with no meaningful relative difference; this much of it is equal.
+ATOL = 1e-15
+FLOAT32_ATOL = 1e-11
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    """How one role runs: its worker count, strategy and micro layout."""
+
+    workers: int
+    strategy: str
+    micro: str
+
+    def __str__(self) -> str:
+        return f"{self.workers} {self.strategy} micro {self.micro}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    actor: RoleLayout
+    critic: RoleLayout
+
+    def describe(self, use_critic: bool) -> str:
+        return f"actor {self.actor}" + (f", critic {self.critic}" if use_critic else "")
+
+    @property
+    def workers(self) -> int:
+        return self.actor.workers + self.critic.workers
+
+
+# The first is the reference. Together they cover actor workers 1/2/4, critic workers 1/2,
+# micro-batches of 1 row, the full share and a token budget, and both strategies.
+DEFAULT_LAYOUTS = (
+    RunLayout(RoleLayout(1, "ddp", "full"), RoleLayout(1, "ddp", "full")),
+    RunLayout(RoleLayout(2, "fsdp", "1"), RoleLayout(2, "ddp", "dynamic")),
+    RunLayout(RoleLayout(4, "ddp", "dynamic"), RoleLayout(1, "fsdp", "1")),
+    RunLayout(RoleLayout(4, "fsdp", "full"), RoleLayout(2, "fsdp", "full")),
+)
+LAYOUT_SYNTAX = (
+    "WORKERS:STRATEGY:MICRO for the actor, then optionally /WORKERS:STRATEGY:MICRO for the critic"
+)
+
+
+def parse_layout(text: str) -> RunLayout:
+    """``2:fsdp:1/2:ddp:dynamic``: the actor's layout, then the critic's (default 1:ddp:full)."""
+    parts = text.split("/")
+    if len(parts) > 2:
+        raise UserError(f"--layout {text!r}: expected {LAYOUT_SYNTAX}")
+    roles = [_parse_role(text, part) for part in parts]
+    return RunLayout(roles[0], roles[1] if len(roles) == 2 else RoleLayout(1, "ddp", "full"))
+
+
+def _parse_role(text: str, part: str) -> RoleLayout:
+    fields = part.split(":")
+    if len(fields) != 3:
+        raise UserError(f"--layout {text!r}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/2:ddp:dynamic")
+    workers, strategy, micro = fields
+    if not workers.isdigit() or int(workers) < 1:
+        raise UserError(f"--layout {text!r}: workers {workers!r} must be a positive integer")
+    if strategy not in STRATEGIES:
+        raise UserError(
+            f"--layout {text!r}: strategy {strategy!r} must be one of {', '.join(STRATEGIES)}"
+        )
+    if micro not in MICRO_LAYOUTS and not (micro.isdigit() and int(micro) >= 1):
+        raise UserError(
+            f"--layout {text!r}: micro {micro!r} must be a number of rows, full or dynamic"
+        )
+    return RoleLayout(int(workers), strategy, micro)
+
+
+def layout_overrides(cfg: Config, layout: RunLayout) -> list[str]:
+    """The config overrides that run ``cfg``'s job under ``layout`` on one node."""
+    overrides = []
+    for role in cfg.roles:
+        role_layout: RoleLayout = getattr(layout, role)
+        micro = micro_settings(
+            role_layout.micro,
+            rows_per_worker=getattr(cfg, role).ppo_mini_batch_size // role_layout.workers,
+            longest=cfg.max_sequence_length,
+        )
+        settings = {
+            "workers_per_node": role_layout.workers,
+            "strategy": role_layout.strategy,
+            **micro,
+        }
+        overrides += [f"{role}.{key}={str(value).lower()}" for key, value in settings.items()]
+    return overrides
+
+
+@dataclass(frozen=True)
+class RunReport:
+    """One layout's run against the reference's."""
+
+    layout: str
+    steps: int
+    identical_steps: int  # leading steps within tolerance
+    worst: float  # largest relative difference of any metric beyond the absolute tolerance
+    first_difference: str | None
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.first_difference is None
+
+
+def compare_runs(
+    run: list[Record],
+    reference: list[Record],
+    *,
+    layout: str,
+    tolerance: float,
+    atol: float,
+    seconds: float,
+) -> RunReport:
+    difference = first_difference(run, reference, tolerance=tolerance, atol=atol)
+    worst = 0.0
+    references = {r["step"]: compared_metrics(r) for r in reference}
+    for record in run:
+        expected = references.get(record["step"], {})
+        for key, value in compared_metrics(record).items():
+            if key in expected and abs(value - expected[key]) > atol:
+                worst = max(worst, relative_difference(value, expected[key]))
+    return RunReport(
+        layout=layout,
+        steps=len(run),
+        identical_steps=len(run) if difference is None else difference.step - 1,
+        worst=worst,
+        first_difference=None
+        if difference is None
+        else difference.describe("this run", "the reference"),
+        seconds=seconds,
+    )
+
+
+def layout_configs(
+    config: str | Path | None,
+    overrides: Sequence[str],
+    layouts: Sequence[RunLayout],
+    *,
+    steps: int,
+    runs_dir: Path,
+    negative_control: bool = False,
+) -> list[Config]:
+    """The config of each layout's run of ``config`` (with ``overrides``): ``steps`` steps
+    into ``runs_dir/<index>``, each checked as ``verlite train`` would check it."""
+    if len(layouts) < 2:
+        raise UserError(
+            f"--run compares layouts with the first: give at least 2, got {len(layouts)}"
+        )
+    if runs_dir.exists() and any(runs_dir.iterdir()):
+        raise UserError(f"--runs-dir {runs_dir}: the folder is not empty; give a new or empty one")
+    base = load_config(config, overrides)
+    fixed = [
+        f"trainer.total_steps={steps}",
+        "trainer.nnodes=1",
+        "trainer.save_freq=0",
+        "trainer.resume=disable",
+        "trainer.loggers=[jsonl]",
+        # the actor trains from the first step, so that a few steps audit its updates too
+        "critic.warmup_steps=0",
+        f"rollout.randomness={'per_rank' if negative_control else 'per_sample'}",
+    ]
+    return [
+        load_config(
+            config,
+            [
+                *overrides,
+                *fixed,
+                *layout_overrides(base, layout),
+                f"trainer.output_dir={runs_dir / str(index)}",
+            ],
+        )
+        for index, layout in enumerate(layouts)
+    ]
+
+
+def audit_runs(
+    configs: Sequence[Config],
+    layouts: Sequence[RunLayout],
+    *,
+    tolerance: float,
+    atol: float,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[RunReport]:
+    """Train each config in the open Ray session (its console output into ``console.log``
+    in its folder) and compare each run's metrics with the first's."""
+    from verlite.run import run
+    from verlite.trainer import RunInputs
+
+    records: list[list[Record]] = []
+    reports: list[RunReport] = []
+    for index, (layout, cfg) in enumerate(zip(layouts, configs, strict=True)):
+        name = layout.describe(cfg.use_critic)
+        progress(f"run {index + 1}/{len(layouts)}: {name} ...")
+        started = time.monotonic()
+        inputs = RunInputs.load(cfg)  # makes the output folder
+        folder = Path(cfg.trainer.output_dir)
+        with (folder / "console.log").open("w") as log, contextlib.redirect_stdout(log):
+            run(cfg, inputs)
+        records.append(metrics_log.read(folder))
+        reports.append(
+            compare_runs(
+                records[-1],
+                records[0],
+                layout=name,
+                tolerance=tolerance,
+                atol=atol,
+                seconds=time.monotonic() - started,
+            )
+        )
+    return reports
+
+
+def check_run_invariance(
+    config: str | Path | None,
+    overrides: Sequence[str],
+    layouts: Sequence[RunLayout] = DEFAULT_LAYOUTS,
+    *,
+    steps: int,
+    tolerance: float,
+    atol: float,
+    runs_dir: Path,
+    negative_control: bool = False,
+    progress: Callable[[str], None] = lambda line: None,
+) -> list[RunReport]:
+    """:func:`layout_configs`, then :func:`audit_runs` in a Ray session of its own: an
+    embedded one with a CPU per worker of the largest layout, or ``trainer.ray_address``."""
+    from verlite.controller import ray_session
+
+    configs = layout_configs(
+        config,
+        overrides,
+        layouts,
+        steps=steps,
+        runs_dir=runs_dir,
+        negative_control=negative_control,
+    )
+    address = configs[0].trainer.ray_address
+    cpus = None if address else max(layout.workers for layout in layouts)
+    with ray_session(address, num_cpus=cpus):
+        return audit_runs(configs, layouts, tolerance=tolerance, atol=atol, progress=progress)
+
+
+# ------------------------------------------------------------------------- the command
+
+TOLERANCES = {"float64": (1e-9, ATOL), "float32": (1e-5, FLOAT32_ATOL), "bfloat16": (1e-2, 1e-6)}
+
+
+def cmd_check_run_invariance(args: argparse.Namespace) -> int:
+    """``verlite check-invariance --run``: the table, or one JSON object; exit 1 on a difference."""
+    for flag in ("dp", "micro", "strategy", "optimizer"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
+    layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
+    base = load_config(args.config, args.overrides)
+    default_tolerance, default_atol = TOLERANCES[base.model.dtype]
+    tolerance = default_tolerance if args.tolerance is None else args.tolerance
+    atol = default_atol if args.atol is None else args.atol
+    steps = args.steps or 10
+
+    def progress(line: str) -> None:
+        if not args.json:
+            print(line, file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if args.runs_dir is None:
+            runs_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="verlite-runs-"))
+            )
+        else:
+            runs_dir = Path(args.runs_dir)
+        reports = check_run_invariance(
+            args.config,
+            args.overrides,
+            layouts,
+            steps=steps,
+            tolerance=tolerance,
+            atol=atol,
+            runs_dir=runs_dir,
+            negative_control=args.negative_control,
+            progress=progress,
+        )
+    ok = all(r.ok for r in reports)
+    if args.json:
+        setting = {"tolerance": tolerance, "atol": atol, "steps": steps}
+        print(json.dumps({"ok": ok, **setting, "runs": [asdict(r) for r in reports]}))
+        return 0 if ok else 1
+    print(format_table(run_rows(reports)))
+    verdict = "ok" if ok else "FAILED"
+    print(
+        f"{verdict}: {len(reports)} runs of {steps} steps, tolerance {tolerance:g} "
+        f"(absolute {atol:g}), {time.monotonic() - started:.0f} s"
+        + ("" if args.runs_dir is None else f"; runs kept in {args.runs_dir}")
+    )
+    return 0 if ok else 1
+
+
+def run_rows(reports: Sequence[RunReport]) -> list[tuple[str, ...]]:
+    """The whole-run audit's table: a header, the reference, then a row per other layout."""
+    rows = [("layout", "steps", "equal steps", "worst", "seconds", "first difference")]
+    for index, r in enumerate(reports):
+        if index == 0:
+            rows.append((r.layout, str(r.steps), "reference", "", f"{r.seconds:.0f}", ""))
+            continue
+        rows.append(
+            (
+                r.layout,
+                str(r.steps),
+                str(r.identical_steps),
+                f"{r.worst:.1e}",
+                f"{r.seconds:.0f}",
+                r.first_difference or "-",
+            )
+        )
+    return rows

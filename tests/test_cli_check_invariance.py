@@ -84,6 +84,20 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
         (["actor.loss_agg_mode=mean"], "actor.loss_agg_mode='mean'"),
         (["--tolerance", "-1"], "expected a positive finite number, got '-1'"),
         (["--tolerance", "nan"], "expected a positive finite number, got 'nan'"),
+        # the whole-run audit's flags, refused before any Ray starts
+        (["--layout", "2:ddp:1"], "--layout needs --run"),
+        (["--atol", "1e-9"], "--atol needs --run"),
+        (["--run", "--dp", "2"], "--dp is for the one-update audit; with --run, give --layout"),
+        (["--run", "--layout", "2:ddp"], "--layout '2:ddp': expected WORKERS:STRATEGY:MICRO"),
+        (["--run", "--layout", "0:ddp:1"], "workers '0' must be a positive integer"),
+        (["--run", "--layout", "2:zero:1"], "strategy 'zero' must be one of ddp, fsdp"),
+        (["--run", "--layout", "2:ddp:half"], "micro 'half' must be a number of rows, full or"),
+        (["--run", "--layout", "1:ddp:1/1:ddp:1/1:ddp:1"], "expected WORKERS:STRATEGY:MICRO"),
+        (["--run", "--layout", "1:ddp:full"], "give at least 2, got 1"),
+        (
+            ["--run", "--layout", "1:ddp:full", "--layout", "3:ddp:full"],
+            "actor.ppo_mini_batch_size=16 must be divisible by the actor's 3 workers",
+        ),
     ],
 )
 def test_user_errors_exit_2_in_one_line(verlite_main, args: list[str], message: str) -> None:
@@ -91,6 +105,16 @@ def test_user_errors_exit_2_in_one_line(verlite_main, args: list[str], message: 
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_whole_runs_need_a_new_or_empty_runs_dir(verlite_main, tmp_path) -> None:
+    (tmp_path / "earlier.txt").write_text("someone's file")
+    proc = verlite_main(
+        "check-invariance", "--run", "--config", CONFIG, "--runs-dir", str(tmp_path)
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert f"--runs-dir {tmp_path}: the folder is not empty" in proc.stderr
+    assert (tmp_path / "earlier.txt").read_text() == "someone's file"
 
 
 def test_missing_config_file(verlite_main) -> None:

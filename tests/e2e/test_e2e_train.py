@@ -1,6 +1,5 @@
 """`verlite train` end to end: a subprocess on an embedded local Ray, as a user runs it."""
 
-import json
 from pathlib import Path
 
 import pytest
@@ -58,36 +57,6 @@ SMALL = [
 def run(train, metrics, tmp_path: Path, *overrides: str) -> list[dict]:
     train(tmp_path / "run", *SMALL, *overrides)
     return metrics(tmp_path / "run")
-
-
-def test_ppo_with_two_actor_and_two_critic_workers(tmp_path: Path, train, metrics) -> None:
-    records = run(
-        train,
-        metrics,
-        tmp_path,
-        "trainer.total_steps=3",
-        "trainer.workers_per_node=2",
-        "data.train_batch_size=16",
-        "actor.ppo_mini_batch_size=8",
-        "critic.ppo_mini_batch_size=16",
-    )
-    assert [r["step"] for r in records] == [1, 2, 3]
-    for record in records:
-        assert record.keys() >= STEP_KEYS | CRITIC_KEYS, sorted(
-            (STEP_KEYS | CRITIC_KEYS) - record.keys()
-        )
-    assert "val/score/mean" in records[1] and "val/score/mean" in records[2]
-    placement = json.loads((tmp_path / "run" / "workers.json").read_text())
-    assert sorted((w["role"], w["rank"]) for w in placement) == [
-        ("actor", 0),
-        ("actor", 1),
-        ("critic", 0),
-        ("critic", 1),
-    ]
-    for worker in placement:
-        assert {"node_id", "node_ip", "pid", "resources"} <= worker.keys()
-        assert worker["node_ip"] == "127.0.0.1"
-    assert len({w["pid"] for w in placement}) == 4
 
 
 @pytest.mark.parametrize(

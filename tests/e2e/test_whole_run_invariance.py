@@ -5,10 +5,12 @@ metrics.jsonl (every non-timing metric) to 1e-9 on the shared embedded Ray. The 
 control, one sampling stream per actor worker (the old ``seed + rank``), differs at step 1.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_e2e_train import CRITIC_KEYS, STEP_KEYS
 from verlite.run_invariance import (
     ATOL,
     RoleLayout,
@@ -40,8 +42,12 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
     [
         pytest.param(
             "configs/ppo_tiny.yaml",
-            # 16 prompts a step, one update of 16 rows per role
-            ["data.train_batch_size=16"],
+            # 16 prompts a step; two actor updates of 8 rows, one critic update of 16
+            [
+                "data.train_batch_size=16",
+                "actor.ppo_mini_batch_size=8",
+                "actor.micro_batch_size_per_worker=8",
+            ],
             [
                 layout("1:ddp:full", "1:ddp:full"),
                 layout("2:fsdp:1", "2:ddp:dynamic"),
@@ -65,21 +71,46 @@ def test_a_run_is_the_same_run_under_every_layout(
     for report in reports[1:]:
         assert report.ok, f"{report.layout}: {report.first_difference}"
         assert report.steps == report.identical_steps == 10
-    # every run validated at its last step, and the policy moved: the audit compared training
-    records = (tmp_path / "0" / "metrics.jsonl").read_text()
-    assert '"val/score/mean"' in records and '"actor/grad_norm"' in records
-
-
-def test_the_negative_control_one_stream_per_rank_differs_at_the_first_step(
-    tmp_path: Path, local_ray
-) -> None:
-    reports = audit(
-        "configs/ppo_tiny.yaml",
-        ["data.train_batch_size=16"],
-        [layout("1:ddp:full"), layout("2:ddp:full")],
-        tmp_path,
-        steps=2,
-        negative_control=True,
+    # every step logged what a step logs, the last step validated
+    records = [json.loads(line) for line in (tmp_path / "1" / "metrics.jsonl").open()]
+    keys = STEP_KEYS | (CRITIC_KEYS if "ppo" in config else set())
+    assert all(r.keys() >= keys for r in records), sorted(keys - records[0].keys())
+    assert "val/score/mean" in records[-1]
+    # the second layout's workers ran where workers.json says, each in its own process
+    placement = json.loads((tmp_path / "1" / "workers.json").read_text())
+    workers = {"actor": layouts[1].actor.workers, "critic": layouts[1].critic.workers}
+    expected = [(role, rank) for role in ("actor", "critic") for rank in range(workers[role])]
+    assert sorted((w["role"], w["rank"]) for w in placement) == (
+        expected if "ppo" in config else expected[: workers["actor"]]
     )
-    assert not reports[1].ok and reports[1].identical_steps == 0
-    assert reports[1].worst > 1e-3
+    assert all(w["node_ip"] == "127.0.0.1" and w["resources"] for w in placement)
+    assert len({w["pid"] for w in placement}) == len(placement)
+
+
+def test_the_negative_control_one_stream_per_rank_differs_at_the_first_step(cli) -> None:
+    """As a user runs it: `verlite check-invariance --run --negative-control` in a process of
+    its own (an embedded Ray of its own), one JSON object, exit 1."""
+    proc = cli(
+        "check-invariance",
+        "--run",
+        "--config",
+        "configs/grpo_tiny.yaml",
+        *SMALL,
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=32",
+        "--layout",
+        "1:ddp:full",
+        "--layout",
+        "2:ddp:full",
+        "--steps",
+        "1",
+        "--negative-control",
+        "--json",
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["ok"] is False and (report["tolerance"], report["atol"]) == (TOLERANCE, ATOL)
+    reference, other = report["runs"]
+    assert reference["identical_steps"] == 1 and other["identical_steps"] == 0
+    assert other["layout"] == "actor 2 ddp micro full" and other["worst"] > 1e-3
+    assert other["first_difference"].startswith("step 1: ")

@@ -179,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         help="with --run, absolute difference still equal, for metrics that are zero in exact "
-        "arithmetic (default 1e-15 float64, 1e-11 float32)",
+        "arithmetic (default 1e-15 float64, 1e-6 float32)",
     )
     check.set_defaults(handler=cmd_check_invariance)
 

@@ -14,10 +14,12 @@ advantages, statistics and validation run on the driver over the whole step batc
 (``rollout.randomness=per_rank``): runs with different actor worker counts then differ from
 the first step.
 
-In float64 the runs agree to rounding (1e-9 relative). In float32 they agree to 1e-5 until
-a response samples a different token: a logit that differs in its last bit can move a
-token's probability across the uniform drawn for it, and from there the runs train on
-different data. ``RunReport.identical_steps`` says how many steps stayed within tolerance.
+In float64 the runs agree to rounding (1e-9 relative). In float32 they agree to 1e-5 for a
+while (20-25 steps of the main job), then drift: the layouts sum in different orders, and
+AdamW turns the rounding of small gradient entries into parameter differences that grow
+step by step; once logits differ, a token whose probability is that close to its uniform
+flips, and the runs train on different data. ``RunReport.identical_steps`` says how many
+steps stayed within tolerance.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ from verlite.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
 from verlite.metrics_log import Record
 from verlite.table import format_table
 
-# Metrics that are zero in exact arithmetic (the PPO KL of a step's first mini-batch) carry
-# rounding noise with no meaningful relative difference; this much of it is equal.
+# Metrics that are zero in exact arithmetic (the mean of whitened advantages, the PPO KL of a
+# step's first mini-batch) carry rounding noise with no meaningful relative difference: a
+# few units of rounding of a quantity of order 1 (float32: 1.8e-8 measured for the former).
 ATOL = 1e-15
-FLOAT32_ATOL = 1e-11
+FLOAT32_ATOL = 1e-6
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """A whole run does not depend on its layout: PPO with a critic and GRPO, 10 steps in
-float64, under actor worker counts 1, 2 and 4, critic worker counts 1 and 2, micro-batches
+float64, under actor and critic worker counts 1, 2 and 4, micro-batches
 of one row, of the worker's share and cut by a token budget, DDP and FSDP, log the same
 metrics.jsonl (every non-timing metric) to 1e-9 on the shared embedded Ray. The negative
 control, one sampling stream per actor worker (the old ``seed + rank``), differs at step 1.
@@ -20,7 +20,7 @@ from verlite.run_invariance import (
 )
 
 TOLERANCE = 1e-9
-# Half a CPU a worker: the 5 workers of the largest layout fit the shared Ray's 4 CPUs.
+# Half a CPU a worker: the 8 workers of the largest layout fit the shared Ray's 4 CPUs.
 SMALL = ("model.dtype=float64", "trainer.cpus_per_worker=0.5")
 
 
@@ -51,7 +51,7 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
             [
                 layout("1:ddp:full", "1:ddp:full"),
                 layout("2:fsdp:1", "2:ddp:dynamic"),
-                layout("4:ddp:dynamic", "1:fsdp:1"),
+                layout("4:ddp:dynamic", "4:fsdp:1"),
             ],
             id="ppo-critic",
         ),

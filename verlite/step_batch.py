@@ -12,8 +12,10 @@ attention_mask     (B, P+R)  1 on real tokens
 position_ids       (B, P+R)  positions counted over real tokens only
 responses          (B, R)    the response token ids
 response_mask      (B, R)    1 on response tokens that carry loss
+rollout_log_probs  (B, R)    float32 log-probs the sampler drew each token with (0 on pads)
 (response-aligned) (B, R)    old_log_probs, ref_log_prob, values, advantages, returns, ...
 uid                (B,)      prompt id: the rollout.n samples of one prompt share it
+sample_key         (B, 2)    the row's sampling key (``verlite.rollout.noise``)
 =================  ========  ===================================================
 
 Per-batch values travel as non-tensor entries, never inside a config object:

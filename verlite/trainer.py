@@ -30,7 +30,7 @@ from verlite.config import Config
 from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.losses import kl_penalty
-from verlite.core.step_stats import step_statistics
+from verlite.core.step_stats import sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.data import (
     PromptDataset,
@@ -259,6 +259,11 @@ class Trainer:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
         metrics.update(kl_metrics)
+        metrics.update(
+            sampler_agreement(
+                batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
+            )
+        )
         metrics.update(
             step_statistics(
                 scores=scores,

@@ -55,3 +55,15 @@ def test_step_statistics() -> None:
     assert stats["critic/returns/mean"] == pytest.approx(2.5)
     assert stats["response_length/mean"] == 2.0 and stats["response_length/clip_ratio"] == 0.5
     assert stats["critic/vf_explained_var"] == pytest.approx(1.0)
+
+
+def test_sampler_agreement_is_over_response_tokens_only() -> None:
+    from verlite.core.step_stats import sampler_agreement
+
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    old = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, 9.0, 9.0]])
+    sampled = torch.tensor([[-1.0, -2.5, 0.0], [-0.25, 0.0, 0.0]])
+    stats = sampler_agreement(old, sampled, mask)
+    assert stats == {"rollout/logprob_abs_diff": 0.25, "rollout/logprob_max_diff": 0.5}
+    none = sampler_agreement(old, sampled, torch.zeros_like(mask))
+    assert none == {"rollout/logprob_abs_diff": 0.0, "rollout/logprob_max_diff": 0.0}

@@ -23,6 +23,8 @@ STEP_KEYS = {
     "actor/ppo_kl",
     "actor/grad_norm",
     "actor/lr",
+    "rollout/logprob_abs_diff",
+    "rollout/logprob_max_diff",
     "timing_s/rollout",
     "timing_s/reward",
     "timing_s/adv",
@@ -171,7 +173,12 @@ def test_a_short_run_of_the_main_job_learns(tmp_path: Path, train, metrics) -> N
     policy pushed the wrong way (the advantage's sign flipped) does not reach: it unlearns
     the response length that the first half of the reward pays for, and the score falls."""
     train(tmp_path / "run", f"trainer.total_steps={LEARN_STEPS}", "trainer.val_freq=0")
-    scores = [r["critic/score/mean"] for r in metrics(tmp_path / "run")]
+    records = metrics(tmp_path / "run")
+    scores = [r["critic/score/mean"] for r in records]
     first = sum(scores[:10]) / 10
     best = max(sum(scores[i : i + 5]) / 5 for i in range(len(scores) - 4))
     assert first < 0.2 and best > first + LEARN_MARGIN, (first, best, scores)
+    # The trainer's recomputed log-probs are those the tokens were sampled with, to float32
+    # rounding, at every step of a policy that changes (same weights, whole distribution).
+    for r in records:
+        assert r["rollout/logprob_abs_diff"] < 1e-5 and r["rollout/logprob_max_diff"] < 1e-4, r

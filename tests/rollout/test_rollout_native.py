@@ -96,14 +96,15 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
     temperature: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The log-probs the trainer recomputes (one padded forward over prompt + response) are
-    those of the distributions the sampler drew each token from (KV-cached, step by step)."""
+    those of the distributions the sampler drew each token from (KV-cached, step by step):
+    in float64 from the sampler's logits, and in float32 as ``rollout_log_probs`` reports."""
     drawn: list[torch.Tensor] = []
 
     def recording(logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor):
-        token = sample_next_token(logits, params, uniforms)
+        token, log_prob = sample_next_token(logits, params, uniforms)
         scaled = logits.double() / params.temperature
         drawn.append(scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
-        return token
+        return token, log_prob
 
     monkeypatch.setattr("verlite.rollout.native.sample_next_token", recording)
     m, td = model(), prompts()
@@ -117,6 +118,37 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
     mask = out["response_mask"].bool()
     assert mask.sum() > 30 and sampler.shape == log_probs.shape
     torch.testing.assert_close(log_probs[mask], sampler[mask], rtol=0, atol=1e-9)
+    reported = out["rollout_log_probs"]
+    assert reported.dtype == torch.float32 and (reported[~mask] == 0).all()
+    torch.testing.assert_close(reported[mask].double(), log_probs[mask], rtol=0, atol=2e-6)
+
+
+def test_rollout_log_probs_are_those_of_the_truncated_distribution() -> None:
+    """With top-k the sampler draws from the kept tokens renormalized: each token's reported
+    log-prob exceeds the policy's by log(1 / kept mass) of its step, exactly."""
+    m, td = model(), prompts()
+    params = SamplingParams(6, top_k=3)
+    td.set_non_tensor("temperature", 1.0)
+    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+        td, params, keyed(td, 2)
+    )
+    mask = out["response_mask"].bool()
+    with torch.no_grad():
+        logits = m(
+            input_ids=out["input_ids"],
+            attention_mask=out["attention_mask"],
+            position_ids=out["position_ids"],
+        ).logits
+    width = out["responses"].shape[1]
+    step_logits = logits[
+        :, -width - 1 : -1
+    ].double()  # the logits each response token was drawn from
+    policy = step_logits.log_softmax(-1).gather(-1, out["responses"][..., None]).squeeze(-1)
+    kept_mass = step_logits.softmax(-1).topk(3, dim=-1).values.sum(-1)
+    expected = policy - kept_mass.log()
+    reported = out["rollout_log_probs"].double()
+    assert (kept_mass[mask] < 1 - 1e-3).all()  # truncation matters at every step
+    torch.testing.assert_close(reported[mask], expected[mask], rtol=0, atol=2e-6)
 
 
 def test_same_seed_same_samples_and_top_k_1_is_greedy() -> None:
@@ -140,7 +172,7 @@ def test_top_k_and_top_p_restrict_the_support(top_k: int, top_p: float, allowed:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     logits = probs.log().expand(4000, 4)
     uniforms = torch.rand(4000, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    drawn = sample_next_token(logits, SamplingParams(1, top_k=top_k, top_p=top_p), uniforms)
+    drawn, _ = sample_next_token(logits, SamplingParams(1, top_k=top_k, top_p=top_p), uniforms)
     assert set(drawn.tolist()) == allowed
 
 

@@ -17,9 +17,15 @@ def uniforms(noise: str, seed: int) -> torch.Tensor:
     return StreamNoise(seed, ROWS, torch.device("cpu")).uniforms(0)
 
 
-def frequencies(params: SamplingParams, seed: int = 0, noise: str = "keyed") -> torch.Tensor:
+def draw(
+    params: SamplingParams, seed: int = 0, noise: str = "keyed"
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = PROBS.log().expand(ROWS, -1)  # log(0) = -inf: a token no setting may draw
-    drawn = sample_next_token(logits, params, uniforms(noise, seed))
+    return sample_next_token(logits, params, uniforms(noise, seed))
+
+
+def frequencies(params: SamplingParams, seed: int = 0, noise: str = "keyed") -> torch.Tensor:
+    drawn, _ = draw(params, seed, noise)
     return torch.bincount(drawn, minlength=len(PROBS)).double() / ROWS
 
 
@@ -43,8 +49,11 @@ def renormalized(keep: list[int]) -> torch.Tensor:
 def test_draws_follow_the_kept_distribution(
     top_k: int, top_p: float, keep: list[int], noise: str
 ) -> None:
-    freq = frequencies(SamplingParams(1, top_k=top_k, top_p=top_p), noise=noise)
+    drawn, log_probs = draw(SamplingParams(1, top_k=top_k, top_p=top_p), noise=noise)
+    freq = torch.bincount(drawn, minlength=len(PROBS)).double() / ROWS
     expected = renormalized(keep)
+    # each draw reports the log-probability of its token in the distribution it came from
+    torch.testing.assert_close(log_probs.double(), expected[drawn].log(), rtol=0, atol=1e-6)
     # 5 standard deviations of a binomial frequency: a wrong distribution is far outside.
     sigma = (expected * (1 - expected) / ROWS).sqrt()
     assert ((freq - expected).abs() <= 5 * sigma + 1e-12).all(), (freq, expected)

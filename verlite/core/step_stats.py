@@ -40,3 +40,22 @@ def step_statistics(
         residual_var = masked_var(returns - values, mask)
         stats["critic/vf_explained_var"] = 1.0 - residual_var / (masked_var(returns, mask) + 1e-8)
     return {key: float(value) for key, value in stats.items()}
+
+
+def sampler_agreement(
+    old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the log-probs the trainer recomputes are from those the sampler drew the
+    tokens with, over response tokens: the token mean and the largest absolute difference.
+
+    Near float rounding when both run the same weights and the sampler kept the whole
+    distribution; top-k or top-p (renormalized over what they keep), other weights or
+    another engine show here.
+    """
+    mask = response_mask.to(torch.bool)
+    diff = (old_log_probs.double() - rollout_log_probs.double()).abs()
+    largest = diff[mask].max() if mask.any() else torch.zeros(())
+    return {
+        "rollout/logprob_abs_diff": float(masked_mean(diff, mask)),
+        "rollout/logprob_max_diff": float(largest),
+    }

@@ -30,11 +30,14 @@ class GenerationDiverged(RunFailure):
 
 def sample_next_token(
     logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from (B, vocab) logits, drawn with the row's uniform in [0, 1)
-    (``uniforms``, (B,) float64; None when greedy)."""
+    (``uniforms``, (B,) float64; None when greedy), and the float32 log-probability the
+    token was drawn with: under the temperature, renormalized over what top-k and top-p
+    kept (0 when greedy: the choice was certain)."""
     if params.temperature == 0:
-        return logits.argmax(dim=-1)
+        token = logits.argmax(dim=-1)
+        return token, torch.zeros(token.shape, dtype=torch.float32, device=token.device)
     if uniforms is None:
         raise ValueError(f"sampling at temperature {params.temperature} needs uniforms")
     logits = logits.float() / params.temperature
@@ -49,8 +52,11 @@ def sample_next_token(
         probs = logits.softmax(dim=-1)
         # drop a token when the mass before it already reaches top_p (the first always stays)
         logits = logits.masked_fill(probs.cumsum(dim=-1) - probs >= params.top_p, float("-inf"))
-    choice = _draw(logits.softmax(dim=-1), uniforms)
-    return choice if candidates is None else candidates.gather(-1, choice[:, None]).squeeze(-1)
+    probs = logits.softmax(dim=-1)
+    choice = _draw(probs, uniforms)[:, None]
+    log_prob = probs.gather(-1, choice).squeeze(-1).log()
+    token = choice if candidates is None else candidates.gather(-1, choice)
+    return token.squeeze(-1), log_prob
 
 
 def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -67,7 +73,10 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     target = torch.minimum(
         uniforms[:, None] * total, torch.nextafter(total, torch.zeros_like(total))
     )
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # A row of NaN probabilities (a diverged policy, which generate stops at once) finds no
+    # entry: keep its index in range until then.
+    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 class NativeRollout:
@@ -98,6 +107,9 @@ class NativeRollout:
         responses = torch.full(
             (batch, params.max_new_tokens), self.pad_token_id, dtype=input_ids.dtype, device=device
         )
+        sampled_log_probs = torch.zeros(
+            (batch, params.max_new_tokens), dtype=torch.float32, device=device
+        )
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         width = prompt_mask.shape[1]
@@ -126,9 +138,10 @@ class NativeRollout:
             row_sums = logits.sum(-1)
             nonfinite = (row_sums.isnan() | row_sums.isposinf()) & ~finished
             uniforms = None if noise is None or params.temperature == 0 else noise.uniforms(t)
-            token = sample_next_token(logits, params, uniforms)
+            token, log_prob = sample_next_token(logits, params, uniforms)
             token = torch.where(finished, torch.full_like(token, self.pad_token_id), token)
             responses[:, t] = token
+            sampled_log_probs[:, t] = log_prob.masked_fill(finished, 0.0)
             lengths += (~finished).long()
             finished |= token == self.eos_token_id
             active, diverged = self._agree(finished, nonfinite)
@@ -142,7 +155,7 @@ class NativeRollout:
                 break
             step_ids = token.unsqueeze(-1)
             positions = next_positions + t
-        return build_step_batch(prompts, responses, lengths)
+        return build_step_batch(prompts, responses, lengths, sampled_log_probs)
 
     def _agree(self, finished: torch.Tensor, nonfinite: torch.Tensor) -> tuple[bool, bool]:
         """Whether any row (on any rank, in lockstep) is still active, and whether any row
@@ -204,9 +217,10 @@ class PreallocatedCacheLayer(CacheLayerMixin):
 
 
 def build_step_batch(
-    prompts: TensorDict, responses: torch.Tensor, lengths: torch.Tensor
+    prompts: TensorDict, responses: torch.Tensor, lengths: torch.Tensor, log_probs: torch.Tensor
 ) -> TensorDict:
-    """The step TensorDict of ``verlite.step_batch``: prompt + response, masks and positions."""
+    """The step TensorDict of ``verlite.step_batch``: prompt + response, masks and positions,
+    and the log-probs the sampler drew each response token with (``rollout_log_probs``)."""
     width = responses.shape[1]
     response_mask = (torch.arange(width, device=responses.device) < lengths[:, None]).to(
         prompts["attention_mask"].dtype
@@ -222,6 +236,7 @@ def build_step_batch(
             ),
             "responses": responses,
             "response_mask": response_mask,
+            "rollout_log_probs": log_probs,
         },
         batch_size=prompts.batch_size,
     )

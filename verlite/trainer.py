@@ -229,6 +229,11 @@ class Trainer:
             batch = self.actor.call(
                 "rollout", prompts, self.sampling, seed, dispatch="dp_split", collect="concat"
             )
+            # The sampler's log-probs and keys have served: not sent on to the updates.
+            del batch["sample_key"]
+            agreement = sampler_agreement(
+                batch["old_log_probs"], batch.pop("rollout_log_probs"), batch["response_mask"]
+            )
         if self.critic is not None:
             with timer("values"):  # 2. values
                 batch.update(
@@ -259,11 +264,7 @@ class Trainer:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
         metrics.update(kl_metrics)
-        metrics.update(
-            sampler_agreement(
-                batch["old_log_probs"], batch["rollout_log_probs"], batch["response_mask"]
-            )
-        )
+        metrics.update(agreement)
         metrics.update(
             step_statistics(
                 scores=scores,

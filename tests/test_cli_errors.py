@@ -65,6 +65,14 @@ BAD_OVERRIDES = [
         ],
         "actor.strategy=none runs one worker",
     ),
+    (
+        ["rollout.placement=split", "rollout.workers_per_node=64"],
+        "the workers ask for 65 CPUs (actor+critic 1x1 + rollout 64x1), this machine has",
+    ),
+    (
+        ["trainer.nnodes=2"],
+        "trainer.nnodes=2, but without trainer.ray_address the run starts an embedded Ray of one node",
+    ),
     (["actor"], "malformed override 'actor'"),
     (["=1"], "malformed override '=1'"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),

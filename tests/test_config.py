@@ -113,6 +113,30 @@ def test_workers_per_node_inherited_and_role_sizes() -> None:
     assert (critic.dp_size, critic.mini_batch_size_per_worker, critic.num_mini_batches) == (2, 4, 4)
 
 
+def test_rollout_resources_default_to_the_trainers_and_tis_may_run_on_policy() -> None:
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            "trainer.workers_per_node=2",
+            "trainer.cpus_per_worker=0.5",
+            "rollout.placement=split",
+            "rollout.gpus_per_worker=1",
+            "algorithm.rollout_correction=tis",
+        ],
+    )
+    rollout = cfg.rollout
+    assert (rollout.workers_per_node, rollout.cpus_per_worker, rollout.gpus_per_worker) == (
+        2,
+        0.5,
+        1,
+    )
+    assert cfg.trainer.max_staleness == 0 and cfg.roles == ["actor", "critic"]
+    # one line for an invalid trainer value, not a second for the rollout that inherits it
+    message = error_of("trainer.cpus_per_worker=-1")
+    assert message.count("cpus_per_worker") == 1, message
+
+
 def test_derived_roles() -> None:
     assert load_config(None, BASE).use_critic
     grpo = load_config(
@@ -221,6 +245,29 @@ ERRORS = [
     (["actor.optim=3"], "actor.optim=3: Input should be a valid dictionary"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
+    (
+        ["trainer.max_staleness=-1"],
+        "trainer.max_staleness=-1: Input should be greater than or equal to 0",
+    ),
+    (
+        ["trainer.max_staleness=1"],
+        "trainer.max_staleness=1 generates while the actor trains, which needs rollout.placement=split",
+    ),
+    (
+        ["rollout.placement=apart"],
+        "rollout.placement='apart': Input should be 'colocated' or 'split'",
+    ),
+    (["rollout.cpus_per_worker=0"], "rollout.cpus_per_worker=0: Input should be greater than 0"),
+    (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb=0: Input should be greater than 0"),
+    (
+        ["algorithm.rollout_correction=is"],
+        "algorithm.rollout_correction='is': Input should be 'none' or 'tis'",
+    ),
+    (["algorithm.rollout_is_cap=0"], "algorithm.rollout_is_cap=0: Input should be greater than 0"),
+    (
+        ["algorithm.recompute_old_log_probs=never"],
+        "algorithm.recompute_old_log_probs='never': Input should be 'auto' or 'always'",
+    ),
     (["foo"], "malformed override 'foo'; expected dotted.key=value"),
     (["=3"], "malformed override '=3'"),
     (["actor..lr=3"], "malformed override 'actor..lr=3'"),

@@ -121,7 +121,8 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
     """A reproducible ragged batch in verlite's layout (``verlite.step_batch``), ready for both losses.
 
     Prompt and response lengths vary per row, one row has a response whose loss mask is all
-    zero, and old/reference log-probs sit near the model's own so that some tokens clip.
+    zero, old/reference log-probs sit near the model's own so that some tokens clip, and
+    truncated importance weights in [0.5, 2] (0 on pads) weight the policy token losses.
     """
     gen = torch.Generator().manual_seed(seed)
     dtype = model_dtype(cfg.model)
@@ -156,6 +157,8 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
     noise = torch.randn(2, num_sequences, width, generator=gen, dtype=dtype)
     td["old_log_probs"] = (log_probs + 0.3 * noise[0]) * response_mask
     td["ref_log_prob"] = (log_probs + 0.3 * noise[1]) * response_mask
+    weights = 0.5 + 1.5 * torch.rand(num_sequences, width, generator=gen, dtype=dtype)
+    td["rollout_is_weights"] = weights * response_mask
     return td
 
 

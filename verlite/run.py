@@ -15,26 +15,37 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from ray._private.utils import get_num_cpus
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
-from verlite.controller import WorkerGroup, build_pools, ray_session, write_placement_report
+from verlite.controller import (
+    WorkerGroup,
+    build_pools,
+    build_rollout_pool,
+    check_fits_machine,
+    ray_session,
+    write_placement_report,
+)
 from verlite.trainer import RunInputs, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
+from verlite.workers.rollout import RolloutWorker
 
 
 @dataclass(frozen=True)
 class RunGroups:
-    """The worker groups of one run: the actor's, and the critic's when the advantage
-    estimator needs a value model."""
+    """The worker groups of one run: the actor's, the critic's when the advantage
+    estimator needs a value model, and the rollout's with ``rollout.placement=split``."""
 
     actor: WorkerGroup
     critic: WorkerGroup | None
+    rollout: WorkerGroup | None
 
     @property
     def all(self) -> list[WorkerGroup]:
-        return [self.actor] if self.critic is None else [self.actor, self.critic]
+        return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
 
 
 @contextlib.contextmanager
@@ -42,20 +53,20 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
     """Place the run's pools in the open Ray session, start a group per role with its model
     built, and on leaving shut the groups down and release the pools."""
     pools = build_pools(cfg, cfg.roles)
+    if cfg.rollout.placement == "split":
+        pools["rollout"] = (build_rollout_pool(cfg), 1.0)
     run_id = uuid.uuid4().hex[:8]
     common = {"cfg": cfg, "vocab_size": len(tokenizer)}
+    tokens = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     role_kwargs = {
-        "actor": (
-            ActorWorker,
-            {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id},
-        ),
+        "actor": (ActorWorker, tokens),
         "critic": (CriticWorker, {}),
+        "rollout": (RolloutWorker, tokens),
     }
     started: dict[str, WorkerGroup] = {}
     try:
-        for role in cfg.roles:
+        for role, (pool, share) in pools.items():
             worker_cls, kwargs = role_kwargs[role]
-            pool, share = pools[role]
             started[role] = WorkerGroup(
                 role,
                 worker_cls,
@@ -67,7 +78,9 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
             )
         for group in started.values():
             group.call("init_model", dispatch="broadcast", collect="list")
-        yield RunGroups(actor=started["actor"], critic=started.get("critic"))
+        yield RunGroups(
+            actor=started["actor"], critic=started.get("critic"), rollout=started.get("rollout")
+        )
     finally:
         for group in started.values():
             group.shutdown()
@@ -81,7 +94,9 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
     output_dir = Path(cfg.trainer.output_dir)
     with start_groups(cfg, inputs.tokenizer) as groups:
         print(write_placement_report(groups.all, output_dir), flush=True)
-        trainer = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
+        trainer = Trainer(
+            cfg, inputs, actor=groups.actor, critic=groups.critic, rollout=groups.rollout
+        )
         start = trainer.resume(inputs.resume_from) if inputs.resume_from else 0
         trainer.fit(start)
         trainer.export_policy()
@@ -91,6 +106,8 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
 def train(cfg: Config) -> Path:
     """``verlite train``: the inputs checked before Ray starts, then :func:`run` in a Ray
     session of its own (embedded, or a connection to ``trainer.ray_address``)."""
+    if cfg.trainer.ray_address is None:
+        check_fits_machine(cfg, cpus=get_num_cpus(), gpus=torch.cuda.device_count())
     inputs = RunInputs.load(cfg)
     with ray_session(cfg.trainer.ray_address):
         return run(cfg, inputs)

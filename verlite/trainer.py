@@ -30,6 +30,7 @@ from verlite.config import Config
 from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.losses import kl_penalty
+from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.data import (
@@ -45,6 +46,7 @@ from verlite.models import check_tokenizer_fits
 from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams, sample_keys
+from verlite.rollouts import Rollouts, StepPrompts
 from verlite.tracking import Tracker, check_tracking_server, redact_config
 
 
@@ -67,6 +69,42 @@ def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None
                 "rate or check the rewards, then resume from the last checkpoint"
             )
     return None
+
+
+def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
+    """Whether the actor recomputes the old log-probs of each batch, and why (the line the
+    run prints at start-up). ``algorithm.recompute_old_log_probs=auto`` takes the sampler's
+    own where they must agree with a recompute: the same weights (staleness 0), the same
+    precision (the sampler computes in float32), and the whole distribution sampled."""
+    if cfg.algorithm.recompute_old_log_probs == "always":
+        return (
+            True,
+            "old log-probs: recomputed by the actor (algorithm.recompute_old_log_probs=always)",
+        )
+    rollout = cfg.rollout
+    reasons = [
+        reason
+        for reason, applies in (
+            (f"trainer.max_staleness={cfg.trainer.max_staleness}", cfg.trainer.max_staleness > 0),
+            (
+                f"model.dtype={cfg.model.dtype}, the sampler's is float32",
+                cfg.model.dtype != "float32",
+            ),
+            ("rollout.temperature=0 (greedy)", rollout.temperature == 0),
+            (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0),
+            (f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1.0),
+        )
+        if applies
+    ]
+    if reasons:
+        return True, (
+            "old log-probs: recomputed by the actor, as the sampler's may differ "
+            f"(algorithm.recompute_old_log_probs=auto; {', '.join(reasons)})"
+        )
+    return False, (
+        "old log-probs: the sampler's own, which a recompute would repeat to float rounding "
+        "(algorithm.recompute_old_log_probs=auto): one forward pass a step saved"
+    )
 
 
 def _every(freq: int, step: int, last: int) -> bool:
@@ -114,17 +152,29 @@ class RunInputs:
 
 
 class Trainer:
-    """The training loop on the driver over worker groups it is handed (the actor's, and the
-    critic's when the advantage estimator needs one); it never starts or stops them."""
+    """The training loop on the driver over worker groups it is handed (the actor's, the
+    critic's when the advantage estimator needs one, the rollout's when generation is
+    split off); it never starts or stops them."""
 
     def __init__(
-        self, cfg: Config, inputs: RunInputs, *, actor: WorkerGroup, critic: WorkerGroup | None
+        self,
+        cfg: Config,
+        inputs: RunInputs,
+        *,
+        actor: WorkerGroup,
+        critic: WorkerGroup | None,
+        rollout: WorkerGroup | None = None,
     ) -> None:
         if (critic is not None) != cfg.use_critic:
             raise ValueError(
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs "
                 f"{'a' if cfg.use_critic else 'no'} critic group; the trainer was handed "
                 f"{'one' if critic is not None else 'none'}"
+            )
+        if (rollout is not None) != (cfg.rollout.placement == "split"):
+            raise ValueError(
+                f"rollout.placement={cfg.rollout.placement} needs "
+                f"{'a' if cfg.rollout.placement == 'split' else 'no'} rollout group"
             )
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
@@ -143,12 +193,22 @@ class Trainer:
         self.kl_ctrl = KLController(
             kl.kl_coef, adaptive=kl.type == "adaptive", target_kl=kl.target_kl, horizon=kl.horizon
         )
-        self.sampling = SamplingParams(
-            max_new_tokens=cfg.rollout.max_response_length,
-            temperature=cfg.rollout.temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
+        self.recompute_old, self.old_log_probs_line = old_log_probs_source(cfg)
+        self.rollouts = Rollouts(
+            cfg,
+            actor=actor,
+            rollout=rollout,
+            sampling=SamplingParams(
+                max_new_tokens=cfg.rollout.max_response_length,
+                temperature=cfg.rollout.temperature,
+                top_p=cfg.rollout.top_p,
+                top_k=cfg.rollout.top_k,
+            ),
+            draw=self._draw_prompts,
+            with_old=self.recompute_old,
         )
+        self.placed = [*self.groups, *([rollout] if rollout is not None else [])]
+        self._loader_state = self.loader.state_dict()
 
     # -------------------------------------------------------------------- the loop
 
@@ -166,8 +226,10 @@ class Trainer:
             mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
         ) as tracker:
             tracker.log_run_info(
-                cfg.model_dump(mode="json"), [w for g in self.groups for w in g.placement()]
+                cfg.model_dump(mode="json"), [w for g in self.placed for w in g.placement()]
             )
+            print(self.old_log_probs_line, flush=True)
+            self.rollouts.start(version=start_step)
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                 metrics = self.train_step(step)
                 diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
@@ -195,7 +257,10 @@ class Trainer:
             group.call("save_checkpoint", str(tmp / group.name))
         state = {
             "step": step,
-            "loader": self.loader.state_dict(),
+            # The loader as it was once this step's prompts were drawn: batches generated
+            # ahead (trainer.max_staleness) are drawn and generated again on resume.
+            "loader": self._loader_state,
+            "weight_version": step,
             "kl_coef": self.kl_ctrl.value,
             # What a resume compares its settings with (credentials masked, as in config.json).
             "config": redact_config(self.cfg.model_dump(mode="json")),
@@ -217,23 +282,22 @@ class Trainer:
         """One step: the numbered stages, each one worker-group call or driver math."""
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
-        records = next(self.loader)
-        with timer("rollout"):  # 1. generate, with old and reference log-probs
-            prompts, texts = self._prompt_batch(
-                records, repeat=cfg.rollout.n, temperature=cfg.rollout.temperature
-            )
-            # Each response's draws are keyed by what names it in the data order (design.md,
-            # "Whole-run invariance"); the stream seed serves rollout.randomness=per_rank.
-            prompts["sample_key"] = sample_keys(cfg.trainer.seed, step, len(records), cfg.rollout.n)
-            seed = cfg.trainer.seed * 100_003 + step
-            batch = self.actor.call(
-                "rollout", prompts, self.sampling, seed, dispatch="dp_split", collect="concat"
-            )
-            # The sampler's log-probs and keys have served: not sent on to the updates.
-            del batch["sample_key"]
-            agreement = sampler_agreement(
-                batch["old_log_probs"], batch.pop("rollout_log_probs"), batch["response_mask"]
-            )
+        with timer("rollout"):  # 1. the step's batch (generated now, or ahead of time)
+            rollout = self.rollouts.take(step)
+        batch, texts = rollout.batch, rollout.prompts.records
+        self._loader_state = rollout.prompts.loader_state
+        if self.rollouts.split and (self.recompute_old or cfg.use_reference):
+            with timer("log_probs"):  # old (and reference) log-probs, on the actor
+                batch.update(
+                    self.actor.call(
+                        "compute_log_probs",
+                        batch,
+                        self.recompute_old,
+                        dispatch="dp_split",
+                        collect="concat",
+                    )
+                )
+        sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:
             with timer("values"):  # 2. values
                 batch.update(
@@ -263,8 +327,12 @@ class Trainer:
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
+        if self.rollouts.split:
+            with timer("publish_weights"):  # 7. the new weights to the rollout group
+                self.rollouts.updated(step)
         metrics.update(kl_metrics)
-        metrics.update(agreement)
+        metrics.update(sampler_metrics)
+        metrics.update(rollout.metrics)
         metrics.update(
             step_statistics(
                 scores=scores,
@@ -294,6 +362,38 @@ class Trainer:
         metrics: dict[str, float] = group.call(
             f"update_{role}", batch, dispatch=DpSplit(mini_batches=k), collect="metrics"
         )
+        return metrics
+
+    def _draw_prompts(self, step: int) -> StepPrompts:
+        """The next prompts of the data order, each response's sampling key (design.md,
+        "Whole-run invariance") and the loader's state after them."""
+        records = next(self.loader)
+        prompts, texts = self._prompt_batch(
+            records, repeat=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature
+        )
+        prompts["sample_key"] = sample_keys(
+            self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n
+        )
+        return StepPrompts(step, prompts, texts, self.loader.state_dict())
+
+    def _behaviour_policy(self, batch: TensorDict) -> dict[str, float]:
+        """Settle the old log-probs against the sampler's (which then leave the batch, with
+        the sampling keys): their agreement when recomputed, the sampler's own otherwise,
+        and the truncated importance weights with ``algorithm.rollout_correction=tis``."""
+        algorithm = self.cfg.algorithm
+        del batch["sample_key"]
+        sampled = batch.pop("rollout_log_probs")
+        mask = batch["response_mask"]
+        if not self.recompute_old:
+            batch["old_log_probs"] = sampled
+            return {}
+        metrics = sampler_agreement(batch["old_log_probs"], sampled, mask)
+        if algorithm.rollout_correction == "tis":
+            weights, is_metrics = truncated_is_weights(
+                batch["old_log_probs"], sampled, mask, cap=algorithm.rollout_is_cap
+            )
+            batch["rollout_is_weights"] = weights
+            metrics.update(is_metrics)
         return metrics
 
     def _prompt_batch(

@@ -160,8 +160,9 @@ def token_loss_problem(mode: str):
     return loss_of_rows, params, mask
 
 
-def policy_problem(mode: str, loss_mode: str = "vanilla"):
-    """Policy loss + entropy bonus + KL loss, each globally normalized, through logits."""
+def policy_problem(mode: str, loss_mode: str = "vanilla", weighted: bool = False):
+    """Policy loss + entropy bonus + KL loss, each globally normalized, through logits;
+    ``weighted``: with per-token importance weights on the policy loss."""
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(B, T, V, dtype=torch.float64, generator=gen, requires_grad=True)
     labels = torch.randint(0, V, (B, T), generator=gen)
@@ -173,6 +174,7 @@ def policy_problem(mode: str, loss_mode: str = "vanilla"):
     )
     adv = torch.randn(B, T, dtype=torch.float64, generator=gen)
     mask = ragged_mask()
+    weights = (0.5 + 1.5 * torch.rand(B, T, dtype=torch.float64, generator=gen)) * mask
 
     def loss_of_rows(rows, **kw):
         log_prob = log_probs_from_logits(logits[rows], labels[rows])
@@ -184,6 +186,7 @@ def policy_problem(mode: str, loss_mode: str = "vanilla"):
             advantages=adv[rows],
             response_mask=m,
             loss_mode=loss_mode,
+            importance_weights=weights[rows] if weighted else None,
             **agg,
         )
         entropy = agg_loss(entropy_from_logits(logits[rows]), m, **agg)
@@ -222,6 +225,9 @@ PROBLEMS = {
     "policy+entropy+kl (vanilla)": policy_problem,
     "policy+entropy+kl (gspo)": lambda mode: policy_problem(mode, "gspo"),
     "policy+entropy+kl (reinforce)": lambda mode: policy_problem(mode, "reinforce"),
+    "policy+entropy+kl (vanilla, importance weights)": lambda mode: policy_problem(
+        mode, weighted=True
+    ),
     "value": value_problem,
 }
 

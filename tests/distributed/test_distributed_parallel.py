@@ -111,6 +111,8 @@ def _train_rank(rank: int, world: int, strategy: str, max_norm: float) -> list[d
                 "norm": norm,
                 "clipped": clipped,
                 "state": vdist.full_state_dict(wrapped),
+                # what a weight sync publishes: walked one tensor at a time, in state order
+                "tensors": [(n, t.clone()) for n, t in vdist.full_tensors(wrapped)],
                 "rank0_only_keys": len(vdist.full_state_dict(wrapped, rank0_only=True)),
             }
         )
@@ -168,6 +170,8 @@ def test_matches_single_process_full_batch(
                 torch.testing.assert_close(res[key], unclipped["norm"], rtol=0, atol=_ATOL)
             _assert_same(res["clipped"], reference["clipped"])
             _assert_same(res["state"], reference["state"])
+            assert [name for name, _ in res["tensors"]] == list(reference["state"])
+            _assert_same(dict(res["tensors"]), reference["state"])
 
 
 class _ValueModel(nn.Module):

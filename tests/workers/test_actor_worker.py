@@ -1,6 +1,7 @@
 """The actor worker in this process: its fused ``rollout`` call returns exactly what
 ``generate`` followed by ``compute_log_probs`` returns (the same rows, tokens, old and
-reference log-probs), and the model it exports computes the trained policy's log-probs."""
+reference log-probs), a rollout worker given its weights generates exactly its batch, and
+the model it exports computes the trained policy's log-probs."""
 
 from pathlib import Path
 
@@ -11,8 +12,10 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.data.dataset import PromptDataset
-from verlite.rollout import SamplingParams, sample_keys
+from verlite.distributed import full_tensors
+from verlite.rollout import SamplingParams, WeightBundle, WeightSyncError, pack, sample_keys
 from verlite.workers.actor import ActorWorker
+from verlite.workers.rollout import RolloutWorker
 
 
 def _actor(cfg: Config) -> tuple[ActorWorker, PreTrainedTokenizerBase, PromptDataset]:
@@ -54,9 +57,9 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
     prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
 
-    fused = worker.rollout(prompts, sampling, 7)
+    fused = worker.rollout(prompts, sampling, 7, True)
     separate = worker.generate(prompts, sampling, 7)
-    separate.update(worker.compute_log_probs(separate))
+    separate.update(worker.compute_log_probs(separate, True))
 
     keys = sorted(separate.keys())  # iterating a TensorDict itself walks its rows
     assert sorted(fused.keys()) == keys
@@ -64,6 +67,61 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
     for key in keys:
         assert torch.equal(torch.as_tensor(fused[key]), torch.as_tensor(separate[key])), key
     assert bool(fused["response_mask"].any()) and bool((fused["old_log_probs"] < 0).any())
+
+
+def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
+    tmp_path: Path,
+) -> None:
+    """What ``rollout.placement=split`` relies on: the weights packed by the actor's sync,
+    loaded by a rollout worker, give bit for bit the batch the actor generates itself; the
+    worker refuses to generate before the sync and with another version."""
+    cfg = load_config(
+        "configs/ppo_tiny.yaml", ["rollout.placement=split", f"trainer.output_dir={tmp_path}"]
+    )
+    actor, tokenizer, train_set = _actor(cfg)
+    with torch.no_grad():  # weights no fresh model has
+        for param in actor.engine.model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    rollout = RolloutWorker(
+        rank=0,
+        world_size=1,
+        torch_threads=1,
+        role="rollout",
+        cfg=cfg,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    rollout.device = torch.device("cpu")
+    rollout.node_info = lambda: {"node_ip": "127.0.0.1"}  # no Ray in this process
+    rollout.init_model()
+    prompts = prompt_tensordict(
+        train_set[:8],
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        repeat=2,
+        temperature=1.0,
+    )
+    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
+    with pytest.raises(WeightSyncError, match="holds none \\(no weights were synced yet\\)"):
+        rollout.generate(prompts, sampling, 7, 0)
+
+    buckets = list(pack(full_tensors(actor.engine.model), 4096))
+    bundle = WeightBundle(5, tuple(spec for spec, _ in buckets), tuple(range(len(buckets))))
+    for index, (_, arrays) in enumerate(buckets):
+        rollout.engine.load_bucket(index, bundle, [array.copy() for array in arrays])
+    assert rollout.engine.version == 5
+    generated = rollout.generate(prompts, sampling, 7, 5)
+    expected = actor.generate(prompts, sampling, 7)
+    keys = sorted(expected.keys())  # iterating a TensorDict itself walks its rows
+    assert sorted(generated.keys()) == keys
+    for key in keys:
+        assert torch.equal(torch.as_tensor(generated[key]), torch.as_tensor(expected[key])), key
+    with pytest.raises(WeightSyncError, match="version 6, but holds version 5"):
+        rollout.generate(prompts, sampling, 7, 6)
+    # nothing to compute when the sampler's log-probs serve and no reference is kept
+    assert not actor.compute_log_probs(expected, False).keys()
 
 
 def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Path) -> None:
@@ -85,7 +143,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
     )
     prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 1)
     batch = worker.generate(prompts, SamplingParams(max_new_tokens=6), 3)
-    trained = worker.compute_log_probs(batch)["old_log_probs"]
+    trained = worker.compute_log_probs(batch, True)["old_log_probs"]
 
     worker.export_hf(str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")

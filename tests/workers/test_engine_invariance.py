@@ -1,9 +1,10 @@
 """The engine's update equals the single-process full-batch update under every layout.
 
 Real spawned ranks with gloo, a tiny Hugging Face Llama (actor) and value model (critic),
-float64, ragged prompts and responses with a fully masked row, all five loss_agg_modes,
-DDP and FSDP2, dp 1/2/4, micro-batches of 1, 2, all rows, and a token budget: one plain SGD
-step, and three steps of AdamW with gradient clipping active, as training runs.
+float64, ragged prompts and responses with a fully masked row, truncated importance weights
+on the policy token losses, all five loss_agg_modes, DDP and FSDP2, dp 1/2/4, micro-batches
+of 1, 2, all rows, and a token budget: one plain SGD step, and three steps of AdamW with
+gradient clipping active, as training runs.
 """
 
 import itertools
@@ -62,6 +63,22 @@ def test_reference_update_is_not_trivial() -> None:
         outcome = run_case(CONFIG, Case(role, "token-mean", "full"), batch, strategy="none")
         assert outcome is not None and outcome.grad_norm > 1e-3
         assert sum(int(g.ne(0).sum()) for g in outcome.grads.values()) > 1000
+
+
+def test_the_audit_batch_weights_the_policy_loss() -> None:
+    """Importance weights spread over [0.5, 2] on response tokens, 0 on pads, and the actor's
+    update depends on them: every layout above is audited with weights present."""
+    batch = make_batch(CONFIG)
+    valid = batch["response_mask"].bool()
+    weights = batch["rollout_is_weights"]
+    assert weights[valid].min() < 0.6 and weights[valid].max() > 1.9
+    assert weights[~valid].eq(0).all()
+    case = Case("actor", "token-mean", "full")
+    weighted = run_case(CONFIG, case, batch, strategy="none")
+    unweighted = run_case(CONFIG, case, batch.exclude("rollout_is_weights"), strategy="none")
+    assert weighted is not None and unweighted is not None
+    assert abs(weighted.loss - unweighted.loss) > 1e-3 * abs(unweighted.loss)
+    assert abs(weighted.grad_norm - unweighted.grad_norm) > 1e-3 * unweighted.grad_norm
 
 
 @pytest.mark.parametrize(("dp", "strategy"), [(2, "fsdp"), (4, "ddp")])

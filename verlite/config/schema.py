@@ -187,6 +187,33 @@ class RolloutConfig(Section):
         "per_rank: one random stream per actor worker, the negative control of "
         "`verlite check-invariance --run`.",
     )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="colocated: the actor workers generate with the weights they train; split: a "
+        "rollout worker group of its own generates, its weights synced from the actor after "
+        "every update (versioned and digest-checked).",
+    )
+    workers_per_node: PositiveInt | None = Field(
+        None,
+        description="split: rollout workers on each node (over trainer.nnodes nodes); None uses "
+        "trainer.workers_per_node.",
+    )
+    cpus_per_worker: float | None = Field(
+        None,
+        gt=0.0,
+        description="split: CPUs of one rollout worker; None uses trainer.cpus_per_worker.",
+    )
+    gpus_per_worker: float | None = Field(
+        None,
+        ge=0.0,
+        description="split: GPUs of one rollout worker; None uses trainer.gpus_per_worker.",
+    )
+    sync_bucket_mb: float = Field(
+        128.0,
+        gt=0.0,
+        description="split: weights travel to the rollout workers in buckets of about this many "
+        "MiB (a tensor larger than a bucket travels alone).",
+    )
 
 
 class OptimConfig(Section):
@@ -321,6 +348,21 @@ class AlgorithmConfig(Section):
     kl_ctrl: KLControlConfig = Field(
         default_factory=KLControlConfig, description="KL coefficient controller."
     )
+    recompute_old_log_probs: Literal["auto", "always"] = Field(
+        "always",
+        description="always: the actor recomputes the old log-probs of every batch; auto: takes "
+        "the sampler's own where they must agree (trainer.max_staleness=0, model.dtype=float32, "
+        "temperature > 0, no top-k/top-p), saving a forward pass; start-up says which applies.",
+    )
+    rollout_correction: Literal["none", "tis"] = Field(
+        "none",
+        description="tis: weight each token's policy loss by the truncated importance ratio "
+        "min(exp(old - rollout log-prob), rollout_is_cap) between the trained and the sampling "
+        "policy, before the loss is normalized.",
+    )
+    rollout_is_cap: float = Field(
+        2.0, gt=0.0, description="tis: the largest importance weight (truncation)."
+    )
 
 
 class RewardConfig(Section):
@@ -355,6 +397,12 @@ class TrainerConfig(Section):
     placement: Literal["colocate", "split"] = Field(
         "colocate",
         description="colocate: roles share bundles with fractional resources; split: a pool per role.",
+    )
+    max_staleness: NonNegativeInt = Field(
+        0,
+        description="With rollout.placement=split: how many weight versions a batch may lag the "
+        "actor that trains on it; 0 is on-policy, k >= 1 generates the next batches while the "
+        "actor trains.",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
     gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of one worker bundle.")
@@ -434,6 +482,14 @@ class Config(Section):
         sections = {
             name: _as_dict(data.get(name)) for name in ("actor", "critic", "trainer", "rollout")
         }
+        rollout, trainer = sections["rollout"], sections["trainer"]
+        if isinstance(rollout, dict):
+            for key in ("workers_per_node", "cpus_per_worker", "gpus_per_worker"):
+                value = _get(trainer, key, TrainerConfig)
+                # An invalid trainer value is reported once, on the trainer.
+                if rollout.get(key) is None and _is_valid(TrainerConfig, key, value):
+                    rollout[key] = value
+            data["rollout"] = rollout
         actor, critic = sections["actor"], sections["critic"]
         if isinstance(actor, dict) and isinstance(critic, dict):
             trainer_wpn = _get(sections["trainer"], "workers_per_node", TrainerConfig)
@@ -503,6 +559,12 @@ class Config(Section):
             )
         for role in self.roles:
             self._check_role_sizes(role)
+        if self.trainer.max_staleness > 0 and self.rollout.placement == "colocated":
+            raise ValueError(
+                f"trainer.max_staleness={self.trainer.max_staleness} generates while the actor "
+                "trains, which needs rollout.placement=split (colocated actors generate and "
+                "train in turn); set rollout.placement=split or trainer.max_staleness=0"
+            )
         return self
 
     def _check_role_sizes(self, role: Literal["actor", "critic"]) -> None:

@@ -4,12 +4,20 @@ worker groups, explicit dispatch/collect, failures, and the placement report."""
 from verlite.controller.dispatch import Collect, Dispatch, DpSplit
 from verlite.controller.errors import WorkerGroupError
 from verlite.controller.placement import write_placement_report
-from verlite.controller.resource_pool import PlacementError, ResourcePool, build_pools
+from verlite.controller.resource_pool import (
+    ClusterTooSmall,
+    PlacementError,
+    ResourcePool,
+    build_pools,
+    build_rollout_pool,
+    check_fits_machine,
+)
 from verlite.controller.session import ray_session, start_ray, stop_ray
 from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
 __all__ = [
+    "ClusterTooSmall",
     "Collect",
     "Dispatch",
     "DpSplit",
@@ -20,6 +28,8 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupError",
     "build_pools",
+    "build_rollout_pool",
+    "check_fits_machine",
     "ray_session",
     "start_ray",
     "stop_ray",

@@ -23,7 +23,7 @@ from ray._private.state import available_resources_per_node
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from verlite.config import Config
-from verlite.errors import RunFailure
+from verlite.errors import RunFailure, UserError
 
 # Ray's label for the node a bundle may go to; every node carries it by default.
 NODE_ID_LABEL = "ray.io/node-id"
@@ -232,6 +232,61 @@ def build_pools(cfg: Config, roles: Sequence[str]) -> dict[str, tuple[ResourcePo
         for role in members:
             pools[role] = (pool, 1.0 / len(members))
     return pools
+
+
+def build_rollout_pool(cfg: Config) -> ResourcePool:
+    """The rollout group's own pool (``rollout.placement=split``): ``rollout.workers_per_node``
+    bundles of the rollout's CPUs and GPUs on each of the run's nodes."""
+    rollout = cfg.rollout
+    # Config validation fills them from the trainer's settings.
+    assert rollout.workers_per_node is not None and rollout.cpus_per_worker is not None
+    return ResourcePool(
+        "rollout",
+        nnodes=cfg.trainer.nnodes,
+        workers_per_node=rollout.workers_per_node,
+        cpus_per_worker=rollout.cpus_per_worker,
+        gpus_per_worker=rollout.gpus_per_worker or 0.0,
+        timeout_s=cfg.trainer.resource_timeout_s,
+    )
+
+
+def run_pools(cfg: Config) -> list[ResourcePool]:
+    """Every pool a run reserves: its trainer roles' (:func:`build_pools`) and, split, the
+    rollout's."""
+    pools = list({id(pool): pool for pool, _ in build_pools(cfg, cfg.roles).values()}.values())
+    if cfg.rollout.placement == "split":
+        pools.append(build_rollout_pool(cfg))
+    return pools
+
+
+class ClusterTooSmall(UserError):
+    """The run's workers cannot fit the machine an embedded Ray would run on."""
+
+
+def check_fits_machine(cfg: Config, *, cpus: float, gpus: float) -> None:
+    """Before an embedded Ray starts on this machine (``cpus`` and ``gpus``): one node, and
+    room for every pool's bundles at once; names what was asked and what there is."""
+    if cfg.trainer.nnodes > 1:
+        raise ClusterTooSmall(
+            f"trainer.nnodes={cfg.trainer.nnodes}, but without trainer.ray_address the run "
+            "starts an embedded Ray of one node; give the address of a cluster with "
+            f"{cfg.trainer.nnodes} nodes"
+        )
+    pools = run_pools(cfg)
+    for key, have in (("CPU", cpus), ("GPU", gpus)):
+        asked = [(pool, pool.bundle.get(key, 0.0) * pool.world_size) for pool in pools]
+        total = sum(amount for _, amount in asked)
+        if total > have + _EPS:
+            parts = " + ".join(
+                f"{pool.name} {pool.world_size}x{pool.bundle.get(key, 0.0):g}"
+                for pool, amount in asked
+                if amount
+            )
+            raise ClusterTooSmall(
+                f"the workers ask for {total:g} {key}s ({parts}), this machine has {have:g}; "
+                "lower the workers per node or the CPUs/GPUs per worker "
+                "(trainer., actor., critic., rollout.workers_per_node and *_per_worker)"
+            )
 
 
 def _workers_per_node(cfg: Config, role: str) -> int:

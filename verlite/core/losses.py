@@ -210,8 +210,12 @@ def compute_policy_loss(
     loss_agg_mode: str,
     counts: GlobalCounts | None = None,
     loss_scale_factor: float | None = None,
+    importance_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, MetricDict]:
     """Policy-gradient loss of one micro-batch, globally normalized by :func:`agg_loss`.
+
+    ``importance_weights`` (per token, e.g. ``core.rollout_correction.truncated_is_weights``)
+    multiply the token losses *before* aggregation, so the global normalization is unchanged.
 
     Metrics are token-weighted means over the micro-batch (``pg_clipfrac``,
     ``pg_clipfrac_lower``, ``ppo_kl`` = mean of ``old_log_prob - log_prob``), so reducing
@@ -234,6 +238,8 @@ def compute_policy_loss(
             clip_ratio_c=clip_ratio_c,
         )
     )
+    if importance_weights is not None:
+        loss_mat = loss_mat * importance_weights
     loss = agg_loss(
         loss_mat,
         response_mask,

@@ -17,6 +17,7 @@ from verlite.distributed.parallel import (
     find_decoder_layers,
     full_grads,
     full_state_dict,
+    full_tensors,
     grad_sync,
     inference_module,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "find_free_port",
     "full_grads",
     "full_state_dict",
+    "full_tensors",
     "get_rank",
     "get_world_size",
     "grad_sync",

@@ -161,6 +161,19 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     }
 
 
+def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model state one tensor at a time, unsharded, keyed as the unwrapped model's,
+    without copying what is already whole: the live tensors of a DDP or plain model (read
+    them before the next update changes them), each FSDP2 shard gathered in turn.
+
+    Collective under FSDP2: every rank must walk the whole iterator.
+    """
+    for name, value in _unwrap(model).state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        yield name, value.detach()
+
+
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     """Full, unsharded CPU copy of every gradient, by parameter name of the unwrapped model.
 

@@ -1,20 +1,30 @@
-"""Generation of responses with the actor's current weights.
+"""Generation of responses, by the actor workers (colocated) or a rollout worker group (split).
 
 ``NativeRollout`` turns a batch of left-padded prompts into the step TensorDict of
-``verlite.step_batch``: verlite's batched, KV-cached sampler, run by the actor workers on
-the model they train (no weight sync). ``verlite.rollout.noise`` draws its random numbers,
-keyed per response so that a run does not depend on its layout.
+``verlite.step_batch``: verlite's batched, KV-cached sampler. ``verlite.rollout.engine``
+states what a generation engine must implement; ``verlite.rollout.weights`` syncs the
+actor's weights into a rollout worker's engine, versioned and checked; and
+``verlite.rollout.noise`` draws the random numbers, keyed per response so that a run does
+not depend on its layout.
 """
 
+from verlite.rollout.engine import NativeEngine, RolloutEngine, noise_for
 from verlite.rollout.native import NativeRollout, SamplingParams, sample_next_token
 from verlite.rollout.noise import KeyedNoise, Noise, StreamNoise, sample_keys
+from verlite.rollout.weights import WeightBundle, WeightSyncError, pack
 
 __all__ = [
     "KeyedNoise",
+    "NativeEngine",
     "NativeRollout",
     "Noise",
+    "RolloutEngine",
     "SamplingParams",
     "StreamNoise",
+    "WeightBundle",
+    "WeightSyncError",
+    "noise_for",
+    "pack",
     "sample_keys",
     "sample_next_token",
 ]

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import copy
+import time
 from functools import partial
 from typing import Any
 
+import ray
 import torch
 from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import Config
 from verlite.core.metrics import MetricDict
-from verlite.distributed import full_state_dict, inference_module
+from verlite.distributed import full_state_dict, full_tensors, inference_module
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import KeyedNoise, NativeRollout, Noise, SamplingParams, StreamNoise
+from verlite.rollout import NativeRollout, SamplingParams, WeightBundle, noise_for, pack
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_log_probs
@@ -74,27 +76,34 @@ class ActorWorker(EngineWorker):
         """Responses to this rank's prompts. Sampling draws from each row's ``sample_key``
         (``rollout.randomness=per_sample``), or from a stream seeded ``seed + rank``."""
         prompts = prompts.to(self.engine.device)
-        noise: Noise | None = None
-        if params.temperature > 0:
-            if self.cfg.rollout.randomness == "per_rank":
-                noise = StreamNoise(seed + self.rank, len(prompts), self.engine.device)
-            else:
-                noise = KeyedNoise(prompts["sample_key"], horizon=params.max_new_tokens)
+        noise = noise_for(
+            prompts,
+            params,
+            randomness=self.cfg.rollout.randomness,
+            stream_seed=seed + self.rank,
+            device=self.engine.device,
+        )
         return self.generator.generate(prompts, params, noise).cpu()
 
-    def rollout(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
+    def rollout(
+        self, prompts: TensorDict, params: SamplingParams, seed: int, with_old: bool
+    ) -> TensorDict:
         """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
         batch = self.generate(prompts, params, seed)
-        batch.update(self.compute_log_probs(batch))
+        batch.update(self.compute_log_probs(batch, with_old))
         return batch
 
-    def compute_log_probs(self, td: TensorDict) -> TensorDict:
-        """``old_log_probs`` of the current policy, and ``ref_log_prob`` when a KL term is on;
-        both passes run the same micro-batches."""
+    def compute_log_probs(self, td: TensorDict, with_old: bool) -> TensorDict:
+        """``old_log_probs`` of the current policy (with ``with_old``), and ``ref_log_prob``
+        when a KL term is on; both passes run the same micro-batches."""
+        out = TensorDict({}, batch_size=td.batch_size)
+        if not with_old and self.reference is None:
+            return out
         plan = self.engine.plan(td, training=False)
-        out = self.engine.infer(td, partial(_log_probs, "old_log_probs"), plan)
+        if with_old:
+            out = self.engine.infer(td, partial(_log_probs, "old_log_probs"), plan)
         if self.reference is not None:
             ref = infer(
                 self.reference,
@@ -105,6 +114,24 @@ class ActorWorker(EngineWorker):
             )
             out["ref_log_prob"] = ref["ref_log_prob"]
         return out.cpu()
+
+    def publish_weights(self, version: int) -> tuple[WeightBundle | None, float]:
+        """Collective: the policy's weights as a sync of ``version`` (see
+        ``verlite.rollout.weights``), put in the object store bucket by bucket by rank 0
+        (the others take part in FSDP's gathers and return None), and the seconds it took."""
+        start = time.perf_counter()
+        tensors = full_tensors(self.engine.model)
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return None, time.perf_counter() - start
+        bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
+        specs, payloads = [], []
+        for spec, arrays in pack(tensors, bucket_bytes):
+            specs.append(spec)
+            payloads.append(ray.put(arrays))
+        bundle = WeightBundle(version, tuple(specs), tuple(payloads))
+        return bundle, time.perf_counter() - start
 
     def export_hf(self, path: str) -> None:
         """Collective: the trained policy in Hugging Face format, gathered on and written by

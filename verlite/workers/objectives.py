@@ -107,6 +107,7 @@ def ppo_loss(
         loss_agg_mode=agg.loss_agg_mode,
         counts=counts,
         loss_scale_factor=agg.loss_scale_factor,
+        importance_weights=td.get("rollout_is_weights", None),
     )
     entropy_loss = agg.apply(entropy, mask, counts)
     loss = pg_loss - settings.entropy_coeff * entropy_loss

@@ -1,0 +1,94 @@
+"""The interface between the trainer and a generation engine.
+
+A rollout worker holds one engine. What an engine must do, and nothing more:
+
+- ``load_bucket(index, bundle, arrays)``: take bucket ``index`` of a weight sync
+  (``verlite.rollout.weights``) into its model, and check what landed against the actor's
+  checksum; ``version`` is the version it holds, checked (None: none), and
+  ``require(version)`` refuses any other.
+- ``generate(prompts, params, noise)``: responses to left-padded prompts as the step
+  TensorDict of ``verlite.step_batch``, each response token drawn with its row's own noise
+  (``verlite.rollout.noise``: per-sample keys, so that a run does not depend on its layout),
+  with the token ids and ``rollout_log_probs``, the log-probabilities the engine drew
+  each token with (float32, 0 on pads).
+
+:class:`NativeEngine`, verlite's KV-cached sampler over a Hugging Face model, is the one
+implementation; an inference server (vLLM, SGLang) would be another, behind the same
+methods, without touching the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from verlite.rollout.native import NativeRollout, SamplingParams
+from verlite.rollout.noise import KeyedNoise, Noise, StreamNoise
+from verlite.rollout.weights import WeightBundle, WeightReceiver
+
+
+class RolloutEngine(Protocol):
+    def load_bucket(
+        self, index: int, bundle: WeightBundle, arrays: Sequence[np.ndarray]
+    ) -> None: ...
+
+    def require(self, version: int) -> None: ...
+
+    @property
+    def version(self) -> int | None: ...
+
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
+    ) -> TensorDict: ...
+
+
+class NativeEngine:
+    """:class:`~verlite.rollout.native.NativeRollout` on a model of its own, which only
+    weight syncs change."""
+
+    def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int, who: str) -> None:
+        # Parameters keep requires_grad (generation runs under no_grad either way): frozen
+        # ones take other CPU matmul kernels, whose rounding differs from the actor's.
+        self.model = model
+        self.receiver = WeightReceiver(model, who=who)
+        self.sampler = NativeRollout(
+            model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lockstep=False
+        )
+
+    def load_bucket(self, index: int, bundle: WeightBundle, arrays: Sequence[np.ndarray]) -> None:
+        self.receiver.load_bucket(index, bundle, arrays)
+
+    def require(self, version: int) -> None:
+        self.receiver.require(version)
+
+    @property
+    def version(self) -> int | None:
+        return self.receiver.version
+
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
+    ) -> TensorDict:
+        return self.sampler.generate(prompts, params, noise)
+
+
+def noise_for(
+    prompts: TensorDict,
+    params: SamplingParams,
+    *,
+    randomness: str,
+    stream_seed: int,
+    device: torch.device,
+) -> Noise | None:
+    """The noise a worker samples ``prompts`` with: each row's ``sample_key``
+    (``rollout.randomness=per_sample``), or a stream seeded ``stream_seed`` (``per_rank``,
+    where the worker adds its rank to the seed); None when greedy."""
+    if params.temperature == 0:
+        return None
+    if randomness == "per_rank":
+        return StreamNoise(stream_seed, len(prompts), device)
+    return KeyedNoise(prompts["sample_key"], horizon=params.max_new_tokens)

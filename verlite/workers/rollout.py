@@ -1,0 +1,69 @@
+"""The rollout worker (``rollout.placement=split``): generation only, with a model of its own
+that weight syncs from the actor replace (``verlite.rollout.weights``); no optimizer."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+from tensordict import TensorDict
+
+from verlite.config import Config
+from verlite.controller import Worker
+from verlite.models import build_policy, resolve_device
+from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBundle, noise_for
+
+
+class RolloutWorker(Worker):
+    """One rank of the rollout group; each rank generates its share on its own (no
+    collectives), with weights of the version the trainer names."""
+
+    engine: RolloutEngine
+
+    def __init__(
+        self, *, cfg: Config, vocab_size: int, eos_token_id: int, pad_token_id: int, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+
+    def init_model(self) -> None:
+        cfg = self.cfg
+        self.device = resolve_device(cfg.model)
+        # Its initial weights never generate: the first sync replaces them.
+        model = build_policy(
+            cfg.model, vocab_size=self.vocab_size, max_positions=cfg.max_sequence_length, seed=0
+        ).to(self.device)
+        self.engine = NativeEngine(
+            model,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            who=f"rollout rank {self.rank} (node {self.node_info()['node_ip']})",
+        )
+
+    def load_weights(self, bundle: WeightBundle) -> tuple[int | None, float]:
+        """Take the sync ``bundle`` bucket by bucket, each checked where it landed (raises
+        :class:`~verlite.rollout.WeightSyncError`); the version now held and the seconds."""
+        start = time.perf_counter()
+        for index, payload in enumerate(bundle.payloads):
+            self.engine.load_bucket(index, bundle, ray.get(payload))
+        return self.engine.version, time.perf_counter() - start
+
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, seed: int, version: int
+    ) -> TensorDict:
+        """Responses to this rank's prompts with the weights of ``version`` (refused with
+        any other), drawn as the actor's :meth:`~verlite.workers.actor.ActorWorker.generate`."""
+        self.engine.require(version)
+        prompts = prompts.to(self.device)
+        noise = noise_for(
+            prompts,
+            params,
+            randomness=self.cfg.rollout.randomness,
+            stream_seed=seed + self.rank,
+            device=self.device,
+        )
+        return self.engine.generate(prompts, params, noise).cpu()

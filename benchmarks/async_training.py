@@ -1,15 +1,20 @@
 """Asynchronous against synchronous training: steps per second of ``trainer.max_staleness=1``
-over ``max_staleness=0``, and the score of both over wall time.
+over ``max_staleness=0``, and the score of both over wall time; and the step time that
+``algorithm.recompute_old_log_probs=auto`` saves on-policy.
 
 Both variants are the same GRPO run with ``rollout.placement=split``, one rollout worker and
 one actor worker (1 CPU each, one torch thread), on a Llama of hidden 256 and 4 layers, 64
-sequences a step (8 prompts x 8 samples) of up to 64 response tokens, the same seed. With
+sequences a step (8 prompts x 8 samples) of up to 64 response tokens, the actor cutting
+micro-batches by a token budget (``use_dynamic_bsz``), the same seed. With
 staleness 0 the rollout worker waits while the actor trains and the other way round; with
-staleness 1 it generates the next batch meanwhile. A repetition is one run of each variant
-(the order reverses every repetition); the figure is the median over repetitions of the
-paired ratio of steady-state steps per second (the steps after the first ``--warmup``,
-timed by the step times the run logs), with its quartiles. The runs' scores over wall time
-are drawn in ``docs/async_training.png`` (``--plot``).
+staleness 1 it generates the next batch meanwhile. A third variant is staleness 0 with
+``recompute_old_log_probs=auto``: the sampler's log-probs serve as the old ones, and the
+actor's forward pass over the batch is skipped. A repetition is one run of each variant
+(the order reverses every repetition); the figures are the medians over repetitions of the
+paired ratios of steady-state steps per second (the steps after the first ``--warmup``,
+timed by the step times the run logs), with quartiles; these runs use a learning rate of
+1e-9, so that all variants generate the same responses and do the same work. ``--plot-steps N`` then trains each
+staleness for N steps and draws the scores over wall time in ``docs/async_training.png``.
 """
 
 from __future__ import annotations
@@ -37,21 +42,41 @@ OVERRIDES = [
     "rollout.n=8",
     "rollout.max_response_length=64",
     "actor.ppo_mini_batch_size=64",
-    "actor.micro_batch_size_per_worker=16",
+    "actor.use_dynamic_bsz=true",
+    "actor.max_token_len_per_worker=1024",
     "rollout.placement=split",
     "trainer.workers_per_node=1",
     "trainer.val_freq=0",
     "trainer.loggers=[jsonl]",
 ]
+# The timed runs barely move the weights, so that every variant generates (nearly) the same
+# responses step by step and the ratio compares the same work: the response length of an
+# untrained policy swings from 3 to 60 tokens between steps. The curves learn.
+TIMING_LR, CURVE_LR = 1e-9, 1e-3
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "async_training.png"
 
 
-def one_run(folder: Path, staleness: int, steps: int) -> list[dict[str, Any]]:
+# variant: (trainer.max_staleness, algorithm.recompute_old_log_probs, .rollout_correction)
+VARIANTS = {
+    "sync": (0, "always", "none"),
+    "async": (1, "always", "none"),
+    "sync_auto": (0, "auto", "none"),
+    "async_tis": (1, "always", "tis"),
+}
+TIMED = ("sync", "async", "sync_auto")
+CURVES = ("sync", "async", "async_tis")
+
+
+def one_run(folder: Path, variant: str, steps: int, *, lr: float) -> list[dict[str, Any]]:
+    staleness, recompute, correction = VARIANTS[variant]
     cfg = load_config(
         "configs/grpo_tiny.yaml",
         [
             *OVERRIDES,
+            f"actor.optim.lr={lr}",
             f"trainer.max_staleness={staleness}",
+            f"algorithm.recompute_old_log_probs={recompute}",
+            f"algorithm.rollout_correction={correction}",
             f"trainer.total_steps={steps}",
             f"trainer.output_dir={folder}",
         ],
@@ -65,27 +90,28 @@ def steps_per_second(records: list[dict[str, Any]], warmup: int) -> float:
     return len(steady) / sum(r["timing_s/step"] for r in steady)
 
 
-def plot(curves: dict[int, list[dict[str, Any]]]) -> None:
+def plot(curves: dict[str, list[dict[str, Any]]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for staleness, records in curves.items():
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for variant, records in curves.items():
+        staleness, _, correction = VARIANTS[variant]
+        label = f"max_staleness={staleness}" + (", tis" if correction == "tis" else "")
+        scores = [r["critic/score/mean"] for r in records]
         elapsed, total = [], 0.0
         for r in records:
             total += r["timing_s/step"]
             elapsed.append(total)
-        ax.plot(
-            elapsed,
-            [r["critic/score/mean"] for r in records],
-            label=f"max_staleness={staleness}",
-        )
-    ax.set_xlabel("wall time of the steps (s)")
-    ax.set_ylabel("mean score of the step's batch")
-    ax.set_title("GRPO, split rollout: synchronous vs one step off-policy")
-    ax.legend()
+        by_step.plot([r["step"] for r in records], scores, label=label, linewidth=1)
+        by_time.plot(elapsed, scores, label=label, linewidth=1)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("wall time of the steps (s)")
+    by_step.set_ylabel("mean score of the step's batch")
+    by_step.legend()
+    fig.suptitle("GRPO, split rollout: synchronous vs one step off-policy")
     fig.tight_layout()
     fig.savefig(PLOT, dpi=120)
 
@@ -95,34 +121,56 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--plot", action="store_true", help=f"write {PLOT.name} from the runs")
+    parser.add_argument(
+        "--plot-steps", type=int, default=0, help=f"steps of each curve in {PLOT.name} (0: none)"
+    )
     args = parser.parse_args()
     retain_freed_memory()
-    rates: dict[int, list[float]] = {0: [], 1: []}
-    curves: dict[int, list[dict[str, Any]]] = {}
+    rates: dict[str, list[float]] = {name: [] for name in TIMED}
+    shares: list[float] = []
+    curves: dict[str, list[dict[str, Any]]] = {}
     start_ray(None, num_cpus=2)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             for repeat in range(args.repeats):
-                for staleness in (0, 1) if repeat % 2 == 0 else (1, 0):
-                    folder = Path(tmp) / f"{repeat}-{staleness}"
-                    records = one_run(folder, staleness, args.steps)
-                    rates[staleness].append(steps_per_second(records, args.warmup))
-                    curves[staleness] = records
+                names = TIMED if repeat % 2 == 0 else TIMED[::-1]
+                for name in names:
+                    records = one_run(
+                        Path(tmp) / f"{repeat}-{name}", name, args.steps, lr=TIMING_LR
+                    )
+                    rates[name].append(steps_per_second(records, args.warmup))
+                    if name == "sync":
+                        shares += [
+                            r["timing_s/weight_sync"] / r["timing_s/step"]
+                            for r in records[args.warmup :]
+                        ]
+            for name in CURVES if args.plot_steps else ():
+                curves[name] = one_run(
+                    Path(tmp) / f"curve-{name}", name, args.plot_steps, lr=CURVE_LR
+                )
     finally:
         stop_ray()
-    if args.plot:
+    if curves:
         plot(curves)
-    last = curves[1][-1]
     emit(
         {
             "benchmark": "async_training",
             "steps": args.steps,
-            "steps_per_s": {str(k): median(v) for k, v in rates.items()},
-            "ratio": paired_ratio(rates[1], rates[0]),
-            "ratio_quartiles": quartiles(ratios(rates[1], rates[0])),
-            "weight_sync_share_of_step": last["timing_s/weight_sync"] / last["timing_s/step"],
-            "score_last": {str(k): v[-1]["critic/score/mean"] for k, v in curves.items()},
+            "steps_per_s": {name: median(v) for name, v in rates.items()},
+            "ratio": paired_ratio(rates["async"], rates["sync"]),
+            "ratio_quartiles": quartiles(ratios(rates["async"], rates["sync"])),
+            "auto_recompute_ratio": paired_ratio(rates["sync_auto"], rates["sync"]),
+            "auto_recompute_quartiles": quartiles(ratios(rates["sync_auto"], rates["sync"])),
+            "weight_sync_share_of_step": median(shares),
+            "curves": {
+                name: {
+                    "steps": len(records),
+                    "wall_s": sum(r["timing_s/step"] for r in records),
+                    "score_first10": sum(r["critic/score/mean"] for r in records[:10]) / 10,
+                    "score_last10": sum(r["critic/score/mean"] for r in records[-10:]) / 10,
+                }
+                for name, records in curves.items()
+            },
             "goal": "ratio >= 1.6",
         }
     )

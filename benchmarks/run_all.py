@@ -1,4 +1,6 @@
-"""Run every benchmark, each in a fresh process, and write ``benchmarks/results.json``.
+"""Run every benchmark (or those named: ``python -m benchmarks.run_all NAME ...``, which
+keeps the other entries of the file), each in a fresh process, and write
+``benchmarks/results.json``.
 
 ``make bench`` calls this. Each benchmark prints one JSON object as the last line of its
 stdout; the results file holds them by name, with the command that produced each, its
@@ -18,7 +20,16 @@ from pathlib import Path
 
 import torch
 
-BENCHMARKS = ("orchestration", "dynamic_batching", "rollout", "dispatch", "scaling")
+BENCHMARKS = (
+    "orchestration",
+    "dynamic_batching",
+    "rollout",
+    "dispatch",
+    "scaling",
+    "weight_sync",
+    "async_training",
+    "split_two_nodes",
+)
 RESULTS = Path(__file__).with_name("results.json")
 
 
@@ -49,6 +60,8 @@ def main() -> None:
         },
         "benchmarks": {},
     }
+    if sys.argv[1:] and RESULTS.exists():
+        results["benchmarks"] = json.loads(RESULTS.read_text())["benchmarks"]
     for name in names:
         print(f"running benchmarks.{name} ...", flush=True)
         results["benchmarks"][name] = entry = run(name)

@@ -23,7 +23,7 @@ import ray
 import torch
 
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
-from verlite.config import load_config
+from verlite.config import RolloutConfig, load_config
 from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
 from verlite.data import load_tokenizer
 from verlite.memory import retain_freed_memory
@@ -130,7 +130,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
             rollout.call("bare_get", refs)
 
         seconds, _ = interleaved(
-            {"verlite": verlite_sync, "bare": bare_sync}, repeats=repeats, warmup=1
+            {"verlite": verlite_sync, "bare": bare_sync}, repeats=repeats, warmup=3
         )
         parameters = actor.call("num_parameters")[0]
     finally:
@@ -152,7 +152,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     args = parser.parse_args()
     retain_freed_memory()
@@ -164,7 +164,7 @@ def main() -> None:
     emit(
         {
             "benchmark": "weight_sync",
-            "bucket_mb": 128,
+            "bucket_mb": RolloutConfig.model_fields["sync_bucket_mb"].default,
             "results": results,
             "goal": "ratio <= 1.3",
         }

@@ -66,11 +66,15 @@ BAD_OVERRIDES = [
         "actor.strategy=none runs one worker",
     ),
     (
-        ["rollout.placement=split", "rollout.workers_per_node=64"],
-        "the workers ask for 65 CPUs (actor+critic 1x1 + rollout 64x1), this machine has",
+        ["rollout.placement=split", "rollout.cpus_per_worker=4096"],
+        "the workers ask for 4097 CPUs (actor+critic 1x1 + rollout 1x4096), this machine has",
     ),
     (
-        ["trainer.nnodes=2"],
+        [
+            "trainer.nnodes=2",
+            "actor.micro_batch_size_per_worker=8",
+            "critic.micro_batch_size_per_worker=8",
+        ],
         "trainer.nnodes=2, but without trainer.ray_address the run starts an embedded Ray of one node",
     ),
     (["actor"], "malformed override 'actor'"),

@@ -260,6 +260,16 @@ ERRORS = [
     (["rollout.cpus_per_worker=0"], "rollout.cpus_per_worker=0: Input should be greater than 0"),
     (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb=0: Input should be greater than 0"),
     (
+        ["algorithm.rollout_correction=tis", "rollout.temperature=0"],
+        "algorithm.rollout_correction=tis weighs tokens by how likely the sampler made them, "
+        "but rollout.temperature=0 samples greedily",
+    ),
+    (
+        ["rollout.placement=split", "rollout.workers_per_node=32"],
+        "32 rollout workers (trainer.nnodes=1 * rollout.workers_per_node=32) outnumber the 16 "
+        "sequences of a step",
+    ),
+    (
         ["algorithm.rollout_correction=is"],
         "algorithm.rollout_correction='is': Input should be 'none' or 'tis'",
     ),

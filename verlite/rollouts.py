@@ -1,7 +1,7 @@
 """Where each step's batch comes from (docs/design.md, "Rollout placement and staleness").
 
 ``rollout.placement=colocated``: the actor workers generate the step's batch with the
-weights they train, and compute its log-probs in the same call.
+weights they train, and compute its old and reference log-probs in the same call.
 
 ``split``: the rollout group generates, with the actor's weights synced into it after every
 update (``verlite.rollout.weights``: versioned, checked where they land). Weight version
@@ -13,7 +13,9 @@ staleness is then exactly ``k`` (less for the first batches of a run), never mor
 rollout group generates the next batches while the actor trains on the last.
 
 The rollout group runs its calls in the order they are submitted, so a sync queued behind
-a generation waits for it, and the generation queued behind a sync uses its weights.
+a generation waits for it, and the generation queued behind a sync uses its weights. Once a
+generated batch is taken, the actor computes its old log-probs (the proximal policy, the
+weights of version ``s - 1``) and the reference's.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class StepPrompts:
 
 @dataclass(frozen=True)
 class Rollout:
-    """A step's generated batch and its ``rollout/`` metrics."""
+    """A step's generated batch, with old (unless the sampler's serve) and reference
+    log-probs, and its ``rollout/`` metrics."""
 
     prompts: StepPrompts
     batch: TensorDict
@@ -80,6 +83,7 @@ class Rollouts:
         sampling: SamplingParams,
         draw: Callable[[int], StepPrompts],
         with_old: bool,
+        with_reference: bool,
     ) -> None:
         self.cfg = cfg
         self.actor = actor
@@ -87,12 +91,9 @@ class Rollouts:
         self.sampling = sampling
         self.draw = draw
         self.with_old = with_old
+        self.with_reference = with_reference
         self.max_staleness = cfg.trainer.max_staleness
         self._in_flight: deque[_InFlight] = deque()
-
-    @property
-    def split(self) -> bool:
-        return self.rollout is not None
 
     def start(self, version: int) -> None:
         """Before the first step trained here (step ``version + 1``): with a rollout group,
@@ -106,7 +107,8 @@ class Rollouts:
 
     def take(self, step: int) -> Rollout:
         """The batch of ``step``, to be trained on by the weights of version ``step - 1``;
-        with a rollout group, waits for its generation (and the sync before it)."""
+        with a rollout group, waits for its generation (and the sync before it), then has
+        the actor compute its log-probs (``timing_s/log_probs``)."""
         if self.rollout is None:
             prompts = self.draw(step)
             batch = self.actor.call(
@@ -124,18 +126,33 @@ class Rollouts:
             raise RuntimeError(f"asked for the batch of step {step}, next is {flight.prompts.step}")
         metrics = self._finish(flight.sync) if flight.sync is not None else {}
         batch = flight.generation.result()
+        if self.with_old or self.with_reference:
+            start = time.perf_counter()
+            # The sampling keys and the sampler's log-probs stay on the driver.
+            needed = batch.exclude("sample_key", "rollout_log_probs")
+            batch.update(
+                self.actor.call(
+                    "compute_log_probs",
+                    needed,
+                    self.with_old,
+                    dispatch="dp_split",
+                    collect="concat",
+                )
+            )
+            metrics["timing_s/log_probs"] = time.perf_counter() - start
         metrics.update(_versions(step, generated_by=flight.version))
         return Rollout(flight.prompts, batch, metrics)
 
-    def updated(self, step: int) -> None:
-        """After the update of ``step`` (the actor now holds version ``step``): sync those
-        weights and submit the batch they are the first allowed to generate, if the run
-        has that step."""
-        assert self.rollout is not None, "colocated actors generate with the weights they train"
+    def updated(self, step: int) -> dict[str, float]:
+        """After the update of ``step`` (the actor now holds version ``step``), with a
+        rollout group: sync those weights and submit the batch they are the first allowed
+        to generate, if the run has that step; the seconds it took the driver."""
         following = step + 1 + self.max_staleness
-        if following > self.cfg.trainer.total_steps:
-            return
+        if self.rollout is None or following > self.cfg.trainer.total_steps:
+            return {}
+        start = time.perf_counter()
         self._submit(following, step, self._sync(step))
+        return {"timing_s/publish_weights": time.perf_counter() - start}
 
     def _seed(self, step: int) -> int:
         # The per-rank stream's seed (rollout.randomness=per_rank); per-sample keys ignore it.
@@ -173,11 +190,11 @@ class Rollouts:
         """Wait for a sync's load on every rollout worker; its metrics."""
         assert self.rollout is not None
         loads: list[tuple[int, float]] = sync.load.result()
-        for rank, (held, _) in enumerate(loads):
+        for worker, (held, _) in zip(self.rollout.placement(), loads, strict=True):
             if held != sync.version:  # the workers check this too; a sync is never assumed
                 raise WeightSyncError(
-                    f"rollout rank {rank}: after the sync of version {sync.version} it holds "
-                    f"version {held}"
+                    f"rollout rank {worker['rank']} (node {worker['node_ip']}): after the "
+                    f"sync of version {sync.version} it holds version {held}"
                 )
         return {
             "timing_s/weight_sync": sync.publish_s + max(seconds for _, seconds in loads),

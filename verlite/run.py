@@ -15,17 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from ray._private.utils import get_num_cpus
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
 from verlite.controller import (
     WorkerGroup,
-    build_pools,
-    build_rollout_pool,
     check_fits_machine,
     ray_session,
+    run_pools,
     write_placement_report,
 )
 from verlite.trainer import RunInputs, Trainer
@@ -52,9 +49,7 @@ class RunGroups:
 def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[RunGroups]:
     """Place the run's pools in the open Ray session, start a group per role with its model
     built, and on leaving shut the groups down and release the pools."""
-    pools = build_pools(cfg, cfg.roles)
-    if cfg.rollout.placement == "split":
-        pools["rollout"] = (build_rollout_pool(cfg), 1.0)
+    pools = run_pools(cfg)
     run_id = uuid.uuid4().hex[:8]
     common = {"cfg": cfg, "vocab_size": len(tokenizer)}
     tokens = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
@@ -107,7 +102,7 @@ def train(cfg: Config) -> Path:
     """``verlite train``: the inputs checked before Ray starts, then :func:`run` in a Ray
     session of its own (embedded, or a connection to ``trainer.ray_address``)."""
     if cfg.trainer.ray_address is None:
-        check_fits_machine(cfg, cpus=get_num_cpus(), gpus=torch.cuda.device_count())
+        check_fits_machine(cfg)
     inputs = RunInputs.load(cfg)
     with ray_session(cfg.trainer.ray_address):
         return run(cfg, inputs)

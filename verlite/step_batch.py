@@ -4,19 +4,20 @@ taking rows and mini-batches of it, and the trimming that keeps padding out of t
 Batch dimension = sequences. Prompts are left-padded to a common width P and responses
 right-padded to R, so every response-aligned tensor is (B, R) and lines up across rows:
 
-=================  ========  ===================================================
-key                shape     meaning
-=================  ========  ===================================================
-input_ids          (B, P+R)  prompt then response token ids
-attention_mask     (B, P+R)  1 on real tokens
-position_ids       (B, P+R)  positions counted over real tokens only
-responses          (B, R)    the response token ids
-response_mask      (B, R)    1 on response tokens that carry loss
-rollout_log_probs  (B, R)    float32 log-probs the sampler drew each token with (0 on pads)
-(response-aligned) (B, R)    old_log_probs, ref_log_prob, values, advantages, returns, ...
-uid                (B,)      prompt id: the rollout.n samples of one prompt share it
-sample_key         (B, 2)    the row's sampling key (``verlite.rollout.noise``)
-=================  ========  ===================================================
+==================  ========  ===================================================
+key                 shape     meaning
+==================  ========  ===================================================
+input_ids           (B, P+R)  prompt then response token ids
+attention_mask      (B, P+R)  1 on real tokens
+position_ids        (B, P+R)  positions counted over real tokens only
+responses           (B, R)    the response token ids
+response_mask       (B, R)    1 on response tokens that carry loss
+rollout_log_probs   (B, R)    float32 log-probs the sampler drew each token with (0 on pads)
+(response-aligned)  (B, R)    old_log_probs, ref_log_prob, values, advantages, returns, ...
+rollout_is_weights  (B, R)    truncated importance weights of the policy loss (``tis``)
+uid                 (B,)      prompt id: the rollout.n samples of one prompt share it
+sample_key          (B, 2)    the row's sampling key (``verlite.rollout.noise``)
+==================  ========  ===================================================
 
 Per-batch values travel as non-tensor entries, never inside a config object:
 ``temperature`` (the sampling temperature the log-probs must use) and, on a worker during

@@ -101,9 +101,14 @@ def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
             "old log-probs: recomputed by the actor, as the sampler's may differ "
             f"(algorithm.recompute_old_log_probs=auto; {', '.join(reasons)})"
         )
+    inert = (
+        "; so algorithm.rollout_correction=tis has nothing to correct (weights 1)"
+        if cfg.algorithm.rollout_correction == "tis"
+        else ""
+    )
     return False, (
         "old log-probs: the sampler's own, which a recompute would repeat to float rounding "
-        "(algorithm.recompute_old_log_probs=auto): one forward pass a step saved"
+        f"(algorithm.recompute_old_log_probs=auto): one forward pass a step saved{inert}"
     )
 
 
@@ -206,6 +211,7 @@ class Trainer:
             ),
             draw=self._draw_prompts,
             with_old=self.recompute_old,
+            with_reference=cfg.use_reference,
         )
         self.placed = [*self.groups, *([rollout] if rollout is not None else [])]
         self._loader_state = self.loader.state_dict()
@@ -275,28 +281,19 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         step = int(state["step"])
-        print(f"resumed from {path} at step {step}", flush=True)
+        # Older checkpoints do not record it; their weights are of their step all the same.
+        version = int(state.get("weight_version", step))
+        print(f"resumed from {path} at step {step} (weights of version {version})", flush=True)
         return step
 
     def train_step(self, step: int) -> dict[str, float]:
         """One step: the numbered stages, each one worker-group call or driver math."""
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
-        with timer("rollout"):  # 1. the step's batch (generated now, or ahead of time)
+        with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
             rollout = self.rollouts.take(step)
         batch, texts = rollout.batch, rollout.prompts.records
         self._loader_state = rollout.prompts.loader_state
-        if self.rollouts.split and (self.recompute_old or cfg.use_reference):
-            with timer("log_probs"):  # old (and reference) log-probs, on the actor
-                batch.update(
-                    self.actor.call(
-                        "compute_log_probs",
-                        batch,
-                        self.recompute_old,
-                        dispatch="dp_split",
-                        collect="concat",
-                    )
-                )
         sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:
             with timer("values"):  # 2. values
@@ -327,9 +324,7 @@ class Trainer:
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
-        if self.rollouts.split:
-            with timer("publish_weights"):  # 7. the new weights to the rollout group
-                self.rollouts.updated(step)
+        metrics.update(self.rollouts.updated(step))  # 7. the new weights to the rollout group
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)
         metrics.update(rollout.metrics)

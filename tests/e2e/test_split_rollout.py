@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import ray
 
+from verlite.compare import first_difference
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
 from verlite.run import run, start_groups
@@ -102,7 +103,7 @@ def test_async_training_keeps_every_batch_within_the_staleness_bound(
     first, *later = logged
     assert first["actor/rollout_is_weight/mean"] == pytest.approx(1.0, abs=1e-6)
     assert first["rollout/logprob_max_diff"] < 1e-6  # the sampler computes in float32
-    assert all(r["rollout/logprob_max_diff"] > 1e-6 for r in later[1:])
+    assert all(r["rollout/logprob_max_diff"] > 1e-6 for r in later)
     assert all(0 < r["actor/rollout_is_weight/mean"] <= 1.5 for r in later)
 
 
@@ -170,3 +171,27 @@ def test_a_killed_rollout_worker_stops_the_run_in_seconds_naming_it(
     message = str(raised.value)
     assert message.startswith("worker group 'rollout': rank 1 on node")
     assert "(127.0.0.1)" in message and "worker process died" in message
+
+
+def test_with_recompute_auto_the_samplers_log_probs_serve_and_the_run_is_the_same(
+    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On-policy in float32, the sampler's log-probs replace the actor's recompute: no
+    forward pass for them, and metrics within float rounding of the recomputing run."""
+    runs = {}
+    for mode in ("always", "auto"):
+        cfg = config(
+            tmp_path / mode,
+            "model.dtype=float32",
+            f"algorithm.recompute_old_log_probs={mode}",
+            "trainer.total_steps=3",
+        )
+        run(cfg, RunInputs.load(cfg))
+        runs[mode] = records(tmp_path / mode)
+    assert "old log-probs: the sampler's own" in capsys.readouterr().out
+    assert all("rollout/logprob_abs_diff" in r for r in runs["always"])
+    assert not any("rollout/logprob_abs_diff" in r for r in runs["auto"])
+    sampler_only = {"rollout/logprob_abs_diff", "rollout/logprob_max_diff"}
+    always = [{k: v for k, v in r.items() if k not in sampler_only} for r in runs["always"]]
+    difference = first_difference(always, runs["auto"], tolerance=1e-4, atol=1e-6)
+    assert difference is None, difference.describe("always", "auto")

@@ -112,3 +112,34 @@ def test_a_sync_that_leaves_a_tensor_unset_or_of_another_shape_is_refused() -> N
         WeightSyncError, match=f"sent '{missing}' as float32 \\[.*\\], the model holds"
     ):
         deliver(receiver, bundle, [arrays for _, arrays in buckets])
+
+
+def test_the_checksum_sees_blocks_swapped_within_a_tensor_and_buckets_out_of_order() -> None:
+    source, target = policy(1), policy(2)
+    bundle, payloads = sync(source, version=1, bucket_bytes=4096)
+    largest = max(range(len(payloads)), key=lambda i: payloads[i][0].nbytes)
+    array = payloads[largest][0]
+    assert array.nbytes >= 2 * 4096
+    first, second = array[:4096].copy(), array[4096:8192].copy()
+    array[:4096], array[4096:8192] = second, first  # same words, other places
+    receiver = WeightReceiver(target, who="rollout rank 0")
+    with pytest.raises(
+        WeightSyncError, match=f"bucket {largest + 1} of .* failed|failed their check"
+    ):
+        deliver(receiver, bundle, payloads)
+    bundle, payloads = sync(source, version=2, bucket_bytes=4096)
+    receiver.load_bucket(0, bundle, payloads[0])
+    with pytest.raises(WeightSyncError, match="delivered bucket 3 where bucket 2 was due"):
+        receiver.load_bucket(2, bundle, payloads[2])
+
+
+def test_a_sync_lands_in_the_parameters_the_model_holds_now() -> None:
+    """Parameters replaced after the receiver was made (a move, a cast, a reload) still
+    receive the sync: the receiver writes where generation reads."""
+    source, target = policy(1), policy(2)
+    receiver = WeightReceiver(target, who="rollout rank 0")
+    name = "model.norm.weight"
+    target.model.norm.weight = torch.nn.Parameter(target.model.norm.weight.detach().clone())
+    bundle, payloads = sync(source, version=1, bucket_bytes=2**30)
+    deliver(receiver, bundle, payloads)
+    assert torch.equal(target.state_dict()[name], source.state_dict()[name])

@@ -167,7 +167,7 @@ class DataConfig(Section):
 
 
 class RolloutConfig(Section):
-    """Generation with the actor's current weights."""
+    """Generation: sampling, and where it runs (the actor, or a rollout worker group)."""
 
     n: PositiveInt = Field(1, description="Responses sampled per prompt (GRPO/RLOO need >= 2).")
     temperature: Annotated[float, AfterValidator(_greedy_or_at_least_min_temperature)] = Field(
@@ -564,6 +564,20 @@ class Config(Section):
                 f"trainer.max_staleness={self.trainer.max_staleness} generates while the actor "
                 "trains, which needs rollout.placement=split (colocated actors generate and "
                 "train in turn); set rollout.placement=split or trainer.max_staleness=0"
+            )
+        if self.algorithm.rollout_correction == "tis" and self.rollout.temperature == 0:
+            raise ValueError(
+                "algorithm.rollout_correction=tis weighs tokens by how likely the sampler made "
+                "them, but rollout.temperature=0 samples greedily (no distribution); use "
+                "rollout_correction=none or a temperature > 0"
+            )
+        rollout_workers = self.trainer.nnodes * (self.rollout.workers_per_node or 1)
+        if self.rollout.placement == "split" and rollout_workers > self.sequences_per_step:
+            raise ValueError(
+                f"{rollout_workers} rollout workers (trainer.nnodes={self.trainer.nnodes} * "
+                f"rollout.workers_per_node={self.rollout.workers_per_node}) outnumber the "
+                f"{self.sequences_per_step} sequences of a step (data.train_batch_size * "
+                "rollout.n); some would have nothing to generate"
             )
         return self
 

@@ -9,8 +9,8 @@ from verlite.controller.resource_pool import (
     PlacementError,
     ResourcePool,
     build_pools,
-    build_rollout_pool,
     check_fits_machine,
+    run_pools,
 )
 from verlite.controller.session import ray_session, start_ray, stop_ray
 from verlite.controller.worker import Worker
@@ -28,9 +28,9 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupError",
     "build_pools",
-    "build_rollout_pool",
     "check_fits_machine",
     "ray_session",
+    "run_pools",
     "start_ray",
     "stop_ray",
     "write_placement_report",

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import ray
+import torch
 
 # A DeveloperAPI: the public per-node view (ray.util.state) needs the dashboard, which the
 # embedded Ray does not start.
 from ray._private.state import available_resources_per_node
+from ray._private.utils import get_num_cpus
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
 from verlite.config import Config
@@ -250,12 +252,12 @@ def build_rollout_pool(cfg: Config) -> ResourcePool:
     )
 
 
-def run_pools(cfg: Config) -> list[ResourcePool]:
-    """Every pool a run reserves: its trainer roles' (:func:`build_pools`) and, split, the
-    rollout's."""
-    pools = list({id(pool): pool for pool, _ in build_pools(cfg, cfg.roles).values()}.values())
+def run_pools(cfg: Config) -> dict[str, tuple[ResourcePool, float]]:
+    """The pool and bundle share of every group of a run: its trainer roles'
+    (:func:`build_pools`) and, with ``rollout.placement=split``, the rollout's own."""
+    pools = build_pools(cfg, cfg.roles)
     if cfg.rollout.placement == "split":
-        pools.append(build_rollout_pool(cfg))
+        pools["rollout"] = (build_rollout_pool(cfg), 1.0)
     return pools
 
 
@@ -263,17 +265,18 @@ class ClusterTooSmall(UserError):
     """The run's workers cannot fit the machine an embedded Ray would run on."""
 
 
-def check_fits_machine(cfg: Config, *, cpus: float, gpus: float) -> None:
-    """Before an embedded Ray starts on this machine (``cpus`` and ``gpus``): one node, and
-    room for every pool's bundles at once; names what was asked and what there is."""
+def check_fits_machine(cfg: Config) -> None:
+    """Before an embedded Ray starts on this machine: one node, and room for every pool's
+    bundles at once (the CPUs Ray would see, the GPUs torch sees); names what was asked and
+    what there is."""
     if cfg.trainer.nnodes > 1:
         raise ClusterTooSmall(
             f"trainer.nnodes={cfg.trainer.nnodes}, but without trainer.ray_address the run "
             "starts an embedded Ray of one node; give the address of a cluster with "
             f"{cfg.trainer.nnodes} nodes"
         )
-    pools = run_pools(cfg)
-    for key, have in (("CPU", cpus), ("GPU", gpus)):
+    pools = list({id(pool): pool for pool, _ in run_pools(cfg).values()}.values())
+    for key, have in (("CPU", get_num_cpus()), ("GPU", torch.cuda.device_count())):
         asked = [(pool, pool.bundle.get(key, 0.0) * pool.world_size) for pool in pools]
         total = sum(amount for _, amount in asked)
         if total > have + _EPS:

@@ -8,9 +8,9 @@ actor's weights into a rollout worker's engine, versioned and checked; and
 not depend on its layout.
 """
 
-from verlite.rollout.engine import NativeEngine, RolloutEngine, noise_for
+from verlite.rollout.engine import NativeEngine, RolloutEngine
 from verlite.rollout.native import NativeRollout, SamplingParams, sample_next_token
-from verlite.rollout.noise import KeyedNoise, Noise, StreamNoise, sample_keys
+from verlite.rollout.noise import KeyedNoise, Noise, StreamNoise, noise_for, sample_keys
 from verlite.rollout.weights import WeightBundle, WeightSyncError, pack
 
 __all__ = [

@@ -23,12 +23,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
-import torch
 from tensordict import TensorDict
 from torch import nn
 
 from verlite.rollout.native import NativeRollout, SamplingParams
-from verlite.rollout.noise import KeyedNoise, Noise, StreamNoise
+from verlite.rollout.noise import Noise
 from verlite.rollout.weights import WeightBundle, WeightReceiver
 
 
@@ -54,7 +53,6 @@ class NativeEngine:
     def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int, who: str) -> None:
         # Parameters keep requires_grad (generation runs under no_grad either way): frozen
         # ones take other CPU matmul kernels, whose rounding differs from the actor's.
-        self.model = model
         self.receiver = WeightReceiver(model, who=who)
         self.sampler = NativeRollout(
             model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lockstep=False
@@ -74,21 +72,3 @@ class NativeEngine:
         self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
     ) -> TensorDict:
         return self.sampler.generate(prompts, params, noise)
-
-
-def noise_for(
-    prompts: TensorDict,
-    params: SamplingParams,
-    *,
-    randomness: str,
-    stream_seed: int,
-    device: torch.device,
-) -> Noise | None:
-    """The noise a worker samples ``prompts`` with: each row's ``sample_key``
-    (``rollout.randomness=per_sample``), or a stream seeded ``stream_seed`` (``per_rank``,
-    where the worker adds its rank to the seed); None when greedy."""
-    if params.temperature == 0:
-        return None
-    if randomness == "per_rank":
-        return StreamNoise(stream_seed, len(prompts), device)
-    return KeyedNoise(prompts["sample_key"], horizon=params.max_new_tokens)

@@ -21,6 +21,7 @@ import functools
 from typing import Protocol, TypeVar
 
 import torch
+from tensordict import TensorDict
 
 MASK32 = 0xFFFF_FFFF
 _KEY_LANES = (0x5BD1_E995, 0x1B87_3593)  # one salt per 32-bit half of a key
@@ -121,3 +122,23 @@ class StreamNoise:
         return torch.rand(
             self.rows, dtype=torch.float64, device=self.device, generator=self.generator
         )
+
+
+def noise_for(
+    prompts: TensorDict,
+    *,
+    temperature: float,
+    horizon: int,
+    randomness: str,
+    stream_seed: int,
+    device: torch.device,
+) -> Noise | None:
+    """The noise a worker samples ``prompts`` with, for up to ``horizon`` new tokens: each
+    row's ``sample_key`` (``rollout.randomness=per_sample``), or a stream seeded
+    ``stream_seed`` (``per_rank``, where the worker adds its rank to the seed); None when
+    greedy."""
+    if temperature == 0:
+        return None
+    if randomness == "per_rank":
+        return StreamNoise(stream_seed, len(prompts), device)
+    return KeyedNoise(prompts["sample_key"], horizon=horizon)

@@ -13,11 +13,13 @@ intact and landed in the model that generates: the failure peers' users hit for 
 sync that delivered nothing, fails it as surely as a corrupted bucket. Until every bucket
 has passed, the worker holds no valid version, and generation refuses to run on it.
 
-The checksum is Fletcher-like over 64-bit words: the wrapping sum of each tensor's words,
-and the sum of those sums weighted by the tensor's place in the bucket. It changes with any
-single corrupted word or bit, a tensor left unwritten, or two tensors swapped; it is not a
-cryptographic digest (nothing here defends against someone who can write the object
-store). It runs at memory speed (a CRC-32 costs 3 copies' time on this CPU, which made the
+The checksum is Fletcher-like over 64-bit words: the wrapping sum of the words, and the sum
+of each 4 KiB block's word sum weighted by the block's place in the bucket. It changes with
+any single corrupted word or bit, a tensor left unwritten, two tensors or two blocks
+swapped; it does not see words reordered within one 4 KiB block, nor tie a name to its
+bytes (the spec's order does), and it is not a cryptographic digest (nothing here defends
+against someone who can write the object store). Non-persistent buffers (a rotary
+embedding's ``inv_freq``) are not part of a model's state: each side computes its own. It runs at memory speed (a CRC-32 costs 3 copies' time on this CPU, which made the
 sync 3-4x a bare transfer).
 """
 
@@ -80,28 +82,39 @@ def byte_view(tensor: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def _word_sum(data: torch.Tensor) -> int:
-    """The wrapping sum of the 64-bit words of a flat uint8 tensor (the tail of fewer than
-    8 bytes as one more, shorter word)."""
+BLOCK_WORDS = 512  # 4 KiB: the granularity at which the checksum sees positions
+
+
+def _block_sums(data: torch.Tensor) -> torch.Tensor:
+    """The wrapping sums of the 4 KiB blocks of a flat uint8 tensor's 64-bit words (the
+    last block shorter, its last word the tail of fewer than 8 bytes)."""
     whole = data.numel() // 8 * 8
     head = data[:whole]
     if head.storage_offset() % 8:  # a word view needs aligned bytes
         head = head.clone()
-    total = int(head.view(torch.int64).sum()) if whole else 0
-    total += int.from_bytes(data[whole:].numpy().tobytes(), "little")
-    return total & MASK64
+    words = head.view(torch.int64)
+    full = words.numel() // BLOCK_WORDS * BLOCK_WORDS
+    sums = [words[:full].view(-1, BLOCK_WORDS).sum(dim=1)]
+    tail = int.from_bytes(data[whole:].numpy().tobytes(), "little")
+    if full < words.numel() or tail:
+        rest = (int(words[full:].sum()) + tail) & MASK64
+        sums.append(torch.tensor([rest - 2**64 if rest >= 2**63 else rest], dtype=torch.int64))
+    return torch.cat(sums)
 
 
 def checksum(arrays: Iterable[np.ndarray]) -> tuple[int, int]:
-    """The checksum of the bytes of a bucket's tensors in order (see the module docstring)."""
+    """The checksum of the bytes of a bucket's tensors in order (writable arrays: the
+    actor's tensors, the receiver's after the copy; see the module docstring):
+    the wrapping sum of every 4 KiB block's word sum, and of each block sum times the
+    block's place in the bucket."""
     plain = weighted = 0
-    for place, array in enumerate(arrays, start=1):
-        with warnings.catch_warnings():
-            # The object store's buffers are read-only; they are only read here.
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            words = _word_sum(torch.from_numpy(array))
-        plain = (plain + words) & MASK64
-        weighted = (weighted + place * words) & MASK64
+    place = 1
+    for array in arrays:
+        sums = _block_sums(torch.from_numpy(array))
+        places = torch.arange(place, place + sums.numel(), dtype=torch.int64)
+        plain = (plain + int(sums.sum())) & MASK64
+        weighted = (weighted + int((sums * places).sum())) & MASK64
+        place += sums.numel()
     return plain, weighted
 
 
@@ -131,9 +144,11 @@ class WeightReceiver:
     in errors (``rollout rank 0``)."""
 
     def __init__(self, model: nn.Module, *, who: str) -> None:
-        self.targets = dict(model.state_dict())
+        self.model = model
         self.who = who
         self.version: int | None = None
+        self.targets: dict[str, torch.Tensor] = {}
+        self._next = 0  # the bucket a sync in progress expects next
         self._failure = "no weights were synced yet"
 
     @torch.no_grad()
@@ -142,25 +157,32 @@ class WeightReceiver:
         if index == 0:  # no valid version while a sync is part-way
             self.version = None
             self._failure = f"the sync of version {bundle.version} did not complete"
+            # The model's tensors as they are now: a sync writes where generation reads.
+            self.targets = dict(self.model.state_dict())
+            self._next = 0
+        if index != self._next:
+            raise WeightSyncError(
+                f"{self.who}: the sync of version {bundle.version} delivered bucket "
+                f"{index + 1} where bucket {self._next + 1} was due"
+            )
         spec = bundle.buckets[index]
         landed = []
-        for tensor_spec, array in zip(spec.tensors, arrays, strict=True):
-            target = self._target(tensor_spec, bundle.version)
-            with warnings.catch_warnings():
-                # The object store's buffers are read-only; they are only read from here.
-                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-                source = torch.from_numpy(array)
-            target.copy_(source.view(target.dtype).reshape(target.shape))
-            landed.append(byte_view(target))
+        with warnings.catch_warnings():
+            # The object store's buffers are read-only; they are only read from here.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for tensor_spec, array in zip(spec.tensors, arrays, strict=True):
+                target = self._target(tensor_spec, bundle.version)
+                target.copy_(torch.from_numpy(array).view(target.dtype).reshape(target.shape))
+                landed.append(byte_view(target))
         held = checksum(landed)
+        self._next += 1
         if held != spec.checksum:
             self._failure = f"the sync of version {bundle.version} failed its check"
             raise WeightSyncError(
                 f"{self.who}: weights of version {bundle.version} failed their check: bucket "
                 f"{index + 1} of {len(bundle.buckets)} ({len(spec.tensors)} tensors from "
-                f"{spec.tensors[0].name!r}) holds checksum {held[0]:#018x} in the model, the "
-                f"actor sent {spec.checksum[0]:#018x}; generation is refused until a sync "
-                "succeeds"
+                f"{spec.tensors[0].name!r}) holds checksum {_hex(held)} in the model, the actor "
+                f"sent {_hex(spec.checksum)}; generation is refused until a sync succeeds"
             )
         if index == len(bundle.buckets) - 1:
             self._complete(bundle)
@@ -201,3 +223,7 @@ class WeightReceiver:
                 f"of the model's tensors (e.g. {missing[0]!r})"
             )
         self.version = bundle.version
+
+
+def _hex(pair: tuple[int, int]) -> str:
+    return "/".join(f"{value:016x}" for value in pair)

@@ -78,7 +78,8 @@ class ActorWorker(EngineWorker):
         prompts = prompts.to(self.engine.device)
         noise = noise_for(
             prompts,
-            params,
+            temperature=params.temperature,
+            horizon=params.max_new_tokens,
             randomness=self.cfg.rollout.randomness,
             stream_seed=seed + self.rank,
             device=self.engine.device,

@@ -44,6 +44,9 @@ class RolloutWorker(Worker):
             who=f"rollout rank {self.rank} (node {self.node_info()['node_ip']})",
         )
 
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        """Rollout ranks share no collectives: no process group to join."""
+
     def load_weights(self, bundle: WeightBundle) -> tuple[int | None, float]:
         """Take the sync ``bundle`` bucket by bucket, each checked where it landed (raises
         :class:`~verlite.rollout.WeightSyncError`); the version now held and the seconds."""
@@ -61,7 +64,8 @@ class RolloutWorker(Worker):
         prompts = prompts.to(self.device)
         noise = noise_for(
             prompts,
-            params,
+            temperature=params.temperature,
+            horizon=params.max_new_tokens,
             randomness=self.cfg.rollout.randomness,
             stream_seed=seed + self.rank,
             device=self.device,

@@ -4,9 +4,11 @@ reference log-probs), a rollout worker given its weights generates exactly its b
 the model it exports computes the trained policy's log-probs."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, load_config
@@ -18,20 +20,40 @@ from verlite.workers.actor import ActorWorker
 from verlite.workers.rollout import RolloutWorker
 
 
+def _one_rank(role: str, cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The arguments of a policy worker that is its group's only rank."""
+    return {
+        "rank": 0,
+        "world_size": 1,
+        "torch_threads": 1,
+        "role": role,
+        "cfg": cfg,
+        "vocab_size": len(tokenizer),
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _sampled_prompts(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase, train_set: PromptDataset
+) -> TensorDict:
+    """The first 8 training prompts, 2 samples each, with their sampling keys of step 1."""
+    prompts = prompt_tensordict(
+        train_set[:8],
+        tokenizer,
+        max_prompt_length=cfg.data.max_prompt_length,
+        repeat=2,
+        temperature=1.0,
+    )
+    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
+    return prompts
+
+
 def _actor(cfg: Config) -> tuple[ActorWorker, PreTrainedTokenizerBase, PromptDataset]:
     """A ready actor worker of ``cfg`` in this process, its tokenizer and training prompts."""
     tokenizer = load_tokenizer(None, task=cfg.data.task)
     train_set, _ = build_datasets(cfg, tokenizer)
-    worker = ActorWorker(
-        rank=0,
-        world_size=1,
-        torch_threads=1,
-        role="actor",
-        cfg=cfg,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    worker = ActorWorker(**_one_rank("actor", cfg, tokenizer))
     worker.init_model()
     return worker, tokenizer, train_set
 
@@ -47,14 +69,7 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
         ],
     )
     worker, tokenizer, train_set = _actor(cfg)
-    prompts = prompt_tensordict(
-        train_set[:8],
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        repeat=2,
-        temperature=1.0,
-    )
-    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
+    prompts = _sampled_prompts(cfg, tokenizer, train_set)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
 
     fused = worker.rollout(prompts, sampling, 7, True)
@@ -82,27 +97,10 @@ def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
     with torch.no_grad():  # weights no fresh model has
         for param in actor.engine.model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    rollout = RolloutWorker(
-        rank=0,
-        world_size=1,
-        torch_threads=1,
-        role="rollout",
-        cfg=cfg,
-        vocab_size=len(tokenizer),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    rollout.device = torch.device("cpu")
+    rollout = RolloutWorker(**_one_rank("rollout", cfg, tokenizer))
     rollout.node_info = lambda: {"node_ip": "127.0.0.1"}  # no Ray in this process
     rollout.init_model()
-    prompts = prompt_tensordict(
-        train_set[:8],
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        repeat=2,
-        temperature=1.0,
-    )
-    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
+    prompts = _sampled_prompts(cfg, tokenizer, train_set)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
     with pytest.raises(WeightSyncError, match="holds none \\(no weights were synced yet\\)"):
         rollout.generate(prompts, sampling, 7, 0)

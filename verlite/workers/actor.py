@@ -5,22 +5,21 @@ from __future__ import annotations
 import copy
 import time
 from functools import partial
-from typing import Any
 
 import ray
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.config import Config
 from verlite.core.metrics import MetricDict
 from verlite.distributed import full_state_dict, full_tensors, inference_module
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import NativeRollout, SamplingParams, WeightBundle, noise_for, pack
+from verlite.rollout import NativeRollout, SamplingParams, WeightBundle, pack
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.policy_worker import PolicyWorker
 
 
 def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
@@ -29,18 +28,9 @@ def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Te
     return {key: log_probs}
 
 
-class ActorWorker(EngineWorker):
+class ActorWorker(EngineWorker, PolicyWorker):
     """One rank of the actor group; the model is built by ``init_model`` once the group's
     process group exists (FSDP needs it)."""
-
-    def __init__(
-        self, *, cfg: Config, vocab_size: int, eos_token_id: int, pad_token_id: int, **kwargs: Any
-    ) -> None:
-        super().__init__(**kwargs)
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self.pad_token_id = pad_token_id
 
     def init_model(self) -> None:
         cfg = self.cfg
@@ -76,14 +66,7 @@ class ActorWorker(EngineWorker):
         """Responses to this rank's prompts. Sampling draws from each row's ``sample_key``
         (``rollout.randomness=per_sample``), or from a stream seeded ``seed + rank``."""
         prompts = prompts.to(self.engine.device)
-        noise = noise_for(
-            prompts,
-            temperature=params.temperature,
-            horizon=params.max_new_tokens,
-            randomness=self.cfg.rollout.randomness,
-            stream_seed=seed + self.rank,
-            device=self.engine.device,
-        )
+        noise = self.noise(prompts, params, seed, self.engine.device)
         return self.generator.generate(prompts, params, noise).cpu()
 
     def rollout(

@@ -4,31 +4,20 @@ that weight syncs from the actor replace (``verlite.rollout.weights``); no optim
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import ray
 from tensordict import TensorDict
 
-from verlite.config import Config
-from verlite.controller import Worker
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBundle, noise_for
+from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBundle
+from verlite.workers.policy_worker import PolicyWorker
 
 
-class RolloutWorker(Worker):
+class RolloutWorker(PolicyWorker):
     """One rank of the rollout group; each rank generates its share on its own (no
     collectives), with weights of the version the trainer names."""
 
     engine: RolloutEngine
-
-    def __init__(
-        self, *, cfg: Config, vocab_size: int, eos_token_id: int, pad_token_id: int, **kwargs: Any
-    ) -> None:
-        super().__init__(**kwargs)
-        self.cfg = cfg
-        self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
-        self.pad_token_id = pad_token_id
 
     def init_model(self) -> None:
         cfg = self.cfg
@@ -62,12 +51,5 @@ class RolloutWorker(Worker):
         any other), drawn as the actor's :meth:`~verlite.workers.actor.ActorWorker.generate`."""
         self.engine.require(version)
         prompts = prompts.to(self.device)
-        noise = noise_for(
-            prompts,
-            temperature=params.temperature,
-            horizon=params.max_new_tokens,
-            randomness=self.cfg.rollout.randomness,
-            stream_seed=seed + self.rank,
-            device=self.device,
-        )
+        noise = self.noise(prompts, params, seed, self.device)
         return self.engine.generate(prompts, params, noise).cpu()

@@ -117,7 +117,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         versions = iter(range(1, 10_000))
 
         def verlite_sync() -> int:
-            bundle, _ = actor.call("publish_weights", next(versions))[0]
+            bundle = actor.call("publish_weights", next(versions), collect="rank0")
             rollout.call("load_weights", bundle)
             return bundle.nbytes
 

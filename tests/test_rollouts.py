@@ -34,11 +34,12 @@ class Groups:
         self.actor_version = 0
         self.held: int | None = None
 
-    def actor_call(self, method: str, *args: Any, **_: Any) -> Any:
+    def actor_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self.log.append(("actor", method))
         if method == "publish_weights":
             assert args[0] == self.actor_version, "the actor publishes the weights it holds"
-            return [(WeightBundle(args[0], (), ()), 0.0)]
+            assert kwargs["collect"] == "rank0"
+            return WeightBundle(args[0], (), ())
         if method == "compute_log_probs":
             batch, with_old = args
             assert not {"sample_key", "rollout_log_probs"} & set(batch.keys())

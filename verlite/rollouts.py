@@ -163,10 +163,7 @@ class Rollouts:
         worker (it runs after the generations already queued there)."""
         assert self.rollout is not None
         start = time.perf_counter()
-        published: list[tuple[WeightBundle | None, float]] = self.actor.call(
-            "publish_weights", version
-        )
-        bundle = published[0][0]
+        bundle: WeightBundle | None = self.actor.call("publish_weights", version, collect="rank0")
         assert bundle is not None, "rank 0 of the actor publishes the weights"
         publish_s = time.perf_counter() - start
         load = self.rollout.call_async("load_weights", bundle)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import time
 from functools import partial
 
 import ray
@@ -99,23 +98,21 @@ class ActorWorker(EngineWorker, PolicyWorker):
             out["ref_log_prob"] = ref["ref_log_prob"]
         return out.cpu()
 
-    def publish_weights(self, version: int) -> tuple[WeightBundle | None, float]:
+    def publish_weights(self, version: int) -> WeightBundle | None:
         """Collective: the policy's weights as a sync of ``version`` (see
         ``verlite.rollout.weights``), put in the object store bucket by bucket by rank 0
-        (the others take part in FSDP's gathers and return None), and the seconds it took."""
-        start = time.perf_counter()
+        (the others take part in FSDP's gathers and return None)."""
         tensors = full_tensors(self.engine.model)
         if self.rank != 0:
             for _ in tensors:
                 pass
-            return None, time.perf_counter() - start
+            return None
         bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
         specs, payloads = [], []
         for spec, arrays in pack(tensors, bucket_bytes):
             specs.append(spec)
             payloads.append(ray.put(arrays))
-        bundle = WeightBundle(version, tuple(specs), tuple(payloads))
-        return bundle, time.perf_counter() - start
+        return WeightBundle(version, tuple(specs), tuple(payloads))
 
     def export_hf(self, path: str) -> None:
         """Collective: the trained policy in Hugging Face format, gathered on and written by

@@ -1,14 +1,19 @@
 """Weight sync from an actor worker to a rollout worker, against bare object-store transfers
 of the same bytes, for policies of about 1M, 10M and 100M parameters.
 
-verlite: ``ActorWorker.publish_weights`` (the state packed into buckets of
-``rollout.sync_bucket_mb``, the checksum of each, one ``ray.put`` per bucket) then
-``RolloutWorker.load_weights`` (each bucket fetched, copied into the model, and the checksum
-of what landed in the model checked), as a run does after every update.
-bare: the same two worker processes, the same number of bytes in buckets of the same size
-prepared beforehand as flat arrays: the actor ``ray.put``s them, the rollout worker
-``ray.get``s them and copies them into one flat tensor of its own (a sync must at least
-land the bytes in the receiver's memory). The figure is the median of verlite / bare,
+verlite: as a run syncs after every update (``verlite.rollouts.queue_weight_sync``), one
+``ActorWorker.publish_bucket`` call per bucket of ``rollout.sync_bucket_mb`` (the tensors'
+bytes and their checksum, returned into the object store) and one
+``RolloutWorker.load_bucket`` call taking that result by reference (copied into the model,
+and the checksum of what landed in the model checked): loads overlap the later buckets'
+puts.
+bare: the same two worker processes and the same bytes in buckets of the same size,
+prepared beforehand as flat arrays: the actor ``ray.put``s every bucket, then the rollout
+worker ``ray.get``s them and copies each into one flat tensor of its own (a sync that
+copies lands the bytes in the receiver's memory). floor: the same without the copy, a bare
+``ray.put`` and ``ray.get`` (a get maps the object store's copy). A verlite rollout worker
+on the CPU makes its model's tensors views of the object store's copy, so its sync has no
+copy there either. The figures are the medians of verlite / bare and verlite / floor,
 paired by repetition, with seconds per GB of each.
 """
 
@@ -27,6 +32,7 @@ from verlite.config import RolloutConfig, load_config
 from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
 from verlite.data import load_tokenizer
 from verlite.memory import retain_freed_memory
+from verlite.rollouts import queue_weight_sync
 from verlite.workers.actor import ActorWorker
 from verlite.workers.rollout import RolloutWorker
 
@@ -43,7 +49,7 @@ class BenchActor(ActorWorker):
         self.bare = [np.ones(n, np.uint8) for n in sizes if n]
 
     def bare_put(self) -> list[Any]:
-        return [ray.put([array]) for array in self.bare]
+        return [ray.put(array) for array in self.bare]
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.engine.model.parameters())
@@ -53,15 +59,16 @@ class BenchRollout(RolloutWorker):
     def prepare_bare(self, nbytes: int) -> None:
         self.flat = torch.empty(nbytes, dtype=torch.uint8)
 
-    def bare_get(self, refs: list[Any]) -> None:
+    def bare_get(self, refs: list[Any], land: bool) -> None:
         offset = 0
         for ref in refs:
-            (array,) = ray.get(ref)
-            self.flat[offset : offset + array.nbytes].copy_(torch.from_numpy(array))
+            array = ray.get(ref)
+            if land:
+                self.flat[offset : offset + array.nbytes].copy_(torch.from_numpy(array))
             offset += array.nbytes
 
 
-def measure(name: str, repeats: int) -> dict[str, Any]:
+def measure(name: str, repeats: int, bucket_mb: float) -> dict[str, Any]:
     hidden, layers, intermediate = SIZES[name]
     cfg = load_config(
         "configs/grpo_tiny.yaml",
@@ -72,6 +79,7 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
             "model.num_heads=8",
             "model.num_kv_heads=4",
             "rollout.placement=split",
+            f"rollout.sync_bucket_mb={bucket_mb}",
         ],
     )
     tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
@@ -114,23 +122,30 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         for group in (actor, rollout):
             group.call("init_model")
         bucket_bytes = int(cfg.rollout.sync_bucket_mb * 2**20)
+        layout = actor.call("weight_layout", collect="rank0")
         versions = iter(range(1, 10_000))
 
-        def verlite_sync() -> int:
-            bundle = actor.call("publish_weights", next(versions), collect="rank0")
-            rollout.call("load_weights", bundle)
-            return bundle.nbytes
+        def verlite_sync() -> None:
+            sync = queue_weight_sync(actor, rollout, layout, next(versions))
+            ((held, _),) = sync.loads[-1].result()
+            assert held == sync.version
 
-        nbytes = verlite_sync()
+        nbytes = layout.nbytes
         actor.call("prepare_bare", nbytes, bucket_bytes)
         rollout.call("prepare_bare", nbytes)
 
-        def bare_sync() -> None:
+        def bare(land: bool) -> None:
             refs = actor.call("bare_put")[0]
-            rollout.call("bare_get", refs)
+            rollout.call("bare_get", refs, land)
 
         seconds, _ = interleaved(
-            {"verlite": verlite_sync, "bare": bare_sync}, repeats=repeats, warmup=3
+            {
+                "verlite": verlite_sync,
+                "bare": lambda: bare(land=True),
+                "floor": lambda: bare(land=False),
+            },
+            repeats=repeats,
+            warmup=3,
         )
         parameters = actor.call("num_parameters")[0]
     finally:
@@ -139,32 +154,40 @@ def measure(name: str, repeats: int) -> dict[str, Any]:
         for pool in pools:
             pool.remove()
     gigabytes = nbytes / 1e9
-    return {
+    result = {
         "parameters": parameters,
         "megabytes": nbytes / 1e6,
-        "buckets": -(-nbytes // bucket_bytes),
+        "buckets": len(layout.buckets),
         "verlite_s_per_gb": median(seconds["verlite"]) / gigabytes,
-        "bare_s_per_gb": median(seconds["bare"]) / gigabytes,
-        "ratio": paired_ratio(seconds["verlite"], seconds["bare"]),
-        "ratio_quartiles": quartiles(ratios(seconds["verlite"], seconds["bare"])),
     }
+    for bare in ("bare", "floor"):
+        result[f"{bare}_s_per_gb"] = median(seconds[bare]) / gigabytes
+        result[f"ratio_vs_{bare}"] = paired_ratio(seconds["verlite"], seconds[bare])
+        result[f"ratio_vs_{bare}_quartiles"] = quartiles(ratios(seconds["verlite"], seconds[bare]))
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=RolloutConfig.model_fields["sync_bucket_mb"].default,
+        help="rollout.sync_bucket_mb (default: the config's default)",
+    )
     args = parser.parse_args()
     retain_freed_memory()
     start_ray(None, num_cpus=2)
     try:
-        results = {name: measure(name, args.repeats) for name in args.sizes}
+        results = {name: measure(name, args.repeats, args.bucket_mb) for name in args.sizes}
     finally:
         stop_ray()
     emit(
         {
             "benchmark": "weight_sync",
-            "bucket_mb": RolloutConfig.model_fields["sync_bucket_mb"].default,
+            "bucket_mb": args.bucket_mb,
             "results": results,
             "goal": "ratio <= 1.3",
         }

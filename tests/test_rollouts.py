@@ -12,7 +12,8 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import load_config
-from verlite.rollout import SamplingParams, WeightBundle
+from verlite.rollout import SamplingParams, SyncLayout
+from verlite.rollout.weights import TensorSpec
 from verlite.rollouts import Rollouts, StepPrompts
 from verlite.trainer import old_log_probs_source
 
@@ -23,6 +24,14 @@ class Done:
 
     def result(self) -> Any:
         return self.value
+
+    def ref(self, rank: int) -> Any:
+        assert rank == 0
+        return self.value
+
+
+# two buckets of one tensor each
+LAYOUT = SyncLayout(tuple((TensorSpec(name, "float32", (2,), 0, 0, 8),) for name in ("a", "b")))
 
 
 class Groups:
@@ -36,10 +45,13 @@ class Groups:
 
     def actor_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self.log.append(("actor", method))
-        if method == "publish_weights":
-            assert args[0] == self.actor_version, "the actor publishes the weights it holds"
+        if method == "weight_layout":
             assert kwargs["collect"] == "rank0"
-            return WeightBundle(args[0], (), ())
+            return LAYOUT
+        if method == "publish_bucket":
+            version, index = args
+            assert version == self.actor_version, "the actor publishes the weights it holds"
+            return Done((version, index))
         if method == "compute_log_probs":
             batch, with_old = args
             assert not {"sample_key", "rollout_log_probs"} & set(batch.keys())
@@ -56,8 +68,12 @@ class Groups:
         return batch
 
     def rollout_call_async(self, method: str, *args: Any, **_: Any) -> Done:
-        if method == "load_weights":
-            self.held = args[0].version
+        if method == "load_bucket":
+            version, index = args[0]  # the publish's result, by reference
+            if index < len(LAYOUT.buckets) - 1:
+                self.held = None  # none while a sync is part-way
+                return Done([None])
+            self.held = version
             self.log.append(("rollout", "load", str(self.held)))
             return Done([(self.held, 0.0)])
         prompts, _, _, version = args
@@ -76,6 +92,8 @@ class Group:
         return self.groups.actor_call(method, *args, **kwargs)
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> Done:
+        if self.role == "actor":
+            return self.groups.actor_call(method, *args, **kwargs)
         return self.groups.rollout_call_async(method, *args, **kwargs)
 
     def placement(self) -> list[dict[str, Any]]:
@@ -160,7 +178,7 @@ def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
     taken = source.take(1)
     assert "old_log_probs" not in set(taken.batch.keys())
     assert ("actor", "compute_log_probs") not in groups.log
-    assert taken.metrics["perf/weight_sync_bytes"] == 0.0  # the first sync, reported
+    assert taken.metrics["perf/weight_sync_bytes"] == 16.0  # the first sync, reported
 
 
 @pytest.mark.parametrize(

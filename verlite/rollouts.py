@@ -30,7 +30,7 @@ from tensordict import TensorDict
 from verlite.config import Config
 from verlite.controller import PendingCall, WorkerGroup
 from verlite.data import PromptRecord
-from verlite.rollout import SamplingParams, WeightBundle, WeightSyncError
+from verlite.rollout import SamplingParams, SyncLayout, WeightSyncError
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,25 @@ class Rollout:
 
 
 @dataclass(frozen=True)
-class _Sync:
+class WeightSync:
+    """A weight sync in flight: one call per bucket on the actor and on the rollout group."""
+
     version: int
-    nbytes: int
-    publish_s: float
-    load: PendingCall
+    publishes: list[PendingCall]
+    loads: list[PendingCall]  # the last one's result: each worker's version and seconds
+
+
+def queue_weight_sync(
+    actor: WorkerGroup, rollout: WorkerGroup, layout: SyncLayout, version: int
+) -> WeightSync:
+    """Queue the sync of the actor's weights as ``version``: each bucket published by the
+    actor and loaded by every rollout worker (after the calls already queued there) straight
+    from the actor's result, so loads overlap the later buckets' puts."""
+    publishes = [
+        actor.call_async("publish_bucket", version, index) for index in range(len(layout.buckets))
+    ]
+    loads = [rollout.call_async("load_bucket", publish.ref(0)) for publish in publishes]
+    return WeightSync(version, publishes, loads)
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,7 @@ class _InFlight:
     prompts: StepPrompts
     version: int
     generation: PendingCall
-    sync: _Sync | None  # the sync submitted just before it, reported with its step
+    sync: WeightSync | None  # the sync submitted just before it, reported with its step
 
 
 class Rollouts:
@@ -94,6 +108,7 @@ class Rollouts:
         self.with_reference = with_reference
         self.max_staleness = cfg.trainer.max_staleness
         self._in_flight: deque[_InFlight] = deque()
+        self._layout: SyncLayout | None = None  # the actor's, asked for at the first sync
 
     def start(self, version: int) -> None:
         """Before the first step trained here (step ``version + 1``): with a rollout group,
@@ -146,30 +161,25 @@ class Rollouts:
     def updated(self, step: int) -> dict[str, float]:
         """After the update of ``step`` (the actor now holds version ``step``), with a
         rollout group: sync those weights and submit the batch they are the first allowed
-        to generate, if the run has that step; the seconds it took the driver."""
+        to generate, if the run has that step; the seconds it took the driver to queue them."""
         following = step + 1 + self.max_staleness
         if self.rollout is None or following > self.cfg.trainer.total_steps:
             return {}
         start = time.perf_counter()
         self._submit(following, step, self._sync(step))
-        return {"timing_s/publish_weights": time.perf_counter() - start}
+        return {"timing_s/queue_sync": time.perf_counter() - start}
 
     def _seed(self, step: int) -> int:
         # The per-rank stream's seed (rollout.randomness=per_rank); per-sample keys ignore it.
         return self.cfg.trainer.seed * 100_003 + step
 
-    def _sync(self, version: int) -> _Sync:
-        """Publish the actor's weights as ``version`` and queue their load on every rollout
-        worker (it runs after the generations already queued there)."""
+    def _sync(self, version: int) -> WeightSync:
         assert self.rollout is not None
-        start = time.perf_counter()
-        bundle: WeightBundle | None = self.actor.call("publish_weights", version, collect="rank0")
-        assert bundle is not None, "rank 0 of the actor publishes the weights"
-        publish_s = time.perf_counter() - start
-        load = self.rollout.call_async("load_weights", bundle)
-        return _Sync(version, bundle.nbytes, publish_s, load)
+        if self._layout is None:
+            self._layout = self.actor.call("weight_layout", collect="rank0")
+        return queue_weight_sync(self.actor, self.rollout, self._layout, version)
 
-    def _submit(self, step: int, version: int, sync: _Sync | None) -> None:
+    def _submit(self, step: int, version: int, sync: WeightSync | None) -> None:
         assert self.rollout is not None
         prompts = self.draw(step)
         generation = self.rollout.call_async(
@@ -183,19 +193,26 @@ class Rollouts:
         )
         self._in_flight.append(_InFlight(prompts, version, generation, sync))
 
-    def _finish(self, sync: _Sync) -> dict[str, float]:
-        """Wait for a sync's load on every rollout worker; its metrics."""
-        assert self.rollout is not None
-        loads: list[tuple[int, float]] = sync.load.result()
-        for worker, (held, _) in zip(self.rollout.placement(), loads, strict=True):
-            if held != sync.version:  # the workers check this too; a sync is never assumed
+    def _finish(self, sync: WeightSync) -> dict[str, float]:
+        """Wait for a sync on the actor, then on every rollout worker; its metrics."""
+        assert self.rollout is not None and self._layout is not None
+        for publish in sync.publishes:  # an actor's failure is named as the actor's
+            publish.result()
+        for load in sync.loads[:-1]:
+            load.result()
+        reports: list[tuple[int, float] | None] = sync.loads[-1].result()
+        seconds = []
+        for worker, report in zip(self.rollout.placement(), reports, strict=True):
+            if report is None or report[0] != sync.version:  # never assumed
                 raise WeightSyncError(
                     f"rollout rank {worker['rank']} (node {worker['node_ip']}): after the "
-                    f"sync of version {sync.version} it holds version {held}"
+                    f"sync of version {sync.version} it holds version "
+                    f"{None if report is None else report[0]}"
                 )
+            seconds.append(report[1])
         return {
-            "timing_s/weight_sync": sync.publish_s + max(seconds for _, seconds in loads),
-            "perf/weight_sync_bytes": float(sync.nbytes),
+            "timing_s/weight_sync": max(seconds),
+            "perf/weight_sync_bytes": float(self._layout.nbytes),
         }
 
 

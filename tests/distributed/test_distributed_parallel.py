@@ -111,8 +111,10 @@ def _train_rank(rank: int, world: int, strategy: str, max_norm: float) -> list[d
                 "norm": norm,
                 "clipped": clipped,
                 "state": vdist.full_state_dict(wrapped),
-                # what a weight sync publishes: walked one tensor at a time, in state order
-                "tensors": [(n, t.clone()) for n, t in vdist.full_tensors(wrapped)],
+                # what a weight sync publishes: gathered one tensor at a time, in state order
+                "tensors": [
+                    (n, vdist.full_tensor(t).clone()) for n, t in vdist.model_state(wrapped).items()
+                ],
                 "rank0_only_keys": len(vdist.full_state_dict(wrapped, rank0_only=True)),
             }
         )

@@ -9,6 +9,7 @@
   naming the worker.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -108,9 +109,9 @@ def test_async_training_keeps_every_batch_within_the_staleness_bound(
 
 
 class CorruptingRollout:
-    """The rollout group with one bit of one bucket of the sync of ``version`` flipped in
-    transit: the bucket is fetched, altered and put back in the object store under a new
-    reference, which replaces the actor's in the bundle the workers receive."""
+    """The rollout group with one bit of the last bucket of the sync of ``version`` flipped
+    in transit: the bucket is fetched, altered and put back in the object store under a new
+    reference, which replaces the actor's in the call the workers receive."""
 
     def __init__(self, group, version: int) -> None:
         self.group = group
@@ -120,12 +121,12 @@ class CorruptingRollout:
         return getattr(self.group, name)
 
     def call_async(self, method: str, *args, **kwargs):
-        if method == "load_weights" and args[0].version == self.version:
-            bundle = args[0]
-            arrays = [array.copy() for array in ray.get(bundle.payloads[-1])]
-            arrays[0][0] ^= 0x01
-            payloads = (*bundle.payloads[:-1], ray.put(arrays))
-            args = (type(bundle)(bundle.version, bundle.buckets, payloads),)
+        if method == "load_bucket":
+            bucket = ray.get(args[0])
+            if bucket.version == self.version and bucket.index == bucket.count - 1:
+                parts = [part.copy() for part in bucket.parts]
+                next(part for part in parts if part.nbytes)[0] ^= 0x01
+                args = (ray.put(dataclasses.replace(bucket, parts=parts)),)
         return self.group.call_async(method, *args, **kwargs)
 
 
@@ -145,7 +146,7 @@ def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
         with pytest.raises(WorkerGroupError) as raised:
             trainer.train_step(3)
     message = str(raised.value)
-    assert "worker group 'rollout': rank 0" in message and "failed in load_weights()" in message
+    assert "worker group 'rollout': rank 0" in message and "failed in load_bucket()" in message
     assert (
         "WeightSyncError: rollout rank 0 (node 127.0.0.1): weights of version 2 failed" in message
     )

@@ -1,15 +1,16 @@
-"""The weight sync's packing and checks, on real Hugging Face models in one process: a sync
+"""The weight sync's layout and checks, on real Hugging Face models in one process: a sync
 lands every tensor bit for bit, and a corrupted bucket, a missing tensor, a tensor of another
 shape, or a generation asked of a version not held, stops with a WeightSyncError that names
 the worker and the versions. (The sync over real Ray workers: tests/e2e/test_split_rollout.py.)"""
 
-import numpy as np
+import dataclasses
+
 import pytest
 import torch
 
 from verlite.config import ModelConfig
 from verlite.models import build_policy
-from verlite.rollout import WeightBundle, WeightSyncError, pack
+from verlite.rollout import WeightBucket, WeightSyncError, make_bucket, sync_layout
 from verlite.rollout.weights import WeightReceiver
 
 
@@ -18,59 +19,93 @@ def policy(seed: int, dtype: str = "float32") -> torch.nn.Module:
     return build_policy(cfg, vocab_size=40, max_positions=32, seed=seed)
 
 
-def sync(
-    source: torch.nn.Module, version: int, bucket_bytes: int
-) -> tuple[WeightBundle, list[list[np.ndarray]]]:
-    """What the actor publishes, with the bucket payloads kept in memory instead of the
-    object store (each payload copied, as the store's put copies it)."""
-    buckets = list(pack(source.state_dict().items(), bucket_bytes))
-    payloads = [[array.copy() for array in arrays] for _, arrays in buckets]
-    bundle = WeightBundle(version, tuple(spec for spec, _ in buckets), tuple(range(len(buckets))))
-    return bundle, payloads
+def publish(state: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> list[WeightBucket]:
+    """The buckets the actor publishes, as the actor makes them."""
+    layout = sync_layout(state, bucket_bytes)
+    return [
+        make_bucket(
+            version,
+            index,
+            layout,
+            [state[spec.name] for spec in specs],
+            staging=torch.empty(layout.staging_bytes, dtype=torch.uint8),
+            started=0.0,
+        )
+        for index, specs in enumerate(layout.buckets)
+    ]
 
 
-def deliver(receiver: WeightReceiver, bundle: WeightBundle, payloads) -> None:
-    for index, arrays in enumerate(payloads):
-        receiver.load_bucket(index, bundle, arrays)
+def sync(source: torch.nn.Module, version: int, bucket_bytes: int) -> list[WeightBucket]:
+    """What a rollout worker receives: the published buckets with their bytes copied, as the
+    object store's put copies them."""
+    return [
+        dataclasses.replace(bucket, parts=[part.copy() for part in bucket.parts])
+        for bucket in publish(source.state_dict(), version, bucket_bytes)
+    ]
+
+
+def deliver(receiver: WeightReceiver, buckets: list[WeightBucket]) -> None:
+    for bucket in buckets:
+        receiver.load(bucket)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("bucket_bytes", [1, 4096, 2**30])
 def test_a_sync_lands_every_tensor_bit_for_bit(dtype: str, bucket_bytes: int) -> None:
     source, target = policy(1, dtype), policy(2, dtype)
-    bundle, payloads = sync(source, version=7, bucket_bytes=bucket_bytes)
+    buckets = sync(source, version=7, bucket_bytes=bucket_bytes)
     # a tensor larger than a bucket travels alone; otherwise buckets hold several
-    sizes = [len(spec.tensors) for spec in bundle.buckets]
+    sizes = [len(bucket.tensors) for bucket in buckets]
     assert max(sizes) == 1 if bucket_bytes == 1 else max(sizes) > 1
-    assert bundle.nbytes == sum(t.numel() * t.element_size() for t in source.state_dict().values())
+    state = source.state_dict()
+    layout = sync_layout(state, bucket_bytes)
+    assert layout.nbytes == sum(t.numel() * t.element_size() for t in state.values())
+    assert all(
+        sum(part.nbytes for part in b.parts) <= bucket_bytes + 64 * len(b.tensors)
+        or len(b.tensors) == 1
+        for b in buckets
+    )
     receiver = WeightReceiver(target, who="rollout rank 0")
-    deliver(receiver, bundle, payloads)
+    *firsts, last = buckets
+    assert all(receiver.load(bucket) is None for bucket in firsts)
+    assert receiver.version is None  # none while a sync is part-way
+    assert receiver.load(last) > 0.0  # the sync's seconds
     receiver.require(7)
     assert receiver.version == 7
     for name, value in source.state_dict().items():
         assert torch.equal(target.state_dict()[name], value), name
 
 
-def test_packing_views_the_tensors_without_copying_them() -> None:
-    model = policy(1)
-    (spec, arrays), *_ = pack(model.state_dict().items(), 2**30)
-    first = next(iter(model.state_dict().values()))
-    assert arrays[0].ctypes.data == first.data_ptr()
-    assert spec.checksum != (0, 0)
+def test_small_tensors_travel_staged_large_ones_as_views_and_land_without_a_copy() -> None:
+    cfg = ModelConfig(hidden_size=256, num_layers=1, num_heads=4, num_kv_heads=2)
+    source = build_policy(cfg, vocab_size=1024, max_positions=32, seed=1)
+    target = build_policy(cfg, vocab_size=1024, max_positions=32, seed=2)
+    state = source.state_dict()
+    (bucket,) = publish(state, 1, 2**30)
+    large = [spec for spec in bucket.tensors if spec.part]
+    assert large and all(spec.nbytes >= 2**20 for spec in large)  # the embeddings
+    assert all(spec.offset % 64 == 0 for spec in bucket.tensors if not spec.part)
+    for spec in large:  # the actor's own bytes, not a copy
+        assert bucket.parts[spec.part].ctypes.data == state[spec.name].data_ptr()
+    (received,) = sync(source, 1, 2**30)
+    WeightReceiver(target, who="rollout rank 0").load(received)
+    for spec in bucket.tensors:  # the model reads the received bytes
+        held = target.state_dict()[spec.name]
+        assert held.data_ptr() == received.parts[spec.part].ctypes.data + spec.offset
+        assert torch.equal(held, state[spec.name])
 
 
 def test_a_corrupted_bucket_is_refused_and_generation_with_it_too() -> None:
     source, target = policy(1), policy(2)
     receiver = WeightReceiver(target, who="rollout rank 3 (node 10.0.0.2)")
-    bundle, payloads = sync(source, version=1, bucket_bytes=4096)
-    deliver(receiver, bundle, payloads)
-    bundle, payloads = sync(source, version=2, bucket_bytes=4096)
-    payloads[2][0][5] ^= 0x10  # one bit of one byte of the third bucket, in transit
+    deliver(receiver, sync(source, version=1, bucket_bytes=4096))
+    buckets = sync(source, version=2, bucket_bytes=4096)
+    buckets[2].parts[0][5] ^= 0x10  # one bit of one byte of the third bucket, in transit
     with pytest.raises(
         WeightSyncError,
         match=r"rollout rank 3 \(node 10.0.0.2\): weights of version 2 failed their check: bucket 3 of",
     ):
-        deliver(receiver, bundle, payloads)
+        deliver(receiver, buckets)
     assert receiver.version is None
     with pytest.raises(
         WeightSyncError,
@@ -84,8 +119,7 @@ def test_generation_refuses_a_version_it_does_not_hold() -> None:
     receiver = WeightReceiver(target, who="rollout rank 0")
     with pytest.raises(WeightSyncError, match="holds none \\(no weights were synced yet\\)"):
         receiver.require(0)
-    bundle, payloads = sync(source, version=4, bucket_bytes=2**30)
-    deliver(receiver, bundle, payloads)
+    deliver(receiver, sync(source, version=4, bucket_bytes=2**30))
     with pytest.raises(WeightSyncError, match="version 5, but holds version 4"):
         receiver.require(5)
 
@@ -94,31 +128,25 @@ def test_a_sync_that_leaves_a_tensor_unset_or_of_another_shape_is_refused() -> N
     source, target = policy(1), policy(2)
     state = source.state_dict()
     missing = next(iter(state))
-    partial = [(name, value) for name, value in state.items() if name != missing]
-    buckets = list(pack(partial, 2**30))
-    bundle = WeightBundle(3, tuple(spec for spec, _ in buckets), (0,))
+    partial = {name: value for name, value in state.items() if name != missing}
     receiver = WeightReceiver(target, who="rollout rank 0")
     with pytest.raises(
         WeightSyncError, match=f"did not send 1 of the model's tensors \\(e.g. '{missing}'\\)"
     ):
-        deliver(receiver, bundle, [arrays for _, arrays in buckets])
+        deliver(receiver, publish(partial, 3, 2**30))
     assert receiver.version is None
-    wrong = [
-        (name, value.reshape(-1) if name == missing else value) for name, value in state.items()
-    ]
-    buckets = list(pack(wrong, 2**30))
-    bundle = WeightBundle(3, tuple(spec for spec, _ in buckets), (0,))
+    wrong = {name: value.reshape(-1) if name == missing else value for name, value in state.items()}
     with pytest.raises(
         WeightSyncError, match=f"sent '{missing}' as float32 \\[.*\\], the model holds"
     ):
-        deliver(receiver, bundle, [arrays for _, arrays in buckets])
+        deliver(receiver, publish(wrong, 3, 2**30))
 
 
 def test_the_checksum_sees_blocks_swapped_within_a_tensor_and_buckets_out_of_order() -> None:
     source, target = policy(1), policy(2)
-    bundle, payloads = sync(source, version=1, bucket_bytes=4096)
-    largest = max(range(len(payloads)), key=lambda i: payloads[i][0].nbytes)
-    array = payloads[largest][0]
+    buckets = sync(source, version=1, bucket_bytes=4096)
+    largest = max(range(len(buckets)), key=lambda i: buckets[i].parts[0].nbytes)
+    array = buckets[largest].parts[0]
     assert array.nbytes >= 2 * 4096
     first, second = array[:4096].copy(), array[4096:8192].copy()
     array[:4096], array[4096:8192] = second, first  # same words, other places
@@ -126,11 +154,11 @@ def test_the_checksum_sees_blocks_swapped_within_a_tensor_and_buckets_out_of_ord
     with pytest.raises(
         WeightSyncError, match=f"bucket {largest + 1} of .* failed|failed their check"
     ):
-        deliver(receiver, bundle, payloads)
-    bundle, payloads = sync(source, version=2, bucket_bytes=4096)
-    receiver.load_bucket(0, bundle, payloads[0])
+        deliver(receiver, buckets)
+    buckets = sync(source, version=2, bucket_bytes=4096)
+    receiver.load(buckets[0])
     with pytest.raises(WeightSyncError, match="delivered bucket 3 where bucket 2 was due"):
-        receiver.load_bucket(2, bundle, payloads[2])
+        receiver.load(buckets[2])
 
 
 def test_a_sync_lands_in_the_parameters_the_model_holds_now() -> None:
@@ -140,6 +168,5 @@ def test_a_sync_lands_in_the_parameters_the_model_holds_now() -> None:
     receiver = WeightReceiver(target, who="rollout rank 0")
     name = "model.norm.weight"
     target.model.norm.weight = torch.nn.Parameter(target.model.norm.weight.detach().clone())
-    bundle, payloads = sync(source, version=1, bucket_bytes=2**30)
-    deliver(receiver, bundle, payloads)
+    deliver(receiver, sync(source, version=1, bucket_bytes=2**30))
     assert torch.equal(target.state_dict()[name], source.state_dict()[name])

@@ -3,6 +3,7 @@
 reference log-probs), a rollout worker given its weights generates exactly its batch, and
 the model it exports computes the trained policy's log-probs."""
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.data.dataset import PromptDataset
-from verlite.distributed import full_tensors
-from verlite.rollout import SamplingParams, WeightBundle, WeightSyncError, pack, sample_keys
+from verlite.rollout import SamplingParams, WeightSyncError, sample_keys
 from verlite.workers.actor import ActorWorker
 from verlite.workers.rollout import RolloutWorker
 
@@ -87,11 +87,16 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
 def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
     tmp_path: Path,
 ) -> None:
-    """What ``rollout.placement=split`` relies on: the weights packed by the actor's sync,
-    loaded by a rollout worker, give bit for bit the batch the actor generates itself; the
+    """What ``rollout.placement=split`` relies on: the weights published by the actor's sync,
+    bucket by bucket, loaded by a rollout worker, give bit for bit the batch the actor generates itself; the
     worker refuses to generate before the sync and with another version."""
     cfg = load_config(
-        "configs/ppo_tiny.yaml", ["rollout.placement=split", f"trainer.output_dir={tmp_path}"]
+        "configs/ppo_tiny.yaml",
+        [
+            "rollout.placement=split",
+            "rollout.sync_bucket_mb=0.01",
+            f"trainer.output_dir={tmp_path}",
+        ],
     )
     actor, tokenizer, train_set = _actor(cfg)
     with torch.no_grad():  # weights no fresh model has
@@ -105,10 +110,14 @@ def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
     with pytest.raises(WeightSyncError, match="holds none \\(no weights were synced yet\\)"):
         rollout.generate(prompts, sampling, 7, 0)
 
-    buckets = list(pack(full_tensors(actor.engine.model), 4096))
-    bundle = WeightBundle(5, tuple(spec for spec, _ in buckets), tuple(range(len(buckets))))
-    for index, (_, arrays) in enumerate(buckets):
-        rollout.engine.load_bucket(index, bundle, [array.copy() for array in arrays])
+    layout = actor.weight_layout()
+    assert len(layout.buckets) > 1
+    for index in range(len(layout.buckets)):
+        bucket = actor.publish_bucket(5, index)
+        copied = [part.copy() for part in bucket.parts]  # as the object store's put copies
+        assert rollout.load_bucket(dataclasses.replace(bucket, parts=copied)) == (
+            None if index < len(layout.buckets) - 1 else (5, pytest.approx(0.0, abs=60))
+        )
     assert rollout.engine.version == 5
     generated = rollout.generate(prompts, sampling, 7, 5)
     expected = actor.generate(prompts, sampling, 7)

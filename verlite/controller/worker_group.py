@@ -21,7 +21,9 @@ from verlite.controller.resource_pool import ResourcePool
 from verlite.controller.transport import install_in_worker, use_tensordict_transport
 from verlite.controller.worker import Worker
 
-# Arguments of these types are sent inline with each call. Anything else that several
+# Arguments of these types are sent inline with each call; an object reference (another
+# call's result, see ``PendingCall.ref``) is passed as it is, and Ray hands the rank its
+# value once it exists. Anything else that several
 # ranks receive (a broadcast) is put in the object store once and passed by reference, so
 # it is serialized once, not once per rank; what one rank alone receives (its share of a
 # dp_split) goes with its call, which Ray sends inline when small and through the object
@@ -47,6 +49,11 @@ class PendingCall:
         self._refs = refs
         self._mode = mode
         self._restore = restore
+
+    def ref(self, rank: int) -> ray.ObjectRef[Any]:
+        """One rank's result, unresolved: passed to another call, it reaches that call's
+        ranks without passing through the driver."""
+        return self._refs[rank]
 
     def result(self) -> Any:
         """The collected result; raises :class:`WorkerGroupError` at the first failed rank."""
@@ -227,7 +234,7 @@ class WorkerGroup:
 def _transport(value: Any, shared: set[int], stored: dict[int, Any]) -> Any:
     """How ``value`` travels to a rank: inline, with the call, or as a reference to the one
     copy in the object store when several ranks receive it (see ``_INLINE``)."""
-    if isinstance(value, _INLINE) or id(value) not in shared:
+    if isinstance(value, (*_INLINE, ray.ObjectRef)) or id(value) not in shared:
         return value
     if id(value) not in stored:
         stored[id(value)] = ray.put(value)

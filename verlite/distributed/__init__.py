@@ -17,9 +17,10 @@ from verlite.distributed.parallel import (
     find_decoder_layers,
     full_grads,
     full_state_dict,
-    full_tensors,
+    full_tensor,
     grad_sync,
     inference_module,
+    model_state,
 )
 from verlite.distributed.process_group import (
     default_backend,
@@ -49,7 +50,7 @@ __all__ = [
     "find_free_port",
     "full_grads",
     "full_state_dict",
-    "full_tensors",
+    "full_tensor",
     "get_rank",
     "get_world_size",
     "grad_sync",
@@ -57,6 +58,7 @@ __all__ = [
     "init_from_env",
     "init_process_group",
     "is_initialized",
+    "model_state",
     "rank_gpus",
     "run_on_ranks",
 ]

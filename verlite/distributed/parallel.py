@@ -161,17 +161,21 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
     }
 
 
-def full_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """The model state one tensor at a time, unsharded, keyed as the unwrapped model's,
-    without copying what is already whole: the live tensors of a DDP or plain model (read
-    them before the next update changes them), each FSDP2 shard gathered in turn.
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's live state keyed as the unwrapped model's: whole tensors of a DDP or
+    plain model, FSDP2's sharded ones (DTensors, whose shapes are the full ones)."""
+    return dict(_unwrap(model).state_dict())
 
-    Collective under FSDP2: every rank must walk the whole iterator.
+
+def full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A tensor of :func:`model_state` whole, without copying what is already whole (read
+    it before the next update changes it).
+
+    Collective for a sharded tensor: every rank must call it, in the same order.
     """
-    for name, value in _unwrap(model).state_dict().items():
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        yield name, value.detach()
+    if isinstance(value, DTensor):
+        value = value.full_tensor()
+    return value.detach()
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,7 +11,13 @@ not depend on its layout.
 from verlite.rollout.engine import NativeEngine, RolloutEngine
 from verlite.rollout.native import NativeRollout, SamplingParams, sample_next_token
 from verlite.rollout.noise import KeyedNoise, Noise, StreamNoise, noise_for, sample_keys
-from verlite.rollout.weights import WeightBundle, WeightSyncError, pack
+from verlite.rollout.weights import (
+    SyncLayout,
+    WeightBucket,
+    WeightSyncError,
+    make_bucket,
+    sync_layout,
+)
 
 __all__ = [
     "KeyedNoise",
@@ -21,10 +27,12 @@ __all__ = [
     "RolloutEngine",
     "SamplingParams",
     "StreamNoise",
-    "WeightBundle",
+    "SyncLayout",
+    "WeightBucket",
     "WeightSyncError",
+    "make_bucket",
     "noise_for",
-    "pack",
     "sample_keys",
     "sample_next_token",
+    "sync_layout",
 ]

@@ -2,10 +2,10 @@
 
 A rollout worker holds one engine. What an engine must do, and nothing more:
 
-- ``load_bucket(index, bundle, arrays)``: take bucket ``index`` of a weight sync
-  (``verlite.rollout.weights``) into its model, and check what landed against the actor's
-  checksum; ``version`` is the version it holds, checked (None: none), and
-  ``require(version)`` refuses any other.
+- ``load_bucket(bucket)``: take one bucket of a weight sync (``verlite.rollout.weights``)
+  into its model, and check what landed against the actor's checksum (after the last
+  bucket: the sync's seconds); ``version`` is the version it holds, checked (None: none),
+  and ``require(version)`` refuses any other.
 - ``generate(prompts, params, noise)``: responses to left-padded prompts as the step
   TensorDict of ``verlite.step_batch``, each response token drawn with its row's own noise
   (``verlite.rollout.noise``: per-sample keys, so that a run does not depend on its layout),
@@ -19,22 +19,18 @@ methods, without touching the trainer.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
-import numpy as np
 from tensordict import TensorDict
 from torch import nn
 
 from verlite.rollout.native import NativeRollout, SamplingParams
 from verlite.rollout.noise import Noise
-from verlite.rollout.weights import WeightBundle, WeightReceiver
+from verlite.rollout.weights import WeightBucket, WeightReceiver
 
 
 class RolloutEngine(Protocol):
-    def load_bucket(
-        self, index: int, bundle: WeightBundle, arrays: Sequence[np.ndarray]
-    ) -> None: ...
+    def load_bucket(self, bucket: WeightBucket) -> float | None: ...
 
     def require(self, version: int) -> None: ...
 
@@ -58,8 +54,8 @@ class NativeEngine:
             model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lockstep=False
         )
 
-    def load_bucket(self, index: int, bundle: WeightBundle, arrays: Sequence[np.ndarray]) -> None:
-        self.receiver.load_bucket(index, bundle, arrays)
+    def load_bucket(self, bucket: WeightBucket) -> float | None:
+        return self.receiver.load(bucket)
 
     def require(self, version: int) -> None:
         self.receiver.require(version)

@@ -1,34 +1,40 @@
-"""Weight sync from the actor to the rollout workers: bucketed, versioned, checked where the
-weights land.
+"""Weight sync from the actor to the rollout workers: bucketed, pipelined, versioned, checked
+where the weights land.
 
-The actor walks its state one tensor at a time and groups the tensors into buckets of about
-``bucket_bytes`` (a tensor larger than a bucket travels alone). A bucket is the list of its
-tensors' bytes, viewed without a copy; the transport's one copy (the object store's put)
-is the only one. Each bucket carries a checksum of those bytes, computed by the actor,
-and every sync carries a version number (the actor's update count).
+The actor's state is laid out in buckets of about ``bucket_bytes`` (a tensor larger than a
+bucket travels alone; :func:`sync_layout`), each tensor at a 64-byte aligned offset of its
+bucket. A sync of version ``v`` (the actor's update count) is one call per bucket on the
+actor and one on each rollout worker: the actor's call copies the bucket's tensors into a
+staging buffer and returns it as one flat array with their checksum (:func:`make_bucket`),
+and the rollout worker's call takes that return value by reference, so it loads bucket
+``i`` while the actor prepares bucket ``i + 1``. The object store holds each bucket once
+per node; a rollout worker on the CPU makes its model's tensors views of it (no copy), one
+on a GPU copies them in.
 
-A rollout worker copies each bucket into its own model and then computes the checksum of
-the bytes *now in its model's tensors*. The check passes only when the weights arrived
-intact and landed in the model that generates: the failure peers' users hit for weeks, a
-sync that delivered nothing, fails it as surely as a corrupted bucket. Until every bucket
-has passed, the worker holds no valid version, and generation refuses to run on it.
+A rollout worker then computes the checksum of the bytes *now in its model's tensors*. The
+check passes only when the weights arrived intact and landed in the model that generates:
+the failure peers' users hit for weeks, a sync that delivered nothing, fails it as surely
+as a corrupted bucket. Until every bucket has passed, the worker holds no valid version,
+and generation refuses to run on it.
 
 The checksum is Fletcher-like over 64-bit words: the wrapping sum of the words, and the sum
-of each 4 KiB block's word sum weighted by the block's place in the bucket. It changes with
-any single corrupted word or bit, a tensor left unwritten, two tensors or two blocks
-swapped; it does not see words reordered within one 4 KiB block, nor tie a name to its
-bytes (the spec's order does), and it is not a cryptographic digest (nothing here defends
-against someone who can write the object store). Non-persistent buffers (a rotary
-embedding's ``inv_freq``) are not part of a model's state: each side computes its own. It runs at memory speed (a CRC-32 costs 3 copies' time on this CPU, which made the
-sync 3-4x a bare transfer).
+of each 4 KiB block's word sum weighted by the block's place in the bucket (blocks counted
+tensor by tensor). It changes with any single corrupted word or bit, a tensor left
+unwritten, two tensors or two blocks swapped; it does not see words reordered within one
+4 KiB block, nor tie a name to its bytes (the layout's order does), and it is not a
+cryptographic digest (nothing here defends against someone who can write the object
+store). It runs at memory speed (a CRC-32 costs 3 copies' time on this CPU, which made the
+sync 3-4x a bare transfer). Non-persistent buffers (a rotary embedding's ``inv_freq``) are
+not part of a model's state: each side computes its own.
 """
 
 from __future__ import annotations
 
+import math
+import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -44,32 +50,62 @@ class WeightSyncError(RunFailure):
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """A tensor of a bucket: its name, dtype and shape, and where its bytes lie: at
+    ``offset`` of the bucket's part ``part``."""
+
     name: str
     dtype: str
     shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BucketSpec:
-    """The tensors of one bucket, in order, their bytes and the checksum the actor computed."""
-
-    tensors: tuple[TensorSpec, ...]
+    part: int
+    offset: int
     nbytes: int
-    checksum: tuple[int, int]
+
+
+ALIGN = 64  # bytes; every tensor of a staged part starts at a multiple
+# A tensor at least this large travels as a part of its own, a view of the actor's tensor;
+# smaller ones are copied together into part 0 (the object store's cost per part is
+# about what copying 1 MiB costs).
+OWN_PART_BYTES = 2**20
 
 
 @dataclass(frozen=True)
-class WeightBundle:
-    """One sync: the version, each bucket's spec, and one object-store reference per bucket
-    (to the list of its tensors' bytes)."""
+class SyncLayout:
+    """The tensors of each bucket of a sync, in order."""
 
-    version: int
-    buckets: tuple[BucketSpec, ...]
-    payloads: tuple[Any, ...]
+    buckets: tuple[tuple[TensorSpec, ...], ...]
 
     @property
     def nbytes(self) -> int:
-        return sum(bucket.nbytes for bucket in self.buckets)
+        """The bytes of the weights."""
+        return sum(spec.nbytes for bucket in self.buckets for spec in bucket)
+
+    @property
+    def staging_bytes(self) -> int:
+        """The size of the largest bucket's part 0, alignment gaps included."""
+        return max(
+            (
+                spec.offset + spec.nbytes
+                for bucket in self.buckets
+                for spec in bucket
+                if not spec.part
+            ),
+            default=0,
+        )
+
+
+@dataclass(frozen=True)
+class WeightBucket:
+    """Bucket ``index`` of the ``count`` of the sync of ``version``: its tensors' specs and
+    bytes (flat arrays, the parts), the checksum the actor computed, and the seconds the
+    actor took to prepare it."""
+
+    version: int
+    index: int
+    count: int
+    tensors: tuple[TensorSpec, ...]
+    parts: list[np.ndarray]
+    checksum: tuple[int, int]
+    seconds: float
 
 
 MASK64 = 2**64 - 1
@@ -78,65 +114,102 @@ MASK64 = 2**64 - 1
 def byte_view(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as a flat uint8 array: a view of a contiguous CPU tensor, a copy
     only of a strided or device tensor."""
-    flat = tensor.detach().cpu().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy()
+    return flat_bytes(tensor.detach().cpu()).numpy()
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor on its device (a view when contiguous)."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 BLOCK_WORDS = 512  # 4 KiB: the granularity at which the checksum sees positions
 
 
 def _block_sums(data: torch.Tensor) -> torch.Tensor:
-    """The wrapping sums of the 4 KiB blocks of a flat uint8 tensor's 64-bit words (the
-    last block shorter, its last word the tail of fewer than 8 bytes)."""
+    """The wrapping sums of the 4 KiB blocks of a flat uint8 tensor's 64-bit words (the last
+    block shorter, its last word the tail of fewer than 8 bytes), on its device."""
     whole = data.numel() // 8 * 8
     head = data[:whole]
-    if head.storage_offset() % 8:  # a word view needs aligned bytes
+    if head.data_ptr() % 8:  # a word view needs aligned bytes
         head = head.clone()
     words = head.view(torch.int64)
     full = words.numel() // BLOCK_WORDS * BLOCK_WORDS
-    sums = [words[:full].view(-1, BLOCK_WORDS).sum(dim=1)]
-    tail = int.from_bytes(data[whole:].numpy().tobytes(), "little")
-    if full < words.numel() or tail:
-        rest = (int(words[full:].sum()) + tail) & MASK64
-        sums.append(torch.tensor([rest - 2**64 if rest >= 2**63 else rest], dtype=torch.int64))
-    return torch.cat(sums)
+    sums = words[:full].view(-1, BLOCK_WORDS).sum(dim=1)
+    if full == words.numel() and whole == data.numel():
+        return sums
+    tail = int.from_bytes(data[whole:].cpu().numpy().tobytes(), "little")
+    rest = (int(words[full:].sum()) + tail) & MASK64
+    signed = rest - 2**64 if rest >= 2**63 else rest
+    return torch.cat([sums, torch.tensor([signed], dtype=torch.int64, device=data.device)])
 
 
-def checksum(arrays: Iterable[np.ndarray]) -> tuple[int, int]:
-    """The checksum of the bytes of a bucket's tensors in order (writable arrays: the
-    actor's tensors, the receiver's after the copy; see the module docstring):
-    the wrapping sum of every 4 KiB block's word sum, and of each block sum times the
-    block's place in the bucket."""
-    plain = weighted = 0
-    place = 1
-    for array in arrays:
-        sums = _block_sums(torch.from_numpy(array))
-        places = torch.arange(place, place + sums.numel(), dtype=torch.int64)
-        plain = (plain + int(sums.sum())) & MASK64
-        weighted = (weighted + int((sums * places).sum())) & MASK64
-        place += sums.numel()
-    return plain, weighted
+def checksum(data: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """The checksum of the bytes of a bucket's tensors in order (flat uint8 tensors, all on
+    one device; see the module docstring): the wrapping sum of every 4 KiB block's word
+    sum, and of each block sum times the block's place in the bucket."""
+    sums = torch.cat([_block_sums(tensor) for tensor in data])
+    places = torch.arange(1, sums.numel() + 1, dtype=torch.int64, device=sums.device)
+    return int(sums.sum()) & MASK64, int(sums.mul_(places).sum()) & MASK64
 
 
-def pack(
-    tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[tuple[BucketSpec, list[np.ndarray]]]:
-    """The buckets of a state, in order: each one's spec and its tensors' bytes."""
-    specs: list[TensorSpec] = []
-    arrays: list[np.ndarray] = []
-    size = 0
-    for name, tensor in tensors:
-        array = byte_view(tensor)
-        if arrays and size + array.nbytes > bucket_bytes:
-            yield BucketSpec(tuple(specs), size, checksum(arrays)), arrays
-            specs, arrays, size = [], [], 0
-        specs.append(
-            TensorSpec(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-        )
-        arrays.append(array)
-        size += array.nbytes
-    if arrays:
-        yield BucketSpec(tuple(specs), size, checksum(arrays)), arrays
+def sync_layout(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> SyncLayout:
+    """The buckets of a sync of ``state`` (whole or sharded tensors: their full shapes)."""
+    buckets: list[tuple[TensorSpec, ...]] = []
+    bucket: list[TensorSpec] = []
+    size = staged = 0
+    for name, tensor in state.items():
+        nbytes = math.prod(tensor.shape) * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            buckets.append(tuple(bucket))
+            bucket, size, staged = [], 0, 0
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if nbytes >= OWN_PART_BYTES:
+            parts = 1 + sum(1 for spec in bucket if spec.part)
+            bucket.append(TensorSpec(name, dtype, tuple(tensor.shape), parts, 0, nbytes))
+        else:
+            bucket.append(TensorSpec(name, dtype, tuple(tensor.shape), 0, staged, nbytes))
+            staged += -(-nbytes // ALIGN) * ALIGN
+        size += nbytes
+    if bucket:
+        buckets.append(tuple(bucket))
+    return SyncLayout(tuple(buckets))
+
+
+def make_bucket(
+    version: int,
+    index: int,
+    layout: SyncLayout,
+    tensors: Sequence[torch.Tensor],
+    *,
+    staging: torch.Tensor,
+    started: float,
+) -> WeightBucket:
+    """Bucket ``index`` of ``layout`` from its whole ``tensors``: the small ones copied into
+    ``staging`` (uint8 on the CPU, at least ``layout.staging_bytes``), which part 0 views
+    and which must not be written again before the bucket was sent; the large ones viewed
+    as they are (copied only off a device). ``started`` is the ``time.perf_counter()`` at
+    which the actor began preparing it."""
+    specs = layout.buckets[index]
+    parts: list[np.ndarray] = [staging[:0].numpy()]
+    regions = []
+    for spec, tensor in zip(specs, tensors, strict=True):
+        if spec.part:
+            parts.append(byte_view(tensor))
+            regions.append(torch.from_numpy(parts[-1]))
+            continue
+        region = staging[spec.offset : spec.offset + spec.nbytes]
+        region.copy_(flat_bytes(tensor))
+        regions.append(region)
+        parts[0] = staging[: spec.offset + spec.nbytes].numpy()
+    return WeightBucket(
+        version,
+        index,
+        len(layout.buckets),
+        specs,
+        parts,
+        checksum(regions),
+        time.perf_counter() - started,
+    )
 
 
 class WeightReceiver:
@@ -147,45 +220,61 @@ class WeightReceiver:
         self.model = model
         self.who = who
         self.version: int | None = None
-        self.targets: dict[str, torch.Tensor] = {}
+        self._targets: dict[str, torch.Tensor] = {}
+        self._sent: set[str] = set()
         self._next = 0  # the bucket a sync in progress expects next
+        self._started = 0.0
         self._failure = "no weights were synced yet"
 
     @torch.no_grad()
-    def load_bucket(self, index: int, bundle: WeightBundle, arrays: Sequence[np.ndarray]) -> None:
-        """Copy bucket ``index`` of ``bundle`` into the model and check what landed there."""
-        if index == 0:  # no valid version while a sync is part-way
+    def load(self, bucket: WeightBucket) -> float | None:
+        """Land ``bucket`` in the model and check what landed there; after the last
+        bucket, the seconds of the sync: the actor's first bucket, then this worker's time
+        from starting to take it to the last bucket's check."""
+        if bucket.index == 0:  # no valid version while a sync is part-way
             self.version = None
-            self._failure = f"the sync of version {bundle.version} did not complete"
-            # The model's tensors as they are now: a sync writes where generation reads.
-            self.targets = dict(self.model.state_dict())
+            self._failure = f"the sync of version {bucket.version} did not complete"
+            # The model's own tensors as they are now (not detached aliases, which a view
+            # would rebind without the model seeing it): a sync lands where generation reads.
+            self._targets = dict(self.model.state_dict(keep_vars=True))
+            self._sent = set()
             self._next = 0
-        if index != self._next:
+            self._started = time.perf_counter() - bucket.seconds
+        if bucket.index != self._next:
             raise WeightSyncError(
-                f"{self.who}: the sync of version {bundle.version} delivered bucket "
-                f"{index + 1} where bucket {self._next + 1} was due"
+                f"{self.who}: the sync of version {bucket.version} delivered bucket "
+                f"{bucket.index + 1} where bucket {self._next + 1} was due"
             )
-        spec = bundle.buckets[index]
         landed = []
         with warnings.catch_warnings():
-            # The object store's buffers are read-only; they are only read from here.
+            # The object store's buffers are read-only; the model only reads its weights.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            for tensor_spec, array in zip(spec.tensors, arrays, strict=True):
-                target = self._target(tensor_spec, bundle.version)
-                target.copy_(torch.from_numpy(array).view(target.dtype).reshape(target.shape))
-                landed.append(byte_view(target))
+            parts = [torch.from_numpy(part) for part in bucket.parts]
+        for spec in bucket.tensors:
+            target = self._target(spec, bucket.version)
+            region = parts[spec.part][spec.offset : spec.offset + spec.nbytes]
+            received = region.view(target.dtype).reshape(target.shape)
+            if target.device.type == "cpu":
+                target.data = received  # the model reads the received bytes, not a copy
+            else:
+                target.copy_(received)
+            landed.append(flat_bytes(target))
+            self._sent.add(spec.name)
         held = checksum(landed)
         self._next += 1
-        if held != spec.checksum:
-            self._failure = f"the sync of version {bundle.version} failed its check"
+        if held != bucket.checksum:
+            self._failure = f"the sync of version {bucket.version} failed its check"
             raise WeightSyncError(
-                f"{self.who}: weights of version {bundle.version} failed their check: bucket "
-                f"{index + 1} of {len(bundle.buckets)} ({len(spec.tensors)} tensors from "
-                f"{spec.tensors[0].name!r}) holds checksum {_hex(held)} in the model, the actor "
-                f"sent {_hex(spec.checksum)}; generation is refused until a sync succeeds"
+                f"{self.who}: weights of version {bucket.version} failed their check: bucket "
+                f"{bucket.index + 1} of {bucket.count} ({len(bucket.tensors)} tensors from "
+                f"{bucket.tensors[0].name!r}) holds checksum {_hex(held)} in the model, the "
+                f"actor sent {_hex(bucket.checksum)}; generation is refused until a sync "
+                "succeeds"
             )
-        if index == len(bundle.buckets) - 1:
-            self._complete(bundle)
+        if bucket.index < bucket.count - 1:
+            return None
+        self._complete(bucket.version)
+        return time.perf_counter() - self._started
 
     def require(self, version: int) -> None:
         """Raise unless the model holds, checked, the weights of ``version``."""
@@ -197,7 +286,7 @@ class WeightReceiver:
             )
 
     def _target(self, spec: TensorSpec, version: int) -> torch.Tensor:
-        target = self.targets.get(spec.name)
+        target = self._targets.get(spec.name)
         if target is None:
             raise WeightSyncError(
                 f"{self.who}: the sync of version {version} sent {spec.name!r}, which this "
@@ -213,16 +302,15 @@ class WeightReceiver:
             )
         return target
 
-    def _complete(self, bundle: WeightBundle) -> None:
-        sent = {t.name for bucket in bundle.buckets for t in bucket.tensors}
-        missing = sorted(self.targets.keys() - sent)
+    def _complete(self, version: int) -> None:
+        missing = sorted(self._targets.keys() - self._sent)
         if missing:
-            self._failure = f"the sync of version {bundle.version} left tensors unset"
+            self._failure = f"the sync of version {version} left tensors unset"
             raise WeightSyncError(
-                f"{self.who}: the sync of version {bundle.version} did not send {len(missing)} "
+                f"{self.who}: the sync of version {version} did not send {len(missing)} "
                 f"of the model's tensors (e.g. {missing[0]!r})"
             )
-        self.version = bundle.version
+        self.version = version
 
 
 def _hex(pair: tuple[int, int]) -> str:

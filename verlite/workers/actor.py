@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import copy
+import time
 from functools import partial
 
-import ray
 import torch
 from tensordict import TensorDict
 from torch import nn
 
 from verlite.core.metrics import MetricDict
-from verlite.distributed import full_state_dict, full_tensors, inference_module
+from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import NativeRollout, SamplingParams, WeightBundle, pack
+from verlite.rollout import (
+    NativeRollout,
+    SamplingParams,
+    SyncLayout,
+    WeightBucket,
+    make_bucket,
+    sync_layout,
+)
 from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_log_probs
@@ -39,6 +46,7 @@ class ActorWorker(EngineWorker, PolicyWorker):
         self.reference = (
             copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
         )
+        self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
         self.engine = TrainEngine(
             policy,
             cfg=cfg.actor,
@@ -98,21 +106,34 @@ class ActorWorker(EngineWorker, PolicyWorker):
             out["ref_log_prob"] = ref["ref_log_prob"]
         return out.cpu()
 
-    def publish_weights(self, version: int) -> WeightBundle | None:
-        """Collective: the policy's weights as a sync of ``version`` (see
-        ``verlite.rollout.weights``), put in the object store bucket by bucket by rank 0
-        (the others take part in FSDP's gathers and return None)."""
-        tensors = full_tensors(self.engine.model)
+    def weight_layout(self) -> SyncLayout:
+        """The buckets of a weight sync (``verlite.rollout.weights``), the same on every rank."""
+        return sync_layout(model_state(self.engine.model), self._sync_bucket_bytes)
+
+    def publish_bucket(self, version: int, index: int) -> WeightBucket | None:
+        """Collective: bucket ``index`` of the sync of ``version``, from rank 0 (the others
+        take part in FSDP's gathers and return None). Bucket 0 starts a sync: the state
+        and its layout are read then, and every bucket must follow, in order, before the
+        next update. One staging buffer serves every bucket: Ray stores a call's result
+        before it runs the next call."""
+        started = time.perf_counter()
+        if index == 0:
+            self._publishing = model_state(self.engine.model)
+            self._layout = sync_layout(self._publishing, self._sync_bucket_bytes)
+        specs = self._layout.buckets[index]
+        tensors = [full_tensor(self._publishing[spec.name]) for spec in specs]
         if self.rank != 0:
-            for _ in tensors:
-                pass
             return None
-        bucket_bytes = int(self.cfg.rollout.sync_bucket_mb * 2**20)
-        specs, payloads = [], []
-        for spec, arrays in pack(tensors, bucket_bytes):
-            specs.append(spec)
-            payloads.append(ray.put(arrays))
-        return WeightBundle(version, tuple(specs), tuple(payloads))
+        size = self._layout.staging_bytes
+        if self._staging.numel() < size:
+            self._staging = torch.empty(size, dtype=torch.uint8)
+        return make_bucket(
+            version, index, self._layout, tensors, staging=self._staging, started=started
+        )
+
+    @property
+    def _sync_bucket_bytes(self) -> int:
+        return int(self.cfg.rollout.sync_bucket_mb * 2**20)
 
     def export_hf(self, path: str) -> None:
         """Collective: the trained policy in Hugging Face format, gathered on and written by

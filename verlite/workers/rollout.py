@@ -3,13 +3,10 @@ that weight syncs from the actor replace (``verlite.rollout.weights``); no optim
 
 from __future__ import annotations
 
-import time
-
-import ray
 from tensordict import TensorDict
 
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBundle
+from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBucket
 from verlite.workers.policy_worker import PolicyWorker
 
 
@@ -36,13 +33,12 @@ class RolloutWorker(PolicyWorker):
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         """Rollout ranks share no collectives: no process group to join."""
 
-    def load_weights(self, bundle: WeightBundle) -> tuple[int | None, float]:
-        """Take the sync ``bundle`` bucket by bucket, each checked where it landed (raises
-        :class:`~verlite.rollout.WeightSyncError`); the version now held and the seconds."""
-        start = time.perf_counter()
-        for index, payload in enumerate(bundle.payloads):
-            self.engine.load_bucket(index, bundle, ray.get(payload))
-        return self.engine.version, time.perf_counter() - start
+    def load_bucket(self, bucket: WeightBucket) -> tuple[int | None, float] | None:
+        """Take one bucket of a weight sync (the actor's return value, by reference), checked
+        where it landed (raises :class:`~verlite.rollout.WeightSyncError`); after the last
+        bucket, the version now held and the sync's seconds."""
+        seconds = self.engine.load_bucket(bucket)
+        return None if seconds is None else (self.engine.version, seconds)
 
     def generate(
         self, prompts: TensorDict, params: SamplingParams, seed: int, version: int

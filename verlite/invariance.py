@@ -63,7 +63,7 @@ from verlite.workers.objectives import (
 )
 
 Role = Literal["actor", "critic"]
-MICRO_LAYOUTS = ("1", "2", "full", "dynamic")
+MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic")
 STRATEGIES = ("ddp", "fsdp")
 Optimizer = Literal["sgd", "configured"]
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-9}
@@ -181,8 +181,14 @@ def audit_device(cfg: Config) -> torch.device:
 
 def micro_settings(micro: str, *, rows_per_worker: int, longest: int) -> dict[str, Any]:
     """A role's micro-batching fields for the micro layout ``micro``: a number of rows per
-    micro-batch, ``full`` (the worker's whole mini-batch share, ``rows_per_worker``) or
-    ``dynamic`` (a token budget of two of the longest rows, so micro-batches differ in rows)."""
+    micro-batch, ``full`` (the worker's whole mini-batch share, ``rows_per_worker``),
+    ``dynamic`` (a token budget of two of the longest rows, so micro-batches differ in
+    rows), or ``packed`` / ``packed-dynamic``: 2 rows / that budget per micro-batch, run as
+    packed rows (``packing``)."""
+    if micro.startswith("packed"):
+        unpacked = "dynamic" if micro == "packed-dynamic" else "2"
+        settings = micro_settings(unpacked, rows_per_worker=rows_per_worker, longest=longest)
+        return {**settings, "packing": True}
     if micro == "dynamic":
         return {"use_dynamic_bsz": True, "max_token_len_per_worker": 2 * longest}
     rows = rows_per_worker if micro == "full" else int(micro)

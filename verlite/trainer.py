@@ -42,7 +42,7 @@ from verlite.data import (
     prompt_tensordict,
 )
 from verlite.errors import RunFailure
-from verlite.models import check_tokenizer_fits
+from verlite.models import check_packing_supported, check_tokenizer_fits
 from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams, sample_keys
@@ -147,6 +147,9 @@ class RunInputs:
     def load(cls, cfg: Config) -> RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model, len(tokenizer))
+        for role in ("actor", "critic"):
+            if getattr(cfg, role).packing:
+                check_packing_supported(cfg.model, role=role)
         train_set, val_set = build_datasets(cfg, tokenizer)
         reward_fn = resolve_reward(cfg)
         if "mlflow" in cfg.trainer.loggers:

@@ -3,8 +3,9 @@
 Real spawned ranks with gloo, a tiny Hugging Face Llama (actor) and value model (critic),
 float64, ragged prompts and responses with a fully masked row, truncated importance weights
 on the policy token losses, all five loss_agg_modes, DDP and FSDP2, dp 1/2/4, micro-batches
-of 1, 2, all rows, and a token budget: one plain SGD step, and three steps of AdamW with
-gradient clipping active, as training runs.
+of 1, 2, all rows, and a token budget, padded or packed (2 rows or the budget per packed
+row): one plain SGD step, and three steps of AdamW with gradient clipping active, as
+training runs.
 """
 
 import itertools
@@ -13,7 +14,7 @@ import pytest
 
 from verlite.config import load_config
 from verlite.core.losses import LOSS_AGG_MODES
-from verlite.invariance import Case, check_invariance, make_batch, run_case
+from verlite.invariance import MICRO_LAYOUTS, Case, check_invariance, make_batch, run_case
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
 TOLERANCE = 1e-9
@@ -24,7 +25,7 @@ ADAMW = load_config(
     ["model.dtype=float64", f"actor.optim.grad_clip={CLIP}", f"critic.optim.grad_clip={CLIP}"],
 )
 ADAMW_STEPS = 3
-ADAMW_MICROS = ["1", "full", "dynamic"]
+ADAMW_MICROS = ["1", "full", "dynamic", "packed-dynamic"]
 
 
 # dp 1 runs DDP only (FSDP2 over one rank shards nothing), dp 2 FSDP2 only (DDP is the same
@@ -34,7 +35,7 @@ def test_all_modes_and_micro_layouts_match_the_reference(dp: int, strategy: str)
     reports = check_invariance(
         CONFIG, dps=[dp], strategies=[strategy], loss_agg_modes=LOSS_AGG_MODES
     )
-    assert len(reports) == len(LOSS_AGG_MODES) * 4 * 2
+    assert len(reports) == len(LOSS_AGG_MODES) * len(MICRO_LAYOUTS) * 2
     failures = [r for r in reports if r.worst() > TOLERANCE]
     assert not failures, failures
 
@@ -44,11 +45,11 @@ def test_negative_control_per_micro_batch_normalization_differs() -> None:
         CONFIG,
         dps=[2],
         strategies=["ddp"],
-        micros=["1", "dynamic"],
+        micros=["1", "dynamic", "packed-dynamic"],
         loss_agg_modes=LOSS_AGG_MODES,
         naive=True,
     )
-    assert len(reports) == len(LOSS_AGG_MODES) * 2 * 2
+    assert len(reports) == len(LOSS_AGG_MODES) * 3 * 2
     too_close = [
         r for r in reports if min(r.max_rel_grad_diff, r.grad_norm_diff, r.loss_diff) < 1e-3
     ]

@@ -264,7 +264,11 @@ class WorkerRoleConfig(Section):
     )
     max_token_len_per_worker: PositiveInt | None = Field(
         None,
-        description="Token budget of one micro-batch with use_dynamic_bsz: rows x (longest prompt + longest response), padding included (>= the longest prompt + response).",
+        description="Token budget of one micro-batch with use_dynamic_bsz: rows x (longest prompt + longest response), padding included; with packing, the real tokens of the packed row (>= the longest prompt + response).",
+    )
+    packing: bool = Field(
+        False,
+        description="Run each micro-batch as one packed row of its sequences' real tokens (no padding), attention confined to each sequence; training and inference passes alike.",
     )
     loss_agg_mode: LossAggMode = Field(
         "token-mean", description=f"How token losses aggregate: {', '.join(LOSS_AGG_MODES)}."

@@ -31,6 +31,7 @@ import torch
 __all__ = [
     "MAX_PADDING",
     "MicroBatchPlan",
+    "PackedTokenPartition",
     "TokenBudgetPartition",
     "dp_shares",
     "flatten",
@@ -330,6 +331,54 @@ def partition_by_token_budget(
     return TokenBudgetPartition(
         seq_lens, max_tokens=max_tokens, prompt_lens=prompt_lens, max_padding=max_padding
     ).parts(min_num_partitions)
+
+
+class PackedTokenPartition:
+    """Micro-batches of packed rows (``packing``): the budget bounds a micro-batch's real
+    tokens, as a packed row has no padding. Rows go longest first into the first
+    micro-batch with room (first-fit decreasing); ``count`` is how many that takes, and
+    :meth:`parts` splits the fullest micro-batches in two until there are as many as asked
+    (the count DP ranks agreed on)."""
+
+    def __init__(self, seq_lens: Sequence[int] | torch.Tensor, *, max_tokens: int) -> None:
+        lens = _as_lengths(seq_lens)
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        bins: list[list[int]] = []
+        room: list[int] = []
+        for i in sorted(range(len(lens)), key=lambda i: (-lens[i], i)):
+            if lens[i] > max_tokens:
+                raise ValueError(
+                    f"sequence {i} has {lens[i]} tokens, more than max_tokens={max_tokens}"
+                )
+            fit = next((b for b, left in enumerate(room) if left >= lens[i]), None)
+            if fit is None:
+                bins.append([])
+                room.append(max_tokens)
+                fit = len(bins) - 1
+            bins[fit].append(i)
+            room[fit] -= lens[i]
+        self._lens = lens
+        self._bins = bins
+        self.count = len(bins)
+
+    def parts(self, min_num_partitions: int = 1) -> list[list[int]]:
+        """Row indices of each micro-batch, at least ``min_num_partitions``: each sorted,
+        ordered by their first row."""
+        if not 0 < min_num_partitions <= len(self._lens):
+            raise ValueError(
+                f"min_num_partitions ({min_num_partitions}) must be in 1..{len(self._lens)}"
+            )
+        parts = [list(b) for b in self._bins]
+        while len(parts) < min_num_partitions:
+            fullest = max(
+                (p for p in parts if len(p) > 1), key=lambda p: sum(self._lens[i] for i in p)
+            )
+            parts.remove(fullest)
+            parts += [fullest[0::2], fullest[1::2]]  # longest first: alternate halves balance
+        parts = [sorted(p) for p in parts]
+        parts.sort(key=lambda p: p[0])
+        return parts
 
 
 class _Runs:

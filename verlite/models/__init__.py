@@ -6,6 +6,9 @@ code path that runs here also runs on a real checkpoint loaded from ``model.path
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 from torch import nn
 from transformers import (
@@ -19,6 +22,7 @@ from transformers import (
 
 from verlite.config import ConfigError, ModelConfig
 from verlite.errors import UserError
+from verlite.models.varlen import PackingUnsupported, enable_packing
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
@@ -122,14 +126,20 @@ class ValueModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
         position_ids: torch.Tensor,
-        logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs: Any,
     ) -> torch.Tensor:
+        """Values at every position, at the last ``logits_to_keep`` positions, or at the
+        positions a 1-D tensor ``logits_to_keep`` lists (as a causal LM's logits); other
+        keyword arguments go to the trunk (a packed row's attention structure)."""
         hidden = self.trunk(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs
         ).last_hidden_state
-        if logits_to_keep:
+        if isinstance(logits_to_keep, torch.Tensor):
+            hidden = hidden[:, logits_to_keep]
+        elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         # A fresh (b, t) tensor rather than a squeezed view: FSDP2 warns that in-place ops
         # on a root module's view output would skip its pre-backward hook.
@@ -151,3 +161,32 @@ def build_value_model(
     nn.init.normal_(model.value_head.weight, std=1.0 / hf_config.hidden_size)
     nn.init.zeros_(model.value_head.bias)
     return model.to(dtype)
+
+
+def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
+    """``<role>.packing=true`` at start-up: a one-layer model of ``cfg``'s architecture,
+    narrowed to a few heads, must keep packed sequences apart (``varlen.enable_packing``);
+    refused in one line otherwise, before any worker trains with attention across
+    sequences."""
+    config = copy.deepcopy(_hf_config(cfg, vocab_size=64, max_positions=64))
+    narrow = {
+        "vocab_size": 64,
+        "num_hidden_layers": 1,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    for key, value in narrow.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    try:
+        enable_packing(AutoModelForCausalLM.from_config(config))
+    except PackingUnsupported as exc:
+        raise ConfigError(f"{role}.packing=true: {exc}; set {role}.packing=false") from None
+    except Exception as exc:  # the probe itself could not be built or run
+        raise ConfigError(
+            f"{role}.packing=true: could not check that {config.model_type} models keep packed "
+            f"sequences apart ({type(exc).__name__}: {exc}); set {role}.packing=false"
+        ) from None

@@ -13,6 +13,7 @@ from torch import nn
 from verlite.core.metrics import MetricDict
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
 from verlite.models import build_policy, resolve_device
+from verlite.models.varlen import enable_packing
 from verlite.rollout import (
     NativeRollout,
     SamplingParams,
@@ -46,6 +47,8 @@ class ActorWorker(EngineWorker, PolicyWorker):
         self.reference = (
             copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
         )
+        if self.reference is not None and cfg.actor.packing:
+            enable_packing(self.reference)
         self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
         self.engine = TrainEngine(
             policy,
@@ -102,6 +105,7 @@ class ActorWorker(EngineWorker, PolicyWorker):
                 partial(_log_probs, "ref_log_prob"),
                 plan=plan,
                 device=self.engine.device,
+                packing=self.cfg.actor.packing,
             )
             out["ref_log_prob"] = ref["ref_log_prob"]
         return out.cpu()

@@ -30,6 +30,7 @@ from verlite.core.losses import GlobalCounts, count_valid
 from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
 from verlite.core.partition import (
     MicroBatchPlan,
+    PackedTokenPartition,
     TokenBudgetPartition,
     inverse_permutation,
     split_fixed,
@@ -46,6 +47,7 @@ from verlite.distributed import (
     inference_module,
 )
 from verlite.distributed.checkpoint import load_train_state, save_train_state
+from verlite.models.varlen import enable_packing
 from verlite.step_batch import (
     pad_responses,
     prompt_lengths,
@@ -55,6 +57,7 @@ from verlite.step_batch import (
     take_rows,
     trim_padding,
 )
+from verlite.workers.forward import mark_packed
 
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]
@@ -109,6 +112,8 @@ class TrainEngine:
         if cfg.strategy == "none" and world > 1:
             raise ValueError(f"strategy 'none' cannot train on {world} ranks; use ddp or fsdp")
         model = model.to(self.device)
+        if cfg.packing:
+            enable_packing(model)
         if cfg.strategy == "fsdp":
             model = apply_fsdp(model)
         elif cfg.strategy == "ddp":
@@ -143,7 +148,7 @@ class TrainEngine:
         parts = self.plan(td, training=True).parts
         micro_metrics = []
         for i, part in enumerate(parts):
-            micro = trim_padding(take_rows(td, part)).to(self.device)
+            micro = micro_batch(td, part, device=self.device, packing=self.cfg.packing)
             stamp_counts(micro, counts)
             with grad_sync(self.model, enabled=i == len(parts) - 1):
                 loss, metrics = loss_fn(self.model, micro)
@@ -190,7 +195,14 @@ class TrainEngine:
         """Forward-only ``fn`` over ``td`` with the policy being trained; ``plan`` reuses the
         micro-batches another pass over the same rows already agreed on."""
         plan = plan or self.plan(td, training=False)
-        return infer(inference_module(self.model), td, fn, plan=plan, device=self.device)
+        return infer(
+            inference_module(self.model),
+            td,
+            fn,
+            plan=plan,
+            device=self.device,
+            packing=self.cfg.packing,
+        )
 
     # -------------------------------------------------------------------- checkpoints
 
@@ -209,9 +221,26 @@ class TrainEngine:
         self.scheduler.load_state_dict(json.loads((path / "schedule.json").read_text()))
 
 
+def micro_batch(
+    td: TensorDict, rows: list[int], *, device: torch.device, packing: bool
+) -> TensorDict:
+    """The micro-batch of ``rows``: trimmed to its own longest prompt and response, on
+    ``device``, and marked to run packed when ``packing``."""
+    micro = trim_padding(take_rows(td, rows)).to(device)
+    if packing:
+        mark_packed(micro)
+    return micro
+
+
 @torch.no_grad()
 def infer(
-    model: nn.Module, td: TensorDict, fn: InferFn, *, plan: MicroBatchPlan, device: torch.device
+    model: nn.Module,
+    td: TensorDict,
+    fn: InferFn,
+    *,
+    plan: MicroBatchPlan,
+    device: torch.device,
+    packing: bool,
 ) -> TensorDict:
     """Forward-only in the micro-batches of ``plan``; response-aligned outputs come back
     (B, R) in row order. The outputs of repeated micro-batches are dropped: they only keep
@@ -220,7 +249,7 @@ def infer(
     width = response_width(td)
     outputs: dict[str, list[torch.Tensor]] = {}
     for i, part in enumerate(plan.parts):
-        micro = trim_padding(take_rows(td, part)).to(device)
+        micro = micro_batch(td, part, device=device, packing=packing)
         result = fn(model, micro)
         if i >= len(plan.real_parts):
             continue
@@ -244,11 +273,17 @@ def plan_micro_batches(
     n = td.batch_size[0]
     if cfg.use_dynamic_bsz:
         assert cfg.max_token_len_per_worker is not None, "validated by the config"
-        partition = TokenBudgetPartition(
-            sequence_lengths(td),
-            max_tokens=cfg.max_token_len_per_worker,
-            prompt_lens=prompt_lengths(td),
-        )
+        partition: TokenBudgetPartition | PackedTokenPartition
+        if cfg.packing:  # a packed row has no padding: the budget counts real tokens
+            partition = PackedTokenPartition(
+                sequence_lengths(td), max_tokens=cfg.max_token_len_per_worker
+            )
+        else:
+            partition = TokenBudgetPartition(
+                sequence_lengths(td),
+                max_tokens=cfg.max_token_len_per_worker,
+                prompt_lens=prompt_lengths(td),
+            )
         agreed = _max_over_ranks(partition.count, device)
         # More parts only make more of the same cuts: a rank gets exactly the agreed count
         # unless it has fewer rows than that.

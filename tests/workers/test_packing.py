@@ -1,0 +1,158 @@
+"""Packed micro-batches (``actor.packing``, ``critic.packing``) on real Hugging Face models in
+one process: a packed row gives the padded layout's log-probs, entropies, values and
+gradients; a sequence never sees the ones packed with it; a model whose attention would mix
+them is refused; the packed token budget counts real tokens. (Across spawned ranks and every
+loss mode: tests/workers/test_engine_invariance.py.)"""
+
+import pytest
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from verlite.config import ConfigError, load_config
+from verlite.core.partition import PackedTokenPartition
+from verlite.invariance import make_batch
+from verlite.models import build_policy, build_value_model, check_packing_supported
+from verlite.models.varlen import (
+    ATTENTION,
+    GROUP_SPREAD,
+    KWARG,
+    PackedAttention,
+    PackingUnsupported,
+    enable_packing,
+)
+from verlite.step_batch import trim_padding
+from verlite.workers.forward import mark_packed, response_log_probs, response_values
+from verlite.workers.packing import pack_rows
+
+# Long-tailed rows: prompts of 1..24 and responses of 1..40 tokens, in float64.
+CFG = load_config(
+    "configs/ppo_tiny.yaml",
+    ["model.dtype=float64", "data.max_prompt_length=24", "rollout.max_response_length=40"],
+)
+
+
+def models():
+    kwargs = {"vocab_size": 64, "max_positions": CFG.max_sequence_length, "seed": 3}
+    return build_policy(CFG.model, **kwargs), build_value_model(CFG.model, **kwargs)
+
+
+def batches():
+    padded = trim_padding(make_batch(CFG, seed=1, num_sequences=24))
+    packed = padded.clone()
+    mark_packed(packed)
+    return padded, packed
+
+
+def test_the_long_tailed_batch_spans_several_attention_groups() -> None:
+    padded, _ = batches()
+    lengths = padded["attention_mask"].sum(1)
+    assert int(lengths.max()) > 3 * int(lengths.min())
+    attention = PackedAttention.from_lengths(lengths)
+    assert len(attention.groups) >= 4
+    for group in attention.groups:
+        in_group = group.real.sum(1)
+        assert float(in_group.max() / in_group.min()) <= GROUP_SPREAD
+    # every packed position is produced exactly once
+    assert torch.equal(torch.sort(attention.order).values, torch.arange(int(lengths.sum())))
+
+
+def test_a_packed_row_gives_the_padded_outputs_and_gradients() -> None:
+    policy, critic = models()
+    padded, packed = batches()
+    real = padded["attention_mask"][:, -padded["responses"].shape[1] :].bool()
+    expected = response_log_probs(policy, padded, temperature=0.7, with_entropy=True)
+    values = response_values(critic, padded)
+    expected_grads = torch.autograd.grad(
+        (expected[0] * real).sum() + (values * real).sum(),
+        [*policy.parameters(), *critic.parameters()],
+    )
+    enable_packing(policy)
+    enable_packing(critic)
+    got = response_log_probs(policy, packed, temperature=0.7, with_entropy=True)
+    got_values = response_values(critic, packed)
+    for want, have in zip((*expected, values), (*got, got_values), strict=True):
+        assert have.shape == want.shape
+        assert torch.allclose(have[real], want[real], rtol=0, atol=1e-12)
+        assert have[~real].eq(0).all()  # nothing where a row has no response token
+    grads = torch.autograd.grad(
+        (got[0] * real).sum() + (got_values * real).sum(),
+        [*policy.parameters(), *critic.parameters()],
+    )
+    for want, have in zip(expected_grads, grads, strict=True):
+        assert torch.allclose(have, want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_packed_row_holds_only_real_tokens() -> None:
+    padded, _ = batches()
+    rows = pack_rows(padded)
+    mask = padded["attention_mask"].bool()
+    assert rows.input_ids.shape == (1, int(mask.sum()))
+    assert int(rows.position_ids.eq(0).sum()) == padded.batch_size[0]  # one start per row
+    assert rows.predict.numel() == int(rows.real.sum())
+
+
+@pytest.mark.parametrize("changed", [0, 1])
+def test_a_sequence_never_sees_another_packed_with_it(changed: int) -> None:
+    """Three sequences in one packed row: changing one leaves the others' outputs as they
+    were, whether it comes before them or after."""
+    policy, _ = models()
+    enable_packing(policy)
+    lengths = torch.tensor([6, 9, 5])
+    tokens = torch.randint(1, 64, (int(lengths.sum()),), generator=torch.Generator().manual_seed(0))
+    starts = [0, 6, 15]
+    other = tokens.clone()
+    span = slice(starts[changed], starts[changed] + int(lengths[changed]))
+    other[span] = (other[span] + 7) % 64
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None]
+    packed = PackedAttention.from_lengths(lengths)
+    with torch.no_grad():
+        before, after = (
+            policy(input_ids=t[None], position_ids=positions, **{KWARG: packed}).logits[0]
+            for t in (tokens, other)
+        )
+    kept = torch.ones(len(tokens), dtype=torch.bool)
+    kept[span] = False
+    assert torch.equal(before[kept], after[kept])
+    assert not torch.allclose(before[~kept], after[~kept])
+
+
+def test_without_a_packed_row_the_attention_is_sdpa_bit_for_bit() -> None:
+    """Generation and padded passes go through the same model after ``enable_packing``."""
+    policy, _ = models()
+    padded, _ = batches()
+    inputs = {k: padded[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    with torch.no_grad():
+        before = policy(**inputs).logits
+        enable_packing(policy)
+        assert policy.config._attn_implementation == ATTENTION
+        assert torch.equal(policy(**inputs).logits, before)
+
+
+def _mixing_attention(module, query, key, value, attention_mask, **kwargs):
+    """A packed row's attention over the whole row: what a model that ignores the packed
+    structure does."""
+    kwargs.pop(KWARG, None)
+    return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+
+def test_a_model_whose_attention_mixes_packed_sequences_is_refused(monkeypatch) -> None:
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTENTION, _mixing_attention)
+    policy, _ = models()
+    with pytest.raises(PackingUnsupported, match="lets packed sequences attend to each other"):
+        enable_packing(policy)
+    with pytest.raises(ConfigError, match=r"^actor.packing=true: .* set actor.packing=false$"):
+        check_packing_supported(CFG.model, role="actor")
+
+
+def test_the_packed_token_budget_counts_real_tokens() -> None:
+    lengths = [100, 90, 30, 20, 20, 10, 5, 5]
+    partition = PackedTokenPartition(lengths, max_tokens=120)
+    parts = partition.parts()
+    assert all(sum(lengths[i] for i in part) <= 120 for part in parts)
+    assert partition.count == len(parts) == 3  # 280 tokens in rows of at most 120
+    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    more = partition.parts(6)
+    assert len(more) == 6 and sorted(i for p in more for i in p) == list(range(len(lengths)))
+    with pytest.raises(ValueError, match="sequence 0 has 100 tokens, more than max_tokens=50"):
+        PackedTokenPartition(lengths, max_tokens=50)

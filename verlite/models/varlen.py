@@ -1,0 +1,154 @@
+"""Attention confined to each of several sequences packed end to end (``actor.packing``,
+``critic.packing``), for the Hugging Face model classes verlite trains.
+
+A packed micro-batch is one row of ``T`` tokens: the real tokens of its sequences laid end
+to end, positions restarting at 0 for each. The linear layers, the MLPs and the LM head
+then run on real tokens only. Attention must stay within each sequence: it runs here on the
+sequences regrouped by length, each group a (sequences, heads, longest, dim) batch with
+``is_causal`` (a sequence's pad keys come after every real query, so causal masking alone
+keeps them out), and the outputs go back to the packed order. Lengths within a group differ
+by at most a factor of ``GROUP_SPREAD``, which bounds the attention spent on pads; the
+grouping is computed once per micro-batch (:class:`PackedAttention`), not per layer.
+
+The attention function is registered with Hugging Face as ``verlite_varlen``; without the
+packed structure among a call's keyword arguments it is Hugging Face's SDPA attention,
+unchanged (generation and the padded layout take that path). :func:`enable_packing`
+switches a model to it and proves on the model itself that packed sequences do not see each
+other (a model whose attention ignores the structure is refused).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION = "verlite_varlen"
+KWARG = "verlite_packed"  # the keyword argument that carries a PackedAttention
+GROUP_SPREAD = 2**0.25  # the longest sequence of a group / its shortest, at most
+
+
+@dataclass(frozen=True)
+class _Group:
+    index: torch.Tensor  # (sequences, longest): packed positions, pads clamped to a real one
+    real: torch.Tensor  # (sequences, longest): which positions are real tokens
+
+
+@dataclass(frozen=True)
+class PackedAttention:
+    """The sequences of a packed row, regrouped by length for attention."""
+
+    groups: tuple[_Group, ...]
+    order: torch.Tensor  # packed position of each row of the groups' outputs, concatenated
+    restore: torch.Tensor  # the inverse: where each packed position's output is
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor) -> PackedAttention:
+        """The structure of a row packing sequences of ``lengths`` (1-D, all > 0) in order."""
+        device = lengths.device
+        starts = torch.cumsum(lengths, 0) - lengths
+        # Lengths binned by a factor of GROUP_SPREAD: one group per occupied bin.
+        bins = torch.ceil(torch.log2(lengths.double()) / math.log2(GROUP_SPREAD)).long()
+        groups = []
+        for value in torch.unique(bins).tolist():
+            members = (bins == value).nonzero().flatten()
+            longest = int(lengths[members].max())
+            offsets = torch.arange(longest, device=device)
+            real = offsets[None, :] < lengths[members, None]
+            index = starts[members, None] + torch.minimum(
+                offsets[None, :], lengths[members, None] - 1
+            )
+            groups.append(_Group(index, real))
+        order = torch.cat([group.index[group.real] for group in groups])
+        return cls(tuple(groups), order, torch.argsort(order))
+
+
+def varlen_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face's attention interface: (1, heads, T, dim) queries of a packed row in,
+    (1, T, heads, dim) out; SDPA's when no :class:`PackedAttention` is passed."""
+    packed = kwargs.pop(KWARG, None)
+    if not isinstance(packed, PackedAttention):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    outputs = []
+    for group in packed.groups:
+        # (heads, sequences, longest, dim) -> (sequences, heads, longest, dim)
+        q, k, v = (x[0][:, group.index].transpose(0, 1) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=dropout, scale=scaling
+        )
+        outputs.append(out.transpose(1, 2)[group.real])  # (real tokens, heads, dim)
+    return torch.cat(outputs)[packed.restore][None], None
+
+
+AttentionInterface.register(ATTENTION, varlen_attention)
+AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+class PackingUnsupported(ValueError):
+    """A model whose attention lets packed sequences see each other."""
+
+
+def enable_packing(model: nn.Module) -> None:
+    """Switch ``model`` (a Hugging Face model, or one that holds one) to varlen attention,
+    and prove on it that packed sequences stay apart: the outputs of a sequence packed after
+    another must not change when that other one changes. Raises :class:`PackingUnsupported`
+    for a model whose attention ignores the packed structure (it would train on attention
+    across sequences)."""
+    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    if hf is None:
+        raise PackingUnsupported(f"{type(model).__name__} holds no Hugging Face model")
+    hf.set_attn_implementation(ATTENTION)
+    _check_confined(model, hf)
+
+
+@torch.no_grad()
+def _check_confined(model: nn.Module, hf: PreTrainedModel) -> None:
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    vocab = min(int(hf.config.vocab_size), 1000)
+    lengths = torch.tensor([5, 3])
+    first, later = (torch.randint(vocab, (n,), generator=generator) for n in (5, 3))
+    other = (first + 1) % vocab
+    positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None].to(device)
+    packed = PackedAttention.from_lengths(lengths.to(device))
+
+    def run(tokens: torch.Tensor) -> torch.Tensor:
+        out = model(
+            input_ids=torch.cat([tokens, later])[None].to(device),
+            position_ids=positions,
+            **{KWARG: packed},
+        )
+        return getattr(out, "logits", out)[0, 5:].float()
+
+    was_training = model.training
+    model.eval()
+    try:
+        seen, changed = run(first), run(other)
+    finally:
+        model.train(was_training)
+    if not torch.allclose(seen, changed, rtol=1e-3, atol=1e-4):
+        raise PackingUnsupported(
+            f"{type(hf).__name__} ({hf.config.model_type}) lets packed sequences attend to each "
+            f"other (a sequence's outputs moved by {float((seen - changed).abs().max()):.2g} "
+            "when the one packed before it changed): its attention does not go through Hugging "
+            "Face's attention interface"
+        )

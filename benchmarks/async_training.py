@@ -9,7 +9,9 @@ micro-batches by a token budget (``use_dynamic_bsz``), the same seed. With
 staleness 0 the rollout worker waits while the actor trains and the other way round; with
 staleness 1 it generates the next batch meanwhile. A third variant is staleness 0 with
 ``recompute_old_log_probs=auto``: the sampler's log-probs serve as the old ones, and the
-actor's forward pass over the batch is skipped. A repetition is one run of each variant
+actor's forward pass over the batch is skipped; a fourth is staleness 0 with
+``actor.packing`` (the actor's passes over packed rows, the same token budget of real
+tokens). A repetition is one run of each variant
 (the order reverses every repetition); the figures are the medians over repetitions of the
 paired ratios of steady-state steps per second (the steps after the first ``--warmup``,
 timed by the step times the run logs), with quartiles; these runs use a learning rate of
@@ -56,19 +58,21 @@ TIMING_LR, CURVE_LR = 1e-9, 1e-3
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "async_training.png"
 
 
-# variant: (trainer.max_staleness, algorithm.recompute_old_log_probs, .rollout_correction)
+# variant: (trainer.max_staleness, algorithm.recompute_old_log_probs, .rollout_correction,
+# actor.packing)
 VARIANTS = {
-    "sync": (0, "always", "none"),
-    "async": (1, "always", "none"),
-    "sync_auto": (0, "auto", "none"),
-    "async_tis": (1, "always", "tis"),
+    "sync": (0, "always", "none", False),
+    "async": (1, "always", "none", False),
+    "sync_auto": (0, "auto", "none", False),
+    "sync_packed": (0, "always", "none", True),
+    "async_tis": (1, "always", "tis", False),
 }
-TIMED = ("sync", "async", "sync_auto")
+TIMED = ("sync", "async", "sync_auto", "sync_packed")
 CURVES = ("sync", "async", "async_tis")
 
 
 def one_run(folder: Path, variant: str, steps: int, *, lr: float) -> list[dict[str, Any]]:
-    staleness, recompute, correction = VARIANTS[variant]
+    staleness, recompute, correction, packing = VARIANTS[variant]
     cfg = load_config(
         "configs/grpo_tiny.yaml",
         [
@@ -77,6 +81,7 @@ def one_run(folder: Path, variant: str, steps: int, *, lr: float) -> list[dict[s
             f"trainer.max_staleness={staleness}",
             f"algorithm.recompute_old_log_probs={recompute}",
             f"algorithm.rollout_correction={correction}",
+            f"actor.packing={str(packing).lower()}",
             f"trainer.total_steps={steps}",
             f"trainer.output_dir={folder}",
         ],
@@ -98,7 +103,7 @@ def plot(curves: dict[str, list[dict[str, Any]]]) -> None:
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     for variant, records in curves.items():
-        staleness, _, correction = VARIANTS[variant]
+        staleness, _, correction, _ = VARIANTS[variant]
         label = f"max_staleness={staleness}" + (", tis" if correction == "tis" else "")
         scores = [r["critic/score/mean"] for r in records]
         elapsed, total = [], 0.0
@@ -161,6 +166,8 @@ def main() -> None:
             "ratio_quartiles": quartiles(ratios(rates["async"], rates["sync"])),
             "auto_recompute_ratio": paired_ratio(rates["sync_auto"], rates["sync"]),
             "auto_recompute_quartiles": quartiles(ratios(rates["sync_auto"], rates["sync"])),
+            "packing_ratio": paired_ratio(rates["sync_packed"], rates["sync"]),
+            "packing_quartiles": quartiles(ratios(rates["sync_packed"], rates["sync"])),
             "weight_sync_share_of_step": median(shares),
             "curves": {
                 name: {

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 
 def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
     """Wall time of one call and its result."""
@@ -76,3 +78,12 @@ def emit(result: Mapping[str, Any]) -> None:
     """Print the benchmark's one JSON object as the last line of stdout (Ray may print
     worker logs before it; ``benchmarks.run_all`` reads the last line)."""
     print(json.dumps(rounded(dict(result))), flush=True)
+
+
+def matmul_peak(*, size: int = 1024, repeats: int = 20) -> float:
+    """This machine's float32 matrix-multiply FLOP/s on torch's current thread count: the
+    best of ``repeats`` products of two ``size`` x ``size`` matrices (2 size^3 FLOPs each)."""
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b  # warm-up
+    best = min(time_call(lambda: a @ b)[0] for _ in range(repeats))
+    return 2.0 * size**3 / best

@@ -1,26 +1,41 @@
-"""Dynamic batching: update throughput and padding on a length-skewed batch.
+"""Dynamic batching and packing: update throughput, padding and memory on a length-skewed
+batch.
 
 One actor update (``TrainEngine.train_mini_batch``: forward, backward and optimizer step
 over every micro-batch) of the same batch — sequence lengths 16..1024, long-tailed, most
-rows short — split two ways at the same peak token budget B:
+rows short — split three ways at the same peak token budget B:
 
 fixed         micro-batches of B // longest rows, so the worst micro-batch fits B padded
               tokens;
 token_budget  ``use_dynamic_bsz`` with ``max_token_len_per_worker`` = B: rows of similar
-              length together, rows x (longest prompt + longest response) <= B.
+              length together, rows x (longest prompt + longest response) <= B;
+packed        the same budget with ``packing``: each micro-batch one packed row of at most
+              B real tokens, no padding.
 
 Two batches: prompts of one length, and ragged prompts (8..64 tokens, so a short prompt's
 row may carry the longest response and widen its micro-batch). Throughput counts real
 tokens (attention mask) per second of update; padding is the share of the tokens the model
 ran on (each micro-batch trimmed to its own longest prompt and response, as the engine
-does) that are padding. The losses of both layouts must agree: grouping never changes the
-math.
+does) that are padding (none when packed). The losses of the layouts must agree: grouping
+never changes the math.
+
+Model FLOPs utilization: the FLOPs of an update over the real tokens, 6 x the model's
+non-embedding parameters x tokens (forward and backward of every weight matrix, the LM
+head included) plus causal attention, 6 x layers x hidden x sum of squared lengths / 2 x 2
+(scores and weighted values), per second, as a share of this machine's measured float32
+matrix-multiply peak on the same thread count (``benchmarks.common.matmul_peak``).
+Peak memory: the resident set of a fresh process running one update of the layout, above
+what it held before (``--memory``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import resource
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -28,7 +43,15 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
+from benchmarks.common import (
+    emit,
+    interleaved,
+    matmul_peak,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+)
 from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
@@ -87,19 +110,40 @@ def padding_fraction(td: TensorDict, parts: Sequence[Sequence[int]]) -> float:
     return 1.0 - int(td["attention_mask"].sum()) / ran
 
 
-def compare(batch: TensorDict, *, budget: int, repeats: int) -> dict[str, Any]:
-    """Both layouts of one batch, interleaved: their plans, tokens/s and the speedup."""
-    model_cfg = ModelConfig(
-        hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256
+MODEL = ModelConfig(
+    hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256
+)
+
+
+def layout_configs(base: ActorConfig, budget: int) -> dict[str, ActorConfig]:
+    budgeted = base.model_copy(update={"use_dynamic_bsz": True, "max_token_len_per_worker": budget})
+    return {
+        "fixed": base.model_copy(update={"micro_batch_size_per_worker": budget // LONGEST}),
+        "token_budget": budgeted,
+        "packed": budgeted.model_copy(update={"packing": True}),
+    }
+
+
+def update_flops(batch: TensorDict) -> float:
+    """The FLOPs of one update over the batch's real tokens (see the module docstring)."""
+    lengths = batch["attention_mask"].sum(1).double()
+    dense = sum(
+        p.numel()
+        for name, p in build_policy(
+            MODEL, vocab_size=VOCAB, max_positions=8, seed=0
+        ).named_parameters()
+        if "embed_tokens" not in name
     )
+    attention = 6 * MODEL.num_layers * MODEL.hidden_size * float((lengths**2).sum())
+    return 6.0 * dense * float(lengths.sum()) + attention
+
+
+def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dict[str, Any]:
+    """The layouts of one batch, interleaved: their plans, tokens/s, MFU and the speedups."""
+    model_cfg = MODEL
     rows = batch.batch_size[0]
     base = ActorConfig(strategy="none", ppo_mini_batch_size=rows)
-    configs = {
-        "fixed": base.model_copy(update={"micro_batch_size_per_worker": budget // LONGEST}),
-        "token_budget": base.model_copy(
-            update={"use_dynamic_bsz": True, "max_token_len_per_worker": budget}
-        ),
-    }
+    configs = layout_configs(base, budget)
     loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(base))
     real_tokens = int(batch["attention_mask"].sum())
     engines, layouts, losses = {}, {}, {}
@@ -107,11 +151,15 @@ def compare(batch: TensorDict, *, budget: int, repeats: int) -> dict[str, Any]:
         policy = build_policy(model_cfg, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
         engines[name] = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
         parts = engines[name].plan(batch, training=True).parts
+        packed = cfg.packing
         layouts[name] = {
             "micro_batches": len(parts),
-            "padding": padding_fraction(batch, parts),
-            "peak_padded_tokens": max(
-                trim_padding(batch[torch.tensor(p)])["attention_mask"].numel() for p in parts
+            "padding": 0.0 if packed else padding_fraction(batch, parts),
+            "peak_tokens_run": max(
+                int(batch["attention_mask"][torch.tensor(p)].sum())
+                if packed
+                else trim_padding(batch[torch.tensor(p)])["attention_mask"].numel()
+                for p in parts
             ),
         }
 
@@ -127,13 +175,61 @@ def compare(batch: TensorDict, *, budget: int, repeats: int) -> dict[str, Any]:
     seconds, _ = interleaved({name: update(name) for name in configs}, repeats=repeats, warmup=1)
     spread = max(losses.values()) - min(losses.values())
     assert spread <= 1e-5 * max(1.0, max(abs(v) for v in losses.values())), losses
+    flops = update_flops(batch)
     return {
         "real_tokens": real_tokens,
+        "update_gflop": flops / 1e9,
         "layouts": layouts,
         "tokens_per_s": {name: real_tokens / median(s) for name, s in seconds.items()},
+        "mfu": {name: flops / median(s) / peak for name, s in seconds.items()},
         "speedup": paired_ratio(seconds["fixed"], seconds["token_budget"]),
         "speedup_quartiles": quartiles(ratios(seconds["fixed"], seconds["token_budget"])),
+        "packed_vs_token_budget": paired_ratio(seconds["token_budget"], seconds["packed"]),
+        "packed_vs_token_budget_quartiles": quartiles(
+            ratios(seconds["token_budget"], seconds["packed"])
+        ),
+        "packed_vs_fixed": paired_ratio(seconds["fixed"], seconds["packed"]),
+        "packed_vs_fixed_quartiles": quartiles(ratios(seconds["fixed"], seconds["packed"])),
     }
+
+
+def one_update_memory(prompts: tuple[int, int], layout: str, rows: int, budget: int) -> int:
+    """Bytes of resident memory one update of ``layout`` adds in this (fresh) process."""
+    batch = skewed_batch(rows, seed=0, prompt_len=prompts)
+    cfg = layout_configs(ActorConfig(strategy="none", ppo_mini_batch_size=rows), budget)[layout]
+    policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
+    engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
+    loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
+    before = resident_bytes()
+    engine.train_mini_batch(batch, loss_fn)
+    return peak_resident_bytes() - before
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure_memory(
+    prompts: tuple[int, int], rows: int, budget: int, threads: int
+) -> dict[str, int]:
+    """Each layout's :func:`one_update_memory`, each in a fresh process."""
+    out = {}
+    for layout in ("fixed", "token_budget", "packed"):
+        code = (
+            "import torch, benchmarks.dynamic_batching as b; "
+            f"torch.set_num_threads({threads}); "
+            f"print(b.one_update_memory({prompts!r}, {layout!r}, {rows}, {budget}))"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True
+        )
+        out[layout] = int(done.stdout.split()[-1])
+    return out
 
 
 def main() -> None:
@@ -147,15 +243,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as every worker does
+    peak = matmul_peak()
     prompts = {"one_prompt_length": (8, 8), "ragged_prompts": (8, 64)}
-    results = {
-        name: compare(
-            skewed_batch(args.rows, seed=0, prompt_len=span),
-            budget=args.budget,
-            repeats=args.repeats,
+    results = {}
+    for name, span in prompts.items():
+        batch = skewed_batch(args.rows, seed=0, prompt_len=span)
+        results[name] = compare(batch, budget=args.budget, repeats=args.repeats, peak=peak)
+        results[name]["peak_memory_bytes"] = measure_memory(
+            span, args.rows, args.budget, args.threads
         )
-        for name, span in prompts.items()
-    }
     emit(
         {
             "benchmark": "dynamic_batching",
@@ -163,10 +259,16 @@ def main() -> None:
             "token_budget": args.budget,
             "fixed_micro_batch_size": args.budget // LONGEST,
             "prompt_lengths": prompts,
+            "matmul_peak_gflops": peak / 1e9,
             "results": results,
             "max_padding": max(r["layouts"]["token_budget"]["padding"] for r in results.values()),
             "min_speedup": min(r["speedup"] for r in results.values()),
-            "goal": "token_budget: padding <= 0.05 and speedup vs fixed >= 1.5",
+            "min_packed_vs_token_budget": min(
+                r["packed_vs_token_budget"] for r in results.values()
+            ),
+            "min_packed_vs_fixed": min(r["packed_vs_fixed"] for r in results.values()),
+            "goal": "token_budget: padding <= 0.05 and speedup vs fixed >= 1.5; packed: "
+            ">= 1.5x token_budget, >= 3x fixed, memory <= token_budget's",
         }
     )
 

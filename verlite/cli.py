@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--micro",
         type=_str_list,
         default=None,
-        help="micro-batching: 1 or 2 sequences, full (one micro-batch), dynamic (token budget); "
+        help="micro-batching: 1 or 2 sequences, full (one micro-batch), dynamic (token budget), "
+        "packed (2 sequences a packed row), packed-dynamic (the token budget, packed); "
         "comma-separated, default all",
     )
     check.add_argument("--strategy", type=_str_list, default=None, help="ddp,fsdp (default both)")
@@ -166,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A[/C]",
         help="with --run, a layout to train, repeatable, the first being the reference: the actor's "
         "WORKERS:STRATEGY:MICRO, then optionally /WORKERS:STRATEGY:MICRO for the critic (MICRO: rows, "
-        "full or dynamic), e.g. 2:fsdp:1/2:ddp:dynamic (default: 4 layouts covering actor workers "
+        "full, dynamic, packed or packed-dynamic), e.g. 2:fsdp:1/2:ddp:dynamic (default: 4 layouts covering actor workers "
         "1/2/4, critic workers 1/2, micro 1/full/dynamic, ddp and fsdp)",
     )
     check.add_argument(

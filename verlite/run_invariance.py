@@ -109,7 +109,8 @@ def _parse_role(text: str, part: str) -> RoleLayout:
         )
     if micro not in MICRO_LAYOUTS and not (micro.isdigit() and int(micro) >= 1):
         raise UserError(
-            f"--layout {text!r}: micro {micro!r} must be a number of rows, full or dynamic"
+            f"--layout {text!r}: micro {micro!r} must be a number of rows, full, dynamic, "
+            "packed or packed-dynamic"
         )
     return RoleLayout(int(workers), strategy, micro)
 

@@ -1,6 +1,7 @@
 """A whole run does not depend on its layout: PPO with a critic and GRPO, 10 steps in
 float64, under actor and critic worker counts 1, 2 and 4, micro-batches
-of one row, of the worker's share and cut by a token budget, DDP and FSDP, log the same
+of one row, of the worker's share and cut by a token budget, padded or packed, DDP and
+FSDP, log the same
 metrics.jsonl (every non-timing metric) to 1e-9 on the shared embedded Ray. The negative
 control, one sampling stream per actor worker (the old ``seed + rank``), differs at step 1.
 """
@@ -52,6 +53,7 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
                 layout("1:ddp:full", "1:ddp:full"),
                 layout("2:fsdp:1", "2:ddp:dynamic"),
                 layout("4:ddp:dynamic", "4:fsdp:1"),
+                layout("2:ddp:packed-dynamic", "2:fsdp:packed"),
             ],
             id="ppo-critic",
         ),
@@ -59,7 +61,12 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
             "configs/grpo_tiny.yaml",
             # 4 prompts x 8 samples, one update of 32 rows
             ["data.train_batch_size=4", "actor.ppo_mini_batch_size=32"],
-            [layout("1:ddp:full"), layout("2:fsdp:dynamic"), layout("4:ddp:1")],
+            [
+                layout("1:ddp:full"),
+                layout("2:fsdp:dynamic"),
+                layout("4:ddp:1"),
+                layout("2:fsdp:packed-dynamic"),
+            ],
             id="grpo",
         ),
     ],

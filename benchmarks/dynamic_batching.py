@@ -24,16 +24,14 @@ non-embedding parameters x tokens (forward and backward of every weight matrix, 
 head included) plus causal attention, 6 x layers x hidden x sum of squared lengths / 2 x 2
 (scores and weighted values), per second, as a share of this machine's measured float32
 matrix-multiply peak on the same thread count (``benchmarks.common.matmul_peak``).
-Peak memory: the resident set of a fresh process running one update of the layout, above
-what it held before (``--memory``).
+Peak memory: the resident set of a fresh process at the peak of an update of the layout
+(its second; Linux's high-water mark reset in between), above what it held before.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import resource
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -194,24 +192,26 @@ def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dic
 
 
 def one_update_memory(prompts: tuple[int, int], layout: str, rows: int, budget: int) -> int:
-    """Bytes of resident memory one update of ``layout`` adds in this (fresh) process."""
+    """Bytes of resident memory an update of ``layout`` adds at its peak, in this (fresh)
+    process: a first update warms up (the optimizer's state, the allocator's pools), the
+    kernel's high-water mark is reset, and the second update's peak is read."""
     batch = skewed_batch(rows, seed=0, prompt_len=prompts)
     cfg = layout_configs(ActorConfig(strategy="none", ppo_mini_batch_size=rows), budget)[layout]
     policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
     engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
     loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
-    before = resident_bytes()
-    engine.train_mini_batch(batch, loss_fn)
-    return peak_resident_bytes() - before
+    engine.train_mini_batch(batch.clone(), loss_fn)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current resident set
+    before = _status_kib("VmRSS")
+    engine.train_mini_batch(batch.clone(), loss_fn)
+    return (_status_kib("VmHWM") - before) * 1024
 
 
-def resident_bytes() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_resident_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(f"{field}:"))
+    return int(line.split()[1])
 
 
 def measure_memory(

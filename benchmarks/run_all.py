@@ -29,6 +29,7 @@ BENCHMARKS = (
     "weight_sync",
     "async_training",
     "split_two_nodes",
+    "varlen_attention",
 )
 RESULTS = Path(__file__).with_name("results.json")
 

@@ -91,7 +91,10 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
         (["--run", "--layout", "2:ddp"], "--layout '2:ddp': expected WORKERS:STRATEGY:MICRO"),
         (["--run", "--layout", "0:ddp:1"], "workers '0' must be a positive integer"),
         (["--run", "--layout", "2:zero:1"], "strategy 'zero' must be one of ddp, fsdp"),
-        (["--run", "--layout", "2:ddp:half"], "micro 'half' must be a number of rows, full or"),
+        (
+            ["--run", "--layout", "2:ddp:half"],
+            "micro 'half' must be a number of rows, full, dynamic, packed or",
+        ),
         (["--run", "--layout", "1:ddp:1/1:ddp:1/1:ddp:1"], "expected WORKERS:STRATEGY:MICRO"),
         (["--run", "--layout", "1:ddp:full"], "give at least 2, got 1"),
         (

@@ -48,7 +48,7 @@ class Groups:
         if method == "weight_layout":
             assert kwargs["collect"] == "rank0"
             return LAYOUT
-        if method == "publish_bucket":
+        if method == "put_bucket":
             version, index = args
             assert version == self.actor_version, "the actor publishes the weights it holds"
             return Done((version, index))

@@ -66,11 +66,12 @@ class WeightSync:
 def queue_weight_sync(
     actor: WorkerGroup, rollout: WorkerGroup, layout: SyncLayout, version: int
 ) -> WeightSync:
-    """Queue the sync of the actor's weights as ``version``: each bucket published by the
-    actor and loaded by every rollout worker (after the calls already queued there) straight
-    from the actor's result, so loads overlap the later buckets' puts."""
+    """Queue the sync of the actor's weights as ``version``: each bucket put in the object
+    store by the actor and loaded by every rollout worker (after the calls already queued
+    there) by the reference the actor's call returns, so loads overlap the later buckets'
+    puts and the driver never fetches weights."""
     publishes = [
-        actor.call_async("publish_bucket", version, index) for index in range(len(layout.buckets))
+        actor.call_async("put_bucket", version, index) for index in range(len(layout.buckets))
     ]
     loads = [rollout.call_async("load_bucket", publish.ref(0)) for publish in publishes]
     return WeightSync(version, publishes, loads)

@@ -108,6 +108,12 @@ def test_async_training_keeps_every_batch_within_the_staleness_bound(
     assert all(0 < r["actor/rollout_is_weight/mean"] <= 1.5 for r in later)
 
 
+@ray.remote(num_cpus=0)
+def _handed_over(refs: list) -> ray.ObjectRef:
+    """A task whose result is the reference it was given (a list keeps Ray from fetching)."""
+    return refs[0]
+
+
 class CorruptingRollout:
     """The rollout group with one bit of the last bucket of the sync of ``version`` flipped
     in transit: the bucket is fetched, altered and put back in the object store under a new
@@ -121,12 +127,13 @@ class CorruptingRollout:
         return getattr(self.group, name)
 
     def call_async(self, method: str, *args, **kwargs):
-        if method == "load_bucket":
-            bucket = ray.get(args[0])
+        if method == "load_bucket":  # the argument: the actor's call, returning a reference
+            bucket = ray.get(ray.get(args[0]))
             if bucket.version == self.version and bucket.index == bucket.count - 1:
                 parts = [part.copy() for part in bucket.parts]
                 next(part for part in parts if part.nbytes)[0] ^= 0x01
-                args = (ray.put(dataclasses.replace(bucket, parts=parts)),)
+                corrupted = ray.put(dataclasses.replace(bucket, parts=parts))
+                args = (_handed_over.remote([corrupted]),)  # as the actor's call returns it
         return self.group.call_async(method, *args, **kwargs)
 
 

@@ -20,28 +20,23 @@ def policy(seed: int, dtype: str = "float32") -> torch.nn.Module:
 
 
 def publish(state: dict[str, torch.Tensor], version: int, bucket_bytes: int) -> list[WeightBucket]:
-    """The buckets the actor publishes, as the actor makes them."""
+    """The buckets the actor publishes, as the actor makes them: one staging buffer for
+    all, each bucket's parts copied before the next is made (as Ray stores a call's result
+    before the actor's next call)."""
     layout = sync_layout(state, bucket_bytes)
-    return [
-        make_bucket(
-            version,
-            index,
-            layout,
-            [state[spec.name] for spec in specs],
-            staging=torch.empty(layout.staging_bytes, dtype=torch.uint8),
-            started=0.0,
+    staging = torch.empty(layout.staging_bytes, dtype=torch.uint8)
+    buckets = []
+    for index, specs in enumerate(layout.buckets):
+        bucket = make_bucket(
+            version, index, layout, [state[s.name] for s in specs], staging=staging, started=0.0
         )
-        for index, specs in enumerate(layout.buckets)
-    ]
+        buckets.append(dataclasses.replace(bucket, parts=[part.copy() for part in bucket.parts]))
+    return buckets
 
 
 def sync(source: torch.nn.Module, version: int, bucket_bytes: int) -> list[WeightBucket]:
-    """What a rollout worker receives: the published buckets with their bytes copied, as the
-    object store's put copies them."""
-    return [
-        dataclasses.replace(bucket, parts=[part.copy() for part in bucket.parts])
-        for bucket in publish(source.state_dict(), version, bucket_bytes)
-    ]
+    """What a rollout worker receives."""
+    return publish(source.state_dict(), version, bucket_bytes)
 
 
 def deliver(receiver: WeightReceiver, buckets: list[WeightBucket]) -> None:
@@ -81,12 +76,17 @@ def test_small_tensors_travel_staged_large_ones_as_views_and_land_without_a_copy
     source = build_policy(cfg, vocab_size=1024, max_positions=32, seed=1)
     target = build_policy(cfg, vocab_size=1024, max_positions=32, seed=2)
     state = source.state_dict()
-    (bucket,) = publish(state, 1, 2**30)
+    layout = sync_layout(state, 2**30)
+    staging = torch.empty(layout.staging_bytes, dtype=torch.uint8)
+    bucket = make_bucket(
+        1, 0, layout, [state[s.name] for s in layout.buckets[0]], staging=staging, started=0.0
+    )
     large = [spec for spec in bucket.tensors if spec.part]
     assert large and all(spec.nbytes >= 2**20 for spec in large)  # the embeddings
     assert all(spec.offset % 64 == 0 for spec in bucket.tensors if not spec.part)
     for spec in large:  # the actor's own bytes, not a copy
         assert bucket.parts[spec.part].ctypes.data == state[spec.name].data_ptr()
+    assert bucket.parts[0].ctypes.data == staging.data_ptr()  # the small ones, staged
     (received,) = sync(source, 1, 2**30)
     WeightReceiver(target, who="rollout rank 0").load(received)
     for spec in bucket.tensors:  # the model reads the received bytes
@@ -170,3 +170,22 @@ def test_a_sync_lands_in_the_parameters_the_model_holds_now() -> None:
     target.model.norm.weight = torch.nn.Parameter(target.model.norm.weight.detach().clone())
     deliver(receiver, sync(source, version=1, bucket_bytes=2**30))
     assert torch.equal(target.state_dict()[name], source.state_dict()[name])
+
+
+def test_after_a_failed_bucket_the_rest_of_the_sync_is_refused() -> None:
+    """A sync whose first bucket fails its check holds no version, however many of its
+    later buckets arrive intact; the next sync starts over."""
+    source, target = policy(1), policy(2)
+    receiver = WeightReceiver(target, who="rollout rank 0")
+    buckets = sync(source, version=7, bucket_bytes=4096)
+    buckets[0].parts[0][0] ^= 0x01
+    with pytest.raises(WeightSyncError, match=r"failed their check: bucket 1 of"):
+        receiver.load(buckets[0])
+    for bucket in buckets[1:]:
+        with pytest.raises(
+            WeightSyncError, match="refused: the sync of version 7 failed its check"
+        ):
+            receiver.load(bucket)
+    assert receiver.version is None
+    deliver(receiver, sync(source, version=8, bucket_bytes=4096))
+    receiver.require(8)

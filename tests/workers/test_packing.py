@@ -156,3 +156,40 @@ def test_the_packed_token_budget_counts_real_tokens() -> None:
     assert len(more) == 6 and sorted(i for p in more for i in p) == list(range(len(lengths)))
     with pytest.raises(ValueError, match="sequence 0 has 100 tokens, more than max_tokens=50"):
         PackedTokenPartition(lengths, max_tokens=50)
+
+
+def test_a_model_with_a_sliding_window_is_refused() -> None:
+    """Packed attention applies no window: a model that attends through one would train
+    with another attention than it generates with."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    with pytest.raises(PackingUnsupported, match="attends with sliding_window"):
+        enable_packing(MistralForCausalLM(config))
+
+
+def test_a_packed_pass_builds_no_attention_mask(monkeypatch) -> None:
+    """Without padding and a cache, no (T, T) mask is built for a packed row, even where
+    Hugging Face would build one from its restarting positions (``use_cache=False``)."""
+    from verlite.models import varlen
+
+    built = []
+    real = varlen.sdpa_mask
+    monkeypatch.setattr(varlen, "sdpa_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    policy, _ = models()
+    policy.config.use_cache = False
+    enable_packing(policy)
+    padded, packed = batches()
+    with torch.no_grad():
+        response_log_probs(policy, packed, temperature=1.0, with_entropy=False)
+        assert not built
+        response_log_probs(policy, padded, temperature=1.0, with_entropy=False)
+        assert built  # a padded pass still gets its mask

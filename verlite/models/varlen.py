@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,9 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTENTION = "verlite_varlen"
+# Attention arguments packed attention does not implement: a model that passes any of them
+# is refused rather than trained with another attention than it generates with.
+UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
 KWARG = "verlite_packed"  # the keyword argument that carries a PackedAttention
 GROUP_SPREAD = 2**0.25  # the longest sequence of a group / its shortest, at most
 
@@ -86,6 +90,12 @@ def varlen_attention(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    unsupported = [name for name in UNSUPPORTED if kwargs.get(name) is not None]
+    if unsupported:
+        raise PackingUnsupported(
+            f"{type(module).__name__} attends with {', '.join(unsupported)}, which packed "
+            "attention does not apply (it would attend past the window or without the cap)"
+        )
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     outputs = []
@@ -99,8 +109,22 @@ def varlen_attention(
     return torch.cat(outputs)[packed.restore][None], None
 
 
+def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+    """SDPA's mask, except none for a pass with neither padding nor a cache: Hugging Face
+    would otherwise build a (T, T) mask from a packed row's restarting positions, which
+    packed attention does not read (the padded fallback is then plain causal SDPA)."""
+    fresh = (
+        kwargs.get("q_offset", 0) == 0
+        and kwargs.get("kv_offset", 0) == 0
+        and kwargs.get("kv_length") == kwargs.get("q_length")
+    )
+    if attention_mask is None and fresh:
+        return None
+    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
 AttentionInterface.register(ATTENTION, varlen_attention)
-AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+AttentionMaskInterface.register(ATTENTION, _mask)
 
 
 class PackingUnsupported(ValueError):

@@ -2,20 +2,24 @@
 where the weights land.
 
 The actor's state is laid out in buckets of about ``bucket_bytes`` (a tensor larger than a
-bucket travels alone; :func:`sync_layout`), each tensor at a 64-byte aligned offset of its
-bucket. A sync of version ``v`` (the actor's update count) is one call per bucket on the
-actor and one on each rollout worker: the actor's call copies the bucket's tensors into a
-staging buffer and returns it as one flat array with their checksum (:func:`make_bucket`),
-and the rollout worker's call takes that return value by reference, so it loads bucket
-``i`` while the actor prepares bucket ``i + 1``. The object store holds each bucket once
-per node; a rollout worker on the CPU makes its model's tensors views of it (no copy), one
-on a GPU copies them in.
+bucket travels alone; :func:`sync_layout`). A bucket's bytes travel as parts: each tensor of
+at least ``OWN_PART_BYTES`` as a part of its own, a view of the actor's tensor, and the
+smaller ones copied together into part 0, a staging buffer, at 64-byte aligned offsets
+(:func:`make_bucket`, which also checksums them). A sync of version ``v`` (the actor's
+update count) is one call per bucket on the actor, which puts the bucket in the object store
+and returns the reference, and one on each rollout worker, which Ray hands that reference
+once the actor's call is done: a worker loads bucket ``i`` while the actor prepares bucket
+``i + 1``. The object store holds each bucket once per node; a rollout worker on the CPU
+makes its model's own tensors views of it (no copy), one on a GPU copies them in.
 
-A rollout worker then computes the checksum of the bytes *now in its model's tensors*. The
-check passes only when the weights arrived intact and landed in the model that generates:
-the failure peers' users hit for weeks, a sync that delivered nothing, fails it as surely
-as a corrupted bucket. Until every bucket has passed, the worker holds no valid version,
-and generation refuses to run on it.
+A rollout worker then computes the checksum of the bytes *now in its model's tensors*, the
+tensors its model holds (``state_dict(keep_vars=True)``, not detached aliases). On a GPU
+that checks the copy; on the CPU, where the tensors are the received bytes, it checks what
+arrived, and rebinding the model's own tensors is what puts it in the model. A tensor the
+sync never sent is caught when the last bucket has landed. So a sync that delivered
+nothing, the failure peers' users hit for weeks, fails as surely as a corrupted bucket.
+Until every bucket of a sync has passed, the worker holds no valid version and generation
+refuses to run on it; once one fails, the sync's later buckets are refused too.
 
 The checksum is Fletcher-like over 64-bit words: the wrapping sum of the words, and the sum
 of each 4 KiB block's word sum weighted by the block's place in the bucket (blocks counted
@@ -222,7 +226,7 @@ class WeightReceiver:
         self.version: int | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._sent: set[str] = set()
-        self._next = 0  # the bucket a sync in progress expects next
+        self._next: int | None = 0  # the bucket a sync expects next; None once it failed
         self._started = 0.0
         self._failure = "no weights were synced yet"
 
@@ -230,7 +234,8 @@ class WeightReceiver:
     def load(self, bucket: WeightBucket) -> float | None:
         """Land ``bucket`` in the model and check what landed there; after the last
         bucket, the seconds of the sync: the actor's first bucket, then this worker's time
-        from starting to take it to the last bucket's check."""
+        from starting to take it to the last bucket's check. Once a bucket fails, the
+        sync's later buckets are refused too: only a new sync (its bucket 0) starts over."""
         if bucket.index == 0:  # no valid version while a sync is part-way
             self.version = None
             self._failure = f"the sync of version {bucket.version} did not complete"
@@ -240,6 +245,21 @@ class WeightReceiver:
             self._sent = set()
             self._next = 0
             self._started = time.perf_counter() - bucket.seconds
+        if self._next is None:
+            raise WeightSyncError(
+                f"{self.who}: bucket {bucket.index + 1} of the sync of version "
+                f"{bucket.version} refused: {self._failure}"
+            )
+        try:
+            return self._land(bucket)
+        except WeightSyncError:
+            self._next = None
+            failed = f"the sync of version {bucket.version} failed"
+            if not self._failure.startswith(failed):
+                self._failure = f"{failed} at bucket {bucket.index + 1} of {bucket.count}"
+            raise
+
+    def _land(self, bucket: WeightBucket) -> float | None:
         if bucket.index != self._next:
             raise WeightSyncError(
                 f"{self.who}: the sync of version {bucket.version} delivered bucket "

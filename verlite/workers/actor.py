@@ -6,6 +6,7 @@ import copy
 import time
 from functools import partial
 
+import ray
 import torch
 from tensordict import TensorDict
 from torch import nn
@@ -134,6 +135,13 @@ class ActorWorker(EngineWorker, PolicyWorker):
         return make_bucket(
             version, index, self._layout, tensors, staging=self._staging, started=started
         )
+
+    def put_bucket(self, version: int, index: int) -> ray.ObjectRef[WeightBucket] | None:
+        """Collective: :meth:`publish_bucket` put in the object store by rank 0; the call
+        returns the reference, so waiting on it (the driver does, to name an actor's
+        failure as the actor's) never fetches the weights."""
+        bucket = self.publish_bucket(version, index)
+        return None if bucket is None else ray.put(bucket)
 
     @property
     def _sync_bucket_bytes(self) -> int:

@@ -3,6 +3,7 @@ that weight syncs from the actor replace (``verlite.rollout.weights``); no optim
 
 from __future__ import annotations
 
+import ray
 from tensordict import TensorDict
 
 from verlite.models import build_policy, resolve_device
@@ -33,11 +34,12 @@ class RolloutWorker(PolicyWorker):
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         """Rollout ranks share no collectives: no process group to join."""
 
-    def load_bucket(self, bucket: WeightBucket) -> tuple[int | None, float] | None:
-        """Take one bucket of a weight sync (the actor's return value, by reference), checked
-        where it landed (raises :class:`~verlite.rollout.WeightSyncError`); after the last
-        bucket, the version now held and the sync's seconds."""
-        seconds = self.engine.load_bucket(bucket)
+    def load_bucket(self, bucket: ray.ObjectRef[WeightBucket]) -> tuple[int | None, float] | None:
+        """Take one bucket of a weight sync (the actor's reference, handed over by Ray
+        from the actor's call), checked where it landed (raises
+        :class:`~verlite.rollout.WeightSyncError`); after the last bucket, the version now
+        held and the sync's seconds."""
+        seconds = self.engine.load_bucket(ray.get(bucket))
         return None if seconds is None else (self.engine.version, seconds)
 
     def generate(

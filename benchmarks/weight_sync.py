@@ -2,11 +2,11 @@
 of the same bytes, for policies of about 1M, 10M and 100M parameters.
 
 verlite: as a run syncs after every update (``verlite.rollouts.queue_weight_sync``), one
-``ActorWorker.publish_bucket`` call per bucket of ``rollout.sync_bucket_mb`` (the tensors'
-bytes and their checksum, returned into the object store) and one
-``RolloutWorker.load_bucket`` call taking that result by reference (copied into the model,
-and the checksum of what landed in the model checked): loads overlap the later buckets'
-puts.
+``ActorWorker.put_bucket`` call per bucket of ``rollout.sync_bucket_mb`` (the tensors' bytes
+and their checksum put in the object store, the reference returned) and one
+``RolloutWorker.load_bucket`` call taking that reference (the model's tensors bound to the
+received bytes, and the checksum of what is now in them checked): loads overlap the later
+buckets' puts.
 bare: the same two worker processes and the same bytes in buckets of the same size,
 prepared beforehand as flat arrays: the actor ``ray.put``s every bucket, then the rollout
 worker ``ray.get``s them and copies each into one flat tensor of its own (a sync that

@@ -24,6 +24,7 @@ non-embedding parameters x tokens (forward and backward of every weight matrix, 
 head included) plus causal attention, 6 x layers x hidden x sum of squared lengths / 2 x 2
 (scores and weighted values), per second, as a share of this machine's measured float32
 matrix-multiply peak on the same thread count (``benchmarks.common.matmul_peak``).
+The packed cost fit: see :func:`fit_packed_cost`.
 Peak memory: the resident set of a fresh process at the peak of an update of the layout
 (its second; Linux's high-water mark reset in between), above what it held before.
 """
@@ -49,12 +50,14 @@ from benchmarks.common import (
     paired_ratio,
     quartiles,
     ratios,
+    time_call,
 )
 from verlite.config import ActorConfig, ModelConfig
+from verlite.core.losses import GlobalCounts
 from verlite.memory import retain_freed_memory
-from verlite.models import build_policy
-from verlite.step_batch import trim_padding
-from verlite.workers.engine import TrainEngine
+from verlite.models import attention_crossover, build_policy
+from verlite.step_batch import stamp_counts, trim_padding
+from verlite.workers.engine import TrainEngine, micro_batch
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
 VOCAB = 512
@@ -191,6 +194,62 @@ def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dic
     }
 
 
+def fit_packed_cost(trials: int = 40, seed: int = 3) -> dict[str, float]:
+    """What a packed micro-batch's update costs, measured: forward and backward of packed
+    rows of 1,500..4,000 tokens drawn from short, long and mixed sequences, fitted by least
+    squares as a x tokens + b x sum of squared lengths + c. Its crossover a / b is the length
+    at which attention costs what the weights do, against the FLOP model's
+    (``models.attention_crossover``), which the DP shares of packed roles use."""
+    batch = skewed_batch(256, seed=seed, prompt_len=(8, 64))
+    cfg = ActorConfig(strategy="none", ppo_mini_batch_size=256, packing=True)
+    policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
+    engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
+    loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
+    lengths = batch["attention_mask"].sum(1).tolist()
+    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    pools = [by_length[:160], by_length[100:230], by_length[200:], by_length]
+    rng = random.Random(seed)
+    rows_x, times = [], []
+    for trial in range(trials):
+        pool = list(pools[trial % len(pools)])
+        rng.shuffle(pool)
+        target, rows, total = rng.randint(1500, 4000), [], 0
+        for i in pool:
+            if total + lengths[i] <= target:
+                rows.append(i)
+                total += lengths[i]
+        micro = micro_batch(batch, sorted(rows), device=torch.device("cpu"), packing=True)
+        stamp_counts(micro, GlobalCounts(1, int(micro["response_mask"].sum()), len(rows)))
+
+        def update(micro: TensorDict = micro) -> None:
+            loss, _ = loss_fn(engine.model, micro)
+            loss.backward()
+            engine.model.zero_grad(set_to_none=True)
+
+        update()
+        times.append(min(time_call(update)[0] for _ in range(3)))
+        squares = sum(lengths[i] ** 2 for i in rows)
+        rows_x.append([float(total), float(squares), 1.0])
+    x = torch.tensor(rows_x, dtype=torch.float64)
+    y = torch.tensor(times, dtype=torch.float64)[:, None]
+
+    def r_squared(columns: list[int]) -> tuple[torch.Tensor, float]:
+        coef = torch.linalg.lstsq(x[:, columns], y).solution
+        residual = float(((y - x[:, columns] @ coef) ** 2).sum())
+        return coef[:, 0], 1.0 - residual / float(((y - y.mean()) ** 2).sum())
+
+    coef, fit = r_squared([0, 1, 2])
+    _, tokens_only = r_squared([0, 2])
+    return {
+        "us_per_token": float(coef[0]) * 1e6,
+        "ns_per_squared_token": float(coef[1]) * 1e9,
+        "r_squared": fit,
+        "r_squared_tokens_only": tokens_only,
+        "measured_crossover": float(coef[0] / coef[1]),
+        "flop_model_crossover": attention_crossover(MODEL),
+    }
+
+
 def one_update_memory(prompts: tuple[int, int], layout: str, rows: int, budget: int) -> int:
     """Bytes of resident memory an update of ``layout`` adds at its peak, in this (fresh)
     process: a first update warms up (the optimizer's state, the allocator's pools), the
@@ -252,9 +311,11 @@ def main() -> None:
         results[name]["peak_memory_bytes"] = measure_memory(
             span, args.rows, args.budget, args.threads
         )
+    cost = fit_packed_cost()
     emit(
         {
             "benchmark": "dynamic_batching",
+            "packed_cost_fit": cost,
             "rows": args.rows,
             "token_budget": args.budget,
             "fixed_micro_batch_size": args.budget // LONGEST,

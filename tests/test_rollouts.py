@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import load_config
+from verlite.controller import DpSplit
 from verlite.rollout import SamplingParams, SyncLayout
 from verlite.rollout.weights import TensorSpec
 from verlite.rollouts import Rollouts, StepPrompts
@@ -116,6 +117,7 @@ def rollouts(groups: Groups, *overrides: str, with_old: bool = True) -> Rollouts
         rollout=Group(groups, "rollout") if cfg.rollout.placement == "split" else None,
         sampling=SamplingParams(max_new_tokens=4),
         draw=prompts,
+        actor_split=DpSplit(),
         with_old=with_old,
         with_reference=False,
     )

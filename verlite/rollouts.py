@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from tensordict import TensorDict
 
 from verlite.config import Config
-from verlite.controller import PendingCall, WorkerGroup
+from verlite.controller import DpSplit, PendingCall, WorkerGroup
 from verlite.data import PromptRecord
 from verlite.rollout import SamplingParams, SyncLayout, WeightSyncError
 
@@ -97,6 +97,7 @@ class Rollouts:
         rollout: WorkerGroup | None,
         sampling: SamplingParams,
         draw: Callable[[int], StepPrompts],
+        actor_split: DpSplit,
         with_old: bool,
         with_reference: bool,
     ) -> None:
@@ -105,6 +106,7 @@ class Rollouts:
         self.rollout = rollout
         self.sampling = sampling
         self.draw = draw
+        self.actor_split = actor_split  # how a generated batch is cut for the actor's passes
         self.with_old = with_old
         self.with_reference = with_reference
         self.max_staleness = cfg.trainer.max_staleness
@@ -151,7 +153,7 @@ class Rollouts:
                     "compute_log_probs",
                     needed,
                     self.with_old,
-                    dispatch="dp_split",
+                    dispatch=self.actor_split,
                     collect="concat",
                 )
             )

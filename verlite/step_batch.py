@@ -72,12 +72,17 @@ def prompt_lengths(td: TensorDict) -> list[int]:
     return mask[:, : mask.shape[1] - response_width(td)].sum(-1).tolist()
 
 
-def row_costs(td: TensorDict) -> list[int]:
+def row_costs(td: TensorDict, crossover: int | None = None) -> list[int]:
     """What DP shares are balanced by: each row's real tokens, or 1 per row for a batch
-    without an attention mask."""
-    if "attention_mask" in td:
-        return sequence_lengths(td)
-    return [1] * int(td.batch_size[0])
+    without an attention mask. With ``crossover`` (rows run packed, see
+    ``models.attention_crossover``) a row of L tokens costs L + L^2 / crossover: a packed
+    row has no padding, and its attention grows with the square of each sequence."""
+    if "attention_mask" not in td:
+        return [1] * int(td.batch_size[0])
+    lengths = sequence_lengths(td)
+    if crossover is None:
+        return lengths
+    return [length + length * length // crossover for length in lengths]
 
 
 def take_rows(td: TensorDict, rows: Sequence[int]) -> TensorDict:

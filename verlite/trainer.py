@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -42,7 +42,7 @@ from verlite.data import (
     prompt_tensordict,
 )
 from verlite.errors import RunFailure
-from verlite.models import check_packing_supported, check_tokenizer_fits
+from verlite.models import attention_crossover, check_packing_supported, check_tokenizer_fits
 from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams, sample_keys
@@ -202,6 +202,13 @@ class Trainer:
             kl.kl_coef, adaptive=kl.type == "adaptive", target_kl=kl.target_kl, horizon=kl.horizon
         )
         self.recompute_old, self.old_log_probs_line = old_log_probs_source(cfg)
+        # Roles that run packed rows get DP shares balanced by a packed row's cost.
+        self.splits = {
+            role: DpSplit(
+                crossover=attention_crossover(cfg.model) if getattr(cfg, role).packing else None
+            )
+            for role in ("actor", "critic")
+        }
         self.rollouts = Rollouts(
             cfg,
             actor=actor,
@@ -213,6 +220,7 @@ class Trainer:
                 top_k=cfg.rollout.top_k,
             ),
             draw=self._draw_prompts,
+            actor_split=self.splits["actor"],
             with_old=self.recompute_old,
             with_reference=cfg.use_reference,
         )
@@ -301,7 +309,12 @@ class Trainer:
         if self.critic is not None:
             with timer("values"):  # 2. values
                 batch.update(
-                    self.critic.call("compute_values", batch, dispatch="dp_split", collect="concat")
+                    self.critic.call(
+                        "compute_values",
+                        batch,
+                        dispatch=self.splits["critic"],
+                        collect="concat",
+                    )
                 )
         with timer("reward"):  # 3. reward
             scores = self._score(batch, texts)
@@ -358,7 +371,10 @@ class Trainer:
         config fixes) balanced over its ranks, metrics reduced over them."""
         k = self.cfg.role_sizes(role).num_mini_batches
         metrics: dict[str, float] = group.call(
-            f"update_{role}", batch, dispatch=DpSplit(mini_batches=k), collect="metrics"
+            f"update_{role}",
+            batch,
+            dispatch=replace(self.splits[role], mini_batches=k),
+            collect="metrics",
         )
         return metrics
 

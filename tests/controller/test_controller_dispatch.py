@@ -145,3 +145,25 @@ def test_concat_without_split_and_unknown_modes() -> None:
         dispatch("scatter", 2, (), {})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="TensorDict"):
         dispatch("dp_split", 2, ([1, 2],), {})
+
+
+def test_packed_shares_balance_the_quadratic_cost_of_long_rows() -> None:
+    """With ``crossover`` a row of L tokens costs L + L^2 / crossover: the shares balance
+    that cost, so the rank with the longest row takes fewer tokens."""
+    lengths = torch.tensor([1024, 600, 600, 600] + [64] * 28)
+    width = int(lengths.max())
+    batch = TensorDict(
+        {"attention_mask": (torch.arange(width) < lengths[:, None]).long()}, batch_size=[32]
+    )
+    assert row_costs(batch, 512) == [n + n * n // 512 for n in lengths.tolist()]
+
+    def spread(crossover: int | None) -> tuple[int, int]:
+        plan = dispatch(DpSplit(crossover=crossover), 2, (batch,), {})
+        shares = [args[0]["attention_mask"].sum(-1) for args in plan.args]
+        tokens = [int(s.sum()) for s in shares]
+        packed = [int((s + s * s // 512).sum()) for s in shares]
+        return max(tokens) - min(tokens), max(packed) - min(packed)
+
+    by_tokens, by_cost = spread(None), spread(512)
+    assert by_tokens[0] < by_cost[0]  # tokens balance better when tokens are the cost
+    assert by_cost[1] < by_tokens[1] / 2  # the packed cost balances far better with it

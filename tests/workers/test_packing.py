@@ -12,7 +12,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from verlite.config import ConfigError, load_config
 from verlite.core.partition import PackedTokenPartition
 from verlite.invariance import make_batch
-from verlite.models import build_policy, build_value_model, check_packing_supported
+from verlite.models import (
+    attention_crossover,
+    build_policy,
+    build_value_model,
+    check_packing_supported,
+)
 from verlite.models.varlen import (
     ATTENTION,
     GROUP_SPREAD,
@@ -193,3 +198,20 @@ def test_a_packed_pass_builds_no_attention_mask(monkeypatch) -> None:
         assert not built
         response_log_probs(policy, padded, temperature=1.0, with_entropy=False)
         assert built  # a padded pass still gets its mask
+
+
+def test_the_attention_crossover_is_a_layers_parameters_over_its_width() -> None:
+    """For a Llama layer: attention (q, o: h x h; k, v: h x kv) + MLP (3 x h x i) + 2 norms."""
+    h, i, heads, kv_heads = 128, 256, 4, 2
+    cfg = load_config(
+        "configs/grpo_tiny.yaml",
+        [
+            f"model.hidden_size={h}",
+            f"model.intermediate_size={i}",
+            f"model.num_heads={heads}",
+            f"model.num_kv_heads={kv_heads}",
+        ],
+    )
+    kv = h // heads * kv_heads
+    layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    assert attention_crossover(cfg.model) == round(layer / h)

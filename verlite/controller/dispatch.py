@@ -40,9 +40,12 @@ from verlite.step_batch import cut_mini_batches, row_costs, take_rows
 class DpSplit:
     """``dp_split``; with ``mini_batches=k`` the batch is k global mini-batches, each balanced
     over the ranks on its own, and every rank receives its share as a ``(k, rows)``
-    TensorDict whose row j is its piece of mini-batch j (``core.partition.dp_shares``)."""
+    TensorDict whose row j is its piece of mini-batch j (``core.partition.dp_shares``).
+    ``crossover``: the receiving role runs packed rows, whose cost the shares balance
+    (``step_batch.row_costs``)."""
 
     mini_batches: int | None = None
+    crossover: int | None = None
 
 
 Dispatch = Literal["broadcast", "all", "dp_split"] | DpSplit
@@ -84,7 +87,7 @@ def dispatch(mode: Dispatch, world: int, args: Sequence[Any], kwargs: Mapping[st
         raise TypeError("dp_split splits the first positional argument, which must be a TensorDict")
     batch, rest = args[0], tuple(args[1:])
     k = split.mini_batches
-    shares = dp_shares(row_costs(batch), world=world, mini_batches=k or 1)
+    shares = dp_shares(row_costs(batch, split.crossover), world=world, mini_batches=k or 1)
     pieces = [take_rows(batch, share) for share in shares]
     if k is not None:
         pieces = [cut_mini_batches(piece, k) for piece in pieces]

@@ -190,3 +190,21 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
             f"{role}.packing=true: could not check that {config.model_type} models keep packed "
             f"sequences apart ({type(exc).__name__}: {exc}); set {role}.packing=false"
         ) from None
+
+
+def attention_crossover(cfg: ModelConfig) -> int:
+    """The sequence length at which a token's causal attention costs what its weights do in
+    a packed row: one decoder layer's parameters over the hidden size (a token's weight
+    FLOPs are 6 x parameters; its share of causal attention over a sequence of length L,
+    6 x hidden x L per layer). A packed row of sequences L_i then costs about
+    sum(L_i + L_i^2 / crossover) token-equivalents (``step_batch.row_costs``). Counted on
+    models of 1 and 2 layers built on the meta device: no memory, any architecture."""
+    config = _hf_config(cfg, vocab_size=64, max_positions=64)
+    counts = []
+    for layers in (1, 2):
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = layers
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        counts.append(sum(p.numel() for p in model.parameters()))
+    return max(1, round((counts[1] - counts[0]) / config.hidden_size))

@@ -35,17 +35,17 @@ def _one_rank(role: str, cfg: Config, tokenizer: PreTrainedTokenizerBase) -> dic
 
 
 def _sampled_prompts(
-    cfg: Config, tokenizer: PreTrainedTokenizerBase, train_set: PromptDataset
+    cfg: Config, tokenizer: PreTrainedTokenizerBase, train_set: PromptDataset, samples: int = 2
 ) -> TensorDict:
-    """The first 8 training prompts, 2 samples each, with their sampling keys of step 1."""
+    """The first 8 training prompts, ``samples`` each, with their sampling keys of step 1."""
     prompts = prompt_tensordict(
         train_set[:8],
         tokenizer,
         max_prompt_length=cfg.data.max_prompt_length,
-        repeat=2,
+        repeat=samples,
         temperature=1.0,
     )
-    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)
+    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, samples)
     return prompts
 
 
@@ -140,14 +140,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
     with torch.no_grad():  # weights away from the seed-0 initialization an export rebuilds
         for param in worker.engine.model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    prompts = prompt_tensordict(
-        train_set[:8],
-        tokenizer,
-        max_prompt_length=cfg.data.max_prompt_length,
-        repeat=1,
-        temperature=1.0,
-    )
-    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 1)
+    prompts = _sampled_prompts(cfg, tokenizer, train_set, samples=1)
     batch = worker.generate(prompts, SamplingParams(max_new_tokens=6), 3)
     trained = worker.compute_log_probs(batch, True)["old_log_probs"]
 

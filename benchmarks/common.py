@@ -87,3 +87,17 @@ def matmul_peak(*, size: int = 1024, repeats: int = 20) -> float:
     a @ b  # warm-up
     best = min(time_call(lambda: a @ b)[0] for _ in range(repeats))
     return 2.0 * size**3 / best
+
+
+def decoder_flops(
+    model: torch.nn.Module, *, tokens: float, attended: float, backward: bool
+) -> float:
+    """The FLOPs of a decoder's pass, as the model FLOPs utilization figures count them:
+    2 x its non-embedding parameters per token (every weight matrix, the LM head included),
+    and 4 x hidden x layers per attended (query, key) pair (scores and weighted values);
+    3x that with the backward pass. ``attended``: sum over queries of the keys each sees
+    (L^2 / 2 for a causal sequence of L tokens, prompt + t for the t-th generated token)."""
+    config = next(m.config for m in model.modules() if hasattr(m, "config"))
+    dense = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    flops = 2.0 * dense * tokens + 4.0 * config.hidden_size * config.num_hidden_layers * attended
+    return 3.0 * flops if backward else flops

@@ -19,11 +19,11 @@ ran on (each micro-batch trimmed to its own longest prompt and response, as the 
 does) that are padding (none when packed). The losses of the layouts must agree: grouping
 never changes the math.
 
-Model FLOPs utilization: the FLOPs of an update over the real tokens, 6 x the model's
-non-embedding parameters x tokens (forward and backward of every weight matrix, the LM
-head included) plus causal attention, 6 x layers x hidden x sum of squared lengths / 2 x 2
-(scores and weighted values), per second, as a share of this machine's measured float32
-matrix-multiply peak on the same thread count (``benchmarks.common.matmul_peak``).
+Model FLOPs utilization: the FLOPs of an update over the real tokens
+(``benchmarks.common.decoder_flops``: 6 x the model's non-embedding parameters x tokens,
+plus causal attention, 6 x layers x hidden x the sum of squared lengths) per second, as a
+share of this machine's measured float32 matrix-multiply peak on the same thread count
+(``benchmarks.common.matmul_peak``).
 The packed cost fit: see :func:`fit_packed_cost`.
 Peak memory: the resident set of a fresh process at the peak of an update of the layout
 (its second; Linux's high-water mark reset in between), above what it held before.
@@ -43,6 +43,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
+    decoder_flops,
     emit,
     interleaved,
     matmul_peak,
@@ -126,17 +127,15 @@ def layout_configs(base: ActorConfig, budget: int) -> dict[str, ActorConfig]:
 
 
 def update_flops(batch: TensorDict) -> float:
-    """The FLOPs of one update over the batch's real tokens (see the module docstring)."""
+    """The FLOPs of one update over the batch's real tokens (``common.decoder_flops``)."""
     lengths = batch["attention_mask"].sum(1).double()
-    dense = sum(
-        p.numel()
-        for name, p in build_policy(
-            MODEL, vocab_size=VOCAB, max_positions=8, seed=0
-        ).named_parameters()
-        if "embed_tokens" not in name
+    policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=8, seed=0)
+    return decoder_flops(
+        policy,
+        tokens=float(lengths.sum()),
+        attended=float((lengths**2).sum()) / 2,
+        backward=True,
     )
-    attention = 6 * MODEL.num_layers * MODEL.hidden_size * float((lengths**2).sum())
-    return 6.0 * dense * float(lengths.sum()) + attention
 
 
 def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dict[str, Any]:

@@ -5,7 +5,10 @@ left-padded prompts, the same sampling settings — greedy, sampled at temperatu
 sampled with top-k 50 and top-p 0.9 — and the same EOS and maximum length. Both run the full batch until every
 row has ended or the maximum length is reached; a row's generated tokens are those up to
 and including its EOS. Greedy outputs must be identical (checked). The figure is the median
-over repetitions of native / HF tokens per second, paired by repetition.
+over repetitions of native / HF tokens per second, paired by repetition. Each also reports
+its model FLOPs utilization: the useful FLOPs of the run (``generation_flops``) per second
+over this machine's 1-thread float32 matmul peak (``common.matmul_peak``); decoding one
+token per row at a time is bound by memory, not compute, so it is far below an update's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,16 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
+from benchmarks.common import (
+    decoder_flops,
+    emit,
+    interleaved,
+    matmul_peak,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+)
 from verlite.config import ModelConfig, load_config
 from verlite.data import load_tokenizer
 from verlite.memory import retain_freed_memory
@@ -67,8 +79,23 @@ def hf_generate(model: torch.nn.Module, td: TensorDict, params: SamplingParams) 
     return out[:, td["input_ids"].shape[1] :]
 
 
+def generation_flops(model: torch.nn.Module, td: TensorDict, generated: torch.Tensor) -> float:
+    """The useful FLOPs of generating ``generated`` tokens per row after ``td``'s prompts
+    (``common.decoder_flops``): the prompts' causal prefill, then each new token attending
+    to its prompt and the tokens before it. Rows that ended early count nothing after."""
+    prompt = td["attention_mask"].sum(-1).double()
+    new = generated.double()
+    attended = prompt**2 / 2 + new * prompt + new * (new + 1) / 2
+    return decoder_flops(
+        model,
+        tokens=float((prompt + new).sum()),
+        attended=float(attended.sum()),
+        backward=False,
+    )
+
+
 def compare(
-    model: torch.nn.Module, td: TensorDict, params: SamplingParams, *, repeats: int
+    model: torch.nn.Module, td: TensorDict, params: SamplingParams, *, repeats: int, peak: float
 ) -> dict[str, Any]:
     """Tokens per second on ``td`` with ``params``, side by side: the native sampler with keyed
     noise (``rollout.randomness=per_sample``) and with a generator stream (``per_rank``, the
@@ -105,9 +132,15 @@ def compare(
         k: [float(n.max()) / s for n, s in zip(lengths[k], v, strict=True)]
         for k, v in seconds.items()
     }
+    mfu = {
+        k: [generation_flops(model, td, n) / s / peak for n, s in zip(lengths[k], v, strict=True)]
+        for k, v in seconds.items()
+    }
     return {
         "native_tokens_per_s": median(tokens["keyed"]),
         "hf_tokens_per_s": median(tokens["hf"]),
+        "native_mfu": median(mfu["keyed"]),
+        "hf_mfu": median(mfu["hf"]),
         "speedup": paired_ratio(tokens["keyed"], tokens["hf"]),
         "speedup_quartiles": quartiles(ratios(tokens["keyed"], tokens["hf"])),
         # decode steps per second with keyed noise against the generator stream it replaced
@@ -130,6 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as every worker does
+    peak = matmul_peak()
     shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes.split(",")]
 
     model_cfg = ModelConfig(
@@ -147,7 +181,7 @@ def main() -> None:
         }
         for name, params in settings.items():
             results[f"{name}_{batch}x{new_tokens}"] = compare(
-                model, td, params, repeats=args.repeats
+                model, td, params, repeats=args.repeats, peak=peak
             )
     # The main job's generation (its model, prompts, batch and length), where a decode step
     # is shortest and the per-step cost of the noise weighs most.
@@ -165,12 +199,14 @@ def main() -> None:
         prompts(batch, main_job.data.max_prompt_length, main_vocab),
         SamplingParams(new_tokens, temperature=main_job.rollout.temperature),
         repeats=args.repeats * 4,
+        peak=peak,
     )
     emit(
         {
             "benchmark": "rollout",
             "model": f"llama hidden 256, 4 layers, vocab {args.vocab}; main_job: {MAIN_JOB}'s",
             "prompt_len": args.prompt_len,
+            "matmul_peak_gflops": peak / 1e9,
             "results": results,
             "min_speedup": min(r["speedup"] for r in results.values()),
             "min_keyed_over_stream": min(

@@ -119,8 +119,8 @@ class ActorWorker(EngineWorker, PolicyWorker):
         """Collective: bucket ``index`` of the sync of ``version``, from rank 0 (the others
         take part in FSDP's gathers and return None). Bucket 0 starts a sync: the state
         and its layout are read then, and every bucket must follow, in order, before the
-        next update. One staging buffer serves every bucket: Ray stores a call's result
-        before it runs the next call."""
+        next update. Its small tensors are staged in one buffer that the next bucket
+        overwrites: put the bucket in the object store first (:meth:`put_bucket`)."""
         started = time.perf_counter()
         if index == 0:
             self._publishing = model_state(self.engine.model)

@@ -17,6 +17,8 @@ paired ratios of steady-state steps per second (the steps after the first ``--wa
 timed by the step times the run logs), with quartiles; these runs use a learning rate of
 1e-9, so that all variants generate the same responses and do the same work. ``--plot-steps N`` then trains each
 staleness for N steps and draws the scores over wall time in ``docs/async_training.png``.
+Model FLOPs utilization of each variant's steady steps: as ``benchmarks.orchestration``
+counts it (the passes its config runs), over this machine's peak with a thread per core.
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import emit, median, paired_ratio, quartiles, ratios
-from verlite.config import load_config
+from benchmarks.common import (
+    emit,
+    machine_peak,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+    rl_step_flops,
+)
+from verlite.config import Config, load_config
 from verlite.controller import start_ray, stop_ray
+from verlite.data.tokenizer import load_tokenizer
 from verlite.memory import retain_freed_memory
 from verlite.run import run
 from verlite.trainer import RunInputs
@@ -71,9 +82,9 @@ TIMED = ("sync", "async", "sync_auto", "sync_packed")
 CURVES = ("sync", "async", "async_tis")
 
 
-def one_run(folder: Path, variant: str, steps: int, *, lr: float) -> list[dict[str, Any]]:
+def variant_config(folder: Path, variant: str, steps: int, *, lr: float) -> Config:
     staleness, recompute, correction, packing = VARIANTS[variant]
-    cfg = load_config(
+    return load_config(
         "configs/grpo_tiny.yaml",
         [
             *OVERRIDES,
@@ -86,13 +97,30 @@ def one_run(folder: Path, variant: str, steps: int, *, lr: float) -> list[dict[s
             f"trainer.output_dir={folder}",
         ],
     )
+
+
+def one_run(cfg: Config) -> list[dict[str, Any]]:
+    """The metrics records of a run of ``cfg``."""
     run(cfg, RunInputs.load(cfg))
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    lines = (Path(cfg.trainer.output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def steps_per_second(records: list[dict[str, Any]], warmup: int) -> float:
     steady = records[warmup:]
     return len(steady) / sum(r["timing_s/step"] for r in steady)
+
+
+def utilization(cfg: Config, records: list[dict[str, Any]], warmup: int, peak: float) -> float:
+    """Model FLOPs utilization of the steady steps: their FLOPs (``common.rl_step_flops``)
+    over their time, as a share of ``peak`` FLOP/s."""
+    steady = records[warmup:]
+    vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
+    flops = sum(
+        rl_step_flops(cfg, vocab_size=vocab_size, tokens=r["perf/throughput"] * r["timing_s/step"])
+        for r in steady
+    )
+    return flops / sum(r["timing_s/step"] for r in steady) / peak
 
 
 def plot(curves: dict[str, list[dict[str, Any]]]) -> None:
@@ -132,6 +160,8 @@ def main() -> None:
     args = parser.parse_args()
     retain_freed_memory()
     rates: dict[str, list[float]] = {name: [] for name in TIMED}
+    mfu: dict[str, list[float]] = {name: [] for name in TIMED}
+    peak = machine_peak()
     shares: list[float] = []
     curves: dict[str, list[dict[str, Any]]] = {}
     start_ray(None, num_cpus=2)
@@ -140,10 +170,12 @@ def main() -> None:
             for repeat in range(args.repeats):
                 names = TIMED if repeat % 2 == 0 else TIMED[::-1]
                 for name in names:
-                    records = one_run(
+                    cfg = variant_config(
                         Path(tmp) / f"{repeat}-{name}", name, args.steps, lr=TIMING_LR
                     )
+                    records = one_run(cfg)
                     rates[name].append(steps_per_second(records, args.warmup))
+                    mfu[name].append(utilization(cfg, records, args.warmup, peak))
                     if name == "sync":
                         shares += [
                             r["timing_s/weight_sync"] / r["timing_s/step"]
@@ -151,7 +183,7 @@ def main() -> None:
                         ]
             for name in CURVES if args.plot_steps else ():
                 curves[name] = one_run(
-                    Path(tmp) / f"curve-{name}", name, args.plot_steps, lr=CURVE_LR
+                    variant_config(Path(tmp) / f"curve-{name}", name, args.plot_steps, lr=CURVE_LR)
                 )
     finally:
         stop_ray()
@@ -162,6 +194,8 @@ def main() -> None:
             "benchmark": "async_training",
             "steps": args.steps,
             "steps_per_s": {name: median(v) for name, v in rates.items()},
+            "machine_matmul_peak_gflops": peak / 1e9,
+            "mfu": {name: median(v) for name, v in mfu.items()},
             "ratio": paired_ratio(rates["async"], rates["sync"]),
             "ratio_quartiles": quartiles(ratios(rates["async"], rates["sync"])),
             "auto_recompute_ratio": paired_ratio(rates["sync_auto"], rates["sync"]),

@@ -8,12 +8,17 @@ Absolute times are printed for reading only; nothing asserts them.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+
+from verlite.config import Config
+from verlite.models import build_policy, build_value_model
+from verlite.trainer import old_log_probs_source
 
 
 def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -101,3 +106,56 @@ def decoder_flops(
     dense = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
     flops = 2.0 * dense * tokens + 4.0 * config.hidden_size * config.num_hidden_layers * attended
     return 3.0 * flops if backward else flops
+
+
+def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
+    """The most bytes of CPU tensors that ``fn`` holds live at once, above those live when it
+    starts: the running sum of the allocations and frees torch's profiler records."""
+    activity = torch.profiler.ProfilerActivity.CPU
+    with torch.profiler.profile(activities=[activity], profile_memory=True) as profile:
+        fn()
+    changes = sorted(
+        (event.start_ns(), event.nbytes())
+        for event in profile.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    )
+    live = peak = 0
+    for _, nbytes in changes:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def machine_peak() -> float:
+    """:func:`matmul_peak` with a thread per core: the most this whole machine multiplies."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        return matmul_peak()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def rl_step_flops(cfg: Config, *, vocab_size: int, tokens: float) -> float:
+    """The FLOPs of one RL step (past the critic's warm-up) whose batch holds ``tokens`` real
+    tokens over its data.train_batch_size x rollout.n rows, counted as
+    :func:`decoder_flops` counts a pass over every row: the policy's forward passes for
+    generation (1), the old log-probs (1 when the actor recomputes them), the reference's
+    log-probs (1 with a reference) and its update (3 per actor.ppo_epochs); with a critic,
+    its values (1) and update (3 per critic.ppo_epochs). Attention is counted from the rows'
+    mean length (a lower bound: the spread of lengths adds to it; at these benchmarks' lengths,
+    far below their models' attention crossover, it is a small share)."""
+    rows = cfg.data.train_batch_size * cfg.rollout.n
+    attended = rows * (tokens / rows) ** 2 / 2
+    recompute, _ = old_log_probs_source(cfg)
+    policy_passes = 1 + int(recompute) + int(cfg.use_reference) + 3 * cfg.actor.ppo_epochs
+    build = {"vocab_size": vocab_size, "max_positions": cfg.max_sequence_length, "seed": 0}
+    per_pass = decoder_flops(
+        build_policy(cfg.model, **build), tokens=tokens, attended=attended, backward=False
+    )
+    flops = policy_passes * per_pass
+    if cfg.use_critic:
+        critic = build_value_model(cfg.model, **build)
+        per_pass = decoder_flops(critic, tokens=tokens, attended=attended, backward=False)
+        flops += (1 + 3 * cfg.critic.ppo_epochs) * per_pass
+    return flops

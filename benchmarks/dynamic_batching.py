@@ -25,16 +25,15 @@ plus causal attention, 6 x layers x hidden x the sum of squared lengths) per sec
 share of this machine's measured float32 matrix-multiply peak on the same thread count
 (``benchmarks.common.matmul_peak``).
 The packed cost fit: see :func:`fit_packed_cost`.
-Peak memory: the resident set of a fresh process at the peak of an update of the layout
-(its second; Linux's high-water mark reset in between), above what it held before.
+Peak memory: the most bytes of tensors live at once during an update of the layout (its
+second), above those live when it began, from the allocations torch's profiler records:
+exact and repeatable, unlike the resident set, which moves with the C allocator's caching.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -49,16 +48,17 @@ from benchmarks.common import (
     matmul_peak,
     median,
     paired_ratio,
+    peak_tensor_bytes,
     quartiles,
     ratios,
-    time_call,
 )
 from verlite.config import ActorConfig, ModelConfig
-from verlite.core.losses import GlobalCounts
 from verlite.memory import retain_freed_memory
-from verlite.models import attention_crossover, build_policy
-from verlite.step_batch import stamp_counts, trim_padding
-from verlite.workers.engine import TrainEngine, micro_batch
+from verlite.models import build_policy, flop_crossover
+from verlite.models.packing_cost import measure_packed_cost
+from verlite.models.varlen import enable_packing
+from verlite.step_batch import trim_padding
+from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 
 VOCAB = 512
@@ -193,100 +193,40 @@ def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dic
     }
 
 
-def fit_packed_cost(trials: int = 40, seed: int = 3) -> dict[str, float]:
-    """What a packed micro-batch's update costs, measured: forward and backward of packed
-    rows of 1,500..4,000 tokens drawn from short, long and mixed sequences, fitted by least
-    squares as a x tokens + b x sum of squared lengths + c. Its crossover a / b is the length
-    at which attention costs what the weights do, against the FLOP model's
-    (``models.attention_crossover``), which the DP shares of packed roles use."""
-    batch = skewed_batch(256, seed=seed, prompt_len=(8, 64))
-    cfg = ActorConfig(strategy="none", ppo_mini_batch_size=256, packing=True)
+def fit_packed_cost(trials: int = 40) -> dict[str, float]:
+    """What a packed row's forward and backward cost on this machine
+    (``models.packing_cost``, as ``verlite measure-packing`` measures it): rows of up to the
+    budget's 4,096 tokens, fitted as a x tokens + b x sum of squared lengths + c. Its
+    crossover a / b against the FLOP count's (``models.flop_crossover``), which the DP shares
+    of packed roles use unless ``model.attention_crossover`` is set."""
     policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
-    engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
-    loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
-    lengths = batch["attention_mask"].sum(1).tolist()
-    by_length = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    pools = [by_length[:160], by_length[100:230], by_length[200:], by_length]
-    rng = random.Random(seed)
-    rows_x, times = [], []
-    for trial in range(trials):
-        pool = list(pools[trial % len(pools)])
-        rng.shuffle(pool)
-        target, rows, total = rng.randint(1500, 4000), [], 0
-        for i in pool:
-            if total + lengths[i] <= target:
-                rows.append(i)
-                total += lengths[i]
-        micro = micro_batch(batch, sorted(rows), device=torch.device("cpu"), packing=True)
-        stamp_counts(micro, GlobalCounts(1, int(micro["response_mask"].sum()), len(rows)))
-
-        def update(micro: TensorDict = micro) -> None:
-            loss, _ = loss_fn(engine.model, micro)
-            loss.backward()
-            engine.model.zero_grad(set_to_none=True)
-
-        update()
-        times.append(min(time_call(update)[0] for _ in range(3)))
-        squares = sum(lengths[i] ** 2 for i in rows)
-        rows_x.append([float(total), float(squares), 1.0])
-    x = torch.tensor(rows_x, dtype=torch.float64)
-    y = torch.tensor(times, dtype=torch.float64)[:, None]
-
-    def r_squared(columns: list[int]) -> tuple[torch.Tensor, float]:
-        coef = torch.linalg.lstsq(x[:, columns], y).solution
-        residual = float(((y - x[:, columns] @ coef) ** 2).sum())
-        return coef[:, 0], 1.0 - residual / float(((y - y.mean()) ** 2).sum())
-
-    coef, fit = r_squared([0, 1, 2])
-    _, tokens_only = r_squared([0, 2])
+    enable_packing(policy)
+    cost = measure_packed_cost(
+        policy, vocab_size=VOCAB, longest=LONGEST, budget=4 * LONGEST, trials=trials
+    )
     return {
-        "us_per_token": float(coef[0]) * 1e6,
-        "ns_per_squared_token": float(coef[1]) * 1e9,
-        "r_squared": fit,
-        "r_squared_tokens_only": tokens_only,
-        "measured_crossover": float(coef[0] / coef[1]),
-        "flop_model_crossover": attention_crossover(MODEL),
+        "us_per_token": cost.per_token * 1e6,
+        "ns_per_squared_token": cost.per_squared_token * 1e9,
+        "ns_per_squared_token_error": cost.per_squared_token_error * 1e9,
+        "r_squared": cost.r_squared,
+        "r_squared_tokens_only": cost.r_squared_tokens_only,
+        "measured_crossover": cost.crossover,
+        "flop_model_crossover": flop_crossover(MODEL),
     }
 
 
-def one_update_memory(prompts: tuple[int, int], layout: str, rows: int, budget: int) -> int:
-    """Bytes of resident memory an update of ``layout`` adds at its peak, in this (fresh)
-    process: a first update warms up (the optimizer's state, the allocator's pools), the
-    kernel's high-water mark is reset, and the second update's peak is read."""
-    batch = skewed_batch(rows, seed=0, prompt_len=prompts)
-    cfg = layout_configs(ActorConfig(strategy="none", ppo_mini_batch_size=rows), budget)[layout]
-    policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
-    engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
-    loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
-    engine.train_mini_batch(batch.clone(), loss_fn)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")  # resets VmHWM to the current resident set
-    before = _status_kib("VmRSS")
-    engine.train_mini_batch(batch.clone(), loss_fn)
-    return (_status_kib("VmHWM") - before) * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith(f"{field}:"))
-    return int(line.split()[1])
-
-
-def measure_memory(
-    prompts: tuple[int, int], rows: int, budget: int, threads: int
-) -> dict[str, int]:
-    """Each layout's :func:`one_update_memory`, each in a fresh process."""
+def update_memory(batch: TensorDict, budget: int) -> dict[str, int]:
+    """Each layout's peak tensor memory during an update (its second: the first has built
+    the optimizer's state), above what was live when it began (``common.peak_tensor_bytes``)."""
+    rows = batch.batch_size[0]
+    configs = layout_configs(ActorConfig(strategy="none", ppo_mini_batch_size=rows), budget)
     out = {}
-    for layout in ("fixed", "token_budget", "packed"):
-        code = (
-            "import torch, benchmarks.dynamic_batching as b; "
-            f"torch.set_num_threads({threads}); "
-            f"print(b.one_update_memory({prompts!r}, {layout!r}, {rows}, {budget}))"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
-        )
-        out[layout] = int(done.stdout.split()[-1])
+    for layout, cfg in configs.items():
+        policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
+        engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
+        loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
+        engine.train_mini_batch(batch.clone(), loss_fn)
+        out[layout] = peak_tensor_bytes(partial(engine.train_mini_batch, batch.clone(), loss_fn))
     return out
 
 
@@ -307,9 +247,7 @@ def main() -> None:
     for name, span in prompts.items():
         batch = skewed_batch(args.rows, seed=0, prompt_len=span)
         results[name] = compare(batch, budget=args.budget, repeats=args.repeats, peak=peak)
-        results[name]["peak_memory_bytes"] = measure_memory(
-            span, args.rows, args.budget, args.threads
-        )
+        results[name]["peak_memory_bytes"] = update_memory(batch, args.budget)
     cost = fit_packed_cost()
     emit(
         {

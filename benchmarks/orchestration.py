@@ -11,7 +11,9 @@ one-rank dispatch and collect, is the same code.
 
 Both trainers start from the same seeds, so step k does the same work in both (their
 metrics are checked to match). Steps alternate between the two, and the figure is the
-median over steps of verlite / in-process step time.
+median over steps of verlite / in-process step time. Model FLOPs utilization: each step's
+FLOPs (``benchmarks.common.rl_step_flops``) per second of it, as a share of this machine's
+float32 matrix-multiply peak with a thread per core (``common.machine_peak``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import emit, median, paired_ratio, quartiles, ratios, time_call
+from benchmarks.common import (
+    emit,
+    machine_peak,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+    rl_step_flops,
+    time_call,
+)
 from verlite.config import load_config
 from verlite.controller import dispatch as dispatching
 from verlite.controller import ray_session
@@ -98,6 +109,7 @@ def main() -> None:
         with ray_session(None), start_groups(cfg, inputs.tokenizer) as groups:
             remote = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
             seconds: dict[str, list[float]] = {"verlite": [], "in_process": []}
+            flops: list[float] = []
             worst = 0.0
             # Step 1 warms both up (lazy imports, allocator, Ray's first transfers).
             for step in range(1, args.steps + 2):
@@ -114,7 +126,12 @@ def main() -> None:
                 if step > 1:
                     seconds["verlite"].append(t_remote)
                     seconds["in_process"].append(t_local)
+                    tokens = m_remote["perf/throughput"] * m_remote["timing_s/step"]
+                    flops.append(
+                        rl_step_flops(cfg, vocab_size=len(inputs.tokenizer), tokens=tokens)
+                    )
     assert worst < 1e-4, f"the two trainers diverged (relative metric difference {worst:.2e})"
+    peak = machine_peak()
     emit(
         {
             "benchmark": "orchestration",
@@ -132,6 +149,12 @@ def main() -> None:
             )
             / CALLS_PER_STEP,
             "max_rel_metric_diff": worst,
+            "step_gflop": median(flops) / 1e9,
+            "machine_matmul_peak_gflops": peak / 1e9,
+            "mfu": {
+                name: median([f / t / peak for f, t in zip(flops, s, strict=True)])
+                for name, s in seconds.items()
+            },
             "goal": "ratio <= 1.10",
         }
     )

@@ -7,6 +7,7 @@ machine's CPUs. Every layout trains on the same global batch with the same mini-
 layouts run one after another, each after a warm-up step, and the figure is the median
 step time of each relative to dp = 1. With 2 cores, dp = 2 can use both and dp = 4
 oversubscribes them: the model of ``benchmarks/README.md`` says what changes on GPU nodes.
+Model FLOPs utilization: as ``benchmarks.orchestration`` counts it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from benchmarks.common import emit, median, time_call
+from benchmarks.common import emit, machine_peak, median, rl_step_flops, time_call
 from benchmarks.orchestration import OVERRIDES
 from verlite.config import load_config
 from verlite.controller import ray_session
@@ -25,8 +26,9 @@ CORES = 2
 STAGES = ("rollout", "values", "update_critic", "update_actor")
 
 
-def step_times(dp: int, *, steps: int, config: str) -> dict[str, float]:
-    """Median step and stage times of ``steps`` steps with dp workers per role."""
+def step_times(dp: int, *, steps: int, config: str, peak: float) -> dict[str, float]:
+    """Median step and stage times of ``steps`` steps with dp workers per role, and the
+    steps' median model FLOPs utilization of ``peak`` FLOP/s."""
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(
             config,
@@ -47,7 +49,14 @@ def step_times(dp: int, *, steps: int, config: str) -> dict[str, float]:
                 for step in range(1, steps + 2)
             ]
     kept = runs[1:]  # the first step warms up
-    result = {"step_s": median([seconds for seconds, _ in kept])}
+    vocab_size = len(inputs.tokenizer)
+    utilization = [
+        rl_step_flops(cfg, vocab_size=vocab_size, tokens=m["perf/throughput"] * m["timing_s/step"])
+        / seconds
+        / peak
+        for seconds, m in kept
+    ]
+    result = {"step_s": median([seconds for seconds, _ in kept]), "mfu": median(utilization)}
     for stage in STAGES:
         result[f"{stage}_s"] = median([m[f"timing_s/{stage}"] for _, m in kept])
     return result
@@ -59,9 +68,10 @@ def main() -> None:
     parser.add_argument("--dp", default="1,2,4")
     parser.add_argument("--config", default="configs/ppo_tiny.yaml")
     args = parser.parse_args()
+    peak = machine_peak()
     with ray_session(None):  # one embedded Ray; each layout places and releases its groups
         layouts = {
-            int(dp): step_times(int(dp), steps=args.steps, config=args.config)
+            int(dp): step_times(int(dp), steps=args.steps, config=args.config, peak=peak)
             for dp in args.dp.split(",")
         }
     base = layouts[min(layouts)]["step_s"]
@@ -70,6 +80,7 @@ def main() -> None:
             "benchmark": "scaling",
             "cores": CORES,
             "torch_threads_per_worker": 1,
+            "machine_matmul_peak_gflops": peak / 1e9,
             "steps": args.steps,
             "layouts": {
                 str(dp): {**t, "speedup_vs_dp1": base / t["step_s"]} for dp, t in layouts.items()

@@ -21,6 +21,7 @@ from typing import NoReturn
 from verlite.compare import add_compare_command
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import add_job_commands
+from verlite.measure_packing import cmd_measure_packing
 from verlite.report import add_metrics_command
 from verlite.table import format_table
 
@@ -183,6 +184,32 @@ def build_parser() -> argparse.ArgumentParser:
         "arithmetic (default 1e-15 float64, 1e-6 float32)",
     )
     check.set_defaults(handler=cmd_check_invariance)
+
+    measure = commands.add_parser(
+        "measure-packing",
+        help="measure a packed row's cost on this machine: the model.attention_crossover to set",
+        description="Time forward and backward passes of the configured policy over packed rows "
+        "(sequences of 8 up to data.max_prompt_length + rollout.max_response_length tokens, up to "
+        "the token budget a row) on the device the workers would use, fit seconds ~ a x tokens + "
+        "b x sum of squared lengths + c, and print a / b: the model.attention_crossover that "
+        "balances the DP shares of packing roles by this measurement instead of the FLOP count.",
+    )
+    measure.add_argument("--config", required=True, help="run config YAML")
+    measure.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted config overrides"
+    )
+    measure.add_argument(
+        "--budget",
+        type=_positive_int,
+        default=None,
+        help="most tokens of a packed row (default: actor.max_token_len_per_worker, or "
+        "actor.micro_batch_size_per_worker x the longest sequence)",
+    )
+    measure.add_argument(
+        "--trials", type=_positive_int, default=40, help="packed rows to time (default 40)"
+    )
+    measure.add_argument("--json", action="store_true", help="print one JSON object instead")
+    measure.set_defaults(handler=cmd_measure_packing)
 
     add_metrics_command(commands)
     add_compare_command(commands)

@@ -13,10 +13,10 @@ from verlite.config import ConfigError, load_config
 from verlite.core.partition import PackedTokenPartition
 from verlite.invariance import make_batch
 from verlite.models import (
-    attention_crossover,
     build_policy,
     build_value_model,
     check_packing_supported,
+    flop_crossover,
 )
 from verlite.models.varlen import (
     ATTENTION,
@@ -214,4 +214,4 @@ def test_the_attention_crossover_is_a_layers_parameters_over_its_width() -> None
     )
     kv = h // heads * kv_heads
     layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    assert attention_crossover(cfg.model) == round(layer / h)
+    assert flop_crossover(cfg.model) == round(layer / h)

@@ -104,6 +104,10 @@ class ModelConfig(Section):
         "auto",
         description="Where workers run the model: auto picks cuda when the worker has a GPU.",
     )
+    attention_crossover: PositiveInt | None = Field(
+        None,
+        description="Packing roles: the sequence length at which a token's attention costs what its weights do, which balances their DP shares (a row of L tokens costs L + L^2 / this). None counts it from the model's FLOPs; `verlite measure-packing` measures it on this machine.",
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

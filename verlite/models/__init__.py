@@ -194,11 +194,20 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
 
 def attention_crossover(cfg: ModelConfig) -> int:
     """The sequence length at which a token's causal attention costs what its weights do in
-    a packed row: one decoder layer's parameters over the hidden size (a token's weight
-    FLOPs are 6 x parameters; its share of causal attention over a sequence of length L,
-    6 x hidden x L per layer). A packed row of sequences L_i then costs about
-    sum(L_i + L_i^2 / crossover) token-equivalents (``step_batch.row_costs``). Counted on
-    models of 1 and 2 layers built on the meta device: no memory, any architecture."""
+    a packed row, so that a packed row of sequences L_i costs about sum(L_i + L_i^2 /
+    crossover) token-equivalents (``step_batch.row_costs``): ``model.attention_crossover``
+    when set (measured by ``verlite measure-packing``, ``models.packing_cost``), else
+    :func:`flop_crossover`."""
+    if cfg.attention_crossover is not None:
+        return cfg.attention_crossover
+    return flop_crossover(cfg)
+
+
+def flop_crossover(cfg: ModelConfig) -> int:
+    """The attention crossover counted from FLOPs: one decoder layer's parameters over the
+    hidden size (a token's weight FLOPs are 6 x parameters; its share of causal attention
+    over a sequence of length L, 6 x hidden x L per layer). Counted on models of 1 and 2
+    layers built on the meta device: no memory, any architecture."""
     config = _hf_config(cfg, vocab_size=64, max_positions=64)
     counts = []
     for layers in (1, 2):

@@ -1,0 +1,112 @@
+"""The packed cost measurement (``verlite measure-packing``, ``models.packing_cost``): its
+trials and fit recover a known cost law exactly, refuse a squared term that is not there, and
+the command prints the crossover to configure; the configured one is what DP shares use."""
+
+import json
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from verlite.cli import main
+from verlite.config import load_config
+from verlite.models import attention_crossover, flop_crossover
+from verlite.models.packing_cost import measure_packed_cost, trial_lengths
+from verlite.models.varlen import KWARG, PackedAttention
+
+CONFIG = "configs/grpo_tiny.yaml"
+
+
+class CostLaw(nn.Module):
+    """A stand-in model whose every pass advances a clock by a known cost of its packed row:
+    per_token x tokens + per_square x sum of squared lengths + a constant, plus noise of up to
+    ``jitter`` seconds."""
+
+    def __init__(
+        self, per_token: float, per_square: float, jitter: float = 0.0, seed: int = 0
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+        self.per_token, self.per_square, self.jitter = per_token, per_square, jitter
+        self.noise = random.Random(seed)
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: object):
+        packed = kwargs[KWARG]
+        assert isinstance(packed, PackedAttention)
+        lengths = torch.cat([group.real.sum(1) for group in packed.groups]).double()
+        assert int(lengths.sum()) == input_ids.shape[1]
+        cost = 1e-3 + self.per_token * float(lengths.sum())
+        cost += self.per_square * float((lengths**2).sum())
+        self.now += cost + self.jitter * self.noise.uniform(-1, 1)
+        return self.weight * input_ids.double()
+
+
+def measure(model: CostLaw, **kwargs: int):
+    settings = {"vocab_size": 50, "longest": 512, "budget": 2048, "trials": 12} | kwargs
+    return measure_packed_cost(model, clock=model.clock, **settings)
+
+
+def test_the_fit_recovers_the_crossover_of_a_known_cost_law() -> None:
+    cost = measure(CostLaw(per_token=2e-6, per_square=2e-6 / 700))
+    assert cost.crossover == 700
+    assert cost.r_squared == pytest.approx(1.0)
+    assert cost.constant == pytest.approx(1e-3, rel=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_crossover_when_the_cost_does_not_grow_with_squared_lengths(seed: int) -> None:
+    """Noise alone fits some squared term, of either sign: within its standard errors."""
+    cost = measure(CostLaw(2e-6, 0.0, jitter=2e-4, seed=100 + seed), seed=seed)
+    assert cost.crossover is None
+
+
+def test_a_noisy_measurement_still_finds_the_crossover() -> None:
+    cost = measure(CostLaw(per_token=2e-6, per_square=2e-6 / 700, jitter=2e-4), trials=40)
+    assert cost.crossover == pytest.approx(700, rel=0.2)
+
+
+def test_trials_respect_the_budget_and_the_longest_sequence_and_vary_in_shape() -> None:
+    rng = random.Random(0)
+    rows = [trial_lengths(rng, longest=300, budget=1000) for _ in range(40)]
+    assert all(sum(row) <= 1000 and max(row) <= 300 and min(row) >= 8 for row in rows)
+    # The squared lengths per token spread widely, so the fit can tell them from tokens.
+    spread = [sum(n * n for n in row) / sum(row) for row in rows]
+    assert max(spread) > 8 * min(spread)
+
+
+def test_the_configured_crossover_is_the_one_dp_shares_use() -> None:
+    counted = load_config(CONFIG).model
+    assert attention_crossover(counted) == flop_crossover(counted) == 578
+    measured = load_config(CONFIG, ["model.attention_crossover=321"]).model
+    assert attention_crossover(measured) == 321
+
+
+def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
+    args = ["measure-packing", "--config", CONFIG, "--trials", "6", "--budget", "96", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["trials"] == 6 and out["flop_crossover"] == 578
+    assert out["crossover"] is None or out["crossover"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--trials", "3"], "--trials=3: a fit of 3 coefficients needs at least 4"),
+        (["--budget", "5"], "--budget=5 is below the longest sequence (12 tokens"),
+        (["--trials", "zero"], "expected a positive integer, got 'zero'"),
+    ],
+)
+def test_measure_packing_refuses_bad_flags_in_one_line(flags, message, capsys) -> None:
+    try:
+        code = main(["measure-packing", "--config", CONFIG, *flags])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,84 @@
+"""``verlite measure-packing``: measure what a packed row costs on this machine and print the
+``model.attention_crossover`` that balances the DP shares of packing roles by it
+(``models.packing_cost``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from verlite.table import format_table
+
+
+def cmd_measure_packing(args: argparse.Namespace) -> int:
+    from verlite.config import ConfigError, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.trials < 4:
+        raise ConfigError(f"--trials={args.trials}: a fit of 3 coefficients needs at least 4")
+    longest = cfg.max_sequence_length
+    actor = cfg.actor
+    budget = args.budget or (
+        actor.max_token_len_per_worker
+        if actor.use_dynamic_bsz and actor.max_token_len_per_worker
+        else actor.micro_batch_size_per_worker * longest
+    )
+    if budget < longest:
+        raise ConfigError(
+            f"--budget={budget} is below the longest sequence ({longest} tokens: "
+            "data.max_prompt_length + rollout.max_response_length)"
+        )
+    from verlite.data.tokenizer import load_tokenizer
+    from verlite.models import build_policy, flop_crossover, resolve_device
+    from verlite.models.packing_cost import measure_packed_cost
+    from verlite.models.varlen import PackingUnsupported, enable_packing
+
+    vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
+    device = resolve_device(cfg.model)
+    policy = build_policy(
+        cfg.model, vocab_size=vocab_size, max_positions=longest, seed=cfg.trainer.seed
+    ).to(device)
+    try:
+        enable_packing(policy)
+    except PackingUnsupported as exc:
+        raise ConfigError(f"model: {exc}") from None
+    print(
+        f"timing {args.trials} packed rows of up to {budget} tokens (sequences up to {longest}) "
+        f"on {device}",
+        file=sys.stderr,
+    )
+
+    def progress(done: int) -> None:
+        print(f"\r  {done}/{args.trials}", end="\n" if done == args.trials else "", file=sys.stderr)
+
+    cost = measure_packed_cost(
+        policy,
+        vocab_size=vocab_size,
+        longest=longest,
+        budget=budget,
+        trials=args.trials,
+        seed=cfg.trainer.seed,
+        progress=progress,
+    )
+    counted = flop_crossover(cfg.model)
+    if args.json:
+        print(json.dumps({**vars(cost), "crossover": cost.crossover, "flop_crossover": counted}))
+        return 0
+    rows = [
+        ("measure", "value"),
+        ("per token", f"{cost.per_token * 1e6:.3g} us"),
+        (
+            "per squared length",
+            f"{cost.per_squared_token * 1e9:.3g} ns (+- {cost.per_squared_token_error * 1e9:.2g})",
+        ),
+        ("fit R^2", f"{cost.r_squared:.3f} (tokens alone {cost.r_squared_tokens_only:.3f})"),
+        ("crossover, measured", str(cost.crossover or "none: not told apart from noise")),
+        ("crossover, FLOP count", str(counted)),
+    ]
+    print(format_table(rows))
+    if cost.crossover is None:
+        print("leave model.attention_crossover unset: the FLOP count serves")
+    else:
+        print(f"set model.attention_crossover={cost.crossover} to balance DP shares by this")
+    return 0

@@ -120,8 +120,10 @@ class LayoutReport:
 def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES) -> TensorDict:
     """A reproducible ragged batch in verlite's layout (``verlite.step_batch``), ready for both losses.
 
-    Prompt and response lengths vary per row, one row has a response whose loss mask is all
-    zero, old/reference log-probs sit near the model's own so that some tokens clip, and
+    Prompt and response lengths vary per row; responses have observation holes (tokens the
+    model attends to that are not the policy's, 0 in the loss mask, as in multi-turn rows)
+    and one row's loss mask is all zero; old/reference log-probs sit near the model's own
+    so that some tokens clip, and
     truncated importance weights in [0.5, 2] (0 on pads) weight the policy token losses.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -135,7 +137,16 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
     attention_mask = (prompt_part | response_part).long()
     input_ids = torch.randint(1, VOCAB_SIZE, attention_mask.shape, generator=gen) * attention_mask
     response_mask = attention_mask[:, prompt_width:].clone()
-    response_mask[num_sequences // 3] = 0  # a fully masked row counts for nothing
+    # Multi-turn rows: every other row of 3 or more response tokens holds an observation
+    # between the policy's tokens (attended to, but 0 in the loss mask), and one row's whole
+    # response is observation (it counts for nothing).
+    for row in range(0, num_sequences, 2):
+        length = int(response_lens[row])
+        if length >= 3:
+            start = 1 + int(torch.randint(length - 2, (), generator=gen))
+            end = start + 1 + int(torch.randint(length - 1 - start, (), generator=gen))
+            response_mask[row, start:end] = 0
+    response_mask[num_sequences // 3] = 0
     td = TensorDict(
         {
             "input_ids": input_ids,

@@ -53,7 +53,7 @@ class Batch:
     values: torch.Tensor
     mask: torch.Tensor
     index: torch.Tensor
-    lengths: list[int]
+    positions: list[list[int]]  # each row's valid (policy) token positions, in order
 
     def kwargs(self, **extra: Any) -> dict[str, Any]:
         return {
@@ -71,8 +71,11 @@ def make_batch(
     group_sizes: tuple[int, ...] = (3, 1, 4, 2, 1, 2),
     lengths: list[int] | None = None,
     pad: float = PAD,
+    holes: bool = False,
 ) -> Batch:
-    """Ragged right-padded batch; groups (sizes > 1 and = 1) interleaved, uids sparse."""
+    """Ragged right-padded batch; groups (sizes > 1 and = 1) interleaved, uids sparse. With
+    ``holes``, masks of multi-turn rows instead: policy spans and observation spans (mask 0)
+    alternating, a row starting or ending with either, some rows all observation."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     batch = sum(group_sizes)
@@ -85,28 +88,45 @@ def make_batch(
         rng.shuffle(order)
         lengths = [lengths[i] for i in order]
         rng.shuffle(index)
+    positions = [list(range(length)) for length in lengths]
+    if holes:
+        positions = [hole_positions(rng, steps) for _ in range(batch)]
+        positions[rng.randrange(batch)] = []  # a row whose whole response is observation
     mask = torch.zeros(batch, steps, dtype=torch.float64)
-    for row, length in enumerate(lengths):
-        mask[row, :length] = 1.0
+    for row, valid in enumerate(positions):
+        mask[row, valid] = 1.0
     rewards = torch.randn(batch, steps, generator=gen, dtype=torch.float64)
     values = torch.randn(batch, steps, generator=gen, dtype=torch.float64)
     rewards = torch.where(mask.bool(), rewards, torch.full_like(rewards, pad))
     values = torch.where(mask.bool(), values, torch.full_like(values, pad))
-    return Batch(rewards, values, mask, torch.tensor(index, dtype=torch.int64), lengths)
+    return Batch(rewards, values, mask, torch.tensor(index, dtype=torch.int64), positions)
+
+
+def hole_positions(rng: random.Random, steps: int) -> list[int]:
+    """The policy's positions in a multi-turn row of up to ``steps`` tokens: spans of 1..3
+    tokens alternating between policy and observation, the first of either kind."""
+    end, policy, t, valid = rng.randint(0, steps), rng.random() < 0.7, 0, []
+    while t < end:
+        span = rng.randint(1, 3)
+        if policy:
+            valid += range(t, min(t + span, end))
+        t += span
+        policy = not policy
+    return valid
 
 
 # --------------------------------------------------------------------------- references
 
 
-def ref_whiten(x: Rows, lengths: list[int]) -> Rows:
-    flat = [x[i][t] for i, length in enumerate(lengths) for t in range(length)]
+def ref_whiten(x: Rows, positions: list[list[int]]) -> Rows:
+    flat = [x[i][t] for i, valid in enumerate(positions) for t in valid]
     n = len(flat)
     mean = sum(flat) / n if n else 0.0
     var = sum((v - mean) ** 2 for v in flat) / max(n - 1, 1)
     scale = 1.0 / math.sqrt(var + WHITEN_EPS)
     return [
-        [(x[i][t] - mean) * scale if t < length else 0.0 for t in range(len(x[i]))]
-        for i, length in enumerate(lengths)
+        [(x[i][t] - mean) * scale if t in valid else 0.0 for t in range(len(x[i]))]
+        for i, valid in enumerate(positions)
     ]
 
 
@@ -115,23 +135,25 @@ def ref_gae(b: Batch, gamma: float, lam: float) -> tuple[Rows, Rows]:
     steps = b.mask.shape[1]
     raw: Rows = []
     returns: Rows = []
-    for i, length in enumerate(b.lengths):
+    for i, valid in enumerate(b.positions):
         a_row, ret_row = [0.0] * steps, [0.0] * steps
         last = 0.0
-        for t in reversed(range(length)):
-            next_v = v[i][t + 1] if t + 1 < length else 0.0
+        # Over the policy's tokens only: the next one's value, across any observation between.
+        for k in reversed(range(len(valid))):
+            t = valid[k]
+            next_v = v[i][valid[k + 1]] if k + 1 < len(valid) else 0.0
             delta = r[i][t] + gamma * next_v - v[i][t]
             last = delta + gamma * lam * last
             a_row[t] = last
             ret_row[t] = last + v[i][t]
         raw.append(a_row)
         returns.append(ret_row)
-    return ref_whiten(raw, b.lengths), returns
+    return ref_whiten(raw, b.positions), returns
 
 
 def ref_scores_and_groups(b: Batch) -> tuple[list[float], dict[int, list[int]]]:
     r = b.rewards.tolist()
-    scores = [sum(r[i][:length]) for i, length in enumerate(b.lengths)]
+    scores = [sum(r[i][t] for t in valid) for i, valid in enumerate(b.positions)]
     groups: dict[int, list[int]] = {}
     for i, uid in enumerate(b.index.tolist()):
         groups.setdefault(uid, []).append(i)
@@ -141,8 +163,8 @@ def ref_scores_and_groups(b: Batch) -> tuple[list[float], dict[int, list[int]]]:
 def ref_broadcast(per_seq: list[float], b: Batch) -> Rows:
     steps = b.mask.shape[1]
     return [
-        [a if t < length else 0.0 for t in range(steps)]
-        for a, length in zip(per_seq, b.lengths, strict=True)
+        [a if t in valid else 0.0 for t in range(steps)]
+        for a, valid in zip(per_seq, b.positions, strict=True)
     ]
 
 
@@ -175,14 +197,14 @@ def ref_reinforce_pp(b: Batch, gamma: float) -> tuple[Rows, Rows]:
     r = b.rewards.tolist()
     steps = b.mask.shape[1]
     returns: Rows = []
-    for i, length in enumerate(b.lengths):
+    for i, valid in enumerate(b.positions):
         row = [0.0] * steps
         running = 0.0
-        for t in reversed(range(length)):
+        for t in reversed(valid):  # discounted per policy token, not per position
             running = r[i][t] + gamma * running
             row[t] = running
         returns.append(row)
-    return ref_whiten(returns, b.lengths), returns
+    return ref_whiten(returns, b.positions), returns
 
 
 def ref_reinforce_pp_baseline(b: Batch) -> Rows:
@@ -192,7 +214,7 @@ def ref_reinforce_pp_baseline(b: Batch) -> Rows:
         mean = sum(scores[i] for i in rows) / len(rows) if len(rows) > 1 else 0.0
         for i in rows:
             out[i] = scores[i] - mean
-    return ref_whiten(ref_broadcast(out, b), b.lengths)
+    return ref_whiten(ref_broadcast(out, b), b.positions)
 
 
 def close(actual: torch.Tensor, expected: Rows | torch.Tensor) -> None:
@@ -210,8 +232,9 @@ SEEDS = [0, 1, 2]
 @pytest.mark.parametrize(
     ("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0), (1.0, 0.5), (0.0, 1.0)]
 )
-def test_gae_matches_loop_reference(seed: int, gamma: float, lam: float) -> None:
-    b = make_batch(seed)
+@pytest.mark.parametrize("holes", [False, True])
+def test_gae_matches_loop_reference(seed: int, gamma: float, lam: float, holes: bool) -> None:
+    b = make_batch(seed, holes=holes)
     advantages, returns = compute_advantages(
         "gae", AdvantageInputs(**b.kwargs(gamma=gamma, lam=lam))
     )
@@ -220,14 +243,16 @@ def test_gae_matches_loop_reference(seed: int, gamma: float, lam: float) -> None
     close(returns, ref_ret)
 
 
-def test_gae_returns_telescope_to_reward_to_go_when_gamma_lam_one() -> None:
-    # With gamma = lam = 1 the deltas telescope: returns_t = sum_{s >= t} r_s exactly.
-    b = make_batch(5)
+@pytest.mark.parametrize("holes", [False, True])
+def test_gae_returns_telescope_to_reward_to_go_when_gamma_lam_one(holes: bool) -> None:
+    # With gamma = lam = 1 the deltas telescope: returns_t = sum_{s >= t} r_s exactly, over
+    # the policy's tokens (an observation's value never enters).
+    b = make_batch(5, holes=holes)
     _, returns = compute_advantages("gae", AdvantageInputs(**b.kwargs(gamma=1.0, lam=1.0)))
-    r = b.rewards.tolist()
+    r, steps = b.rewards.tolist(), b.mask.shape[1]
     expected = [
-        [sum(r[i][t:length]) if t < length else 0.0 for t in range(b.mask.shape[1])]
-        for i, length in enumerate(b.lengths)
+        [sum(r[i][s] for s in valid if s >= t) if t in valid else 0.0 for t in range(steps)]
+        for i, valid in enumerate(b.positions)
     ]
     close(returns, expected)
 
@@ -235,8 +260,9 @@ def test_gae_returns_telescope_to_reward_to_go_when_gamma_lam_one() -> None:
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("norm_by_std", [True, False])
 @pytest.mark.parametrize("eps", [1e-6, 0.5])
-def test_grpo_matches_loop_reference(seed: int, norm_by_std: bool, eps: float) -> None:
-    b = make_batch(seed)
+@pytest.mark.parametrize("holes", [False, True])
+def test_grpo_matches_loop_reference(seed: int, norm_by_std: bool, eps: float, holes: bool) -> None:
+    b = make_batch(seed, holes=holes)
     advantages, returns = compute_advantages(
         "grpo", AdvantageInputs(**b.kwargs(norm_adv_by_std=norm_by_std, epsilon=eps))
     )
@@ -276,8 +302,9 @@ def test_grpo_constant_group_gives_zero_not_nan() -> None:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_rloo_matches_loop_reference(seed: int) -> None:
-    b = make_batch(seed)
+@pytest.mark.parametrize("holes", [False, True])
+def test_rloo_matches_loop_reference(seed: int, holes: bool) -> None:
+    b = make_batch(seed, holes=holes)
     advantages, returns = compute_advantages("rloo", AdvantageInputs(**b.kwargs()))
     close(advantages, ref_rloo(b))
     close(returns, advantages)
@@ -285,8 +312,9 @@ def test_rloo_matches_loop_reference(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("gamma", [1.0, 0.99, 0.5, 0.0])
-def test_reinforce_plus_plus_matches_loop_reference(seed: int, gamma: float) -> None:
-    b = make_batch(seed)
+@pytest.mark.parametrize("holes", [False, True])
+def test_reinforce_plus_plus_matches_loop_reference(seed: int, gamma: float, holes: bool) -> None:
+    b = make_batch(seed, holes=holes)
     advantages, returns = compute_advantages(
         "reinforce_plus_plus", AdvantageInputs(**b.kwargs(gamma=gamma))
     )
@@ -296,8 +324,9 @@ def test_reinforce_plus_plus_matches_loop_reference(seed: int, gamma: float) -> 
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-def test_reinforce_plus_plus_baseline_matches_loop_reference(seed: int) -> None:
-    b = make_batch(seed)
+@pytest.mark.parametrize("holes", [False, True])
+def test_reinforce_plus_plus_baseline_matches_loop_reference(seed: int, holes: bool) -> None:
+    b = make_batch(seed, holes=holes)
     advantages, returns = compute_advantages(
         "reinforce_plus_plus_baseline", AdvantageInputs(**b.kwargs())
     )
@@ -316,9 +345,11 @@ def test_reinforce_plus_plus_baseline_matches_loop_reference(seed: int) -> None:
         ("rloo", {}),
     ],
 )
-def test_long_responses_match_reference(name: str, extra: dict[str, float]) -> None:
+@pytest.mark.parametrize("holes", [False, True])
+def test_long_responses_match_reference(name: str, extra: dict[str, float], holes: bool) -> None:
     # The discounted sums are vectorized over T; check they stay exact at realistic lengths.
-    b = make_batch(11, steps=512, group_sizes=(3, 2), lengths=[512, 300, 1, 0, 477])
+    lengths = [512, 300, 1, 0, 477]
+    b = make_batch(11, steps=512, group_sizes=(3, 2), lengths=lengths, holes=holes)
     advantages, returns = compute_advantages(name, AdvantageInputs(**b.kwargs(**extra)))
     if name == "gae":
         ref_adv, ref_ret = ref_gae(b, extra["gamma"], extra["lam"])

@@ -13,6 +13,15 @@ def test_scores_land_on_the_last_valid_token() -> None:
     torch.testing.assert_close(out, expected)
 
 
+def test_scores_land_on_the_policys_last_token_of_a_multi_turn_row() -> None:
+    """Observation tokens (0 in the mask) between or after the policy's never take the score."""
+    mask = torch.tensor([[1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0], [0, 0, 1, 0, 1, 0]])
+    out = place_scores(torch.tensor([0.5, 1.0, 0.7]), mask)
+    expected = torch.zeros(3, 6)
+    expected[0, 4], expected[1, 1], expected[2, 4] = 0.5, 1.0, 0.7
+    torch.testing.assert_close(out, expected)
+
+
 def test_kl_penalty_only_on_response_tokens() -> None:
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
     scores = place_scores(torch.tensor([1.0, 0.0]), mask)

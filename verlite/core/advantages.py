@@ -9,13 +9,17 @@ their inputs are listed.
 Conventions shared by all estimators:
 
 - ``token_level_rewards``, ``values`` and ``response_mask`` are (B, T); responses are
-  right-padded, so each row's mask is a prefix of ones (possibly empty). The mask may have
-  any dtype; nonzero means valid.
+  right-padded. A row's mask marks the policy's own tokens: a prefix of ones for a
+  single-turn response (possibly empty), with holes for a multi-turn one, whose observation
+  tokens (a tool's output, the environment's turn) are 0. Discounted sums and GAE run over
+  the policy's tokens only, each one's successor being the next policy token, as if the
+  holes were not there. The mask may have any dtype; nonzero means valid.
 - ``index`` is a (B,) integer tensor of group ids: the n samples of one prompt share it.
 - Everything is computed in the dtype of ``token_level_rewards``. Entries outside the mask
   are ignored, even when they hold NaN or inf.
-- Nothing loops in Python over tokens or groups: discounted sums are one (T, T) matmul, and
-  group statistics use ``torch.unique`` + ``index_add``.
+- Nothing loops in Python over tokens or groups: discounted sums are one (T, T) matmul over
+  each row's policy tokens moved to its front (one stable sort of the mask, a gather, and
+  the scatter back), and group statistics use ``torch.unique`` + ``index_add``.
 """
 
 from __future__ import annotations
@@ -120,6 +124,18 @@ def _zero_outside(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def _policy_tokens_first(mask: torch.Tensor) -> torch.Tensor:
+    """Per row, the positions of its valid tokens in order, then the others: gathering a
+    (B, T) tensor by it moves the policy's tokens to the front, closing the observation
+    holes (and leaves a prefix mask as it is)."""
+    return torch.argsort((~mask.bool()).to(torch.int8), dim=-1, stable=True)
+
+
+def _restored(x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """A tensor gathered by ``order`` put back at its positions."""
+    return torch.empty_like(x).scatter_(-1, order, x)
+
+
 def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
     """``y_t = sum_{s >= t} discount**(s - t) * x_s`` along the last dim of a (B, T) tensor.
 
@@ -177,22 +193,24 @@ def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438).
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V`` = 0 beyond the last valid token,
-    ``A_t = sum_k (gamma * lam)**k * delta_{t+k}``, ``returns = A + V`` (the critic's target,
+    ``A_t = sum_k (gamma * lam)**k * delta_{t+k}``, t + 1 and t + k counting policy tokens
+    only (across observation holes), ``returns = A + V`` (the critic's target,
     not whitened), and ``advantages = masked_whiten(A, mask)`` over the whole batch.
     Uses ``values``; ignores ``index``, ``norm_adv_by_std`` and ``epsilon``.
     """
     token_level_rewards, response_mask = _checked(inputs, "gae")
     dtype = token_level_rewards.dtype
-    rewards = _zero_outside(token_level_rewards, response_mask)
-    vals = _zero_outside(_require_values(inputs, "gae").to(dtype), response_mask)
-    # With prefix masks and values zeroed outside them, shifting left by one gives V_{t+1},
-    # which is already 0 right after the last valid token: no bootstrap past the response.
+    values = _require_values(inputs, "gae")
+    order = _policy_tokens_first(response_mask)
+    mask = response_mask.gather(-1, order)  # a prefix mask: the policy's tokens in front
+    rewards = _zero_outside(token_level_rewards.gather(-1, order), mask)
+    vals = _zero_outside(values.to(dtype).gather(-1, order), mask)
+    # With prefix masks and values zeroed outside them, shifting left by one gives the next
+    # policy token's value, which is already 0 after the last: no bootstrap past the response.
     next_vals = torch.nn.functional.pad(vals[:, 1:], (0, 1))
     deltas = rewards + inputs.gamma * next_vals - vals
-    adv = _zero_outside(
-        _discounted_reverse_cumsum(deltas, inputs.gamma * inputs.lam), response_mask
-    )
-    returns = adv + vals
+    adv = _zero_outside(_discounted_reverse_cumsum(deltas, inputs.gamma * inputs.lam), mask)
+    adv, returns = _restored(adv, order), _restored(adv + vals, order)
     return masked_whiten(adv, response_mask), returns
 
 
@@ -241,13 +259,17 @@ def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262).
 
-    ``G_t = sum_{s >= t} gamma**(s - t) * r_s`` within the mask (the returns), and
+    ``G_t = sum_{s >= t} gamma**k(s, t) * r_s`` over the policy's tokens, k counting the
+    policy tokens from t to s (the returns), and
     ``advantages = masked_whiten(G, mask)`` over the whole batch (global normalization
     in place of a critic or group baseline). Uses only ``gamma``.
     """
     token_level_rewards, response_mask = _checked(inputs, "reinforce_plus_plus")
-    rewards = _zero_outside(token_level_rewards, response_mask)
-    returns = _zero_outside(_discounted_reverse_cumsum(rewards, inputs.gamma), response_mask)
+    order = _policy_tokens_first(response_mask)
+    mask = response_mask.gather(-1, order)
+    rewards = _zero_outside(token_level_rewards.gather(-1, order), mask)
+    returns = _zero_outside(_discounted_reverse_cumsum(rewards, inputs.gamma), mask)
+    returns = _restored(returns, order)
     return masked_whiten(returns, response_mask), returns
 
 

@@ -1,4 +1,5 @@
-"""Token-level rewards: sequence scores placed on the last response token, KL in the reward."""
+"""Token-level rewards: sequence scores placed on the policy's last response token, KL in the
+reward."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ from verlite.core.masked import masked_mean
 
 
 def place_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) sequence scores as (B, R) token scores: all on the last valid token of each row."""
-    lengths = response_mask.sum(-1).long()
+    """(B,) sequence scores as (B, R) token scores: all on the last valid token of each row
+    (the policy's last, also when observation tokens come after or between)."""
+    valid = response_mask.bool()
+    positions = torch.arange(valid.shape[-1], device=scores.device)
+    last = torch.where(valid, positions, -1).amax(-1)
     token_scores = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
-    has_tokens = lengths > 0
+    has_tokens = last >= 0
     rows = torch.arange(len(scores), device=scores.device)[has_tokens]
-    token_scores[rows, lengths[has_tokens] - 1] = scores[has_tokens]
+    token_scores[rows, last[has_tokens]] = scores[has_tokens]
     return token_scores
 
 

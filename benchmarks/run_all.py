@@ -30,6 +30,7 @@ BENCHMARKS = (
     "async_training",
     "split_two_nodes",
     "varlen_attention",
+    "multi_turn",
 )
 RESULTS = Path(__file__).with_name("results.json")
 

@@ -1,11 +1,12 @@
 """Shared test settings: ``cluster``-marked tests only when asked for, the repository root
 as working directory, deterministic single-threaded torch (several ranks share 2 cores),
 one embedded Ray that the tests needing a plain local Ray share, and the ``verlite`` command
-run in this process."""
+run in this process; ``tests/user_code`` on the PYTHONPATH."""
 
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -16,6 +17,12 @@ import torch
 # some read them at import: the suite runs the same from any folder.
 os.chdir(Path(__file__).resolve().parents[1])
 torch.set_num_threads(1)
+
+# User code that workers import by name (the environments of multi-turn runs): on the
+# PYTHONPATH of this process and of the Ray it starts, as a user's would be.
+USER_CODE = str(Path(__file__).resolve().parent / "user_code")
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [USER_CODE, os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, USER_CODE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

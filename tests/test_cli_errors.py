@@ -87,6 +87,45 @@ BAD_OVERRIDES = [
     (["actor.optim.lr=inf"], "actor.optim.lr='inf': Input should be a finite number"),
     (["rollout.temperature=nan"], "rollout.temperature='nan': Input should be a finite number"),
     (["actor.optim.betas=[0.9,1.0]"], "actor.optim.betas.1=1.0: Input should be less than 1"),
+    (
+        ["rollout.multi_turn.env=lookup"],
+        "rollout.multi_turn.env='lookup' needs rollout.multi_turn.max_total_length (the most "
+        "tokens of a trajectory, >= 12)",
+    ),
+    (
+        ["rollout.multi_turn.env=lookup", "rollout.multi_turn.max_total_length=11"],
+        "rollout.multi_turn.max_total_length=11 cannot hold the prompt and one turn: "
+        "data.max_prompt_length + rollout.max_response_length = 12",
+    ),
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "actor.strategy=fsdp",
+        ],
+        "rollout.multi_turn with an FSDP actor that generates (rollout.placement=colocated) is not supported",
+    ),
+    (
+        ["rollout.multi_turn.env=lokup", "rollout.multi_turn.max_total_length=24"],
+        "rollout.multi_turn.env='lokup': not a registered environment (lookup, lookup_without_tool)",
+    ),
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "rollout.multi_turn.turn_stop=++",
+        ],
+        "rollout.multi_turn.turn_stop='++' is 2 tokens of the model's tokenizer; a turn must end on one token",
+    ),
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "actor.use_dynamic_bsz=true",
+            "actor.max_token_len_per_worker=20",
+        ],
+        "actor.max_token_len_per_worker=20 is below the longest sequence, rollout.multi_turn.max_total_length = 24",
+    ),
 ]
 
 

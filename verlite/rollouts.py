@@ -135,6 +135,7 @@ class Rollouts:
                 self.sampling,
                 self._seed(step),
                 self.with_old,
+                self._records(prompts),
                 dispatch="dp_split",
                 collect="concat",
             )
@@ -172,6 +173,11 @@ class Rollouts:
         self._submit(following, step, self._sync(step))
         return {"timing_s/queue_sync": time.perf_counter() - start}
 
+    def _records(self, prompts: StepPrompts) -> list[PromptRecord] | None:
+        """What the generating workers need of the step's records: all of them for the
+        environments of multi-turn rollouts, nothing otherwise."""
+        return prompts.records if self.cfg.rollout.multi_turn.env is not None else None
+
     def _seed(self, step: int) -> int:
         # The per-rank stream's seed (rollout.randomness=per_rank); per-sample keys ignore it.
         return self.cfg.trainer.seed * 100_003 + step
@@ -191,6 +197,7 @@ class Rollouts:
             self.sampling,
             self._seed(step),
             version,
+            self._records(prompts),
             dispatch="dp_split",
             collect="concat",
         )

@@ -31,7 +31,7 @@ from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.losses import kl_penalty
 from verlite.core.rollout_correction import truncated_is_weights
-from verlite.core.step_stats import sampler_agreement, step_statistics
+from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.data import (
     PromptDataset,
@@ -41,11 +41,13 @@ from verlite.data import (
     load_tokenizer,
     prompt_tensordict,
 )
+from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import RunFailure
 from verlite.models import attention_crossover, check_packing_supported, check_tokenizer_fits
 from verlite.output_folder import prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams, sample_keys
+from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.rollouts import Rollouts, StepPrompts
 from verlite.tracking import Tracker, check_tracking_server, redact_config
 
@@ -150,6 +152,10 @@ class RunInputs:
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)
+        if cfg.rollout.multi_turn.env is not None:
+            get_environment(cfg.rollout.multi_turn.env)
+            if cfg.rollout.multi_turn.turn_stop is not None:
+                turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
         reward_fn = resolve_reward(cfg)
         if "mlflow" in cfg.trainer.loggers:
@@ -316,9 +322,10 @@ class Trainer:
                         collect="concat",
                     )
                 )
-        with timer("reward"):  # 3. reward
+        with timer("reward"):  # 3. reward (a multi-turn environment's, or the reward function's)
             scores = self._score(batch, texts)
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
+            turn_metrics = self._multi_turn(batch)
         with timer("adv"):  # 4. advantages
             kl_metrics = self._token_rewards(batch)
             batch["advantages"], batch["returns"] = compute_advantages(
@@ -343,6 +350,7 @@ class Trainer:
         metrics.update(self.rollouts.updated(step))  # 7. the new weights to the rollout group
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)
+        metrics.update(turn_metrics)
         metrics.update(rollout.metrics)
         metrics.update(
             step_statistics(
@@ -351,7 +359,7 @@ class Trainer:
                 advantages=batch["advantages"],
                 returns=batch["returns"],
                 response_mask=batch["response_mask"],
-                max_response_length=cfg.rollout.max_response_length,
+                max_response_length=cfg.response_width,
                 values=batch.get("values", None),
             )
         )
@@ -424,6 +432,10 @@ class Trainer:
         return prompts, [r for r in records for _ in range(repeat)]
 
     def _score(self, batch: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
+        """Each row's score: its environment's last reward (multi-turn), else the reward
+        function's on the decoded response."""
+        if "env_score" in set(batch.keys()):
+            return batch["env_score"].float()
         texts = [
             self._decode(row[:n].tolist())
             for row, n in zip(
@@ -438,6 +450,18 @@ class Trainer:
             ),
             dtype=torch.float32,
         )
+
+    @staticmethod
+    def _multi_turn(batch: TensorDict) -> dict[str, float]:
+        """The ``multiturn/`` metrics of a multi-turn batch (none otherwise); the per-row
+        outcomes they come from leave the batch, which the updates do not read."""
+        if "turns" not in set(batch.keys()):
+            return {}
+        outcomes = {name: batch[name] for name in MULTI_TURN_OUTCOMES}
+        for name in MULTI_TURN_OUTCOMES:
+            del batch[name]
+        del outcomes["env_score"]
+        return multi_turn_statistics(**outcomes)
 
     def _decode(self, ids: list[int]) -> str:
         """The response text up to its EOS. Other special tokens stay visible (as ``<pad>``
@@ -471,8 +495,15 @@ class Trainer:
         greedy = SamplingParams(
             max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0
         )
+        records_for_envs = texts if self.cfg.rollout.multi_turn.env is not None else None
         batch = self.actor.call(
-            "generate", prompts, greedy, 0, dispatch="dp_split", collect="concat"
+            "generate",
+            prompts,
+            greedy,
+            0,
+            records_for_envs,
+            dispatch="dp_split",
+            collect="concat",
         )
         scores = self._score(batch, texts)
         return {"val/score/mean": float(scores.mean())}

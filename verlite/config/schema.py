@@ -125,7 +125,7 @@ class ModelConfig(Section):
 class DataConfig(Section):
     """Prompts: a synthetic task generated from the seed, or JSONL/Parquet files."""
 
-    task: Literal["copy", "reverse", "add"] | None = Field(
+    task: Literal["copy", "reverse", "add", "lookup"] | None = Field(
         None,
         description="Synthetic task (prompts and rule-based reward generated from trainer.seed).",
     )
@@ -168,6 +168,34 @@ class DataConfig(Section):
                 f"data.min_digits={self.min_digits} must be <= data.max_digits={self.max_digits}"
             )
         return self
+
+
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts: the policy and an environment (its tools) take turns."""
+
+    env: NonEmptyStr | None = Field(
+        None,
+        description="The environment: a registered name (lookup, lookup_without_tool) or "
+        "'package.module:Class' (see verlite.envs); None generates one turn per prompt.",
+    )
+    max_turns: PositiveInt = Field(4, description="Most policy turns of a trajectory.")
+    max_total_length: PositiveInt | None = Field(
+        None,
+        description="Most tokens of a trajectory, prompt, turns and observations included "
+        "(>= data.max_prompt_length + rollout.max_response_length: the prompt and one turn); "
+        "required with env.",
+    )
+    turn_stop: NonEmptyStr | None = Field(
+        None,
+        description="The text that ends a policy turn and hands it to the environment (one token "
+        "of the tokenizer); the end-of-sequence token always ends the trajectory.",
+    )
+    tool_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="Most seconds one environment call may take; a step that takes longer or "
+        "raises ends its trajectory (multiturn/tool_errors), never the run.",
+    )
 
 
 class RolloutConfig(Section):
@@ -217,6 +245,10 @@ class RolloutConfig(Section):
         gt=0.0,
         description="split: weights travel to the rollout workers in buckets of about this many "
         "MiB (a tensor larger than a bucket travels alone).",
+    )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig,
+        description="Multi-turn rollouts with an environment (tools).",
     )
 
 
@@ -539,10 +571,25 @@ class Config(Section):
         return self.data.train_batch_size * self.rollout.n
 
     @property
+    def response_width(self) -> int:
+        """Tokens of a row's response area: one response, or with a multi-turn environment
+        every turn and observation of a trajectory."""
+        multi_turn = self.rollout.multi_turn
+        if multi_turn.env is not None and multi_turn.max_total_length is not None:
+            return multi_turn.max_total_length - self.data.max_prompt_length
+        return self.rollout.max_response_length
+
+    @property
+    def _longest_sequence_fields(self) -> str:
+        if self.response_width != self.rollout.max_response_length:
+            return "rollout.multi_turn.max_total_length"
+        return "data.max_prompt_length + rollout.max_response_length"
+
+    @property
     def max_sequence_length(self) -> int:
-        """The longest row of a step: a full prompt and a full response (the models'
+        """The longest row of a step: a full prompt and a full response area (the models'
         position range, and the least a token budget must hold)."""
-        return self.data.max_prompt_length + self.rollout.max_response_length
+        return self.data.max_prompt_length + self.response_width
 
     def role_sizes(self, role: Literal["actor", "critic"]) -> RoleSizes:
         cfg: WorkerRoleConfig = getattr(self, role)
@@ -579,6 +626,7 @@ class Config(Section):
                 "them, but rollout.temperature=0 samples greedily (no distribution); use "
                 "rollout_correction=none or a temperature > 0"
             )
+        self._check_multi_turn()
         rollout_workers = self.trainer.nnodes * (self.rollout.workers_per_node or 1)
         if self.rollout.placement == "split" and rollout_workers > self.sequences_per_step:
             raise ValueError(
@@ -588,6 +636,29 @@ class Config(Section):
                 "rollout.n); some would have nothing to generate"
             )
         return self
+
+    def _check_multi_turn(self) -> None:
+        multi_turn = self.rollout.multi_turn
+        if multi_turn.env is None:
+            return
+        one_turn = self.data.max_prompt_length + self.rollout.max_response_length
+        if multi_turn.max_total_length is None:
+            raise ValueError(
+                f"rollout.multi_turn.env={multi_turn.env!r} needs rollout.multi_turn."
+                f"max_total_length (the most tokens of a trajectory, >= {one_turn})"
+            )
+        if self.rollout.placement == "colocated" and self.actor.strategy == "fsdp":
+            raise ValueError(
+                "rollout.multi_turn with an FSDP actor that generates (rollout.placement="
+                "colocated) is not supported: its ranks would take different numbers of turns "
+                "in lockstep collectives; use rollout.placement=split or actor.strategy=ddp"
+            )
+        if multi_turn.max_total_length < one_turn:
+            raise ValueError(
+                f"rollout.multi_turn.max_total_length={multi_turn.max_total_length} cannot hold "
+                f"the prompt and one turn: data.max_prompt_length + rollout.max_response_length "
+                f"= {one_turn}"
+            )
 
     def _check_role_sizes(self, role: Literal["actor", "critic"]) -> None:
         cfg: WorkerRoleConfig = getattr(self, role)
@@ -617,7 +688,7 @@ class Config(Section):
             if cfg.max_token_len_per_worker < longest:
                 raise ValueError(
                     f"{role}.max_token_len_per_worker={cfg.max_token_len_per_worker} is below the longest sequence, "
-                    f"data.max_prompt_length + rollout.max_response_length = {longest}"
+                    f"{self._longest_sequence_fields} = {longest}"
                 )
             return
         micro = f"{role}.micro_batch_size_per_worker={cfg.micro_batch_size_per_worker}"

@@ -59,3 +59,22 @@ def sampler_agreement(
         "rollout/logprob_abs_diff": float(masked_mean(diff, mask)),
         "rollout/logprob_max_diff": float(largest),
     }
+
+
+def multi_turn_statistics(
+    turns: torch.Tensor,
+    tool_calls: torch.Tensor,
+    observation_tokens: torch.Tensor,
+    truncated: torch.Tensor,
+    tool_error: torch.Tensor,
+) -> dict[str, float]:
+    """The ``multiturn/`` metrics of a step's trajectories, from (B,) per-row outcomes: means
+    per trajectory, the share cut short by ``max_turns`` or ``max_total_length``, and the
+    number of tool calls that raised or timed out."""
+    return {
+        "multiturn/turns/mean": float(turns.float().mean()),
+        "multiturn/tool_calls/mean": float(tool_calls.float().mean()),
+        "multiturn/observation_tokens/mean": float(observation_tokens.float().mean()),
+        "multiturn/truncated": float(truncated.float().mean()),
+        "multiturn/tool_errors": float(tool_error.float().sum()),
+    }

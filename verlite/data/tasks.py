@@ -58,9 +58,17 @@ def add(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]
     return f"{a}+{b}=", str(a + b)
 
 
+def lookup(rng: random.Random, min_digits: int, max_digits: int) -> tuple[str, str]:
+    """``37>`` -> ``4821``: a key, and a value nothing in the prompt determines (the tool
+    task of ``verlite.envs.lookup``: only the lookup tool's output holds it)."""
+    key = _digit_string(rng, min_digits, max_digits)
+    return f"{key}>", _digit_string(rng, min_digits, max_digits)
+
+
 # digit_match gives partial credit per position: a dense signal a tiny model can climb.
 TASKS: dict[str, Task] = {
     "copy": Task(copy, reward="digit_match"),
     "reverse": Task(reverse, reward="digit_match"),
     "add": Task(add, reward="digit_match"),
+    "lookup": Task(lookup, reward="digit_match"),
 }

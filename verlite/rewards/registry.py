@@ -3,15 +3,14 @@ run's reward."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import re
 from collections.abc import Callable
 from typing import cast
 
 from verlite.config import Config, ConfigError
 from verlite.data.tasks import TASKS
 from verlite.rewards.rules import digit_match, exact_match, gsm8k
+from verlite.user_code import load_object
 
 RewardFn = Callable[[str, str, str], float]
 """``fn(response, answer, prompt) -> score`` in [0, 1], called positionally."""
@@ -21,9 +20,6 @@ REWARDS: dict[str, RewardFn] = {
     "gsm8k": gsm8k,
     "digit_match": digit_match,
 }
-
-_DOTTED = r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*"
-_IMPORT_PATH = re.compile(rf"(?P<module>{_DOTTED}):(?P<attr>{_DOTTED})")
 
 
 def resolve_reward(cfg: Config) -> RewardFn:
@@ -42,31 +38,13 @@ def get_reward(spec: str) -> RewardFn:
     """
     if spec in REWARDS:
         return REWARDS[spec]
-    match = _IMPORT_PATH.fullmatch(spec)
-    if match is None:
-        raise ConfigError(
-            f"reward.fn={spec!r}: not a registered reward ({', '.join(REWARDS)}) "
-            "nor an import path 'package.module:function'"
-        )
-    module_name, attr = match["module"], match["attr"]
-    try:
-        target: object = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (module_name + ".").startswith(exc.name + "."):
-            raise ConfigError(
-                f"reward.fn={spec!r}: no module named {exc.name!r} (is it on PYTHONPATH?)"
-            ) from None
-        raise ConfigError(f"reward.fn={spec!r}: importing {module_name!r} failed: {exc}") from exc
-    except Exception as exc:
-        raise ConfigError(
-            f"reward.fn={spec!r}: importing {module_name!r} failed: {type(exc).__name__}: {exc}"
-        ) from exc
-    for part in attr.split("."):
-        if not hasattr(target, part):
-            raise ConfigError(
-                f"reward.fn={spec!r}: {getattr(target, '__name__', module_name)!r} has no attribute {part!r}"
-            )
-        target = getattr(target, part)
+    target = load_object(
+        spec,
+        field="reward.fn",
+        what="reward",
+        example="package.module:function",
+        registered=REWARDS,
+    )
     if not callable(target):
         raise ConfigError(f"reward.fn={spec!r} is not callable (it is a {type(target).__name__})")
     _check_signature(spec, target)

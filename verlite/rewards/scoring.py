@@ -109,7 +109,7 @@ _CONVERTED: set[type] = set()
 def _checked(
     fn: Callable[..., object], score: Any, index: int, response: str, out: TextIO
 ) -> float:
-    value = _as_real(score)
+    value = as_real(score)
     if value is None or not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise RewardError(
             f"reward function {reward_name(fn)} returned {score!r} for response {index} "
@@ -125,7 +125,7 @@ def _checked(
     return value
 
 
-def _as_real(score: Any) -> float | None:
+def as_real(score: Any) -> float | None:
     """``score`` as a float when it is a real number (a 0-d tensor or array included)."""
     if isinstance(score, numbers.Real):
         return float(score)

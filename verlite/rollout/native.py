@@ -22,6 +22,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end a response besides EOS (a turn's end)
 
 
 class GenerationDiverged(RunFailure):
@@ -111,6 +112,7 @@ class NativeRollout:
             (batch, params.max_new_tokens), dtype=torch.float32, device=device
         )
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        ends = torch.tensor([self.eos_token_id, *params.stop_token_ids], device=device)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         width = prompt_mask.shape[1]
         # Room for every response position, so a step passes a view instead of concatenating.
@@ -143,7 +145,7 @@ class NativeRollout:
             responses[:, t] = token
             sampled_log_probs[:, t] = log_prob.masked_fill(finished, 0.0)
             lengths += (~finished).long()
-            finished |= token == self.eos_token_id
+            finished |= torch.isin(token, ends)
             active, diverged = self._agree(finished, nonfinite)
             if diverged:
                 raise GenerationDiverged(
@@ -155,7 +157,8 @@ class NativeRollout:
                 break
             step_ids = token.unsqueeze(-1)
             positions = next_positions + t
-        return build_step_batch(prompts, responses, lengths, sampled_log_probs)
+        real = torch.arange(params.max_new_tokens, device=device) < lengths[:, None]
+        return build_step_batch(prompts, responses, real, sampled_log_probs)
 
     def _agree(self, finished: torch.Tensor, nonfinite: torch.Tensor) -> tuple[bool, bool]:
         """Whether any row (on any rank, in lockstep) is still active, and whether any row
@@ -217,25 +220,29 @@ class PreallocatedCacheLayer(CacheLayerMixin):
 
 
 def build_step_batch(
-    prompts: TensorDict, responses: torch.Tensor, lengths: torch.Tensor, log_probs: torch.Tensor
+    prompts: TensorDict,
+    responses: torch.Tensor,
+    real: torch.Tensor,
+    log_probs: torch.Tensor,
+    policy: torch.Tensor | None = None,
 ) -> TensorDict:
     """The step TensorDict of ``verlite.step_batch``: prompt + response, masks and positions,
-    and the log-probs the sampler drew each response token with (``rollout_log_probs``)."""
+    and the log-probs the sampler drew each response token with (``rollout_log_probs``).
+    ``real``: (B, R) the response tokens (a prefix of each row); ``policy``: those the
+    policy sampled, the ``response_mask`` (all of them when None; a multi-turn row's
+    observations are not)."""
     width = responses.shape[1]
-    response_mask = (torch.arange(width, device=responses.device) < lengths[:, None]).to(
-        prompts["attention_mask"].dtype
-    )
+    dtype = prompts["attention_mask"].dtype
+    real = real.to(dtype)
     first = prompts["attention_mask"].sum(-1, keepdim=True)
     response_positions = first + torch.arange(width, device=responses.device)
     td = TensorDict(
         {
             "input_ids": torch.cat([prompts["input_ids"], responses], dim=-1),
-            "attention_mask": torch.cat([prompts["attention_mask"], response_mask], dim=-1),
-            "position_ids": torch.cat(
-                [prompts["position_ids"], response_positions * response_mask], dim=-1
-            ),
+            "attention_mask": torch.cat([prompts["attention_mask"], real], dim=-1),
+            "position_ids": torch.cat([prompts["position_ids"], response_positions * real], dim=-1),
             "responses": responses,
-            "response_mask": response_mask,
+            "response_mask": real if policy is None else policy.to(dtype),
             "rollout_log_probs": log_probs,
         },
         batch_size=prompts.batch_size,

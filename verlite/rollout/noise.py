@@ -66,6 +66,17 @@ def sample_keys(seed: int, step: int, num_prompts: int, n: int) -> torch.Tensor:
     return torch.stack([_hash(values, salt) for salt in _KEY_LANES], dim=-1)
 
 
+def turn_keys(keys: torch.Tensor, turn: int) -> torch.Tensor:
+    """The keys a multi-turn trajectory samples its turn ``turn`` with: its own keys for the
+    first turn (a single-turn run draws the same), then a hash of (key, turn), so that no
+    two turns reuse each other's uniforms."""
+    if turn == 0:
+        return keys
+    return torch.stack(
+        [_hash([keys[:, lane], turn], salt) for lane, salt in enumerate(_KEY_LANES)], dim=-1
+    )
+
+
 class Noise(Protocol):
     def uniforms(self, position: int) -> torch.Tensor:
         """(rows,) float64 uniforms in [0, 1) for decode position ``position``."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Sequence
 from functools import partial
 
 import ray
@@ -12,6 +13,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.core.metrics import MetricDict
+from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
 from verlite.models import build_policy, resolve_device
 from verlite.models.varlen import enable_packing
@@ -73,20 +75,32 @@ class ActorWorker(EngineWorker, PolicyWorker):
             cfg.model, vocab_size=self.vocab_size, max_positions=max_positions, seed=seed
         )
 
-    def generate(self, prompts: TensorDict, params: SamplingParams, seed: int) -> TensorDict:
-        """Responses to this rank's prompts. Sampling draws from each row's ``sample_key``
-        (``rollout.randomness=per_sample``), or from a stream seeded ``seed + rank``."""
+    def generate(
+        self,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        records: Sequence[PromptRecord] | None = None,
+    ) -> TensorDict:
+        """Responses to this rank's prompts (trajectories with ``rollout.multi_turn``, whose
+        environments get ``records``: :meth:`PolicyWorker.sample`). Sampling draws from each
+        row's ``sample_key`` (``rollout.randomness=per_sample``), or from a stream seeded
+        ``seed + rank``."""
         prompts = prompts.to(self.engine.device)
-        noise = self.noise(prompts, params, seed, self.engine.device)
-        return self.generator.generate(prompts, params, noise).cpu()
+        return self.sample(self.generator.generate, prompts, params, seed, records).cpu()
 
     def rollout(
-        self, prompts: TensorDict, params: SamplingParams, seed: int, with_old: bool
+        self,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        with_old: bool,
+        records: Sequence[PromptRecord] | None = None,
     ) -> TensorDict:
         """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
-        batch = self.generate(prompts, params, seed)
+        batch = self.generate(prompts, params, seed, records)
         batch.update(self.compute_log_probs(batch, with_old))
         return batch
 

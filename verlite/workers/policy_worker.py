@@ -1,8 +1,12 @@
 """PolicyWorker: what the workers that sample from the policy share (the actor's and the
-rollout's): the token ids generation needs, and the noise each draws with."""
+rollout's): the token ids generation needs, the noise each draws with, and multi-turn
+rollouts with an environment (``rollout.multi_turn``), whose tools run here, in the worker
+that generates, never on the driver."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -10,7 +14,16 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.controller import Worker
+from verlite.data import PromptRecord
+from verlite.data.tokenizer import load_tokenizer
+from verlite.envs import Session, get_environment, turn_stop_id
 from verlite.rollout import Noise, SamplingParams, noise_for
+from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
+from verlite.rollout.noise import turn_keys
+
+Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
+
+TURN_SEED_STRIDE = 7919  # rollout.randomness=per_rank: turn t's stream is seeded seed + t * this
 
 
 class PolicyWorker(Worker):
@@ -24,6 +37,13 @@ class PolicyWorker(Worker):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        multi_turn = cfg.rollout.multi_turn
+        if multi_turn.env is not None:
+            self.environment = get_environment(multi_turn.env)
+            self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+            self.stop_token_ids = (
+                () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
+            )
 
     def noise(
         self, prompts: TensorDict, params: SamplingParams, seed: int, device: torch.device
@@ -38,3 +58,44 @@ class PolicyWorker(Worker):
             stream_seed=seed + self.rank,
             device=device,
         )
+
+    def sample(
+        self,
+        generate: Generate,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        records: Sequence[PromptRecord] | None,
+    ) -> TensorDict:
+        """The step batch of ``prompts`` (on the sampling device): one response each, or with
+        ``rollout.multi_turn.env`` a trajectory with the environment of its record
+        (``records[uid]``, the step's prompt records)."""
+        device = prompts.device
+        if self.cfg.rollout.multi_turn.env is None or records is None:
+            return generate(prompts, params, self.noise(prompts, params, seed, device))
+        multi_turn = self.cfg.rollout.multi_turn
+        sessions = [
+            Session(
+                self.environment,
+                records[uid],
+                index=uid,
+                timeout_s=multi_turn.tool_timeout_s,
+            )
+            for uid in prompts["uid"].tolist()
+        ]
+        turn_params = replace(params, stop_token_ids=self.stop_token_ids)
+
+        def turn(td: TensorDict, index: int, max_new_tokens: int) -> TensorDict:
+            p = replace(turn_params, max_new_tokens=max_new_tokens)
+            if "sample_key" in set(td.keys()):
+                td["sample_key"] = turn_keys(td["sample_key"], index)
+            return generate(td, p, self.noise(td, p, seed + index * TURN_SEED_STRIDE, device))
+
+        limits = TurnLimits(
+            max_turns=multi_turn.max_turns,
+            width=self.cfg.response_width,
+            turn_tokens=params.max_new_tokens,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)

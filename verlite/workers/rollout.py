@@ -3,9 +3,12 @@ that weight syncs from the actor replace (``verlite.rollout.weights``); no optim
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import ray
 from tensordict import TensorDict
 
+from verlite.data import PromptRecord
 from verlite.models import build_policy, resolve_device
 from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBucket
 from verlite.workers.policy_worker import PolicyWorker
@@ -43,11 +46,15 @@ class RolloutWorker(PolicyWorker):
         return None if seconds is None else (self.engine.version, seconds)
 
     def generate(
-        self, prompts: TensorDict, params: SamplingParams, seed: int, version: int
+        self,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        version: int,
+        records: Sequence[PromptRecord] | None = None,
     ) -> TensorDict:
         """Responses to this rank's prompts with the weights of ``version`` (refused with
         any other), drawn as the actor's :meth:`~verlite.workers.actor.ActorWorker.generate`."""
         self.engine.require(version)
         prompts = prompts.to(self.device)
-        noise = self.noise(prompts, params, seed, self.device)
-        return self.engine.generate(prompts, params, noise).cpu()
+        return self.sample(self.engine.generate, prompts, params, seed, records).cpu()

@@ -1,0 +1,130 @@
+"""Multi-turn rollouts: the cost of turn boundaries.
+
+The same randomly initialized Llama (hidden 256, 4 layers) and the same 32 left-padded
+prompts of 16..32 tokens, two ways to produce trajectories of the same total length:
+
+single_turn  one generation of T = turns x turn + (turns - 1) x observation new tokens;
+multi_turn   ``generate_multi_turn``: ``turns`` policy turns of ``turn`` tokens each, an
+             environment answering each of the first ``turns - 1`` with an observation of
+             ``observation`` tokens (appended as tokens, not sampled); every turn prefills
+             each trajectory's whole sequence again, the cost this measures.
+
+Both sample at temperature 1 with keyed noise and never stop early (no token ends a row),
+so both hold exactly T response tokens a row. The figure: multi_turn / single_turn wall
+time, the median over interleaved repetitions with quartiles, and each variant's
+trajectory tokens per second. MFU counts the useful FLOPs of the trajectories (each token
+through the model once: ``benchmarks.rollout.generation_flops``) over this machine's
+1-thread float32 matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tensordict import TensorDict
+
+from benchmarks.common import (
+    emit,
+    interleaved,
+    matmul_peak,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+)
+from benchmarks.rollout import generation_flops, prompts
+from verlite.config import ModelConfig
+from verlite.data import load_tokenizer
+from verlite.envs.base import Turn
+from verlite.memory import retain_freed_memory
+from verlite.models import build_policy
+from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, sample_keys
+from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
+from verlite.rollout.noise import turn_keys
+
+MODEL = ModelConfig(
+    hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512
+)
+NEVER = -1  # an end-of-sequence id no token has: rows run to their length
+
+
+class FixedObservation:
+    """Answers every turn with the same observation; never done."""
+
+    def __init__(self, observation: str) -> None:
+        self.observation = observation
+        self.error: str | None = None
+
+    def step(self, action: str) -> Turn:
+        return Turn(self.observation, 0.0, False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn", type=int, default=16, help="tokens of a policy turn")
+    parser.add_argument("--observation", type=int, default=8, help="tokens of an observation")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    retain_freed_memory()
+    tokenizer = load_tokenizer(None, task="lookup")
+    observation = "=" + "1234567890" * (args.observation // 10 + 1)
+    observation = observation[: args.observation]
+    assert len(tokenizer.encode(observation, add_special_tokens=False)) == args.observation
+    total = args.turns * args.turn + (args.turns - 1) * args.observation
+    model = build_policy(MODEL, vocab_size=len(tokenizer), max_positions=256, seed=0)
+    sampler = NativeRollout(
+        model, eos_token_id=NEVER, pad_token_id=tokenizer.pad_token_id, lockstep=False
+    )
+    td = prompts(args.rows, 32, len(tokenizer))
+    td["uid"] = torch.arange(args.rows)
+    td["sample_key"] = sample_keys(0, 1, args.rows, 1)
+
+    def generate(batch: TensorDict, turn: int, max_new_tokens: int) -> TensorDict:
+        params = SamplingParams(max_new_tokens=max_new_tokens)
+        noise = KeyedNoise(turn_keys(batch["sample_key"], turn), horizon=max_new_tokens)
+        return sampler.generate(batch, params, noise)
+
+    limits = TurnLimits(
+        max_turns=args.turns,
+        width=total,
+        turn_tokens=args.turn,
+        eos_token_id=NEVER,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+    def multi_turn() -> TensorDict:
+        sessions = [FixedObservation(observation) for _ in range(args.rows)]
+        return generate_multi_turn(generate, td, sessions, tokenizer, limits)
+
+    variants = {"single_turn": lambda: generate(td, 0, total), "multi_turn": multi_turn}
+    seconds, results = interleaved(variants, repeats=args.repeats)
+    for name, result in results.items():
+        held = result[0]["attention_mask"][:, -total:].sum(-1)
+        assert bool((held == total).all()), (name, held)
+    peak = matmul_peak()
+    flops = generation_flops(model, td, torch.full((args.rows,), float(total)))
+    tokens = args.rows * total
+    emit(
+        {
+            "benchmark": "multi_turn",
+            "rows": args.rows,
+            "turns": args.turns,
+            "turn_tokens": args.turn,
+            "observation_tokens": args.observation,
+            "trajectory_tokens": total,
+            "tokens_per_s": {name: tokens / median(s) for name, s in seconds.items()},
+            "mfu": {name: flops / median(s) / peak for name, s in seconds.items()},
+            "matmul_peak_gflops": peak / 1e9,
+            "multi_over_single_time": paired_ratio(seconds["multi_turn"], seconds["single_turn"]),
+            "quartiles": quartiles(ratios(seconds["multi_turn"], seconds["single_turn"])),
+            "goal": "measure: the cost of turn boundaries",
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

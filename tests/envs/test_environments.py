@@ -1,0 +1,148 @@
+"""Environments (``rollout.multi_turn.env``): the built-in lookup tool task, user classes by
+import path, and the checked, time-bounded calls of a trajectory's session: a tool that
+raises or hangs ends its trajectory with a recorded error; an environment that breaks its
+contract stops the run in one line naming it and the prompt."""
+
+import random
+import sys
+import time
+
+import pytest
+
+from verlite.config import ConfigError
+from verlite.data.tasks import TASKS
+from verlite.envs.base import Turn
+from verlite.envs.lookup import Lookup, LookupWithoutTool, digits_in_place
+from verlite.envs.registry import get_environment
+from verlite.envs.session import EnvironmentBroken, Session
+
+RECORD = {"prompt": "37>", "answer": "4821"}
+
+
+def session(cls: type, timeout_s: float = 5.0) -> Session:
+    return Session(cls, RECORD, index=7, timeout_s=timeout_s)
+
+
+def test_the_lookup_tool_answers_its_key_and_scores_the_final_answer() -> None:
+    s = session(Lookup)
+    assert s.step("99+") == Turn("=", 0.0, False)  # a key it does not hold
+    assert s.step("37+") == Turn("=4821", 0.2, False)  # found: the lookup's credit
+    assert s.step("4821") == Turn("", 1.0, True)
+    called = session(Lookup)
+    assert called.step("+") == Turn("=4821", 0.2, False)  # no key: the prompt's
+    assert called.step("4800") == Turn("", pytest.approx(0.2 + 0.8 * 0.5), True)
+    assert session(Lookup).step("4821") == Turn("", 0.8, True)  # a lucky guess, no lookup
+    assert digits_in_place("48210", "4821") == 0.8  # no credit for a wrong length
+
+
+def test_without_the_tool_no_call_reveals_the_value() -> None:
+    s = session(LookupWithoutTool)
+    assert s.step("37+") == Turn("=", 0.0, False)
+    assert s.step("+") == Turn("=", 0.0, False)
+
+
+def test_lookup_prompts_hold_no_trace_of_their_answer() -> None:
+    rng = random.Random(0)
+    pairs = [TASKS["lookup"].generate(rng, 2, 4) for _ in range(2000)]
+    assert all(prompt.endswith(">") and prompt[:-1].isdigit() for prompt, _ in pairs)
+    # The value is drawn independently of the key: guessing by the key scores a tenth.
+    guess = sum(digits_in_place(p[:-1], a) for p, a in pairs) / len(pairs)
+    assert guess < 0.15
+
+
+class Raises:
+    def reset(self, record):
+        pass
+
+    def step(self, action):
+        raise RuntimeError("tool crashed\nwith a traceback")
+
+
+class Hangs:
+    def reset(self, record):
+        pass
+
+    def step(self, action):
+        time.sleep(30)
+
+
+def test_a_tool_that_raises_or_hangs_ends_only_its_trajectory() -> None:
+    crashed = session(Raises)
+    assert crashed.step("x") is None
+    assert crashed.error == "step raised RuntimeError: tool crashed with a traceback"
+    hung = session(Hangs, timeout_s=0.2)
+    started = time.monotonic()
+    assert hung.step("x") is None
+    assert time.monotonic() - started < 5
+    assert hung.error == "step did not return within 0.2 s"
+
+
+class Answers:
+    answer: object = None
+
+    def reset(self, record):
+        pass
+
+    def step(self, action):
+        return self.answer
+
+
+def answering(value: object) -> type:
+    return type("Answers", (Answers,), {"answer": value})
+
+
+class BadReset:
+    def reset(self, record):
+        raise KeyError("answer")
+
+    def step(self, action):
+        return Turn("", 0.0, True)
+
+
+@pytest.mark.parametrize(
+    ("cls", "message"),
+    [
+        (answering(Turn(b"bytes", 0.0, False)), "an observation of type bytes, not str"),
+        (answering(Turn("", 1.5, True)), "reward 1.5; rewards must be in [0, 1]"),
+        (answering(Turn("", float("nan"), True)), "reward nan; rewards must be in [0, 1]"),
+        (answering(Turn("", "1", True)), "reward '1'; rewards must be in [0, 1]"),
+        (answering(Turn("", 0.5, 1)), "done=1; it must be a bool"),
+        (answering(("", 0.5, True)), "step returned tuple, not a verlite.envs.Turn"),
+    ],
+)
+def test_an_environment_that_breaks_its_contract_is_named_in_one_line(cls, message) -> None:
+    with pytest.raises(EnvironmentBroken) as caught:
+        session(cls).step("x")
+    text = str(caught.value)
+    assert text.startswith("environment test_environments:Answers, prompt 7: step returned")
+    assert message in text and "\n" not in text
+
+
+def test_a_reset_that_raises_stops_the_run_naming_the_prompt() -> None:
+    with pytest.raises(EnvironmentBroken, match=r"prompt 7: reset raised KeyError: 'answer'"):
+        session(BadReset)
+
+
+def test_environments_load_by_name_or_import_path(tmp_path, monkeypatch) -> None:
+    assert get_environment("lookup") is Lookup
+    (tmp_path / "userenv.py").write_text(
+        "class Env:\n    def reset(self, record): pass\n    def step(self, action): pass\n"
+        "class NeedsArgs(Env):\n    def __init__(self, table): pass\n"
+        "def not_a_class(): pass\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert get_environment("userenv:Env").__name__ == "Env"
+    for spec, message in [
+        (
+            "lokup",
+            "not a registered environment (lookup, lookup_without_tool) nor an import path 'package.module:Class'",
+        ),
+        ("userenv:NeedsArgs", "must be made without arguments"),
+        ("userenv:not_a_class", "is not a class (it is a function)"),
+        ("userenv:Missing", "'userenv' has no attribute 'Missing'"),
+        ("nosuchmodule:Env", "no module named 'nosuchmodule'"),
+    ]:
+        with pytest.raises(ConfigError, match=None) as caught:
+            get_environment(spec)
+        assert message in str(caught.value), str(caught.value)
+    sys.modules.pop("userenv", None)

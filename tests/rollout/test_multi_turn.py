@@ -1,0 +1,187 @@
+"""Multi-turn rollouts (``verlite.rollout.multi_turn``) on a real Hugging Face model and a real
+BPE tokenizer: the trajectory is the sampled token ids and the observations tokenized once
+(decoding and re-encoding it would change it), the model's log-probs over the assembled
+batch are the ones the tokens were sampled with, observations are holes in the loss mask,
+and a trajectory ends on done, end of sequence, a failed tool, or its limits."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from verlite.config import ModelConfig
+from verlite.envs.base import Turn
+from verlite.models import build_policy
+from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, sample_keys
+from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
+from verlite.rollout.noise import turn_keys
+from verlite.workers.forward import response_log_probs
+
+CORPUS = ["48 12 4812 1248 84 21 ? ! 482 124 812"] * 50
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-pair tokenizer with merges ("48", "12", ...), so that tokens sampled one by
+    one can decode to text that encodes to fewer tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+class Echo:
+    """Answers every turn with ``observation``; done after ``turns`` turns, reward 0.25 a turn."""
+
+    def __init__(self, observation: str = "4812", turns: int = 3, fail_on: int = -1) -> None:
+        self.observation, self.turns, self.fail_on = observation, turns, fail_on
+        self.seen: list[str] = []
+        self.error: str | None = None
+
+    def step(self, action: str) -> Turn | None:
+        self.seen.append(action)
+        if len(self.seen) == self.fail_on:
+            self.error = "step raised RuntimeError: boom"
+            return None
+        done = len(self.seen) == self.turns
+        return Turn(self.observation, min(1.0, 0.25 * len(self.seen)), done)
+
+
+def prompts(tokenizer: PreTrainedTokenizerFast, rows: int) -> TensorDict:
+    texts = ["48 12", "84", "1248 ?", "21 21 21"] * (rows // 4)
+    ids = [tokenizer.encode(t) for t in texts]
+    width = max(map(len, ids))
+    input_ids = torch.full((rows, width), tokenizer.pad_token_id)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for row, seq in enumerate(ids):
+        input_ids[row, width - len(seq) :] = torch.tensor(seq)
+        mask[row, width - len(seq) :] = 1
+    td = TensorDict(
+        {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+            "uid": torch.arange(rows),
+            "sample_key": sample_keys(0, 1, rows, 1),
+        },
+        batch_size=[rows],
+    )
+    td.set_non_tensor("temperature", 1.0)
+    return td
+
+
+def run(envs: list[Echo], *, width: int = 24, max_turns: int = 3, turn_tokens: int = 5):
+    tokenizer = bpe_tokenizer()
+    model = build_policy(
+        ModelConfig(
+            hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
+        ),
+        vocab_size=len(tokenizer),
+        max_positions=64,
+        seed=3,
+    )
+    sampler = NativeRollout(
+        model,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        lockstep=False,
+    )
+    stop = tokenizer.convert_tokens_to_ids("?")
+    sampled: list[TensorDict] = []
+
+    def turn(td: TensorDict, index: int, max_new_tokens: int) -> TensorDict:
+        params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(stop,))
+        noise = KeyedNoise(turn_keys(td["sample_key"], index), horizon=max_new_tokens)
+        out = sampler.generate(td, params, noise)
+        sampled.append(out)
+        return out
+
+    limits = TurnLimits(
+        max_turns=max_turns,
+        width=width,
+        turn_tokens=turn_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    batch = generate_multi_turn(turn, prompts(tokenizer, len(envs)), envs, tokenizer, limits)
+    return batch, sampled, tokenizer, model, stop
+
+
+def test_the_trajectory_is_the_sampled_tokens_and_observations_tokenized_once() -> None:
+    envs = [Echo() for _ in range(8)]
+    batch, sampled, tokenizer, _, _ = run(envs)
+    observation = tokenizer.encode("4812", add_special_tokens=False)
+    changed = 0
+    for row, env in enumerate(envs):
+        real = batch["attention_mask"][row, -24:].bool()
+        tokens = batch["responses"][row][real].tolist()
+        # Rebuild the row from what each turn's sampler returned, and the tokenized observation.
+        expected, cursor = [], 0
+        for turn, action in enumerate(env.seen):
+            out = sampled[turn]
+            j = int((out["uid"] == row).nonzero())
+            n = int(out["response_mask"][j].sum())
+            expected += out["responses"][j, :n].tolist()
+            assert tokenizer.decode(expected[cursor:], skip_special_tokens=True) == action
+            if turn + 1 < len(env.seen):
+                expected += observation
+            cursor = len(expected)
+        assert tokens == expected
+        text = tokenizer.decode(tokens, skip_special_tokens=False)
+        changed += tokenizer.encode(text, add_special_tokens=False) != tokens
+    assert changed > 0, "no row would have been re-tokenized differently: the test proves nothing"
+
+
+def test_observations_are_holes_in_the_loss_mask_and_positions_run_on() -> None:
+    envs = [Echo() for _ in range(8)]
+    batch, _, tokenizer, _, _ = run(envs)
+    observation = tokenizer.encode("4812", add_special_tokens=False)
+    width = batch["responses"].shape[1]
+    for row in range(8):
+        real = batch["attention_mask"][row, -width:].bool()
+        policy = batch["response_mask"][row].bool()
+        assert not (policy & ~real).any()
+        holes = (real & ~policy).sum()
+        assert holes == int(batch["observation_tokens"][row])
+        assert holes == len(observation) * int(batch["tool_calls"][row])
+        mask = batch["attention_mask"][row].bool()
+        positions = batch["position_ids"][row][mask]
+        assert positions.tolist() == list(range(int(mask.sum())))
+
+
+def test_the_model_over_the_batch_gives_the_log_probs_the_tokens_were_sampled_with() -> None:
+    """What the trainer computes over the assembled trajectory is what the sampler drew:
+    the same tokens, in the same context, at the same positions."""
+    envs = [Echo() for _ in range(8)]
+    batch, _, _, model, _ = run(envs)
+    with torch.no_grad():
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+    policy = batch["response_mask"].bool()
+    assert policy.sum() > 30
+    torch.testing.assert_close(
+        log_probs[policy], batch["rollout_log_probs"][policy], rtol=1e-4, atol=1e-5
+    )
+    assert (batch["rollout_log_probs"][~policy] == 0).all()
+
+
+def test_trajectories_end_on_done_failure_turns_and_room() -> None:
+    envs = [Echo(turns=1), Echo(fail_on=2), Echo(turns=9), Echo(turns=9)]
+    batch, *_ = run(envs, max_turns=3)
+    assert batch["turns"].tolist()[:2] == [1.0, 2.0]
+    assert batch["env_score"].tolist()[:2] == [0.25, 0.0]  # a failed tool scores 0
+    assert batch["tool_error"].tolist() == [0.0, 1.0, 0.0, 0.0]
+    # Rows 2 and 3 ran out of turns (or ended the sequence): a truncated row took all 3.
+    for row in (2, 3):
+        assert batch["truncated"][row] == (batch["turns"][row] == 3) or batch["turns"][row] < 3
+    tight, *_ = run([Echo(turns=9) for _ in range(4)], width=6, max_turns=9)
+    assert (tight["attention_mask"][:, -6:].sum(-1) <= 6).all()
+    assert tight["truncated"].sum() >= 1

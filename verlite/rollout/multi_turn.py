@@ -1,0 +1,187 @@
+"""Multi-turn rollouts (``rollout.multi_turn``): the policy and an environment take turns, and
+the trajectory is kept as token ids from start to end.
+
+Token in, token out: each policy turn's tokens are kept exactly as the sampler drew them,
+with the log-probs it drew them with; the environment reads the turn as text (decoded
+once), and its observation is tokenized once and appended as tokens. The conversation is
+never decoded and tokenized again as a whole, so what the trainer scores and trains on is
+what the model sampled (re-tokenizing ``"4" "8"`` may give ``"48"``, a token the model
+never chose).
+
+The step layout is the single-turn one (``verlite.step_batch``): the prompt, then a
+response area holding every turn and observation end to end, right-padded. The model reads
+all of it (``attention_mask``); ``response_mask`` marks the policy's tokens only, so the
+losses and advantage estimators skip observations (``verlite.core.advantages``: holes).
+
+Each turn generates for every unfinished trajectory at once, from its whole sequence so
+far (prefilled again: a turn boundary costs one prefill of the sequence). A trajectory
+ends when the environment says it is done, the policy ends the sequence, a tool call fails,
+or it runs out of turns or room (``truncated``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from tensordict import TensorDict
+from transformers import PreTrainedTokenizerBase
+
+from verlite.rollout.native import build_step_batch
+
+
+class TurnResult(Protocol):
+    observation: str
+    reward: float
+    done: bool
+
+
+class EnvironmentSession(Protocol):
+    """One trajectory's environment (``verlite.envs.Session``)."""
+
+    error: str | None
+
+    def step(self, action: str) -> TurnResult | None: ...
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_turns: int
+    width: int  # tokens of the response area: every turn and observation of a trajectory
+    turn_tokens: int  # most tokens of one policy turn
+    eos_token_id: int
+    pad_token_id: int
+
+
+TurnGenerator = Callable[[TensorDict, int, int], TensorDict]
+"""``generate(prompts, turn, max_new_tokens)``: one turn's responses to left-padded prompts,
+as the sampler's step batch (``responses``, ``response_mask``, ``rollout_log_probs``), the
+noise keyed by the turn so that turns do not reuse each other's draws."""
+
+# Per-row outcomes a multi-turn batch carries, for the trainer's score and metrics.
+OUTCOMES = ("env_score", "turns", "tool_calls", "observation_tokens", "truncated", "tool_error")
+
+
+@dataclass
+class _Trajectory:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)
+    policy: list[bool] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    active: bool = True
+    env_score: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    observation_tokens: int = 0
+    truncated: bool = False
+    tool_error: bool = False
+
+    def add(self, tokens: list[int], log_probs: list[float], *, policy: bool) -> None:
+        self.tokens += tokens
+        self.policy += [policy] * len(tokens)
+        self.log_probs += log_probs
+
+
+def generate_multi_turn(
+    generate: TurnGenerator,
+    prompts: TensorDict,
+    sessions: Sequence[EnvironmentSession],
+    tokenizer: PreTrainedTokenizerBase,
+    limits: TurnLimits,
+) -> TensorDict:
+    """The trajectories of ``prompts`` (left-padded, one session each) as a step batch with
+    observation holes in ``response_mask``, plus the per-row :data:`OUTCOMES`."""
+    mask = prompts["attention_mask"].bool()
+    trajectories = [
+        _Trajectory(prompt=ids[row_mask].tolist())
+        for ids, row_mask in zip(prompts["input_ids"], mask, strict=True)
+    ]
+    for turn in range(limits.max_turns):
+        rows = [i for i, t in enumerate(trajectories) if t.active]
+        if not rows:
+            break
+        room = [limits.width - len(trajectories[i].tokens) for i in rows]
+        turn_prompts = _left_padded(
+            [trajectories[i].prompt + trajectories[i].tokens for i in rows],
+            prompts[torch.tensor(rows)],
+            limits.pad_token_id,
+        )
+        out = generate(turn_prompts, turn, min(limits.turn_tokens, max(room)))
+        lengths = out["response_mask"].sum(-1).tolist()
+        for j, i in enumerate(rows):
+            kept = min(lengths[j], room[j])
+            tokens = out["responses"][j, :kept].tolist()
+            log_probs = out["rollout_log_probs"][j, :kept].tolist()
+            _take_turn(trajectories[i], sessions[i], tokens, log_probs, tokenizer, limits, turn)
+            trajectories[i].truncated |= kept < lengths[j]
+    return _step_batch(prompts, trajectories, limits)
+
+
+def _take_turn(
+    trajectory: _Trajectory,
+    session: EnvironmentSession,
+    tokens: list[int],
+    log_probs: list[float],
+    tokenizer: PreTrainedTokenizerBase,
+    limits: TurnLimits,
+    turn: int,
+) -> None:
+    trajectory.add(tokens, log_probs, policy=True)
+    trajectory.turns += 1
+    result = session.step(tokenizer.decode(tokens, skip_special_tokens=True))
+    if result is None:  # the tool failed: the trajectory ends, scored 0
+        trajectory.active, trajectory.env_score, trajectory.tool_error = False, 0.0, True
+        return
+    trajectory.env_score = result.reward
+    if result.done or limits.eos_token_id in tokens:
+        trajectory.active = False
+        return
+    observation = tokenizer.encode(result.observation, add_special_tokens=False)
+    # The observation and at least one more policy token must fit, and a turn must be left.
+    if turn + 1 == limits.max_turns or len(trajectory.tokens) + len(observation) >= limits.width:
+        trajectory.active, trajectory.truncated = False, True
+        return
+    trajectory.add(observation, [0.0] * len(observation), policy=False)
+    trajectory.tool_calls += 1
+    trajectory.observation_tokens += len(observation)
+
+
+def _left_padded(sequences: list[list[int]], rows: TensorDict, pad_token_id: int) -> TensorDict:
+    """Sequences as left-padded prompts, with the other per-row entries of ``rows``."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        ids[row, width - len(sequence) :] = torch.tensor(sequence)
+        mask[row, width - len(sequence) :] = 1
+    td = rows.exclude("input_ids", "attention_mask", "position_ids")
+    td["input_ids"] = ids.to(rows.device)
+    td["attention_mask"] = mask.to(rows.device)
+    td["position_ids"] = ((mask.cumsum(-1) - 1).clamp(min=0) * mask).to(rows.device)
+    return td
+
+
+def _step_batch(
+    prompts: TensorDict, trajectories: list[_Trajectory], limits: TurnLimits
+) -> TensorDict:
+    rows, width = len(trajectories), limits.width
+    responses = torch.full((rows, width), limits.pad_token_id, dtype=torch.long)
+    real = torch.zeros((rows, width), dtype=prompts["attention_mask"].dtype)
+    policy = torch.zeros_like(real)
+    log_probs = torch.zeros((rows, width), dtype=torch.float32)
+    for row, t in enumerate(trajectories):
+        n = len(t.tokens)
+        responses[row, :n] = torch.tensor(t.tokens, dtype=torch.long)
+        real[row, :n] = 1
+        policy[row, :n] = torch.tensor(t.policy, dtype=real.dtype)
+        log_probs[row, :n] = torch.tensor(t.log_probs, dtype=torch.float32)
+    device = prompts["input_ids"].device
+    td = build_step_batch(
+        prompts, responses.to(device), real.to(device), log_probs.to(device), policy.to(device)
+    )
+    for name in OUTCOMES:
+        values = [float(getattr(t, name)) for t in trajectories]
+        td[name] = torch.tensor(values, dtype=torch.float32, device=device)
+    return td

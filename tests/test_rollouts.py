@@ -61,7 +61,8 @@ class Groups:
                 out["old_log_probs"] = torch.full((2, 1), float(self.actor_version))
             return out
         assert method == "rollout"
-        prompts, _, _, with_old = args
+        prompts, _, _, with_old, records = args
+        assert records is None  # prompt records travel to the workers for environments only
         batch = prompts.clone()
         batch["rollout_log_probs"] = torch.zeros(2, 1)
         if with_old:
@@ -77,7 +78,8 @@ class Groups:
             self.held = version
             self.log.append(("rollout", "load", str(self.held)))
             return Done([(self.held, 0.0)])
-        prompts, _, _, version = args
+        prompts, _, _, version, records = args
+        assert records is None
         assert self.held == version, "generation runs on the weights it names"
         self.log.append(("rollout", "generate", str(int(prompts["step"][0])), str(version)))
         batch = prompts.clone()

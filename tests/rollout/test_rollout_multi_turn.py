@@ -131,7 +131,11 @@ def test_the_trajectory_is_the_sampled_tokens_and_observations_tokenized_once() 
             j = int((out["uid"] == row).nonzero())
             n = int(out["response_mask"][j].sum())
             expected += out["responses"][j, :n].tolist()
-            assert tokenizer.decode(expected[cursor:], skip_special_tokens=True) == action
+            turn_tokens = expected[cursor:]
+            if turn_tokens[-1:] == [tokenizer.eos_token_id]:
+                turn_tokens = turn_tokens[:-1]
+            # the environment reads the turn decoded once, special tokens shown
+            assert tokenizer.decode(turn_tokens, skip_special_tokens=False) == action
             if turn + 1 < len(env.seen):
                 expected += observation
             cursor = len(expected)

@@ -3,7 +3,7 @@ the trajectory is kept as token ids from start to end.
 
 Token in, token out: each policy turn's tokens are kept exactly as the sampler drew them,
 with the log-probs it drew them with; the environment reads the turn as text (decoded
-once), and its observation is tokenized once and appended as tokens. The conversation is
+once, special tokens shown), and its observation is tokenized once and appended as tokens. The conversation is
 never decoded and tokenized again as a whole, so what the trainer scores and trains on is
 what the model sampled (re-tokenizing ``"4" "8"`` may give ``"48"``, a token the model
 never chose).
@@ -130,7 +130,7 @@ def _take_turn(
 ) -> None:
     trajectory.add(tokens, log_probs, policy=True)
     trajectory.turns += 1
-    result = session.step(tokenizer.decode(tokens, skip_special_tokens=True))
+    result = session.step(_action_text(tokens, tokenizer, limits.eos_token_id))
     if result is None:  # the tool failed: the trajectory ends, scored 0
         trajectory.active, trajectory.env_score, trajectory.tool_error = False, 0.0, True
         return
@@ -146,6 +146,15 @@ def _take_turn(
     trajectory.add(observation, [0.0] * len(observation), policy=False)
     trajectory.tool_calls += 1
     trajectory.observation_tokens += len(observation)
+
+
+def _action_text(tokens: list[int], tokenizer: PreTrainedTokenizerBase, eos_token_id: int) -> str:
+    """A turn as the environment reads it: up to its end-of-sequence token, other special
+    tokens shown (``<pad>``), as the reward function reads a single-turn response, so that
+    a turn cannot hide tokens from the environment."""
+    if tokens and tokens[-1] == eos_token_id:
+        tokens = tokens[:-1]
+    return tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def _left_padded(sequences: list[list[int]], rows: TensorDict, pad_token_id: int) -> TensorDict:

@@ -1,9 +1,9 @@
 """The built-in tool task: a key-value lookup whose answer only a tool's output holds.
 
-The prompt (``data.task=lookup``) is a key, ``37>``; the answer is a random digit string
-that nothing in the prompt determines. The policy may call the lookup tool by writing the
-key (or nothing: the prompt's key) and the turn's stop text, ``37+`` or ``+``: the tool
-answers ``=4821`` (the value of that key, or ``=`` alone for a key it does not hold). A
+The prompt (``data.task=lookup``) is a key, ``375>``; the answer is a random digit that
+nothing in the prompt determines. The policy may call the lookup tool by writing the
+key (or nothing: the prompt's key) and the turn's stop text, ``375+`` or ``+``: the tool
+answers ``=4`` (the value of that key, or ``=`` alone for a key it does not hold). A
 turn that does not end with the stop text is the policy's answer, and ends the
 trajectory. The score: ``LOOKUP_CREDIT`` for having found the value with the tool, plus the
 rest times :func:`digits_in_place` of the answer against the value (partial credit per

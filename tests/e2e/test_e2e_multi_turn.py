@@ -5,12 +5,18 @@
   alone (float64, every non-timing metric to 1e-9): trajectories keyed per turn do not
   depend on the layout;
 - a tool call that outlives its timeout ends its trajectory (score 0, counted in
-  ``multiturn/tool_errors``), never the run.
+  ``multiturn/tool_errors``), never the run;
+- an environment that breaks its contract stops the run in one line naming it, the prompt
+  and what it returned.
 """
 
+import re
 from pathlib import Path
 
+import pytest
+
 from verlite.config import Config, load_config
+from verlite.controller import WorkerGroupError
 from verlite.metrics_log import read
 from verlite.run import run
 from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
@@ -65,3 +71,18 @@ def test_a_tool_that_times_out_ends_its_trajectory_not_the_run(tmp_path: Path, l
     assert all(r["multiturn/tool_errors"] == rows for r in records)
     assert all(r["multiturn/turns/mean"] == 1 for r in records)
     assert all(r["critic/score/mean"] == 0 for r in records)
+
+
+def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
+    tmp_path: Path, local_ray
+) -> None:
+    cfg = config(tmp_path, "rollout.multi_turn.env=bad_env:TooGenerous", "trainer.val_freq=0")
+    with pytest.raises(WorkerGroupError) as raised:
+        run(cfg, RunInputs.load(cfg))
+    message = str(raised.value)
+    assert re.search(
+        r"failed in rollout\(\): EnvironmentBroken: environment bad_env:TooGenerous, "
+        r"prompt \d+: step returned reward 1.5; rewards must be in \[0, 1\]$",
+        message,
+    ), message
+    assert "\n" not in message

@@ -115,11 +115,10 @@ def utilization(cfg: Config, records: list[dict[str, Any]], warmup: int, peak: f
     """Model FLOPs utilization of the steady steps: their FLOPs (``common.rl_step_flops``)
     over their time, as a share of ``peak`` FLOP/s."""
     steady = records[warmup:]
-    vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
-    flops = sum(
-        rl_step_flops(cfg, vocab_size=vocab_size, tokens=r["perf/throughput"] * r["timing_s/step"])
-        for r in steady
+    step_flops = rl_step_flops(
+        cfg, vocab_size=len(load_tokenizer(cfg.model.path, task=cfg.data.task))
     )
+    flops = sum(step_flops(r["perf/throughput"] * r["timing_s/step"]) for r in steady)
     return flops / sum(r["timing_s/step"] for r in steady) / peak
 
 

@@ -136,26 +136,28 @@ def machine_peak() -> float:
         torch.set_num_threads(threads)
 
 
-def rl_step_flops(cfg: Config, *, vocab_size: int, tokens: float) -> float:
-    """The FLOPs of one RL step (past the critic's warm-up) whose batch holds ``tokens`` real
-    tokens over its data.train_batch_size x rollout.n rows, counted as
-    :func:`decoder_flops` counts a pass over every row: the policy's forward passes for
-    generation (1), the old log-probs (1 when the actor recomputes them), the reference's
-    log-probs (1 with a reference) and its update (3 per actor.ppo_epochs); with a critic,
-    its values (1) and update (3 per critic.ppo_epochs). Attention is counted from the rows'
-    mean length (a lower bound: the spread of lengths adds to it; at these benchmarks' lengths,
-    far below their models' attention crossover, it is a small share)."""
+def rl_step_flops(cfg: Config, *, vocab_size: int) -> Callable[[float], float]:
+    """The FLOPs of one RL step of ``cfg`` (past the critic's warm-up) as a function of the
+    real tokens its batch holds over data.train_batch_size x rollout.n rows (the models are
+    built once), counted as :func:`decoder_flops` counts a pass over every row: the policy's
+    forward passes for generation (1), the old log-probs (1 when the actor recomputes them),
+    the reference's log-probs (1 with a reference) and its update (3 per actor.ppo_epochs);
+    with a critic, its values (1) and update (3 per critic.ppo_epochs). Attention is counted
+    from the rows' mean length (a lower bound: the spread of lengths adds to it; at these
+    benchmarks' lengths, far below their models' attention crossover, it is a small share)."""
     rows = cfg.data.train_batch_size * cfg.rollout.n
-    attended = rows * (tokens / rows) ** 2 / 2
     recompute, _ = old_log_probs_source(cfg)
-    policy_passes = 1 + int(recompute) + int(cfg.use_reference) + 3 * cfg.actor.ppo_epochs
     build = {"vocab_size": vocab_size, "max_positions": cfg.max_sequence_length, "seed": 0}
-    per_pass = decoder_flops(
-        build_policy(cfg.model, **build), tokens=tokens, attended=attended, backward=False
-    )
-    flops = policy_passes * per_pass
+    policy_passes = 1 + int(recompute) + int(cfg.use_reference) + 3 * cfg.actor.ppo_epochs
+    passes = [(build_policy(cfg.model, **build), policy_passes)]
     if cfg.use_critic:
-        critic = build_value_model(cfg.model, **build)
-        per_pass = decoder_flops(critic, tokens=tokens, attended=attended, backward=False)
-        flops += (1 + 3 * cfg.critic.ppo_epochs) * per_pass
-    return flops
+        passes.append((build_value_model(cfg.model, **build), 1 + 3 * cfg.critic.ppo_epochs))
+
+    def count(tokens: float) -> float:
+        attended = rows * (tokens / rows) ** 2 / 2
+        return sum(
+            n * decoder_flops(model, tokens=tokens, attended=attended, backward=False)
+            for model, n in passes
+        )
+
+    return count

@@ -126,6 +126,12 @@ def layout_configs(base: ActorConfig, budget: int) -> dict[str, ActorConfig]:
     }
 
 
+def actor_engine(cfg: ActorConfig) -> TrainEngine:
+    """The benchmark's actor engine for ``cfg``: the same initial weights every time."""
+    policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
+    return TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
+
+
 def update_flops(batch: TensorDict) -> float:
     """The FLOPs of one update over the batch's real tokens (``common.decoder_flops``)."""
     lengths = batch["attention_mask"].sum(1).double()
@@ -140,7 +146,6 @@ def update_flops(batch: TensorDict) -> float:
 
 def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dict[str, Any]:
     """The layouts of one batch, interleaved: their plans, tokens/s, MFU and the speedups."""
-    model_cfg = MODEL
     rows = batch.batch_size[0]
     base = ActorConfig(strategy="none", ppo_mini_batch_size=rows)
     configs = layout_configs(base, budget)
@@ -148,8 +153,7 @@ def compare(batch: TensorDict, *, budget: int, repeats: int, peak: float) -> dic
     real_tokens = int(batch["attention_mask"].sum())
     engines, layouts, losses = {}, {}, {}
     for name, cfg in configs.items():
-        policy = build_policy(model_cfg, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
-        engines[name] = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
+        engines[name] = actor_engine(cfg)
         parts = engines[name].plan(batch, training=True).parts
         packed = cfg.packing
         layouts[name] = {
@@ -222,8 +226,7 @@ def update_memory(batch: TensorDict, budget: int) -> dict[str, int]:
     configs = layout_configs(ActorConfig(strategy="none", ppo_mini_batch_size=rows), budget)
     out = {}
     for layout, cfg in configs.items():
-        policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
-        engine = TrainEngine(policy, cfg=cfg, total_updates=100, metric_prefix="actor")
+        engine = actor_engine(cfg)
         loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg))
         engine.train_mini_batch(batch.clone(), loss_fn)
         out[layout] = peak_tensor_bytes(partial(engine.train_mini_batch, batch.clone(), loss_fn))

@@ -110,6 +110,7 @@ def main() -> None:
             remote = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
             seconds: dict[str, list[float]] = {"verlite": [], "in_process": []}
             flops: list[float] = []
+            step_flops = rl_step_flops(cfg, vocab_size=len(inputs.tokenizer))
             worst = 0.0
             # Step 1 warms both up (lazy imports, allocator, Ray's first transfers).
             for step in range(1, args.steps + 2):
@@ -127,9 +128,7 @@ def main() -> None:
                     seconds["verlite"].append(t_remote)
                     seconds["in_process"].append(t_local)
                     tokens = m_remote["perf/throughput"] * m_remote["timing_s/step"]
-                    flops.append(
-                        rl_step_flops(cfg, vocab_size=len(inputs.tokenizer), tokens=tokens)
-                    )
+                    flops.append(step_flops(tokens))
     assert worst < 1e-4, f"the two trainers diverged (relative metric difference {worst:.2e})"
     peak = machine_peak()
     emit(

@@ -49,11 +49,9 @@ def step_times(dp: int, *, steps: int, config: str, peak: float) -> dict[str, fl
                 for step in range(1, steps + 2)
             ]
     kept = runs[1:]  # the first step warms up
-    vocab_size = len(inputs.tokenizer)
+    step_flops = rl_step_flops(cfg, vocab_size=len(inputs.tokenizer))
     utilization = [
-        rl_step_flops(cfg, vocab_size=vocab_size, tokens=m["perf/throughput"] * m["timing_s/step"])
-        / seconds
-        / peak
+        step_flops(m["perf/throughput"] * m["timing_s/step"]) / seconds / peak
         for seconds, m in kept
     ]
     result = {"step_s": median([seconds for seconds, _ in kept]), "mfu": median(utilization)}

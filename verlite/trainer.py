@@ -40,6 +40,7 @@ from verlite.data import (
     build_datasets,
     load_tokenizer,
     prompt_tensordict,
+    response_text,
 )
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import RunFailure
@@ -437,7 +438,7 @@ class Trainer:
         if "env_score" in set(batch.keys()):
             return batch["env_score"].float()
         texts = [
-            self._decode(row[:n].tolist())
+            response_text(self.tokenizer, row[:n].tolist())
             for row, n in zip(
                 batch["responses"], batch["response_mask"].sum(-1).tolist(), strict=True
             )
@@ -462,13 +463,6 @@ class Trainer:
             del batch[name]
         del outcomes["env_score"]
         return multi_turn_statistics(**outcomes)
-
-    def _decode(self, ids: list[int]) -> str:
-        """The response text up to its EOS. Other special tokens stay visible (as ``<pad>``
-        and the like), so a policy cannot end a response by emitting them instead of EOS."""
-        if ids and ids[-1] == self.tokenizer.eos_token_id:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     def _token_rewards(self, batch: TensorDict) -> dict[str, float]:
         if not self.cfg.algorithm.use_kl_in_reward:

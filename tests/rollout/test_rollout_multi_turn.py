@@ -179,13 +179,17 @@ def test_the_model_over_the_batch_gives_the_log_probs_the_tokens_were_sampled_wi
 
 def test_trajectories_end_on_done_failure_turns_and_room() -> None:
     envs = [Echo(turns=1), Echo(fail_on=2), Echo(turns=9), Echo(turns=9)]
-    batch, *_ = run(envs, max_turns=3)
+    batch, _, tokenizer, _, _ = run(envs, max_turns=3)
     assert batch["turns"].tolist()[:2] == [1.0, 2.0]
     assert batch["env_score"].tolist()[:2] == [0.25, 0.0]  # a failed tool scores 0
     assert batch["tool_error"].tolist() == [0.0, 1.0, 0.0, 0.0]
-    # Rows 2 and 3 ran out of turns (or ended the sequence): a truncated row took all 3.
+    # Rows 2 and 3 never hear "done": each ends the sequence itself (not truncated) or runs
+    # out of its 3 turns (truncated).
     for row in (2, 3):
-        assert batch["truncated"][row] == (batch["turns"][row] == 3) or batch["turns"][row] < 3
+        policy = batch["response_mask"][row].bool()
+        ended_itself = tokenizer.eos_token_id in batch["responses"][row][policy].tolist()
+        assert bool(batch["truncated"][row]) is not ended_itself
+        assert ended_itself or batch["turns"][row] == 3
     tight, *_ = run([Echo(turns=9) for _ in range(4)], width=6, max_turns=9)
     assert (tight["attention_mask"][:, -6:].sum(-1) <= 6).all()
     assert tight["truncated"].sum() >= 1

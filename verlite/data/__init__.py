@@ -10,7 +10,12 @@ from verlite.data.dataset import (
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
 from verlite.data.loader import PromptBatch, PromptLoader, collate_prompts, prompt_tensordict
 from verlite.data.tasks import TASKS, Task
-from verlite.data.tokenizer import build_task_tokenizer, encode_prompts, load_tokenizer
+from verlite.data.tokenizer import (
+    build_task_tokenizer,
+    encode_prompts,
+    load_tokenizer,
+    response_text,
+)
 
 __all__ = [
     "TASKS",
@@ -29,5 +34,6 @@ __all__ = [
     "load_tokenizer",
     "prompt_tensordict",
     "read_prompt_file",
+    "response_text",
     "task_records",
 ]

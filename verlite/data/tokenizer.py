@@ -74,6 +74,16 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
     return tokenizer
 
 
+def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+    """What a reward function or an environment reads of sampled tokens: the text up to the
+    end-of-sequence token, other special tokens shown (as ``<pad>`` and the like), so that a
+    policy can neither end a response by emitting them instead of EOS nor hide tokens."""
+    ids = list(ids)
+    if ids and ids[-1] == tokenizer.eos_token_id:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
     """Token ids of each prompt: BOS (when the tokenizer has one) then the prompt, no EOS.
 

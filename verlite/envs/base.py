@@ -4,8 +4,8 @@ A run makes one environment object per trajectory, by calling the configured cla
 arguments, in the worker that generates it. ``reset(record)`` gets the prompt record the
 trajectory answers (its ``prompt`` and ``answer``); the prompt itself is what the data
 pipeline tokenized, so the environment does not return it again. ``step(action)`` gets each
-policy turn as text (the tokens the policy sampled, decoded once, the turn's stop text
-included) and returns a :class:`Turn`: the observation the policy reads next (a tool's
+policy turn as text (the tokens the policy sampled, decoded once up to an end-of-sequence
+token, other special tokens shown, the turn's stop text included) and returns a :class:`Turn`: the observation the policy reads next (a tool's
 output), the trajectory's reward so far and whether it is over. The reward of the last turn
 is the trajectory's score.
 """

@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
+from verlite.data.tokenizer import response_text
 from verlite.rollout.native import build_step_batch
 
 
@@ -130,7 +131,7 @@ def _take_turn(
 ) -> None:
     trajectory.add(tokens, log_probs, policy=True)
     trajectory.turns += 1
-    result = session.step(_action_text(tokens, tokenizer, limits.eos_token_id))
+    result = session.step(response_text(tokenizer, tokens))
     if result is None:  # the tool failed: the trajectory ends, scored 0
         trajectory.active, trajectory.env_score, trajectory.tool_error = False, 0.0, True
         return
@@ -146,15 +147,6 @@ def _take_turn(
     trajectory.add(observation, [0.0] * len(observation), policy=False)
     trajectory.tool_calls += 1
     trajectory.observation_tokens += len(observation)
-
-
-def _action_text(tokens: list[int], tokenizer: PreTrainedTokenizerBase, eos_token_id: int) -> str:
-    """A turn as the environment reads it: up to its end-of-sequence token, other special
-    tokens shown (``<pad>``), as the reward function reads a single-turn response, so that
-    a turn cannot hide tokens from the environment."""
-    if tokens and tokens[-1] == eos_token_id:
-        tokens = tokens[:-1]
-    return tokenizer.decode(tokens, skip_special_tokens=False)
 
 
 def _left_padded(sequences: list[list[int]], rows: TensorDict, pad_token_id: int) -> TensorDict:

@@ -47,7 +47,7 @@ def test_runs_that_differ_only_in_wall_clock_metrics_are_identical(tmp_path: Pat
     assert (code, err) == (0, "")
     assert (
         out
-        == f"{a} and {b} are identical to 0 over 3 steps (2 metrics a step; wall-clock ones not compared)\n"
+        == f"{a} and {b} are identical to 0 over 3 steps (2 metrics a step; timings and restarts not compared)\n"
     )
 
 

@@ -3,6 +3,8 @@ over a run it could continue, and never reads and writes the same paths."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,13 +12,21 @@ from checkpoint_support import fake_checkpoint
 
 from verlite.checkpoint import CheckpointError
 from verlite.config import Config, ConfigError, check_paths, load_config
-from verlite.output_folder import prepare_output_folder
+from verlite.output_folder import LOCK_FILE, FolderLock
+from verlite.output_folder import prepare_output_folder as prepare_and_hold
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
 
 
 def config(out: Path, *overrides: str) -> Config:
     return load_config(CONFIG, [f"trainer.output_dir={out}", "trainer.total_steps=6", *overrides])
+
+
+def prepare_output_folder(cfg: Config) -> Path | None:
+    """The checkpoint a run in the folder resumes from, the folder let go of again."""
+    resume_from, hold = prepare_and_hold(cfg)
+    hold.release()
+    return resume_from
 
 
 def someones_files(out: Path) -> dict[str, str]:
@@ -55,7 +65,7 @@ def test_overwrite_moves_the_contents_aside_whole(tmp_path: Path, capsys) -> Non
     out = tmp_path / "theirs"
     files = someones_files(out)
     assert prepare_output_folder(config(out, "trainer.overwrite=true")) is None
-    assert list(out.iterdir()) == []
+    assert [p.name for p in out.iterdir()] == [LOCK_FILE]  # the new run's, and nothing else
     (moved,) = tmp_path.glob("theirs.replaced-*")
     assert {p.name: p.read_text() for p in moved.iterdir()} == files
     assert f"moved the earlier contents of {out} to {moved}" in capsys.readouterr().out
@@ -177,3 +187,37 @@ def test_a_corrupt_or_weightless_model_folder_is_one_line(
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ConfigError, match=message):
         check_paths(load_config(CONFIG, [f"model.path={tmp_path}"]))
+
+
+def test_a_folder_in_use_is_refused_until_its_run_lets_go(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _, hold = prepare_and_hold(config(out))
+    for overrides in ((), ("trainer.overwrite=true",)):  # nor moved aside under a running run
+        with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ on "):
+            prepare_output_folder(config(out, *overrides))
+    assert (out / LOCK_FILE).is_file() and not list(tmp_path.glob("run.replaced-*"))
+    hold.release()
+    assert prepare_output_folder(config(out)) is None  # a fresh run: the lock file is not contents
+
+
+def test_a_killed_runs_hold_ends_with_its_process(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from verlite.output_folder import "
+            "FolderLock; hold = FolderLock.take(Path(sys.argv[1])); print('held', flush=True); "
+            "time.sleep(60)",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+    with pytest.raises(ConfigError, match=f"pid {holder.pid} on"):
+        FolderLock.take(out)
+    holder.kill()
+    holder.wait()
+    FolderLock.take(out).release()

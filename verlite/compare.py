@@ -1,12 +1,11 @@
 """``verlite compare RUN_A RUN_B``: are two runs the same run?
 
-Two output folders are compared step by step on every metric except the wall-clock ones
-(``timing_s/*``, ``perf/*``, which differ between equal runs). A value differs when
-``|a - b| > max(tolerance * max(|a|, |b|), atol)``; NaN equals NaN and an infinity equals
-itself. ``atol`` (default 0) serves metrics that are zero in exact arithmetic, such as the
-PPO KL of a step's first mini-batch: their rounding noise (~1e-18 in float64) has no
-meaningful relative difference. The
-first step (in step order) and metric (in name order) that differ is reported; runs of
+Two output folders are compared step by step on every metric except those of the run's
+history (``timing_s/*``, ``perf/*``, ``trainer/*``: clocks and restarts, which differ between
+equal runs). A value differs when ``|a - b| > max(tolerance * max(|a|, |b|), atol)``; NaN
+equals NaN and an infinity equals itself. ``atol`` (default 0) serves metrics that are zero
+in exact arithmetic, such as the PPO KL of a step's first mini-batch: their rounding noise
+(~1e-18 in float64) has no meaningful relative difference. The first step (in step order) and metric (in name order) that differ is reported; runs of
 different lengths, or a metric logged by one run only, differ too.
 """
 
@@ -60,11 +59,12 @@ def differs(a: float, b: float, *, tolerance: float, atol: float = 0.0) -> bool:
 
 
 def compared_metrics(record: Record) -> dict[str, float]:
-    """A record's metrics that two equal runs share: all but the step and the wall-clock ones."""
+    """A record's metrics that two equal runs share: all but the step and those of the run's
+    history (clocks, restarts)."""
     return {
         key: float(value)
         for key, value in record.items()
-        if key != "step" and not metrics_log.is_wall_clock(key)
+        if key != "step" and not metrics_log.is_run_history(key)
     }
 
 
@@ -96,10 +96,10 @@ def add_compare_command(subparsers: argparse._SubParsersAction[argparse.Argument
     parser = subparsers.add_parser(
         "compare",
         help="compare two runs' metrics step by step",
-        description="Compare the metrics.jsonl of two runs step by step on every metric but the "
-        "wall-clock ones (timing_s/*, perf/*). Print the first step and metric that differ by more "
-        "than the tolerance (relative), or that the runs are identical. Exit 0 when identical, 1 "
-        "when they differ, 2 on bad input.",
+        description="Compare the metrics.jsonl of two runs step by step on every metric but "
+        "those of the run's history (timing_s/*, perf/*, trainer/*). Print the first step and "
+        "metric that differ by more than the tolerance (relative), or that the runs are "
+        "identical. Exit 0 when identical, 1 when they differ, 2 on bad input.",
     )
     parser.add_argument("run_a", metavar="RUN_A", help="a run's output folder (or metrics.jsonl)")
     parser.add_argument("run_b", metavar="RUN_B", help="the run to compare it with")
@@ -139,6 +139,6 @@ def cmd_compare(args: argparse.Namespace) -> int:
     atol = f" (absolute {args.atol:g})" if args.atol else ""
     print(
         f"{name_a} and {name_b} are identical to {args.tolerance:g}{atol} over {len(run_a)} steps "
-        f"({metrics} metrics a step; wall-clock ones not compared)"
+        f"({metrics} metrics a step; timings and restarts not compared)"
     )
     return 0

@@ -28,12 +28,13 @@ FILE_NAME = "metrics.jsonl"
 LINE_MARKER = "VERLITE_METRICS "
 
 Record = dict[str, Any]
-# Metrics measured by the clock: they differ between two otherwise identical runs.
-WALL_CLOCK_PREFIXES = ("timing_s/", "perf/")
+# Metrics of how a run went rather than what it trained: measured by the clock, or counting
+# its restarts. They differ between two runs that trained alike.
+RUN_HISTORY_PREFIXES = ("timing_s/", "perf/", "trainer/")
 
 
-def is_wall_clock(metric: str) -> bool:
-    return metric.startswith(WALL_CLOCK_PREFIXES)
+def is_run_history(metric: str) -> bool:
+    return metric.startswith(RUN_HISTORY_PREFIXES)
 
 
 def encode(step: int, metrics: Mapping[str, float]) -> str:

@@ -12,13 +12,20 @@ Before Ray starts, the folder is one of:
   line naming what is there. With ``trainer.overwrite=true``
   its contents are moved aside, whole, to a sibling ``<name>.replaced-<UTC time>`` folder,
   and a fresh run starts in the emptied folder. Nothing is deleted.
+
+A run holds its folder while it runs (:class:`FolderLock`): a second run into a folder in
+use is refused, whatever ``trainer.overwrite`` says, so two runs (jobs submitted at once with
+one config) never write into one folder.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import time
 from pathlib import Path
+from typing import IO
 
 from verlite.checkpoint import (
     CheckpointError,
@@ -30,10 +37,48 @@ from verlite.checkpoint import (
 from verlite.config import Config, ConfigError
 from verlite.errors import shown
 
+LOCK_FILE = ".verlite-lock"
 
-def prepare_output_folder(cfg: Config) -> Path | None:
-    """Make ``trainer.output_dir`` ready under the contract above; the checkpoint to resume
-    from, or None for a fresh run. Raises a one-line user error otherwise."""
+
+class FolderLock:
+    """A run's hold on its output folder: an exclusive ``flock`` of ``<output_dir>/.verlite-lock``,
+    which says who holds it. The operating system lets go when the process ends, however it
+    ends, so a killed run leaves nothing to clean up."""
+
+    def __init__(self, file: IO[str]) -> None:
+        self._file = file
+
+    @classmethod
+    def take(cls, out: Path) -> FolderLock:
+        """Hold ``out`` (an existing folder); a one-line user error naming the holder when
+        another run holds it."""
+        file = (out / LOCK_FILE).open("a+")
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "a process"
+            file.close()
+            raise ConfigError(
+                f"trainer.output_dir={shown(str(out))} is in use by another run ({holder}); "
+                "wait for it to end, or choose another folder"
+            ) from None
+        file.seek(0)
+        file.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+        file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n")
+        file.flush()
+        return cls(file)
+
+    def release(self) -> None:
+        """Let go of the folder (idempotent)."""
+        self._file.close()
+
+
+def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
+    """Make ``trainer.output_dir`` ready under the contract above and hold it; the checkpoint
+    to resume from (None for a fresh run) and the hold, which the run releases when it ends.
+    Raises a one-line user error otherwise."""
     out = Path(cfg.trainer.output_dir)
     try:
         out.exists()
@@ -41,6 +86,8 @@ def prepare_output_folder(cfg: Config) -> Path | None:
         raise ConfigError(f"trainer.output_dir={shown(str(out))}: {exc.strerror}") from None
     if out.exists() and not out.is_dir():
         raise ConfigError(f"trainer.output_dir={shown(str(out))} is a file, not a folder")
+    if (out / LOCK_FILE).is_file():  # a run was here: it may still be running
+        FolderLock.take(out).release()
     resume_from = _resume_point(cfg, out)
     continuing = resume_from is not None and resume_from.resolve().is_relative_to(out.resolve())
     if not continuing and _has_contents(out):
@@ -53,7 +100,7 @@ def prepare_output_folder(cfg: Config) -> Path | None:
         moved = _move_contents_aside(out)
         print(f"moved the earlier contents of {out} to {moved}", flush=True)
     _make_writable_folder(out)
-    return resume_from
+    return resume_from, FolderLock.take(out)
 
 
 def _resume_point(cfg: Config, out: Path) -> Path | None:
@@ -78,8 +125,13 @@ def _resume_point(cfg: Config, out: Path) -> Path | None:
     return path
 
 
+def _entries(out: Path) -> list[Path]:
+    """What the folder holds besides a run's lock file."""
+    return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
+
+
 def _has_contents(out: Path) -> bool:
-    return out.is_dir() and any(out.iterdir())
+    return bool(_entries(out))
 
 
 def _describe(out: Path, cfg: Config) -> str:
@@ -88,7 +140,7 @@ def _describe(out: Path, cfg: Config) -> str:
         if cfg.trainer.resume == "disable" and complete_checkpoints(out):
             return "a run with checkpoints, and trainer.resume=disable"
         return "an earlier run"
-    entries = sorted(p.name for p in out.iterdir())
+    entries = sorted(p.name for p in _entries(out))
     shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
     return f"it holds {shown}"
 

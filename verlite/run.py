@@ -3,13 +3,16 @@
 ``verlite train`` calls :func:`train`: it reads and checks everything it can before Ray
 starts (:class:`~verlite.trainer.RunInputs`), opens the Ray session, and :func:`run` places
 the run's worker groups (:func:`start_groups`), hands them to the
-:class:`~verlite.trainer.Trainer`, and takes them down again. Tests and benchmarks call
-:func:`run` and :func:`start_groups` inside a Ray session they share.
+:class:`~verlite.trainer.Trainer`, and takes them down again; when a worker or node is lost
+it restarts them, up to ``trainer.max_restarts`` times, from the latest checkpoint
+(docs/design.md, "Restarts"). Tests and benchmarks call :func:`run` and
+:func:`start_groups` inside a Ray session they share.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,14 +20,17 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from verlite.checkpoint import resume_checkpoint
 from verlite.config import Config
 from verlite.controller import (
     WorkerGroup,
+    WorkerGroupError,
     check_fits_machine,
     ray_session,
     run_pools,
     write_placement_report,
 )
+from verlite.errors import RunFailure
 from verlite.trainer import RunInputs, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
@@ -59,6 +65,7 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
         "rollout": (RolloutWorker, tokens),
     }
     started: dict[str, WorkerGroup] = {}
+    graceful = False
     try:
         for role, (pool, share) in pools.items():
             worker_cls, kwargs = role_kwargs[role]
@@ -76,26 +83,81 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
         yield RunGroups(
             actor=started["actor"], critic=started.get("critic"), rollout=started.get("rollout")
         )
+        graceful = True
     finally:
+        # After a failure ranks may wait on a lost peer: they are killed without waiting.
         for group in started.values():
-            group.shutdown()
+            group.shutdown(graceful=graceful)
         for pool in {id(pool): pool for pool, _ in pools.values()}.values():
             pool.remove()
 
 
 def run(cfg: Config, inputs: RunInputs) -> Path:
     """One whole run in the open Ray session: place the groups, resume when a checkpoint was
-    found, train to ``trainer.total_steps``, export the policy; the output folder."""
+    found, train to ``trainer.total_steps``, export the policy; the output folder.
+
+    A lost worker or node (:attr:`WorkerGroupError.lost`) restarts the run from its latest
+    checkpoint, up to ``trainer.max_restarts`` times; any other failure ends it."""
     output_dir = Path(cfg.trainer.output_dir)
-    with start_groups(cfg, inputs.tokenizer) as groups:
-        print(write_placement_report(groups.all, output_dir), flush=True)
-        trainer = Trainer(
-            cfg, inputs, actor=groups.actor, critic=groups.critic, rollout=groups.rollout
+    limit = cfg.trainer.max_restarts
+    if limit and not cfg.trainer.save_freq:
+        print(
+            f"trainer.max_restarts={limit} with trainer.save_freq=0: a restart trains again "
+            "from the first step",
+            flush=True,
         )
-        start = trainer.resume(inputs.resume_from) if inputs.resume_from else 0
+    resume_from, restarts = inputs.resume_from, 0
+    try:
+        while True:
+            try:
+                _attempt(cfg, inputs, resume_from, restarts)
+                return output_dir
+            except WorkerGroupError as err:
+                if not err.lost:
+                    raise
+                if restarts == limit:
+                    if not limit:
+                        raise
+                    raise RunFailure(
+                        f"{err} (after {limit} restarts, trainer.max_restarts)"
+                    ) from err
+                restarts += 1
+                resume_from = resume_checkpoint(output_dir, "auto") or inputs.resume_from
+                print(
+                    f"restart {restarts} of {limit} (trainer.max_restarts): {err}; the groups "
+                    f"torn down {time.monotonic() - err.detected_at:.1f} s after it was seen; "
+                    f"resuming from {resume_from or 'the first step (no checkpoint yet)'}",
+                    flush=True,
+                )
+    finally:
+        inputs.folder.release()
+
+
+def _attempt(cfg: Config, inputs: RunInputs, resume_from: Path | None, restarts: int) -> None:
+    """Place the groups, resume from ``resume_from`` (None: the first step), train, export;
+    after a restart, say how long the groups took to place and the checkpoint to load."""
+    started = time.perf_counter()
+    with start_groups(cfg, inputs.tokenizer) as groups:
+        placed = time.perf_counter()
+        print(write_placement_report(groups.all, cfg.trainer.output_dir), flush=True)
+        trainer = Trainer(
+            cfg,
+            inputs,
+            actor=groups.actor,
+            critic=groups.critic,
+            rollout=groups.rollout,
+            restarts=restarts,
+        )
+        start = trainer.resume(resume_from) if resume_from else 0
+        if restarts:
+            print(
+                f"restart {restarts}: training again from step {start + 1} after "
+                f"{time.perf_counter() - started:.1f} s (place and start the workers "
+                f"{placed - started:.1f} s, load the checkpoint {time.perf_counter() - placed:.1f} s)",
+                flush=True,
+            )
         trainer.fit(start)
         trainer.export_policy()
-    return output_dir
 
 
 def train(cfg: Config) -> Path:

@@ -45,7 +45,7 @@ from verlite.data import (
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import RunFailure
 from verlite.models import attention_crossover, check_packing_supported, check_tokenizer_fits
-from verlite.output_folder import prepare_output_folder
+from verlite.output_folder import FolderLock, prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams, sample_keys
 from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
@@ -137,14 +137,15 @@ class Timer:
 class RunInputs:
     """What a run reads before any worker starts, so that a bad file, checkpoint or output
     folder fails in a second, before Ray: the tokenizer, the prompt datasets, the reward
-    function and the checkpoint to resume from (None: a fresh run, in an output folder made
-    ready under its contract, ``verlite.output_folder``)."""
+    function, the checkpoint to resume from (None: a fresh run) and the hold on the output
+    folder, made ready under its contract (``verlite.output_folder``)."""
 
     tokenizer: PreTrainedTokenizerBase
     train_set: PromptDataset
     val_set: PromptDataset
     reward_fn: RewardFn
     resume_from: Path | None
+    folder: FolderLock
 
     @classmethod
     def load(cls, cfg: Config) -> RunInputs:
@@ -162,8 +163,8 @@ class RunInputs:
         if "mlflow" in cfg.trainer.loggers:
             check_tracking_server(cfg.trainer.mlflow_tracking_uri)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
-        resume_from = prepare_output_folder(cfg)
-        return cls(tokenizer, train_set, val_set, reward_fn, resume_from)
+        resume_from, folder = prepare_output_folder(cfg)
+        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder)
 
 
 class Trainer:
@@ -179,6 +180,7 @@ class Trainer:
         actor: WorkerGroup,
         critic: WorkerGroup | None,
         rollout: WorkerGroup | None = None,
+        restarts: int = 0,
     ) -> None:
         if (critic is not None) != cfg.use_critic:
             raise ValueError(
@@ -197,6 +199,7 @@ class Trainer:
         self.train_set, self.val_set = inputs.train_set, inputs.val_set
         self.reward_fn = inputs.reward_fn
         self.actor, self.critic = actor, critic
+        self.restarts = restarts  # of this run so far (``trainer/restarts``)
         self.groups = [actor] if critic is None else [actor, critic]
         self.loader = PromptLoader(
             self.train_set,
@@ -275,7 +278,9 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self, step: int) -> None:
-        """Workers write their state into ``step_N.tmp``; the driver's state last, then rename."""
+        """Workers write their state into ``step_N.tmp``; the driver's state last, then rename.
+        Prints how long it took: what ``trainer.save_freq`` weighs against a step's time."""
+        started = time.perf_counter()
         tmp = begin_checkpoint(self.output_dir, step)
         for group in self.groups:
             group.call("save_checkpoint", str(tmp / group.name))
@@ -289,7 +294,8 @@ class Trainer:
             # What a resume compares its settings with (credentials masked, as in config.json).
             "config": redact_config(self.cfg.model_dump(mode="json")),
         }
-        commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
+        path = commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
+        print(f"saved {path} in {time.perf_counter() - started:.2f} s", flush=True)
 
     def resume(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into the workers and the driver; its step."""
@@ -367,6 +373,7 @@ class Trainer:
         step_time = time.perf_counter() - step_start
         metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
         metrics["timing_s/step"] = step_time
+        metrics["trainer/restarts"] = float(self.restarts)
         metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
         metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
         return metrics

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from verlite.config import Config, load_config
-from verlite.metrics_log import is_wall_clock
+from verlite.metrics_log import is_run_history
 from verlite.run import run
 from verlite.trainer import RunInputs
 
@@ -40,7 +40,7 @@ def train_run(out: Path, *overrides: str) -> Config:
 def read_metrics(out: Path, *, stable_only: bool = False) -> list[dict]:
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if stable_only:
-        return [{k: v for k, v in r.items() if not is_wall_clock(k)} for r in records]
+        return [{k: v for k, v in r.items() if not is_run_history(k)} for r in records]
     return records
 
 

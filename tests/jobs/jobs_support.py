@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -110,12 +111,14 @@ class RayCluster:
         )
         self._wait(lambda: self.get("/api/version").status_code == 200, "the dashboard")
 
-    def add_node(self, num_cpus: int) -> None:
+    def add_node(self, num_cpus: int, *, wait: bool = True) -> None:
+        """Start a node; ``wait``: until the cluster counts it among its alive nodes."""
         # Each node gets its own temp dir: nodes sharing one would unpack jobs' working
         # directories over each other, deleting a running driver's current directory.
         alive = len(self.alive_nodes())
         self._start_node(f"--address={self.gcs_address}", num_cpus=num_cpus, env=self.env())
-        self._wait(lambda: len(self.alive_nodes()) > alive, "the new node")
+        if wait:
+            self._wait(lambda: len(self.alive_nodes()) > alive, "the new node")
 
     def _start_node(self, *args: str, num_cpus: int, env: dict[str, str]) -> None:
         temp_dir = Path(tempfile.mkdtemp(prefix="vlj", dir="/tmp"))  # short: socket paths
@@ -143,6 +146,20 @@ class RayCluster:
                 )
             )
 
+    def kill_raylet(self, node_id: str) -> None:
+        """Kill node ``node_id``'s raylet (SIGKILL), as a lost machine would lose it: its
+        workers then end, and the cluster learns the node is gone only when its heartbeats
+        stop."""
+        for proc in Path("/proc").iterdir():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0].endswith(b"/raylet") and any(node_id.encode() in a for a in argv):
+                os.kill(int(proc.name), signal.SIGKILL)
+                return
+        raise LookupError(f"no raylet of node {node_id} runs here")
+
     def head_path(self) -> str:
         """The PATH the head's processes (and so its jobs' entrypoints) run with."""
         environ = Path(f"/proc/{self.nodes[0].pid}/environ").read_bytes().split(b"\0")
@@ -158,6 +175,16 @@ class RayCluster:
         info: dict[str, Any] = self.get(f"/api/jobs/{job_id}").json()
         return info
 
+    def wait_for_status(self, job_id: str, wanted: set[str], timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while (status := self.job(job_id)["status"]) not in wanted:
+            assert time.monotonic() < deadline, f"{job_id} still {status} after {timeout:.0f} s"
+            time.sleep(1)
+        return str(status)
+
+    def logs_of(self, job_id: str) -> str:
+        return str(self.get(f"/api/jobs/{job_id}/logs").json()["logs"])
+
     def alive_nodes(self) -> list[dict[str, Any]]:
         nodes = self.get("/api/v0/nodes").json()["data"]["result"]["result"]
         return [n for n in nodes if n["state"] == "ALIVE"]
@@ -165,7 +192,7 @@ class RayCluster:
     def _wait(self, ready: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
-            for node in self.nodes:
+            for node in {self.nodes[0], self.nodes[-1]}:  # the head, and the node starting
                 if node.poll() is not None:
                     raise RuntimeError(f"`ray start` exited with {node.returncode}: {self.logs()}")
             try:
@@ -202,3 +229,23 @@ class RayCluster:
                     os.kill(int(proc.name), signal.SIGKILL)
         for temp_dir in self.temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def started_cluster(head_cpus: int, node_cpus: Sequence[int]) -> Iterator[RayCluster]:
+    """A head with ``head_cpus`` CPUs and a node per ``node_cpus``, token authentication on
+    (RAY_AUTH_MODE=token, the token in a file named by RAY_AUTH_TOKEN_PATH, as the nodes and
+    clients read it); stopped when the test module is done, so that two never run at once."""
+    token_dir = Path(tempfile.mkdtemp(prefix="vljtok", dir="/tmp"))
+    token = secrets.token_hex(32)
+    token_path = token_dir / "auth_token"
+    token_path.write_text(token)
+    token_path.chmod(0o600)
+    cluster = RayCluster(token=token, token_path=token_path)
+    cluster.temp_dirs.append(token_dir)
+    try:
+        cluster.start_head(num_cpus=head_cpus)
+        for cpus in node_cpus:
+            cluster.add_node(num_cpus=cpus)
+        yield cluster
+    finally:
+        cluster.stop()

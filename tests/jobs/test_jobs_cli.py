@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs_support import REPO, client_env, free_port, run_verlite
@@ -22,6 +24,7 @@ from verlite.cli import build_parser
 from verlite.config import load_config
 from verlite.jobs import JobsError, connect, resolve_address
 from verlite.jobs.entrypoint import job_entrypoint, shown_command
+from verlite.jobs.resubmit import driver_died, links, resubmission
 from verlite.jobs.submission import (
     DEFAULT_EXCLUDES,
     build_runtime_env,
@@ -30,6 +33,7 @@ from verlite.jobs.submission import (
 )
 
 CONFIG = "configs/ppo_tiny.yaml"
+JOB = "raysubmit_0123456789abcdef"
 
 
 @pytest.fixture
@@ -91,12 +95,16 @@ def test_a_verlite_job_is_shown_as_the_command_it_runs() -> None:
 
 def test_the_job_runs_verlite_train_on_the_cluster_with_metrics_in_its_log() -> None:
     job = prepare_submission(
-        config=str(REPO / CONFIG), overrides=["trainer.total_steps=2"], working_dir=REPO
+        config=str(REPO / CONFIG),
+        overrides=["trainer.total_steps=2"],
+        working_dir=REPO,
+        job_id=JOB,
     )
     args = train_args(job.entrypoint)
     assert args.config == CONFIG  # relative to the working dir the job runs in
     assert args.overrides == [
         "trainer.total_steps=2",
+        f"trainer.output_dir=outputs/ppo_tiny/{JOB}",  # the config's relative folder, this job's
         "trainer.ray_address=auto",
         "trainer.loggers=[console,jsonl,logline]",
     ]
@@ -107,16 +115,99 @@ def test_the_job_runs_verlite_train_on_the_cluster_with_metrics_in_its_log() -> 
 
 def test_the_job_keeps_the_users_loggers_and_adds_logline() -> None:
     job = prepare_submission(
-        config=str(REPO / CONFIG), overrides=["trainer.loggers=[jsonl]"], working_dir=REPO
+        config=str(REPO / CONFIG),
+        overrides=["trainer.loggers=[jsonl]"],
+        working_dir=REPO,
+        job_id=JOB,
     )
     assert train_args(job.entrypoint).overrides[-1] == "trainer.loggers=[jsonl,logline]"
+
+
+def test_max_restarts_is_set_and_a_resubmission_resumes_in_the_same_absolute_folder(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    job = prepare_submission(
+        config=str(REPO / CONFIG),
+        overrides=[f"trainer.output_dir={out}"],
+        working_dir=REPO,
+        job_id=JOB,
+        max_restarts=2,
+        resubmit=True,
+    )
+    first, again = train_args(job.entrypoint), train_args(job.resume_entrypoint)
+    assert "trainer.max_restarts=2" in first.overrides
+    assert again.overrides == [*first.overrides, "trainer.resume=auto", "trainer.overwrite=true"]
+    cfg = load_config(REPO / again.config, again.overrides)
+    assert (cfg.trainer.output_dir, cfg.trainer.max_restarts) == (str(out), 2)
+    assert job.output_dir == str(out)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        ([], "'outputs/ppo_tiny' is relative, inside each job's own working directory"),
+        (
+            ["trainer.output_dir=/tmp/run", "trainer.resume=/tmp/other/checkpoints/step_3"],
+            "not trainer.resume='/tmp/other/checkpoints/step_3'",
+        ),
+    ],
+)
+def test_a_resubmission_that_could_not_find_the_checkpoints_is_refused(
+    overrides: list[str], problem: str
+) -> None:
+    with pytest.raises(JobsError, match=re.escape(problem)):
+        prepare_submission(
+            config=str(REPO / CONFIG),
+            overrides=overrides,
+            working_dir=REPO,
+            job_id=JOB,
+            max_restarts=1,
+            resubmit=True,
+        )
+
+
+@pytest.mark.parametrize("job_id", ["../up", "a/b", "", "-x", "a" * 101])
+def test_a_submission_id_that_is_no_folder_name_is_refused(job_id: str) -> None:
+    with pytest.raises(JobsError, match="names the job's output folder"):
+        prepare_submission(config=str(REPO / CONFIG), overrides=[], working_dir=REPO, job_id=job_id)
+
+
+@pytest.mark.parametrize(
+    ("info", "died"),
+    [
+        ({"driver_exit_code": -9}, True),  # killed by a signal
+        ({"driver_exit_code": 137}, True),  # the same, through a shell
+        ({"driver_exit_code": None}, True),  # lost with its supervisor or node
+        ({}, True),
+        ({"driver_exit_code": 1}, False),  # verlite named the failure (restarts spent too)
+        ({"driver_exit_code": 2}, False),  # bad input
+        ({"driver_exit_code": 127}, False),  # no verlite on the head
+        ({"driver_exit_code": None, "error_type": "RUNTIME_ENV_SETUP_FAILURE"}, False),
+    ],
+)
+def test_only_a_driver_that_died_is_resubmitted(info: dict[str, Any], died: bool) -> None:
+    assert driver_died(info) is died
+
+
+def test_status_links_a_job_and_its_resubmissions() -> None:
+    job_id, metadata = resubmission("raysubmit_a", "raysubmit_a", 1)
+    assert job_id == "raysubmit_a-r1"
+    jobs = [
+        {"submission_id": "raysubmit_a", "status": "FAILED", "metadata": {}},
+        {"submission_id": job_id, "status": "SUCCEEDED", "metadata": metadata},
+    ]
+    assert links("raysubmit_a", jobs[0], jobs) == ["resubmitted as raysubmit_a-r1: SUCCEEDED"]
+    assert links(job_id, jobs[1], jobs) == [
+        "resubmission 1 of raysubmit_a, replacing raysubmit_a, whose driver died"
+    ]
 
 
 def test_a_config_outside_the_working_dir_is_refused(tmp_path: Path) -> None:
     config = tmp_path / "run.yaml"
     config.write_text((REPO / CONFIG).read_text())
     with pytest.raises(JobsError, match="outside the working directory"):
-        prepare_submission(config=str(config), overrides=[], working_dir=REPO)
+        prepare_submission(config=str(config), overrides=[], working_dir=REPO, job_id=JOB)
 
 
 def test_a_credential_on_the_command_line_is_not_put_into_the_job() -> None:
@@ -125,11 +216,12 @@ def test_a_credential_on_the_command_line_is_not_put_into_the_job() -> None:
     with pytest.raises(
         JobsError, match=r"override trainer\.mlflow_tracking_uri carries a credential"
     ):
-        prepare_submission(config=str(REPO / CONFIG), overrides=[uri], working_dir=REPO)
+        prepare_submission(config=str(REPO / CONFIG), overrides=[uri], working_dir=REPO, job_id=JOB)
     job = prepare_submission(
         config=str(REPO / CONFIG),
         overrides=["trainer.mlflow_tracking_uri=https://mlflow.example:5000"],
         working_dir=REPO,
+        job_id=JOB,
     )
     assert "mlflow.example" in job.entrypoint  # a URL without credentials is fine
 

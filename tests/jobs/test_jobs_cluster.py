@@ -38,14 +38,6 @@ def two_node_overrides(steps: int) -> list[str]:
     return overrides
 
 
-def wait_for_status(cluster: RayCluster, job_id: str, wanted: set[str], timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while (status := cluster.job(job_id)["status"]) not in wanted:
-        assert time.monotonic() < deadline, f"{job_id} still {status} after {timeout:.0f} s"
-        time.sleep(1)
-    return str(status)
-
-
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("verlite: error: ")
@@ -130,11 +122,11 @@ def test_stop_ends_a_running_job_and_list_shows_every_job(
     )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    wait_for_status(ray_cluster, job_id, {"RUNNING"}, timeout=120)
+    ray_cluster.wait_for_status(job_id, {"RUNNING"}, timeout=120)
 
     stopped = run_verlite(["stop", job_id, *where], ray_cluster.env())
     assert (stopped.returncode, stopped.stdout) == (0, f"stop requested for {job_id}\n")
-    wait_for_status(ray_cluster, job_id, {"STOPPED", "FAILED", "SUCCEEDED"}, timeout=60)
+    ray_cluster.wait_for_status(job_id, {"STOPPED", "FAILED", "SUCCEEDED"}, timeout=60)
     status = run_verlite(["status", job_id, *where], ray_cluster.env())
     assert status.stdout == "STOPPED\n"
 

@@ -450,7 +450,16 @@ class TrainerConfig(Section):
         None, description="Ray cluster to connect to; None starts an embedded local Ray."
     )
     resource_timeout_s: float = Field(
-        60.0, gt=0.0, description="Fail if the workers cannot be placed within this many seconds."
+        60.0,
+        gt=0.0,
+        description="Fail if the workers cannot be placed within this many seconds, at the start "
+        "and after each restart (the wait for a replacement node).",
+    )
+    max_restarts: NonNegativeInt = Field(
+        0,
+        description="How many times a run whose worker process or node was lost starts its "
+        "groups again and resumes from its latest checkpoint (the first step without one); "
+        "0 stops the run at the first loss. Errors a restart would repeat never restart.",
     )
     torch_threads_per_worker: PositiveInt = Field(
         1, description="torch threads of each CPU worker."

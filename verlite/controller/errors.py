@@ -1,17 +1,44 @@
-"""The error a worker-group call raises on the driver when one of its workers fails."""
+"""The error a worker-group call raises on the driver when one of its workers fails, and
+which failures a restart can mend (docs/design.md, "Restarts")."""
 
 from __future__ import annotations
 
-from ray.exceptions import RayActorError, RayTaskError
+import time
+
+from ray.exceptions import (
+    NodeDiedError,
+    ObjectLostError,
+    OutOfMemoryError,
+    RayActorError,
+    RayTaskError,
+    WorkerCrashedError,
+)
+from torch.distributed import DistBackendError, DistNetworkError
 
 from verlite.errors import RunFailure
 
+# Where gloo's transport raises: what a live rank sees when a peer's process or node is gone.
+_GLOO_TRANSPORT = "gloo/transport/"
+
 
 class WorkerGroupError(RunFailure):
-    """A worker raised or died during a call; names the group, rank, node and cause."""
+    """A worker raised or died during a call; names the group, rank, node and cause.
+
+    ``lost`` says whether the worker was lost rather than wrong (:func:`is_lost`): only then
+    can a restart on fresh workers go on where a raise would repeat. ``detected_at`` is when
+    the driver learnt of it (``time.monotonic``).
+    """
 
     def __init__(
-        self, *, group: str, rank: int, node_id: str, node_ip: str, method: str, cause: str
+        self,
+        *,
+        group: str,
+        rank: int,
+        node_id: str,
+        node_ip: str,
+        method: str,
+        cause: str,
+        lost: bool,
     ) -> None:
         super().__init__(
             f"worker group {group!r}: rank {rank} on node {node_id[:12]} ({node_ip}) "
@@ -23,6 +50,8 @@ class WorkerGroupError(RunFailure):
         self.node_ip = node_ip
         self.method = method
         self.cause = cause
+        self.lost = lost
+        self.detected_at = time.monotonic()
 
 
 def _last_line(text: str) -> str:
@@ -40,3 +69,23 @@ def describe_failure(err: BaseException) -> str:
             return f"worker constructor raised {_last_line(str(err))}"
         return "worker process died"
     return f"{type(err).__name__}: {err}"
+
+
+def is_lost(err: BaseException) -> bool:
+    """Whether a failed remote call lost its worker rather than raised in it.
+
+    Lost: the process died or was killed (by the OS or Ray's memory monitor), its node left
+    the cluster, a result died with its node, or a collective failed in transport, which is
+    how the live ranks of a group see a peer that is gone. Everything else a worker raises
+    (its constructor included) is the code or the input, which a restart would only repeat.
+    """
+    if isinstance(err, RayActorError):
+        return not err.actor_init_failed
+    if isinstance(err, NodeDiedError | WorkerCrashedError | ObjectLostError | OutOfMemoryError):
+        return True
+    if isinstance(err, RayTaskError):
+        cause = err.cause
+        if isinstance(cause, DistNetworkError | DistBackendError):
+            return True
+        return isinstance(cause, RuntimeError) and _GLOO_TRANSPORT in str(cause)
+    return False

@@ -1,9 +1,11 @@
-"""Resource pools: one STRICT_PACK placement group per node, pinned to distinct nodes, and the
-mapping of roles onto pools (colocated or split).
+"""Resource pools: one placement group per pool, its bundles pinned node by node to distinct
+nodes, and the mapping of roles onto pools (colocated or split).
 
 A pool of ``nnodes x workers_per_node`` bundles reserves the same slice of every node it
-spans. Ranks are numbered by node (node ids sorted) and then by bundle index, so a pool
-built again on the same cluster gives every rank the same node.
+spans, all at once: Ray places a placement group whole or not at all, so two runs waiting for
+the same nodes never each hold half of what the other needs. Ranks are numbered by node
+(node ids sorted) and then by bundle, so a pool built again on the same cluster gives every
+rank the same node.
 
 Colocation: several worker groups may share one pool; each then takes ``share = 1/k`` of
 every bundle's CPU and GPU, so k workers (actor and critic) sit in each bundle.
@@ -12,6 +14,7 @@ every bundle's CPU and GPU, so k workers (actor and critic) sit in each bundle.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,7 +103,7 @@ class ResourcePool:
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
         self.timeout_s = timeout_s
-        self._groups: list[PlacementGroup] = []
+        self._group: PlacementGroup | None = None
         self._slots: list[Slot] = []
 
     @property
@@ -122,54 +125,77 @@ class ResourcePool:
 
     def ready(self) -> list[Slot]:
         """Reserve the bundles (once) and return the slots; raises :class:`PlacementError`
-        when that does not happen within ``timeout_s``, leaving nothing reserved."""
+        when that does not happen within ``timeout_s``, leaving nothing reserved.
+
+        Nodes may still be joining (a cluster starting up, an autoscaler, a replacement for
+        a lost node), and a node chosen may leave before its bundles are reserved (Ray notices
+        a lost node seconds after it is gone): the nodes are chosen again then.
+        """
         if self._slots:
             return self.slots
         deadline = time.monotonic() + self.timeout_s
-        # Nodes may still be joining (a cluster starting up, an autoscaler): poll until
-        # enough of them can hold a node group.
+        while True:
+            targets = self._wait_for_nodes(deadline)
+            # Named for `ray list placement-groups`; names are unique within the namespace.
+            self._group = placement_group(
+                [self.bundle] * self.world_size,
+                strategy="PACK",
+                name=f"verlite:{self.name}:{uuid.uuid4().hex[:8]}",
+                bundle_label_selector=[
+                    {NODE_ID_LABEL: node.node_id}
+                    for node in targets
+                    for _ in range(self.workers_per_node)
+                ],
+            )
+            if self._wait_for_group(targets, deadline):
+                break
+            self.remove()
+            if time.monotonic() >= deadline:
+                raise PlacementError(
+                    self._describe(_alive_nodes(), "the placement group was not placed in time")
+                )
+        group = self._group
+        self._slots = [
+            Slot(group, index, node.node_id, node.node_ip)
+            for index, node in enumerate(
+                node for node in targets for _ in range(self.workers_per_node)
+            )
+        ]
+        return self.slots
+
+    def _wait_for_nodes(self, deadline: float) -> list[_Node]:
+        """The nodes to place on, once enough alive nodes can hold a node group."""
         while True:
             nodes = _alive_nodes()
             targets = self._pick_nodes(nodes)
             if targets is not None:
-                break
+                return targets
             if time.monotonic() >= deadline:
                 raise PlacementError(
                     self._describe(nodes, "not enough alive nodes can hold a node group")
                 )
             time.sleep(_POLL_S)
-        self._groups = [
-            placement_group(
-                [self.bundle] * self.workers_per_node,
-                strategy="STRICT_PACK",
-                name=f"verlite:{self.name}:{i}",
-                bundle_label_selector=[{NODE_ID_LABEL: node.node_id}] * self.workers_per_node,
-            )
-            for i, node in enumerate(targets)
-        ]
-        pending = [pg.ready() for pg in self._groups]
-        done, _ = ray.wait(
-            pending,
-            num_returns=len(pending),
-            timeout=max(0.0, deadline - time.monotonic()),
-        )
-        if len(done) < len(pending):
-            self.remove()
-            raise PlacementError(
-                self._describe(_alive_nodes(), "the placement groups were not placed in time")
-            )
-        self._slots = [
-            Slot(pg, index, node.node_id, node.node_ip)
-            for pg, node in zip(self._groups, targets, strict=True)
-            for index in range(self.workers_per_node)
-        ]
-        return self.slots
+
+    def _wait_for_group(self, targets: Sequence[_Node], deadline: float) -> bool:
+        """Whether the placement group was placed before ``deadline``; False as soon as a
+        target node has left the cluster (the group could never be placed)."""
+        assert self._group is not None
+        pending = [self._group.ready()]
+        wanted = {node.node_id for node in targets}
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            _, pending = ray.wait(pending, timeout=min(_POLL_S, remaining))
+            if pending and not wanted <= {node.node_id for node in _alive_nodes()}:
+                return False
+        return True
 
     def remove(self) -> None:
-        """Release the placement groups (idempotent); shut the worker groups down first."""
-        for pg in self._groups:
-            remove_placement_group(pg)
-        self._groups = []
+        """Release the placement group (idempotent); shut the worker groups down first."""
+        if self._group is not None:
+            remove_placement_group(self._group)
+        self._group = None
         self._slots = []
 
     def _fits(self, resources: dict[str, float]) -> bool:

@@ -11,12 +11,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verlite.controller import dispatch as dispatching
 from verlite.controller.dispatch import Collect, Dispatch
-from verlite.controller.errors import WorkerGroupError, describe_failure
+from verlite.controller.errors import WorkerGroupError, describe_failure, is_lost
 from verlite.controller.resource_pool import ResourcePool
 from verlite.controller.transport import install_in_worker, use_tensordict_transport
 from verlite.controller.worker import Worker
@@ -31,6 +31,8 @@ from verlite.controller.worker import Worker
 _INLINE = (type(None), bool, int, float, str)
 # How long a graceful shutdown may take before the workers are killed regardless.
 _SHUTDOWN_GRACE_S = 10.0
+# How long a rank's transport error waits for the death of the peer that caused it.
+_PEER_DEATH_GRACE_S = 2.0
 
 
 class PendingCall:
@@ -192,12 +194,14 @@ class WorkerGroup:
             for rank, info in enumerate(self._infos)
         ]
 
-    def shutdown(self) -> None:
-        """Leave the process groups, then kill every worker (idempotent)."""
+    def shutdown(self, *, graceful: bool = True) -> None:
+        """Leave the process groups, then kill every worker (idempotent). ``graceful=False``
+        kills at once: after a failure, ranks may wait on a lost peer or node, and a run
+        that restarts should not wait :data:`_SHUTDOWN_GRACE_S` for them."""
         workers, self._workers = self._workers, []
         if not workers:
             return
-        if not self._failed:
+        if graceful and not self._failed:
             # A failed group may have ranks blocked in a collective with the dead one; they
             # would never run shutdown, so it is skipped and they are killed directly.
             refs = [w.shutdown.remote() for w in workers]
@@ -214,11 +218,11 @@ class WorkerGroup:
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             for ref in done:
-                rank = rank_of[ref]
                 try:
-                    results[rank] = ray.get(ref)
+                    results[rank_of[ref]] = ray.get(ref)
                 except RayError as err:
                     self._failed = True
+                    rank, err = self._first_cause(rank_of[ref], err, pending, rank_of)
                     slot = self._slots[rank]
                     raise WorkerGroupError(
                         group=self.name,
@@ -227,8 +231,31 @@ class WorkerGroup:
                         node_ip=slot.node_ip,
                         method=method,
                         cause=describe_failure(err),
+                        lost=is_lost(err),
                     ) from err
         return results
+
+    @staticmethod
+    def _first_cause(
+        rank: int,
+        err: RayError,
+        pending: Sequence[ray.ObjectRef[Any]],
+        rank_of: dict[ray.ObjectRef[Any], int],
+    ) -> tuple[int, RayError]:
+        """The failure to report: a live rank's transport error is what a lost peer causes,
+        so a peer whose death Ray reports within :data:`_PEER_DEATH_GRACE_S` is named
+        instead (a lost node takes Ray longer to report: the live rank is named then)."""
+        if not (isinstance(err, RayTaskError) and is_lost(err)) or not pending:
+            return rank, err
+        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_PEER_DEATH_GRACE_S)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except RayActorError as death:
+                return rank_of[ref], death
+            except RayError:
+                continue
+        return rank, err
 
 
 def _transport(value: Any, shared: set[int], stored: dict[int, Any]) -> Any:

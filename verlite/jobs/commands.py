@@ -11,10 +11,14 @@ import math
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from verlite.jobs.entrypoint import shown_command
-from verlite.jobs.server import RETRY_S, connect
+from verlite.jobs.resubmit import driver_died, links, resubmission
+from verlite.jobs.server import RETRY_S, JobServer, connect
+
+if TYPE_CHECKING:
+    from verlite.jobs.submission import Submission
 
 ADDRESS_HELP = "Ray dashboard URL, e.g. http://HEAD:8265 (default: $RAY_ADDRESS)"
 TOKEN_NOTE = (
@@ -34,6 +38,12 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
         "job agent, HTTP 502/503/504, a reset connection); a refused token or an unknown job "
         f"fails at once (default: {RETRY_S:g})",
     )
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) > 1000:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 0 to 1000, got {text!r}")
+    return int(text)
 
 
 def _seconds(text: str) -> float:
@@ -62,6 +72,15 @@ def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "--wait",
         action="store_true",
         help="follow the job's log until it ends; exit 0 if it SUCCEEDED, 1 otherwise",
+    )
+    submit.add_argument(
+        "--max-restarts",
+        metavar="N",
+        type=_count,
+        default=None,
+        help="set trainer.max_restarts=N (restart in place when a worker or node is lost); "
+        "with --wait, also resubmit the job with trainer.resume=auto, up to N times, when its "
+        "driver dies (the job FAILED without verlite ending it), as jobs ID-r1, ID-r2, ...",
     )
     submit.add_argument(
         "--runtime-env", metavar="FILE", help="YAML runtime_env merged in (env_vars, pip, ...)"
@@ -109,41 +128,78 @@ def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 def cmd_submit(args: argparse.Namespace) -> int:
     # Checking the config loads torch (the config validates names against the loss and
     # advantage registries); the other job commands answer without it.
-    from verlite.jobs.submission import default_working_dir, prepare_submission
+    from verlite.jobs.submission import default_working_dir, new_submission_id, prepare_submission
 
+    job_id = args.submission_id or new_submission_id()
     submission = prepare_submission(
         config=args.config,
         overrides=args.overrides,
         working_dir=args.working_dir or default_working_dir(),
+        job_id=job_id,
         runtime_env_file=args.runtime_env,
+        max_restarts=args.max_restarts,
+        resubmit=args.wait and bool(args.max_restarts),
     )
     server = connect(args.address, retry_s=args.retry_for)
-    job_id = server.submit(
+    server.submit(
         entrypoint=submission.entrypoint,
         runtime_env=submission.runtime_env,
-        submission_id=args.submission_id,
+        submission_id=job_id,
     )
     print(job_id, flush=True)
     where = f"--address {server.url}"
     if not args.wait:
         print(
+            f"output: {submission.output_dir} (on the head node)\n"
             f"follow: verlite logs {job_id} --follow {where}\n"
             f"status: verlite status {job_id} {where}\n"
             f"stop:   verlite stop {job_id} {where}",
             file=sys.stderr,
         )
         return 0
-    print(f"following {job_id}; Ctrl-C stops following, not the job", file=sys.stderr)
-    status = server.follow(job_id, sys.stdout)
-    print(f"job {job_id} {status}", file=sys.stderr)
-    return 0 if status == "SUCCEEDED" else 1
+    return _follow(server, submission, job_id, args.max_restarts or 0)
+
+
+def _follow(server: JobServer, submission: Submission, first: str, max_restarts: int) -> int:
+    """Follow job ``first`` to its end, resubmitting it while its driver dies, up to
+    ``max_restarts`` times; 0 when the last job SUCCEEDED, 1 otherwise."""
+    job_id = first
+    for attempt in range(1, max_restarts + 2):
+        print(f"following {job_id}; Ctrl-C stops following, not the job", file=sys.stderr)
+        status = server.follow(job_id, sys.stdout)
+        print(f"job {job_id} {status}", file=sys.stderr)
+        if status == "SUCCEEDED":
+            return 0
+        info = server.info(job_id)
+        if status != "FAILED" or attempt > max_restarts or not driver_died(info):
+            return 1
+        previous = job_id
+        job_id, metadata = resubmission(first, previous, attempt)
+        server.submit(
+            entrypoint=submission.resume_entrypoint,
+            runtime_env=submission.runtime_env,
+            submission_id=job_id,
+            metadata=metadata,
+        )
+        print(
+            f"job {previous}'s driver died (exit code {info.get('driver_exit_code')}); "
+            f"resubmitted as {job_id} ({attempt} of {max_restarts}, --max-restarts), resuming "
+            f"from the latest checkpoint in {submission.output_dir}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    info = connect(args.address, retry_s=args.retry_for).info(args.job_id)
+    server = connect(args.address, retry_s=args.retry_for)
+    info = server.info(args.job_id)
     print(printable(info["status"]))
     if info["status"] == "FAILED" and info.get("message"):
         print(printable(info["message"]), file=sys.stderr)
+    jobs = server.jobs() if info["status"] == "FAILED" else []
+    for line in links(args.job_id, info, jobs):
+        print(printable(line), file=sys.stderr)
     return 0
 
 

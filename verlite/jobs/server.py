@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -111,11 +110,15 @@ class JobServer:
         self._sdk: JobSubmissionClient | None = None
 
     def submit(
-        self, *, entrypoint: str, runtime_env: dict[str, Any], submission_id: str | None
+        self,
+        *,
+        entrypoint: str,
+        runtime_env: dict[str, Any],
+        submission_id: str,
+        metadata: dict[str, str] | None = None,
     ) -> str:
         # One id for every try: a try whose answer was lost may have created the job, and
         # the next then finds it instead of starting a second one.
-        job_id = submission_id or f"raysubmit_{secrets.token_hex(8)}"
         first = True
 
         def attempt() -> str:
@@ -123,14 +126,17 @@ class JobServer:
             try:
                 with _errors(self.url):
                     self.sdk.submit_job(
-                        entrypoint=entrypoint, runtime_env=runtime_env, submission_id=job_id
+                        entrypoint=entrypoint,
+                        runtime_env=runtime_env,
+                        submission_id=submission_id,
+                        metadata=metadata,
                     )
             except JobsError as exc:
                 if first or "already exists" not in str(exc):
                     raise
             finally:
                 first = False
-            return job_id
+            return submission_id
 
         return self._retrying(attempt)
 

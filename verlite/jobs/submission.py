@@ -3,6 +3,8 @@ the project, built and validated on this machine before any cluster is contacted
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,14 +29,27 @@ DEFAULT_EXCLUDES = (
 )
 # The job's metrics travel in its driver log, where `verlite metrics --job` reads them.
 JOB_LOGGER = "logline"
+# A submission id names the job's own output folder, so it must be a plain folder name.
+JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+# What a resubmitted job adds: the failed job's latest checkpoint, or (when it made none) its
+# files moved aside and a fresh start.
+RESUME_OVERRIDES = ("trainer.resume=auto", "trainer.overwrite=true")
 
 
 @dataclass(frozen=True)
 class Submission:
-    """A job ready to submit."""
+    """A job ready to submit: its entrypoint, the entrypoint of a resubmission that resumes
+    it (``verlite submit --max-restarts N --wait``), and the runtime_env that ships the
+    project."""
 
     entrypoint: str
+    resume_entrypoint: str
     runtime_env: dict[str, Any]
+    output_dir: str
+
+
+def new_submission_id() -> str:
+    return f"raysubmit_{secrets.token_hex(8)}"
 
 
 def default_working_dir() -> Path:
@@ -49,9 +64,25 @@ def prepare_submission(
     config: str,
     overrides: Sequence[str],
     working_dir: Path,
+    job_id: str,
     runtime_env_file: str | None = None,
+    max_restarts: int | None = None,
+    resubmit: bool = False,
 ) -> Submission:
-    """Validate the run config and build the job; config problems raise before any network call."""
+    """Validate the run config and build job ``job_id``; config problems raise before any
+    network call.
+
+    A relative ``trainer.output_dir`` becomes ``<output_dir>/<job_id>``: it lies in the job's
+    working directory, which Ray unpacks once per node for every job of the same project,
+    so jobs submitted alike would otherwise share one folder. ``max_restarts`` sets
+    ``trainer.max_restarts``; ``resubmit`` (the caller resubmits a job whose driver died)
+    needs an absolute output folder, the one place both jobs see.
+    """
+    if not JOB_ID.fullmatch(job_id):
+        raise JobsError(
+            f"--submission-id {job_id!r}: expected letters, digits, '_', '.' and '-' (up to 100, "
+            "not starting with a punctuation mark); it names the job's output folder"
+        )
     cfg = load_config(config, overrides)
     for item in overrides:
         key, _, value = item.partition("=")
@@ -71,19 +102,51 @@ def prepare_submission(
             f"--config {config!r} is outside the working directory {str(root)!r} that the job "
             "ships; move it there or pass --working-dir"
         ) from None
+    output_dir = Path(cfg.trainer.output_dir)
+    if resubmit:
+        _check_resumable_by_resubmission(cfg.trainer.output_dir, cfg.trainer.resume)
+    else:
+        output_dir = output_dir if output_dir.is_absolute() else output_dir / job_id
     loggers = [*cfg.trainer.loggers, *([] if JOB_LOGGER in cfg.trainer.loggers else [JOB_LOGGER])]
     job_overrides = [
         *overrides,
+        *([f"trainer.max_restarts={max_restarts}"] if max_restarts is not None else []),
+        *(
+            [f"trainer.output_dir={output_dir}"]
+            if output_dir != Path(cfg.trainer.output_dir)
+            else []
+        ),
         # Inside the job, Ray's RAY_ADDRESS names the cluster; without an address the trainer
         # would start a private Ray on the head node instead of joining the cluster.
         "trainer.ray_address=auto",
         f"trainer.loggers=[{','.join(loggers)}]",
     ]
     extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}
+    command = ["train", "--config", config_in_job, *job_overrides]
     return Submission(
-        entrypoint=job_entrypoint(["train", "--config", config_in_job, *job_overrides]),
+        entrypoint=job_entrypoint(command),
+        resume_entrypoint=job_entrypoint([*command, *RESUME_OVERRIDES]),
         runtime_env=build_runtime_env(root, extra),
+        output_dir=str(output_dir),
     )
+
+
+def _check_resumable_by_resubmission(output_dir: str, resume: str) -> None:
+    """A resubmitted job resumes from the failed job's latest checkpoint: both must see the
+    same folder, and the run must not be bound to a checkpoint elsewhere."""
+    if not Path(output_dir).is_absolute():
+        raise JobsError(
+            f"--max-restarts with --wait resubmits a job whose driver died, and the new job "
+            f"resumes from the checkpoints in trainer.output_dir; {output_dir!r} is relative, "
+            "inside each job's own working directory: give an absolute path the head can "
+            "write (shared storage on a cluster of several nodes)"
+        )
+    if resume not in ("auto", "disable"):
+        raise JobsError(
+            f"--max-restarts with --wait resubmits with trainer.resume=auto (the output "
+            f"folder's latest checkpoint), not trainer.resume={resume!r}; start from that "
+            "checkpoint in a job of its own first"
+        )
 
 
 def read_runtime_env(path: str) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from ray.exceptions import RayTaskError
 from ray.util.placement_group import placement_group_table
 from tensordict import TensorDict
 
@@ -26,6 +27,7 @@ from verlite.controller import (
     WorkerGroupError,
     write_placement_report,
 )
+from verlite.controller.errors import is_lost
 from verlite.core.metrics import Metric, MetricDict
 from verlite.distributed import all_reduce_sum, get_rank, get_world_size
 
@@ -71,6 +73,14 @@ class ProbeWorker(Worker):
         began = time.time()
         time.sleep(seconds)
         return began, time.time()
+
+    def all_reduce_until_lost(self, leaving: int) -> None:
+        """All-reduce in a loop; rank ``leaving``'s process ends abruptly half a second in."""
+        start = time.monotonic()
+        while True:
+            if self.rank == leaving and time.monotonic() - start > 0.5:
+                os._exit(1)
+            all_reduce_sum(torch.ones(1))
 
     def fail_on(self, rank: int, seconds: float) -> None:
         if self.rank == rank:
@@ -215,19 +225,40 @@ def test_failures_name_the_rank_and_leave_no_orphans() -> None:
         assert time.monotonic() - start < 30.0
         assert "ValueError: bad batch on rank 1" in str(raised.value)
         assert raised.value.node_ip == "127.0.0.1" and raised.value.method == "fail_on"
+        assert not raised.value.lost  # a raise would repeat: no restart mends it
 
         pending = group.call_async("sleep", 60.0)
         time.sleep(0.5)
         start = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(WorkerGroupError, match=r"rank 1 .* worker process died"):
+        with pytest.raises(WorkerGroupError, match=r"rank 1 .* worker process died") as raised:
             pending.result()
         assert time.monotonic() - start < 30.0
+        assert raised.value.lost
     finally:
         group.shutdown()
         group.pool.remove()
     group.shutdown()  # idempotent
     assert_gone(pids, names)
+
+
+def test_a_peer_lost_in_a_collective_is_a_loss_however_it_is_first_seen() -> None:
+    group = make_group("collective")
+    try:
+        pending = group.call_async("all_reduce_until_lost", 1)
+        # The live rank sees its peer go as a transport error of the collective...
+        with pytest.raises(RayTaskError) as seen_by_rank_0:
+            ray.get(pending.ref(0), timeout=60)
+        assert "gloo/transport" in str(seen_by_rank_0.value.cause)
+        assert is_lost(seen_by_rank_0.value)
+        # ...and the group names the rank whose process ended, as lost.
+        with pytest.raises(WorkerGroupError) as raised:
+            pending.result()
+        assert raised.value.lost and raised.value.rank == 1, raised.value
+        assert raised.value.cause == "worker process died"
+    finally:
+        group.shutdown(graceful=False)
+        group.pool.remove()
 
 
 def test_too_many_workers_fail_with_the_resources() -> None:

@@ -54,6 +54,13 @@ def train(local_ray) -> Callable[..., Config]:
     return train_run
 
 
+@pytest.fixture(scope="module")
+def train_for_module(shared_ray) -> Callable[..., Config]:
+    """:func:`train_run` for a module-scoped fixture (a run several tests compare with)."""
+    shared_ray.ensure()
+    return train_run
+
+
 @pytest.fixture
 def metrics() -> Callable[..., list[dict]]:
     return read_metrics

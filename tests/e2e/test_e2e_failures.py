@@ -49,11 +49,75 @@ def steps_logged(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
+def actor_rank_1(out: Path) -> int:
+    """The process of the actor's rank 1 (as the latest placement report records it)."""
+    workers = json.loads((out / "workers.json").read_text())
+    pid: int = next(w["pid"] for w in workers if w["role"] == "actor" and w["rank"] == 1)
+    return pid
+
+
+def wait_until(ready, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory, train_for_module) -> Path:
+    """The uninterrupted run, in-process on the shared Ray."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    train_for_module(out, *RUN)
+    return out
+
+
+def test_a_lost_worker_restarts_the_run_in_place_and_it_ends_as_if_uninterrupted(
+    tmp_path: Path, straight: Path, metrics
+) -> None:
+    out = tmp_path / "restarted"
+    proc = subprocess.Popen(
+        command(out, "trainer.max_restarts=1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: steps_logged(out) >= 3, proc)  # past the checkpoint of step 2
+    os.kill(actor_rank_1(out), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    (restart,) = [line for line in stdout.splitlines() if line.startswith("restart 1 of 1")]
+    assert "worker group 'actor': rank 1" in restart and "worker process died" in restart
+    assert re.search(r"resuming from \S+/checkpoints/step_[24]$", restart), restart
+    assert metrics(out, stable_only=True) == metrics(straight, stable_only=True)
+    restarts = [r["trainer/restarts"] for r in metrics(out)]
+    assert restarts[0] == 0 and restarts[-1] == 1
+
+
+def test_a_run_lost_once_more_than_max_restarts_stops_naming_the_last_loss(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        command(out, "trainer.max_restarts=1", "trainer.total_steps=200"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: steps_logged(out) >= 1, proc)  # before the first checkpoint
+    first = actor_rank_1(out)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: actor_rank_1(out) != first, proc)  # placed again
+    os.kill(actor_rank_1(out), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "resuming from the first step (no checkpoint yet)" in stdout
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("verlite: error: worker group 'actor': rank 1"), stderr[-3000:]
+    assert last.endswith("(after 1 restarts, trainer.max_restarts)")
+
+
 def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
-    tmp_path: Path, train, metrics, capsys: pytest.CaptureFixture[str], monkeypatch
+    tmp_path: Path, straight: Path, train, metrics, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
     env = {**os.environ, "VERLITE_TEST_SECRET": SECRET, "RAY_AUTH_TOKEN": SECRET}
-    train(tmp_path / "straight", *RUN)  # the uninterrupted run, in-process on the shared Ray
 
     out = tmp_path / "crashed"
     proc = subprocess.Popen(
@@ -85,7 +149,7 @@ def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
     train(out, *RUN)
     resumed = capsys.readouterr()
     assert "resumed from" in resumed.out
-    assert metrics(out, stable_only=True) == metrics(tmp_path / "straight", stable_only=True)
+    assert metrics(out, stable_only=True) == metrics(straight, stable_only=True)
 
     # nothing the run wrote or printed carries the environment's secrets
     for path in out.rglob("*"):

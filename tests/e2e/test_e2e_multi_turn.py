@@ -74,11 +74,17 @@ def test_a_tool_that_times_out_ends_its_trajectory_not_the_run(tmp_path: Path, l
 
 
 def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
-    tmp_path: Path, local_ray
+    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cfg = config(tmp_path, "rollout.multi_turn.env=bad_env:TooGenerous", "trainer.val_freq=0")
+    cfg = config(
+        tmp_path,
+        "rollout.multi_turn.env=bad_env:TooGenerous",
+        "trainer.val_freq=0",
+        "trainer.max_restarts=2",  # a raise in a worker would only repeat: no restart
+    )
     with pytest.raises(WorkerGroupError) as raised:
         run(cfg, RunInputs.load(cfg))
+    assert not raised.value.lost and "restart" not in capsys.readouterr().out
     message = str(raised.value)
     assert re.search(
         r"failed in rollout\(\): EnvironmentBroken: environment bad_env:TooGenerous, "

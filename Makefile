@@ -41,7 +41,7 @@ clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
 # Jobs on a real Ray cluster: tests/jobs start a two-node cluster with token authentication
-# (`ray start`), submit, follow, stop and read real jobs, and stop it again (~3 min on 2 cores).
+# (`ray start`), submit, follow, stop and read real jobs; kill a node, a driver; stop it again.
 .PHONY: test-cluster
 test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/jobs tests/controller/test_controller_session.py

@@ -118,8 +118,9 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                 if restarts == limit:
                     if not limit:
                         raise
+                    spent = f"{limit} restart{'s' if limit > 1 else ''}"
                     raise RunFailure(
-                        f"{err} (after {limit} restarts, trainer.max_restarts)"
+                        f"{err} (after {spent}; trainer.max_restarts={limit})"
                     ) from err
                 restarts += 1
                 resume_from = resume_checkpoint(output_dir, "auto") or inputs.resume_from

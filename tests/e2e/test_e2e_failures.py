@@ -111,7 +111,7 @@ def test_a_run_lost_once_more_than_max_restarts_stops_naming_the_last_loss(tmp_p
     assert "resuming from the first step (no checkpoint yet)" in stdout
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("verlite: error: worker group 'actor': rank 1"), stderr[-3000:]
-    assert last.endswith("(after 1 restarts, trainer.max_restarts)")
+    assert last.endswith("(after 1 restart; trainer.max_restarts=1)")
 
 
 def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(

@@ -121,8 +121,17 @@ def reference(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> 
     return submit(cluster, *run_overrides(out, nnodes=1)), out
 
 
+def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
+    """Print a measured figure past pytest's capture (the README quotes them)."""
+    with capsys.disabled():
+        print(text, flush=True)
+
+
 def test_a_lost_node_is_replaced_and_the_run_ends_as_if_uninterrupted(
-    cluster: RayCluster, reference: tuple[str, Path], tmp_path: Path
+    cluster: RayCluster,
+    reference: tuple[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     out = tmp_path / "run"
     job_id = submit(cluster, *run_overrides(out, nnodes=2), "trainer.max_restarts=2")
@@ -143,9 +152,10 @@ def test_a_lost_node_is_replaced_and_the_run_ends_as_if_uninterrupted(
     assert (
         "worker group" in restart and "resuming from" in restart and "checkpoints/step_" in restart
     )
-    print(
+    report(
+        capsys,
         f"\nkill -> failure seen {seen - killed:.1f} s, -> training again {again - killed:.1f} s "
-        f"(+/- 0.2 s polling)\n{restart}\n{line_with(log, 'restart 1: training again')}"
+        f"(+/- 0.2 s polling)\n{restart}\n{line_with(log, 'restart 1: training again')}",
     )
     assert victim not in nodes_of(out)  # placed again on the replacement
     assert trained(out) == trained(reference_out)
@@ -154,7 +164,7 @@ def test_a_lost_node_is_replaced_and_the_run_ends_as_if_uninterrupted(
 
 
 def test_without_a_replacement_the_restart_fails_naming_what_it_waited_for(
-    cluster: RayCluster, tmp_path: Path
+    cluster: RayCluster, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "run"
     timeout_s = 20
@@ -169,7 +179,10 @@ def test_without_a_replacement_the_restart_fails_naming_what_it_waited_for(
     killed = time.monotonic()
     # One node is left: it could hold the run on one node, but the run asks for two.
     assert cluster.wait_for_status(job_id, DONE, timeout=timeout_s + 120) == "FAILED"
-    print(f"\nkill -> FAILED {time.monotonic() - killed:.1f} s")
+    report(
+        capsys,
+        f"\nkill -> FAILED {time.monotonic() - killed:.1f} s (resource timeout {timeout_s} s)",
+    )
     log = cluster.logs_of(job_id)
     assert "restart 1 of 2" in log
     last = log.strip().splitlines()
@@ -232,7 +245,7 @@ def test_a_killed_driver_is_resubmitted_and_resumes_to_the_same_metrics(
 
 
 def test_jobs_beyond_the_clusters_room_wait_or_fail_for_resources_and_never_share_a_folder(
-    cluster: RayCluster,
+    cluster: RayCluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # A whole CPU a rank on each worker node: the cluster fits two of these jobs at once.
     overrides = [*run_overrides(None, nnodes=2, steps=2), "trainer.cpus_per_worker=1"]
@@ -240,7 +253,7 @@ def test_jobs_beyond_the_clusters_room_wait_or_fail_for_resources_and_never_shar
     with ThreadPool() as pool:
         jobs = pool.map(lambda _: submit(cluster, *overrides), range(4))
     statuses = {job: cluster.wait_for_status(job, DONE, timeout=900) for job in jobs}
-    print(f"\n4 jobs ended within {time.monotonic() - started:.0f} s: {statuses}")
+    report(capsys, f"\n4 jobs ended within {time.monotonic() - started:.0f} s: {statuses}")
     folders = set()
     for job, status in statuses.items():
         log = cluster.logs_of(job)

@@ -71,7 +71,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory, train_for_module) -> Path
     return out
 
 
-def test_a_lost_worker_restarts_the_run_in_place_and_it_ends_as_if_uninterrupted(
+def test_a_lost_worker_restarts_the_run_in_place_until_max_restarts_are_spent(
     tmp_path: Path, straight: Path, metrics
 ) -> None:
     out = tmp_path / "restarted"
@@ -82,36 +82,28 @@ def test_a_lost_worker_restarts_the_run_in_place_and_it_ends_as_if_uninterrupted
         text=True,
     )
     wait_until(lambda: steps_logged(out) >= 3, proc)  # past the checkpoint of step 2
+    first = actor_rank_1(out)
+    os.kill(first, signal.SIGKILL)
+    # Placed again (a new placement report), then trained past the checkpoint it resumed.
+    wait_until(lambda: actor_rank_1(out) != first, proc)
+    resumed_at = steps_logged(out)
+    wait_until(lambda: steps_logged(out) > resumed_at + 1, proc)
     os.kill(actor_rank_1(out), signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == 0, stderr[-3000:]
+    stdout, stderr = proc.communicate(timeout=120)
+
     (restart,) = [line for line in stdout.splitlines() if line.startswith("restart 1 of 1")]
     assert "worker group 'actor': rank 1" in restart and "worker process died" in restart
     assert re.search(r"resuming from \S+/checkpoints/step_[24]$", restart), restart
-    assert metrics(out, stable_only=True) == metrics(straight, stable_only=True)
-    restarts = [r["trainer/restarts"] for r in metrics(out)]
-    assert restarts[0] == 0 and restarts[-1] == 1
-
-
-def test_a_run_lost_once_more_than_max_restarts_stops_naming_the_last_loss(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    proc = subprocess.Popen(
-        command(out, "trainer.max_restarts=1", "trainer.total_steps=200"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    wait_until(lambda: steps_logged(out) >= 1, proc)  # before the first checkpoint
-    first = actor_rank_1(out)
-    os.kill(first, signal.SIGKILL)
-    wait_until(lambda: actor_rank_1(out) != first, proc)  # placed again
-    os.kill(actor_rank_1(out), signal.SIGKILL)
-    stdout, stderr = proc.communicate(timeout=120)
+    # Lost once more than max_restarts: exit 1 naming the last loss.
     assert proc.returncode == 1, stderr[-3000:]
-    assert "resuming from the first step (no checkpoint yet)" in stdout
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("verlite: error: worker group 'actor': rank 1"), stderr[-3000:]
     assert last.endswith("(after 1 restart; trainer.max_restarts=1)")
+    # What the restarted run logged is the uninterrupted run's, step for step.
+    logged = metrics(out, stable_only=True)
+    assert len(logged) >= 4 and logged == metrics(straight, stable_only=True)[: len(logged)]
+    restarts = [r["trainer/restarts"] for r in metrics(out)]
+    assert restarts[0] == 0 and restarts[-1] == 1
 
 
 def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(

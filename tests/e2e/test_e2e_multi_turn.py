@@ -84,7 +84,7 @@ def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
     )
     with pytest.raises(WorkerGroupError) as raised:
         run(cfg, RunInputs.load(cfg))
-    assert not raised.value.lost and "restart" not in capsys.readouterr().out
+    assert not raised.value.lost and "restart 1 of" not in capsys.readouterr().out
     message = str(raised.value)
     assert re.search(
         r"failed in rollout\(\): EnvironmentBroken: environment bad_env:TooGenerous, "

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from checkpoint_support import fake_checkpoint
 
+from verlite import output_folder
 from verlite.checkpoint import CheckpointError
 from verlite.config import Config, ConfigError, check_paths, load_config
 from verlite.output_folder import LOCK_FILE, FolderLock
@@ -221,3 +222,24 @@ def test_a_killed_runs_hold_ends_with_its_process(tmp_path: Path) -> None:
     holder.kill()
     holder.wait()
     FolderLock.take(out).release()
+
+
+def test_files_that_appear_before_the_hold_is_taken_are_judged_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that started in the folder after the checks and has ended since leaves its files:
+    under the hold they are refused (or moved aside), not written over."""
+    out = tmp_path / "run"
+    make_folder = output_folder._make_writable_folder
+
+    def another_run_came_and_went(folder: Path) -> None:
+        make_folder(folder)
+        (folder / "metrics.jsonl").write_text('{"step": 1}\n')
+
+    monkeypatch.setattr(output_folder, "_make_writable_folder", another_run_came_and_went)
+    with pytest.raises(ConfigError, match="is not empty"):
+        prepare_output_folder(config(out))
+    assert prepare_output_folder(config(out, "trainer.overwrite=true")) is None
+    assert [p.name for p in out.iterdir()] == [LOCK_FILE]
+    (moved,) = tmp_path.glob("run.replaced-*")
+    assert [p.name for p in moved.iterdir()] == ["metrics.jsonl"]

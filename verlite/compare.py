@@ -5,7 +5,8 @@ history (``timing_s/*``, ``perf/*``, ``trainer/*``: clocks and restarts, which d
 equal runs). A value differs when ``|a - b| > max(tolerance * max(|a|, |b|), atol)``; NaN
 equals NaN and an infinity equals itself. ``atol`` (default 0) serves metrics that are zero
 in exact arithmetic, such as the PPO KL of a step's first mini-batch: their rounding noise
-(~1e-18 in float64) has no meaningful relative difference. The first step (in step order) and metric (in name order) that differ is reported; runs of
+(~1e-18 in float64) has no meaningful relative difference. The first step (in step order)
+and metric (in name order) that differ is reported; runs of
 different lengths, or a metric logged by one run only, differ too.
 """
 

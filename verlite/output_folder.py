@@ -52,7 +52,11 @@ class FolderLock:
     def take(cls, out: Path) -> FolderLock:
         """Hold ``out`` (an existing folder); a one-line user error naming the holder when
         another run holds it."""
-        file = (out / LOCK_FILE).open("a+")
+        path = out / LOCK_FILE
+        try:
+            file = path.open("a+")
+        except OSError as exc:
+            raise ConfigError(f"cannot create {shown(str(path))}: {exc.strerror or exc}") from None
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -62,6 +66,12 @@ class FolderLock:
             raise ConfigError(
                 f"trainer.output_dir={shown(str(out))} is in use by another run ({holder}); "
                 "wait for it to end, or choose another folder"
+            ) from None
+        except OSError as exc:
+            file.close()
+            raise ConfigError(
+                f"cannot lock {shown(str(path))} ({exc.strerror or exc}): the output folder's "
+                "file system does not support flock; choose a folder on one that does"
             ) from None
         file.seek(0)
         file.truncate()
@@ -73,6 +83,9 @@ class FolderLock:
     def release(self) -> None:
         """Let go of the folder (idempotent)."""
         self._file.close()
+
+    # A hold dropped without release (a test that builds a run's inputs and no run) lets go.
+    __del__ = release
 
 
 def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
@@ -90,17 +103,30 @@ def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
         FolderLock.take(out).release()
     resume_from = _resume_point(cfg, out)
     continuing = resume_from is not None and resume_from.resolve().is_relative_to(out.resolve())
-    if not continuing and _has_contents(out):
-        if not cfg.trainer.overwrite:
-            raise ConfigError(
-                f"trainer.output_dir={shown(str(out))} is not empty ({_describe(out, cfg)}) and holds "
-                "no checkpoint this run continues; choose an empty folder, or set "
-                "trainer.overwrite=true to move its contents aside"
-            )
-        moved = _move_contents_aside(out)
-        print(f"moved the earlier contents of {out} to {moved}", flush=True)
+    if not continuing and _has_contents(out) and not cfg.trainer.overwrite:
+        raise _not_empty(out, cfg)  # refused before this run writes anything there
     _make_writable_folder(out)
-    return resume_from, FolderLock.take(out)
+    hold = FolderLock.take(out)
+    try:
+        # Under the hold the contents are judged again: a run that started here after the
+        # checks above may have ended since, leaving its files.
+        if not continuing and _has_contents(out):
+            if not cfg.trainer.overwrite:
+                raise _not_empty(out, cfg)
+            moved = _move_contents_aside(out)
+            print(f"moved the earlier contents of {out} to {moved}", flush=True)
+    except BaseException:
+        hold.release()
+        raise
+    return resume_from, hold
+
+
+def _not_empty(out: Path, cfg: Config) -> ConfigError:
+    return ConfigError(
+        f"trainer.output_dir={shown(str(out))} is not empty ({_describe(out, cfg)}) and holds "
+        "no checkpoint this run continues; choose an empty folder, or set "
+        "trainer.overwrite=true to move its contents aside"
+    )
 
 
 def _resume_point(cfg: Config, out: Path) -> Path | None:
@@ -146,6 +172,7 @@ def _describe(out: Path, cfg: Config) -> str:
 
 
 def _move_contents_aside(out: Path) -> Path:
+    """Move what ``out`` holds, but the run's lock file, into a new sibling folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     target = out.with_name(f"{out.name}.replaced-{stamp}")
     suffix = 1
@@ -153,11 +180,13 @@ def _move_contents_aside(out: Path) -> Path:
         suffix += 1
         target = out.with_name(f"{out.name}.replaced-{stamp}-{suffix}")
     try:
-        os.replace(out, target)
+        target.mkdir()
+        for entry in _entries(out):
+            os.replace(entry, target / entry.name)
     except OSError as exc:
         raise ConfigError(
-            f"trainer.overwrite=true: cannot move {shown(str(out))} aside to {str(target)!r}: "
-            f"{exc.strerror}"
+            f"trainer.overwrite=true: cannot move the contents of {shown(str(out))} aside to "
+            f"{str(target)!r}: {exc.strerror}"
         ) from None
     return target
 

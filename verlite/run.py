@@ -20,7 +20,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from verlite.checkpoint import resume_checkpoint
+from verlite.checkpoint import complete_checkpoints
 from verlite.config import Config
 from verlite.controller import (
     WorkerGroup,
@@ -85,7 +85,7 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
         )
         graceful = True
     finally:
-        # After a failure ranks may wait on a lost peer: they are killed without waiting.
+        # After any failure, ranks may wait on a lost peer: they are killed without waiting.
         for group in started.values():
             group.shutdown(graceful=graceful)
         for pool in {id(pool): pool for pool, _ in pools.values()}.values():
@@ -107,10 +107,11 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
             flush=True,
         )
     resume_from, restarts = inputs.resume_from, 0
+    saved: list[Path] = []  # the checkpoints this run saved, oldest first
     try:
         while True:
             try:
-                _attempt(cfg, inputs, resume_from, restarts)
+                _attempt(cfg, inputs, resume_from, restarts, saved)
                 return output_dir
             except WorkerGroupError as err:
                 if not err.lost:
@@ -123,7 +124,12 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                         f"{err} (after {spent}; trainer.max_restarts={limit})"
                     ) from err
                 restarts += 1
-                resume_from = resume_checkpoint(output_dir, "auto") or inputs.resume_from
+                # This run's own latest checkpoint: the folder may hold later ones of a run
+                # this one resumed from an earlier step.
+                resume_from = next(
+                    (p for p in reversed(saved) if p in complete_checkpoints(output_dir)),
+                    inputs.resume_from,
+                )
                 print(
                     f"restart {restarts} of {limit} (trainer.max_restarts): {err}; the groups "
                     f"torn down {time.monotonic() - err.detected_at:.1f} s after it was seen; "
@@ -134,9 +140,12 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
         inputs.folder.release()
 
 
-def _attempt(cfg: Config, inputs: RunInputs, resume_from: Path | None, restarts: int) -> None:
-    """Place the groups, resume from ``resume_from`` (None: the first step), train, export;
-    after a restart, say how long the groups took to place and the checkpoint to load."""
+def _attempt(
+    cfg: Config, inputs: RunInputs, resume_from: Path | None, restarts: int, saved: list[Path]
+) -> None:
+    """Place the groups, resume from ``resume_from`` (None: the first step), train (recording
+    each checkpoint in ``saved``), export; after a restart, say how long the groups took to
+    place and the checkpoint to load."""
     started = time.perf_counter()
     with start_groups(cfg, inputs.tokenizer) as groups:
         placed = time.perf_counter()
@@ -148,6 +157,7 @@ def _attempt(cfg: Config, inputs: RunInputs, resume_from: Path | None, restarts:
             critic=groups.critic,
             rollout=groups.rollout,
             restarts=restarts,
+            saved=saved,
         )
         start = trainer.resume(resume_from) if resume_from else 0
         if restarts:

@@ -181,6 +181,7 @@ class Trainer:
         critic: WorkerGroup | None,
         rollout: WorkerGroup | None = None,
         restarts: int = 0,
+        saved: list[Path] | None = None,
     ) -> None:
         if (critic is not None) != cfg.use_critic:
             raise ValueError(
@@ -200,6 +201,8 @@ class Trainer:
         self.reward_fn = inputs.reward_fn
         self.actor, self.critic = actor, critic
         self.restarts = restarts  # of this run so far (``trainer/restarts``)
+        # Where each checkpoint this run saves is recorded (a restart resumes the last).
+        self.saved = [] if saved is None else saved
         self.groups = [actor] if critic is None else [actor, critic]
         self.loader = PromptLoader(
             self.train_set,
@@ -295,6 +298,7 @@ class Trainer:
             "config": redact_config(self.cfg.model_dump(mode="json")),
         }
         path = commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
+        self.saved.append(path)
         print(f"saved {path} in {time.perf_counter() - started:.2f} s", flush=True)
 
     def resume(self, path: Path) -> int:

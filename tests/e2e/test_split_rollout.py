@@ -137,16 +137,17 @@ class CorruptingRollout:
         return self.group.call_async(method, *args, **kwargs)
 
 
-def split_trainer(cfg: Config, groups, rollout) -> Trainer:
-    return Trainer(cfg, RunInputs.load(cfg), actor=groups.actor, critic=None, rollout=rollout)
+def split_trainer(inputs: RunInputs, cfg: Config, groups, rollout) -> Trainer:
+    return Trainer(cfg, inputs, actor=groups.actor, critic=None, rollout=rollout)
 
 
 def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
     tmp_path: Path, local_ray
 ) -> None:
     cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
-    with start_groups(cfg, RunInputs.load(cfg).tokenizer) as groups:
-        trainer = split_trainer(cfg, groups, CorruptingRollout(groups.rollout, version=2))
+    inputs = RunInputs.load(cfg)
+    with start_groups(cfg, inputs.tokenizer) as groups:
+        trainer = split_trainer(inputs, cfg, groups, CorruptingRollout(groups.rollout, version=2))
         trainer.rollouts.start(version=0)
         for step in (1, 2):
             trainer.train_step(step)
@@ -164,8 +165,9 @@ def test_a_killed_rollout_worker_stops_the_run_in_seconds_naming_it(
     tmp_path: Path, local_ray
 ) -> None:
     cfg = config(tmp_path, *SPLIT)
-    with start_groups(cfg, RunInputs.load(cfg).tokenizer) as groups:
-        trainer = split_trainer(cfg, groups, groups.rollout)
+    inputs = RunInputs.load(cfg)
+    with start_groups(cfg, inputs.tokenizer) as groups:
+        trainer = split_trainer(inputs, cfg, groups, groups.rollout)
         trainer.rollouts.start(version=0)
         trainer.train_step(1)
         victim = next(w for w in groups.rollout.placement() if w["rank"] == 1)

@@ -34,6 +34,7 @@ from verlite.jobs.submission import (
 
 CONFIG = "configs/ppo_tiny.yaml"
 JOB = "raysubmit_0123456789abcdef"
+ENDED = "JOB_ENTRYPOINT_COMMAND_ERROR"
 
 
 @pytest.fixture
@@ -176,14 +177,15 @@ def test_a_submission_id_that_is_no_folder_name_is_refused(job_id: str) -> None:
 @pytest.mark.parametrize(
     ("info", "died"),
     [
-        ({"driver_exit_code": -9}, True),  # killed by a signal
-        ({"driver_exit_code": 137}, True),  # the same, through a shell
-        ({"driver_exit_code": None}, True),  # lost with its supervisor or node
-        ({}, True),
-        ({"driver_exit_code": 1}, False),  # verlite named the failure (restarts spent too)
-        ({"driver_exit_code": 2}, False),  # bad input
-        ({"driver_exit_code": 127}, False),  # no verlite on the head
-        ({"driver_exit_code": None, "error_type": "RUNTIME_ENV_SETUP_FAILURE"}, False),
+        ({"error_type": ENDED, "driver_exit_code": -9}, True),  # killed by a signal
+        ({"error_type": ENDED, "driver_exit_code": 137}, True),  # the same, through a shell
+        ({"error_type": "JOB_SUPERVISOR_ACTOR_DIED", "driver_exit_code": None}, True),
+        ({"error_type": ENDED, "driver_exit_code": 1}, False),  # a failure verlite named
+        ({"error_type": ENDED, "driver_exit_code": 2}, False),  # bad input
+        ({"error_type": ENDED, "driver_exit_code": 127}, False),  # no verlite on the head
+        ({"error_type": "RUNTIME_ENV_SETUP_FAILURE", "driver_exit_code": None}, False),
+        ({"error_type": "JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE"}, False),  # no driver ever ran
+        ({}, False),
     ],
 )
 def test_only_a_driver_that_died_is_resubmitted(info: dict[str, Any], died: bool) -> None:

@@ -455,11 +455,14 @@ class TrainerConfig(Section):
         description="Fail if the workers cannot be placed within this many seconds, at the start "
         "and after each restart (the wait for a replacement node).",
     )
-    max_restarts: NonNegativeInt = Field(
+    max_restarts: int = Field(
         0,
+        ge=0,
+        le=1000,
         description="How many times a run whose worker process or node was lost starts its "
         "groups again and resumes from its latest checkpoint (the first step without one); "
-        "0 stops the run at the first loss. Errors a restart would repeat never restart.",
+        "0 stops the run at the first loss. What a worker raises, and the driver's own "
+        "errors, never restart.",
     )
     torch_threads_per_worker: PositiveInt = Field(
         1, description="torch threads of each CPU worker."

@@ -34,7 +34,10 @@ def write_placement_report(groups: Sequence[WorkerGroup], out_dir: str | Path) -
     records = [record for group in groups for record in group.placement()]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "workers.json").write_text(json.dumps(records, indent=2) + "\n")
+    # Written whole, then renamed: a reader (a restarted run rewrites it) never sees half.
+    partial = out / "workers.json.tmp"
+    partial.write_text(json.dumps(records, indent=2) + "\n")
+    partial.replace(out / "workers.json")
     pools = {id(group.pool): group.pool for group in groups}
     bundles = sum(pool.world_size for pool in pools.values())
     nodes = {record["node_id"] for record in records}

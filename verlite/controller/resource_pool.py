@@ -3,7 +3,8 @@ nodes, and the mapping of roles onto pools (colocated or split).
 
 A pool of ``nnodes x workers_per_node`` bundles reserves the same slice of every node it
 spans, all at once: Ray places a placement group whole or not at all, so two runs waiting for
-the same nodes never each hold half of what the other needs. Ranks are numbered by node
+the same nodes never each hold half of one pool. (A run with several pools, split placement,
+reserves them one after another.) Ranks are numbered by node
 (node ids sorted) and then by bundle, so a pool built again on the same cluster gives every
 rank the same node.
 

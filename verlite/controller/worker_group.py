@@ -6,6 +6,7 @@ TensorDicts travel both ways as raw byte arrays (``verlite.controller.transport`
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -242,19 +243,22 @@ class WorkerGroup:
         pending: Sequence[ray.ObjectRef[Any]],
         rank_of: dict[ray.ObjectRef[Any], int],
     ) -> tuple[int, RayError]:
-        """The failure to report: a live rank's transport error is what a lost peer causes,
-        so a peer whose death Ray reports within :data:`_PEER_DEATH_GRACE_S` is named
-        instead (a lost node takes Ray longer to report: the live rank is named then)."""
-        if not (isinstance(err, RayTaskError) and is_lost(err)) or not pending:
+        """The failure to report. A live rank's transport error is what a lost peer causes,
+        so the other ranks get :data:`_PEER_DEATH_GRACE_S` to show the cause: a peer that
+        raised (a real error, which no restart mends) or died is named instead; otherwise
+        (Ray takes longer to report a lost node) the live rank is."""
+        if not (isinstance(err, RayTaskError) and is_lost(err)):
             return rank, err
-        done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_PEER_DEATH_GRACE_S)
-        for ref in done:
-            try:
-                ray.get(ref)
-            except RayActorError as death:
-                return rank_of[ref], death
-            except RayError:
-                continue
+        deadline = time.monotonic() + _PEER_DEATH_GRACE_S
+        waiting = list(pending)
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            done, waiting = ray.wait(waiting, num_returns=1, timeout=left)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayError as other:
+                    if isinstance(other, RayActorError) or not is_lost(other):
+                        return rank_of[ref], other
         return rank, err
 
 

@@ -150,7 +150,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     where = f"--address {server.url}"
     if not args.wait:
         print(
-            f"output: {submission.output_dir} (on the head node)\n"
+            f"output: {submission.output_dir}"
+            f"{'' if Path(submission.output_dir).is_absolute() else ' (in the job working directory)'}\n"
             f"follow: verlite logs {job_id} --follow {where}\n"
             f"status: verlite status {job_id} {where}\n"
             f"stop:   verlite stop {job_id} {where}",
@@ -163,16 +164,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _follow(server: JobServer, submission: Submission, first: str, max_restarts: int) -> int:
     """Follow job ``first`` to its end, resubmitting it while its driver dies, up to
     ``max_restarts`` times; 0 when the last job SUCCEEDED, 1 otherwise."""
-    job_id = first
-    for attempt in range(1, max_restarts + 2):
+    job_id, attempt = first, 0
+    while True:
         print(f"following {job_id}; Ctrl-C stops following, not the job", file=sys.stderr)
         status = server.follow(job_id, sys.stdout)
         print(f"job {job_id} {status}", file=sys.stderr)
         if status == "SUCCEEDED":
             return 0
         info = server.info(job_id)
-        if status != "FAILED" or attempt > max_restarts or not driver_died(info):
+        if status != "FAILED" or attempt == max_restarts or not driver_died(info):
             return 1
+        attempt += 1
         previous = job_id
         job_id, metadata = resubmission(first, previous, attempt)
         server.submit(
@@ -188,7 +190,6 @@ def _follow(server: JobServer, submission: Submission, first: str, max_restarts:
             file=sys.stderr,
             flush=True,
         )
-    return 1
 
 
 def cmd_status(args: argparse.Namespace) -> int:

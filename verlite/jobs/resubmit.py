@@ -13,22 +13,26 @@ from typing import Any
 RESUBMISSION_OF = "verlite_resubmission_of"
 FIRST_SUBMISSION = "verlite_first_submission"
 ATTEMPT = "verlite_attempt"
-# Failures that happen before any driver runs: a resubmission would meet them again.
-_BEFORE_THE_DRIVER = ("RUNTIME_ENV_SETUP_FAILURE", "JOB_ENTRYPOINT_COMMAND_START_ERROR")
+# Ray's error types (``JobErrorType``) of a job whose driver ran: lost with its supervisor,
+# or ended by its command's exit.
+_SUPERVISOR_DIED = "JOB_SUPERVISOR_ACTOR_DIED"
+_COMMAND_ENDED = "JOB_ENTRYPOINT_COMMAND_ERROR"
 
 
 def driver_died(info: dict[str, Any]) -> bool:
     """Whether a FAILED job's driver died rather than ended the run itself.
 
-    Died: killed by a signal (a negative exit code, or above 128 through a shell), or lost
-    with its supervisor or node (no exit code). ``verlite train`` itself exits 1 for a failure
-    it names (its restarts spent included) and 2 for bad input, which a resubmission would
-    only repeat, as it would a runtime environment that cannot be set up.
+    Died: lost with its job supervisor (the head's job agent or node), or killed by a signal
+    (a negative exit code, or above 128 through a shell). ``verlite train`` itself exits 1
+    for a failure it names (its restarts spent included) and 2 for bad input, which a
+    resubmission would only repeat, as it would a job that never started its driver (a
+    runtime environment that cannot be set up, a supervisor that cannot be placed).
     """
-    if info.get("error_type") in _BEFORE_THE_DRIVER:
-        return False
+    kind = info.get("error_type")
+    if kind == _SUPERVISOR_DIED:
+        return True
     code = info.get("driver_exit_code")
-    return not isinstance(code, int) or code < 0 or code > 128
+    return kind == _COMMAND_ENDED and isinstance(code, int) and (code < 0 or code > 128)
 
 
 def resubmission(first: str, previous: str, attempt: int) -> tuple[str, dict[str, str]]:

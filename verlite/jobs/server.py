@@ -116,12 +116,12 @@ class JobServer:
         runtime_env: dict[str, Any],
         submission_id: str,
         metadata: dict[str, str] | None = None,
-    ) -> str:
+    ) -> None:
         # One id for every try: a try whose answer was lost may have created the job, and
         # the next then finds it instead of starting a second one.
         first = True
 
-        def attempt() -> str:
+        def attempt() -> None:
             nonlocal first
             try:
                 with _errors(self.url):
@@ -136,9 +136,8 @@ class JobServer:
                     raise
             finally:
                 first = False
-            return submission_id
 
-        return self._retrying(attempt)
+        self._retrying(attempt)
 
     def _retrying(self, attempt: Callable[[], _T]) -> _T:
         """``attempt()``, tried again while the server is busy, for up to ``retry_s`` seconds."""

@@ -78,11 +78,6 @@ def prepare_submission(
     ``trainer.max_restarts``; ``resubmit`` (the caller resubmits a job whose driver died)
     needs an absolute output folder, the one place both jobs see.
     """
-    if not JOB_ID.fullmatch(job_id):
-        raise JobsError(
-            f"--submission-id {job_id!r}: expected letters, digits, '_', '.' and '-' (up to 100, "
-            "not starting with a punctuation mark); it names the job's output folder"
-        )
     cfg = load_config(config, overrides)
     for item in overrides:
         key, _, value = item.partition("=")
@@ -105,8 +100,14 @@ def prepare_submission(
     output_dir = Path(cfg.trainer.output_dir)
     if resubmit:
         _check_resumable_by_resubmission(cfg.trainer.output_dir, cfg.trainer.resume)
-    else:
-        output_dir = output_dir if output_dir.is_absolute() else output_dir / job_id
+    elif not output_dir.is_absolute():
+        if not JOB_ID.fullmatch(job_id):
+            raise JobsError(
+                f"--submission-id {job_id!r}: expected letters, digits, '_', '.' and '-' (up "
+                "to 100, not starting with a punctuation mark); it names the job's output "
+                f"folder, {cfg.trainer.output_dir}/<submission id>"
+            )
+        output_dir = output_dir / job_id
     loggers = [*cfg.trainer.loggers, *([] if JOB_LOGGER in cfg.trainer.loggers else [JOB_LOGGER])]
     job_overrides = [
         *overrides,

@@ -190,12 +190,14 @@ class TensorBoardLogger:
     """Scalars under ``<output_dir>/tensorboard`` (``tensorboard --logdir`` it); the config and
     placement as text summaries."""
 
-    def __init__(self, log_dir: Path, *, start_step: int = 0) -> None:
+    def __init__(self, log_dir: Path, *, start_step: int = 0, continuing: bool = False) -> None:
         import_extra("tensorboard", feature="the tensorboard logger", extra="tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        # A resumed run re-logs the steps after its checkpoint: purge_step hides the old ones.
-        self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
+        # A resumed or restarted run re-logs the steps after its checkpoint: purge_step hides
+        # the old ones.
+        purge = start_step + 1 if continuing or start_step else None
+        self.writer = SummaryWriter(str(log_dir), purge_step=purge)
         self.start_step = start_step
 
     def log_run_info(
@@ -219,13 +221,19 @@ class TensorBoardLogger:
 class MlflowLogger:
     """One MLflow run per training run, in experiment ``verlite``: metrics per step, the config
     as params (dotted keys) and ``config.json``/``placement.json`` artifacts. A resumed run
-    (``start_step > 0``) continues the run recorded in ``<output_dir>/mlflow_run_id``."""
+    (``start_step > 0``) or a restarted one (``continuing``) continues the run recorded in
+    ``<output_dir>/mlflow_run_id``."""
 
     EXPERIMENT = "verlite"
     MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
 
     def __init__(
-        self, output_dir: Path, *, tracking_uri: str | None = None, start_step: int = 0
+        self,
+        output_dir: Path,
+        *,
+        tracking_uri: str | None = None,
+        start_step: int = 0,
+        continuing: bool = False,
     ) -> None:
         mlflow = import_extra("mlflow", feature="the mlflow logger", extra="mlflow")
         self.entities = mlflow.entities
@@ -241,7 +249,7 @@ class MlflowLogger:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         try:
             self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-            self.run_id = self._open_run(output_dir, resume=start_step > 0)
+            self.run_id = self._open_run(output_dir, resume=continuing or start_step > 0)
         except self.mlflow_error as exc:
             raise UserError(
                 f"mlflow logger: cannot open a run at tracking URI {_redact(uri)!r}: {exc}"
@@ -384,7 +392,9 @@ def check_tracking_server(uri: str | None, *, timeout_s: float = 5.0) -> None:
 
 
 class Tracker:
-    """Fans metrics out to the configured loggers."""
+    """Fans metrics out to the configured loggers. ``start_step``: the step the run resumed
+    from; ``continuing``: the run logged here before even so (a restart from the first step),
+    so its earlier records are superseded rather than a new run begun."""
 
     def __init__(
         self,
@@ -393,6 +403,7 @@ class Tracker:
         output_dir: Path,
         total_steps: int,
         start_step: int = 0,
+        continuing: bool = False,
         mlflow_tracking_uri: str | None = None,
     ) -> None:
         self.loggers: list[Logger] = []
@@ -408,12 +419,19 @@ class Tracker:
                     self.loggers.append(LogLineLogger())
                 elif name == "tensorboard":
                     self.loggers.append(
-                        TensorBoardLogger(output_dir / "tensorboard", start_step=start_step)
+                        TensorBoardLogger(
+                            output_dir / "tensorboard",
+                            start_step=start_step,
+                            continuing=continuing,
+                        )
                     )
                 elif name == "mlflow":
                     self.loggers.append(
                         MlflowLogger(
-                            output_dir, tracking_uri=mlflow_tracking_uri, start_step=start_step
+                            output_dir,
+                            tracking_uri=mlflow_tracking_uri,
+                            start_step=start_step,
+                            continuing=continuing,
                         )
                     )
                 else:

@@ -253,6 +253,7 @@ class Trainer:
             output_dir=self.output_dir,
             total_steps=cfg.trainer.total_steps,
             start_step=start_step,
+            continuing=self.restarts > 0,
             mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
         ) as tracker:
             tracker.log_run_info(

@@ -98,6 +98,21 @@ def test_tensorboard_event_files_hold_scalars_and_run_info(tmp_path: Path) -> No
     assert "s3cret" not in text
 
 
+def test_tensorboard_of_a_run_restarted_from_its_first_step_keeps_one_record_a_step(
+    tmp_path: Path,
+) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _run(["tensorboard"], tmp_path)
+    tracker = Tracker(["tensorboard"], output_dir=tmp_path, total_steps=3, continuing=True)
+    tracker.log(1, {"critic/score/mean": 0.9})
+    tracker.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    score = events.Scalars("critic/score/mean")
+    assert [(e.step, e.value) for e in score] == [(1, pytest.approx(0.9))]
+
+
 def _mlflow_client(uri: str) -> Any:
     from mlflow.tracking import MlflowClient
 
@@ -153,6 +168,20 @@ def test_mlflow_resumed_run_continues_the_same_run(
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "critic/score/mean")]
     assert steps == [1, 2, 3, 4]
     assert run.data.params["trainer.total_steps"] == "3"
+
+
+def test_mlflow_run_restarted_from_its_first_step_continues_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    _run(["mlflow"], tmp_path)
+    tracker = Tracker(["mlflow"], output_dir=tmp_path, total_steps=3, continuing=True)
+    tracker.log(1, {"critic/score/mean": 0.9})
+    tracker.close()
+    client = _mlflow_client((tmp_path / "mlruns").as_uri())
+    run = _only_run(client)  # not a second run
+    history = client.get_metric_history(run.info.run_id, "critic/score/mean")
+    assert [(m.step, m.value) for m in history][-1] == (1, 0.9)
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ BAD_OVERRIDES = [
     (["algorithm.adv_estimator=ppo"], "allowed: gae, grpo"),
     (["actor.kl_loss_type=k9"], "unknown KL kind; allowed: k1"),
     (["actor.policy_loss=trpo"], "unknown policy loss; allowed: gspo, reinforce, vanilla"),
-    (["trainer.loggers=[wandb]"], "trainer.loggers.0='wandb'"),
+    (["trainer.loggers=[comet]"], "trainer.loggers.0='comet'"),
     (["data.train_batch_size=0"], "data.train_batch_size=0: Input should be greater than 0"),
     (["rollout.n=-2"], "rollout.n=-2: Input should be greater than 0"),
     (["rollout.max_response_length=0"], "rollout.max_response_length=0"),

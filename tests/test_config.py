@@ -205,8 +205,8 @@ ERRORS = [
     (["rollout.temperature=0.005"], "rollout.temperature=0.005: must be 0 (greedy) or at least"),
     (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5: Input should be greater than 1"),
     (
-        ["trainer.loggers=[console, wandb]"],
-        "trainer.loggers.1='wandb': Input should be 'console', 'jsonl'",
+        ["trainer.loggers=[console, comet]"],
+        "trainer.loggers.1='comet': Input should be 'console', 'jsonl'",
     ),
     (
         ["trainer.placement=spread"],

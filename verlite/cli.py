@@ -218,18 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from verlite.config import check_paths, load_config
-    from verlite.memory import retain_freed_memory
+    from verlite.api import train
 
     overrides = list(args.overrides)
     if args.address:
         overrides.append(f"trainer.ray_address={args.address}")
-    cfg = load_config(args.config, overrides)
-    check_paths(cfg)  # before Ray starts: a typo should cost a second, not a cluster start
-    from verlite.run import train  # Ray and the models load once the config is known good
-
-    retain_freed_memory()  # the driver gathers and scatters every step batch
-    train(cfg)
+    train(args.config, overrides)
     return 0
 
 

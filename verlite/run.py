@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
 from transformers import PreTrainedTokenizerBase
 
 from verlite.checkpoint import complete_checkpoints
@@ -30,7 +31,7 @@ from verlite.controller import (
     run_pools,
     write_placement_report,
 )
-from verlite.errors import RunFailure
+from verlite.errors import RunFailure, UserError
 from verlite.trainer import RunInputs, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
@@ -172,8 +173,17 @@ def _attempt(
 
 
 def train(cfg: Config) -> Path:
-    """``verlite train``: the inputs checked before Ray starts, then :func:`run` in a Ray
-    session of its own (embedded, or a connection to ``trainer.ray_address``)."""
+    """``verlite train`` and ``verlite.train``: the inputs checked before Ray starts, then
+    :func:`run` in a Ray session of its own (embedded, or a connection to
+    ``trainer.ray_address``), or in the one this process opened before (a notebook's)."""
+    if ray.is_initialized():
+        if cfg.trainer.ray_address is not None:
+            raise UserError(
+                f"trainer.ray_address={cfg.trainer.ray_address!r}: this process is already "
+                "connected to a Ray session; leave trainer.ray_address unset to train in it, "
+                "or call ray.shutdown() first"
+            )
+        return run(cfg, RunInputs.load(cfg))
     if cfg.trainer.ray_address is None:
         check_fits_machine(cfg)
     inputs = RunInputs.load(cfg)

@@ -1,30 +1,36 @@
 """Where metrics go: a compact console line with a progress bar and ETA, metrics.jsonl, a
-marked stdout line per step, TensorBoard and MLflow.
+marked stdout line per step, TensorBoard, MLflow and Weights & Biases.
 
 Every logger receives the same ``(step, metrics)`` pairs from the driver; metrics are plain
 floats already reduced over micro-batches, ranks and mini-batches. Once at the start, every
 logger also receives the resolved config and the worker placement (:meth:`Tracker.log_run_info`).
-TensorBoard and MLflow are optional extras, imported only when configured.
+TensorBoard, MLflow and W&B are optional extras, imported only when configured.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
+import netrc
 import os
 import re
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any, Literal, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
 from verlite import metrics_log
 from verlite.errors import UserError
 from verlite.reachable import connection_problem
+
+if TYPE_CHECKING:
+    from verlite.config import WandbConfig
 
 # Shown on the console line, in this order, when present.
 CONSOLE_KEYS = (
@@ -305,6 +311,74 @@ class MlflowLogger:
         self.client.set_terminated(self.run_id, status=outcome)
 
 
+class WandbLogger:
+    """One W&B run per training run, its files under ``<output_dir>/wandb`` (offline mode:
+    ``wandb sync`` uploads them later). The config and placement go to the run's config;
+    metrics are charted against ``step``, verlite's training step, so the steps a resumed
+    run trains again are shown at their step (W&B's own ``_step`` only counts calls and
+    would drop them). A resumed or restarted run continues the run whose id is in
+    ``<output_dir>/wandb_run_id``."""
+
+    def __init__(
+        self, output_dir: Path, cfg: WandbConfig, *, start_step: int = 0, continuing: bool = False
+    ) -> None:
+        wandb = import_extra("wandb", feature="the wandb logger", extra="wandb")
+        id_file = output_dir / "wandb_run_id"
+        resume = (continuing or start_step > 0) and id_file.exists()
+        run_id = id_file.read_text().strip() if resume else uuid.uuid4().hex[:12]
+        output_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run = wandb.init(
+                project=cfg.project,
+                entity=cfg.entity,
+                name=cfg.run_name or output_dir.name,
+                id=run_id,
+                resume="allow",
+                dir=str(output_dir),
+                mode=cfg.mode,
+                # verlite prints its own console; system metrics would sample in a thread of
+                # the driver, whose CPUs the workers use.
+                settings=wandb.Settings(
+                    console="off", silent=True, x_disable_stats=True, disable_git=True
+                ),
+            )
+        except Exception as exc:  # wandb raises its own errors, and plain ones, on a bad login
+            raise UserError(
+                f"wandb logger: cannot open run {run_id} in project {cfg.project!r} "
+                f"(mode {cfg.mode}): {' '.join(str(exc).split())[:300]}"
+            ) from None
+        id_file.write_text(run_id + "\n")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
+
+    def log_run_info(
+        self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
+    ) -> None:
+        self.run.config.update({**config, "placement": list(placement)}, allow_val_change=True)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self.run.log({**metrics, "step": step})
+
+    def close(self, outcome: RunOutcome = "FINISHED") -> None:
+        self.run.finish(exit_code=0 if outcome == "FINISHED" else 1)
+
+
+def check_wandb(cfg: WandbConfig) -> None:
+    """Before a run starts: the wandb package is installed and, for online mode, a key is
+    known (``WANDB_API_KEY`` or ``wandb login``'s entry in ``~/.netrc``)."""
+    import_extra("wandb", feature="the wandb logger", extra="wandb")
+    if cfg.mode != "online" or os.environ.get("WANDB_API_KEY"):
+        return
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    with contextlib.suppress(OSError, netrc.NetrcParseError):
+        if netrc.netrc().authenticators(host):
+            return
+    raise UserError(
+        "trainer.wandb.mode='online' needs a W&B API key: set WANDB_API_KEY or run `wandb login`, "
+        "or use mode 'offline' and `wandb sync` the run later"
+    )
+
+
 def _mlflow_key(key: str) -> str:
     """MLflow accepts letters, digits, ``_-. /``; anything else would fail the whole batch."""
     return re.sub(r"[^\w\-. /]", "_", key)
@@ -405,6 +479,7 @@ class Tracker:
         start_step: int = 0,
         continuing: bool = False,
         mlflow_tracking_uri: str | None = None,
+        wandb: WandbConfig | None = None,
     ) -> None:
         self.loggers: list[Logger] = []
         try:
@@ -434,9 +509,21 @@ class Tracker:
                             continuing=continuing,
                         )
                     )
+                elif name == "wandb":
+                    from verlite.config import WandbConfig
+
+                    self.loggers.append(
+                        WandbLogger(
+                            output_dir,
+                            wandb or WandbConfig(),
+                            start_step=start_step,
+                            continuing=continuing,
+                        )
+                    )
                 else:
                     raise ValueError(
-                        f"unknown logger {name!r}; use console, jsonl, logline, tensorboard or mlflow"
+                        f"unknown logger {name!r}; use console, jsonl, logline, tensorboard, "
+                        "mlflow or wandb"
                     )
         except BaseException as exc:
             # the loggers already open (files, an MLflow run) are not leaked

@@ -50,7 +50,7 @@ from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rollout import SamplingParams, sample_keys
 from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.rollouts import Rollouts, StepPrompts
-from verlite.tracking import Tracker, check_tracking_server, redact_config
+from verlite.tracking import Tracker, check_tracking_server, check_wandb, redact_config
 
 
 class TrainingError(RunFailure):
@@ -162,6 +162,8 @@ class RunInputs:
         reward_fn = resolve_reward(cfg)
         if "mlflow" in cfg.trainer.loggers:
             check_tracking_server(cfg.trainer.mlflow_tracking_uri)
+        if "wandb" in cfg.trainer.loggers:
+            check_wandb(cfg.trainer.wandb)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from, folder = prepare_output_folder(cfg)
         return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder)
@@ -255,6 +257,7 @@ class Trainer:
             start_step=start_step,
             continuing=self.restarts > 0,
             mlflow_tracking_uri=cfg.trainer.mlflow_tracking_uri,
+            wandb=cfg.trainer.wandb,
         ) as tracker:
             tracker.log_run_info(
                 cfg.model_dump(mode="json"), [w for g in self.placed for w in g.placement()]

@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from wandb_support import wandb_records, wandb_steps
 
 TWO_WORKERS = [
     "trainer.workers_per_node=2",
@@ -24,12 +25,14 @@ def test_resume_gives_identical_metrics(
     tmp_path: Path, algorithm: list[str], train, metrics, verlite_main
 ) -> None:
     train(tmp_path / "straight", *TWO_WORKERS, "trainer.total_steps=6", *algorithm)
-    train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=3", *algorithm)
+    # The resumed run also logs to W&B (offline): it continues the run it started.
+    wandb = "trainer.loggers=[console, jsonl, wandb]"
+    train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=3", *algorithm, wandb)
     # a crash during a later save leaves a partial folder behind: resume=auto must skip it
     partial = tmp_path / "resumed" / "checkpoints" / "step_5.tmp"
     shutil.copytree(tmp_path / "resumed" / "checkpoints" / "step_3", partial)
     (partial / "trainer_state.json").unlink()
-    train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=6", *algorithm)
+    train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=6", *algorithm, wandb)
     straight = metrics(tmp_path / "straight", stable_only=True)
     resumed = metrics(tmp_path / "resumed", stable_only=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -42,3 +45,12 @@ def test_resume_gives_identical_metrics(
         "step_6",
     ]
     assert (tmp_path / "resumed" / "hf_actor" / "model.safetensors").is_file()
+    run_id = (tmp_path / "resumed" / "wandb_run_id").read_text().strip()
+    logged = {}
+    for run_dir in (tmp_path / "resumed" / "wandb").glob("offline-run-*"):
+        (run,) = [value for kind, value in wandb_records(run_dir) if kind == "run"]
+        assert run.run_id == run_id
+        for record in wandb_steps(run_dir):
+            logged[record.pop("step")] = record
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    assert logged[5]["actor/pg_loss"] == pytest.approx(resumed[4]["actor/pg_loss"])

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from wandb_support import wandb_records, wandb_steps
 
 from verlite.errors import UserError
 from verlite.tracking import MissingExtraError, Tracker
@@ -218,8 +219,88 @@ def test_mlflow_tracking_uri_is_used_when_set(
     assert run.data.metrics["critic/score/mean"] == pytest.approx(0.2)
 
 
+def test_wandb_offline_run_lives_in_the_output_dir_and_wandb_sync_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+
+    from verlite.config import WandbConfig
+
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # never logged, whatever the sink
+    _run(["wandb"], tmp_path, wandb=WandbConfig(project="sweep", run_name="trial-1"))
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()
+    assert run_dir.name.endswith(f"-{run_id}")
+    records = wandb_records(run_dir)
+    (run,) = [value for kind, value in records if kind == "run"]
+    assert (run.project, run.display_name, run.run_id) == ("sweep", "trial-1", run_id)
+    assert wandb_steps(run_dir) == [{**m, "step": s} for s, m in enumerate(STEPS, 1)]
+    configured = {
+        item.key: json.loads(item.value_json)
+        for kind, value in records
+        if kind == "config"
+        for item in value.update
+    }
+    assert configured["trainer"]["ray_address"] == "http://***@head:8265"
+    assert configured["trainer"]["api_token"] == "***"
+    assert configured["placement"] == PLACEMENT
+    charted = {(m.glob_name, m.step_metric) for kind, m in records if kind == "metric"}
+    assert ("*", "step") in charted  # charts use verlite's step, not W&B's call count
+    assert b"s3cret" not in (run_dir / f"run-{run_id}.wandb").read_bytes()
+    (exit_record,) = [value for kind, value in records if kind == "exit"]
+    assert exit_record.exit_code == 0
+    listed = subprocess.run(
+        [str(Path(sys.executable).parent / "wandb"), "sync", "--dry-run", str(run_dir)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
+    assert "Would sync 1 run(s)" in listed.stdout + listed.stderr
+
+
+def test_wandb_resumed_run_keeps_its_run_id(tmp_path: Path) -> None:
+    _run(["wandb"], tmp_path)
+    first_id = (tmp_path / "wandb_run_id").read_text()
+    tracker = Tracker(["wandb"], output_dir=tmp_path, total_steps=5, start_step=2)
+    tracker.log(3, {"critic/score/mean": 0.7})  # step 3 trained again after the checkpoint
+    tracker.close("FAILED")
+    assert (tmp_path / "wandb_run_id").read_text() == first_id
+    # Each process writes a folder of its own; `wandb sync` joins them by run id.
+    steps = {}
+    for run_dir in (tmp_path / "wandb").glob("offline-run-*"):
+        (run,) = [value for kind, value in wandb_records(run_dir) if kind == "run"]
+        assert run.run_id == first_id.strip()
+        steps[len(wandb_steps(run_dir))] = run_dir
+    resumed = steps[1]
+    assert sorted(steps) == [1, 3]
+    assert wandb_steps(resumed) == [{"critic/score/mean": 0.7, "step": 3}]
+    (exit_record,) = [value for kind, value in wandb_records(resumed) if kind == "exit"]
+    assert exit_record.exit_code == 1
+    # A fresh run in a folder holding an earlier run's id starts a run of its own.
+    _run(["wandb"], tmp_path)
+    assert (tmp_path / "wandb_run_id").read_text() != first_id
+
+
+def test_wandb_online_without_a_key_fails_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from verlite.config import WandbConfig
+    from verlite.tracking import check_wandb
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from `wandb login`
+    with pytest.raises(UserError, match=r"^trainer.wandb.mode='online' needs a W&B API key"):
+        check_wandb(WandbConfig(mode="online"))
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password " + "k" * 40)
+    (tmp_path / ".netrc").chmod(0o600)
+    check_wandb(WandbConfig(mode="online"))
+    check_wandb(WandbConfig())  # offline needs no key
+
+
 @pytest.mark.parametrize(
-    ("logger", "module"), [("tensorboard", "tensorboard"), ("mlflow", "mlflow")]
+    ("logger", "module"),
+    [("tensorboard", "tensorboard"), ("mlflow", "mlflow"), ("wandb", "wandb")],
 )
 def test_missing_package_fails_at_construction_with_the_install_command(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, logger: str, module: str

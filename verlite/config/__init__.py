@@ -16,6 +16,7 @@ from verlite.config.schema import (
     RoleSizes,
     RolloutConfig,
     TrainerConfig,
+    WandbConfig,
     WorkerRoleConfig,
 )
 
@@ -33,6 +34,7 @@ __all__ = [
     "RoleSizes",
     "RolloutConfig",
     "TrainerConfig",
+    "WandbConfig",
     "WorkerRoleConfig",
     "check_paths",
     "format_validation_error",

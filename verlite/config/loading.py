@@ -5,6 +5,7 @@ and what is allowed.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import types
@@ -25,37 +26,80 @@ class ConfigError(UserError):
     """A configuration problem a user can fix: the message names the field, value and what is allowed."""
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML config (``yaml.safe_load``), apply ``dotted.key=value`` overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
+ConfigSource = str | Path | Mapping[str, Any] | Config | None
+"""A YAML file's path, a mapping of sections, or a loaded config (None: the defaults)."""
+
+Overrides = Sequence[str] | Mapping[str, Any]
+"""``dotted.key=value`` strings typed by the schema, or dotted keys to values."""
+
+
+def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
+    """Read a config (a YAML file with ``yaml.safe_load``, a mapping, or a loaded config),
+    apply the overrides, validate.
+
+    A loaded config is overridden from what it was loaded from, so a field that defaults to
+    another (``critic.loss_agg_mode`` follows ``actor.loss_agg_mode``) follows the override."""
+    if isinstance(source, Config):
+        raw = copy.deepcopy(source._source) if source._source is not None else source.model_dump()
+    elif isinstance(source, Mapping):
+        raw = copy.deepcopy(dict(source))
+    elif source is not None:
         raw = read_mapping(
-            path, what="config file", example="of sections: model:, data:, ...", error=ConfigError
+            source, what="config file", example="of sections: model:, data:, ...", error=ConfigError
         )
-    for item in overrides:
-        _apply_override(raw, item)
+    else:
+        raw = {}
+    if isinstance(overrides, str):
+        raise ConfigError(
+            f"overrides={overrides!r} is one string; give a list of dotted.key=value strings or "
+            "a mapping of dotted keys to values"
+        )
+    if isinstance(overrides, Mapping):
+        for key, value in overrides.items():
+            section, leaf, _ = _slot(
+                raw,
+                str(key),
+                f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode",
+            )
+            section[leaf] = value
+    else:
+        for item in overrides:
+            _apply_override(raw, item)
     try:
-        return Config.model_validate(raw)
+        cfg = Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, raw)) from None
+    cfg._source = raw
+    return cfg
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, text = item.partition("=")
-    key = key.strip()
+    malformed = f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
+    if not sep:
+        raise ConfigError(malformed)
+    section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
+    section[leaf] = _parse_value(text.strip(), annotation)
+
+
+def _slot(
+    raw: dict[str, Any], key: str, malformed: str, *, item: str | None = None
+) -> tuple[dict[str, Any], str, Any]:
+    """Where dotted ``key`` lives in ``raw`` (its sections created as needed): the section,
+    the last part of the key, and the schema type of the field."""
     parts = key.split(".")
-    if not sep or not key or any(not p.isidentifier() for p in parts):
-        raise ConfigError(
-            f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
-        )
+    if not key or any(not p.isidentifier() for p in parts):
+        raise ConfigError(malformed)
     annotation = _field_annotation(parts)
-    node = raw
+    section = raw
     for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
+        child = section.setdefault(part, {})
         if not isinstance(child, dict):
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[: i + 1])} is not a section")
-        node = child
-    node[parts[-1]] = _parse_value(text.strip(), annotation)
+            raise ConfigError(
+                f"override {item or key!r}: {'.'.join(parts[: i + 1])} is not a section"
+            )
+        section = child
+    return section, parts[-1], annotation
 
 
 def _field_annotation(parts: Sequence[str]) -> Any:

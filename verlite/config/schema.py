@@ -19,6 +19,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     TypeAdapter,
     ValidationError,
     model_validator,
@@ -421,6 +422,23 @@ class RewardConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    """Weights & Biases (``trainer.loggers: [wandb]``): where the run is recorded."""
+
+    project: NonEmptyStr = Field("verlite", description="W&B project of the run.")
+    entity: NonEmptyStr | None = Field(
+        None, description="W&B team or user; None uses the account's default entity."
+    )
+    run_name: NonEmptyStr | None = Field(
+        None, description="Display name of the run; None uses the output folder's name."
+    )
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline writes the run under <output_dir>/wandb, for `wandb sync` later; "
+        "online sends it as it goes (needs WANDB_API_KEY or `wandb login`).",
+    )
+
+
 class TrainerConfig(Section):
     """The run: steps, cluster layout, validation, checkpoints, logging."""
 
@@ -482,14 +500,19 @@ class TrainerConfig(Section):
     resume: str = Field(
         "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
     )
-    loggers: tuple[Literal["console", "jsonl", "logline", "tensorboard", "mlflow"], ...] = Field(
+    loggers: tuple[
+        Literal["console", "jsonl", "logline", "tensorboard", "mlflow", "wandb"], ...
+    ] = Field(
         ("console", "jsonl"),
         description="Metric sinks: console (progress line), jsonl (<output_dir>/metrics.jsonl), "
         "logline (one marked JSON line per step on stdout, read back by `verlite metrics --job`), "
-        "tensorboard, mlflow.",
+        "tensorboard, mlflow, wandb (see trainer.wandb).",
     )
     mlflow_tracking_uri: NonEmptyStr | None = Field(
         None, description="MLflow tracking URI; None uses a file store in output_dir."
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="Weights & Biases, with 'wandb' in loggers."
     )
     max_consecutive_skips: PositiveInt = Field(
         3,
@@ -510,6 +533,10 @@ class RoleSizes:
 
 class Config(Section):
     """A whole run. Load with :func:`load_config`."""
+
+    # The raw mapping it was loaded from: overrides apply to it, so that fields defaulting to
+    # other fields follow them (``load_config(cfg, overrides)``).
+    _source: dict[str, Any] | None = PrivateAttr(None)
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(description="Prompts.")

@@ -1,0 +1,92 @@
+"""The Python API (``verlite.load_config``, ``verlite.train``, ``verlite.read_metrics``): the
+README's example run as written, whole runs in this process's open Ray session, and the
+errors a script gets instead of an exit code."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import verlite
+from verlite.config import ConfigError
+from verlite.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_example() -> str:
+    section = (ROOT / "README.md").read_text().split("\n## Python API\n", 1)[1]
+    match = re.search(r"```python\n(.*?)```", section, re.DOTALL)
+    assert match is not None, "README's Python API section lost its example"
+    return match.group(1)
+
+
+def test_the_readme_example_runs_as_written(
+    local_ray, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    monkeypatch.chdir(tmp_path)  # as a user in a checkout runs it; outputs/ lands here
+    exec(compile(readme_example(), "README.md", "exec"), {})
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lr ")]
+    assert [line.split(":")[0] for line in lines] == ["lr 0.001", "lr 0.003"]
+    assert all(line.endswith("after 3 steps") for line in lines)
+    for lr in ("0.001", "0.003"):
+        config = json.loads((tmp_path / f"outputs/sweep/lr-{lr}/config.json").read_text())
+        assert config["actor"]["optim"]["lr"] == float(lr)
+        assert config["critic"]["warmup_steps"] == 0
+
+
+def test_overriding_a_loaded_config_follows_inherited_fields() -> None:
+    base = verlite.load_config("configs/ppo_tiny.yaml", {"trainer.total_steps": 7})
+    assert base.critic.loss_agg_mode == "token-mean"  # follows the actor's
+    changed = verlite.load_config(base, ["actor.loss_agg_mode=seq-mean-token-mean"])
+    assert changed.critic.loss_agg_mode == "seq-mean-token-mean"
+    assert changed.trainer.total_steps == 7
+    assert base.trainer.total_steps == 7  # the loaded config is left as it was
+    mapping = verlite.load_config({"data": {"task": "copy"}}, {"actor.optim.lr": 0.01})
+    assert mapping.actor.optim.lr == 0.01
+
+
+def test_read_metrics_as_a_list_or_a_frame(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 2, "critic/score/mean": 0.25}\n{"step": 1, "critic/score/mean": 0.5}\n'
+    )
+    steps = verlite.read_metrics(tmp_path)
+    assert steps == [{"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.25}]
+    frame = verlite.read_metrics(tmp_path / "metrics.jsonl", as_frame=True)
+    assert list(frame.index) == [1, 2] and list(frame["critic/score/mean"]) == [0.5, 0.25]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"trainer.totl_steps": 3}, "unknown key 'trainer.totl_steps'; did you mean"),
+        ({"trainer.total_steps": "x"}, "trainer.total_steps='x': Input should be a valid integer"),
+        ({"trainer..steps": 3}, "malformed override key 'trainer..steps'"),
+        ("trainer.total_steps=3", "overrides='trainer.total_steps=3' is one string"),
+        (["trainer.total_steps"], "malformed override 'trainer.total_steps'"),
+    ],
+)
+def test_bad_overrides_raise_one_line(overrides: object, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        verlite.load_config("configs/ppo_tiny.yaml", overrides)  # type: ignore[arg-type]
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_a_cluster_address_in_a_process_with_ray_open_is_refused(local_ray) -> None:
+    with pytest.raises(UserError, match=r"^trainer.ray_address='127.0.0.1:1': this process is"):
+        verlite.train("configs/ppo_tiny.yaml", {"trainer.ray_address": "127.0.0.1:1"})
+
+
+def test_read_metrics_as_frame_without_pandas_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n')
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(UserError, match=r"pip install 'verlite\[pandas\]'"):
+        verlite.read_metrics(tmp_path, as_frame=True)

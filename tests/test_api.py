@@ -39,6 +39,8 @@ def test_the_readme_example_runs_as_written(
         config = json.loads((tmp_path / f"outputs/sweep/lr-{lr}/config.json").read_text())
         assert config["actor"]["optim"]["lr"] == float(lr)
         assert config["critic"]["warmup_steps"] == 0
+        # The workers' files land beside the driver's, not in the shared Ray's folder.
+        assert (tmp_path / f"outputs/sweep/lr-{lr}/hf_actor/model.safetensors").is_file()
 
 
 def test_overriding_a_loaded_config_follows_inherited_fields() -> None:
@@ -81,6 +83,25 @@ def test_bad_overrides_raise_one_line(overrides: object, message: str) -> None:
 def test_a_cluster_address_in_a_process_with_ray_open_is_refused(local_ray) -> None:
     with pytest.raises(UserError, match=r"^trainer.ray_address='127.0.0.1:1': this process is"):
         verlite.train("configs/ppo_tiny.yaml", {"trainer.ray_address": "127.0.0.1:1"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"trainer.cpus_per_worker": 5}, "the workers ask for 5 CPUs (actor+critic 1x5), the open"),
+        (
+            {"trainer.nnodes": 2},
+            "trainer.nnodes=2, but the Ray session this process has open has 1",
+        ),
+    ],
+)
+def test_a_job_too_big_for_the_open_ray_session_is_refused_before_placing(
+    local_ray, overrides: dict[str, int], message: str
+) -> None:
+    fits = {"actor.micro_batch_size_per_worker": 8, "critic.micro_batch_size_per_worker": 8}
+    with pytest.raises(UserError) as info:
+        verlite.train("configs/ppo_tiny.yaml", {**fits, **overrides})
+    assert str(info.value).startswith(message)
 
 
 def test_read_metrics_as_frame_without_pandas_names_the_extra(

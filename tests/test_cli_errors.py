@@ -67,7 +67,8 @@ BAD_OVERRIDES = [
     ),
     (
         ["rollout.placement=split", "rollout.cpus_per_worker=4096"],
-        "the workers ask for 4097 CPUs (actor+critic 1x1 + rollout 1x4096), this machine has",
+        # "this machine has N", or "the open Ray session has 4" when the suite's Ray is up
+        "the workers ask for 4097 CPUs (actor+critic 1x1 + rollout 1x4096), ",
     ),
     (
         [
@@ -75,7 +76,7 @@ BAD_OVERRIDES = [
             "actor.micro_batch_size_per_worker=8",
             "critic.micro_batch_size_per_worker=8",
         ],
-        "trainer.nnodes=2, but without trainer.ray_address the run starts an embedded Ray of one node",
+        "trainer.nnodes=2, but ",  # an embedded Ray of one node, or the suite's open one
     ),
     (["actor"], "malformed override 'actor'"),
     (["=1"], "malformed override '=1'"),

@@ -27,6 +27,7 @@ from verlite.controller import (
     WorkerGroup,
     WorkerGroupError,
     check_fits_machine,
+    check_fits_session,
     ray_session,
     run_pools,
     write_placement_report,
@@ -183,6 +184,7 @@ def train(cfg: Config) -> Path:
                 "connected to a Ray session; leave trainer.ray_address unset to train in it, "
                 "or call ray.shutdown() first"
             )
+        check_fits_session(cfg)
         return run(cfg, RunInputs.load(cfg))
     if cfg.trainer.ray_address is None:
         check_fits_machine(cfg)

@@ -10,6 +10,7 @@ from verlite.controller.resource_pool import (
     ResourcePool,
     build_pools,
     check_fits_machine,
+    check_fits_session,
     run_pools,
 )
 from verlite.controller.session import ray_session, start_ray, stop_ray
@@ -29,6 +30,7 @@ __all__ = [
     "WorkerGroupError",
     "build_pools",
     "check_fits_machine",
+    "check_fits_session",
     "ray_session",
     "run_pools",
     "start_ray",

@@ -302,18 +302,35 @@ def check_fits_machine(cfg: Config) -> None:
             "starts an embedded Ray of one node; give the address of a cluster with "
             f"{cfg.trainer.nnodes} nodes"
         )
+    _check_room(cfg, {"CPU": get_num_cpus(), "GPU": torch.cuda.device_count()}, "this machine")
+
+
+def check_fits_session(cfg: Config) -> None:
+    """In the Ray session this process opened before (a notebook's ``ray.init``): enough
+    alive nodes, and room for every pool's bundles in the session's resources."""
+    nodes = sum(1 for node in ray.nodes() if node["Alive"])
+    if cfg.trainer.nnodes > nodes:
+        raise ClusterTooSmall(
+            f"trainer.nnodes={cfg.trainer.nnodes}, but the Ray session this process has open "
+            f"has {nodes} alive node{'s' * (nodes != 1)}"
+        )
+    total = ray.cluster_resources()
+    _check_room(cfg, {key: total.get(key, 0.0) for key in ("CPU", "GPU")}, "the open Ray session")
+
+
+def _check_room(cfg: Config, have: dict[str, float], where: str) -> None:
     pools = list({id(pool): pool for pool, _ in run_pools(cfg).values()}.values())
-    for key, have in (("CPU", get_num_cpus()), ("GPU", torch.cuda.device_count())):
+    for key, available in have.items():
         asked = [(pool, pool.bundle.get(key, 0.0) * pool.world_size) for pool in pools]
         total = sum(amount for _, amount in asked)
-        if total > have + _EPS:
+        if total > available + _EPS:
             parts = " + ".join(
                 f"{pool.name} {pool.world_size}x{pool.bundle.get(key, 0.0):g}"
                 for pool, amount in asked
                 if amount
             )
             raise ClusterTooSmall(
-                f"the workers ask for {total:g} {key}s ({parts}), this machine has {have:g}; "
+                f"the workers ask for {total:g} {key}s ({parts}), {where} has {available:g}; "
                 "lower the workers per node or the CPUs/GPUs per worker "
                 "(trainer., actor., critic., rollout.workers_per_node and *_per_worker)"
             )

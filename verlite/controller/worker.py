@@ -2,8 +2,8 @@
 of the group protocol.
 
 A :class:`verlite.controller.worker_group.WorkerGroup` wraps a subclass with ``ray.remote``
-and creates one per bundle, passing ``role``, ``rank``, ``world_size``, ``torch_threads``
-and the subclass's own keyword arguments. The group then asks rank 0 for a rendezvous
+and creates one per bundle, passing ``role``, ``rank``, ``world_size``, ``torch_threads``,
+the driver's working directory and the subclass's own keyword arguments. The group then asks rank 0 for a rendezvous
 address and has every rank join the process group concurrently (as Ray Train does).
 """
 
@@ -23,8 +23,20 @@ class Worker:
     """One rank of a worker group; subclasses add the role's methods (e.g. ``update_actor``)."""
 
     def __init__(
-        self, *, role: str, rank: int, world_size: int, torch_threads: int, **_: Any
+        self,
+        *,
+        role: str,
+        rank: int,
+        world_size: int,
+        torch_threads: int,
+        cwd: str | None = None,
+        **_: Any,
     ) -> None:
+        # Relative paths of the config (output folder, model, data) mean what they mean on
+        # the driver, also in a Ray session opened elsewhere (a notebook's); a node where the
+        # driver's folder does not exist keeps its own.
+        if cwd is not None and os.path.isdir(cwd):
+            os.chdir(cwd)
         # Several workers share the node's cores; torch's default of one thread per core
         # would oversubscribe them.
         torch.set_num_threads(torch_threads)

@@ -6,6 +6,7 @@ TensorDicts travel both ways as raw byte arrays (``verlite.controller.transport`
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -114,6 +115,7 @@ class WorkerGroup:
                         rank=rank,
                         world_size=self.world_size,
                         torch_threads=torch_threads,
+                        cwd=os.getcwd(),
                         **worker_kwargs,
                     )
                 )

@@ -161,7 +161,7 @@ def test_every_score_must_be_a_number_in_0_1(bad: str) -> None:
 def test_the_token_is_sent_and_never_shown(service: ScoringService) -> None:
     token = "s3cr3t-t0ken-value"
     service.reset("echo_auth")
-    message = failure(scorer(service.url, token=token))
+    message = failure(scorer(service.url, token=token, concurrency=1))
     assert service.authorization[0] == f"Bearer {token}"
     assert "HTTP 400" in message and token not in message
 

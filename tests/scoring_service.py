@@ -31,6 +31,8 @@ class ScoringService:
         self.script: list[str] = []
         self.delay_s = 1.0
         self.down = False  # every request answers 500 (a service that stays down)
+        self.down_after: int | None = None  # down once it has answered this many "ok"
+        self.answered = 0
         self.barrier: threading.Barrier | None = None  # requests wait until this many overlap
         self.requests = 0
         self.batch_sizes: list[int] = []
@@ -38,29 +40,41 @@ class ScoringService:
         self.in_flight = 0
         self.max_in_flight = 0
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self.server = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
 
     def reset(self, *script: str) -> None:
+        # A handler may still be finishing a reply the client already has.
+        deadline = time.monotonic() + 5
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
         with self.lock:
-            self.script = list(script)
-            self.down, self.barrier = False, None
+            self.script, self.delay_s = list(script), 1.0
+            self.down, self.down_after, self.answered, self.barrier = False, None, 0, None
             self.requests, self.batch_sizes, self.authorization = 0, [], []
             self.max_in_flight = 0
 
     def next_behaviour(self) -> str:
         with self.lock:
             self.requests += 1
+            self.down = self.down or self.answered == self.down_after
             if self.down:
                 return "500"
-            return self.script.pop(0) if self.script else "ok"
+            behaviour = self.script.pop(0) if self.script else "ok"
+            self.answered += behaviour == "ok"
+            return behaviour
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that timed out and left: what it saw is what the tests check
 
 
 @contextmanager
 def scoring_service() -> Iterator[ScoringService]:
     service = ScoringService()
-    thread = threading.Thread(target=service.server.serve_forever, daemon=True)
+    thread = threading.Thread(target=service.server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     try:
         yield service

@@ -59,6 +59,9 @@ def failure(remote: RemoteScorer) -> str:
 
 
 def test_scores_come_back_in_order_over_batches(service: ScoringService) -> None:
+    # The first batch's reply comes last.
+    service.reset("slow")
+    service.delay_s = 0.2
     scores, _ = score(scorer(service.url, batch_size=4, concurrency=3))
     assert scores == EXPECTED
     assert sorted(service.batch_sizes) == [2, 4, 4]
@@ -182,8 +185,8 @@ def test_a_long_stage_says_how_far_it_is(
     service: ScoringService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(remote_module, "PROGRESS_EVERY_S", 0.1)
-    service.delay_s = 0.4
     service.reset("ok", "slow")
+    service.delay_s = 0.4
     _, out = score(scorer(service.url, concurrency=1))
     assert f"reward: 1/3 batches (4/10 responses) scored by {service.url} in 0 s" in out
 

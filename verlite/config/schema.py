@@ -450,17 +450,18 @@ class RemoteRewardConfig(Section):
     url: Annotated[str | None, AfterValidator(_service_url)] = Field(
         None,
         description="http(s) URL the responses are POSTed to, as JSON batches; its scores are "
-        "the reward. None: no remote verifier. Probed with one tiny request before Ray starts.",
+        "the reward (not with reward.fn or rollout.multi_turn.env). None: no remote verifier. "
+        "Probed with one request of one response before Ray starts.",
     )
     batch_size: PositiveInt = Field(64, description="Responses per request.")
     concurrency: Annotated[int, Field(gt=0, le=256)] = Field(
-        4, description="Requests in flight at once (1-256)."
+        4, description="Requests in flight at once."
     )
     timeout_s: float = Field(
         30.0,
         gt=0.0,
-        description="Longest one request may take, connecting to the last byte of its reply; "
-        "a slower one is retried.",
+        description="Most seconds one request may take, from connecting to the end of its "
+        "reply; a slower one is retried.",
     )
     max_retries: Annotated[int, Field(ge=0, le=100)] = Field(
         3,

@@ -18,6 +18,7 @@ from verlite.rewards import digit_match
 #   slow          the right scores after ``ScoringService.delay_s``
 #   500, 429, 404 that status
 #   drop          the connection closed without a reply
+#   trickle       the right scores, a byte every 0.05 s
 #   malformed     a reply that is not JSON
 #   short         one score fewer than responses
 #   out_of_range  the last score 1.5
@@ -105,7 +106,7 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 service.batch_sizes.append(len(body["responses"]))
                 service.authorization.append(self.headers.get("Authorization"))
             if service.barrier is not None:
-                service.barrier.wait(timeout=5)
+                service.barrier.wait(timeout=10)
             if behaviour == "drop":
                 self.close_connection = True
                 return
@@ -128,13 +129,19 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 scores = scores[:-1]
             if behaviour == "out_of_range":
                 scores[-1] = 1.5
-            self._send(200, json.dumps({"scores": scores}).encode())
+            self._send(200, json.dumps({"scores": scores}).encode(), trickle=behaviour == "trickle")
 
-        def _send(self, status: int, payload: bytes) -> None:
+        def _send(self, status: int, payload: bytes, *, trickle: bool = False) -> None:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
-            self.wfile.write(payload)
+            if not trickle:
+                self.wfile.write(payload)
+                return
+            for i in range(len(payload)):
+                self.wfile.write(payload[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
 
     return Handler

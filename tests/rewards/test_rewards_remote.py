@@ -73,7 +73,9 @@ def test_requests_overlap_up_to_the_concurrency(service: ScoringService, concurr
     # rounds of 4): with fewer in flight the barrier breaks, and without retries so does
     # the stage.
     service.barrier = threading.Barrier(concurrency) if concurrency > 1 else None
-    remote = scorer(service.url, batch_size=1, concurrency=concurrency, max_retries=0)
+    remote = scorer(
+        service.url, batch_size=1, concurrency=concurrency, max_retries=0, timeout_s=30.0
+    )
     assert remote.score(RESPONSES[:8], ANSWERS[:8], PROMPTS[:8]) == EXPECTED[:8]
     assert service.max_in_flight == concurrency
 
@@ -85,6 +87,7 @@ def test_requests_overlap_up_to_the_concurrency(service: ScoringService, concurr
         (["429"], "HTTP 429 Too Many Requests"),
         (["drop"], "the connection failed: Remote end closed connection without response"),
         (["slow"], "no whole reply within 0.3 s (reward.remote.timeout_s)"),
+        (["trickle"], "no whole reply within 0.3 s (reward.remote.timeout_s)"),
     ],
 )
 def test_a_failure_a_retry_can_mend_is_retried_and_said(

@@ -289,6 +289,10 @@ ERRORS = [
         "reward.remote.url='https://***@scorer/score': must not hold credentials",
     ),
     (
+        ["reward.remote.url=https://scorer/score?model=a&api_key=hunter22"],
+        "reward.remote.url='https://scorer/score': must not hold credentials (?api_key=...)",
+    ),
+    (
         ["reward.remote.auth_env=sk-live-51Hx"],
         "reward.remote.auth_env must be the name of an environment variable",
     ),
@@ -458,5 +462,7 @@ def test_the_config_reference_is_current_and_covers_every_field() -> None:
 
 def test_credentials_given_for_the_remote_verifier_are_never_shown() -> None:
     assert "hunter22" not in error_of("reward.remote.url=https://me:hunter22@scorer/score")
+    assert "hunter22" not in error_of("reward.remote.url=ftp://scorer/score?token=hunter22")
+    assert "hunter22" not in error_of("reward.remote.url=http://scorer/score?sig=hunter22")
     # A token pasted where the variable's name belongs.
     assert "sk-live-51Hx" not in error_of("reward.remote.auth_env=sk-live-51Hx")

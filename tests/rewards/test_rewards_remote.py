@@ -199,7 +199,7 @@ def test_the_probe_fails_in_seconds_on_a_service_that_is_down(service: ScoringSe
     assert service.batch_sizes == [1]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{sock.getsockname()[1]}/score?key=abc"
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/score?model=small"
     started = time.monotonic()
     with pytest.raises(UserError) as info:
         scorer(url, max_retries=5, retry_backoff_s=10.0).probe("100=", "100")

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -409,18 +409,22 @@ class AlgorithmConfig(Section):
 
 
 def _service_url(value: str | None) -> str | None:
-    # The message starts with the field name so that the error line shows the URL redacted
-    # (config loading then prints it as it is), never a password it would otherwise echo.
+    # The message starts with the field name so that config loading prints it as it is: the
+    # URL without user:password@ or its query, never a credential it would otherwise echo.
     if value is None:
         return None
     parts = urlsplit(value)
-    where = f"reward.remote.url={shown(_URL_USERINFO.sub('***@', value))}"
+    where = f"reward.remote.url={shown(_URL_USERINFO.sub('***@', re.split(r'[?#]', value)[0]))}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{where}: must be an http:// or https:// URL with a host")
-    if "@" in parts.netloc:
+    secret_names = [
+        name for name, _ in parse_qsl(parts.query, keep_blank_values=True) if _SECRET.search(name)
+    ]
+    if "@" in parts.netloc or secret_names:
+        held = f"?{'&'.join(secret_names)}=..." if secret_names else "user:password@"
         raise ValueError(
-            f"{where}: must not hold credentials (user:password@); name an environment "
-            "variable holding a bearer token in reward.remote.auth_env instead"
+            f"{where}: must not hold credentials ({held}); name an environment variable "
+            "holding a bearer token in reward.remote.auth_env instead"
         )
     try:
         parts.port  # noqa: B018 (it raises on a port that is not a number in range)
@@ -430,6 +434,8 @@ def _service_url(value: str | None) -> str | None:
 
 
 _URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+# Query parameters named like a credential (?api_key=..., ?token=..., ?sig=...).
+_SECRET = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 

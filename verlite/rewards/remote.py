@@ -10,7 +10,8 @@ followed (they would carry the token elsewhere).
 
 Failures. Retried up to ``max_retries`` times, waiting ``retry_backoff_s`` and twice as long
 at each further retry: no connection (refused, reset, dropped before the reply), no whole
-reply within ``timeout_s``, HTTP 5xx and 429 -- what a service that restarts or sheds load
+reply within ``timeout_s`` (a reply still arriving then is cut off; a read that stalls waits
+at most ``timeout_s`` itself), HTTP 5xx and 429 -- what a service that restarts or sheds load
 does. Not retried, since a retry cannot mend a service's bug: any other status, a reply that
 is not JSON or not ``{"scores": [...]}``, another count of scores than of responses, a score
 that is not a number in [0, 1]. Either way the step stops with a :class:`RemoteRewardError`

@@ -278,6 +278,52 @@ ERRORS = [
         ["algorithm.recompute_old_log_probs=never"],
         "algorithm.recompute_old_log_probs='never': Input should be 'auto' or 'always'",
     ),
+    (
+        ["reward.remote.url=ftp://scorer/score"],
+        "reward.remote.url='ftp://scorer/score': must be an http:// or https:// URL with a host",
+    ),
+    (["reward.remote.url=http:///score"], "reward.remote.url='http:///score': must be an http://"),
+    (["reward.remote.url=http://h:99999/"], "reward.remote.url='http://h:99999/': the port must"),
+    (
+        ["reward.remote.url=https://me:hunter22@scorer/score"],
+        "reward.remote.url='https://***@scorer/score': must not hold credentials",
+    ),
+    (
+        ["reward.remote.url=https://scorer/score?model=a&api_key=hunter22"],
+        "reward.remote.url='https://scorer/score': must not hold credentials (?api_key=...)",
+    ),
+    (
+        ["reward.remote.auth_env=sk-live-51Hx"],
+        "reward.remote.auth_env must be the name of an environment variable",
+    ),
+    (["reward.remote.batch_size=0"], "reward.remote.batch_size=0: Input should be greater than 0"),
+    (
+        ["reward.remote.concurrency=1000"],
+        "reward.remote.concurrency=1000: Input should be less than or equal to 256",
+    ),
+    (["reward.remote.timeout_s=0"], "reward.remote.timeout_s=0: Input should be greater than 0"),
+    (
+        ["reward.remote.max_retries=-1"],
+        "reward.remote.max_retries=-1: Input should be greater than or equal to 0",
+    ),
+    (
+        ["reward.remote.retry_backoff_s=-1"],
+        "reward.remote.retry_backoff_s=-1: Input should be greater than or equal to 0",
+    ),
+    (
+        [
+            "reward.remote.url=http://127.0.0.1:8000/score",
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=64",
+        ],
+        "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by its "
+        "environment; unset one of them",
+    ),
+    (
+        ["reward.remote.url=http://127.0.0.1:8000/score", "reward.fn=exact_match"],
+        "reward.remote.url and reward.fn='exact_match': the remote verifier's scores are the "
+        "reward; unset one of them",
+    ),
     (["foo"], "malformed override 'foo'; expected dotted.key=value"),
     (["=3"], "malformed override '=3'"),
     (["actor..lr=3"], "malformed override 'actor..lr=3'"),
@@ -412,3 +458,11 @@ def test_the_config_reference_is_current_and_covers_every_field() -> None:
 
     for entry in fields(Config, ""):
         assert entry in reference, entry
+
+
+def test_credentials_given_for_the_remote_verifier_are_never_shown() -> None:
+    assert "hunter22" not in error_of("reward.remote.url=https://me:hunter22@scorer/score")
+    assert "hunter22" not in error_of("reward.remote.url=ftp://scorer/score?token=hunter22")
+    assert "hunter22" not in error_of("reward.remote.url=http://scorer/score?sig=hunter22")
+    # A token pasted where the variable's name belongs.
+    assert "sk-live-51Hx" not in error_of("reward.remote.auth_env=sk-live-51Hx")

@@ -47,6 +47,7 @@ from verlite.errors import RunFailure
 from verlite.models import attention_crossover, check_packing_supported, check_tokenizer_fits
 from verlite.output_folder import FolderLock, prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
+from verlite.rewards.remote import RemoteScorer
 from verlite.rollout import SamplingParams, sample_keys
 from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.rollouts import Rollouts, StepPrompts
@@ -137,8 +138,9 @@ class Timer:
 class RunInputs:
     """What a run reads before any worker starts, so that a bad file, checkpoint or output
     folder fails in a second, before Ray: the tokenizer, the prompt datasets, the reward
-    function, the checkpoint to resume from (None: a fresh run) and the hold on the output
-    folder, made ready under its contract (``verlite.output_folder``)."""
+    function or the remote verifier (probed: it answers), the checkpoint to resume from
+    (None: a fresh run) and the hold on the output folder, made ready under its contract
+    (``verlite.output_folder``)."""
 
     tokenizer: PreTrainedTokenizerBase
     train_set: PromptDataset
@@ -146,6 +148,7 @@ class RunInputs:
     reward_fn: RewardFn
     resume_from: Path | None
     folder: FolderLock
+    remote: RemoteScorer | None = None
 
     @classmethod
     def load(cls, cfg: Config) -> RunInputs:
@@ -160,13 +163,16 @@ class RunInputs:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
         reward_fn = resolve_reward(cfg)
+        remote = RemoteScorer.from_config(cfg.reward.remote)
+        if remote is not None:
+            remote.probe(train_set[0]["prompt"], train_set[0]["answer"])
         if "mlflow" in cfg.trainer.loggers:
             check_tracking_server(cfg.trainer.mlflow_tracking_uri)
         if "wandb" in cfg.trainer.loggers:
             check_wandb(cfg.trainer.wandb)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from, folder = prepare_output_folder(cfg)
-        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder)
+        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote)
 
 
 class Trainer:
@@ -200,7 +206,7 @@ class Trainer:
         self.output_dir = Path(cfg.trainer.output_dir)
         self.tokenizer = inputs.tokenizer
         self.train_set, self.val_set = inputs.train_set, inputs.val_set
-        self.reward_fn = inputs.reward_fn
+        self.reward_fn, self.remote = inputs.reward_fn, inputs.remote
         self.actor, self.critic = actor, critic
         self.restarts = restarts  # of this run so far (``trainer/restarts``)
         # Where each checkpoint this run saves is recorded (a restart resumes the last).
@@ -448,8 +454,8 @@ class Trainer:
         return prompts, [r for r in records for _ in range(repeat)]
 
     def _score(self, batch: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
-        """Each row's score: its environment's last reward (multi-turn), else the reward
-        function's on the decoded response."""
+        """Each row's score: its environment's last reward (multi-turn), else the remote
+        verifier's or the reward function's on the decoded response."""
         if "env_score" in set(batch.keys()):
             return batch["env_score"].float()
         texts = [
@@ -460,12 +466,13 @@ class Trainer:
         ]
         answers = [r["answer"] for r in records]
         prompts = [r["prompt"] for r in records]
-        return torch.tensor(
-            score_responses(
+        if self.remote is not None:
+            scores = self.remote.score(texts, answers, prompts)
+        else:
+            scores = score_responses(
                 self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
-            ),
-            dtype=torch.float32,
-        )
+            )
+        return torch.tensor(scores, dtype=torch.float32)
 
     @staticmethod
     def _multi_turn(batch: TensorDict) -> dict[str, float]:

@@ -10,9 +10,11 @@ that a run logs is the config it uses. Sizes derived from several fields live in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl, urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -27,6 +29,7 @@ from pydantic import (
 
 from verlite.core.advantages import ADV_ESTIMATORS, ESTIMATORS_NEEDING_CRITIC
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+from verlite.errors import shown
 
 
 def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
@@ -406,6 +409,86 @@ class AlgorithmConfig(Section):
     )
 
 
+def _service_url(value: str | None) -> str | None:
+    # The message starts with the field name so that config loading prints it as it is: the
+    # URL without user:password@ or its query, never a credential it would otherwise echo.
+    if value is None:
+        return None
+    parts = urlsplit(value)
+    where = f"reward.remote.url={shown(_URL_USERINFO.sub('***@', re.split(r'[?#]', value)[0]))}"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{where}: must be an http:// or https:// URL with a host")
+    secret_names = [
+        name for name, _ in parse_qsl(parts.query, keep_blank_values=True) if _SECRET.search(name)
+    ]
+    if "@" in parts.netloc or secret_names:
+        held = f"?{'&'.join(secret_names)}=..." if secret_names else "user:password@"
+        raise ValueError(
+            f"{where}: must not hold credentials ({held}); name an environment variable "
+            "holding a bearer token in reward.remote.auth_env instead"
+        )
+    try:
+        parts.port  # noqa: B018 (it raises on a port that is not a number in range)
+    except ValueError:
+        raise ValueError(f"{where}: the port must be a number from 0 to 65535") from None
+    return value
+
+
+_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
+# Query parameters named like a credential (?api_key=..., ?token=..., ?sig=...).
+_SECRET = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _environment_name(value: str | None) -> str | None:
+    # The value is not shown: what is not a variable's name may be the token itself.
+    if value is not None and not _ENV_NAME.fullmatch(value):
+        raise ValueError(
+            "reward.remote.auth_env must be the name of an environment variable (letters, "
+            "digits, '_'; not a digit first) that holds the token, never the token itself"
+        )
+    return value
+
+
+class RemoteRewardConfig(Section):
+    """A remote verifier: a user's HTTP service that scores batches of responses (README,
+    "Remote verifiers"; the protocol is in verlite/rewards/remote.py)."""
+
+    url: Annotated[str | None, AfterValidator(_service_url)] = Field(
+        None,
+        description="http(s) URL the responses are POSTed to, as JSON batches; its scores are "
+        "the reward (not with reward.fn or rollout.multi_turn.env). None: no remote verifier. "
+        "Probed with one request of one response before Ray starts.",
+    )
+    batch_size: PositiveInt = Field(64, description="Responses per request.")
+    concurrency: Annotated[int, Field(gt=0, le=256)] = Field(
+        4, description="Requests in flight at once."
+    )
+    timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="Most seconds one request may take, from connecting to the end of its "
+        "reply; a slower one is retried.",
+    )
+    max_retries: Annotated[int, Field(ge=0, le=100)] = Field(
+        3,
+        description="Retries of a request that failed in a way a retry can mend (no "
+        "connection, a timeout, HTTP 5xx or 429); then the run stops naming the batch. A "
+        "malformed reply, another 4xx or a score outside [0, 1] stops it at once.",
+    )
+    retry_backoff_s: float = Field(
+        1.0,
+        ge=0.0,
+        le=600.0,
+        description="Wait before the first retry of a request; it doubles with each retry.",
+    )
+    auth_env: Annotated[str | None, AfterValidator(_environment_name)] = Field(
+        None,
+        description="Name of the environment variable that holds a bearer token for the "
+        "service (sent as 'Authorization: Bearer ...'; never logged). None sends none.",
+    )
+
+
 class RewardConfig(Section):
     """How responses are scored: every reward, built-in or user, returns a finite score in [0, 1]."""
 
@@ -419,6 +502,10 @@ class RewardConfig(Section):
         gt=0.0,
         description="Longest one call of the reward function may take; a slower call stops the "
         "run with an error naming the response.",
+    )
+    remote: RemoteRewardConfig = Field(
+        default_factory=RemoteRewardConfig,
+        description="A remote verifier (HTTP service) whose scores are the reward instead of fn's.",
     )
 
 
@@ -666,6 +753,7 @@ class Config(Section):
                 "rollout_correction=none or a temperature > 0"
             )
         self._check_multi_turn()
+        self._check_remote_reward()
         rollout_workers = self.trainer.nnodes * (self.rollout.workers_per_node or 1)
         if self.rollout.placement == "split" and rollout_workers > self.sequences_per_step:
             raise ValueError(
@@ -675,6 +763,20 @@ class Config(Section):
                 "rollout.n); some would have nothing to generate"
             )
         return self
+
+    def _check_remote_reward(self) -> None:
+        if self.reward.remote.url is None:
+            return
+        if self.rollout.multi_turn.env is not None:
+            raise ValueError(
+                "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by "
+                "its environment; unset one of them"
+            )
+        if self.reward.fn is not None:
+            raise ValueError(
+                f"reward.remote.url and reward.fn={self.reward.fn!r}: the remote verifier's "
+                "scores are the reward; unset one of them"
+            )
 
     def _check_multi_turn(self) -> None:
         multi_turn = self.rollout.multi_turn

@@ -1,0 +1,212 @@
+"""The remote verifier against a real HTTP service on 127.0.0.1 (tests/scoring_service.py):
+scores in order over batches and concurrent requests, failures a retry can mend retried,
+the others not, each reported in one line naming the URL, the batch and the status or value."""
+
+from __future__ import annotations
+
+import io
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from scoring_service import ScoringService, scoring_service
+
+from verlite.config.schema import RemoteRewardConfig
+from verlite.errors import RunFailure, UserError
+from verlite.rewards import digit_match
+from verlite.rewards import remote as remote_module
+from verlite.rewards.remote import RemoteRewardError, RemoteScorer
+
+# Ten distinct rows: scores returned out of order would not match the rule's.
+ANSWERS = [f"{n:03d}" for n in range(100, 110)]
+RESPONSES = [a if i % 3 == 0 else a[:2] + "9" if i % 3 == 1 else "" for i, a in enumerate(ANSWERS)]
+PROMPTS = [f"{a}=" for a in ANSWERS]
+EXPECTED = [digit_match(r, a, p) for r, a, p in zip(RESPONSES, ANSWERS, PROMPTS, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ScoringService]:
+    with scoring_service() as service:
+        yield service
+
+
+@pytest.fixture
+def service(server: ScoringService) -> ScoringService:
+    server.reset()
+    return server
+
+
+def scorer(url: str, *, token: str | None = None, **fields: Any) -> RemoteScorer:
+    settings = {"batch_size": 4, "concurrency": 2, "timeout_s": 5.0, "retry_backoff_s": 0.0}
+    return RemoteScorer(RemoteRewardConfig(url=url, **{**settings, **fields}), token=token)
+
+
+def score(remote: RemoteScorer) -> tuple[list[float], str]:
+    out = io.StringIO()
+    return remote.score(RESPONSES, ANSWERS, PROMPTS, stream=out), out.getvalue()
+
+
+def failure(remote: RemoteScorer) -> str:
+    with pytest.raises(RemoteRewardError) as info:
+        score(remote)
+    message = str(info.value)
+    assert "\n" not in message, "errors are one line"
+    assert isinstance(info.value, RunFailure), "a run failure: exit 1, resume continues"
+    return message
+
+
+def test_scores_come_back_in_order_over_batches(service: ScoringService) -> None:
+    # The first batch's reply comes last.
+    service.reset("slow")
+    service.delay_s = 0.2
+    scores, _ = score(scorer(service.url, batch_size=4, concurrency=3))
+    assert scores == EXPECTED
+    assert sorted(service.batch_sizes) == [2, 4, 4]
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_requests_overlap_up_to_the_concurrency(service: ScoringService, concurrency: int) -> None:
+    # Each request waits at the server until `concurrency` of them are in (8 batches: two
+    # rounds of 4): with fewer in flight the barrier breaks, and without retries so does
+    # the stage.
+    service.barrier = threading.Barrier(concurrency) if concurrency > 1 else None
+    remote = scorer(
+        service.url, batch_size=1, concurrency=concurrency, max_retries=0, timeout_s=30.0
+    )
+    assert remote.score(RESPONSES[:8], ANSWERS[:8], PROMPTS[:8]) == EXPECTED[:8]
+    assert service.max_in_flight == concurrency
+
+
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [
+        (["500", "500"], "HTTP 500 Internal Server Error"),
+        (["429"], "HTTP 429 Too Many Requests"),
+        (["drop"], "the connection failed: Remote end closed connection without response"),
+        (["slow"], "no whole reply within 0.3 s (reward.remote.timeout_s)"),
+        (["trickle"], "no whole reply within 0.3 s (reward.remote.timeout_s)"),
+    ],
+)
+def test_a_failure_a_retry_can_mend_is_retried_and_said(
+    service: ScoringService, script: list[str], said: str
+) -> None:
+    service.reset(*script)
+    scores, out = score(scorer(service.url, batch_size=10, timeout_s=0.3, max_retries=2))
+    assert scores == EXPECTED
+    assert service.requests == len(script) + 1
+    assert f"reward.remote.url='{service.url}': batch 0 (responses 0-9): {said}" in out
+    assert f"retrying in 0 s (attempt {len(script) + 1} of 3)" in out
+
+
+def test_the_backoff_doubles(service: ScoringService) -> None:
+    service.reset("500", "500")
+    _, out = score(scorer(service.url, batch_size=10, retry_backoff_s=0.05))
+    assert "retrying in 0.05 s (attempt 2 of 4)" in out
+    assert "retrying in 0.1 s (attempt 3 of 4)" in out
+
+
+def test_a_service_that_stays_down_stops_the_step_after_the_retries(
+    service: ScoringService,
+) -> None:
+    service.down = True
+    message = failure(scorer(service.url, max_retries=2, concurrency=1))
+    assert message.startswith(
+        f"reward.remote.url='{service.url}': batch 0 (responses 0-3): HTTP 500 Internal "
+        'Server Error: \'{"error": "scripted"}\', after 3 attempt(s) (reward.remote.max_retries=2)'
+    )
+    assert "trainer.resume=auto continues from the last checkpoint" in message
+    assert service.requests == 3, "the first failed batch ends the stage: no other is sent"
+
+
+def test_connection_refused(service: ScoringService) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/score"
+    message = failure(scorer(url, max_retries=1, concurrency=1))
+    assert message.startswith(f"reward.remote.url='{url}': batch 0 (responses 0-3): ")
+    assert "the connection failed: Connection refused, after 2 attempt(s)" in message
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "said"),
+    [
+        (
+            "malformed",
+            "the reply is not JSON (Expecting value: line 1 column 17 (char 16)): "
+            "'{\"scores\": [0.5,'",
+        ),
+        ("short", "the reply holds 3 scores for the batch's 4 responses"),
+        ("out_of_range", "response 7 ('109') scored 1.5; scores must be numbers in [0, 1]"),
+        ("404", "HTTP 404 Not Found"),
+    ],
+)
+def test_a_reply_a_retry_cannot_mend_stops_at_once(
+    service: ScoringService, behaviour: str, said: str
+) -> None:
+    # The second batch (responses 4-7) breaks the protocol; the first is fine.
+    service.reset("ok", behaviour)
+    message = failure(scorer(service.url, concurrency=1, max_retries=3))
+    assert message.startswith(f"reward.remote.url='{service.url}': batch 1 (responses 4-7): ")
+    assert said in message
+    assert message.endswith("(not retried)")
+    assert service.requests == 2
+
+
+@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-0.5", "true", '"1"', "null"])
+def test_every_score_must_be_a_number_in_0_1(bad: str) -> None:
+    remote = scorer("http://127.0.0.1:9/score")
+    batch = remote_module._Batch(0, 0, ["a", "b"], ["p", "p"], ["x", "x"])
+    assert remote._scores(b'{"scores": [0, 1]}', batch) == [0.0, 1.0]
+    with pytest.raises(remote_module._Broken, match=r"response 1 \('b'\) scored"):
+        remote._scores(f'{{"scores": [0.5, {bad}]}}'.encode(), batch)
+
+
+def test_the_token_is_sent_and_never_shown(service: ScoringService) -> None:
+    token = "s3cr3t-t0ken-value"
+    service.reset("echo_auth")
+    message = failure(scorer(service.url, token=token, concurrency=1))
+    assert service.authorization[0] == f"Bearer {token}"
+    assert "HTTP 400" in message and token not in message
+
+
+def test_the_token_comes_from_the_variable_auth_env_names(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cfg = RemoteRewardConfig(url="http://127.0.0.1:9/score", auth_env="SCORER_BEARER")
+    monkeypatch.delenv("SCORER_BEARER", raising=False)
+    with pytest.raises(UserError, match=r"^reward.remote.auth_env=SCORER_BEARER: the environment"):
+        RemoteScorer.from_config(cfg)
+    monkeypatch.setenv("SCORER_BEARER", "abc")
+    assert RemoteScorer.from_config(cfg)._headers["Authorization"] == "Bearer abc"
+    assert RemoteScorer.from_config(RemoteRewardConfig()) is None
+
+
+def test_a_long_stage_says_how_far_it_is(
+    service: ScoringService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote_module, "PROGRESS_EVERY_S", 0.1)
+    service.reset("ok", "slow")
+    service.delay_s = 0.4
+    _, out = score(scorer(service.url, concurrency=1))
+    assert f"reward: 1/3 batches (4/10 responses) scored by {service.url} in 0 s" in out
+
+
+def test_the_probe_fails_in_seconds_on_a_service_that_is_down(service: ScoringService) -> None:
+    scorer(service.url).probe("100=", "100")
+    assert service.batch_sizes == [1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}/score?model=small"
+    started = time.monotonic()
+    with pytest.raises(UserError) as info:
+        scorer(url, max_retries=5, retry_backoff_s=10.0).probe("100=", "100")
+    assert time.monotonic() - started < 5
+    shown = url.split("?")[0]
+    assert str(info.value) == (
+        f"reward.remote.url='{shown}': the start-up probe (one request scoring an empty "
+        "response to the first training prompt) failed: the connection failed: Connection "
+        "refused; start the service or correct the URL"
+    )

@@ -1,0 +1,147 @@
+"""A real scoring service for the remote-verifier tests: a ``ThreadingHTTPServer`` on
+127.0.0.1 (an ephemeral port) that speaks verlite's protocol (README, "Remote verifiers")
+and scores with ``digit_match``, with failures scripted request by request."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from verlite.rewards import digit_match
+
+# What the next requests meet, one behaviour each (then "ok"):
+#   ok            the right scores
+#   slow          the right scores after ``ScoringService.delay_s``
+#   500, 429, 404 that status
+#   drop          the connection closed without a reply
+#   trickle       the right scores, a byte every 0.05 s
+#   malformed     a reply that is not JSON
+#   short         one score fewer than responses
+#   out_of_range  the last score 1.5
+#   echo_auth     HTTP 400 whose body quotes the request's Authorization header
+
+
+class ScoringService:
+    """The server and what it saw: request count, batch sizes, most requests in flight."""
+
+    def __init__(self) -> None:
+        self.script: list[str] = []
+        self.delay_s = 1.0
+        self.down = False  # every request answers 500 (a service that stays down)
+        self.down_after: int | None = None  # down once it has answered this many "ok"
+        self.answered = 0
+        self.barrier: threading.Barrier | None = None  # requests wait until this many overlap
+        self.requests = 0
+        self.batch_sizes: list[int] = []
+        self.authorization: list[str | None] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.server = _QuietServer(("127.0.0.1", 0), _handler(self))
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/score"
+
+    def reset(self, *script: str) -> None:
+        # A handler may still be finishing a reply the client already has.
+        deadline = time.monotonic() + 5
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with self.lock:
+            self.script, self.delay_s = list(script), 1.0
+            self.down, self.down_after, self.answered, self.barrier = False, None, 0, None
+            self.requests, self.batch_sizes, self.authorization = 0, [], []
+            self.max_in_flight = 0
+
+    def next_behaviour(self) -> str:
+        with self.lock:
+            self.requests += 1
+            self.down = self.down or self.answered == self.down_after
+            if self.down:
+                return "500"
+            behaviour = self.script.pop(0) if self.script else "ok"
+            self.answered += behaviour == "ok"
+            return behaviour
+
+
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that timed out and left: what it saw is what the tests check
+
+
+@contextmanager
+def scoring_service() -> Iterator[ScoringService]:
+    service = ScoringService()
+    thread = threading.Thread(target=service.server.serve_forever, args=(0.05,), daemon=True)
+    thread.start()
+    try:
+        yield service
+    finally:
+        service.server.shutdown()
+        service.server.server_close()
+
+
+def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass  # the tests read what the client says
+
+        def do_POST(self) -> None:
+            with service.lock:
+                service.in_flight += 1
+                service.max_in_flight = max(service.max_in_flight, service.in_flight)
+            try:
+                self._answer()
+            finally:
+                with service.lock:
+                    service.in_flight -= 1
+
+        def _answer(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            behaviour = service.next_behaviour()
+            with service.lock:
+                service.batch_sizes.append(len(body["responses"]))
+                service.authorization.append(self.headers.get("Authorization"))
+            if service.barrier is not None:
+                service.barrier.wait(timeout=10)
+            if behaviour == "drop":
+                self.close_connection = True
+                return
+            if behaviour == "slow":
+                time.sleep(service.delay_s)
+            if behaviour.isdigit():
+                self._send(int(behaviour), b'{"error": "scripted"}')
+                return
+            if behaviour == "echo_auth":
+                self._send(400, f"bad request from {self.headers['Authorization']}".encode())
+                return
+            if behaviour == "malformed":
+                self._send(200, b'{"scores": [0.5,')
+                return
+            scores = [
+                digit_match(r, a, p)
+                for r, a, p in zip(body["responses"], body["answers"], body["prompts"], strict=True)
+            ]
+            if behaviour == "short":
+                scores = scores[:-1]
+            if behaviour == "out_of_range":
+                scores[-1] = 1.5
+            self._send(200, json.dumps({"scores": scores}).encode(), trickle=behaviour == "trickle")
+
+        def _send(self, status: int, payload: bytes, *, trickle: bool = False) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            if not trickle:
+                self.wfile.write(payload)
+                return
+            for i in range(len(payload)):
+                self.wfile.write(payload[i : i + 1])
+                self.wfile.flush()
+                time.sleep(0.05)
+
+    return Handler

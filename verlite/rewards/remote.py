@@ -1,0 +1,332 @@
+"""Remote verifiers: a step's responses scored by a user's HTTP service (``reward.remote``).
+
+The protocol. The responses go in batches of at most ``reward.remote.batch_size``, each one
+``POST <url>`` with ``Content-Type: application/json`` (and ``Authorization: Bearer <token>``
+when ``reward.remote.auth_env`` names a variable) and the body
+``{"responses": [...], "prompts": [...], "answers": [...]}``: three lists of strings of one
+length, row by row. The service answers ``200`` with ``{"scores": [...]}``: one JSON number
+in [0, 1] per response, in the same order (other keys are ignored). Redirects are not
+followed (they would carry the token elsewhere).
+
+Failures. Retried up to ``max_retries`` times, waiting ``retry_backoff_s`` and twice as long
+at each further retry: no connection (refused, reset, dropped before the reply), no whole
+reply within ``timeout_s`` (a reply still arriving then is cut off; a read that stalls waits
+at most ``timeout_s`` itself), HTTP 5xx and 429 -- what a service that restarts or sheds load
+does. Not retried, since a retry cannot mend a service's bug: any other status, a reply that
+is not JSON or not ``{"scores": [...]}``, another count of scores than of responses, a score
+that is not a number in [0, 1]. Either way the step stops with a :class:`RemoteRewardError`
+(a run failure: exit 1, the checkpoints written so far stay valid) in one line naming the
+URL (without credentials), the batch and its responses, and the status or the value; after
+retries, how many attempts were made. A retry is said on the console when it is made.
+
+Up to ``concurrency`` requests are in flight at once, in threads (the driver waits on the
+network). A scoring stage that takes long prints its progress, as ``scoring.py`` does.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, TextIO
+from urllib.parse import urlsplit
+
+from verlite.config.schema import RemoteRewardConfig
+from verlite.errors import RunFailure, UserError, shown
+from verlite.rewards.scoring import PROGRESS_EVERY_S
+from verlite.tracking import redact_text
+
+# A reply larger than this is no list of scores (64 MiB holds millions of them).
+MAX_REPLY_BYTES = 64 * 2**20
+_CHUNK_BYTES = 2**16
+
+
+class RemoteRewardError(RunFailure):
+    """The remote verifier failed a batch: it stayed unreachable, slow or failing after the
+    retries, or answered what a retry cannot mend."""
+
+
+class _Retryable(Exception):
+    """A failed request that a retry may mend: no connection, too slow, HTTP 5xx or 429."""
+
+
+class _Broken(Exception):
+    """A reply that breaks the protocol: a retry would get the same."""
+
+
+class _Abandoned(Exception):
+    """A batch given up because another one failed (whose error is the stage's)."""
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The rows of one request: ``start`` is the first one's index in the step."""
+
+    index: int
+    start: int
+    responses: Sequence[str]
+    prompts: Sequence[str]
+    answers: Sequence[str]
+
+    @property
+    def where(self) -> str:
+        return f"batch {self.index} (responses {self.start}-{self.start + len(self.responses) - 1})"
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    # A redirect would carry the request and its Authorization header to another URL: a
+    # 3xx stays an HTTPError, reported as what it is.
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class RemoteScorer:
+    """Scores responses with the service at ``reward.remote.url``; see the module docstring
+    for the protocol and which failures are retried."""
+
+    def __init__(self, cfg: RemoteRewardConfig, *, token: str | None = None) -> None:
+        if cfg.url is None:
+            raise ValueError("RemoteScorer needs reward.remote.url")
+        self.cfg = cfg
+        self.url = cfg.url
+        # What messages show of the URL: its scheme, host, port and path, never a query's
+        # credentials (``?key=...``).
+        parts = urlsplit(cfg.url)
+        self.shown_url = f"{parts.scheme}://{parts.netloc}{parts.path}"
+        self._token = token
+        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if token is not None:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._opener = urllib.request.build_opener(_NoRedirects)
+
+    @classmethod
+    def from_config(cls, cfg: RemoteRewardConfig) -> RemoteScorer | None:
+        """The run's remote verifier (None when ``reward.remote.url`` is unset), with the
+        bearer token read from the environment variable ``reward.remote.auth_env`` names."""
+        if cfg.url is None:
+            return None
+        token = None
+        if cfg.auth_env is not None:
+            token = os.environ.get(cfg.auth_env) or None
+            if token is None:
+                # Named only when it looks like a variable's name: a pasted token may not.
+                name = f"={cfg.auth_env}" if _CONVENTIONAL_NAME.fullmatch(cfg.auth_env) else ""
+                raise UserError(
+                    f"reward.remote.auth_env{name}: the environment variable is not set or is "
+                    "empty in this process; export it with the service's bearer token"
+                )
+        return cls(cfg, token=token)
+
+    def probe(self, prompt: str, answer: str) -> None:
+        """One request, not retried: an empty response to ``prompt`` with ``answer``. Before
+        a run starts, a service that is down, refuses the token or breaks the protocol
+        fails in seconds (a :class:`UserError`, as a wrong URL is) instead of after the
+        first rollout."""
+        started = time.monotonic()
+        try:
+            self._post(_Batch(0, 0, ("",), (prompt,), (answer,)))
+        except (_Retryable, _Broken) as exc:
+            raise UserError(
+                f"reward.remote.url={shown(self.shown_url)}: the start-up probe (one request "
+                f"scoring an empty response to the first training prompt) failed: {exc}; start "
+                "the service or correct the URL"
+            ) from None
+        print(
+            f"reward: remote verifier {self.shown_url} answered the probe in "
+            f"{time.monotonic() - started:.2f} s",
+            flush=True,
+        )
+
+    def score(
+        self,
+        responses: Sequence[str],
+        answers: Sequence[str],
+        prompts: Sequence[str],
+        *,
+        stream: TextIO | None = None,
+    ) -> list[float]:
+        """The service's score of each response, in order: batches of ``batch_size``, up
+        to ``concurrency`` of them in flight."""
+        if not len(responses) == len(answers) == len(prompts):
+            raise ValueError(
+                f"RemoteScorer.score needs one answer and prompt per response; got "
+                f"{len(responses)} responses, {len(answers)} answers, {len(prompts)} prompts"
+            )
+        out = stream or sys.stdout
+        size = self.cfg.batch_size
+        batches = [
+            _Batch(
+                i,
+                start,
+                responses[start : start + size],
+                prompts[start : start + size],
+                answers[start : start + size],
+            )
+            for i, start in enumerate(range(0, len(responses), size))
+        ]
+        if not batches:
+            return []
+        stop = threading.Event()  # set once the stage is over: no more retries
+        pool = ThreadPoolExecutor(
+            max_workers=min(self.cfg.concurrency, len(batches)), thread_name_prefix="reward"
+        )
+        try:
+            futures = [pool.submit(self._score_batch, batch, stop, out) for batch in batches]
+            self._wait(futures, out, total=len(responses))
+        finally:
+            stop.set()
+            # Requests still in flight after a failure end within timeout_s on their own.
+            pool.shutdown(wait=False, cancel_futures=True)
+        return [score for future in futures for score in future.result()]
+
+    def _wait(self, futures: list[Future[list[float]]], out: TextIO, *, total: int) -> None:
+        """Until every batch is scored; a failed batch's error (the lowest index among those
+        failed so far) stops the stage at once."""
+        started = time.monotonic()
+        next_report = started + PROGRESS_EVERY_S
+        pending: set[Future[list[float]]] = set(futures)
+        while pending:
+            timeout = max(next_report - time.monotonic(), 0.0)
+            _, pending = wait(pending, timeout=timeout, return_when=FIRST_EXCEPTION)
+            failed = [f.exception() for f in futures if f.done()]
+            errors = [e for e in failed if isinstance(e, RemoteRewardError)]
+            if errors:
+                raise errors[0]
+            now = time.monotonic()
+            if pending and now >= next_report:
+                done = [f for f in futures if f.done()]
+                scored = sum(len(f.result()) for f in done)
+                print(
+                    f"reward: {len(done)}/{len(futures)} batches ({scored}/{total} responses) "
+                    f"scored by {self.shown_url} in {now - started:.0f} s",
+                    file=out,
+                    flush=True,
+                )
+                next_report = now + PROGRESS_EVERY_S
+
+    def _score_batch(self, batch: _Batch, stop: threading.Event, out: TextIO) -> list[float]:
+        """The batch's scores, retried as the module docstring says. A batch that fails sets
+        ``stop``: no request of the stage is sent or retried after that."""
+        attempts = self.cfg.max_retries + 1
+        where = f"reward.remote.url={shown(self.shown_url)}: {batch.where}"
+        for attempt in range(1, attempts + 1):
+            if stop.is_set():
+                break
+            try:
+                return self._post(batch)
+            except _Broken as exc:
+                stop.set()
+                raise RemoteRewardError(f"{where}: {exc} (not retried)") from None
+            except _Retryable as exc:
+                if attempt == attempts:
+                    stop.set()
+                    raise RemoteRewardError(
+                        f"{where}: {exc}, after {attempt} attempt(s) (reward.remote.max_retries="
+                        f"{self.cfg.max_retries}); the service stays down or failing: once it "
+                        "answers, trainer.resume=auto continues from the last checkpoint"
+                    ) from None
+                wait_s = self.cfg.retry_backoff_s * 2 ** (attempt - 1)
+                print(
+                    f"reward: {where}: {exc}; retrying in {wait_s:g} s "
+                    f"(attempt {attempt + 1} of {attempts})",
+                    file=out,
+                    flush=True,
+                )
+                stop.wait(wait_s)
+        raise _Abandoned
+
+    def _post(self, batch: _Batch) -> list[float]:
+        """One request: the batch's scores, checked; :class:`_Retryable` or :class:`_Broken`."""
+        body = json.dumps(
+            {
+                "responses": list(batch.responses),
+                "prompts": list(batch.prompts),
+                "answers": list(batch.answers),
+            }
+        ).encode()
+        request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
+        timeout_s = self.cfg.timeout_s
+        deadline = time.monotonic() + timeout_s
+        try:
+            with self._opener.open(request, timeout=timeout_s) as reply:
+                raw = _read_until(reply, deadline)
+        except urllib.error.HTTPError as exc:
+            status = f"HTTP {exc.code} {exc.reason}{self._excerpt(_body_of(exc))}"
+            if exc.code == 429 or exc.code >= 500:
+                raise _Retryable(status) from None
+            raise _Broken(status) from None
+        except (OSError, http.client.HTTPException) as exc:  # URLError and timeouts too
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            if isinstance(reason, TimeoutError):
+                raise _Retryable(
+                    f"no whole reply within {timeout_s:g} s (reward.remote.timeout_s)"
+                ) from None
+            raise _Retryable(f"the connection failed: {_reason(reason)}") from None
+        return self._scores(raw, batch)
+
+    def _scores(self, raw: bytes, batch: _Batch) -> list[float]:
+        try:
+            reply = json.loads(raw)
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
+            raise _Broken(f"the reply is not JSON ({exc}){self._excerpt(raw)}") from None
+        scores = reply.get("scores") if isinstance(reply, dict) else None
+        if not isinstance(scores, list):
+            raise _Broken(f'the reply is not {{"scores": [...]}}{self._excerpt(raw)}')
+        if len(scores) != len(batch.responses):
+            raise _Broken(
+                f"the reply holds {len(scores)} scores for the batch's "
+                f"{len(batch.responses)} responses"
+            )
+        for i, score in enumerate(scores):
+            # A JSON number (true and false are not); NaN fails the comparison too.
+            if isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1:
+                raise _Broken(
+                    f"response {batch.start + i} ({shown(batch.responses[i], 60)}) scored "
+                    f"{shown(score, 60)}; scores must be numbers in [0, 1]"
+                )
+        return [float(score) for score in scores]
+
+    def _excerpt(self, raw: bytes) -> str:
+        """The start of a reply, for a message: one line, the token masked."""
+        text = " ".join(raw[:300].decode("utf-8", "replace").split())
+        return f": {shown(redact_text(text, [self._token or '']), 160)}" if text else ""
+
+
+# Environment variables are conventionally named in capitals; a token rarely is.
+_CONVENTIONAL_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def _read_until(reply: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The reply's body, read by chunks: past ``deadline`` it is a timeout (the socket's own
+    timeout bounds each read, not a reply that trickles)."""
+    chunks, size = [], 0
+    while chunk := reply.read1(_CHUNK_BYTES):
+        size += len(chunk)
+        if size > MAX_REPLY_BYTES:
+            raise _Broken(f"the reply is larger than {MAX_REPLY_BYTES} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _body_of(error: urllib.error.HTTPError) -> bytes:
+    try:
+        return error.read(300)
+    except (OSError, http.client.HTTPException):
+        return b""
+
+
+def _reason(reason: object) -> str:
+    if isinstance(reason, OSError) and reason.strerror:
+        return reason.strerror
+    return " ".join(str(reason).split()) or type(reason).__name__

@@ -405,6 +405,33 @@ class AlgorithmConfig(Section):
     )
 
 
+class RewardModelConfig(Section):
+    """A reward model: a Hugging Face sequence-classification model scored by a worker group
+    of its own (role ``reward``), placed like the critic."""
+
+    path: NonEmptyStr | None = Field(
+        None,
+        description="Local Hugging Face sequence-classification model directory (weights, "
+        "config.json with one label, its own tokenizer); it reads prompt + response as text "
+        "and scores sigmoid(logit). None: no reward model.",
+    )
+    workers_per_node: PositiveInt | None = Field(
+        None,
+        description="Reward-model workers on each node (over trainer.nnodes nodes; CPUs and "
+        "GPUs per worker as trainer's, shared with roles of the same count under "
+        "trainer.placement=colocate); None uses trainer.workers_per_node.",
+    )
+    micro_batch_size_per_worker: PositiveInt = Field(
+        16, description="Responses one reward-model worker scores per forward pass."
+    )
+    max_length: PositiveInt | None = Field(
+        None,
+        description="Most reward-model tokens of one prompt + response; a longer text keeps its "
+        "last tokens (the response's end, which the score is read at; reward/model/truncated "
+        "counts them). None: the model's max_position_embeddings.",
+    )
+
+
 class RewardConfig(Section):
     """How responses are scored: every reward, built-in or user, returns a finite score in [0, 1]."""
 
@@ -419,6 +446,51 @@ class RewardConfig(Section):
         description="Longest one call of the reward function may take; a slower call stops the "
         "run with an error naming the response.",
     )
+    model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig,
+        description="A reward model scored by a worker group of its own.",
+    )
+    combine: dict[str, float] | None = Field(
+        None,
+        description="The step's score as a weighted sum of reward sources, e.g. {fn: 0.5, model: "
+        "0.5}: fn (the rule-based reward: reward.fn or the task's) and model (reward.model, when "
+        "set); weights >= 0, not all 0; a source of weight 0 is scored and logged "
+        "(reward/<source>/mean) without counting. None: {model: 1} with a reward model, else "
+        "{fn: 1}.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_combine(cls, data: Any) -> Any:
+        """An unset ``combine`` is resolved at load: the reward model alone when one is set."""
+        if not isinstance(data, Mapping) or data.get("combine") is not None:
+            return data
+        model = _as_dict(data.get("model"))
+        has_model = isinstance(model, dict) and model.get("path") is not None
+        return {**data, "combine": {"model": 1.0} if has_model else {"fn": 1.0}}
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The reward sources this config sets up: what ``combine`` may weigh."""
+        return ("fn", *(("model",) if self.model.path is not None else ()))
+
+    @model_validator(mode="after")
+    def _check_combine(self) -> RewardConfig:
+        assert self.combine is not None  # filled by _default_combine
+        for source, weight in self.combine.items():
+            if source not in self.sources:
+                unset = " (reward.model.path is unset)" if source == "model" else ""
+                raise ValueError(
+                    f"reward.combine.{source}: not a configured reward source{unset}; "
+                    f"configured: {', '.join(self.sources)}"
+                )
+            if weight < 0:
+                raise ValueError(f"reward.combine.{source}={weight:g}: weights must be >= 0")
+        if not any(self.combine.values()):
+            raise ValueError(
+                f"reward.combine={self.combine}: no source has a weight > 0; give at least one"
+            )
+        return self
 
 
 class TrainerConfig(Section):
@@ -542,6 +614,12 @@ class Config(Section):
                 if rollout.get(key) is None and _is_valid(TrainerConfig, key, value):
                     rollout[key] = value
             data["rollout"] = rollout
+        reward = _as_dict(data.get("reward"))
+        reward_model = _as_dict(reward.get("model")) if isinstance(reward, dict) else None
+        if isinstance(reward_model, dict) and reward_model.get("workers_per_node") is None:
+            value = _get(trainer, "workers_per_node", TrainerConfig)
+            if _is_valid(TrainerConfig, "workers_per_node", value):
+                data["reward"] = {**reward, "model": {**reward_model, "workers_per_node": value}}
         actor, critic = sections["actor"], sections["critic"]
         if isinstance(actor, dict) and isinstance(critic, dict):
             trainer_wpn = _get(sections["trainer"], "workers_per_node", TrainerConfig)
@@ -639,6 +717,12 @@ class Config(Section):
                 "rollout_correction=none or a temperature > 0"
             )
         self._check_multi_turn()
+        if self.reward.model.path is not None and self.rollout.multi_turn.env is not None:
+            raise ValueError(
+                f"reward.model.path={self.reward.model.path!r} with rollout.multi_turn.env="
+                f"{self.rollout.multi_turn.env!r}: a multi-turn run is scored by its environment; "
+                "unset one of them"
+            )
         rollout_workers = self.trainer.nnodes * (self.rollout.workers_per_node or 1)
         if self.rollout.placement == "split" and rollout_workers > self.sequences_per_step:
             raise ValueError(

@@ -5,7 +5,6 @@ the weighted sum of ``rewards.combine``."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 

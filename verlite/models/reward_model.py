@@ -142,12 +142,13 @@ def score_texts(
     """``sigmoid(logit)`` at each text's last token, float32, for one micro-batch of texts
     (right-padded here: a real token never attends to a pad under causal attention, and the
     score is read at each row's own last token)."""
-    lengths = torch.tensor([len(row) for row in ids], device=device)
+    lengths = torch.tensor([len(row) for row in ids])
     width = int(lengths.max())
-    input_ids = torch.zeros(len(ids), width, dtype=torch.long, device=device)
+    input_ids = torch.zeros(len(ids), width, dtype=torch.long)  # the pad id is never read
     for row, values in enumerate(ids):
         input_ids[row, : len(values)] = torch.tensor(values, dtype=torch.long)
-    mask = (torch.arange(width, device=device) < lengths[:, None]).long()
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    input_ids, mask, lengths = input_ids.to(device), mask.to(device), lengths.to(device)
     base = getattr(model, model.base_model_prefix)
     hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
     last = hidden[torch.arange(len(ids), device=device), lengths - 1]

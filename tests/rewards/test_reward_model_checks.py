@@ -39,6 +39,10 @@ CONFIG_ERRORS = [
         "reward.combine={'fn': 0.0, 'model': 0.0}: no source has a weight > 0",
     ),
     (["reward.combine={}"], "reward.combine={}: no source has a weight > 0"),
+    (
+        ["reward.model.path=rm", "reward.combine={fn: 1}"],
+        "reward.combine={'fn': 1.0} leaves out model, but reward.model.path is set",
+    ),
     (["reward.combine={fn: nan}"], "reward.combine.fn='nan': Input should be a finite number"),
     (
         [

@@ -454,9 +454,9 @@ class RewardConfig(Section):
         None,
         description="The step's score as a weighted sum of reward sources, e.g. {fn: 0.5, model: "
         "0.5}: fn (the rule-based reward: reward.fn or the task's) and model (reward.model, when "
-        "set); weights >= 0, not all 0; a source of weight 0 is scored and logged "
-        "(reward/<source>/mean) without counting. None: {model: 1} with a reward model, else "
-        "{fn: 1}.",
+        "set, and then named); weights >= 0, not all 0; a source of weight 0 is scored and "
+        "logged (reward/<source>/mean) without counting. None: {model: 1} with a reward model, "
+        "else {fn: 1}.",
     )
 
     @model_validator(mode="before")
@@ -486,6 +486,11 @@ class RewardConfig(Section):
                 )
             if weight < 0:
                 raise ValueError(f"reward.combine.{source}={weight:g}: weights must be >= 0")
+        if self.model.path is not None and "model" not in self.combine:
+            raise ValueError(
+                f"reward.combine={self.combine} leaves out model, but reward.model.path is set: "
+                "its workers would idle; add model (weight 0 only logs it) or unset the path"
+            )
         if not any(self.combine.values()):
             raise ValueError(
                 f"reward.combine={self.combine}: no source has a weight > 0; give at least one"

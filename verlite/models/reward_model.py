@@ -48,7 +48,9 @@ def _config(path: str) -> PretrainedConfig:
         ) from None
 
 
-def _max_length(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
+def token_limit(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
+    """The most tokens of one text: ``reward.model.max_length``, within the model's
+    positions, or all of them."""
     positions = getattr(config, "max_position_embeddings", None)
     if cfg.max_length is None:
         if not isinstance(positions, int):
@@ -76,9 +78,9 @@ def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
         ) from None
 
 
-def check_reward_model(cfg: RewardModelConfig) -> int:
+def check_reward_model(cfg: RewardModelConfig) -> None:
     """At start-up, before Ray: ``reward.model.path`` holds a decoder sequence-classification
-    model with one label and a tokenizer; each problem one line. The token limit of a text."""
+    model with one label and a tokenizer, and ``max_length`` fits it; each problem one line."""
     assert cfg.path is not None
     path = cfg.path
     config = _config(path)
@@ -102,7 +104,7 @@ def check_reward_model(cfg: RewardModelConfig) -> int:
             "has one label, whose sigmoid is the score"
         )
     load_reward_tokenizer(path)
-    return _max_length(cfg, config)
+    token_limit(cfg, config)
 
 
 def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> nn.Module:

@@ -20,11 +20,11 @@ from verlite.controller import Worker
 from verlite.data import load_tokenizer, response_text
 from verlite.models import model_dtype, resolve_device
 from verlite.models.reward_model import (
-    check_reward_model,
     encode_texts,
     load_reward_model,
     load_reward_tokenizer,
     score_texts,
+    token_limit,
 )
 
 # The step batch's columns a reward-model worker reads (``Trainer`` sends only these).
@@ -42,11 +42,11 @@ class RewardModelWorker(Worker):
         cfg = self.cfg
         rm = cfg.reward.model
         assert rm.path is not None  # the group exists only with a reward model
-        self.max_length = check_reward_model(rm)
         self.device = resolve_device(cfg.model)
         self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         self.tokenizer = load_reward_tokenizer(rm.path)
         self.model = load_reward_model(rm, model_dtype(cfg.model)).to(self.device)
+        self.max_length = token_limit(rm, self.model.config)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         """Reward ranks share no collectives: no process group to join."""

@@ -1,6 +1,7 @@
 """The reward worker group (``reward.model.path``) on the shared Ray: each response's score,
 returned in row order, is what a single-process Hugging Face forward of the same model gives
-the same text alone, with 1 or 2 workers and micro-batches that split the rows; the texts are
+the same text alone, on one worker or split over two, in micro-batches that split the rows,
+texts cut to ``reward.model.max_length`` or not; the texts are
 the policy's tokens read as text and tokenized again by the reward model's own tokenizer."""
 
 from __future__ import annotations
@@ -57,18 +58,22 @@ def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_reward_model(tmp_path_factory.mktemp("rm"))
 
 
-@pytest.mark.parametrize(("workers", "max_length"), [(1, None), (2, 9)])
+MAX_LENGTH = 9  # some texts are longer: they keep their last 9 tokens
+
+
 def test_reward_group_scores_each_response_as_a_single_forward_does(
-    reward_model: Path, local_ray, workers: int, max_length: int | None
+    reward_model: Path, local_ray
 ) -> None:
+    """One group of 2 workers scores the batch split over both (``dp_split``) and whole on
+    rank 0 (dp 1: rank 1 gets no rows); either way in micro-batches of 3 that split it."""
     cfg = load_config(
         None,
         [
             "data.task=copy",
             f"reward.model.path={reward_model}",
-            f"reward.model.workers_per_node={workers}",
-            "reward.model.micro_batch_size_per_worker=3",  # 10 rows: micro-batches of 3, 2, ...
-            f"reward.model.max_length={max_length or 'null'}",
+            "reward.model.workers_per_node=2",
+            "reward.model.micro_batch_size_per_worker=3",
+            f"reward.model.max_length={MAX_LENGTH}",
             "trainer.cpus_per_worker=0.5",
         ],
     )
@@ -82,18 +87,20 @@ def test_reward_group_scores_each_response_as_a_single_forward_does(
         torch_threads=1,
         run_id="rmtest",
     )
+    batch, texts = _batch()
     try:
         group.call("init_model")
-        batch, texts = _batch()
-        scored = group.call("score", batch, dispatch="dp_split", collect="concat")
+        split = group.call("score", batch, dispatch="dp_split", collect="concat")
+        whole, nothing = group.call("score", [batch, batch[:0]], dispatch="all", collect="list")
     finally:
         group.shutdown()
         pool.remove()
-    expected = torch.tensor(reference_scores(reward_model, texts, max_length=max_length))
-    torch.testing.assert_close(scored["rm_score"], expected, rtol=0, atol=1e-5)
+    expected = torch.tensor(reference_scores(reward_model, texts, max_length=MAX_LENGTH))
     assert expected.std() > 0.05  # rows tell apart: a reordering would show
-    assert ((scored["rm_score"] > 0) & (scored["rm_score"] < 1)).all()
-    lengths = [len(t) + 1 for t in texts]  # one token per character, and BOS
-    truncated = [max_length is not None and n > max_length for n in lengths]
-    assert scored["rm_truncated"].tolist() == truncated
-    assert max_length is None or 0 < sum(truncated) < ROWS
+    truncated = [len(text) + 1 > MAX_LENGTH for text in texts]  # a token a character, and BOS
+    assert 0 < sum(truncated) < ROWS
+    for scored in (split, whole):
+        torch.testing.assert_close(scored["rm_score"], expected, rtol=0, atol=1e-5)
+        assert ((scored["rm_score"] > 0) & (scored["rm_score"] < 1)).all()
+        assert scored["rm_truncated"].tolist() == truncated
+    assert nothing.batch_size == torch.Size([0])

@@ -90,9 +90,10 @@ class ModelWeightsError(UserError):
 def _pretrained(
     auto_class: type[AutoModel], path: str, dtype: torch.dtype, *, field: str = "model.path"
 ) -> nn.Module:
-    """The model in ``path`` (the config's ``field``), every parameter loaded from its weights. Hugging Face only warns
-    when a parameter is missing from the files or of another shape, and trains it from a
-    random start: a config.json that does not match the weights would train a random model."""
+    """The model in ``path`` (the config's ``field``), every parameter loaded from its
+    weights. Hugging Face only warns when a parameter is missing from the files or of another
+    shape, and trains it from a random start: a config.json that does not match the weights
+    would train a random model."""
     model, info = auto_class.from_pretrained(
         path,
         dtype=dtype,

@@ -319,11 +319,6 @@ ERRORS = [
         "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by its "
         "environment; unset one of them",
     ),
-    (
-        ["reward.remote.url=http://127.0.0.1:8000/score", "reward.fn=exact_match"],
-        "reward.remote.url and reward.fn='exact_match': the remote verifier's scores are the "
-        "reward; unset one of them",
-    ),
     (["foo"], "malformed override 'foo'; expected dotted.key=value"),
     (["=3"], "malformed override '=3'"),
     (["actor..lr=3"], "malformed override 'actor..lr=3'"),

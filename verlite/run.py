@@ -36,21 +36,25 @@ from verlite.errors import RunFailure, UserError
 from verlite.trainer import RunInputs, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
+from verlite.workers.reward_model import RewardModelWorker
 from verlite.workers.rollout import RolloutWorker
 
 
 @dataclass(frozen=True)
 class RunGroups:
     """The worker groups of one run: the actor's, the critic's when the advantage
-    estimator needs a value model, and the rollout's with ``rollout.placement=split``."""
+    estimator needs a value model, the rollout's with ``rollout.placement=split``, and the
+    reward model's with ``reward.model.path``."""
 
     actor: WorkerGroup
     critic: WorkerGroup | None
     rollout: WorkerGroup | None
+    reward: WorkerGroup | None = None
 
     @property
     def all(self) -> list[WorkerGroup]:
-        return [g for g in (self.actor, self.critic, self.rollout) if g is not None]
+        groups = (self.actor, self.critic, self.rollout, self.reward)
+        return [g for g in groups if g is not None]
 
 
 @contextlib.contextmanager
@@ -65,6 +69,7 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
         "actor": (ActorWorker, tokens),
         "critic": (CriticWorker, {}),
         "rollout": (RolloutWorker, tokens),
+        "reward": (RewardModelWorker, {}),
     }
     started: dict[str, WorkerGroup] = {}
     graceful = False
@@ -83,7 +88,10 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
         for group in started.values():
             group.call("init_model", dispatch="broadcast", collect="list")
         yield RunGroups(
-            actor=started["actor"], critic=started.get("critic"), rollout=started.get("rollout")
+            actor=started["actor"],
+            critic=started.get("critic"),
+            rollout=started.get("rollout"),
+            reward=started.get("reward"),
         )
         graceful = True
     finally:
@@ -158,6 +166,7 @@ def _attempt(
             actor=groups.actor,
             critic=groups.critic,
             rollout=groups.rollout,
+            reward_model=groups.reward,
             restarts=restarts,
             saved=saved,
         )

@@ -45,13 +45,16 @@ from verlite.data import (
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import RunFailure
 from verlite.models import attention_crossover, check_packing_supported, check_tokenizer_fits
+from verlite.models.reward_model import check_reward_model
 from verlite.output_folder import FolderLock, prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
+from verlite.rewards.combine import combine_scores
 from verlite.rewards.remote import RemoteScorer
 from verlite.rollout import SamplingParams, sample_keys
 from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.rollouts import Rollouts, StepPrompts
 from verlite.tracking import Tracker, check_tracking_server, check_wandb, redact_config
+from verlite.workers.reward_model import REWARD_INPUT_KEYS
 
 
 class TrainingError(RunFailure):
@@ -163,6 +166,8 @@ class RunInputs:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
         reward_fn = resolve_reward(cfg)
+        if cfg.reward.model.path is not None:
+            check_reward_model(cfg.reward.model)
         remote = RemoteScorer.from_config(cfg.reward.remote)
         if remote is not None:
             remote.probe(train_set[0]["prompt"], train_set[0]["answer"])
@@ -178,7 +183,8 @@ class RunInputs:
 class Trainer:
     """The training loop on the driver over worker groups it is handed (the actor's, the
     critic's when the advantage estimator needs one, the rollout's when generation is
-    split off); it never starts or stops them."""
+    split off, the reward model's with ``reward.model.path``); it never starts or stops
+    them."""
 
     def __init__(
         self,
@@ -188,6 +194,7 @@ class Trainer:
         actor: WorkerGroup,
         critic: WorkerGroup | None,
         rollout: WorkerGroup | None = None,
+        reward_model: WorkerGroup | None = None,
         restarts: int = 0,
         saved: list[Path] | None = None,
     ) -> None:
@@ -202,12 +209,18 @@ class Trainer:
                 f"rollout.placement={cfg.rollout.placement} needs "
                 f"{'a' if cfg.rollout.placement == 'split' else 'no'} rollout group"
             )
+        if (reward_model is not None) != (cfg.reward.model.path is not None):
+            raise ValueError(
+                f"reward.model.path={cfg.reward.model.path!r} needs "
+                f"{'a' if cfg.reward.model.path is not None else 'no'} reward group"
+            )
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
         self.tokenizer = inputs.tokenizer
         self.train_set, self.val_set = inputs.train_set, inputs.val_set
         self.reward_fn, self.remote = inputs.reward_fn, inputs.remote
         self.actor, self.critic = actor, critic
+        self.reward_model = reward_model
         self.restarts = restarts  # of this run so far (``trainer/restarts``)
         # Where each checkpoint this run saves is recorded (a restart resumes the last).
         self.saved = [] if saved is None else saved
@@ -245,7 +258,7 @@ class Trainer:
             with_old=self.recompute_old,
             with_reference=cfg.use_reference,
         )
-        self.placed = [*self.groups, *([rollout] if rollout is not None else [])]
+        self.placed = [*self.groups, *(g for g in (rollout, reward_model) if g is not None)]
         self._loader_state = self.loader.state_dict()
 
     # -------------------------------------------------------------------- the loop
@@ -343,8 +356,8 @@ class Trainer:
                         collect="concat",
                     )
                 )
-        with timer("reward"):  # 3. reward (a multi-turn environment's, or the reward function's)
-            scores = self._score(batch, texts)
+        with timer("reward"):  # 3. reward (a multi-turn environment's, or reward.combine's)
+            scores, reward_metrics = self._score(batch, texts)
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
             turn_metrics = self._multi_turn(batch)
         with timer("adv"):  # 4. advantages
@@ -372,6 +385,7 @@ class Trainer:
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)
         metrics.update(turn_metrics)
+        metrics.update(reward_metrics)
         metrics.update(rollout.metrics)
         metrics.update(
             step_statistics(
@@ -453,11 +467,50 @@ class Trainer:
         )
         return prompts, [r for r in records for _ in range(repeat)]
 
-    def _score(self, batch: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
-        """Each row's score: its environment's last reward (multi-turn), else the remote
-        verifier's or the reward function's on the decoded response."""
+    def _score(
+        self, batch: TensorDict, records: list[PromptRecord]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each row's score and the reward metrics: its environment's last reward
+        (multi-turn), else the weighted sum of the reward sources ``reward.combine`` names
+        (``rewards.combine``). The reward model scores on its group while the reward
+        function scores here."""
         if "env_score" in set(batch.keys()):
-            return batch["env_score"].float()
+            return batch["env_score"].float(), {}
+        weights = self.cfg.reward.combine
+        assert weights is not None  # resolved at load
+        pending = None
+        if "model" in weights:
+            assert self.reward_model is not None
+            pending = self.reward_model.call_async(
+                "score",
+                batch.select(*REWARD_INPUT_KEYS),
+                dispatch="dp_split",
+                collect="concat",
+            )
+        sources: dict[str, list[float]] = {}
+        if "fn" in weights or "remote" in weights:
+            texts, answers, prompts = self._decoded(batch, records)
+            if "fn" in weights:
+                sources["fn"] = score_responses(
+                    self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
+                )
+            if "remote" in weights:
+                assert self.remote is not None
+                sources["remote"] = self.remote.score(texts, answers, prompts)
+        metrics: dict[str, float] = {}
+        if pending is not None:
+            scored = pending.result()
+            sources["model"] = scored["rm_score"].tolist()
+            metrics["reward/model/truncated"] = float(scored["rm_truncated"].sum())
+        combined = combine_scores(sources, weights)
+        metrics.update(combined.metrics)
+        return torch.tensor(combined.scores, dtype=torch.float32), metrics
+
+    def _decoded(
+        self, batch: TensorDict, records: list[PromptRecord]
+    ) -> tuple[list[str], list[str], list[str]]:
+        """What a reward function and a remote verifier score: each decoded response, and
+        its record's answer and prompt."""
         texts = [
             response_text(self.tokenizer, row[:n].tolist())
             for row, n in zip(
@@ -466,13 +519,7 @@ class Trainer:
         ]
         answers = [r["answer"] for r in records]
         prompts = [r["prompt"] for r in records]
-        if self.remote is not None:
-            scores = self.remote.score(texts, answers, prompts)
-        else:
-            scores = score_responses(
-                self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
-            )
-        return torch.tensor(scores, dtype=torch.float32)
+        return texts, answers, prompts
 
     @staticmethod
     def _multi_turn(batch: TensorDict) -> dict[str, float]:
@@ -521,5 +568,8 @@ class Trainer:
             dispatch="dp_split",
             collect="concat",
         )
-        scores = self._score(batch, texts)
-        return {"val/score/mean": float(scores.mean())}
+        scores, reward_metrics = self._score(batch, texts)
+        return {
+            "val/score/mean": float(scores.mean()),
+            **{f"val/{name}": value for name, value in reward_metrics.items()},
+        }

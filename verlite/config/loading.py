@@ -225,6 +225,7 @@ def check_paths(cfg: Config) -> None:
     input (the run would write over what it reads)."""
     inputs = {
         "model.path": cfg.model.path,
+        "reward.model.path": cfg.reward.model.path,
         "data.train_file": cfg.data.train_file,
         "data.val_file": cfg.data.val_file,
     }
@@ -236,8 +237,9 @@ def check_paths(cfg: Config) -> None:
             raise ConfigError(
                 f"{dotted}={shown(value)}: not a regular file; give a JSONL or Parquet file"
             )
-    if cfg.model.path is not None:
-        _check_model_dir(cfg.model.path)
+    for dotted in ("model.path", "reward.model.path"):
+        if inputs[dotted] is not None:
+            _check_model_dir(inputs[dotted], dotted)
     output = Path(cfg.trainer.output_dir).resolve()
     resume = cfg.trainer.resume
     if resume not in ("auto", "disable"):
@@ -271,28 +273,28 @@ WEIGHT_FILES = (
 )
 
 
-def _check_model_dir(path: str) -> None:
+def _check_model_dir(path: str, field: str) -> None:
     config = Path(path) / "config.json"
     if not config.is_file():
         raise ConfigError(
-            f"model.path={path!r} is not a Hugging Face model directory (no config.json "
-            "in it); give a local folder written by save_pretrained, or leave it unset for the "
-            "built-in model"
+            f"{field}={path!r} is not a Hugging Face model directory (no config.json "
+            "in it); give a local folder written by save_pretrained"
+            + (", or leave it unset for the built-in model" if field == "model.path" else "")
         )
     try:
         fields = json.loads(config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ConfigError(
-            f"model.path={path!r}: its config.json cannot be read as JSON ({_one_line(exc)})"
+            f"{field}={path!r}: its config.json cannot be read as JSON ({_one_line(exc)})"
         ) from None
     if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
         raise ConfigError(
-            f"model.path={path!r}: its config.json names no model_type; it is not a Hugging "
+            f"{field}={path!r}: its config.json names no model_type; it is not a Hugging "
             "Face model config"
         )
     if not any((Path(path) / name).is_file() for name in WEIGHT_FILES):
         raise ConfigError(
-            f"model.path={path!r} holds no weights (none of {', '.join(WEIGHT_FILES)}); "
+            f"{field}={path!r} holds no weights (none of {', '.join(WEIGHT_FILES)}); "
             "save the model with save_pretrained"
         )
 

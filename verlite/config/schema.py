@@ -457,7 +457,8 @@ class RemoteRewardConfig(Section):
     url: Annotated[str | None, AfterValidator(_service_url)] = Field(
         None,
         description="http(s) URL the responses are POSTed to, as JSON batches; its scores are "
-        "the reward (not with reward.fn or rollout.multi_turn.env). None: no remote verifier. "
+        "the reward source 'remote' of reward.combine (not with rollout.multi_turn.env). None: "
+        "no remote verifier. "
         "Probed with one request of one response before Ray starts.",
     )
     batch_size: PositiveInt = Field(64, description="Responses per request.")
@@ -489,6 +490,33 @@ class RemoteRewardConfig(Section):
     )
 
 
+class RewardModelConfig(Section):
+    """A reward model: a Hugging Face sequence-classification model scored by a worker group
+    of its own (role ``reward``), placed like the critic."""
+
+    path: NonEmptyStr | None = Field(
+        None,
+        description="Local Hugging Face sequence-classification model directory (weights, "
+        "config.json with one label, its own tokenizer); it reads prompt + response as text "
+        "and scores sigmoid(logit). None: no reward model.",
+    )
+    workers_per_node: PositiveInt | None = Field(
+        None,
+        description="Reward-model workers on each node (over trainer.nnodes nodes; CPUs and "
+        "GPUs per worker as trainer's, shared with roles of the same count under "
+        "trainer.placement=colocate); None uses trainer.workers_per_node.",
+    )
+    micro_batch_size_per_worker: PositiveInt = Field(
+        16, description="Responses one reward-model worker scores per forward pass."
+    )
+    max_length: PositiveInt | None = Field(
+        None,
+        description="Most reward-model tokens of one prompt + response; a longer text keeps its "
+        "last tokens (the response's end, which the score is read at; reward/model/truncated "
+        "counts them). None: the model's max_position_embeddings.",
+    )
+
+
 class RewardConfig(Section):
     """How responses are scored: every reward, built-in or user, returns a finite score in [0, 1]."""
 
@@ -505,8 +533,75 @@ class RewardConfig(Section):
     )
     remote: RemoteRewardConfig = Field(
         default_factory=RemoteRewardConfig,
-        description="A remote verifier (HTTP service) whose scores are the reward instead of fn's.",
+        description="A remote verifier: a user's HTTP service that scores the responses.",
     )
+    model: RewardModelConfig = Field(
+        default_factory=RewardModelConfig,
+        description="A reward model scored by a worker group of its own.",
+    )
+    combine: dict[str, float] | None = Field(
+        None,
+        description="The step's score as a weighted sum of reward sources, e.g. {fn: 0.5, model: "
+        "0.5}: fn (the rule-based reward: reward.fn or the task's), model (reward.model) and "
+        "remote (reward.remote), each of the last two named when set; weights >= 0, not all 0; "
+        "a source of weight 0 is scored and logged (reward/<source>/mean) without counting. "
+        "None: the one of model and remote that is set, with weight 1, else {fn: 1}.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_combine(cls, data: Any) -> Any:
+        """An unset ``combine`` is resolved at load: the reward model alone when one is set."""
+        if not isinstance(data, Mapping) or data.get("combine") is not None:
+            return data
+        model, remote = _as_dict(data.get("model")), _as_dict(data.get("remote"))
+        chosen = [
+            source
+            for source, section, key in (("model", model, "path"), ("remote", remote, "url"))
+            if isinstance(section, dict) and section.get(key) is not None
+        ]
+        if len(chosen) > 1:
+            return data  # the after-validator asks for combine
+        return {**data, "combine": {chosen[0] if chosen else "fn": 1.0}}
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        """The reward sources this config sets up: what ``combine`` may weigh."""
+        return (
+            "fn",
+            *(("model",) if self.model.path is not None else ()),
+            *(("remote",) if self.remote.url is not None else ()),
+        )
+
+    @model_validator(mode="after")
+    def _check_combine(self) -> RewardConfig:
+        if self.combine is None:  # left unset with both a reward model and a remote verifier
+            raise ValueError(
+                "reward.model.path and reward.remote.url are both set: give reward.combine, "
+                "e.g. {model: 0.5, remote: 0.5}"
+            )
+        unset_field = {"model": "reward.model.path", "remote": "reward.remote.url"}
+        for source, weight in self.combine.items():
+            if source not in self.sources:
+                unset = f" ({unset_field[source]} is unset)" if source in unset_field else ""
+                raise ValueError(
+                    f"reward.combine.{source}: not a configured reward source{unset}; "
+                    f"configured: {', '.join(self.sources)}"
+                )
+            if weight < 0:
+                raise ValueError(f"reward.combine.{source}={weight:g}: weights must be >= 0")
+        for source in self.sources[1:]:
+            if source not in self.combine:
+                raise ValueError(
+                    f"reward.combine={self.combine} leaves out {source}, but "
+                    f"{unset_field[source]} is set: it would be set up for nothing; add "
+                    f"{source} (weight 0 only logs it) or unset {unset_field[source]}"
+                )
+        if not any(self.combine.values()):
+            raise ValueError(
+                f"reward.combine={self.combine}: no source has a weight > 0; give at least one"
+            )
+        return self
 
 
 class WandbConfig(Section):
@@ -656,6 +751,12 @@ class Config(Section):
                 if rollout.get(key) is None and _is_valid(TrainerConfig, key, value):
                     rollout[key] = value
             data["rollout"] = rollout
+        reward = _as_dict(data.get("reward"))
+        reward_model = _as_dict(reward.get("model")) if isinstance(reward, dict) else None
+        if isinstance(reward_model, dict) and reward_model.get("workers_per_node") is None:
+            value = _get(trainer, "workers_per_node", TrainerConfig)
+            if _is_valid(TrainerConfig, "workers_per_node", value):
+                data["reward"] = {**reward, "model": {**reward_model, "workers_per_node": value}}
         actor, critic = sections["actor"], sections["critic"]
         if isinstance(actor, dict) and isinstance(critic, dict):
             trainer_wpn = _get(sections["trainer"], "workers_per_node", TrainerConfig)
@@ -754,6 +855,12 @@ class Config(Section):
             )
         self._check_multi_turn()
         self._check_remote_reward()
+        if self.reward.model.path is not None and self.rollout.multi_turn.env is not None:
+            raise ValueError(
+                f"reward.model.path={self.reward.model.path!r} with rollout.multi_turn.env="
+                f"{self.rollout.multi_turn.env!r}: a multi-turn run is scored by its environment; "
+                "unset one of them"
+            )
         rollout_workers = self.trainer.nnodes * (self.rollout.workers_per_node or 1)
         if self.rollout.placement == "split" and rollout_workers > self.sequences_per_step:
             raise ValueError(
@@ -771,11 +878,6 @@ class Config(Section):
             raise ValueError(
                 "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by "
                 "its environment; unset one of them"
-            )
-        if self.reward.fn is not None:
-            raise ValueError(
-                f"reward.remote.url and reward.fn={self.reward.fn!r}: the remote verifier's "
-                "scores are the reward; unset one of them"
             )
 
     def _check_multi_turn(self) -> None:

@@ -232,7 +232,7 @@ class ResourcePool:
 
 
 def build_pools(cfg: Config, roles: Sequence[str]) -> dict[str, tuple[ResourcePool, float]]:
-    """A pool and a share of each bundle for every role in ``roles`` (actor, critic).
+    """A pool and a share of each bundle for every role in ``roles`` (actor, critic, reward).
 
     ``trainer.placement=split`` gives each role its own pool (share 1). ``colocate`` puts
     roles in one pool and gives each ``1/k`` of every bundle, except that roles with
@@ -280,9 +280,11 @@ def build_rollout_pool(cfg: Config) -> ResourcePool:
 
 
 def run_pools(cfg: Config) -> dict[str, tuple[ResourcePool, float]]:
-    """The pool and bundle share of every group of a run: its trainer roles'
-    (:func:`build_pools`) and, with ``rollout.placement=split``, the rollout's own."""
-    pools = build_pools(cfg, cfg.roles)
+    """The pool and bundle share of every group of a run: its trainer roles' and, with
+    ``reward.model.path``, the reward model's (:func:`build_pools`), and with
+    ``rollout.placement=split`` the rollout's own."""
+    reward = ["reward"] if cfg.reward.model.path is not None else []
+    pools = build_pools(cfg, [*cfg.roles, *reward])
     if cfg.rollout.placement == "split":
         pools["rollout"] = (build_rollout_pool(cfg), 1.0)
     return pools
@@ -332,14 +334,16 @@ def _check_room(cfg: Config, have: dict[str, float], where: str) -> None:
             raise ClusterTooSmall(
                 f"the workers ask for {total:g} {key}s ({parts}), {where} has {available:g}; "
                 "lower the workers per node or the CPUs/GPUs per worker "
-                "(trainer., actor., critic., rollout.workers_per_node and *_per_worker)"
+                "(trainer., actor., critic., reward.model., rollout.workers_per_node and "
+                "*_per_worker)"
             )
 
 
 def _workers_per_node(cfg: Config, role: str) -> int:
-    if role not in ("actor", "critic"):
-        raise ValueError(f"unknown role {role!r}; roles are actor and critic")
-    value: int | None = getattr(cfg, role).workers_per_node
+    if role not in ("actor", "critic", "reward"):
+        raise ValueError(f"unknown role {role!r}; roles are actor, critic and reward")
+    section = cfg.reward.model if role == "reward" else getattr(cfg, role)
+    value: int | None = section.workers_per_node
     # Config validation fills every role's workers_per_node (the trainer's by default).
     assert value is not None
     return value

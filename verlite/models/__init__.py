@@ -87,10 +87,13 @@ class ModelWeightsError(UserError):
     """The weights in ``model.path`` do not fill the model its config.json describes."""
 
 
-def _pretrained(auto_class: type[AutoModel], path: str, dtype: torch.dtype) -> nn.Module:
-    """The model in ``path``, every parameter loaded from its weights. Hugging Face only warns
-    when a parameter is missing from the files or of another shape, and trains it from a
-    random start: a config.json that does not match the weights would train a random model."""
+def _pretrained(
+    auto_class: type[AutoModel], path: str, dtype: torch.dtype, *, field: str = "model.path"
+) -> nn.Module:
+    """The model in ``path`` (the config's ``field``), every parameter loaded from its
+    weights. Hugging Face only warns when a parameter is missing from the files or of another
+    shape, and trains it from a random start: a config.json that does not match the weights
+    would train a random model."""
     model, info = auto_class.from_pretrained(
         path,
         dtype=dtype,
@@ -109,7 +112,7 @@ def _pretrained(auto_class: type[AutoModel], path: str, dtype: torch.dtype) -> n
         )
     if problems:
         raise ModelWeightsError(
-            f"model.path={path!r}: its weights do not fit its config.json: "
+            f"{field}={path!r}: its weights do not fit its config.json: "
             f"{'; '.join(problems)}; training would start them from random values"
         )
     return model

@@ -1,0 +1,210 @@
+"""What ``reward.model`` and ``reward.combine`` refuse, each in one line naming the field:
+in config validation, and at start-up before Ray (``verlite train`` exits 2 without a
+traceback) for a reward-model folder that is missing or holds no usable classifier; and
+the weighted sum of ``rewards.combine``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from reward_model_support import save_tiny_reward_model
+from transformers import (
+    AutoModelForCausalLM,
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+)
+
+from verlite.cli import main
+from verlite.config import ConfigError, load_config
+from verlite.rewards.combine import combine_scores
+
+CONFIG = "configs/ppo_tiny.yaml"
+URL = "http://127.0.0.1:8000/score"
+
+CONFIG_ERRORS = [
+    (
+        ["reward.combine={model: 1}"],
+        "reward.combine.model: not a configured reward source (reward.model.path is unset); "
+        "configured: fn",
+    ),
+    (
+        ["reward.combine={fn: 1, judge: 1}"],
+        "reward.combine.judge: not a configured reward source; configured: fn",
+    ),
+    (["reward.combine={fn: -0.5}"], "reward.combine.fn=-0.5: weights must be >= 0"),
+    (
+        ["reward.model.path=rm", "reward.combine={fn: 0, model: 0}"],
+        "reward.combine={'fn': 0.0, 'model': 0.0}: no source has a weight > 0",
+    ),
+    (["reward.combine={}"], "reward.combine={}: no source has a weight > 0"),
+    (
+        ["reward.model.path=rm", "reward.combine={fn: 1}"],
+        "reward.combine={'fn': 1.0} leaves out model, but reward.model.path is set",
+    ),
+    (["reward.combine={fn: nan}"], "reward.combine.fn='nan': Input should be a finite number"),
+    (
+        ["reward.model.path=rm", f"reward.remote.url={URL}"],
+        "reward.model.path and reward.remote.url are both set: give reward.combine",
+    ),
+    (
+        [f"reward.remote.url={URL}", "reward.combine={fn: 1}"],
+        "reward.combine={'fn': 1.0} leaves out remote, but reward.remote.url is set",
+    ),
+    (
+        ["reward.combine={remote: 1}"],
+        "reward.combine.remote: not a configured reward source (reward.remote.url is unset)",
+    ),
+    (
+        [
+            "reward.model.path=rm",
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+        ],
+        "reward.model.path='rm' with rollout.multi_turn.env='lookup': a multi-turn run is "
+        "scored by its environment",
+    ),
+    (
+        ["reward.model.micro_batch_size_per_worker=0"],
+        "reward.model.micro_batch_size_per_worker=0: Input should be greater than 0",
+    ),
+    (["reward.model.workers_per_node=0"], "reward.model.workers_per_node=0: Input should be"),
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"), CONFIG_ERRORS, ids=[e[1][:40] for e in CONFIG_ERRORS]
+)
+def test_config_errors_name_the_field(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIG, overrides)
+    assert expected in str(info.value) and "\n" not in str(info.value)
+
+
+def test_combine_defaults_to_the_reward_model_or_the_remote_verifier_when_one_is_set() -> None:
+    assert load_config(CONFIG, []).reward.combine == {"fn": 1.0}
+    with_model = load_config(
+        CONFIG,
+        [
+            "reward.model.path=rm",
+            "trainer.workers_per_node=2",
+            "actor.micro_batch_size_per_worker=8",
+            "critic.micro_batch_size_per_worker=8",
+        ],
+    )
+    assert with_model.reward.combine == {"model": 1.0}
+    assert with_model.reward.model.workers_per_node == 2  # the trainer's, like the critic's
+    remote = load_config(CONFIG, [f"reward.remote.url={URL}"])
+    assert remote.reward.combine == {"remote": 1.0}
+    mixed = load_config(CONFIG, [f"reward.remote.url={URL}", "reward.combine={fn: 1, remote: 3}"])
+    assert mixed.reward.combine == {"fn": 1.0, "remote": 3.0}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("rm_checks")
+    good = save_tiny_reward_model(root / "good")
+    two_labels = save_tiny_reward_model(root / "two_labels", num_labels=2)
+    causal = root / "causal"
+    AutoModelForCausalLM.from_config(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(causal)
+    encoder = root / "encoder"
+    BertForSequenceClassification(
+        BertConfig(
+            vocab_size=64,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            num_labels=1,
+        )
+    ).save_pretrained(encoder)
+    no_tokenizer = root / "no_tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(good / name, no_tokenizer / name)
+    return {
+        "good": good,
+        "two_labels": two_labels,
+        "causal": causal,
+        "encoder": encoder,
+        "no_tokenizer": no_tokenizer,
+    }
+
+
+@pytest.mark.parametrize(
+    ("folder", "extra", "expected"),
+    [
+        ("missing", [], "reward.model.path='{path}': no such file or directory"),
+        (
+            "causal",
+            [],
+            "reward.model.path='{path}' is not a sequence-classification model "
+            "(config.json architectures: ['LlamaForCausalLM'])",
+        ),
+        (
+            "encoder",
+            [],
+            "reward.model.path='{path}': BertForSequenceClassification is not a decoder "
+            "classifier whose score head reads the last token",
+        ),
+        (
+            "two_labels",
+            [],
+            "reward.model.path='{path}' has num_labels=2; a reward model has one "
+            "label, whose sigmoid is the score",
+        ),
+        ("no_tokenizer", [], "reward.model.path='{path}': no tokenizer loads from it"),
+        (
+            "good",
+            ["reward.model.max_length=65"],
+            "reward.model.max_length=65 is more than the model's max_position_embeddings=64",
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) and "=" not in value else "",
+)
+def test_a_reward_model_that_cannot_score_is_one_line_before_ray(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    folders: dict[str, Path],
+    folder: str,
+    extra: list[str],
+    expected: str,
+) -> None:
+    path = folders.get(folder, tmp_path / "missing")
+    code = main(
+        [
+            "train",
+            "--config",
+            CONFIG,
+            f"reward.model.path={path}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+            *extra,
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
+    assert expected.format(path=path) in err
+
+
+def test_combine_is_the_weighted_sum_with_each_sources_mean() -> None:
+    combined = combine_scores(
+        {"fn": [1.0, 0.0, 0.5], "model": [0.2, 0.4, 0.9]}, {"fn": 0.5, "model": 2.0}
+    )
+    assert combined.scores == pytest.approx([0.9, 0.8, 2.05])
+    assert combined.metrics == pytest.approx({"reward/fn/mean": 0.5, "reward/model/mean": 0.5})
+    with pytest.raises(ValueError, match=r"scored \(fn\) are not the sources weighed"):
+        combine_scores({"fn": [1.0]}, {"fn": 1.0, "model": 1.0})
+    with pytest.raises(ValueError, match="different numbers of responses: fn 2, model 1"):
+        combine_scores({"fn": [1.0, 0.0], "model": [0.5]}, {"fn": 1.0, "model": 1.0})

@@ -1,0 +1,106 @@
+"""The reward worker group (``reward.model.path``) on the shared Ray: each response's score,
+returned in row order, is what a single-process Hugging Face forward of the same model gives
+the same text alone, on one worker or split over two, in micro-batches that split the rows,
+texts cut to ``reward.model.max_length`` or not; the texts are
+the policy's tokens read as text and tokenized again by the reward model's own tokenizer."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from reward_model_support import reference_scores, save_tiny_reward_model
+from tensordict import TensorDict
+
+from verlite.config import load_config
+from verlite.controller import WorkerGroup
+from verlite.controller.resource_pool import build_pools
+from verlite.data import build_task_tokenizer, prompt_tensordict, response_text
+from verlite.data.tasks import TASK_ALPHABET
+from verlite.workers.reward_model import REWARD_INPUT_KEYS, RewardModelWorker
+
+ROWS = 10
+PROMPT_WIDTH, RESPONSE_WIDTH = 8, 6
+
+
+def _batch() -> tuple[TensorDict, list[str]]:
+    """A step batch of ragged prompts and responses (some ended by EOS, some cut at the
+    width) and the texts a reader of the policy's tokens sees, built here on their own."""
+    rng = random.Random(0)
+    tokenizer = build_task_tokenizer(TASK_ALPHABET)
+    prompts = ["".join(rng.choices("0123456789", k=rng.randint(1, 6))) + "=" for _ in range(ROWS)]
+    records = [{"prompt": p, "answer": ""} for p in prompts]
+    td = prompt_tensordict(
+        records, tokenizer, max_prompt_length=PROMPT_WIDTH, repeat=1, temperature=1.0
+    )
+    digits = tokenizer.convert_tokens_to_ids(list("0123456789"))
+    responses = torch.full((ROWS, RESPONSE_WIDTH), tokenizer.pad_token_id)
+    response_mask = torch.zeros(ROWS, RESPONSE_WIDTH, dtype=torch.long)
+    texts = []
+    for row in range(ROWS):
+        n = rng.randint(1, RESPONSE_WIDTH)
+        ids = rng.choices(digits, k=n)
+        if n < RESPONSE_WIDTH or row % 2:
+            ids[-1] = tokenizer.eos_token_id
+        responses[row, :n] = torch.tensor(ids)
+        response_mask[row, :n] = 1
+        texts.append(prompts[row] + response_text(tokenizer, ids))
+    td["input_ids"] = torch.cat([td["input_ids"], responses], dim=1)
+    td["attention_mask"] = torch.cat([td["attention_mask"], response_mask], dim=1)
+    td["responses"], td["response_mask"] = responses, response_mask
+    return td.select(*REWARD_INPUT_KEYS), texts
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_reward_model(tmp_path_factory.mktemp("rm"))
+
+
+MAX_LENGTH = 9  # some texts are longer: they keep their last 9 tokens
+
+
+def test_reward_group_scores_each_response_as_a_single_forward_does(
+    reward_model: Path, local_ray
+) -> None:
+    """One group of 2 workers scores the batch split over both (``dp_split``) and whole on
+    rank 0 (dp 1: rank 1 gets no rows); either way in micro-batches of 3 that split it."""
+    cfg = load_config(
+        None,
+        [
+            "data.task=copy",
+            f"reward.model.path={reward_model}",
+            "reward.model.workers_per_node=2",
+            "reward.model.micro_batch_size_per_worker=3",
+            f"reward.model.max_length={MAX_LENGTH}",
+            "trainer.cpus_per_worker=0.5",
+        ],
+    )
+    pool, share = build_pools(cfg, ["reward"])["reward"]
+    group = WorkerGroup(
+        "reward",
+        RewardModelWorker,
+        pool,
+        share=share,
+        worker_kwargs={"cfg": cfg},
+        torch_threads=1,
+        run_id="rmtest",
+    )
+    batch, texts = _batch()
+    try:
+        group.call("init_model")
+        split = group.call("score", batch, dispatch="dp_split", collect="concat")
+        whole, nothing = group.call("score", [batch, batch[:0]], dispatch="all", collect="list")
+    finally:
+        group.shutdown()
+        pool.remove()
+    expected = torch.tensor(reference_scores(reward_model, texts, max_length=MAX_LENGTH))
+    assert expected.std() > 0.05  # rows tell apart: a reordering would show
+    truncated = [len(text) + 1 > MAX_LENGTH for text in texts]  # a token a character, and BOS
+    assert 0 < sum(truncated) < ROWS
+    for scored in (split, whole):
+        torch.testing.assert_close(scored["rm_score"], expected, rtol=0, atol=1e-5)
+        assert ((scored["rm_score"] > 0) & (scored["rm_score"] < 1)).all()
+        assert scored["rm_truncated"].tolist() == truncated
+    assert nothing.batch_size == torch.Size([0])

@@ -1,0 +1,157 @@
+"""Reward models: a Hugging Face sequence-classification model that scores a prompt and its
+response, read as text, with a number in [0, 1].
+
+The rule: the model reads ``prompt + response`` tokenized by its own tokenizer (its special
+tokens added, as its ``__call__`` adds them), and the score is ``sigmoid(logit)`` of its one
+label at the text's last token. Decoder classifiers (Hugging Face's
+``GenericForSequenceClassification``: Llama, Qwen2, Mistral, ...) are accepted, as their score
+head reads that token; the last token is found from each row's length, not from the pad id
+(which may also be a real token, e.g. a pad that is the EOS). A text longer than the limit
+keeps its last tokens, where the score is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
+from transformers.modeling_layers import GenericForSequenceClassification
+
+from verlite.config import ConfigError, RewardModelConfig
+from verlite.errors import shown
+from verlite.models import _pretrained
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    return shown(" ".join(str(exc).split()), limit)
+
+
+def _config(path: str) -> PretrainedConfig:
+    if not Path(path).is_dir():
+        raise ConfigError(f"reward.model.path={path!r}: no such directory")
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"reward.model.path={path!r}: no model config loads from it: {_one_line(exc)}"
+        ) from None
+
+
+def token_limit(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
+    """The most tokens of one text: ``reward.model.max_length``, within the model's
+    positions, or all of them."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if cfg.max_length is None:
+        if not isinstance(positions, int):
+            raise ConfigError(
+                f"reward.model.path={cfg.path!r}: its config.json has no max_position_embeddings; "
+                "set reward.model.max_length"
+            )
+        return positions
+    if isinstance(positions, int) and cfg.max_length > positions:
+        raise ConfigError(
+            f"reward.model.max_length={cfg.max_length} is more than the model's "
+            f"max_position_embeddings={positions}"
+        )
+    return cfg.max_length
+
+
+def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The reward model's own tokenizer (local files only)."""
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"reward.model.path={path!r}: no tokenizer loads from it: {_one_line(exc)}; save "
+            "the reward model's tokenizer into the folder (tokenizer.save_pretrained)"
+        ) from None
+
+
+def check_reward_model(cfg: RewardModelConfig) -> None:
+    """At start-up, before Ray: ``reward.model.path`` holds a decoder sequence-classification
+    model with one label and a tokenizer, and ``max_length`` fits it; each problem one line."""
+    assert cfg.path is not None
+    path = cfg.path
+    config = _config(path)
+    names = list(getattr(config, "architectures", None) or [])
+    classes = [getattr(transformers, name, None) for name in names]
+    if not any(name.endswith("ForSequenceClassification") for name in names):
+        raise ConfigError(
+            f"reward.model.path={path!r} is not a sequence-classification model (config.json "
+            f"architectures: {names or 'none'}); save an AutoModelForSequenceClassification"
+        )
+    if not any(
+        isinstance(c, type) and issubclass(c, GenericForSequenceClassification) for c in classes
+    ):
+        raise ConfigError(
+            f"reward.model.path={path!r}: {names[0]} is not a decoder classifier whose score "
+            "head reads the last token (LlamaForSequenceClassification, Qwen2..., Mistral...)"
+        )
+    if config.num_labels != 1:
+        raise ConfigError(
+            f"reward.model.path={path!r} has num_labels={config.num_labels}; a reward model "
+            "has one label, whose sigmoid is the score"
+        )
+    load_reward_tokenizer(path)
+    token_limit(cfg, config)
+
+
+def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The reward model of ``cfg.path``, every weight loaded, in eval mode."""
+    assert cfg.path is not None
+    model = _pretrained(
+        AutoModelForSequenceClassification, cfg.path, dtype, field="reward.model.path"
+    )
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """Texts as the reward model's token ids, and which were cut to the limit."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+
+
+def encode_texts(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int
+) -> RewardInputs:
+    """Each text as the reward model reads it: its own special tokens added, then the last
+    ``max_length`` tokens kept (the end, where the score is read)."""
+    if not texts:
+        return RewardInputs([], [])
+    encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    return RewardInputs(
+        [ids[-max_length:] for ids in encoded], [len(ids) > max_length for ids in encoded]
+    )
+
+
+@torch.inference_mode()
+def score_texts(
+    model: nn.Module, ids: Sequence[Sequence[int]], device: torch.device
+) -> torch.Tensor:
+    """``sigmoid(logit)`` at each text's last token, float32, for one micro-batch of texts
+    (right-padded here: a real token never attends to a pad under causal attention, and the
+    score is read at each row's own last token)."""
+    lengths = torch.tensor([len(row) for row in ids])
+    width = int(lengths.max())
+    input_ids = torch.zeros(len(ids), width, dtype=torch.long)  # the pad id is never read
+    for row, values in enumerate(ids):
+        input_ids[row, : len(values)] = torch.tensor(values, dtype=torch.long)
+    mask = (torch.arange(width) < lengths[:, None]).long()
+    input_ids, mask, lengths = input_ids.to(device), mask.to(device), lengths.to(device)
+    base = getattr(model, model.base_model_prefix)
+    hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    last = hidden[torch.arange(len(ids), device=device), lengths - 1]
+    return torch.sigmoid(model.score(last).float()).squeeze(-1)

@@ -1,0 +1,84 @@
+"""The reward-model worker (role ``reward``): scores its share of a step's responses with a
+sequence-classification model (``verlite.models.reward_model``); frozen, no optimizer, no
+checkpoint, no collectives.
+
+A row reaches it as the policy's token ids; it reads them as text with the policy's
+tokenizer (the prompt without its special tokens, the response as a reward function reads
+it, ``data.response_text``) and tokenizes that text again with the reward model's own
+tokenizer, whose vocabulary may differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from verlite.config import Config
+from verlite.controller import Worker
+from verlite.data import load_tokenizer, response_text
+from verlite.models import model_dtype, resolve_device
+from verlite.models.reward_model import (
+    encode_texts,
+    load_reward_model,
+    load_reward_tokenizer,
+    score_texts,
+    token_limit,
+)
+
+# The step batch's columns a reward-model worker reads (``Trainer`` sends only these).
+REWARD_INPUT_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
+
+
+class RewardModelWorker(Worker):
+    """One rank of the reward group; the model is loaded by ``init_model``."""
+
+    def __init__(self, *, cfg: Config, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+
+    def init_model(self) -> None:
+        cfg = self.cfg
+        rm = cfg.reward.model
+        assert rm.path is not None  # the group exists only with a reward model
+        self.device = resolve_device(cfg.model)
+        self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+        self.tokenizer = load_reward_tokenizer(rm.path)
+        self.model = load_reward_model(rm, model_dtype(cfg.model)).to(self.device)
+        self.max_length = token_limit(rm, self.model.config)
+
+    def init_distributed(self, master_addr: str, master_port: int) -> None:
+        """Reward ranks share no collectives: no process group to join."""
+
+    def texts(self, td: TensorDict) -> list[str]:
+        """Each row's prompt and response as text, read with the policy's tokenizer."""
+        width = td["responses"].shape[1]
+        prompts = td["input_ids"][:, :-width]
+        real = td["attention_mask"][:, :-width].bool()
+        lengths = td["response_mask"].sum(-1).tolist()
+        return [
+            self.policy_tokenizer.decode(prompt[keep].tolist(), skip_special_tokens=True)
+            + response_text(self.policy_tokenizer, response[:n].tolist())
+            for prompt, keep, response, n in zip(
+                prompts, real, td["responses"], lengths, strict=True
+            )
+        ]
+
+    def score(self, td: TensorDict) -> TensorDict:
+        """Each row's score in [0, 1] (``rm_score``) and whether its text was cut to
+        ``reward.model.max_length`` (``rm_truncated``), in the order of the rows."""
+        inputs = encode_texts(self.tokenizer, self.texts(td), max_length=self.max_length)
+        micro = self.cfg.reward.model.micro_batch_size_per_worker
+        parts = [
+            score_texts(self.model, inputs.ids[start : start + micro], self.device).cpu()
+            for start in range(0, len(inputs.ids), micro)
+        ]
+        rows = len(inputs.ids)
+        return TensorDict(
+            {
+                "rm_score": torch.cat(parts) if parts else torch.zeros(0),
+                "rm_truncated": torch.tensor(inputs.truncated, dtype=torch.bool),
+            },
+            batch_size=[rows],
+        )

@@ -15,6 +15,7 @@ from verlite.rollout.weights import (
     SyncLayout,
     WeightBucket,
     WeightSyncError,
+    base_checksum,
     make_bucket,
     sync_layout,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "SyncLayout",
     "WeightBucket",
     "WeightSyncError",
+    "base_checksum",
     "make_bucket",
     "noise_for",
     "sample_keys",

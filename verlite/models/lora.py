@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,11 +26,11 @@ from transformers import AutoModelForCausalLM
 
 from verlite.config import ConfigError, LoraConfig
 from verlite.errors import import_extra
+from verlite.export import ADAPTER_CONFIG
 
 # Where the export puts the base model an adapter applies to, when the run built it from a
 # seed (the built-in model; a model.path base is referred to by its path).
 BASE_FOLDER = "base"
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 def _peft() -> Any:
@@ -55,7 +56,10 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int) -> nn.Module:
         target_modules=list(cfg.target_modules),
         task_type="CAUSAL_LM",
     )
-    return peft.get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # peft 0.21 asks transformers 5 a deprecated question; nothing a user can act on.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return peft.get_peft_model(model, lora)
 
 
 def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
@@ -112,10 +116,6 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
     peft_model.save_pretrained(str(path))
     if written_base:
         peft_model.unload().save_pretrained(base_path)
-
-
-def is_adapter_folder(path: Path) -> bool:
-    return (path / ADAPTER_CONFIG).is_file()
 
 
 def merge_adapter(adapter: Path, out: Path) -> None:

@@ -278,6 +278,13 @@ ERRORS = [
         ["algorithm.recompute_old_log_probs=never"],
         "algorithm.recompute_old_log_probs='never': Input should be 'auto' or 'always'",
     ),
+    (["actor.lora.rank=-1"], "actor.lora.rank=-1: Input should be greater than or equal to 0"),
+    (["actor.lora.alpha=0"], "actor.lora.alpha=0: Input should be greater than 0"),
+    (["actor.lora.dropout=1"], "actor.lora.dropout=1: Input should be less than 1"),
+    (
+        ["actor.lora.target_modules=[]"],
+        "actor.lora.target_modules=[]: Tuple should have at least 1",
+    ),
     (["foo"], "malformed override 'foo'; expected dotted.key=value"),
     (["=3"], "malformed override '=3'"),
     (["actor..lr=3"], "malformed override 'actor..lr=3'"),

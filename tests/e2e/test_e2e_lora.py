@@ -72,15 +72,15 @@ def test_the_checkpoint_holds_the_adapters_and_their_optimizer_state_only(lora_r
     assert all(".lora_" in k for k in keys if k.startswith("optim.state."))
 
 
-def test_the_export_loads_with_peft_and_merges_to_the_same_logits(lora_run, cli) -> None:
+def test_the_export_loads_with_peft_and_merges_to_the_same_logits(lora_run, verlite_main) -> None:
     _, out, _ = lora_run
     policy = out / "hf_actor"
     base = AutoModelForCausalLM.from_pretrained(policy / "base", dtype=torch.float64)
     adapted = PeftModel.from_pretrained(base, policy)
-    described = cli("export", str(out))
+    described = verlite_main("export", str(out))
     assert described.returncode == 0 and "LoRA adapter (peft, rank 4)" in described.stdout
 
-    merged_run = cli("export", str(out), "--merge")
+    merged_run = verlite_main("export", str(out), "--merge")
     assert merged_run.returncode == 0, merged_run.stderr
     merged = AutoModelForCausalLM.from_pretrained(out / "hf_actor_merged", dtype=torch.float64)
     assert not any("lora" in name for name, _ in merged.named_parameters())
@@ -90,5 +90,5 @@ def test_the_export_loads_with_peft_and_merges_to_the_same_logits(lora_run, cli)
         torch.testing.assert_close(merged(input_ids=ids).logits, expected)
         with adapted.disable_adapter():  # the trained adapters change the policy
             assert (adapted(input_ids=ids).logits - expected).abs().max() > 1e-6
-    again = cli("export", str(out), "--merge")
+    again = verlite_main("export", str(out), "--merge")
     assert again.returncode == 2 and "not empty" in again.stderr

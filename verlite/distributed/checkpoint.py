@@ -118,5 +118,7 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=state["optim"],
-        options=_TRAINED_ONLY,
+        # Not strict about the frozen parameters, which are not loaded; every trained one
+        # was requested above, and DCP fails on any the checkpoint lacks.
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )

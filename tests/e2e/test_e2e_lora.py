@@ -6,7 +6,6 @@ the adapters and their optimizer state only; the export is a peft adapter folder
 into weights that give the same logits."""
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

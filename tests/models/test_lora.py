@@ -107,7 +107,7 @@ def test_an_adapters_only_sync_lands_the_adapters_and_checks_the_base() -> None:
             receiver.load(dataclasses.replace(bucket, count=len(buckets) - 1))
     # adapters for another base (a rollout model built from another seed) are refused
     other = WeightReceiver(policy(seed=5), who="rollout rank 1", adapters_only=True)
-    with pytest.raises(WeightSyncError, match="rollout rank 1: .* for a base model of checksum"):
+    with pytest.raises(WeightSyncError, match=r"rollout rank 1: .* for a base model of checksum"):
         other.load(buckets[0])
     with pytest.raises(WeightSyncError, match="refused"):
         other.load(buckets[1])

@@ -13,8 +13,8 @@ import torch
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import MissingExtraError
 from verlite.models import build_policy, check_lora_supported
-from verlite.models.lora import adapter_state, adapters_disabled, is_adapter
-from verlite.rollout import WeightSyncError, base_checksum, make_bucket, sync_layout
+from verlite.models.lora import adapters_disabled
+from verlite.rollout import WeightSyncError, base_checksum, make_bucket, split_frozen, sync_layout
 from verlite.rollout.weights import WeightReceiver
 
 MODEL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, dtype="float64")
@@ -29,8 +29,8 @@ def trained(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with its adapters moved away from their start (B = 0: the identity)."""
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if is_adapter(name):
+        for param in model.parameters():
+            if param.requires_grad:
                 param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
     return model
 
@@ -59,7 +59,7 @@ def test_start_up_errors_are_one_line_naming_the_field_or_the_extra(monkeypatch)
 def test_only_the_adapters_train_and_the_reference_is_the_base() -> None:
     model = trained(policy())
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-    assert trainable and all(is_adapter(name) for name in trainable)
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     base = policy(lora=None)
     with adapters_disabled(model):
         torch.testing.assert_close(logits(model, IDS), logits(base, IDS), rtol=0, atol=0)
@@ -69,9 +69,8 @@ def test_only_the_adapters_train_and_the_reference_is_the_base() -> None:
 def publish(model: torch.nn.Module, version: int, *, with_base: bool = True) -> list:
     """The buckets an actor of a LoRA policy publishes: its adapters, and the checksum of
     its base on bucket 0 (``ActorWorker.publish_bucket``), one tensor a bucket."""
-    state = model.state_dict()
-    adapters = adapter_state(state)
-    base = base_checksum(v for k, v in state.items() if not is_adapter(k))
+    adapters, frozen = split_frozen(model, model.state_dict())
+    base = base_checksum(frozen.values())
     layout = sync_layout(adapters, bucket_bytes=1)
     staging = torch.empty(layout.staging_bytes, dtype=torch.uint8)
     buckets = []
@@ -95,7 +94,8 @@ def test_an_adapters_only_sync_lands_the_adapters_and_checks_the_base() -> None:
     receiver = WeightReceiver(rollout, who="rollout rank 0", adapters_only=True)
     buckets = publish(actor, version=3)
     sent = {spec.name for bucket in buckets for spec in bucket.tensors}
-    assert sent == set(adapter_state(actor.state_dict()))  # adapters only, every one
+    adapters = {n for n, p in actor.named_parameters() if ".lora_" in n}
+    assert sent == adapters and len(adapters) == 2 * 2 * 3  # A and B, 2 layers, 3 targets
     for bucket in buckets:
         receiver.load(bucket)
     receiver.require(3)

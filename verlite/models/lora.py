@@ -7,16 +7,15 @@ with its adapters off (:func:`adapters_disabled`), not a second copy of the weig
 
 What a run changes is the adapters alone, so they are all that a checkpoint saves
 (``distributed.checkpoint`` skips frozen parameters), that a weight sync sends
-(:func:`adapter_state`) and that the export writes (a ``peft`` adapter folder, beside the
+(``rollout.weights.split_frozen``) and that the export writes (a ``peft`` adapter folder, beside the
 base it applies to; ``verlite export --merge`` folds it into full weights).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,6 @@ from transformers import AutoModelForCausalLM
 
 from verlite.config import ConfigError, LoraConfig
 from verlite.errors import import_extra
-from verlite.export import ADAPTER_CONFIG
 
 # Where the export puts the base model an adapter applies to, when the run built it from a
 # seed (the built-in model; a model.path base is referred to by its path).
@@ -94,16 +92,6 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
         yield
 
 
-def is_adapter(name: str) -> bool:
-    """Whether a state entry of a peft model is an adapter tensor (``...lora_A.default...``)."""
-    return ".lora_A." in name or ".lora_B." in name
-
-
-def adapter_state(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a peft model's state, in its order."""
-    return {name: value for name, value in state.items() if is_adapter(name)}
-
-
 def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None:
     """Write the peft model ``model`` (whole, on the CPU) as a peft adapter folder in
     ``path``, loadable with ``PeftModel.from_pretrained(base, path)``. Its base goes to
@@ -125,9 +113,7 @@ def merge_adapter(adapter: Path, out: Path) -> None:
     peft = _peft()
     base_path = adapter / BASE_FOLDER
     if not base_path.is_dir():
-        base_path = Path(
-            json.loads((adapter / ADAPTER_CONFIG).read_text())["base_model_name_or_path"]
-        )
+        base_path = Path(peft.PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path)
     base = AutoModelForCausalLM.from_pretrained(str(base_path))
     merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(str(out))

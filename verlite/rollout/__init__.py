@@ -17,6 +17,7 @@ from verlite.rollout.weights import (
     WeightSyncError,
     base_checksum,
     make_bucket,
+    split_frozen,
     sync_layout,
 )
 
@@ -36,5 +37,6 @@ __all__ = [
     "noise_for",
     "sample_keys",
     "sample_next_token",
+    "split_frozen",
     "sync_layout",
 ]

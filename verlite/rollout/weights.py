@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from verlite.errors import RunFailure
-from verlite.models.lora import adapter_state, is_adapter
 
 
 class WeightSyncError(RunFailure):
@@ -222,9 +221,21 @@ def make_bucket(
     )
 
 
+def split_frozen(
+    model: nn.Module, state: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``state`` (keyed as ``model``'s own) cut in two: the entries of trainable parameters
+    (a LoRA model's adapters: what an adapters-only sync sends) and the rest (its frozen
+    base, which the sync only checks)."""
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    trained = {name: value for name, value in state.items() if name in trainable}
+    frozen = {name: value for name, value in state.items() if name not in trainable}
+    return trained, frozen
+
+
 def base_checksum(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
-    """The checksum of a LoRA model's base weights (whole tensors, in state order)."""
-    return checksum(flat_bytes(tensor) for tensor in tensors)
+    """The checksum of a LoRA model's frozen base (whole tensors, in state order)."""
+    return checksum([flat_bytes(tensor) for tensor in tensors])
 
 
 class WeightReceiver:
@@ -258,7 +269,7 @@ class WeightReceiver:
             # would rebind without the model seeing it): a sync lands where generation reads.
             self._targets = dict(self.model.state_dict(keep_vars=True))
             if self.adapters_only:
-                self._targets = adapter_state(self._targets)
+                self._targets, _ = split_frozen(self.model, self._targets)
             self._sent = set()
             self._next = 0
             self._started = time.perf_counter() - bucket.seconds
@@ -317,10 +328,8 @@ class WeightReceiver:
 
     def _check_base(self, bucket: WeightBucket) -> None:
         if self._base_checksum is None:
-            state = self.model.state_dict()
-            self._base_checksum = base_checksum(
-                value for name, value in state.items() if not is_adapter(name)
-            )
+            _, base = split_frozen(self.model, self.model.state_dict())
+            self._base_checksum = base_checksum(base.values())
         if bucket.base_checksum != self._base_checksum:
             sent = "none" if bucket.base_checksum is None else _hex(bucket.base_checksum)
             self._failure = f"the sync of version {bucket.version} is for another base model"

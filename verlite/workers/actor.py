@@ -18,7 +18,7 @@ from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
 from verlite.models import build_policy, resolve_device
-from verlite.models.lora import adapter_state, adapters_disabled, is_adapter, save_adapter
+from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.varlen import enable_packing
 from verlite.rollout import (
     NativeRollout,
@@ -27,6 +27,7 @@ from verlite.rollout import (
     WeightBucket,
     base_checksum,
     make_bucket,
+    split_frozen,
     sync_layout,
 )
 from verlite.workers.engine import TrainEngine, infer
@@ -157,7 +158,7 @@ class ActorWorker(EngineWorker, PolicyWorker):
     def _synced_state(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: the policy's state, a LoRA policy's adapters only."""
         state = model_state(self.engine.model)
-        return adapter_state(state) if self.lora else state
+        return split_frozen(inference_module(self.engine.model), state)[0] if self.lora else state
 
     def _base_checksum(self) -> tuple[int, int] | None:
         """Collective: the checksum of a LoRA policy's frozen base (computed once), which
@@ -166,8 +167,8 @@ class ActorWorker(EngineWorker, PolicyWorker):
             return None
         if self._base is None:
             state = model_state(self.engine.model)
-            whole = [full_tensor(value) for name, value in state.items() if not is_adapter(name)]
-            self._base = base_checksum(whole)
+            _, base = split_frozen(inference_module(self.engine.model), state)
+            self._base = base_checksum(full_tensor(value) for value in base.values())
         return self._base
 
     def publish_bucket(self, version: int, index: int) -> WeightBucket | None:

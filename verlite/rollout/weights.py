@@ -234,8 +234,9 @@ def split_frozen(
 
 
 def base_checksum(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
-    """The checksum of a LoRA model's frozen base (whole tensors, in state order)."""
-    return checksum([flat_bytes(tensor) for tensor in tensors])
+    """The checksum of a LoRA model's frozen base (whole tensors, in state order). Each
+    tensor is read once and may be dropped at once (gathered FSDP shards: one at a time)."""
+    return checksum(flat_bytes(tensor) for tensor in tensors)
 
 
 class WeightReceiver:

@@ -10,7 +10,9 @@ model with its adapters off (``models.lora.adapters_disabled``): no copy.
 Update step: one ``TrainEngine.train_mini_batch`` (forward, backward and optimizer step over
 every micro-batch of 8 rows) of 32 sequences of 32-token prompts and 32..128-token
 responses; the two variants alternate within each repetition (``common.interleaved``); the
-figure is the median of lora / full paired by repetition, with its quartiles.
+figure is the median of lora / full paired by repetition, with its quartiles, of the wall
+time and of the CPU time of the (one) thread that runs it: on a machine shared with other
+work the CPU time moves far less than the wall time.
 Peak memory: the most bytes of tensors live at once during an update (the second: the first
 builds the optimizer's state), above those live when it began (``common.peak_tensor_bytes``,
 from the allocations torch's profiler records). Resident: the bytes of the tensors an actor
@@ -23,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -111,10 +113,17 @@ def main() -> None:
     loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(ActorConfig()))
     engines = {"full": engine(0, args.rows), "lora": engine(args.rank, args.rows)}
 
-    def update(name: str) -> Callable[[], Any]:
-        return partial(engines[name].train_mini_batch, td.clone(), loss_fn)
+    def update(name: str) -> Callable[[], float]:
+        """An update of ``name``; returns the CPU seconds this thread spent on it."""
 
-    seconds, _ = interleaved({name: update(name) for name in engines}, repeats=args.repeats)
+        def run() -> float:
+            started = time.thread_time()
+            engines[name].train_mini_batch(td.clone(), loss_fn)
+            return time.thread_time() - started
+
+        return run
+
+    seconds, cpu = interleaved({name: update(name) for name in engines}, repeats=args.repeats)
     peak = {name: peak_tensor_bytes(update(name)) for name in engines}
 
     kept: list[torch.nn.Module] = []
@@ -139,6 +148,7 @@ def main() -> None:
         for name, eng in engines.items()
     }
     step_ratios = ratios(seconds["lora"], seconds["full"])
+    cpu_ratios = ratios(cpu["lora"], cpu["full"])
     emit(
         {
             "benchmark": "lora",
@@ -149,6 +159,9 @@ def main() -> None:
             "update_s": {name: median(s) for name, s in seconds.items()},
             "update_time_ratio": median(step_ratios),
             "update_time_ratio_quartiles": quartiles(step_ratios),
+            "update_cpu_s": {name: median(s) for name, s in cpu.items()},
+            "update_cpu_time_ratio": median(cpu_ratios),
+            "update_cpu_time_ratio_quartiles": quartiles(cpu_ratios),
             "update_peak_bytes": peak,
             "update_peak_ratio": peak["lora"] / peak["full"],
             "reference_bytes": reference_bytes,

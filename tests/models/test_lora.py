@@ -9,11 +9,12 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import MissingExtraError
 from verlite.models import build_policy, check_lora_supported
-from verlite.models.lora import adapters_disabled
+from verlite.models.lora import adapters_disabled, merge_adapter, save_adapter
 from verlite.rollout import WeightSyncError, base_checksum, make_bucket, split_frozen, sync_layout
 from verlite.rollout.weights import WeightReceiver
 
@@ -115,3 +116,15 @@ def test_an_adapters_only_sync_lands_the_adapters_and_checks_the_base() -> None:
     fresh = WeightReceiver(policy(), who="rollout rank 2", adapters_only=True)
     with pytest.raises(WeightSyncError, match="base model of checksum none"):
         fresh.load(publish(actor, version=4, with_base=False)[0])
+
+
+def test_an_adapter_over_a_model_path_names_it_and_merges_to_the_same_logits(tmp_path) -> None:
+    policy(lora=None).save_pretrained(tmp_path / "pretrained")
+    cfg = MODEL.model_copy(update={"path": str(tmp_path / "pretrained")})
+    model = trained(build_policy(cfg, vocab_size=40, max_positions=32, seed=0, lora=LORA))
+    expected = logits(model, IDS)
+    save_adapter(model, tmp_path / "adapter", base_path=cfg.path)
+    assert not (tmp_path / "adapter" / "base").exists()  # the base is where model.path says
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged, IDS), expected)

@@ -31,6 +31,7 @@ BENCHMARKS = (
     "split_two_nodes",
     "varlen_attention",
     "multi_turn",
+    "lora",
 )
 RESULTS = Path(__file__).with_name("results.json")
 

@@ -325,3 +325,23 @@ def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:
         roles=["actor"],
         total_steps=3,
     )
+
+
+def test_a_lora_checkpoint_resumes_only_with_the_same_adapters(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from verlite.config import load_config
+
+    saved = load_config(CONFIG, ["actor.lora.rank=4"]).model_dump(mode="json")
+    fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert re.search(r"cannot resume from .*step_3: actor.lora.rank=4 there, 0 here", err), err
+
+
+def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = run(capsys, "export", str(tmp_path))
+    assert "holds no exported policy (hf_actor/ is missing" in err
+    (tmp_path / "hf_actor").mkdir()
+    (tmp_path / "hf_actor" / "config.json").write_text("{}")
+    err = run(capsys, "export", str(tmp_path), "--merge")
+    assert "holds full weights, not a LoRA adapter; --merge applies to runs with actor.lora" in err

@@ -319,6 +319,13 @@ ERRORS = [
         "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by its "
         "environment; unset one of them",
     ),
+    (["actor.lora.rank=-1"], "actor.lora.rank=-1: Input should be greater than or equal to 0"),
+    (["actor.lora.alpha=0"], "actor.lora.alpha=0: Input should be greater than 0"),
+    (["actor.lora.dropout=1"], "actor.lora.dropout=1: Input should be less than 1"),
+    (
+        ["actor.lora.target_modules=[]"],
+        "actor.lora.target_modules=[]: Tuple should have at least 1",
+    ),
     (["foo"], "malformed override 'foo'; expected dotted.key=value"),
     (["=3"], "malformed override '=3'"),
     (["actor..lr=3"], "malformed override 'actor..lr=3'"),

@@ -63,7 +63,7 @@ def read_metrics(run: str | Path, *, as_frame: bool = False) -> Any:
     records = metrics_log.read(run)
     if not as_frame:
         return records
-    from verlite.tracking import import_extra
+    from verlite.errors import import_extra
 
     pd = import_extra("pandas", feature="read_metrics(as_frame=True)", extra="pandas")
     return pd.DataFrame.from_records(records).set_index("step")

@@ -71,10 +71,18 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
 
 # Settings that must be the same to resume: the model's shape (its dtype may change: weights
 # convert), and what the data position of the checkpoint counts in (the prompts and their
-# order). The run's place and bounds may change freely; any other change is allowed and
-# reported in one line.
+# order), and the adapters a LoRA checkpoint holds (its shapes, their scale, the layers they
+# apply to; the base is rebuilt from the model settings and the seed). The run's place and
+# bounds may change freely; any other change is allowed and reported in one line.
 _MAY_CONVERT = {"model.dtype"}
-_MUST_MATCH = ("model.", "data.", "trainer.seed")
+_MUST_MATCH = (
+    "model.",
+    "data.",
+    "trainer.seed",
+    "actor.lora.rank",
+    "actor.lora.alpha",
+    "actor.lora.target_modules",
+)
 _FREE = {
     "data.val_file",
     "trainer.total_steps",

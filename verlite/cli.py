@@ -20,6 +20,7 @@ from typing import NoReturn
 
 from verlite.compare import add_compare_command
 from verlite.errors import RunFailure, UserError
+from verlite.export import add_export_command
 from verlite.jobs import add_job_commands
 from verlite.measure_packing import cmd_measure_packing
 from verlite.report import add_metrics_command
@@ -213,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_metrics_command(commands)
     add_compare_command(commands)
+    add_export_command(commands)
     add_job_commands(commands)
     return parser
 

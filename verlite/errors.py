@@ -2,6 +2,11 @@
 :class:`UserError` (bad input: exit 2) and a :class:`RunFailure` (a run that stopped for a
 reason its message names: exit 1)."""
 
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
 
 class UserError(ValueError):
     """Bad input: a config value, a data file, a reward function, a command-line flag."""
@@ -20,3 +25,18 @@ def shown(value: object, limit: int = 120) -> str:
         return text
     half = (limit - 5) // 2
     return f"{text[:half]}[...]{text[-half:]}"
+
+
+class MissingExtraError(UserError):
+    """An optional feature is configured but its package is not installed."""
+
+
+def import_extra(module: str, *, feature: str, extra: str) -> ModuleType:
+    """Import the package behind an optional feature, or fail with the install command."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{feature} needs the {module!r} package, which cannot be imported ({exc}); "
+            f"install it with: pip install 'verlite[{extra}]'"
+        ) from None

@@ -177,11 +177,32 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
 
 
 def _build_model(cfg: Config, role: Role) -> nn.Module:
-    build = build_policy if role == "actor" else build_value_model
     max_positions = cfg.max_sequence_length
-    return build(
-        cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=cfg.trainer.seed
+    seed = cfg.trainer.seed
+    if role == "critic":
+        return build_value_model(
+            cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=seed
+        )
+    # Dropout draws masks that depend on the micro-batch layout: the audit compares
+    # without it (docs/design.md, "LoRA").
+    lora = cfg.actor.lora.model_copy(update={"dropout": 0.0})
+    model = build_policy(
+        cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=seed, lora=lora
     )
+    if lora.rank > 0:
+        _perturb_adapters(model, seed)
+    return model
+
+
+@torch.no_grad()
+def _perturb_adapters(model: nn.Module, seed: int) -> None:
+    """Adapters start with ``B = 0``, where the gradient of every ``A`` is zero: the audit
+    starts them from a random ``B`` (as after some training), so that both have one."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():
+        if ".lora_B." in name:
+            noise = torch.randn(param.shape, generator=gen, dtype=param.dtype)
+            param.copy_(0.1 * noise)
 
 
 def audit_device(cfg: Config) -> torch.device:

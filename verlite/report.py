@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from verlite import metrics_log
-from verlite.errors import UserError
+from verlite.errors import UserError, import_extra
 from verlite.metrics_log import Record
-from verlite.tracking import import_extra
 
 # The table's rows by default, in this order, when present.
 DEFAULT_KEYS = (

@@ -10,7 +10,6 @@ TensorBoard, MLflow and W&B are optional extras, imported only when configured.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import math
 import netrc
@@ -21,12 +20,12 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import ModuleType, TracebackType
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
 from verlite import metrics_log
-from verlite.errors import UserError
+from verlite.errors import UserError, import_extra
 from verlite.reachable import connection_problem
 
 if TYPE_CHECKING:
@@ -63,21 +62,6 @@ _SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.
 MIN_SECRET_LENGTH = 8
 # user:password@ in a URL such as an MLflow tracking URI or a Ray address.
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
-
-
-class MissingExtraError(UserError):
-    """An optional feature is configured but its package is not installed."""
-
-
-def import_extra(module: str, *, feature: str, extra: str) -> ModuleType:
-    """Import the package behind an optional feature, or fail with the install command."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise MissingExtraError(
-            f"{feature} needs the {module!r} package, which cannot be imported ({exc}); "
-            f"install it with: pip install 'verlite[{extra}]'"
-        ) from None
 
 
 # How a run ended, in MLflow's words: it finished, raised, or was interrupted or terminated.

@@ -44,7 +44,12 @@ from verlite.data import (
 )
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import RunFailure
-from verlite.models import attention_crossover, check_packing_supported, check_tokenizer_fits
+from verlite.models import (
+    attention_crossover,
+    check_lora_supported,
+    check_packing_supported,
+    check_tokenizer_fits,
+)
 from verlite.models.reward_model import check_reward_model
 from verlite.output_folder import FolderLock, prepare_output_folder
 from verlite.rewards import RewardFn, resolve_reward, score_responses
@@ -160,6 +165,7 @@ class RunInputs:
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)
+        check_lora_supported(cfg.model, cfg.actor.lora)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)
             if cfg.rollout.multi_turn.turn_stop is not None:

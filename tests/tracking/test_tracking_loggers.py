@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from wandb_support import wandb_records, wandb_steps
 
-from verlite.errors import UserError
-from verlite.tracking import MissingExtraError, Tracker
+from verlite.errors import MissingExtraError, UserError
+from verlite.tracking import Tracker
 
 CONFIG: dict[str, Any] = {
     "algorithm": {"adv_estimator": "gae"},

@@ -8,13 +8,21 @@ row): one plain SGD step, and three steps of AdamW with gradient clipping active
 training runs.
 """
 
+import dataclasses
 import itertools
 
 import pytest
 
 from verlite.config import load_config
 from verlite.core.losses import LOSS_AGG_MODES
-from verlite.invariance import MICRO_LAYOUTS, Case, check_invariance, make_batch, run_case
+from verlite.invariance import (
+    MICRO_LAYOUTS,
+    Case,
+    check_invariance,
+    compare,
+    make_batch,
+    run_case,
+)
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
 TOLERANCE = 1e-9
@@ -137,3 +145,30 @@ def test_negative_control_fails_after_three_adamw_steps() -> None:
     )
     too_close = [r for r in reports if r.max_rel_param_diff < 1e-4]
     assert not too_close, f"AdamW and clipping hid per-micro-batch normalization: {too_close}"
+
+
+# LoRA: the gradients of the adapters (A and B: the audit starts B away from 0) under DDP and
+# FSDP2 (frozen and trainable parameters in one shard unit), padded, budgeted and packed.
+LORA = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64", "actor.lora.rank=4"])
+
+
+def test_lora_adapter_gradients_match_the_reference() -> None:
+    reports = check_invariance(LORA, dps=[2], micros=["1", "packed"], roles=["actor"])
+    assert len(reports) == 2 * 2
+    failures = [r for r in reports if r.worst() > TOLERANCE]
+    assert not failures, failures
+
+
+def test_lora_reference_trains_only_the_adapters_and_the_negative_control_fails() -> None:
+    batch = make_batch(LORA)
+    case = Case("actor", LORA.actor.loss_agg_mode, "full")
+    reference = run_case(LORA, case, batch, strategy="none")
+    assert reference is not None
+    assert {n.split(".")[-3] for n in reference.grads} == {"lora_A", "lora_B"}
+    assert all(g.abs().max() > 0 for g in reference.grads.values())
+    # per-micro-batch normalization, micro-batches of one row, in this process
+    one_row = dataclasses.replace(case, micro="1")
+    naive = run_case(LORA, one_row, batch, strategy="none", naive=True)
+    assert naive is not None
+    diffs = compare(naive, reference)
+    assert min(diffs["max_rel_grad_diff"], diffs["loss_diff"]) > 1e-3, diffs

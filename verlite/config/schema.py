@@ -323,6 +323,36 @@ class WorkerRoleConfig(Section):
     )
 
 
+# The projections of Llama- and Qwen2-family decoders: attention and MLP.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the policy (through ``peft``, the ``lora`` extra): only the adapters
+    train, the reference is the same model with its adapters off."""
+
+    rank: NonNegativeInt = Field(
+        0,
+        description="Rank of the adapters' low-rank update; 0 trains every weight (no LoRA).",
+    )
+    alpha: float = Field(
+        16.0, gt=0.0, description="Scale of the adapters' update: alpha / rank times B A."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapters' input while training; > 0 draws random masks, "
+        "so gradients then depend on how the batch is split (the invariance audit uses 0).",
+    )
+    target_modules: tuple[NonEmptyStr, ...] = Field(
+        LORA_DEFAULT_TARGETS,
+        min_length=1,
+        description="Names of the linear layers that get adapters, matched as the last part "
+        "of a module's name (peft's target_modules); each must name a layer of the model.",
+    )
+
+
 class ActorConfig(WorkerRoleConfig):
     """The policy: PPO-family losses, entropy bonus, KL loss to the reference."""
 
@@ -343,6 +373,9 @@ class ActorConfig(WorkerRoleConfig):
     kl_loss_coef: float = Field(0.001, ge=0.0, description="Weight of the KL loss.")
     kl_loss_type: KLKind = Field(
         "low_var_kl", description=f"KL estimator of the loss: {', '.join(KL_KINDS)}, optional '+'."
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters (rank 0: train every weight)."
     )
 
 

@@ -1,9 +1,9 @@
 """Save and load one worker group's training state with torch.distributed.checkpoint (DCP).
 
-Model and optimizer state go through ``get_state_dict`` / ``set_state_dict``, which key
-everything by the unwrapped model's parameter names whatever the wrapping (none, DDP,
-FSDP2), and DCP writes each rank's shard. Loading reshards: a checkpoint saved by N ranks
-loads into M ranks.
+Trainable parameters and optimizer state go through ``get_state_dict`` / ``set_state_dict``,
+which key everything by the unwrapped model's parameter names whatever the wrapping (none,
+DDP, FSDP2), and DCP writes each rank's shard. Loading reshards: a checkpoint saved by N
+ranks loads into M ranks. Frozen parameters (a LoRA policy's base) are not saved.
 
 Loading runs no code from the files. DCP's stock reader unpickles ``.metadata`` with plain
 ``pickle`` and its planner reads non-tensor values (optimizer hyperparameters) with
@@ -29,7 +29,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.planner import ReadItem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.serialization import _get_layout
 
 # What a DCP ``.metadata`` pickle may name besides DCP's classes and torch dtypes; each is
@@ -87,15 +91,20 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+# What training changes: frozen parameters (a LoRA policy's base weights) are not saved;
+# a resumed run builds them again, as the first run did.
+_TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
 def save_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Collective: every rank of the group calls it with the same ``path``."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
 
 
 def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Collective: load in place into an identically built model and optimizer."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state = {"model": model_state, "optim": optim_state}
     try:
         dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
@@ -105,5 +114,11 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
         causes = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
         raise CheckpointLoadError(f"cannot load {path}: {'; '.join(causes)}") from None
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+        # Not strict about the frozen parameters, which are not loaded; every trained one
+        # was requested above, and DCP fails on any the checkpoint lacks.
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )

@@ -20,8 +20,9 @@ from transformers import (
     Qwen2Config,
 )
 
-from verlite.config import ConfigError, ModelConfig
+from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
+from verlite.models.lora import apply_lora, check_peft_installed, check_targets
 from verlite.models.varlen import PackingUnsupported, enable_packing
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -74,13 +75,26 @@ def _hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> Pretrai
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
 
 
-def build_policy(cfg: ModelConfig, *, vocab_size: int, max_positions: int, seed: int) -> nn.Module:
-    """The actor (and reference): a causal LM, from ``cfg.path`` or built from the config."""
+def build_policy(
+    cfg: ModelConfig,
+    *,
+    vocab_size: int,
+    max_positions: int,
+    seed: int,
+    lora: LoraConfig | None = None,
+) -> nn.Module:
+    """The actor (and reference): a causal LM, from ``cfg.path`` or built from the config;
+    with adapters (a peft model, ``models.lora``) when ``lora`` has a rank."""
     dtype = model_dtype(cfg)
     if cfg.path is not None:
-        return _pretrained(AutoModelForCausalLM, cfg.path, dtype)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(_hf_config(cfg, vocab_size, max_positions)).to(dtype)
+        model = _pretrained(AutoModelForCausalLM, cfg.path, dtype)
+    else:
+        torch.manual_seed(seed)
+        config = _hf_config(cfg, vocab_size, max_positions)
+        model = AutoModelForCausalLM.from_config(config).to(dtype)
+    if lora is not None and lora.rank > 0:
+        model = apply_lora(model, lora, seed=seed).to(dtype)
+    return model
 
 
 class ModelWeightsError(UserError):
@@ -193,6 +207,17 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
             f"{role}.packing=true: could not check that {config.model_type} models keep packed "
             f"sequences apart ({type(exc).__name__}: {exc}); set {role}.packing=false"
         ) from None
+
+
+def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> None:
+    """``actor.lora.rank > 0`` at start-up: peft installed, and every target module a linear
+    layer of the model (checked on a model built on the meta device: no memory)."""
+    if lora.rank == 0:
+        return
+    check_peft_installed(lora)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(_hf_config(cfg, vocab_size=64, max_positions=64))
+    check_targets(model, lora)
 
 
 def attention_crossover(cfg: ModelConfig) -> int:

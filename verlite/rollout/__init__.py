@@ -15,7 +15,9 @@ from verlite.rollout.weights import (
     SyncLayout,
     WeightBucket,
     WeightSyncError,
+    base_checksum,
     make_bucket,
+    split_frozen,
     sync_layout,
 )
 
@@ -30,9 +32,11 @@ __all__ = [
     "SyncLayout",
     "WeightBucket",
     "WeightSyncError",
+    "base_checksum",
     "make_bucket",
     "noise_for",
     "sample_keys",
     "sample_next_token",
+    "split_frozen",
     "sync_layout",
 ]

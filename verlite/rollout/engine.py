@@ -46,10 +46,18 @@ class NativeEngine:
     """:class:`~verlite.rollout.native.NativeRollout` on a model of its own, which only
     weight syncs change."""
 
-    def __init__(self, model: nn.Module, *, eos_token_id: int, pad_token_id: int, who: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        who: str,
+        adapters_only: bool = False,
+    ) -> None:
         # Parameters keep requires_grad (generation runs under no_grad either way): frozen
         # ones take other CPU matmul kernels, whose rounding differs from the actor's.
-        self.receiver = WeightReceiver(model, who=who)
+        self.receiver = WeightReceiver(model, who=who, adapters_only=adapters_only)
         self.sampler = NativeRollout(
             model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lockstep=False
         )

@@ -110,6 +110,9 @@ class WeightBucket:
     parts: list[np.ndarray]
     checksum: tuple[int, int]
     seconds: float
+    # An adapters-only sync's bucket 0: the checksum of the actor's base weights, which
+    # the sync does not send and the rollout model must hold alike.
+    base_checksum: tuple[int, int] | None = None
 
 
 MASK64 = 2**64 - 1
@@ -187,6 +190,7 @@ def make_bucket(
     *,
     staging: torch.Tensor,
     started: float,
+    base_checksum: tuple[int, int] | None = None,
 ) -> WeightBucket:
     """Bucket ``index`` of ``layout`` from its whole ``tensors``: the small ones copied into
     ``staging`` (uint8 on the CPU, at least ``layout.staging_bytes``), which part 0 views
@@ -213,16 +217,39 @@ def make_bucket(
         parts,
         checksum(regions),
         time.perf_counter() - started,
+        base_checksum,
     )
+
+
+def split_frozen(
+    model: nn.Module, state: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``state`` (keyed as ``model``'s own) cut in two: the entries of trainable parameters
+    (a LoRA model's adapters: what an adapters-only sync sends) and the rest (its frozen
+    base, which the sync only checks)."""
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    trained = {name: value for name, value in state.items() if name in trainable}
+    frozen = {name: value for name, value in state.items() if name not in trainable}
+    return trained, frozen
+
+
+def base_checksum(tensors: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """The checksum of a LoRA model's frozen base (whole tensors, in state order). Each
+    tensor is read once and may be dropped at once (gathered FSDP shards: one at a time)."""
+    return checksum(flat_bytes(tensor) for tensor in tensors)
 
 
 class WeightReceiver:
     """The rollout side of the sync, over ``model``'s own tensors; ``who`` names the worker
-    in errors (``rollout rank 0``)."""
+    in errors (``rollout rank 0``). With ``adapters_only`` (a LoRA policy) a sync sends
+    the adapter tensors alone, and its bucket 0 carries the checksum of the actor's base
+    weights, which must be this model's."""
 
-    def __init__(self, model: nn.Module, *, who: str) -> None:
+    def __init__(self, model: nn.Module, *, who: str, adapters_only: bool = False) -> None:
         self.model = model
         self.who = who
+        self.adapters_only = adapters_only
+        self._base_checksum: tuple[int, int] | None = None  # of the frozen base, once
         self.version: int | None = None
         self._targets: dict[str, torch.Tensor] = {}
         self._sent: set[str] = set()
@@ -242,6 +269,8 @@ class WeightReceiver:
             # The model's own tensors as they are now (not detached aliases, which a view
             # would rebind without the model seeing it): a sync lands where generation reads.
             self._targets = dict(self.model.state_dict(keep_vars=True))
+            if self.adapters_only:
+                self._targets, _ = split_frozen(self.model, self._targets)
             self._sent = set()
             self._next = 0
             self._started = time.perf_counter() - bucket.seconds
@@ -265,6 +294,8 @@ class WeightReceiver:
                 f"{self.who}: the sync of version {bucket.version} delivered bucket "
                 f"{bucket.index + 1} where bucket {self._next + 1} was due"
             )
+        if bucket.index == 0 and self.adapters_only:
+            self._check_base(bucket)
         landed = []
         with warnings.catch_warnings():
             # The object store's buffers are read-only; the model only reads its weights.
@@ -295,6 +326,19 @@ class WeightReceiver:
             return None
         self._complete(bucket.version)
         return time.perf_counter() - self._started
+
+    def _check_base(self, bucket: WeightBucket) -> None:
+        if self._base_checksum is None:
+            _, base = split_frozen(self.model, self.model.state_dict())
+            self._base_checksum = base_checksum(base.values())
+        if bucket.base_checksum != self._base_checksum:
+            sent = "none" if bucket.base_checksum is None else _hex(bucket.base_checksum)
+            self._failure = f"the sync of version {bucket.version} is for another base model"
+            raise WeightSyncError(
+                f"{self.who}: the sync of version {bucket.version} sends LoRA adapters for a "
+                f"base model of checksum {sent}, but this model's base holds "
+                f"{_hex(self._base_checksum)}; the adapters would apply to other weights"
+            )
 
     def require(self, version: int) -> None:
         """Raise unless the model holds, checked, the weights of ``version``."""

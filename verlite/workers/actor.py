@@ -6,6 +6,7 @@ import copy
 import time
 from collections.abc import Sequence
 from functools import partial
+from pathlib import Path
 
 import ray
 import torch
@@ -13,16 +14,20 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.core.metrics import MetricDict
+from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
 from verlite.models import build_policy, resolve_device
+from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.varlen import enable_packing
 from verlite.rollout import (
     NativeRollout,
     SamplingParams,
     SyncLayout,
     WeightBucket,
+    base_checksum,
     make_bucket,
+    split_frozen,
     sync_layout,
 )
 from verlite.workers.engine import TrainEngine, infer
@@ -45,14 +50,19 @@ class ActorWorker(EngineWorker, PolicyWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         device = resolve_device(cfg.model)
-        policy = self._build_policy(seed=cfg.trainer.seed)
-        # The reference is the initial policy, frozen; a plain copy on every rank needs no collectives.
+        policy = self._build_policy()
+        # The reference is the initial policy, frozen; a plain copy on every rank needs no
+        # collectives. A LoRA policy's initial policy is its base: the policy itself with
+        # its adapters off (``models.lora``), no copy.
         self.reference = (
-            copy.deepcopy(policy).requires_grad_(False).to(device) if cfg.use_reference else None
+            copy.deepcopy(policy).requires_grad_(False).to(device)
+            if cfg.use_reference and not self.lora
+            else None
         )
         if self.reference is not None and cfg.actor.packing:
             enable_packing(self.reference)
         self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
+        self._base: tuple[int, int] | None = None  # a LoRA base's checksum, at the first sync
         self.engine = TrainEngine(
             policy,
             cfg=cfg.actor,
@@ -68,11 +78,19 @@ class ActorWorker(EngineWorker, PolicyWorker):
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
 
-    def _build_policy(self, *, seed: int) -> nn.Module:
+    @property
+    def lora(self) -> bool:
+        return self.cfg.actor.lora.rank > 0
+
+    def _build_policy(self) -> nn.Module:
+        """The initial policy, the same on every rank (and on every rollout worker)."""
         cfg = self.cfg
-        max_positions = cfg.max_sequence_length
         return build_policy(
-            cfg.model, vocab_size=self.vocab_size, max_positions=max_positions, seed=seed
+            cfg.model,
+            vocab_size=self.vocab_size,
+            max_positions=cfg.max_sequence_length,
+            seed=cfg.trainer.seed,
+            lora=cfg.actor.lora,
         )
 
     def generate(
@@ -108,26 +126,50 @@ class ActorWorker(EngineWorker, PolicyWorker):
         """``old_log_probs`` of the current policy (with ``with_old``), and ``ref_log_prob``
         when a KL term is on; both passes run the same micro-batches."""
         out = TensorDict({}, batch_size=td.batch_size)
-        if not with_old and self.reference is None:
+        if not with_old and not self.cfg.use_reference:
             return out
         plan = self.engine.plan(td, training=False)
         if with_old:
             out = self.engine.infer(td, partial(_log_probs, "old_log_probs"), plan)
-        if self.reference is not None:
-            ref = infer(
-                self.reference,
-                td,
-                partial(_log_probs, "ref_log_prob"),
-                plan=plan,
-                device=self.engine.device,
-                packing=self.cfg.actor.packing,
-            )
-            out["ref_log_prob"] = ref["ref_log_prob"]
+        if self.cfg.use_reference:
+            out["ref_log_prob"] = self._reference_log_probs(td, plan)
         return out.cpu()
+
+    def _reference_log_probs(self, td: TensorDict, plan: MicroBatchPlan) -> torch.Tensor:
+        ref_fn = partial(_log_probs, "ref_log_prob")
+        if self.lora:
+            with adapters_disabled(self.engine.model):
+                return self.engine.infer(td, ref_fn, plan)["ref_log_prob"]
+        assert self.reference is not None
+        ref = infer(
+            self.reference,
+            td,
+            ref_fn,
+            plan=plan,
+            device=self.engine.device,
+            packing=self.cfg.actor.packing,
+        )
+        return ref["ref_log_prob"]
 
     def weight_layout(self) -> SyncLayout:
         """The buckets of a weight sync (``verlite.rollout.weights``), the same on every rank."""
-        return sync_layout(model_state(self.engine.model), self._sync_bucket_bytes)
+        return sync_layout(self._synced_state(), self._sync_bucket_bytes)
+
+    def _synced_state(self) -> dict[str, torch.Tensor]:
+        """What a weight sync sends: the policy's state, a LoRA policy's adapters only."""
+        state = model_state(self.engine.model)
+        return split_frozen(inference_module(self.engine.model), state)[0] if self.lora else state
+
+    def _base_checksum(self) -> tuple[int, int] | None:
+        """Collective: the checksum of a LoRA policy's frozen base (computed once), which
+        an adapters-only sync's bucket 0 carries; None without LoRA."""
+        if not self.lora:
+            return None
+        if self._base is None:
+            state = model_state(self.engine.model)
+            _, base = split_frozen(inference_module(self.engine.model), state)
+            self._base = base_checksum(full_tensor(value) for value in base.values())
+        return self._base
 
     def publish_bucket(self, version: int, index: int) -> WeightBucket | None:
         """Collective: bucket ``index`` of the sync of ``version``, from rank 0 (the others
@@ -136,8 +178,10 @@ class ActorWorker(EngineWorker, PolicyWorker):
         next update. Its small tensors are staged in one buffer that the next bucket
         overwrites: put the bucket in the object store first (:meth:`put_bucket`)."""
         started = time.perf_counter()
+        base = None
         if index == 0:
-            self._publishing = model_state(self.engine.model)
+            base = self._base_checksum()
+            self._publishing = self._synced_state()
             self._layout = sync_layout(self._publishing, self._sync_bucket_bytes)
         specs = self._layout.buckets[index]
         tensors = [full_tensor(self._publishing[spec.name]) for spec in specs]
@@ -147,7 +191,13 @@ class ActorWorker(EngineWorker, PolicyWorker):
         if self._staging.numel() < size:
             self._staging = torch.empty(size, dtype=torch.uint8)
         return make_bucket(
-            version, index, self._layout, tensors, staging=self._staging, started=started
+            version,
+            index,
+            self._layout,
+            tensors,
+            staging=self._staging,
+            started=started,
+            base_checksum=base,
         )
 
     def put_bucket(self, version: int, index: int) -> ray.ObjectRef[WeightBucket] | None:
@@ -163,12 +213,16 @@ class ActorWorker(EngineWorker, PolicyWorker):
 
     def export_hf(self, path: str) -> None:
         """Collective: the trained policy in Hugging Face format, gathered on and written by
-        rank 0 only."""
+        rank 0 only. A LoRA policy is written as a peft adapter folder, with the base it
+        applies to in ``base/`` unless ``model.path`` names it (``models.lora.save_adapter``)."""
         state = full_state_dict(self.engine.model, rank0_only=True)
         if self.rank == 0:
-            model = self._build_policy(seed=0)
+            model = self._build_policy()
             model.load_state_dict(state)
-            model.save_pretrained(path)
+            if self.lora:
+                save_adapter(model, Path(path), base_path=self.cfg.model.path)
+            else:
+                model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:
         """The policy updates of one step over this rank's share, ``(mini_batches, rows)``."""

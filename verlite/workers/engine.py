@@ -76,10 +76,12 @@ def lr_multiplier(step: int, *, optim: OptimConfig, total_updates: int) -> float
 
 
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer of ``model``'s trainable parameters (a LoRA policy's adapters only)."""
+    params = [p for p in model.parameters() if p.requires_grad]
     if optim.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay)
+        return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(
-        model.parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+        params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
     )
 
 
@@ -207,7 +209,9 @@ class TrainEngine:
     # -------------------------------------------------------------------- checkpoints
 
     def save(self, path: Path) -> None:
-        """Collective: model + optimizer (DCP, sharded per rank), LR schedule position."""
+        """Collective: trainable parameters + optimizer (DCP, sharded per rank), LR schedule
+        position. Frozen parameters (a LoRA policy's base) are rebuilt from the config, not
+        saved."""
         save_train_state(self.model, self.optimizer, path / "train_state")
         if get_rank() == 0:
             # LambdaLR's state is plain numbers (the lambda itself is rebuilt from the config).

@@ -23,15 +23,23 @@ class RolloutWorker(PolicyWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         self.device = resolve_device(cfg.model)
-        # Its initial weights never generate: the first sync replaces them.
+        # Its initial weights never generate: the first sync replaces them. A LoRA policy's
+        # sync sends the adapters alone: the base is built as the actor builds it (same
+        # seed), and each sync checks that it is the actor's.
+        lora = cfg.actor.lora
         model = build_policy(
-            cfg.model, vocab_size=self.vocab_size, max_positions=cfg.max_sequence_length, seed=0
+            cfg.model,
+            vocab_size=self.vocab_size,
+            max_positions=cfg.max_sequence_length,
+            seed=cfg.trainer.seed,
+            lora=lora,
         ).to(self.device)
         self.engine = NativeEngine(
             model,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
             who=f"rollout rank {self.rank} (node {self.node_info()['node_ip']})",
+            adapters_only=lora.rank > 0,
         )
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:

@@ -1,0 +1,130 @@
+"""LoRA (``verlite.models.lora``) on real Hugging Face models in one process: start-up checks
+in one line, the reference is the base, and an adapters-only weight sync lands the adapters
+bit for bit and refuses a rollout model of another base. (A whole LoRA run with FSDP, a split
+rollout group, checkpoint and export: tests/e2e/test_e2e_lora.py; the invariance audit over
+spawned ranks: tests/workers/test_engine_invariance.py.)"""
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from verlite.config import ConfigError, LoraConfig, ModelConfig
+from verlite.errors import MissingExtraError
+from verlite.models import build_policy, check_lora_supported
+from verlite.models.lora import adapters_disabled, merge_adapter, save_adapter
+from verlite.rollout import WeightSyncError, base_checksum, make_bucket, split_frozen, sync_layout
+from verlite.rollout.weights import WeightReceiver
+
+MODEL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, dtype="float64")
+LORA = LoraConfig(rank=4, target_modules=("q_proj", "v_proj", "down_proj"))
+
+
+def policy(seed: int = 0, lora: LoraConfig | None = LORA) -> torch.nn.Module:
+    return build_policy(MODEL, vocab_size=40, max_positions=32, seed=seed, lora=lora)
+
+
+def trained(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its adapters moved away from their start (B = 0: the identity)."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn(param.shape, generator=gen, dtype=param.dtype))
+    return model
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.randint(1, 40, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def test_start_up_errors_are_one_line_naming_the_field_or_the_extra(monkeypatch) -> None:
+    bad = LoraConfig(rank=4, target_modules=("q_proj", "query_key_value"))
+    with pytest.raises(ConfigError) as info:
+        check_lora_supported(MODEL, bad)
+    assert str(info.value).startswith("actor.lora.target_modules: query_key_value name no")
+    assert "q_proj" in str(info.value) and "\n" not in str(info.value)
+    check_lora_supported(MODEL, LoraConfig(rank=0, target_modules=("nothing",)))  # off
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # peft not installed: import fails
+    with pytest.raises(MissingExtraError, match=r"pip install 'verlite\[lora\]'$"):
+        check_lora_supported(MODEL, LORA)
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base() -> None:
+    model = trained(policy())
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    base = policy(lora=None)
+    with adapters_disabled(model):
+        torch.testing.assert_close(logits(model, IDS), logits(base, IDS), rtol=0, atol=0)
+    assert (logits(model, IDS) - logits(base, IDS)).abs().max() > 1e-3
+
+
+def publish(model: torch.nn.Module, version: int, *, with_base: bool = True) -> list:
+    """The buckets an actor of a LoRA policy publishes: its adapters, and the checksum of
+    its base on bucket 0 (``ActorWorker.publish_bucket``), one tensor a bucket."""
+    adapters, frozen = split_frozen(model, model.state_dict())
+    base = base_checksum(frozen.values())
+    layout = sync_layout(adapters, bucket_bytes=1)
+    staging = torch.empty(layout.staging_bytes, dtype=torch.uint8)
+    buckets = []
+    for index, specs in enumerate(layout.buckets):
+        bucket = make_bucket(
+            version,
+            index,
+            layout,
+            [adapters[s.name] for s in specs],
+            staging=staging.clone(),
+            started=0.0,
+            base_checksum=base if index == 0 and with_base else None,
+        )
+        buckets.append(bucket)
+    return buckets
+
+
+def test_an_adapters_only_sync_lands_the_adapters_and_checks_the_base() -> None:
+    actor = trained(policy())
+    rollout = policy()
+    receiver = WeightReceiver(rollout, who="rollout rank 0", adapters_only=True)
+    buckets = publish(actor, version=3)
+    sent = {spec.name for bucket in buckets for spec in bucket.tensors}
+    adapters = {n for n, p in actor.named_parameters() if ".lora_" in n}
+    assert sent == adapters and len(adapters) == 2 * 2 * 3  # A and B, 2 layers, 3 targets
+    for bucket in buckets:
+        receiver.load(bucket)
+    receiver.require(3)
+    torch.testing.assert_close(logits(rollout, IDS), logits(actor, IDS), rtol=0, atol=0)
+
+    # a sync that leaves an adapter unset does not complete
+    with pytest.raises(WeightSyncError, match="did not send 1 of the model's tensors"):
+        for bucket in buckets[:-1]:
+            receiver.load(dataclasses.replace(bucket, count=len(buckets) - 1))
+    # adapters for another base (a rollout model built from another seed) are refused
+    other = WeightReceiver(policy(seed=5), who="rollout rank 1", adapters_only=True)
+    with pytest.raises(WeightSyncError, match=r"rollout rank 1: .* for a base model of checksum"):
+        other.load(buckets[0])
+    with pytest.raises(WeightSyncError, match="refused"):
+        other.load(buckets[1])
+    # a bucket 0 without the base's checksum (full weights were meant) is refused too
+    fresh = WeightReceiver(policy(), who="rollout rank 2", adapters_only=True)
+    with pytest.raises(WeightSyncError, match="base model of checksum none"):
+        fresh.load(publish(actor, version=4, with_base=False)[0])
+
+
+def test_an_adapter_over_a_model_path_names_it_and_merges_to_the_same_logits(tmp_path) -> None:
+    policy(lora=None).save_pretrained(tmp_path / "pretrained")
+    cfg = MODEL.model_copy(update={"path": str(tmp_path / "pretrained")})
+    model = trained(build_policy(cfg, vocab_size=40, max_positions=32, seed=0, lora=LORA))
+    expected = logits(model, IDS)
+    save_adapter(model, tmp_path / "adapter", base_path=cfg.path)
+    assert not (tmp_path / "adapter" / "base").exists()  # the base is where model.path says
+    merge_adapter(tmp_path / "adapter", tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged, IDS), expected)

@@ -1,0 +1,77 @@
+"""``verlite export RUN_DIR``: what a run's exported policy is, and ``--merge`` to fold a LoRA
+policy's adapters into full weights.
+
+A run ends with its policy in ``RUN_DIR/hf_actor`` (``Trainer.export_policy``): full weights
+in Hugging Face format, or with ``actor.lora`` a peft adapter folder with the base it applies
+to (``models.lora.save_adapter``). ``--merge`` writes the base with ``B A`` added to its
+weights, a plain Hugging Face model (and the tokenizer) that needs no peft to load.
+Torch, transformers and peft load only for ``--merge``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from verlite.errors import UserError
+
+POLICY_FOLDER = "hf_actor"
+MERGED_FOLDER = "hf_actor_merged"
+ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
+
+
+def add_export_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``verlite export`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "export",
+        help="say what a run exported; --merge folds a LoRA adapter into full weights",
+        description="Print what RUN_DIR/hf_actor holds: full weights, or a peft LoRA adapter "
+        "folder (loadable with peft's PeftModel.from_pretrained on its base) and its base. "
+        "With --merge, write the adapter folded into its base's weights as a plain Hugging "
+        f"Face model with the tokenizer, to RUN_DIR/{MERGED_FOLDER} or --out.",
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's output folder")
+    parser.add_argument(
+        "--merge", action="store_true", help="write the merged weights of a LoRA policy"
+    )
+    parser.add_argument(
+        "--out", default=None, help=f"with --merge, a new folder (default RUN_DIR/{MERGED_FOLDER})"
+    )
+    parser.set_defaults(handler=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    policy = Path(args.run_dir) / POLICY_FOLDER
+    if not policy.is_dir():
+        raise UserError(
+            f"{args.run_dir}: holds no exported policy ({POLICY_FOLDER}/ is missing; a run "
+            "exports it when it finishes)"
+        )
+    adapter_config = policy / ADAPTER_CONFIG
+    if not adapter_config.is_file():
+        if args.merge:
+            raise UserError(
+                f"{policy}: holds full weights, not a LoRA adapter; --merge applies to runs "
+                "with actor.lora.rank > 0"
+            )
+        print(f"{policy}: full weights (Hugging Face format)")
+        return 0
+    config = json.loads(adapter_config.read_text())
+    if not args.merge:
+        print(
+            f"{policy}: LoRA adapter (peft, rank {config.get('r')}) over the base "
+            f"{config.get('base_model_name_or_path')}; --merge writes merged weights"
+        )
+        return 0
+    out = Path(args.out) if args.out else Path(args.run_dir) / MERGED_FOLDER
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out {out}: exists and is not empty; name a new folder")
+    from transformers import AutoTokenizer
+
+    from verlite.models.lora import merge_adapter
+
+    merge_adapter(policy, out)
+    AutoTokenizer.from_pretrained(str(policy)).save_pretrained(str(out))
+    print(f"{out}: merged weights (Hugging Face format)")
+    return 0

@@ -1,0 +1,119 @@
+"""LoRA adapters on the policy (``actor.lora``), through ``peft`` (the ``lora`` extra).
+
+The policy becomes a ``peft`` model: its base weights frozen, a low-rank update ``B A``
+(``alpha / rank`` times) trained beside each targeted linear layer. ``B`` starts at zero, so
+the initial policy is the base model, and the base model is the reference: the same module
+with its adapters off (:func:`adapters_disabled`), not a second copy of the weights.
+
+What a run changes is the adapters alone, so they are all that a checkpoint saves
+(``distributed.checkpoint`` skips frozen parameters), that a weight sync sends
+(``rollout.weights.split_frozen``) and that the export writes (a ``peft`` adapter folder, beside the
+base it applies to; ``verlite export --merge`` folds it into full weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from verlite.config import ConfigError, LoraConfig
+from verlite.errors import import_extra
+
+# Where the export puts the base model an adapter applies to, when the run built it from a
+# seed (the built-in model; a model.path base is referred to by its path).
+BASE_FOLDER = "base"
+
+
+def _peft() -> Any:
+    return import_extra("peft", feature="actor.lora (rank > 0)", extra="lora")
+
+
+def check_peft_installed(cfg: LoraConfig) -> None:
+    """At start-up: ``actor.lora.rank > 0`` needs ``peft``; one line naming the extra."""
+    if cfg.rank > 0:
+        _peft()
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int) -> nn.Module:
+    """``model`` with adapters on ``cfg.target_modules`` (a ``peft`` model whose base
+    weights are frozen). ``A`` is drawn from ``seed``: every rank of a group, and a rollout
+    worker, build the same adapters."""
+    peft = _peft()
+    torch.manual_seed(seed)
+    lora = peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    with warnings.catch_warnings():
+        # peft 0.21 asks transformers 5 a deprecated question; nothing a user can act on.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        return peft.get_peft_model(model, lora)
+
+
+def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
+    """Every name of ``actor.lora.target_modules`` must name a linear layer of ``model`` (a
+    meta-device model will do: only names are read); peft's own error comes from a worker,
+    after Ray has started."""
+    linear = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name
+    }
+    missing = [name for name in cfg.target_modules if name not in linear]
+    if missing:
+        raise ConfigError(
+            f"actor.lora.target_modules: {', '.join(missing)} name no linear layer of the "
+            f"model; its linear layers are: {', '.join(sorted(linear))}"
+        )
+
+
+def _peft_model(model: nn.Module) -> Any:
+    peft = _peft()
+    found = next((m for m in model.modules() if isinstance(m, peft.PeftModel)), None)
+    if found is None:
+        raise TypeError(f"{type(model).__name__} holds no peft model (actor.lora.rank is 0?)")
+    return found
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` (plain, DDP- or FSDP-wrapped) as its base: the reference policy."""
+    with _peft_model(model).disable_adapter():
+        yield
+
+
+def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None:
+    """Write the peft model ``model`` (whole, on the CPU) as a peft adapter folder in
+    ``path``, loadable with ``PeftModel.from_pretrained(base, path)``. Its base goes to
+    ``path/base`` unless ``base_path`` names where it already is (``model.path``); ``model``
+    is its base afterwards (the adapter layers taken out)."""
+    peft_model = _peft_model(model)
+    written_base = base_path is None
+    base_path = str(path.resolve() / BASE_FOLDER) if base_path is None else base_path
+    peft_model.peft_config["default"].base_model_name_or_path = base_path
+    peft_model.save_pretrained(str(path))
+    if written_base:
+        peft_model.unload().save_pretrained(base_path)
+
+
+def merge_adapter(adapter: Path, out: Path) -> None:
+    """The adapter folder ``adapter`` folded into its base's weights, written to ``out`` in
+    Hugging Face format. The base is ``adapter/base`` when the export wrote one there, else
+    the path its adapter_config.json names."""
+    peft = _peft()
+    base_path = adapter / BASE_FOLDER
+    if not base_path.is_dir():
+        base_path = Path(peft.PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path)
+    base = AutoModelForCausalLM.from_pretrained(str(base_path))
+    merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    merged.save_pretrained(str(out))

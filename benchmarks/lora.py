@@ -19,6 +19,10 @@ from the allocations torch's profiler records). Resident: the bytes of the tenso
 holds between steps (weights, gradients, optimizer state and the reference), counted once
 per storage. Reference: the bytes the reference allocates, measured the same way as the
 peak (the copy, or entering the adapters-off context).
+MFU: the update's FLOPs over its median time, as a share of this machine's one-thread
+matmul peak (``common.matmul_peak``). Full training does 3 forward passes' worth
+(``common.decoder_flops`` with backward); LoRA 2 (the forward and the input gradients
+through the frozen base; the adapters' own products, under 1% of them, are not counted).
 """
 
 from __future__ import annotations
@@ -32,7 +36,16 @@ from functools import partial
 import torch
 from tensordict import TensorDict
 
-from benchmarks.common import emit, interleaved, median, peak_tensor_bytes, quartiles, ratios
+from benchmarks.common import (
+    decoder_flops,
+    emit,
+    interleaved,
+    matmul_peak,
+    median,
+    peak_tensor_bytes,
+    quartiles,
+    ratios,
+)
 from verlite.config import ActorConfig, LoraConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
@@ -147,6 +160,15 @@ def main() -> None:
         name: sum(p.numel() for p in eng.model.parameters() if p.requires_grad)
         for name, eng in engines.items()
     }
+    lengths = td["attention_mask"].sum(1).double()
+    forward = decoder_flops(
+        engines["full"].model,
+        tokens=float(lengths.sum()),
+        attended=float((lengths**2).sum()) / 2,
+        backward=False,
+    )
+    flops = {"full": 3 * forward, "lora": 2 * forward}
+    machine = matmul_peak()
     step_ratios = ratios(seconds["lora"], seconds["full"])
     cpu_ratios = ratios(cpu["lora"], cpu["full"])
     emit(
@@ -162,6 +184,9 @@ def main() -> None:
             "update_cpu_s": {name: median(s) for name, s in cpu.items()},
             "update_cpu_time_ratio": median(cpu_ratios),
             "update_cpu_time_ratio_quartiles": quartiles(cpu_ratios),
+            "update_gflop": {name: f / 1e9 for name, f in flops.items()},
+            "matmul_peak_gflops": machine / 1e9,
+            "mfu": {name: flops[name] / median(seconds[name]) / machine for name in engines},
             "update_peak_bytes": peak,
             "update_peak_ratio": peak["lora"] / peak["full"],
             "reference_bytes": reference_bytes,

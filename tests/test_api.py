@@ -50,6 +50,10 @@ def test_overriding_a_loaded_config_follows_inherited_fields() -> None:
     assert changed.critic.loss_agg_mode == "seq-mean-token-mean"
     assert changed.trainer.total_steps == 7
     assert base.trainer.total_steps == 7  # the loaded config is left as it was
+    # A copy changed in Python is overridden from what it is now, not from its source.
+    trainer = base.trainer.model_copy(update={"total_steps": 77})
+    copied = verlite.load_config(base.model_copy(update={"trainer": trainer}), {"trainer.seed": 3})
+    assert (copied.trainer.total_steps, copied.trainer.seed) == (77, 3)
     mapping = verlite.load_config({"data": {"task": "copy"}}, {"actor.optim.lr": 0.01})
     assert mapping.actor.optim.lr == 0.01
 

@@ -345,3 +345,16 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     (tmp_path / "hf_actor" / "config.json").write_text("{}")
     err = run(capsys, "export", str(tmp_path), "--merge")
     assert "holds full weights, not a LoRA adapter; --merge applies to runs with actor.lora" in err
+    err = run(capsys, "export", str(tmp_path), "--out", str(tmp_path / "merged"))
+    assert "names where --merge writes; add --merge" in err
+    (tmp_path / "hf_actor" / "adapter_config.json").write_text("{not json")
+    err = run(capsys, "export", str(tmp_path))
+    assert "adapter_config.json: not a readable peft adapter config (" in err
+    (tmp_path / "hf_actor" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "base_model_name_or_path": str(tmp_path / "gone")})
+    )
+    (tmp_path / "taken").write_text("a file")
+    err = run(capsys, "export", str(tmp_path), "--merge", "--out", str(tmp_path / "taken"))
+    assert "exists and is not an empty folder; name a new folder" in err
+    err = run(capsys, "export", str(tmp_path), "--merge")
+    assert f"its base model {str(tmp_path / 'gone')!r} is not a folder here" in err

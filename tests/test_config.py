@@ -293,6 +293,11 @@ ERRORS = [
         "reward.remote.url='https://scorer/score': must not hold credentials (?api_key=...)",
     ),
     (
+        ["reward.remote.url=http://scorer.internal:8000/score", "reward.remote.auth_env=SCORER"],
+        "reward.remote.auth_env='SCORER' with an http:// URL to scorer.internal: the token "
+        "would cross the network in cleartext; use https",
+    ),
+    (
         ["reward.remote.auth_env=sk-live-51Hx"],
         "reward.remote.auth_env must be the name of an environment variable",
     ),

@@ -42,6 +42,8 @@ def add_export_command(subparsers: argparse._SubParsersAction[argparse.ArgumentP
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.out is not None and not args.merge:
+        raise UserError(f"--out {args.out}: names where --merge writes; add --merge")
     policy = Path(args.run_dir) / POLICY_FOLDER
     if not policy.is_dir():
         raise UserError(
@@ -57,7 +59,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             )
         print(f"{policy}: full weights (Hugging Face format)")
         return 0
-    config = json.loads(adapter_config.read_text())
+    try:
+        config = json.loads(adapter_config.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{adapter_config}: not a readable peft adapter config ({exc})") from None
     if not args.merge:
         print(
             f"{policy}: LoRA adapter (peft, rank {config.get('r')}) over the base "
@@ -65,8 +70,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
         return 0
     out = Path(args.out) if args.out else Path(args.run_dir) / MERGED_FOLDER
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"--out {out}: exists and is not empty; name a new folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out}: exists and is not an empty folder; name a new folder")
     from transformers import AutoTokenizer
 
     from verlite.models.lora import merge_adapter

@@ -327,9 +327,10 @@ class WandbLogger:
                 ),
             )
         except Exception as exc:  # wandb raises its own errors, and plain ones, on a bad login
+            reason = redact_text(" ".join(str(exc).split())[:300], secrets_in_environment())
             raise UserError(
                 f"wandb logger: cannot open run {run_id} in project {cfg.project!r} "
-                f"(mode {cfg.mode}): {' '.join(str(exc).split())[:300]}"
+                f"(mode {cfg.mode}): {reason}"
             ) from None
         id_file.write_text(run_id + "\n")
         self.run.define_metric("step")

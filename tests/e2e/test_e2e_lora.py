@@ -89,4 +89,4 @@ def test_the_export_loads_with_peft_and_merges_to_the_same_logits(lora_run, verl
         with adapted.disable_adapter():  # the trained adapters change the policy
             assert (adapted(input_ids=ids).logits - expected).abs().max() > 1e-6
     again = verlite_main("export", str(out), "--merge")
-    assert again.returncode == 2 and "not empty" in again.stderr
+    assert again.returncode == 2 and "is not an empty folder" in again.stderr

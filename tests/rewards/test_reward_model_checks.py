@@ -54,6 +54,10 @@ CONFIG_ERRORS = [
         "reward.combine={'fn': 1.0} leaves out remote, but reward.remote.url is set",
     ),
     (
+        ["reward.fn=exact_match", f"reward.remote.url={URL}"],
+        "reward.fn='exact_match' is set, but reward.combine={'remote': 1.0} leaves out fn",
+    ),
+    (
         ["reward.combine={remote: 1}"],
         "reward.combine.remote: not a configured reward source (reward.remote.url is unset)",
     ),

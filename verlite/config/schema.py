@@ -10,6 +10,7 @@ that a run logs is the config it uses. Sizes derived from several fields live in
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -519,8 +520,29 @@ class RemoteRewardConfig(Section):
     auth_env: Annotated[str | None, AfterValidator(_environment_name)] = Field(
         None,
         description="Name of the environment variable that holds a bearer token for the "
-        "service (sent as 'Authorization: Bearer ...'; never logged). None sends none.",
+        "service (sent as 'Authorization: Bearer ...'; never logged). None sends none. Over "
+        "plain http only to a service on this machine (loopback).",
     )
+
+    @model_validator(mode="after")
+    def _token_not_in_cleartext(self) -> RemoteRewardConfig:
+        if self.auth_env is None or self.url is None:
+            return self
+        parts = urlsplit(self.url)
+        if parts.scheme == "http" and not _is_loopback_host(parts.hostname or ""):
+            raise ValueError(
+                f"reward.remote.auth_env={self.auth_env!r} with an http:// URL to "
+                f"{parts.hostname}: the token would cross the network in cleartext; use https "
+                "(plain http is for a service on this machine: 127.0.0.1, localhost)"
+            )
+        return self
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class RewardModelConfig(Section):
@@ -630,6 +652,11 @@ class RewardConfig(Section):
                     f"{unset_field[source]} is set: it would be set up for nothing; add "
                     f"{source} (weight 0 only logs it) or unset {unset_field[source]}"
                 )
+        if self.fn is not None and "fn" not in self.combine:
+            raise ValueError(
+                f"reward.fn={self.fn!r} is set, but reward.combine={self.combine} leaves out fn: "
+                "it would score nothing; add fn to reward.combine or unset reward.fn"
+            )
         if not any(self.combine.values()):
             raise ValueError(
                 f"reward.combine={self.combine}: no source has a weight > 0; give at least one"
@@ -752,6 +779,14 @@ class Config(Section):
     # The raw mapping it was loaded from: overrides apply to it, so that fields defaulting to
     # other fields follow them (``load_config(cfg, overrides)``).
     _source: dict[str, Any] | None = PrivateAttr(None)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Config:
+        """A copy; one with ``update`` forgets the mapping it was loaded from, which no
+        longer describes it."""
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            copy._source = None
+        return copy
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy model.")
     data: DataConfig = Field(description="Prompts.")

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from verlite.config import ConfigError, LoraConfig
-from verlite.errors import import_extra
+from verlite.errors import UserError, import_extra
 
 # Where the export puts the base model an adapter applies to, when the run built it from a
 # seed (the built-in model; a model.path base is referred to by its path).
@@ -99,7 +99,8 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
     is its base afterwards (the adapter layers taken out)."""
     peft_model = _peft_model(model)
     written_base = base_path is None
-    base_path = str(path.resolve() / BASE_FOLDER) if base_path is None else base_path
+    # Absolute: the adapter is loaded from wherever its user stands.
+    base_path = str((path / BASE_FOLDER if base_path is None else Path(base_path)).resolve())
     peft_model.peft_config["default"].base_model_name_or_path = base_path
     peft_model.save_pretrained(str(path))
     if written_base:
@@ -113,7 +114,16 @@ def merge_adapter(adapter: Path, out: Path) -> None:
     peft = _peft()
     base_path = adapter / BASE_FOLDER
     if not base_path.is_dir():
-        base_path = Path(peft.PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path)
-    base = AutoModelForCausalLM.from_pretrained(str(base_path))
+        try:
+            config = peft.PeftConfig.from_pretrained(str(adapter))
+        except (TypeError, ValueError) as exc:
+            raise UserError(f"{adapter}: not a peft adapter folder ({exc})") from None
+        base_path = Path(config.base_model_name_or_path)
+    if not base_path.is_dir():
+        raise UserError(
+            f"{adapter}: its base model {str(base_path)!r} is not a folder here; a LoRA run "
+            "over model.path merges onto that folder, which must still exist"
+        )
+    base = AutoModelForCausalLM.from_pretrained(str(base_path), local_files_only=True)
     merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.save_pretrained(str(out))

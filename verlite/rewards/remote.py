@@ -197,10 +197,10 @@ class RemoteScorer:
         while pending:
             timeout = max(next_report - time.monotonic(), 0.0)
             _, pending = wait(pending, timeout=timeout, return_when=FIRST_EXCEPTION)
-            failed = [f.exception() for f in futures if f.done()]
-            errors = [e for e in failed if isinstance(e, RemoteRewardError)]
-            if errors:
-                raise errors[0]
+            # The lowest failed batch's error (anything but a RemoteRewardError is a bug).
+            for future in futures:
+                if future.done() and (error := future.exception()) is not None:
+                    raise error
             now = time.monotonic()
             if pending and now >= next_report:
                 done = [f for f in futures if f.done()]

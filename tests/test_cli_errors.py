@@ -338,6 +338,19 @@ def test_a_lora_checkpoint_resumes_only_with_the_same_adapters(
     assert re.search(r"cannot resume from .*step_3: actor.lora.rank=4 there, 0 here", err), err
 
 
+def test_a_checkpoint_from_before_lora_is_full_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from verlite.config import load_config
+
+    saved = load_config(CONFIG).model_dump(mode="json")
+    del saved["actor"]["lora"]  # written before actor.lora existed
+    fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
+    overrides = [f"trainer.output_dir={tmp_path}", "actor.lora.rank=4"]
+    err = run(capsys, "train", "--config", CONFIG, *overrides)
+    assert re.search(r"cannot resume from .*step_3: actor.lora.rank=0 there, 4 here", err), err
+
+
 def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     err = run(capsys, "export", str(tmp_path))
     assert "holds no exported policy (hf_actor/ is missing" in err

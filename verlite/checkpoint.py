@@ -83,6 +83,8 @@ _MUST_MATCH = (
     "actor.lora.alpha",
     "actor.lora.target_modules",
 )
+# Settings added after checkpoints were first written, as those older checkpoints ran them.
+_PREDATED = {"actor.lora.rank": 0}
 _FREE = {
     "data.val_file",
     "trainer.total_steps",
@@ -113,7 +115,7 @@ def check_resumable(
     here = _flatten(config)
     # Checkpoints record the whole config; older ones only the model settings.
     there = (
-        _flatten(state["config"])
+        {**_PREDATED, **_flatten(state["config"])}
         if "config" in state
         else _flatten({"model": state.get("model", {})})
     )

@@ -93,9 +93,17 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
             with service.lock:
                 service.in_flight += 1
                 service.max_in_flight = max(service.max_in_flight, service.in_flight)
+            self.counted = True
             try:
                 self._answer()
             finally:
+                self._done()
+
+        def _done(self) -> None:
+            # Once its reply starts the request is no longer in flight: the client may send
+            # its next one before this thread gets back here.
+            if self.counted:
+                self.counted = False
                 with service.lock:
                     service.in_flight -= 1
 
@@ -132,6 +140,7 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
             self._send(200, json.dumps({"scores": scores}).encode(), trickle=behaviour == "trickle")
 
         def _send(self, status: int, payload: bytes, *, trickle: bool = False) -> None:
+            self._done()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))

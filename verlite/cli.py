@@ -328,7 +328,7 @@ def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
 
 
 def _report(exc: Exception) -> None:
-    from verlite.tracking import redact_text, secrets_in_environment
+    from verlite.redaction import redact_text, secrets_in_environment
 
     print(f"verlite: error: {redact_text(str(exc), secrets_in_environment())}", file=sys.stderr)
 

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from verlite import metrics_log
 from verlite.errors import UserError, import_extra
 from verlite.reachable import connection_problem
+from verlite.redaction import redact_config, redact_text, redact_url, secrets_in_environment
 
 if TYPE_CHECKING:
     from verlite.config import WandbConfig
@@ -55,13 +56,6 @@ RUN_LINE_KEYS = (
     "trainer.total_steps",
     "trainer.output_dir",
 )
-
-# Config keys whose values are never logged, whatever the section (none exist yet: this keeps
-# a future credential field out of every sink).
-_SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
-MIN_SECRET_LENGTH = 8
-# user:password@ in a URL such as an MLflow tracking URI or a Ray address.
-_URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 
 
 # How a run ended, in MLflow's words: it finished, raised, or was interrupted or terminated.
@@ -242,7 +236,7 @@ class MlflowLogger:
             self.run_id = self._open_run(output_dir, resume=continuing or start_step > 0)
         except self.mlflow_error as exc:
             raise UserError(
-                f"mlflow logger: cannot open a run at tracking URI {_redact(uri)!r}: {exc}"
+                f"mlflow logger: cannot open a run at tracking URI {redact_url(uri)!r}: {exc}"
             ) from None
 
     def _open_run(self, output_dir: Path, *, resume: bool) -> str:
@@ -381,57 +375,6 @@ def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str
     return flat
 
 
-def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config without credentials: secret-named fields and ``user:pass@`` in URLs masked."""
-    clean: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            clean[key] = redact_config(value)
-        elif _SECRET_KEY.search(str(key)) and value is not None:
-            clean[key] = "***"
-        else:
-            clean[key] = _redact(value) if isinstance(value, str) else value
-    return clean
-
-
-def carries_secret(key: str, value: str) -> bool:
-    """Whether a config setting holds a credential: a secret-named key, or a URL with ``user:pass@``."""
-    return bool(value) and bool(_SECRET_KEY.search(key) or _URL_CREDENTIALS.search(value))
-
-
-def _redact(text: str) -> str:
-    return _URL_CREDENTIALS.sub("***@", text)
-
-
-# An HTTP authorization header or bearer credential quoted in a message (a server that
-# echoes the request back in its error).
-_AUTH_HEADER = re.compile(r"(?i)((?:x-ray-)?authorization\W{0,3}\s*[:=]\s*)(\S+(?:\s+\S+)?)")
-_BEARER = re.compile(r"(?i)(bearer\s+)\S+")
-
-
-def secrets_in_environment() -> list[str]:
-    """Values of environment variables named like credentials (``RAY_AUTH_TOKEN``,
-    ``MLFLOW_TRACKING_PASSWORD``, ``WANDB_API_KEY``, ...): what no message may show, whoever
-    wrote it (a user's reward function may quote one in its exception). Values shorter than
-    8 characters are switches such as ``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``, not credentials:
-    masking them would garble every message."""
-    return [
-        value
-        for name, value in os.environ.items()
-        if _SECRET_KEY.search(name) and len(value) >= MIN_SECRET_LENGTH
-    ]
-
-
-def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
-    """``text`` (a server's answer, an error message) without credentials: the given
-    ``secrets``, authorization headers, bearer tokens and ``user:pass@`` in URLs masked."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    text = _AUTH_HEADER.sub(r"\1***", text)
-    return _redact(_BEARER.sub(r"\1***", text))
-
-
 def check_tracking_server(uri: str | None, *, timeout_s: float = 5.0) -> None:
     """Before a run starts: an MLflow server named by an http(s) URI accepts connections, so
     a closed port stops the run in seconds (``trainer.mlflow_tracking_uri``)."""
@@ -444,7 +387,7 @@ def check_tracking_server(uri: str | None, *, timeout_s: float = 5.0) -> None:
     reason = connection_problem(parts.hostname, port, timeout_s)
     if reason is not None:
         raise UserError(
-            f"trainer.mlflow_tracking_uri={_redact(uri)!r}: nothing accepts connections at "
+            f"trainer.mlflow_tracking_uri={redact_url(uri)!r}: nothing accepts connections at "
             f"{parts.hostname}:{port} ({reason} within {timeout_s:g} s); start the MLflow server "
             "or leave the URI unset for a file store in the output folder"
         )

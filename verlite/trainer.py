@@ -52,13 +52,14 @@ from verlite.models import (
 )
 from verlite.models.reward_model import check_reward_model
 from verlite.output_folder import FolderLock, prepare_output_folder
+from verlite.redaction import redact_config
 from verlite.rewards import RewardFn, resolve_reward, score_responses
 from verlite.rewards.combine import combine_scores
 from verlite.rewards.remote import RemoteScorer
 from verlite.rollout import SamplingParams, sample_keys
 from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.rollouts import Rollouts, StepPrompts
-from verlite.tracking import Tracker, check_tracking_server, check_wandb, redact_config
+from verlite.tracking import Tracker, check_tracking_server, check_wandb
 from verlite.workers.reward_model import REWARD_INPUT_KEYS
 
 

@@ -31,6 +31,7 @@ from pydantic import (
 from verlite.core.advantages import ADV_ESTIMATORS, ESTIMATORS_NEEDING_CRITIC
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 from verlite.errors import shown
+from verlite.redaction import redact_url
 
 
 def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
@@ -449,7 +450,7 @@ def _service_url(value: str | None) -> str | None:
     if value is None:
         return None
     parts = urlsplit(value)
-    where = f"reward.remote.url={shown(_URL_USERINFO.sub('***@', re.split(r'[?#]', value)[0]))}"
+    where = f"reward.remote.url={shown(redact_url(re.split(r'[?#]', value)[0]))}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{where}: must be an http:// or https:// URL with a host")
     secret_names = [
@@ -468,7 +469,6 @@ def _service_url(value: str | None) -> str | None:
     return value
 
 
-_URL_USERINFO = re.compile(r"(?<=://)[^/@\s]+@")
 # Query parameters named like a credential (?api_key=..., ?token=..., ?sig=...).
 _SECRET = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

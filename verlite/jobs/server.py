@@ -23,7 +23,7 @@ import requests
 from verlite import metrics_log
 from verlite.errors import UserError
 from verlite.metrics_log import Record
-from verlite.tracking import redact_text
+from verlite.redaction import redact_text
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient

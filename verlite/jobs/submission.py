@@ -13,7 +13,7 @@ from typing import Any
 from verlite.config import load_config
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.server import JobsError
-from verlite.tracking import carries_secret
+from verlite.redaction import carries_secret
 from verlite.yaml_files import read_mapping
 
 # Never shipped: version control, environments, run outputs, caches and build metadata.

@@ -42,8 +42,8 @@ from urllib.parse import urlsplit
 
 from verlite.config.schema import RemoteRewardConfig
 from verlite.errors import RunFailure, UserError, shown
+from verlite.redaction import redact_text
 from verlite.rewards.scoring import PROGRESS_EVERY_S
-from verlite.tracking import redact_text
 
 # A reply larger than this is no list of scores (64 MiB holds millions of them).
 MAX_REPLY_BYTES = 64 * 2**20

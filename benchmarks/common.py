@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.models import build_policy, build_value_model
@@ -161,3 +162,27 @@ def rl_step_flops(cfg: Config, *, vocab_size: int) -> Callable[[float], float]:
         )
 
     return count
+
+
+def update_batch(
+    ids: torch.Tensor, mask: torch.Tensor, prompt_width: int, *, gen: torch.Generator
+) -> TensorDict:
+    """An actor update's batch over token ``ids`` (real where ``mask`` is 1; responses from
+    column ``prompt_width``): advantages drawn from ``gen``, old log-probs near a uniform
+    policy's, so that ratios stay finite."""
+    rows, width = ids.shape[0], ids.shape[1] - prompt_width
+    response_mask = mask[:, prompt_width:].clone()
+    td = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+            "responses": ids[:, prompt_width:],
+            "response_mask": response_mask,
+            "advantages": torch.randn(rows, width, generator=gen),
+            "old_log_probs": torch.full((rows, width), -6.2) * response_mask,
+        },
+        batch_size=[rows],
+    )
+    td.set_non_tensor("temperature", 1.0)
+    return td

@@ -51,6 +51,7 @@ from benchmarks.common import (
     peak_tensor_bytes,
     quartiles,
     ratios,
+    update_batch,
 )
 from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
@@ -88,22 +89,7 @@ def skewed_batch(n: int, *, seed: int, prompt_len: tuple[int, int]) -> TensorDic
         | (cols >= prompt_width) & (cols < prompt_width + r)
     ).long()
     ids = torch.randint(1, VOCAB, mask.shape, generator=gen) * mask
-    response_mask = mask[:, prompt_width:].clone()
-    td = TensorDict(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
-            "responses": ids[:, prompt_width:],
-            "response_mask": response_mask,
-            "advantages": torch.randn(n, width, generator=gen),
-            # Old log-probs near a uniform policy's, so ratios stay finite.
-            "old_log_probs": torch.full((n, width), -6.2) * response_mask,
-        },
-        batch_size=[n],
-    )
-    td.set_non_tensor("temperature", 1.0)
-    return td
+    return update_batch(ids, mask, prompt_width, gen=gen)
 
 
 def padding_fraction(td: TensorDict, parts: Sequence[Sequence[int]]) -> float:

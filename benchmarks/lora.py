@@ -45,6 +45,7 @@ from benchmarks.common import (
     peak_tensor_bytes,
     quartiles,
     ratios,
+    update_batch,
 )
 from verlite.config import ActorConfig, LoraConfig, ModelConfig
 from verlite.memory import retain_freed_memory
@@ -67,21 +68,7 @@ def batch(rows: int, *, seed: int = 0) -> TensorDict:
     response_mask = (torch.arange(RESPONSE) < lengths).long()
     mask = torch.cat([torch.ones(rows, PROMPT, dtype=torch.long), response_mask], dim=1)
     ids = torch.randint(1, VOCAB, mask.shape, generator=gen) * mask
-    td = TensorDict(
-        {
-            "input_ids": ids,
-            "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
-            "responses": ids[:, PROMPT:],
-            "response_mask": response_mask,
-            "advantages": torch.randn(rows, RESPONSE, generator=gen),
-            # Old log-probs near a uniform policy's, so ratios stay finite.
-            "old_log_probs": torch.full((rows, RESPONSE), -6.2) * response_mask,
-        },
-        batch_size=[rows],
-    )
-    td.set_non_tensor("temperature", 1.0)
-    return td
+    return update_batch(ids, mask, PROMPT, gen=gen)
 
 
 def engine(rank: int, rows: int) -> TrainEngine:

@@ -78,6 +78,11 @@ BAD_OVERRIDES = [
         ],
         "trainer.nnodes=2, but ",  # an embedded Ray of one node, or the suite's open one
     ),
+    (
+        ["reward.remote.url=https://scorer/score?api_key=hunter22"],
+        # the CLI masks credentials in every message: this one must survive it whole
+        "name an environment variable that holds the token in reward.remote.auth_env instead",
+    ),
     (["actor"], "malformed override 'actor'"),
     (["=1"], "malformed override '=1'"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),

@@ -41,6 +41,10 @@ CONFIG_ERRORS = [
     ),
     (["reward.combine={}"], "reward.combine={}: no source has a weight > 0"),
     (
+        ["reward.combine={fn:0.5,model:0.5}"],
+        "reward.combine={'fn:0.5': None, 'model:0.5': None}: YAML reads 'fn:0.5' as one key",
+    ),
+    (
         ["reward.model.path=rm", "reward.combine={fn: 1}"],
         "reward.combine={'fn': 1.0} leaves out model, but reward.model.path is set",
     ),

@@ -460,7 +460,7 @@ def _service_url(value: str | None) -> str | None:
         held = f"?{'&'.join(secret_names)}=..." if secret_names else "user:password@"
         raise ValueError(
             f"{where}: must not hold credentials ({held}); name an environment variable "
-            "holding a bearer token in reward.remote.auth_env instead"
+            "that holds the token in reward.remote.auth_env instead"
         )
     try:
         parts.port  # noqa: B018 (it raises on a port that is not a number in range)
@@ -607,7 +607,17 @@ class RewardConfig(Section):
     @classmethod
     def _default_combine(cls, data: Any) -> Any:
         """An unset ``combine`` is resolved at load: the reward model alone when one is set."""
-        if not isinstance(data, Mapping) or data.get("combine") is not None:
+        if not isinstance(data, Mapping):
+            return data
+        combine = data.get("combine")
+        if isinstance(combine, Mapping) and any(
+            ":" in str(key) and value is None for key, value in combine.items()
+        ):
+            raise ValueError(
+                f"reward.combine={shown(dict(combine))}: YAML reads 'fn:0.5' as one key; write "
+                "each entry with a space after the colon, e.g. '{fn: 0.5, model: 0.5}'"
+            )
+        if combine is not None:
             return data
         model, remote = _as_dict(data.get("model")), _as_dict(data.get("remote"))
         chosen = [

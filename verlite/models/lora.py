@@ -102,6 +102,8 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
     # Absolute: the adapter is loaded from wherever its user stands.
     base_path = str((path / BASE_FOLDER if base_path is None else Path(base_path)).resolve())
     peft_model.peft_config["default"].base_model_name_or_path = base_path
+    if written_base:  # peft reads the base's config while it saves the adapter
+        peft_model.get_base_model().config.save_pretrained(base_path)
     peft_model.save_pretrained(str(path))
     if written_base:
         peft_model.unload().save_pretrained(base_path)

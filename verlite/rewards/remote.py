@@ -122,7 +122,7 @@ class RemoteScorer:
                 name = f"={cfg.auth_env}" if _CONVENTIONAL_NAME.fullmatch(cfg.auth_env) else ""
                 raise UserError(
                     f"reward.remote.auth_env{name}: the environment variable is not set or is "
-                    "empty in this process; export it with the service's bearer token"
+                    "empty in this process; export it with the service's token"
                 )
         return cls(cfg, token=token)
 

@@ -132,6 +132,25 @@ BAD_OVERRIDES = [
         ],
         "actor.max_token_len_per_worker=20 is below the longest sequence, rollout.multi_turn.max_total_length = 24",
     ),
+    # A multi-turn run is scored by its environment: no reward setting may look used.
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "reward.fn=exact_match",
+        ],
+        "reward.fn='exact_match' with rollout.multi_turn.env='lookup': a multi-turn run is scored "
+        "by its environment; unset one of them",
+    ),
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "reward.combine={fn: 0.5}",
+        ],
+        "reward.combine={'fn': 0.5} with rollout.multi_turn.env='lookup': a multi-turn run is "
+        "scored by its environment; unset one of them",
+    ),
 ]
 
 

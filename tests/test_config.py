@@ -321,8 +321,8 @@ ERRORS = [
             "rollout.multi_turn.env=lookup",
             "rollout.multi_turn.max_total_length=64",
         ],
-        "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by its "
-        "environment; unset one of them",
+        "reward.remote.url with rollout.multi_turn.env='lookup': a multi-turn run is scored by "
+        "its environment; unset one of them",
     ),
     (["actor.lora.rank=-1"], "actor.lora.rank=-1: Input should be greater than or equal to 0"),
     (["actor.lora.alpha=0"], "actor.lora.alpha=0: Input should be greater than 0"),

@@ -40,7 +40,7 @@ class StepPrompts:
 
     step: int
     prompts: TensorDict
-    records: list[PromptRecord]
+    records: list[PromptRecord]  # one per prompt: a row's is ``row_records(records, uid)``
     loader_state: dict[str, int]
 
 

@@ -41,6 +41,7 @@ from verlite.data import (
     load_tokenizer,
     prompt_tensordict,
     response_text,
+    row_records,
 )
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import RunFailure
@@ -350,7 +351,7 @@ class Trainer:
         step_start = time.perf_counter()
         with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
             rollout = self.rollouts.take(step)
-        batch, texts = rollout.batch, rollout.prompts.records
+        batch, records = rollout.batch, rollout.prompts.records
         self._loader_state = rollout.prompts.loader_state
         sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:
@@ -364,7 +365,7 @@ class Trainer:
                     )
                 )
         with timer("reward"):  # 3. reward (a multi-turn environment's, or reward.combine's)
-            scores, reward_metrics = self._score(batch, texts)
+            scores, reward_metrics = self._score(batch, records)
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
             turn_metrics = self._multi_turn(batch)
         with timer("adv"):  # 4. advantages
@@ -433,13 +434,13 @@ class Trainer:
         """The next prompts of the data order, each response's sampling key (design.md,
         "Whole-run invariance") and the loader's state after them."""
         records = next(self.loader)
-        prompts, texts = self._prompt_batch(
+        prompts = self._prompt_batch(
             records, repeat=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature
         )
         prompts["sample_key"] = sample_keys(
             self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n
         )
-        return StepPrompts(step, prompts, texts, self.loader.state_dict())
+        return StepPrompts(step, prompts, records, self.loader.state_dict())
 
     def _behaviour_policy(self, batch: TensorDict) -> dict[str, float]:
         """Settle the old log-probs against the sampler's (which then leave the batch, with
@@ -463,16 +464,16 @@ class Trainer:
 
     def _prompt_batch(
         self, records: list[PromptRecord], *, repeat: int, temperature: float
-    ) -> tuple[TensorDict, list[PromptRecord]]:
-        """The prompts as a TensorDict, and the records in the same row order for scoring."""
-        prompts = prompt_tensordict(
+    ) -> TensorDict:
+        """The prompts as a TensorDict, each repeated ``repeat`` times; a row's record is
+        ``row_records(records, uid)``."""
+        return prompt_tensordict(
             records,
             self.tokenizer,
             max_prompt_length=self.cfg.data.max_prompt_length,
             repeat=repeat,
             temperature=temperature,
         )
-        return prompts, [r for r in records for _ in range(repeat)]
 
     def _score(
         self, batch: TensorDict, records: list[PromptRecord]
@@ -517,15 +518,16 @@ class Trainer:
         self, batch: TensorDict, records: list[PromptRecord]
     ) -> tuple[list[str], list[str], list[str]]:
         """What a reward function and a remote verifier score: each decoded response, and
-        its record's answer and prompt."""
+        its record's answer and prompt (``records``: one per prompt, by ``uid``)."""
         texts = [
             response_text(self.tokenizer, row[:n].tolist())
             for row, n in zip(
                 batch["responses"], batch["response_mask"].sum(-1).tolist(), strict=True
             )
         ]
-        answers = [r["answer"] for r in records]
-        prompts = [r["prompt"] for r in records]
+        rows = row_records(records, batch["uid"])
+        answers = [r["answer"] for r in rows]
+        prompts = [r["prompt"] for r in rows]
         return texts, answers, prompts
 
     @staticmethod
@@ -561,11 +563,11 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``."""
         records = list(self.val_set)
-        prompts, texts = self._prompt_batch(records, repeat=1, temperature=0.0)
+        prompts = self._prompt_batch(records, repeat=1, temperature=0.0)
         greedy = SamplingParams(
             max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0
         )
-        records_for_envs = texts if self.cfg.rollout.multi_turn.env is not None else None
+        records_for_envs = records if self.cfg.rollout.multi_turn.env is not None else None
         batch = self.actor.call(
             "generate",
             prompts,
@@ -575,7 +577,7 @@ class Trainer:
             dispatch="dp_split",
             collect="concat",
         )
-        scores, reward_metrics = self._score(batch, texts)
+        scores, reward_metrics = self._score(batch, records)
         return {
             "val/score/mean": float(scores.mean()),
             **{f"val/{name}": value for name, value in reward_metrics.items()},

@@ -7,9 +7,13 @@
 - a tool call that outlives its timeout ends its trajectory (score 0, counted in
   ``multiturn/tool_errors``), never the run;
 - an environment that breaks its contract stops the run in one line naming it, the prompt
-  and what it returned.
+  and what it returned;
+- with ``rollout.n > 1`` each trajectory's environment gets the record of the prompt it
+  answers, a copy of its own, in training and in validation.
 """
 
+import json
+import os
 import re
 from pathlib import Path
 
@@ -17,6 +21,7 @@ import pytest
 
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
+from verlite.data import PromptLoader, build_datasets, load_tokenizer
 from verlite.metrics_log import read
 from verlite.run import run
 from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
@@ -92,3 +97,40 @@ def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
         message,
     ), message
     assert "\n" not in message
+
+
+def test_each_trajectory_gets_its_prompts_record_of_its_own(tmp_path: Path, cli) -> None:
+    """GRPO with 8 trajectories a prompt through `verlite train`: the environment logs each
+    record it is reset with, then edits and guts it (tests/user_code/witness_env.py). One
+    worker makes a batch's environments one after another in row order, so the log is the
+    rows' records in order: each step's prompts, each ``n`` times in a row, then the
+    validation prompts once each; never an edited or gutted record."""
+    witness = tmp_path / "seen.jsonl"
+    overrides = [
+        *SMALL,  # 4 prompts a step, 8 trajectories each
+        "data.num_val_samples=8",
+        "rollout.multi_turn.env=witness_env:Witness",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    proc = cli(
+        "train",
+        "--config",
+        CONFIG,
+        *overrides,
+        env={**os.environ, "VERLITE_TEST_WITNESS": str(witness)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cfg = load_config(CONFIG, overrides)
+    train_set, val_set = build_datasets(cfg, load_tokenizer(cfg.model.path, task=cfg.data.task))
+    loader = PromptLoader(
+        train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
+    )
+    steps = [next(loader) for _ in range(cfg.trainer.total_steps)]
+    assert len({r["prompt"] for r in steps[0]}) > 1  # a mix-up would show
+    expected = []
+    for step, records in enumerate(steps, 1):
+        expected += [r for r in records for _ in range(cfg.rollout.n)]
+        if step >= 2:  # validated after steps 2 and 3, one greedy trajectory a prompt
+            expected += list(val_set)
+    seen = [json.loads(line) for line in witness.read_text().splitlines()]
+    assert seen == expected

@@ -932,13 +932,7 @@ class Config(Section):
                 "rollout_correction=none or a temperature > 0"
             )
         self._check_multi_turn()
-        self._check_remote_reward()
-        if self.reward.model.path is not None and self.rollout.multi_turn.env is not None:
-            raise ValueError(
-                f"reward.model.path={self.reward.model.path!r} with rollout.multi_turn.env="
-                f"{self.rollout.multi_turn.env!r}: a multi-turn run is scored by its environment; "
-                "unset one of them"
-            )
+        self._check_scored_by_environment()
         rollout_workers = self.trainer.nnodes * (self.rollout.workers_per_node or 1)
         if self.rollout.placement == "split" and rollout_workers > self.sequences_per_step:
             raise ValueError(
@@ -949,14 +943,26 @@ class Config(Section):
             )
         return self
 
-    def _check_remote_reward(self) -> None:
-        if self.reward.remote.url is None:
+    def _check_scored_by_environment(self) -> None:
+        """A multi-turn run is scored by its environment (the reward of a trajectory's last
+        turn): a reward setting beside it would be ignored, or set up for nothing."""
+        env = self.rollout.multi_turn.env
+        if env is None:
             return
-        if self.rollout.multi_turn.env is not None:
-            raise ValueError(
-                "reward.remote.url and rollout.multi_turn.env: a multi-turn run is scored by "
-                "its environment; unset one of them"
-            )
+        reward = self.reward
+        settings = (  # (field, whether set, how the message shows it)
+            ("reward.model.path", reward.model.path is not None, f"={reward.model.path!r}"),
+            ("reward.remote.url", reward.remote.url is not None, ""),  # may hold a credential
+            ("reward.fn", reward.fn is not None, f"={reward.fn!r}"),
+            # {fn: 1} is what an unset combine resolves to.
+            ("reward.combine", reward.combine != {"fn": 1.0}, f"={reward.combine}"),
+        )
+        for field, is_set, shown_value in settings:
+            if is_set:
+                raise ValueError(
+                    f"{field}{shown_value} with rollout.multi_turn.env={env!r}: a multi-turn run "
+                    "is scored by its environment; unset one of them"
+                )
 
     def _check_multi_turn(self) -> None:
         multi_turn = self.rollout.multi_turn

@@ -8,7 +8,13 @@ from verlite.data.dataset import (
     task_records,
 )
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
-from verlite.data.loader import PromptBatch, PromptLoader, collate_prompts, prompt_tensordict
+from verlite.data.loader import (
+    PromptBatch,
+    PromptLoader,
+    collate_prompts,
+    prompt_tensordict,
+    row_records,
+)
 from verlite.data.tasks import TASKS, Task
 from verlite.data.tokenizer import (
     build_task_tokenizer,
@@ -35,5 +41,6 @@ __all__ = [
     "prompt_tensordict",
     "read_prompt_file",
     "response_text",
+    "row_records",
     "task_records",
 ]

@@ -160,3 +160,11 @@ def prompt_tensordict(
     td = td.repeat_interleave(repeat, dim=0) if repeat > 1 else td
     td.set_non_tensor("temperature", temperature)
     return td
+
+
+def row_records(records: Sequence[PromptRecord], uid: torch.Tensor) -> list[PromptRecord]:
+    """The record each row of a step batch answers. ``records`` are the step's prompts as
+    :func:`prompt_tensordict` got them (one per prompt, before the ``rollout.n`` repeats),
+    so a row's ``uid`` is its record's index: every consumer of records (the scoring on the
+    driver, the environments in the workers, on any share of the rows) goes through here."""
+    return [records[i] for i in uid.tolist()]

@@ -11,6 +11,7 @@ of a string observation, a reward in [0, 1] and a bool ``done``.
 
 from __future__ import annotations
 
+import copy
 import math
 import queue
 import threading
@@ -51,6 +52,9 @@ class Session:
     def __init__(self, cls: type, record: PromptRecord, *, index: int, timeout_s: float) -> None:
         self.name, self.index, self.timeout_s = environment_name(cls), index, timeout_s
         self.error: str | None = None
+        # Its own copy: an environment may edit what it is given, and the rollout.n
+        # trajectories of a prompt (and the driver's scoring) must not see that.
+        record = copy.deepcopy(record)
         outcome, value = _bounded(self._reset, cls, record, timeout_s=timeout_s)
         if outcome == "timeout":
             self._refuse(f"reset did not return within {timeout_s:g} s")

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.controller import Worker
-from verlite.data import PromptRecord
+from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import Session, get_environment, turn_stop_id
 from verlite.rollout import Noise, SamplingParams, noise_for
@@ -69,19 +69,16 @@ class PolicyWorker(Worker):
     ) -> TensorDict:
         """The step batch of ``prompts`` (on the sampling device): one response each, or with
         ``rollout.multi_turn.env`` a trajectory with the environment of its record
-        (``records[uid]``, the step's prompt records)."""
+        (``records``: the step's prompt records, one per prompt, a row's by its ``uid``)."""
         device = prompts.device
         if self.cfg.rollout.multi_turn.env is None or records is None:
             return generate(prompts, params, self.noise(prompts, params, seed, device))
         multi_turn = self.cfg.rollout.multi_turn
         sessions = [
-            Session(
-                self.environment,
-                records[uid],
-                index=uid,
-                timeout_s=multi_turn.tool_timeout_s,
+            Session(self.environment, record, index=uid, timeout_s=multi_turn.tool_timeout_s)
+            for record, uid in zip(
+                row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
             )
-            for uid in prompts["uid"].tolist()
         ]
         turn_params = replace(params, stop_token_ids=self.stop_token_ids)
 

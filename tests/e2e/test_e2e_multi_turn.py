@@ -5,7 +5,8 @@
   alone (float64, every non-timing metric to 1e-9): trajectories keyed per turn do not
   depend on the layout;
 - a tool call that outlives its timeout ends its trajectory (score 0, counted in
-  ``multiturn/tool_errors``), never the run;
+  ``multiturn/tool_errors`` and ``multiturn/abandoned_calls``), never the run, unless its
+  worker holds more such calls still running than ``max_abandoned_calls``;
 - an environment that breaks its contract stops the run in one line naming it, the prompt
   and what it returned;
 - with ``rollout.n > 1`` each trajectory's environment gets the record of the prompt it
@@ -65,6 +66,7 @@ def test_a_tool_that_times_out_ends_its_trajectory_not_the_run(tmp_path: Path, l
         tmp_path,
         "rollout.multi_turn.env=slow_tool:SlowLookup",  # tests/user_code/slow_tool.py
         "rollout.multi_turn.tool_timeout_s=0.05",
+        "rollout.multi_turn.max_abandoned_calls=32",  # all 32 calls of the step may still run
         "trainer.val_freq=0",
         "trainer.total_steps=1",
     )
@@ -72,10 +74,39 @@ def test_a_tool_that_times_out_ends_its_trajectory_not_the_run(tmp_path: Path, l
     records = read(tmp_path)
     assert len(records) == 1
     rows = cfg.data.train_batch_size * cfg.rollout.n
-    # every first turn's call timed out: every trajectory ended there, scored 0
+    # every first turn's call timed out, its thread left running: every trajectory ended
+    # there, scored 0
     assert all(r["multiturn/tool_errors"] == rows for r in records)
+    assert all(r["multiturn/abandoned_calls"] == rows for r in records)
     assert all(r["multiturn/turns/mean"] == 1 for r in records)
     assert all(r["critic/score/mean"] == 0 for r in records)
+
+
+def test_a_tool_stuck_in_a_loop_stops_the_run_once_its_worker_holds_too_many(
+    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each timed-out call of a tool that never returns leaves a thread spinning in the
+    worker (a thread cannot be stopped), slowing every later step: past the worker's limit
+    the run stops, in one line naming the environment and the limit, without a restart."""
+    cfg = config(
+        tmp_path,
+        "rollout.multi_turn.env=slow_tool:StuckLookup",  # tests/user_code/slow_tool.py
+        "rollout.multi_turn.tool_timeout_s=0.01",
+        "rollout.multi_turn.max_abandoned_calls=2",
+        "trainer.val_freq=0",
+        "trainer.max_restarts=2",
+    )
+    with pytest.raises(WorkerGroupError) as raised:
+        run(cfg, RunInputs.load(cfg))
+    assert not raised.value.lost and "restart 1 of" not in capsys.readouterr().out
+    message = str(raised.value)
+    assert re.search(
+        r"failed in rollout\(\): ToolsStuck: environment slow_tool:StuckLookup, prompt 0: 3 "
+        r"calls that outlived rollout.multi_turn.tool_timeout_s=0.01 are still running in "
+        r"this worker, more than rollout.multi_turn.max_abandoned_calls=2; ",
+        message,
+    ), message
+    assert "\n" not in message
 
 
 def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(

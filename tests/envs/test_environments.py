@@ -1,26 +1,32 @@
 """Environments (``rollout.multi_turn.env``): the built-in lookup tool task, user classes by
 import path, and the checked, time-bounded calls of a trajectory's session: a tool that
-raises or hangs ends its trajectory with a recorded error; an environment that breaks its
-contract stops the run in one line naming it and the prompt."""
+raises or hangs ends its trajectory with a recorded error, and a worker holding more such
+calls still running than its limit stops the run; an environment that breaks its contract
+(an observation the tokenizer cannot encode included) stops the run in one line naming it
+and the prompt."""
 
 import random
 import sys
+import threading
 import time
+from typing import ClassVar
 
 import pytest
 
 from verlite.config import ConfigError
 from verlite.data.tasks import TASKS
+from verlite.data.tokenizer import build_task_tokenizer
 from verlite.envs.base import Turn
 from verlite.envs.lookup import Lookup, LookupWithoutTool, digits_in_place
 from verlite.envs.registry import get_environment
-from verlite.envs.session import EnvironmentBroken, Session
+from verlite.envs.session import AbandonedCalls, EnvironmentBroken, Session, ToolsStuck
 
 RECORD = {"prompt": "37>", "answer": "4821"}
 
 
-def session(cls: type, timeout_s: float = 5.0) -> Session:
-    return Session(cls, RECORD, index=7, timeout_s=timeout_s)
+def session(cls: type, timeout_s: float = 5.0, abandoned: AbandonedCalls | None = None) -> Session:
+    abandoned = AbandonedCalls(limit=32) if abandoned is None else abandoned
+    return Session(cls, RECORD, index=7, timeout_s=timeout_s, abandoned=abandoned)
 
 
 def test_the_lookup_tool_answers_its_key_and_scores_the_final_answer() -> None:
@@ -75,6 +81,107 @@ def test_a_tool_that_raises_or_hangs_ends_only_its_trajectory() -> None:
     assert hung.step("x") is None
     assert time.monotonic() - started < 5
     assert hung.error == "step did not return within 0.2 s"
+    assert hung.timed_out and not crashed.timed_out
+
+
+class Spins:
+    """A tool stuck in a loop, until the test releases it."""
+
+    release = threading.Event()
+
+    def reset(self, record):
+        pass
+
+    def step(self, action):
+        while not self.release.is_set():
+            pass
+
+
+def test_calls_left_running_past_the_workers_limit_stop_the_run_in_one_line() -> None:
+    abandoned = AbandonedCalls(limit=2)
+    try:
+        for _ in range(2):  # within the limit: tool errors of their trajectories
+            assert session(Spins, timeout_s=0.01, abandoned=abandoned).step("x") is None
+        with pytest.raises(ToolsStuck) as caught:
+            session(Spins, timeout_s=0.01, abandoned=abandoned).step("x")
+    finally:
+        Spins.release.set()
+    assert str(caught.value) == (
+        "environment test_environments:Spins, prompt 7: 3 calls that outlived "
+        "rollout.multi_turn.tool_timeout_s=0.01 are still running in this worker, more than "
+        "rollout.multi_turn.max_abandoned_calls=2; a thread cannot be stopped and each one "
+        "left running slows every later step: make step return in time (run work that may "
+        "hang in a process it can kill)"
+    )
+
+
+class Finishes:
+    """A slow tool whose calls end once the test lets them."""
+
+    release = threading.Event()
+    threads: ClassVar[list[threading.Thread]] = []
+
+    def reset(self, record):
+        pass
+
+    def step(self, action):
+        self.threads.append(threading.current_thread())
+        self.release.wait()
+        return Turn("", 0.0, True)
+
+
+def test_abandoned_calls_that_finish_no_longer_count() -> None:
+    abandoned = AbandonedCalls(limit=1)
+    first = session(Finishes, timeout_s=0.01, abandoned=abandoned)
+    assert first.step("x") is None
+    Finishes.release.set()
+    for thread in Finishes.threads:  # the abandoned call returns now
+        thread.join()
+    Finishes.release.clear()
+    try:  # one running again: within the limit of 1
+        assert session(Finishes, timeout_s=0.01, abandoned=abandoned).step("x") is None
+    finally:
+        Finishes.release.set()
+
+
+@pytest.mark.parametrize(
+    ("observation", "message"),
+    [
+        (
+            "=4\ud800",
+            "step returned observation '=4\\ud800', not valid text (surrogates not allowed at character 2)",
+        ),
+        (
+            "=4\u00c4",
+            "step returned observation '=4Ä', which holds characters the tokenizer does not know (they would reach the policy as <unk>)",
+        ),
+    ],
+)
+def test_an_observation_the_tokenizer_cannot_encode_is_named(observation, message) -> None:
+    tokenizer = build_task_tokenizer()
+    s = session(Lookup)
+    assert s.observation_ids("=4", tokenizer) == tokenizer.encode("=4", add_special_tokens=False)
+    with pytest.raises(EnvironmentBroken) as caught:
+        s.observation_ids(observation, tokenizer)
+    assert str(caught.value) == f"environment lookup, prompt 7: {message}"
+
+
+class Refuses:
+    """A tokenizer that raises on text it cannot take."""
+
+    unk_token, unk_token_id = None, None
+
+    def encode(self, text, add_special_tokens):
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple]")
+
+
+def test_a_tokenizer_that_raises_on_an_observation_blames_the_environment() -> None:
+    with pytest.raises(EnvironmentBroken) as caught:
+        session(Lookup).observation_ids("=4", Refuses())
+    assert str(caught.value) == (
+        "environment lookup, prompt 7: step returned observation '=4', which the tokenizer "
+        "cannot encode: TypeError: TextEncodeInput must be Union[TextInputSequence, Tuple]"
+    )
 
 
 class Answers:

@@ -6,16 +6,21 @@ and a trajectory ends on done, end of sequence, a failed tool, or its limits."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
+
+import pytest
 import torch
 from tensordict import TensorDict
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from verlite.config import ModelConfig
+from verlite.envs import AbandonedCalls, EnvironmentBroken, Session
 from verlite.envs.base import Turn
 from verlite.models import build_policy
 from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, sample_keys
-from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
+from verlite.rollout.multi_turn import EnvironmentSession, TurnLimits, generate_multi_turn
 from verlite.rollout.noise import turn_keys
 from verlite.workers.forward import response_log_probs
 
@@ -46,6 +51,10 @@ class Echo:
         self.observation, self.turns, self.fail_on = observation, turns, fail_on
         self.seen: list[str] = []
         self.error: str | None = None
+        self.timed_out = False
+
+    def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+        return tokenizer.encode(observation, add_special_tokens=False)
 
     def step(self, action: str) -> Turn | None:
         self.seen.append(action)
@@ -79,7 +88,9 @@ def prompts(tokenizer: PreTrainedTokenizerFast, rows: int) -> TensorDict:
     return td
 
 
-def run(envs: list[Echo], *, width: int = 24, max_turns: int = 3, turn_tokens: int = 5):
+def run(
+    envs: Sequence[EnvironmentSession], *, width: int = 24, max_turns: int = 3, turn_tokens: int = 5
+):
     tokenizer = bpe_tokenizer()
     model = build_policy(
         ModelConfig(
@@ -193,3 +204,35 @@ def test_trajectories_end_on_done_failure_turns_and_room() -> None:
     tight, *_ = run([Echo(turns=9) for _ in range(4)], width=6, max_turns=9)
     assert (tight["attention_mask"][:, -6:].sum(-1) <= 6).all()
     assert tight["truncated"].sum() >= 1
+
+
+class Garbles:
+    """An environment whose observation is not text: a lone surrogate."""
+
+    def reset(self, record):
+        pass
+
+    def step(self, action: str) -> Turn:
+        return Turn("48\ud800", 0.0, False)
+
+
+def test_an_observation_that_cannot_be_tokenized_names_the_environment_and_prompt() -> None:
+    """The observation goes through the session's checked encoding, not straight into the
+    tokenizer (whose TypeError would name neither)."""
+    sessions = [
+        Session(
+            Garbles,
+            {"prompt": "48 12", "answer": ""},
+            index=uid,
+            timeout_s=5.0,
+            abandoned=AbandonedCalls(limit=0),
+        )
+        for uid in range(4)
+    ]
+    with pytest.raises(EnvironmentBroken) as caught:
+        run(sessions, max_turns=3)
+    assert re.fullmatch(
+        r"environment test_rollout_multi_turn:Garbles, prompt \d: step returned observation "
+        r"'48\\ud800', not valid text \(surrogates not allowed at character 2\)",
+        str(caught.value),
+    ), str(caught.value)

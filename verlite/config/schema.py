@@ -202,6 +202,12 @@ class MultiTurnConfig(Section):
         description="Most seconds one environment call may take; a step that takes longer or "
         "raises ends its trajectory (multiturn/tool_errors), never the run.",
     )
+    max_abandoned_calls: NonNegativeInt = Field(
+        32,
+        description="Most environment calls that outlived tool_timeout_s and still run, per "
+        "worker: a thread cannot be stopped, so each is left running "
+        "(multiturn/abandoned_calls counts a step's); one more stops the run.",
+    )
 
 
 class RolloutConfig(Section):

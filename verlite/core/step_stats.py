@@ -67,14 +67,17 @@ def multi_turn_statistics(
     observation_tokens: torch.Tensor,
     truncated: torch.Tensor,
     tool_error: torch.Tensor,
+    abandoned_call: torch.Tensor,
 ) -> dict[str, float]:
     """The ``multiturn/`` metrics of a step's trajectories, from (B,) per-row outcomes: means
-    per trajectory, the share cut short by ``max_turns`` or ``max_total_length``, and the
-    number of tool calls that raised or timed out."""
+    per trajectory, the share cut short by ``max_turns`` or ``max_total_length``, the
+    number of tool calls that raised or timed out, and of those that timed out (whose
+    threads were left running)."""
     return {
         "multiturn/turns/mean": float(turns.float().mean()),
         "multiturn/tool_calls/mean": float(tool_calls.float().mean()),
         "multiturn/observation_tokens/mean": float(observation_tokens.float().mean()),
         "multiturn/truncated": float(truncated.float().mean()),
         "multiturn/tool_errors": float(tool_error.float().sum()),
+        "multiturn/abandoned_calls": float(abandoned_call.float().sum()),
     }

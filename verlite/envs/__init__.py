@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config, ConfigError
 from verlite.envs.base import Environment, Turn
 from verlite.envs.registry import ENVIRONMENTS, get_environment
-from verlite.envs.session import EnvironmentBroken, Session
+from verlite.envs.session import AbandonedCalls, EnvironmentBroken, Session, ToolsStuck
 
 
 def turn_stop_id(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -26,9 +26,11 @@ def turn_stop_id(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> int:
 
 __all__ = [
     "ENVIRONMENTS",
+    "AbandonedCalls",
     "Environment",
     "EnvironmentBroken",
     "Session",
+    "ToolsStuck",
     "Turn",
     "get_environment",
     "turn_stop_id",

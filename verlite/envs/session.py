@@ -3,10 +3,14 @@
 A call runs in a daemon thread of its own and is waited for at most
 ``rollout.multi_turn.tool_timeout_s``. A ``step`` that raises or outlives that bound is a
 tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never
-the run; the thread of a call that timed out is left to finish on its own. An environment
-that breaks its contract stops the run in one line naming it and the prompt: a ``reset``
-that raises or hangs, or a ``step`` whose answer is not a :class:`~verlite.envs.base.Turn`
-of a string observation, a reward in [0, 1] and a bool ``done``.
+the run. A Python thread cannot be stopped, so the thread of a call that timed out is left
+running (``multiturn/abandoned_calls``); each worker counts its live ones
+(:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
+(a tool stuck in a loop, which would slow every later step) stop the run in one line.
+An environment that breaks its contract stops the run in one line naming it and the prompt:
+a ``reset`` that raises or hangs, or a ``step`` whose answer is not a
+:class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode, a reward
+in [0, 1] and a bool ``done``.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from verlite.data.files import PromptRecord
 from verlite.envs.base import Turn
 from verlite.envs.registry import environment_name
-from verlite.errors import UserError
+from verlite.errors import RunFailure, UserError, shown
 from verlite.rewards.scoring import as_real
 
 
@@ -29,8 +35,27 @@ class EnvironmentBroken(UserError):
     """An environment broke its contract (see the module's docstring)."""
 
 
+class ToolsStuck(RunFailure):
+    """More calls that timed out are still running in a worker than the run allows."""
+
+
+class AbandonedCalls:
+    """The environment calls of one worker that outlived their timeout and still run."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._threads: list[threading.Thread] = []
+
+    def add(self, thread: threading.Thread) -> int:
+        """Count ``thread`` in; how many abandoned calls are still running, it included."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        return len(self._threads)
+
+
 def _bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str, Any]:
-    """``("ok", result)``, ``("raised", exception)`` or ``("timeout", None)``."""
+    """``("ok", result)``, ``("raised", exception)`` or ``("timeout", the thread still
+    running it)``."""
     box: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
     def run() -> None:
@@ -39,24 +64,37 @@ def _bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str,
         except BaseException as exc:  # reported by the caller, whatever it is
             box.put(("raised", exc))
 
-    threading.Thread(target=run, daemon=True).start()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
     try:
         return box.get(timeout=timeout_s)
     except queue.Empty:
-        return "timeout", None
+        return "timeout", thread
 
 
 class Session:
-    """The environment of prompt ``index``'s trajectory."""
+    """The environment of prompt ``index``'s trajectory; ``abandoned`` is its worker's count
+    of calls that timed out and still run."""
 
-    def __init__(self, cls: type, record: PromptRecord, *, index: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        cls: type,
+        record: PromptRecord,
+        *,
+        index: int,
+        timeout_s: float,
+        abandoned: AbandonedCalls,
+    ) -> None:
         self.name, self.index, self.timeout_s = environment_name(cls), index, timeout_s
+        self.abandoned = abandoned
         self.error: str | None = None
+        self.timed_out = False  # a step outlived timeout_s: its thread was left running
         # Its own copy: an environment may edit what it is given, and the rollout.n
         # trajectories of a prompt (and the driver's scoring) must not see that.
         record = copy.deepcopy(record)
         outcome, value = _bounded(self._reset, cls, record, timeout_s=timeout_s)
         if outcome == "timeout":
+            abandoned.add(value)
             self._refuse(f"reset did not return within {timeout_s:g} s")
         if outcome == "raised":
             self._refuse(f"reset raised {type(value).__name__}: {_one_line(value)}")
@@ -74,11 +112,47 @@ class Session:
         outcome, value = _bounded(self.env.step, action, timeout_s=self.timeout_s)  # type: ignore[attr-defined]
         if outcome == "timeout":
             self.error = f"step did not return within {self.timeout_s:g} s"
+            self.timed_out = True
+            self._check_abandoned(self.abandoned.add(value))
             return None
         if outcome == "raised":
             self.error = f"step raised {type(value).__name__}: {_one_line(value)}"
             return None
         return self._checked(value)
+
+    def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        """The token ids of an observation this session's ``step`` returned: one the
+        tokenizer cannot encode (text that is not valid Unicode, such as a lone surrogate,
+        or characters its vocabulary lacks) breaks the contract."""
+        what = f"step returned observation {shown(observation)}"
+        try:
+            observation.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            self._refuse(f"{what}, not valid text ({exc.reason} at character {exc.start})")
+        try:
+            ids: list[int] = tokenizer.encode(observation, add_special_tokens=False)
+        except Exception as exc:  # whatever a tokenizer raises, the observation is the cause
+            self._refuse(
+                f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: {_one_line(exc)}"
+            )
+        unknown = tokenizer.unk_token
+        if tokenizer.unk_token_id in ids and (unknown is None or unknown not in observation):
+            self._refuse(
+                f"{what}, which holds characters the tokenizer does not know (they would "
+                f"reach the policy as {unknown})"
+            )
+        return ids
+
+    def _check_abandoned(self, running: int) -> None:
+        if running > self.abandoned.limit:
+            raise ToolsStuck(
+                f"environment {self.name}, prompt {self.index}: {running} calls that outlived "
+                f"rollout.multi_turn.tool_timeout_s={self.timeout_s:g} are still running in "
+                f"this worker, more than rollout.multi_turn.max_abandoned_calls="
+                f"{self.abandoned.limit}; a thread cannot be stopped and each one left running "
+                "slows every later step: make step return in time (run work that may hang in "
+                "a process it can kill)"
+            )
 
     def _checked(self, turn: object) -> Turn:
         if not isinstance(turn, Turn):

@@ -43,8 +43,13 @@ class EnvironmentSession(Protocol):
     """One trajectory's environment (``verlite.envs.Session``)."""
 
     error: str | None
+    timed_out: bool  # the failed call outlived its timeout and still runs
 
     def step(self, action: str) -> TurnResult | None: ...
+
+    def observation_ids(
+        self, observation: str, tokenizer: PreTrainedTokenizerBase
+    ) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -62,7 +67,15 @@ as the sampler's step batch (``responses``, ``response_mask``, ``rollout_log_pro
 noise keyed by the turn so that turns do not reuse each other's draws."""
 
 # Per-row outcomes a multi-turn batch carries, for the trainer's score and metrics.
-OUTCOMES = ("env_score", "turns", "tool_calls", "observation_tokens", "truncated", "tool_error")
+OUTCOMES = (
+    "env_score",
+    "turns",
+    "tool_calls",
+    "observation_tokens",
+    "truncated",
+    "tool_error",
+    "abandoned_call",
+)
 
 
 @dataclass
@@ -78,6 +91,7 @@ class _Trajectory:
     observation_tokens: int = 0
     truncated: bool = False
     tool_error: bool = False
+    abandoned_call: bool = False
 
     def add(self, tokens: list[int], log_probs: list[float], *, policy: bool) -> None:
         self.tokens += tokens
@@ -134,12 +148,13 @@ def _take_turn(
     result = session.step(response_text(tokenizer, tokens))
     if result is None:  # the tool failed: the trajectory ends, scored 0
         trajectory.active, trajectory.env_score, trajectory.tool_error = False, 0.0, True
+        trajectory.abandoned_call = session.timed_out
         return
     trajectory.env_score = result.reward
     if result.done or limits.eos_token_id in tokens:
         trajectory.active = False
         return
-    observation = tokenizer.encode(result.observation, add_special_tokens=False)
+    observation = session.observation_ids(result.observation, tokenizer)
     # The observation and at least one more policy token must fit, and a turn must be left.
     if turn + 1 == limits.max_turns or len(trajectory.tokens) + len(observation) >= limits.width:
         trajectory.active, trajectory.truncated = False, True

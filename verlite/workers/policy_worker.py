@@ -16,7 +16,7 @@ from verlite.config import Config
 from verlite.controller import Worker
 from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
-from verlite.envs import Session, get_environment, turn_stop_id
+from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
 from verlite.rollout import Noise, SamplingParams, noise_for
 from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
 from verlite.rollout.noise import turn_keys
@@ -40,6 +40,7 @@ class PolicyWorker(Worker):
         multi_turn = cfg.rollout.multi_turn
         if multi_turn.env is not None:
             self.environment = get_environment(multi_turn.env)
+            self.abandoned = AbandonedCalls(multi_turn.max_abandoned_calls)
             self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
             self.stop_token_ids = (
                 () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
@@ -75,7 +76,13 @@ class PolicyWorker(Worker):
             return generate(prompts, params, self.noise(prompts, params, seed, device))
         multi_turn = self.cfg.rollout.multi_turn
         sessions = [
-            Session(self.environment, record, index=uid, timeout_s=multi_turn.tool_timeout_s)
+            Session(
+                self.environment,
+                record,
+                index=uid,
+                timeout_s=multi_turn.tool_timeout_s,
+                abandoned=self.abandoned,
+            )
             for record, uid in zip(
                 row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
             )

@@ -225,9 +225,19 @@ def test_an_environment_that_breaks_its_contract_is_named_in_one_line(cls, messa
     assert message in text and "\n" not in text
 
 
+class BadInit(BadReset):
+    def __init__(self):
+        raise RuntimeError("no licence")
+
+
 def test_a_reset_that_raises_stops_the_run_naming_the_prompt() -> None:
     with pytest.raises(EnvironmentBroken, match=r"prompt 7: reset raised KeyError: 'answer'"):
         session(BadReset)
+    with pytest.raises(EnvironmentBroken) as caught:
+        session(BadInit)
+    assert str(caught.value) == (
+        "environment test_environments:BadInit, prompt 7: BadInit() raised RuntimeError: no licence"
+    )
 
 
 def test_environments_load_by_name_or_import_path(tmp_path, monkeypatch) -> None:

@@ -8,9 +8,9 @@ running (``multiturn/abandoned_calls``); each worker counts its live ones
 (:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
 (a tool stuck in a loop, which would slow every later step) stop the run in one line.
 An environment that breaks its contract stops the run in one line naming it and the prompt:
-a ``reset`` that raises or hangs, or a ``step`` whose answer is not a
-:class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode, a reward
-in [0, 1] and a bool ``done``.
+a class that cannot be made or a ``reset`` that raises or hangs, or a ``step`` whose answer
+is not a :class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode,
+a reward in [0, 1] and a bool ``done``.
 """
 
 from __future__ import annotations
@@ -92,19 +92,19 @@ class Session:
         # Its own copy: an environment may edit what it is given, and the rollout.n
         # trajectories of a prompt (and the driver's scoring) must not see that.
         record = copy.deepcopy(record)
-        outcome, value = _bounded(self._reset, cls, record, timeout_s=timeout_s)
-        if outcome == "timeout":
-            abandoned.add(value)
-            self._refuse(f"reset did not return within {timeout_s:g} s")
-        if outcome == "raised":
-            self._refuse(f"reset raised {type(value).__name__}: {_one_line(value)}")
-        self.env = value
+        self.env = self._set_up(cls, f"{cls.__name__}()")
+        self._set_up(self.env.reset, "reset", record)
 
-    @staticmethod
-    def _reset(cls: type, record: PromptRecord) -> object:
-        env = cls()
-        env.reset(record)
-        return env
+    def _set_up(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
+        """A call that makes or resets the environment: one that raises or hangs breaks
+        the contract."""
+        outcome, value = _bounded(fn, *args, timeout_s=self.timeout_s)
+        if outcome == "timeout":
+            self.abandoned.add(value)
+            self._refuse(f"{what} did not return within {self.timeout_s:g} s")
+        if outcome == "raised":
+            self._refuse(f"{what} raised {type(value).__name__}: {_one_line(value)}")
+        return value
 
     def step(self, action: str) -> Turn | None:
         """The environment's answer to a policy turn; None after a tool error (recorded in

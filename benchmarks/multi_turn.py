@@ -23,6 +23,7 @@ import argparse
 
 import torch
 from tensordict import TensorDict
+from transformers import PreTrainedTokenizerBase
 
 from benchmarks.common import (
     emit,
@@ -55,9 +56,13 @@ class FixedObservation:
     def __init__(self, observation: str) -> None:
         self.observation = observation
         self.error: str | None = None
+        self.timed_out = False
 
     def step(self, action: str) -> Turn:
         return Turn(self.observation, 0.0, False)
+
+    def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+        return tokenizer.encode(observation, add_special_tokens=False)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""The prompt loader (seeded order, epochs, exact resume) and prompt collation (left padding)."""
+"""The prompt loader (seeded order, epochs, exact resume), prompt collation (left padding)
+and the record each row of a step batch answers."""
 
 import itertools
 
@@ -11,6 +12,8 @@ from verlite.data import (
     PromptRecord,
     build_task_tokenizer,
     collate_prompts,
+    prompt_tensordict,
+    row_records,
 )
 
 
@@ -119,3 +122,18 @@ def test_collate_needs_a_pad_token() -> None:
     tok.pad_token = None
     with pytest.raises(ValueError, match="no pad token"):
         collate_prompts([PromptRecord(prompt="1=", answer="1")], tok, 4)
+
+
+def test_each_row_gets_the_record_of_the_prompt_it_holds_on_any_share_of_the_rows() -> None:
+    """A step's records stay one per prompt; a row's (with rollout.n repeats, and on the
+    share of rows a worker gets) is found by its uid, and its prompt is the row's text."""
+    tokenizer = build_task_tokenizer()
+    records = _records(5)
+    td = prompt_tensordict(records, tokenizer, max_prompt_length=12, repeat=3, temperature=1.0)
+    for rows in (td, td[4:11], td[torch.tensor([14, 0, 7])]):
+        matched = row_records(records, rows["uid"])
+        assert len(matched) == rows.batch_size[0]
+        for record, ids, mask in zip(
+            matched, rows["input_ids"], rows["attention_mask"].bool(), strict=True
+        ):
+            assert tokenizer.decode(ids[mask], skip_special_tokens=True) == record["prompt"]

@@ -101,9 +101,9 @@ def test_a_tool_stuck_in_a_loop_stops_the_run_once_its_worker_holds_too_many(
     assert not raised.value.lost and "restart 1 of" not in capsys.readouterr().out
     message = str(raised.value)
     assert re.search(
-        r"failed in rollout\(\): ToolsStuck: environment slow_tool:StuckLookup, prompt 0: 3 "
-        r"calls that outlived rollout.multi_turn.tool_timeout_s=0.01 are still running in "
-        r"this worker, more than rollout.multi_turn.max_abandoned_calls=2; ",
+        r"failed in rollout\(\): ToolsStuck: environment slow_tool:StuckLookup, prompt 0: "
+        r"calls that outlived rollout.multi_turn.tool_timeout_s=0.01 still running in this "
+        r"worker: 3, more than rollout.multi_turn.max_abandoned_calls=2; ",
         message,
     ), message
     assert "\n" not in message

@@ -107,8 +107,8 @@ def test_calls_left_running_past_the_workers_limit_stop_the_run_in_one_line() ->
     finally:
         Spins.release.set()
     assert str(caught.value) == (
-        "environment test_environments:Spins, prompt 7: 3 calls that outlived "
-        "rollout.multi_turn.tool_timeout_s=0.01 are still running in this worker, more than "
+        "environment test_environments:Spins, prompt 7: calls that outlived "
+        "rollout.multi_turn.tool_timeout_s=0.01 still running in this worker: 3, more than "
         "rollout.multi_turn.max_abandoned_calls=2; a thread cannot be stopped and each one "
         "left running slows every later step: make step return in time (run work that may "
         "hang in a process it can kill)"

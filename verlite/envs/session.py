@@ -146,9 +146,9 @@ class Session:
     def _check_abandoned(self, running: int) -> None:
         if running > self.abandoned.limit:
             raise ToolsStuck(
-                f"environment {self.name}, prompt {self.index}: {running} calls that outlived "
-                f"rollout.multi_turn.tool_timeout_s={self.timeout_s:g} are still running in "
-                f"this worker, more than rollout.multi_turn.max_abandoned_calls="
+                f"environment {self.name}, prompt {self.index}: calls that outlived "
+                f"rollout.multi_turn.tool_timeout_s={self.timeout_s:g} still running in this "
+                f"worker: {running}, more than rollout.multi_turn.max_abandoned_calls="
                 f"{self.abandoned.limit}; a thread cannot be stopped and each one left running "
                 "slows every later step: make step return in time (run work that may hang in "
                 "a process it can kill)"

@@ -152,15 +152,18 @@ def test_abandoned_calls_that_finish_no_longer_count() -> None:
             "step returned observation '=4\\ud800', not valid text (surrogates not allowed at character 2)",
         ),
         (
-            "=4\u00c4",
-            "step returned observation '=4Ä', which holds characters the tokenizer does not know (they would reach the policy as <unk>)",
+            "=4\u00c4<unk>",
+            "step returned observation '=4Ä<unk>', which holds characters the tokenizer does not know (they would reach the policy as <unk>)",
         ),
     ],
 )
 def test_an_observation_the_tokenizer_cannot_encode_is_named(observation, message) -> None:
     tokenizer = build_task_tokenizer()
     s = session(Lookup)
-    assert s.observation_ids("=4", tokenizer) == tokenizer.encode("=4", add_special_tokens=False)
+    for fine in ("=4", "=4<unk>"):  # the unknown token's own text is the token
+        assert s.observation_ids(fine, tokenizer) == tokenizer.encode(
+            fine, add_special_tokens=False
+        )
     with pytest.raises(EnvironmentBroken) as caught:
         s.observation_ids(observation, tokenizer)
     assert str(caught.value) == f"environment lookup, prompt 7: {message}"

@@ -136,7 +136,8 @@ class Session:
                 f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: {_one_line(exc)}"
             )
         unknown = tokenizer.unk_token
-        if tokenizer.unk_token_id in ids and (unknown is None or unknown not in observation):
+        # More unknown tokens than the observation spells out: characters the vocabulary lacks.
+        if ids.count(tokenizer.unk_token_id) > (observation.count(unknown) if unknown else 0):
             self._refuse(
                 f"{what}, which holds characters the tokenizer does not know (they would "
                 f"reach the policy as {unknown})"

@@ -151,6 +151,15 @@ BAD_OVERRIDES = [
         "reward.combine={'fn': 0.5} with rollout.multi_turn.env='lookup': a multi-turn run is "
         "scored by its environment; unset one of them",
     ),
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "reward.timeout_s=60",
+        ],
+        "reward.timeout_s=60 with rollout.multi_turn.env='lookup': a multi-turn run is scored "
+        "by its environment; unset one of them",
+    ),
 ]
 
 

@@ -951,7 +951,8 @@ class Config(Section):
 
     def _check_scored_by_environment(self) -> None:
         """A multi-turn run is scored by its environment (the reward of a trajectory's last
-        turn): a reward setting beside it would be ignored, or set up for nothing."""
+        turn): a reward source, or a setting of the reward function, would be ignored or set
+        up for nothing beside it."""
         env = self.rollout.multi_turn.env
         if env is None:
             return
@@ -962,11 +963,16 @@ class Config(Section):
             ("reward.fn", reward.fn is not None, f"={reward.fn!r}"),
             # {fn: 1} is what an unset combine resolves to.
             ("reward.combine", reward.combine != {"fn": 1.0}, f"={reward.combine}"),
+            (
+                "reward.timeout_s",
+                reward.timeout_s != RewardConfig.model_fields["timeout_s"].default,
+                f"={reward.timeout_s:g}",
+            ),
         )
-        for field, is_set, shown_value in settings:
+        for field, is_set, value_text in settings:
             if is_set:
                 raise ValueError(
-                    f"{field}{shown_value} with rollout.multi_turn.env={env!r}: a multi-turn run "
+                    f"{field}{value_text} with rollout.multi_turn.env={env!r}: a multi-turn run "
                     "is scored by its environment; unset one of them"
                 )
 

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
-from verlite.yaml_files import read_mapping
+from verlite.user_files import read_text
+from verlite.yaml_files import load_text, read_mapping
 
 
 class ConfigError(UserError):
@@ -56,14 +57,19 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
         )
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            section, leaf, _ = _slot(
+            section, leaf, annotation = _slot(
                 raw,
                 str(key),
                 f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode",
             )
-            section[leaf] = value
+            _assign(section, leaf, value, annotation)
     else:
-        for item in overrides:
+        for index, item in enumerate(overrides):
+            if not isinstance(item, str):
+                raise ConfigError(
+                    f"overrides[{index}]={shown(item)}: expected a dotted.key=value string, "
+                    f"got {_a(type(item).__name__)}"
+                )
             _apply_override(raw, item)
     try:
         cfg = Config.model_validate(raw)
@@ -79,7 +85,26 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep:
         raise ConfigError(malformed)
     section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
-    section[leaf] = _parse_value(text.strip(), annotation)
+    _assign(section, leaf, _parse_value(text.strip(), annotation), annotation)
+
+
+def _assign(section: dict[str, Any], leaf: str, value: Any, annotation: Any) -> None:
+    """Set ``section[leaf]``, of schema type ``annotation``, to an override's ``value``. A
+    mapping given for a section merges into what the section holds, field by field and into
+    its subsections, so ``trainer={total_steps: 2}`` keeps the file's other trainer fields;
+    any other value replaces what is there, a mapping-valued field's mapping included
+    (``reward.combine`` is a value, not a section)."""
+    model = _section_type(annotation)
+    current = section.get(leaf)
+    if model is None or not isinstance(value, Mapping) or not isinstance(current, Mapping):
+        section[leaf] = value
+        return
+    merged = dict(current)
+    for key, item in value.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        # An unknown key is set as given: validation names it with a suggestion.
+        _assign(merged, key, item, field.annotation if field is not None else None)
+    section[leaf] = merged
 
 
 def _slot(
@@ -144,7 +169,7 @@ def _parse_value(text: str, annotation: Any) -> Any:
     if _accepts_str(annotation):
         return text
     try:
-        return yaml.safe_load(text)
+        return load_text(text)
     except yaml.YAMLError:
         return text  # let validation report the field, value and expected type
 
@@ -206,8 +231,14 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             lines.append(f"{dotted}: {message}")
         else:
             value = err.get("input")
+            if err["type"].endswith("_type"):  # strict: a value of another type, never coerced
+                message += f", got {_a(type(value).__name__)}"
             lines.append(f"{dotted}={shown(value)}: {message}")
     return "; ".join(dict.fromkeys(lines))
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
@@ -281,9 +312,10 @@ def _check_model_dir(path: str, field: str) -> None:
             "in it); give a local folder written by save_pretrained"
             + (", or leave it unset for the built-in model" if field == "model.path" else "")
         )
+    text = read_text(config, what=f"{field}'s config.json", error=ConfigError)
     try:
-        fields = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ConfigError(
             f"{field}={path!r}: its config.json cannot be read as JSON ({_one_line(exc)})"
         ) from None

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from verlite.errors import UserError
+from verlite.user_files import read_text
 
 
 class DataError(UserError):
@@ -68,19 +69,12 @@ def _record(location: str, row: Any) -> PromptRecord:
     return PromptRecord(prompt=row["prompt"], answer=row["answer"])
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read prompt file: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-
-
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
     # split("\n"), not splitlines(): JSON strings may hold U+2028 and friends, which
     # splitlines() would treat as line breaks and so misnumber every following line.
-    for number, line in enumerate(_read_text(path).split("\n"), start=1):
+    for number, line in enumerate(
+        read_text(path, what="prompt file", error=DataError).split("\n"), start=1
+    ):
         if not line.strip():
             continue
         location = f"{path}:{number}"

@@ -166,7 +166,7 @@ class JobServer:
 
     def metrics(self, job_id: str) -> list[Record]:
         """The job's metrics records, read from the marked lines of its driver log."""
-        return metrics_log.parse_marked_lines(self.logs(job_id))
+        return metrics_log.parse_marked_lines(self.logs(job_id), source=f"job {job_id!r}'s log")
 
     def stop(self, job_id: str) -> bool:
         """Ask the job to stop; False when it had already ended."""

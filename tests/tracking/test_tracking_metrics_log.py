@@ -109,3 +109,17 @@ def test_a_metrics_path_that_is_a_pipe_or_device_is_refused_before_reading(tmp_p
     for path in (tmp_path, tmp_path / "metrics.jsonl", Path("/dev/zero")):
         with pytest.raises(UserError, match="is not a regular file"):
             metrics_log.read(path)
+
+
+def test_a_restarted_runs_log_reads_as_one_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from verlite.tracking import Tracker
+
+    # The first attempt logs steps 1-3 and is restarted from its step-1 checkpoint.
+    for start, steps in ((0, (1, 2, 3)), (1, (2, 3, 4))):
+        with Tracker(["logline"], output_dir=tmp_path, total_steps=4, start_step=start) as tracker:
+            for step in steps:
+                tracker.log(step, {"a": float(10 * start + step)})
+    records = metrics_log.parse_marked_lines(capsys.readouterr().out)
+    assert records == [{"step": 1, "a": 1.0}, *({"step": s, "a": 10.0 + s} for s in (2, 3, 4))]

@@ -61,6 +61,12 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
 def _str_list(text: str) -> list[str]:
     return [v for v in text.split(",") if v]
 
@@ -174,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--runs-dir",
+        type=_path,
         default=None,
         help="with --run, a new or empty folder that keeps the runs (default: a temporary one, removed)",
     )

@@ -21,6 +21,8 @@ def read_text(
     so a device such as /dev/zero, or a pipe that never ends, is refused instead of filling
     the memory."""
     shown = repr(str(path))
+    if not str(path):  # Path("") is the current folder
+        raise error(f"{what}: an empty path names no file")
     try:
         with Path(path).open("rb") as file:
             raw = file.read(-1 if max_bytes is None else max_bytes + 1)

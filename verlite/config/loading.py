@@ -251,9 +251,29 @@ def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
 
 
 def check_paths(cfg: Config) -> None:
-    """Fail early, before Ray starts, on input paths that do not exist on this machine, a
-    model folder that cannot be a Hugging Face model, and an output folder that overlaps an
-    input (the run would write over what it reads)."""
+    """Fail early, before Ray starts, on the inputs (:func:`check_inputs`) and an output
+    folder that overlaps an input (the run would write over what it reads)."""
+    inputs = check_inputs(cfg)
+    output = Path(cfg.trainer.output_dir).resolve()
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "disable"):
+        inputs["trainer.resume"] = resume
+    for dotted, value in inputs.items():
+        if value is None:
+            continue
+        path = Path(value).resolve()
+        if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
+            continue  # a checkpoint of the run in this folder: resuming it is what it is for
+        if path == output or path.is_relative_to(output) or output.is_relative_to(path):
+            raise ConfigError(
+                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
+                "the run would write where it reads; choose an output folder apart from its inputs"
+            )
+
+
+def check_inputs(cfg: Config) -> dict[str, str | None]:
+    """Fail on input paths that do not exist on this machine and a model folder that cannot
+    be a Hugging Face model; the inputs by field."""
     inputs = {
         "model.path": cfg.model.path,
         "reward.model.path": cfg.reward.model.path,
@@ -271,21 +291,7 @@ def check_paths(cfg: Config) -> None:
     for dotted in ("model.path", "reward.model.path"):
         if inputs[dotted] is not None:
             _check_model_dir(inputs[dotted], dotted)
-    output = Path(cfg.trainer.output_dir).resolve()
-    resume = cfg.trainer.resume
-    if resume not in ("auto", "disable"):
-        inputs["trainer.resume"] = resume
-    for dotted, value in inputs.items():
-        if value is None:
-            continue
-        path = Path(value).resolve()
-        if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
-            continue  # a checkpoint of the run in this folder: resuming it is what it is for
-        if path == output or path.is_relative_to(output) or output.is_relative_to(path):
-            raise ConfigError(
-                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
-                "the run would write where it reads; choose an output folder apart from its inputs"
-            )
+    return inputs
 
 
 def _exists(dotted: str, value: str) -> bool:

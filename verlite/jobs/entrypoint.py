@@ -4,6 +4,7 @@ log Ray's job server can read back."""
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import shlex
@@ -62,17 +63,17 @@ def run_with_utf8_output(command: Sequence[str]) -> int:
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     assert child.stdout is not None
     replaced = 0
-    pending = b""  # the start of a character that the next read completes
+    # An incremental decoder keeps a character split over two reads until it is complete.
+    decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")
     out = sys.stdout.buffer
-    while chunk := child.stdout.read1(1 << 16) or pending:
-        data, pending = pending + chunk, b""
-        if chunk:
-            cut = _incomplete_tail(data)
-            data, pending = data[: len(data) - cut], data[len(data) - cut :]
-        text = data.decode("utf-8", "surrogateescape")
+    while True:
+        chunk = child.stdout.read1(1 << 16)
+        text = decoder.decode(chunk, final=not chunk)
         replaced += len(_ESCAPED.findall(text))
         out.write(_ESCAPED.sub("\ufffd", text).encode("utf-8"))
         out.flush()
+        if not chunk:
+            break
     code = child.wait()
     if replaced:
         note = (
@@ -82,21 +83,3 @@ def run_with_utf8_output(command: Sequence[str]) -> int:
         out.write(note.encode("utf-8"))
         out.flush()
     return 128 - code if code < 0 else code
-
-
-def _incomplete_tail(data: bytes) -> int:
-    """How many bytes at the end of ``data`` begin a UTF-8 character that is not complete."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 != 0x80:  # not a continuation byte: the character's first byte
-            need = (
-                2
-                if byte >> 5 == 0b110
-                else 3
-                if byte >> 4 == 0b1110
-                else 4
-                if byte >> 3 == 0b11110
-                else 1
-            )
-            return back if need > back else 0
-    return 0

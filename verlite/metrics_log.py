@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verlite.errors import UserError, shown
-from verlite.user_files import read_text
+from verlite.user_files import parse_json, read_text
 
 FILE_NAME = "metrics.jsonl"
 # Prefixes of a job's driver log lines the ``logline`` logger writes: a record, and the step
@@ -144,6 +144,11 @@ def read(path: str | Path) -> list[Record]:
     step order. A last line without its newline is skipped unless it is complete JSON; any
     other line that is not a record, a metric that is not a number and a step that does not
     increase are errors naming the file and line."""
+    if not isinstance(path, str | os.PathLike):
+        raise UserError(
+            f"run={shown(path)}: expected a run folder or its metrics.jsonl (a str or Path), "
+            f"got a {type(path).__name__}"
+        )
     path = Path(path)
     if path.is_dir():
         path = path / FILE_NAME
@@ -173,11 +178,11 @@ def _record_of(text: str, place: str, *, last: bool) -> Record | None:
     """The record in one line's JSON ``text`` (``place`` says where it is). The last line,
     when it is not empty, is still being written: None unless it is complete."""
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
+        value = parse_json(text, place)
+    except UserError:
         if last:
             return None
-        raise UserError(f"{place} is not valid JSON: {exc.msg}") from None
+        raise
     return _checked(value, place)
 
 

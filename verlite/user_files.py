@@ -1,10 +1,13 @@
 """Reading the files users give verlite and runs leave on disk (configs, prompt files,
-metrics logs): the one place their bytes become text, so that a missing, unreadable,
-oversized or undecodable file is one line naming the file, never a traceback."""
+metrics logs): the one place their bytes become text and their lines JSON values, so that a
+missing, unreadable, oversized or undecodable file, or a line that is not JSON or sets a key
+twice, is one line naming the file (and line), never a traceback."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from verlite.errors import UserError
 
@@ -40,3 +43,28 @@ def read_text(
             f"{what} {shown} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "
             f"{exc.start}, line {line})"
         ) from None
+
+
+def parse_json(text: str, where: str, *, error: type[UserError] = UserError) -> Any:
+    """The JSON value of ``text``, found at ``where`` ("file:line"); malformed JSON and an
+    object that sets a key twice (json.loads would keep the last silently) raise ``error``
+    with one line naming ``where``."""
+    try:
+        return json.loads(text, object_pairs_hook=_keys_once)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+    except _KeyTwice as exc:
+        raise error(f"{where}: field {exc.args[0]!r} is set twice") from None
+
+
+class _KeyTwice(Exception):
+    pass
+
+
+def _keys_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise _KeyTwice(key)
+        fields[key] = value
+    return fields

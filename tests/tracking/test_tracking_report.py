@@ -152,7 +152,7 @@ def test_nan_values_are_left_out_of_best_and_mean(tmp_path: Path) -> None:
         ("no_file", "no metrics file"),
         ("empty", "holds no metrics yet"),
         ("only_torn", "holds no metrics yet"),
-        ("bad_middle_line", "line 2 is not valid JSON"),
+        ("bad_middle_line", "line 2: malformed JSON"),
         ("no_step", "line 1 is not a metrics record"),
     ],
 )

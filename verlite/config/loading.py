@@ -10,7 +10,7 @@ import difflib
 import json
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -50,10 +50,11 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
         )
     else:
         raw = {}
-    if isinstance(overrides, str):
+    if isinstance(overrides, str | bytes) or not isinstance(overrides, Mapping | Iterable):
+        what = "one string" if isinstance(overrides, str) else _a(type(overrides).__name__)
         raise ConfigError(
-            f"overrides={overrides!r} is one string; give a list of dotted.key=value strings or "
-            "a mapping of dotted keys to values"
+            f"overrides={shown(overrides)} is {what}; give a list of dotted.key=value strings "
+            "or a mapping of dotted keys to values (or none)"
         )
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
@@ -100,7 +101,10 @@ def _assign(section: dict[str, Any], leaf: str, value: Any, annotation: Any) -> 
         section[leaf] = value
         return
     merged = dict(current)
-    for key, item in value.items():
+    for dotted, item in value.items():
+        key, dot, rest = dotted.partition(".") if isinstance(dotted, str) else (dotted, "", "")
+        if dot:  # {"optim.lr": 0.1} in a section: the dotted key names a field below
+            item = {rest: item}
         field = model.model_fields.get(key) if isinstance(key, str) else None
         # An unknown key is set as given: validation names it with a suggestion.
         _assign(merged, key, item, field.annotation if field is not None else None)

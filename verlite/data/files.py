@@ -7,13 +7,12 @@ Parquet support imports ``pyarrow`` only when a Parquet file is read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypedDict
 
 from verlite.errors import UserError
-from verlite.user_files import read_text
+from verlite.user_files import parse_json, read_text
 
 
 class DataError(UserError):
@@ -78,26 +77,7 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
         if not line.strip():
             continue
         location = f"{path}:{number}"
-        try:
-            yield location, json.loads(line, object_pairs_hook=_fields_once)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{location}: malformed JSON: {exc.msg} (column {exc.colno})") from None
-        except _FieldTwice as exc:
-            raise DataError(f"{location}: field {exc.args[0]!r} is set twice") from None
-
-
-class _FieldTwice(Exception):
-    pass
-
-
-def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of a repeated key: which prompt was meant is ambiguous.
-    fields: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in fields:
-            raise _FieldTwice(key)
-        fields[key] = value
-    return fields
+        yield location, parse_json(line, location, error=DataError)
 
 
 def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:

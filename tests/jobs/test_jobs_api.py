@@ -338,3 +338,20 @@ def test_a_stopped_jobs_output_is_copied_until_it_ends() -> None:
         process.send_signal(signal.SIGTERM)
     assert wrapper.stdout.read() == "stopping\n"
     assert wrapper.wait(timeout=30) == 143
+
+
+def test_a_users_print_of_a_record_does_not_replace_the_jobs_metrics(dashboard: str) -> None:
+    record = '{"step": 1, "critic/score/mean": 0.5}'
+    log = (
+        f'{metrics_log.start_line(0)}\ndebug: VERLITE_METRICS {{"step": 1, "x": 9}}\n'
+        f"VERLITE_METRICS {record}\n"
+    )
+    Dashboard.answers["/api/jobs/raysubmit_1/logs"] = (200, json.dumps({"logs": log}))
+    proc = verlite("metrics", "--job", "raysubmit_1", "--address", dashboard)
+    assert proc.returncode == 0, proc.stderr
+    assert "critic/score/mean" in proc.stdout and " x " not in proc.stdout
+    forged = log + f"VERLITE_METRICS {record}\n"  # printed by user code at a line's start
+    Dashboard.answers["/api/jobs/raysubmit_1/logs"] = (200, json.dumps({"logs": forged}))
+    proc = verlite("metrics", "--job", "raysubmit_1", "--address", dashboard)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "job 'raysubmit_1''s log line 4 logs step 1 after step 1 (" in proc.stderr

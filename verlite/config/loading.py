@@ -1,6 +1,7 @@
-"""Loading a run configuration: YAML (``yaml.safe_load``), dotted overrides typed by the
-schema, and validation errors turned into one line each that names the field, the value
-and what is allowed.
+"""Loading a run configuration: YAML (a safe loader, :mod:`verlite.yaml_files`), dotted
+overrides typed by the schema (a section given as a mapping merges into the section), and
+validation errors turned into one line each that names the field, the value and what is
+allowed.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ Overrides = Sequence[str] | Mapping[str, Any]
 
 
 def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
-    """Read a config (a YAML file with ``yaml.safe_load``, a mapping, or a loaded config),
+    """Read a config (a YAML file with a safe loader, a mapping, or a loaded config),
     apply the overrides, validate.
 
     A loaded config is overridden from what it was loaded from, so a field that defaults to

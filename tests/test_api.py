@@ -60,7 +60,7 @@ def test_overriding_a_loaded_config_follows_inherited_fields() -> None:
 
 def test_read_metrics_as_a_list_or_a_frame(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_text(
-        '{"step": 2, "critic/score/mean": 0.25}\n{"step": 1, "critic/score/mean": 0.5}\n'
+        '{"step": 1, "critic/score/mean": 0.5}\n{"step": 2, "critic/score/mean": 0.25}\n'
     )
     steps = verlite.read_metrics(tmp_path)
     assert steps == [{"step": 1, "critic/score/mean": 0.5}, {"step": 2, "critic/score/mean": 0.25}]
@@ -76,12 +76,42 @@ def test_read_metrics_as_a_list_or_a_frame(tmp_path: Path) -> None:
         ({"trainer..steps": 3}, "malformed override key 'trainer..steps'"),
         ("trainer.total_steps=3", "overrides='trainer.total_steps=3' is one string"),
         (["trainer.total_steps"], "malformed override 'trainer.total_steps'"),
+        (
+            ["trainer.total_steps=2", 3],
+            "overrides[1]=3: expected a dotted.key=value string, got an int",
+        ),
+        ([b"trainer.seed=1"], "overrides[0]=b'trainer.seed=1': expected a dotted.key=value string"),
+        (None, "overrides=None is a NoneType; give a list of dotted.key=value strings"),
+        (3, "overrides=3 is an int; give a list of dotted.key=value strings"),
+        (b"a=1", "overrides=b'a=1' is a bytes; give a list"),
+        (
+            {"trainer.output_dir": "out\0"},
+            "trainer.output_dir='out\\x00': a path cannot hold a NUL",
+        ),
     ],
 )
 def test_bad_overrides_raise_one_line(overrides: object, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         verlite.load_config("configs/ppo_tiny.yaml", overrides)  # type: ignore[arg-type]
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+def test_read_metrics_of_something_that_is_no_path_is_one_line() -> None:
+    with pytest.raises(UserError, match=r"^run=3: expected a run folder or its metrics.jsonl"):
+        verlite.read_metrics(3)  # type: ignore[call-overload]
+
+
+def test_a_section_given_as_a_mapping_merges_into_the_files_section() -> None:
+    cfg = verlite.load_config(
+        "configs/ppo_tiny.yaml", {"trainer": {"total_steps": 2}, "actor": {"optim": {"lr": 0.1}}}
+    )
+    file = verlite.load_config("configs/ppo_tiny.yaml")
+    assert cfg.trainer == file.trainer.model_copy(update={"total_steps": 2})
+    assert cfg.actor.optim == file.actor.optim.model_copy(update={"lr": 0.1})
+    assert cfg.actor.entropy_coeff == file.actor.entropy_coeff
+    # a dotted key inside a section's mapping names a field below it
+    dotted = verlite.load_config("configs/ppo_tiny.yaml", {"actor": {"optim.lr": 0.1}})
+    assert dotted.actor == cfg.actor
 
 
 def test_a_cluster_address_in_a_process_with_ray_open_is_refused(local_ray) -> None:

@@ -120,6 +120,20 @@ def test_whole_runs_need_a_new_or_empty_runs_dir(verlite_main, tmp_path) -> None
     assert (tmp_path / "earlier.txt").read_text() == "someone's file"
 
 
+def test_a_runs_dir_that_cannot_be_a_new_folder_is_one_line(verlite_main, tmp_path) -> None:
+    (file := tmp_path / "file").write_text("x")
+    for runs_dir, message in (
+        (file, f"--runs-dir {file}: not a folder"),
+        (file / "sub", f"--runs-dir {file / 'sub'}: cannot make the folder: Not a directory"),
+        ("", "argument --runs-dir: expected a path, got an empty string"),
+    ):
+        proc = verlite_main(
+            "check-invariance", "--run", "--config", CONFIG, "--runs-dir", str(runs_dir)
+        )
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert message in proc.stderr
+
+
 def test_missing_config_file(verlite_main) -> None:
     proc = verlite_main("check-invariance", "--config", "nope.yaml")
     assert proc.returncode == 2

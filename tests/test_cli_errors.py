@@ -90,8 +90,9 @@ BAD_OVERRIDES = [
     (["model.path="], "model.path='': String should have at least 1 character"),
     (["trainer.output_dir="], "trainer.output_dir='': String should have at least 1 character"),
     (["model.path=configs"], "model.path='configs' is not a Hugging Face model directory"),
-    (["actor.optim.lr=inf"], "actor.optim.lr='inf': Input should be a finite number"),
-    (["rollout.temperature=nan"], "rollout.temperature='nan': Input should be a finite number"),
+    (["actor.optim.lr=.inf"], "actor.optim.lr=inf: Input should be a finite number"),
+    (["rollout.temperature=.nan"], "rollout.temperature=nan: Input should be a finite number"),
+    (["actor.optim.lr=inf"], "actor.optim.lr='inf': Input should be a valid number, got a str"),
     (["actor.optim.betas=[0.9,1.0]"], "actor.optim.betas.1=1.0: Input should be less than 1"),
     (
         ["rollout.multi_turn.env=lookup"],
@@ -203,7 +204,7 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
         capsys, "train", "--config", str(tmp_path / "broken.yaml")
     )
     (tmp_path / "latin1.yaml").write_bytes(b"data:\n  task: copy\n# caf\xe9\n")
-    assert "is not UTF-8 text (byte 0xe9 at offset 24)" in run(
+    assert "is not UTF-8 text (byte 0xe9 at offset 24, line 3)" in run(
         capsys, "train", "--config", str(tmp_path / "latin1.yaml")
     )
     (tmp_path / "twice.yaml").write_text("data:\n  task: copy\n  task: add\n")

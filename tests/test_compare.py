@@ -115,10 +115,22 @@ def test_nan_equals_nan_and_nothing_else() -> None:
     assert first_difference(steps, [{"step": 1, "x": 1.0}], tolerance=1e9) is not None
 
 
+def test_a_file_holding_two_runs_is_named_not_compared_as_its_last_records(
+    tmp_path: Path, run
+) -> None:
+    two_runs = write_run(tmp_path / "two", [*changed(2, **{"actor/pg_loss": 5.0}), *STEPS])
+    b = write_run(tmp_path / "b", STEPS)
+    code, out, err = run(two_runs, b)
+    assert (code, out) == (2, "") and err.count("\n") == 1, err
+    assert "metrics.jsonl' line 4 logs step 1 after step 3" in err
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
         (["nope", "nope2"], "no such folder: 'nope'"),
+        (["{a}", "{null}"], "line 2: metric 'actor/pg_loss' is None; expected a number"),
+        (["{a}", "{bytes}"], "is not UTF-8 text (byte 0xfe at offset 1, line 1)"),
         (["{a}", "{a}", "--tolerance", "-1"], "expected a finite number >= 0, got '-1'"),
         (["{a}", "{a}", "--tolerance", "inf"], "expected a finite number >= 0, got 'inf'"),
     ],
@@ -127,7 +139,10 @@ def test_bad_input_is_one_line_and_exit_2(
     tmp_path: Path, run, args: list[str], message: str
 ) -> None:
     a = write_run(tmp_path / "a", STEPS)
-    code, out, err = run(*(x.format(a=a) for x in args))
+    null = write_run(tmp_path / "null", changed(2, **{"actor/pg_loss": None}))
+    (bytes_ := tmp_path / "bytes").mkdir()
+    (bytes_ / "metrics.jsonl").write_bytes(b"{\xfe}\n")
+    code, out, err = run(*(x.format(a=a, null=null, bytes=bytes_) for x in args))
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
 

@@ -27,6 +27,123 @@ def test_shipped_configs_load(name: str) -> None:
     assert cfg.sequences_per_step % cfg.actor.ppo_mini_batch_size == 0
 
 
+TINY = ROOT / "configs" / "ppo_tiny.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer={total_steps: 2}", "actor={entropy_coeff: 0.2}"],
+        ["actor={optim: {weight_decay: 0.1}, entropy_coeff: 0.2}", "trainer={total_steps: 2}"],
+        ["actor.optim={weight_decay: 0.1}", "trainer.total_steps=2", "actor.entropy_coeff=0.2"],
+    ],
+)
+def test_a_section_override_merges_into_the_files_section_at_every_level(
+    overrides: list[str],
+) -> None:
+    file = load_config(TINY)
+    cfg = load_config(TINY, overrides)
+    assert cfg.trainer.total_steps == 2 and cfg.actor.entropy_coeff == 0.2
+    # the file's other fields stay: its output folder, its lr (1e-3, not the default 1e-4)
+    assert cfg.trainer.output_dir == file.trainer.output_dir == "outputs/ppo_tiny"
+    assert cfg.actor.optim.lr == file.actor.optim.lr == 1e-3
+    assert cfg.actor.optim.weight_decay == (0.1 if "weight_decay" in str(overrides) else 0.0)
+    assert (
+        cfg.critic == file.critic
+        and cfg.actor.ppo_mini_batch_size == file.actor.ppo_mini_batch_size
+    )
+
+
+def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
+    base = load_config(
+        TINY, ["reward.model.path=/nonexistent", "reward.combine={fn: 0.5, model: 0.5}"]
+    )
+    # combine is a value: {model: 1} replaces the mapping (fn leaves it), in a section too
+    for overrides in (["reward.combine={model: 1}"], ["reward={combine: {model: 1}}"]):
+        assert load_config(base, overrides).reward.combine == {"model": 1.0}
+    assert load_config(base, {"reward": {"combine": {"model": 1}}}).reward.combine == {"model": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["trainer.total_steps=True"],
+            "trainer.total_steps=True: Input should be a valid integer, got a bool",
+        ),
+        (
+            ["trainer.total_steps=2.0"],
+            "trainer.total_steps=2.0: Input should be a valid integer, got a float",
+        ),
+        (["trainer.seed=2.5"], "trainer.seed=2.5: Input should be a valid integer, got a float"),
+        (
+            ["trainer.total_steps='3'"],
+            "trainer.total_steps='3': Input should be a valid integer, got a str",
+        ),
+        (
+            ["rollout.temperature=False"],
+            "rollout.temperature=False: Input should be a valid number, got a bool",
+        ),
+        (
+            ["actor.optim.lr='1e-3'"],
+            "actor.optim.lr='1e-3': Input should be a valid number, got a str",
+        ),
+        (
+            ["reward.combine={fn: true}"],
+            "reward.combine.fn=True: Input should be a valid number, got a bool",
+        ),
+        (
+            ["actor.optim.betas=[0.9, true]"],
+            "actor.optim.betas.1=True: Input should be a valid number",
+        ),
+        (["data.shuffle=1"], "data.shuffle=1: Input should be a valid boolean, got an int"),
+        (
+            ["trainer={total_steps: true}"],
+            "trainer.total_steps=True: Input should be a valid integer",
+        ),
+        (["trainer.loggers=[console, 1]"], "trainer.loggers.1=1: Input should be 'console'"),
+    ],
+)
+def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected: str) -> None:
+    assert expected in error_of(*overrides)
+
+
+def test_numbers_from_a_file_and_the_api_are_as_strict_as_from_the_command_line(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text('data: {task: copy}\ntrainer: {total_steps: "3"}\n')
+    assert "trainer.total_steps='3': Input should be a valid integer, got a str" in error_of(
+        path=path
+    )
+    path.write_text("data: {task: copy}\ntrainer: {total_steps: yes}\n")  # YAML 1.1's true
+    assert "trainer.total_steps=True: Input should be a valid integer" in error_of(path=path)
+    for overrides in (
+        {"trainer.total_steps": True},
+        {"rollout.top_p": "0.5"},
+        {"trainer.seed": 1.0},
+    ):
+        with pytest.raises(ConfigError, match="Input should be a valid"):
+            load_config(TINY, overrides)
+    # what is a number of the field's kind passes: an int for a float, 1e-3 as YAML 1.2 reads it
+    path.write_text("data: {task: copy}\nactor: {optim: {lr: 1e-3, betas: [0, 0.5]}}\n")
+    cfg = load_config(path, ["rollout.temperature=1", "actor.optim.weight_decay=1E-2"])
+    assert (cfg.actor.optim.lr, cfg.actor.optim.betas) == (1e-3, (0.0, 0.5))
+    assert (cfg.rollout.temperature, cfg.actor.optim.weight_decay) == (1.0, 0.01)
+    assert load_config(TINY, {"rollout.temperature": 1}).rollout.temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    "field", ["trainer.output_dir", "model.path", "data.val_file", "trainer.resume"]
+)
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("out\0put", "a path cannot hold a NUL byte"), ("~/runs", "verlite does not expand '~'")],
+)
+def test_a_path_that_cannot_be_meant_is_one_line(field: str, value: str, expected: str) -> None:
+    assert f"{field}={value!r}: {expected}" in error_of(f"{field}={value}")
+
+
 def test_overrides_are_typed_by_the_schema() -> None:
     cfg = load_config(
         ROOT / "configs" / "ppo_tiny.yaml",
@@ -201,7 +318,7 @@ ERRORS = [
     (["trainer.total_steps=ten"], "trainer.total_steps='ten': Input should be a valid integer"),
     (["actor.optim.lr=abc"], "actor.optim.lr='abc': Input should be a valid number"),
     (["rollout.top_p=1.5"], "rollout.top_p=1.5: Input should be less than or equal to 1"),
-    (["rollout.temperature=1e-40"], "rollout.temperature='1e-40': must be 0 (greedy) or at least"),
+    (["rollout.temperature=1e-40"], "rollout.temperature=1e-40: must be 0 (greedy) or at least"),
     (["rollout.temperature=0.005"], "rollout.temperature=0.005: must be 0 (greedy) or at least"),
     (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5: Input should be greater than 1"),
     (

@@ -22,6 +22,7 @@ from verlite.compare import add_compare_command
 from verlite.errors import RunFailure, UserError
 from verlite.export import add_export_command
 from verlite.jobs import add_job_commands
+from verlite.jobs.entrypoint import UTF8_OUTPUT_ENV, run_with_utf8_output
 from verlite.measure_packing import cmd_measure_packing
 from verlite.report import add_metrics_command
 from verlite.table import format_table
@@ -59,6 +60,12 @@ def _positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
     return value
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
 
 
 def _str_list(text: str) -> list[str]:
@@ -174,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--runs-dir",
+        type=_path,
         default=None,
         help="with --run, a new or empty folder that keeps the runs (default: a temporary one, removed)",
     )
@@ -334,6 +342,9 @@ def _report(exc: Exception) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    if os.environ.get(UTF8_OUTPUT_ENV):  # a job's entrypoint: its log must be UTF-8 text
+        args = sys.argv[1:] if argv is None else list(argv)
+        return run_with_utf8_output([sys.executable, "-m", "verlite", *args])
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -12,9 +12,10 @@ from verlite.table import format_table
 
 
 def cmd_measure_packing(args: argparse.Namespace) -> int:
-    from verlite.config import ConfigError, load_config
+    from verlite.config import ConfigError, check_inputs, load_config
 
     cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg)  # one line for a model folder that is none, not the loader's traceback
     if args.trials < 4:
         raise ConfigError(f"--trials={args.trials}: a fit of 3 coefficients needs at least 4")
     longest = cfg.max_sequence_length

@@ -2,30 +2,35 @@
 folder and the marked lines of a job's driver log. This module is their one reader and writer.
 
 A record is one JSON object per step: ``{"step": N, "<metric>": value, ...}`` with plain
-floats already reduced over micro-batches, ranks and mini-batches. A step may be written
-twice (a run resumed from a checkpoint logs the steps after it again); readers keep the
-last record of each step, in step order.
+numbers already reduced over micro-batches, ranks and mini-batches. A run starts (fresh,
+resumed or restarted) after some step S and logs S+1, S+2, ...: in ``metrics.jsonl`` it first
+drops the records after S (:func:`truncate`), in a job's log it writes a start line that tells
+readers to do the same (:func:`start_line`). So steps only increase, and a reader refuses a
+step that does not (two runs in one file, a line printed by user code): a record never
+silently replaces another.
 
 ``metrics.jsonl`` is appended to and flushed one line per step, so it can be read while the
 run goes: a last line without its newline is a write in progress (or the remains of a
-killed run). A writer cuts such a line before appending, a resumed run drops the records
-after its checkpoint (:func:`truncate`), and a reader skips it unless it is complete JSON.
+killed run). A writer cuts such a line before appending, and a reader skips it unless it is
+complete JSON. A job's log is read the same way; a marker counts only at a line's start.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
+from verlite.user_files import parse_json, read_text
 
 FILE_NAME = "metrics.jsonl"
-# Prefix of a record in a job's driver log (the ``logline`` logger writes these).
+# Prefixes of a job's driver log lines the ``logline`` logger writes: a record, and the step
+# a run (re)starts after.
 LINE_MARKER = "VERLITE_METRICS "
+START_MARKER = "VERLITE_METRICS_START_AFTER "
 
 Record = dict[str, Any]
 # Metrics of how a run went rather than what it trained: measured by the clock, or counting
@@ -42,14 +47,44 @@ def encode(step: int, metrics: Mapping[str, float]) -> str:
     return json.dumps({"step": step, **metrics}, allow_nan=True)
 
 
-def normalize_records(records: Sequence[Mapping[str, Any]]) -> list[Record]:
-    """One record per step, in step order; a repeated step keeps its last record."""
-    by_step = {int(record["step"]): dict(record) for record in records}
-    return [by_step[step] for step in sorted(by_step)]
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def _is_record(value: Any) -> bool:
-    return isinstance(value, dict) and isinstance(value.get("step"), int)
+def _step_of(value: Any) -> int | None:
+    """The step of a record (a whole number >= 0; true is no step), or None."""
+    step = value.get("step") if isinstance(value, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def _checked(value: Any, where: str) -> Record:
+    """``value`` as a record, or one line naming ``where`` it is and what is wrong."""
+    if _step_of(value) is None:
+        got = shown(value.get("step")) if isinstance(value, dict) and "step" in value else "none"
+        raise UserError(
+            f"{where} is not a metrics record: its 'step' must be a whole number >= 0 (got {got})"
+        )
+    for metric, number in value.items():
+        if metric != "step" and not _is_number(number):
+            raise UserError(f"{where}: metric {metric!r} is {shown(number)}; expected a number")
+    return dict(value)
+
+
+def _in_order(records: Iterable[tuple[str, Record]]) -> list[Record]:
+    """The records, each with its place (``where``), checked to go up a step at a time or
+    more: a repeated or earlier step is an error naming both places."""
+    kept: list[Record] = []
+    last = ""
+    for where, record in records:
+        if kept and record["step"] <= kept[-1]["step"]:
+            raise UserError(
+                f"{where} logs step {record['step']} after step {kept[-1]['step']} ({last}): "
+                "steps only increase in one run's record; does it hold more than one run, or "
+                "lines written by something else?"
+            )
+        kept.append(record)
+        last = where
+    return kept
 
 
 # ----------------------------------------------------------------------- metrics.jsonl
@@ -92,22 +127,28 @@ def truncate(output_dir: Path, *, after_step: int) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            record = json.loads(line)
+            step = _step_of(json.loads(line))
         except json.JSONDecodeError:
             continue
-        if _is_record(record) and record["step"] <= after_step:
+        if step is not None and step <= after_step:
             kept.append(line)
     tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
     os.replace(tmp, path)
 
 
 def read(path: str | Path) -> list[Record]:
-    """The records of ``metrics.jsonl`` (or of the run folder holding it), one per step in step
-    order. A last line without its newline is skipped unless it is complete JSON; any other
-    line that is not a record is an error naming the file and line."""
+    """The records of ``metrics.jsonl`` (or of the run folder holding it), one per step in
+    step order. A last line without its newline is skipped unless it is complete JSON; any
+    other line that is not a record, a metric that is not a number and a step that does not
+    increase are errors naming the file and line."""
+    if not isinstance(path, str | os.PathLike):
+        raise UserError(
+            f"run={shown(path)}: expected a run folder or its metrics.jsonl (a str or Path), "
+            f"got a {type(path).__name__}"
+        )
     path = Path(path)
     if path.is_dir():
         path = path / FILE_NAME
@@ -122,33 +163,27 @@ def read(path: str | Path) -> list[Record]:
         raise UserError(
             f"{str(path)!r} is not a regular file; give a run folder or its metrics.jsonl"
         )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"cannot read {str(path)!r}: {exc.strerror}") from None
-    lines = text.split("\n")
-    torn = lines.pop()  # "" when the file ends with a newline
-    records = [_parse_line(line, path, number) for number, line in enumerate(lines, 1) if line]
-    if torn:
-        with contextlib.suppress(json.JSONDecodeError, UserError):  # still being written
-            records.append(_checked(json.loads(torn), path, len(lines) + 1))
+    lines = read_text(path, what="metrics file").split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        place = f"{str(path)!r} line {number}"
+        if line and (record := _record_of(line, place, last=number == len(lines))):
+            records.append((place, record))
     if not records:
         raise UserError(f"{str(path)!r} holds no metrics yet")
-    return normalize_records(records)
+    return _in_order(records)
 
 
-def _parse_line(line: str, path: Path, number: int) -> Record:
+def _record_of(text: str, place: str, *, last: bool) -> Record | None:
+    """The record in one line's JSON ``text`` (``place`` says where it is). The last line,
+    when it is not empty, is still being written: None unless it is complete."""
     try:
-        value = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{str(path)!r} line {number} is not valid JSON: {exc.msg}") from None
-    return _checked(value, path, number)
-
-
-def _checked(value: Any, path: Path, number: int) -> Record:
-    if not _is_record(value):
-        raise UserError(f"{str(path)!r} line {number} is not a metrics record with a 'step'")
-    return dict(value)
+        value = parse_json(text, place)
+    except UserError:
+        if last:
+            return None
+        raise
+    return _checked(value, place)
 
 
 # -------------------------------------------------------------------- marked log lines
@@ -159,18 +194,28 @@ def marked_line(step: int, metrics: Mapping[str, float]) -> str:
     return LINE_MARKER + encode(step, metrics)
 
 
-def parse_marked_lines(log: str) -> list[Record]:
-    """The records among a driver log's lines, one per step in step order. A marked line that
-    is not a whole record is skipped: a running job's log may end mid-line."""
-    records = []
-    for line in log.splitlines():
-        _, marker, payload = line.partition(LINE_MARKER)
-        if not marker:
-            continue
-        try:
-            record = json.loads(payload)
-        except json.JSONDecodeError:
-            continue
-        if _is_record(record):
-            records.append(record)
-    return normalize_records(records)
+def start_line(after_step: int) -> str:
+    """The line of a job's driver log that says a run starts after ``after_step``: what an
+    earlier attempt logged after it is dropped, as :func:`truncate` drops it from a file."""
+    return f"{START_MARKER}{after_step}"
+
+
+def parse_marked_lines(log: str, *, source: str = "the job's log") -> list[Record]:
+    """The records among a driver log's lines (``source`` names the log in messages), one per
+    step in step order. Only lines that start with a marker count; a marked line that is not
+    a record is an error unless it is the last line, which a running job may not have
+    finished writing."""
+    lines = log.split("\n")
+    records: list[tuple[str, Record]] = []
+    for number, line in enumerate(lines, 1):
+        place = f"{source} line {number}"
+        if line.startswith(START_MARKER):
+            after = line.removeprefix(START_MARKER)
+            if not after.isdigit():
+                raise UserError(f"{place} is not a start line: {shown(line)}")
+            records = [(where, record) for where, record in records if record["step"] <= int(after)]
+        elif line.startswith(LINE_MARKER):
+            text = line.removeprefix(LINE_MARKER)
+            if record := _record_of(text, place, last=number == len(lines)):
+                records.append((place, record))
+    return _in_order(records)

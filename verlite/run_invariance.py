@@ -179,6 +179,20 @@ def compare_runs(
     )
 
 
+def _make_runs_dir(runs_dir: Path) -> None:
+    """Make ``runs_dir``, a new or empty folder, now: a path that cannot be one fails in one
+    line before Ray starts."""
+    if runs_dir.exists() and not runs_dir.is_dir():
+        raise UserError(f"--runs-dir {runs_dir}: not a folder; give a new or empty one")
+    try:
+        runs_dir.mkdir(parents=True, exist_ok=True)
+        empty = not any(runs_dir.iterdir())
+    except OSError as exc:
+        raise UserError(f"--runs-dir {runs_dir}: cannot make the folder: {exc.strerror}") from None
+    if not empty:
+        raise UserError(f"--runs-dir {runs_dir}: the folder is not empty; give a new or empty one")
+
+
 def layout_configs(
     config: str | Path | None,
     overrides: Sequence[str],
@@ -194,8 +208,7 @@ def layout_configs(
         raise UserError(
             f"--run compares layouts with the first: give at least 2, got {len(layouts)}"
         )
-    if runs_dir.exists() and any(runs_dir.iterdir()):
-        raise UserError(f"--runs-dir {runs_dir}: the folder is not empty; give a new or empty one")
+    _make_runs_dir(runs_dir)
     base = load_config(config, overrides)
     fixed = [
         f"trainer.total_steps={steps}",

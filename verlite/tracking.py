@@ -106,8 +106,10 @@ class LogLineLogger:
     driver log carries its metrics, so they can be read back from a cluster without access
     to its files."""
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+    def __init__(self, *, start_step: int = 0, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stdout
+        # Readers drop what an earlier attempt of the run logged after start_step.
+        print(metrics_log.start_line(start_step), file=self.stream, flush=True)
 
     def log_run_info(
         self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
@@ -419,7 +421,7 @@ class Tracker:
                 elif name == "jsonl":
                     self.loggers.append(JsonlLogger(output_dir))
                 elif name == "logline":
-                    self.loggers.append(LogLineLogger())
+                    self.loggers.append(LogLineLogger(start_step=start_step))
                 elif name == "tensorboard":
                     self.loggers.append(
                         TensorBoardLogger(

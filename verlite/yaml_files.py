@@ -1,5 +1,6 @@
-"""A user's YAML file read as one mapping: ``yaml.safe_load`` (no tags that build Python
-objects), one line for every problem, a key set twice refused, and aliases bounded.
+"""A user's YAML file read as one mapping: a safe loader (no tags that build Python objects;
+``1e-3`` is a number), one line for every problem, a key set twice refused, and aliases
+bounded.
 
 YAML aliases share nodes, so a few hundred bytes can describe a structure of billions of
 values ("billion laughs"): every later walk over it (validation, error messages, logging)
@@ -10,12 +11,33 @@ once per place it is used but computed once, and a file that expands past
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from verlite.errors import UserError
+from verlite.user_files import read_text
+
+
+class SafeLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-3`` as a number, as YAML 1.2 does: YAML 1.1
+    needs a dot (``1.0e-3``) and would otherwise give the string "1e-3", which a number
+    field refuses (config fields take no strings for numbers)."""
+
+
+SafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_text(text: str) -> Any:
+    """The value of YAML ``text`` read with :class:`SafeLoader` (a config override's value)."""
+    return yaml.load(text, Loader=SafeLoader)
+
 
 # Values a file may expand to, aliases counted where they are used: a run config has a few
 # hundred, a runtime env a few thousand at most.
@@ -32,22 +54,9 @@ def read_mapping(
     in messages ("config file"), ``example`` says what the mapping holds ("of sections:
     model:, data:, ..."); problems raise ``error`` with one line."""
     shown = repr(str(path))
+    text = read_text(path, what=what, error=error, max_bytes=MAX_BYTES)
     try:
-        with Path(path).open("rb") as file:
-            raw = file.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise error(f"cannot read {what} {shown}: {exc.strerror}") from None
-    if len(raw) > MAX_BYTES:
-        raise error(f"{what} {shown} is larger than {MAX_BYTES:,} bytes; is it the right file?")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise error(
-            f"{what} {shown} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "
-            f"{exc.start})"
-        ) from None
-    try:
-        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        root = yaml.compose(text, Loader=SafeLoader)
         values = _expanded_size(root, {})
         if values > MAX_VALUES:
             raise error(
@@ -55,7 +64,7 @@ def read_mapping(
                 f"(at most {MAX_VALUES:,}); write the values out instead of nesting aliases"
             )
         _refuse_duplicate_keys(root, "", set(), what=f"{what} {shown}", error=error)
-        data = yaml.safe_load(text)
+        data = load_text(text)
     except RecursionError:
         raise error(f"{what} {shown} nests too deeply to read") from None
     except yaml.YAMLError as exc:

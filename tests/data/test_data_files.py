@@ -65,7 +65,7 @@ def test_errors_name_file_and_line(tmp_path: Path, lines: list[str], message: st
 
 
 def test_missing_file_and_unknown_format(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"nope.jsonl: cannot read prompt file"):
+    with pytest.raises(DataError, match=r"cannot read prompt file .*nope.jsonl': No such file"):
         read_prompt_file(tmp_path / "nope.jsonl")
     (tmp_path / "p.csv").write_text("prompt,answer\n")
     with pytest.raises(DataError, match=r"p.csv: unknown prompt file format '.csv'"):
@@ -75,7 +75,10 @@ def test_missing_file_and_unknown_format(tmp_path: Path) -> None:
 def test_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"prompt": "\xff", "answer": "1"}\n')
-    with pytest.raises(DataError, match=r"p.jsonl: not UTF-8 text \(byte 12\)"):
+    with pytest.raises(
+        DataError,
+        match=r"prompt file .*p.jsonl' is not UTF-8 text \(byte 0xff at offset 12, line 1\)",
+    ):
         read_prompt_file(path)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -14,9 +15,11 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar
 
+import psutil
 import pytest
 from jobs_support import REPO, client_env
 
+from verlite import metrics_log
 from verlite.jobs import server as jobs_server
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.server import JobsError
@@ -276,3 +279,79 @@ def test_an_answer_that_trickles_or_never_ends_is_cut_at_its_time_and_size_bound
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_log_the_job_server_cannot_decode_is_named_in_one_line(dashboard: str) -> None:
+    # Ray's server reads the log file as UTF-8 and answers its traceback.
+    Dashboard.answers["/api/jobs/raysubmit_1/logs"] = (
+        500,
+        'Traceback (most recent call last):\n  File "job_head.py", line 591\n'
+        "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 7",
+    )
+    for command in ("logs", "metrics"):
+        args = (command, "raysubmit_1") if command == "logs" else (command, "--job", "raysubmit_1")
+        proc = verlite(*args, "--address", dashboard)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert "job 'raysubmit_1''s log holds bytes that are not UTF-8 text" in proc.stderr
+        assert "Traceback" not in proc.stderr
+
+
+def test_a_jobs_output_reaches_its_log_as_utf8_with_its_metrics_and_exit_code() -> None:
+    # The child writes raw bytes, a character split over two writes, a metrics record.
+    child = (
+        "import os, time; os.write(1, b'caf\\xc3'); time.sleep(0.2); os.write(1, b'\\xa9 \\xff\\n');"
+        'os.write(2, b\'VERLITE_METRICS {"step": 1, "a": 0.5}\\n\'); raise SystemExit(3)'
+    )
+    wrapper = (
+        "import sys; from verlite.jobs.entrypoint import run_with_utf8_output; "
+        "sys.exit(run_with_utf8_output([sys.executable, '-c', sys.argv[1]]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, child], cwd=REPO, capture_output=True, timeout=60
+    )
+    assert proc.returncode == 3
+    log = proc.stdout.decode("utf-8")  # strict: Ray's server reads it so
+    assert log.startswith("caf\u00e9 \ufffd\n")
+    assert log.endswith("held 1 byte(s) that are not UTF-8 text, shown as \ufffd\n")
+    assert metrics_log.parse_marked_lines(log) == [{"step": 1, "a": 0.5}]
+
+
+def test_a_stopped_jobs_output_is_copied_until_it_ends() -> None:
+    # Ray stops a job by sending SIGTERM to the entrypoint and all its children.
+    wrapper = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from verlite.jobs.entrypoint import run_with_utf8_output; "
+            "sys.exit(run_with_utf8_output([sys.executable, '-c', sys.argv[1]]))",
+            "import signal, sys, time\n"
+            "def stop(*a): print('stopping', flush=True); sys.exit(143)\n"
+            "signal.signal(signal.SIGTERM, stop); print('ready', flush=True); time.sleep(60)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert wrapper.stdout is not None and wrapper.stdout.readline() == "ready\n"
+    entrypoint = psutil.Process(wrapper.pid)
+    for process in [entrypoint, *entrypoint.children(recursive=True)]:
+        process.send_signal(signal.SIGTERM)
+    assert wrapper.stdout.read() == "stopping\n"
+    assert wrapper.wait(timeout=30) == 143
+
+
+def test_a_users_print_of_a_record_does_not_replace_the_jobs_metrics(dashboard: str) -> None:
+    record = '{"step": 1, "critic/score/mean": 0.5}'
+    log = (
+        f'{metrics_log.start_line(0)}\ndebug: VERLITE_METRICS {{"step": 1, "x": 9}}\n'
+        f"VERLITE_METRICS {record}\n"
+    )
+    Dashboard.answers["/api/jobs/raysubmit_1/logs"] = (200, json.dumps({"logs": log}))
+    proc = verlite("metrics", "--job", "raysubmit_1", "--address", dashboard)
+    assert proc.returncode == 0, proc.stderr
+    assert "critic/score/mean" in proc.stdout and " x " not in proc.stdout
+    forged = log + f"VERLITE_METRICS {record}\n"  # printed by user code at a line's start
+    Dashboard.answers["/api/jobs/raysubmit_1/logs"] = (200, json.dumps({"logs": forged}))
+    proc = verlite("metrics", "--job", "raysubmit_1", "--address", dashboard)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "job 'raysubmit_1''s log line 4 logs step 1 after step 1 (" in proc.stderr

@@ -78,6 +78,31 @@ def test_the_entrypoint_finds_verlite_beside_the_python_that_runs_ray_jobs() -> 
     assert proc.stdout.startswith("usage: verlite")
 
 
+def test_a_jobs_output_that_is_not_utf8_reaches_its_log_as_utf8(tmp_path: Path) -> None:
+    # A run folder whose name is not UTF-8: `verlite compare` prints it as raw bytes, which
+    # Ray's job server could not read back from the log.
+    runs = []
+    for name in ("run-\udcff", "b"):
+        (folder := tmp_path / name).mkdir()
+        (folder / "metrics.jsonl").write_text('{"step": 1, "a": 1.0}\n')
+        runs.append(str(folder))
+    parent = [
+        sys.executable,
+        "-c",
+        "import subprocess, sys; sys.exit(subprocess.call(['/bin/sh', '-c', sys.argv[1]]))",
+    ]
+    env = {
+        "PATH": f"{Path(sys.executable).parent}:{BARE_PATH}",
+        "HOME": os.environ.get("HOME", "/"),
+    }
+    proc = subprocess.run(
+        [*parent, job_entrypoint(["compare", *runs])], env=env, capture_output=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    log = proc.stdout.decode("utf-8")
+    assert "run-\ufffd and " in log and log.endswith("shown as \ufffd\n")
+
+
 def test_an_entrypoint_that_finds_no_verlite_says_so_in_one_line() -> None:
     # The parent is a shell (not replaced by the inner one: a command follows it), so no
     # Python with ray names an environment.

@@ -100,6 +100,11 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
         (["--trials", "3"], "--trials=3: a fit of 3 coefficients needs at least 4"),
         (["--budget", "5"], "--budget=5 is below the longest sequence (12 tokens"),
         (["--trials", "zero"], "expected a positive integer, got 'zero'"),
+        (["model.path=/nonexistent/model"], "model.path='/nonexistent/model': no such file"),
+        (["model.path=/"], "model.path='/' is not a Hugging Face model directory"),
+        (["--config", ""], "config file: an empty path names no file"),
+        (["--config", "/"], "cannot read config file '/': Is a directory"),
+        (["--config", "/nonexistent/\udcff.yaml"], "'/nonexistent/\\udcff.yaml': No such file"),
     ],
 )
 def test_measure_packing_refuses_bad_flags_in_one_line(flags, message, capsys) -> None:

@@ -48,7 +48,7 @@ CONFIG_ERRORS = [
         ["reward.model.path=rm", "reward.combine={fn: 1}"],
         "reward.combine={'fn': 1.0} leaves out model, but reward.model.path is set",
     ),
-    (["reward.combine={fn: nan}"], "reward.combine.fn='nan': Input should be a finite number"),
+    (["reward.combine={fn: .nan}"], "reward.combine.fn=nan: Input should be a finite number"),
     (
         ["reward.model.path=rm", f"reward.remote.url={URL}"],
         "reward.model.path and reward.remote.url are both set: give reward.combine",

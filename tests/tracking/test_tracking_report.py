@@ -108,14 +108,13 @@ def test_complete_last_line_without_newline_counts(tmp_path: Path) -> None:
     assert [r["step"] for r in load_metrics(tmp_path)] == [1, 2, 3, 4]
 
 
-def test_repeated_step_keeps_the_latest_record(tmp_path: Path) -> None:
-    # A run resumed from a step-2 checkpoint logs steps 3 and 4 again.
-    again = [{**r, "critic/score/mean": 0.9} for r in RECORDS[2:]]
-    records = load_metrics(_write(tmp_path, [*RECORDS, *again]) / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    (row,) = summary_rows(records, ["critic/score/mean"])
-    assert (row.first, row.last, row.best, row.best_step) == (0.1, 0.9, 0.9, 3)
-    assert row.mean == pytest.approx((0.1 + 0.5 + 0.9 + 0.9) / 4)
+def test_a_repeated_step_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two runs in one file: a resumed run drops its records after the checkpoint first.
+    code, out, err = _metrics([str(_write(tmp_path, [*RECORDS, *RECORDS[2:]]))], capsys)
+    assert (code, out) == (2, "")
+    assert "line 5 logs step 3 after step 4" in err and err.count("\n") == 1
 
 
 def test_keys_select_metrics_and_patterns(
@@ -153,7 +152,7 @@ def test_nan_values_are_left_out_of_best_and_mean(tmp_path: Path) -> None:
         ("no_file", "no metrics file"),
         ("empty", "holds no metrics yet"),
         ("only_torn", "holds no metrics yet"),
-        ("bad_middle_line", "line 2 is not valid JSON"),
+        ("bad_middle_line", "line 2: malformed JSON"),
         ("no_step", "line 1 is not a metrics record"),
     ],
 )

@@ -2,7 +2,13 @@
 and one-line errors (:mod:`verlite.config.loading`), and the generated reference
 (:mod:`verlite.config.reference`, ``make docs``)."""
 
-from verlite.config.loading import ConfigError, check_paths, format_validation_error, load_config
+from verlite.config.loading import (
+    ConfigError,
+    check_inputs,
+    check_paths,
+    format_validation_error,
+    load_config,
+)
 from verlite.config.schema import (
     ActorConfig,
     AlgorithmConfig,
@@ -40,6 +46,7 @@ __all__ = [
     "TrainerConfig",
     "WandbConfig",
     "WorkerRoleConfig",
+    "check_inputs",
     "check_paths",
     "format_validation_error",
     "load_config",

@@ -1,6 +1,7 @@
-"""Loading a run configuration: YAML (``yaml.safe_load``), dotted overrides typed by the
-schema, and validation errors turned into one line each that names the field, the value
-and what is allowed.
+"""Loading a run configuration: YAML (a safe loader, :mod:`verlite.yaml_files`), dotted
+overrides typed by the schema (a section given as a mapping merges into the section), and
+validation errors turned into one line each that names the field, the value and what is
+allowed.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import difflib
 import json
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -19,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
-from verlite.yaml_files import read_mapping
+from verlite.user_files import read_text
+from verlite.yaml_files import load_text, read_mapping
 
 
 class ConfigError(UserError):
@@ -34,7 +36,7 @@ Overrides = Sequence[str] | Mapping[str, Any]
 
 
 def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
-    """Read a config (a YAML file with ``yaml.safe_load``, a mapping, or a loaded config),
+    """Read a config (a YAML file with a safe loader, a mapping, or a loaded config),
     apply the overrides, validate.
 
     A loaded config is overridden from what it was loaded from, so a field that defaults to
@@ -49,21 +51,27 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
         )
     else:
         raw = {}
-    if isinstance(overrides, str):
+    if isinstance(overrides, str | bytes) or not isinstance(overrides, Mapping | Iterable):
+        what = "one string" if isinstance(overrides, str) else _a(type(overrides).__name__)
         raise ConfigError(
-            f"overrides={overrides!r} is one string; give a list of dotted.key=value strings or "
-            "a mapping of dotted keys to values"
+            f"overrides={shown(overrides)} is {what}; give a list of dotted.key=value strings "
+            "or a mapping of dotted keys to values (or none)"
         )
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            section, leaf, _ = _slot(
+            section, leaf, annotation = _slot(
                 raw,
                 str(key),
                 f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode",
             )
-            section[leaf] = value
+            _assign(section, leaf, value, annotation)
     else:
-        for item in overrides:
+        for index, item in enumerate(overrides):
+            if not isinstance(item, str):
+                raise ConfigError(
+                    f"overrides[{index}]={shown(item)}: expected a dotted.key=value string, "
+                    f"got {_a(type(item).__name__)}"
+                )
             _apply_override(raw, item)
     try:
         cfg = Config.model_validate(raw)
@@ -79,7 +87,29 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep:
         raise ConfigError(malformed)
     section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
-    section[leaf] = _parse_value(text.strip(), annotation)
+    _assign(section, leaf, _parse_value(text.strip(), annotation), annotation)
+
+
+def _assign(section: dict[str, Any], leaf: str, value: Any, annotation: Any) -> None:
+    """Set ``section[leaf]``, of schema type ``annotation``, to an override's ``value``. A
+    mapping given for a section merges into what the section holds, field by field and into
+    its subsections, so ``trainer={total_steps: 2}`` keeps the file's other trainer fields;
+    any other value replaces what is there, a mapping-valued field's mapping included
+    (``reward.combine`` is a value, not a section)."""
+    model = _section_type(annotation)
+    current = section.get(leaf)
+    if model is None or not isinstance(value, Mapping) or not isinstance(current, Mapping):
+        section[leaf] = value
+        return
+    merged = dict(current)
+    for dotted, item in value.items():
+        key, dot, rest = dotted.partition(".") if isinstance(dotted, str) else (dotted, "", "")
+        if dot:  # {"optim.lr": 0.1} in a section: the dotted key names a field below
+            item = {rest: item}
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        # An unknown key is set as given: validation names it with a suggestion.
+        _assign(merged, key, item, field.annotation if field is not None else None)
+    section[leaf] = merged
 
 
 def _slot(
@@ -144,7 +174,7 @@ def _parse_value(text: str, annotation: Any) -> Any:
     if _accepts_str(annotation):
         return text
     try:
-        return yaml.safe_load(text)
+        return load_text(text)
     except yaml.YAMLError:
         return text  # let validation report the field, value and expected type
 
@@ -206,8 +236,14 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             lines.append(f"{dotted}: {message}")
         else:
             value = err.get("input")
+            if err["type"].endswith("_type"):  # strict: a value of another type, never coerced
+                message += f", got {_a(type(value).__name__)}"
             lines.append(f"{dotted}={shown(value)}: {message}")
     return "; ".join(dict.fromkeys(lines))
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
 def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
@@ -220,9 +256,29 @@ def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
 
 
 def check_paths(cfg: Config) -> None:
-    """Fail early, before Ray starts, on input paths that do not exist on this machine, a
-    model folder that cannot be a Hugging Face model, and an output folder that overlaps an
-    input (the run would write over what it reads)."""
+    """Fail early, before Ray starts, on the inputs (:func:`check_inputs`) and an output
+    folder that overlaps an input (the run would write over what it reads)."""
+    inputs = check_inputs(cfg)
+    output = Path(cfg.trainer.output_dir).resolve()
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "disable"):
+        inputs["trainer.resume"] = resume
+    for dotted, value in inputs.items():
+        if value is None:
+            continue
+        path = Path(value).resolve()
+        if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
+            continue  # a checkpoint of the run in this folder: resuming it is what it is for
+        if path == output or path.is_relative_to(output) or output.is_relative_to(path):
+            raise ConfigError(
+                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
+                "the run would write where it reads; choose an output folder apart from its inputs"
+            )
+
+
+def check_inputs(cfg: Config) -> dict[str, str | None]:
+    """Fail on input paths that do not exist on this machine and a model folder that cannot
+    be a Hugging Face model; the inputs by field."""
     inputs = {
         "model.path": cfg.model.path,
         "reward.model.path": cfg.reward.model.path,
@@ -240,21 +296,7 @@ def check_paths(cfg: Config) -> None:
     for dotted in ("model.path", "reward.model.path"):
         if inputs[dotted] is not None:
             _check_model_dir(inputs[dotted], dotted)
-    output = Path(cfg.trainer.output_dir).resolve()
-    resume = cfg.trainer.resume
-    if resume not in ("auto", "disable"):
-        inputs["trainer.resume"] = resume
-    for dotted, value in inputs.items():
-        if value is None:
-            continue
-        path = Path(value).resolve()
-        if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
-            continue  # a checkpoint of the run in this folder: resuming it is what it is for
-        if path == output or path.is_relative_to(output) or output.is_relative_to(path):
-            raise ConfigError(
-                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
-                "the run would write where it reads; choose an output folder apart from its inputs"
-            )
+    return inputs
 
 
 def _exists(dotted: str, value: str) -> bool:
@@ -281,9 +323,10 @@ def _check_model_dir(path: str, field: str) -> None:
             "in it); give a local folder written by save_pretrained"
             + (", or leave it unset for the built-in model" if field == "model.path" else "")
         )
+    text = read_text(config, what=f"{field}'s config.json", error=ConfigError)
     try:
-        fields = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ConfigError(
             f"{field}={path!r}: its config.json cannot be read as JSON ({_one_line(exc)})"
         ) from None

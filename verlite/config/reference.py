@@ -24,8 +24,12 @@ Generated from `verlite/config/schema.py` by `make docs`; do not edit by hand.
 
 A run config is one YAML file with the sections below; any field may also be set on the
 command line as a dotted override, `section.field=value` (e.g. `actor.optim.lr=1e-5`).
-Unknown keys, wrong types, out-of-range values, `inf` and `nan` are refused before anything
-starts, with one line naming the field, the value and what is allowed.
+A section set as a mapping (`trainer={total_steps: 2}`) merges into the file's section; a
+mapping-valued field (`reward.combine`) is replaced. Values are never coerced: a whole number
+field takes no `true`, `2.0` or `"3"`, a number field no `false` or string (an int is a
+number), a string field no number; `1e-3` is a number. Unknown keys, wrong types,
+out-of-range values, `inf` and `nan` are refused before anything starts, with one line
+naming the field, the value and what is allowed.
 """
 
 

@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    Strict,
     TypeAdapter,
     ValidationError,
     model_validator,
@@ -77,18 +78,39 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
 
 
+def _path(value: str) -> str:
+    if "\0" in value:
+        raise ValueError("a path cannot hold a NUL byte")
+    if value.startswith("~"):
+        # A shell expands ~ only at a word's start, so trainer.output_dir=~/runs reaches
+        # verlite as is, and it would make a folder named "~" here.
+        raise ValueError("verlite does not expand '~'; write the home folder out (e.g. $HOME/...)")
+    return value
+
+
+# A file or folder on the machine that runs verlite.
+PathStr = Annotated[NonEmptyStr, AfterValidator(_path)]
+
+
+# A list (what YAML and JSON give) for a tuple field; its items stay strict.
+AsList = Strict(False)
+
+
 class Section(BaseModel):
-    # inf and nan are refused everywhere: no setting means anything with them, and torch
-    # would only report them after Ray and the workers had started.
+    # strict: every value has the type its field names, from a file, the command line and the
+    # API alike; nothing is coerced (True is no 1, 2.5 or "3" no int, 3 no string). An int
+    # is a float (lr: 1), and a tuple field takes a list (AsList). inf and nan are refused
+    # everywhere: no setting means anything with them, and torch would only report them
+    # after Ray and the workers had started.
     model_config = ConfigDict(
-        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False
+        frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False, strict=True
     )
 
 
 class ModelConfig(Section):
     """The policy model (the critic uses the same trunk with a scalar value head)."""
 
-    path: NonEmptyStr | None = Field(
+    path: PathStr | None = Field(
         None,
         description="Local Hugging Face causal-LM directory (weights + tokenizer). "
         "None builds the built-in tiny decoder from the fields below with verlite's task tokenizer.",
@@ -135,11 +157,11 @@ class DataConfig(Section):
         None,
         description="Synthetic task (prompts and rule-based reward generated from trainer.seed).",
     )
-    train_file: NonEmptyStr | None = Field(
+    train_file: PathStr | None = Field(
         None,
         description="JSONL or Parquet file of training prompts with 'prompt' and 'answer' fields.",
     )
-    val_file: NonEmptyStr | None = Field(
+    val_file: PathStr | None = Field(
         None,
         description="Validation prompts in the same format; None holds out data.num_val_samples prompts.",
     )
@@ -273,7 +295,7 @@ class OptimConfig(Section):
     )
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
-    betas: tuple[Beta, Beta] = Field(
+    betas: Annotated[tuple[Beta, Beta], AsList] = Field(
         (0.9, 0.999), description="AdamW betas, each in [0, 1) (ignored by sgd)."
     )
     warmup_steps: NonNegativeInt = Field(
@@ -353,7 +375,7 @@ class LoraConfig(Section):
         description="Dropout on the adapters' input while training; > 0 draws random masks, "
         "so gradients then depend on how the batch is split (the invariance audit uses 0).",
     )
-    target_modules: tuple[NonEmptyStr, ...] = Field(
+    target_modules: Annotated[tuple[NonEmptyStr, ...], AsList] = Field(
         LORA_DEFAULT_TARGETS,
         min_length=1,
         description="Names of the linear layers that get adapters, matched as the last part "
@@ -555,7 +577,7 @@ class RewardModelConfig(Section):
     """A reward model: a Hugging Face sequence-classification model scored by a worker group
     of its own (role ``reward``), placed like the critic."""
 
-    path: NonEmptyStr | None = Field(
+    path: PathStr | None = Field(
         None,
         description="Local Hugging Face sequence-classification model directory (weights, "
         "config.json with one label, its own tokenizer); it reads prompt + response as text "
@@ -701,7 +723,7 @@ class TrainerConfig(Section):
     """The run: steps, cluster layout, validation, checkpoints, logging."""
 
     total_steps: PositiveInt = Field(20, description="Training steps (one batch of prompts each).")
-    output_dir: NonEmptyStr = Field(
+    output_dir: PathStr = Field(
         "outputs/run",
         description="Folder for metrics, checkpoints, workers.json and the exported model.",
     )
@@ -755,11 +777,12 @@ class TrainerConfig(Section):
         description="A non-empty output_dir that this run does not continue is refused; true moves "
         "its contents aside (to <output_dir>.replaced-<UTC time>) and starts a fresh run there.",
     )
-    resume: str = Field(
+    resume: PathStr = Field(
         "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
     )
-    loggers: tuple[
-        Literal["console", "jsonl", "logline", "tensorboard", "mlflow", "wandb"], ...
+    loggers: Annotated[
+        tuple[Literal["console", "jsonl", "logline", "tensorboard", "mlflow", "wandb"], ...],
+        AsList,
     ] = Field(
         ("console", "jsonl"),
         description="Metric sinks: console (progress line), jsonl (<output_dir>/metrics.jsonl), "
@@ -1056,7 +1079,9 @@ def _as_dict(section: Any) -> Any:
 def _is_valid(model: type[BaseModel], key: str, value: Any) -> bool:
     field = model.model_fields[key]
     try:
-        TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(value)
+        TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(
+            value, strict=model.model_config.get("strict")
+        )
     except ValidationError:
         return False
     return True

@@ -7,12 +7,12 @@ Parquet support imports ``pyarrow`` only when a Parquet file is read.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypedDict
 
 from verlite.errors import UserError
+from verlite.user_files import parse_json, read_text
 
 
 class DataError(UserError):
@@ -68,42 +68,16 @@ def _record(location: str, row: Any) -> PromptRecord:
     return PromptRecord(prompt=row["prompt"], answer=row["answer"])
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read prompt file: {exc.strerror}") from None
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{path}: not UTF-8 text (byte {exc.start})") from None
-
-
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
     # split("\n"), not splitlines(): JSON strings may hold U+2028 and friends, which
     # splitlines() would treat as line breaks and so misnumber every following line.
-    for number, line in enumerate(_read_text(path).split("\n"), start=1):
+    for number, line in enumerate(
+        read_text(path, what="prompt file", error=DataError).split("\n"), start=1
+    ):
         if not line.strip():
             continue
         location = f"{path}:{number}"
-        try:
-            yield location, json.loads(line, object_pairs_hook=_fields_once)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{location}: malformed JSON: {exc.msg} (column {exc.colno})") from None
-        except _FieldTwice as exc:
-            raise DataError(f"{location}: field {exc.args[0]!r} is set twice") from None
-
-
-class _FieldTwice(Exception):
-    pass
-
-
-def _fields_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of a repeated key: which prompt was meant is ambiguous.
-    fields: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in fields:
-            raise _FieldTwice(key)
-        fields[key] = value
-    return fields
+        yield location, parse_json(line, location, error=DataError)
 
 
 def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:

@@ -162,11 +162,21 @@ class JobServer:
         return self._job_record(self._job_request("GET", job_id))
 
     def logs(self, job_id: str) -> str:
-        return str(self._job_request("GET", job_id, "/logs").get("logs", ""))
+        try:
+            return str(self._job_request("GET", job_id, "/logs").get("logs", ""))
+        except JobsError as exc:
+            if "UnicodeDecodeError" not in str(exc):
+                raise
+            # Ray's server reads the log file as UTF-8; its traceback says no more than this.
+            raise JobsError(
+                f"job {job_id!r}'s log holds bytes that are not UTF-8 text, and the job server "
+                f"at {self.url} cannot read it back (nor its metrics); jobs verlite submits "
+                "write their output as UTF-8"
+            ) from None
 
     def metrics(self, job_id: str) -> list[Record]:
         """The job's metrics records, read from the marked lines of its driver log."""
-        return metrics_log.parse_marked_lines(self.logs(job_id))
+        return metrics_log.parse_marked_lines(self.logs(job_id), source=f"job {job_id!r}'s log")
 
     def stop(self, job_id: str) -> bool:
         """Ask the job to stop; False when it had already ended."""

@@ -1,0 +1,70 @@
+"""Reading the files users give verlite and runs leave on disk (configs, prompt files,
+metrics logs): the one place their bytes become text and their lines JSON values, so that a
+missing, unreadable, oversized or undecodable file, or a line that is not JSON or sets a key
+twice, is one line naming the file (and line), never a traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from verlite.errors import UserError
+
+
+def read_text(
+    path: str | Path,
+    *,
+    what: str,
+    error: type[UserError] = UserError,
+    max_bytes: int | None = None,
+) -> str:
+    """The UTF-8 text of the file ``path``. ``what`` names the file in messages ("config
+    file"); problems raise ``error`` with one line. With ``max_bytes``, reading stops there,
+    so a device such as /dev/zero, or a pipe that never ends, is refused instead of filling
+    the memory."""
+    shown = repr(str(path))
+    if not str(path):  # Path("") is the current folder
+        raise error(f"{what}: an empty path names no file")
+    try:
+        with Path(path).open("rb") as file:
+            raw = file.read(-1 if max_bytes is None else max_bytes + 1)
+    except OSError as exc:
+        raise error(f"cannot read {what} {shown}: {exc.strerror}") from None
+    except ValueError as exc:  # a NUL byte in the path
+        raise error(f"cannot read {what} {shown}: {exc}") from None
+    if max_bytes is not None and len(raw) > max_bytes:
+        raise error(f"{what} {shown} is larger than {max_bytes:,} bytes; is it the right file?")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise error(
+            f"{what} {shown} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "
+            f"{exc.start}, line {line})"
+        ) from None
+
+
+def parse_json(text: str, where: str, *, error: type[UserError] = UserError) -> Any:
+    """The JSON value of ``text``, found at ``where`` ("file:line"); malformed JSON and an
+    object that sets a key twice (json.loads would keep the last silently) raise ``error``
+    with one line naming ``where``."""
+    try:
+        return json.loads(text, object_pairs_hook=_keys_once)
+    except json.JSONDecodeError as exc:
+        raise error(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from None
+    except _KeyTwice as exc:
+        raise error(f"{where}: field {exc.args[0]!r} is set twice") from None
+
+
+class _KeyTwice(Exception):
+    pass
+
+
+def _keys_once(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in fields:
+            raise _KeyTwice(key)
+        fields[key] = value
+    return fields

@@ -23,6 +23,7 @@ from verlite.errors import RunFailure, UserError
 from verlite.export import add_export_command
 from verlite.jobs import add_job_commands
 from verlite.measure_packing import cmd_measure_packing
+from verlite.redaction import redact_text, redacted_output
 from verlite.report import add_metrics_command
 from verlite.table import format_table
 
@@ -328,12 +329,16 @@ def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
 
 
 def _report(exc: Exception) -> None:
-    from verlite.redaction import redact_text, secrets_in_environment
-
-    print(f"verlite: error: {redact_text(str(exc), secrets_in_environment())}", file=sys.stderr)
+    print(f"verlite: error: {redact_text(str(exc))}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Every line a command prints or logs, its own or its libraries', goes out masked.
+    with redacted_output():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

@@ -1,0 +1,156 @@
+"""The masking rules of verlite/redaction.py, one test each, and the sinks that apply them:
+the process's streams and log records under ``redacted_output``, error messages, ``shown``,
+config records and the job command line's check."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+from urllib.parse import quote, quote_plus
+
+import pytest
+
+from verlite import redaction
+from verlite.errors import RunFailure, UserError, shown
+from verlite.redaction import (
+    carries_secret,
+    redact_config,
+    redact_text,
+    redacted_output,
+    register_secret,
+)
+
+SECRET = "sk-live/51Hx+q'\"<&>z=="  # every spelling of it differs: quotes, slash, plus, HTML
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    # A fresh registry per test: secrets registered here mask nothing in other tests.
+    fresh: set[str] = set()
+    monkeypatch.setattr(redaction, "_registered", fresh)
+    return fresh
+
+
+def test_a_registered_secret_is_masked_whatever_holds_it() -> None:
+    assert redact_text(f"scored {SECRET}!") == f"scored {SECRET}!"
+    register_secret(SECRET)
+    assert redact_text(f"scored {SECRET}!") == "scored ***!"
+
+
+def test_a_secret_shorter_than_the_minimum_is_refused() -> None:
+    with pytest.raises(ValueError, match="shorter than 8 characters"):
+        register_secret("abc1234")
+    register_secret("abcd1234")
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        repr(SECRET)[1:-1],
+        json.dumps(SECRET)[1:-1],
+        quote(SECRET, safe=""),
+        quote(SECRET),
+        quote_plus(SECRET),
+        "sk-live/51Hx+q&#x27;&quot;&lt;&amp;&gt;z==",
+        "sk-live/51Hx+q'\"&lt;&amp;&gt;z==",
+    ],
+    ids=["repr", "json", "url", "url-path", "url-plus", "html", "html-text"],
+)
+def test_every_spelling_of_a_secret_is_masked(spelling: str) -> None:
+    register_secret(SECRET)
+    assert redact_text(f"[{spelling}]") == "[***]"
+
+
+def test_the_start_of_a_secret_at_the_end_of_a_cut_text_is_masked() -> None:
+    register_secret(SECRET)
+    assert redact_text(f"body: {SECRET[:6]}", cut=True) == "body: ***"
+    # Not cut: a word that starts like the secret is a word.
+    assert redact_text(f"body: {SECRET[:6]}") == f"body: {SECRET[:6]}"
+    assert redact_text(f"body: {SECRET[:3]}", cut=True) == f"body: {SECRET[:3]}"
+
+
+def test_credential_named_environment_variables_are_masked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MY_SERVICE_API_KEY", "envsecret-42-value")
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")  # a switch, too short to mask
+    assert redact_text("key envsecret-42-value, 1 step") == "key ***, 1 step"
+
+
+def test_secrets_given_by_the_caller_are_masked() -> None:
+    assert redact_text("ray token rt-0123456789", ["rt-0123456789"]) == "ray token ***"
+
+
+def test_an_authorization_header_is_masked() -> None:
+    assert redact_text("echo: Authorization: Basic dXNlcjpwYXNz") == "echo: Authorization: ***"
+    assert redact_text("x-ray-authorization=abcdef123") == "x-ray-authorization=***"
+
+
+def test_a_bare_bearer_token_is_masked() -> None:
+    assert redact_text("sent bearer opaque-token-1234 twice") == "sent bearer *** twice"
+
+
+def test_url_credentials_are_masked() -> None:
+    assert redact_text("at https://me:pw@mlflow.internal/x") == "at https://***@mlflow.internal/x"
+
+
+def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
+    register_secret(SECRET)
+    config = {"wandb": {"api_key": "k", "run_name": f"run-{SECRET}"}, "steps": 3, "none": None}
+    assert redact_config(config) == {
+        "wandb": {"api_key": "***", "run_name": "run-***"},
+        "steps": 3,
+        "none": None,
+    }
+
+
+def test_a_command_line_setting_that_holds_a_known_secret_carries_one() -> None:
+    register_secret(SECRET)
+    assert carries_secret("wandb.run_name", f"x{SECRET}")
+    assert not carries_secret("wandb.run_name", "x")
+    assert carries_secret("trainer.mlflow_tracking_uri", "http://u:p@host")
+
+
+def test_error_messages_and_quoted_values_are_masked() -> None:
+    register_secret(SECRET)
+    assert SECRET not in str(UserError(f"bad {SECRET}"))
+    assert SECRET not in str(RunFailure(f"failed: {SECRET}"))
+    # Masked before the middle of a long value is cut out: no part of it on either side.
+    quoted = shown("a" * 52 + SECRET + "b" * 60, 120)
+    assert "***" in quoted and "51Hx" not in quoted and "sk-" not in quoted
+
+
+def test_lines_written_in_pieces_are_masked_on_the_streams(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    register_secret(SECRET)
+    with redacted_output():
+        sys.stdout.write(SECRET[:5])
+        print(SECRET[5:], "done")
+        print(f"\r{SECRET} 1/2", end="", file=sys.stderr)
+        sys.stderr.flush()
+    out, err = capfd.readouterr()
+    assert out == "*** done\n"
+    assert err == "\r*** 1/2"
+    assert not isinstance(sys.stdout, redaction._RedactedStream), "the streams are restored"
+
+
+def test_log_records_are_masked(caplog: pytest.LogCaptureFixture) -> None:
+    register_secret(SECRET)
+    stream = io.StringIO()
+    logger = logging.getLogger("verlite.test_redaction")
+    with redacted_output(), caplog.at_level(logging.INFO):
+        logger.info("token %s", SECRET)
+        try:
+            raise RuntimeError(f"server said {SECRET}")
+        except RuntimeError:
+            logger.exception("failed")
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter())
+        for record in caplog.records:
+            handler.handle(record)
+    text = stream.getvalue()
+    assert "token ***" in text and "server said ***" in text
+    assert SECRET not in text

@@ -19,7 +19,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
-from urllib.parse import quote, quote_plus
+from urllib.parse import quote
 
 # Config keys whose values are never logged, whatever the section: a credential field, should
 # one be added (the config names environment variables that hold them: reward.remote.auth_env).
@@ -101,14 +101,13 @@ def secrets_in_environment() -> list[str]:
 
 def _forms(secret: str) -> set[str]:
     """The ways a message may spell ``secret``: as is, in a ``repr``, in a JSON string, in a
-    URL (percent-encoded, with ``+`` for spaces or not) and in HTML."""
+    URL (percent-encoded, ``/`` too or not; a token has no space for ``+``) and in HTML."""
     return {
         secret,
         repr(secret)[1:-1],
         json.dumps(secret)[1:-1],
         quote(secret, safe=""),
         quote(secret),
-        quote_plus(secret),
         html.escape(secret),
         html.escape(secret, quote=False),
     }

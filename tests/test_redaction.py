@@ -8,12 +8,13 @@ import io
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
-from verlite import redaction
+from verlite import redaction, report
 from verlite.cli import main
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import (
@@ -177,3 +178,58 @@ def test_every_line_a_command_prints_is_masked(
     out, err = capfd.readouterr()
     assert "reward/***/mean" in out
     assert "envsecret" not in out + err
+
+
+def test_a_bug_s_traceback_is_masked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not a UserError or RunFailure: the traceback is printed, masked, and the status is 1.
+    def bug(args: object) -> int:
+        raise KeyError(f"no field envsecret-42-value in {args!r}")
+
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    monkeypatch.setattr(report, "cmd_metrics", bug)
+    assert main(["metrics", str(tmp_path)]) == 1
+    out, err = capfd.readouterr()
+    assert "Traceback (most recent call last)" in err and 'KeyError: "no field *** in' in err
+    assert "envsecret" not in out + err
+
+
+def test_what_a_run_of_the_python_api_prints_is_masked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import verlite
+    import verlite.run
+
+    def run(cfg: object) -> Path:
+        print("step 1 scored by envsecret-42-value")
+        return tmp_path
+
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    monkeypatch.setattr(verlite.run, "train", run)
+    assert verlite.train("configs/ppo_tiny.yaml", [f"trainer.output_dir={tmp_path}"]) == tmp_path
+    assert capfd.readouterr().out == "step 1 scored by ***\n"
+
+
+def test_lines_ray_forwards_from_workers_are_masked(
+    local_ray: object, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    # A credential-named variable of the driver; the worker prints its value.
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    seen = ""
+    with redacted_output():
+        ray.get(say.remote("worker says envsecret-42-value"))
+        # Ray forwards a worker's lines to the driver in the background: wait for this one.
+        deadline = time.monotonic() + 60
+        while "worker says" not in seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+            out, err = capfd.readouterr()
+            seen += out + err
+    assert "worker says ***" in seen
+    assert "envsecret" not in seen

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
@@ -335,7 +336,13 @@ def _report(exc: Exception) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     # Every line a command prints or logs, its own or its libraries', goes out masked.
     with redacted_output():
-        return _main(argv)
+        try:
+            return _main(argv)
+        except Exception:
+            # A bug: its traceback printed here, masked, not by the interpreter once the
+            # streams are restored (the same exit status, 1).
+            traceback.print_exc()
+            return 1
 
 
 def _main(argv: Sequence[str] | None) -> int:

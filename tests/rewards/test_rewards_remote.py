@@ -209,6 +209,21 @@ def test_the_token_is_never_shown_in_a_retry_line(service: ScoringService) -> No
     assert "51Hx" not in out
 
 
+@pytest.mark.usefixtures("registry")
+def test_the_token_in_the_url_is_never_shown(
+    service: ScoringService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = "pathtoken-0a1b2c3d"
+    url = service.url.replace("/score", f"/{token}/score")
+    shown = service.url.replace("/score", "/***/score")
+    scorer(url, token=token).probe("100=", "100")
+    assert capsys.readouterr().out.startswith(f"reward: remote verifier {shown} answered")
+    service.reset("404")
+    assert failure(scorer(url, token=token, concurrency=1)).startswith(
+        f"reward.remote.url='{shown}': batch 0"
+    )
+
+
 def test_the_first_batch_to_fail_for_good_is_the_stage_error(service: ScoringService) -> None:
     # Batch 0 meets a 503 and waits to retry; only then does batch 1 meet a reply that is not
     # JSON, which ends the stage and wakes batch 0, abandoned. Whichever of the two the

@@ -132,12 +132,12 @@ class RemoteScorer:
             raise ValueError("RemoteScorer needs reward.remote.url")
         self.cfg = cfg
         self.url = cfg.url
-        # What messages show of the URL: its scheme, host, port and path, never a query's
-        # credentials (``?key=...``).
-        parts = urlsplit(cfg.url)
-        self.shown_url = f"{parts.scheme}://{parts.netloc}{parts.path}"
         if token is not None:
             register_secret(token)
+        # What messages show of the URL: its scheme, host, port and path, never a query's
+        # credentials (``?key=...``) nor the token (a path may hold it).
+        parts = urlsplit(cfg.url)
+        self.shown_url = redact_text(f"{parts.scheme}://{parts.netloc}{parts.path}")
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"

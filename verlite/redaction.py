@@ -172,7 +172,11 @@ class _RedactedStream:
 def _redacted_record_factory(factory: Any) -> Any:
     def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = factory(*args, **kwargs)
-        record.msg, record.args = redact_text(record.getMessage()), ()
+        try:
+            message = record.getMessage()
+        except Exception:  # arguments that do not fit: the handler reports it when it emits
+            return record
+        record.msg, record.args = redact_text(message), ()
         if record.exc_info:
             record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
         return record
@@ -183,26 +187,18 @@ def _redacted_record_factory(factory: Any) -> Any:
 @contextlib.contextmanager
 def redacted_output() -> Iterator[None]:
     """While on, every line this process writes to stdout and stderr (prints, warnings,
-    the lines Ray forwards from workers, log handlers writing there) and every log record's
-    message and traceback pass through :func:`redact_text`."""
+    the lines Ray forwards from workers) and every log record's message and traceback,
+    whichever handler writes it where (Ray's hold the stderr of its import), pass through
+    :func:`redact_text`."""
     streams = sys.stdout, sys.stderr
     wrapped = {id(s): _RedactedStream(s) for s in streams}
-    handlers = [
-        handler
-        for logger in (logging.getLogger(), *logging.Logger.manager.loggerDict.values())
-        for handler in getattr(logger, "handlers", ())
-        if isinstance(handler, logging.StreamHandler) and id(handler.stream) in wrapped
-    ]
     factory = logging.getLogRecordFactory()
     sys.stdout, sys.stderr = wrapped[id(streams[0])], wrapped[id(streams[1])]
-    originals = [handler.setStream(wrapped[id(handler.stream)]) for handler in handlers]
     logging.setLogRecordFactory(_redacted_record_factory(factory))
     try:
         yield
     finally:
         logging.setLogRecordFactory(factory)
-        for handler, original in zip(handlers, originals, strict=True):
-            handler.setStream(original)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in wrapped.values():
+            stream.flush()
         sys.stdout, sys.stderr = streams

@@ -13,8 +13,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
+from checkpoint_support import fake_checkpoint
 
 from verlite import redaction, report
+from verlite.checkpoint import check_resumable
 from verlite.cli import main
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import (
@@ -183,6 +185,17 @@ def test_a_log_call_whose_arguments_do_not_fit_its_message_still_logs() -> None:
     make = redaction._redacted_record_factory(logging.LogRecord)
     record = make("verlite.x", logging.WARNING, __file__, 1, "b %s %s", ("one",), None)
     assert (record.msg, record.args) == ("b %s %s", ("one",))
+
+
+def test_a_secret_in_the_config_is_no_change_to_a_resumed_run(tmp_path: Path) -> None:
+    # The checkpoint holds the config masked (as the trainer saves it): "***" is no change.
+    register_secret(SECRET)
+    config = {
+        "trainer": {"mlflow_tracking_uri": "http://me:pw@mlflow:5000"},
+        "reward": {"remote": {"url": f"http://scorer/{SECRET}/score"}},
+    }
+    checkpoint = fake_checkpoint(tmp_path, 1, ["actor"], config=redact_config(config))
+    assert check_resumable(checkpoint, config=config, roles=["actor"], total_steps=2) == []
 
 
 def test_masking_twice_is_masking_once() -> None:

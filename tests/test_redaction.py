@@ -59,12 +59,25 @@ def test_a_secret_shorter_than_the_minimum_is_refused() -> None:
         quote(SECRET),
         "sk-live/51Hx+q&#x27;&quot;&lt;&amp;&gt;z==",
         "sk-live/51Hx+q'\"&lt;&amp;&gt;z==",
+        "SK-LIVE/51HX+Q'\"<&>Z==",
+        "sk-live%2f51hx%2bq%27%22%3c%26%3ez%3d%3d",
     ],
-    ids=["repr", "json", "url", "url-path", "html", "html-text"],
+    ids=["repr", "json", "url", "url-path", "html", "html-text", "upper", "url-lower"],
 )
 def test_every_spelling_of_a_secret_is_masked(spelling: str) -> None:
     register_secret(SECRET)
     assert redact_text(f"[{spelling}]") == "[***]"
+
+
+def test_a_secret_beyond_ascii_is_masked_as_ascii_spells_it() -> None:
+    register_secret("tökén-51Hx")
+    assert redact_text("[t\\xf6k\\xe9n-51Hx]") == "[***]"
+
+
+def test_a_secret_that_holds_another_is_masked_whole() -> None:
+    register_secret("abcdefgh")
+    register_secret("abcdefgh-ijklmnop")
+    assert redact_text("[abcdefgh-ijklmnop] [abcdefgh]") == "[***] [***]"
 
 
 def test_the_start_of_a_secret_at_the_end_of_a_cut_text_is_masked() -> None:

@@ -10,6 +10,7 @@ and the remote verifier's messages."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import html
 import json
 import logging
@@ -100,11 +101,13 @@ def secrets_in_environment() -> list[str]:
 
 
 def _forms(secret: str) -> set[str]:
-    """The ways a message may spell ``secret``: as is, in a ``repr``, in a JSON string, in a
-    URL (percent-encoded, ``/`` too or not; a token has no space for ``+``) and in HTML."""
+    """The ways a message may spell ``secret``: as is, in a ``repr`` or ``ascii``, in a JSON
+    string, in a URL (percent-encoded, ``/`` too or not; a token has no space for ``+``) and
+    in HTML."""
     return {
         secret,
         repr(secret)[1:-1],
+        ascii(secret)[1:-1],
         json.dumps(secret)[1:-1],
         quote(secret, safe=""),
         quote(secret),
@@ -113,20 +116,27 @@ def _forms(secret: str) -> set[str]:
     }
 
 
+@functools.lru_cache(maxsize=8)
+def _spellings(secrets: frozenset[str]) -> re.Pattern[str] | None:
+    """Any spelling of any of ``secrets``, in any case (``%2f`` is ``%2F``; a service may
+    upper-case what it echoes); the longest first, so one that holds another is masked whole."""
+    forms = sorted({form for secret in secrets for form in _forms(secret)}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, forms)), re.IGNORECASE) if forms else None
+
+
 def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) -> str:
     """``text`` (a server's answer, an error message, a console line) without credentials:
     the registered secrets, those of the environment and the given ``secrets``, each in any
-    of its spellings (:func:`_forms`); authorization headers, bearer tokens and
+    of its spellings (:func:`_spellings`); authorization headers, bearer tokens and
     ``user:pass@`` in URLs. ``cut``: the text was cut off at its end, where the start of a
     secret is masked too."""
-    known = {s for s in (*_registered, *secrets_in_environment(), *secrets) if s}
-    # The longest spelling first: one that holds another is masked whole.
-    for form in sorted({f for s in known for f in _forms(s)}, key=len, reverse=True):
-        text = text.replace(form, MASK)
+    known = frozenset(s for s in (*_registered, *secrets_in_environment(), *secrets) if s)
+    if (spellings := _spellings(known)) is not None:
+        text = spellings.sub(MASK, text)
     if cut:
         for secret in known:
             for length in range(min(len(secret) - 1, len(text)), _MIN_FRAGMENT - 1, -1):
-                if text.endswith(secret[:length]):
+                if text.lower().endswith(secret[:length].lower()):
                     text = text[:-length] + MASK
                     break
     text = _AUTH_HEADER.sub(r"\1" + MASK, text)

@@ -311,7 +311,7 @@ class RemoteScorer:
             with self._opener.open(request, timeout=timeout_s) as reply:
                 raw = _read_until(reply, deadline)
         except urllib.error.HTTPError as exc:
-            status = f"HTTP {exc.code} {exc.reason}{_excerpt(_body_of(exc), cut=True)}"
+            status = f"HTTP {exc.code} {exc.reason}{_excerpt(_body_of(exc))}"
             if exc.code == 429 or exc.code >= 500:
                 raise _Retryable(status) from None
             raise _Broken(status) from None
@@ -358,11 +358,11 @@ def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not a JSON number")
 
 
-def _excerpt(raw: bytes, *, cut: bool = False) -> str:
-    """The start of a reply, for a message: one line, credentials masked (``cut``: ``raw``
-    is itself the start of a longer body)."""
+def _excerpt(raw: bytes) -> str:
+    """The start of a reply, for a message: one line, credentials masked, the start of one
+    too where the reply is cut (an error's body is read up to ``_EXCERPT_BYTES``)."""
     text = " ".join(raw[:_EXCERPT_BYTES].decode("utf-8", "replace").split())
-    text = redact_text(text, cut=cut or len(raw) > _EXCERPT_BYTES)
+    text = redact_text(text, cut=len(raw) >= _EXCERPT_BYTES)
     return f": {shown(text, 160)}" if text else ""
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from verlite.rewards import digit_match
 
@@ -23,6 +25,12 @@ from verlite.rewards import digit_match
 #   short         one score fewer than responses
 #   out_of_range  the last score 1.5
 #   echo_auth     HTTP 400 whose body quotes the request's Authorization header
+# and some that echo the bearer token of the request's Authorization header:
+#   token_reason_503, token_reason_401   that status with the token as its reason phrase
+#   token_score   a reply whose last score is the token
+#   token_json    HTTP 400 whose JSON body quotes the token (JSON-escaped)
+#   token_cut     HTTP 400 whose body's first 300 bytes end inside the token
+#   token_url     HTTP 404 whose body quotes the token URL-encoded
 
 
 class ScoringService:
@@ -35,6 +43,8 @@ class ScoringService:
         self.down_after: int | None = None  # down once it has answered this many "ok"
         self.answered = 0
         self.barrier: threading.Barrier | None = None  # requests wait until this many overlap
+        # When set, what each request meets, from its body, instead of the script.
+        self.choose: Callable[[dict[str, Any]], str] | None = None
         self.requests = 0
         self.batch_sizes: list[int] = []
         self.authorization: list[str | None] = []
@@ -53,12 +63,17 @@ class ScoringService:
         with self.lock:
             self.script, self.delay_s = list(script), 1.0
             self.down, self.down_after, self.answered, self.barrier = False, None, 0, None
+            self.choose = None
             self.requests, self.batch_sizes, self.authorization = 0, [], []
             self.max_in_flight = 0
 
-    def next_behaviour(self) -> str:
+    def next_behaviour(self, body: dict[str, Any]) -> str:
         with self.lock:
             self.requests += 1
+            choose = self.choose
+        if choose is not None:
+            return choose(body)  # outside the lock: it may wait for another request
+        with self.lock:
             self.down = self.down or self.answered == self.down_after
             if self.down:
                 return "500"
@@ -109,7 +124,7 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
 
         def _answer(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            behaviour = service.next_behaviour()
+            behaviour = service.next_behaviour(body)
             with service.lock:
                 service.batch_sizes.append(len(body["responses"]))
                 service.authorization.append(self.headers.get("Authorization"))
@@ -126,6 +141,14 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
             if behaviour == "echo_auth":
                 self._send(400, f"bad request from {self.headers['Authorization']}".encode())
                 return
+            token = str(self.headers["Authorization"]).removeprefix("Bearer ")
+            if behaviour.startswith("token_reason_"):
+                self._send(int(behaviour.rsplit("_", 1)[1]), b"{}", reason=token)
+                return
+            if behaviour in _TOKEN_BODIES:
+                status, body_of = _TOKEN_BODIES[behaviour]
+                self._send(status, body_of(token).encode())
+                return
             if behaviour == "malformed":
                 self._send(200, b'{"scores": [0.5,')
                 return
@@ -137,11 +160,15 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 scores = scores[:-1]
             if behaviour == "out_of_range":
                 scores[-1] = 1.5
+            if behaviour == "token_score":
+                scores[-1] = token  # type: ignore[call-overload]
             self._send(200, json.dumps({"scores": scores}).encode(), trickle=behaviour == "trickle")
 
-        def _send(self, status: int, payload: bytes, *, trickle: bool = False) -> None:
+        def _send(
+            self, status: int, payload: bytes, *, trickle: bool = False, reason: str | None = None
+        ) -> None:
             self._done()
-            self.send_response(status)
+            self.send_response(status, reason)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
@@ -154,3 +181,10 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 time.sleep(0.05)
 
     return Handler
+
+
+_TOKEN_BODIES: dict[str, tuple[int, Callable[[str], str]]] = {
+    "token_json": (400, lambda token: json.dumps({"error": f"unknown key {token}"})),
+    "token_cut": (400, lambda token: "x" * (300 - len(token) // 2) + token),
+    "token_url": (404, lambda token: f"no route /v1/{urllib.parse.quote(token, safe='')}/score"),
+}

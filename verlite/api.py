@@ -23,6 +23,7 @@ from verlite.config import Config, check_paths
 from verlite.config.loading import ConfigSource, Overrides
 from verlite.config.loading import load_config as _load_config
 from verlite.memory import retain_freed_memory
+from verlite.redaction import redacted_output
 
 if TYPE_CHECKING:
     import pandas
@@ -45,7 +46,8 @@ def train(config: ConfigSource, overrides: Overrides = ()) -> Path:
     from verlite.run import train as run_training  # Ray and the models load once it is good
 
     retain_freed_memory()  # the driver gathers and scatters every step batch
-    return run_training(cfg)
+    with redacted_output():  # what the run prints, as `verlite train` prints it
+        return run_training(cfg)
 
 
 @overload

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verlite.errors import UserError
+from verlite.redaction import redact_config
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -112,7 +113,8 @@ def check_resumable(
             f"{step}; raise trainer.total_steps, or use trainer.resume=disable or another "
             "trainer.output_dir for a new run"
         )
-    here = _flatten(config)
+    # The checkpoint records the config with its credentials masked: this one is compared so.
+    here = _flatten(redact_config(config))
     # Checkpoints record the whole config; older ones only the model settings.
     there = (
         {**_PREDATED, **_flatten(state["config"])}

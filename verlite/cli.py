@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import NoReturn
@@ -24,6 +25,7 @@ from verlite.export import add_export_command
 from verlite.jobs import add_job_commands
 from verlite.jobs.entrypoint import UTF8_OUTPUT_ENV, run_with_utf8_output
 from verlite.measure_packing import cmd_measure_packing
+from verlite.redaction import redact_text, redacted_output
 from verlite.report import add_metrics_command
 from verlite.table import format_table
 
@@ -336,15 +338,25 @@ def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
 
 
 def _report(exc: Exception) -> None:
-    from verlite.redaction import redact_text, secrets_in_environment
-
-    print(f"verlite: error: {redact_text(str(exc), secrets_in_environment())}", file=sys.stderr)
+    print(f"verlite: error: {redact_text(str(exc))}", file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     if os.environ.get(UTF8_OUTPUT_ENV):  # a job's entrypoint: its log must be UTF-8 text
         args = sys.argv[1:] if argv is None else list(argv)
         return run_with_utf8_output([sys.executable, "-m", "verlite", *args])
+    # Every line a command prints or logs, its own or its libraries', goes out masked.
+    with redacted_output():
+        try:
+            return _main(argv)
+        except Exception:
+            # A bug: its traceback printed here, masked, not by the interpreter once the
+            # streams are restored (the same exit status, 1).
+            traceback.print_exc()
+            return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)

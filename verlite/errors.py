@@ -1,26 +1,41 @@
 """The two kinds of failure the command line reports in one line, without a traceback: a
 :class:`UserError` (bad input: exit 2) and a :class:`RunFailure` (a run that stopped for a
-reason its message names: exit 1)."""
+reason its message names: exit 1), their messages without credentials."""
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
+from verlite.redaction import redact_text
+
+
+def _redacted(args: tuple[object, ...]) -> tuple[object, ...]:
+    # A message names what failed, and may quote what a server or a user's code said: the
+    # credentials in it are masked when it is made, wherever it is shown later.
+    return tuple(redact_text(arg) if isinstance(arg, str) else arg for arg in args)
+
 
 class UserError(ValueError):
     """Bad input: a config value, a data file, a reward function, a command-line flag."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*_redacted(args))
 
 
 class RunFailure(RuntimeError):
     """A run stopped for a reason its message names (a worker died, training diverged):
     the CLI prints it in one line and exits 1; checkpoints written so far stay valid."""
 
+    def __init__(self, *args: object) -> None:
+        super().__init__(*_redacted(args))
+
 
 def shown(value: object, limit: int = 120) -> str:
     """A user's value as a one-line message quotes it: its ``repr``, the middle cut out when
-    longer than ``limit`` characters (a pasted megabyte must not become the message)."""
-    text = repr(value)
+    longer than ``limit`` characters (a pasted megabyte must not become the message). Secrets
+    are masked before the cut, which could leave a part of one on each side of it."""
+    text = redact_text(repr(value))
     if len(text) <= limit:
         return text
     half = (limit - 5) // 2

@@ -1,59 +1,98 @@
-"""What no log, message, config record or job command line may show: credentials. The
-secret-named config fields, ``user:pass@`` in URLs, authorization headers and bearer tokens,
-and the values of credential-named environment variables; the one owner of those rules,
-used by every sink (the loggers, the CLI's error line, the job commands, the remote
-verifier's messages)."""
+"""What no log, message, config record, metric or job command line may show: credentials.
+The secret-named config fields, ``user:pass@`` in URLs, authorization headers and bearer
+tokens, the values of credential-named environment variables and the credentials verlite
+reads itself (a remote verifier's token, registered here when it is read); the one owner of
+those rules (:func:`redact_text`), used by every sink: the process's stdout and stderr and
+log records once :func:`redacted_output` is on (the CLI turns it on for every command), the
+CLI's error line, the metrics and config records, the job commands, :func:`verlite.errors.shown`
+and the remote verifier's messages."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import html
+import json
+import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TextIO
+from urllib.parse import quote
 
 # Config keys whose values are never logged, whatever the section: a credential field, should
 # one be added (the config names environment variables that hold them: reward.remote.auth_env).
 _SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
+# Shorter values cannot be masked without garbling messages (a 1-character token is in most
+# words): a credential verlite reads is refused below this length (see register_secret), and
+# shorter values of credential-named variables are switches (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``).
 MIN_SECRET_LENGTH = 8
+# A value cut off at the end of a text (a reply read up to a size): its first characters, when
+# at least this many, are masked as the whole value is.
+_MIN_FRAGMENT = 4
+MASK = "***"
 # user:password@ in a URL such as an MLflow tracking URI or a Ray address.
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 
+_registered: set[str] = set()
+
+
+def register_secret(value: str) -> None:
+    """Mask ``value`` (and its quoted, escaped and URL-encoded forms) in every text
+    :func:`redact_text` sees from now on in this process: called where verlite reads a
+    credential, whatever the variable holding it is called. ``value`` must be at least
+    :data:`MIN_SECRET_LENGTH` characters (the reader refuses a shorter one to the user)."""
+    if len(value) < MIN_SECRET_LENGTH:
+        raise ValueError(f"a secret shorter than {MIN_SECRET_LENGTH} characters cannot be masked")
+    _registered.add(value)
+
 
 def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config without credentials: secret-named fields and ``user:pass@`` in URLs masked."""
+    """The config without credentials: secret-named fields masked, and every text value as
+    :func:`redact_text` leaves it."""
     clean: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, Mapping):
             clean[key] = redact_config(value)
         elif _SECRET_KEY.search(str(key)) and value is not None:
-            clean[key] = "***"
+            clean[key] = MASK
         else:
-            clean[key] = redact_url(value) if isinstance(value, str) else value
+            clean[key] = redact_text(value) if isinstance(value, str) else value
     return clean
 
 
 def carries_secret(key: str, value: str) -> bool:
-    """Whether a config setting holds a credential: a secret-named key, or a URL with ``user:pass@``."""
-    return bool(value) and bool(_SECRET_KEY.search(key) or _URL_CREDENTIALS.search(value))
+    """Whether a config setting holds a credential: a secret-named key, a URL with
+    ``user:pass@``, or a known secret's value."""
+    return bool(value) and (
+        bool(_SECRET_KEY.search(key) or _URL_CREDENTIALS.search(value))
+        or redact_text(value) != value
+    )
 
 
 def redact_url(text: str) -> str:
     """``text`` with the ``user:pass@`` of any URL in it masked."""
-    return _URL_CREDENTIALS.sub("***@", text)
+    return _URL_CREDENTIALS.sub(MASK + "@", text)
 
 
 # An HTTP authorization header or bearer credential quoted in a message (a server that
 # echoes the request back in its error).
-_AUTH_HEADER = re.compile(r"(?i)((?:x-ray-)?authorization\W{0,3}\s*[:=]\s*)(\S+(?:\s+\S+)?)")
-_BEARER = re.compile(r"(?i)(bearer\s+)\S+")
+# A credential ends at a space or a quote (a message quotes the text that holds it); one
+# masked already is left as it is: a message is masked more than once on its way out.
+_CREDENTIAL = r"(?!\*\*\*)[^\s'\"]+"
+_AUTH_HEADER = re.compile(
+    rf"(?i)((?:x-ray-)?authorization\W{{0,3}}\s*[:=]\s*){_CREDENTIAL}(?:\s+[^\s'\"]+)?"
+)
+_BEARER = re.compile(rf"(?i)(bearer\s+){_CREDENTIAL}")
 
 
 def secrets_in_environment() -> list[str]:
     """Values of environment variables named like credentials (``RAY_AUTH_TOKEN``,
     ``MLFLOW_TRACKING_PASSWORD``, ``WANDB_API_KEY``, ...): what no message may show, whoever
     wrote it (a user's reward function may quote one in its exception). Values shorter than
-    8 characters are switches such as ``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``, not credentials:
-    masking them would garble every message."""
+    :data:`MIN_SECRET_LENGTH` are switches, not credentials."""
     return [
         value
         for name, value in os.environ.items()
@@ -61,11 +100,115 @@ def secrets_in_environment() -> list[str]:
     ]
 
 
-def redact_text(text: str, secrets: Sequence[str] = ()) -> str:
-    """``text`` (a server's answer, an error message) without credentials: the given
-    ``secrets``, authorization headers, bearer tokens and ``user:pass@`` in URLs masked."""
-    for secret in secrets:
-        if secret:
-            text = text.replace(secret, "***")
-    text = _AUTH_HEADER.sub(r"\1***", text)
-    return redact_url(_BEARER.sub(r"\1***", text))
+def _forms(secret: str) -> set[str]:
+    """The ways a message may spell ``secret``: as is, in a ``repr`` or ``ascii``, in a JSON
+    string, in a URL (percent-encoded, ``/`` too or not; a token has no space for ``+``) and
+    in HTML."""
+    return {
+        secret,
+        repr(secret)[1:-1],
+        ascii(secret)[1:-1],
+        json.dumps(secret)[1:-1],
+        quote(secret, safe=""),
+        quote(secret),
+        html.escape(secret),
+        html.escape(secret, quote=False),
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def _spellings(secrets: frozenset[str]) -> re.Pattern[str] | None:
+    """Any spelling of any of ``secrets``, in any case (``%2f`` is ``%2F``; a service may
+    upper-case what it echoes); the longest first, so one that holds another is masked whole."""
+    forms = sorted({form for secret in secrets for form in _forms(secret)}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, forms)), re.IGNORECASE) if forms else None
+
+
+def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) -> str:
+    """``text`` (a server's answer, an error message, a console line) without credentials:
+    the registered secrets, those of the environment and the given ``secrets``, each in any
+    of its spellings (:func:`_spellings`); authorization headers, bearer tokens and
+    ``user:pass@`` in URLs. ``cut``: the text was cut off at its end, where the start of a
+    secret is masked too."""
+    known = frozenset(s for s in (*_registered, *secrets_in_environment(), *secrets) if s)
+    if (spellings := _spellings(known)) is not None:
+        text = spellings.sub(MASK, text)
+    if cut:
+        for secret in known:
+            for length in range(min(len(secret) - 1, len(text)), _MIN_FRAGMENT - 1, -1):
+                if text.lower().endswith(secret[:length].lower()):
+                    text = text[:-length] + MASK
+                    break
+    text = _AUTH_HEADER.sub(r"\1" + MASK, text)
+    return redact_url(_BEARER.sub(r"\1" + MASK, text))
+
+
+class _RedactedStream:
+    """A text stream that writes whole lines (or what a flush pushes out) to ``stream``
+    through :func:`redact_text`: a secret written in pieces is masked once its line is
+    complete."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            # "\r" ends a line a progress counter rewrites in place.
+            end = max(self._pending.rfind("\n"), self._pending.rfind("\r")) + 1
+            if end:
+                done, self._pending = self._pending[:end], self._pending[end:]
+                self.stream.write(redact_text(done))
+        return len(text)
+
+    def writelines(self, lines: Sequence[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                self.stream.write(redact_text(self._pending))
+                self._pending = ""
+        self.stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+def _redacted_record_factory(factory: Any) -> Any:
+    def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
+        try:
+            message = record.getMessage()
+        except Exception:  # arguments that do not fit: the handler reports it when it emits
+            return record
+        record.msg, record.args = redact_text(message), ()
+        if record.exc_info:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        return record
+
+    return make
+
+
+@contextlib.contextmanager
+def redacted_output() -> Iterator[None]:
+    """While on, every line this process writes to stdout and stderr (prints, warnings,
+    the lines Ray forwards from workers) and every log record's message and traceback,
+    whichever handler writes it where (Ray's hold the stderr of its import), pass through
+    :func:`redact_text`."""
+    streams = sys.stdout, sys.stderr
+    wrapped = {id(s): _RedactedStream(s) for s in streams}
+    factory = logging.getLogRecordFactory()
+    sys.stdout, sys.stderr = wrapped[id(streams[0])], wrapped[id(streams[1])]
+    logging.setLogRecordFactory(_redacted_record_factory(factory))
+    try:
+        yield
+    finally:
+        logging.setLogRecordFactory(factory)
+        for stream in wrapped.values():
+            stream.flush()
+        sys.stdout, sys.stderr = streams

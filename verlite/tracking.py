@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 from verlite import metrics_log
 from verlite.errors import UserError, import_extra
 from verlite.reachable import connection_problem
-from verlite.redaction import redact_config, redact_text, redact_url, secrets_in_environment
+from verlite.redaction import redact_config, redact_text, redact_url
 
 if TYPE_CHECKING:
     from verlite.config import WandbConfig
@@ -323,7 +323,7 @@ class WandbLogger:
                 ),
             )
         except Exception as exc:  # wandb raises its own errors, and plain ones, on a bad login
-            reason = redact_text(" ".join(str(exc).split())[:300], secrets_in_environment())
+            reason = redact_text(" ".join(str(exc).split()))[:300]  # masked, then cut
             raise UserError(
                 f"wandb logger: cannot open run {run_id} in project {cfg.project!r} "
                 f"(mode {cfg.mode}): {reason}"
@@ -469,8 +469,10 @@ class Tracker:
             logger.log_run_info(clean, placement)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        # A metric's name may be a user's (a reward component's): no logger records a secret.
+        clean = {redact_text(name): value for name, value in metrics.items()}
         for logger in self.loggers:
-            logger.log(step, metrics)
+            logger.log(step, clean)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         for logger in self.loggers:

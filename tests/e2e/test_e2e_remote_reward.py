@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 from scoring_service import ScoringService, scoring_service
 
+from verlite import redaction
+from verlite.cli import main
 from verlite.config import load_config
 from verlite.errors import UserError
+from verlite.redaction import redacted_output
 from verlite.rewards.remote import RemoteRewardError
 from verlite.trainer import RunInputs
 
@@ -86,3 +89,66 @@ def test_a_service_that_is_down_fails_the_start_before_ray(tmp_path: Path) -> No
     with pytest.raises(UserError, match=rf"^reward.remote.url='{url}': the start-up probe "):
         RunInputs.load(cfg)
     assert not (tmp_path / "run").exists()
+
+
+# A variable named like no credential: the token is masked for being the token, whatever
+# holds it. Its spellings differ (repr, JSON, URL).
+TOKEN_VARIABLE, TOKEN = "VERIFIER_BEARER", 'vt-51Hx/q+"Zk9wQ'
+
+
+@pytest.fixture
+def token(monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setattr(redaction, "_registered", set())  # registered for this test only
+    monkeypatch.setenv(TOKEN_VARIABLE, TOKEN)
+    return TOKEN
+
+
+def test_the_cli_never_shows_the_token_a_service_echoes(
+    tmp_path: Path, service: ScoringService, token: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # The probe meets the token as the status line's reason: one line, exit 2, before Ray.
+    service.reset("token_reason_401")
+    code = main(
+        [
+            "train",
+            "--config",
+            "configs/ppo_tiny.yaml",
+            f"reward.remote.url={service.url}",
+            f"reward.remote.auth_env={TOKEN_VARIABLE}",
+            f"trainer.output_dir={tmp_path}/run",
+        ]
+    )
+    out, err = capfd.readouterr()
+    assert code == 2
+    # The last line (the shared Ray may still be forwarding an earlier test's worker lines).
+    said = err.splitlines()[-1]
+    assert said.startswith(f"verlite: error: reward.remote.url='{service.url}': the start-up ")
+    assert "HTTP 401 ***" in said
+    assert "51Hx" not in out + err
+
+
+def test_a_run_never_shows_or_records_the_token_a_service_echoes(
+    tmp_path: Path, service: ScoringService, token: str, train, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Step 1: the token as a 503's reason (retried, the retry said); step 2: as a score.
+    service.reset("ok", "token_reason_503", "ok", "ok", "token_score")
+    out = tmp_path / "run"
+    capfd.readouterr()
+    with redacted_output(), pytest.raises(RemoteRewardError) as stopped:
+        train(
+            out,
+            *RUN,
+            f"reward.remote.url={service.url}",
+            f"reward.remote.auth_env={TOKEN_VARIABLE}",
+            "reward.remote.batch_size=8",
+            "reward.remote.retry_backoff_s=0",
+            "trainer.loggers=[console,jsonl,logline]",
+        )
+    said, err = capfd.readouterr()
+    assert "HTTP 503 ***: '{}'; retrying in 0 s (attempt 2 of 4)" in said
+    assert "scored '***'; scores must be numbers in [0, 1]" in str(stopped.value)
+    assert service.authorization[0] == f"Bearer {token}"
+    written = [p.read_bytes() for p in out.rglob("*") if p.is_file()]
+    assert any(b'"step": 1' in text for text in written), "metrics.jsonl holds step 1"
+    for text in (said, err, str(stopped.value), *map(repr, written)):
+        assert "51Hx" not in text

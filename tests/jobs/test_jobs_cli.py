@@ -253,6 +253,22 @@ def test_a_credential_on_the_command_line_is_not_put_into_the_job() -> None:
     assert "mlflow.example" in job.entrypoint  # a URL without credentials is fine
 
 
+def test_the_value_of_a_credential_variable_on_the_command_line_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A secret pasted where no credential is expected ($WANDB_API_KEY as a run name).
+    monkeypatch.setenv("WANDB_API_KEY", "wk-0123456789abcdef")
+    with pytest.raises(JobsError) as info:
+        prepare_submission(
+            config=str(REPO / CONFIG),
+            overrides=["trainer.wandb.run_name=run-wk-0123456789abcdef"],
+            working_dir=REPO,
+            job_id=JOB,
+        )
+    assert str(info.value).startswith("override trainer.wandb.run_name carries a credential")
+    assert "wk-0123" not in str(info.value)
+
+
 def test_a_runtime_env_file_merges_into_the_shipped_project(tmp_path: Path) -> None:
     path = tmp_path / "env.yaml"
     path.write_text("env_vars: {A: '1'}\nexcludes: [data/]\npip: [pyarrow]\n")

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from scoring_service import ScoringService, scoring_service
 
+from verlite import redaction
 from verlite.config.schema import RemoteRewardConfig
 from verlite.errors import RunFailure, UserError
 from verlite.rewards import digit_match
@@ -155,7 +156,7 @@ def test_a_reply_a_retry_cannot_mend_stops_at_once(
     assert service.requests == 2
 
 
-@pytest.mark.parametrize("bad", ["NaN", "Infinity", "-0.5", "true", '"1"', "null"])
+@pytest.mark.parametrize("bad", ["1e999", "-0.5", "true", '"1"', "null"])
 def test_every_score_must_be_a_number_in_0_1(bad: str) -> None:
     remote = scorer("http://127.0.0.1:9/score")
     batch = remote_module._Batch(0, 0, ["a", "b"], ["p", "p"], ["x", "x"])
@@ -164,12 +165,121 @@ def test_every_score_must_be_a_number_in_0_1(bad: str) -> None:
         remote._scores(f'{{"scores": [0.5, {bad}]}}'.encode(), batch)
 
 
-def test_the_token_is_sent_and_never_shown(service: ScoringService) -> None:
-    token = "s3cr3t-t0ken-value"
-    service.reset("echo_auth")
-    message = failure(scorer(service.url, token=token, concurrency=1))
-    assert service.authorization[0] == f"Bearer {token}"
-    assert "HTTP 400" in message and token not in message
+@pytest.fixture
+def registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tokens registered here mask nothing in other tests.
+    monkeypatch.setattr(redaction, "_registered", set())
+
+
+# The token in its spellings differs: a quote for repr and JSON, '/' and '+' for URLs.
+TOKEN = 'sk-live-51Hx/q+"r0ken'
+
+
+@pytest.mark.usefixtures("registry")
+@pytest.mark.parametrize(
+    ("behaviour", "said"),
+    [
+        ("echo_auth", "HTTP 400 Bad Request: 'bad request from Bearer ***'"),
+        ("token_reason_401", "HTTP 401 ***: '{}' (not retried)"),
+        ("token_score", "response 7 ('109') scored '***'; scores must be numbers in [0, 1]"),
+        ("token_json", 'HTTP 400 Bad Request: \'{"error": "unknown key ***"}\''),
+        ("token_cut", "HTTP 400 Bad Request: 'xxxxx"),
+        ("token_url", "HTTP 404 Not Found: 'no route /v1/***/score'"),
+    ],
+)
+def test_the_token_is_sent_and_never_shown(
+    service: ScoringService, behaviour: str, said: str
+) -> None:
+    # The service echoes the token in its status line, its body (JSON-escaped, URL-encoded,
+    # cut at what a message quotes) or as a score.
+    service.reset("ok", behaviour)
+    message = failure(scorer(service.url, token=TOKEN, concurrency=1))
+    assert service.authorization[0] == f"Bearer {TOKEN}"
+    assert said in message
+    for fragment in ("51Hx", "r0ken", "sk-live"):
+        assert fragment not in message
+
+
+@pytest.mark.usefixtures("registry")
+def test_the_token_is_never_shown_in_a_retry_line(service: ScoringService) -> None:
+    service.reset("token_reason_503")
+    scores, out = score(scorer(service.url, token=TOKEN, batch_size=10))
+    assert scores == EXPECTED
+    assert "batch 0 (responses 0-9): HTTP 503 ***: '{}'; retrying in 0 s (attempt 2 of 4)" in out
+    assert "51Hx" not in out
+
+
+@pytest.mark.usefixtures("registry")
+def test_the_token_in_the_url_is_never_shown(
+    service: ScoringService, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = "pathtoken-0a1b2c3d"
+    url = service.url.replace("/score", f"/{token}/score")
+    shown = service.url.replace("/score", "/***/score")
+    scorer(url, token=token).probe("100=", "100")
+    assert capsys.readouterr().out.startswith(f"reward: remote verifier {shown} answered")
+    service.reset("404")
+    assert failure(scorer(url, token=token, concurrency=1)).startswith(
+        f"reward.remote.url='{shown}': batch 0"
+    )
+
+
+def test_the_first_batch_to_fail_for_good_is_the_stage_error(service: ScoringService) -> None:
+    # Batch 0 meets a 503 and waits to retry; only then does batch 1 meet a reply that is not
+    # JSON, which ends the stage and wakes batch 0, abandoned. Whichever of the two the
+    # stage sees first, batch 1's error is the stage's (it was a 1-in-2 race: ten rounds).
+    for _ in range(10):
+        waiting = threading.Event()
+
+        def choose(body: dict[str, Any], waiting: threading.Event = waiting) -> str:
+            if body["responses"][0] == RESPONSES[0]:
+                return "503"
+            assert waiting.wait(timeout=30)
+            return "malformed"
+
+        service.reset()
+        service.choose = choose
+        out = _Watched("retrying in", waiting)
+        remote = scorer(service.url, batch_size=5, max_retries=1, retry_backoff_s=60.0)
+        with pytest.raises(RemoteRewardError) as info:
+            remote.score(RESPONSES, ANSWERS, PROMPTS, stream=out)
+        assert "batch 1 (responses 5-9): the reply is not JSON" in str(info.value)
+        assert service.requests == 2, "batch 0 is not retried once the stage is over"
+
+
+class _Watched(io.StringIO):
+    """A console that sets ``event`` once a line with ``text`` is written to it."""
+
+    def __init__(self, text: str, event: threading.Event) -> None:
+        super().__init__()
+        self.text, self.event = text, event
+
+    def write(self, line: str) -> int:
+        written = super().write(line)
+        if self.text in line:
+            self.event.set()
+        return written
+
+
+@pytest.mark.parametrize(
+    ("reply", "said"),
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "the reply is nested too deeply to parse: '[[[["),
+        (b'{"scores": [0.5, NaN]}', "the reply is not JSON (NaN is not a JSON number)"),
+        (b'{"scores": [Infinity, 1]}', "the reply is not JSON (Infinity is not a JSON number)"),
+        (b'{"scores": [0.5, \xff]}', "the reply is not JSON ('utf-8' codec can't decode"),
+        (b'{"scores": [true, 1]}', "response 0 ('a') scored True; scores must be numbers"),
+        (b'{"scores": [1, ' + b"9" * 5000 + b"]}", "the reply is not JSON (Exceeds the limit"),
+    ],
+    ids=["deep", "nan", "infinity", "not-utf8", "bool", "huge-int"],
+)
+def test_a_pathological_reply_breaks_the_protocol(reply: bytes, said: str) -> None:
+    remote = scorer("http://127.0.0.1:9/score")
+    batch = remote_module._Batch(0, 0, ["a", "b"], ["p", "p"], ["x", "x"])
+    with pytest.raises(remote_module._Broken) as info:
+        remote._scores(reply, batch)
+    assert str(info.value).startswith(said)
+    assert "\n" not in str(info.value) and len(str(info.value)) < 400
 
 
 def test_the_token_comes_from_the_variable_auth_env_names(
@@ -180,7 +290,16 @@ def test_the_token_comes_from_the_variable_auth_env_names(
     with pytest.raises(UserError, match=r"^reward.remote.auth_env=SCORER_BEARER: the environment"):
         RemoteScorer.from_config(cfg)
     monkeypatch.setenv("SCORER_BEARER", "abc")
-    assert RemoteScorer.from_config(cfg)._headers["Authorization"] == "Bearer abc"
+    # A token that short could not be masked without garbling every message.
+    with pytest.raises(UserError) as info:
+        RemoteScorer.from_config(cfg)
+    assert str(info.value) == (
+        "reward.remote.auth_env=SCORER_BEARER: the token in the variable is 3 characters long; "
+        "at least 8 are needed (a shorter one could not be masked in messages without "
+        "garbling them)"
+    )
+    monkeypatch.setenv("SCORER_BEARER", "abcd1234")
+    assert RemoteScorer.from_config(cfg)._headers["Authorization"] == "Bearer abcd1234"
     assert RemoteScorer.from_config(RemoteRewardConfig()) is None
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from wandb_support import wandb_records, wandb_steps
 
+from verlite import redaction
 from verlite.errors import MissingExtraError, UserError
 from verlite.tracking import Tracker
 
@@ -55,6 +56,26 @@ def test_jsonl_writes_config_json_without_credentials(tmp_path: Path) -> None:
     assert [json.loads(line) for line in lines] == [
         {"step": i, **m} for i, m in enumerate(STEPS, 1)
     ]
+
+
+def test_no_logger_records_a_registered_secret(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A secret verlite read (a remote verifier's token) in a metric's name and in a config
+    # value that is no credential field (a URL's path, a run name).
+    monkeypatch.setattr(redaction, "_registered", set())
+    secret = "vt-9f8e7d6c5b"
+    redaction.register_secret(secret)
+    config = {**CONFIG, "reward": {"remote": {"url": f"http://scorer/{secret}/score"}}}
+    tracker = Tracker(["jsonl", "logline", "console"], output_dir=tmp_path, total_steps=1)
+    tracker.log_run_info(config, PLACEMENT)
+    tracker.log(1, {f"reward/{secret}/mean": 0.5, "critic/score/mean": 0.5})
+    tracker.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records == [{"step": 1, "reward/***/mean": 0.5, "critic/score/mean": 0.5}]
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["reward"]["remote"]["url"] == "http://scorer/***/score"
+    assert secret not in capsys.readouterr().out
 
 
 def test_jsonl_drops_a_torn_last_line_before_appending(tmp_path: Path) -> None:

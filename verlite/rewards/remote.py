@@ -17,7 +17,15 @@ is not JSON or not ``{"scores": [...]}``, another count of scores than of respon
 that is not a number in [0, 1]. Either way the step stops with a :class:`RemoteRewardError`
 (a run failure: exit 1, the checkpoints written so far stay valid) in one line naming the
 URL (without credentials), the batch and its responses, and the status or the value; after
-retries, how many attempts were made. A retry is said on the console when it is made.
+retries, how many attempts were made. A retry is said on the console when it is made. When
+batches in flight fail, the first to fail for good is the stage's error. A reply that is not
+plain JSON (``NaN`` or ``Infinity``, nested too deeply to parse, not UTF-8) breaks the
+protocol.
+
+The token. It is registered with :mod:`verlite.redaction` when read, so no message, console
+line or record shows it in any spelling (a service may echo it in its status line, its body
+or as a score); a token shorter than ``MIN_SECRET_LENGTH`` characters cannot be masked and
+is refused.
 
 Up to ``concurrency`` requests are in flight at once, in threads (the driver waits on the
 network). A scoring stage that takes long prints its progress, as ``scoring.py`` does.
@@ -42,12 +50,13 @@ from urllib.parse import urlsplit
 
 from verlite.config.schema import RemoteRewardConfig
 from verlite.errors import RunFailure, UserError, shown
-from verlite.redaction import redact_text
+from verlite.redaction import MIN_SECRET_LENGTH, redact_text, register_secret
 from verlite.rewards.scoring import PROGRESS_EVERY_S
 
 # A reply larger than this is no list of scores (64 MiB holds millions of them).
 MAX_REPLY_BYTES = 64 * 2**20
 _CHUNK_BYTES = 2**16
+_EXCERPT_BYTES = 300  # of a reply, quoted in a message
 
 
 class RemoteRewardError(RunFailure):
@@ -55,16 +64,41 @@ class RemoteRewardError(RunFailure):
     retries, or answered what a retry cannot mend."""
 
 
-class _Retryable(Exception):
+class _Failed(Exception):
+    """A failed request. Its message quotes what the service sent (a status line, a body, a
+    score), which may echo the token: masked here, before any retry line or error shows it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(redact_text(message))
+
+
+class _Retryable(_Failed):
     """A failed request that a retry may mend: no connection, too slow, HTTP 5xx or 429."""
 
 
-class _Broken(Exception):
+class _Broken(_Failed):
     """A reply that breaks the protocol: a retry would get the same."""
 
 
 class _Abandoned(Exception):
     """A batch given up because another one failed (whose error is the stage's)."""
+
+
+class _Stage:
+    """What the batches of one scoring stage share: ``stop``, set once a batch failed for
+    good (no request is sent or retried after that), and that first failure, recorded before
+    ``stop`` is set: a batch abandoned because of it can never be taken for the cause."""
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    def fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = error
+        self.stop.set()
 
 
 @dataclass(frozen=True)
@@ -98,11 +132,12 @@ class RemoteScorer:
             raise ValueError("RemoteScorer needs reward.remote.url")
         self.cfg = cfg
         self.url = cfg.url
+        if token is not None:
+            register_secret(token)
         # What messages show of the URL: its scheme, host, port and path, never a query's
-        # credentials (``?key=...``).
+        # credentials (``?key=...``) nor the token (a path may hold it).
         parts = urlsplit(cfg.url)
-        self.shown_url = f"{parts.scheme}://{parts.netloc}{parts.path}"
-        self._token = token
+        self.shown_url = redact_text(f"{parts.scheme}://{parts.netloc}{parts.path}")
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
@@ -117,12 +152,18 @@ class RemoteScorer:
         token = None
         if cfg.auth_env is not None:
             token = os.environ.get(cfg.auth_env) or None
+            # Named only when it looks like a variable's name: a pasted token may not.
+            name = f"={cfg.auth_env}" if _CONVENTIONAL_NAME.fullmatch(cfg.auth_env) else ""
             if token is None:
-                # Named only when it looks like a variable's name: a pasted token may not.
-                name = f"={cfg.auth_env}" if _CONVENTIONAL_NAME.fullmatch(cfg.auth_env) else ""
                 raise UserError(
                     f"reward.remote.auth_env{name}: the environment variable is not set or is "
                     "empty in this process; export it with the service's token"
+                )
+            if len(token) < MIN_SECRET_LENGTH:
+                raise UserError(
+                    f"reward.remote.auth_env{name}: the token in the variable is {len(token)} "
+                    f"characters long; at least {MIN_SECRET_LENGTH} are needed (a shorter one "
+                    "could not be masked in messages without garbling them)"
                 )
         return cls(cfg, token=token)
 
@@ -134,7 +175,7 @@ class RemoteScorer:
         started = time.monotonic()
         try:
             self._post(_Batch(0, 0, ("",), (prompt,), (answer,)))
-        except (_Retryable, _Broken) as exc:
+        except _Failed as exc:
             raise UserError(
                 f"reward.remote.url={shown(self.shown_url)}: the start-up probe (one request "
                 f"scoring an empty response to the first training prompt) failed: {exc}; start "
@@ -175,32 +216,35 @@ class RemoteScorer:
         ]
         if not batches:
             return []
-        stop = threading.Event()  # set once the stage is over: no more retries
+        stage = _Stage()
         pool = ThreadPoolExecutor(
             max_workers=min(self.cfg.concurrency, len(batches)), thread_name_prefix="reward"
         )
         try:
-            futures = [pool.submit(self._score_batch, batch, stop, out) for batch in batches]
-            self._wait(futures, out, total=len(responses))
+            futures = [pool.submit(self._score_batch, batch, stage, out) for batch in batches]
+            self._wait(futures, stage, out, total=len(responses))
         finally:
-            stop.set()
+            stage.stop.set()  # the stage is over: no more retries
             # Requests still in flight after a failure end within timeout_s on their own.
             pool.shutdown(wait=False, cancel_futures=True)
         return [score for future in futures for score in future.result()]
 
-    def _wait(self, futures: list[Future[list[float]]], out: TextIO, *, total: int) -> None:
-        """Until every batch is scored; a failed batch's error (the lowest index among those
-        failed so far) stops the stage at once."""
+    def _wait(
+        self, futures: list[Future[list[float]]], stage: _Stage, out: TextIO, *, total: int
+    ) -> None:
+        """Until every batch is scored; the first batch that failed for good stops the stage
+        at once with its error."""
         started = time.monotonic()
         next_report = started + PROGRESS_EVERY_S
         pending: set[Future[list[float]]] = set(futures)
         while pending:
             timeout = max(next_report - time.monotonic(), 0.0)
             _, pending = wait(pending, timeout=timeout, return_when=FIRST_EXCEPTION)
-            # The lowest failed batch's error (anything but a RemoteRewardError is a bug).
-            for future in futures:
-                if future.done() and (error := future.exception()) is not None:
-                    raise error
+            # A batch that raised recorded its error first, or was abandoned because of one
+            # recorded (anything but a RemoteRewardError is a bug).
+            if any(future.done() and future.exception() is not None for future in futures):
+                assert stage.error is not None
+                raise stage.error
             now = time.monotonic()
             if pending and now >= next_report:
                 done = [f for f in futures if f.done()]
@@ -213,9 +257,18 @@ class RemoteScorer:
                 )
                 next_report = now + PROGRESS_EVERY_S
 
-    def _score_batch(self, batch: _Batch, stop: threading.Event, out: TextIO) -> list[float]:
-        """The batch's scores, retried as the module docstring says. A batch that fails sets
-        ``stop``: no request of the stage is sent or retried after that."""
+    def _score_batch(self, batch: _Batch, stage: _Stage, out: TextIO) -> list[float]:
+        """The batch's scores, or the stage failed with its error (:meth:`_Stage.fail`)."""
+        try:
+            return self._retried(batch, stage.stop, out)
+        except _Abandoned:
+            raise
+        except BaseException as exc:
+            stage.fail(exc)
+            raise
+
+    def _retried(self, batch: _Batch, stop: threading.Event, out: TextIO) -> list[float]:
+        """The batch's scores, retried as the module docstring says until ``stop``."""
         attempts = self.cfg.max_retries + 1
         where = f"reward.remote.url={shown(self.shown_url)}: {batch.where}"
         for attempt in range(1, attempts + 1):
@@ -224,11 +277,9 @@ class RemoteScorer:
             try:
                 return self._post(batch)
             except _Broken as exc:
-                stop.set()
                 raise RemoteRewardError(f"{where}: {exc} (not retried)") from None
             except _Retryable as exc:
                 if attempt == attempts:
-                    stop.set()
                     raise RemoteRewardError(
                         f"{where}: {exc}, after {attempt} attempt(s) (reward.remote.max_retries="
                         f"{self.cfg.max_retries}); the service stays down or failing: once it "
@@ -260,7 +311,7 @@ class RemoteScorer:
             with self._opener.open(request, timeout=timeout_s) as reply:
                 raw = _read_until(reply, deadline)
         except urllib.error.HTTPError as exc:
-            status = f"HTTP {exc.code} {exc.reason}{self._excerpt(_body_of(exc))}"
+            status = f"HTTP {exc.code} {exc.reason}{_excerpt(_body_of(exc))}"
             if exc.code == 429 or exc.code >= 500:
                 raise _Retryable(status) from None
             raise _Broken(status) from None
@@ -275,12 +326,14 @@ class RemoteScorer:
 
     def _scores(self, raw: bytes, batch: _Batch) -> list[float]:
         try:
-            reply = json.loads(raw)
+            reply = json.loads(raw, parse_constant=_not_json)
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError alike
-            raise _Broken(f"the reply is not JSON ({exc}){self._excerpt(raw)}") from None
+            raise _Broken(f"the reply is not JSON ({exc}){_excerpt(raw)}") from None
+        except RecursionError:
+            raise _Broken(f"the reply is nested too deeply to parse{_excerpt(raw)}") from None
         scores = reply.get("scores") if isinstance(reply, dict) else None
         if not isinstance(scores, list):
-            raise _Broken(f'the reply is not {{"scores": [...]}}{self._excerpt(raw)}')
+            raise _Broken(f'the reply is not {{"scores": [...]}}{_excerpt(raw)}')
         if len(scores) != len(batch.responses):
             raise _Broken(
                 f"the reply holds {len(scores)} scores for the batch's "
@@ -295,14 +348,22 @@ class RemoteScorer:
                 )
         return [float(score) for score in scores]
 
-    def _excerpt(self, raw: bytes) -> str:
-        """The start of a reply, for a message: one line, the token masked."""
-        text = " ".join(raw[:300].decode("utf-8", "replace").split())
-        return f": {shown(redact_text(text, [self._token or '']), 160)}" if text else ""
-
 
 # Environment variables are conventionally named in capitals; a token rarely is.
 _CONVENTIONAL_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def _not_json(constant: str) -> float:
+    # Python's json reads NaN, Infinity and -Infinity; JSON has no such numbers.
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _excerpt(raw: bytes) -> str:
+    """The start of a reply, for a message: one line, credentials masked, the start of one
+    too where the reply is cut (an error's body is read up to ``_EXCERPT_BYTES``)."""
+    text = " ".join(raw[:_EXCERPT_BYTES].decode("utf-8", "replace").split())
+    text = redact_text(text, cut=len(raw) >= _EXCERPT_BYTES)
+    return f": {shown(text, 160)}" if text else ""
 
 
 def _read_until(reply: http.client.HTTPResponse, deadline: float) -> bytes:
@@ -321,7 +382,7 @@ def _read_until(reply: http.client.HTTPResponse, deadline: float) -> bytes:
 
 def _body_of(error: urllib.error.HTTPError) -> bytes:
     try:
-        return error.read(300)
+        return error.read(_EXCERPT_BYTES)
     except (OSError, http.client.HTTPException):
         return b""
 

@@ -1,0 +1,289 @@
+"""The masking rules of verlite/redaction.py, one test each, and the sinks that apply them:
+the process's streams and log records under ``redacted_output``, error messages, ``shown``,
+config records and the job command line's check."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from checkpoint_support import fake_checkpoint
+
+from verlite import redaction, report
+from verlite.checkpoint import check_resumable
+from verlite.cli import main
+from verlite.errors import RunFailure, UserError, shown
+from verlite.redaction import (
+    carries_secret,
+    redact_config,
+    redact_text,
+    redacted_output,
+    register_secret,
+)
+
+SECRET = "sk-live/51Hx+q'\"<&>z=="  # every spelling of it differs: quotes, slash, plus, HTML
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    # A fresh registry per test: secrets registered here mask nothing in other tests.
+    fresh: set[str] = set()
+    monkeypatch.setattr(redaction, "_registered", fresh)
+    return fresh
+
+
+def test_a_registered_secret_is_masked_whatever_holds_it() -> None:
+    assert redact_text(f"scored {SECRET}!") == f"scored {SECRET}!"
+    register_secret(SECRET)
+    assert redact_text(f"scored {SECRET}!") == "scored ***!"
+
+
+def test_a_secret_shorter_than_the_minimum_is_refused() -> None:
+    with pytest.raises(ValueError, match="shorter than 8 characters"):
+        register_secret("abc1234")
+    register_secret("abcd1234")
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        repr(SECRET)[1:-1],
+        json.dumps(SECRET)[1:-1],
+        quote(SECRET, safe=""),
+        quote(SECRET),
+        "sk-live/51Hx+q&#x27;&quot;&lt;&amp;&gt;z==",
+        "sk-live/51Hx+q'\"&lt;&amp;&gt;z==",
+        "SK-LIVE/51HX+Q'\"<&>Z==",
+        "sk-live%2f51hx%2bq%27%22%3c%26%3ez%3d%3d",
+    ],
+    ids=["repr", "json", "url", "url-path", "html", "html-text", "upper", "url-lower"],
+)
+def test_every_spelling_of_a_secret_is_masked(spelling: str) -> None:
+    register_secret(SECRET)
+    assert redact_text(f"[{spelling}]") == "[***]"
+
+
+def test_a_secret_beyond_ascii_is_masked_as_repr_and_ascii_spell_it() -> None:
+    secret = "tökén\\51Hx"  # repr() doubles the backslash; ascii() escapes the rest too
+    register_secret(secret)
+    assert redact_text("[tökén\\\\51Hx] [t\\xf6k\\xe9n\\\\51Hx]") == "[***] [***]"
+
+
+def test_a_secret_that_holds_another_is_masked_whole() -> None:
+    register_secret("abcdefgh")
+    register_secret("abcdefgh-ijklmnop")
+    assert redact_text("[abcdefgh-ijklmnop] [abcdefgh]") == "[***] [***]"
+
+
+def test_the_start_of_a_secret_at_the_end_of_a_cut_text_is_masked() -> None:
+    register_secret(SECRET)
+    assert redact_text(f"body: {SECRET[:6]}", cut=True) == "body: ***"
+    # Not cut: a word that starts like the secret is a word.
+    assert redact_text(f"body: {SECRET[:6]}") == f"body: {SECRET[:6]}"
+    assert redact_text(f"body: {SECRET[:3]}", cut=True) == f"body: {SECRET[:3]}"
+
+
+def test_credential_named_environment_variables_are_masked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MY_SERVICE_API_KEY", "envsecret-42-value")
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")  # a switch, too short to mask
+    assert redact_text("key envsecret-42-value, 1 step") == "key ***, 1 step"
+
+
+def test_secrets_given_by_the_caller_are_masked() -> None:
+    assert redact_text("ray token rt-0123456789", ["rt-0123456789"]) == "ray token ***"
+
+
+def test_an_authorization_header_is_masked() -> None:
+    assert redact_text("echo: Authorization: Basic dXNlcjpwYXNz") == "echo: Authorization: ***"
+    assert redact_text("x-ray-authorization=abcdef123") == "x-ray-authorization=***"
+
+
+def test_a_bare_bearer_token_is_masked() -> None:
+    assert redact_text("sent bearer opaque-token-1234 twice") == "sent bearer *** twice"
+
+
+def test_url_credentials_are_masked() -> None:
+    assert redact_text("at https://me:pw@mlflow.internal/x") == "at https://***@mlflow.internal/x"
+
+
+def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
+    register_secret(SECRET)
+    config = {"wandb": {"api_key": "k", "run_name": f"run-{SECRET}"}, "steps": 3, "none": None}
+    assert redact_config(config) == {
+        "wandb": {"api_key": "***", "run_name": "run-***"},
+        "steps": 3,
+        "none": None,
+    }
+
+
+def test_a_command_line_setting_that_holds_a_known_secret_carries_one() -> None:
+    register_secret(SECRET)
+    assert carries_secret("wandb.run_name", f"x{SECRET}")
+    assert not carries_secret("wandb.run_name", "x")
+    assert carries_secret("trainer.mlflow_tracking_uri", "http://u:p@host")
+
+
+def test_error_messages_and_quoted_values_are_masked() -> None:
+    register_secret(SECRET)
+    assert SECRET not in str(UserError(f"bad {SECRET}"))
+    assert SECRET not in str(RunFailure(f"failed: {SECRET}"))
+    # Masked before the middle of a long value is cut out: no part of it on either side.
+    quoted = shown("a" * 52 + SECRET + "b" * 60, 120)
+    assert "***" in quoted and "51Hx" not in quoted and "sk-" not in quoted
+
+
+def test_lines_written_in_pieces_are_masked_on_the_streams(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    register_secret(SECRET)
+    with redacted_output():
+        sys.stdout.write(SECRET[:5])
+        print(SECRET[5:], "done")
+        print(f"\r{SECRET} 1/2", end="", file=sys.stderr)
+        sys.stderr.flush()
+    out, err = capfd.readouterr()
+    assert out == "*** done\n"
+    assert err == "\r*** 1/2"
+    assert not isinstance(sys.stdout, redaction._RedactedStream), "the streams are restored"
+
+
+def test_log_records_are_masked(caplog: pytest.LogCaptureFixture) -> None:
+    register_secret(SECRET)
+    stream = io.StringIO()
+    logger = logging.getLogger("verlite.test_redaction")
+    with redacted_output(), caplog.at_level(logging.INFO):
+        logger.info("token %s", SECRET)
+        try:
+            raise RuntimeError(f"server said {SECRET}")
+        except RuntimeError:
+            logger.exception("failed")
+        handler = logging.StreamHandler(stream)
+        handler.setFormatter(logging.Formatter())
+        for record in caplog.records:
+            handler.handle(record)
+    text = stream.getvalue()
+    assert "token ***" in text and "server said ***" in text
+    assert SECRET not in text
+
+
+def test_what_log_handlers_made_before_write_is_masked(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # A handler made before, on the stream of then (as Ray's are, at its import).
+    register_secret(SECRET)
+    handler = logging.StreamHandler(sys.stderr)
+    loggers = [logging.getLogger(f"verlite.test_redaction.{n}") for n in ("a", "b")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        with redacted_output():
+            loggers[0].warning("a %s", SECRET)
+            loggers[1].warning("b %s", SECRET)
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert err == "a ***\nb ***\n"
+
+
+def test_a_log_call_whose_arguments_do_not_fit_its_message_still_logs() -> None:
+    # Reported by the handler when it emits, as without masking; not raised at the call.
+    make = redaction._redacted_record_factory(logging.LogRecord)
+    record = make("verlite.x", logging.WARNING, __file__, 1, "b %s %s", ("one",), None)
+    assert (record.msg, record.args) == ("b %s %s", ("one",))
+
+
+def test_a_secret_in_the_config_is_no_change_to_a_resumed_run(tmp_path: Path) -> None:
+    # The checkpoint holds the config masked (as the trainer saves it): "***" is no change.
+    register_secret(SECRET)
+    config = {
+        "trainer": {"mlflow_tracking_uri": "http://me:pw@mlflow:5000"},
+        "reward": {"remote": {"url": f"http://scorer/{SECRET}/score"}},
+    }
+    checkpoint = fake_checkpoint(tmp_path, 1, ["actor"], config=redact_config(config))
+    assert check_resumable(checkpoint, config=config, roles=["actor"], total_steps=2) == []
+
+
+def test_masking_twice_is_masking_once() -> None:
+    # A message is masked where it is made and again on its way out: a credential ends at
+    # a space or a quote, and a masked one is left as it is.
+    text = "said 'Authorization: Basic dXNlcjpwYXNz then more' and 'bearer abc-123-xyz'"
+    once = redact_text(text)
+    assert once == "said 'Authorization: *** then more' and 'bearer ***'"
+    assert redact_text(once) == once
+
+
+def test_every_line_a_command_prints_is_masked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `verlite metrics` prints the metric names a metrics.jsonl holds, whoever wrote it.
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    records = [{"step": s, "reward/envsecret-42-value/mean": 0.5} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["metrics", str(tmp_path), "--keys", "reward/*"]) == 0
+    out, err = capfd.readouterr()
+    assert "reward/***/mean" in out
+    assert "envsecret" not in out + err
+
+
+def test_a_bug_s_traceback_is_masked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Not a UserError or RunFailure: the traceback is printed, masked, and the status is 1.
+    def bug(args: object) -> int:
+        raise KeyError(f"no field envsecret-42-value in {args!r}")
+
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    monkeypatch.setattr(report, "cmd_metrics", bug)
+    assert main(["metrics", str(tmp_path)]) == 1
+    out, err = capfd.readouterr()
+    assert "Traceback (most recent call last)" in err and 'KeyError: "no field *** in' in err
+    assert "envsecret" not in out + err
+
+
+def test_what_a_run_of_the_python_api_prints_is_masked(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import verlite
+    import verlite.run
+
+    def run(cfg: object) -> Path:
+        print("step 1 scored by envsecret-42-value")
+        return tmp_path
+
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    monkeypatch.setattr(verlite.run, "train", run)
+    assert verlite.train("configs/ppo_tiny.yaml", [f"trainer.output_dir={tmp_path}"]) == tmp_path
+    assert capfd.readouterr().out == "step 1 scored by ***\n"
+
+
+def test_lines_ray_forwards_from_workers_are_masked(
+    local_ray: object, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    # A credential-named variable of the driver; the worker prints its value.
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
+    seen = ""
+    with redacted_output():
+        ray.get(say.remote("worker says envsecret-42-value"))
+        # Ray forwards a worker's lines to the driver in the background: wait for this one.
+        deadline = time.monotonic() + 60
+        while "worker says" not in seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+            out, err = capfd.readouterr()
+            seen += out + err
+    assert "worker says ***" in seen
+    assert "envsecret" not in seen

@@ -162,7 +162,7 @@ class RunInputs:
     @classmethod
     def load(cls, cfg: Config) -> RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
-        check_tokenizer_fits(cfg.model, len(tokenizer))
+        check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)

@@ -26,6 +26,7 @@ from verlite.config import Config
 from verlite.controller import (
     WorkerGroup,
     WorkerGroupError,
+    check_device,
     check_fits_machine,
     check_fits_session,
     ray_session,
@@ -197,6 +198,8 @@ def train(cfg: Config) -> Path:
         return run(cfg, RunInputs.load(cfg))
     if cfg.trainer.ray_address is None:
         check_fits_machine(cfg)
+    else:
+        check_device(cfg)  # the cluster's GPUs are not known before it is reached
     inputs = RunInputs.load(cfg)
     with ray_session(cfg.trainer.ray_address):
         return run(cfg, inputs)

@@ -178,7 +178,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         (
             "small_vocab",
             [],
-            "reward.model.path='{path}': its tokenizer has 22 tokens but the model's "
+            "reward.model.path='{path}': its tokenizer has 62 tokens but the model's "
             "vocabulary holds 8 (config.json vocab_size)",
         ),
         (

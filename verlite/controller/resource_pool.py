@@ -328,7 +328,7 @@ def check_device(cfg: Config, *, gpus: float | None = None, where: str = "") -> 
     a GPU in every worker: refused before Ray, naming the field, when ``where`` has no GPU
     (``gpus``; None: not known here, a cluster's) or a pool gives its workers none (Ray would
     hide every GPU from them, and the first ``.to("cuda")`` would fail inside a worker)."""
-    if cfg.model.device == cfg.model.device:
+    if cfg.model.device != "cuda":
         return
     if gpus is not None and gpus < 1:
         raise ClusterTooSmall(

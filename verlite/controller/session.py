@@ -22,6 +22,9 @@ CONNECT_TIMEOUT_S = 5.0
 JOIN_TIMEOUT_S = 30.0
 # Named actors (``verlite:<run_id>:<group>:<rank>``) are looked up in this namespace.
 NAMESPACE = "verlite"
+# Ray's notes at ray.init that are not the run's business on its console (that token
+# authentication is on: the cluster's setting, not a problem of the run).
+CHATTY_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 
 
 def _is_loopback(address: str) -> bool:
@@ -117,6 +120,8 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     # sets to raise SystemExit) stops the run between two statements. Read at ray.init;
     # workers keep theirs.
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if address is None:
         with _keep_loopback():
             ray.init(

@@ -29,6 +29,7 @@ from verlite.controller import (
     check_device,
     check_fits_machine,
     check_fits_session,
+    lost_embedded_node,
     ray_session,
     run_pools,
     write_placement_report,
@@ -127,6 +128,12 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
             except WorkerGroupError as err:
                 if not err.lost:
                     raise
+                if (gone := lost_embedded_node()) is not None:
+                    raise RunFailure(
+                        f"the embedded Ray's node is gone (its {gone} exited), so nothing can "
+                        f"restart in it: {err}; a new `verlite train` with trainer.resume=auto "
+                        "continues from the latest checkpoint"
+                    ) from err
                 if restarts == limit:
                     if not limit:
                         raise

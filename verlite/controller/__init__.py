@@ -14,7 +14,7 @@ from verlite.controller.resource_pool import (
     check_fits_session,
     run_pools,
 )
-from verlite.controller.session import ray_session, start_ray, stop_ray
+from verlite.controller.session import lost_embedded_node, ray_session, start_ray, stop_ray
 from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
@@ -33,6 +33,7 @@ __all__ = [
     "check_device",
     "check_fits_machine",
     "check_fits_session",
+    "lost_embedded_node",
     "ray_session",
     "run_pools",
     "start_ray",

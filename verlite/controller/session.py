@@ -170,6 +170,23 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
             ) from None
 
 
+def lost_embedded_node() -> str | None:
+    """When this process started its Ray session (embedded) and a process its only node
+    cannot run without has exited: which ("raylet (exit code -9)"). No worker can be placed
+    in that session again. None while they run, and for a session joined elsewhere (this
+    process started none of its processes)."""
+    node = ray._private.worker._global_node
+    if node is None:
+        return None
+    vital = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
+    dead = [
+        f"{kind} (exit code {process.returncode})"
+        for kind, process in node.dead_processes()
+        if kind in vital
+    ]
+    return ", ".join(dead) or None
+
+
 def stop_ray() -> None:
     """Disconnect from Ray, stopping the embedded Ray if this process started one."""
     ray.shutdown()

@@ -15,13 +15,16 @@ from verlite.data.tokenizer import CHARACTERS, build_task_tokenizer
 MAX_POSITIONS = 64
 
 
-def save_tiny_reward_model(folder: Path, *, num_labels: int = 1, seed: int = 0) -> Path:
+def save_tiny_reward_model(
+    folder: Path, *, num_labels: int = 1, seed: int = 0, vocab_size: int | None = None
+) -> Path:
     """A 2-layer LlamaForSequenceClassification and its tokenizer in ``folder``; the score
-    head is scaled up so that scores spread over (0, 1) rather than sit at 0.5."""
+    head is scaled up so that scores spread over (0, 1) rather than sit at 0.5. The
+    vocabulary is the tokenizer's size unless ``vocab_size`` says otherwise."""
     # Reversed characters: the same text has other ids than under the policy's tokenizer.
     tokenizer = build_task_tokenizer(CHARACTERS[::-1])
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size or len(tokenizer),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,

@@ -11,6 +11,9 @@ import torch
 from checkpoint_support import fake_checkpoint
 
 from verlite.cli import main
+from verlite.config import load_config
+from verlite.controller import check_device
+from verlite.errors import UserError
 
 CONFIG = "configs/ppo_tiny.yaml"
 
@@ -78,6 +81,8 @@ BAD_OVERRIDES = [
         ],
         "trainer.nnodes=2, but ",  # an embedded Ray of one node, or the suite's open one
     ),
+    # no GPU here (or in the suite's open Ray), or, with one, workers given none
+    (["model.device=cuda"], "model.device=cuda, but "),
     (
         ["reward.remote.url=https://scorer/score?api_key=hunter22"],
         # the CLI masks credentials in every message: this one must survive it whole
@@ -162,6 +167,29 @@ BAD_OVERRIDES = [
         "by its environment; unset one of them",
     ),
 ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pools"),
+    [
+        ([], "actor+critic"),
+        (["reward.model.path=configs", "rollout.placement=split"], "actor+critic+reward, rollout"),
+    ],
+)
+def test_cuda_workers_without_a_gpu_are_refused_whatever_the_cluster(
+    overrides: list[str], pools: str
+) -> None:
+    """On a cluster (its GPUs unknown before it is reached) the workers' own bundles must hold
+    a GPU for model.device=cuda: every role's, the reward model's and the rollout's too."""
+    cfg = load_config(CONFIG, ["model.device=cuda", *overrides])
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            f"model.device=cuda, but the {pools} workers are given no GPU (trainer.gpus_per_worker=0"
+        ),
+    ):
+        check_device(cfg)
+    check_device(load_config(CONFIG, ["model.device=cuda", "trainer.gpus_per_worker=1"]))
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

@@ -3,6 +3,8 @@ over a run it could continue, and never reads and writes the same paths."""
 
 from __future__ import annotations
 
+import errno
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +245,131 @@ def test_files_that_appear_before_the_hold_is_taken_are_judged_again(
     assert [p.name for p in out.iterdir()] == [LOCK_FILE]
     (moved,) = tmp_path.glob("run.replaced-*")
     assert [p.name for p in moved.iterdir()] == ["metrics.jsonl"]
+
+
+def test_a_lock_file_that_is_a_link_is_neither_followed_nor_taken_for_a_lock(
+    tmp_path: Path,
+) -> None:
+    """A link named .verlite-lock is someone's: its target is never truncated, and a folder
+    holding only such a link is not empty."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    for target in (victim, tmp_path / "missing"):  # a dangling link must not create its target
+        out = tmp_path / f"run-{target.name}"
+        out.mkdir()
+        (out / LOCK_FILE).symlink_to(target)
+        with pytest.raises(ConfigError, match=r"is not empty \(it holds \.verlite-lock\)"):
+            prepare_output_folder(config(out))
+        with pytest.raises(ConfigError, match=r"\.verlite-lock' is a symbolic link, not a lock"):
+            prepare_output_folder(config(out, "trainer.overwrite=true"))
+        with pytest.raises(ConfigError, match="is a symbolic link, not a lock file"):
+            FolderLock.take(out)
+        assert (out / LOCK_FILE).is_symlink() and not list(tmp_path.glob("run-*.replaced-*"))
+    assert victim.read_text() == "precious" and not (tmp_path / "missing").exists()
+
+
+def files_under(folder: Path) -> dict[str, str]:
+    files = (p for p in folder.rglob("*") if p.is_file() and p.name != LOCK_FILE)
+    return {str(p.relative_to(folder)): p.read_text() for p in files}
+
+
+def theirs_with_a_subfolder(real: Path) -> dict[str, str]:
+    files = someones_files(real)
+    (real / "sub").mkdir()
+    (real / "sub" / "deep.txt").write_text("deep")
+    return {**files, "sub/deep.txt": "deep"}
+
+
+@pytest.mark.parametrize(
+    ("spelled", "cwd"),
+    [
+        ("{tmp}/links/link", "{tmp}"),  # through a symbolic link
+        ("links/link/", "{tmp}"),  # relative, with a trailing slash
+        ("{tmp}/links/../real", "{tmp}"),
+        ("{real}/sub/..", "{tmp}"),
+        (".", "{real}"),  # the current folder
+        ("..", "{real}/sub"),
+    ],
+)
+def test_an_unusual_path_to_the_folder_moves_it_aside_beside_the_real_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spelled: str, cwd: str
+) -> None:
+    real = tmp_path / "real"
+    files = theirs_with_a_subfolder(real)
+    (tmp_path / "links").mkdir()
+    (tmp_path / "links" / "link").symlink_to(real)
+    monkeypatch.chdir(cwd.format(tmp=tmp_path, real=real))
+    out = spelled.format(tmp=tmp_path, real=real)
+    assert prepare_output_folder(config(Path(out), "trainer.overwrite=true")) is None
+    assert [p.name for p in real.iterdir()] == [LOCK_FILE]
+    (moved,) = [p for p in tmp_path.rglob("*.replaced-*")]
+    assert moved.parent == tmp_path and moved.name.startswith("real.replaced-")
+    assert files_under(moved) == files
+    assert (tmp_path / "links" / "link").resolve() == real  # the link itself is not touched
+
+
+def test_a_link_loop_or_the_root_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(ConfigError, match=r"trainer.output_dir='.*/a/run' is a symbolic link loop"):
+        prepare_output_folder(config(tmp_path / "a" / "run"))
+    with pytest.raises(ConfigError, match="is the file system's root"):
+        prepare_output_folder(config(Path("/")))
+
+
+def test_an_aside_folder_by_that_name_is_never_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(output_folder.time, "strftime", lambda *_: "STAMP")
+    out = tmp_path / "theirs"
+    files = someones_files(out)
+    (tmp_path / "theirs.replaced-STAMP").mkdir()
+    (tmp_path / "theirs.replaced-STAMP" / "older.txt").write_text("older")
+    (tmp_path / "theirs.replaced-STAMP-2").symlink_to(tmp_path / "nowhere")
+    assert prepare_output_folder(config(out, "trainer.overwrite=true")) is None
+    assert files_under(tmp_path / "theirs.replaced-STAMP-3") == files
+    assert files_under(tmp_path / "theirs.replaced-STAMP") == {"older.txt": "older"}
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_read_only_entries_are_moved_aside(tmp_path: Path) -> None:
+    out = tmp_path / "theirs"
+    files = theirs_with_a_subfolder(out)
+    (out / "notes.txt").chmod(0o444)
+    (out / "sub").chmod(0o555)
+    assert prepare_output_folder(config(out, "trainer.overwrite=true")) is None
+    (moved,) = tmp_path.glob("theirs.replaced-*")
+    assert files_under(moved) == files
+
+
+@pytest.mark.parametrize("back_fails", [False, True])
+def test_a_move_aside_that_fails_part_way_is_undone_or_says_what_is_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, back_fails: bool
+) -> None:
+    """A cross-device (or refused) move of one entry: what was moved before goes back, and
+    the line says where anything is that could not."""
+    out = tmp_path / "theirs"
+    files = theirs_with_a_subfolder(out)
+    rename = os.rename
+
+    def across_devices(src: Path, dst: Path) -> None:
+        if Path(src).name == "notes.txt" or (back_fails and Path(dst).parent == out):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", across_devices)
+    with pytest.raises(ConfigError) as err:
+        prepare_output_folder(config(out, "trainer.overwrite=true"))
+    said = str(err.value)
+    assert f"cannot move '{out / 'notes.txt'}' aside to " in said
+    assert "Invalid cross-device link" in said and "\n" not in said
+    if back_fails:
+        (moved,) = tmp_path.glob("theirs.replaced-*")
+        assert f"1 entries could not be moved back and are in '{moved}': config.json" in said
+        assert files_under(moved) == {"config.json": files["config.json"]}
+        monkeypatch.undo()
+        os.rename(moved / "config.json", out / "config.json")
+    else:
+        assert f"nothing was moved ('{out}' is as it was)" in said
+        assert not list(tmp_path.glob("theirs.replaced-*"))
+    assert files_under(out) == files

@@ -4,8 +4,9 @@
 
     actor/, critic/        each worker group's model + optimizer (DCP, one shard per rank),
                            LR schedule, and one RNG file per rank
-    trainer_state.json     the driver's state: step, data position, KL coefficient, and
-                           the model settings the weights were built with
+    trainer_state.json     the driver's state: step, data position, KL coefficient, the
+                           settings the weights were built with, and the identity of the
+                           base model's weight files (``model.path``; ``base_weights``)
 
 A checkpoint is written into ``step_N.tmp/`` and renamed to ``step_N`` only when complete,
 so a crash while saving leaves the previous checkpoint valid and the partial one ignored
@@ -23,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from verlite.base_weights import differences
 from verlite.errors import UserError
 from verlite.redaction import redact_config
 
@@ -103,8 +105,10 @@ def check_resumable(
     path: Path, *, config: Mapping[str, Any], roles: Sequence[str], total_steps: int
 ) -> list[str]:
     """Before any worker starts: the checkpoint holds complete weights for every role, a step
-    the run has not passed, and was written under settings this run may continue. Returns
-    the settings that changed but may ("actor.optim.lr: 0.001 -> 0.0005")."""
+    the run has not passed, and was written under settings this run may continue, over the
+    base weights ``model.path`` still holds (the reference policy and a LoRA policy's base
+    are loaded from there, not from the checkpoint). Returns the settings that changed but
+    may ("actor.optim.lr: 0.001 -> 0.0005")."""
     state = read_trainer_state(path)
     step = int(state["step"])
     if step > total_steps:
@@ -138,6 +142,16 @@ def check_resumable(
     for role in roles:
         if (path / role / "schedule.json").is_file():
             _json_file(path / role / "schedule.json")
+    base, recorded = here.get("model.path"), state.get("base_weights")
+    if (
+        base is not None
+        and isinstance(recorded, dict)
+        and (changed_base := differences(recorded, base))
+    ):
+        blocking.append(
+            f"model.path={base!r} no longer holds the base weights it was trained over "
+            f"({', '.join(changed_base)})"
+        )
     if blocking or missing or incomplete:
         problems = blocking + [f"no {role} weights" for role in missing] + incomplete
         raise CheckpointError(

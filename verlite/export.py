@@ -73,8 +73,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out}: exists and is not an empty folder; name a new folder")
     from transformers import AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
     from verlite.models.lora import merge_adapter
+
+    transformers_logging.disable_progress_bar()  # the command says what it wrote, in one line
 
     merge_adapter(policy, out)
     AutoTokenizer.from_pretrained(str(policy)).save_pretrained(str(out))

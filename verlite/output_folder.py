@@ -15,14 +15,23 @@ Before Ray starts, the folder is one of:
 
 A run holds its folder while it runs (:class:`FolderLock`): a second run into a folder in
 use is refused, whatever ``trainer.overwrite`` says, so two runs (jobs submitted at once with
-one config) never write into one folder.
+one config) never write into one folder. The lock file is only ever a regular file verlite
+made: a link or anything else by that name is someone's, never followed or truncated, and
+counts as contents.
+
+The folder is judged, held and moved aside by its resolved path (links, ``.`` and ``..``
+gone), so the aside folder is a sibling of the real folder, on its file system. A move aside
+that fails part-way moves back what it moved; the one line says what is where if even that
+fails.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import socket
+import stat
 import time
 from pathlib import Path
 from typing import IO
@@ -54,9 +63,16 @@ class FolderLock:
         another run holds it."""
         path = out / LOCK_FILE
         try:
-            file = path.open("a+")
+            # Never through a link: its target (someone's file) would be locked and truncated.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _not_a_lock_file(path, "a symbolic link") from None
             raise ConfigError(f"cannot create {shown(str(path))}: {exc.strerror or exc}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO or device by that name
+            os.close(fd)
+            raise _not_a_lock_file(path, "not a regular file")
+        file = os.fdopen(fd, "r+")
         try:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -88,21 +104,58 @@ class FolderLock:
     __del__ = release
 
 
+def _not_a_lock_file(path: Path, what: str) -> ConfigError:
+    return ConfigError(
+        f"{shown(str(path))} is {what}, not a lock file verlite made; it is left as it is: "
+        "move it away, or choose another trainer.output_dir"
+    )
+
+
+def _is_lock_file(path: Path) -> bool:
+    """Whether ``path`` (a folder's entry) is a run's lock file: a regular file (not a link to
+    one) named ``.verlite-lock``. Anything else by that name is contents."""
+    if path.name != LOCK_FILE:
+        return False
+    try:
+        return stat.S_ISREG(path.lstat().st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def resolved_output_dir(cfg: Config) -> Path:
+    """``trainer.output_dir`` with links, ``.`` and ``..`` resolved: the one place the run's
+    checks, hold and moves name (a relative path is the current folder's). A one-line user
+    error for a link loop, a name the file system refuses, or the file system's root."""
+    raw = cfg.trainer.output_dir
+    try:
+        out = Path(raw).resolve()
+        out.exists()
+    except RuntimeError:  # pathlib's report of a link loop
+        raise ConfigError(
+            f"trainer.output_dir={shown(raw)} is a symbolic link loop; choose a folder"
+        ) from None
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise ConfigError(f"trainer.output_dir={shown(raw)}: {exc.strerror or exc}") from None
+    if out.parent == out:
+        raise ConfigError(
+            f"trainer.output_dir={shown(raw)} is the file system's root; choose a folder in it"
+        )
+    return out
+
+
 def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
     """Make ``trainer.output_dir`` ready under the contract above and hold it; the checkpoint
     to resume from (None for a fresh run) and the hold, which the run releases when it ends.
     Raises a one-line user error otherwise."""
-    out = Path(cfg.trainer.output_dir)
-    try:
-        out.exists()
-    except OSError as exc:  # e.g. a name too long for the file system
-        raise ConfigError(f"trainer.output_dir={shown(str(out))}: {exc.strerror}") from None
+    out = resolved_output_dir(cfg)
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"trainer.output_dir={shown(str(out))} is a file, not a folder")
-    if (out / LOCK_FILE).is_file():  # a run was here: it may still be running
+        raise ConfigError(
+            f"trainer.output_dir={shown(cfg.trainer.output_dir)} is a file, not a folder"
+        )
+    if _is_lock_file(out / LOCK_FILE):  # a run was here: it may still be running
         FolderLock.take(out).release()
     resume_from = _resume_point(cfg, out)
-    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out.resolve())
+    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
     if not continuing and _has_contents(out) and not cfg.trainer.overwrite:
         raise _not_empty(out, cfg)  # refused before this run writes anything there
     _make_writable_folder(out)
@@ -123,7 +176,7 @@ def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
 
 def _not_empty(out: Path, cfg: Config) -> ConfigError:
     return ConfigError(
-        f"trainer.output_dir={shown(str(out))} is not empty ({_describe(out, cfg)}) and holds "
+        f"trainer.output_dir={shown(cfg.trainer.output_dir)} is not empty ({_describe(out, cfg)}) and holds "
         "no checkpoint this run continues; choose an empty folder, or set "
         "trainer.overwrite=true to move its contents aside"
     )
@@ -152,8 +205,8 @@ def _resume_point(cfg: Config, out: Path) -> Path | None:
 
 
 def _entries(out: Path) -> list[Path]:
-    """What the folder holds besides a run's lock file."""
-    return [p for p in out.iterdir() if p.name != LOCK_FILE] if out.is_dir() else []
+    """What the folder holds besides a run's lock file, by name."""
+    return sorted(p for p in out.iterdir() if not _is_lock_file(p)) if out.is_dir() else []
 
 
 def _has_contents(out: Path) -> bool:
@@ -172,23 +225,63 @@ def _describe(out: Path, cfg: Config) -> str:
 
 
 def _move_contents_aside(out: Path) -> Path:
-    """Move what ``out`` holds, but the run's lock file, into a new sibling folder."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    target = out.with_name(f"{out.name}.replaced-{stamp}")
-    suffix = 1
-    while target.exists():
-        suffix += 1
-        target = out.with_name(f"{out.name}.replaced-{stamp}-{suffix}")
-    try:
-        target.mkdir()
-        for entry in _entries(out):
-            os.replace(entry, target / entry.name)
-    except OSError as exc:
-        raise ConfigError(
-            f"trainer.overwrite=true: cannot move the contents of {shown(str(out))} aside to "
-            f"{str(target)!r}: {exc.strerror}"
-        ) from None
+    """Move what ``out`` holds, but the run's lock file, into a new sibling folder. A move
+    that fails part-way is undone: what was moved goes back, and the new folder is removed."""
+    target = _new_aside_folder(out)
+    moved: list[str] = []
+    for entry in _entries(out):
+        try:
+            os.rename(entry, target / entry.name)
+        except OSError as exc:
+            undone = _move_back(moved, target, out)
+            raise ConfigError(
+                f"trainer.overwrite=true: cannot move {shown(str(entry))} aside to "
+                f"{shown(str(target))}: {exc.strerror or exc}; {undone}"
+            ) from None
+        moved.append(entry.name)
     return target
+
+
+def _new_aside_folder(out: Path) -> Path:
+    """A new, empty ``<name>.replaced-<UTC time>[-N]`` folder beside ``out``; one that exists
+    (or a link by that name) is never reused."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    for suffix in range(1, 1000):
+        target = out.with_name(
+            f"{out.name}.replaced-{stamp}" + (f"-{suffix}" if suffix > 1 else "")
+        )
+        try:
+            target.mkdir()
+            return target
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(
+                f"trainer.overwrite=true: cannot create {shown(str(target))} to move the "
+                f"contents of {shown(str(out))} aside: {exc.strerror or exc}; nothing was moved"
+            ) from None
+    raise ConfigError(
+        f"trainer.overwrite=true: 999 folders {out.name}.replaced-{stamp}-N exist already; "
+        "nothing was moved"
+    )
+
+
+def _move_back(moved: list[str], target: Path, out: Path) -> str:
+    """Undo a move aside that failed part-way: the entries named in ``moved`` back from
+    ``target`` into ``out``, and ``target`` removed; what the one line says about it."""
+    stuck = []
+    for name in reversed(moved):
+        try:
+            os.rename(target / name, out / name)
+        except OSError:
+            stuck.append(name)
+    if not stuck:
+        target.rmdir()
+        return f"nothing was moved ({shown(str(out))} is as it was)"
+    return (
+        f"{len(stuck)} entries could not be moved back and are in {shown(str(target))}: "
+        f"{', '.join(sorted(stuck))}; the rest are in {shown(str(out))}"
+    )
 
 
 def _make_writable_folder(out: Path) -> None:

@@ -26,8 +26,10 @@ from verlite.config import Config
 from verlite.controller import (
     WorkerGroup,
     WorkerGroupError,
+    check_device,
     check_fits_machine,
     check_fits_session,
+    lost_embedded_node,
     ray_session,
     run_pools,
     write_placement_report,
@@ -126,6 +128,12 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
             except WorkerGroupError as err:
                 if not err.lost:
                     raise
+                if (gone := lost_embedded_node()) is not None:
+                    raise RunFailure(
+                        f"the embedded Ray's node is gone (its {gone} exited), so nothing can "
+                        f"restart in it: {err}; a new `verlite train` with trainer.resume=auto "
+                        "continues from the latest checkpoint"
+                    ) from err
                 if restarts == limit:
                     if not limit:
                         raise
@@ -197,6 +205,8 @@ def train(cfg: Config) -> Path:
         return run(cfg, RunInputs.load(cfg))
     if cfg.trainer.ray_address is None:
         check_fits_machine(cfg)
+    else:
+        check_device(cfg)  # the cluster's GPUs are not known before it is reached
     inputs = RunInputs.load(cfg)
     with ray_session(cfg.trainer.ray_address):
         return run(cfg, inputs)

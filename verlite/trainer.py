@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
-from verlite import metrics_log
+from verlite import base_weights, metrics_log
 from verlite.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
@@ -51,6 +51,7 @@ from verlite.models import (
     check_packing_supported,
     check_tokenizer_fits,
 )
+from verlite.models.lora import BASE_FOLDER
 from verlite.models.reward_model import check_reward_model
 from verlite.output_folder import FolderLock, prepare_output_folder
 from verlite.redaction import redact_config
@@ -159,11 +160,13 @@ class RunInputs:
     resume_from: Path | None
     folder: FolderLock
     remote: RemoteScorer | None = None
+    # The identity of model.path's weight files, taken once here (``verlite.base_weights``).
+    base_weights: dict[str, str] | None = None
 
     @classmethod
     def load(cls, cfg: Config) -> RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
-        check_tokenizer_fits(cfg.model, len(tokenizer))
+        check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)
@@ -183,9 +186,10 @@ class RunInputs:
             check_tracking_server(cfg.trainer.mlflow_tracking_uri)
         if "wandb" in cfg.trainer.loggers:
             check_wandb(cfg.trainer.wandb)
+        base = None if cfg.model.path is None else base_weights.identity(cfg.model.path)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from, folder = prepare_output_folder(cfg)
-        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote)
+        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
 
 
 class Trainer:
@@ -227,6 +231,7 @@ class Trainer:
         self.tokenizer = inputs.tokenizer
         self.train_set, self.val_set = inputs.train_set, inputs.val_set
         self.reward_fn, self.remote = inputs.reward_fn, inputs.remote
+        self.base_weights = inputs.base_weights
         self.actor, self.critic = actor, critic
         self.reward_model = reward_model
         self.restarts = restarts  # of this run so far (``trainer/restarts``)
@@ -303,10 +308,16 @@ class Trainer:
                     self.save_checkpoint(step)
 
     def export_policy(self) -> Path:
-        """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``."""
+        """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``; a
+        LoRA adapter with the identity of the base it applies to (``verlite export --merge``
+        checks it): ``model.path``'s as this run started, or the ``base/`` it wrote."""
         path = self.output_dir / "hf_actor"
         self.actor.call("export_hf", str(path))
         self.tokenizer.save_pretrained(path)
+        if self.cfg.actor.lora.rank > 0:
+            base = path / BASE_FOLDER if self.cfg.model.path is None else self.cfg.model.path
+            weights = self.base_weights or base_weights.identity(base)
+            base_weights.write_record(path, Path(base).resolve(), weights)
         return path
 
     # ---------------------------------------------------------------- checkpoints
@@ -327,6 +338,8 @@ class Trainer:
             "kl_coef": self.kl_ctrl.value,
             # What a resume compares its settings with (credentials masked, as in config.json).
             "config": redact_config(self.cfg.model_dump(mode="json")),
+            # What a resume checks model.path's weights against (None: the built-in model).
+            "base_weights": self.base_weights,
         }
         path = commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
         self.saved.append(path)

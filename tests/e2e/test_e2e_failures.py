@@ -226,3 +226,50 @@ def test_sigterm_stops_the_run_in_one_line_with_its_files_whole(tmp_path: Path) 
     assert "Traceback" not in stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
+
+
+def test_the_embedded_rays_node_dying_stops_the_run_in_one_line_without_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Its raylet killed, the embedded session has no node to restart on: the run says so
+    and ends (exit 1), rather than a "worker process died" restart into a wait for a node."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        command(out, "trainer.total_steps=200", "trainer.max_restarts=2"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_until(lambda: steps_logged(out) >= 1, proc)
+    (raylet,) = [
+        pid
+        for pid in descendants(proc.pid)
+        if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"/raylet")
+    ]
+    os.kill(raylet, signal.SIGKILL)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()  # a run that restarted into a wait for a node is not left behind
+    assert proc.returncode == 1, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("verlite: error: the embedded Ray's node is gone (its raylet (exit")
+    assert "continues from the latest checkpoint" in last and "restart 1" not in stdout
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs (the embedded Ray's GCS, raylet, workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        found.extend(kids := children.get(queue.pop(), []))
+        queue.extend(kids)
+    return found

@@ -90,3 +90,58 @@ def test_the_export_loads_with_peft_and_merges_to_the_same_logits(lora_run, verl
             assert (adapted(input_ids=ids).logits - expected).abs().max() > 1e-6
     again = verlite_main("export", str(out), "--merge")
     assert again.returncode == 2 and "is not an empty folder" in again.stderr
+
+
+def test_a_base_whose_weights_changed_is_refused_by_the_merge_and_the_resume(
+    tmp_path, local_ray, verlite_main, capsys
+) -> None:
+    """The run records model.path's weight files (``verlite.base_weights``): once they change,
+    ``export --merge`` and a resume refuse in one line naming the file, before loading it."""
+    from verlite.data import load_tokenizer
+
+    tokenizer = load_tokenizer(None, task="copy")
+    base = tmp_path / "base"
+    policy = build_policy(
+        load_config("configs/ppo_tiny.yaml").model,
+        vocab_size=len(tokenizer),
+        max_positions=64,
+        seed=3,
+    )
+    policy.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    out = tmp_path / "run"
+    overrides = [
+        f"model.path={base}",
+        f"trainer.output_dir={out}",
+        "actor.lora.rank=4",
+        "critic.warmup_steps=0",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "critic.ppo_mini_batch_size=8",
+        "actor.micro_batch_size_per_worker=8",
+        "critic.micro_batch_size_per_worker=8",
+        "trainer.val_freq=0",
+        "trainer.loggers=[jsonl]",
+        "trainer.save_freq=1",
+    ]
+    cfg = load_config("configs/ppo_tiny.yaml", [*overrides, "trainer.total_steps=1"])
+    run(cfg, RunInputs.load(cfg))
+    same = verlite_main("export", out, "--merge", "--out", tmp_path / "merged")
+    assert same.returncode == 0, same.stderr
+    with torch.no_grad():
+        policy.lm_head.weight.add_(1.0)
+    policy.save_pretrained(base)
+    capsys.readouterr()  # Hugging Face's progress bar of that save
+    merge = verlite_main("export", out, "--merge", "--out", tmp_path / "merged_again")
+    assert merge.returncode == 2 and merge.stderr.count("\n") == 1, merge.stderr
+    assert "no longer holds the weights it was trained over (model.safetensors changed)" in (
+        merge.stderr
+    )
+    assert not (tmp_path / "merged_again").exists()
+    config = "configs/ppo_tiny.yaml"
+    resume = verlite_main("train", "--config", config, *overrides, "trainer.total_steps=2")
+    assert resume.returncode == 2 and resume.stderr.count("\n") == 1, resume.stderr
+    assert (
+        f"model.path='{base}' no longer holds the base weights it was trained over "
+        "(model.safetensors changed)" in resume.stderr
+    )

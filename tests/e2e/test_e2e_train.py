@@ -182,3 +182,60 @@ def test_a_short_run_of_the_main_job_learns(tmp_path: Path, train, metrics) -> N
     # rounding, at every step of a policy that changes (same weights, whole distribution).
     for r in records:
         assert r["rollout/logprob_abs_diff"] < 1e-5 and r["rollout/logprob_max_diff"] < 1e-4, r
+
+
+def test_the_console_holds_the_runs_own_lines_and_no_library_chatter(tmp_path: Path, cli) -> None:
+    """`verlite train` as a user runs it (its own embedded Ray), over a Hugging Face folder,
+    saving checkpoints, then resuming one: the console shows the progress and verlite's
+    lines; Hugging Face's progress bars, DCP's single-process warning at each save and load
+    and Ray's token-authentication note stay off it."""
+    from verlite.data import load_tokenizer
+    from verlite.models import build_policy
+
+    tokenizer = load_tokenizer(None, task="copy")
+    model = build_policy(
+        load_config("configs/ppo_tiny.yaml").model,
+        vocab_size=len(tokenizer),
+        max_positions=64,
+        seed=3,
+    )
+    model.save_pretrained(tmp_path / "hf")
+    tokenizer.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "run"
+    args = [
+        "train",
+        "--config",
+        "configs/ppo_tiny.yaml",
+        f"model.path={tmp_path / 'hf'}",
+        f"trainer.output_dir={out}",
+        "critic.warmup_steps=0",
+        "trainer.val_freq=0",
+        "trainer.save_freq=1",
+        "data.train_batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "critic.ppo_mini_batch_size=8",
+        "actor.micro_batch_size_per_worker=8",
+        "critic.micro_batch_size_per_worker=8",
+    ]
+    first = cli(*args, "trainer.total_steps=2")
+    resumed = cli(*args, "trainer.total_steps=3")
+    for proc in (first, resumed):
+        assert proc.returncode == 0, proc.stderr
+    console = first.stdout + first.stderr + resumed.stdout + resumed.stderr
+    for chatter in (
+        "Loading weights",
+        "Writing model shards",
+        "torch.distributed is disabled",
+        "Warning",
+        "Token authentication",
+        "WARNING",
+    ):
+        assert chatter not in console, console
+    for own in (
+        "placed 2 workers in 1 bundle on 1 node",
+        "step 2/2 |",
+        f"saved {out / 'checkpoints' / 'step_2'} in ",
+        f"resumed from {out / 'checkpoints' / 'step_2'} at step 2",
+        "step 3/3 |",
+    ):
+        assert own in console, console

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from jobs_support import REPO, client_env, free_port, run_verlite
 
+from verlite import cli
 from verlite.cli import build_parser
 from verlite.config import load_config
 from verlite.jobs import JobsError, connect, resolve_address
@@ -193,10 +194,55 @@ def test_a_resubmission_that_could_not_find_the_checkpoints_is_refused(
         )
 
 
-@pytest.mark.parametrize("job_id", ["../up", "a/b", "", "-x", "a" * 101])
+@pytest.mark.parametrize("job_id", ["../up", "a/b", "", "-x", "a" * 101, "jöb", "a\nb", ".."])
 def test_a_submission_id_that_is_no_folder_name_is_refused(job_id: str) -> None:
-    with pytest.raises(JobsError, match="names the job's output folder"):
+    with pytest.raises(JobsError, match="names the job and its output folder"):
         prepare_submission(config=str(REPO / CONFIG), overrides=[], working_dir=REPO, job_id=job_id)
+
+
+@pytest.fixture
+def listening() -> Iterator[tuple[str, socket.socket]]:
+    """An address on 127.0.0.1 and its listening socket, to see whether anyone connected."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        sock.setblocking(False)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}", sock
+
+
+@pytest.mark.parametrize(
+    ("job_id", "extra", "problem"),
+    [
+        ("a/b", [], "--submission-id 'a/b': expected letters, digits"),
+        ("../up", [], "--submission-id '../up': expected"),
+        ("jöb", [], "--submission-id 'jöb': expected"),
+        # An absolute output folder does not need the id as a folder name; Ray still does.
+        ("x/y", ["trainer.output_dir=/tmp/verlite-abs"], "--submission-id 'x/y': expected"),
+        (
+            "a" * 99,
+            ["--wait", "--max-restarts", "2", "trainer.output_dir=/tmp/verlite-abs"],
+            f"its resubmission id '{'a' * 99}-r2' has 102 characters",
+        ),
+    ],
+)
+def test_every_id_a_submission_uses_is_checked_before_any_server_is_contacted(
+    listening: tuple[str, socket.socket], job_id: str, extra: list[str], problem: str, capsys
+) -> None:
+    address, sock = listening
+    args = [
+        "submit",
+        "--address",
+        address,
+        "--config",
+        str(REPO / CONFIG),
+        "--submission-id",
+        job_id,
+    ]
+    assert cli.main([*args, *extra]) == 2
+    said = capsys.readouterr().err
+    assert problem in said and said.count("\n") == 1 and "Traceback" not in said
+    with pytest.raises(BlockingIOError):
+        sock.accept()  # nobody connected
 
 
 @pytest.mark.parametrize(

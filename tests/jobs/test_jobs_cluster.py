@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs_support import REPO, RayCluster, run_verlite
+from jobs_support import REPO, RayCluster, client_env, run_verlite
 
 from verlite.config import load_config
 from verlite.jobs.entrypoint import shown_command
@@ -168,3 +168,31 @@ def test_a_missing_token_says_how_to_provide_one(ray_cluster: RayCluster, tmp_pa
     unreadable = {**no_token, "RAY_AUTH_TOKEN_PATH": str(tmp_path / "missing")}
     result = run_verlite(["list", "--address", ray_cluster.url], unreadable)
     assert_one_line_error(result, "cannot be read or is empty")
+
+
+def test_a_driver_here_joins_a_loopback_cluster_by_its_address(
+    ray_cluster: RayCluster, tmp_path: Path
+) -> None:
+    """`ray start --node-ip-address=127.0.0.1` registers this machine's routable IP: a driver
+    given the head's 127.0.0.1 address attaches to the raylet here whatever address it
+    registered (it waited 30 s for a raylet at 127.0.0.1, then said no cluster answered); one
+    without the cluster's token is told so in one line, exit 2."""
+    args = [
+        "train",
+        "--config",
+        "configs/ppo_tiny.yaml",
+        f"trainer.ray_address={ray_cluster.gcs_address}",
+        "trainer.total_steps=1",
+        "trainer.val_freq=0",
+        "critic.warmup_steps=0",
+    ]
+    run = run_verlite([*args, f"trainer.output_dir={tmp_path / 'run'}"], ray_cluster.env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 1/1 |" in run.stdout
+    refused = run_verlite([*args, f"trainer.output_dir={tmp_path / 'no_token'}"], client_env())
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    # Before it, Ray's C++ client logs each of its retries (its own lines, not verlite's).
+    last = refused.stderr.splitlines()[-1]
+    assert "Traceback" not in refused.stderr and last.startswith("verlite: error: ")
+    assert "the cluster refused this driver's authentication token" in last
+    assert ray_cluster.token not in refused.stderr

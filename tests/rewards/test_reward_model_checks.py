@@ -115,6 +115,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rm_checks")
     good = save_tiny_reward_model(root / "good")
     two_labels = save_tiny_reward_model(root / "two_labels", num_labels=2)
+    small_vocab = save_tiny_reward_model(root / "small_vocab", vocab_size=8)
     causal = root / "causal"
     AutoModelForCausalLM.from_config(
         LlamaConfig(
@@ -147,6 +148,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "causal": causal,
         "encoder": encoder,
         "no_tokenizer": no_tokenizer,
+        "small_vocab": small_vocab,
     }
 
 
@@ -173,6 +175,12 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "label, whose sigmoid is the score",
         ),
         ("no_tokenizer", [], "reward.model.path='{path}': no tokenizer loads from it"),
+        (
+            "small_vocab",
+            [],
+            "reward.model.path='{path}': its tokenizer has 62 tokens but the model's "
+            "vocabulary holds 8 (config.json vocab_size)",
+        ),
         (
             "good",
             ["reward.model.max_length=65"],

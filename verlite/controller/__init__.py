@@ -9,11 +9,12 @@ from verlite.controller.resource_pool import (
     PlacementError,
     ResourcePool,
     build_pools,
+    check_device,
     check_fits_machine,
     check_fits_session,
     run_pools,
 )
-from verlite.controller.session import ray_session, start_ray, stop_ray
+from verlite.controller.session import lost_embedded_node, ray_session, start_ray, stop_ray
 from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
@@ -29,8 +30,10 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupError",
     "build_pools",
+    "check_device",
     "check_fits_machine",
     "check_fits_session",
+    "lost_embedded_node",
     "ray_session",
     "run_pools",
     "start_ray",

@@ -304,7 +304,9 @@ def check_fits_machine(cfg: Config) -> None:
             "starts an embedded Ray of one node; give the address of a cluster with "
             f"{cfg.trainer.nnodes} nodes"
         )
-    _check_room(cfg, {"CPU": get_num_cpus(), "GPU": torch.cuda.device_count()}, "this machine")
+    gpus = torch.cuda.device_count()
+    check_device(cfg, gpus=gpus, where="this machine")
+    _check_room(cfg, {"CPU": get_num_cpus(), "GPU": gpus}, "this machine")
 
 
 def check_fits_session(cfg: Config) -> None:
@@ -317,7 +319,35 @@ def check_fits_session(cfg: Config) -> None:
             f"has {nodes} alive node{'s' * (nodes != 1)}"
         )
     total = ray.cluster_resources()
+    check_device(cfg, gpus=total.get("GPU", 0.0), where="the open Ray session")
     _check_room(cfg, {key: total.get(key, 0.0) for key in ("CPU", "GPU")}, "the open Ray session")
+
+
+def check_device(cfg: Config, *, gpus: float | None = None, where: str = "") -> None:
+    """``model.device=cuda`` (every role's model: actor, critic, rollout, reward model) needs
+    a GPU in every worker: refused before Ray, naming the field, when ``where`` has no GPU
+    (``gpus``; None: not known here, a cluster's) or a pool gives its workers none (Ray would
+    hide every GPU from them, and the first ``.to("cuda")`` would fail inside a worker)."""
+    if cfg.model.device != "cuda":
+        return
+    if gpus is not None and gpus < 1:
+        raise ClusterTooSmall(
+            f"model.device=cuda, but {where} has no GPU; set model.device=cpu (or auto, which "
+            "uses a GPU where a worker has one), or give trainer.ray_address of a cluster with GPUs"
+        )
+    pools = {id(pool): pool for pool, _ in run_pools(cfg).values()}.values()
+    without = [pool.name for pool in pools if not pool.bundle.get("GPU")]
+    if without:
+        raise ClusterTooSmall(
+            f"model.device=cuda, but the {', '.join(without)} workers are given no GPU "
+            f"(trainer.gpus_per_worker={cfg.trainer.gpus_per_worker:g}"
+            + (
+                f", rollout.gpus_per_worker={cfg.rollout.gpus_per_worker:g}"
+                if cfg.rollout.placement == "split" and cfg.rollout.gpus_per_worker is not None
+                else ""
+            )
+            + "); give each worker a GPU, or set model.device=auto or cpu"
+        )
 
 
 def _check_room(cfg: Config, have: dict[str, float], where: str) -> None:

@@ -22,6 +22,9 @@ CONNECT_TIMEOUT_S = 5.0
 JOIN_TIMEOUT_S = 30.0
 # Named actors (``verlite:<run_id>:<group>:<rank>``) are looked up in this namespace.
 NAMESPACE = "verlite"
+# Ray's notes at ray.init that are not the run's business on its console (that token
+# authentication is on: the cluster's setting, not a problem of the run).
+CHATTY_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 
 
 def _is_loopback(address: str) -> bool:
@@ -101,6 +104,17 @@ def _bounded_connect(address: str) -> Iterator[None]:
         timer.cancel()
 
 
+def _refused_authentication(exc: BaseException) -> bool:
+    """Whether Ray's connection error came from the cluster refusing the driver's token
+    (Ray passes the GCS client's error on as text, inside its causes' messages)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if "InvalidAuthToken" in str(cause):
+            return True
+        cause = cause.__cause__
+    return False
+
+
 def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     """Connect the driver to Ray.
 
@@ -117,6 +131,8 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     # sets to raise SystemExit) stops the run between two statements. Read at ray.init;
     # workers keep theirs.
     ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     if address is None:
         with _keep_loopback():
             ray.init(
@@ -133,18 +149,42 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     if num_cpus is not None:
         raise ValueError("num_cpus applies to an embedded Ray only, not to a cluster address")
     _check_reachable(address)
-    loopback = _is_loopback(address)
+    # A loopback address stays loopback (a cluster whose head listens there only). The driver
+    # then attaches to whichever raylet runs on this machine, whatever address it registered:
+    # `ray start --node-ip-address=127.0.0.1` registers the machine's routable IP, a
+    # loopback-only cluster 127.0.0.1, and naming either here would wait for the other.
     with (
-        _keep_loopback() if loopback else contextlib.nullcontext(),
+        _keep_loopback() if _is_loopback(address) else contextlib.nullcontext(),
         _bounded_connect(address),
     ):
-        ray.init(
-            address=address,
-            namespace=NAMESPACE,
-            logging_level=logging.WARNING,
-            # A driver next to a loopback-only cluster must join it on loopback too.
-            _node_ip_address=LOOPBACK if loopback else None,
-        )
+        try:
+            ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            if not _refused_authentication(exc):
+                raise
+            raise ClusterUnreachable(
+                f"trainer.ray_address={address!r}: the cluster refused this driver's "
+                "authentication token (missing or not the cluster's); give its token as the "
+                "cluster's nodes have it (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN_PATH or "
+                "RAY_AUTH_TOKEN)"
+            ) from None
+
+
+def lost_embedded_node() -> str | None:
+    """When this process started its Ray session (embedded) and a process its only node
+    cannot run without has exited: which ("raylet (exit code -9)"). No worker can be placed
+    in that session again. None while they run, and for a session joined elsewhere (this
+    process started none of its processes)."""
+    node = ray._private.worker._global_node
+    if node is None:
+        return None
+    vital = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
+    dead = [
+        f"{kind} (exit code {process.returncode})"
+        for kind, process in node.dead_processes()
+        if kind in vital
+    ]
+    return ", ".join(dead) or None
 
 
 def stop_ray() -> None:

@@ -15,8 +15,11 @@ are already read with ``weights_only=True`` by DCP.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import warnings
+from collections.abc import Iterator
 from pathlib import Path, PosixPath
 from typing import Any
 
@@ -96,10 +99,21 @@ class _SafeLoadPlanner(DefaultLoadPlanner):
 _TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
 
 
+@contextlib.contextmanager
+def _single_process_intended() -> Iterator[None]:
+    """DCP warns at every save and load of a group of one worker (no process group) that
+    it assumes a single process, which is what is meant: the warning is left out of the run's
+    console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
 def save_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Collective: every rank of the group calls it with the same ``path``."""
     model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+    with _single_process_intended():
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
 
 
 def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -107,7 +121,8 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
     model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state = {"model": model_state, "optim": optim_state}
     try:
-        dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
+        with _single_process_intended():
+            dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
     except CheckpointException as exc:
         # DCP gathers each rank's exception with its traceback into one BaseException;
         # the causes alone say what is wrong (a refused pickle, a shape that differs).

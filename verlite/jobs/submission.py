@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from verlite.config import load_config
+from verlite.errors import shown
 from verlite.jobs.entrypoint import job_entrypoint
+from verlite.jobs.resubmit import resubmission
 from verlite.jobs.server import JobsError
 from verlite.redaction import carries_secret
 from verlite.yaml_files import read_mapping
@@ -29,7 +31,9 @@ DEFAULT_EXCLUDES = (
 )
 # The job's metrics travel in its driver log, where `verlite metrics --job` reads them.
 JOB_LOGGER = "logline"
-# A submission id names the job's own output folder, so it must be a plain folder name.
+# A submission id names the job's own output folder, so it must be a plain folder name, and
+# Ray's job server takes it into paths and URLs: one with '/', '..' or non-ASCII characters
+# is refused with an HTTP 500 after the job was registered, leaving it PENDING for good.
 JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 # What a resubmitted job adds: the failed job's latest checkpoint, or (when it made none) its
 # files moved aside and a fresh start.
@@ -50,6 +54,27 @@ class Submission:
 
 def new_submission_id() -> str:
     return f"raysubmit_{secrets.token_hex(8)}"
+
+
+def check_job_ids(job_id: str, resubmissions: int) -> None:
+    """Every id a submission will use, its own and its resubmissions' (``ID-r1`` to
+    ``ID-rN``), is one :data:`JOB_ID` allows; else a one-line user error naming the id,
+    raised before any server is contacted."""
+    allowed = "letters, digits, '_', '.' and '-', starting with a letter or digit, up to 100"
+    if not JOB_ID.fullmatch(job_id):
+        raise JobsError(
+            f"--submission-id {shown(job_id)}: expected {allowed}; it names the job and its "
+            "output folder"
+        )
+    if resubmissions:
+        # The longest of the derived ids; they differ only in their count's digits.
+        last, _ = resubmission(job_id, job_id, resubmissions)
+        if not JOB_ID.fullmatch(last):
+            raise JobsError(
+                f"--submission-id {shown(job_id)} with --max-restarts {resubmissions}: its "
+                f"resubmission id {shown(last)} has {len(last)} characters; expected {allowed} "
+                "(shorten the id)"
+            )
 
 
 def default_working_dir() -> Path:
@@ -78,6 +103,7 @@ def prepare_submission(
     ``trainer.max_restarts``; ``resubmit`` (the caller resubmits a job whose driver died)
     needs an absolute output folder, the one place both jobs see.
     """
+    check_job_ids(job_id, (max_restarts or 0) if resubmit else 0)
     cfg = load_config(config, overrides)
     for item in overrides:
         key, _, value = item.partition("=")
@@ -101,12 +127,6 @@ def prepare_submission(
     if resubmit:
         _check_resumable_by_resubmission(cfg.trainer.output_dir, cfg.trainer.resume)
     elif not output_dir.is_absolute():
-        if not JOB_ID.fullmatch(job_id):
-            raise JobsError(
-                f"--submission-id {job_id!r}: expected letters, digits, '_', '.' and '-' (up "
-                "to 100, not starting with a punctuation mark); it names the job's output "
-                f"folder, {cfg.trainer.output_dir}/<submission id>"
-            )
         output_dir = output_dir / job_id
     loggers = [*cfg.trainer.loggers, *([] if JOB_LOGGER in cfg.trainer.loggers else [JOB_LOGGER])]
     job_overrides = [

@@ -39,15 +39,17 @@ def resolve_device(cfg: ModelConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def check_tokenizer_fits(cfg: ModelConfig, tokenizer_size: int) -> None:
-    """A tokenizer whose ids reach past the model's vocabulary would index past its embedding
-    (an ``IndexError`` deep in the first rollout): refused at start-up, in one line."""
-    if cfg.path is None:
-        return  # the built-in model is built for the tokenizer's size
-    vocab = getattr(AutoConfig.from_pretrained(cfg.path), "vocab_size", None)
+def check_tokenizer_fits(path: str | None, tokenizer_size: int, *, field: str) -> None:
+    """A tokenizer whose ids reach past its model's vocabulary would index past the embedding
+    (a bare ``IndexError`` deep in the first rollout or scoring): refused at start-up, in one
+    line naming ``field``, the config field of the model folder ``path`` (the policy's, the
+    reward model's). None: the built-in model, built for its tokenizer's size."""
+    if path is None:
+        return
+    vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
     if isinstance(vocab, int) and tokenizer_size > vocab:
         raise ConfigError(
-            f"model.path={cfg.path!r}: its tokenizer has {tokenizer_size} tokens but the model's "
+            f"{field}={path!r}: its tokenizer has {tokenizer_size} tokens but the model's "
             f"vocabulary holds {vocab} (config.json vocab_size); use the tokenizer the model was "
             "trained with"
         )

@@ -14,6 +14,7 @@ base it applies to; ``verlite export --merge`` folds it into full weights).
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from verlite.base_weights import check_export_base
 from verlite.config import ConfigError, LoraConfig
 from verlite.errors import UserError, import_extra
 
@@ -112,7 +114,8 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
 def merge_adapter(adapter: Path, out: Path) -> None:
     """The adapter folder ``adapter`` folded into its base's weights, written to ``out`` in
     Hugging Face format. The base is ``adapter/base`` when the export wrote one there, else
-    the path its adapter_config.json names."""
+    the path its adapter_config.json names, and must still hold the weights the adapter was
+    trained over (``base_weights.json``, written with the export)."""
     peft = _peft()
     base_path = adapter / BASE_FOLDER
     if not base_path.is_dir():
@@ -125,6 +128,12 @@ def merge_adapter(adapter: Path, out: Path) -> None:
         raise UserError(
             f"{adapter}: its base model {str(base_path)!r} is not a folder here; a LoRA run "
             "over model.path merges onto that folder, which must still exist"
+        )
+    if not check_export_base(adapter, base_path):
+        print(
+            f"{adapter} records no identity of its base (exported by an earlier verlite): "
+            f"merging onto {str(base_path)!r} as it is now",
+            file=sys.stderr,
         )
     base = AutoModelForCausalLM.from_pretrained(str(base_path), local_files_only=True)
     merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()

@@ -30,7 +30,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 
 from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
-from verlite.models import _pretrained
+from verlite.models import _pretrained, check_tokenizer_fits
 
 
 def _one_line(exc: BaseException, limit: int = 160) -> str:
@@ -80,7 +80,8 @@ def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 def check_reward_model(cfg: RewardModelConfig) -> None:
     """At start-up, before Ray: ``reward.model.path`` holds a decoder sequence-classification
-    model with one label and a tokenizer, and ``max_length`` fits it; each problem one line."""
+    model with one label and a tokenizer that fits its vocabulary, and ``max_length`` fits it;
+    each problem one line."""
     assert cfg.path is not None
     path = cfg.path
     config = _config(path)
@@ -103,7 +104,7 @@ def check_reward_model(cfg: RewardModelConfig) -> None:
             f"reward.model.path={path!r} has num_labels={config.num_labels}; a reward model "
             "has one label, whose sigmoid is the score"
         )
-    load_reward_tokenizer(path)
+    check_tokenizer_fits(path, len(load_reward_tokenizer(path)), field="reward.model.path")
     token_limit(cfg, config)
 
 

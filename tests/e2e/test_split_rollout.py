@@ -7,8 +7,8 @@
 - with ``max_staleness=2`` (and an FSDP actor of 2 workers) no batch is trained on by
   weights more than 2 versions newer than the ones that generated it, and truncated
   importance sampling reports its weights;
-- a bucket corrupted in transit, or a killed rollout worker, stops the run with an error
-  naming the worker.
+- a bucket corrupted in transit, a worker that holds another version than the sync's after
+  it, or a killed rollout worker, stops the run with an error naming the worker.
 """
 
 import dataclasses
@@ -25,6 +25,7 @@ import ray
 from verlite.compare import first_difference
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
+from verlite.rollout import WeightSyncError
 from verlite.run import run, start_groups
 from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
 from verlite.trainer import RunInputs, Trainer
@@ -170,14 +171,16 @@ def _handed_over(refs: list) -> ray.ObjectRef:
     return refs[0]
 
 
-class CorruptingRollout:
-    """The rollout group with one bit of the last bucket of the sync of ``version`` flipped
-    in transit: the bucket is fetched, altered and put back in the object store under a new
-    reference, which replaces the actor's in the call the workers receive."""
+class InTransit:
+    """The rollout group with the buckets of the sync of ``version`` altered in transit by
+    ``alter(bucket)`` (a bucket, or None to leave one as it is): each is fetched, altered and
+    put back in the object store under a new reference, which replaces the actor's in the
+    call the workers receive."""
 
-    def __init__(self, group, version: int) -> None:
+    def __init__(self, group, version: int, alter) -> None:
         self.group = group
         self.version = version
+        self.alter = alter
 
     def __getattr__(self, name: str):
         return getattr(self.group, name)
@@ -185,12 +188,19 @@ class CorruptingRollout:
     def call_async(self, method: str, *args, **kwargs):
         if method == "load_bucket":  # the argument: the actor's call, returning a reference
             bucket = ray.get(ray.get(args[0]))
-            if bucket.version == self.version and bucket.index == bucket.count - 1:
-                parts = [part.copy() for part in bucket.parts]
-                next(part for part in parts if part.nbytes)[0] ^= 0x01
-                corrupted = ray.put(dataclasses.replace(bucket, parts=parts))
-                args = (_handed_over.remote([corrupted]),)  # as the actor's call returns it
+            altered = self.alter(bucket) if bucket.version == self.version else None
+            if altered is not None:
+                # as the actor's call returns it
+                args = (_handed_over.remote([ray.put(altered)]),)
         return self.group.call_async(method, *args, **kwargs)
+
+
+def flip_a_bit_of_the_last_bucket(bucket):
+    if bucket.index < bucket.count - 1:
+        return None
+    parts = [part.copy() for part in bucket.parts]
+    next(part for part in parts if part.nbytes)[0] ^= 0x01
+    return dataclasses.replace(bucket, parts=parts)
 
 
 def split_trainer(inputs: RunInputs, cfg: Config, groups, rollout) -> Trainer:
@@ -203,7 +213,8 @@ def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
     cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
     inputs = RunInputs.load(cfg)
     with start_groups(cfg, inputs.tokenizer) as groups:
-        trainer = split_trainer(inputs, cfg, groups, CorruptingRollout(groups.rollout, version=2))
+        corrupting = InTransit(groups.rollout, 2, flip_a_bit_of_the_last_bucket)
+        trainer = split_trainer(inputs, cfg, groups, corrupting)
         trainer.rollouts.start(version=0)
         for step in (1, 2):
             trainer.train_step(step)
@@ -215,6 +226,29 @@ def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
         "WeightSyncError: rollout rank 0 (node 127.0.0.1): weights of version 2 failed" in message
     )
     assert "generation is refused until a sync succeeds" in message
+
+
+def test_a_worker_holding_another_version_after_a_sync_stops_the_run(
+    tmp_path: Path, local_ray
+) -> None:
+    """Every bucket of the sync of version 2 arrives labelled version 3, intact: each worker
+    lands it and reports version 3, which the driver refuses when it takes the sync's batch
+    (before the generation that would use those weights is fetched)."""
+    cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
+    inputs = RunInputs.load(cfg)
+    with start_groups(cfg, inputs.tokenizer) as groups:
+        relabelling = InTransit(
+            groups.rollout, 2, lambda bucket: dataclasses.replace(bucket, version=3)
+        )
+        trainer = split_trainer(inputs, cfg, groups, relabelling)
+        trainer.rollouts.start(version=0)
+        for step in (1, 2):
+            trainer.train_step(step)
+        with pytest.raises(WeightSyncError) as raised:
+            trainer.train_step(3)
+    assert str(raised.value) == (
+        "rollout rank 0 (node 127.0.0.1): after the sync of version 2 it holds version 3"
+    )
 
 
 def test_a_killed_rollout_worker_stops_the_run_in_seconds_naming_it(

@@ -343,10 +343,10 @@ class WeightReceiver:
     def require(self, version: int) -> None:
         """Raise unless the model holds, checked, the weights of ``version``."""
         if self.version != version:
-            held = "none" if self.version is None else f"version {self.version}"
+            # Why none is held; a version held came from a sync that completed.
+            held = f"none ({self._failure})" if self.version is None else f"version {self.version}"
             raise WeightSyncError(
-                f"{self.who}: asked to generate with weights of version {version}, but holds "
-                f"{held} ({self._failure})"
+                f"{self.who}: asked to generate with weights of version {version}, but holds {held}"
             )
 
     def _target(self, spec: TensorSpec, version: int) -> torch.Tensor:

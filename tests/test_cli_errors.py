@@ -413,6 +413,35 @@ def test_a_checkpoint_from_before_lora_is_full_training(
     assert re.search(r"cannot resume from .*step_3: actor.lora.rank=0 there, 4 here", err), err
 
 
+@pytest.mark.parametrize("records", [1024, 960], ids=["same count", "fewer"])
+def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, records: int
+) -> None:
+    """Its data position counts in another order of prompts (a prompt file edited between
+    the runs): the same number of them, or fewer than the position (which the loader could
+    not even load)."""
+    from verlite.checkpoint import check_train_set
+    from verlite.config import load_config
+    from verlite.data import build_datasets, load_tokenizer
+
+    cfg = load_config(CONFIG)
+    train_set, _ = build_datasets(cfg, load_tokenizer(None, task=cfg.data.task))
+    here = train_set.fingerprint
+    there = {"records": records, "sha256": "0" * 64}
+    step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=cfg.model_dump(mode="json"))
+    check_train_set(step_3, here)  # a checkpoint from before the record passes
+    state = json.loads((step_3 / "trainer_state.json").read_text())
+    (step_3 / "trainer_state.json").write_text(json.dumps({**state, "train_set": here}))
+    check_train_set(step_3, here)
+    (step_3 / "trainer_state.json").write_text(json.dumps({**state, "train_set": there}))
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert re.search(
+        rf"cannot resume from .*step_3: the training prompts differ from those it trained on "
+        rf"\({records} records of sha256 000000000000 there, 1024 of {here['sha256'][:12]} here\)",
+        err,
+    ), err
+
+
 def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     err = run(capsys, "export", str(tmp_path))
     assert "holds no exported policy (hf_actor/ is missing" in err

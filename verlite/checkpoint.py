@@ -101,6 +101,21 @@ _FREE = {
 }
 
 
+def check_train_set(path: Path, fingerprint: Mapping[str, Any]) -> None:
+    """The training prompts are those the checkpoint at ``path`` was trained on (its data
+    position counts in their order); checkpoints from before this was recorded pass."""
+    saved = read_trainer_state(path).get("train_set")
+    if saved is None or saved == fingerprint:
+        return
+    raise CheckpointError(
+        f"cannot resume from {path}: the training prompts differ from those it trained on "
+        f"({saved['records']} records of sha256 {saved['sha256'][:12]} there, "
+        f"{fingerprint['records']} of {fingerprint['sha256'][:12]} here), so its data position "
+        "would continue another order; restore data.train_file, or use trainer.resume=disable "
+        "or another trainer.output_dir for a new run"
+    )
+
+
 def check_resumable(
     path: Path, *, config: Mapping[str, Any], roles: Sequence[str], total_steps: int
 ) -> list[str]:

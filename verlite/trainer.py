@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite import base_weights, metrics_log
 from verlite.checkpoint import (
     begin_checkpoint,
+    check_train_set,
     commit_checkpoint,
     read_trainer_state,
 )
@@ -189,6 +190,12 @@ class RunInputs:
         base = None if cfg.model.path is None else base_weights.identity(cfg.model.path)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from, folder = prepare_output_folder(cfg)
+        if resume_from is not None:
+            try:
+                check_train_set(resume_from, train_set.fingerprint)
+            except BaseException:
+                folder.release()
+                raise
         return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
 
 
@@ -334,6 +341,7 @@ class Trainer:
             # The loader as it was once this step's prompts were drawn: batches generated
             # ahead (trainer.max_staleness) are drawn and generated again on resume.
             "loader": self._loader_state,
+            "train_set": self.train_set.fingerprint,  # the prompts that state indexes
             "weight_version": step,
             "kl_coef": self.kl_ctrl.value,
             # What a resume compares its settings with (credentials masked, as in config.json).

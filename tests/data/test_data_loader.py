@@ -57,13 +57,19 @@ def test_epoch_rollover_drops_the_remainder_and_reshuffles() -> None:
     assert first != second
 
 
-@pytest.mark.parametrize("taken", [0, 5, 6, 9])
-def test_resume_continues_with_the_same_batches(taken: int) -> None:
+# After 4 and 8 batches an epoch has ended and the next not begun: position 4 of 4 (what a
+# checkpoint at an epoch's end saves).
+@pytest.mark.parametrize(
+    ("taken", "epoch", "position"),
+    [(0, 0, 0), (4, 0, 4), (5, 1, 1), (6, 1, 2), (8, 1, 4), (9, 2, 1)],
+)
+def test_resume_continues_with_the_same_batches(taken: int, epoch: int, position: int) -> None:
     data = _records(23)  # 4 batches of 5 per epoch
     uninterrupted = _take(PromptLoader(data, 5, seed=7), taken + 6)
     loader = PromptLoader(data, 5, seed=7)
     assert _take(loader, taken) == uninterrupted[:taken]
     state = loader.state_dict()
+    assert state == {"epoch": epoch, "position": position, "seed": 7}
     resumed = PromptLoader(data, 5, seed=123)  # the saved seed wins
     resumed.load_state_dict(state)
     assert _take(resumed, 6) == uninterrupted[taken:]

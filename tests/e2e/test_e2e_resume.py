@@ -1,5 +1,7 @@
-"""Resume: 6 steps straight equal 3 steps + resume + 3 steps, with two workers per group."""
+"""Resume: 6 steps straight equal 3 steps + resume + 3 steps, with two workers per group; the
+checkpoint of step 3 lands at the end of an epoch."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -8,6 +10,7 @@ from wandb_support import wandb_records, wandb_steps
 
 TWO_WORKERS = [
     "trainer.workers_per_node=2",
+    "data.num_train_samples=48",  # epochs of 3 batches
     "data.num_val_samples=8",
     "data.train_batch_size=16",
     "actor.ppo_mini_batch_size=8",
@@ -28,6 +31,8 @@ def test_resume_gives_identical_metrics(
     # The resumed run also logs to W&B (offline): it continues the run it started.
     wandb = "trainer.loggers=[console, jsonl, wandb]"
     train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=3", *algorithm, wandb)
+    state = json.loads((tmp_path / "resumed/checkpoints/step_3/trainer_state.json").read_text())
+    assert state["loader"] == {"epoch": 0, "position": 3, "seed": 0}  # the end of epoch 0
     # a crash during a later save leaves a partial folder behind: resume=auto must skip it
     partial = tmp_path / "resumed" / "checkpoints" / "step_5.tmp"
     shutil.copytree(tmp_path / "resumed" / "checkpoints" / "step_3", partial)

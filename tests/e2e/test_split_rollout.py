@@ -1,17 +1,20 @@
 """A rollout worker group of its own (``rollout.placement=split``) on the shared embedded Ray:
 
 - on-policy (``trainer.max_staleness=0``) it logs the colocated run's metrics.jsonl, every
-  non-timing metric to 1e-9 in float64, also across a resume;
+  non-timing metric to 1e-9 in float64, also across a resume from a checkpoint taken while
+  the next step's prompts were already drawn, at an epoch's end;
+- with ``max_staleness=1`` a resume draws the uninterrupted run's prompts for every step;
 - with ``max_staleness=2`` (and an FSDP actor of 2 workers) no batch is trained on by
   weights more than 2 versions newer than the ones that generated it, and truncated
   importance sampling reports its weights;
-- a bucket corrupted in transit, or a killed rollout worker, stops the run with an error
-  naming the worker.
+- a bucket corrupted in transit, a worker that holds another version than the sync's after
+  it, or a killed rollout worker, stops the run with an error naming the worker.
 """
 
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -22,6 +25,7 @@ import ray
 from verlite.compare import first_difference
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
+from verlite.rollout import WeightSyncError
 from verlite.run import run, start_groups
 from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
 from verlite.trainer import RunInputs, Trainer
@@ -37,6 +41,8 @@ SMALL = (
     "trainer.loggers=[jsonl]",
 )
 SPLIT = ("rollout.placement=split", "rollout.workers_per_node=2")
+# Epochs of 2 batches: a checkpoint of step 2 lands at the end of the first.
+EPOCHS_OF_TWO = ("data.num_train_samples=8",)
 
 
 def config(out: Path, *overrides: str) -> Config:
@@ -48,28 +54,39 @@ def records(out: Path) -> list[dict]:
 
 
 def test_split_on_policy_logs_the_colocated_run_also_across_a_resume(
-    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, local_ray, metrics, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    colocated = config(tmp_path / "colocated", "trainer.total_steps=4")
-    # the split run stops at its checkpoint of step 2, and a second run resumes it to step 4
-    first = config(tmp_path / "split", *SPLIT, "trainer.total_steps=2", "trainer.save_freq=2")
-    run(first, RunInputs.load(first))
-    state = json.loads((tmp_path / "split/checkpoints/step_2/trainer_state.json").read_text())
+    colocated = config(tmp_path / "colocated", *EPOCHS_OF_TWO, "trainer.total_steps=4")
+    # The split run checkpoints steps 2 and 4; step 3's prompts are drawn (the loader moved
+    # on) before step 2's checkpoint is saved. A copy of its folder resumes from step 2.
+    straight = config(
+        tmp_path / "split", *SPLIT, *EPOCHS_OF_TWO, "trainer.total_steps=4", "trainer.save_freq=2"
+    )
+    run(straight, RunInputs.load(straight))
+    shutil.copytree(tmp_path / "split", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed/checkpoints/step_4")
+    state = json.loads((tmp_path / "resumed/checkpoints/step_2/trainer_state.json").read_text())
     assert state["weight_version"] == 2
-    resumed = config(tmp_path / "split", *SPLIT, "trainer.total_steps=4")
+    # the loader as step 2 left it: at the end of epoch 0, not after step 3's prompts
+    assert state["loader"] == {"epoch": 0, "position": 2, "seed": 0}
+    resumed = config(tmp_path / "resumed", *SPLIT, *EPOCHS_OF_TWO, "trainer.total_steps=4")
     one = RunLayout(RoleLayout(1, "ddp", "full"), RoleLayout(1, "ddp", "full"))
     reports = audit_runs([colocated, resumed], [one, one], tolerance=1e-9, atol=ATOL)
     assert reports[1].ok and reports[1].identical_steps == 4, reports[1].first_difference
-    assert "resumed from" in (tmp_path / "split/console.log").read_text()
+    assert "resumed from" in (tmp_path / "resumed/console.log").read_text()
+    # the resumed run trained steps 3 and 4 and is the uninterrupted run
+    assert metrics(tmp_path / "resumed", stable_only=True) == metrics(
+        tmp_path / "split", stable_only=True
+    )
 
-    split = records(tmp_path / "split")
+    split = records(tmp_path / "resumed")
     assert [r["rollout/weight_version"] for r in split] == [0, 1, 2, 3]
     assert all(r["rollout/staleness/max"] == 0 for r in split)
     # each step reports the sync that delivered its weights; the weights are the model's
     assert all(r["perf/weight_sync_bytes"] > 0 and r["timing_s/weight_sync"] > 0 for r in split)
     # the sampler computes in float32, the recompute in float64
     assert all(r["rollout/logprob_max_diff"] < 1e-6 for r in split)
-    placement = json.loads((tmp_path / "split/workers.json").read_text())
+    placement = json.loads((tmp_path / "resumed/workers.json").read_text())
     assert sorted((w["role"], w["rank"]) for w in placement) == [
         ("actor", 0),
         ("rollout", 0),
@@ -108,20 +125,62 @@ def test_async_training_keeps_every_batch_within_the_staleness_bound(
     assert all(0 < r["actor/rollout_is_weight/mean"] <= 1.5 for r in later)
 
 
+def test_with_staleness_a_resume_draws_each_steps_prompts_of_the_uninterrupted_run(
+    tmp_path: Path, local_ray, metrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``max_staleness=1`` step ``s + 1``'s prompts are drawn during step ``s``. A resume
+    from step 2 draws steps 3 and 4 again from the loader's state after step 2: the prompts
+    the uninterrupted run drew. Step 3's batch is then generated by version 2 (fresher than
+    the uninterrupted run's version 1); step 4's by version 2 in both, from the same
+    prompts and sampling keys, so its batch, scores and advantages are the same."""
+    drawn: dict[str, list[tuple[int, list[str]]]] = {}
+    draw_prompts = Trainer._draw_prompts
+
+    def recorded(trainer: Trainer, step: int):
+        prompts = draw_prompts(trainer, step)
+        run_name = Path(trainer.cfg.trainer.output_dir).name
+        drawn.setdefault(run_name, []).append((step, [r["prompt"] for r in prompts.records]))
+        return prompts
+
+    monkeypatch.setattr(Trainer, "_draw_prompts", recorded)
+    stale = (*SPLIT, *EPOCHS_OF_TWO, "trainer.max_staleness=1", "trainer.total_steps=4")
+    straight = config(tmp_path / "straight", *stale, "trainer.save_freq=2")
+    run(straight, RunInputs.load(straight))
+    shutil.copytree(tmp_path / "straight", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed/checkpoints/step_4")
+    state = json.loads((tmp_path / "resumed/checkpoints/step_2/trainer_state.json").read_text())
+    assert state["loader"] == {"epoch": 0, "position": 2, "seed": 0}  # not after step 4's
+    resumed = config(tmp_path / "resumed", *stale)
+    run(resumed, RunInputs.load(resumed))
+
+    assert [step for step, _ in drawn["straight"]] == [1, 2, 3, 4]
+    assert drawn["resumed"] == drawn["straight"][2:]
+    before, after = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert after[:2] == before[:2]  # the records up to the checkpoint are kept
+    assert [r["rollout/weight_version"] for r in before] == [0, 0, 1, 2]
+    assert [r["rollout/weight_version"] for r in after] == [0, 0, 2, 2]
+    assert [r["rollout/staleness/max"] for r in after] == [0, 1, 0, 1]
+    batch_only = ("critic/", "response_length/")
+    step_4 = [{k: v for k, v in r[3].items() if k.startswith(batch_only)} for r in (before, after)]
+    assert step_4[0] and step_4[0] == step_4[1]
+
+
 @ray.remote(num_cpus=0)
 def _handed_over(refs: list) -> ray.ObjectRef:
     """A task whose result is the reference it was given (a list keeps Ray from fetching)."""
     return refs[0]
 
 
-class CorruptingRollout:
-    """The rollout group with one bit of the last bucket of the sync of ``version`` flipped
-    in transit: the bucket is fetched, altered and put back in the object store under a new
-    reference, which replaces the actor's in the call the workers receive."""
+class InTransit:
+    """The rollout group with the buckets of the sync of ``version`` altered in transit by
+    ``alter(bucket)`` (a bucket, or None to leave one as it is): each is fetched, altered and
+    put back in the object store under a new reference, which replaces the actor's in the
+    call the workers receive."""
 
-    def __init__(self, group, version: int) -> None:
+    def __init__(self, group, version: int, alter) -> None:
         self.group = group
         self.version = version
+        self.alter = alter
 
     def __getattr__(self, name: str):
         return getattr(self.group, name)
@@ -129,12 +188,19 @@ class CorruptingRollout:
     def call_async(self, method: str, *args, **kwargs):
         if method == "load_bucket":  # the argument: the actor's call, returning a reference
             bucket = ray.get(ray.get(args[0]))
-            if bucket.version == self.version and bucket.index == bucket.count - 1:
-                parts = [part.copy() for part in bucket.parts]
-                next(part for part in parts if part.nbytes)[0] ^= 0x01
-                corrupted = ray.put(dataclasses.replace(bucket, parts=parts))
-                args = (_handed_over.remote([corrupted]),)  # as the actor's call returns it
+            altered = self.alter(bucket) if bucket.version == self.version else None
+            if altered is not None:
+                # as the actor's call returns it
+                args = (_handed_over.remote([ray.put(altered)]),)
         return self.group.call_async(method, *args, **kwargs)
+
+
+def flip_a_bit_of_the_last_bucket(bucket):
+    if bucket.index < bucket.count - 1:
+        return None
+    parts = [part.copy() for part in bucket.parts]
+    next(part for part in parts if part.nbytes)[0] ^= 0x01
+    return dataclasses.replace(bucket, parts=parts)
 
 
 def split_trainer(inputs: RunInputs, cfg: Config, groups, rollout) -> Trainer:
@@ -147,7 +213,8 @@ def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
     cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
     inputs = RunInputs.load(cfg)
     with start_groups(cfg, inputs.tokenizer) as groups:
-        trainer = split_trainer(inputs, cfg, groups, CorruptingRollout(groups.rollout, version=2))
+        corrupting = InTransit(groups.rollout, 2, flip_a_bit_of_the_last_bucket)
+        trainer = split_trainer(inputs, cfg, groups, corrupting)
         trainer.rollouts.start(version=0)
         for step in (1, 2):
             trainer.train_step(step)
@@ -159,6 +226,29 @@ def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
         "WeightSyncError: rollout rank 0 (node 127.0.0.1): weights of version 2 failed" in message
     )
     assert "generation is refused until a sync succeeds" in message
+
+
+def test_a_worker_holding_another_version_after_a_sync_stops_the_run(
+    tmp_path: Path, local_ray
+) -> None:
+    """Every bucket of the sync of version 2 arrives labelled version 3, intact: each worker
+    lands it and reports version 3, which the driver refuses when it takes the sync's batch
+    (before the generation that would use those weights is fetched)."""
+    cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
+    inputs = RunInputs.load(cfg)
+    with start_groups(cfg, inputs.tokenizer) as groups:
+        relabelling = InTransit(
+            groups.rollout, 2, lambda bucket: dataclasses.replace(bucket, version=3)
+        )
+        trainer = split_trainer(inputs, cfg, groups, relabelling)
+        trainer.rollouts.start(version=0)
+        for step in (1, 2):
+            trainer.train_step(step)
+        with pytest.raises(WeightSyncError) as raised:
+            trainer.train_step(3)
+    assert str(raised.value) == (
+        "rollout rank 0 (node 127.0.0.1): after the sync of version 2 it holds version 3"
+    )
 
 
 def test_a_killed_rollout_worker_stops_the_run_in_seconds_naming_it(

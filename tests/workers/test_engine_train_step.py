@@ -5,17 +5,22 @@ trainer runs it: the driver's dispatch cuts the batch into DP shares of global m
 and every rank's ``train_step`` makes ``ppo_epochs=2`` passes with a KL loss and an entropy
 bonus. The metrics reduced over ranks and the final parameters must equal those of a single
 process, for DDP and FSDP2, fixed and token-budget micro-batches, on 2 and 4 ranks: ranks
-holding unequal numbers of rows, and a rank whose whole share carries no loss.
+holding unequal numbers of rows, and a rank whose whole share carries no loss. And the
+update's cost: gradients are reduced across ranks once per update, on its last micro-batch.
 """
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Any
 
 import pytest
 import torch
 from tensordict import TensorDict
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
 from verlite.config import load_config
 from verlite.controller.dispatch import DpSplit, dispatch
@@ -129,3 +134,67 @@ def test_four_ranks_with_unequal_loss_rows_and_a_silent_rank_equal_one_process(
     carrying = [int(batch["response_mask"][share].any(dim=1).sum()) for share in shares]
     assert carrying == [4, 3, 2, 0]
     _check_step_on_ranks(4, batch, role, strategy, micro)
+
+
+class _CountingReduceScatter(DefaultReduceScatter):
+    """FSDP2's reduce-scatter of gradients, counted (torch has no public base class for
+    ``set_custom_reduce_scatter`` yet: its default, from a private module)."""
+
+    def __init__(self, counted: list[int]) -> None:
+        self.counted = counted
+
+    def __call__(self, *args, **kwargs):
+        self.counted[0] += 1
+        return super().__call__(*args, **kwargs)
+
+
+def _reductions_by_micro_batch(rank: int, world: int, strategy: str) -> list[int]:
+    """One update of 3 micro-batches on this rank: the gradient reductions (DDP bucket
+    all-reduces, FSDP2 reduce-scatters) issued by the backward of each micro-batch."""
+    (share,) = dispatch(
+        DpSplit(mini_batches=1), world, (make_batch(CONFIG, num_sequences=12),), {}
+    ).args[rank]
+    cfg = CONFIG.actor.model_copy(update={"strategy": strategy, "micro_batch_size_per_worker": 2})
+    engine = TrainEngine(_model("actor"), cfg=cfg, total_updates=1, metric_prefix="actor")
+    counted = [0]
+    if strategy == "ddp":
+
+        def counting_allreduce(state, bucket):
+            counted[0] += 1
+            return allreduce_hook(state, bucket)
+
+        engine.model.register_comm_hook(None, counting_allreduce)
+    else:
+        for module in engine.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_custom_reduce_scatter(_CountingReduceScatter(counted))
+    before_forward = []  # the reductions so far as each micro-batch's forward begins
+    settings = ActorLossSettings.from_config(CONFIG.actor)
+
+    def loss(model: torch.nn.Module, micro: TensorDict):
+        before_forward.append(counted[0])
+        return ppo_loss(model, micro, settings=settings)
+
+    engine.train_mini_batch(share[0], loss)
+    marks = [*before_forward, counted[0]]
+    return [later - earlier for earlier, later in itertools.pairwise(marks)]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_update_reduces_gradients_once_on_its_last_micro_batch(strategy: str) -> None:
+    """Syncing on every micro-batch gives the same gradients (the invariance tests cannot
+    see it) at the number of micro-batches times the collectives."""
+    torch.set_num_threads(1)
+    by_rank = run_on_ranks(
+        _reductions_by_micro_batch, world_size=2, args=(strategy,), timeout_s=300
+    )
+    # The last backward reduces: DDP one all-reduce per gradient bucket (however many its
+    # bucket size makes), FSDP2 one reduce-scatter per sharded unit (each decoder block and
+    # the root); the ones before, nothing.
+    for reductions in by_rank:
+        first, second, last = reductions
+        assert (first, second) == (0, 0)
+        if strategy == "fsdp":
+            assert last == CONFIG.model.num_layers + 1
+        else:
+            assert last >= 1

@@ -3,9 +3,12 @@ prompt-length policy (``data.prompt_overflow``) applied once, where errors can n
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, overload
 
 from transformers import PreTrainedTokenizerBase
@@ -30,6 +33,15 @@ class PromptDataset(Sequence[PromptRecord]):
 
     def __len__(self) -> int:
         return len(self.records)
+
+    @cached_property
+    def fingerprint(self) -> dict[str, int | str]:
+        """The record count and a SHA-256 of the records in order: what a checkpoint's data
+        position indexes (a changed prompt file would silently continue another order)."""
+        digest = hashlib.sha256()
+        for record in self.records:
+            digest.update(json.dumps(record, sort_keys=True).encode() + b"\n")
+        return {"records": len(self.records), "sha256": digest.hexdigest()}
 
     @overload
     def __getitem__(self, index: int) -> PromptRecord: ...

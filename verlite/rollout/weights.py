@@ -254,6 +254,7 @@ class WeightReceiver:
         self._targets: dict[str, torch.Tensor] = {}
         self._sent: set[str] = set()
         self._next: int | None = 0  # the bucket a sync expects next; None once it failed
+        self._syncing: int | None = None  # the version of the sync under way (its bucket 0's)
         self._started = 0.0
         self._failure = "no weights were synced yet"
 
@@ -273,6 +274,7 @@ class WeightReceiver:
                 self._targets, _ = split_frozen(self.model, self._targets)
             self._sent = set()
             self._next = 0
+            self._syncing = bucket.version
             self._started = time.perf_counter() - bucket.seconds
         if self._next is None:
             raise WeightSyncError(
@@ -293,6 +295,11 @@ class WeightReceiver:
             raise WeightSyncError(
                 f"{self.who}: the sync of version {bucket.version} delivered bucket "
                 f"{bucket.index + 1} where bucket {self._next + 1} was due"
+            )
+        if bucket.version != self._syncing:  # a sync's buckets are of one model state
+            raise WeightSyncError(
+                f"{self.who}: bucket {bucket.index + 1} of version {bucket.version} arrived "
+                f"during the sync of version {self._syncing}"
             )
         if bucket.index == 0 and self.adapters_only:
             self._check_base(bucket)
@@ -343,10 +350,10 @@ class WeightReceiver:
     def require(self, version: int) -> None:
         """Raise unless the model holds, checked, the weights of ``version``."""
         if self.version != version:
-            held = "none" if self.version is None else f"version {self.version}"
+            # Why none is held; a version held came from a sync that completed.
+            held = f"none ({self._failure})" if self.version is None else f"version {self.version}"
             raise WeightSyncError(
-                f"{self.who}: asked to generate with weights of version {version}, but holds "
-                f"{held} ({self._failure})"
+                f"{self.who}: asked to generate with weights of version {version}, but holds {held}"
             )
 
     def _target(self, spec: TensorSpec, version: int) -> torch.Tensor:

@@ -40,11 +40,14 @@ fmt: setup
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 
-# Jobs on a real Ray cluster: tests/jobs start a two-node cluster with token authentication
-# (`ray start`), submit, follow, stop and read real jobs; kill a node, a driver; stop it again.
+# Tests that start a Ray of their own and break it, minutes of work: tests/jobs start a two-node
+# cluster with token authentication (`ray start`), submit, follow, stop and read real jobs; kill
+# a node, a driver; stop it again. tests/e2e/test_e2e_failures.py runs `verlite train` with its
+# own embedded Ray and kills a worker, the node or the driver (SIGTERM).
 .PHONY: test-cluster
 test-cluster: setup
-	$(PY) -m pytest -q -m cluster tests/jobs tests/controller/test_controller_session.py
+	$(PY) -m pytest -q -m cluster tests/jobs tests/controller/test_controller_session.py \
+		tests/e2e/test_e2e_failures.py
 
 # Every benchmark in benchmarks/, each in a fresh process; figures in benchmarks/results.json.
 .PHONY: bench

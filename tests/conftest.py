@@ -26,11 +26,12 @@ sys.path.insert(0, USER_CODE)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # A cluster costs minutes and many processes on a 2-core machine: it runs when asked for
-    # (`-m cluster`, `make test-cluster`), not in every `make test`.
+    # A Ray of a test's own (a cluster, or an embedded one it breaks) costs many processes and
+    # seconds to minutes on a 2-core machine: it runs when asked for (`-m cluster`, `make
+    # test-cluster`, which CI runs), not in every `make test`.
     if "cluster" in (config.getoption("markexpr") or ""):
         return
-    skip = pytest.mark.skip(reason="starts or joins a Ray cluster; run with `make test-cluster`")
+    skip = pytest.mark.skip(reason="starts a Ray of its own; run with `make test-cluster`")
     for item in items:
         if item.get_closest_marker("cluster") is not None:
             item.add_marker(skip)

@@ -28,6 +28,9 @@ RUN = [
     "critic.warmup_steps=0",  # the actor trains (and is checkpointed) from the first step
 ]
 SECRET = "s3cr3t-token-value-0451"
+# `verlite train` in a process of its own, with its own embedded Ray, whose workers (or node) a
+# test kills: 20-50 s each, so with the cluster tests (`make test-cluster`, run by CI).
+OWN_RAY = pytest.mark.cluster
 
 
 def command(out: Path, *overrides: str) -> list[str]:
@@ -71,6 +74,7 @@ def straight(tmp_path_factory: pytest.TempPathFactory, train_for_module) -> Path
     return out
 
 
+@OWN_RAY
 def test_a_lost_worker_restarts_the_run_in_place_until_max_restarts_are_spent(
     tmp_path: Path, straight: Path, metrics
 ) -> None:
@@ -106,6 +110,7 @@ def test_a_lost_worker_restarts_the_run_in_place_until_max_restarts_are_spent(
     assert restarts[0] == 0 and restarts[-1] == 1
 
 
+@OWN_RAY
 def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
     tmp_path: Path, straight: Path, train, metrics, capsys: pytest.CaptureFixture[str], monkeypatch
 ) -> None:
@@ -206,6 +211,7 @@ def test_someones_folder_is_left_untouched(tmp_path: Path, cli) -> None:
     assert (out / "config.json").read_text() == '{"mine": true}'
 
 
+@OWN_RAY
 def test_sigterm_stops_the_run_in_one_line_with_its_files_whole(tmp_path: Path) -> None:
     # `verlite stop` and schedulers' preemption send SIGTERM; the run used to exit 15 silently.
     out = tmp_path / "run"
@@ -228,6 +234,7 @@ def test_sigterm_stops_the_run_in_one_line_with_its_files_whole(tmp_path: Path) 
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
 
 
+@OWN_RAY
 def test_the_embedded_rays_node_dying_stops_the_run_in_one_line_without_a_restart(
     tmp_path: Path,
 ) -> None:

@@ -54,6 +54,12 @@ def test_a_section_override_merges_into_the_files_section_at_every_level(
     )
 
 
+def test_a_section_the_file_leaves_out_takes_a_mapping_with_dotted_keys() -> None:
+    # ppo_tiny.yaml has no reward section: the mapping still names fields below it
+    for overrides in (["reward={remote.timeout_s: 4.0}"], {"reward": {"remote.timeout_s": 4.0}}):
+        assert load_config(TINY, overrides).reward.remote.timeout_s == 4.0
+
+
 def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
     base = load_config(
         TINY, ["reward.model.path=/nonexistent", "reward.combine={fn: 0.5, model: 0.5}"]

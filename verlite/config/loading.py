@@ -97,7 +97,8 @@ def _assign(section: dict[str, Any], leaf: str, value: Any, annotation: Any) -> 
     any other value replaces what is there, a mapping-valued field's mapping included
     (``reward.combine`` is a value, not a section)."""
     model = _section_type(annotation)
-    current = section.get(leaf)
+    # A section the file leaves out (or empty, ``trainer:``) is merged into as an empty one.
+    current = {} if section.get(leaf) is None else section[leaf]
     if model is None or not isinstance(value, Mapping) or not isinstance(current, Mapping):
         section[leaf] = value
         return

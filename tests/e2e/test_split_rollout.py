@@ -207,20 +207,25 @@ def split_trainer(inputs: RunInputs, cfg: Config, groups, rollout) -> Trainer:
     return Trainer(cfg, inputs, actor=groups.actor, critic=None, rollout=rollout)
 
 
-def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
-    tmp_path: Path, local_ray
-) -> None:
+def third_step_error(tmp_path: Path, alter, error: type[Exception]) -> Exception:
+    """What step 3 of a split run raises (``error``) when the sync of version 2 (made by
+    step 2) is altered in transit by ``alter``; steps 1 and 2 train."""
     cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
     inputs = RunInputs.load(cfg)
     with start_groups(cfg, inputs.tokenizer) as groups:
-        corrupting = InTransit(groups.rollout, 2, flip_a_bit_of_the_last_bucket)
-        trainer = split_trainer(inputs, cfg, groups, corrupting)
+        trainer = split_trainer(inputs, cfg, groups, InTransit(groups.rollout, 2, alter))
         trainer.rollouts.start(version=0)
         for step in (1, 2):
             trainer.train_step(step)
-        with pytest.raises(WorkerGroupError) as raised:
+        with pytest.raises(error) as raised:
             trainer.train_step(3)
-    message = str(raised.value)
+    return raised.value
+
+
+def test_a_bucket_corrupted_in_transit_stops_the_run_naming_the_worker(
+    tmp_path: Path, local_ray
+) -> None:
+    message = str(third_step_error(tmp_path, flip_a_bit_of_the_last_bucket, WorkerGroupError))
     assert "worker group 'rollout': rank 0" in message and "failed in load_bucket()" in message
     assert (
         "WeightSyncError: rollout rank 0 (node 127.0.0.1): weights of version 2 failed" in message
@@ -234,19 +239,10 @@ def test_a_worker_holding_another_version_after_a_sync_stops_the_run(
     """Every bucket of the sync of version 2 arrives labelled version 3, intact: each worker
     lands it and reports version 3, which the driver refuses when it takes the sync's batch
     (before the generation that would use those weights is fetched)."""
-    cfg = config(tmp_path, "rollout.placement=split", "rollout.sync_bucket_mb=0.01")
-    inputs = RunInputs.load(cfg)
-    with start_groups(cfg, inputs.tokenizer) as groups:
-        relabelling = InTransit(
-            groups.rollout, 2, lambda bucket: dataclasses.replace(bucket, version=3)
-        )
-        trainer = split_trainer(inputs, cfg, groups, relabelling)
-        trainer.rollouts.start(version=0)
-        for step in (1, 2):
-            trainer.train_step(step)
-        with pytest.raises(WeightSyncError) as raised:
-            trainer.train_step(3)
-    assert str(raised.value) == (
+    raised = third_step_error(
+        tmp_path, lambda bucket: dataclasses.replace(bucket, version=3), WeightSyncError
+    )
+    assert str(raised) == (
         "rollout rank 0 (node 127.0.0.1): after the sync of version 2 it holds version 3"
     )
 

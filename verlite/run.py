@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.checkpoint import complete_checkpoints
 from verlite.config import Config
 from verlite.controller import (
+    RESUME_HINT,
     WorkerGroup,
     WorkerGroupError,
     check_device,
@@ -130,9 +131,7 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                     raise
                 if (gone := lost_embedded_node()) is not None:
                     raise RunFailure(
-                        f"the embedded Ray's node is gone (its {gone} exited), so nothing can "
-                        f"restart in it: {err}; a new `verlite train` with trainer.resume=auto "
-                        "continues from the latest checkpoint"
+                        f"{gone}, so nothing can restart in it: {err}; {RESUME_HINT}"
                     ) from err
                 if restarts == limit:
                     if not limit:

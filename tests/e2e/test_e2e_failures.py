@@ -260,7 +260,7 @@ def test_the_embedded_rays_node_dying_stops_the_run_in_one_line_without_a_restar
         proc.kill()  # a run that restarted into a wait for a node is not left behind
     assert proc.returncode == 1, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
-    assert last.startswith("verlite: error: the embedded Ray's node is gone (its raylet (exit")
+    assert last.startswith("verlite: error: the embedded Ray's node is gone (its raylet")
     assert "continues from the latest checkpoint" in last and "restart 1" not in stdout
 
 

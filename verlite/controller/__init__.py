@@ -14,11 +14,18 @@ from verlite.controller.resource_pool import (
     check_fits_session,
     run_pools,
 )
-from verlite.controller.session import lost_embedded_node, ray_session, start_ray, stop_ray
+from verlite.controller.session import (
+    RESUME_HINT,
+    lost_embedded_node,
+    ray_session,
+    start_ray,
+    stop_ray,
+)
 from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
 __all__ = [
+    "RESUME_HINT",
     "ClusterTooSmall",
     "Collect",
     "Dispatch",

@@ -4,11 +4,16 @@ to an existing cluster."""
 from __future__ import annotations
 
 import _thread
+import atexit
 import contextlib
 import ipaddress
 import logging
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import ray
 from ray._private import ray_constants
@@ -25,6 +30,12 @@ NAMESPACE = "verlite"
 # Ray's notes at ray.init that are not the run's business on its console (that token
 # authentication is on: the cluster's setting, not a problem of the run).
 CHATTY_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
+# The processes an embedded node cannot run without; "{gone}" in NODE_GONE names those exited.
+VITAL = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
+NODE_GONE = "the embedded Ray's node is gone (its {gone} exited)"
+RESUME_HINT = "a new `verlite train` with trainer.resume=auto continues from the latest checkpoint"
+# The watcher of this process's embedded node (node_watch.py), while there is one.
+_watcher: subprocess.Popen[bytes] | None = None
 
 
 def _is_loopback(address: str) -> bool:
@@ -145,6 +156,7 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
                 _node_ip_address=LOOPBACK,
                 logging_level=logging.WARNING,
             )
+        _watch_embedded_node()
         return
     if num_cpus is not None:
         raise ValueError("num_cpus applies to an embedded Ray only, not to a cluster address")
@@ -172,23 +184,58 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
 
 def lost_embedded_node() -> str | None:
     """When this process started its Ray session (embedded) and a process its only node
-    cannot run without has exited: which ("raylet (exit code -9)"). No worker can be placed
-    in that session again. None while they run, and for a session joined elsewhere (this
-    process started none of its processes)."""
+    cannot run without has exited, a sentence saying which ("the embedded Ray's node is gone
+    (its raylet (exit code -9) exited)"): no worker can be placed in that session again. None
+    while they run, and for a session joined elsewhere (this process started none of them)."""
     node = ray._private.worker._global_node
     if node is None:
         return None
-    vital = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
     dead = [
         f"{kind} (exit code {process.returncode})"
         for kind, process in node.dead_processes()
-        if kind in vital
+        if kind in VITAL
     ]
-    return ", ".join(dead) or None
+    return NODE_GONE.format(gone=", ".join(dead)) if dead else None
+
+
+def _watch_embedded_node() -> None:
+    """Start node_watch.py on this process's embedded node: when its raylet or GCS exits, Ray
+    may end this process at once with a bare exit code 1, and the watcher says why."""
+    global _watcher
+    _stop_watching()  # a watcher left from a session ended by a bare ray.shutdown()
+    if not hasattr(os, "pidfd_open"):  # not Linux 5.3+: Ray's exit stays unexplained
+        return
+    node = ray._private.worker._global_node
+    vital = [f"{kind}={info.process.pid}" for kind in VITAL for info in node.all_processes[kind]]
+    message = (
+        f"verlite: error: {NODE_GONE} and Ray ended this run's driver with it "
+        f"(exit code 1); {RESUME_HINT}"
+    )
+    script = Path(__file__).with_name("node_watch.py")
+    _watcher = subprocess.Popen(
+        [sys.executable, "-I", str(script), str(os.getpid()), message, *vital],
+        stdin=subprocess.PIPE,
+        start_new_session=True,
+    )
+    atexit.register(_stop_watching)  # before Ray's own exit handler, which stops the node
+
+
+def _stop_watching() -> None:
+    """Tell the watcher that this process stops its Ray on purpose, and wait for it."""
+    global _watcher
+    if _watcher is None:
+        return
+    watcher, _watcher = _watcher, None
+    atexit.unregister(_stop_watching)
+    with contextlib.suppress(BrokenPipeError):
+        watcher.stdin.write(b"stop")  # type: ignore[union-attr]
+        watcher.stdin.close()  # type: ignore[union-attr]
+    watcher.wait()
 
 
 def stop_ray() -> None:
     """Disconnect from Ray, stopping the embedded Ray if this process started one."""
+    _stop_watching()
     ray.shutdown()
 
 

@@ -1,0 +1,60 @@
+"""The last word of a driver that Ray ended: run as a script (standard library only) beside a
+driver that started an embedded Ray.
+
+When a process the embedded node cannot run without (its raylet, its GCS) exits, Ray's core
+ends the driver at its next object-store access with a bare exit code 1 (``QuickExit``, no
+Python cleanup, nothing on the console). The driver cannot say why; this watcher can. It waits
+on the driver and on the node's vital processes (pidfds: woken the moment one exits) and on a
+pipe from the driver, which writes ``stop`` before it shuts Ray down on purpose. If a vital
+process exits and the driver then ends without having written ``stop``, it prints its message
+(given by the driver, ``{gone}`` naming what exited) to the standard error the two share.
+A driver that ends first, or says ``stop``, leaves it silent.
+
+Usage: ``python -I node_watch.py DRIVER_PID MESSAGE NAME=PID [NAME=PID ...]``
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+
+STOP = b"stop"
+
+
+def watch(driver: int, message: str, vital: dict[str, int]) -> None:
+    try:
+        driver_fd = os.pidfd_open(driver)
+    except ProcessLookupError:  # the driver ended before this watcher started
+        return
+    if os.getppid() != driver:
+        return
+    vital_fds, gone = {}, []
+    for name, pid in vital.items():
+        try:
+            vital_fds[os.pidfd_open(pid)] = name
+        except ProcessLookupError:  # exited (and reaped) before this watcher started
+            gone.append(name)
+    stdin = sys.stdin.fileno()
+    while True:
+        ready, _, _ = select.select([stdin, driver_fd, *vital_fds], [], [])
+        gone += [vital_fds.pop(fd) for fd in ready if fd in vital_fds]
+        if stdin in ready and os.read(stdin, len(STOP)) == STOP:
+            return  # the driver shuts its Ray down on purpose and speaks for itself
+        if driver_fd in ready or stdin in ready:  # the driver ended (its pipe closed)
+            if gone:
+                print(message.format(gone=", ".join(gone)), file=sys.stderr, flush=True)
+            return
+
+
+def main(argv: list[str]) -> None:
+    # Its own session keeps a Ctrl-C in the terminal from reaching it: the driver decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    driver, message, *pairs = argv
+    vital = {name: int(pid) for name, _, pid in (pair.partition("=") for pair in pairs)}
+    watch(int(driver), message, vital)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

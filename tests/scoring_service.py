@@ -1,5 +1,5 @@
 """A real scoring service for the remote-verifier tests: a ``ThreadingHTTPServer`` on
-127.0.0.1 (an ephemeral port) that speaks verlite's protocol (README, "Remote verifiers")
+127.0.0.1 (an ephemeral port) that speaks verlite's protocol (docs/reward-models-and-verifiers.md)
 and scores with ``digit_match``, with failures scripted request by request."""
 
 from __future__ import annotations

@@ -122,7 +122,8 @@ def reference(cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def report(capsys: pytest.CaptureFixture[str], text: str) -> None:
-    """Print a measured figure past pytest's capture (the README quotes them)."""
+    """Print a measured figure past pytest's capture (docs/checkpoints-and-restarts.md quotes
+    them)."""
     with capsys.disabled():
         print(text, flush=True)
 

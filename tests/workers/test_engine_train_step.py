@@ -58,7 +58,8 @@ def _step(
     # The driver's own dispatch: this rank's share of the global mini-batches, (k, rows).
     (share,) = dispatch(DpSplit(mini_batches=mini_batches), world, (batch,), {}).args[rank]
     base = getattr(CONFIG, role)
-    # Plain SGD without clipping: Adam and clipping would hide a wrong gradient (README, audit).
+    # Plain SGD without clipping: Adam and clipping would hide a wrong gradient
+    # (docs/invariance-audit.md).
     optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None, "lr": 0.5})
     layout: dict[str, Any] = (
         {"use_dynamic_bsz": True, "max_token_len_per_worker": 24}

@@ -1,4 +1,4 @@
-"""Asynchronous against synchronous training: steps per second of ``trainer.max_staleness=1``
+"""Asynchronous against synchronous training: steps per second of ``rollout.max_staleness=1``
 over ``max_staleness=0``, and the score of both over wall time; and the step time that
 ``algorithm.recompute_old_log_probs=auto`` saves on-policy.
 
@@ -69,7 +69,7 @@ TIMING_LR, CURVE_LR = 1e-9, 1e-3
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "async_training.png"
 
 
-# variant: (trainer.max_staleness, algorithm.recompute_old_log_probs, .rollout_correction,
+# variant: (rollout.max_staleness, algorithm.recompute_old_log_probs, .rollout_correction,
 # actor.packing)
 VARIANTS = {
     "sync": (0, "always", "none", False),
@@ -89,7 +89,7 @@ def variant_config(folder: Path, variant: str, steps: int, *, lr: float) -> Conf
         [
             *OVERRIDES,
             f"actor.optim.lr={lr}",
-            f"trainer.max_staleness={staleness}",
+            f"rollout.max_staleness={staleness}",
             f"algorithm.recompute_old_log_probs={recompute}",
             f"algorithm.rollout_correction={correction}",
             f"actor.packing={str(packing).lower()}",

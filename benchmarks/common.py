@@ -18,8 +18,8 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import Config
+from verlite.config.derived import old_log_probs_source
 from verlite.models import build_policy, build_value_model
-from verlite.trainer import old_log_probs_source
 
 
 def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:

@@ -48,7 +48,7 @@ def main() -> None:
                     "actor.ppo_mini_batch_size=128",
                     "rollout.placement=split",
                     "rollout.workers_per_node=1",
-                    f"trainer.max_staleness={args.staleness}",
+                    f"rollout.max_staleness={args.staleness}",
                     "algorithm.rollout_correction=tis",
                     f"trainer.total_steps={args.steps}",
                     "trainer.val_freq=25",

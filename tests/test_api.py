@@ -96,6 +96,18 @@ def test_bad_overrides_raise_one_line(overrides: object, message: str) -> None:
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
 
 
+def test_a_moved_key_given_to_train_is_refused_naming_its_new_place(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        verlite.train(
+            "configs/grpo_tiny.yaml",
+            {"trainer.max_staleness": 1, "trainer.output_dir": str(tmp_path / "run")},
+        )
+    assert str(info.value) == (
+        "trainer.max_staleness moved to rollout.max_staleness; set rollout.max_staleness instead"
+    )
+    assert not (tmp_path / "run").exists()  # refused before anything started
+
+
 def test_read_metrics_of_something_that_is_no_path_is_one_line() -> None:
     with pytest.raises(UserError, match=r"^run=3: expected a run folder or its metrics.jsonl"):
         verlite.read_metrics(3)  # type: ignore[call-overload]

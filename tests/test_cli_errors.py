@@ -210,6 +210,20 @@ def test_bad_override(
     assert expected in run(capsys, "train", "--config", CONFIG, *overrides)
 
 
+def test_a_moved_key_is_one_line_naming_its_new_place(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    expected = (
+        "verlite: error: trainer.max_staleness moved to rollout.max_staleness; set "
+        "rollout.max_staleness instead\n"
+    )
+    assert run(capsys, "train", "--config", CONFIG, "trainer.max_staleness=1") == expected
+    (tmp_path / "old.yaml").write_text(
+        "data: {task: copy}\nrollout: {placement: split}\ntrainer: {max_staleness: 1}\n"
+    )
+    assert run(capsys, "train", "--config", str(tmp_path / "old.yaml")) == expected
+
+
 def test_no_error_shows_the_value_of_a_credential_in_the_environment(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -411,6 +425,28 @@ def test_a_checkpoint_from_before_lora_is_full_training(
     overrides = [f"trainer.output_dir={tmp_path}", "actor.lora.rank=4"]
     err = run(capsys, "train", "--config", CONFIG, *overrides)
     assert re.search(r"cannot resume from .*step_3: actor.lora.rank=0 there, 4 here", err), err
+
+
+def test_a_checkpoint_from_before_a_key_moved_is_compared_under_its_new_name(
+    tmp_path: Path,
+) -> None:
+    """It resumes; a setting it recorded under the old key, changed since, is reported under
+    the new one, as any other change."""
+    from verlite.checkpoint import check_resumable
+    from verlite.config import load_config
+
+    split = ["rollout.placement=split"]
+    saved = load_config(CONFIG, [*split, "rollout.max_staleness=1"]).model_dump(mode="json")
+    saved["trainer"]["max_staleness"] = saved["rollout"].pop("max_staleness")  # as written then
+    step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
+    for staleness, changed in ((1, []), (0, ["rollout.max_staleness: 1 -> 0"])):
+        here = load_config(CONFIG, [*split, f"rollout.max_staleness={staleness}"])
+        assert (
+            check_resumable(
+                step_3, config=here.model_dump(mode="json"), roles=here.roles, total_steps=5
+            )
+            == changed
+        )
 
 
 @pytest.mark.parametrize("records", [1024, 960], ids=["same count", "fewer"])

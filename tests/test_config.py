@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from verlite.config import Config, ConfigError, check_paths, load_config
+from verlite.config import MOVED_KEYS, Config, ConfigError, check_paths, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["data.task=copy"]
@@ -254,10 +254,48 @@ def test_rollout_resources_default_to_the_trainers_and_tis_may_run_on_policy() -
         0.5,
         1,
     )
-    assert cfg.trainer.max_staleness == 0 and cfg.roles == ["actor", "critic"]
+    assert cfg.rollout.max_staleness == 0 and cfg.roles == ["actor", "critic"]
     # one line for an invalid trainer value, not a second for the rollout that inherits it
     message = error_of("trainer.cpus_per_worker=-1")
     assert message.count("cpus_per_worker") == 1, message
+
+
+MOVED_STALENESS = (
+    "trainer.max_staleness moved to rollout.max_staleness; set rollout.max_staleness instead"
+)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["trainer.max_staleness=1"],
+        {"trainer.max_staleness": 1},
+        {"trainer": {"max_staleness": 1}},
+        ["trainer={max_staleness: 1, total_steps: 2}"],
+    ],
+    ids=["command line", "dotted key", "section mapping", "section on the command line"],
+)
+def test_a_moved_key_is_refused_in_one_line_that_names_its_new_place(
+    overrides: list[str] | dict[str, object],
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config({"data": {"task": "copy"}}, overrides)
+    assert str(info.value) == MOVED_STALENESS
+
+
+def test_a_moved_key_in_a_config_file_is_refused_and_its_new_place_works(tmp_path: Path) -> None:
+    old = tmp_path / "old.yaml"
+    old.write_text("data: {task: copy}\nrollout: {placement: split}\ntrainer: {max_staleness: 1}\n")
+    assert error_of(path=old) == MOVED_STALENESS
+    new = tmp_path / "new.yaml"
+    new.write_text("data: {task: copy}\nrollout: {placement: split, max_staleness: 1}\n")
+    assert load_config(new).rollout.max_staleness == 1
+    assert (
+        load_config(
+            None, [*BASE, "rollout.placement=split", "rollout.max_staleness=2"]
+        ).rollout.max_staleness
+        == 2
+    )
 
 
 def test_derived_roles() -> None:
@@ -369,12 +407,12 @@ ERRORS = [
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
-        ["trainer.max_staleness=-1"],
-        "trainer.max_staleness=-1: Input should be greater than or equal to 0",
+        ["rollout.max_staleness=-1"],
+        "rollout.max_staleness=-1: Input should be greater than or equal to 0",
     ),
     (
-        ["trainer.max_staleness=1"],
-        "trainer.max_staleness=1 generates while the actor trains, which needs rollout.placement=split",
+        ["rollout.max_staleness=1"],
+        "rollout.max_staleness=1 generates while the actor trains, which needs rollout.placement=split",
     ),
     (
         ["rollout.placement=apart"],
@@ -588,6 +626,8 @@ def test_the_config_reference_is_current_and_covers_every_field() -> None:
 
     for entry in fields(Config, ""):
         assert entry in reference, entry
+    for old, new in MOVED_KEYS.items():
+        assert f"| `{old}` | `{new}` |" in reference
 
 
 def test_credentials_given_for_the_remote_verifier_are_never_shown() -> None:

@@ -1,6 +1,6 @@
 """Where each step's batch comes from (``verlite.rollouts``), over worker groups that run
 their calls in submission order, as a Ray actor does: no batch is ever trained on by weights
-more than ``trainer.max_staleness`` updates newer than the ones that generated it, every
+more than ``rollout.max_staleness`` updates newer than the ones that generated it, every
 generation runs on weights synced before it, and the run's last steps submit nothing past
 its end; the old log-probs come from the actor unless the sampler's serve.
 (Real Ray workers: tests/e2e/test_split_rollout.py.)"""
@@ -12,11 +12,11 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import load_config
+from verlite.config.derived import old_log_probs_source
 from verlite.controller import DpSplit
 from verlite.rollout import SamplingParams, SyncLayout
 from verlite.rollout.weights import TensorSpec
 from verlite.rollouts import Rollouts, StepPrompts
-from verlite.trainer import old_log_probs_source
 
 
 class Done:
@@ -138,7 +138,7 @@ def test_no_batch_is_staler_than_the_bound_and_nothing_runs_past_the_end(
     source = rollouts(
         groups,
         "rollout.placement=split",
-        f"trainer.max_staleness={staleness}",
+        f"rollout.max_staleness={staleness}",
         f"trainer.total_steps={total}",
     )
     source.start(version=resumed_at)
@@ -210,10 +210,10 @@ def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
             [
                 "algorithm.recompute_old_log_probs=auto",
                 "rollout.placement=split",
-                "trainer.max_staleness=1",
+                "rollout.max_staleness=1",
             ],
             True,
-            "trainer.max_staleness=1",
+            "rollout.max_staleness=1",
         ),
         (
             ["algorithm.recompute_old_log_probs=auto", "algorithm.rollout_correction=tis"],

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from verlite.base_weights import differences
+from verlite.config import MOVED_KEYS
 from verlite.errors import UserError
 from verlite.redaction import redact_config
 
@@ -134,9 +135,10 @@ def check_resumable(
         )
     # The checkpoint records the config with its credentials masked: this one is compared so.
     here = _flatten(redact_config(config))
-    # Checkpoints record the whole config; older ones only the model settings.
+    # Checkpoints record the whole config (older ones under keys that moved since, read under
+    # their new names); the oldest only the model settings.
     there = (
-        {**_PREDATED, **_flatten(state["config"])}
+        {**_PREDATED, **{MOVED_KEYS.get(k, k): v for k, v in _flatten(state["config"]).items()}}
         if "config" in state
         else _flatten({"model": state.get("model", {})})
     )

@@ -28,6 +28,7 @@ from verlite.checkpoint import (
     read_trainer_state,
 )
 from verlite.config import Config
+from verlite.config.derived import old_log_probs_source
 from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.losses import kl_penalty
@@ -85,47 +86,6 @@ def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None
                 "rate or check the rewards, then resume from the last checkpoint"
             )
     return None
-
-
-def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
-    """Whether the actor recomputes the old log-probs of each batch, and why (the line the
-    run prints at start-up). ``algorithm.recompute_old_log_probs=auto`` takes the sampler's
-    own where they must agree with a recompute: the same weights (staleness 0), the same
-    precision (the sampler computes in float32), and the whole distribution sampled."""
-    if cfg.algorithm.recompute_old_log_probs == "always":
-        return (
-            True,
-            "old log-probs: recomputed by the actor (algorithm.recompute_old_log_probs=always)",
-        )
-    rollout = cfg.rollout
-    reasons = [
-        reason
-        for reason, applies in (
-            (f"trainer.max_staleness={cfg.trainer.max_staleness}", cfg.trainer.max_staleness > 0),
-            (
-                f"model.dtype={cfg.model.dtype}, the sampler's is float32",
-                cfg.model.dtype != "float32",
-            ),
-            ("rollout.temperature=0 (greedy)", rollout.temperature == 0),
-            (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0),
-            (f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1.0),
-        )
-        if applies
-    ]
-    if reasons:
-        return True, (
-            "old log-probs: recomputed by the actor, as the sampler's may differ "
-            f"(algorithm.recompute_old_log_probs=auto; {', '.join(reasons)})"
-        )
-    inert = (
-        "; so algorithm.rollout_correction=tis has nothing to correct (weights 1)"
-        if cfg.algorithm.rollout_correction == "tis"
-        else ""
-    )
-    return False, (
-        "old log-probs: the sampler's own, which a recompute would repeat to float rounding "
-        f"(algorithm.recompute_old_log_probs=auto): one forward pass a step saved{inert}"
-    )
 
 
 def _every(freq: int, step: int, last: int) -> bool:
@@ -339,7 +299,7 @@ class Trainer:
         state = {
             "step": step,
             # The loader as it was once this step's prompts were drawn: batches generated
-            # ahead (trainer.max_staleness) are drawn and generated again on resume.
+            # ahead (rollout.max_staleness) are drawn and generated again on resume.
             "loader": self._loader_state,
             "train_set": self.train_set.fingerprint,  # the prompts that state indexes
             "weight_version": step,

@@ -168,7 +168,7 @@ def test_a_split_run_over_two_nodes_syncs_weights_to_a_rollout_worker_on_each(
             "actor.micro_batch_size_per_worker=16",
             "rollout.placement=split",
             "rollout.workers_per_node=1",
-            "trainer.max_staleness=1",
+            "rollout.max_staleness=1",
             "data.train_batch_size=8",
             "actor.ppo_mini_batch_size=64",
             "trainer.total_steps=3",

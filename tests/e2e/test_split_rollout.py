@@ -1,6 +1,6 @@
 """A rollout worker group of its own (``rollout.placement=split``) on the shared embedded Ray:
 
-- on-policy (``trainer.max_staleness=0``) it logs the colocated run's metrics.jsonl, every
+- on-policy (``rollout.max_staleness=0``) it logs the colocated run's metrics.jsonl, every
   non-timing metric to 1e-9 in float64, also across a resume from a checkpoint taken while
   the next step's prompts were already drawn, at an epoch's end;
 - with ``max_staleness=1`` a resume draws the uninterrupted run's prompts for every step;
@@ -105,7 +105,7 @@ def test_async_training_keeps_every_batch_within_the_staleness_bound(
         "actor.workers_per_node=2",
         "actor.strategy=fsdp",
         "actor.micro_batch_size_per_worker=16",
-        "trainer.max_staleness=2",
+        "rollout.max_staleness=2",
         "algorithm.rollout_correction=tis",
         "algorithm.rollout_is_cap=1.5",
         "algorithm.recompute_old_log_probs=auto",
@@ -143,7 +143,7 @@ def test_with_staleness_a_resume_draws_each_steps_prompts_of_the_uninterrupted_r
         return prompts
 
     monkeypatch.setattr(Trainer, "_draw_prompts", recorded)
-    stale = (*SPLIT, *EPOCHS_OF_TWO, "trainer.max_staleness=1", "trainer.total_steps=4")
+    stale = (*SPLIT, *EPOCHS_OF_TWO, "rollout.max_staleness=1", "trainer.total_steps=4")
     straight = config(tmp_path / "straight", *stale, "trainer.save_freq=2")
     run(straight, RunInputs.load(straight))
     shutil.copytree(tmp_path / "straight", tmp_path / "resumed")

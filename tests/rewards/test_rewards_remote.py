@@ -15,7 +15,7 @@ import pytest
 from scoring_service import ScoringService, scoring_service
 
 from verlite import redaction
-from verlite.config.schema import RemoteRewardConfig
+from verlite.config import RemoteRewardConfig
 from verlite.errors import RunFailure, UserError
 from verlite.rewards import digit_match
 from verlite.rewards import remote as remote_module

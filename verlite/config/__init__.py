@@ -1,34 +1,36 @@
-"""The run configuration: the schema (:mod:`verlite.config.schema`), loading with overrides
-and one-line errors (:mod:`verlite.config.loading`), and the generated reference
+"""The run configuration: the root model (:mod:`verlite.config.schema`) and its sections
+(``sections_*``, built on :mod:`verlite.config.fields`), the fields that default to others
+(:mod:`verlite.config.defaults`), the checks across fields (:mod:`verlite.config.checks`),
+the values derived from a config (:mod:`verlite.config.derived`), loading with overrides and
+one-line errors (:mod:`verlite.config.loading`), and the generated reference
 (:mod:`verlite.config.reference`, ``make docs``)."""
 
+from verlite.config.derived import RoleSizes
 from verlite.config.loading import (
+    MOVED_KEYS,
     ConfigError,
     check_inputs,
     check_paths,
     format_validation_error,
     load_config,
 )
-from verlite.config.schema import (
+from verlite.config.schema import Config
+from verlite.config.sections_inputs import DataConfig, ModelConfig
+from verlite.config.sections_reward import RemoteRewardConfig, RewardConfig, RewardModelConfig
+from verlite.config.sections_rollout import RolloutConfig
+from verlite.config.sections_trainer import TrainerConfig, WandbConfig
+from verlite.config.sections_training import (
     ActorConfig,
     AlgorithmConfig,
-    Config,
     CriticConfig,
-    DataConfig,
     KLControlConfig,
     LoraConfig,
-    ModelConfig,
     OptimConfig,
-    RewardConfig,
-    RewardModelConfig,
-    RoleSizes,
-    RolloutConfig,
-    TrainerConfig,
-    WandbConfig,
     WorkerRoleConfig,
 )
 
 __all__ = [
+    "MOVED_KEYS",
     "ActorConfig",
     "AlgorithmConfig",
     "Config",
@@ -39,6 +41,7 @@ __all__ = [
     "LoraConfig",
     "ModelConfig",
     "OptimConfig",
+    "RemoteRewardConfig",
     "RewardConfig",
     "RewardModelConfig",
     "RoleSizes",

@@ -180,7 +180,15 @@ def _parse_value(text: str, annotation: Any) -> Any:
         return text  # let validation report the field, value and expected type
 
 
+# Keys that moved, by their old dotted name: the old one is refused in one line that names the
+# new one, from a file, the command line and the API alike (a checkpoint's saved config is
+# read under the new names, verlite.checkpoint).
+MOVED_KEYS = {"trainer.max_staleness": "rollout.max_staleness"}
+
+
 def _unknown_key_message(dotted: str, prefix: str, known: Sequence[str]) -> str:
+    if dotted in MOVED_KEYS:
+        return f"{dotted} moved to {MOVED_KEYS[dotted]}; set {MOVED_KEYS[dotted]} instead"
     leaf = dotted.rsplit(".", 1)[-1]
     section = _model_at(prefix.split(".") if prefix else [])
     candidates = {path.rsplit(".", 1)[-1]: path for path in reversed(_field_paths(section, prefix))}

@@ -1,5 +1,5 @@
-"""The configuration reference, ``docs/config.md``, generated from the models in
-:mod:`verlite.config.schema` (their docstrings and field descriptions), so it cannot drift from
+"""The configuration reference, ``docs/config.md``, generated from the models of
+:mod:`verlite.config` (their docstrings and field descriptions), so it cannot drift from
 what is validated: ``make docs`` rewrites it and a test checks that it is current.
 """
 
@@ -16,11 +16,11 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from verlite.config import Config
+from verlite.config import MOVED_KEYS, Config
 
 HEADER = """# Configuration reference
 
-Generated from `verlite/config/schema.py` by `make docs`; do not edit by hand.
+Generated from the section models in `verlite/config/` by `make docs`; do not edit by hand.
 
 A run config is one YAML file with the sections below; any field may also be set on the
 command line as a dotted override, `section.field=value` (e.g. `actor.optim.lr=1e-5`).
@@ -29,7 +29,8 @@ mapping-valued field (`reward.combine`) is replaced. Values are never coerced: a
 field takes no `true`, `2.0` or `"3"`, a number field no `false` or string (an int is a
 number), a string field no number; `1e-3` is a number. Unknown keys, wrong types,
 out-of-range values, `inf` and `nan` are refused before anything starts, with one line
-naming the field, the value and what is allowed.
+naming the field, the value and what is allowed; a key that moved is refused with one line
+naming its new place (see "Moved keys" at the end).
 """
 
 
@@ -38,7 +39,9 @@ def config_reference() -> str:
     lines = [HEADER]
     for name, field in Config.model_fields.items():
         _section(lines, name, _model_of(field), field.description or "")
-    return "\n".join(lines)
+    lines += ["## Moved keys", "", "| old key | now |", "|---|---|"]
+    lines += [f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items()]
+    return "\n".join([*lines, ""])
 
 
 def _section(lines: list[str], path: str, model: type[BaseModel], summary: str) -> None:

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from verlite.config.schema import RemoteRewardConfig
+from verlite.config import RemoteRewardConfig
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import MIN_SECRET_LENGTH, redact_text, register_secret
 from verlite.rewards.scoring import PROGRESS_EVERY_S

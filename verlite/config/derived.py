@@ -1,0 +1,130 @@
+"""What a config decides beyond its fields, computed from it alone and only here: the worker
+groups a run has, the sizes of a step and of each role's batches (:class:`RoleSizes`), the
+longest sequence, and whether the actor recomputes the old log-probs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from verlite.core.advantages import ESTIMATORS_NEEDING_CRITIC
+
+if TYPE_CHECKING:
+    from verlite.config.schema import Config
+    from verlite.config.sections_inputs import DataConfig
+    from verlite.config.sections_rollout import RolloutConfig
+    from verlite.config.sections_trainer import TrainerConfig
+    from verlite.config.sections_training import (
+        ActorConfig,
+        AlgorithmConfig,
+        CriticConfig,
+        WorkerRoleConfig,
+    )
+
+
+@dataclass(frozen=True)
+class RoleSizes:
+    """Batch sizes of one role, derived once from the config."""
+
+    dp_size: int
+    mini_batch_size_per_worker: int
+    # Optimizer steps of one training step, and of the whole run (the LR schedule's length).
+    num_mini_batches: int
+    total_updates: int
+
+
+class Derived:
+    """The derived values as properties of :class:`~verlite.config.Config` (mixed into it)."""
+
+    if TYPE_CHECKING:
+        data: DataConfig
+        rollout: RolloutConfig
+        actor: ActorConfig
+        critic: CriticConfig
+        algorithm: AlgorithmConfig
+        trainer: TrainerConfig
+
+    @property
+    def use_critic(self) -> bool:
+        return self.algorithm.adv_estimator in ESTIMATORS_NEEDING_CRITIC
+
+    @property
+    def use_reference(self) -> bool:
+        """A frozen copy of the initial policy lives in each actor worker when a KL term is on."""
+        return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    @property
+    def roles(self) -> list[Literal["actor", "critic"]]:
+        """The worker groups a run has."""
+        return ["actor", "critic"] if self.use_critic else ["actor"]
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.data.train_batch_size * self.rollout.n
+
+    @property
+    def response_width(self) -> int:
+        """Tokens of a row's response area: one response, or with a multi-turn environment
+        every turn and observation of a trajectory."""
+        multi_turn = self.rollout.multi_turn
+        if multi_turn.env is not None and multi_turn.max_total_length is not None:
+            return multi_turn.max_total_length - self.data.max_prompt_length
+        return self.rollout.max_response_length
+
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest row of a step: a full prompt and a full response area (the models'
+        position range, and the least a token budget must hold)."""
+        return self.data.max_prompt_length + self.response_width
+
+    def role_sizes(self, role: Literal["actor", "critic"]) -> RoleSizes:
+        cfg: WorkerRoleConfig = getattr(self, role)
+        dp = self.trainer.nnodes * (cfg.workers_per_node or self.trainer.workers_per_node)
+        num_mini_batches = self.sequences_per_step // cfg.ppo_mini_batch_size
+        return RoleSizes(
+            dp_size=dp,
+            mini_batch_size_per_worker=cfg.ppo_mini_batch_size // dp,
+            num_mini_batches=num_mini_batches,
+            total_updates=self.trainer.total_steps * cfg.ppo_epochs * num_mini_batches,
+        )
+
+
+def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
+    """Whether the actor recomputes the old log-probs of each batch, and why (the line the
+    run prints at start-up). ``algorithm.recompute_old_log_probs=auto`` takes the sampler's
+    own where they must agree with a recompute: the same weights (staleness 0), the same
+    precision (the sampler computes in float32), and the whole distribution sampled."""
+    if cfg.algorithm.recompute_old_log_probs == "always":
+        return (
+            True,
+            "old log-probs: recomputed by the actor (algorithm.recompute_old_log_probs=always)",
+        )
+    rollout = cfg.rollout
+    reasons = [
+        reason
+        for reason, applies in (
+            (f"rollout.max_staleness={rollout.max_staleness}", rollout.max_staleness > 0),
+            (
+                f"model.dtype={cfg.model.dtype}, the sampler's is float32",
+                cfg.model.dtype != "float32",
+            ),
+            ("rollout.temperature=0 (greedy)", rollout.temperature == 0),
+            (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0),
+            (f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1.0),
+        )
+        if applies
+    ]
+    if reasons:
+        return True, (
+            "old log-probs: recomputed by the actor, as the sampler's may differ "
+            f"(algorithm.recompute_old_log_probs=auto; {', '.join(reasons)})"
+        )
+    inert = (
+        "; so algorithm.rollout_correction=tis has nothing to correct (weights 1)"
+        if cfg.algorithm.rollout_correction == "tis"
+        else ""
+    )
+    return False, (
+        "old log-probs: the sampler's own, which a recompute would repeat to float rounding "
+        f"(algorithm.recompute_old_log_probs=auto): one forward pass a step saved{inert}"
+    )

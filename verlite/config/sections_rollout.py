@@ -1,0 +1,116 @@
+"""The ``rollout`` section: sampling, where generation runs and how far ahead, and
+multi-turn rollouts with an environment."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from verlite.config.fields import NonEmptyStr, NonNegativeInt, PositiveInt, Section
+
+MIN_TEMPERATURE = 0.01
+
+
+def _greedy_or_at_least_min_temperature(value: float) -> float:
+    # Log-probs and their gradients scale as 1/temperature: near 0 they overflow float32
+    # (the sampler then draws past the vocabulary) long before sampling differs from greedy.
+    if 0.0 < value < MIN_TEMPERATURE:
+        raise ValueError(
+            f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: logits divided by a smaller "
+            "temperature overflow and its gradients grow as 1/temperature"
+        )
+    return value
+
+
+class MultiTurnConfig(Section):
+    """Multi-turn rollouts: the policy and an environment (its tools) take turns."""
+
+    env: NonEmptyStr | None = Field(
+        None,
+        description="The environment: a registered name (lookup, lookup_without_tool) or "
+        "'package.module:Class' (see verlite.envs); None generates one turn per prompt.",
+    )
+    max_turns: PositiveInt = Field(4, description="Most policy turns of a trajectory.")
+    max_total_length: PositiveInt | None = Field(
+        None,
+        description="Most tokens of a trajectory, prompt, turns and observations included "
+        "(>= data.max_prompt_length + rollout.max_response_length: the prompt and one turn); "
+        "required with env.",
+    )
+    turn_stop: NonEmptyStr | None = Field(
+        None,
+        description="The text that ends a policy turn and hands it to the environment (one token "
+        "of the tokenizer); the end-of-sequence token always ends the trajectory.",
+    )
+    tool_timeout_s: float = Field(
+        30.0,
+        gt=0.0,
+        description="Most seconds one environment call may take; a step that takes longer or "
+        "raises ends its trajectory (multiturn/tool_errors), never the run.",
+    )
+    max_abandoned_calls: NonNegativeInt = Field(
+        32,
+        description="Most environment calls that outlived tool_timeout_s and still run, per "
+        "worker: a thread cannot be stopped, so each is left running "
+        "(multiturn/abandoned_calls counts a step's); one more stops the run.",
+    )
+
+
+class RolloutConfig(Section):
+    """Generation: sampling, and where it runs (the actor, or a rollout worker group)."""
+
+    n: PositiveInt = Field(1, description="Responses sampled per prompt (GRPO/RLOO need >= 2).")
+    temperature: Annotated[float, AfterValidator(_greedy_or_at_least_min_temperature)] = Field(
+        1.0,
+        ge=0.0,
+        description=f"Sampling temperature; 0 is greedy, otherwise at least {MIN_TEMPERATURE}.",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
+    top_k: NonNegativeInt = Field(0, description="Keep the k most likely tokens; 0 disables it.")
+    max_response_length: PositiveInt = Field(
+        16, description="Longest response in tokens (generation stops there)."
+    )
+    randomness: Literal["per_sample", "per_rank"] = Field(
+        "per_sample",
+        description="per_sample: a response's random draws are keyed by (trainer.seed, step, "
+        "prompt position, sample index), so a run does not depend on how many workers ran it; "
+        "per_rank: one random stream per actor worker, the negative control of "
+        "`verlite check-invariance --run`.",
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="colocated: the actor workers generate with the weights they train; split: a "
+        "rollout worker group of its own generates, its weights synced from the actor after "
+        "every update (versioned and digest-checked).",
+    )
+    max_staleness: NonNegativeInt = Field(
+        0,
+        description="split: how many weight versions a batch may lag the actor that trains on "
+        "it; 0 is on-policy, k >= 1 generates the next batches while the actor trains.",
+    )
+    workers_per_node: PositiveInt | None = Field(
+        None,
+        description="split: rollout workers on each node (over trainer.nnodes nodes); None uses "
+        "trainer.workers_per_node.",
+    )
+    cpus_per_worker: float | None = Field(
+        None,
+        gt=0.0,
+        description="split: CPUs of one rollout worker; None uses trainer.cpus_per_worker.",
+    )
+    gpus_per_worker: float | None = Field(
+        None,
+        ge=0.0,
+        description="split: GPUs of one rollout worker; None uses trainer.gpus_per_worker.",
+    )
+    sync_bucket_mb: float = Field(
+        128.0,
+        gt=0.0,
+        description="split: weights travel to the rollout workers in buckets of about this many "
+        "MiB (a tensor larger than a bucket travels alone).",
+    )
+    multi_turn: MultiTurnConfig = Field(
+        default_factory=MultiTurnConfig,
+        description="Multi-turn rollouts with an environment (tools).",
+    )

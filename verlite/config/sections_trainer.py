@@ -1,0 +1,103 @@
+"""The ``trainer`` section: steps, the cluster layout, validation, checkpoints and the
+metric sinks (W&B's settings among them)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from verlite.config.fields import AsList, NonEmptyStr, NonNegativeInt, PathStr, PositiveInt, Section
+
+
+class WandbConfig(Section):
+    """Weights & Biases (``trainer.loggers: [wandb]``): where the run is recorded."""
+
+    project: NonEmptyStr = Field("verlite", description="W&B project of the run.")
+    entity: NonEmptyStr | None = Field(
+        None, description="W&B team or user; None uses the account's default entity."
+    )
+    run_name: NonEmptyStr | None = Field(
+        None, description="Display name of the run; None uses the output folder's name."
+    )
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline writes the run under <output_dir>/wandb, for `wandb sync` later; "
+        "online sends it as it goes (needs WANDB_API_KEY or `wandb login`).",
+    )
+
+
+class TrainerConfig(Section):
+    """The run: steps, cluster layout, validation, checkpoints, logging."""
+
+    total_steps: PositiveInt = Field(20, description="Training steps (one batch of prompts each).")
+    output_dir: PathStr = Field(
+        "outputs/run",
+        description="Folder for metrics, checkpoints, workers.json and the exported model.",
+    )
+    seed: NonNegativeInt = Field(0, description="Seed of data, sampling and initialization.")
+    nnodes: PositiveInt = Field(1, description="Nodes each worker group spans.")
+    workers_per_node: PositiveInt = Field(
+        1, description="Workers per node for every role without its own setting."
+    )
+    placement: Literal["colocate", "split"] = Field(
+        "colocate",
+        description="colocate: roles share bundles with fractional resources; split: a pool per role.",
+    )
+    cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
+    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of one worker bundle.")
+    ray_address: NonEmptyStr | None = Field(
+        None, description="Ray cluster to connect to; None starts an embedded local Ray."
+    )
+    resource_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        description="Fail if the workers cannot be placed within this many seconds, at the start "
+        "and after each restart (the wait for a replacement node).",
+    )
+    max_restarts: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="How many times a run whose worker process or node was lost starts its "
+        "groups again and resumes from its latest checkpoint (the first step without one); "
+        "0 stops the run at the first loss. What a worker raises, and the driver's own "
+        "errors, never restart.",
+    )
+    torch_threads_per_worker: PositiveInt = Field(
+        1, description="torch threads of each CPU worker."
+    )
+    val_freq: NonNegativeInt = Field(
+        5, description="Validate every this many steps (and at the end); 0 never."
+    )
+    save_freq: NonNegativeInt = Field(
+        0, description="Checkpoint every this many steps (and at the end); 0 never."
+    )
+    max_checkpoints: PositiveInt = Field(3, description="Checkpoints kept; older ones are deleted.")
+    overwrite: bool = Field(
+        False,
+        description="A non-empty output_dir that this run does not continue is refused; true moves "
+        "its contents aside (to <output_dir>.replaced-<UTC time>) and starts a fresh run there.",
+    )
+    resume: PathStr = Field(
+        "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
+    )
+    loggers: Annotated[
+        tuple[Literal["console", "jsonl", "logline", "tensorboard", "mlflow", "wandb"], ...],
+        AsList,
+    ] = Field(
+        ("console", "jsonl"),
+        description="Metric sinks: console (progress line), jsonl (<output_dir>/metrics.jsonl), "
+        "logline (one marked JSON line per step on stdout, read back by `verlite metrics --job`), "
+        "tensorboard, mlflow, wandb (see trainer.wandb).",
+    )
+    mlflow_tracking_uri: NonEmptyStr | None = Field(
+        None, description="MLflow tracking URI; None uses a file store in output_dir."
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="Weights & Biases, with 'wandb' in loggers."
+    )
+    max_consecutive_skips: PositiveInt = Field(
+        3,
+        description="Stop after this many consecutive updates skipped for a non-finite loss or gradient.",
+    )

@@ -1,0 +1,223 @@
+"""The training sections: the actor and the critic (what they share: parallelism, batching,
+loss aggregation, the optimizer), LoRA adapters, and the algorithm (advantages, KL)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, Field
+
+from verlite.config.fields import AsList, NonEmptyStr, NonNegativeInt, PositiveInt, Section
+from verlite.core.advantages import ADV_ESTIMATORS
+from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+
+
+def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise ValueError(f"unknown {what}; allowed: {', '.join(allowed)}")
+        return value
+
+    return AfterValidator(check)
+
+
+def _kl_kind(value: str) -> str:
+    if value.rstrip("+") not in KL_KINDS or value.count("+") > 1:
+        raise ValueError(
+            f"unknown KL kind; allowed: {', '.join(KL_KINDS)} (each also with a '+' suffix)"
+        )
+    return value
+
+
+LossAggMode = Annotated[str, _one_of(LOSS_AGG_MODES, "loss aggregation mode")]
+PolicyLossMode = Annotated[str, _one_of(sorted(POLICY_LOSSES), "policy loss")]
+AdvEstimator = Annotated[str, _one_of(sorted(ADV_ESTIMATORS), "advantage estimator")]
+KLKind = Annotated[str, AfterValidator(_kl_kind)]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class OptimConfig(Section):
+    """Optimizer with an optional warm-up and cosine decay."""
+
+    name: Literal["adamw", "sgd"] = Field(
+        "adamw",
+        description="adamw, or plain sgd (no momentum; the invariance audit uses it, see README).",
+    )
+    lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: Annotated[tuple[Beta, Beta], AsList] = Field(
+        (0.9, 0.999), description="AdamW betas, each in [0, 1) (ignored by sgd)."
+    )
+    warmup_steps: NonNegativeInt = Field(
+        0, description="Optimizer steps of linear warm-up from 0 to lr."
+    )
+    schedule: Literal["constant", "cosine"] = Field("constant", description="LR after warm-up.")
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Cosine schedule: final lr as a fraction of lr."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm to this; None only measures it."
+    )
+
+
+class WorkerRoleConfig(Section):
+    """What actor and critic share: parallelism, batching, loss aggregation, optimizer."""
+
+    strategy: Literal["ddp", "fsdp", "none"] = Field(
+        "ddp",
+        description="Data parallelism: DDP, FSDP2 (fully_shard per decoder layer) or none (one worker only).",
+    )
+    workers_per_node: PositiveInt | None = Field(
+        None, description="Workers of this role on each node; None uses trainer.workers_per_node."
+    )
+    ppo_mini_batch_size: PositiveInt = Field(
+        16, description="Sequences (responses) per optimizer step, over all workers of this role."
+    )
+    ppo_epochs: PositiveInt = Field(1, description="Passes over each step's batch.")
+    micro_batch_size_per_worker: PositiveInt = Field(
+        4,
+        description="Sequences per forward/backward on one worker (ignored with use_dynamic_bsz).",
+    )
+    use_dynamic_bsz: bool = Field(
+        False,
+        description="Cut micro-batches by a token budget (rows of similar length together) instead of a fixed size.",
+    )
+    max_token_len_per_worker: PositiveInt | None = Field(
+        None,
+        description="Token budget of one micro-batch with use_dynamic_bsz: rows x (longest prompt + longest response), padding included; with packing, the real tokens of the packed row (>= the longest prompt + response).",
+    )
+    packing: bool = Field(
+        False,
+        description="Run each micro-batch as one packed row of its sequences' real tokens (no padding), attention confined to each sequence; training and inference passes alike.",
+    )
+    loss_agg_mode: LossAggMode = Field(
+        "token-mean", description=f"How token losses aggregate: {', '.join(LOSS_AGG_MODES)}."
+    )
+    loss_scale_factor: float | None = Field(
+        None,
+        gt=0.0,
+        description="Constant divisor of seq-mean-token-sum-norm; None uses rollout.max_response_length.",
+    )
+    optim: OptimConfig = Field(
+        default_factory=OptimConfig, description="Optimizer and LR schedule."
+    )
+
+
+# The projections of Llama- and Qwen2-family decoders: attention and MLP.
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraConfig(Section):
+    """LoRA adapters on the policy (through ``peft``, the ``lora`` extra): only the adapters
+    train, the reference is the same model with its adapters off."""
+
+    rank: NonNegativeInt = Field(
+        0,
+        description="Rank of the adapters' low-rank update; 0 trains every weight (no LoRA).",
+    )
+    alpha: float = Field(
+        16.0, gt=0.0, description="Scale of the adapters' update: alpha / rank times B A."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Dropout on the adapters' input while training; > 0 draws random masks, "
+        "so gradients then depend on how the batch is split (the invariance audit uses 0).",
+    )
+    target_modules: Annotated[tuple[NonEmptyStr, ...], AsList] = Field(
+        LORA_DEFAULT_TARGETS,
+        min_length=1,
+        description="Names of the linear layers that get adapters, matched as the last part "
+        "of a module's name (peft's target_modules); each must name a layer of the model.",
+    )
+
+
+class ActorConfig(WorkerRoleConfig):
+    """The policy: PPO-family losses, entropy bonus, KL loss to the reference."""
+
+    policy_loss: PolicyLossMode = Field(
+        "vanilla", description=f"Policy loss: {', '.join(sorted(POLICY_LOSSES))}."
+    )
+    clip_ratio_low: float = Field(
+        0.2, ge=0.0, description="PPO clip below 1 (ratio >= 1 - clip_ratio_low)."
+    )
+    clip_ratio_high: float = Field(
+        0.2, ge=0.0, description="PPO clip above 1 (ratio <= 1 + clip_ratio_high)."
+    )
+    clip_ratio_c: float = Field(
+        3.0, gt=1.0, description="Dual-clip bound for negative advantages (> 1)."
+    )
+    entropy_coeff: float = Field(0.0, ge=0.0, description="Weight of the entropy bonus.")
+    use_kl_loss: bool = Field(False, description="Add a KL-to-reference term to the actor loss.")
+    kl_loss_coef: float = Field(0.001, ge=0.0, description="Weight of the KL loss.")
+    kl_loss_type: KLKind = Field(
+        "low_var_kl", description=f"KL estimator of the loss: {', '.join(KL_KINDS)}, optional '+'."
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="LoRA adapters (rank 0: train every weight)."
+    )
+
+
+class CriticConfig(WorkerRoleConfig):
+    """The value model (used when the advantage estimator needs one, i.e. GAE)."""
+
+    loss_agg_mode: LossAggMode | None = Field(  # type: ignore[assignment]
+        None, description="How token value losses aggregate; None uses actor.loss_agg_mode."
+    )
+    cliprange_value: float = Field(
+        0.5, gt=0.0, description="Value clipping range around the rollout-time values."
+    )
+    warmup_steps: NonNegativeInt = Field(
+        0,
+        description="Training steps that update only the critic before the actor starts learning.",
+    )
+
+
+class KLControlConfig(Section):
+    """Coefficient of the KL penalty in the reward."""
+
+    type: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="Fixed coefficient or the adaptive controller (Ziegler 2019)."
+    )
+    kl_coef: float = Field(0.001, ge=0.0, description="(Initial) KL coefficient.")
+    target_kl: float = Field(0.1, gt=0.0, description="Adaptive: KL the controller steers towards.")
+    horizon: PositiveInt = Field(
+        10000, description="Adaptive: samples over which the coefficient adapts."
+    )
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation and KL-in-reward."""
+
+    adv_estimator: AdvEstimator = Field(
+        "gae", description=f"Advantage estimator: {', '.join(sorted(ADV_ESTIMATORS))}."
+    )
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")
+    lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda.")
+    norm_adv_by_std: bool = Field(
+        True, description="GRPO: divide by the group std; false gives Dr. GRPO."
+    )
+    use_kl_in_reward: bool = Field(
+        False, description="Subtract a KL penalty to the reference from the token rewards."
+    )
+    kl_penalty: KLKind = Field("kl", description="KL estimator of the in-reward penalty.")
+    kl_ctrl: KLControlConfig = Field(
+        default_factory=KLControlConfig, description="KL coefficient controller."
+    )
+    recompute_old_log_probs: Literal["auto", "always"] = Field(
+        "always",
+        description="always: the actor recomputes the old log-probs of every batch; auto: takes "
+        "the sampler's own where they must agree (rollout.max_staleness=0, model.dtype=float32, "
+        "temperature > 0, no top-k/top-p), saving a forward pass; start-up says which applies.",
+    )
+    rollout_correction: Literal["none", "tis"] = Field(
+        "none",
+        description="tis: weight each token's policy loss by the truncated importance ratio "
+        "min(exp(old - rollout log-prob), rollout_is_cap) between the trained and the sampling "
+        "policy, before the loss is normalized.",
+    )
+    rollout_is_cap: float = Field(
+        2.0, gt=0.0, description="tis: the largest importance weight (truncation)."
+    )

@@ -59,8 +59,8 @@ def _environment_name(value: str | None) -> str | None:
 
 
 class RemoteRewardConfig(Section):
-    """A remote verifier: a user's HTTP service that scores batches of responses (README,
-    "Remote verifiers"; the protocol is in verlite/rewards/remote.py)."""
+    """A remote verifier: a user's HTTP service that scores batches of responses
+    (docs/reward-models-and-verifiers.md; the protocol is in verlite/rewards/remote.py)."""
 
     url: Annotated[str | None, AfterValidator(_service_url)] = Field(
         None,

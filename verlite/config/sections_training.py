@@ -42,7 +42,7 @@ class OptimConfig(Section):
 
     name: Literal["adamw", "sgd"] = Field(
         "adamw",
-        description="adamw, or plain sgd (no momentum; the invariance audit uses it, see README).",
+        description="adamw, or plain sgd (no momentum; the invariance audit uses it, see docs/invariance-audit.md).",
     )
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW decoupled weight decay.")

@@ -18,6 +18,7 @@ import pytest
 from verlite.errors import UserError
 from verlite.metrics_log import read as load_metrics
 from verlite.report import add_metrics_command, summary_rows
+from verlite.table import format_duration
 
 RECORDS: list[dict[str, Any]] = [
     {"step": 1, "critic/score/mean": 0.1, "actor/pg_loss": 1.0, "actor/entropy": 2.0},
@@ -91,6 +92,24 @@ def test_table_has_first_last_best_mean_steps_and_wall_time(
         "actor/entropy",
         "response_length/mean",
     ]  # the default keys present, in their order; timing_s/step is not a default row
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (0.0, "0.0 s"),
+        (6.04, "6.0 s"),
+        (59.9, "59.9 s"),
+        (60.0, "1m00s"),
+        (127.6, "2m08s"),  # rounded to the second
+        (3723.2, "1h02m03s"),
+        (float("inf"), "?"),  # an estimate with nothing to go on
+        (float("nan"), "?"),
+    ],
+)
+def test_durations_read_in_seconds_then_minutes_then_hours(seconds: float, shown: str) -> None:
+    # The report's wall time and the console's ETA.
+    assert format_duration(seconds) == shown
 
 
 def test_partially_written_last_line_is_ignored(

@@ -261,7 +261,7 @@ def _draw_panel(axes: Any, records: Sequence[Record], keys: Sequence[str]) -> li
     return drawn
 
 
-def add_metrics_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``verlite metrics`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
         "metrics",

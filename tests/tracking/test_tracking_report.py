@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
+from verlite import report
 from verlite.errors import UserError
 from verlite.metrics_log import read as load_metrics
-from verlite.report import add_metrics_command, summary_rows
+from verlite.report import summary_rows
 from verlite.table import format_duration
 
 RECORDS: list[dict[str, Any]] = [
@@ -50,7 +51,7 @@ def _write(out: Path, records: Sequence[dict[str, Any]], tail: str = "") -> Path
 def _metrics(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """Run ``verlite metrics ARGV`` as cli.main does: a UserError is one line on stderr, exit 2."""
     parser = argparse.ArgumentParser(prog="verlite")
-    add_metrics_command(parser.add_subparsers(dest="command", required=True))
+    report.add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["metrics", *argv])
     try:
         code: int = args.handler(args)

@@ -92,7 +92,7 @@ def first_difference(
     return None
 
 
-def add_compare_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``verlite compare`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
         "compare",

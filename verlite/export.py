@@ -21,7 +21,7 @@ MERGED_FOLDER = "hf_actor_merged"
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
 
 
-def add_export_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``verlite export`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
         "export",

@@ -40,6 +40,7 @@ from verlite.config import Config, WorkerRoleConfig
 from verlite.core.losses import LOSS_AGG_MODES, GlobalCounts
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
 from verlite.core.partition import dp_shares
+from verlite.data import position_ids
 from verlite.distributed import (
     all_gather_object,
     full_grads,
@@ -151,7 +152,7 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
         {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask,
+            "position_ids": position_ids(attention_mask),
             "responses": input_ids[:, prompt_width:],
             "response_mask": response_mask,
             "uid": torch.arange(num_sequences),

@@ -8,7 +8,37 @@ import argparse
 import json
 import sys
 
+from verlite.arguments import positive_int
 from verlite.table import format_table
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``verlite measure-packing`` on the CLI's subparsers."""
+    measure = subparsers.add_parser(
+        "measure-packing",
+        help="measure a packed row's cost on this machine: the model.attention_crossover to set",
+        description="Time forward and backward passes of the configured policy over packed rows "
+        "(sequences of 8 up to data.max_prompt_length + rollout.max_response_length tokens, up to "
+        "the token budget a row) on the device the workers would use, fit seconds ~ a x tokens + "
+        "b x sum of squared lengths + c, and print a / b: the model.attention_crossover that "
+        "balances the DP shares of packing roles by this measurement instead of the FLOP count.",
+    )
+    measure.add_argument("--config", required=True, help="run config YAML")
+    measure.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="dotted config overrides"
+    )
+    measure.add_argument(
+        "--budget",
+        type=positive_int,
+        default=None,
+        help="most tokens of a packed row (default: actor.max_token_len_per_worker, or "
+        "actor.micro_batch_size_per_worker x the longest sequence)",
+    )
+    measure.add_argument(
+        "--trials", type=positive_int, default=40, help="packed rows to time (default 40)"
+    )
+    measure.add_argument("--json", action="store_true", help="print one JSON object instead")
+    measure.set_defaults(handler=cmd_measure_packing)
 
 
 def cmd_measure_packing(args: argparse.Namespace) -> int:
@@ -30,6 +60,7 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
             f"--budget={budget} is below the longest sequence ({longest} tokens: "
             "data.max_prompt_length + rollout.max_response_length)"
         )
+    from verlite.core import seeds
     from verlite.data.tokenizer import load_tokenizer
     from verlite.models import build_policy, flop_crossover, resolve_device
     from verlite.models.packing_cost import measure_packed_cost
@@ -38,7 +69,10 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
     vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
     device = resolve_device(cfg.model)
     policy = build_policy(
-        cfg.model, vocab_size=vocab_size, max_positions=longest, seed=cfg.trainer.seed
+        cfg.model,
+        vocab_size=vocab_size,
+        max_positions=longest,
+        seed=seeds.policy_init(cfg.trainer.seed),
     ).to(device)
     try:
         enable_packing(policy)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from verlite import metrics_log
 from verlite.errors import UserError, import_extra
 from verlite.metrics_log import Record
+from verlite.table import format_duration
 
 # The table's rows by default, in this order, when present.
 DEFAULT_KEYS = (
@@ -138,7 +139,7 @@ def format_summary(records: Sequence[Record], rows: Sequence[SummaryRow]) -> str
     step_times = [seconds for _, seconds in _series(records, STEP_TIME_KEY)]
     header = f"{len(steps)} steps ({steps[0]}-{steps[-1]})"
     if step_times:
-        header += f", wall time {_duration(math.fsum(step_times))} (sum of {STEP_TIME_KEY})"
+        header += f", wall time {format_duration(math.fsum(step_times))} (sum of {STEP_TIME_KEY})"
     table = [("metric", "steps", "first", "last", "best", "(step)", "mean")]
     for row in rows:
         table.append(
@@ -165,14 +166,6 @@ def format_summary(records: Sequence[Record], rows: Sequence[SummaryRow]) -> str
 
 def _number(value: float) -> str:
     return f"{value:.4g}"
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
 PLOT_LIMIT = 1e30
@@ -268,7 +261,7 @@ def _draw_panel(axes: Any, records: Sequence[Record], keys: Sequence[str]) -> li
     return drawn
 
 
-def add_metrics_command(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``verlite metrics`` on the CLI's subparsers."""
     parser = subparsers.add_parser(
         "metrics",

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.controller import DpSplit, PendingCall, WorkerGroup
+from verlite.core import seeds
 from verlite.data import PromptRecord
 from verlite.rollout import SamplingParams, SyncLayout, WeightSyncError
 
@@ -180,7 +181,7 @@ class Rollouts:
 
     def _seed(self, step: int) -> int:
         # The per-rank stream's seed (rollout.randomness=per_rank); per-sample keys ignore it.
-        return self.cfg.trainer.seed * 100_003 + step
+        return seeds.step_sampling(self.cfg.trainer.seed, step)
 
     def _sync(self, version: int) -> WeightSync:
         assert self.rollout is not None

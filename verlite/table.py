@@ -1,7 +1,8 @@
-"""Plain-text tables for the terminal: left-aligned columns two spaces apart."""
+"""Plain text for the terminal: tables of left-aligned columns two spaces apart, durations."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
@@ -12,3 +13,15 @@ def format_table(rows: Sequence[Sequence[str]]) -> str:
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows
     )
+
+
+def format_duration(seconds: float) -> str:
+    """``12.3 s`` under a minute, then ``2m07s`` and ``1h02m03s`` (whole seconds, rounded);
+    ``?`` for a duration not known (not finite)."""
+    if not math.isfinite(seconds):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

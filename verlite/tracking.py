@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import netrc
 import os
 import re
@@ -28,6 +27,7 @@ from verlite import metrics_log
 from verlite.errors import UserError, import_extra
 from verlite.reachable import connection_problem
 from verlite.redaction import redact_config, redact_text, redact_url
+from verlite.table import format_duration
 
 if TYPE_CHECKING:
     from verlite.config import WandbConfig
@@ -153,7 +153,7 @@ class ConsoleLogger:
         remaining = (self.total_steps - step) * elapsed / max(done, 1)
         parts = [f"{_bar(step, self.total_steps)} step {step}/{self.total_steps}"]
         parts += [f"{label} {metrics[key]:.3g}" for key, label in CONSOLE_KEYS if key in metrics]
-        parts.append(f"{elapsed / max(done, 1):.1f}s/step ETA {_duration(remaining)}")
+        parts.append(f"{elapsed / max(done, 1):.1f}s/step ETA {format_duration(remaining)}")
         print(" | ".join(parts), file=self.stream, flush=True)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
@@ -163,13 +163,6 @@ class ConsoleLogger:
 def _bar(step: int, total: int, width: int = 20) -> str:
     filled = min(width, round(width * step / max(total, 1)))
     return "[" + "#" * filled + "-" * (width - filled) + "]"
-
-
-def _duration(seconds: float) -> str:
-    if not math.isfinite(seconds):
-        return "?"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 class TensorBoardLogger:

@@ -12,6 +12,7 @@ from verlite.data import (
     PromptRecord,
     build_task_tokenizer,
     collate_prompts,
+    position_ids,
     prompt_tensordict,
     row_records,
 )
@@ -88,6 +89,24 @@ def test_dataset_smaller_than_a_batch() -> None:
         DataError, match=r"3 training prompts are fewer than one batch of data\.train_batch_size=4"
     ):
         PromptLoader(_records(3), 4, seed=0)
+
+
+def test_position_ids_count_real_tokens_from_zero_and_are_zero_on_pads() -> None:
+    mask = torch.tensor(
+        [
+            [0, 0, 1, 1, 1],  # left padding
+            [0, 0, 0, 0, 0],  # all padding
+            [1, 1, 1, 1, 1],  # none
+            [1, 1, 0, 1, 0],  # pads after and between real tokens
+        ]
+    )
+    assert position_ids(mask).tolist() == [
+        [0, 0, 0, 1, 2],
+        [0, 0, 0, 0, 0],
+        [0, 1, 2, 3, 4],
+        [0, 1, 0, 2, 0],
+    ]
+    assert position_ids(mask).dtype == mask.dtype
 
 
 def test_collate_left_pads_with_positions() -> None:

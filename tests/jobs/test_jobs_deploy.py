@@ -18,7 +18,7 @@ from jobs_support import REPO
 
 from verlite.cli import build_parser
 from verlite.config import load_config
-from verlite.jobs import add_job_commands
+from verlite.jobs import commands as job_commands
 from verlite.jobs.submission import build_runtime_env, read_runtime_env
 
 DEPLOY = REPO / "deploy"
@@ -38,7 +38,7 @@ def load(path: Path) -> Any:
 
 def job_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verlite")
-    add_job_commands(parser.add_subparsers(dest="command", required=True))
+    job_commands.add_commands(parser.add_subparsers(dest="command", required=True))
     return parser
 
 

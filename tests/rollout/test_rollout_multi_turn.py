@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from verlite.config import ModelConfig
+from verlite.data import position_ids
 from verlite.envs import AbandonedCalls, EnvironmentBroken, Session
 from verlite.envs.base import Turn
 from verlite.models import build_policy
@@ -78,7 +79,7 @@ def prompts(tokenizer: PreTrainedTokenizerFast, rows: int) -> TensorDict:
         {
             "input_ids": input_ids,
             "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+            "position_ids": position_ids(mask),
             "uid": torch.arange(rows),
             "sample_key": sample_keys(0, 1, rows, 1),
         },

@@ -5,6 +5,7 @@ import torch
 from tensordict import TensorDict
 
 from verlite.config import ModelConfig
+from verlite.data import position_ids
 from verlite.distributed import run_on_ranks
 from verlite.models import build_policy
 from verlite.rollout import (
@@ -34,7 +35,7 @@ def prompts(batch: int = 12, width: int = 9, seed: int = 0) -> TensorDict:
     lengths = torch.randint(1, width + 1, (batch,), generator=gen)
     mask = (torch.arange(width) >= width - lengths[:, None]).long()
     ids = torch.randint(3, VOCAB, (batch, width), generator=gen) * mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0) * mask
+    positions = position_ids(mask)
     td = TensorDict(
         {
             "input_ids": ids,
@@ -88,7 +89,7 @@ def test_eos_ends_a_response_and_the_layout_is_consistent() -> None:
     assert torch.equal(out["uid"], td["uid"]) and out.get_non_tensor("temperature") == 1.0
     # the positions of the full sequence continue the prompt's
     full = out["attention_mask"]
-    assert torch.equal(out["position_ids"], ((full.cumsum(-1) - 1).clamp(min=0)) * full)
+    assert torch.equal(out["position_ids"], position_ids(full))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])

@@ -15,9 +15,11 @@ from typing import Any
 
 import pytest
 
+from verlite import report
 from verlite.errors import UserError
 from verlite.metrics_log import read as load_metrics
-from verlite.report import add_metrics_command, summary_rows
+from verlite.report import summary_rows
+from verlite.table import format_duration
 
 RECORDS: list[dict[str, Any]] = [
     {"step": 1, "critic/score/mean": 0.1, "actor/pg_loss": 1.0, "actor/entropy": 2.0},
@@ -49,7 +51,7 @@ def _write(out: Path, records: Sequence[dict[str, Any]], tail: str = "") -> Path
 def _metrics(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     """Run ``verlite metrics ARGV`` as cli.main does: a UserError is one line on stderr, exit 2."""
     parser = argparse.ArgumentParser(prog="verlite")
-    add_metrics_command(parser.add_subparsers(dest="command", required=True))
+    report.add_commands(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["metrics", *argv])
     try:
         code: int = args.handler(args)
@@ -91,6 +93,24 @@ def test_table_has_first_last_best_mean_steps_and_wall_time(
         "actor/entropy",
         "response_length/mean",
     ]  # the default keys present, in their order; timing_s/step is not a default row
+
+
+@pytest.mark.parametrize(
+    ("seconds", "shown"),
+    [
+        (0.0, "0.0 s"),
+        (6.04, "6.0 s"),
+        (59.9, "59.9 s"),
+        (60.0, "1m00s"),
+        (127.6, "2m08s"),  # rounded to the second
+        (3723.2, "1h02m03s"),
+        (float("inf"), "?"),  # an estimate with nothing to go on
+        (float("nan"), "?"),
+    ],
+)
+def test_durations_read_in_seconds_then_minutes_then_hours(seconds: float, shown: str) -> None:
+    # The report's wall time and the console's ETA.
+    assert format_duration(seconds) == shown
 
 
 def test_partially_written_last_line_is_ignored(

@@ -12,6 +12,7 @@ from verlite.data.loader import (
     PromptBatch,
     PromptLoader,
     collate_prompts,
+    position_ids,
     prompt_tensordict,
     row_records,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "encode_prompts",
     "holdout_split",
     "load_tokenizer",
+    "position_ids",
     "prompt_tensordict",
     "read_prompt_file",
     "response_text",

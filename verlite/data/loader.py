@@ -97,6 +97,13 @@ class PromptLoader:
         return self._order[1]
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each token's position counted over the real tokens (``attention_mask`` 1) of its row,
+    from 0; 0 on pads. The one rule for every sequence verlite builds: prompts collated here,
+    multi-turn rows, the audit's batch."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+
+
 class PromptBatch(TypedDict):
     input_ids: torch.Tensor  # (B, P) long, left-padded with the pad id
     attention_mask: torch.Tensor  # (B, P) long, 1 on real tokens
@@ -126,11 +133,10 @@ def collate_prompts(
         start = max_prompt_length - len(ids)
         input_ids[row, start:] = torch.tensor(ids, dtype=torch.long)
         attention_mask[row, start:] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return PromptBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
-        position_ids=position_ids,
+        position_ids=position_ids(attention_mask),
         prompts=prompts,
         answers=[r["answer"] for r in records],
     )

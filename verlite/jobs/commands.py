@@ -56,7 +56,7 @@ def _seconds(text: str) -> float:
     return value
 
 
-def add_job_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``submit``, ``status``, ``logs``, ``stop`` and ``list`` on the CLI's subparsers."""
     submit = subparsers.add_parser(
         "submit",

@@ -29,6 +29,7 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
+from verlite.data.loader import position_ids
 from verlite.data.tokenizer import response_text
 from verlite.rollout.native import build_step_batch
 
@@ -175,7 +176,7 @@ def _left_padded(sequences: list[list[int]], rows: TensorDict, pad_token_id: int
     td = rows.exclude("input_ids", "attention_mask", "position_ids")
     td["input_ids"] = ids.to(rows.device)
     td["attention_mask"] = mask.to(rows.device)
-    td["position_ids"] = ((mask.cumsum(-1) - 1).clamp(min=0) * mask).to(rows.device)
+    td["position_ids"] = position_ids(mask).to(rows.device)
     return td
 
 

@@ -13,6 +13,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from verlite.core import seeds
 from verlite.core.metrics import MetricDict
 from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
@@ -89,7 +90,7 @@ class ActorWorker(EngineWorker, PolicyWorker):
             cfg.model,
             vocab_size=self.vocab_size,
             max_positions=cfg.max_sequence_length,
-            seed=cfg.trainer.seed,
+            seed=seeds.policy_init(cfg.trainer.seed),
             lora=cfg.actor.lora,
         )
 
@@ -102,8 +103,8 @@ class ActorWorker(EngineWorker, PolicyWorker):
     ) -> TensorDict:
         """Responses to this rank's prompts (trajectories with ``rollout.multi_turn``, whose
         environments get ``records``: :meth:`PolicyWorker.sample`). Sampling draws from each
-        row's ``sample_key`` (``rollout.randomness=per_sample``), or from a stream seeded
-        ``seed + rank``."""
+        row's ``sample_key`` (``rollout.randomness=per_sample``), or from this rank's stream
+        of the step seeded ``seed`` (``verlite.core.seeds.rank_sampling``)."""
         prompts = prompts.to(self.engine.device)
         return self.sample(self.generator.generate, prompts, params, seed, records).cpu()
 

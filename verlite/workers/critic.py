@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import Config
+from verlite.core import seeds
 from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
 from verlite.workers.engine import TrainEngine
@@ -37,7 +38,7 @@ class CriticWorker(EngineWorker):
             cfg.model,
             vocab_size=self.vocab_size,
             max_positions=max_positions,
-            seed=cfg.trainer.seed + 1,
+            seed=seeds.critic_init(cfg.trainer.seed),
         )
         self.engine = TrainEngine(
             model,

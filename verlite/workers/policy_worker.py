@@ -14,6 +14,7 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.controller import Worker
+from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
@@ -22,8 +23,6 @@ from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
 from verlite.rollout.noise import turn_keys
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
-
-TURN_SEED_STRIDE = 7919  # rollout.randomness=per_rank: turn t's stream is seeded seed + t * this
 
 
 class PolicyWorker(Worker):
@@ -47,16 +46,22 @@ class PolicyWorker(Worker):
             )
 
     def noise(
-        self, prompts: TensorDict, params: SamplingParams, seed: int, device: torch.device
+        self,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        device: torch.device,
+        turn: int = 0,
     ) -> Noise | None:
         """What this rank samples ``prompts`` with: each row's ``sample_key``
-        (``rollout.randomness=per_sample``), or a stream seeded ``seed + rank``."""
+        (``rollout.randomness=per_sample``), or its stream in turn ``turn`` of the step
+        seeded ``seed`` (``verlite.core.seeds.rank_sampling``)."""
         return noise_for(
             prompts,
             temperature=params.temperature,
             horizon=params.max_new_tokens,
             randomness=self.cfg.rollout.randomness,
-            stream_seed=seed + self.rank,
+            stream_seed=seeds.rank_sampling(seed, rank=self.rank, turn=turn),
             device=device,
         )
 
@@ -93,7 +98,7 @@ class PolicyWorker(Worker):
             p = replace(turn_params, max_new_tokens=max_new_tokens)
             if "sample_key" in set(td.keys()):
                 td["sample_key"] = turn_keys(td["sample_key"], index)
-            return generate(td, p, self.noise(td, p, seed + index * TURN_SEED_STRIDE, device))
+            return generate(td, p, self.noise(td, p, seed, device, turn=index))
 
         limits = TurnLimits(
             max_turns=multi_turn.max_turns,

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import ray
 from tensordict import TensorDict
 
+from verlite.core import seeds
 from verlite.data import PromptRecord
 from verlite.models import build_policy, resolve_device
 from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBucket
@@ -31,7 +32,7 @@ class RolloutWorker(PolicyWorker):
             cfg.model,
             vocab_size=self.vocab_size,
             max_positions=cfg.max_sequence_length,
-            seed=cfg.trainer.seed,
+            seed=seeds.policy_init(cfg.trainer.seed),
             lora=lora,
         ).to(self.device)
         self.engine = NativeEngine(

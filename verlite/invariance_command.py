@@ -1,0 +1,211 @@
+"""``verlite check-invariance``: the command of the two audits, one update under every DP and
+micro-batch layout (``verlite.invariance``), or with ``--run`` whole runs under several
+worker layouts (``verlite.run_invariance``). Both load torch when the command runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+
+from verlite.arguments import int_list, path, positive_float, positive_int, str_list
+from verlite.errors import UserError
+from verlite.table import format_table
+
+
+def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``verlite check-invariance`` on the CLI's subparsers."""
+    check = subparsers.add_parser(
+        "check-invariance",
+        help="audit a config: every DP/micro-batch layout must give the single-process update",
+        description="Run one actor and one critic update of the configured model on a ragged batch under "
+        "every layout (real spawned ranks, gloo) and compare gradients, updated parameters, reported loss "
+        "and grad_norm with the single-process full-batch reference. With --run, train the configured "
+        "job for a few steps under several worker/micro-batch layouts on Ray instead and compare every "
+        "run's metrics with the first's. Exit 1 if any exceeds the tolerance.",
+    )
+    check.add_argument("--config", required=True, help="run config YAML")
+    check.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    check.add_argument(
+        "--dp", type=int_list, default=None, help="data-parallel sizes (default 1,2,4)"
+    )
+    check.add_argument(
+        "--micro",
+        type=str_list,
+        default=None,
+        help="micro-batching: 1 or 2 sequences, full (one micro-batch), dynamic (token budget), "
+        "packed (2 sequences a packed row), packed-dynamic (the token budget, packed); "
+        "comma-separated, default all",
+    )
+    check.add_argument("--strategy", type=str_list, default=None, help="ddp,fsdp (default both)")
+    check.add_argument(
+        "--tolerance",
+        type=positive_float,
+        default=None,
+        help="max relative difference (default 1e-5 float32, 1e-9 float64; with --optimizer "
+        "configured 1e-3 float32, 1e-9 float64)",
+    )
+    check.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of a table"
+    )
+    check.add_argument(
+        "--optimizer",
+        choices=["sgd", "configured"],
+        default=None,
+        help="sgd: one plain SGD step without clipping (default; exposes a wrong gradient scale "
+        "most directly); configured: the config's optimizer and gradient clipping, as training runs",
+    )
+    check.add_argument(
+        "--steps",
+        type=positive_int,
+        default=None,
+        help="updates on the batch before comparing (default 1 with sgd, 3 with configured: "
+        "AdamW's first step is about lr*sign(g) and hides a wrong gradient); with --run, training "
+        "steps of each run (default 10)",
+    )
+    check.add_argument(
+        "--negative-control",
+        action="store_true",
+        help="normalize each micro-batch by its own counts (what the invariance rules out): must "
+        "fail; with --run, sample with one random stream per actor worker (rollout.randomness=per_rank)",
+    )
+    check.add_argument(
+        "--run",
+        action="store_true",
+        help="whole runs: train the job under several layouts and compare their metrics.jsonl",
+    )
+    check.add_argument(
+        "--layout",
+        action="append",
+        default=None,
+        metavar="A[/C]",
+        help="with --run, a layout to train, repeatable, the first being the reference: the actor's "
+        "WORKERS:STRATEGY:MICRO, then optionally /WORKERS:STRATEGY:MICRO for the critic (MICRO: rows, "
+        "full, dynamic, packed or packed-dynamic), e.g. 2:fsdp:1/2:ddp:dynamic (default: 4 layouts covering actor workers "
+        "1/2/4, critic workers 1/2, micro 1/full/dynamic, ddp and fsdp)",
+    )
+    check.add_argument(
+        "--runs-dir",
+        type=path,
+        default=None,
+        help="with --run, a new or empty folder that keeps the runs (default: a temporary one, removed)",
+    )
+    check.add_argument(
+        "--atol",
+        type=positive_float,
+        default=None,
+        help="with --run, absolute difference still equal, for metrics that are zero in exact "
+        "arithmetic (default 1e-15 float64, 1e-6 float32)",
+    )
+    check.set_defaults(handler=cmd_check_invariance)
+
+
+def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[str]) -> list[str]:
+    """The values of a comma-separated flag (all of ``allowed`` when it is not given), each
+    one of ``allowed``: checked once the command runs, since the allowed values live with
+    the audit, which loads torch."""
+    if values is None:
+        return list(allowed)
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise UserError(
+            f"{flag}: got {','.join(values)!r}; allowed: {','.join(allowed)} (comma-separated)"
+        )
+    return list(values)
+
+
+def cmd_check_invariance(args: argparse.Namespace) -> int:
+    if args.run:
+        from verlite.run_invariance import cmd_check_run_invariance
+
+        return cmd_check_run_invariance(args)
+    from verlite.config import load_config
+    from verlite.invariance import (
+        MICRO_LAYOUTS,
+        STRATEGIES,
+        check_invariance,
+        check_layouts,
+        tolerance_for,
+    )
+
+    for flag in ("layout", "runs_dir", "atol"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag.replace('_', '-')} needs --run")
+    micros = _checked_choices("--micro", args.micro, MICRO_LAYOUTS)
+    strategies = _checked_choices("--strategy", args.strategy, STRATEGIES)
+    dps = args.dp or [1, 2, 4]
+    optimizer = args.optimizer or "sgd"
+    check_layouts(dps)
+    cfg = load_config(args.config, args.overrides)
+    tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
+    started = time.monotonic()
+    if not args.json:
+        print(
+            f"checking {len(dps) * len(strategies)} rank launches ...",
+            file=sys.stderr,
+            flush=True,
+        )
+    steps = args.steps or (3 if optimizer == "configured" else 1)
+    reports = check_invariance(
+        cfg,
+        dps=dps,
+        micros=micros,
+        strategies=strategies,
+        naive=args.negative_control,
+        optimizer=optimizer,
+        steps=steps,
+    )
+    ok = all(r.worst() <= tolerance for r in reports)
+    if args.json:
+        layouts = [asdict(r) for r in reports]
+        setting = {"optimizer": optimizer, "steps": steps}
+        print(json.dumps({"ok": ok, "tolerance": tolerance, **setting, "layouts": layouts}))
+    else:
+        print(format_table(invariance_rows(reports, tolerance)))
+        verdict = "ok" if ok else "FAILED"
+        print(
+            f"{verdict}: {len(reports)} layouts, tolerance {tolerance:g}, {time.monotonic() - started:.0f} s"
+        )
+    return 0 if ok else 1
+
+
+def invariance_rows(reports: Sequence[object], tolerance: float) -> list[tuple[str, ...]]:
+    """The one-update audit's table: a header, then a row per layout."""
+    rows = [
+        (
+            "role",
+            "loss_agg_mode",
+            "strategy",
+            "dp",
+            "micro",
+            "grad",
+            "param",
+            "loss",
+            "grad_norm",
+            "",
+        )
+    ]
+    for r in reports:
+        d = asdict(r)  # type: ignore[call-overload]
+        diffs = [
+            d["max_rel_grad_diff"],
+            d["max_rel_param_diff"],
+            d["loss_diff"],
+            d["grad_norm_diff"],
+        ]
+        flag = "ok" if max(diffs) <= tolerance else "FAIL"
+        rows.append(
+            (
+                d["role"],
+                d["loss_agg_mode"],
+                d["strategy"],
+                str(d["dp"]),
+                d["micro"],
+                *(f"{x:.1e}" for x in diffs),
+                flag,
+            )
+        )
+    return rows

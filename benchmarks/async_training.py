@@ -42,8 +42,8 @@ from verlite.config import Config, load_config
 from verlite.controller import start_ray, stop_ray
 from verlite.data.tokenizer import load_tokenizer
 from verlite.memory import retain_freed_memory
+from verlite.preflight import RunInputs
 from verlite.run import run
-from verlite.trainer import RunInputs
 
 OVERRIDES = [
     "model.hidden_size=256",

@@ -37,8 +37,9 @@ from benchmarks.common import (
 from verlite.config import load_config
 from verlite.controller import dispatch as dispatching
 from verlite.controller import ray_session
+from verlite.preflight import RunInputs
 from verlite.run import start_groups
-from verlite.trainer import RunInputs, Trainer
+from verlite.trainer import RunGroups, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
 
@@ -93,7 +94,8 @@ def in_process_trainer(cfg: Any, inputs: RunInputs) -> Trainer:
     critic = CriticWorker(role="critic", cfg=cfg, vocab_size=len(tokenizer), **base)
     for worker in (actor, critic):
         worker.init_model()
-    return Trainer(cfg, inputs, actor=InProcessGroup(actor), critic=InProcessGroup(critic))
+    groups = RunGroups(actor=InProcessGroup(actor), critic=InProcessGroup(critic), rollout=None)
+    return Trainer(cfg, inputs, groups=groups)
 
 
 def main() -> None:
@@ -107,7 +109,7 @@ def main() -> None:
         inputs = RunInputs.load(cfg)
         local = in_process_trainer(cfg, inputs)
         with ray_session(None), start_groups(cfg, inputs.tokenizer) as groups:
-            remote = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
+            remote = Trainer(cfg, inputs, groups=groups)
             seconds: dict[str, list[float]] = {"verlite": [], "in_process": []}
             flops: list[float] = []
             step_flops = rl_step_flops(cfg, vocab_size=len(inputs.tokenizer))

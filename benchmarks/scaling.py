@@ -19,8 +19,9 @@ from benchmarks.common import emit, machine_peak, median, rl_step_flops, time_ca
 from benchmarks.orchestration import OVERRIDES
 from verlite.config import load_config
 from verlite.controller import ray_session
+from verlite.preflight import RunInputs
 from verlite.run import start_groups
-from verlite.trainer import RunInputs, Trainer
+from verlite.trainer import Trainer
 
 CORES = 2
 STAGES = ("rollout", "values", "update_critic", "update_actor")
@@ -43,7 +44,7 @@ def step_times(dp: int, *, steps: int, config: str, peak: float) -> dict[str, fl
         )
         inputs = RunInputs.load(cfg)
         with start_groups(cfg, inputs.tokenizer) as groups:
-            trainer = Trainer(cfg, inputs, actor=groups.actor, critic=groups.critic)
+            trainer = Trainer(cfg, inputs, groups=groups)
             runs = [
                 time_call(lambda step=step: trainer.train_step(step))
                 for step in range(1, steps + 2)

@@ -20,8 +20,8 @@ from benchmarks.common import emit
 from verlite.config import load_config
 from verlite.controller import start_ray, stop_ray
 from verlite.memory import retain_freed_memory
+from verlite.preflight import RunInputs
 from verlite.run import run
-from verlite.trainer import RunInputs
 
 
 def main() -> None:

@@ -376,7 +376,11 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
 @pytest.mark.parametrize(
     ("file", "text", "expected"),
     [
-        ("trainer_state.json", '{"step": 3,', r"trainer_state\.json is damaged: Expecting"),
+        (
+            "trainer_state.json",
+            '{"step": 3,',
+            r"trainer_state\.json is damaged: malformed JSON: Expecting",
+        ),
         ("trainer_state.json", '{"step": "3"}', r"'step' is not a whole number >= 0; 'kl_coef'"),
         ("trainer_state.json", "[3]", r"trainer_state\.json is damaged: a list, not a JSON"),
         ("critic/schedule.json", '{"last_epoch":', r"critic/schedule\.json is damaged"),
@@ -400,6 +404,7 @@ def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:
         config={"model": _model_settings()},
         roles=["actor"],
         total_steps=3,
+        train_set={"records": 8, "sha256": "0" * 64},  # the checkpoint records none: any pass
     )
 
 
@@ -443,7 +448,11 @@ def test_a_checkpoint_from_before_a_key_moved_is_compared_under_its_new_name(
         here = load_config(CONFIG, [*split, f"rollout.max_staleness={staleness}"])
         assert (
             check_resumable(
-                step_3, config=here.model_dump(mode="json"), roles=here.roles, total_steps=5
+                step_3,
+                config=here.model_dump(mode="json"),
+                roles=here.roles,
+                total_steps=5,
+                train_set="a fake checkpoint records none",
             )
             == changed
         )
@@ -456,7 +465,7 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
     """Its data position counts in another order of prompts (a prompt file edited between
     the runs): the same number of them, or fewer than the position (which the loader could
     not even load)."""
-    from verlite.checkpoint import check_train_set
+    from verlite.checkpoint import check_resumable
     from verlite.config import load_config
     from verlite.data import build_datasets, load_tokenizer
 
@@ -465,10 +474,15 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
     here = train_set.fingerprint
     there = {"records": records, "sha256": "0" * 64}
     step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=cfg.model_dump(mode="json"))
-    check_train_set(step_3, here)  # a checkpoint from before the record passes
+
+    def check_train_set() -> None:
+        config = cfg.model_dump(mode="json")
+        check_resumable(step_3, config=config, roles=cfg.roles, total_steps=3, train_set=here)
+
+    check_train_set()  # a checkpoint from before the record passes
     state = json.loads((step_3 / "trainer_state.json").read_text())
     (step_3 / "trainer_state.json").write_text(json.dumps({**state, "train_set": here}))
-    check_train_set(step_3, here)
+    check_train_set()
     (step_3 / "trainer_state.json").write_text(json.dumps({**state, "train_set": there}))
     err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
     assert re.search(

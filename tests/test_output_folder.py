@@ -4,6 +4,7 @@ over a run it could continue, and never reads and writes the same paths."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from verlite.output_folder import LOCK_FILE, FolderLock
 from verlite.output_folder import prepare_output_folder as prepare_and_hold
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
+# The training prompts' fingerprint: fake checkpoints record none, so any passes.
+PROMPTS = {"records": 8, "sha256": "0" * 64}
 
 
 def config(out: Path, *overrides: str) -> Config:
@@ -27,7 +30,7 @@ def config(out: Path, *overrides: str) -> Config:
 
 def prepare_output_folder(cfg: Config) -> Path | None:
     """The checkpoint a run in the folder resumes from, the folder let go of again."""
-    resume_from, hold = prepare_and_hold(cfg)
+    resume_from, hold = prepare_and_hold(cfg, train_set=PROMPTS)
     hold.release()
     return resume_from
 
@@ -132,6 +135,25 @@ def test_a_checkpoint_of_another_folder_starts_only_in_an_empty_one(tmp_path: Pa
         prepare_output_folder(config(tmp_path / "busy", f"trainer.resume={step}"))
 
 
+def test_a_checkpoint_of_other_prompts_is_refused_before_anything_is_moved(
+    tmp_path: Path,
+) -> None:
+    # Its data position counts in another order of prompts: refused with the other checks
+    # of the resume point, before trainer.overwrite=true moves the folder's contents aside.
+    source = tmp_path / "source"
+    earlier_run(source, checkpoint_step=3)
+    step = source / "checkpoints" / "step_3"
+    state_file = step / "trainer_state.json"
+    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "train_set": PROMPTS}))
+    files = someones_files(tmp_path / "busy")
+    overrides = (f"trainer.resume={step}", "trainer.overwrite=true")
+    other = {"records": 8, "sha256": "1" * 64}
+    with pytest.raises(CheckpointError, match="the training prompts differ from those it"):
+        prepare_and_hold(config(tmp_path / "busy", *overrides), train_set=other)
+    assert {p.name: p.read_text() for p in (tmp_path / "busy").iterdir()} == files
+    assert prepare_output_folder(config(tmp_path / "busy", *overrides)) == step  # its own prompts
+
+
 def test_a_file_or_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
@@ -194,7 +216,7 @@ def test_a_corrupt_or_weightless_model_folder_is_one_line(
 
 def test_a_folder_in_use_is_refused_until_its_run_lets_go(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    _, hold = prepare_and_hold(config(out))
+    _, hold = prepare_and_hold(config(out), train_set=PROMPTS)
     for overrides in ((), ("trainer.overwrite=true",)):  # nor moved aside under a running run
         with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ on "):
             prepare_output_folder(config(out, *overrides))

@@ -2,8 +2,9 @@
 their calls in submission order, as a Ray actor does: no batch is ever trained on by weights
 more than ``rollout.max_staleness`` updates newer than the ones that generated it, every
 generation runs on weights synced before it, and the run's last steps submit nothing past
-its end; the old log-probs come from the actor unless the sampler's serve.
-(Real Ray workers: tests/e2e/test_split_rollout.py.)"""
+its end; the loader state a checkpoint of a step saves is the one once that step's prompts
+were drawn, whatever was drawn ahead; the old log-probs come from the actor unless the
+sampler's serve. (Real Ray workers: tests/e2e/test_split_rollout.py.)"""
 
 from typing import Any
 
@@ -11,12 +12,16 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from verlite.config import load_config
+from verlite.config import Config, load_config
 from verlite.config.derived import old_log_probs_source
 from verlite.controller import DpSplit
-from verlite.rollout import SamplingParams, SyncLayout
+from verlite.data import PromptLoader, build_datasets, load_tokenizer
+from verlite.rollout import SamplingParams, SyncLayout, sample_keys
 from verlite.rollout.weights import TensorSpec
-from verlite.rollouts import Rollouts, StepPrompts
+from verlite.rollouts import Rollouts
+
+# 3 batches of 4 prompts an epoch: the runs below cross epochs.
+SMALL = ("data.num_train_samples=12", "data.train_batch_size=4", "actor.ppo_mini_batch_size=32")
 
 
 class Done:
@@ -39,7 +44,8 @@ class Groups:
     """An actor and a rollout group that run each call when it is submitted (the order a
     Ray actor runs them in), and log them."""
 
-    def __init__(self) -> None:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
         self.log: list[tuple[str, ...]] = []
         self.actor_version = 0
         self.held: int | None = None
@@ -58,15 +64,15 @@ class Groups:
             assert not {"sample_key", "rollout_log_probs"} & set(batch.keys())
             out = TensorDict({}, batch_size=batch.batch_size)
             if with_old:
-                out["old_log_probs"] = torch.full((2, 1), float(self.actor_version))
+                out["old_log_probs"] = torch.full((len(batch), 1), float(self.actor_version))
             return out
         assert method == "rollout"
         prompts, _, _, with_old, records = args
         assert records is None  # prompt records travel to the workers for environments only
         batch = prompts.clone()
-        batch["rollout_log_probs"] = torch.zeros(2, 1)
+        batch["rollout_log_probs"] = torch.zeros(len(batch), 1)
         if with_old:
-            batch["old_log_probs"] = torch.zeros(2, 1)
+            batch["old_log_probs"] = torch.zeros(len(batch), 1)
         return batch
 
     def rollout_call_async(self, method: str, *args: Any, **_: Any) -> Done:
@@ -81,10 +87,15 @@ class Groups:
         prompts, _, _, version, records = args
         assert records is None
         assert self.held == version, "generation runs on the weights it names"
-        self.log.append(("rollout", "generate", str(int(prompts["step"][0])), str(version)))
+        self.log.append(("rollout", "generate", str(self.step_of(prompts)), str(version)))
         batch = prompts.clone()
-        batch["rollout_log_probs"] = torch.zeros(2, 1)
+        batch["rollout_log_probs"] = torch.zeros(len(batch), 1)
         return Done(batch)
+
+    def step_of(self, prompts: TensorDict) -> int:
+        """The step whose prompts these are, by their first row's sampling key."""
+        first = prompts["sample_key"][0]
+        return next(s for s in range(1, 100) if first.equal(sample_keys(self.seed, s, 1, 1)[0]))
 
 
 class Group:
@@ -103,26 +114,36 @@ class Group:
         return [{"rank": 0, "node_ip": "127.0.0.1"}]
 
 
-def prompts(step: int) -> StepPrompts:
-    td = TensorDict(
-        {"step": torch.full((2,), step), "sample_key": torch.zeros(2, 2, dtype=torch.int64)},
-        batch_size=[2],
-    )
-    return StepPrompts(step, td, [], {"position": step})
+def small_config(*overrides: str) -> Config:
+    return load_config("configs/grpo_tiny.yaml", [*SMALL, *overrides])
 
 
-def rollouts(groups: Groups, *overrides: str, with_old: bool = True) -> Rollouts:
-    cfg = load_config("configs/grpo_tiny.yaml", list(overrides))
+def rollouts(groups: Groups, cfg: Config, *, with_old: bool = True) -> Rollouts:
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
     return Rollouts(
         cfg,
         actor=Group(groups, "actor"),
         rollout=Group(groups, "rollout") if cfg.rollout.placement == "split" else None,
+        tokenizer=tokenizer,
+        train_set=build_datasets(cfg, tokenizer)[0],
         sampling=SamplingParams(max_new_tokens=4),
-        draw=prompts,
         actor_split=DpSplit(),
         with_old=with_old,
         with_reference=False,
     )
+
+
+def loader_state_after(source: Rollouts, steps: int) -> dict[str, int]:
+    """The state of a loader over the same prompts once ``steps`` batches were drawn."""
+    loader = PromptLoader(
+        source.loader.dataset,
+        source.loader.batch_size,
+        seed=source.cfg.trainer.seed,
+        shuffle=source.loader.shuffle,
+    )
+    for _ in range(steps):
+        next(loader)
+    return loader.state_dict()
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2, 3])
@@ -133,19 +154,22 @@ def test_no_batch_is_staler_than_the_bound_and_nothing_runs_past_the_end(
 ) -> None:
     if resumed_at >= total:
         return
-    groups = Groups()
-    groups.actor_version = resumed_at
-    source = rollouts(
-        groups,
+    cfg = small_config(
         "rollout.placement=split",
         f"rollout.max_staleness={staleness}",
         f"trainer.total_steps={total}",
     )
+    groups = Groups(cfg.trainer.seed)
+    groups.actor_version = resumed_at
+    source = rollouts(groups, cfg)
+    source.load_loader_state(loader_state_after(source, resumed_at))  # as a resume does
     source.start(version=resumed_at)
     seen = []
     for step in range(resumed_at + 1, total + 1):
         taken = source.take(step)
         assert taken.prompts.step == step
+        # what a checkpoint of this step saves: not the loader moved on by the steps ahead
+        assert source.loader_state == loader_state_after(source, step)
         assert taken.batch["old_log_probs"][0, 0] == step - 1  # the proximal policy
         staleness_seen = taken.metrics["rollout/staleness/max"]
         assert step - 1 - taken.metrics["rollout/weight_version"] == staleness_seen
@@ -161,10 +185,12 @@ def test_no_batch_is_staler_than_the_bound_and_nothing_runs_past_the_end(
 
 
 def test_colocated_batches_come_from_the_actor_with_their_log_probs() -> None:
-    groups = Groups()
-    source = rollouts(groups)
+    cfg = small_config()
+    groups = Groups(cfg.trainer.seed)
+    source = rollouts(groups, cfg)
     source.start(version=0)
     taken = source.take(1)
+    assert source.loader_state == loader_state_after(source, 1)
     assert "old_log_probs" in set(taken.batch.keys())
     assert taken.metrics == {
         "rollout/weight_version": 0.0,
@@ -176,8 +202,9 @@ def test_colocated_batches_come_from_the_actor_with_their_log_probs() -> None:
 
 
 def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
-    groups = Groups()
-    source = rollouts(groups, "rollout.placement=split", with_old=False)
+    cfg = small_config("rollout.placement=split")
+    groups = Groups(cfg.trainer.seed)
+    source = rollouts(groups, cfg, with_old=False)
     source.start(version=0)
     taken = source.take(1)
     assert "old_log_probs" not in set(taken.batch.keys())

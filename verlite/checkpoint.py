@@ -28,6 +28,7 @@ from verlite.base_weights import differences
 from verlite.config import MOVED_KEYS
 from verlite.errors import UserError
 from verlite.redaction import redact_config
+from verlite.user_files import parse_json, read_text
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -102,28 +103,20 @@ _FREE = {
 }
 
 
-def check_train_set(path: Path, fingerprint: Mapping[str, Any]) -> None:
-    """The training prompts are those the checkpoint at ``path`` was trained on (its data
-    position counts in their order); checkpoints from before this was recorded pass."""
-    saved = read_trainer_state(path).get("train_set")
-    if saved is None or saved == fingerprint:
-        return
-    raise CheckpointError(
-        f"cannot resume from {path}: the training prompts differ from those it trained on "
-        f"({saved['records']} records of sha256 {saved['sha256'][:12]} there, "
-        f"{fingerprint['records']} of {fingerprint['sha256'][:12]} here), so its data position "
-        "would continue another order; restore data.train_file, or use trainer.resume=disable "
-        "or another trainer.output_dir for a new run"
-    )
-
-
 def check_resumable(
-    path: Path, *, config: Mapping[str, Any], roles: Sequence[str], total_steps: int
+    path: Path,
+    *,
+    config: Mapping[str, Any],
+    roles: Sequence[str],
+    total_steps: int,
+    train_set: Mapping[str, Any],
 ) -> list[str]:
     """Before any worker starts: the checkpoint holds complete weights for every role, a step
     the run has not passed, and was written under settings this run may continue, over the
     base weights ``model.path`` still holds (the reference policy and a LoRA policy's base
-    are loaded from there, not from the checkpoint). Returns the settings that changed but
+    are loaded from there, not from the checkpoint), and over the training prompts whose
+    ``PromptDataset.fingerprint`` is ``train_set`` (its data position counts in their order;
+    checkpoints from before this was recorded pass). Returns the settings that changed but
     may ("actor.optim.lr: 0.001 -> 0.0005")."""
     state = read_trainer_state(path)
     step = int(state["step"])
@@ -174,6 +167,15 @@ def check_resumable(
         raise CheckpointError(
             f"cannot resume from {path}: {'; '.join(problems)}. Use trainer.resume=disable or "
             "another trainer.output_dir for a new run"
+        )
+    saved_set = state.get("train_set")
+    if saved_set is not None and saved_set != train_set:
+        raise CheckpointError(
+            f"cannot resume from {path}: the training prompts differ from those it trained on "
+            f"({saved_set['records']} records of sha256 {saved_set['sha256'][:12]} there, "
+            f"{train_set['records']} of {train_set['sha256'][:12]} here), so its data position "
+            "would continue another order; restore data.train_file, or use "
+            "trainer.resume=disable or another trainer.output_dir for a new run"
         )
     return [f"{key}: {there[key]!r} -> {here[key]!r}" for key in changed if key not in _FREE]
 
@@ -229,11 +231,9 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 
 def _json_file(path: Path) -> dict[str, Any]:
-    """A JSON object the checkpoint holds; a damaged file is one line naming it."""
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path} is damaged: {' '.join(str(exc).split())[:200]}") from None
+    """A JSON object the checkpoint holds; a missing or damaged file is one line naming it."""
+    text = read_text(path, what="checkpoint file", error=CheckpointError)
+    value = parse_json(text, f"{path} is damaged", error=CheckpointError)
     if not isinstance(value, dict):
         raise CheckpointError(f"{path} is damaged: a {type(value).__name__}, not a JSON object")
     return value

@@ -33,8 +33,9 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from verlite.checkpoint import (
     CheckpointError,
@@ -143,9 +144,12 @@ def resolved_output_dir(cfg: Config) -> Path:
     return out
 
 
-def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
+def prepare_output_folder(
+    cfg: Config, *, train_set: Mapping[str, Any]
+) -> tuple[Path | None, FolderLock]:
     """Make ``trainer.output_dir`` ready under the contract above and hold it; the checkpoint
-    to resume from (None for a fresh run) and the hold, which the run releases when it ends.
+    to resume from (None for a fresh run; checked, over the training prompts of fingerprint
+    ``train_set``, before anything moves) and the hold, which the run releases when it ends.
     Raises a one-line user error otherwise."""
     out = resolved_output_dir(cfg)
     if out.exists() and not out.is_dir():
@@ -154,7 +158,7 @@ def prepare_output_folder(cfg: Config) -> tuple[Path | None, FolderLock]:
         )
     if _is_lock_file(out / LOCK_FILE):  # a run was here: it may still be running
         FolderLock.take(out).release()
-    resume_from = _resume_point(cfg, out)
+    resume_from = _resume_point(cfg, out, train_set)
     continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
     if not continuing and _has_contents(out) and not cfg.trainer.overwrite:
         raise _not_empty(out, cfg)  # refused before this run writes anything there
@@ -182,7 +186,7 @@ def _not_empty(out: Path, cfg: Config) -> ConfigError:
     )
 
 
-def _resume_point(cfg: Config, out: Path) -> Path | None:
+def _resume_point(cfg: Config, out: Path, train_set: Mapping[str, Any]) -> Path | None:
     path = resume_checkpoint(out, cfg.trainer.resume)
     if path is None:
         return None
@@ -191,6 +195,7 @@ def _resume_point(cfg: Config, out: Path) -> Path | None:
         config=cfg.model_dump(mode="json"),
         roles=cfg.roles,
         total_steps=cfg.trainer.total_steps,
+        train_set=train_set,
     )
     step = int(read_trainer_state(path)["step"])
     if step == cfg.trainer.total_steps:

@@ -16,22 +16,28 @@ The rollout group runs its calls in the order they are submitted, so a sync queu
 a generation waits for it, and the generation queued behind a sync uses its weights. Once a
 generated batch is taken, the actor computes its old log-probs (the proximal policy, the
 weights of version ``s - 1``) and the reference's.
+
+The step source draws each step's prompts itself, in step order (``PromptLoader``), so
+with a rollout group the loader runs ahead of the step trained; a checkpoint of step ``s``
+saves the loader's state once step ``s``'s prompts were drawn (``loader_state``), and a
+resume draws the batches that were ahead again.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tensordict import TensorDict
+from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
 from verlite.controller import DpSplit, PendingCall, WorkerGroup
 from verlite.core import seeds
-from verlite.data import PromptRecord
-from verlite.rollout import SamplingParams, SyncLayout, WeightSyncError
+from verlite.data import PromptLoader, PromptRecord, prompt_tensordict
+from verlite.rollout import SamplingParams, SyncLayout, WeightSyncError, sample_keys
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,8 @@ class _InFlight:
 
 class Rollouts:
     """The step batches of a run, from the actor (``rollout`` is None) or from the rollout
-    group; ``draw(step)`` gives a step's prompts, in step order."""
+    group, over the prompts of ``train_set`` in the data order (``PromptLoader``), drawn
+    here in step order."""
 
     def __init__(
         self,
@@ -96,8 +103,9 @@ class Rollouts:
         *,
         actor: WorkerGroup,
         rollout: WorkerGroup | None,
+        tokenizer: PreTrainedTokenizerBase,
+        train_set: Sequence[PromptRecord],
         sampling: SamplingParams,
-        draw: Callable[[int], StepPrompts],
         actor_split: DpSplit,
         with_old: bool,
         with_reference: bool,
@@ -105,14 +113,30 @@ class Rollouts:
         self.cfg = cfg
         self.actor = actor
         self.rollout = rollout
+        self.tokenizer = tokenizer
+        self.loader = PromptLoader(
+            train_set, cfg.data.train_batch_size, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle
+        )
+        self._taken_state = self.loader.state_dict()
         self.sampling = sampling
-        self.draw = draw
         self.actor_split = actor_split  # how a generated batch is cut for the actor's passes
         self.with_old = with_old
         self.with_reference = with_reference
         self.max_staleness = cfg.rollout.max_staleness
         self._in_flight: deque[_InFlight] = deque()
         self._layout: SyncLayout | None = None  # the actor's, asked for at the first sync
+
+    @property
+    def loader_state(self) -> dict[str, int]:
+        """The loader's state once the prompts of the step last taken were drawn: what a
+        checkpoint after that step saves. Batches drawn ahead of it (``max_staleness``, or
+        the next step's with a rollout group) are not in it: a resume draws them again."""
+        return self._taken_state
+
+    def load_loader_state(self, state: Mapping[str, int]) -> None:
+        """Continue the data order from a checkpoint's ``loader_state`` (before ``start``)."""
+        self.loader.load_state_dict(state)
+        self._taken_state = self.loader.state_dict()
 
     def start(self, version: int) -> None:
         """Before the first step trained here (step ``version + 1``): with a rollout group,
@@ -129,7 +153,7 @@ class Rollouts:
         with a rollout group, waits for its generation (and the sync before it), then has
         the actor compute its log-probs (``timing_s/log_probs``)."""
         if self.rollout is None:
-            prompts = self.draw(step)
+            prompts = self._draw(step)
             batch = self.actor.call(
                 "rollout",
                 prompts.prompts,
@@ -140,10 +164,12 @@ class Rollouts:
                 dispatch="dp_split",
                 collect="concat",
             )
+            self._taken_state = prompts.loader_state
             return Rollout(prompts, batch, _versions(step, generated_by=step - 1))
         flight = self._in_flight.popleft()
         if flight.prompts.step != step:
             raise RuntimeError(f"asked for the batch of step {step}, next is {flight.prompts.step}")
+        self._taken_state = flight.prompts.loader_state
         metrics = self._finish(flight.sync) if flight.sync is not None else {}
         batch = flight.generation.result()
         if self.with_old or self.with_reference:
@@ -174,6 +200,23 @@ class Rollouts:
         self._submit(following, step, self._sync(step))
         return {"timing_s/queue_sync": time.perf_counter() - start}
 
+    def _draw(self, step: int) -> StepPrompts:
+        """The next prompts of the data order, each repeated ``rollout.n`` times with one
+        ``uid``, each response's sampling key (design.md, "Whole-run invariance") and the
+        loader's state after them."""
+        records = next(self.loader)
+        prompts = prompt_tensordict(
+            records,
+            self.tokenizer,
+            max_prompt_length=self.cfg.data.max_prompt_length,
+            repeat=self.cfg.rollout.n,
+            temperature=self.cfg.rollout.temperature,
+        )
+        prompts["sample_key"] = sample_keys(
+            self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n
+        )
+        return StepPrompts(step, prompts, records, self.loader.state_dict())
+
     def _records(self, prompts: StepPrompts) -> list[PromptRecord] | None:
         """What the generating workers need of the step's records: all of them for the
         environments of multi-turn rollouts, nothing otherwise."""
@@ -191,7 +234,7 @@ class Rollouts:
 
     def _submit(self, step: int, version: int, sync: WeightSync | None) -> None:
         assert self.rollout is not None
-        prompts = self.draw(step)
+        prompts = self._draw(step)
         generation = self.rollout.call_async(
             "generate",
             prompts.prompts,

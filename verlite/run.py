@@ -1,7 +1,7 @@
 """A training run on the driver, from checked inputs to the exported policy.
 
 ``verlite train`` calls :func:`train`: it reads and checks everything it can before Ray
-starts (:class:`~verlite.trainer.RunInputs`), opens the Ray session, and :func:`run` places
+starts (:class:`~verlite.preflight.RunInputs`), opens the Ray session, and :func:`run` places
 the run's worker groups (:func:`start_groups`), hands them to the
 :class:`~verlite.trainer.Trainer`, and takes them down again; when a worker or node is lost
 it restarts them, up to ``trainer.max_restarts`` times, from the latest checkpoint
@@ -15,7 +15,6 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -36,28 +35,12 @@ from verlite.controller import (
     write_placement_report,
 )
 from verlite.errors import RunFailure, UserError
-from verlite.trainer import RunInputs, Trainer
+from verlite.preflight import RunInputs
+from verlite.trainer import RunGroups, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
 from verlite.workers.reward_model import RewardModelWorker
 from verlite.workers.rollout import RolloutWorker
-
-
-@dataclass(frozen=True)
-class RunGroups:
-    """The worker groups of one run: the actor's, the critic's when the advantage
-    estimator needs a value model, the rollout's with ``rollout.placement=split``, and the
-    reward model's with ``reward.model.path``."""
-
-    actor: WorkerGroup
-    critic: WorkerGroup | None
-    rollout: WorkerGroup | None
-    reward: WorkerGroup | None = None
-
-    @property
-    def all(self) -> list[WorkerGroup]:
-        groups = (self.actor, self.critic, self.rollout, self.reward)
-        return [g for g in groups if g is not None]
 
 
 @contextlib.contextmanager
@@ -167,16 +150,7 @@ def _attempt(
     with start_groups(cfg, inputs.tokenizer) as groups:
         placed = time.perf_counter()
         print(write_placement_report(groups.all, cfg.trainer.output_dir), flush=True)
-        trainer = Trainer(
-            cfg,
-            inputs,
-            actor=groups.actor,
-            critic=groups.critic,
-            rollout=groups.rollout,
-            reward_model=groups.reward,
-            restarts=restarts,
-            saved=saved,
-        )
+        trainer = Trainer(cfg, inputs, groups=groups, restarts=restarts, saved=saved)
         start = trainer.resume(resume_from) if resume_from else 0
         if restarts:
             print(

@@ -244,8 +244,8 @@ def audit_runs(
 ) -> list[RunReport]:
     """Train each config in the open Ray session (its console output into ``console.log``
     in its folder) and compare each run's metrics with the first's."""
+    from verlite.preflight import RunInputs
     from verlite.run import run
-    from verlite.trainer import RunInputs
 
     records: list[list[Record]] = []
     reports: list[RunReport] = []

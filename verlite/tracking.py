@@ -28,6 +28,7 @@ from verlite.errors import UserError, import_extra
 from verlite.reachable import connection_problem
 from verlite.redaction import redact_config, redact_text, redact_url
 from verlite.table import format_duration
+from verlite.user_files import read_text
 
 if TYPE_CHECKING:
     from verlite.config import WandbConfig
@@ -237,7 +238,7 @@ class MlflowLogger:
     def _open_run(self, output_dir: Path, *, resume: bool) -> str:
         id_file = output_dir / "mlflow_run_id"
         if resume and id_file.exists():
-            run_id = id_file.read_text().strip()
+            run_id = read_text(id_file, what="MLflow run id file").strip()
             try:
                 self.client.update_run(run_id, status="RUNNING")
                 return run_id
@@ -298,7 +299,9 @@ class WandbLogger:
         wandb = import_extra("wandb", feature="the wandb logger", extra="wandb")
         id_file = output_dir / "wandb_run_id"
         resume = (continuing or start_step > 0) and id_file.exists()
-        run_id = id_file.read_text().strip() if resume else uuid.uuid4().hex[:12]
+        run_id = (
+            read_text(id_file, what="W&B run id file").strip() if resume else uuid.uuid4().hex[:12]
+        )
         output_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.run = wandb.init(

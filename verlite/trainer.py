@@ -1,10 +1,12 @@
 """The PPO controller on the Ray driver: the stages of one step (docs/design.md, "A step"),
 one timed call each.
 
-``Trainer.fit`` reads as the training loop; everything it calls is either a worker-group
-call (generation, log-probs, values, updates) or pure math on the driver (rewards,
-advantages, statistics). The trainer is handed its worker groups (``verlite.run`` places
-and removes them) and never touches the Ray session.
+``Trainer.fit`` reads as the training loop; everything it calls is a worker-group call
+(generation, log-probs, values, updates), the step source (``verlite.rollouts``: the
+prompts and the batch), the scorer (``verlite.scorer``) or pure math on the driver
+(advantages, statistics). The trainer is handed its worker groups as one
+:class:`RunGroups` (``verlite.run`` places and removes them) and never touches the Ray
+session.
 """
 
 from __future__ import annotations
@@ -16,17 +18,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
-import torch
 from tensordict import TensorDict
-from transformers import PreTrainedTokenizerBase
 
 from verlite import base_weights, metrics_log
-from verlite.checkpoint import (
-    begin_checkpoint,
-    check_train_set,
-    commit_checkpoint,
-    read_trainer_state,
-)
+from verlite.checkpoint import begin_checkpoint, commit_checkpoint, read_trainer_state
 from verlite.config import Config
 from verlite.config.derived import old_log_probs_source
 from verlite.controller import DpSplit, WorkerGroup
@@ -35,36 +30,17 @@ from verlite.core.losses import kl_penalty
 from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
-from verlite.data import (
-    PromptDataset,
-    PromptLoader,
-    PromptRecord,
-    build_datasets,
-    load_tokenizer,
-    prompt_tensordict,
-    response_text,
-    row_records,
-)
-from verlite.envs import get_environment, turn_stop_id
+from verlite.data import prompt_tensordict
 from verlite.errors import RunFailure
-from verlite.models import (
-    attention_crossover,
-    check_lora_supported,
-    check_packing_supported,
-    check_tokenizer_fits,
-)
+from verlite.models import attention_crossover
 from verlite.models.lora import BASE_FOLDER
-from verlite.models.reward_model import check_reward_model
-from verlite.output_folder import FolderLock, prepare_output_folder
+from verlite.preflight import RunInputs
 from verlite.redaction import redact_config
-from verlite.rewards import RewardFn, resolve_reward, score_responses
-from verlite.rewards.combine import combine_scores
-from verlite.rewards.remote import RemoteScorer
-from verlite.rollout import SamplingParams, sample_keys
+from verlite.rollout import SamplingParams
 from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
-from verlite.rollouts import Rollouts, StepPrompts
-from verlite.tracking import Tracker, check_tracking_server, check_wandb
-from verlite.workers.reward_model import REWARD_INPUT_KEYS
+from verlite.rollouts import Rollouts
+from verlite.scorer import Scorer
+from verlite.tracking import Tracker
 
 
 class TrainingError(RunFailure):
@@ -107,109 +83,77 @@ class Timer:
 
 
 @dataclass(frozen=True)
-class RunInputs:
-    """What a run reads before any worker starts, so that a bad file, checkpoint or output
-    folder fails in a second, before Ray: the tokenizer, the prompt datasets, the reward
-    function or the remote verifier (probed: it answers), the checkpoint to resume from
-    (None: a fresh run) and the hold on the output folder, made ready under its contract
-    (``verlite.output_folder``)."""
+class RunGroups:
+    """The worker groups of one run: the actor's, the critic's when the advantage
+    estimator needs a value model, the rollout's with ``rollout.placement=split``, and the
+    reward model's with ``reward.model.path``."""
 
-    tokenizer: PreTrainedTokenizerBase
-    train_set: PromptDataset
-    val_set: PromptDataset
-    reward_fn: RewardFn
-    resume_from: Path | None
-    folder: FolderLock
-    remote: RemoteScorer | None = None
-    # The identity of model.path's weight files, taken once here (``verlite.base_weights``).
-    base_weights: dict[str, str] | None = None
+    actor: WorkerGroup
+    critic: WorkerGroup | None
+    rollout: WorkerGroup | None
+    reward: WorkerGroup | None = None
 
-    @classmethod
-    def load(cls, cfg: Config) -> RunInputs:
-        tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
-        check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
-        for role in ("actor", "critic"):
-            if getattr(cfg, role).packing:
-                check_packing_supported(cfg.model, role=role)
-        check_lora_supported(cfg.model, cfg.actor.lora)
-        if cfg.rollout.multi_turn.env is not None:
-            get_environment(cfg.rollout.multi_turn.env)
-            if cfg.rollout.multi_turn.turn_stop is not None:
-                turn_stop_id(cfg, tokenizer)
-        train_set, val_set = build_datasets(cfg, tokenizer)
-        reward_fn = resolve_reward(cfg)
-        if cfg.reward.model.path is not None:
-            check_reward_model(cfg.reward.model)
-        remote = RemoteScorer.from_config(cfg.reward.remote)
-        if remote is not None:
-            remote.probe(train_set[0]["prompt"], train_set[0]["answer"])
-        if "mlflow" in cfg.trainer.loggers:
-            check_tracking_server(cfg.trainer.mlflow_tracking_uri)
-        if "wandb" in cfg.trainer.loggers:
-            check_wandb(cfg.trainer.wandb)
-        base = None if cfg.model.path is None else base_weights.identity(cfg.model.path)
-        # Last: it may move an earlier folder aside, which only a run that starts should do.
-        resume_from, folder = prepare_output_folder(cfg)
-        if resume_from is not None:
-            try:
-                check_train_set(resume_from, train_set.fingerprint)
-            except BaseException:
-                folder.release()
-                raise
-        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
+    @property
+    def all(self) -> list[WorkerGroup]:
+        groups = (self.actor, self.critic, self.rollout, self.reward)
+        return [g for g in groups if g is not None]
+
+    @property
+    def trained(self) -> list[WorkerGroup]:
+        """The groups that train: their state is a checkpoint's."""
+        return [self.actor] if self.critic is None else [self.actor, self.critic]
+
+    def check(self, cfg: Config) -> None:
+        """These are the groups ``cfg`` runs with: a critic, a rollout and a reward model
+        group each exactly when the config needs one."""
+        if (self.critic is not None) != cfg.use_critic:
+            raise ValueError(
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs "
+                f"{'a' if cfg.use_critic else 'no'} critic group; the trainer was handed "
+                f"{'one' if self.critic is not None else 'none'}"
+            )
+        if (self.rollout is not None) != (cfg.rollout.placement == "split"):
+            raise ValueError(
+                f"rollout.placement={cfg.rollout.placement} needs "
+                f"{'a' if cfg.rollout.placement == 'split' else 'no'} rollout group"
+            )
+        if (self.reward is not None) != (cfg.reward.model.path is not None):
+            raise ValueError(
+                f"reward.model.path={cfg.reward.model.path!r} needs "
+                f"{'a' if cfg.reward.model.path is not None else 'no'} reward group"
+            )
 
 
 class Trainer:
-    """The training loop on the driver over worker groups it is handed (the actor's, the
-    critic's when the advantage estimator needs one, the rollout's when generation is
-    split off, the reward model's with ``reward.model.path``); it never starts or stops
-    them."""
+    """The training loop on the driver over the worker groups it is handed (``groups``,
+    checked against ``cfg``); it never starts or stops them."""
 
     def __init__(
         self,
         cfg: Config,
         inputs: RunInputs,
         *,
-        actor: WorkerGroup,
-        critic: WorkerGroup | None,
-        rollout: WorkerGroup | None = None,
-        reward_model: WorkerGroup | None = None,
+        groups: RunGroups,
         restarts: int = 0,
         saved: list[Path] | None = None,
     ) -> None:
-        if (critic is not None) != cfg.use_critic:
-            raise ValueError(
-                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs "
-                f"{'a' if cfg.use_critic else 'no'} critic group; the trainer was handed "
-                f"{'one' if critic is not None else 'none'}"
-            )
-        if (rollout is not None) != (cfg.rollout.placement == "split"):
-            raise ValueError(
-                f"rollout.placement={cfg.rollout.placement} needs "
-                f"{'a' if cfg.rollout.placement == 'split' else 'no'} rollout group"
-            )
-        if (reward_model is not None) != (cfg.reward.model.path is not None):
-            raise ValueError(
-                f"reward.model.path={cfg.reward.model.path!r} needs "
-                f"{'a' if cfg.reward.model.path is not None else 'no'} reward group"
-            )
+        groups.check(cfg)
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
         self.tokenizer = inputs.tokenizer
         self.train_set, self.val_set = inputs.train_set, inputs.val_set
-        self.reward_fn, self.remote = inputs.reward_fn, inputs.remote
         self.base_weights = inputs.base_weights
-        self.actor, self.critic = actor, critic
-        self.reward_model = reward_model
+        self.groups = groups
+        self.actor, self.critic = groups.actor, groups.critic
         self.restarts = restarts  # of this run so far (``trainer/restarts``)
         # Where each checkpoint this run saves is recorded (a restart resumes the last).
         self.saved = [] if saved is None else saved
-        self.groups = [actor] if critic is None else [actor, critic]
-        self.loader = PromptLoader(
-            self.train_set,
-            cfg.data.train_batch_size,
-            seed=cfg.trainer.seed,
-            shuffle=cfg.data.shuffle,
+        self.scorer = Scorer(
+            cfg,
+            inputs.tokenizer,
+            reward_fn=inputs.reward_fn,
+            remote=inputs.remote,
+            reward_model=groups.reward,
         )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLController(
@@ -225,21 +169,20 @@ class Trainer:
         }
         self.rollouts = Rollouts(
             cfg,
-            actor=actor,
-            rollout=rollout,
+            actor=groups.actor,
+            rollout=groups.rollout,
+            tokenizer=inputs.tokenizer,
+            train_set=inputs.train_set,
             sampling=SamplingParams(
                 max_new_tokens=cfg.rollout.max_response_length,
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
                 top_k=cfg.rollout.top_k,
             ),
-            draw=self._draw_prompts,
             actor_split=self.splits["actor"],
             with_old=self.recompute_old,
             with_reference=cfg.use_reference,
         )
-        self.placed = [*self.groups, *(g for g in (rollout, reward_model) if g is not None)]
-        self._loader_state = self.loader.state_dict()
 
     # -------------------------------------------------------------------- the loop
 
@@ -259,7 +202,7 @@ class Trainer:
             wandb=cfg.trainer.wandb,
         ) as tracker:
             tracker.log_run_info(
-                cfg.model_dump(mode="json"), [w for g in self.placed for w in g.placement()]
+                cfg.model_dump(mode="json"), [w for g in self.groups.all for w in g.placement()]
             )
             print(self.old_log_probs_line, flush=True)
             self.rollouts.start(version=start_step)
@@ -294,13 +237,13 @@ class Trainer:
         Prints how long it took: what ``trainer.save_freq`` weighs against a step's time."""
         started = time.perf_counter()
         tmp = begin_checkpoint(self.output_dir, step)
-        for group in self.groups:
+        for group in self.groups.trained:
             group.call("save_checkpoint", str(tmp / group.name))
         state = {
             "step": step,
             # The loader as it was once this step's prompts were drawn: batches generated
             # ahead (rollout.max_staleness) are drawn and generated again on resume.
-            "loader": self._loader_state,
+            "loader": self.rollouts.loader_state,
             "train_set": self.train_set.fingerprint,  # the prompts that state indexes
             "weight_version": step,
             "kl_coef": self.kl_ctrl.value,
@@ -316,9 +259,9 @@ class Trainer:
     def resume(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into the workers and the driver; its step."""
         state = read_trainer_state(path)
-        for group in self.groups:
+        for group in self.groups.trained:
             group.call("load_checkpoint", str(path / group.name))
-        self.loader.load_state_dict(state["loader"])
+        self.rollouts.load_loader_state(state["loader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
@@ -333,7 +276,6 @@ class Trainer:
         with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
             rollout = self.rollouts.take(step)
         batch, records = rollout.batch, rollout.prompts.records
-        self._loader_state = rollout.prompts.loader_state
         sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:
             with timer("values"):  # 2. values
@@ -346,7 +288,7 @@ class Trainer:
                     )
                 )
         with timer("reward"):  # 3. reward (a multi-turn environment's, or reward.combine's)
-            scores, reward_metrics = self._score(batch, records)
+            scores, reward_metrics = self.scorer.score(batch, records)
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
             turn_metrics = self._multi_turn(batch)
         with timer("adv"):  # 4. advantages
@@ -411,18 +353,6 @@ class Trainer:
         )
         return metrics
 
-    def _draw_prompts(self, step: int) -> StepPrompts:
-        """The next prompts of the data order, each response's sampling key (design.md,
-        "Whole-run invariance") and the loader's state after them."""
-        records = next(self.loader)
-        prompts = self._prompt_batch(
-            records, repeat=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature
-        )
-        prompts["sample_key"] = sample_keys(
-            self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n
-        )
-        return StepPrompts(step, prompts, records, self.loader.state_dict())
-
     def _behaviour_policy(self, batch: TensorDict) -> dict[str, float]:
         """Settle the old log-probs against the sampler's (which then leave the batch, with
         the sampling keys): their agreement when recomputed, the sampler's own otherwise,
@@ -442,74 +372,6 @@ class Trainer:
             batch["rollout_is_weights"] = weights
             metrics.update(is_metrics)
         return metrics
-
-    def _prompt_batch(
-        self, records: list[PromptRecord], *, repeat: int, temperature: float
-    ) -> TensorDict:
-        """The prompts as a TensorDict, each repeated ``repeat`` times; a row's record is
-        ``row_records(records, uid)``."""
-        return prompt_tensordict(
-            records,
-            self.tokenizer,
-            max_prompt_length=self.cfg.data.max_prompt_length,
-            repeat=repeat,
-            temperature=temperature,
-        )
-
-    def _score(
-        self, batch: TensorDict, records: list[PromptRecord]
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Each row's score and the reward metrics: its environment's last reward
-        (multi-turn), else the weighted sum of the reward sources ``reward.combine`` names
-        (``rewards.combine``). The reward model scores on its group while the reward
-        function scores here."""
-        if "env_score" in set(batch.keys()):
-            return batch["env_score"].float(), {}
-        weights = self.cfg.reward.combine
-        assert weights is not None  # resolved at load
-        pending = None
-        if "model" in weights:
-            assert self.reward_model is not None
-            pending = self.reward_model.call_async(
-                "score",
-                batch.select(*REWARD_INPUT_KEYS),
-                dispatch="dp_split",
-                collect="concat",
-            )
-        sources: dict[str, list[float]] = {}
-        if "fn" in weights or "remote" in weights:
-            texts, answers, prompts = self._decoded(batch, records)
-            if "fn" in weights:
-                sources["fn"] = score_responses(
-                    self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
-                )
-            if "remote" in weights:
-                assert self.remote is not None
-                sources["remote"] = self.remote.score(texts, answers, prompts)
-        metrics: dict[str, float] = {}
-        if pending is not None:
-            scored = pending.result()
-            sources["model"] = scored["rm_score"].tolist()
-            metrics["reward/model/truncated"] = float(scored["rm_truncated"].sum())
-        combined = combine_scores(sources, weights)
-        metrics.update(combined.metrics)
-        return torch.tensor(combined.scores, dtype=torch.float32), metrics
-
-    def _decoded(
-        self, batch: TensorDict, records: list[PromptRecord]
-    ) -> tuple[list[str], list[str], list[str]]:
-        """What a reward function and a remote verifier score: each decoded response, and
-        its record's answer and prompt (``records``: one per prompt, by ``uid``)."""
-        texts = [
-            response_text(self.tokenizer, row[:n].tolist())
-            for row, n in zip(
-                batch["responses"], batch["response_mask"].sum(-1).tolist(), strict=True
-            )
-        ]
-        rows = row_records(records, batch["uid"])
-        answers = [r["answer"] for r in rows]
-        prompts = [r["prompt"] for r in rows]
-        return texts, answers, prompts
 
     @staticmethod
     def _multi_turn(batch: TensorDict) -> dict[str, float]:
@@ -544,7 +406,13 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``."""
         records = list(self.val_set)
-        prompts = self._prompt_batch(records, repeat=1, temperature=0.0)
+        prompts = prompt_tensordict(
+            records,
+            self.tokenizer,
+            max_prompt_length=self.cfg.data.max_prompt_length,
+            repeat=1,
+            temperature=0.0,
+        )
         greedy = SamplingParams(
             max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0
         )
@@ -558,7 +426,7 @@ class Trainer:
             dispatch="dp_split",
             collect="concat",
         )
-        scores, reward_metrics = self._score(batch, records)
+        scores, reward_metrics = self.scorer.score(batch, records)
         return {
             "val/score/mean": float(scores.mean()),
             **{f"val/{name}": value for name, value in reward_metrics.items()},

@@ -156,8 +156,8 @@ def test_a_split_run_over_two_nodes_syncs_weights_to_a_rollout_worker_on_each(
     first node reach the rollout worker of the second through the object store, checked."""
     import json
 
+    from verlite.preflight import RunInputs
     from verlite.run import run
-    from verlite.trainer import RunInputs
 
     cfg = load_config(
         ROOT / "configs" / "grpo_tiny.yaml",

@@ -11,8 +11,8 @@ import pytest
 
 from verlite.config import Config, load_config
 from verlite.metrics_log import is_run_history
+from verlite.preflight import RunInputs
 from verlite.run import run
-from verlite.trainer import RunInputs
 
 CONFIG = "configs/ppo_tiny.yaml"
 # The main job's critic warm-up would leave the actor untrained in runs of a few steps.

@@ -15,8 +15,8 @@ from transformers import AutoModelForCausalLM
 from verlite.config import load_config
 from verlite.distributed.checkpoint import _SafeReader
 from verlite.models import build_policy
+from verlite.preflight import RunInputs
 from verlite.run import run
-from verlite.trainer import RunInputs
 
 OVERRIDES = (
     "model.dtype=float64",

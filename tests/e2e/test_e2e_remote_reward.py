@@ -15,9 +15,9 @@ from verlite import redaction
 from verlite.cli import main
 from verlite.config import load_config
 from verlite.errors import UserError
+from verlite.preflight import RunInputs
 from verlite.redaction import redacted_output
 from verlite.rewards.remote import RemoteRewardError
-from verlite.trainer import RunInputs
 
 # Two scoring requests a step (16 responses, 8 a batch); validation (8 prompts, one
 # request) at the end; a checkpoint every step; no critic (one worker group to start).

@@ -25,10 +25,12 @@ import ray
 from verlite.compare import first_difference
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
+from verlite.preflight import RunInputs
 from verlite.rollout import WeightSyncError
+from verlite.rollouts import Rollouts
 from verlite.run import run, start_groups
 from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
-from verlite.trainer import RunInputs, Trainer
+from verlite.trainer import Trainer
 
 CONFIG = "configs/grpo_tiny.yaml"
 # 4 prompts x 8 samples a step, one actor update; half a CPU a worker on the shared Ray.
@@ -134,15 +136,15 @@ def test_with_staleness_a_resume_draws_each_steps_prompts_of_the_uninterrupted_r
     the uninterrupted run's version 1); step 4's by version 2 in both, from the same
     prompts and sampling keys, so its batch, scores and advantages are the same."""
     drawn: dict[str, list[tuple[int, list[str]]]] = {}
-    draw_prompts = Trainer._draw_prompts
+    draw_prompts = Rollouts._draw
 
-    def recorded(trainer: Trainer, step: int):
-        prompts = draw_prompts(trainer, step)
-        run_name = Path(trainer.cfg.trainer.output_dir).name
+    def recorded(source: Rollouts, step: int):
+        prompts = draw_prompts(source, step)
+        run_name = Path(source.cfg.trainer.output_dir).name
         drawn.setdefault(run_name, []).append((step, [r["prompt"] for r in prompts.records]))
         return prompts
 
-    monkeypatch.setattr(Trainer, "_draw_prompts", recorded)
+    monkeypatch.setattr(Rollouts, "_draw", recorded)
     stale = (*SPLIT, *EPOCHS_OF_TWO, "rollout.max_staleness=1", "trainer.total_steps=4")
     straight = config(tmp_path / "straight", *stale, "trainer.save_freq=2")
     run(straight, RunInputs.load(straight))
@@ -204,7 +206,7 @@ def flip_a_bit_of_the_last_bucket(bucket):
 
 
 def split_trainer(inputs: RunInputs, cfg: Config, groups, rollout) -> Trainer:
-    return Trainer(cfg, inputs, actor=groups.actor, critic=None, rollout=rollout)
+    return Trainer(cfg, inputs, groups=dataclasses.replace(groups, rollout=rollout))
 
 
 def third_step_error(tmp_path: Path, alter, error: type[Exception]) -> Exception:

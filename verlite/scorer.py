@@ -1,0 +1,95 @@
+"""A step's scores on the driver, from the reward sources ``reward.combine`` names
+(docs/design.md, "Reward models", "Remote verifiers"): one call a step, for training and
+validation alike.
+
+It sits with the driver's modules, not in ``rewards/``: it calls the reward model's worker
+group and sends it the columns that worker reads (``workers.reward_model``), which the
+rewards package, below the workers, may not import.
+"""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from transformers import PreTrainedTokenizerBase
+
+from verlite.config import Config
+from verlite.controller import WorkerGroup
+from verlite.data import PromptRecord, response_text, row_records
+from verlite.rewards import RewardFn, score_responses
+from verlite.rewards.combine import combine_scores
+from verlite.rewards.remote import RemoteScorer
+from verlite.workers.reward_model import REWARD_INPUT_KEYS
+
+
+class Scorer:
+    """The reward sources of a run: the reward function, the remote verifier
+    (``reward.remote``) and the reward model's worker group (``reward.model.path``)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        reward_fn: RewardFn,
+        remote: RemoteScorer | None,
+        reward_model: WorkerGroup | None,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.reward_fn, self.remote, self.reward_model = reward_fn, remote, reward_model
+
+    def score(
+        self, batch: TensorDict, records: list[PromptRecord]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Each row's score and the reward metrics: its environment's last reward
+        (multi-turn), else the weighted sum of the reward sources ``reward.combine`` names
+        (``rewards.combine``). The reward model scores on its group while the reward
+        function scores here."""
+        if "env_score" in set(batch.keys()):
+            return batch["env_score"].float(), {}
+        weights = self.cfg.reward.combine
+        assert weights is not None  # resolved at load
+        pending = None
+        if "model" in weights:
+            assert self.reward_model is not None
+            pending = self.reward_model.call_async(
+                "score",
+                batch.select(*REWARD_INPUT_KEYS),
+                dispatch="dp_split",
+                collect="concat",
+            )
+        sources: dict[str, list[float]] = {}
+        if "fn" in weights or "remote" in weights:
+            texts, answers, prompts = self._decoded(batch, records)
+            if "fn" in weights:
+                sources["fn"] = score_responses(
+                    self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
+                )
+            if "remote" in weights:
+                assert self.remote is not None
+                sources["remote"] = self.remote.score(texts, answers, prompts)
+        metrics: dict[str, float] = {}
+        if pending is not None:
+            scored = pending.result()
+            sources["model"] = scored["rm_score"].tolist()
+            metrics["reward/model/truncated"] = float(scored["rm_truncated"].sum())
+        combined = combine_scores(sources, weights)
+        metrics.update(combined.metrics)
+        return torch.tensor(combined.scores, dtype=torch.float32), metrics
+
+    def _decoded(
+        self, batch: TensorDict, records: list[PromptRecord]
+    ) -> tuple[list[str], list[str], list[str]]:
+        """What a reward function and a remote verifier score: each decoded response, and
+        its record's answer and prompt (``records``: one per prompt, by ``uid``)."""
+        texts = [
+            response_text(self.tokenizer, row[:n].tolist())
+            for row, n in zip(
+                batch["responses"], batch["response_mask"].sum(-1).tolist(), strict=True
+            )
+        ]
+        rows = row_records(records, batch["uid"])
+        answers = [r["answer"] for r in rows]
+        prompts = [r["prompt"] for r in rows]
+        return texts, answers, prompts

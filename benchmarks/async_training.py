@@ -41,9 +41,9 @@ from benchmarks.common import (
 from verlite.config import Config, load_config
 from verlite.controller import start_ray, stop_ray
 from verlite.data.tokenizer import load_tokenizer
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run
 from verlite.memory import retain_freed_memory
-from verlite.preflight import RunInputs
-from verlite.run import run
 
 OVERRIDES = [
     "model.hidden_size=256",

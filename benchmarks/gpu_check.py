@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from verlite.audit.invariance import check_invariance, tolerance_for
 from verlite.config import load_config
-from verlite.invariance import check_invariance, tolerance_for
 from verlite.table import format_table
 
 CONFIG = "configs/ppo_tiny.yaml"

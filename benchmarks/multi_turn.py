@@ -38,11 +38,11 @@ from benchmarks.rollout import generation_flops, prompts
 from verlite.config import ModelConfig
 from verlite.data import load_tokenizer
 from verlite.envs.base import Turn
+from verlite.generation import KeyedNoise, Sampler, SamplingParams, sample_keys
+from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
+from verlite.generation.noise import turn_keys
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
-from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, sample_keys
-from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
-from verlite.rollout.noise import turn_keys
 
 MODEL = ModelConfig(
     hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512
@@ -81,7 +81,7 @@ def main() -> None:
     assert len(tokenizer.encode(observation, add_special_tokens=False)) == args.observation
     total = args.turns * args.turn + (args.turns - 1) * args.observation
     model = build_policy(MODEL, vocab_size=len(tokenizer), max_positions=256, seed=0)
-    sampler = NativeRollout(
+    sampler = Sampler(
         model, eos_token_id=NEVER, pad_token_id=tokenizer.pad_token_id, lockstep=False
     )
     td = prompts(args.rows, 32, len(tokenizer))

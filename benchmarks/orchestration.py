@@ -37,9 +37,9 @@ from benchmarks.common import (
 from verlite.config import load_config
 from verlite.controller import dispatch as dispatching
 from verlite.controller import ray_session
-from verlite.preflight import RunInputs
-from verlite.run import start_groups
-from verlite.trainer import RunGroups, Trainer
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import start_groups
+from verlite.driver.trainer import RunGroups, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
 

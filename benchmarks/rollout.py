@@ -1,4 +1,4 @@
-"""Rollout: generated tokens per second of ``NativeRollout`` against Hugging Face ``generate``.
+"""Rollout: generated tokens per second of ``Sampler`` against Hugging Face ``generate``.
 
 The same randomly initialized Llama (built from a config, no download), the same
 left-padded prompts, the same sampling settings — greedy, sampled at temperature 1, and
@@ -31,9 +31,9 @@ from benchmarks.common import (
 )
 from verlite.config import ModelConfig, load_config
 from verlite.data import load_tokenizer
+from verlite.generation import KeyedNoise, Sampler, SamplingParams, StreamNoise, sample_keys
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
-from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, StreamNoise, sample_keys
 
 EOS, PAD = 2, 0
 MAIN_JOB = "configs/ppo_tiny.yaml"
@@ -100,7 +100,7 @@ def compare(
     """Tokens per second on ``td`` with ``params``, side by side: the native sampler with keyed
     noise (``rollout.randomness=per_sample``) and with a generator stream (``per_rank``, the
     draw before keyed noise), and Hugging Face ``generate``."""
-    rollout = NativeRollout(model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
+    rollout = Sampler(model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
     rows = len(td)
     if params.temperature == 0:
         ours = rollout.generate(td, params, None)["responses"]

@@ -19,9 +19,9 @@ from benchmarks.common import emit, machine_peak, median, rl_step_flops, time_ca
 from benchmarks.orchestration import OVERRIDES
 from verlite.config import load_config
 from verlite.controller import ray_session
-from verlite.preflight import RunInputs
-from verlite.run import start_groups
-from verlite.trainer import Trainer
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import start_groups
+from verlite.driver.trainer import Trainer
 
 CORES = 2
 STAGES = ("rollout", "values", "update_critic", "update_actor")

@@ -19,9 +19,9 @@ from ray.cluster_utils import Cluster
 from benchmarks.common import emit
 from verlite.config import load_config
 from verlite.controller import start_ray, stop_ray
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run
 from verlite.memory import retain_freed_memory
-from verlite.preflight import RunInputs
-from verlite.run import run
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Weight sync from an actor worker to a rollout worker, against bare object-store transfers
 of the same bytes, for policies of about 1M, 10M and 100M parameters.
 
-verlite: as a run syncs after every update (``verlite.rollouts.queue_weight_sync``), one
+verlite: as a run syncs after every update (``verlite.driver.step_source.queue_weight_sync``), one
 ``ActorWorker.put_bucket`` call per bucket of ``rollout.sync_bucket_mb`` (the tensors' bytes
 and their checksum put in the object store, the reference returned) and one
 ``RolloutWorker.load_bucket`` call taking that reference (the model's tensors bound to the
@@ -31,8 +31,8 @@ from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles
 from verlite.config import RolloutConfig, load_config
 from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
 from verlite.data import load_tokenizer
+from verlite.driver.step_source import queue_weight_sync
 from verlite.memory import retain_freed_memory
-from verlite.rollouts import queue_weight_sync
 from verlite.workers.actor import ActorWorker
 from verlite.workers.rollout import RolloutWorker
 

@@ -296,7 +296,7 @@ def test_bad_prompt_files(
 
 def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) -> None:
     """A checkpoint is data: a pickle that would run code is refused (weights_only=True)."""
-    from verlite.workers.engine_worker import EngineWorker
+    from verlite.workers.training_worker import TrainingWorker
 
     marker = tmp_path / "pwned"
 
@@ -306,7 +306,7 @@ def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) ->
 
     (tmp_path / "rng_rank0.pt").write_bytes(pickle.dumps({"cpu": Payload()}))
     (tmp_path / "schedule.json").write_text(json.dumps({}))
-    worker = EngineWorker(role="actor", rank=0, world_size=1, torch_threads=1)
+    worker = TrainingWorker(role="actor", rank=0, world_size=1, torch_threads=1)
     worker.engine = type("NoEngine", (), {"load": lambda self, path: None})()
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         worker.load_checkpoint(str(tmp_path))
@@ -396,7 +396,7 @@ def test_a_damaged_checkpoint_file_is_one_line_before_ray(
 
 
 def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:
-    from verlite.checkpoint import check_resumable
+    from verlite.driver.checkpoint import check_resumable
 
     _checkpoint(tmp_path, 3, _model_settings("model.dtype=float64"), ["actor"])
     check_resumable(
@@ -437,8 +437,8 @@ def test_a_checkpoint_from_before_a_key_moved_is_compared_under_its_new_name(
 ) -> None:
     """It resumes; a setting it recorded under the old key, changed since, is reported under
     the new one, as any other change."""
-    from verlite.checkpoint import check_resumable
     from verlite.config import load_config
+    from verlite.driver.checkpoint import check_resumable
 
     split = ["rollout.placement=split"]
     saved = load_config(CONFIG, [*split, "rollout.max_staleness=1"]).model_dump(mode="json")
@@ -465,9 +465,9 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
     """Its data position counts in another order of prompts (a prompt file edited between
     the runs): the same number of them, or fewer than the position (which the loader could
     not even load)."""
-    from verlite.checkpoint import check_resumable
     from verlite.config import load_config
     from verlite.data import build_datasets, load_tokenizer
+    from verlite.driver.checkpoint import check_resumable
 
     cfg = load_config(CONFIG)
     train_set, _ = build_datasets(cfg, load_tokenizer(None, task=cfg.data.task))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from verlite.compare import first_difference, relative_difference
+from verlite.records.compare import first_difference, relative_difference
 
 STEPS = [
     {"step": 1, "critic/score/mean": 0.25, "actor/pg_loss": -0.01, "timing_s/step": 0.2},

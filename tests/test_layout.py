@@ -110,7 +110,7 @@ def test_every_package_folder_has_its_row_and_the_rows_say_what_matters() -> Non
     assert not LAYERS["core"].own
     assert "ray" not in LAYERS["distributed"].third_party
     assert "transformers" not in LAYERS["controller"].third_party
-    assert not {"models", "rollout", "workers", "data", "rewards"} & LAYERS["controller"].own
+    assert not {"models", "generation", "workers", "data", "rewards"} & LAYERS["controller"].own
 
 
 @pytest.mark.parametrize("name", sorted(LAYERS))

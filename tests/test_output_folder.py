@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 from checkpoint_support import fake_checkpoint
 
-from verlite import output_folder
-from verlite.checkpoint import CheckpointError
 from verlite.config import Config, ConfigError, check_paths, load_config
-from verlite.output_folder import LOCK_FILE, FolderLock
-from verlite.output_folder import prepare_output_folder as prepare_and_hold
+from verlite.driver import output_folder
+from verlite.driver.checkpoint import CheckpointError
+from verlite.driver.output_folder import LOCK_FILE, FolderLock
+from verlite.driver.output_folder import prepare_output_folder as prepare_and_hold
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
 # The training prompts' fingerprint: fake checkpoints record none, so any passes.
@@ -232,7 +232,7 @@ def test_a_killed_runs_hold_ends_with_its_process(tmp_path: Path) -> None:
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from verlite.output_folder import "
+            "import sys, time; from pathlib import Path; from verlite.driver.output_folder import "
             "FolderLock; hold = FolderLock.take(Path(sys.argv[1])); print('held', flush=True); "
             "time.sleep(60)",
             str(out),

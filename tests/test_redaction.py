@@ -16,8 +16,8 @@ import pytest
 from checkpoint_support import fake_checkpoint
 
 from verlite import redaction, report
-from verlite.checkpoint import check_resumable
 from verlite.cli import main
+from verlite.driver.checkpoint import check_resumable
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import (
     carries_secret,
@@ -257,14 +257,14 @@ def test_what_a_run_of_the_python_api_prints_is_masked(
     tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import verlite
-    import verlite.run
+    import verlite.driver.run
 
     def run(cfg: object) -> Path:
         print("step 1 scored by envsecret-42-value")
         return tmp_path
 
     monkeypatch.setenv("SCORER_API_KEY", "envsecret-42-value")
-    monkeypatch.setattr(verlite.run, "train", run)
+    monkeypatch.setattr(verlite.driver.run, "run_training", run)
     assert verlite.train("configs/ppo_tiny.yaml", [f"trainer.output_dir={tmp_path}"]) == tmp_path
     assert capfd.readouterr().out == "step 1 scored by ***\n"
 

@@ -5,7 +5,7 @@ config needs one."""
 import pytest
 
 from verlite.config import load_config
-from verlite.trainer import RunGroups
+from verlite.driver.trainer import RunGroups
 
 GROUP = object()  # the check only asks which groups are there
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, overload
 
-from verlite import metrics_log
 from verlite.config import Config, check_paths
 from verlite.config.loading import ConfigSource, Overrides
 from verlite.config.loading import load_config as _load_config
 from verlite.memory import retain_freed_memory
+from verlite.records import metrics_log
 from verlite.redaction import redacted_output
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ def train(config: ConfigSource, overrides: Overrides = ()) -> Path:
     else in a session of its own: an embedded local Ray, or ``trainer.ray_address``."""
     cfg = load_config(config, overrides)
     check_paths(cfg)  # before Ray starts: a typo should cost a second, not a cluster start
-    from verlite.run import train as run_training  # Ray and the models load once it is good
+    from verlite.driver.run import run_training  # Ray and the models load once it is good
 
     retain_freed_memory()  # the driver gathers and scatters every step batch
     with redacted_output():  # what the run prints, as `verlite train` prints it

@@ -19,10 +19,11 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from verlite import compare, export, invariance_command, measure_packing, report, train_command
+from verlite import export, invariance_command, measure_packing, report, train_command
 from verlite.errors import RunFailure, UserError
 from verlite.jobs import commands as job_commands
 from verlite.jobs.entrypoint import UTF8_OUTPUT_ENV, run_with_utf8_output
+from verlite.records import compare
 from verlite.redaction import redact_text, redacted_output
 
 # In the order of ``verlite --help``.

@@ -1,6 +1,6 @@
 """``verlite check-invariance``: the command of the two audits, one update under every DP and
-micro-batch layout (``verlite.invariance``), or with ``--run`` whole runs under several
-worker layouts (``verlite.run_invariance``). Both load torch when the command runs."""
+micro-batch layout (``verlite.audit.invariance``), or with ``--run`` whole runs under several
+worker layouts (``verlite.audit.run_invariance``). Both load torch when the command runs."""
 
 from __future__ import annotations
 
@@ -119,17 +119,17 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
     if args.run:
-        from verlite.run_invariance import cmd_check_run_invariance
+        from verlite.audit.run_invariance import cmd_check_run_invariance
 
         return cmd_check_run_invariance(args)
-    from verlite.config import load_config
-    from verlite.invariance import (
+    from verlite.audit.invariance import (
         MICRO_LAYOUTS,
         STRATEGIES,
         check_invariance,
         check_layouts,
         tolerance_for,
     )
+    from verlite.config import load_config
 
     for flag in ("layout", "runs_dir", "atol"):
         if getattr(args, flag) is not None:

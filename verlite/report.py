@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from verlite import metrics_log
 from verlite.errors import UserError, import_extra
-from verlite.metrics_log import Record
+from verlite.records import metrics_log
+from verlite.records.metrics_log import Record
 from verlite.table import format_duration
 
 # The table's rows by default, in this order, when present.

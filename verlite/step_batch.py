@@ -16,7 +16,7 @@ rollout_log_probs   (B, R)    float32 log-probs the sampler drew each token with
 (response-aligned)  (B, R)    old_log_probs, ref_log_prob, values, advantages, returns, ...
 rollout_is_weights  (B, R)    truncated importance weights of the policy loss (``tis``)
 uid                 (B,)      prompt id: the rollout.n samples of one prompt share it
-sample_key          (B, 2)    the row's sampling key (``verlite.rollout.noise``)
+sample_key          (B, 2)    the row's sampling key (``verlite.generation.noise``)
 ==================  ========  ===================================================
 
 Per-batch values travel as non-tensor entries, never inside a config object:

@@ -27,7 +27,7 @@ from verlite.controller import (
     WorkerGroupError,
     write_placement_report,
 )
-from verlite.controller.errors import is_lost
+from verlite.controller.failures import is_lost
 from verlite.core.metrics import Metric, MetricDict
 from verlite.distributed import all_reduce_sum, get_rank, get_world_size
 

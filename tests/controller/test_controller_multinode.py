@@ -13,6 +13,7 @@ import ray
 from ray.cluster_utils import Cluster
 from tensordict import TensorDict
 
+from verlite.audit.invariance import Case, Outcome, compare, make_batch, run_case
 from verlite.config import Config, load_config
 from verlite.controller import (
     ResourcePool,
@@ -23,7 +24,6 @@ from verlite.controller import (
     stop_ray,
     write_placement_report,
 )
-from verlite.invariance import Case, Outcome, compare, make_batch, run_case
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_tiny.yaml"
@@ -156,8 +156,8 @@ def test_a_split_run_over_two_nodes_syncs_weights_to_a_rollout_worker_on_each(
     first node reach the rollout worker of the second through the object store, checked."""
     import json
 
-    from verlite.preflight import RunInputs
-    from verlite.run import run
+    from verlite.driver.preflight import RunInputs
+    from verlite.driver.run import run
 
     cfg = load_config(
         ROOT / "configs" / "grpo_tiny.yaml",

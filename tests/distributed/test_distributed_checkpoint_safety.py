@@ -12,7 +12,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from verlite.distributed.checkpoint import CheckpointLoadError, load_train_state, save_train_state
+from verlite.distributed.sharded_state import (
+    CheckpointLoadError,
+    load_train_state,
+    save_train_state,
+)
 
 
 class _RunsCode:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from verlite.config import Config, load_config
-from verlite.metrics_log import is_run_history
-from verlite.preflight import RunInputs
-from verlite.run import run
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run
+from verlite.records.metrics_log import is_run_history
 
 CONFIG = "configs/ppo_tiny.yaml"
 # The main job's critic warm-up would leave the actor untrained in runs of a few steps.

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from verlite.driver.trainer import divergence
 from verlite.rewards.scoring import RewardError
-from verlite.trainer import divergence
 
 RUN = [
     "trainer.workers_per_node=2",

@@ -13,10 +13,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from verlite.config import load_config
-from verlite.distributed.checkpoint import _SafeReader
+from verlite.distributed.sharded_state import _SafeReader
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run
 from verlite.models import build_policy
-from verlite.preflight import RunInputs
-from verlite.run import run
 
 OVERRIDES = (
     "model.dtype=float64",

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from verlite.audit.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
 from verlite.data import PromptLoader, build_datasets, load_tokenizer
-from verlite.metrics_log import read
-from verlite.preflight import RunInputs
-from verlite.run import run
-from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run
+from verlite.records.metrics_log import read
 
 CONFIG = "configs/tool_tiny.yaml"
 SMALL = (

@@ -14,8 +14,8 @@ from scoring_service import ScoringService, scoring_service
 from verlite import redaction
 from verlite.cli import main
 from verlite.config import load_config
+from verlite.driver.preflight import RunInputs
 from verlite.errors import UserError
-from verlite.preflight import RunInputs
 from verlite.redaction import redacted_output
 from verlite.rewards.remote import RemoteRewardError
 

@@ -11,8 +11,8 @@ import pytest
 from reward_model_support import save_tiny_reward_model
 
 from verlite.config import load_config
-from verlite.preflight import RunInputs
-from verlite.run import run
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run
 
 WEIGHTS = {"fn": 0.25, "model": 0.75}
 

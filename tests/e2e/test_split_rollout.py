@@ -22,15 +22,15 @@ from pathlib import Path
 import pytest
 import ray
 
-from verlite.compare import first_difference
+from verlite.audit.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
-from verlite.preflight import RunInputs
-from verlite.rollout import WeightSyncError
-from verlite.rollouts import Rollouts
-from verlite.run import run, start_groups
-from verlite.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
-from verlite.trainer import Trainer
+from verlite.driver.preflight import RunInputs
+from verlite.driver.run import run, start_groups
+from verlite.driver.step_source import StepSource
+from verlite.driver.trainer import Trainer
+from verlite.generation import WeightSyncError
+from verlite.records.compare import first_difference
 
 CONFIG = "configs/grpo_tiny.yaml"
 # 4 prompts x 8 samples a step, one actor update; half a CPU a worker on the shared Ray.
@@ -136,15 +136,15 @@ def test_with_staleness_a_resume_draws_each_steps_prompts_of_the_uninterrupted_r
     the uninterrupted run's version 1); step 4's by version 2 in both, from the same
     prompts and sampling keys, so its batch, scores and advantages are the same."""
     drawn: dict[str, list[tuple[int, list[str]]]] = {}
-    draw_prompts = Rollouts._draw
+    draw_prompts = StepSource._draw
 
-    def recorded(source: Rollouts, step: int):
+    def recorded(source: StepSource, step: int):
         prompts = draw_prompts(source, step)
         run_name = Path(source.cfg.trainer.output_dir).name
         drawn.setdefault(run_name, []).append((step, [r["prompt"] for r in prompts.records]))
         return prompts
 
-    monkeypatch.setattr(Rollouts, "_draw", recorded)
+    monkeypatch.setattr(StepSource, "_draw", recorded)
     stale = (*SPLIT, *EPOCHS_OF_TWO, "rollout.max_staleness=1", "trainer.total_steps=4")
     straight = config(tmp_path / "straight", *stale, "trainer.save_freq=2")
     run(straight, RunInputs.load(straight))
@@ -216,7 +216,7 @@ def third_step_error(tmp_path: Path, alter, error: type[Exception]) -> Exception
     inputs = RunInputs.load(cfg)
     with start_groups(cfg, inputs.tokenizer) as groups:
         trainer = split_trainer(inputs, cfg, groups, InTransit(groups.rollout, 2, alter))
-        trainer.rollouts.start(version=0)
+        trainer.step_source.start(version=0)
         for step in (1, 2):
             trainer.train_step(step)
         with pytest.raises(error) as raised:
@@ -256,7 +256,7 @@ def test_a_killed_rollout_worker_stops_the_run_in_seconds_naming_it(
     inputs = RunInputs.load(cfg)
     with start_groups(cfg, inputs.tokenizer) as groups:
         trainer = split_trainer(inputs, cfg, groups, groups.rollout)
-        trainer.rollouts.start(version=0)
+        trainer.step_source.start(version=0)
         trainer.train_step(1)
         victim = next(w for w in groups.rollout.placement() if w["rank"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)

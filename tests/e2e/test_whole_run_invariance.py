@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_e2e_train import CRITIC_KEYS, STEP_KEYS
-from verlite.run_invariance import (
+from verlite.audit.run_invariance import (
     ATOL,
     RoleLayout,
     RunLayout,

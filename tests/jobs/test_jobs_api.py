@@ -19,10 +19,10 @@ import psutil
 import pytest
 from jobs_support import REPO, client_env
 
-from verlite import metrics_log
 from verlite.jobs import server as jobs_server
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.server import JobsError
+from verlite.records import metrics_log
 
 TOKEN = "tok-7f3e9a"
 JOB = {

@@ -30,7 +30,7 @@ import pytest
 from jobs_support import BIN, REPO, RayCluster, run_verlite, started_cluster
 
 from verlite.config import load_config
-from verlite.metrics_log import is_run_history
+from verlite.records.metrics_log import is_run_history
 
 pytestmark = pytest.mark.cluster
 

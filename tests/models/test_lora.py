@@ -13,10 +13,16 @@ from transformers import AutoModelForCausalLM
 
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import MissingExtraError
+from verlite.generation import (
+    WeightSyncError,
+    base_checksum,
+    make_bucket,
+    split_frozen,
+    sync_layout,
+)
+from verlite.generation.weights import WeightReceiver
 from verlite.models import build_policy, check_lora_supported
 from verlite.models.lora import adapters_disabled, merge_adapter, save_adapter
-from verlite.rollout import WeightSyncError, base_checksum, make_bucket, split_frozen, sync_layout
-from verlite.rollout.weights import WeightReceiver
 
 MODEL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, dtype="float64")
 LORA = LoraConfig(rank=4, target_modules=("q_proj", "v_proj", "down_proj"))

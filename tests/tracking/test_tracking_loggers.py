@@ -13,7 +13,7 @@ from wandb_support import wandb_records, wandb_steps
 
 from verlite import redaction
 from verlite.errors import MissingExtraError, UserError
-from verlite.tracking import Tracker
+from verlite.records.tracking import Tracker
 
 CONFIG: dict[str, Any] = {
     "algorithm": {"adv_estimator": "gae"},
@@ -307,7 +307,7 @@ def test_wandb_online_without_a_key_fails_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from verlite.config import WandbConfig
-    from verlite.tracking import check_wandb
+    from verlite.records.tracking import check_wandb
 
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc from `wandb login`
@@ -341,7 +341,7 @@ def test_a_closed_mlflow_server_fails_in_seconds_without_its_credentials() -> No
     import time
 
     from verlite.errors import UserError
-    from verlite.tracking import check_tracking_server
+    from verlite.records.tracking import check_tracking_server
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

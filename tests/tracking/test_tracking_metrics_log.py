@@ -1,4 +1,4 @@
-"""The metrics record format (:mod:`verlite.metrics_log`): marked log lines, and a resumed
+"""The metrics record format (:mod:`verlite.records.metrics_log`): marked log lines, and a resumed
 run's ``metrics.jsonl`` cut back to its checkpoint."""
 
 import json
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from verlite import metrics_log
 from verlite.errors import UserError
+from verlite.records import metrics_log
 
 
 def test_marked_lines_count_at_a_lines_start_and_a_restart_drops_what_followed_its_step() -> None:
@@ -115,7 +115,7 @@ def test_a_metrics_path_that_is_a_pipe_or_device_is_refused_before_reading(tmp_p
 def test_a_restarted_runs_log_reads_as_one_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from verlite.tracking import Tracker
+    from verlite.records.tracking import Tracker
 
     # The first attempt logs steps 1-3 and is restarted from its step-1 checkpoint.
     for start, steps in ((0, (1, 2, 3)), (1, (2, 3, 4))):

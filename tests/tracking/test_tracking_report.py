@@ -17,7 +17,7 @@ import pytest
 
 from verlite import report
 from verlite.errors import UserError
-from verlite.metrics_log import read as load_metrics
+from verlite.records.metrics_log import read as load_metrics
 from verlite.report import summary_rows
 from verlite.table import format_duration
 

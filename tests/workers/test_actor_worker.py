@@ -1,4 +1,4 @@
-"""The actor worker in this process: its fused ``rollout`` call returns exactly what
+"""The actor worker in this process: its fused ``generate_with_log_probs`` call returns exactly what
 ``generate`` followed by ``compute_log_probs`` returns (the same rows, tokens, old and
 reference log-probs), a rollout worker given its weights generates exactly its batch, and
 the model it exports computes the trained policy's log-probs."""
@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.data.dataset import PromptDataset
-from verlite.rollout import SamplingParams, WeightSyncError, sample_keys
+from verlite.generation import SamplingParams, WeightSyncError, sample_keys
 from verlite.workers.actor import ActorWorker
 from verlite.workers.rollout import RolloutWorker
 
@@ -59,7 +59,9 @@ def _actor(cfg: Config) -> tuple[ActorWorker, PreTrainedTokenizerBase, PromptDat
 
 
 @pytest.mark.parametrize("kl_in_reward", ["false", "true"])
-def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: object) -> None:
+def test_generate_with_log_probs_equals_generate_then_log_probs(
+    kl_in_reward: str, tmp_path: object
+) -> None:
     cfg = load_config(
         "configs/ppo_tiny.yaml",
         [
@@ -72,7 +74,7 @@ def test_rollout_equals_generate_then_log_probs(kl_in_reward: str, tmp_path: obj
     prompts = _sampled_prompts(cfg, tokenizer, train_set)
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
 
-    fused = worker.rollout(prompts, sampling, 7, True)
+    fused = worker.generate_with_log_probs(prompts, sampling, 7, True)
     separate = worker.generate(prompts, sampling, 7)
     separate.update(worker.compute_log_probs(separate, True))
 
@@ -115,9 +117,9 @@ def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
     for index in range(len(layout.buckets)):
         bucket = actor.publish_bucket(5, index)
         copied = [part.copy() for part in bucket.parts]  # as the object store's put copies
-        seconds = rollout.engine.load_bucket(dataclasses.replace(bucket, parts=copied))
+        seconds = rollout.generation_engine.load_bucket(dataclasses.replace(bucket, parts=copied))
         assert (seconds is None) == (index < len(layout.buckets) - 1)
-    assert rollout.engine.version == 5
+    assert rollout.generation_engine.version == 5
     generated = rollout.generate(prompts, sampling, 7, 5)
     expected = actor.generate(prompts, sampling, 7)
     keys = sorted(expected.keys())  # iterating a TensorDict itself walks its rows

@@ -6,9 +6,9 @@ from typing import Any
 import pytest
 import torch
 
+from verlite.audit.invariance import make_batch
 from verlite.config import OptimConfig, load_config
 from verlite.distributed import RankFailedError, run_on_ranks
-from verlite.invariance import make_batch
 from verlite.models import build_policy
 from verlite.workers.engine import TrainEngine, lr_multiplier, plan_micro_batches
 from verlite.workers.forward import response_log_probs

@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from verlite.audit.invariance import make_batch
 from verlite.config import load_config
 from verlite.distributed import full_state_dict, run_on_ranks
-from verlite.invariance import make_batch
 from verlite.models import build_policy
 from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, ppo_loss

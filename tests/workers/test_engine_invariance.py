@@ -13,9 +13,7 @@ import itertools
 
 import pytest
 
-from verlite.config import load_config
-from verlite.core.losses import LOSS_AGG_MODES
-from verlite.invariance import (
+from verlite.audit.invariance import (
     MICRO_LAYOUTS,
     Case,
     check_invariance,
@@ -23,6 +21,8 @@ from verlite.invariance import (
     make_batch,
     run_case,
 )
+from verlite.config import load_config
+from verlite.core.losses import LOSS_AGG_MODES
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
 TOLERANCE = 1e-9

@@ -5,9 +5,9 @@ rows are regrouped by length (the update equals the full batch's: test_engine_in
 import pytest
 import torch
 
+from verlite.audit.invariance import make_batch
 from verlite.config import load_config
 from verlite.core.partition import MAX_PADDING, flatten
-from verlite.invariance import make_batch
 from verlite.step_batch import trim_padding
 from verlite.workers.engine import plan_micro_batches
 

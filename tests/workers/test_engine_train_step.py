@@ -22,12 +22,12 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
+from verlite.audit.invariance import VOCAB_SIZE, make_batch
 from verlite.config import load_config
 from verlite.controller.dispatch import DpSplit, dispatch
 from verlite.core.metrics import Stage, reduce_metrics, to_floats
 from verlite.core.partition import dp_shares
 from verlite.distributed import all_gather_object, full_state_dict, run_on_ranks
-from verlite.invariance import VOCAB_SIZE, make_batch
 from verlite.models import build_policy, build_value_model
 from verlite.step_batch import row_costs
 from verlite.workers.engine import TrainEngine

@@ -9,9 +9,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, load_config
 from verlite.core.partition import PackedTokenPartition
-from verlite.invariance import make_batch
 from verlite.models import (
     build_policy,
     build_value_model,

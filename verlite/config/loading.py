@@ -182,7 +182,7 @@ def _parse_value(text: str, annotation: Any) -> Any:
 
 # Keys that moved, by their old dotted name: the old one is refused in one line that names the
 # new one, from a file, the command line and the API alike (a checkpoint's saved config is
-# read under the new names, verlite.checkpoint).
+# read under the new names, verlite.driver.checkpoint).
 MOVED_KEYS = {"trainer.max_staleness": "rollout.max_staleness"}
 
 

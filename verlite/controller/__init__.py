@@ -2,7 +2,7 @@
 worker groups, explicit dispatch/collect, failures, and the placement report."""
 
 from verlite.controller.dispatch import Collect, Dispatch, DpSplit
-from verlite.controller.errors import WorkerGroupError
+from verlite.controller.failures import WorkerGroupError
 from verlite.controller.placement import write_placement_report
 from verlite.controller.resource_pool import (
     ClusterTooSmall,

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verlite.controller import dispatch as dispatching
 from verlite.controller.dispatch import Collect, Dispatch
-from verlite.controller.errors import WorkerGroupError, describe_failure, is_lost
+from verlite.controller.failures import WorkerGroupError, describe_failure, is_lost
 from verlite.controller.resource_pool import ResourcePool
 from verlite.controller.transport import install_in_worker, use_tensordict_transport
 from verlite.controller.worker import Worker

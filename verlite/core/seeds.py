@@ -10,7 +10,7 @@
   two consecutive ``trainer.seed`` values apart.
 
 Not here: ``rollout.randomness=per_sample`` draws from keys hashed from (``trainer.seed``,
-step, prompt, sample) (``verlite.rollout.noise.sample_keys``), and the data order (shuffles,
+step, prompt, sample) (``verlite.generation.noise.sample_keys``), and the data order (shuffles,
 splits, synthetic prompts) from string keys of the seed in ``verlite.data``.
 """
 

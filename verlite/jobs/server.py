@@ -20,9 +20,9 @@ from urllib.parse import quote
 
 import requests
 
-from verlite import metrics_log
 from verlite.errors import UserError
-from verlite.metrics_log import Record
+from verlite.records import metrics_log
+from verlite.records.metrics_log import Record
 from verlite.redaction import redact_text
 
 if TYPE_CHECKING:

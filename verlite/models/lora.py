@@ -7,7 +7,7 @@ with its adapters off (:func:`adapters_disabled`), not a second copy of the weig
 
 What a run changes is the adapters alone, so they are all that a checkpoint saves
 (``distributed.checkpoint`` skips frozen parameters), that a weight sync sends
-(``rollout.weights.split_frozen``) and that the export writes (a ``peft`` adapter folder, beside the
+(``generation.weights.split_frozen``) and that the export writes (a ``peft`` adapter folder, beside the
 base it applies to; ``verlite export --merge`` folds it into full weights).
 """
 

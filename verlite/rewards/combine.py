@@ -2,7 +2,7 @@
 
 A source is anything that scores every response of a batch, in row order: ``fn`` (the
 rule-based reward), ``model`` (the reward-model worker group), ``remote`` (a remote
-verifier, ``rewards.remote``). The driver's scorer (``verlite.scorer``) asks each source
+verifier, ``rewards.remote``). The driver's scorer (``verlite.driver.scorer``) asks each source
 that ``reward.combine`` names for its scores and hands them here as ``{source: scores}``;
 which sources a config sets up, and the validation of the weights, live with the schema
 (``RewardConfig.sources``). A new source joins by being scored and named, not by a change

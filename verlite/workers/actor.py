@@ -18,11 +18,8 @@ from verlite.core.metrics import MetricDict
 from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
-from verlite.models import build_policy, resolve_device
-from verlite.models.lora import adapters_disabled, save_adapter
-from verlite.models.varlen import enable_packing
-from verlite.rollout import (
-    NativeRollout,
+from verlite.generation import (
+    Sampler,
     SamplingParams,
     SyncLayout,
     WeightBucket,
@@ -31,11 +28,14 @@ from verlite.rollout import (
     split_frozen,
     sync_layout,
 )
+from verlite.models import build_policy, resolve_device
+from verlite.models.lora import adapters_disabled, save_adapter
+from verlite.models.varlen import enable_packing
 from verlite.workers.engine import TrainEngine, infer
-from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.policy_worker import PolicyWorker
+from verlite.workers.training_worker import TrainingWorker
 
 
 def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
@@ -44,7 +44,7 @@ def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Te
     return {key: log_probs}
 
 
-class ActorWorker(EngineWorker, PolicyWorker):
+class ActorWorker(TrainingWorker, PolicyWorker):
     """One rank of the actor group; the model is built by ``init_model`` once the group's
     process group exists (FSDP needs it)."""
 
@@ -71,7 +71,7 @@ class ActorWorker(EngineWorker, PolicyWorker):
             metric_prefix="actor",
             device=device,
         )
-        self.generator = NativeRollout(
+        self.sampler = Sampler(
             inference_module(self.engine.model),
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
@@ -106,9 +106,9 @@ class ActorWorker(EngineWorker, PolicyWorker):
         row's ``sample_key`` (``rollout.randomness=per_sample``), or from this rank's stream
         of the step seeded ``seed`` (``verlite.core.seeds.rank_sampling``)."""
         prompts = prompts.to(self.engine.device)
-        return self.sample(self.generator.generate, prompts, params, seed, records).cpu()
+        return self.sample(self.sampler.generate, prompts, params, seed, records).cpu()
 
-    def rollout(
+    def generate_with_log_probs(
         self,
         prompts: TensorDict,
         params: SamplingParams,
@@ -153,7 +153,7 @@ class ActorWorker(EngineWorker, PolicyWorker):
         return ref["ref_log_prob"]
 
     def weight_layout(self) -> SyncLayout:
-        """The buckets of a weight sync (``verlite.rollout.weights``), the same on every rank."""
+        """The buckets of a weight sync (``verlite.generation.weights``), the same on every rank."""
         return sync_layout(self._synced_state(), self._sync_bucket_bytes)
 
     def _synced_state(self) -> dict[str, torch.Tensor]:

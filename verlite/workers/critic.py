@@ -14,16 +14,16 @@ from verlite.core import seeds
 from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
 from verlite.workers.engine import TrainEngine
-from verlite.workers.engine_worker import EngineWorker
 from verlite.workers.forward import response_values
 from verlite.workers.objectives import CriticLossSettings, value_loss
+from verlite.workers.training_worker import TrainingWorker
 
 
 def _values(model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
     return {"values": response_values(model, td)}
 
 
-class CriticWorker(EngineWorker):
+class CriticWorker(TrainingWorker):
     """One rank of the critic group; the model is built by ``init_model``."""
 
     def __init__(self, *, cfg: Config, vocab_size: int, **kwargs: Any) -> None:

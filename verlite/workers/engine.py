@@ -46,7 +46,7 @@ from verlite.distributed import (
     grad_sync,
     inference_module,
 )
-from verlite.distributed.checkpoint import load_train_state, save_train_state
+from verlite.distributed.sharded_state import load_train_state, save_train_state
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import (
     pad_responses,

@@ -18,9 +18,9 @@ from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
-from verlite.rollout import Noise, SamplingParams, noise_for
-from verlite.rollout.multi_turn import TurnLimits, generate_multi_turn
-from verlite.rollout.noise import turn_keys
+from verlite.generation import Noise, SamplingParams, noise_for
+from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
+from verlite.generation.noise import turn_keys
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
 

@@ -1,5 +1,5 @@
 """The rollout worker (``rollout.placement=split``): generation only, with a model of its own
-that weight syncs from the actor replace (``verlite.rollout.weights``); no optimizer."""
+that weight syncs from the actor replace (``verlite.generation.weights``); no optimizer."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tensordict import TensorDict
 
 from verlite.core import seeds
 from verlite.data import PromptRecord
+from verlite.generation import GenerationEngine, NativeEngine, SamplingParams, WeightBucket
 from verlite.models import build_policy, resolve_device
-from verlite.rollout import NativeEngine, RolloutEngine, SamplingParams, WeightBucket
 from verlite.workers.policy_worker import PolicyWorker
 
 
@@ -19,7 +19,7 @@ class RolloutWorker(PolicyWorker):
     """One rank of the rollout group; each rank generates its share on its own (no
     collectives), with weights of the version the trainer names."""
 
-    engine: RolloutEngine
+    generation_engine: GenerationEngine
 
     def init_model(self) -> None:
         cfg = self.cfg
@@ -35,7 +35,7 @@ class RolloutWorker(PolicyWorker):
             seed=seeds.policy_init(cfg.trainer.seed),
             lora=lora,
         ).to(self.device)
-        self.engine = NativeEngine(
+        self.generation_engine = NativeEngine(
             model,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
@@ -49,10 +49,10 @@ class RolloutWorker(PolicyWorker):
     def load_bucket(self, bucket: ray.ObjectRef[WeightBucket]) -> tuple[int | None, float] | None:
         """Take one bucket of a weight sync (the actor's reference, handed over by Ray
         from the actor's call), checked where it landed (raises
-        :class:`~verlite.rollout.WeightSyncError`); after the last bucket, the version now
+        :class:`~verlite.generation.WeightSyncError`); after the last bucket, the version now
         held and the sync's seconds."""
-        seconds = self.engine.load_bucket(ray.get(bucket))
-        return None if seconds is None else (self.engine.version, seconds)
+        seconds = self.generation_engine.load_bucket(ray.get(bucket))
+        return None if seconds is None else (self.generation_engine.version, seconds)
 
     def generate(
         self,
@@ -64,6 +64,6 @@ class RolloutWorker(PolicyWorker):
     ) -> TensorDict:
         """Responses to this rank's prompts with the weights of ``version`` (refused with
         any other), drawn as the actor's :meth:`~verlite.workers.actor.ActorWorker.generate`."""
-        self.engine.require(version)
+        self.generation_engine.require(version)
         prompts = prompts.to(self.device)
-        return self.sample(self.engine.generate, prompts, params, seed, records).cpu()
+        return self.sample(self.generation_engine.generate, prompts, params, seed, records).cpu()

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.data.loader import position_ids
 from verlite.data.tokenizer import response_text
-from verlite.rollout.native import build_step_batch
+from verlite.generation.sampler import build_step_batch
 
 
 class TurnResult(Protocol):

@@ -1,4 +1,4 @@
-"""Where each step's batch comes from (``verlite.rollouts``), over worker groups that run
+"""Where each step's batch comes from (``verlite.driver.step_source``), over worker groups that run
 their calls in submission order, as a Ray actor does: no batch is ever trained on by weights
 more than ``rollout.max_staleness`` updates newer than the ones that generated it, every
 generation runs on weights synced before it, and the run's last steps submit nothing past
@@ -16,9 +16,9 @@ from verlite.config import Config, load_config
 from verlite.config.derived import old_log_probs_source
 from verlite.controller import DpSplit
 from verlite.data import PromptLoader, build_datasets, load_tokenizer
-from verlite.rollout import SamplingParams, SyncLayout, sample_keys
-from verlite.rollout.weights import TensorSpec
-from verlite.rollouts import Rollouts
+from verlite.driver.step_source import StepSource
+from verlite.generation import SamplingParams, SyncLayout, sample_keys
+from verlite.generation.weights import TensorSpec
 
 # 3 batches of 4 prompts an epoch: the runs below cross epochs.
 SMALL = ("data.num_train_samples=12", "data.train_batch_size=4", "actor.ppo_mini_batch_size=32")
@@ -66,7 +66,7 @@ class Groups:
             if with_old:
                 out["old_log_probs"] = torch.full((len(batch), 1), float(self.actor_version))
             return out
-        assert method == "rollout"
+        assert method == "generate_with_log_probs"
         prompts, _, _, with_old, records = args
         assert records is None  # prompt records travel to the workers for environments only
         batch = prompts.clone()
@@ -118,9 +118,9 @@ def small_config(*overrides: str) -> Config:
     return load_config("configs/grpo_tiny.yaml", [*SMALL, *overrides])
 
 
-def rollouts(groups: Groups, cfg: Config, *, with_old: bool = True) -> Rollouts:
+def step_source(groups: Groups, cfg: Config, *, with_old: bool = True) -> StepSource:
     tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
-    return Rollouts(
+    return StepSource(
         cfg,
         actor=Group(groups, "actor"),
         rollout=Group(groups, "rollout") if cfg.rollout.placement == "split" else None,
@@ -133,7 +133,7 @@ def rollouts(groups: Groups, cfg: Config, *, with_old: bool = True) -> Rollouts:
     )
 
 
-def loader_state_after(source: Rollouts, steps: int) -> dict[str, int]:
+def loader_state_after(source: StepSource, steps: int) -> dict[str, int]:
     """The state of a loader over the same prompts once ``steps`` batches were drawn."""
     loader = PromptLoader(
         source.loader.dataset,
@@ -161,7 +161,7 @@ def test_no_batch_is_staler_than_the_bound_and_nothing_runs_past_the_end(
     )
     groups = Groups(cfg.trainer.seed)
     groups.actor_version = resumed_at
-    source = rollouts(groups, cfg)
+    source = step_source(groups, cfg)
     source.load_loader_state(loader_state_after(source, resumed_at))  # as a resume does
     source.start(version=resumed_at)
     seen = []
@@ -187,7 +187,7 @@ def test_no_batch_is_staler_than_the_bound_and_nothing_runs_past_the_end(
 def test_colocated_batches_come_from_the_actor_with_their_log_probs() -> None:
     cfg = small_config()
     groups = Groups(cfg.trainer.seed)
-    source = rollouts(groups, cfg)
+    source = step_source(groups, cfg)
     source.start(version=0)
     taken = source.take(1)
     assert source.loader_state == loader_state_after(source, 1)
@@ -198,13 +198,13 @@ def test_colocated_batches_come_from_the_actor_with_their_log_probs() -> None:
         "rollout/staleness/max": 0.0,
     }
     assert source.updated(1) == {}
-    assert groups.log == [("actor", "rollout")]
+    assert groups.log == [("actor", "generate_with_log_probs")]
 
 
 def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
     cfg = small_config("rollout.placement=split")
     groups = Groups(cfg.trainer.seed)
-    source = rollouts(groups, cfg, with_old=False)
+    source = step_source(groups, cfg, with_old=False)
     source.start(version=0)
     taken = source.take(1)
     assert "old_log_probs" not in set(taken.batch.keys())

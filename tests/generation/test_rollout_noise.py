@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from tests.rollout.test_rollout_native import model, prompts
-from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, StreamNoise, sample_keys
-from verlite.rollout.noise import MASK32, fmix32
+from tests.generation.test_rollout_native import model, prompts
+from verlite.generation import KeyedNoise, Sampler, SamplingParams, StreamNoise, sample_keys
+from verlite.generation.noise import MASK32, fmix32
 
 EOS, PAD = 2, 0
 
@@ -66,7 +66,7 @@ def test_a_row_samples_the_same_tokens_whatever_rows_it_is_generated_with() -> N
     a time gives every row the same response; a per-shard generator stream does not."""
     m, td = model(), prompts(batch=12)
     keys = sample_keys(3, 1, 12, 1)
-    rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
+    rollout = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
     params = SamplingParams(8, top_p=0.95)
 
     def responses(rows: list[int], noise: str) -> torch.Tensor:

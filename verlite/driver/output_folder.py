@@ -37,14 +37,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from verlite.checkpoint import (
+from verlite.config import Config, ConfigError
+from verlite.driver.checkpoint import (
     CheckpointError,
     check_resumable,
     complete_checkpoints,
     read_trainer_state,
     resume_checkpoint,
 )
-from verlite.config import Config, ConfigError
 from verlite.errors import shown
 
 LOCK_FILE = ".verlite-lock"

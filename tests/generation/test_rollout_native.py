@@ -7,15 +7,15 @@ from tensordict import TensorDict
 from verlite.config import ModelConfig
 from verlite.data import position_ids
 from verlite.distributed import run_on_ranks
-from verlite.models import build_policy
-from verlite.rollout import (
+from verlite.generation import (
     KeyedNoise,
-    NativeRollout,
+    Sampler,
     SamplingParams,
     sample_keys,
     sample_next_token,
 )
-from verlite.rollout.native import GenerationDiverged
+from verlite.generation.sampler import GenerationDiverged
+from verlite.models import build_policy
 from verlite.workers.forward import response_log_probs
 
 EOS, PAD, VOCAB = 2, 0, 40
@@ -51,7 +51,7 @@ def prompts(batch: int = 12, width: int = 9, seed: int = 0) -> TensorDict:
 
 def test_greedy_matches_hugging_face_generate() -> None:
     m, td = model(), prompts()
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
         td, SamplingParams(12, temperature=0), keyed(td, 0)
     )
     hf = m.generate(
@@ -74,7 +74,7 @@ def test_eos_ends_a_response_and_the_layout_is_consistent() -> None:
         m.lm_head.bias = None
         m.lm_head.weight[EOS] += 0.4 * m.lm_head.weight.norm(dim=-1).mean()
     td = prompts(batch=16)
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
         td, SamplingParams(10), keyed(td, 3)
     )
     responses, mask = out["responses"], out["response_mask"]
@@ -107,10 +107,10 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
         drawn.append(scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
         return token, log_prob
 
-    monkeypatch.setattr("verlite.rollout.native.sample_next_token", recording)
+    monkeypatch.setattr("verlite.generation.sampler.sample_next_token", recording)
     m, td = model(), prompts()
     td.set_non_tensor("temperature", temperature)
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
         td, SamplingParams(6, temperature=temperature), keyed(td, 1)
     )
     with torch.no_grad():
@@ -130,7 +130,7 @@ def test_rollout_log_probs_are_those_of_the_truncated_distribution() -> None:
     m, td = model(), prompts()
     params = SamplingParams(6, top_k=3)
     td.set_non_tensor("temperature", 1.0)
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
         td, params, keyed(td, 2)
     )
     mask = out["response_mask"].bool()
@@ -154,7 +154,7 @@ def test_rollout_log_probs_are_those_of_the_truncated_distribution() -> None:
 
 def test_same_seed_same_samples_and_top_k_1_is_greedy() -> None:
     m, td = model(), prompts()
-    rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
+    rollout = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
     a = rollout.generate(td, SamplingParams(8), keyed(td, 5))["responses"]
     b = rollout.generate(td, SamplingParams(8), keyed(td, 5))["responses"]
     c = rollout.generate(td, SamplingParams(8), keyed(td, 6))["responses"]
@@ -186,7 +186,7 @@ def _lockstep(rank: int, world: int) -> list[int]:
         bias = torch.full((VOCAB,), -1e4 if rank else 0.0, dtype=torch.float64)
         bias[EOS] = 1e4 if rank == 0 else -1e4
     m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
         td, SamplingParams(5), keyed(td, 0)
     )
     return out["response_mask"].sum(-1).tolist()
@@ -218,7 +218,7 @@ def _poison(
 def test_nan_logits_stop_generation_with_a_named_error(temperature: float, value: float) -> None:
     m = model()
     _poison(m, rows=[3], from_step=2, value=value)
-    rollout = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
+    rollout = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False)
     with pytest.raises(GenerationDiverged, match=r"decode step 2 \(1 of 12 rows on this rank\)"):
         td = prompts()
         rollout.generate(td, SamplingParams(6, temperature=temperature), keyed(td, 0))
@@ -228,7 +228,7 @@ def test_a_masked_token_at_minus_inf_is_not_divergence() -> None:
     m = model()
     _poison(m, rows=[0, 3], from_step=0, value=float("-inf"))
     td = prompts()
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
         td, SamplingParams(6), keyed(td, 0)
     )
     assert not (out["responses"][[0, 3]] == 5).any()  # the masked token is never drawn
@@ -242,7 +242,7 @@ def test_nan_logits_of_a_finished_row_are_ignored() -> None:
     m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
     _poison(m, rows=[0], from_step=1)
     td = prompts(batch=4)
-    out = NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
+    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(
         td, SamplingParams(5), keyed(td, 0)
     )
     assert out["response_mask"].sum(-1).tolist() == [1, 1, 1, 1]
@@ -256,7 +256,7 @@ def _diverge_on_rank_1(rank: int, world: int) -> str:
         _poison(m, rows=[0], from_step=1)
     try:
         td = prompts(batch=4, seed=rank)
-        NativeRollout(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
+        Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
             td, SamplingParams(5), keyed(td, 0)
         )
     except GenerationDiverged as exc:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from verlite import metrics_log
-from verlite.metrics_log import Record
+from verlite.records import metrics_log
+from verlite.records.metrics_log import Record
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from verlite.config import ModelConfig
+from verlite.generation import WeightBucket, WeightSyncError, make_bucket, sync_layout
+from verlite.generation.weights import WeightReceiver
 from verlite.models import build_policy
-from verlite.rollout import WeightBucket, WeightSyncError, make_bucket, sync_layout
-from verlite.rollout.weights import WeightReceiver
 
 
 def policy(seed: int, dtype: str = "float32") -> torch.nn.Module:

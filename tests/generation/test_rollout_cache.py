@@ -4,7 +4,7 @@ refuses to grow past the room it was given."""
 import pytest
 import torch
 
-from verlite.rollout.native import PreallocatedCacheLayer
+from verlite.generation.sampler import PreallocatedCacheLayer
 
 
 def test_appends_in_place_and_refuses_to_overflow() -> None:

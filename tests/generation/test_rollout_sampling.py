@@ -5,7 +5,13 @@ keyed uniforms (``rollout.randomness=per_sample``) as from a generator stream.""
 import pytest
 import torch
 
-from verlite.rollout import KeyedNoise, SamplingParams, StreamNoise, sample_keys, sample_next_token
+from verlite.generation import (
+    KeyedNoise,
+    SamplingParams,
+    StreamNoise,
+    sample_keys,
+    sample_next_token,
+)
 
 PROBS = torch.tensor([0.05, 0.4, 0.0, 0.25, 0.2, 0.1])
 ROWS = 40_000

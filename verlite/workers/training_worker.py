@@ -1,4 +1,4 @@
-"""EngineWorker: a worker that trains with a :class:`~verlite.workers.engine.TrainEngine`,
+"""TrainingWorker: a worker that trains with a :class:`~verlite.workers.engine.TrainEngine`,
 the base of the actor and critic workers; it adds checkpoints of the training state."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from verlite.workers.engine import TrainEngine
 
 
-class EngineWorker(Worker):
+class TrainingWorker(Worker):
     """A worker that trains with a :class:`~verlite.workers.engine.TrainEngine` (``self.engine``,
     built by the subclass's ``init_model``): checkpoints of its training state."""
 

@@ -12,13 +12,13 @@ from transformers import PreTrainedTokenizerBase
 from verlite import base_weights
 from verlite.config import Config
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
+from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
 from verlite.models import check_lora_supported, check_packing_supported, check_tokenizer_fits
 from verlite.models.reward_model import check_reward_model
-from verlite.output_folder import FolderLock, prepare_output_folder
+from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, resolve_reward
 from verlite.rewards.remote import RemoteScorer
-from verlite.tracking import check_tracking_server, check_wandb
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class RunInputs:
     """What a run reads before any worker starts: the tokenizer, the prompt datasets, the
     reward function or the remote verifier (probed: it answers), the checkpoint to resume
     from (None: a fresh run; checked, its training prompts included) and the hold on the
-    output folder, made ready under its contract (``verlite.output_folder``)."""
+    output folder, made ready under its contract (``verlite.driver.output_folder``)."""
 
     tokenizer: PreTrainedTokenizerBase
     train_set: PromptDataset

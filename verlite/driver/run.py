@@ -1,9 +1,9 @@
 """A training run on the driver, from checked inputs to the exported policy.
 
-``verlite train`` calls :func:`train`: it reads and checks everything it can before Ray
-starts (:class:`~verlite.preflight.RunInputs`), opens the Ray session, and :func:`run` places
+``verlite train`` calls :func:`run_training`: it reads and checks everything it can before Ray
+starts (:class:`~verlite.driver.preflight.RunInputs`), opens the Ray session, and :func:`run` places
 the run's worker groups (:func:`start_groups`), hands them to the
-:class:`~verlite.trainer.Trainer`, and takes them down again; when a worker or node is lost
+:class:`~verlite.driver.trainer.Trainer`, and takes them down again; when a worker or node is lost
 it restarts them, up to ``trainer.max_restarts`` times, from the latest checkpoint
 (docs/design.md, "Restarts"). Tests and benchmarks call :func:`run` and
 :func:`start_groups` inside a Ray session they share.
@@ -20,7 +20,6 @@ from pathlib import Path
 import ray
 from transformers import PreTrainedTokenizerBase
 
-from verlite.checkpoint import complete_checkpoints
 from verlite.config import Config
 from verlite.controller import (
     RESUME_HINT,
@@ -34,9 +33,10 @@ from verlite.controller import (
     run_pools,
     write_placement_report,
 )
+from verlite.driver.checkpoint import complete_checkpoints
+from verlite.driver.preflight import RunInputs
+from verlite.driver.trainer import RunGroups, Trainer
 from verlite.errors import RunFailure, UserError
-from verlite.preflight import RunInputs
-from verlite.trainer import RunGroups, Trainer
 from verlite.workers.actor import ActorWorker
 from verlite.workers.critic import CriticWorker
 from verlite.workers.reward_model import RewardModelWorker
@@ -77,7 +77,7 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
             actor=started["actor"],
             critic=started.get("critic"),
             rollout=started.get("rollout"),
-            reward=started.get("reward"),
+            reward_model=started.get("reward"),
         )
         graceful = True
     finally:
@@ -163,7 +163,7 @@ def _attempt(
         trainer.export_policy()
 
 
-def train(cfg: Config) -> Path:
+def run_training(cfg: Config) -> Path:
     """``verlite train`` and ``verlite.train``: the inputs checked before Ray starts, then
     :func:`run` in a Ray session of its own (embedded, or a connection to
     ``trainer.ray_address``), or in the one this process opened before (a notebook's)."""

@@ -2,10 +2,10 @@
 one timed call each.
 
 ``Trainer.fit`` reads as the training loop; everything it calls is a worker-group call
-(generation, log-probs, values, updates), the step source (``verlite.rollouts``: the
-prompts and the batch), the scorer (``verlite.scorer``) or pure math on the driver
+(generation, log-probs, values, updates), the step source (``verlite.driver.step_source``: the
+prompts and the batch), the scorer (``verlite.driver.scorer``) or pure math on the driver
 (advantages, statistics). The trainer is handed its worker groups as one
-:class:`RunGroups` (``verlite.run`` places and removes them) and never touches the Ray
+:class:`RunGroups` (``verlite.driver.run`` places and removes them) and never touches the Ray
 session.
 """
 
@@ -20,8 +20,7 @@ from typing import Literal
 
 from tensordict import TensorDict
 
-from verlite import base_weights, metrics_log
-from verlite.checkpoint import begin_checkpoint, commit_checkpoint, read_trainer_state
+from verlite import base_weights
 from verlite.config import Config
 from verlite.config.derived import old_log_probs_source
 from verlite.controller import DpSplit, WorkerGroup
@@ -31,16 +30,18 @@ from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.data import prompt_tensordict
+from verlite.driver.checkpoint import begin_checkpoint, commit_checkpoint, read_trainer_state
+from verlite.driver.preflight import RunInputs
+from verlite.driver.scorer import Scorer
+from verlite.driver.step_source import StepSource
 from verlite.errors import RunFailure
+from verlite.generation import SamplingParams
+from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover
 from verlite.models.lora import BASE_FOLDER
-from verlite.preflight import RunInputs
+from verlite.records import metrics_log
+from verlite.records.tracking import Tracker
 from verlite.redaction import redact_config
-from verlite.rollout import SamplingParams
-from verlite.rollout.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
-from verlite.rollouts import Rollouts
-from verlite.scorer import Scorer
-from verlite.tracking import Tracker
 
 
 class TrainingError(RunFailure):
@@ -91,11 +92,11 @@ class RunGroups:
     actor: WorkerGroup
     critic: WorkerGroup | None
     rollout: WorkerGroup | None
-    reward: WorkerGroup | None = None
+    reward_model: WorkerGroup | None = None
 
     @property
     def all(self) -> list[WorkerGroup]:
-        groups = (self.actor, self.critic, self.rollout, self.reward)
+        groups = (self.actor, self.critic, self.rollout, self.reward_model)
         return [g for g in groups if g is not None]
 
     @property
@@ -117,7 +118,7 @@ class RunGroups:
                 f"rollout.placement={cfg.rollout.placement} needs "
                 f"{'a' if cfg.rollout.placement == 'split' else 'no'} rollout group"
             )
-        if (self.reward is not None) != (cfg.reward.model.path is not None):
+        if (self.reward_model is not None) != (cfg.reward.model.path is not None):
             raise ValueError(
                 f"reward.model.path={cfg.reward.model.path!r} needs "
                 f"{'a' if cfg.reward.model.path is not None else 'no'} reward group"
@@ -153,7 +154,7 @@ class Trainer:
             inputs.tokenizer,
             reward_fn=inputs.reward_fn,
             remote=inputs.remote,
-            reward_model=groups.reward,
+            reward_model=groups.reward_model,
         )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLController(
@@ -167,7 +168,7 @@ class Trainer:
             )
             for role in ("actor", "critic")
         }
-        self.rollouts = Rollouts(
+        self.step_source = StepSource(
             cfg,
             actor=groups.actor,
             rollout=groups.rollout,
@@ -205,7 +206,7 @@ class Trainer:
                 cfg.model_dump(mode="json"), [w for g in self.groups.all for w in g.placement()]
             )
             print(self.old_log_probs_line, flush=True)
-            self.rollouts.start(version=start_step)
+            self.step_source.start(version=start_step)
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
                 metrics = self.train_step(step)
                 diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
@@ -243,7 +244,7 @@ class Trainer:
             "step": step,
             # The loader as it was once this step's prompts were drawn: batches generated
             # ahead (rollout.max_staleness) are drawn and generated again on resume.
-            "loader": self.rollouts.loader_state,
+            "loader": self.step_source.loader_state,
             "train_set": self.train_set.fingerprint,  # the prompts that state indexes
             "weight_version": step,
             "kl_coef": self.kl_ctrl.value,
@@ -261,7 +262,7 @@ class Trainer:
         state = read_trainer_state(path)
         for group in self.groups.trained:
             group.call("load_checkpoint", str(path / group.name))
-        self.rollouts.load_loader_state(state["loader"])
+        self.step_source.load_loader_state(state["loader"])
         self.kl_ctrl.value = float(state["kl_coef"])
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
@@ -274,8 +275,8 @@ class Trainer:
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
         with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
-            rollout = self.rollouts.take(step)
-        batch, records = rollout.batch, rollout.prompts.records
+            generated = self.step_source.take(step)
+        batch, records = generated.batch, generated.prompts.records
         sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:
             with timer("values"):  # 2. values
@@ -312,12 +313,12 @@ class Trainer:
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
-        metrics.update(self.rollouts.updated(step))  # 7. the new weights to the rollout group
+        metrics.update(self.step_source.updated(step))  # 7. the new weights to the rollout group
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)
         metrics.update(turn_metrics)
         metrics.update(reward_metrics)
-        metrics.update(rollout.metrics)
+        metrics.update(generated.metrics)
         metrics.update(
             step_statistics(
                 scores=scores,

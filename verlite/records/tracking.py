@@ -23,9 +23,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
-from verlite import metrics_log
 from verlite.errors import UserError, import_extra
 from verlite.reachable import connection_problem
+from verlite.records import metrics_log
 from verlite.redaction import redact_config, redact_text, redact_url
 from verlite.table import format_duration
 from verlite.user_files import read_text
@@ -82,7 +82,7 @@ class Logger(Protocol):
 
 
 class JsonlLogger:
-    """One record per step in ``metrics.jsonl`` (:mod:`verlite.metrics_log`); the resolved
+    """One record per step in ``metrics.jsonl`` (:mod:`verlite.records.metrics_log`); the resolved
     config goes to ``config.json`` beside it."""
 
     def __init__(self, output_dir: Path) -> None:
@@ -103,7 +103,7 @@ class JsonlLogger:
 
 
 class LogLineLogger:
-    """One marked record per step on stdout (:func:`verlite.metrics_log.marked_line`): a job's
+    """One marked record per step on stdout (:func:`verlite.records.metrics_log.marked_line`): a job's
     driver log carries its metrics, so they can be read back from a cluster without access
     to its files."""
 

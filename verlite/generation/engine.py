@@ -2,13 +2,13 @@
 
 A rollout worker holds one engine. What an engine must do, and nothing more:
 
-- ``load_bucket(bucket)``: take one bucket of a weight sync (``verlite.rollout.weights``)
+- ``load_bucket(bucket)``: take one bucket of a weight sync (``verlite.generation.weights``)
   into its model, and check what landed against the actor's checksum (after the last
   bucket: the sync's seconds); ``version`` is the version it holds, checked (None: none),
   and ``require(version)`` refuses any other.
 - ``generate(prompts, params, noise)``: responses to left-padded prompts as the step
   TensorDict of ``verlite.step_batch``, each response token drawn with its row's own noise
-  (``verlite.rollout.noise``: per-sample keys, so that a run does not depend on its layout),
+  (``verlite.generation.noise``: per-sample keys, so that a run does not depend on its layout),
   with the token ids and ``rollout_log_probs``, the log-probabilities the engine drew
   each token with (float32, 0 on pads).
 
@@ -24,12 +24,12 @@ from typing import Protocol
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.rollout.native import NativeRollout, SamplingParams
-from verlite.rollout.noise import Noise
-from verlite.rollout.weights import WeightBucket, WeightReceiver
+from verlite.generation.noise import Noise
+from verlite.generation.sampler import Sampler, SamplingParams
+from verlite.generation.weights import WeightBucket, WeightReceiver
 
 
-class RolloutEngine(Protocol):
+class GenerationEngine(Protocol):
     def load_bucket(self, bucket: WeightBucket) -> float | None: ...
 
     def require(self, version: int) -> None: ...
@@ -43,7 +43,7 @@ class RolloutEngine(Protocol):
 
 
 class NativeEngine:
-    """:class:`~verlite.rollout.native.NativeRollout` on a model of its own, which only
+    """:class:`~verlite.generation.sampler.Sampler` on a model of its own, which only
     weight syncs change."""
 
     def __init__(
@@ -58,7 +58,7 @@ class NativeEngine:
         # Parameters keep requires_grad (generation runs under no_grad either way): frozen
         # ones take other CPU matmul kernels, whose rounding differs from the actor's.
         self.receiver = WeightReceiver(model, who=who, adapters_only=adapters_only)
-        self.sampler = NativeRollout(
+        self.sampler = Sampler(
             model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lockstep=False
         )
 

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from verlite.distributed import all_reduce_max
 from verlite.errors import RunFailure
-from verlite.rollout.noise import Noise
+from verlite.generation.noise import Noise
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def _draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return index.clamp_(max=probs.shape[-1] - 1)
 
 
-class NativeRollout:
+class Sampler:
     """Samples with the given model; ``lockstep`` keeps FSDP ranks in the same number of steps.
 
     Under FSDP every forward all-gathers parameters, so all ranks must run the same number
@@ -99,7 +99,7 @@ class NativeRollout:
     def generate(
         self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
     ) -> TensorDict:
-        """Responses to ``prompts``, sampled with ``noise`` (``verlite.rollout.noise``; None
+        """Responses to ``prompts``, sampled with ``noise`` (``verlite.generation.noise``; None
         when greedy)."""
         self.model.eval()
         input_ids = prompts["input_ids"]

@@ -1,4 +1,4 @@
-"""Multi-turn rollouts (``verlite.rollout.multi_turn``) on a real Hugging Face model and a real
+"""Multi-turn rollouts (``verlite.generation.multi_turn``) on a real Hugging Face model and a real
 BPE tokenizer: the trajectory is the sampled token ids and the observations tokenized once
 (decoding and re-encoding it would change it), the model's log-probs over the assembled
 batch are the ones the tokens were sampled with, observations are holes in the loss mask,
@@ -19,10 +19,10 @@ from verlite.config import ModelConfig
 from verlite.data import position_ids
 from verlite.envs import AbandonedCalls, EnvironmentBroken, Session
 from verlite.envs.base import Turn
+from verlite.generation import KeyedNoise, Sampler, SamplingParams, sample_keys
+from verlite.generation.multi_turn import EnvironmentSession, TurnLimits, generate_multi_turn
+from verlite.generation.noise import turn_keys
 from verlite.models import build_policy
-from verlite.rollout import KeyedNoise, NativeRollout, SamplingParams, sample_keys
-from verlite.rollout.multi_turn import EnvironmentSession, TurnLimits, generate_multi_turn
-from verlite.rollout.noise import turn_keys
 from verlite.workers.forward import response_log_probs
 
 CORPUS = ["48 12 4812 1248 84 21 ? ! 482 124 812"] * 50
@@ -101,7 +101,7 @@ def run(
         max_positions=64,
         seed=3,
     )
-    sampler = NativeRollout(
+    sampler = Sampler(
         model,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -4,10 +4,10 @@ The configured job trains for a few steps under several layouts: actor and criti
 counts, DDP or FSDP, micro-batches of one row, of the worker's whole share, or cut by a
 token budget. Each is a real run on Ray, with its own worker groups and output folder. Every
 run's ``metrics.jsonl`` is compared with the first layout's, step by step, with
-``verlite compare``'s comparison (``verlite.compare``).
+``verlite compare``'s comparison (``verlite.records.compare``).
 
 A run is the same run under every layout because each stage follows the data order, not
-the layout: sampling draws from keys that name each response (``verlite.rollout.noise``),
+the layout: sampling draws from keys that name each response (``verlite.generation.noise``),
 the losses are normalized by global counts (``verlite.core.losses``), and rewards,
 advantages, statistics and validation run on the driver over the whole step batch.
 ``negative_control`` samples with one random stream per actor worker instead
@@ -34,12 +34,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from verlite import metrics_log
-from verlite.compare import compared_metrics, first_difference, relative_difference
+from verlite.audit.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
 from verlite.config import Config, load_config
 from verlite.errors import UserError
-from verlite.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
-from verlite.metrics_log import Record
+from verlite.records import metrics_log
+from verlite.records.compare import compared_metrics, first_difference, relative_difference
+from verlite.records.metrics_log import Record
 from verlite.table import format_table
 
 # Metrics that are zero in exact arithmetic (the mean of whitened advantages, the PPO KL of a
@@ -244,8 +244,8 @@ def audit_runs(
 ) -> list[RunReport]:
     """Train each config in the open Ray session (its console output into ``console.log``
     in its folder) and compare each run's metrics with the first's."""
-    from verlite.preflight import RunInputs
-    from verlite.run import run
+    from verlite.driver.preflight import RunInputs
+    from verlite.driver.run import run
 
     records: list[list[Record]] = []
     reports: list[RunReport] = []

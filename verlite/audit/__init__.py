@@ -1,0 +1,1 @@
+"""The invariance audits: one update under several layouts, and whole runs."""

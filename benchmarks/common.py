@@ -19,6 +19,7 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.config.derived import old_log_probs_source
+from verlite.data import position_ids
 from verlite.models import build_policy, build_value_model
 
 
@@ -176,7 +177,7 @@ def update_batch(
         {
             "input_ids": ids,
             "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+            "position_ids": position_ids(mask),
             "responses": ids[:, prompt_width:],
             "response_mask": response_mask,
             "advantages": torch.randn(rows, width, generator=gen),

@@ -20,6 +20,7 @@ from tensordict import TensorDict
 
 from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
 from verlite.controller import ResourcePool, Worker, WorkerGroup, start_ray, stop_ray
+from verlite.data import position_ids
 from verlite.memory import retain_freed_memory
 
 WORLD = 4
@@ -57,7 +58,7 @@ def step_batch(rows: int, prompt: int, response: int, *, seed: int = 0) -> Tenso
         {
             "input_ids": ids,
             "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+            "position_ids": position_ids(mask),
             "responses": ids[:, prompt:].clone(),
             "response_mask": mask[:, prompt:].clone(),
             **{

@@ -59,8 +59,8 @@ from verlite.models import build_policy, flop_crossover
 from verlite.models.packing_cost import measure_packed_cost
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import trim_padding
-from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.train_engine import TrainEngine
 
 VOCAB = 512
 LONGEST = 1024

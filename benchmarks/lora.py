@@ -51,8 +51,8 @@ from verlite.config import ActorConfig, LoraConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
 from verlite.models.lora import adapters_disabled
-from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.train_engine import TrainEngine
 
 MODEL = ModelConfig(
     hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=1024

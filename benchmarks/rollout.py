@@ -30,7 +30,7 @@ from benchmarks.common import (
     ratios,
 )
 from verlite.config import ModelConfig, load_config
-from verlite.data import load_tokenizer
+from verlite.data import load_tokenizer, position_ids
 from verlite.generation import KeyedNoise, Sampler, SamplingParams, StreamNoise, sample_keys
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
@@ -49,7 +49,7 @@ def prompts(batch: int, width: int, vocab: int, *, seed: int = 0) -> TensorDict:
         {
             "input_ids": ids,
             "attention_mask": mask,
-            "position_ids": (mask.cumsum(-1) - 1).clamp(min=0) * mask,
+            "position_ids": position_ids(mask),
         },
         batch_size=[batch],
     )

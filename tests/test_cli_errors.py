@@ -475,14 +475,14 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
     there = {"records": records, "sha256": "0" * 64}
     step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=cfg.model_dump(mode="json"))
 
-    def check_train_set() -> None:
+    def check_resume() -> None:
         config = cfg.model_dump(mode="json")
         check_resumable(step_3, config=config, roles=cfg.roles, total_steps=3, train_set=here)
 
-    check_train_set()  # a checkpoint from before the record passes
+    check_resume()  # a checkpoint from before the record passes
     state = json.loads((step_3 / "trainer_state.json").read_text())
     (step_3 / "trainer_state.json").write_text(json.dumps({**state, "train_set": here}))
-    check_train_set()
+    check_resume()
     (step_3 / "trainer_state.json").write_text(json.dumps({**state, "train_set": there}))
     err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
     assert re.search(

@@ -24,7 +24,12 @@ GROUP = object()  # the check only asks which groups are there
         ("grpo_tiny", ["rollout.placement=split"], {"rollout": GROUP}, None),
         ("grpo_tiny", ["rollout.placement=split"], {}, "rollout.placement=split needs a rollout"),
         ("grpo_tiny", [], {"rollout": GROUP}, "rollout.placement=colocated needs no rollout"),
-        ("grpo_tiny", [], {"reward": GROUP}, "reward.model.path=None needs no reward group"),
+        (
+            "grpo_tiny",
+            [],
+            {"reward_model": GROUP},
+            "reward.model.path=None needs no reward model group",
+        ),
     ],
 )
 def test_the_groups_are_those_the_config_runs_with(
@@ -35,7 +40,7 @@ def test_the_groups_are_those_the_config_runs_with(
         actor=GROUP,
         critic=groups.get("critic"),
         rollout=groups.get("rollout"),
-        reward=groups.get("reward"),
+        reward_model=groups.get("reward_model"),
     )
     if refused is None:
         handed.check(cfg)

@@ -5,15 +5,22 @@ worker layouts (``verlite.audit.run_invariance``). Both load torch when the comm
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verlite.arguments import int_list, path, positive_float, positive_int, str_list
 from verlite.errors import UserError
 from verlite.table import format_table
+
+if TYPE_CHECKING:
+    from verlite.audit.run_invariance import RunReport
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -119,9 +126,7 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
 
 def cmd_check_invariance(args: argparse.Namespace) -> int:
     if args.run:
-        from verlite.audit.run_invariance import cmd_check_run_invariance
-
-        return cmd_check_run_invariance(args)
+        return _check_run_invariance(args)
     from verlite.audit.invariance import (
         MICRO_LAYOUTS,
         STRATEGIES,
@@ -206,6 +211,90 @@ def invariance_rows(reports: Sequence[object], tolerance: float) -> list[tuple[s
                 d["micro"],
                 *(f"{x:.1e}" for x in diffs),
                 flag,
+            )
+        )
+    return rows
+
+
+def _check_run_invariance(args: argparse.Namespace) -> int:
+    """``verlite check-invariance --run``: the table, or one JSON object; exit 1 on a difference."""
+    from verlite.audit.run_invariance import (
+        ATOL,
+        DEFAULT_LAYOUTS,
+        FLOAT32_ATOL,
+        check_run_invariance,
+        parse_layout,
+    )
+    from verlite.config import load_config
+
+    tolerances = {
+        "float64": (1e-9, ATOL),
+        "float32": (1e-5, FLOAT32_ATOL),
+        "bfloat16": (1e-2, 1e-6),
+    }
+    for flag in ("dp", "micro", "strategy", "optimizer"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
+    layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
+    base = load_config(args.config, args.overrides)
+    default_tolerance, default_atol = tolerances[base.model.dtype]
+    tolerance = default_tolerance if args.tolerance is None else args.tolerance
+    atol = default_atol if args.atol is None else args.atol
+    steps = args.steps or 10
+
+    def progress(line: str) -> None:
+        if not args.json:
+            print(line, file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        if args.runs_dir is None:
+            runs_dir = Path(
+                stack.enter_context(tempfile.TemporaryDirectory(prefix="verlite-runs-"))
+            )
+        else:
+            runs_dir = Path(args.runs_dir)
+        reports = check_run_invariance(
+            args.config,
+            args.overrides,
+            layouts,
+            steps=steps,
+            tolerance=tolerance,
+            atol=atol,
+            runs_dir=runs_dir,
+            negative_control=args.negative_control,
+            progress=progress,
+        )
+    ok = all(r.ok for r in reports)
+    if args.json:
+        setting = {"tolerance": tolerance, "atol": atol, "steps": steps}
+        print(json.dumps({"ok": ok, **setting, "runs": [asdict(r) for r in reports]}))
+        return 0 if ok else 1
+    print(format_table(run_rows(reports)))
+    verdict = "ok" if ok else "FAILED"
+    print(
+        f"{verdict}: {len(reports)} runs of {steps} steps, tolerance {tolerance:g} "
+        f"(absolute {atol:g}), {time.monotonic() - started:.0f} s"
+        + ("" if args.runs_dir is None else f"; runs kept in {args.runs_dir}")
+    )
+    return 0 if ok else 1
+
+
+def run_rows(reports: Sequence[RunReport]) -> list[tuple[str, ...]]:
+    """The whole-run audit's table: a header, the reference, then a row per other layout."""
+    rows = [("layout", "steps", "equal steps", "worst", "seconds", "first difference")]
+    for index, r in enumerate(reports):
+        if index == 0:
+            rows.append((r.layout, str(r.steps), "reference", "", f"{r.seconds:.0f}", ""))
+            continue
+        rows.append(
+            (
+                r.layout,
+                str(r.steps),
+                str(r.identical_steps),
+                f"{r.worst:.1e}",
+                f"{r.seconds:.0f}",
+                r.first_difference or "-",
             )
         )
     return rows

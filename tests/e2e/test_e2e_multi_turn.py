@@ -101,7 +101,7 @@ def test_a_tool_stuck_in_a_loop_stops_the_run_once_its_worker_holds_too_many(
     assert not raised.value.lost and "restart 1 of" not in capsys.readouterr().out
     message = str(raised.value)
     assert re.search(
-        r"failed in rollout\(\): ToolsStuck: environment slow_tool:StuckLookup, prompt 0: "
+        r"failed in generate_with_log_probs\(\): ToolsStuck: environment slow_tool:StuckLookup, prompt 0: "
         r"calls that outlived rollout.multi_turn.tool_timeout_s=0.01 still running in this "
         r"worker: 3, more than rollout.multi_turn.max_abandoned_calls=2; ",
         message,
@@ -123,7 +123,7 @@ def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
     assert not raised.value.lost and "restart 1 of" not in capsys.readouterr().out
     message = str(raised.value)
     assert re.search(
-        r"failed in rollout\(\): EnvironmentBroken: environment bad_env:TooGenerous, "
+        r"failed in generate_with_log_probs\(\): EnvironmentBroken: environment bad_env:TooGenerous, "
         r"prompt \d+: step returned reward 1.5; rewards must be in \[0, 1\]$",
         message,
     ), message

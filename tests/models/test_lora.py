@@ -2,7 +2,7 @@
 in one line, the reference is the base, and an adapters-only weight sync lands the adapters
 bit for bit and refuses a rollout model of another base. (A whole LoRA run with FSDP, a split
 rollout group, checkpoint and export: tests/e2e/test_e2e_lora.py; the invariance audit over
-spawned ranks: tests/workers/test_engine_invariance.py.)"""
+spawned ranks: tests/workers/test_train_engine_invariance.py.)"""
 
 import dataclasses
 import sys

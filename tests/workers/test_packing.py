@@ -2,7 +2,7 @@
 one process: a packed row gives the padded layout's log-probs, entropies, values and
 gradients; a sequence never sees the ones packed with it; a model whose attention would mix
 them is refused; the packed token budget counts real tokens. (Across spawned ranks and every
-loss mode: tests/workers/test_engine_invariance.py.)"""
+loss mode: tests/workers/test_train_engine_invariance.py.)"""
 
 import pytest
 import torch

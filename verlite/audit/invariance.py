@@ -53,7 +53,6 @@ from verlite.distributed import (
 from verlite.errors import UserError
 from verlite.models import build_policy, build_value_model, model_dtype
 from verlite.step_batch import row_costs, stamp_counts, take_rows
-from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import (
     ActorLossSettings,
@@ -62,6 +61,7 @@ from verlite.workers.objectives import (
     ppo_loss,
     value_loss,
 )
+from verlite.workers.train_engine import TrainEngine
 
 Role = Literal["actor", "critic"]
 MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic")

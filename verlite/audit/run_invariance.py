@@ -24,14 +24,10 @@ steps stayed within tolerance.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from verlite.audit.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
@@ -40,7 +36,6 @@ from verlite.errors import UserError
 from verlite.records import metrics_log
 from verlite.records.compare import compared_metrics, first_difference, relative_difference
 from verlite.records.metrics_log import Record
-from verlite.table import format_table
 
 # Metrics that are zero in exact arithmetic (the mean of whitened advantages, the PPO KL of a
 # step's first mini-batch) carry rounding noise with no meaningful relative difference: a
@@ -299,78 +294,3 @@ def check_run_invariance(
     cpus = None if address else max(layout.workers for layout in layouts)
     with ray_session(address, num_cpus=cpus):
         return audit_runs(configs, layouts, tolerance=tolerance, atol=atol, progress=progress)
-
-
-# ------------------------------------------------------------------------- the command
-
-TOLERANCES = {"float64": (1e-9, ATOL), "float32": (1e-5, FLOAT32_ATOL), "bfloat16": (1e-2, 1e-6)}
-
-
-def cmd_check_run_invariance(args: argparse.Namespace) -> int:
-    """``verlite check-invariance --run``: the table, or one JSON object; exit 1 on a difference."""
-    for flag in ("dp", "micro", "strategy", "optimizer"):
-        if getattr(args, flag) is not None:
-            raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
-    layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
-    base = load_config(args.config, args.overrides)
-    default_tolerance, default_atol = TOLERANCES[base.model.dtype]
-    tolerance = default_tolerance if args.tolerance is None else args.tolerance
-    atol = default_atol if args.atol is None else args.atol
-    steps = args.steps or 10
-
-    def progress(line: str) -> None:
-        if not args.json:
-            print(line, file=sys.stderr, flush=True)
-
-    started = time.monotonic()
-    with contextlib.ExitStack() as stack:
-        if args.runs_dir is None:
-            runs_dir = Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="verlite-runs-"))
-            )
-        else:
-            runs_dir = Path(args.runs_dir)
-        reports = check_run_invariance(
-            args.config,
-            args.overrides,
-            layouts,
-            steps=steps,
-            tolerance=tolerance,
-            atol=atol,
-            runs_dir=runs_dir,
-            negative_control=args.negative_control,
-            progress=progress,
-        )
-    ok = all(r.ok for r in reports)
-    if args.json:
-        setting = {"tolerance": tolerance, "atol": atol, "steps": steps}
-        print(json.dumps({"ok": ok, **setting, "runs": [asdict(r) for r in reports]}))
-        return 0 if ok else 1
-    print(format_table(run_rows(reports)))
-    verdict = "ok" if ok else "FAILED"
-    print(
-        f"{verdict}: {len(reports)} runs of {steps} steps, tolerance {tolerance:g} "
-        f"(absolute {atol:g}), {time.monotonic() - started:.0f} s"
-        + ("" if args.runs_dir is None else f"; runs kept in {args.runs_dir}")
-    )
-    return 0 if ok else 1
-
-
-def run_rows(reports: Sequence[RunReport]) -> list[tuple[str, ...]]:
-    """The whole-run audit's table: a header, the reference, then a row per other layout."""
-    rows = [("layout", "steps", "equal steps", "worst", "seconds", "first difference")]
-    for index, r in enumerate(reports):
-        if index == 0:
-            rows.append((r.layout, str(r.steps), "reference", "", f"{r.seconds:.0f}", ""))
-            continue
-        rows.append(
-            (
-                r.layout,
-                str(r.steps),
-                str(r.identical_steps),
-                f"{r.worst:.1e}",
-                f"{r.seconds:.0f}",
-                r.first_difference or "-",
-            )
-        )
-    return rows

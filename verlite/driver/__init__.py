@@ -1,2 +1,3 @@
-"""The driver: a run's lifecycle, the training loop, where each step's batch comes from,
-checkpoint folders and the output folder."""
+"""The driver: a run's lifecycle and restarts, the checks before Ray, the training loop,
+where each step's batch comes from, a step's scores, checkpoint folders and the output
+folder."""

@@ -11,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite import base_weights
 from verlite.config import Config
+from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
@@ -19,6 +20,18 @@ from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, resolve_reward
 from verlite.rewards.remote import RemoteScorer
+
+
+def check_placement(cfg: Config, *, in_session: bool) -> None:
+    """The workers fit where they will run: the Ray session this process is already in, this
+    machine for an embedded Ray; on a cluster, whose resources are not known before it is
+    reached, that the device asked for exists here."""
+    if in_session:
+        check_fits_session(cfg)
+    elif cfg.trainer.ray_address is None:
+        check_fits_machine(cfg)
+    else:
+        check_device(cfg)
 
 
 @dataclass(frozen=True)

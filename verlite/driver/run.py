@@ -25,16 +25,13 @@ from verlite.controller import (
     RESUME_HINT,
     WorkerGroup,
     WorkerGroupError,
-    check_device,
-    check_fits_machine,
-    check_fits_session,
     lost_embedded_node,
     ray_session,
     run_pools,
     write_placement_report,
 )
 from verlite.driver.checkpoint import complete_checkpoints
-from verlite.driver.preflight import RunInputs
+from verlite.driver.preflight import RunInputs, check_placement
 from verlite.driver.trainer import RunGroups, Trainer
 from verlite.errors import RunFailure, UserError
 from verlite.workers.actor import ActorWorker
@@ -167,19 +164,16 @@ def run_training(cfg: Config) -> Path:
     """``verlite train`` and ``verlite.train``: the inputs checked before Ray starts, then
     :func:`run` in a Ray session of its own (embedded, or a connection to
     ``trainer.ray_address``), or in the one this process opened before (a notebook's)."""
-    if ray.is_initialized():
-        if cfg.trainer.ray_address is not None:
-            raise UserError(
-                f"trainer.ray_address={cfg.trainer.ray_address!r}: this process is already "
-                "connected to a Ray session; leave trainer.ray_address unset to train in it, "
-                "or call ray.shutdown() first"
-            )
-        check_fits_session(cfg)
-        return run(cfg, RunInputs.load(cfg))
-    if cfg.trainer.ray_address is None:
-        check_fits_machine(cfg)
-    else:
-        check_device(cfg)  # the cluster's GPUs are not known before it is reached
+    joined = ray.is_initialized()
+    if joined and cfg.trainer.ray_address is not None:
+        raise UserError(
+            f"trainer.ray_address={cfg.trainer.ray_address!r}: this process is already "
+            "connected to a Ray session; leave trainer.ray_address unset to train in it, "
+            "or call ray.shutdown() first"
+        )
+    check_placement(cfg, in_session=joined)
     inputs = RunInputs.load(cfg)
+    if joined:
+        return run(cfg, inputs)
     with ray_session(cfg.trainer.ray_address):
         return run(cfg, inputs)

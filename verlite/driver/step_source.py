@@ -160,7 +160,7 @@ class StepSource:
                 self.sampling,
                 self._seed(step),
                 self.with_old,
-                self._records(prompts),
+                self._env_records(prompts.records),
                 dispatch="dp_split",
                 collect="concat",
             )
@@ -205,22 +205,43 @@ class StepSource:
         ``uid``, each response's sampling key (design.md, "Whole-run invariance") and the
         loader's state after them."""
         records = next(self.loader)
-        prompts = prompt_tensordict(
-            records,
-            self.tokenizer,
-            max_prompt_length=self.cfg.data.max_prompt_length,
-            repeat=self.cfg.rollout.n,
-            temperature=self.cfg.rollout.temperature,
+        prompts = self._tensordict(
+            records, repeat=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature
         )
         prompts["sample_key"] = sample_keys(
             self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n
         )
         return StepPrompts(step, prompts, records, self.loader.state_dict())
 
-    def _records(self, prompts: StepPrompts) -> list[PromptRecord] | None:
-        """What the generating workers need of the step's records: all of them for the
+    def validation_batch(self, records: list[PromptRecord]) -> TensorDict:
+        """The actor's greedy answers to ``records`` (the held-out prompts), once each."""
+        greedy = SamplingParams(max_new_tokens=self.sampling.max_new_tokens, temperature=0.0)
+        return self.actor.call(
+            "generate",
+            self._tensordict(records, repeat=1, temperature=0.0),
+            greedy,
+            0,
+            self._env_records(records),
+            dispatch="dp_split",
+            collect="concat",
+        )
+
+    def _tensordict(
+        self, records: list[PromptRecord], *, repeat: int, temperature: float
+    ) -> TensorDict:
+        """``records``' prompts as a TensorDict, each repeated ``repeat`` times with one uid."""
+        return prompt_tensordict(
+            records,
+            self.tokenizer,
+            max_prompt_length=self.cfg.data.max_prompt_length,
+            repeat=repeat,
+            temperature=temperature,
+        )
+
+    def _env_records(self, records: list[PromptRecord]) -> list[PromptRecord] | None:
+        """What the generating workers need of the prompts' records: all of them for the
         environments of multi-turn rollouts, nothing otherwise."""
-        return prompts.records if self.cfg.rollout.multi_turn.env is not None else None
+        return records if self.cfg.rollout.multi_turn.env is not None else None
 
     def _seed(self, step: int) -> int:
         # The per-rank stream's seed (rollout.randomness=per_rank); per-sample keys ignore it.
@@ -241,7 +262,7 @@ class StepSource:
             self.sampling,
             self._seed(step),
             version,
-            self._records(prompts),
+            self._env_records(prompts.records),
             dispatch="dp_split",
             collect="concat",
         )

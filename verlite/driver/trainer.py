@@ -29,7 +29,6 @@ from verlite.core.losses import kl_penalty
 from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
-from verlite.data import prompt_tensordict
 from verlite.driver.checkpoint import begin_checkpoint, commit_checkpoint, read_trainer_state
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
@@ -121,7 +120,7 @@ class RunGroups:
         if (self.reward_model is not None) != (cfg.reward.model.path is not None):
             raise ValueError(
                 f"reward.model.path={cfg.reward.model.path!r} needs "
-                f"{'a' if cfg.reward.model.path is not None else 'no'} reward group"
+                f"{'a' if cfg.reward.model.path is not None else 'no'} reward model group"
             )
 
 
@@ -407,26 +406,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``."""
         records = list(self.val_set)
-        prompts = prompt_tensordict(
-            records,
-            self.tokenizer,
-            max_prompt_length=self.cfg.data.max_prompt_length,
-            repeat=1,
-            temperature=0.0,
-        )
-        greedy = SamplingParams(
-            max_new_tokens=self.cfg.rollout.max_response_length, temperature=0.0
-        )
-        records_for_envs = records if self.cfg.rollout.multi_turn.env is not None else None
-        batch = self.actor.call(
-            "generate",
-            prompts,
-            greedy,
-            0,
-            records_for_envs,
-            dispatch="dp_split",
-            collect="concat",
-        )
+        batch = self.step_source.validation_batch(records)
         scores, reward_metrics = self.scorer.score(batch, records)
         return {
             "val/score/mean": float(scores.mean()),

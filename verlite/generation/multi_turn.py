@@ -29,7 +29,7 @@ import torch
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
-from verlite.data.loader import position_ids
+from verlite.data import position_ids
 from verlite.data.tokenizer import response_text
 from verlite.generation.sampler import build_step_batch
 

@@ -6,7 +6,7 @@ the initial policy is the base model, and the base model is the reference: the s
 with its adapters off (:func:`adapters_disabled`), not a second copy of the weights.
 
 What a run changes is the adapters alone, so they are all that a checkpoint saves
-(``distributed.checkpoint`` skips frozen parameters), that a weight sync sends
+(``distributed.sharded_state`` skips frozen parameters), that a weight sync sends
 (``generation.weights.split_frozen``) and that the export writes (a ``peft`` adapter folder, beside the
 base it applies to; ``verlite export --merge`` folds it into full weights).
 """

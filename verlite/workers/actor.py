@@ -31,10 +31,10 @@ from verlite.generation import (
 from verlite.models import build_policy, resolve_device
 from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.varlen import enable_packing
-from verlite.workers.engine import TrainEngine, infer
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.policy_worker import PolicyWorker
+from verlite.workers.train_engine import TrainEngine, infer
 from verlite.workers.training_worker import TrainingWorker
 
 

@@ -13,9 +13,9 @@ from verlite.config import Config
 from verlite.core import seeds
 from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
-from verlite.workers.engine import TrainEngine
 from verlite.workers.forward import response_values
 from verlite.workers.objectives import CriticLossSettings, value_loss
+from verlite.workers.train_engine import TrainEngine
 from verlite.workers.training_worker import TrainingWorker
 
 

@@ -1,4 +1,4 @@
-"""TrainingWorker: a worker that trains with a :class:`~verlite.workers.engine.TrainEngine`,
+"""TrainingWorker: a worker that trains with a :class:`~verlite.workers.train_engine.TrainEngine`,
 the base of the actor and critic workers; it adds checkpoints of the training state."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import torch
 from verlite.controller import Worker
 
 if TYPE_CHECKING:
-    from verlite.workers.engine import TrainEngine
+    from verlite.workers.train_engine import TrainEngine
 
 
 class TrainingWorker(Worker):
-    """A worker that trains with a :class:`~verlite.workers.engine.TrainEngine` (``self.engine``,
+    """A worker that trains with a :class:`~verlite.workers.train_engine.TrainEngine` (``self.engine``,
     built by the subclass's ``init_model``): checkpoints of its training state."""
 
     engine: TrainEngine

@@ -10,8 +10,8 @@ from verlite.audit.invariance import make_batch
 from verlite.config import OptimConfig, load_config
 from verlite.distributed import RankFailedError, run_on_ranks
 from verlite.models import build_policy
-from verlite.workers.engine import TrainEngine, lr_multiplier, plan_micro_batches
 from verlite.workers.forward import response_log_probs
+from verlite.workers.train_engine import TrainEngine, lr_multiplier, plan_micro_batches
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
 

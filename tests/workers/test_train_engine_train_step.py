@@ -30,8 +30,8 @@ from verlite.core.partition import dp_shares
 from verlite.distributed import all_gather_object, full_state_dict, run_on_ranks
 from verlite.models import build_policy, build_value_model
 from verlite.step_batch import row_costs
-from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, CriticLossSettings, ppo_loss, value_loss
+from verlite.workers.train_engine import TrainEngine
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",

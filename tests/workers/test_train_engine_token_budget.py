@@ -1,6 +1,6 @@
 """The engine's dynamic micro-batches, measured on the tensors the model actually runs on:
 each trimmed micro-batch fits the token budget, padding stays within ``MAX_PADDING``, and
-rows are regrouped by length (the update equals the full batch's: test_engine_invariance)."""
+rows are regrouped by length (the update equals the full batch's: test_train_engine_invariance)."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from verlite.audit.invariance import make_batch
 from verlite.config import load_config
 from verlite.core.partition import MAX_PADDING, flatten
 from verlite.step_batch import trim_padding
-from verlite.workers.engine import plan_micro_batches
+from verlite.workers.train_engine import plan_micro_batches
 
 CONFIG = load_config("configs/ppo_tiny.yaml")
 

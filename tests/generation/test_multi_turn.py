@@ -233,7 +233,7 @@ def test_an_observation_that_cannot_be_tokenized_names_the_environment_and_promp
     with pytest.raises(EnvironmentBroken) as caught:
         run(sessions, max_turns=3)
     assert re.fullmatch(
-        r"environment test_rollout_multi_turn:Garbles, prompt \d: step returned observation "
+        r"environment test_multi_turn:Garbles, prompt \d: step returned observation "
         r"'48\\ud800', not valid text \(surrogates not allowed at character 2\)",
         str(caught.value),
     ), str(caught.value)

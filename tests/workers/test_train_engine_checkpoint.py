@@ -10,8 +10,8 @@ from verlite.audit.invariance import make_batch
 from verlite.config import load_config
 from verlite.distributed import full_state_dict, run_on_ranks
 from verlite.models import build_policy
-from verlite.workers.engine import TrainEngine
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.train_engine import TrainEngine
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tests.generation.test_rollout_native import model, prompts
+from tests.generation.test_sampler import model, prompts
 from verlite.generation import KeyedNoise, Sampler, SamplingParams, StreamNoise, sample_keys
 from verlite.generation.noise import MASK32, fmix32
 

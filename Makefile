@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 # The main job: PPO with a critic on the tiny model and synthetic task, embedded local Ray.
 # Each `make run` starts afresh: an earlier outputs/ppo_tiny is moved aside, not deleted.
 run: setup
-	$(VENV)/bin/verlite train --config configs/ppo_tiny.yaml trainer.overwrite=true $(ARGS)
+	$(VENV)/bin/verlite train --config configs/ppo_tiny.yaml trainer.overwrite=true trainer.resume=disable $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

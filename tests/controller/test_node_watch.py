@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -48,7 +49,7 @@ DRIVER = textwrap.dedent(
 def run_driver(case: str) -> str:
     """Run the driver for ``case`` and return what reached its standard error (the watcher's
     too: ``communicate`` waits until the watcher, which shares it, has exited)."""
-    script = str(session.Path(session.__file__).with_name("node_watch.py"))
+    script = str(Path(session.__file__).with_name("node_watch.py"))
     proc = subprocess.Popen(
         [sys.executable, "-c", DRIVER, script, case],
         stdout=subprocess.PIPE,

@@ -26,7 +26,7 @@ STOP = b"stop"
 def watch(driver: int, message: str, vital: dict[str, int]) -> None:
     try:
         driver_fd = os.pidfd_open(driver)
-    except ProcessLookupError:  # the driver ended before this watcher started
+    except OSError:  # the driver ended before this watcher started, or no pidfds (Linux < 5.3)
         return
     if os.getppid() != driver:
         return
@@ -36,6 +36,8 @@ def watch(driver: int, message: str, vital: dict[str, int]) -> None:
             vital_fds[os.pidfd_open(pid)] = name
         except ProcessLookupError:  # exited (and reaped) before this watcher started
             gone.append(name)
+        except OSError:  # cannot be watched: stay silent rather than guess
+            return
     stdin = sys.stdin.fileno()
     while True:
         ready, _, _ = select.select([stdin, driver_fd, *vital_fds], [], [])

@@ -203,14 +203,11 @@ def _watch_embedded_node() -> None:
     may end this process at once with a bare exit code 1, and the watcher says why."""
     global _watcher
     _stop_watching()  # a watcher left from a session ended by a bare ray.shutdown()
-    if not hasattr(os, "pidfd_open"):  # not Linux 5.3+: Ray's exit stays unexplained
+    if not hasattr(os, "pidfd_open"):  # not Linux: Ray's exit stays unexplained
         return
     node = ray._private.worker._global_node
     vital = [f"{kind}={info.process.pid}" for kind in VITAL for info in node.all_processes[kind]]
-    message = (
-        f"verlite: error: {NODE_GONE} and Ray ended this run's driver with it "
-        f"(exit code 1); {RESUME_HINT}"
-    )
+    message = f"verlite: error: {NODE_GONE} and Ray ended this run's driver with it; {RESUME_HINT}"
     script = Path(__file__).with_name("node_watch.py")
     _watcher = subprocess.Popen(
         [sys.executable, "-I", str(script), str(os.getpid()), message, *vital],

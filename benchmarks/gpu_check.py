@@ -28,7 +28,7 @@ OUTPUT_DIR = "outputs/gpu_check"
 
 
 def audit(dtype: str, dps: list[int]) -> tuple[str, ...]:
-    cfg = load_config(CONFIG, ["model.device=cuda", f"model.dtype={dtype}"])
+    cfg = load_config(CONFIG, ["model.device=cuda", f"model.precision={dtype}"])
     started = time.monotonic()
     reports = check_invariance(cfg, dps=dps)
     worst, tolerance = max(r.worst() for r in reports), tolerance_for(cfg)
@@ -83,7 +83,7 @@ def main() -> int:
         return 0
     dps = [dp for dp in (1, 2, 4, 8) if dp <= gpus]
     print(f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    rows = [audit("float32", dps), audit("bfloat16", dps), main_job()]
+    rows = [audit("fp32", dps), audit("bf16", dps), main_job()]
     print(format_table(rows))
     return 0 if all(row[-1] == "ok" for row in rows) else 1
 

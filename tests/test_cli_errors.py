@@ -395,10 +395,10 @@ def test_a_damaged_checkpoint_file_is_one_line_before_ray(
     assert re.search(expected, err), err
 
 
-def test_a_checkpoint_in_another_dtype_is_resumable(tmp_path: Path) -> None:
+def test_a_checkpoint_in_another_precision_is_resumable(tmp_path: Path) -> None:
     from verlite.driver.checkpoint import check_resumable
 
-    _checkpoint(tmp_path, 3, _model_settings("model.dtype=float64"), ["actor"])
+    _checkpoint(tmp_path, 3, _model_settings("model.precision=fp64"), ["actor"])
     check_resumable(
         tmp_path / "checkpoints" / "step_3",
         config={"model": _model_settings()},

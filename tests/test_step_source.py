@@ -218,9 +218,9 @@ def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
         ([], True, "algorithm.recompute_old_log_probs=always"),
         (["algorithm.recompute_old_log_probs=auto"], False, "the sampler's own"),
         (
-            ["algorithm.recompute_old_log_probs=auto", "model.dtype=float64"],
+            ["algorithm.recompute_old_log_probs=auto", "model.precision=fp64"],
             True,
-            "model.dtype=float64, the sampler's is float32",
+            "model.precision=fp64",
         ),
         (
             ["algorithm.recompute_old_log_probs=auto", "rollout.temperature=0"],

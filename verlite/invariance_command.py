@@ -228,16 +228,17 @@ def _check_run_invariance(args: argparse.Namespace) -> int:
     from verlite.config import load_config
 
     tolerances = {
-        "float64": (1e-9, ATOL),
-        "float32": (1e-5, FLOAT32_ATOL),
-        "bfloat16": (1e-2, 1e-6),
+        "fp64": (1e-9, ATOL),
+        "fp32": (1e-5, FLOAT32_ATOL),
+        "bf16-mixed": (1e-2, 1e-6),
+        "bf16": (1e-2, 1e-6),
     }
     for flag in ("dp", "micro", "strategy", "optimizer"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
     layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
     base = load_config(args.config, args.overrides)
-    default_tolerance, default_atol = tolerances[base.model.dtype]
+    default_tolerance, default_atol = tolerances[base.precision]
     tolerance = default_tolerance if args.tolerance is None else args.tolerance
     atol = default_atol if args.atol is None else args.atol
     steps = args.steps or 10

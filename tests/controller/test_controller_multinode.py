@@ -125,7 +125,7 @@ def test_split_roles_get_their_own_pools(tmp_path: Path) -> None:
 
 
 def test_dp4_update_over_two_nodes_matches_the_single_process_reference() -> None:
-    cfg = load_config(CONFIG, ["model.dtype=float64"])
+    cfg = load_config(CONFIG, ["model.precision=fp64"])
     batch = make_batch(cfg, seed=cfg.trainer.seed)
     pool = ResourcePool(
         "dp4", nnodes=2, workers_per_node=2, cpus_per_worker=1, gpus_per_worker=0, timeout_s=60

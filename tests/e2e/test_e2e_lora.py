@@ -19,7 +19,7 @@ from verlite.driver.run import run
 from verlite.models import build_policy
 
 OVERRIDES = (
-    "model.dtype=float64",
+    "model.precision=fp64",
     "trainer.cpus_per_worker=0.5",
     "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=32",

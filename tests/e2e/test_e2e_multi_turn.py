@@ -30,7 +30,7 @@ from verlite.records.metrics_log import read
 
 CONFIG = "configs/tool_tiny.yaml"
 SMALL = (
-    "model.dtype=float64",
+    "model.precision=fp64",
     "trainer.cpus_per_worker=0.5",
     "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=32",

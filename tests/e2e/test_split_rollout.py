@@ -35,7 +35,7 @@ from verlite.records.compare import first_difference
 CONFIG = "configs/grpo_tiny.yaml"
 # 4 prompts x 8 samples a step, one actor update; half a CPU a worker on the shared Ray.
 SMALL = (
-    "model.dtype=float64",
+    "model.precision=fp64",
     "trainer.cpus_per_worker=0.5",
     "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=32",
@@ -280,7 +280,7 @@ def test_with_recompute_auto_the_samplers_log_probs_serve_and_the_run_is_the_sam
     for mode in ("always", "auto"):
         cfg = config(
             tmp_path / mode,
-            "model.dtype=float32",
+            "model.precision=fp32",
             f"algorithm.recompute_old_log_probs={mode}",
             "trainer.total_steps=3",
         )

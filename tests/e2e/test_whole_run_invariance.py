@@ -22,7 +22,7 @@ from verlite.audit.run_invariance import (
 
 TOLERANCE = 1e-9
 # Half a CPU a worker: the 8 workers of the largest layout fit the shared Ray's 4 CPUs.
-SMALL = ("model.dtype=float64", "trainer.cpus_per_worker=0.5")
+SMALL = ("model.precision=fp64", "trainer.cpus_per_worker=0.5")
 
 
 def layout(actor: str, critic: str = "1:ddp:full") -> RunLayout:

@@ -22,7 +22,7 @@ EOS, PAD, VOCAB = 2, 0, 40
 
 
 def model() -> torch.nn.Module:
-    return build_policy(ModelConfig(dtype="float64"), vocab_size=VOCAB, max_positions=64, seed=0)
+    return build_policy(ModelConfig(precision="fp64"), vocab_size=VOCAB, max_positions=64, seed=0)
 
 
 def keyed(td: TensorDict, seed: int) -> KeyedNoise:

@@ -33,7 +33,7 @@ from verlite.workers.packing import pack_rows
 # Long-tailed rows: prompts of 1..24 and responses of 1..40 tokens, in float64.
 CFG = load_config(
     "configs/ppo_tiny.yaml",
-    ["model.dtype=float64", "data.max_prompt_length=24", "rollout.max_response_length=40"],
+    ["model.precision=fp64", "data.max_prompt_length=24", "rollout.max_response_length=40"],
 )
 
 

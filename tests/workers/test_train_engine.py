@@ -13,7 +13,7 @@ from verlite.models import build_policy
 from verlite.workers.forward import response_log_probs
 from verlite.workers.train_engine import TrainEngine, lr_multiplier, plan_micro_batches
 
-CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
+CONFIG = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64"])
 
 
 def policy() -> torch.nn.Module:

@@ -15,7 +15,7 @@ from verlite.workers.train_engine import TrainEngine
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",
-    ["model.dtype=float64", "actor.optim.warmup_steps=3", "actor.optim.schedule=cosine"],
+    ["model.precision=fp64", "actor.optim.warmup_steps=3", "actor.optim.schedule=cosine"],
 )
 LOSS = partial(ppo_loss, settings=ActorLossSettings.from_config(CONFIG.actor))
 

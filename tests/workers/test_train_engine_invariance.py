@@ -24,13 +24,13 @@ from verlite.audit.invariance import (
 from verlite.config import load_config
 from verlite.core.losses import LOSS_AGG_MODES
 
-CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
+CONFIG = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64"])
 TOLERANCE = 1e-9
 # The configured optimizer (AdamW) with a clip threshold below every step's gradient norm.
 CLIP = 0.25
 ADAMW = load_config(
     "configs/ppo_tiny.yaml",
-    ["model.dtype=float64", f"actor.optim.grad_clip={CLIP}", f"critic.optim.grad_clip={CLIP}"],
+    ["model.precision=fp64", f"actor.optim.grad_clip={CLIP}", f"critic.optim.grad_clip={CLIP}"],
 )
 ADAMW_STEPS = 3
 ADAMW_MICROS = ["1", "full", "dynamic", "packed-dynamic"]
@@ -149,7 +149,7 @@ def test_negative_control_fails_after_three_adamw_steps() -> None:
 
 # LoRA: the gradients of the adapters (A and B: the audit starts B away from 0) under DDP and
 # FSDP2 (frozen and trainable parameters in one shard unit), padded, budgeted and packed.
-LORA = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64", "actor.lora.rank=4"])
+LORA = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64", "actor.lora.rank=4"])
 
 
 def test_lora_adapter_gradients_match_the_reference() -> None:

@@ -35,7 +35,7 @@ from verlite.workers.train_engine import TrainEngine
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",
-    ["model.dtype=float64", "actor.use_kl_loss=true", "actor.entropy_coeff=0.05"],
+    ["model.precision=fp64", "actor.use_kl_loss=true", "actor.entropy_coeff=0.05"],
 )
 TOLERANCE = 1e-9
 

@@ -1,9 +1,10 @@
 """What a config decides beyond its fields, computed from it alone and only here: the worker
 groups a run has, the sizes of a step and of each role's batches (:class:`RoleSizes`), the
-longest sequence, and whether the actor recomputes the old log-probs."""
+longest sequence, the numeric precision, and whether the actor recomputes the old log-probs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -11,7 +12,7 @@ from verlite.core.advantages import ESTIMATORS_NEEDING_CRITIC
 
 if TYPE_CHECKING:
     from verlite.config.schema import Config
-    from verlite.config.sections_inputs import DataConfig
+    from verlite.config.sections_inputs import DataConfig, ModelConfig
     from verlite.config.sections_rollout import RolloutConfig
     from verlite.config.sections_trainer import TrainerConfig
     from verlite.config.sections_training import (
@@ -38,6 +39,7 @@ class Derived:
 
     if TYPE_CHECKING:
         data: DataConfig
+        model: ModelConfig
         rollout: RolloutConfig
         actor: ActorConfig
         critic: CriticConfig
@@ -77,6 +79,21 @@ class Derived:
         position range, and the least a token budget must hold)."""
         return self.data.max_prompt_length + self.response_width
 
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the training workers run their models on cuda: ``model.device=cuda``, or
+        ``auto`` with GPUs in their bundles (Ray hides every GPU from a worker given none)."""
+        device = self.model.device
+        return device == "cuda" or (device == "auto" and self.trainer.gpus_per_worker > 0)
+
+    @property
+    def precision(self) -> Literal["fp32", "fp64", "bf16-mixed", "bf16"]:
+        """``model.precision`` with ``auto`` resolved: bf16-mixed on a GPU, fp32 on CPU (every
+        worker of a run uses this one, so a weight sync's dtypes agree on both sides)."""
+        if self.model.precision != "auto":
+            return self.model.precision
+        return "bf16-mixed" if self.on_gpu else "fp32"
+
     def role_sizes(self, role: Literal["actor", "critic"]) -> RoleSizes:
         cfg: WorkerRoleConfig = getattr(self, role)
         dp = self.trainer.nnodes * (cfg.workers_per_node or self.trainer.workers_per_node)
@@ -92,8 +109,10 @@ class Derived:
 def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
     """Whether the actor recomputes the old log-probs of each batch, and why (the line the
     run prints at start-up). ``algorithm.recompute_old_log_probs=auto`` takes the sampler's
-    own where they must agree with a recompute: the same weights (staleness 0), the same
-    precision (the sampler computes in float32), and the whole distribution sampled."""
+    own where they must agree with a recompute: the same weights (staleness 0), fp32 (the
+    sampler's log-probs are fp32: in fp64 a recompute is finer, in bf16 and bf16-mixed the
+    sampler's step-by-step decoding rounds otherwise than a whole forward pass), and the whole
+    distribution sampled."""
     if cfg.algorithm.recompute_old_log_probs == "always":
         return (
             True,
@@ -104,10 +123,7 @@ def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
         reason
         for reason, applies in (
             (f"rollout.max_staleness={rollout.max_staleness}", rollout.max_staleness > 0),
-            (
-                f"model.dtype={cfg.model.dtype}, the sampler's is float32",
-                cfg.model.dtype != "float32",
-            ),
+            (f"model.precision={cfg.precision}", cfg.precision != "fp32"),
             ("rollout.temperature=0 (greedy)", rollout.temperature == 0),
             (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0),
             (f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1.0),
@@ -128,3 +144,41 @@ def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
         "old log-probs: the sampler's own, which a recompute would repeat to float rounding "
         f"(algorithm.recompute_old_log_probs=auto): one forward pass a step saved{inert}"
     )
+
+
+# A typical magnitude of a language model's weights (Hugging Face initializes them with this
+# standard deviation): the scale at which pure bf16 is judged to lose AdamW's updates.
+TYPICAL_WEIGHT = 0.02
+
+
+def bf16_lost_update(magnitude: float) -> float:
+    """The largest update that leaves a bf16 number of ``magnitude`` as it is: half its
+    spacing, which is 2^(e - 7) for numbers in [2^e, 2^(e + 1)) (bf16 keeps 8 significant
+    bits)."""
+    return 2.0 ** (math.floor(math.log2(magnitude)) - 8)
+
+
+def precision_line(cfg: Config) -> str:
+    """The line a run prints at start-up about its precision; under pure bf16, a warning for
+    each role whose learning rate is too small to move a weight of typical magnitude (an
+    AdamW step moves each weight by about the learning rate)."""
+    meaning = {
+        "fp32": "parameters and compute in fp32",
+        "fp64": "parameters and compute in fp64",
+        "bf16-mixed": "fp32 master weights, gradients and optimizer state; bf16 compute",
+        "bf16": "parameters and compute in bf16, no master weights",
+    }[cfg.precision]
+    auto = f"; model.precision=auto on {'cuda' if cfg.on_gpu else 'CPU'}"
+    line = f"precision: {cfg.precision} ({meaning}{auto if cfg.model.precision == 'auto' else ''})"
+    if cfg.precision != "bf16":
+        return line
+    lost = bf16_lost_update(TYPICAL_WEIGHT)
+    for role in cfg.roles:
+        lr = getattr(cfg, role).optim.lr
+        if lr < lost:
+            line += (
+                f"; warning: {role}.optim.lr={lr:g} is at most half the bf16 spacing of a weight "
+                f"of magnitude {TYPICAL_WEIGHT:g} ({lost:.2g}): its updates round away and such "
+                "weights never change; use model.precision=bf16-mixed (fp32 master weights)"
+            )
+    return line

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from verlite.config.fields import PathStr, PositiveInt, Section
+
+# What the deprecated ``model.dtype`` values mean as a ``model.precision``.
+DTYPE_PRECISION = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
 
 
 class ModelConfig(Section):
@@ -28,8 +31,18 @@ class ModelConfig(Section):
         2, description="Built-in model: key/value heads (grouped-query attention)."
     )
     intermediate_size: PositiveInt = Field(128, description="Built-in model: MLP width.")
-    dtype: Literal["float32", "float64", "bfloat16"] = Field(
-        "float32", description="Parameter and compute dtype of actor, critic and reference."
+    precision: Literal["auto", "fp32", "fp64", "bf16-mixed", "bf16"] = Field(
+        "auto",
+        description="Numeric precision of every model: fp32 or fp64 (parameters and compute); "
+        "bf16-mixed (fp32 master weights, gradients and optimizer state, forward and backward "
+        "in bf16 under autocast; the models that are never trained hold their linear layers in "
+        "bf16); bf16 (parameters and compute in bf16: updates below half a weight's bf16 "
+        "spacing round away). auto: bf16-mixed where the workers run on cuda, fp32 on CPU.",
+    )
+    dtype: Literal["float32", "float64", "bfloat16"] | None = Field(
+        None,
+        description="Deprecated: model.precision. float32, float64 and bfloat16 set "
+        "model.precision to fp32, fp64 and bf16.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
@@ -39,6 +52,23 @@ class ModelConfig(Section):
         None,
         description="Packing roles: the sequence length at which a token's attention costs what its weights do, which balances their DP shares (a row of L tokens costs L + L^2 / this). None counts it from the model's FLOPs; `verlite measure-packing` measures it on this machine.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_dtype(cls, data: Any) -> Any:
+        """``model.dtype`` (deprecated) sets ``model.precision``; both set must agree."""
+        if not isinstance(data, dict) or data.get("dtype") is None:
+            return data
+        dtype = data["dtype"]
+        if dtype not in DTYPE_PRECISION:
+            return data  # the field's own check names the allowed values
+        precision = DTYPE_PRECISION[dtype]
+        if data.get("precision", "auto") not in ("auto", precision):
+            raise ValueError(
+                f"model.dtype={dtype} (deprecated) means model.precision={precision}, but "
+                f"model.precision={data['precision']}; set model.precision alone"
+            )
+        return {**data, "precision": precision, "dtype": None}
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:

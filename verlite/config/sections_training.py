@@ -209,7 +209,7 @@ class AlgorithmConfig(Section):
     recompute_old_log_probs: Literal["auto", "always"] = Field(
         "always",
         description="always: the actor recomputes the old log-probs of every batch; auto: takes "
-        "the sampler's own where they must agree (rollout.max_staleness=0, model.dtype=float32, "
+        "the sampler's own where they must agree (rollout.max_staleness=0, model.precision fp32, "
         "temperature > 0, no top-k/top-p), saving a forward pass; start-up says which applies.",
     )
     rollout_correction: Literal["none", "tis"] = Field(

@@ -74,12 +74,12 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
-# Settings that must be the same to resume: the model's shape (its dtype may change: weights
+# Settings that must be the same to resume: the model's shape (its precision may change: weights
 # convert), and what the data position of the checkpoint counts in (the prompts and their
 # order), and the adapters a LoRA checkpoint holds (its shapes, their scale, the layers they
 # apply to; the base is rebuilt from the model settings and the seed). The run's place and
 # bounds may change freely; any other change is allowed and reported in one line.
-_MAY_CONVERT = {"model.dtype"}
+_MAY_CONVERT = {"model.dtype", "model.precision"}
 _MUST_MATCH = (
     "model.",
     "data.",

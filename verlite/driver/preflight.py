@@ -16,6 +16,7 @@ from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
 from verlite.models import check_lora_supported, check_packing_supported, check_tokenizer_fits
+from verlite.models.precision import check_precision_supported
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, resolve_reward
@@ -30,6 +31,7 @@ def check_placement(cfg: Config, *, in_session: bool) -> None:
         check_fits_session(cfg)
     elif cfg.trainer.ray_address is None:
         check_fits_machine(cfg)
+        check_precision_supported(cfg.precision, on_gpu=cfg.on_gpu)
     else:
         check_device(cfg)
 

@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from verlite import base_weights
 from verlite.config import Config
-from verlite.config.derived import old_log_probs_source
+from verlite.config.derived import old_log_probs_source, precision_line
 from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.losses import kl_penalty
@@ -204,6 +204,7 @@ class Trainer:
             tracker.log_run_info(
                 cfg.model_dump(mode="json"), [w for g in self.groups.all for w in g.placement()]
             )
+            print(precision_line(cfg), flush=True)
             print(self.old_log_probs_line, flush=True)
             self.step_source.start(version=start_step)
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):

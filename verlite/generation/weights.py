@@ -159,17 +159,24 @@ def checksum(data: Iterable[torch.Tensor]) -> tuple[int, int]:
     return int(sums.sum()) & MASK64, int(sums.mul_(places).sum()) & MASK64
 
 
-def sync_layout(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> SyncLayout:
-    """The buckets of a sync of ``state`` (whole or sharded tensors: their full shapes)."""
+def sync_layout(
+    state: Mapping[str, torch.Tensor],
+    bucket_bytes: int,
+    dtypes: Mapping[str, torch.dtype] | None = None,
+) -> SyncLayout:
+    """The buckets of a sync of ``state`` (whole or sharded tensors: their full shapes), each
+    tensor sent in its ``dtypes`` entry (the receiving model's; ``verlite.models.precision.
+    inference_dtypes``), else its own dtype."""
     buckets: list[tuple[TensorSpec, ...]] = []
     bucket: list[TensorSpec] = []
     size = staged = 0
     for name, tensor in state.items():
-        nbytes = math.prod(tensor.shape) * tensor.element_size()
+        sent = tensor.dtype if dtypes is None else dtypes[name]
+        nbytes = math.prod(tensor.shape) * sent.itemsize
         if bucket and size + nbytes > bucket_bytes:
             buckets.append(tuple(bucket))
             bucket, size, staged = [], 0, 0
-        dtype = str(tensor.dtype).removeprefix("torch.")
+        dtype = str(sent).removeprefix("torch.")
         if nbytes >= OWN_PART_BYTES:
             parts = 1 + sum(1 for spec in bucket if spec.part)
             bucket.append(TensorSpec(name, dtype, tuple(tensor.shape), parts, 0, nbytes))

@@ -23,13 +23,14 @@ from transformers import (
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
+from verlite.models.precision import param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
-
-DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 def model_dtype(cfg: ModelConfig) -> torch.dtype:
-    return DTYPES[cfg.dtype]
+    """The dtype of a model's parameters (``verlite.models.precision``); ``auto`` resolves to
+    fp32 or bf16-mixed, whose parameters are both fp32."""
+    return param_dtype("fp32" if cfg.precision == "auto" else cfg.precision)
 
 
 def resolve_device(cfg: ModelConfig) -> torch.device:
@@ -161,8 +162,12 @@ class ValueModel(nn.Module):
         elif logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         # A fresh (b, t) tensor rather than a squeezed view: FSDP2 warns that in-place ops
-        # on a root module's view output would skip its pre-backward hook.
-        return torch.matmul(hidden, self.value_head.weight[0]) + self.value_head.bias
+        # on a root module's view output would skip its pre-backward hook. Values are fp32
+        # under any precision (autocast would run the product in bf16).
+        dtype = torch.promote_types(self.value_head.weight.dtype, torch.float32)
+        weight, bias = self.value_head.weight[0].to(dtype), self.value_head.bias.to(dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.matmul(hidden.to(dtype), weight) + bias
 
 
 def build_value_model(

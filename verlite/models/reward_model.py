@@ -155,4 +155,10 @@ def score_texts(
     base = getattr(model, model.base_model_prefix)
     hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
     last = hidden[torch.arange(len(ids), device=device), lengths - 1]
-    return torch.sigmoid(model.score(last).float()).squeeze(-1)
+    # The score head in at least fp32 under any precision: the score is what training reads.
+    head = model.score
+    dtype = torch.promote_types(head.weight.dtype, torch.float32)
+    bias = None if head.bias is None else head.bias.to(dtype)
+    with torch.autocast(device.type, enabled=False):
+        logit = torch.nn.functional.linear(last.to(dtype), head.weight.to(dtype), bias)
+    return torch.sigmoid(logit.float()).squeeze(-1)

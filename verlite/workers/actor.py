@@ -30,6 +30,7 @@ from verlite.generation import (
 )
 from verlite.models import build_policy, resolve_device
 from verlite.models.lora import adapters_disabled, save_adapter
+from verlite.models.precision import autocast, inference_dtypes, store_for_inference
 from verlite.models.varlen import enable_packing
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
@@ -53,10 +54,13 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         device = resolve_device(cfg.model)
         policy = self._build_policy()
         # The reference is the initial policy, frozen; a plain copy on every rank needs no
-        # collectives. A LoRA policy's initial policy is its base: the policy itself with
-        # its adapters off (``models.lora``), no copy.
+        # collectives, stored as models that are never trained are (``models.precision``).
+        # A LoRA policy's initial policy is its base: the policy itself with its adapters
+        # off (``models.lora``), no copy.
         self.reference = (
-            copy.deepcopy(policy).requires_grad_(False).to(device)
+            store_for_inference(copy.deepcopy(policy), cfg.precision)
+            .requires_grad_(False)
+            .to(device)
             if cfg.use_reference and not self.lora
             else None
         )
@@ -70,6 +74,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             total_updates=cfg.role_sizes("actor").total_updates,
             metric_prefix="actor",
             device=device,
+            precision=cfg.precision,
         )
         self.sampler = Sampler(
             inference_module(self.engine.model),
@@ -78,6 +83,9 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             lockstep=cfg.actor.strategy == "fsdp",
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+        # The dtype a weight sync sends each entry of the policy's state in: the rollout
+        # model's (``models.precision.inference_dtypes``).
+        self._sent_dtypes = inference_dtypes(inference_module(self.engine.model), cfg.precision)
 
     @property
     def lora(self) -> bool:
@@ -142,19 +150,23 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             with adapters_disabled(self.engine.model):
                 return self.engine.infer(td, ref_fn, plan)["ref_log_prob"]
         assert self.reference is not None
-        ref = infer(
-            self.reference,
-            td,
-            ref_fn,
-            plan=plan,
-            device=self.engine.device,
-            packing=self.cfg.actor.packing,
-        )
+        with autocast(self.cfg.precision, self.engine.device):
+            ref = infer(
+                self.reference,
+                td,
+                ref_fn,
+                plan=plan,
+                device=self.engine.device,
+                packing=self.cfg.actor.packing,
+            )
         return ref["ref_log_prob"]
 
     def weight_layout(self) -> SyncLayout:
         """The buckets of a weight sync (``verlite.generation.weights``), the same on every rank."""
-        return sync_layout(self._synced_state(), self._sync_bucket_bytes)
+        return self._layout_of(self._synced_state())
+
+    def _layout_of(self, state: dict[str, torch.Tensor]) -> SyncLayout:
+        return sync_layout(state, self._sync_bucket_bytes, self._sent_dtypes)
 
     def _synced_state(self) -> dict[str, torch.Tensor]:
         """What a weight sync sends: the policy's state, a LoRA policy's adapters only."""
@@ -169,7 +181,10 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         if self._base is None:
             state = model_state(self.engine.model)
             _, base = split_frozen(inference_module(self.engine.model), state)
-            self._base = base_checksum(full_tensor(value) for value in base.values())
+            dtypes = self._sent_dtypes
+            self._base = base_checksum(
+                full_tensor(value).to(dtypes[name]) for name, value in base.items()
+            )
         return self._base
 
     def publish_bucket(self, version: int, index: int) -> WeightBucket | None:
@@ -183,9 +198,13 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         if index == 0:
             base = self._base_checksum()
             self._publishing = self._synced_state()
-            self._layout = sync_layout(self._publishing, self._sync_bucket_bytes)
+            self._layout = self._layout_of(self._publishing)
         specs = self._layout.buckets[index]
-        tensors = [full_tensor(self._publishing[spec.name]) for spec in specs]
+        # Cast once, here, to what the rollout model holds (a no-op where it is the same).
+        tensors = [
+            full_tensor(self._publishing[spec.name]).to(self._sent_dtypes[spec.name])
+            for spec in specs
+        ]
         if self.rank != 0:
             return None
         size = self._layout.staging_bytes

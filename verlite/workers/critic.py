@@ -46,6 +46,7 @@ class CriticWorker(TrainingWorker):
             total_updates=cfg.role_sizes("critic").total_updates,
             metric_prefix="critic",
             device=resolve_device(cfg.model),
+            precision=cfg.precision,
         )
         self.loss_fn = partial(value_loss, settings=CriticLossSettings.from_config(cfg.critic))
 

@@ -50,6 +50,8 @@ def response_log_probs(
     else:
         logits = model(**packed.model_inputs()).logits[0]
         tokens = td["responses"][packed.real]
+    # At least fp32 from here on: bf16 logits (under autocast) would round the log-probs.
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature > 0:
         logits = logits / temperature
     log_probs = log_probs_from_logits(logits, tokens)

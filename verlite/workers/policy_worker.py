@@ -21,6 +21,7 @@ from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
 from verlite.generation import Noise, SamplingParams, noise_for
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
+from verlite.models.precision import autocast
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
 
@@ -75,7 +76,19 @@ class PolicyWorker(Worker):
     ) -> TensorDict:
         """The step batch of ``prompts`` (on the sampling device): one response each, or with
         ``rollout.multi_turn.env`` a trajectory with the environment of its record
-        (``records``: the step's prompt records, one per prompt, a row's by its ``uid``)."""
+        (``records``: the step's prompt records, one per prompt, a row's by its ``uid``).
+        The model runs in the run's precision (``verlite.models.precision.autocast``)."""
+        with autocast(self.cfg.precision, prompts.device):
+            return self._sample(generate, prompts, params, seed, records)
+
+    def _sample(
+        self,
+        generate: Generate,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        records: Sequence[PromptRecord] | None,
+    ) -> TensorDict:
         device = prompts.device
         if self.cfg.rollout.multi_turn.env is None or records is None:
             return generate(prompts, params, self.noise(prompts, params, seed, device))

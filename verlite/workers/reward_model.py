@@ -19,6 +19,7 @@ from verlite.config import Config
 from verlite.controller import Worker
 from verlite.data import load_tokenizer, response_text
 from verlite.models import model_dtype, resolve_device
+from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
     encode_texts,
     load_reward_model,
@@ -45,7 +46,8 @@ class RewardModelWorker(Worker):
         self.device = resolve_device(cfg.model)
         self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         self.tokenizer = load_reward_tokenizer(rm.path)
-        self.model = load_reward_model(rm, model_dtype(cfg.model)).to(self.device)
+        model = load_reward_model(rm, model_dtype(cfg.model))
+        self.model = store_for_inference(model, cfg.precision).to(self.device)
         self.max_length = token_limit(rm, self.model.config)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:
@@ -70,10 +72,11 @@ class RewardModelWorker(Worker):
         ``reward.model.max_length`` (``rm_truncated``), in the order of the rows."""
         inputs = encode_texts(self.tokenizer, self.texts(td), max_length=self.max_length)
         micro = self.cfg.reward.model.micro_batch_size_per_worker
-        parts = [
-            score_texts(self.model, inputs.ids[start : start + micro], self.device).cpu()
-            for start in range(0, len(inputs.ids), micro)
-        ]
+        with autocast(self.cfg.precision, self.device):
+            parts = [
+                score_texts(self.model, inputs.ids[start : start + micro], self.device).cpu()
+                for start in range(0, len(inputs.ids), micro)
+            ]
         rows = len(inputs.ids)
         return TensorDict(
             {

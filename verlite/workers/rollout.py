@@ -12,6 +12,7 @@ from verlite.core import seeds
 from verlite.data import PromptRecord
 from verlite.generation import GenerationEngine, NativeEngine, SamplingParams, WeightBucket
 from verlite.models import build_policy, resolve_device
+from verlite.models.precision import store_for_inference
 from verlite.workers.policy_worker import PolicyWorker
 
 
@@ -26,7 +27,8 @@ class RolloutWorker(PolicyWorker):
         self.device = resolve_device(cfg.model)
         # Its initial weights never generate: the first sync replaces them. A LoRA policy's
         # sync sends the adapters alone: the base is built as the actor builds it (same
-        # seed), and each sync checks that it is the actor's.
+        # seed), and each sync checks that it is the actor's. Stored as models that are
+        # never trained are (``models.precision``): the dtypes the actor's syncs send.
         lora = cfg.actor.lora
         model = build_policy(
             cfg.model,
@@ -34,7 +36,8 @@ class RolloutWorker(PolicyWorker):
             max_positions=cfg.max_sequence_length,
             seed=seeds.policy_init(cfg.trainer.seed),
             lora=lora,
-        ).to(self.device)
+        )
+        model = store_for_inference(model, cfg.precision).to(self.device)
         self.generation_engine = NativeEngine(
             model,
             eos_token_id=self.eos_token_id,

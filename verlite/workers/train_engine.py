@@ -47,6 +47,7 @@ from verlite.distributed import (
     inference_module,
 )
 from verlite.distributed.sharded_state import load_train_state, save_train_state
+from verlite.models.precision import autocast
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import (
     pad_responses,
@@ -106,9 +107,11 @@ class TrainEngine:
         total_updates: int,
         metric_prefix: str,
         device: torch.device | None = None,
+        precision: str = "fp32",
     ) -> None:
         self.cfg = cfg
         self.device = device or torch.device("cpu")
+        self.precision = precision  # the model's parameters are already in its dtype
         self.metric_prefix = metric_prefix
         world = get_world_size()
         if cfg.strategy == "none" and world > 1:
@@ -153,7 +156,8 @@ class TrainEngine:
             micro = micro_batch(td, part, device=self.device, packing=self.cfg.packing)
             stamp_counts(micro, counts)
             with grad_sync(self.model, enabled=i == len(parts) - 1):
-                loss, metrics = loss_fn(self.model, micro)
+                with autocast(self.precision, self.device):
+                    loss, metrics = loss_fn(self.model, micro)
                 loss.backward()
             micro_metrics.append(metrics)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
@@ -197,14 +201,15 @@ class TrainEngine:
         """Forward-only ``fn`` over ``td`` with the policy being trained; ``plan`` reuses the
         micro-batches another pass over the same rows already agreed on."""
         plan = plan or self.plan(td, training=False)
-        return infer(
-            inference_module(self.model),
-            td,
-            fn,
-            plan=plan,
-            device=self.device,
-            packing=self.cfg.packing,
-        )
+        with autocast(self.precision, self.device):
+            return infer(
+                inference_module(self.model),
+                td,
+                fn,
+                plan=plan,
+                device=self.device,
+                packing=self.cfg.packing,
+            )
 
     # -------------------------------------------------------------------- checkpoints
 

@@ -1,0 +1,214 @@
+"""model.precision: the config, master weights that take small updates, the models that are
+never trained stored in bf16 without changing a result, and the weight sync's casts."""
+
+import copy
+from functools import partial
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from verlite.audit.invariance import make_batch
+from verlite.config import ConfigError, load_config
+from verlite.config.derived import bf16_lost_update, precision_line
+from verlite.generation import make_bucket, sync_layout
+from verlite.generation.weights import WeightReceiver
+from verlite.models import ValueModel, build_policy, build_value_model
+from verlite.models.precision import autocast, inference_dtypes, store_for_inference
+from verlite.workers.forward import response_log_probs
+from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.train_engine import TrainEngine
+
+CONFIG = "configs/ppo_tiny.yaml"
+CPU = torch.device("cpu")
+
+
+def config(*overrides: str):
+    return load_config(CONFIG, list(overrides))
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_auto_is_bf16_mixed_on_a_gpu_and_fp32_on_cpu() -> None:
+    assert config().precision == "fp32"
+    assert config("model.device=cuda", "trainer.gpus_per_worker=1").precision == "bf16-mixed"
+    assert config("model.device=auto", "trainer.gpus_per_worker=1").precision == "bf16-mixed"
+    assert config("model.device=cpu", "trainer.gpus_per_worker=1").precision == "fp32"
+    assert config("model.precision=bf16", "model.device=cuda").precision == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "precision"), [("float32", "fp32"), ("float64", "fp64"), ("bfloat16", "bf16")]
+)
+def test_the_deprecated_dtype_still_sets_the_precision(dtype: str, precision: str) -> None:
+    cfg = config(f"model.dtype={dtype}")
+    assert (cfg.model.precision, cfg.model.dtype) == (precision, None)
+    assert config(f"model.dtype={dtype}", f"model.precision={precision}").precision == precision
+
+
+def test_a_dtype_that_contradicts_the_precision_is_refused_in_one_line() -> None:
+    with pytest.raises(ConfigError) as info:
+        config("model.dtype=float64", "model.precision=bf16-mixed")
+    message = str(info.value)
+    assert "model.dtype=float64" in message and "model.precision=bf16-mixed" in message
+    assert "\n" not in message
+
+
+def test_pure_bf16_warns_of_a_learning_rate_its_updates_lose() -> None:
+    lost = bf16_lost_update(0.02)
+    assert lost == 2.0**-14  # 0.02 lies in [2^-6, 2^-5): spacing 2^-13, half of it 2^-14
+    assert torch.tensor(0.02, dtype=torch.bfloat16) + lost * 0.99 == torch.tensor(
+        0.02, dtype=torch.bfloat16
+    )
+    line = precision_line(config("model.precision=bf16", "actor.optim.lr=1e-6"))
+    assert "warning: actor.optim.lr=1e-06" in line and "model.precision=bf16-mixed" in line
+    assert "critic.optim.lr" not in line  # the critic's 1e-3 moves such weights
+    assert "\n" not in line
+    assert "warning" not in precision_line(config("model.precision=bf16", "actor.optim.lr=1e-3"))
+    assert "warning" not in precision_line(
+        config("model.precision=bf16-mixed", "actor.optim.lr=1e-6")
+    )
+
+
+# ------------------------------------------------------------------------ master weights
+
+
+def _changed_share(precision: str, lr: float) -> float:
+    """The share of the policy's weights one AdamW step of ``lr`` changes."""
+    cfg = config(
+        f"model.precision={precision}", f"actor.optim.lr={lr}", "actor.optim.warmup_steps=0"
+    )
+    model = build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    engine = TrainEngine(
+        model, cfg=cfg.actor, total_updates=1, metric_prefix="actor", precision=cfg.precision
+    )
+    before = [p.detach().clone() for p in engine.model.parameters()]
+    batch = make_batch(cfg)
+    loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+    metrics = engine.train_mini_batch(batch, loss_fn)
+    assert metrics["actor/skipped_updates"].value == 0.0
+    changed = sum(
+        int((p != b).sum()) for p, b in zip(engine.model.parameters(), before, strict=True)
+    )
+    return changed / sum(b.numel() for b in before)
+
+
+def test_an_adamw_step_at_lr_1e_6_moves_bf16_mixed_master_weights_but_not_pure_bf16() -> None:
+    mixed = _changed_share("bf16-mixed", 1e-6)
+    pure = _changed_share("bf16", 1e-6)
+    assert mixed > 0.9, mixed  # every weight with a gradient (fp32 masters take 1e-6)
+    # The step rounds away but for the weights below 2^9 x 1e-6 = 5e-4 in magnitude: 2% of
+    # weights drawn with standard deviation 0.02.
+    assert pure < 0.03, pure
+
+
+def test_bf16_mixed_keeps_fp32_parameters_gradients_and_optimizer_state() -> None:
+    cfg = config("model.precision=bf16-mixed")
+    model = build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    engine = TrainEngine(
+        model, cfg=cfg.actor, total_updates=1, metric_prefix="actor", precision=cfg.precision
+    )
+    loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+    seen = []
+
+    def recording(model, td):
+        logits = model(input_ids=td["input_ids"]).logits
+        log_probs, _ = response_log_probs(model, td, temperature=1.0, with_entropy=False)
+        loss, metrics = loss_fn(model, td)
+        seen.append((logits.dtype, log_probs.dtype, loss.dtype))
+        return loss, metrics
+
+    engine.train_mini_batch(make_batch(cfg), recording)
+    # The products run in bf16; what verlite computes from the logits does not.
+    assert set(seen) == {(torch.bfloat16, torch.float32, torch.float32)}
+    assert {p.dtype for p in engine.model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in engine.model.parameters()} == {torch.float32}
+    states = list(engine.optimizer.state.values())
+    assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
+
+
+def test_values_are_fp32_under_bf16_autocast() -> None:
+    cfg = config("model.precision=bf16-mixed")
+    critic = build_value_model(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    assert isinstance(critic, ValueModel)
+    ids = torch.randint(1, 64, (2, 7))
+    positions = torch.arange(7).expand(2, -1)
+    with autocast(cfg.precision, CPU):
+        values = critic(input_ids=ids, position_ids=positions)
+    assert values.dtype == torch.float32
+
+
+# --------------------------------------------------------- models that are never trained
+
+
+def _tied_qwen2() -> torch.nn.Module:
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_copy_stored_for_inference_computes_bit_for_bit_what_the_policy_does(
+    tied: bool,
+) -> None:
+    cfg = config("model.precision=bf16-mixed")
+    policy = (
+        _tied_qwen2() if tied else build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    )
+    reference = store_for_inference(copy.deepcopy(policy), "bf16-mixed").requires_grad_(False)
+    dtypes = {name: p.dtype for name, p in reference.named_parameters()}
+    assert dtypes["model.layers.0.mlp.up_proj.weight"] == torch.bfloat16
+    assert dtypes["model.embed_tokens.weight"] == torch.float32
+    assert dtypes["model.norm.weight"] == torch.float32
+    # A tied LM head is the embedding: it stays fp32 with it.
+    assert ("lm_head.weight" not in dtypes) if tied else dtypes["lm_head.weight"] == torch.bfloat16
+    batch = make_batch(cfg)
+    with torch.no_grad(), autocast("bf16-mixed", CPU):
+        ours, _ = response_log_probs(policy, batch, temperature=1.0, with_entropy=False)
+        theirs, _ = response_log_probs(reference, batch, temperature=1.0, with_entropy=False)
+    assert torch.equal(ours, theirs)
+
+
+def test_other_precisions_store_every_model_as_it_is() -> None:
+    policy = build_policy(config().model, vocab_size=64, max_positions=64, seed=0)
+    for precision in ("fp32", "fp64", "bf16"):
+        stored = store_for_inference(copy.deepcopy(policy), precision)
+        pairs = zip(stored.parameters(), policy.parameters(), strict=True)
+        assert all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_a_bf16_mixed_weight_sync_sends_what_the_rollout_model_holds() -> None:
+    """The actor casts once to the rollout model's dtypes; what lands passes the check, and
+    the rollout model then computes what the actor's policy does."""
+    cfg = config("model.precision=bf16-mixed")
+    actor = build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    rollout = store_for_inference(
+        build_policy(cfg.model, vocab_size=64, max_positions=64, seed=1), "bf16-mixed"
+    )
+    dtypes = inference_dtypes(actor, "bf16-mixed")
+    state = actor.state_dict()
+    layout = sync_layout(state, 2**12, dtypes)
+    assert any(spec.dtype == "bfloat16" for bucket in layout.buckets for spec in bucket)
+    assert layout.nbytes < sum(t.nbytes for t in state.values())  # half for the linears
+    receiver = WeightReceiver(rollout, who="rollout rank 0")
+    staging = torch.empty(layout.staging_bytes, dtype=torch.uint8)
+    for index, specs in enumerate(layout.buckets):
+        tensors = [state[spec.name].to(dtypes[spec.name]) for spec in specs]
+        bucket = make_bucket(1, index, layout, tensors, staging=staging, started=0.0)
+        receiver.load(copy.deepcopy(bucket))
+    receiver.require(1)
+    batch = make_batch(cfg)
+    with torch.no_grad(), autocast("bf16-mixed", CPU):
+        ours, _ = response_log_probs(actor, batch, temperature=1.0, with_entropy=False)
+        theirs, _ = response_log_probs(rollout, batch, temperature=1.0, with_entropy=False)
+    assert torch.equal(ours, theirs)

@@ -1,0 +1,95 @@
+"""Numeric precision (``model.precision``, resolved by ``verlite.config.resolved_precision``):
+the dtype parameters are stored in, what the forward pass computes in, and how models that
+are never trained are stored (docs/design.md, "Precision").
+
+- ``fp32`` / ``fp64``: parameters, gradients, optimizer state and compute in that dtype.
+- ``bf16-mixed``: parameters (the master weights), gradients (accumulated over micro-batches
+  and reduced over ranks) and optimizer state in fp32; the forward pass under
+  ``torch.autocast(bfloat16)``, so matrix products run in bf16 (and their backward, which
+  follows the forward's dtypes) while the residual stream, norms, softmaxes and everything
+  verlite computes from the logits stay fp32. The same in every strategy (none, ddp, fsdp), so
+  every layout computes the same arithmetic and the invariance audit can hold them to one
+  tolerance.
+- ``bf16``: parameters and compute in bf16 (no master weights): an update smaller than half
+  a weight's bf16 spacing rounds away (``verlite.config.precision_line`` warns of it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from verlite.config import ConfigError
+
+PARAM_DTYPES = {
+    "fp32": torch.float32,
+    "fp64": torch.float64,
+    "bf16-mixed": torch.float32,
+    "bf16": torch.bfloat16,
+}
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """The dtype parameters are stored in (a trained model's: its master weights)."""
+    return PARAM_DTYPES[precision]
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
+    """The region every forward pass of a model runs in: bf16 autocast under ``bf16-mixed``."""
+    if precision == "bf16-mixed":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def inference_dtypes(model: nn.Module, precision: str) -> dict[str, torch.dtype]:
+    """The dtype of each entry of ``model``'s state (keyed as ``state_dict``) in a copy that
+    is never trained (the reference, the rollout model, the reward model): under
+    ``bf16-mixed`` the weights and biases of its linear layers are bf16 (what autocast casts
+    them to at every forward anyway, so the copy computes bit for bit what the fp32 model
+    computes under autocast, at half the memory), every other entry (embeddings, norms, a
+    weight a linear layer shares with an embedding) keeps its dtype. A weight sync sends
+    each tensor in this dtype (cast once, on the actor)."""
+    state = model.state_dict(keep_vars=True)
+    if precision != "bf16-mixed":
+        return {name: value.dtype for name, value in state.items()}
+    linear = {
+        id(param)
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+        for param in module.parameters(recurse=False)
+    }
+    other = {
+        id(param)
+        for module in model.modules()
+        if not isinstance(module, nn.Linear)
+        for param in module.parameters(recurse=False)
+    }
+    return {
+        name: torch.bfloat16 if id(value) in linear and id(value) not in other else value.dtype
+        for name, value in state.items()
+    }
+
+
+@torch.no_grad()
+def store_for_inference(model: nn.Module, precision: str) -> nn.Module:
+    """``model`` (in place) stored in :func:`inference_dtypes`; returned."""
+    dtypes = inference_dtypes(model, precision)
+    for name, param in model.named_parameters():
+        if param.dtype != dtypes[name]:
+            param.data = param.data.to(dtypes[name])
+    return model
+
+
+def check_precision_supported(precision: str, *, on_gpu: bool) -> None:
+    """bf16 (mixed or pure) on a GPU without bf16 arithmetic (before Ampere): refused at
+    start-up in one line naming ``model.precision``, where this machine's GPU is the workers'
+    (a cluster's GPUs are not known before it is reached)."""
+    if not on_gpu or "bf16" not in precision or not torch.cuda.is_available():
+        return
+    if not torch.cuda.is_bf16_supported():
+        raise ConfigError(
+            f"model.precision={precision}: this machine's GPU ({torch.cuda.get_device_name()}) "
+            "has no bf16 arithmetic; set model.precision=fp32"
+        )

@@ -293,3 +293,27 @@ def test_with_recompute_auto_the_samplers_log_probs_serve_and_the_run_is_the_sam
     always = [{k: v for k, v in r.items() if k not in sampler_only} for r in runs["always"]]
     difference = first_difference(always, runs["auto"], tolerance=1e-4, atol=1e-6)
     assert difference is None, difference.describe("always", "auto")
+
+
+def test_in_bf16_mixed_the_split_run_logs_the_colocated_run(
+    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The rollout model holds its linear layers in bf16 and each sync casts the actor's fp32
+    master weights to it, checked where they land: it generates bit for bit what the
+    colocated actor's fp32 policy generates under bf16 autocast."""
+    runs = {}
+    for name, placement in (("colocated", ()), ("split", SPLIT)):
+        cfg = config(
+            tmp_path / name, "model.precision=bf16-mixed", "trainer.total_steps=2", *placement
+        )
+        run(cfg, RunInputs.load(cfg))
+        runs[name] = records(tmp_path / name)
+    assert "precision: bf16-mixed (fp32 master weights" in capsys.readouterr().out
+    assert all(r["perf/weight_sync_bytes"] > 0 for r in runs["split"])
+    unstable = ("timing_s/", "perf/", "trainer/")
+    stable = {
+        name: [{k: v for k, v in r.items() if not k.startswith(unstable)} for r in rs]
+        for name, rs in runs.items()
+    }
+    difference = first_difference(stable["colocated"], stable["split"], tolerance=0, atol=0)
+    assert difference is None, difference.describe("colocated", "split")

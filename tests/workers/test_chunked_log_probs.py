@@ -31,7 +31,7 @@ MAIN = load_config("configs/ppo_tiny.yaml")
 LONG = load_config(
     "configs/ppo_tiny.yaml", ["data.max_prompt_length=12", "rollout.max_response_length=16"]
 )
-VOCAB = 97  # a size no other dimension of these models has (the memory check looks for it)
+VOCAB = 97  # the main job's task tokenizer has 62 tokens; make_batch draws ids below 64
 TEMPERATURE = 0.7
 
 

@@ -135,6 +135,7 @@ def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
 def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    from verlite.models import set_logits_chunk_tokens
     from verlite.workers.forward import response_log_probs
 
     cfg = load_config("configs/ppo_tiny.yaml", [f"trainer.output_dir={tmp_path}"])
@@ -148,6 +149,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
 
     worker.export_hf(str(tmp_path / "hf"))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    set_logits_chunk_tokens(exported, cfg.model.logits_chunk_tokens)
     with torch.no_grad():
         reloaded, _ = response_log_probs(exported, batch, temperature=1.0, with_entropy=False)
     mask = batch["response_mask"].bool()

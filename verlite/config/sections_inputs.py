@@ -48,6 +48,10 @@ class ModelConfig(Section):
         "auto",
         description="Where workers run the model: auto picks cuda when the worker has a GPU.",
     )
+    logits_chunk_tokens: PositiveInt = Field(
+        1024,
+        description="Log-prob passes (actor update, old and reference log-probs) compute the LM head's logits, their log-softmax and entropy this many response tokens at a time, recomputing each chunk in backward when a micro-batch holds more: fp32 logits of at most this many tokens x vocab exist at once (Qwen2.5's 152k vocab: 1024 tokens are 0.6 GB, where 32 rows of 1k tokens at once would be 19 GB). A micro-batch within one chunk is computed directly, without the recompute.",
+    )
     attention_crossover: PositiveInt | None = Field(
         None,
         description="Packing roles: the sequence length at which a token's attention costs what its weights do, which balances their DP shares (a row of L tokens costs L + L^2 / this). None counts it from the model's FLOPs; `verlite measure-packing` measures it on this machine.",

@@ -21,6 +21,7 @@ from verlite.distributed.parallel import (
     grad_sync,
     inference_module,
     model_state,
+    unwrap,
 )
 from verlite.distributed.process_group import (
     default_backend,
@@ -61,4 +62,5 @@ __all__ = [
     "model_state",
     "rank_gpus",
     "run_on_ranks",
+    "unwrap",
 ]

@@ -28,7 +28,8 @@ def _device_type(model: nn.Module) -> str:
     return param.device.type if param is not None else "cpu"
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module a DDP wrapper holds (``model`` itself otherwise: FSDP2 shards in place)."""
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
@@ -40,7 +41,7 @@ def inference_module(model: nn.Module) -> nn.Module:
     weights on every rank, so inference bypasses the wrapper. FSDP2 parameters are shards:
     forward must go through the sharded module (and ranks must call it in lockstep).
     """
-    return _unwrap(model)
+    return unwrap(model)
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -164,7 +165,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = False) -> dict[str, 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's live state keyed as the unwrapped model's: whole tensors of a DDP or
     plain model, FSDP2's sharded ones (DTensors, whose shapes are the full ones)."""
-    return dict(_unwrap(model).state_dict())
+    return dict(unwrap(model).state_dict())
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -184,7 +185,7 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     Collective under FSDP2 (each sharded grad is gathered): every rank must call it.
     """
     out: dict[str, torch.Tensor] = {}
-    for name, param in _unwrap(model).named_parameters():
+    for name, param in unwrap(model).named_parameters():
         grad = param.grad
         if grad is None:
             continue

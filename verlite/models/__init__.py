@@ -97,7 +97,30 @@ def build_policy(
         model = AutoModelForCausalLM.from_config(config).to(dtype)
     if lora is not None and lora.rank > 0:
         model = apply_lora(model, lora, seed=seed).to(dtype)
+    set_logits_chunk_tokens(model, cfg.logits_chunk_tokens)
     return model
+
+
+# Kept on the LM head module itself (the peft layer when adapters wrap it): a plain attribute,
+# so a deep copy (the reference) keeps it and state dicts do not see it.
+_CHUNK_ATTR = "verlite_logits_chunk_tokens"
+
+
+def set_logits_chunk_tokens(model: nn.Module, tokens: int) -> None:
+    """Have every log-prob pass over the causal LM ``model`` (``workers.forward``) compute
+    its LM head's logits ``tokens`` tokens at a time (``model.logits_chunk_tokens``)."""
+    setattr(model.get_output_embeddings(), _CHUNK_ATTR, tokens)
+
+
+def logits_chunk_tokens(head: nn.Module) -> int:
+    """The chunk size :func:`set_logits_chunk_tokens` set on the LM head ``head``."""
+    tokens = getattr(head, _CHUNK_ATTR, None)
+    if not isinstance(tokens, int):
+        raise ValueError(
+            "this causal LM has no logits chunk size: build it with verlite.models.build_policy "
+            "or call verlite.models.set_logits_chunk_tokens on it"
+        )
+    return tokens
 
 
 class ModelWeightsError(UserError):

@@ -1,19 +1,31 @@
 """Forward passes over a (trimmed) micro-batch that return response-aligned (b, r) tensors.
 
 Only the positions that predict response tokens go through the LM head (``logits_to_keep``):
-padded, for r response columns that is the last r + 1 positions, of which the last
-predicts past the end and is dropped; packed (``verlite.workers.packing``, when the engine
-marks the micro-batch with :func:`mark_packed`), exactly the positions that predict a real
-response token, whose outputs come back as (b, r) with zeros elsewhere.
+padded, the r positions before the last, for r response columns (the value head: the last
+r + 1, of which the last predicts past the end and is dropped); packed
+(``verlite.workers.packing``, when the engine marks the micro-batch with :func:`mark_packed`),
+exactly the positions that predict a real response token, whose outputs come back as (b, r)
+with zeros elsewhere.
+
+A log-prob pass never returns logits: for the one call, the LM head returns the response
+tokens' log-probs (and entropies) computed from its hidden states by
+``core.logits_chunks.chunked_log_probs``, ``model.logits_chunk_tokens`` tokens at a time
+(:func:`_head_log_probs`). It runs inside the model's own forward, where FSDP2 has
+the head's weight unsharded.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.core.losses import entropy_from_logits, log_probs_from_logits
+from verlite.config import ConfigError
+from verlite.core.logits_chunks import chunked_log_probs
+from verlite.distributed import unwrap
+from verlite.models import logits_chunk_tokens
 from verlite.step_batch import response_width
 from verlite.workers.packing import PackedRows, pack_rows
 
@@ -29,12 +41,11 @@ def _packed(td: TensorDict) -> PackedRows | None:
     return pack_rows(td) if PACKED_KEY in set(td.keys()) else None
 
 
-def _padded_inputs(td: TensorDict) -> dict[str, torch.Tensor | int]:
+def _padded_inputs(td: TensorDict) -> dict[str, torch.Tensor]:
     return {
         "input_ids": td["input_ids"],
         "attention_mask": td["attention_mask"],
         "position_ids": td["position_ids"],
-        "logits_to_keep": response_width(td) + 1,
     }
 
 
@@ -45,26 +56,87 @@ def response_log_probs(
     policy that sampled them used those), and the entropy of that distribution if asked."""
     packed = _packed(td)
     if packed is None:
-        logits = model(**_padded_inputs(td)).logits[:, :-1]
-        tokens = td["responses"]
+        width = td["input_ids"].shape[1]
+        device = td["input_ids"].device
+        predict = torch.arange(width - response_width(td) - 1, width - 1, device=device)
+        inputs = {**_padded_inputs(td), "logits_to_keep": predict}
+        labels = td["responses"]
     else:
-        logits = model(**packed.model_inputs()).logits[0]
-        tokens = td["responses"][packed.real]
-    # At least fp32 from here on: bf16 logits (under autocast) would round the log-probs.
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if temperature > 0:
-        logits = logits / temperature
-    log_probs = log_probs_from_logits(logits, tokens)
-    entropy = entropy_from_logits(logits) if with_entropy else None
+        inputs = packed.model_inputs()
+        labels = td["responses"][packed.real]
+    stats = _head_log_probs(
+        model, inputs, labels, temperature=temperature, with_entropy=with_entropy
+    )
+    # One (b, r) tensor per statistic: the log-probs, then the entropy when asked.
     if packed is None:
-        return log_probs, entropy
-    return packed.to_rows(log_probs), None if entropy is None else packed.to_rows(entropy)
+        rows = [stat.reshape(labels.shape) for stat in stats]
+    else:
+        rows = [packed.to_rows(stat) for stat in stats]
+    return rows[0], rows[1] if with_entropy else None
+
+
+def _head_log_probs(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    labels: torch.Tensor,
+    *,
+    temperature: float,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """``model(**inputs)`` with its LM head returning, for this one call, the
+    ``chunked_log_probs`` of ``labels`` (the positions its input holds, in order) instead
+    of logits: a fresh (1 or 2, tokens) tensor (FSDP2 warns of a view returned by its root
+    module). The chunks call the head module itself, with its own forward restored: a peft
+    layer adds its adapters, hooks run; the sampler's calls see the head as it always is."""
+    head = unwrap(model).get_output_embeddings()
+    chunk_tokens = logits_chunk_tokens(head)
+    returned: list[torch.Tensor] = []
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        del head.forward
+        returned.append(
+            chunked_log_probs(
+                hidden.reshape(-1, hidden.shape[-1]),
+                head,
+                labels.reshape(-1),
+                temperature=temperature,
+                chunk_tokens=chunk_tokens,
+                with_entropy=with_entropy,
+            )
+        )
+        return returned[0]
+
+    head.forward = forward
+    try:
+        stats: torch.Tensor = model(**inputs).logits
+    finally:
+        head.__dict__.pop("forward", None)
+    # A model that changes the head's output (Gemma's logit soft-capping, Cohere's and
+    # Granite's logit scales) would change the log-probs instead: refused, not trained on.
+    if not returned or not _same(stats, returned[0]):
+        name = type(unwrap(model)).__name__
+        raise ConfigError(
+            f"model.path: {name} does not return its LM head's output as its logits (e.g. logit "
+            "soft-capping or scaling), which verlite's log-probs, computed inside the head "
+            "(model.logits_chunk_tokens), cannot follow; use a model whose logits are its "
+            "LM head's output (Llama, Qwen2, Mistral)"
+        )
+    return stats
+
+
+def _same(out: torch.Tensor, returned: torch.Tensor) -> bool:
+    """Whether the model returned what its head did (a wrapper may return a copy)."""
+    if out is returned:
+        return True
+    return out.shape == returned.shape and torch.allclose(
+        out, returned, rtol=0, atol=0, equal_nan=True
+    )
 
 
 def response_values(model: nn.Module, td: TensorDict) -> torch.Tensor:
     """(b, r) values: the critic's estimate at the state before each response token."""
     packed = _packed(td)
     if packed is None:
-        values: torch.Tensor = model(**_padded_inputs(td))
+        values: torch.Tensor = model(**_padded_inputs(td), logits_to_keep=response_width(td) + 1)
         return values[:, :-1]
     return packed.to_rows(model(**packed.model_inputs())[0])

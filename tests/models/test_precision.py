@@ -13,7 +13,7 @@ from verlite.config import ConfigError, load_config
 from verlite.config.derived import bf16_lost_update, precision_line
 from verlite.generation import make_bucket, sync_layout
 from verlite.generation.weights import WeightReceiver
-from verlite.models import ValueModel, build_policy, build_value_model
+from verlite.models import ValueModel, build_policy, build_value_model, set_logits_chunk_tokens
 from verlite.models.precision import autocast, inference_dtypes, store_for_inference
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
@@ -154,7 +154,9 @@ def _tied_qwen2() -> torch.nn.Module:
         attn_implementation="sdpa",
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(config)
+    set_logits_chunk_tokens(model, 1024)
+    return model
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -67,6 +67,11 @@ class TrainerConfig(Section):
     torch_threads_per_worker: PositiveInt = Field(
         1, description="torch threads of each CPU worker."
     )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0.0,
+        description="On cuda: the GPU's dense bf16 peak in TFLOP/s that perf/mfu/* divide by. None: from verlite's table by torch.cuda.get_device_name() (no MFU for a GPU it does not know).",
+    )
     val_freq: NonNegativeInt = Field(
         5, description="Validate every this many steps (and at the end); 0 never."
     )

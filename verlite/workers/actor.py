@@ -33,6 +33,7 @@ from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.varlen import enable_packing
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.peak_memory import PeakMemory
 from verlite.workers.policy_worker import PolicyWorker
 from verlite.workers.train_engine import TrainEngine, infer
 from verlite.workers.training_worker import TrainingWorker
@@ -78,6 +79,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             lockstep=cfg.actor.strategy == "fsdp",
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+        self.peak_memory = PeakMemory(device)
 
     @property
     def lora(self) -> bool:
@@ -119,6 +121,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
+        self.peak_memory.begin()
         batch = self.generate(prompts, params, seed, records)
         batch.update(self.compute_log_probs(batch, with_old))
         return batch
@@ -126,6 +129,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
     def compute_log_probs(self, td: TensorDict, with_old: bool) -> TensorDict:
         """``old_log_probs`` of the current policy (with ``with_old``), and ``ref_log_prob``
         when a KL term is on; both passes run the same micro-batches."""
+        self.peak_memory.begin()
         out = TensorDict({}, batch_size=td.batch_size)
         if not with_old and not self.cfg.use_reference:
             return out
@@ -226,5 +230,9 @@ class ActorWorker(TrainingWorker, PolicyWorker):
                 model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:
-        """The policy updates of one step over this rank's share, ``(mini_batches, rows)``."""
-        return self.engine.train_step(td, self.loss_fn)
+        """The policy updates of one step over this rank's share, ``(mini_batches, rows)``,
+        and the peak memory of the actor's work in the step."""
+        self.peak_memory.begin()
+        metrics = self.engine.train_step(td, self.loss_fn)
+        metrics["perf/max_memory_allocated_gb/actor"] = self.peak_memory.metric()
+        return metrics

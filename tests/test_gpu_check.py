@@ -1,5 +1,8 @@
 """`make gpu-check` on a machine without a GPU: one line saying so, exit 0."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -15,3 +18,28 @@ def test_without_a_gpu_the_check_says_so_and_passes(capsys: pytest.CaptureFixtur
     assert out.endswith("nothing to check\n") and out.count("\n") == 1
     if torch.version.cuda is None:  # this machine's torch: say why it cannot see a GPU
         assert f"torch {torch.__version__} is a CPU build" in out
+
+
+def test_every_part_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> None:
+    """What a GPU session runs, on tiny shapes: the audits (pure bf16 failing as expected),
+    the main job, the update benchmark and the 7B-shaped config's two GRPO steps, with the
+    figures each reports, in summary.json and summary.md."""
+    assert gpu_check.main(["--cpu", "--output-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    parts = {part["name"]: part for part in summary["parts"]}
+    assert [part["verdict"] for part in parts.values()] == [
+        "ok",
+        "ok",
+        "fails as expected",
+        "ok",
+        "ok",
+        "ok",
+    ], parts
+    update = parts["update benchmark"]["details"]
+    assert set(update["tokens_per_s"]) == {"bf16-mixed", "bf16", "plain_loop"}
+    steps = parts["7B-shaped GRPO"]["details"]["steps"]
+    assert [step["step"] for step in steps] == [1, 2]
+    for step in steps:
+        assert step["perf/max_memory_allocated_gb/actor"] > 0
+        assert all(step[key] > 0 for key in gpu_check.SPLIT)
+    assert (tmp_path / "summary.md").read_text().count("\n| ") == 7  # the head and 6 parts

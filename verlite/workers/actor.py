@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.core import seeds
-from verlite.core.metrics import MetricDict
+from verlite.core.metrics import Metric, MetricDict
 from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
@@ -65,6 +65,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             enable_packing(self.reference)
         self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
         self._base: tuple[int, int] | None = None  # a LoRA base's checksum, at the first sync
+        self._rollout_seconds: MetricDict = {}  # generate_with_log_probs's, until the update
         self.engine = TrainEngine(
             policy,
             cfg=cfg.actor,
@@ -122,8 +123,16 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
         self.peak_memory.begin()
+        started = time.perf_counter()
         batch = self.generate(prompts, params, seed, records)
+        generated = time.perf_counter()
         batch.update(self.compute_log_probs(batch, with_old))
+        # The split of this call's time, reported with the update's metrics (both end on the
+        # host, so on cuda the GPU's work is done).
+        self._rollout_seconds = {
+            "timing_s/gen": Metric.max(generated - started),
+            "timing_s/log_probs": Metric.max(time.perf_counter() - generated),
+        }
         return batch
 
     def compute_log_probs(self, td: TensorDict, with_old: bool) -> TensorDict:
@@ -231,8 +240,11 @@ class ActorWorker(TrainingWorker, PolicyWorker):
 
     def update_actor(self, td: TensorDict) -> MetricDict:
         """The policy updates of one step over this rank's share, ``(mini_batches, rows)``,
-        and the peak memory of the actor's work in the step."""
+        the peak memory of the actor's work in the step and, when it generated the step's
+        batch, the seconds of its generation and log-probs (the slowest rank's)."""
         self.peak_memory.begin()
         metrics = self.engine.train_step(td, self.loss_fn)
         metrics["perf/max_memory_allocated_gb/actor"] = self.peak_memory.metric()
+        metrics.update(self._rollout_seconds)
+        self._rollout_seconds = {}
         return metrics

@@ -67,6 +67,10 @@ class TrainerConfig(Section):
     torch_threads_per_worker: PositiveInt = Field(
         1, description="torch threads of each CPU worker."
     )
+    export: bool = Field(
+        True,
+        description="Write the trained policy to <output_dir>/hf_actor at the end (Hugging Face format). false for runs that only measure: a 7B-shaped policy's export gathers and writes some 30 GB.",
+    )
     peak_tflops: float | None = Field(
         None,
         gt=0.0,

@@ -4,7 +4,9 @@ work of a step, reported with the metrics its update returns anyway.
 On cuda, ``torch.cuda.max_memory_allocated`` since the role's first call of the step (the peak
 is reset there): the tensors torch allocated, not what its caching allocator reserved. On CPU,
 the worker process's peak resident set size (``ru_maxrss``), which never decreases: the most
-the process has held since it started, not what this step took.
+the process has held since it started, not what this step took. The actor and critic report
+it with their update's metrics; a rollout or reward-model rank, whose calls return rows, in a
+column of its rows (:func:`with_peak`) that the driver takes out (:func:`pop_peak`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import resource
 
 import torch
+from tensordict import TensorDict
 
 from verlite.core.metrics import Metric
 
@@ -39,3 +42,19 @@ class PeakMemory:
             return Metric.max(torch.cuda.max_memory_allocated(self.device) / GB)
         # ru_maxrss is in kilobytes on Linux.
         return Metric.max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB)
+
+
+# The column a worker that returns rows (a rollout or reward-model rank) carries its peak in:
+# every row of its share holds it, and the driver takes it out of the batch (:func:`pop_peak`).
+PEAK_COLUMN = "peak_memory_gb"
+
+
+def with_peak(td: TensorDict, peak: PeakMemory) -> TensorDict:
+    """``td`` (one rank's rows) with :data:`PEAK_COLUMN` set to ``peak``'s :meth:`~PeakMemory.metric`."""
+    td[PEAK_COLUMN] = torch.full(td.batch_size, float(peak.metric().value))
+    return td
+
+
+def pop_peak(td: TensorDict) -> float:
+    """The largest peak a rank put in ``td``'s :data:`PEAK_COLUMN`, which leaves ``td``."""
+    return float(td.pop(PEAK_COLUMN).max())

@@ -45,3 +45,14 @@ def test_every_part_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> None:
     # The 7B-shaped run measures and keeps nothing (trainer.export=false); the main job exports.
     assert not (tmp_path / "grpo_7b_shape" / "hf_actor").exists()
     assert (tmp_path / "main_job" / "hf_actor" / "config.json").is_file()
+
+
+def test_an_unknown_part_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.main(["--parts", "update,rollout"])
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("--parts: unknown ['rollout']; choose from audit,main_job,update,grpo_7b")
+    )

@@ -3,6 +3,7 @@ what rank 0 reports once at start-up; no figure on CPU or for a GPU the table la
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 from verlite.config import load_config
 from verlite.driver.trainer import mfu_metrics, mfu_peaks
 from verlite.models.flops import DecoderShape
+from verlite.records.tracking import ConsoleLogger
 
 SHAPE = DecoderShape(dense_params=1000, hidden_size=8, num_layers=2)
 
@@ -63,3 +65,13 @@ def test_the_peak_override_and_what_logs_no_mfu(capsys: pytest.CaptureFixture[st
         "perf/mfu: no bf16 peak known for 'Some GPU' (verlite.models.flops); set "
         "trainer.peak_tflops to log MFU\n"
     )
+
+
+def test_the_progress_line_shows_the_updates_mfu_when_there_is_one() -> None:
+    stream = io.StringIO()
+    console = ConsoleLogger(total_steps=2, stream=stream)
+    console.log(1, {"critic/score/mean": 0.5, "perf/mfu/update": 0.3125})
+    console.log(2, {"critic/score/mean": 0.5})  # CPU: no MFU, no field
+    first, second = stream.getvalue().splitlines()
+    assert "| score 0.5 | mfu 0.312 |" in first
+    assert "mfu" not in second

@@ -22,7 +22,10 @@ CI runs, so that a typo cannot first show on the GPU). CI does not run it otherw
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -43,6 +46,8 @@ OUTPUT_DIR = "outputs/gpu_check"
 # Each part's limit in seconds (each audit's is per spawn of its ranks): together 10 minutes,
 # a device command's most; on one H200 the parts should take about 6 (not yet measured there).
 LIMITS = {"audit": 60, "main_job": 60, "update": 120, "grpo_7b": 240}
+# Seconds a part past its limit has to stop after SIGTERM before its processes are killed.
+GRACE_S = 30
 # The main job on cuda: enough steps to see it run and validate, not to learn.
 GPU_MAIN_JOB = ["trainer.gpus_per_worker=1", "trainer.total_steps=100", "trainer.val_freq=50"]
 # What --cpu changes: tiny shapes and few steps, the same code paths.
@@ -119,17 +124,26 @@ def audit(target: Target, precision: str, *, expect_pass: bool) -> Part:
 def _subprocess(
     command: list[str], *, log: Path, limit: float
 ) -> tuple[int | None, float, list[str]]:
-    """Run ``command`` with its output in ``log``, stopped past ``limit`` seconds; its exit
-    code (None when stopped), seconds and stdout lines."""
+    """Run ``command`` in a session of its own with its output in ``log``; its exit code
+    (None when it ran past ``limit`` seconds), seconds and output lines. One past its limit
+    is stopped as a user's Ctrl-C would (SIGTERM: ``verlite train`` then stops its Ray and
+    frees the GPU for the next part), its whole process group killed if still there after
+    :data:`GRACE_S`."""
     started = time.monotonic()
     with log.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
-            done = subprocess.run(
-                command, stdout=out, stderr=subprocess.STDOUT, timeout=limit, check=False
-            )
-            code: int | None = done.returncode
+            code: int | None = process.wait(timeout=limit)
         except subprocess.TimeoutExpired:
             code = None
+            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=GRACE_S)
+            with contextlib.suppress(ProcessLookupError):  # every process of it has exited
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
     return code, time.monotonic() - started, log.read_text().splitlines()
 
 
@@ -194,6 +208,7 @@ def update_benchmark(target: Target) -> Part:
 
 # The split of a step a 7B-shaped run reports, from its metrics.jsonl.
 SPLIT = ("timing_s/gen", "timing_s/log_probs", "timing_s/update_actor", "timing_s/step")
+MFU = "perf/mfu/update"  # on cuda only
 
 
 def grpo_7b(target: Target) -> Part:
@@ -204,7 +219,7 @@ def grpo_7b(target: Target) -> Part:
     limit = LIMITS["grpo_7b"]
     code, seconds, records = _train(target, CONFIG_7B, "grpo_7b_shape", overrides, limit)
     steps = [
-        {k: r.get(k) for k in ("step", "perf/max_memory_allocated_gb/actor", *SPLIT)}
+        {k: r.get(k) for k in ("step", "perf/max_memory_allocated_gb/actor", MFU, *SPLIT)}
         for r in records
     ]
     part = Part("7B-shaped GRPO", f"{len(records)} of 2 steps", seconds=seconds)
@@ -215,7 +230,8 @@ def grpo_7b(target: Target) -> Part:
         split = ", ".join(
             f"{k.split('/')[1]} {last[k]:.3g} s" for k in SPLIT if last[k] is not None
         )
-        part.figure = f"peak {memory:.1f} GB; last step: {split}"
+        mfu = "" if last[MFU] is None else f", update MFU {last[MFU]:.2f}"
+        part.figure = f"peak {memory:.1f} GB{mfu}; last step: {split}"
     return part
 
 

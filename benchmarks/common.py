@@ -21,6 +21,7 @@ from verlite.config import Config
 from verlite.config.derived import old_log_probs_source
 from verlite.data import position_ids
 from verlite.models import build_policy, build_value_model
+from verlite.models.flops import decoder_flops
 
 
 def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -96,20 +97,6 @@ def matmul_peak(*, size: int = 1024, repeats: int = 20) -> float:
     return 2.0 * size**3 / best
 
 
-def decoder_flops(
-    model: torch.nn.Module, *, tokens: float, attended: float, backward: bool
-) -> float:
-    """The FLOPs of a decoder's pass, as the model FLOPs utilization figures count them:
-    2 x its non-embedding parameters per token (every weight matrix, the LM head included),
-    and 4 x hidden x layers per attended (query, key) pair (scores and weighted values);
-    3x that with the backward pass. ``attended``: sum over queries of the keys each sees
-    (L^2 / 2 for a causal sequence of L tokens, prompt + t for the t-th generated token)."""
-    config = next(m.config for m in model.modules() if hasattr(m, "config"))
-    dense = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    flops = 2.0 * dense * tokens + 4.0 * config.hidden_size * config.num_hidden_layers * attended
-    return 3.0 * flops if backward else flops
-
-
 def peak_tensor_bytes(fn: Callable[[], Any]) -> int:
     """The most bytes of CPU tensors that ``fn`` holds live at once, above those live when it
     starts: the running sum of the allocations and frees torch's profiler records."""
@@ -141,7 +128,7 @@ def machine_peak() -> float:
 def rl_step_flops(cfg: Config, *, vocab_size: int) -> Callable[[float], float]:
     """The FLOPs of one RL step of ``cfg`` (past the critic's warm-up) as a function of the
     real tokens its batch holds over data.train_batch_size x rollout.n rows (the models are
-    built once), counted as :func:`decoder_flops` counts a pass over every row: the policy's
+    built once), counted as :func:`~verlite.models.flops.decoder_flops` counts a pass over every row: the policy's
     forward passes for generation (1), the old log-probs (1 when the actor recomputes them),
     the reference's log-probs (1 with a reference) and its update (3 per actor.ppo_epochs);
     with a critic, its values (1) and update (3 per critic.ppo_epochs). Attention is counted

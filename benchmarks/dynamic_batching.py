@@ -20,7 +20,7 @@ does) that are padding (none when packed). The losses of the layouts must agree:
 never changes the math.
 
 Model FLOPs utilization: the FLOPs of an update over the real tokens
-(``benchmarks.common.decoder_flops``: 6 x the model's non-embedding parameters x tokens,
+(``verlite.models.flops.decoder_flops``: 6 x the model's non-embedding parameters x tokens,
 plus causal attention, 6 x layers x hidden x the sum of squared lengths) per second, as a
 share of this machine's measured float32 matrix-multiply peak on the same thread count
 (``benchmarks.common.matmul_peak``).
@@ -42,7 +42,6 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
-    decoder_flops,
     emit,
     interleaved,
     matmul_peak,
@@ -56,6 +55,7 @@ from benchmarks.common import (
 from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy, flop_crossover
+from verlite.models.flops import decoder_flops
 from verlite.models.packing_cost import measure_packed_cost
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import trim_padding
@@ -119,7 +119,7 @@ def actor_engine(cfg: ActorConfig) -> TrainEngine:
 
 
 def update_flops(batch: TensorDict) -> float:
-    """The FLOPs of one update over the batch's real tokens (``common.decoder_flops``)."""
+    """The FLOPs of one update over the batch's real tokens (``verlite.models.flops.decoder_flops``)."""
     lengths = batch["attention_mask"].sum(1).double()
     policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=8, seed=0)
     return decoder_flops(

@@ -1,21 +1,38 @@
-"""`make gpu-check`: CUDA, NCCL and bfloat16 on every visible GPU, as one table.
+"""`make gpu-check`: what a GPU session measures, in one go, as one table and one summary.
 
 1. ``verlite check-invariance`` of the main config with ``model.device=cuda``: every rank on
    its own GPU, the ranks joined over NCCL, dp 1, 2, 4 and 8 as far as the GPUs go, in
-   float32 and in bfloat16 (parameters and compute; verlite has no mixed-precision mode with
-   float32 master weights yet).
+   ``model.precision`` fp32 and bf16-mixed (both must pass at the audit's tolerance for the
+   precision) and pure bf16 (expected to fail: bf16 gradients accumulate in bf16; shown as
+   "fails as expected" with its worst difference).
 2. The main job (``make run``) on cuda, its actor and critic sharing GPU 0.
+3. The update of a Qwen2-0.5B-shaped policy (``benchmarks/gpu_update.py``): bf16-mixed, pure
+   bf16 and a plain PyTorch loop, tokens/s, MFU against the GPU's bf16 peak, peak memory.
+4. Two GRPO steps of a Qwen2.5-7B-shaped policy through ``verlite train``
+   (``configs/grpo_7b_shape.yaml``): the actor's peak memory and the step's split.
 
-On a machine without a GPU it says so and exits 0. CI does not run it.
+Each part runs with its own time limit (a part past it is reported as such and the rest still
+run) and writes its log under ``--output-dir`` (default ``outputs/gpu_check``), with
+``summary.json`` and ``summary.md`` of every part; ``--parts`` runs some of them (a session
+can split the check over two commands, each with its own ``--output-dir``). On a machine
+without a GPU it says so and exits 0; ``--cpu`` runs every part there on tiny shapes (what
+CI runs, so that a typo cannot first show on the GPU). CI does not run it otherwise.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,69 +41,280 @@ from verlite.config import load_config
 from verlite.table import format_table
 
 CONFIG = "configs/ppo_tiny.yaml"
+CONFIG_7B = "configs/grpo_7b_shape.yaml"
 OUTPUT_DIR = "outputs/gpu_check"
+# Each part's limit in seconds (each audit's is per spawn of its ranks): together 10 minutes,
+# a device command's most; on one H200 the parts should take about 6 (not yet measured there).
+LIMITS = {"audit": 60, "main_job": 60, "update": 120, "grpo_7b": 240}
+# Seconds a part past its limit has to stop after SIGTERM before its processes are killed.
+GRACE_S = 30
+# The main job on cuda: enough steps to see it run and validate, not to learn.
+GPU_MAIN_JOB = ["trainer.gpus_per_worker=1", "trainer.total_steps=100", "trainer.val_freq=50"]
+# What --cpu changes: tiny shapes and few steps, the same code paths.
+CPU_MAIN_JOB = ["trainer.total_steps=2", "trainer.val_freq=1", "data.num_val_samples=8"]
+CPU_UPDATE = ["--tiny", "--rows", "8", "--tokens", "72", "--micro", "4", "--repeats", "2"]
+CPU_7B = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=64",
+    "model.vocab_size=1000",
+    "rollout.max_response_length=8",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=16",
+    "actor.micro_batch_size_per_worker=8",
+    "trainer.torch_threads_per_worker=1",
+    "trainer.gpus_per_worker=0",
+]
 
 
-def audit(dtype: str, dps: list[int]) -> tuple[str, ...]:
-    cfg = load_config(CONFIG, ["model.device=cuda", f"model.precision={dtype}"])
+@dataclass
+class Part:
+    """One row of the table: what ran, on what, its figure, its time and its verdict."""
+
+    name: str
+    what: str
+    figure: str = ""
+    seconds: float = 0.0
+    verdict: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict in ("ok", "fails as expected")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where the parts run: cuda (the GPUs there) or CPU on tiny shapes (and the audit on
+    one strategy and role)."""
+
+    device: str
+    dps: list[int]
+    output_dir: Path
+    audit_layouts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> bool:
+        return self.device == "cpu"
+
+
+def audit(target: Target, precision: str, *, expect_pass: bool) -> Part:
+    """``check-invariance`` of the main config in ``precision`` over ``target.dps``."""
+    cfg = load_config(CONFIG, [f"model.device={target.device}", f"model.precision={precision}"])
+    part = Part(f"check-invariance {precision}", f"dp {','.join(map(str, target.dps))}")
     started = time.monotonic()
-    reports = check_invariance(cfg, dps=dps)
+    limit = LIMITS["audit"]
+    reports = check_invariance(cfg, dps=target.dps, timeout_s=limit, **target.audit_layouts)
+    part.seconds = time.monotonic() - started
     worst, tolerance = max(r.worst() for r in reports), tolerance_for(cfg)
-    return (
-        f"check-invariance {dtype}",
-        f"{len(reports)} layouts, NCCL dp {','.join(map(str, dps))}",
-        f"worst {worst:.1e} (tolerance {tolerance:g})",
-        f"{time.monotonic() - started:.0f} s",
-        "ok" if worst <= tolerance else "FAILED",
-    )
+    failed = sum(r.worst() > tolerance for r in reports)
+    part.what = f"{len(reports)} layouts, {part.what}"
+    part.figure = f"worst {worst:.1e} (tolerance {tolerance:g}), {failed} over"
+    passed = failed == 0
+    if expect_pass:
+        part.verdict = "ok" if passed else "FAILED"
+    else:
+        part.verdict = "fails as expected" if not passed else "UNEXPECTEDLY PASSED"
+    part.details = {"worst": worst, "tolerance": tolerance, "layouts": len(reports), "over": failed}
+    return part
 
 
-def main_job() -> tuple[str, ...]:
-    overrides = [
-        "model.device=cuda",
-        "trainer.gpus_per_worker=1",  # colocated: actor and critic take half of it each
-        f"trainer.output_dir={OUTPUT_DIR}",
-        "trainer.overwrite=true",
-    ]
+def _subprocess(
+    command: list[str], *, log: Path, limit: float
+) -> tuple[int | None, float, list[str]]:
+    """Run ``command`` in a session of its own with its output in ``log``; its exit code
+    (None when it ran past ``limit`` seconds), seconds and output lines. One past its limit
+    is stopped as a user's Ctrl-C would (SIGTERM: ``verlite train`` then stops its Ray and
+    frees the GPU for the next part), its whole process group killed if still there after
+    :data:`GRACE_S`."""
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "verlite", "train", "--config", CONFIG, *overrides], check=False
-    )
-    seconds = time.monotonic() - started
-    metrics = Path(OUTPUT_DIR, "metrics.jsonl")
-    vals = [
-        record["val/score/mean"]
-        for record in map(json.loads, metrics.read_text().splitlines() if metrics.exists() else [])
-        if "val/score/mean" in record
-    ]
-    last = f"final validation {vals[-1]:.3f}" if vals else "no validation"
-    return (
-        "main job on cuda",
-        f"{len(vals)} validations",
-        last,
-        f"{seconds:.0f} s",
-        "ok" if done.returncode == 0 else f"FAILED (exit {done.returncode})",
-    )
-
-
-def main() -> int:
-    if torch.version.cuda is None:
-        print(
-            f"gpu-check: no GPU visible here: torch {torch.__version__} is a CPU build, which "
-            "sees none even on a machine with GPUs (install a CUDA build of the same version "
-            "there); nothing to check"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-        return 0
-    gpus = torch.cuda.device_count()
-    if gpus == 0:
-        print("gpu-check: no GPU visible here (torch.cuda.device_count() is 0): nothing to check")
-        return 0
-    dps = [dp for dp in (1, 2, 4, 8) if dp <= gpus]
-    print(f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    rows = [audit("fp32", dps), audit("bf16", dps), main_job()]
-    print(format_table(rows))
-    return 0 if all(row[-1] == "ok" for row in rows) else 1
+        try:
+            code: int | None = process.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            code = None
+            os.killpg(process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=GRACE_S)
+            with contextlib.suppress(ProcessLookupError):  # every process of it has exited
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return code, time.monotonic() - started, log.read_text().splitlines()
+
+
+def _exit_verdict(code: int | None, limit: float) -> str:
+    if code is None:
+        return f"TIMED OUT ({limit:.0f} s)"
+    return "ok" if code == 0 else f"FAILED (exit {code})"
+
+
+def _train(
+    target: Target, config: str, name: str, overrides: list[str], limit: float
+) -> tuple[int | None, float, list[dict[str, Any]]]:
+    """``verlite train`` of ``config`` into ``<output dir>/<name>``: its exit code (None when
+    stopped past ``limit``), seconds and the records of its metrics.jsonl."""
+    out = target.output_dir / name
+    command = [sys.executable, "-m", "verlite", "train", "--config", config]
+    command += [f"trainer.output_dir={out}", "trainer.overwrite=true", *overrides]
+    code, seconds, _ = _subprocess(command, log=target.output_dir / f"{name}.log", limit=limit)
+    metrics = out / "metrics.jsonl"
+    records = (
+        [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    )
+    return code, seconds, records
+
+
+def main_job(target: Target) -> Part:
+    """The main config trained on ``target``'s device, actor and critic sharing one GPU."""
+    overrides = [f"model.device={target.device}"]
+    overrides += CPU_MAIN_JOB if target.cpu else GPU_MAIN_JOB
+    limit = LIMITS["main_job"]
+    code, seconds, records = _train(target, CONFIG, "main_job", overrides, limit)
+    vals = [r["val/score/mean"] for r in records if "val/score/mean" in r]
+    return Part(
+        "main job",
+        f"{len(records)} steps, {len(vals)} validations",
+        f"final validation {vals[-1]:.3f}" if vals else "no validation",
+        seconds,
+        _exit_verdict(code, limit),
+        {"final_validation": vals[-1] if vals else None},
+    )
+
+
+def update_benchmark(target: Target) -> Part:
+    """``benchmarks/gpu_update.py``: its JSON (the log's last line) in the summary."""
+    command = [sys.executable, "-m", "benchmarks.gpu_update", *(CPU_UPDATE if target.cpu else [])]
+    limit = LIMITS["update"]
+    log = target.output_dir / "gpu_update.log"
+    code, seconds, lines = _subprocess(command, log=log, limit=limit)
+    result = json.loads(lines[-1]) if code == 0 and lines else {}
+    part = Part("update benchmark", result.get("shape", "qwen2-0.5b"), seconds=seconds)
+    part.verdict, part.details = _exit_verdict(code, limit), result
+    if result:
+        rates = result["tokens_per_s"]
+        part.figure = ", ".join(f"{k} {v:.0f} tok/s" for k, v in rates.items())
+        if result["mfu"] is not None:
+            part.figure += "; MFU " + ", ".join(f"{k} {v:.2f}" for k, v in result["mfu"].items())
+        if result["max_memory_allocated_gb"] is not None:
+            memory = result["max_memory_allocated_gb"]
+            part.figure += "; peak GB " + ", ".join(f"{k} {v:.1f}" for k, v in memory.items())
+    return part
+
+
+# The split of a step a 7B-shaped run reports, from its metrics.jsonl.
+SPLIT = ("timing_s/gen", "timing_s/log_probs", "timing_s/update_actor", "timing_s/step")
+MFU = "perf/mfu/update"  # on cuda only
+
+
+def grpo_7b(target: Target) -> Part:
+    """Two GRPO steps of ``configs/grpo_7b_shape.yaml``: each step's actor peak memory and
+    the split of its time."""
+    overrides = [f"model.device={target.device}"]
+    overrides += CPU_7B if target.cpu else []
+    limit = LIMITS["grpo_7b"]
+    code, seconds, records = _train(target, CONFIG_7B, "grpo_7b_shape", overrides, limit)
+    steps = [
+        {k: r.get(k) for k in ("step", "perf/max_memory_allocated_gb/actor", MFU, *SPLIT)}
+        for r in records
+    ]
+    part = Part("7B-shaped GRPO", f"{len(records)} of 2 steps", seconds=seconds)
+    part.verdict, part.details = _exit_verdict(code, limit), {"steps": steps}
+    if steps:
+        last = steps[-1]
+        memory = last["perf/max_memory_allocated_gb/actor"]
+        split = ", ".join(
+            f"{k.split('/')[1]} {last[k]:.3g} s" for k in SPLIT if last[k] is not None
+        )
+        mfu = "" if last[MFU] is None else f", update MFU {last[MFU]:.2f}"
+        part.figure = f"peak {memory:.1f} GB{mfu}; last step: {split}"
+    return part
+
+
+def write_summary(target: Target, parts: list[Part], header: str) -> None:
+    rows = [(p.name, p.what, p.figure, f"{p.seconds:.0f} s", p.verdict) for p in parts]
+    table = format_table(rows)
+    print(table, flush=True)
+    target.output_dir.mkdir(parents=True, exist_ok=True)
+    summary = {"header": header, "parts": [asdict(p) for p in parts]}
+    (target.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    lines = ["| part | what | figure | time | verdict |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    (target.output_dir / "summary.md").write_text(f"{header}\n\n" + "\n".join(lines) + "\n")
+
+
+def run_parts(target: Target, groups: list[str]) -> list[Part]:
+    """The parts of ``groups`` (keys of :data:`LIMITS`) in turn; one that raises is reported
+    as failed and the rest still run."""
+    parts: dict[str, tuple[str, Callable[[], Part]]] = {
+        "check-invariance fp32": ("audit", lambda: audit(target, "fp32", expect_pass=True)),
+        "check-invariance bf16-mixed": (
+            "audit",
+            lambda: audit(target, "bf16-mixed", expect_pass=True),
+        ),
+        "check-invariance bf16": ("audit", lambda: audit(target, "bf16", expect_pass=False)),
+        "main job": ("main_job", lambda: main_job(target)),
+        "update benchmark": ("update", lambda: update_benchmark(target)),
+        "7B-shaped GRPO": ("grpo_7b", lambda: grpo_7b(target)),
+    }
+    done = []
+    for name, (group, part) in parts.items():
+        if group not in groups:
+            continue
+        started = time.monotonic()
+        try:
+            done.append(part())
+        except Exception as exc:  # a broken part is a row of the table, not the end of the check
+            error = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+            done.append(Part(name, "", error, time.monotonic() - started, "FAILED"))
+        print(f"gpu-check: {name}: {done[-1].verdict}", flush=True)
+    return done
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--output-dir", default=OUTPUT_DIR)
+    parser.add_argument("--cpu", action="store_true", help="every part on CPU, tiny shapes")
+    parser.add_argument(
+        "--parts",
+        default=",".join(LIMITS),
+        help=f"the parts to run, comma-separated, of {','.join(LIMITS)} (default: all)",
+    )
+    args = parser.parse_args([] if argv is None else argv)
+    groups = args.parts.split(",")
+    if unknown := set(groups) - set(LIMITS):
+        parser.error(f"--parts: unknown {sorted(unknown)}; choose from {','.join(LIMITS)}")
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        layouts = {"strategies": ("ddp",), "roles": ("actor",)}
+        target = Target("cpu", [2], output_dir, layouts)
+        header = f"gpu-check --cpu: tiny shapes, torch {torch.__version__}"
+    else:
+        if torch.version.cuda is None:
+            print(
+                f"gpu-check: no GPU visible here: torch {torch.__version__} is a CPU build, which "
+                "sees none even on a machine with GPUs (install a CUDA build of the same version "
+                "there); nothing to check"
+            )
+            return 0
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            print(
+                "gpu-check: no GPU visible here (torch.cuda.device_count() is 0): nothing to check"
+            )
+            return 0
+        target = Target("cuda", [dp for dp in (1, 2, 4, 8) if dp <= gpus], output_dir)
+        header = f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    print(header, flush=True)
+    parts = run_parts(target, groups)
+    write_summary(target, parts, header)
+    return 0 if all(p.ok for p in parts) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

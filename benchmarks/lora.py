@@ -21,7 +21,7 @@ per storage. Reference: the bytes the reference allocates, measured the same way
 peak (the copy, or entering the adapters-off context).
 MFU: the update's FLOPs over its median time, as a share of this machine's one-thread
 matmul peak (``common.matmul_peak``). Full training does 3 forward passes' worth
-(``common.decoder_flops`` with backward); LoRA 2 (the forward and the input gradients
+(``verlite.models.flops.decoder_flops`` with backward); LoRA 2 (the forward and the input gradients
 through the frozen base; the adapters' own products, under 1% of them, are not counted).
 """
 
@@ -37,7 +37,6 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
-    decoder_flops,
     emit,
     interleaved,
     matmul_peak,
@@ -50,6 +49,7 @@ from benchmarks.common import (
 from verlite.config import ActorConfig, LoraConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
+from verlite.models.flops import decoder_flops
 from verlite.models.lora import adapters_disabled
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.train_engine import TrainEngine

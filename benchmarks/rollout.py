@@ -20,7 +20,6 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
-    decoder_flops,
     emit,
     interleaved,
     matmul_peak,
@@ -34,6 +33,7 @@ from verlite.data import load_tokenizer, position_ids
 from verlite.generation import KeyedNoise, Sampler, SamplingParams, StreamNoise, sample_keys
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
+from verlite.models.flops import decoder_flops
 
 EOS, PAD = 2, 0
 MAIN_JOB = "configs/ppo_tiny.yaml"
@@ -81,7 +81,7 @@ def hf_generate(model: torch.nn.Module, td: TensorDict, params: SamplingParams) 
 
 def generation_flops(model: torch.nn.Module, td: TensorDict, generated: torch.Tensor) -> float:
     """The useful FLOPs of generating ``generated`` tokens per row after ``td``'s prompts
-    (``common.decoder_flops``): the prompts' causal prefill, then each new token attending
+    (``verlite.models.flops.decoder_flops``): the prompts' causal prefill, then each new token attending
     to its prompt and the tokens before it. Rows that ended early count nothing after."""
     prompt = td["attention_mask"].sum(-1).double()
     new = generated.double()

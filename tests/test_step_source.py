@@ -19,6 +19,7 @@ from verlite.data import PromptLoader, build_datasets, load_tokenizer
 from verlite.driver.step_source import StepSource
 from verlite.generation import SamplingParams, SyncLayout, sample_keys
 from verlite.generation.weights import TensorSpec
+from verlite.workers.peak_memory import PEAK_COLUMN
 
 # 3 batches of 4 prompts an epoch: the runs below cross epochs.
 SMALL = ("data.num_train_samples=12", "data.train_batch_size=4", "actor.ppo_mini_batch_size=32")
@@ -90,6 +91,7 @@ class Groups:
         self.log.append(("rollout", "generate", str(self.step_of(prompts)), str(version)))
         batch = prompts.clone()
         batch["rollout_log_probs"] = torch.zeros(len(batch), 1)
+        batch[PEAK_COLUMN] = torch.full((len(batch),), 1.5)  # the rank's peak memory, in GB
         return Done(batch)
 
     def step_of(self, prompts: TensorDict) -> int:
@@ -210,6 +212,9 @@ def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
     assert "old_log_probs" not in set(taken.batch.keys())
     assert ("actor", "compute_log_probs") not in groups.log
     assert taken.metrics["perf/weight_sync_bytes"] == 16.0  # the first sync, reported
+    # The rollout ranks' peak memory, taken out of the batch.
+    assert taken.metrics["perf/max_memory_allocated_gb/rollout"] == 1.5
+    assert PEAK_COLUMN not in set(taken.batch.keys())
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from verlite.config import ConfigError
 from verlite.data import build_task_tokenizer, encode_prompts, load_tokenizer
-from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS
+from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS, response_text
 
 
 def test_special_tokens_and_small_vocab() -> None:
@@ -103,3 +103,14 @@ def test_encode_prompts_without_bos(tmp_path: Path) -> None:
     tok = load_tokenizer(str(tmp_path))
     assert tok.bos_token_id is None
     assert encode_prompts(tok, ["12"]) == [tok("12", add_special_tokens=False)["input_ids"]]
+
+
+def test_response_text_shows_ids_past_the_tokenizer_as_unk() -> None:
+    """A model with more rows than the tokenizer (model.vocab_size) may sample ids the
+    tokenizer lacks: a reward reads each as <unk>, never as nothing (which would hide it)."""
+    tokenizer = load_tokenizer(None, task="copy")
+    one, two = tokenizer.convert_tokens_to_ids(["1", "2"])
+    size = len(tokenizer)
+    assert response_text(tokenizer, [one, size, two, size + 500]) == "1<unk>2<unk>"
+    assert response_text(tokenizer, [size, tokenizer.eos_token_id]) == "<unk>"
+    assert response_text(tokenizer, [one, two, tokenizer.eos_token_id]) == "12"

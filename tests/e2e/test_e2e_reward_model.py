@@ -55,5 +55,9 @@ def test_each_step_and_validation_score_the_weighted_sum_of_the_sources(
             WEIGHTS["fn"] * fn + WEIGHTS["model"] * model, abs=1e-6
         )
     assert record["reward/model/truncated"] == 0
+    # The reward-model ranks' peak memory (the process's peak RSS on CPU), for the step's
+    # scoring and for validation's.
+    assert record["perf/max_memory_allocated_gb/reward_model"] > 0
+    assert record["val/perf/max_memory_allocated_gb/reward_model"] > 0
     placement = json.loads((scored_run / "workers.json").read_text())
     assert sorted(w["role"] for w in placement) == ["actor", "reward"]

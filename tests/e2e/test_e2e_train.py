@@ -31,6 +31,7 @@ STEP_KEYS = {
     "timing_s/update_actor",
     "timing_s/step",
     "perf/throughput",
+    "perf/max_memory_allocated_gb/actor",
 }
 CRITIC_KEYS = {
     "critic/values/mean",
@@ -41,6 +42,7 @@ CRITIC_KEYS = {
     "critic/grad_norm",
     "timing_s/values",
     "timing_s/update_critic",
+    "perf/max_memory_allocated_gb/critic",
 }
 # The main job's samples (without its critic warm-up) score ~0.05 at first; within
 # LEARN_STEPS steps they learn the response length (half the reward): some 5 consecutive

@@ -17,6 +17,7 @@ from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.data.dataset import PromptDataset
 from verlite.generation import SamplingParams, WeightSyncError, sample_keys
 from verlite.workers.actor import ActorWorker
+from verlite.workers.peak_memory import PEAK_COLUMN, pop_peak
 from verlite.workers.rollout import RolloutWorker
 
 
@@ -122,6 +123,8 @@ def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
     assert rollout.generation_engine.version == 5
     generated = rollout.generate(prompts, sampling, 7, 5)
     expected = actor.generate(prompts, sampling, 7)
+    # The rollout rank's peak memory rides on its rows, for the driver to take out.
+    assert pop_peak(generated) > 0 and PEAK_COLUMN not in set(generated.keys())
     keys = sorted(expected.keys())  # iterating a TensorDict itself walks its rows
     assert sorted(generated.keys()) == keys
     for key in keys:

@@ -19,6 +19,7 @@ from verlite.controller import WorkerGroup
 from verlite.controller.resource_pool import build_pools
 from verlite.data import build_task_tokenizer, prompt_tensordict, response_text
 from verlite.data.tasks import TASK_ALPHABET
+from verlite.workers.peak_memory import pop_peak
 from verlite.workers.reward_model import REWARD_INPUT_KEYS, RewardModelWorker
 
 ROWS = 10
@@ -103,4 +104,5 @@ def test_reward_group_scores_each_response_as_a_single_forward_does(
         torch.testing.assert_close(scored["rm_score"], expected, rtol=0, atol=1e-5)
         assert ((scored["rm_score"] > 0) & (scored["rm_score"] < 1)).all()
         assert scored["rm_truncated"].tolist() == truncated
+        assert pop_peak(scored) > 0  # the largest rank's peak memory, for the driver
     assert nothing.batch_size == torch.Size([0])

@@ -31,6 +31,10 @@ class ModelConfig(Section):
         2, description="Built-in model: key/value heads (grouped-query attention)."
     )
     intermediate_size: PositiveInt = Field(128, description="Built-in model: MLP width.")
+    vocab_size: PositiveInt | None = Field(
+        None,
+        description="Built-in model: rows of its embedding and LM head (a real model's vocabulary size, e.g. 152064, for its memory and FLOPs); at least the task tokenizer's size; a sampled id past the tokenizer's reads as <unk> to rewards. None: the tokenizer's size.",
+    )
     precision: Literal["auto", "fp32", "fp64", "bf16-mixed", "bf16"] = Field(
         "auto",
         description="Numeric precision of every model: fp32 or fp64 (parameters and compute); "
@@ -83,6 +87,15 @@ class ModelConfig(Section):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"model.num_heads={self.num_heads} must be divisible by model.num_kv_heads={self.num_kv_heads}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vocab_size_builtin(self) -> ModelConfig:
+        if self.vocab_size is not None and self.path is not None:
+            raise ValueError(
+                f"model.vocab_size={self.vocab_size} sets the built-in model's vocabulary; "
+                f"model.path={self.path!r} has its own (its config.json): leave model.vocab_size unset"
             )
         return self
 

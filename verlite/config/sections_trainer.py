@@ -67,6 +67,15 @@ class TrainerConfig(Section):
     torch_threads_per_worker: PositiveInt = Field(
         1, description="torch threads of each CPU worker."
     )
+    export: bool = Field(
+        True,
+        description="Write the trained policy to <output_dir>/hf_actor at the end (Hugging Face format). false for runs that only measure: a 7B-shaped policy's export gathers and writes some 30 GB.",
+    )
+    peak_tflops: float | None = Field(
+        None,
+        gt=0.0,
+        description="On cuda: the GPU's dense bf16 peak in TFLOP/s that perf/mfu/* divide by. None: from verlite's table by torch.cuda.get_device_name() (no MFU for a GPU it does not know).",
+    )
     val_freq: NonNegativeInt = Field(
         5, description="Validate every this many steps (and at the end); 0 never."
     )

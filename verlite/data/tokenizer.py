@@ -81,7 +81,24 @@ def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str
     ids = list(ids)
     if ids and ids[-1] == tokenizer.eos_token_id:
         ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    size = len(tokenizer)
+    if all(i < size for i in ids):
+        return tokenizer.decode(ids, skip_special_tokens=False)
+    # A model with more rows than its tokenizer has tokens (model.vocab_size, or a real
+    # model's padded vocabulary) may sample ids the tokenizer does not know: decoding skips
+    # them silently, which would hide them. Each is shown as the unknown token instead.
+    pieces, known = [], []
+    for i in ids:
+        if i < size:
+            known.append(i)
+        else:
+            pieces += [
+                tokenizer.decode(known, skip_special_tokens=False),
+                tokenizer.unk_token or UNK,
+            ]
+            known = []
+    pieces.append(tokenizer.decode(known, skip_special_tokens=False))
+    return "".join(pieces)
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:

@@ -15,7 +15,12 @@ from verlite.controller import check_device, check_fits_machine, check_fits_sess
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
-from verlite.models import check_lora_supported, check_packing_supported, check_tokenizer_fits
+from verlite.models import (
+    builtin_vocab_size,
+    check_lora_supported,
+    check_packing_supported,
+    check_tokenizer_fits,
+)
 from verlite.models.precision import check_precision_supported
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
@@ -57,6 +62,7 @@ class RunInputs:
     def load(cls, cfg: Config) -> RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
+        builtin_vocab_size(cfg.model, len(tokenizer))
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)

@@ -157,7 +157,8 @@ def _attempt(
                 flush=True,
             )
         trainer.fit(start)
-        trainer.export_policy()
+        if cfg.trainer.export:
+            trainer.export_policy()
 
 
 def run_training(cfg: Config) -> Path:

@@ -19,6 +19,7 @@ from verlite.data import PromptRecord, response_text, row_records
 from verlite.rewards import RewardFn, score_responses
 from verlite.rewards.combine import combine_scores
 from verlite.rewards.remote import RemoteScorer
+from verlite.workers.peak_memory import pop_peak
 from verlite.workers.reward_model import REWARD_INPUT_KEYS
 
 
@@ -74,6 +75,7 @@ class Scorer:
             scored = pending.result()
             sources["model"] = scored["rm_score"].tolist()
             metrics["reward/model/truncated"] = float(scored["rm_truncated"].sum())
+            metrics["perf/max_memory_allocated_gb/reward_model"] = pop_peak(scored)
         combined = combine_scores(sources, weights)
         metrics.update(combined.metrics)
         return torch.tensor(combined.scores, dtype=torch.float32), metrics

@@ -38,6 +38,7 @@ from verlite.controller import DpSplit, PendingCall, WorkerGroup
 from verlite.core import seeds
 from verlite.data import PromptLoader, PromptRecord, prompt_tensordict
 from verlite.generation import SamplingParams, SyncLayout, WeightSyncError, sample_keys
+from verlite.workers.peak_memory import pop_peak
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ class StepSource:
         self._taken_state = flight.prompts.loader_state
         metrics = self._finish(flight.sync) if flight.sync is not None else {}
         batch = flight.generation.result()
+        metrics["perf/max_memory_allocated_gb/rollout"] = pop_peak(batch)
         if self.with_old or self.with_reference:
             start = time.perf_counter()
             # The sampling keys and the sampler's log-probs stay on the driver.

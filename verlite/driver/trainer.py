@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 
 from tensordict import TensorDict
+from torch import Tensor
 
 from verlite import base_weights
 from verlite.config import Config
@@ -37,6 +38,7 @@ from verlite.errors import RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover
+from verlite.models.flops import DecoderShape, bf16_peak_flops, causal_pairs
 from verlite.models.lora import BASE_FOLDER
 from verlite.records import metrics_log
 from verlite.records.tracking import Tracker
@@ -62,6 +64,59 @@ def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None
                 "rate or check the rewards, then resume from the last checkpoint"
             )
     return None
+
+
+# The MFU metric of each trained role and the stage that times its update.
+MFU_METRICS = {
+    "actor": ("perf/mfu/update", "update_actor"),
+    "critic": ("perf/mfu/critic_update", "update_critic"),
+}
+
+
+def mfu_peaks(cfg: Config, groups: dict[str, WorkerGroup]) -> dict[str, tuple[DecoderShape, float]]:
+    """For each role of ``groups`` on cuda: what its model's FLOPs are counted from, and the
+    bf16 peak of the GPUs its ranks hold (``trainer.peak_tflops`` or the table's, times the
+    GPUs); asked of each group's rank 0 once. A role on CPU has none; a GPU the table does not
+    know without the override has none either, and says so once."""
+    peaks = {}
+    for role, group in groups.items():
+        name, shape = group.call("compute_profile", dispatch="broadcast", collect="rank0")
+        if name is None:
+            continue
+        override = cfg.trainer.peak_tflops
+        peak = bf16_peak_flops(name) if override is None else override * 1e12
+        if peak is None:
+            print(
+                f"perf/mfu: no bf16 peak known for {name!r} (verlite.models.flops); set "
+                "trainer.peak_tflops to log MFU",
+                flush=True,
+            )
+            return {}
+        placement = group.placement()
+        gpus = {(w["node_id"], gpu) for w in placement for gpu in w["gpu_ids"]}
+        peaks[role] = (shape, peak * max(len(gpus), 1))
+    return peaks
+
+
+def mfu_metrics(
+    cfg: Config,
+    peaks: dict[str, tuple[DecoderShape, float]],
+    attention_mask: Tensor,
+    seconds: dict[str, float],
+) -> dict[str, float]:
+    """``perf/mfu/*`` of the updates that ran (timed in ``seconds``, ``timing_s``'s stages):
+    the FLOPs of ppo_epochs forward and backward passes over the step batch's real tokens
+    (``attention_mask``) per second of the update's wall time, over the bf16 peak of the
+    role's GPUs (:func:`mfu_peaks`)."""
+    tokens, attended = float(attention_mask.sum()), causal_pairs(attention_mask)
+    out = {}
+    for role, (shape, peak) in peaks.items():
+        key, stage = MFU_METRICS[role]
+        if stage in seconds:
+            epochs = getattr(cfg, role).ppo_epochs
+            flops = epochs * shape.flops(tokens=tokens, attended=attended, backward=True)
+            out[key] = flops / (seconds[stage] * peak)
+    return out
 
 
 def _every(freq: int, step: int, last: int) -> bool:
@@ -183,6 +238,8 @@ class Trainer:
             with_old=self.recompute_old,
             with_reference=cfg.use_reference,
         )
+        trained = {"actor": groups.actor, "critic": groups.critic}
+        self.mfu_peaks = mfu_peaks(cfg, {k: g for k, g in trained.items() if g is not None})
 
     # -------------------------------------------------------------------- the loop
 
@@ -336,6 +393,7 @@ class Trainer:
         metrics["trainer/restarts"] = float(self.restarts)
         metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
         metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
+        metrics.update(mfu_metrics(cfg, self.mfu_peaks, batch["attention_mask"], timer.seconds))
         return metrics
 
     # ---------------------------------------------------------------------- helpers

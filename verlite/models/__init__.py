@@ -56,11 +56,26 @@ def check_tokenizer_fits(path: str | None, tokenizer_size: int, *, field: str) -
         )
 
 
+def builtin_vocab_size(cfg: ModelConfig, tokenizer_size: int) -> int:
+    """The rows of the built-in model's embedding and LM head for a tokenizer of
+    ``tokenizer_size`` tokens: ``model.vocab_size``, or that size when unset; a
+    ``model.vocab_size`` below it is refused (:class:`ConfigError`)."""
+    if cfg.vocab_size is None:
+        return tokenizer_size
+    if cfg.vocab_size < tokenizer_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.vocab_size} is below the tokenizer's {tokenizer_size} tokens; "
+            f"use at least {tokenizer_size}, or leave it unset"
+        )
+    return cfg.vocab_size
+
+
 def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> PretrainedConfig:
-    """A Hugging Face config for the built-in decoder described by ``cfg``."""
+    """A Hugging Face config for the built-in decoder described by ``cfg``, for a tokenizer
+    of ``vocab_size`` tokens (:func:`builtin_vocab_size`)."""
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
     return config_class(
-        vocab_size=vocab_size,
+        vocab_size=builtin_vocab_size(cfg, vocab_size),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers,

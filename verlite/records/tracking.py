@@ -42,6 +42,7 @@ CONSOLE_KEYS = (
     ("actor/kl_loss", "kl"),
     ("actor/entropy", "entropy"),
     ("response_length/mean", "resp_len"),
+    ("perf/mfu/update", "mfu"),  # on cuda only
 )
 
 

@@ -14,7 +14,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.core import seeds
-from verlite.core.metrics import MetricDict
+from verlite.core.metrics import Metric, MetricDict
 from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
@@ -34,6 +34,7 @@ from verlite.models.precision import autocast, inference_dtypes, store_for_infer
 from verlite.models.varlen import enable_packing
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
+from verlite.workers.peak_memory import PeakMemory
 from verlite.workers.policy_worker import PolicyWorker
 from verlite.workers.train_engine import TrainEngine, infer
 from verlite.workers.training_worker import TrainingWorker
@@ -68,6 +69,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             enable_packing(self.reference)
         self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
         self._base: tuple[int, int] | None = None  # a LoRA base's checksum, at the first sync
+        self._rollout_seconds: MetricDict = {}  # generate_with_log_probs's, until the update
         self.engine = TrainEngine(
             policy,
             cfg=cfg.actor,
@@ -86,6 +88,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         # The dtype a weight sync sends each entry of the policy's state in: the rollout
         # model's (``models.precision.inference_dtypes``).
         self._sent_dtypes = inference_dtypes(inference_module(self.engine.model), cfg.precision)
+        self.peak_memory = PeakMemory(device)
 
     @property
     def lora(self) -> bool:
@@ -127,13 +130,23 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
+        self.peak_memory.begin()
+        started = time.perf_counter()
         batch = self.generate(prompts, params, seed, records)
+        generated = time.perf_counter()
         batch.update(self.compute_log_probs(batch, with_old))
+        # The split of this call's time, reported with the update's metrics (both end on the
+        # host, so on cuda the GPU's work is done).
+        self._rollout_seconds = {
+            "timing_s/gen": Metric.max(generated - started),
+            "timing_s/log_probs": Metric.max(time.perf_counter() - generated),
+        }
         return batch
 
     def compute_log_probs(self, td: TensorDict, with_old: bool) -> TensorDict:
         """``old_log_probs`` of the current policy (with ``with_old``), and ``ref_log_prob``
         when a KL term is on; both passes run the same micro-batches."""
+        self.peak_memory.begin()
         out = TensorDict({}, batch_size=td.batch_size)
         if not with_old and not self.cfg.use_reference:
             return out
@@ -245,5 +258,12 @@ class ActorWorker(TrainingWorker, PolicyWorker):
                 model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:
-        """The policy updates of one step over this rank's share, ``(mini_batches, rows)``."""
-        return self.engine.train_step(td, self.loss_fn)
+        """The policy updates of one step over this rank's share, ``(mini_batches, rows)``,
+        the peak memory of the actor's work in the step and, when it generated the step's
+        batch, the seconds of its generation and log-probs (the slowest rank's)."""
+        self.peak_memory.begin()
+        metrics = self.engine.train_step(td, self.loss_fn)
+        metrics["perf/max_memory_allocated_gb/actor"] = self.peak_memory.metric()
+        metrics.update(self._rollout_seconds)
+        self._rollout_seconds = {}
+        return metrics

@@ -15,6 +15,7 @@ from verlite.core.metrics import MetricDict
 from verlite.models import build_value_model, resolve_device
 from verlite.workers.forward import response_values
 from verlite.workers.objectives import CriticLossSettings, value_loss
+from verlite.workers.peak_memory import PeakMemory
 from verlite.workers.train_engine import TrainEngine
 from verlite.workers.training_worker import TrainingWorker
 
@@ -34,6 +35,7 @@ class CriticWorker(TrainingWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         max_positions = cfg.max_sequence_length
+        device = resolve_device(cfg.model)
         model = build_value_model(
             cfg.model,
             vocab_size=self.vocab_size,
@@ -45,14 +47,20 @@ class CriticWorker(TrainingWorker):
             cfg=cfg.critic,
             total_updates=cfg.role_sizes("critic").total_updates,
             metric_prefix="critic",
-            device=resolve_device(cfg.model),
+            device=device,
             precision=cfg.precision,
         )
         self.loss_fn = partial(value_loss, settings=CriticLossSettings.from_config(cfg.critic))
+        self.peak_memory = PeakMemory(device)
 
     def compute_values(self, td: TensorDict) -> TensorDict:
+        self.peak_memory.begin()
         return self.engine.infer(td, _values).cpu()
 
     def update_critic(self, td: TensorDict) -> MetricDict:
-        """The value updates of one step over this rank's share, ``(mini_batches, rows)``."""
-        return self.engine.train_step(td, self.loss_fn)
+        """The value updates of one step over this rank's share, ``(mini_batches, rows)``,
+        and the peak memory of the critic's work in the step."""
+        self.peak_memory.begin()
+        metrics = self.engine.train_step(td, self.loss_fn)
+        metrics["perf/max_memory_allocated_gb/critic"] = self.peak_memory.metric()
+        return metrics

@@ -27,6 +27,7 @@ from verlite.models.reward_model import (
     score_texts,
     token_limit,
 )
+from verlite.workers.peak_memory import PeakMemory, with_peak
 
 # The step batch's columns a reward-model worker reads (``Trainer`` sends only these).
 REWARD_INPUT_KEYS = ("input_ids", "attention_mask", "responses", "response_mask")
@@ -44,6 +45,7 @@ class RewardModelWorker(Worker):
         rm = cfg.reward.model
         assert rm.path is not None  # the group exists only with a reward model
         self.device = resolve_device(cfg.model)
+        self.peak_memory = PeakMemory(self.device)
         self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         self.tokenizer = load_reward_tokenizer(rm.path)
         model = load_reward_model(rm, model_dtype(cfg.model))
@@ -69,7 +71,9 @@ class RewardModelWorker(Worker):
 
     def score(self, td: TensorDict) -> TensorDict:
         """Each row's score in [0, 1] (``rm_score``) and whether its text was cut to
-        ``reward.model.max_length`` (``rm_truncated``), in the order of the rows."""
+        ``reward.model.max_length`` (``rm_truncated``), in the order of the rows, and this
+        rank's peak memory over the call (``PEAK_COLUMN``)."""
+        self.peak_memory.begin()
         inputs = encode_texts(self.tokenizer, self.texts(td), max_length=self.max_length)
         micro = self.cfg.reward.model.micro_batch_size_per_worker
         with autocast(self.cfg.precision, self.device):
@@ -78,10 +82,11 @@ class RewardModelWorker(Worker):
                 for start in range(0, len(inputs.ids), micro)
             ]
         rows = len(inputs.ids)
-        return TensorDict(
+        scored = TensorDict(
             {
                 "rm_score": torch.cat(parts) if parts else torch.zeros(0),
                 "rm_truncated": torch.tensor(inputs.truncated, dtype=torch.bool),
             },
             batch_size=[rows],
         )
+        return with_peak(scored, self.peak_memory)

@@ -13,6 +13,7 @@ from verlite.data import PromptRecord
 from verlite.generation import GenerationEngine, NativeEngine, SamplingParams, WeightBucket
 from verlite.models import build_policy, resolve_device
 from verlite.models.precision import store_for_inference
+from verlite.workers.peak_memory import PeakMemory, with_peak
 from verlite.workers.policy_worker import PolicyWorker
 
 
@@ -25,6 +26,7 @@ class RolloutWorker(PolicyWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         self.device = resolve_device(cfg.model)
+        self.peak_memory = PeakMemory(self.device)
         # Its initial weights never generate: the first sync replaces them. A LoRA policy's
         # sync sends the adapters alone: the base is built as the actor builds it (same
         # seed), and each sync checks that it is the actor's. Stored as models that are
@@ -54,6 +56,7 @@ class RolloutWorker(PolicyWorker):
         from the actor's call), checked where it landed (raises
         :class:`~verlite.generation.WeightSyncError`); after the last bucket, the version now
         held and the sync's seconds."""
+        self.peak_memory.begin()  # a sync is the first work of the step it is for
         seconds = self.generation_engine.load_bucket(ray.get(bucket))
         return None if seconds is None else (self.generation_engine.version, seconds)
 
@@ -66,7 +69,10 @@ class RolloutWorker(PolicyWorker):
         records: Sequence[PromptRecord] | None = None,
     ) -> TensorDict:
         """Responses to this rank's prompts with the weights of ``version`` (refused with
-        any other), drawn as the actor's :meth:`~verlite.workers.actor.ActorWorker.generate`."""
+        any other), drawn as the actor's :meth:`~verlite.workers.actor.ActorWorker.generate`,
+        with this rank's peak memory since its sync or this call began (``PEAK_COLUMN``)."""
         self.generation_engine.require(version)
+        self.peak_memory.begin()
         prompts = prompts.to(self.device)
-        return self.sample(self.generation_engine.generate, prompts, params, seed, records).cpu()
+        batch = self.sample(self.generation_engine.generate, prompts, params, seed, records)
+        return with_peak(batch.cpu(), self.peak_memory)

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from verlite.controller import Worker
+from verlite.models.flops import DecoderShape
+from verlite.workers.peak_memory import PeakMemory
 
 if TYPE_CHECKING:
     from verlite.workers.train_engine import TrainEngine
@@ -16,9 +18,19 @@ if TYPE_CHECKING:
 
 class TrainingWorker(Worker):
     """A worker that trains with a :class:`~verlite.workers.train_engine.TrainEngine` (``self.engine``,
-    built by the subclass's ``init_model``): checkpoints of its training state."""
+    built by the subclass's ``init_model``): checkpoints of its training state, the peak
+    memory of its work in a step (``self.peak_memory``, also built there) and what the
+    driver's MFU figures need."""
 
     engine: TrainEngine
+    peak_memory: PeakMemory
+
+    def compute_profile(self) -> tuple[str | None, DecoderShape]:
+        """Asked once at start-up: the name of this rank's GPU (None on CPU) and what its
+        model's FLOPs are counted from."""
+        device = self.engine.device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        return name, DecoderShape.of(self.engine.model)
 
     def save_checkpoint(self, path: str) -> None:
         """Collective over the group: model, optimizer and schedule (DCP), and this rank's RNG."""

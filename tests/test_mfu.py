@@ -1,0 +1,77 @@
+"""perf/mfu/* on the driver: each trained role's update FLOPs over its GPUs' bf16 peak, from
+what rank 0 reports once at start-up; no figure on CPU or for a GPU the table lacks."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import pytest
+import torch
+
+from verlite.config import load_config
+from verlite.driver.trainer import mfu_metrics, mfu_peaks
+from verlite.models.flops import DecoderShape
+from verlite.records.tracking import ConsoleLogger
+
+SHAPE = DecoderShape(dense_params=1000, hidden_size=8, num_layers=2)
+
+
+class _Group:
+    """What mfu_peaks asks of a worker group: rank 0's profile and the placement."""
+
+    def __init__(self, device_name: str | None, gpus: list[list[str]]) -> None:
+        self.device_name, self.gpus, self.calls = device_name, gpus, 0
+
+    def call(self, method: str, **kwargs: Any) -> tuple[str | None, DecoderShape]:
+        assert (method, kwargs) == (
+            "compute_profile",
+            {"dispatch": "broadcast", "collect": "rank0"},
+        )
+        self.calls += 1
+        return self.device_name, SHAPE
+
+    def placement(self) -> list[dict[str, Any]]:
+        return [{"node_id": "n", "gpu_ids": ids} for ids in self.gpus]
+
+
+def test_the_update_flops_over_the_peak_of_the_roles_gpus() -> None:
+    cfg = load_config("configs/ppo_tiny.yaml", ["actor.ppo_epochs=2"])
+    actor, critic = _Group("NVIDIA H200", [["0"], ["1"]]), _Group("NVIDIA H200", [["0"]])
+    peaks = mfu_peaks(cfg, {"actor": actor, "critic": critic})
+    assert peaks == {"actor": (SHAPE, 2 * 989.4e12), "critic": (SHAPE, 989.4e12)}
+    assert actor.calls == critic.calls == 1
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # 5 tokens, 6 + 3 causal pairs
+    flops = 3 * (2.0 * 1000 * 5 + 4.0 * 8 * 2 * 9)
+    seconds = {"update_actor": 0.5, "update_critic": 0.25}
+    assert mfu_metrics(cfg, peaks, mask, seconds) == {
+        "perf/mfu/update": 2 * flops / (0.5 * 2 * 989.4e12),
+        "perf/mfu/critic_update": flops / (0.25 * 989.4e12),
+    }
+    # A step whose actor did not update (critic warm-up) has no actor figure.
+    assert list(mfu_metrics(cfg, peaks, mask, {"update_critic": 0.25})) == [
+        "perf/mfu/critic_update"
+    ]
+
+
+def test_the_peak_override_and_what_logs_no_mfu(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = load_config("configs/grpo_tiny.yaml", ["trainer.peak_tflops=100"])
+    assert mfu_peaks(cfg, {"actor": _Group("Some GPU", [["0"]])}) == {"actor": (SHAPE, 100e12)}
+    plain = load_config("configs/grpo_tiny.yaml")
+    assert mfu_peaks(plain, {"actor": _Group(None, [[]])}) == {}  # CPU: nothing said
+    assert capsys.readouterr().out == ""
+    assert mfu_peaks(plain, {"actor": _Group("Some GPU", [["0"]])}) == {}
+    assert capsys.readouterr().out == (
+        "perf/mfu: no bf16 peak known for 'Some GPU' (verlite.models.flops); set "
+        "trainer.peak_tflops to log MFU\n"
+    )
+
+
+def test_the_progress_line_shows_the_updates_mfu_when_there_is_one() -> None:
+    stream = io.StringIO()
+    console = ConsoleLogger(total_steps=2, stream=stream)
+    console.log(1, {"critic/score/mean": 0.5, "perf/mfu/update": 0.3125})
+    console.log(2, {"critic/score/mean": 0.5})  # CPU: no MFU, no field
+    first, second = stream.getvalue().splitlines()
+    assert "| score 0.5 | mfu 0.312 |" in first
+    assert "mfu" not in second

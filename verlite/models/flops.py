@@ -1,0 +1,88 @@
+"""FLOPs of a decoder's passes and the bf16 dense peak of the GPU they run on: what a model
+FLOPs utilization (MFU) figure is made of.
+
+A pass costs 2 x the model's dense parameters per token (every weight matrix the token goes
+through, the LM head included, the input embedding excluded: a lookup) and 4 x hidden x layers
+per attended (query, key) pair (scores and weighted values); a backward pass twice a forward
+one. The GPU's peak is its datasheet's dense (no sparsity) bf16 tensor-core figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# Dense bf16 tensor-core peak FLOP/s by the words torch.cuda.get_device_name() holds, the most
+# specific first. From the vendors' datasheets (the sparsity figures halved):
+# - H100 and H200 SXM: 989.4 TFLOPS (NVIDIA H100 datasheet, "BF16 Tensor Core 1,979 teraFLOPS
+#   with sparsity"; NVIDIA H200 datasheet, the same figure; an H200 reports "NVIDIA H200").
+# - H100 PCIe: 756 TFLOPS (NVIDIA H100 datasheet, 1,513 with sparsity).
+# - H100 NVL: 835.5 TFLOPS (NVIDIA H100 datasheet, 1,671 with sparsity).
+# - A100 (SXM and PCIe): 312 TFLOPS (NVIDIA A100 datasheet, "BF16 Tensor Core 312 TFLOPS").
+# - L40S: 362.05 TFLOPS (NVIDIA L40S datasheet, 733 with sparsity).
+# - A10G / A10: 125 TFLOPS (NVIDIA A10 datasheet, 250 with sparsity).
+# - L4: 121 TFLOPS (NVIDIA L4 datasheet, 242 with sparsity).
+BF16_PEAK_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "NVL"), 835.5e12),
+    (("H100", "PCIE"), 756e12),
+    (("H100",), 989.4e12),
+    (("H200",), 989.4e12),
+    (("A100",), 312e12),
+    (("L40S",), 362.05e12),
+    (("A10",), 125e12),
+    (("L4",), 121e12),
+)
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak of the GPU ``torch.cuda.get_device_name()`` calls ``device_name``;
+    None for one the table does not know."""
+    words = device_name.upper().replace("-", " ").split()
+    for keys, peak in BF16_PEAK_FLOPS:
+        if all(key in words for key in keys):
+            return peak
+    return None
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What a decoder's FLOPs depend on: its dense parameters (the module docstring's),
+    hidden size and layer count."""
+
+    dense_params: int
+    hidden_size: int
+    num_layers: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> DecoderShape:
+        """The shape of a Hugging Face decoder (or a peft model or value model around one).
+        An LM head tied to the input embedding is counted once, as the LM head."""
+        config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        dense = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+        inner = next(m for m in model.modules() if hasattr(m, "get_output_embeddings"))
+        head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
+        if head is not None and head.weight is embedding.weight:
+            dense += head.weight.numel()
+        return cls(dense, int(config.hidden_size), int(config.num_hidden_layers))
+
+    def flops(self, *, tokens: float, attended: float, backward: bool) -> float:
+        """One pass over ``tokens`` tokens whose queries attend ``attended`` keys in all
+        (:func:`causal_pairs`); with ``backward``, forward and backward (3x)."""
+        flops = (
+            2.0 * self.dense_params * tokens + 4.0 * self.hidden_size * self.num_layers * attended
+        )
+        return 3.0 * flops if backward else flops
+
+
+def decoder_flops(model: nn.Module, *, tokens: float, attended: float, backward: bool) -> float:
+    """:meth:`DecoderShape.flops` of ``model``."""
+    return DecoderShape.of(model).flops(tokens=tokens, attended=attended, backward=backward)
+
+
+def causal_pairs(attention_mask: torch.Tensor) -> float:
+    """The (query, key) pairs causal attention computes over the real tokens of each row of
+    ``attention_mask`` (1 for a real token): L (L + 1) / 2 for a row of L."""
+    lengths = attention_mask.sum(-1).double()
+    return float((lengths * (lengths + 1) / 2).sum())

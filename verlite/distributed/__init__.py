@@ -21,6 +21,7 @@ from verlite.distributed.parallel import (
     grad_sync,
     inference_module,
     model_state,
+    move_optimizer_state,
 )
 from verlite.distributed.process_group import (
     default_backend,
@@ -59,6 +60,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "model_state",
+    "move_optimizer_state",
     "rank_gpus",
     "run_on_ranks",
 ]

@@ -15,7 +15,12 @@ from verlite.controller import check_device, check_fits_machine, check_fits_sess
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
-from verlite.models import check_lora_supported, check_packing_supported, check_tokenizer_fits
+from verlite.models import (
+    check_gradient_checkpointing_supported,
+    check_lora_supported,
+    check_packing_supported,
+    check_tokenizer_fits,
+)
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, resolve_reward
@@ -58,6 +63,8 @@ class RunInputs:
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)
+            if getattr(cfg, role).gradient_checkpointing:
+                check_gradient_checkpointing_supported(cfg.model, role=role)
         check_lora_supported(cfg.model, cfg.actor.lora)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)

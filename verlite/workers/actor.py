@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -44,6 +45,17 @@ def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Te
     return {key: log_probs}
 
 
+@contextlib.contextmanager
+def on_device(module: nn.Module, device: torch.device, *, home: torch.device) -> Iterator[None]:
+    """``module`` on ``device`` for the block and back on ``home`` after, errors included
+    (nothing moves when both are the same device)."""
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to(home)
+
+
 class ActorWorker(TrainingWorker, PolicyWorker):
     """One rank of the actor group; the model is built by ``init_model`` once the group's
     process group exists (FSDP needs it)."""
@@ -54,9 +66,11 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         policy = self._build_policy()
         # The reference is the initial policy, frozen; a plain copy on every rank needs no
         # collectives. A LoRA policy's initial policy is its base: the policy itself with
-        # its adapters off (``models.lora``), no copy.
+        # its adapters off (``models.lora``), no copy. With actor.offload it waits on the
+        # CPU between its log-prob passes.
+        self._reference_home = torch.device("cpu") if cfg.actor.offload != "none" else device
         self.reference = (
-            copy.deepcopy(policy).requires_grad_(False).to(device)
+            copy.deepcopy(policy).requires_grad_(False).to(self._reference_home)
             if cfg.use_reference and not self.lora
             else None
         )
@@ -142,14 +156,15 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             with adapters_disabled(self.engine.model):
                 return self.engine.infer(td, ref_fn, plan)["ref_log_prob"]
         assert self.reference is not None
-        ref = infer(
-            self.reference,
-            td,
-            ref_fn,
-            plan=plan,
-            device=self.engine.device,
-            packing=self.cfg.actor.packing,
-        )
+        with on_device(self.reference, self.engine.device, home=self._reference_home):
+            ref = infer(
+                self.reference,
+                td,
+                ref_fn,
+                plan=plan,
+                device=self.engine.device,
+                packing=self.cfg.actor.packing,
+            )
         return ref["ref_log_prob"]
 
     def weight_layout(self) -> SyncLayout:

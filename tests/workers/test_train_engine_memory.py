@@ -335,10 +335,15 @@ def test_on_device_moves_for_the_block_and_back_after_errors_too() -> None:
     assert module.weight.is_meta
 
 
+def test_the_reference_waits_on_the_cpu_when_the_actor_offloads() -> None:
+    gpu = torch.device("cuda", 0)
+    assert actor_module.reference_home("none", gpu) == gpu
+    for offload in ("optimizer", "all"):
+        assert actor_module.reference_home(offload, gpu) == torch.device("cpu")
+
+
 @pytest.mark.parametrize("offload", ["none", "optimizer"])
-def test_the_reference_waits_on_the_cpu_between_its_passes(
-    offload: str, tmp_path: Path, monkeypatch
-) -> None:
+def test_the_reference_moves_for_its_pass_only(offload: str, tmp_path: Path, monkeypatch) -> None:
     cfg = load_config(
         "configs/ppo_tiny.yaml",
         [f"actor.offload={offload}", "actor.use_kl_loss=true", f"trainer.output_dir={tmp_path}"],

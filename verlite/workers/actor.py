@@ -45,6 +45,13 @@ def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Te
     return {key: log_probs}
 
 
+def reference_home(offload: str, device: torch.device) -> torch.device:
+    """Where the frozen reference waits between its log-prob passes: on the CPU when the actor
+    offloads (``actor.offload`` not none), so that it holds no device memory while the
+    policy generates and trains; else on ``device``."""
+    return torch.device("cpu") if offload != "none" else device
+
+
 @contextlib.contextmanager
 def on_device(module: nn.Module, device: torch.device, *, home: torch.device) -> Iterator[None]:
     """``module`` on ``device`` for the block and back on ``home`` after, errors included
@@ -66,9 +73,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         policy = self._build_policy()
         # The reference is the initial policy, frozen; a plain copy on every rank needs no
         # collectives. A LoRA policy's initial policy is its base: the policy itself with
-        # its adapters off (``models.lora``), no copy. With actor.offload it waits on the
-        # CPU between its log-prob passes.
-        self._reference_home = torch.device("cpu") if cfg.actor.offload != "none" else device
+        # its adapters off (``models.lora``), no copy.
+        self._reference_home = reference_home(cfg.actor.offload, device)
         self.reference = (
             copy.deepcopy(policy).requires_grad_(False).to(self._reference_home)
             if cfg.use_reference and not self.lora

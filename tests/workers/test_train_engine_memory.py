@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
 from verlite.audit.invariance import check_invariance, make_batch
-from verlite.config import ConfigError, load_config
+from verlite.config import Config, ConfigError, load_config
 from verlite.distributed import (
     apply_fsdp,
     destroy_process_group,
@@ -55,15 +55,14 @@ LOSS = partial(ppo_loss, settings=ActorLossSettings.from_config(CONFIG.actor))
 TOLERANCE = 1e-9
 
 
-def policy(dtype: str = "float64", lora_rank: int = 0) -> nn.Module:
-    model = CONFIG.model.model_copy(update={"dtype": dtype})
-    lora = CONFIG.actor.lora.model_copy(update={"rank": lora_rank})
-    return build_policy(model, vocab_size=64, max_positions=64, seed=0, lora=lora)
+def policy(cfg: Config = CONFIG, lora_rank: int = 0) -> nn.Module:
+    lora = cfg.actor.lora.model_copy(update={"rank": lora_rank})
+    return build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0, lora=lora)
 
 
 def mlp_calls(model: nn.Module) -> list[int]:
     """A counter of the decoder layers' MLP runs: a checkpointed layer's forward runs again in
-    backward (the recomputation runs no module hooks, so each MLP's ``forward`` is wrapped)."""
+    backward (where the MLPs' forward hooks did not fire, so each one's ``forward`` is wrapped)."""
     calls = [0]
 
     def counted(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -111,7 +110,7 @@ def _grads(role: str, dtype: str, *, autocast: bool, checkpointed: bool, lora: i
     """One engine update (SGD, no clipping) of a fresh actor or critic; its gradients by name."""
     cfg = load_config("configs/ppo_tiny.yaml", [f"model.dtype={dtype}"])
     if role == "actor":
-        model = policy(dtype, lora_rank=lora)
+        model = policy(cfg, lora_rank=lora)
         loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
     else:
         model = build_value_model(cfg.model, vocab_size=64, max_positions=64, seed=0)

@@ -88,6 +88,17 @@ BAD_OVERRIDES = [
         # the CLI masks credentials in every message: this one must survive it whole
         "name an environment variable that holds the token in reward.remote.auth_env instead",
     ),
+    (
+        ["actor.offload=all"],
+        "actor.offload=all is FSDP2's CPU offload and needs actor.strategy=fsdp, got "
+        "actor.strategy=ddp",
+    ),
+    (
+        ["critic.offload=all", "critic.strategy=none"],
+        "critic.offload=all is FSDP2's CPU offload and needs critic.strategy=fsdp, got "
+        "critic.strategy=none",
+    ),
+    (["actor.offload=cpu"], "actor.offload='cpu': Input should be 'none', 'optimizer' or 'all'"),
     (["actor"], "malformed override 'actor'"),
     (["=1"], "malformed override '=1'"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
@@ -208,6 +219,18 @@ def test_bad_override(
     capsys: pytest.CaptureFixture[str], overrides: list[str], expected: str
 ) -> None:
     assert expected in run(capsys, "train", "--config", CONFIG, *overrides)
+
+
+def test_a_model_without_activation_checkpointing_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+    monkeypatch.setattr(LlamaPreTrainedModel, "supports_gradient_checkpointing", False)
+    overrides = [f"trainer.output_dir={tmp_path / 'run'}", "critic.gradient_checkpointing=true"]
+    err = run(capsys, "train", "--config", CONFIG, *overrides)
+    assert "critic.gradient_checkpointing=true: LlamaModel does not support activation" in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_moved_key_is_one_line_naming_its_new_place(

@@ -44,7 +44,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         type=str_list,
         default=None,
         help="micro-batching: 1 or 2 sequences, full (one micro-batch), dynamic (token budget), "
-        "packed (2 sequences a packed row), packed-dynamic (the token budget, packed); "
+        "packed (2 sequences a packed row), packed-dynamic (the token budget, packed), "
+        "checkpointed (2 sequences, activation checkpointing on); "
         "comma-separated, default all",
     )
     check.add_argument("--strategy", type=str_list, default=None, help="ddp,fsdp (default both)")

@@ -4,7 +4,7 @@ Real spawned ranks with gloo, a tiny Hugging Face Llama (actor) and value model 
 float64, ragged prompts and responses with a fully masked row, truncated importance weights
 on the policy token losses, all five loss_agg_modes, DDP and FSDP2, dp 1/2/4, micro-batches
 of 1, 2, all rows, and a token budget, padded or packed (2 rows or the budget per packed
-row): one plain SGD step, and three steps of AdamW with gradient clipping active, as
+row), and 2 rows with activation checkpointing: one plain SGD step, and three steps of AdamW with gradient clipping active, as
 training runs.
 """
 
@@ -148,13 +148,15 @@ def test_negative_control_fails_after_three_adamw_steps() -> None:
 
 
 # LoRA: the gradients of the adapters (A and B: the audit starts B away from 0) under DDP and
-# FSDP2 (frozen and trainable parameters in one shard unit), padded, budgeted and packed.
+# FSDP2 (frozen and trainable parameters in one shard unit), padded, packed and checkpointed
+# (a frozen base under activation checkpointing).
 LORA = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64", "actor.lora.rank=4"])
 
 
 def test_lora_adapter_gradients_match_the_reference() -> None:
-    reports = check_invariance(LORA, dps=[2], micros=["1", "packed"], roles=["actor"])
-    assert len(reports) == 2 * 2
+    micros = ["1", "packed", "checkpointed"]
+    reports = check_invariance(LORA, dps=[2], micros=micros, roles=["actor"])
+    assert len(reports) == 2 * len(micros)
     failures = [r for r in reports if r.worst() > TOLERANCE]
     assert not failures, failures
 

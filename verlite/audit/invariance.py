@@ -65,7 +65,7 @@ from verlite.workers.objectives import (
 from verlite.workers.train_engine import TrainEngine
 
 Role = Literal["actor", "critic"]
-MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic")
+MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic", "checkpointed")
 STRATEGIES = ("ddp", "fsdp")
 Optimizer = Literal["sgd", "configured"]
 # bf16 rounds every matrix product's output to 8 significant bits (unit roundoff
@@ -227,8 +227,12 @@ def micro_settings(micro: str, *, rows_per_worker: int, longest: int) -> dict[st
     """A role's micro-batching fields for the micro layout ``micro``: a number of rows per
     micro-batch, ``full`` (the worker's whole mini-batch share, ``rows_per_worker``),
     ``dynamic`` (a token budget of two of the longest rows, so micro-batches differ in
-    rows), or ``packed`` / ``packed-dynamic``: 2 rows / that budget per micro-batch, run as
-    packed rows (``packing``)."""
+    rows), ``packed`` / ``packed-dynamic``: 2 rows / that budget per micro-batch, run as
+    packed rows (``packing``), or ``checkpointed``: 2 rows per micro-batch with activation
+    checkpointing (``gradient_checkpointing``)."""
+    if micro == "checkpointed":
+        settings = micro_settings("2", rows_per_worker=rows_per_worker, longest=longest)
+        return {**settings, "gradient_checkpointing": True}
     if micro.startswith("packed"):
         unpacked = "dynamic" if micro == "packed-dynamic" else "2"
         settings = micro_settings(unpacked, rows_per_worker=rows_per_worker, longest=longest)

@@ -118,6 +118,11 @@ def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
             f"{mini} must be divisible by the {role}'s {sizes.dp_size} workers "
             f"(trainer.nnodes={cfg.trainer.nnodes} * {role}.workers_per_node={section.workers_per_node})"
         )
+    if section.offload == "all" and section.strategy != "fsdp":
+        raise ValueError(
+            f"{role}.offload=all is FSDP2's CPU offload and needs {role}.strategy=fsdp, got "
+            f"{role}.strategy={section.strategy}; use strategy=fsdp or offload=optimizer"
+        )
     if section.strategy == "none" and sizes.dp_size > 1:
         raise ValueError(
             f"{role}.strategy=none runs one worker, but {role} has {sizes.dp_size} workers; use ddp or fsdp"

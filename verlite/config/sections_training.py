@@ -102,6 +102,14 @@ class WorkerRoleConfig(Section):
     optim: OptimConfig = Field(
         default_factory=OptimConfig, description="Optimizer and LR schedule."
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Activation checkpointing: keep only each decoder layer's input during the training forward and recompute the layer in backward (less memory, one more forward of compute); the same gradients. Log-prob and value passes are unaffected.",
+    )
+    offload: Literal["none", "optimizer", "all"] = Field(
+        "none",
+        description="Keep training state on the CPU: optimizer (its state lives on the CPU between updates, moved to the device for each step; any strategy), or all (FSDP2's CPU offload: parameters, gradients and optimizer state on the CPU, the optimizer steps there; needs strategy=fsdp). With the actor, not none also keeps the reference model on the CPU except during its log-prob pass.",
+    )
 
 
 # The projections of Llama- and Qwen2-family decoders: attention and MLP.

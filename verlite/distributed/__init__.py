@@ -22,6 +22,7 @@ from verlite.distributed.parallel import (
     inference_module,
     model_state,
     unwrap,
+    move_optimizer_state,
 )
 from verlite.distributed.process_group import (
     default_backend,
@@ -60,6 +61,7 @@ __all__ = [
     "init_process_group",
     "is_initialized",
     "model_state",
+    "move_optimizer_state",
     "rank_gpus",
     "run_on_ranks",
     "unwrap",

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from verlite.distributed.process_group import get_world_size
+from verlite.distributed.process_group import get_world_size, is_initialized
 
 # Attribute names Hugging Face models use for their stack of decoder blocks:
 # `layers` (Llama, Qwen2, Mistral, Gemma: model.model.layers) and `h` (GPT-2, Falcon).
@@ -75,24 +75,65 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def apply_fsdp(model: nn.Module, *, reshard_after_forward: bool = True) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, *, reshard_after_forward: bool = True, offload: bool = False
+) -> nn.Module:
     """Shard ``model`` with FSDP2: each decoder block, then the root; unchanged at world 1.
 
     Unlike DDP, FSDP2 does not broadcast: every rank must hold the same weights beforehand
     (same seed, or the same checkpoint). The model is modified in place and returned.
+
+    ``offload``: FSDP2's CPU offload, parameters, gradients and optimizer state on the CPU
+    (each block's parameters are copied to the device for its forward and backward, the
+    optimizer steps on the CPU). It shards at world 1 too, over a group of one rank made
+    here when the worker has none.
     """
     world = get_world_size()
-    if world == 1:
+    if world == 1 and not offload:
         return model
-    mesh = init_device_mesh(_device_type(model), (world,))
+    device_type = _device_type(model)
+    if not is_initialized():
+        _join_single_rank_group(device_type)
+    mesh = init_device_mesh(device_type, (world,))
+    # Pinned host memory needs CUDA; on CPU the parameters already live on the host.
+    policy = CPUOffloadPolicy(pin_memory=device_type == "cuda") if offload else OffloadPolicy()
     layers = find_decoder_layers(model)
     for i, layer in enumerate(layers):
         # The last block's parameters are needed again right at the start of backward, so
         # freeing them after forward would only cost an extra all-gather (torchtitan does this).
         keep = i == len(layers) - 1
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward and not keep)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(
+            layer,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward and not keep,
+            offload_policy=policy,
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy
+    )
     return model
+
+
+def _join_single_rank_group(device_type: str) -> None:
+    """A default process group of this process alone (an in-memory store: no port), which
+    FSDP2's device mesh needs; the worker of a one-rank group has none."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    torch.distributed.init_process_group(
+        backend, store=torch.distributed.HashStore(), rank=0, world_size=1
+    )
+
+
+def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Move the state that mirrors each parameter (AdamW's moments; not its step counter,
+    which stays where the optimizer keeps it) to ``device``: exact copies. From cuda to the
+    CPU the copies land in pinned memory (``non_blocking``), and the move waits for them
+    before returning."""
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                state[key] = value.to(device, non_blocking=True)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 @contextlib.contextmanager
@@ -133,7 +174,7 @@ def clip_grad_norm(model: nn.Module, max_norm: float | None) -> torch.Tensor:
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
     if isinstance(total, DTensor):
         # FSDP2 grads are shards: the local norm is a partial; full_tensor() reduces it.
-        total = total.full_tensor()
+        total = _whole(total)
     if max_norm is not None and math.isfinite(max_norm) and bool(torch.isfinite(total)):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total.detach()
@@ -175,8 +216,16 @@ def full_tensor(value: torch.Tensor) -> torch.Tensor:
     Collective for a sharded tensor: every rank must call it, in the same order.
     """
     if isinstance(value, DTensor):
-        value = value.full_tensor()
+        value = _whole(value)
     return value.detach()
+
+
+def _whole(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, gathered on its mesh's device: a shard that FSDP2's CPU
+    offload keeps on the host is copied there first (NCCL gathers device tensors only)."""
+    if value.device.type != value.device_mesh.device_type:
+        value = value.to(value.device_mesh.device_type)
+    return value.full_tensor()
 
 
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -190,6 +239,6 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            grad = grad.full_tensor()
+            grad = _whole(grad)
         out[name] = _cpu_snapshot(grad)
     return out

@@ -17,6 +17,7 @@ from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
 from verlite.models import (
     builtin_vocab_size,
+    check_gradient_checkpointing_supported,
     check_lora_supported,
     check_packing_supported,
     check_tokenizer_fits,
@@ -66,6 +67,8 @@ class RunInputs:
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)
+            if getattr(cfg, role).gradient_checkpointing:
+                check_gradient_checkpointing_supported(cfg.model, role=role)
         check_lora_supported(cfg.model, cfg.actor.lora)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)

@@ -225,6 +225,32 @@ def build_value_model(
     return model.to(dtype)
 
 
+def enable_gradient_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing on ``model``'s decoder layers (Hugging Face's, non-reentrant):
+    a policy, a peft policy (through to its base model) or a value model's trunk. Layers
+    recompute only in a training forward with gradients on: log-prob and value passes (eval
+    mode, no grad) run as before."""
+    target = model.trunk if isinstance(model, ValueModel) else model
+    target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # A training forward keeps no KV cache anyway; Hugging Face would turn it off there with
+    # a warning. Generation asks for its cache explicitly (``use_cache=True``).
+    target.config.use_cache = False
+
+
+def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> None:
+    """``<role>.gradient_checkpointing=true`` at start-up: the model class of ``cfg`` must
+    support it (checked on a model built on the meta device: no memory); refused in one
+    line otherwise."""
+    auto_class = AutoModelForCausalLM if role == "actor" else AutoModel
+    with torch.device("meta"):
+        model = auto_class.from_config(_hf_config(cfg, vocab_size=64, max_positions=64))
+    if not model.supports_gradient_checkpointing:
+        raise ConfigError(
+            f"{role}.gradient_checkpointing=true: {type(model).__name__} does not support "
+            f"activation checkpointing; set {role}.gradient_checkpointing=false"
+        )
+
+
 def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
     """``<role>.packing=true`` at start-up: a one-layer model of ``cfg``'s architecture,
     narrowed to a few heads, must keep packed sequences apart (``varlen.enable_packing``);

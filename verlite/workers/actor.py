@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -46,6 +47,24 @@ def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Te
     return {key: log_probs}
 
 
+def reference_home(offload: str, device: torch.device) -> torch.device:
+    """Where the frozen reference waits between its log-prob passes: on the CPU when the actor
+    offloads (``actor.offload`` not none), so that it holds no device memory while the
+    policy generates and trains; else on ``device``."""
+    return torch.device("cpu") if offload != "none" else device
+
+
+@contextlib.contextmanager
+def on_device(module: nn.Module, device: torch.device, *, home: torch.device) -> Iterator[None]:
+    """``module`` on ``device`` for the block and back on ``home`` after, errors included
+    (nothing moves when both are the same device)."""
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to(home)
+
+
 class ActorWorker(TrainingWorker, PolicyWorker):
     """One rank of the actor group; the model is built by ``init_model`` once the group's
     process group exists (FSDP needs it)."""
@@ -58,10 +77,11 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         # collectives, stored as models that are never trained are (``models.precision``).
         # A LoRA policy's initial policy is its base: the policy itself with its adapters
         # off (``models.lora``), no copy.
+        self._reference_home = reference_home(cfg.actor.offload, device)
         self.reference = (
             store_for_inference(copy.deepcopy(policy), cfg.precision)
             .requires_grad_(False)
-            .to(device)
+            .to(self._reference_home)
             if cfg.use_reference and not self.lora
             else None
         )
@@ -163,7 +183,10 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             with adapters_disabled(self.engine.model):
                 return self.engine.infer(td, ref_fn, plan)["ref_log_prob"]
         assert self.reference is not None
-        with autocast(self.cfg.precision, self.engine.device):
+        with (
+            on_device(self.reference, self.engine.device, home=self._reference_home),
+            autocast(self.cfg.precision, self.engine.device),
+        ):
             ref = infer(
                 self.reference,
                 td,

@@ -45,8 +45,10 @@ from verlite.distributed import (
     get_world_size,
     grad_sync,
     inference_module,
+    move_optimizer_state,
 )
 from verlite.distributed.sharded_state import load_train_state, save_train_state
+from verlite.models import enable_gradient_checkpointing
 from verlite.models.precision import autocast
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import (
@@ -119,8 +121,10 @@ class TrainEngine:
         model = model.to(self.device)
         if cfg.packing:
             enable_packing(model)
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
         if cfg.strategy == "fsdp":
-            model = apply_fsdp(model)
+            model = apply_fsdp(model, offload=cfg.offload == "all")
         elif cfg.strategy == "ddp":
             model = apply_ddp(model)
         self.model = model
@@ -163,7 +167,7 @@ class TrainEngine:
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         finite = bool(torch.isfinite(grad_norm))
         if finite:  # a skipped update consumes no step of the LR schedule either
-            self.optimizer.step()
+            self._optimizer_step()
             self.scheduler.step()
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         out = reduce_metrics(micro_metrics, Stage.MICRO_BATCHES)
@@ -172,6 +176,19 @@ class TrainEngine:
         out[f"{prefix}/skipped_updates"] = Metric.count(0.0 if finite else 1.0)
         out[f"{prefix}/nonfinite_streak"] = Metric.max(self.nonfinite_streak)
         return {k: m.to_float() for k, m in out.items()}
+
+    def _optimizer_step(self) -> None:
+        """The optimizer's step; with ``offload=optimizer`` its state comes to the model's
+        device for it and goes back to the CPU after (AdamW creates it on the device at the
+        first step)."""
+        if self.cfg.offload == "optimizer":
+            move_optimizer_state(self.optimizer, self.device)
+        self.optimizer.step()
+        self._offload_optimizer_state()
+
+    def _offload_optimizer_state(self) -> None:
+        if self.cfg.offload == "optimizer":
+            move_optimizer_state(self.optimizer, torch.device("cpu"))
 
     def train_step(self, td: TensorDict, loss_fn: LossFn) -> MetricDict:
         """All updates of one training step: ``ppo_epochs`` passes over the mini-batches.
@@ -218,6 +235,8 @@ class TrainEngine:
         position. Frozen parameters (a LoRA policy's base) are rebuilt from the config, not
         saved."""
         save_train_state(self.model, self.optimizer, path / "train_state")
+        # An optimizer without state yet gets it on its parameters' device to be saved.
+        self._offload_optimizer_state()
         if get_rank() == 0:
             # LambdaLR's state is plain numbers (the lambda itself is rebuilt from the config).
             (path / "schedule.json").write_text(json.dumps(self.scheduler.state_dict()))
@@ -227,6 +246,8 @@ class TrainEngine:
         if not (path / "schedule.json").is_file():
             raise FileNotFoundError(f"{path} holds no engine checkpoint (schedule.json is missing)")
         load_train_state(self.model, self.optimizer, path / "train_state")
+        # Loading puts the optimizer state on its parameters' device (as does saving).
+        self._offload_optimizer_state()
         self.scheduler.load_state_dict(json.loads((path / "schedule.json").read_text()))
 
 

@@ -1,0 +1,369 @@
+"""Memory settings of the training roles (``gradient_checkpointing``, ``offload``): they change
+where tensors live and what is recomputed, never the update. Activation checkpointing
+recomputes each decoder layer in backward only (never in log-prob or value passes) and gives
+the same gradients, in float32, bfloat16 and under bfloat16 autocast; the optimizer state with
+``offload=optimizer`` comes to the device for the step only, resumes from a checkpoint exactly,
+and FSDP2's CPU offload (``offload=all``) trains at one rank too; the actor's reference waits
+on the CPU between its passes. The invariance audit over spawned ranks: the ``checkpointed``
+micro layout in tests/workers/test_train_engine_invariance.py, offload below."""
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import TensorDict
+from test_actor_worker import _actor, _sampled_prompts
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
+
+from verlite.audit.invariance import check_invariance, make_batch
+from verlite.config import Config, ConfigError, load_config
+from verlite.distributed import (
+    apply_fsdp,
+    destroy_process_group,
+    find_decoder_layers,
+    full_state_dict,
+    is_initialized,
+    move_optimizer_state,
+    run_on_ranks,
+)
+from verlite.generation import SamplingParams
+from verlite.models import (
+    build_policy,
+    build_value_model,
+    check_gradient_checkpointing_supported,
+    enable_gradient_checkpointing,
+)
+from verlite.workers import actor as actor_module
+from verlite.workers import train_engine
+from verlite.workers.forward import response_log_probs
+from verlite.workers.objectives import (
+    ActorLossSettings,
+    CriticLossSettings,
+    ppo_loss,
+    value_loss,
+)
+from verlite.workers.train_engine import TrainEngine
+
+CONFIG = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64"])
+LOSS = partial(ppo_loss, settings=ActorLossSettings.from_config(CONFIG.actor))
+TOLERANCE = 1e-9
+
+
+def policy(cfg: Config = CONFIG, lora_rank: int = 0) -> nn.Module:
+    lora = cfg.actor.lora.model_copy(update={"rank": lora_rank})
+    return build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0, lora=lora)
+
+
+def mlp_calls(model: nn.Module) -> list[int]:
+    """A counter of the decoder layers' MLP runs: a checkpointed layer's forward runs again in
+    backward (where the MLPs' forward hooks did not fire, so each one's ``forward`` is wrapped)."""
+    calls = [0]
+
+    def counted(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(*args: torch.Tensor) -> torch.Tensor:
+            calls[0] += 1
+            return forward(*args)
+
+        return run
+
+    for layer in find_decoder_layers(model):
+        layer.mlp.forward = counted(layer.mlp.forward)
+    return calls
+
+
+def test_checkpointing_recomputes_in_backward_only() -> None:
+    batch = make_batch(CONFIG)
+    layers = CONFIG.model.num_layers
+    for checkpointed in (False, True):
+        model = policy()
+        if checkpointed:
+            enable_gradient_checkpointing(model)
+        calls = mlp_calls(model)
+        model.train()
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+        log_probs.sum().backward()
+        assert calls[0] == layers * (2 if checkpointed else 1)
+        # The log-prob passes (eval and no_grad, as ``train_engine.infer``; and no_grad in
+        # training mode) run each layer once.
+        for train_mode in (False, True):
+            calls[0] = 0
+            model.train(train_mode)
+            with torch.no_grad():
+                response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+            assert calls[0] == layers
+
+
+PRECISIONS = {  # model dtype, forward under bfloat16 autocast
+    "float32": ("float32", False),
+    "bfloat16": ("bfloat16", False),
+    "float32 under bfloat16 autocast": ("float32", True),
+}
+
+
+def _grads(role: str, dtype: str, *, autocast: bool, checkpointed: bool, lora: int = 0) -> dict:
+    """One engine update (SGD, no clipping) of a fresh actor or critic; its gradients by name."""
+    cfg = load_config("configs/ppo_tiny.yaml", [f"model.dtype={dtype}"])
+    if role == "actor":
+        model = policy(cfg, lora_rank=lora)
+        loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+    else:
+        model = build_value_model(cfg.model, vocab_size=64, max_positions=64, seed=0)
+        loss_fn = partial(value_loss, settings=CriticLossSettings.from_config(cfg.critic))
+    section = getattr(cfg, role)
+    optim = section.optim.model_copy(update={"name": "sgd", "grad_clip": None})
+    settings = {"gradient_checkpointing": checkpointed, "optim": optim}
+    engine = TrainEngine(
+        model, cfg=section.model_copy(update=settings), total_updates=1, metric_prefix=role
+    )
+
+    def loss(m: nn.Module, td: TensorDict) -> tuple[torch.Tensor, dict]:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext():
+            return loss_fn(m, td)
+
+    engine.train_mini_batch(make_batch(cfg), loss)
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize(("role", "lora"), [("actor", 0), ("actor", 4), ("critic", 0)])
+def test_checkpointing_gives_the_same_gradients(role: str, lora: int, precision: str) -> None:
+    """Bit for bit: the recomputed forward is the same computation (autocast included)."""
+    dtype, autocast = PRECISIONS[precision]
+    plain = _grads(role, dtype, autocast=autocast, checkpointed=False, lora=lora)
+    checkpointed = _grads(role, dtype, autocast=autocast, checkpointed=True, lora=lora)
+    assert plain.keys() == checkpointed.keys() and plain
+    for name, grad in plain.items():
+        assert torch.equal(checkpointed[name], grad), name
+    if lora:
+        assert all(".lora_" in name for name in plain)
+
+
+def test_a_model_without_checkpointing_is_refused_at_start_up(monkeypatch) -> None:
+    check_gradient_checkpointing_supported(CONFIG.model, role="critic")
+    monkeypatch.setattr(LlamaPreTrainedModel, "supports_gradient_checkpointing", False)
+    for role in ("actor", "critic"):
+        with pytest.raises(ConfigError) as info:
+            check_gradient_checkpointing_supported(CONFIG.model, role=role)
+        message = str(info.value)
+        assert message.startswith(f"{role}.gradient_checkpointing=true: Llama")
+        assert message.endswith(f"set {role}.gradient_checkpointing=false")
+        assert "\n" not in message
+
+
+# ------------------------------------------------------------------------------ offload
+
+
+def test_moving_the_optimizer_state_moves_the_moments_not_the_step() -> None:
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    before = {p: {k: v.clone() for k, v in s.items()} for p, s in optimizer.state.items()}
+    move_optimizer_state(optimizer, torch.device("meta"))
+    for state in optimizer.state.values():
+        assert state["exp_avg"].is_meta and state["exp_avg_sq"].is_meta
+        assert state["step"].device.type == "cpu"
+    for param, state in before.items():  # the CPU again: exact copies
+        optimizer.state[param] = {k: v.clone() for k, v in state.items()}
+    move_optimizer_state(optimizer, torch.device("cpu"))
+    for param, state in before.items():
+        for key, value in state.items():
+            assert torch.equal(optimizer.state[param][key], value), key
+
+
+def _engine(offload: str, strategy: str = "none") -> TrainEngine:
+    cfg = ADAMW.actor.model_copy(update={"offload": offload, "strategy": strategy})
+    return TrainEngine(policy(), cfg=cfg, total_updates=10, metric_prefix="actor")
+
+
+ADAMW = load_config(
+    "configs/ppo_tiny.yaml",
+    ["model.dtype=float64", "actor.optim.warmup_steps=3", "actor.optim.schedule=cosine"],
+)
+
+
+def test_offloaded_optimizer_state_visits_the_device_for_the_step_only(monkeypatch) -> None:
+    moves: list[str] = []
+
+    def record(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        moves.append(device.type)
+        move_optimizer_state(optimizer, device)
+
+    monkeypatch.setattr(train_engine, "move_optimizer_state", record)
+    batch = make_batch(ADAMW)
+    plain, offloaded = _engine("none"), _engine("optimizer")
+    for _ in range(2):
+        assert offloaded.train_mini_batch(batch, LOSS) == plain.train_mini_batch(batch, LOSS)
+    assert moves == ["cpu", "cpu"] * 2  # to the device (the CPU here), back to the CPU
+    for name, value in full_state_dict(plain.model).items():
+        assert torch.equal(full_state_dict(offloaded.model)[name], value), name
+    moves.clear()
+    plain.train_mini_batch(batch, LOSS)
+    assert not moves
+
+
+def test_resume_with_the_optimizer_state_offloaded_continues_exactly(
+    tmp_path: Path, monkeypatch
+) -> None:
+    batch = make_batch(ADAMW)
+    straight = _engine("optimizer")
+    first = [straight.train_mini_batch(batch.clone(), LOSS) for _ in range(2)]
+    then = [straight.train_mini_batch(batch.clone(), LOSS) for _ in range(2)]
+    saved = _engine("optimizer")
+    assert [saved.train_mini_batch(batch.clone(), LOSS) for _ in range(2)] == first
+    saved.save(tmp_path)
+    moves: list[str] = []
+    monkeypatch.setattr(
+        train_engine, "move_optimizer_state", lambda opt, device: moves.append(device.type)
+    )
+    resumed = _engine("optimizer")
+    resumed.load(tmp_path)
+    assert moves == ["cpu"]  # loading lands the state on the parameters' device
+    monkeypatch.undo()
+    assert [resumed.train_mini_batch(batch.clone(), LOSS) for _ in range(2)] == then
+    for name, value in full_state_dict(straight.model).items():
+        assert torch.equal(full_state_dict(resumed.model)[name], value), name
+
+
+def _resume_on_ranks(rank: int, world: int, offload: str, path: str, batch) -> tuple:
+    """Four updates straight, and two, a save, a fresh engine's load and two more."""
+    local = batch[rank::world]
+    straight = _engine(offload, "fsdp")
+    metrics = [straight.train_mini_batch(local.clone(), LOSS) for _ in range(4)]
+    saved = _engine(offload, "fsdp")
+    for _ in range(2):
+        saved.train_mini_batch(local.clone(), LOSS)
+    saved.save(Path(path))
+    resumed = _engine(offload, "fsdp")
+    resumed.load(Path(path))
+    then = [resumed.train_mini_batch(local.clone(), LOSS) for _ in range(2)]
+    devices = {
+        v.device.type for s in resumed.optimizer.state.values() for v in s.values() if v.dim()
+    }
+    return (
+        metrics[2:],
+        then,
+        full_state_dict(straight.model),
+        full_state_dict(resumed.model),
+        devices,
+    )
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "all"])
+def test_fsdp_resume_with_offload_continues_exactly(offload: str, tmp_path: Path) -> None:
+    batch = make_batch(ADAMW)
+    results = run_on_ranks(_resume_on_ranks, world_size=2, args=(offload, str(tmp_path), batch))
+    for expected, then, straight, resumed, devices in results:
+        assert then == expected
+        assert straight.keys() == resumed.keys()
+        for name, value in straight.items():
+            assert torch.equal(resumed[name], value), name
+        assert devices == {"cpu"}
+
+
+def test_fsdp_cpu_offload_shards_over_one_rank_without_a_process_group() -> None:
+    assert not is_initialized()
+    model = policy()
+    try:
+        apply_fsdp(model, offload=True)
+        assert is_initialized() and isinstance(model, FSDPModule)
+        params = list(model.parameters())
+        assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params)
+        batch = make_batch(CONFIG)
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+        log_probs.sum().backward()
+        assert all(p.grad is not None and p.grad.device.type == "cpu" for p in params)
+    finally:
+        destroy_process_group()
+
+
+OFFLOAD_MICROS = ["1", "dynamic"]
+
+
+@pytest.mark.parametrize("offload", ["optimizer", "all"])
+def test_offloaded_updates_match_the_reference(offload: str) -> None:
+    """Three AdamW steps with clipping (the optimizer state moves between them; with ``all``
+    FSDP2 shards over one rank too), against the single-process reference (with ``all``,
+    strategy none: no offload)."""
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            "model.dtype=float64",
+            "actor.optim.grad_clip=0.25",
+            "critic.optim.grad_clip=0.25",
+            f"actor.offload={offload}",
+            f"critic.offload={offload}",
+            "actor.strategy=fsdp",
+            "critic.strategy=fsdp",
+        ],
+    )
+    reports = check_invariance(
+        cfg,
+        dps=[1, 2],
+        strategies=["fsdp"],
+        micros=OFFLOAD_MICROS,
+        optimizer="configured",
+        steps=3,
+    )
+    assert len(reports) == 2 * 2 * len(OFFLOAD_MICROS)
+    failures = [r for r in reports if r.worst() > TOLERANCE]
+    assert not failures, failures
+
+
+# ---------------------------------------------------------------------------- reference
+
+
+def test_on_device_moves_for_the_block_and_back_after_errors_too() -> None:
+    module = nn.Linear(2, 2)
+    with actor_module.on_device(module, torch.device("cpu"), home=torch.device("meta")):
+        assert module.weight.device.type == "cpu"
+        module(torch.ones(1, 2))
+    assert module.weight.is_meta
+    module = nn.Linear(2, 2)
+    with (
+        pytest.raises(RuntimeError, match="in the pass"),
+        actor_module.on_device(module, torch.device("cpu"), home=torch.device("meta")),
+    ):
+        raise RuntimeError("in the pass")
+    assert module.weight.is_meta
+
+
+def test_the_reference_waits_on_the_cpu_when_the_actor_offloads() -> None:
+    gpu = torch.device("cuda", 0)
+    assert actor_module.reference_home("none", gpu) == gpu
+    for offload in ("optimizer", "all"):
+        assert actor_module.reference_home(offload, gpu) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_the_reference_moves_for_its_pass_only(offload: str, tmp_path: Path, monkeypatch) -> None:
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [f"actor.offload={offload}", "actor.use_kl_loss=true", f"trainer.output_dir={tmp_path}"],
+    )
+    worker, tokenizer, train_set = _actor(cfg)
+    home = worker._reference_home
+    assert home == (torch.device("cpu") if offload == "optimizer" else worker.engine.device)
+    assert {p.device for p in worker.reference.parameters()} == {home}
+    moves: list[tuple[torch.device, torch.device]] = []
+    real = actor_module.on_device
+
+    def record(module: nn.Module, device: torch.device, *, home: torch.device):
+        assert module is worker.reference
+        moves.append((device, home))
+        return real(module, device, home=home)
+
+    monkeypatch.setattr(actor_module, "on_device", record)
+    prompts = _sampled_prompts(cfg, tokenizer, train_set)
+    batch = worker.generate(prompts, SamplingParams(max_new_tokens=4), 7)
+    out = worker.compute_log_probs(batch, True)
+    assert moves == [(worker.engine.device, home)]
+    assert {p.device for p in worker.reference.parameters()} == {home}
+    # the reference is the initial policy: its log-probs are the policy's before any update
+    assert torch.equal(out["ref_log_prob"], out["old_log_probs"])

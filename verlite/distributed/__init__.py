@@ -21,8 +21,8 @@ from verlite.distributed.parallel import (
     grad_sync,
     inference_module,
     model_state,
-    unwrap,
     move_optimizer_state,
+    unwrap,
 )
 from verlite.distributed.process_group import (
     default_backend,

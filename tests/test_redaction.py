@@ -116,11 +116,18 @@ def test_url_credentials_are_masked() -> None:
 
 def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
     register_secret(SECRET)
-    config = {"wandb": {"api_key": "k", "run_name": f"run-{SECRET}"}, "steps": 3, "none": None}
+    config = {
+        "wandb": {"api_key": "k", "run_name": f"run-{SECRET}"},
+        "steps": 3,
+        "none": None,
+        # A count of tokens is no credential: numbers are shown as they are.
+        "model": {"logits_chunk_tokens": 1024, "auth_token": "t"},
+    }
     assert redact_config(config) == {
         "wandb": {"api_key": "***", "run_name": "run-***"},
         "steps": 3,
         "none": None,
+        "model": {"logits_chunk_tokens": 1024, "auth_token": "***"},
     }
 
 

@@ -22,8 +22,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import quote
 
-# Config keys whose values are never logged, whatever the section: a credential field, should
-# one be added (the config names environment variables that hold them: reward.remote.auth_env).
+# Config keys whose text values are never logged, whatever the section: a credential field,
+# should one be added (the config names environment variables that hold them:
+# reward.remote.auth_env). A number is no credential: model.logits_chunk_tokens and
+# max_token_len_per_worker are counts of tokens, shown as they are.
 _SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
 # Shorter values cannot be masked without garbling messages (a 1-character token is in most
 # words): a credential verlite reads is refused below this length (see register_secret), and
@@ -50,13 +52,13 @@ def register_secret(value: str) -> None:
 
 
 def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config without credentials: secret-named fields masked, and every text value as
-    :func:`redact_text` leaves it."""
+    """The config without credentials: secret-named text fields masked, and every text value
+    as :func:`redact_text` leaves it."""
     clean: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, Mapping):
             clean[key] = redact_config(value)
-        elif _SECRET_KEY.search(str(key)) and value is not None:
+        elif _SECRET_KEY.search(str(key)) and isinstance(value, str):
             clean[key] = MASK
         else:
             clean[key] = redact_text(value) if isinstance(value, str) else value

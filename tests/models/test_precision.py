@@ -14,7 +14,12 @@ from verlite.config.derived import bf16_lost_update, precision_line
 from verlite.generation import make_bucket, sync_layout
 from verlite.generation.weights import WeightReceiver
 from verlite.models import ValueModel, build_policy, build_value_model, set_logits_chunk_tokens
-from verlite.models.precision import autocast, inference_dtypes, store_for_inference
+from verlite.models.precision import (
+    autocast,
+    check_precision_supported,
+    inference_dtypes,
+    store_for_inference,
+)
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.train_engine import TrainEngine
@@ -214,3 +219,16 @@ def test_a_bf16_mixed_weight_sync_sends_what_the_rollout_model_holds() -> None:
         ours, _ = response_log_probs(actor, batch, temperature=1.0, with_entropy=False)
         theirs, _ = response_log_probs(rollout, batch, temperature=1.0, with_entropy=False)
     assert torch.equal(ours, theirs)
+
+
+def test_bf16_on_a_gpu_without_it_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla V100-SXM2-32GB")
+    for precision in ("bf16-mixed", "bf16"):
+        with pytest.raises(ConfigError, match=f"model.precision={precision}: .*V100.*fp32"):
+            check_precision_supported(precision, on_gpu=True)
+        check_precision_supported(precision, on_gpu=False)  # the workers run on CPU
+    check_precision_supported("fp32", on_gpu=True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    check_precision_supported("bf16-mixed", on_gpu=True)

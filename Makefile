@@ -47,7 +47,7 @@ clean:
 .PHONY: test-cluster
 test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/jobs tests/controller/test_controller_session.py \
-		tests/e2e/test_e2e_failures.py
+		tests/e2e/test_e2e_failures.py tests/test_gpu_check.py
 
 # Every benchmark in benchmarks/, each in a fresh process; figures in benchmarks/results.json.
 .PHONY: bench

@@ -20,6 +20,7 @@ def test_without_a_gpu_the_check_says_so_and_passes(capsys: pytest.CaptureFixtur
         assert f"torch {torch.__version__} is a CPU build" in out
 
 
+@pytest.mark.cluster  # two `verlite train` runs, each with an embedded Ray of its own
 def test_every_part_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> None:
     """What a GPU session runs, on tiny shapes: the audits, the main job, the update benchmark
     and the 7B-shaped config's two GRPO steps, with the figures each reports, in summary.json

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tests.model_support import tiny_qwen2
 from verlite.config import ConfigError, ModelConfig
 from verlite.models import build_policy, build_value_model, builtin_vocab_size
 from verlite.models.flops import DecoderShape, bf16_peak_flops, causal_pairs, decoder_flops
@@ -13,23 +13,10 @@ from verlite.models.flops import DecoderShape, bf16_peak_flops, causal_pairs, de
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
 
-def _qwen(*, tied: bool) -> torch.nn.Module:
-    config = Qwen2Config(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
-    return AutoModelForCausalLM.from_config(config)
-
-
 def test_dense_parameters_count_the_lm_head_once_whether_tied_or_not() -> None:
-    untied, tied = DecoderShape.of(_qwen(tied=False)), DecoderShape.of(_qwen(tied=True))
+    untied, tied = DecoderShape.of(tiny_qwen2(tied=False)), DecoderShape.of(tiny_qwen2(tied=True))
     assert tied == untied
-    model = _qwen(tied=False)
+    model = tiny_qwen2(tied=False)
     embedding = model.get_input_embeddings().weight.numel()
     assert untied.dense_params == sum(p.numel() for p in model.parameters()) - embedding
     assert (untied.hidden_size, untied.num_layers) == (32, 2)

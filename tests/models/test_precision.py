@@ -6,8 +6,8 @@ from functools import partial
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
 
+from tests.model_support import tiny_qwen2
 from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, load_config
 from verlite.config.derived import bf16_lost_update, precision_line
@@ -148,18 +148,7 @@ def test_values_are_fp32_under_bf16_autocast() -> None:
 
 
 def _tied_qwen2() -> torch.nn.Module:
-    config = Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_qwen2(tied=True, vocab_size=64)
     set_logits_chunk_tokens(model, 1024)
     return model
 

@@ -79,45 +79,35 @@ class PolicyWorker(Worker):
         (``records``: the step's prompt records, one per prompt, a row's by its ``uid``).
         The model runs in the run's precision (``verlite.models.precision.autocast``)."""
         with autocast(self.cfg.precision, prompts.device):
-            return self._sample(generate, prompts, params, seed, records)
+            device = prompts.device
+            if self.cfg.rollout.multi_turn.env is None or records is None:
+                return generate(prompts, params, self.noise(prompts, params, seed, device))
+            multi_turn = self.cfg.rollout.multi_turn
+            sessions = [
+                Session(
+                    self.environment,
+                    record,
+                    index=uid,
+                    timeout_s=multi_turn.tool_timeout_s,
+                    abandoned=self.abandoned,
+                )
+                for record, uid in zip(
+                    row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
+                )
+            ]
+            turn_params = replace(params, stop_token_ids=self.stop_token_ids)
 
-    def _sample(
-        self,
-        generate: Generate,
-        prompts: TensorDict,
-        params: SamplingParams,
-        seed: int,
-        records: Sequence[PromptRecord] | None,
-    ) -> TensorDict:
-        device = prompts.device
-        if self.cfg.rollout.multi_turn.env is None or records is None:
-            return generate(prompts, params, self.noise(prompts, params, seed, device))
-        multi_turn = self.cfg.rollout.multi_turn
-        sessions = [
-            Session(
-                self.environment,
-                record,
-                index=uid,
-                timeout_s=multi_turn.tool_timeout_s,
-                abandoned=self.abandoned,
+            def turn(td: TensorDict, index: int, max_new_tokens: int) -> TensorDict:
+                p = replace(turn_params, max_new_tokens=max_new_tokens)
+                if "sample_key" in set(td.keys()):
+                    td["sample_key"] = turn_keys(td["sample_key"], index)
+                return generate(td, p, self.noise(td, p, seed, device, turn=index))
+
+            limits = TurnLimits(
+                max_turns=multi_turn.max_turns,
+                width=self.cfg.response_width,
+                turn_tokens=params.max_new_tokens,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
             )
-            for record, uid in zip(
-                row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
-            )
-        ]
-        turn_params = replace(params, stop_token_ids=self.stop_token_ids)
-
-        def turn(td: TensorDict, index: int, max_new_tokens: int) -> TensorDict:
-            p = replace(turn_params, max_new_tokens=max_new_tokens)
-            if "sample_key" in set(td.keys()):
-                td["sample_key"] = turn_keys(td["sample_key"], index)
-            return generate(td, p, self.noise(td, p, seed, device, turn=index))
-
-        limits = TurnLimits(
-            max_turns=multi_turn.max_turns,
-            width=self.cfg.response_width,
-            turn_tokens=params.max_new_tokens,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-        )
-        return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)
+            return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)

@@ -188,7 +188,12 @@ def run(*, tiny: bool, rows: int, tokens: int, micro: int, repeats: int) -> dict
     mask = td["attention_mask"][0]
     real = float(mask.sum())
     model = build(shape, tokens=tokens, dtype=torch.float32, device=torch.device("meta"))
-    flops = decoder_flops(model, tokens=real, attended=causal_pairs(mask), backward=True)
+    # The LM head over the positions that predict response tokens: verlite's log-prob pass runs
+    # it there only (the plain loop, over every position, does more than is counted).
+    responses = float(mask[:, PROMPT:].sum())
+    flops = decoder_flops(
+        model, tokens=real, attended=causal_pairs(mask), backward=True, head_tokens=responses
+    )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     peak = bf16_peak_flops(name) if device.type == "cuda" else None
     return {

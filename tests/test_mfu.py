@@ -14,7 +14,7 @@ from verlite.driver.trainer import mfu_metrics, mfu_peaks
 from verlite.models.flops import DecoderShape
 from verlite.records.tracking import ConsoleLogger
 
-SHAPE = DecoderShape(dense_params=1000, hidden_size=8, num_layers=2)
+SHAPE = DecoderShape(dense_params=1000, hidden_size=8, num_layers=2, head_params=100)
 
 
 class _Group:
@@ -42,14 +42,15 @@ def test_the_update_flops_over_the_peak_of_the_roles_gpus() -> None:
     assert peaks == {"actor": (SHAPE, 2 * 989.4e12), "critic": (SHAPE, 989.4e12)}
     assert actor.calls == critic.calls == 1
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # 5 tokens, 6 + 3 causal pairs
-    flops = 3 * (2.0 * 1000 * 5 + 4.0 * 8 * 2 * 9)
+    # The LM head runs over the 1 real token of the last 2 columns (the responses) only.
+    flops = 3 * (2.0 * 900 * 5 + 2.0 * 100 * 1 + 4.0 * 8 * 2 * 9)
     seconds = {"update_actor": 0.5, "update_critic": 0.25}
-    assert mfu_metrics(cfg, peaks, mask, seconds) == {
+    assert mfu_metrics(cfg, peaks, mask, seconds, response_width=2) == {
         "perf/mfu/update": 2 * flops / (0.5 * 2 * 989.4e12),
         "perf/mfu/critic_update": flops / (0.25 * 989.4e12),
     }
     # A step whose actor did not update (critic warm-up) has no actor figure.
-    assert list(mfu_metrics(cfg, peaks, mask, {"update_critic": 0.25})) == [
+    assert list(mfu_metrics(cfg, peaks, mask, {"update_critic": 0.25}, response_width=2)) == [
         "perf/mfu/critic_update"
     ]
 

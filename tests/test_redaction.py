@@ -120,14 +120,16 @@ def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
         "wandb": {"api_key": "k", "run_name": f"run-{SECRET}"},
         "steps": 3,
         "none": None,
-        # A count of tokens is no credential: numbers are shown as they are.
-        "model": {"logits_chunk_tokens": 1024, "auth_token": "t"},
+        # A count of tokens is no credential; a credential-named key's number is masked.
+        "model": {"logits_chunk_tokens": 1024, "auth_token": "t", "api_token": 12345678},
+        "actor": {"max_token_len_per_worker": 64},
     }
     assert redact_config(config) == {
         "wandb": {"api_key": "***", "run_name": "run-***"},
         "steps": 3,
         "none": None,
-        "model": {"logits_chunk_tokens": 1024, "auth_token": "***"},
+        "model": {"logits_chunk_tokens": 1024, "auth_token": "***", "api_token": "***"},
+        "actor": {"max_token_len_per_worker": 64},
     }
 
 

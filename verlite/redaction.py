@@ -22,11 +22,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import quote
 
-# Config keys whose text values are never logged, whatever the section: a credential field,
-# should one be added (the config names environment variables that hold them:
-# reward.remote.auth_env). A number is no credential: model.logits_chunk_tokens and
-# max_token_len_per_worker are counts of tokens, shown as they are.
+# Config keys whose values are never logged, whatever the section: a credential field, should
+# one be added (the config names environment variables that hold them: reward.remote.auth_env).
 _SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
+# Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker): an integer under
+# such a key is shown as it is (a credential-named key's number is masked like any value).
+_COUNT_KEY = re.compile(r"_tokens$|token_len", re.IGNORECASE)
 # Shorter values cannot be masked without garbling messages (a 1-character token is in most
 # words): a credential verlite reads is refused below this length (see register_secret), and
 # shorter values of credential-named variables are switches (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``).
@@ -52,17 +53,21 @@ def register_secret(value: str) -> None:
 
 
 def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config without credentials: secret-named text fields masked, and every text value
-    as :func:`redact_text` leaves it."""
+    """The config without credentials: secret-named fields masked (but counts of tokens), and
+    every text value as :func:`redact_text` leaves it."""
     clean: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, Mapping):
             clean[key] = redact_config(value)
-        elif _SECRET_KEY.search(str(key)) and isinstance(value, str):
+        elif _SECRET_KEY.search(str(key)) and value is not None and not _count(str(key), value):
             clean[key] = MASK
         else:
             clean[key] = redact_text(value) if isinstance(value, str) else value
     return clean
+
+
+def _count(key: str, value: Any) -> bool:
+    return type(value) is int and bool(_COUNT_KEY.search(key))
 
 
 def carries_secret(key: str, value: str) -> bool:

@@ -212,12 +212,24 @@ def test_a_bf16_mixed_weight_sync_sends_what_the_rollout_model_holds() -> None:
 
 def test_bf16_on_a_gpu_without_it_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
+    # A V100 holds bf16 tensors (emulated): only native bf16 arithmetic counts.
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla V100-SXM2-32GB")
     for precision in ("bf16-mixed", "bf16"):
         with pytest.raises(ConfigError, match=f"model.precision={precision}: .*V100.*fp32"):
             check_precision_supported(precision, on_gpu=True)
         check_precision_supported(precision, on_gpu=False)  # the workers run on CPU
     check_precision_supported("fp32", on_gpu=True)
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     check_precision_supported("bf16-mixed", on_gpu=True)
+
+
+def test_a_kept_head_stays_fp32_in_a_copy_stored_for_inference() -> None:
+    """A reward model's score head is kept: its output is the score, read as a number."""
+    model = tiny_qwen2(tied=False)
+    stored = store_for_inference(model, "bf16-mixed", keep=[model.lm_head])
+    dtypes = {name: p.dtype for name, p in stored.named_parameters()}
+    assert dtypes["lm_head.weight"] == torch.float32
+    assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16

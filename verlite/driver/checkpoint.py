@@ -91,6 +91,7 @@ _MUST_MATCH = (
 # Settings added after checkpoints were first written, as those older checkpoints ran them.
 _PREDATED = {"actor.lora.rank": 0}
 _FREE = {
+    "model.logits_chunk_tokens",  # how log-probs are computed, not what: a memory setting
     "data.val_file",
     "trainer.total_steps",
     "trainer.output_dir",

@@ -103,18 +103,24 @@ def mfu_metrics(
     peaks: dict[str, tuple[DecoderShape, float]],
     attention_mask: Tensor,
     seconds: dict[str, float],
+    *,
+    response_width: int,
 ) -> dict[str, float]:
     """``perf/mfu/*`` of the updates that ran (timed in ``seconds``, ``timing_s``'s stages):
     the FLOPs of ppo_epochs forward and backward passes over the step batch's real tokens
-    (``attention_mask``) per second of the update's wall time, over the bf16 peak of the
-    role's GPUs (:func:`mfu_peaks`)."""
+    (``attention_mask``, the LM head over the real ones of its last ``response_width``
+    columns, the responses, where a log-prob pass runs it) per second of the update's wall
+    time, over the bf16 peak of the role's GPUs (:func:`mfu_peaks`)."""
     tokens, attended = float(attention_mask.sum()), causal_pairs(attention_mask)
+    responses = float(attention_mask[:, -response_width:].sum())
     out = {}
     for role, (shape, peak) in peaks.items():
         key, stage = MFU_METRICS[role]
         if stage in seconds:
             epochs = getattr(cfg, role).ppo_epochs
-            flops = epochs * shape.flops(tokens=tokens, attended=attended, backward=True)
+            flops = epochs * shape.flops(
+                tokens=tokens, attended=attended, backward=True, head_tokens=responses
+            )
             out[key] = flops / (seconds[stage] * peak)
     return out
 
@@ -393,7 +399,15 @@ class Trainer:
         metrics["trainer/restarts"] = float(self.restarts)
         metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
         metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
-        metrics.update(mfu_metrics(cfg, self.mfu_peaks, batch["attention_mask"], timer.seconds))
+        metrics.update(
+            mfu_metrics(
+                cfg,
+                self.mfu_peaks,
+                batch["attention_mask"],
+                timer.seconds,
+                response_width=batch["responses"].shape[1],
+            )
+        )
         return metrics
 
     # ---------------------------------------------------------------------- helpers

@@ -54,6 +54,8 @@ class DecoderShape:
     dense_params: int
     hidden_size: int
     num_layers: int
+    # Of the dense parameters, the LM head's (0 for a model without one: a value model).
+    head_params: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> DecoderShape:
@@ -65,20 +67,42 @@ class DecoderShape:
         head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
         if head is not None and head.weight is embedding.weight:
             dense += head.weight.numel()
-        return cls(dense, int(config.hidden_size), int(config.num_hidden_layers))
+        head_params = 0 if head is None else head.weight.numel()
+        return cls(dense, int(config.hidden_size), int(config.num_hidden_layers), head_params)
 
-    def flops(self, *, tokens: float, attended: float, backward: bool) -> float:
+    def flops(
+        self,
+        *,
+        tokens: float,
+        attended: float,
+        backward: bool,
+        head_tokens: float | None = None,
+    ) -> float:
         """One pass over ``tokens`` tokens whose queries attend ``attended`` keys in all
-        (:func:`causal_pairs`); with ``backward``, forward and backward (3x)."""
+        (:func:`causal_pairs`), the LM head over ``head_tokens`` of them (all when None: a
+        log-prob pass runs it only where a response token is predicted); with
+        ``backward``, forward and backward (3x)."""
+        through_head = tokens if head_tokens is None else head_tokens
         flops = (
-            2.0 * self.dense_params * tokens + 4.0 * self.hidden_size * self.num_layers * attended
+            2.0 * (self.dense_params - self.head_params) * tokens
+            + 2.0 * self.head_params * through_head
+            + 4.0 * self.hidden_size * self.num_layers * attended
         )
         return 3.0 * flops if backward else flops
 
 
-def decoder_flops(model: nn.Module, *, tokens: float, attended: float, backward: bool) -> float:
+def decoder_flops(
+    model: nn.Module,
+    *,
+    tokens: float,
+    attended: float,
+    backward: bool,
+    head_tokens: float | None = None,
+) -> float:
     """:meth:`DecoderShape.flops` of ``model``."""
-    return DecoderShape.of(model).flops(tokens=tokens, attended=attended, backward=backward)
+    return DecoderShape.of(model).flops(
+        tokens=tokens, attended=attended, backward=backward, head_tokens=head_tokens
+    )
 
 
 def causal_pairs(attention_mask: torch.Tensor) -> float:

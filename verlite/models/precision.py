@@ -17,6 +17,7 @@ are never trained are stored (docs/design.md, "Precision").
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -43,21 +44,25 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
-def inference_dtypes(model: nn.Module, precision: str) -> dict[str, torch.dtype]:
+def inference_dtypes(
+    model: nn.Module, precision: str, *, keep: Sequence[nn.Module] = ()
+) -> dict[str, torch.dtype]:
     """The dtype of each entry of ``model``'s state (keyed as ``state_dict``) in a copy that
     is never trained (the reference, the rollout model, the reward model): under
     ``bf16-mixed`` the weights and biases of its linear layers are bf16 (what autocast casts
     them to at every forward anyway, so the copy computes bit for bit what the fp32 model
     computes under autocast, at half the memory), every other entry (embeddings, norms, a
-    weight a linear layer shares with an embedding) keeps its dtype. A weight sync sends
-    each tensor in this dtype (cast once, on the actor)."""
+    weight a linear layer shares with an embedding, the linear layers in ``keep``: a head whose
+    output is read as a number, such as a reward model's score) keeps its dtype. A weight
+    sync sends each tensor in this dtype (cast once, on the actor)."""
     state = model.state_dict(keep_vars=True)
     if precision != "bf16-mixed":
         return {name: value.dtype for name, value in state.items()}
+    kept = {id(module) for module in keep}
     linear = {
         id(param)
         for module in model.modules()
-        if isinstance(module, nn.Linear)
+        if isinstance(module, nn.Linear) and id(module) not in kept
         for param in module.parameters(recurse=False)
     }
     other = {
@@ -73,9 +78,12 @@ def inference_dtypes(model: nn.Module, precision: str) -> dict[str, torch.dtype]
 
 
 @torch.no_grad()
-def store_for_inference(model: nn.Module, precision: str) -> nn.Module:
-    """``model`` (in place) stored in :func:`inference_dtypes`; returned."""
-    dtypes = inference_dtypes(model, precision)
+def store_for_inference(
+    model: nn.Module, precision: str, *, keep: Sequence[nn.Module] = ()
+) -> nn.Module:
+    """``model`` (in place) stored in :func:`inference_dtypes` (``keep``: linear layers left
+    as they are); returned."""
+    dtypes = inference_dtypes(model, precision, keep=keep)
     for name, param in model.named_parameters():
         if param.dtype != dtypes[name]:
             param.data = param.data.to(dtypes[name])
@@ -88,7 +96,9 @@ def check_precision_supported(precision: str, *, on_gpu: bool) -> None:
     (a cluster's GPUs are not known before it is reached)."""
     if not on_gpu or "bf16" not in precision or not torch.cuda.is_available():
         return
-    if not torch.cuda.is_bf16_supported():
+    # Without ``including_emulation=False`` torch reports bf16 on any GPU that can hold a bf16
+    # tensor (a V100 emulates it, slowly).
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
         raise ConfigError(
             f"model.precision={precision}: this machine's GPU ({torch.cuda.get_device_name()}) "
             "has no bf16 arithmetic; set model.precision=fp32"

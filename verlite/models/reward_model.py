@@ -155,7 +155,8 @@ def score_texts(
     base = getattr(model, model.base_model_prefix)
     hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
     last = hidden[torch.arange(len(ids), device=device), lengths - 1]
-    # The score head in at least fp32 under any precision: the score is what training reads.
+    # The score head in at least fp32 under any precision (its weights are kept so:
+    # ``workers.reward_model``): the score is what training reads.
     head = model.score
     dtype = torch.promote_types(head.weight.dtype, torch.float32)
     bias = None if head.bias is None else head.bias.to(dtype)

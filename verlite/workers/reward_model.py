@@ -49,7 +49,8 @@ class RewardModelWorker(Worker):
         self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         self.tokenizer = load_reward_tokenizer(rm.path)
         model = load_reward_model(rm, model_dtype(cfg.model))
-        self.model = store_for_inference(model, cfg.precision).to(self.device)
+        # The score head stays as loaded: its output is the score (``score_texts``).
+        self.model = store_for_inference(model, cfg.precision, keep=[model.score]).to(self.device)
         self.max_length = token_limit(rm, self.model.config)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:

@@ -284,9 +284,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         """The policy updates of one step over this rank's share, ``(mini_batches, rows)``,
         the peak memory of the actor's work in the step and, when it generated the step's
         batch, the seconds of its generation and log-probs (the slowest rank's)."""
-        self.peak_memory.begin()
-        metrics = self.engine.train_step(td, self.loss_fn)
-        metrics["perf/max_memory_allocated_gb/actor"] = self.peak_memory.metric()
+        metrics = self._update(td)
         metrics.update(self._rollout_seconds)
         self._rollout_seconds = {}
         return metrics

@@ -60,7 +60,4 @@ class CriticWorker(TrainingWorker):
     def update_critic(self, td: TensorDict) -> MetricDict:
         """The value updates of one step over this rank's share, ``(mini_batches, rows)``,
         and the peak memory of the critic's work in the step."""
-        self.peak_memory.begin()
-        metrics = self.engine.train_step(td, self.loss_fn)
-        metrics["perf/max_memory_allocated_gb/critic"] = self.peak_memory.metric()
-        return metrics
+        return self._update(td)

@@ -7,13 +7,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from tensordict import TensorDict
 
 from verlite.controller import Worker
+from verlite.core.metrics import MetricDict
 from verlite.models.flops import DecoderShape
 from verlite.workers.peak_memory import PeakMemory
 
 if TYPE_CHECKING:
-    from verlite.workers.train_engine import TrainEngine
+    from verlite.workers.train_engine import LossFn, TrainEngine
 
 
 class TrainingWorker(Worker):
@@ -24,6 +26,17 @@ class TrainingWorker(Worker):
 
     engine: TrainEngine
     peak_memory: PeakMemory
+    loss_fn: LossFn
+
+    def _update(self, td: TensorDict) -> MetricDict:
+        """The updates of one step over this rank's share, ``(mini_batches, rows)``, and the
+        peak memory of the role's work in the step (``perf/max_memory_allocated_gb/<role>``)."""
+        self.peak_memory.begin()
+        metrics = self.engine.train_step(td, self.loss_fn)
+        metrics[f"perf/max_memory_allocated_gb/{self.engine.metric_prefix}"] = (
+            self.peak_memory.metric()
+        )
+        return metrics
 
     def compute_profile(self) -> tuple[str | None, DecoderShape]:
         """Asked once at start-up: the name of this rank's GPU (None on CPU) and what its

@@ -14,7 +14,7 @@ from verlite.generation import (
     sample_keys,
     sample_next_token,
 )
-from verlite.generation.sampler import GenerationDiverged
+from verlite.generation.sampling import GenerationDiverged
 from verlite.models import build_policy
 from verlite.workers.forward import response_log_probs
 
@@ -107,7 +107,7 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
         drawn.append(scaled.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1))
         return token, log_prob
 
-    monkeypatch.setattr("verlite.generation.sampler.sample_next_token", recording)
+    monkeypatch.setattr("verlite.generation.sampling.sample_next_token", recording)
     m, td = model(), prompts()
     td.set_non_tensor("temperature", temperature)
     out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=False).generate(

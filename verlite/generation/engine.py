@@ -25,7 +25,8 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.generation.noise import Noise
-from verlite.generation.sampler import Sampler, SamplingParams
+from verlite.generation.sampler import Sampler
+from verlite.generation.sampling import SamplingParams
 from verlite.generation.weights import WeightBucket, WeightReceiver
 
 

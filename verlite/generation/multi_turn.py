@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.data import position_ids
 from verlite.data.tokenizer import response_text
-from verlite.generation.sampler import build_step_batch
+from verlite.generation.sampling import build_step_batch
 
 
 class TurnResult(Protocol):

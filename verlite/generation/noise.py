@@ -117,9 +117,21 @@ class KeyedNoise:
 
     def _uniform_block(self, start: int) -> torch.Tensor:
         salts = _position_salts(start, self.block).to(self.keys.device)
-        bits = fmix32(self.keys[:, None, :] ^ salts)  # (rows, block, 2)
-        # 27 + 26 random bits: every double in [0, 1) on a 2**-53 grid, as numpy draws them
-        return ((bits[..., 0] >> 5) * 2**26 + (bits[..., 1] >> 6)).double() * 2.0**-53
+        return _uniform(fmix32(self.keys[:, None, :] ^ salts))  # (rows, block)
+
+
+def _uniform(bits: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) from (..., 2) pairs of 32-bit hashes: 27 + 26 random bits, every
+    double on a 2**-53 grid, as numpy draws them."""
+    return ((bits[..., 0] >> 5) * 2**26 + (bits[..., 1] >> 6)).double() * 2.0**-53
+
+
+def keyed_uniforms(keys: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """The (rows,) uniforms of ``keys`` at decode position ``position``, a (1,) int64 tensor
+    on their device: :meth:`KeyedNoise.uniforms` computed without a host number, for a
+    decode step captured once and replayed at every position."""
+    salts = torch.stack([_hash([position], salt) for salt in _DRAW_LANES], dim=-1)  # (1, 2)
+    return _uniform(fmix32(keys ^ salts))
 
 
 class StreamNoise:

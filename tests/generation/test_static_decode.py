@@ -1,0 +1,167 @@
+"""The static decode path (``verlite.generation.decode``) against the eager sampler: the same
+tokens, log-probs and masks, bit for bit on CPU, with rows compacted out as they finish."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
+from tests.model_support import tiny_qwen2
+from verlite.config import ModelConfig
+from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
+from verlite.generation.decode import StaticDecoder
+from verlite.models import build_policy
+
+
+class ClosureGraphs(StaticDecoder):
+    """``cuda_graphs`` on CPU: a 'captured graph' is the step itself, run again at each
+    replay. What a real graph would get wrong (a value baked in at capture) this gets wrong
+    too, since a replay re-runs the step of its first capture with the same arguments."""
+
+    captured: int = 0
+
+    def _check_device(self, device: torch.device) -> None:
+        pass
+
+    def _capture(self, step: Callable[[], None]) -> SimpleNamespace:  # type: ignore[override]
+        self.captured += 1
+        step()
+        return SimpleNamespace(replay=step)
+
+
+def llama(dtype: str) -> torch.nn.Module:
+    return build_policy(ModelConfig(precision=dtype), vocab_size=VOCAB, max_positions=96, seed=0)
+
+
+def sampler(model: torch.nn.Module, decode: DecodeSettings, eos: int = EOS) -> Sampler:
+    out = Sampler(model, eos_token_id=eos, pad_token_id=PAD, lockstep=False, decode=decode)
+    if decode.mode == "cuda_graphs":
+        out.static = ClosureGraphs(
+            model, eos_token_id=eos, pad_token_id=PAD, lockstep=False, settings=decode
+        )
+    return out
+
+
+def ragged_eos(model: torch.nn.Module, td: TensorDict, params: SamplingParams, seed: int) -> int:
+    """A token that, taken as EOS, ends the rows at many different steps (a random model
+    rarely draws the real one): the token first drawn at the most distinct positions."""
+    probe = sampler(model, DecodeSettings("eager"))
+    drawn = probe.generate(td, replace(params, ignore_eos=True), noise(td, seed, 14))["responses"]
+    firsts = {}
+    for token in drawn.unique().tolist():
+        hit = drawn == token
+        firsts[token] = len(set(hit.int().argmax(-1)[hit.any(-1)].tolist()))
+    return max(firsts, key=firsts.__getitem__)
+
+
+def noise(td: TensorDict, seed: int, horizon: int) -> KeyedNoise:
+    return KeyedNoise(sample_keys(seed, 1, len(td), 1), horizon=horizon)
+
+
+def assert_same(a: TensorDict, b: TensorDict) -> None:
+    assert set(a.keys()) == set(b.keys())
+    for key in a.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+SETTINGS = {
+    "greedy": SamplingParams(14, temperature=0.0),
+    "sampled": SamplingParams(14),
+    "top_k_top_p": SamplingParams(14, temperature=0.8, top_k=9, top_p=0.85),
+}
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("buckets", [None, (1, 3, 5, 8)])
+def test_static_matches_eager_bit_for_bit(dtype: str, name: str, buckets) -> None:
+    model, td, params = llama(dtype), prompts(batch=12, width=9, seed=1), SETTINGS[name]
+    eos = ragged_eos(model, td, params, 4)
+    eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 4, 14))
+    static = sampler(model, DecodeSettings("static", batch_buckets=buckets), eos)
+    calls: list[int] = []
+    forward = static.static._forward  # type: ignore[union-attr]
+    static.static._forward = lambda rows, span, p: (calls.append(rows), forward(rows, span, p))  # type: ignore[union-attr,method-assign]
+    assert_same(static.generate(td, params, noise(td, 4, 14)), eager)
+    # Rows finished at different steps: later steps ran on fewer rows (compacted).
+    lengths = eager["response_mask"].sum(-1)
+    assert (
+        lengths.min() < lengths.max()
+        and len(set(calls)) > 1
+        and calls == sorted(calls, reverse=True)
+    )
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_replayed_steps_match_eager(name: str) -> None:
+    """cuda_graphs' bookkeeping on CPU (a 'graph' re-runs its first step): one capture per
+    (bucket, span, settings), replayed; the span rounded up to kv_block adds masked positions
+    to the attention sums: the same tokens, log-probs identical in float64, within a float32
+    rounding in float32."""
+    params = SETTINGS[name]
+    decode = DecodeSettings("cuda_graphs", batch_buckets=(2, 4, 8), kv_block=4)
+    for dtype in ("fp64", "fp32"):
+        model, td = llama(dtype), prompts(batch=12, width=9, seed=2)
+        eos = ragged_eos(model, td, params, 5)
+        eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 5, 14))
+        graphs = sampler(model, decode, eos)
+        out = graphs.generate(td, params, noise(td, 5, 14))
+        decoder = graphs.static
+        assert isinstance(decoder, ClosureGraphs)
+        steps = int(eager["response_mask"].sum(-1).max()) - 1
+        assert 1 < decoder.captured < steps  # shapes repeat: replayed, not captured again
+        for key in ("responses", "response_mask", "input_ids", "attention_mask"):
+            assert torch.equal(out[key], eager[key]), key
+        diff = (out["rollout_log_probs"] - eager["rollout_log_probs"]).abs().max()
+        assert diff == 0 if dtype == "fp64" else diff < 1e-5
+        # A second generation replays what the first captured (same shapes and settings).
+        before = decoder.captured
+        assert torch.equal(
+            graphs.generate(td, params, noise(td, 5, 14))["responses"], out["responses"]
+        )
+        assert decoder.captured == before
+
+
+def test_buffers_are_reused_across_generations_of_other_shapes() -> None:
+    """One decoder, generations of other batches, widths, lengths and stop tokens in turn
+    (the buffers grow, and what an earlier one left in them is never read): each as eager."""
+    model = llama("fp64")  # exact with rounded spans
+    static = sampler(model, DecodeSettings("cuda_graphs", kv_block=8))
+    eager = sampler(model, DecodeSettings("eager"))
+    for batch, width, new, stop in [
+        (6, 5, 8, ()),
+        (12, 9, 14, (7,)),
+        (3, 11, 5, ()),
+        (12, 4, 20, (9, 11)),
+    ]:
+        td = prompts(batch=batch, width=width, seed=batch + width)
+        params = SamplingParams(new, stop_token_ids=stop)
+        expected = eager.generate(td, params, noise(td, 3, new))
+        assert_same(static.generate(td, params, noise(td, 3, new)), expected)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_qwen2_and_lora_match_eager(tied: bool) -> None:
+    from verlite.config import LoraConfig
+    from verlite.models.lora import apply_lora
+
+    for model in (
+        tiny_qwen2(tied=tied, vocab_size=VOCAB).double(),
+        apply_lora(tiny_qwen2(tied=tied, vocab_size=VOCAB), LoraConfig(rank=4), seed=0),
+    ):
+        td, params = prompts(batch=10, width=7, seed=3), SETTINGS["top_k_top_p"]
+        eos = ragged_eos(model, td, params, 6)
+        eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 6, 14))
+        static = sampler(model, DecodeSettings("static"), eos).generate(
+            td, params, noise(td, 6, 14)
+        )
+        assert_same(static, eager)

@@ -1,0 +1,423 @@
+"""The static decode path (``rollout.decode``): a KV cache of fixed shape, finished rows
+compacted out, and on cuda every decode step captured once as a CUDA graph and replayed.
+
+A decode step of a small model is a few hundred small kernels; launched one by one from
+Python, the GPU waits for the CPU between them (``benchmarks/rollout.py --device cuda``
+measures how much). Captured as a CUDA graph, the step's kernels are launched in one call.
+A graph replays fixed addresses and shapes, so everything a step reads and writes lives in
+buffers allocated once (:class:`StaticCache` and the per-row state of
+:class:`StaticDecoder`), and everything that changes from step to step (the position a step
+writes, the decode position its noise is keyed by) is a device tensor the step advances.
+
+The shapes a step may take are few: its rows are a batch-size bucket (``batch_buckets``:
+when the unfinished rows fit a smaller bucket, they are moved to the front and the next
+steps run on that bucket only, so a long tail does not run the whole batch), and it attends
+to the positions filled so far rounded up to a multiple of ``kv_block``. One graph is
+captured per (bucket, span, sampling settings) the first time it is needed, its first run
+being a real step (the warm-up torch asks for before capture), and kept while the model's
+parameters and the buffers stay where they are.
+
+Without graphs (``mode="static"``, what runs on CPU) the same step runs eagerly and attends
+to exactly the filled positions: its tokens and log-probs are those of the eager sampler,
+bit for bit (tests/generation/test_static_decode.py). With a rounded span a step's attention
+also sums the masked positions' exact zeros, in another order: the same tokens, log-probs
+within a float32 rounding.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from verlite.errors import RunFailure
+from verlite.generation.noise import KeyedNoise, Noise, keyed_uniforms
+from verlite.generation.sampling import (
+    GenerationDiverged,
+    SamplingParams,
+    agree,
+    build_step_batch,
+    take_token,
+)
+from verlite.generation.static_cache import StaticCache, cache_bytes
+
+DecodeMode = Literal["eager", "static", "cuda_graphs"]
+DECODE_MODES: tuple[DecodeMode, ...] = ("eager", "static", "cuda_graphs")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How the sampler decodes (``rollout.decode``, resolved for the worker's device):
+    ``eager`` (a cache grown step by step, one kernel launch per op), ``static`` (this
+    module, steps run eagerly) or ``cuda_graphs`` (this module, steps replayed as graphs).
+    ``batch_buckets``: ascending row counts a generation compacts its unfinished rows to
+    (None: the powers of two below the batch); ``kv_block``: a captured step attends to its
+    filled positions rounded up to a multiple of this."""
+
+    mode: DecodeMode = "eager"
+    batch_buckets: tuple[int, ...] | None = None
+    kv_block: int = 64
+
+    def __post_init__(self) -> None:
+        if self.mode not in DECODE_MODES:
+            raise ValueError(f"decode mode {self.mode!r}: choose one of {', '.join(DECODE_MODES)}")
+        check_batch_buckets(self.batch_buckets)
+        if self.kv_block < 1:
+            raise ValueError(f"kv_block {self.kv_block}: must be at least 1")
+
+
+def check_batch_buckets(buckets: tuple[int, ...] | list[int] | None) -> None:
+    """A bucket list is None or non-empty, positive and strictly ascending."""
+    if buckets is None:
+        return
+    if len(buckets) == 0:
+        raise ValueError("batch buckets: the list is empty; give ascending row counts, or None")
+    if any(b < 1 for b in buckets) or any(a >= b for a, b in itertools.pairwise(buckets)):
+        raise ValueError(f"batch buckets {list(buckets)}: must be positive and strictly ascending")
+
+
+EAGER = DecodeSettings()
+
+
+def buckets_for(batch: int, buckets: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The row counts a generation of ``batch`` rows runs on: the buckets below it, then
+    the batch itself."""
+    smaller = (
+        [2**k for k in range(batch.bit_length()) if 2**k < batch]
+        if buckets is None
+        else [b for b in buckets if b < batch]
+    )
+    return (*smaller, batch)
+
+
+class GenerationTooLarge(RunFailure):
+    """The KV cache of a generation does not fit the memory free on its device."""
+
+
+class GraphCaptureFailed(RunFailure):
+    """A decode step could not be captured as a CUDA graph."""
+
+
+# Most distinct end tokens a static generation checks (EOS and a turn's stop token use 2).
+MAX_END_TOKENS = 8
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on ``device``: free on the GPU, plus what torch's
+    caching allocator holds unused; None on CPU (not checked)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+class StaticDecoder:
+    """Samples like :class:`~verlite.generation.sampler.Sampler`, on a static KV cache."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        lockstep: bool,
+        settings: DecodeSettings,
+    ) -> None:
+        if settings.mode == "eager":
+            raise ValueError("StaticDecoder runs the static modes, not eager")
+        self.model = model
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.lockstep = lockstep
+        self.settings = settings
+        self.cache: StaticCache | None = None
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool: tuple[int, int] | None = None
+        self._parameters: list[int] = []  # the parameters' addresses the graphs read
+
+    # ------------------------------------------------------------------ buffers
+    def _kv_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype the attention layers' keys come out in: autocast's, else the model's."""
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+
+    def _ensure_buffers(self, rows: int, capacity: int, device: torch.device) -> None:
+        """Buffers for ``rows`` rows of ``capacity`` positions, the ones held if they are large
+        enough (grown otherwise, the graphs captured on the old ones dropped)."""
+        dtype = self._kv_dtype(device)
+        cache = self.cache
+        if (
+            cache is not None
+            and cache.rows >= rows
+            and cache.capacity >= capacity
+            and cache.dtype == dtype
+            and cache.slot.device == device
+        ):
+            return
+        rows = max(rows, cache.rows if cache is not None else 0)
+        capacity = max(capacity, cache.capacity if cache is not None else 0)
+        if self.settings.mode == "cuda_graphs":
+            block = self.settings.kv_block
+            capacity = -(-capacity // block) * block
+        self._release()
+        needed = cache_bytes(self.model, rows, capacity, dtype)
+        free = free_bytes(device)
+        if free is not None and needed > free:
+            raise GenerationTooLarge(
+                f"rollout: the KV cache of {rows} rows x {capacity} positions "
+                f"({needed / 2**30:.2f} GiB in {dtype}) does not fit the "
+                f"{free / 2**30:.2f} GiB free on {device}: generate fewer rows per worker "
+                "(data.train_batch_size x rollout.n / the generating workers) or shorter "
+                "sequences (data.max_prompt_length, rollout.max_response_length)"
+            )
+        self.cache = StaticCache(
+            self.model, rows=rows, capacity=capacity, dtype=dtype, device=device
+        )
+        long = {"dtype": torch.int64, "device": device}
+        self.ids = torch.zeros((rows, 1), **long)  # the token each row's next step reads
+        self.positions = torch.zeros((rows, 1), **long)
+        self.mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=device)
+        self.keys = torch.zeros((rows, 2), **long)
+        self.finished = torch.ones(rows, dtype=torch.bool, device=device)
+        self.row_of = torch.zeros(rows, **long)  # its response row; ``rows``: the scratch row
+        # Per response row, the last one a scratch row for the rows that carry no response.
+        self.responses = torch.zeros((rows + 1, capacity), **long)
+        self.log_probs = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(rows + 1, **long)
+        self.ends = torch.full((MAX_END_TOKENS,), -1, **long)
+        self.position = torch.zeros(1, **long)  # the decode position being sampled
+        self.diverged = torch.full((2,), -1, **long)  # (decode position, rows) of the first
+
+    def _check_device(self, device: torch.device) -> None:
+        if self.settings.mode == "cuda_graphs" and device.type != "cuda":
+            raise ValueError(
+                f"rollout.decode=cuda_graphs captures CUDA graphs; this model generates on "
+                f"{device}: use rollout.decode=static or eager (auto picks)"
+            )
+
+    def _release(self) -> None:
+        self.graphs.clear()
+        self.cache = None
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(
+        self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
+    ) -> TensorDict:
+        """Responses to ``prompts`` as :meth:`Sampler.generate` draws them (keyed noise, or
+        greedy: a per-rank stream's draws depend on where each row sits, which compaction
+        changes, so it is refused)."""
+        if noise is not None and not isinstance(noise, KeyedNoise):
+            raise ValueError(
+                f"rollout.decode={self.settings.mode} draws with per-sample keys only "
+                "(rollout.randomness=per_sample); per_rank needs rollout.decode=eager"
+            )
+        ends = params.end_tokens(self.eos_token_id)
+        if len(ends) > MAX_END_TOKENS:
+            raise ValueError(
+                f"{len(ends)} tokens end a response; the static decode path checks at most "
+                f"{MAX_END_TOKENS}"
+            )
+        input_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"]
+        batch, width = input_ids.shape
+        device, new = input_ids.device, params.max_new_tokens
+        self._check_device(device)
+        self._ensure_buffers(batch, width + new, device)
+        cache = self.cache
+        assert cache is not None
+        self._check_parameters()
+        buckets = buckets_for(batch, self.settings.batch_buckets)
+        self._start(prompts, ends, noise)
+        # The prompts: one eager forward on the real prompt width, which writes positions
+        # 0 .. width of the cache, then the first token.
+        cache.prefilling = True
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=prompt_mask,
+                position_ids=prompts["position_ids"],
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            cache.prefilling = False
+        self._take(out.logits[:, -1], batch, params)
+        rows = batch
+        for t in range(1, new + 1):
+            active, running = self._check(rows, batch)
+            if not running or t == new:
+                break
+            smaller = next(b for b in buckets if b >= max(active, 1))
+            if smaller < rows:
+                self._compact(rows, smaller)
+                rows = smaller
+            self._step(rows, self._span(width + t), params)
+        real = torch.arange(new, device=device) < self.lengths[:batch, None]
+        return build_step_batch(
+            prompts,
+            self.responses[:batch, :new].clone(),
+            real,
+            self.log_probs[:batch, :new].clone(),
+        )
+
+    def _start(self, prompts: TensorDict, ends: list[int], noise: Noise | None) -> None:
+        """The per-row state of a new generation of ``prompts``, in the held buffers."""
+        batch, width = prompts["input_ids"].shape
+        prompt_mask = prompts["attention_mask"]
+        cache = self.cache
+        assert cache is not None
+        self.finished.fill_(True)  # rows past the batch carry nothing
+        self.finished[:batch] = False
+        self.row_of.fill_(cache.rows)
+        self.row_of[:batch] = torch.arange(batch, device=self.row_of.device)
+        self.mask.fill_(False)
+        self.mask[:batch, 0, 0, :width] = prompt_mask.bool()
+        if isinstance(noise, KeyedNoise):
+            self.keys[:batch] = noise.keys
+        self.responses.fill_(self.pad_token_id)
+        self.log_probs.zero_()
+        self.lengths.zero_()
+        self.ends.fill_(-1)
+        self.ends[: len(ends)] = torch.tensor(ends, dtype=torch.int64)
+        # The first token is sampled at decode position 0 from the prefill; the step that
+        # feeds it writes position ``width`` and reads the row's next position.
+        self.position.zero_()
+        self.positions[:batch] = prompt_mask.sum(-1, keepdim=True) - 1
+        cache.slot.fill_(width - 1)
+        self.diverged.fill_(-1)
+
+    def _take(self, logits: torch.Tensor, rows: int, params: SamplingParams) -> None:
+        """Sample decode position ``self.position`` for the first ``rows`` rows from their
+        ``logits``, record it and advance every device counter: no host number involved."""
+        finished = self.finished[:rows]
+        uniforms = (
+            None if params.temperature == 0 else keyed_uniforms(self.keys[:rows], self.position)
+        )
+        token, log_prob, nonfinite = take_token(
+            logits, params, uniforms, finished, self.pad_token_id
+        )
+        row_of = self.row_of[:rows]
+        column = self.position.expand(rows)
+        self.responses.index_put_((row_of, column), token)
+        self.log_probs.index_put_((row_of, column), log_prob)
+        self.lengths.index_add_(0, row_of, (~finished).long())
+        finished |= torch.isin(token, self.ends)
+        # The first position with a non-finite row, and how many rows it had.
+        first = (self.diverged[0] < 0) & nonfinite.any()
+        self.diverged.copy_(
+            torch.where(first, torch.stack([self.position[0], nonfinite.sum()]), self.diverged)
+        )
+        self.ids[:rows, 0] = token
+        self.positions[:rows] += 1
+        self.cache.slot += 1  # type: ignore[union-attr]
+        self.position += 1
+
+    def _forward(self, rows: int, span: int, params: SamplingParams) -> None:
+        """One decode step on the first ``rows`` rows attending to ``span`` positions."""
+        cache = self.cache
+        assert cache is not None
+        cache.span = span
+        mask = self.mask[:rows]
+        mask.index_fill_(3, cache.slot, True)
+        out = self.model(
+            input_ids=self.ids[:rows],
+            attention_mask=mask[..., :span],
+            position_ids=self.positions[:rows],
+            cache=cache,
+            cache_position=cache.slot,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self._take(out.logits[:, -1], rows, params)
+
+    def _span(self, filled: int) -> int:
+        """The positions a step with ``filled`` of them filled attends to: exactly those
+        eagerly, rounded up to a ``kv_block`` multiple when captured (fewer shapes)."""
+        if self.settings.mode == "static":
+            return filled
+        block = self.settings.kv_block
+        assert self.cache is not None
+        return min(-(-filled // block) * block, self.cache.capacity)
+
+    def _check(self, rows: int, batch: int) -> tuple[int, bool]:
+        """This rank's unfinished rows, and whether any rank has one (one host sync; a
+        second with ``lockstep``); raises if a row sampled from non-finite logits."""
+        local = torch.cat([(~self.finished[:rows]).sum().view(1), self.diverged])
+        active, position, diverged_rows = local.tolist()
+        flags = torch.tensor([int(active > 0), int(position >= 0)])
+        running, diverged = agree(flags, lockstep=self.lockstep) if self.lockstep else flags
+        if diverged:
+            at = position if position >= 0 else int(self.position)
+            raise GenerationDiverged(at, max(diverged_rows, 0), batch)
+        return active, bool(running)
+
+    def _compact(self, rows: int, target: int) -> None:
+        """Move the unfinished of the first ``rows`` rows to the front, then fill up to
+        ``target`` rows with finished ones whose responses go to the scratch row."""
+        cache = self.cache
+        assert cache is not None
+        active = (~self.finished[:rows]).nonzero().flatten()
+        count = len(active)
+        index = torch.cat([active, active.new_zeros(target - count)])
+        cache.gather_rows(index)
+        for buffer in (self.ids, self.positions, self.mask, self.keys, self.finished, self.row_of):
+            buffer[:target] = buffer[index]
+        self.finished[count:target] = True
+        self.row_of[count:target] = cache.rows
+
+    def _step(self, rows: int, span: int, params: SamplingParams) -> None:
+        """One decode step: run eagerly (``static``), or replay its graph, captured (its first
+        run a real step) when this shape and these settings are new."""
+        if self.settings.mode == "static":
+            self._forward(rows, span, params)
+            return
+        key = (rows, span, params.temperature, params.top_k, params.top_p)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        self.graphs[key] = self._capture(lambda: self._forward(rows, span, params))
+
+    def _capture(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Run ``step`` once on a side stream (the warm-up capture needs, and a real step),
+        then capture it. Autocast's weight cache is off while capturing: a cast cached
+        during capture would be freed with the region, under the graph's feet."""
+        device = self.responses.device
+        autocast = torch.autocast(
+            "cuda",
+            dtype=torch.get_autocast_dtype("cuda"),
+            enabled=torch.is_autocast_enabled("cuda"),
+            cache_enabled=False,
+        )
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), autocast:
+            step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool), autocast:
+                step()
+        except RuntimeError as exc:
+            raise GraphCaptureFailed(
+                f"rollout: a decode step of {type(self.model).__name__} could not be captured "
+                f"as a CUDA graph ({str(exc).splitlines()[0]}); use rollout.decode=static"
+            ) from exc
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        return graph
+
+    def _check_parameters(self) -> None:
+        """Drop the graphs if the model's tensors moved since they were captured (a graph
+        reads addresses: in-place updates, as an optimizer step and a weight sync on cuda
+        make, keep them valid)."""
+        addresses = [t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())]
+        if addresses != self._parameters:
+            self.graphs.clear()
+            self._parameters = addresses

@@ -1,0 +1,136 @@
+"""A KV cache of fixed shape for the static decode path (``verlite.generation.decode``).
+
+Every layer holds one key and one value buffer of ``(rows, kv_heads, capacity, head_dim)``,
+allocated once for the largest batch and the longest sequence a generation needs, and kept
+between generations. Left-padded prompts fill positions ``0 .. width`` of every row; decode
+step ``t`` writes position ``width + t`` of every row, at an index held in a device tensor
+(``slot``) that the step advances itself: nothing in a decode step depends on a Python
+number that changes from step to step, so the step can be captured once as a CUDA graph and
+replayed.
+
+A step runs on the first ``rows`` rows (its batch-size bucket: compaction moves the
+unfinished rows to the front) and attends to the first ``span`` positions, which the
+attention mask (``(rows, 1, 1, capacity)``, True where a row may attend) limits to what the
+row has filled. Both are fixed per captured graph; views of the same buffers keep their
+addresses, so one allocation serves every bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+class UnsupportedModel(ValueError):
+    """The model's attention cannot run on the static cache."""
+
+
+def attention_shape(model: nn.Module) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a Hugging Face decoder with full attention in every
+    layer; :class:`UnsupportedModel` for one with sliding-window or other layer types, whose
+    masks the static path does not build."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if not kinds:
+        kinds = {"full_attention" if window is None else "sliding_attention"}
+    if kinds != {"full_attention"}:
+        raise UnsupportedModel(
+            f"{type(model).__name__} has attention layers of kinds {sorted(kinds)} "
+            f"(sliding_window {window}); the static decode path supports full attention only: "
+            "use rollout.decode=eager"
+        )
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def cache_bytes(model: nn.Module, rows: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of a static KV cache of ``rows`` x ``capacity`` positions for ``model``."""
+    layers, kv_heads, head_dim = attention_shape(model)
+    return 2 * layers * rows * kv_heads * capacity * head_dim * dtype.itemsize
+
+
+class StaticCacheLayer(CacheLayerMixin):
+    """One layer's key and value buffers; the shared step state (``rows``, ``span``,
+    ``slot``) lives in the :class:`StaticCache` that holds it."""
+
+    def __init__(self, owner: StaticCache, key: torch.Tensor, value: torch.Tensor) -> None:
+        super().__init__()
+        self.owner = owner
+        self.key_buffer, self.value_buffer = key, value
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocated up front: nothing to do."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        owner = self.owner
+        rows, length = key_states.shape[0], key_states.shape[-2]
+        if owner.prefilling:  # the prompts, positions 0 .. width
+            self.key_buffer[:rows, :, :length] = key_states
+            self.value_buffer[:rows, :, :length] = value_states
+            return self.key_buffer[:rows, :, :length], self.value_buffer[:rows, :, :length]
+        keys, values = self.key_buffer[:rows], self.value_buffer[:rows]
+        keys.index_copy_(2, owner.slot, key_states)
+        values.index_copy_(2, owner.slot, value_states)
+        return keys[:, :, : owner.span], values[:, :, : owner.span]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Only the prefill builds its mask from these; a decode step passes a 4-D mask.
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # the model is always given its cache positions
+
+    def get_max_length(self) -> int:
+        return self.key_buffer.shape[2]
+
+
+class StaticCache(Cache):
+    """The static KV cache of a model: one :class:`StaticCacheLayer` per layer, plus the
+    state every layer's update reads: whether the prompts are being written (``prefilling``),
+    the position a decode step writes (``slot``, a (1,) int64 device tensor) and how many
+    positions it attends to (``span``)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        rows: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        layers, kv_heads, head_dim = attention_shape(model)
+        shape = (rows, kv_heads, capacity, head_dim)
+        # Zeroed, not empty: rows a bucket carries past the unfinished ones read them, and
+        # garbage there could hold NaN (harmless to the other rows, but never sampled from).
+        super().__init__(
+            layers=[
+                StaticCacheLayer(
+                    self,
+                    torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, device=device),
+                )
+                for _ in range(layers)
+            ]
+        )
+        self.rows, self.capacity, self.dtype = rows, capacity, dtype
+        self.prefilling = False
+        self.slot = torch.zeros(1, dtype=torch.int64, device=device)
+        self.span = capacity
+
+    def gather_rows(self, index: torch.Tensor) -> None:
+        """Move rows ``index`` of every layer to the front (row ``i`` becomes ``index[i]``)."""
+        count = len(index)
+        for layer in self.layers:
+            assert isinstance(layer, StaticCacheLayer)
+            layer.key_buffer[:count] = layer.key_buffer[index]
+            layer.value_buffer[:count] = layer.value_buffer[index]

@@ -19,7 +19,8 @@ from verlite.config import ModelConfig
 from verlite.data import position_ids
 from verlite.envs import AbandonedCalls, EnvironmentBroken, Session
 from verlite.envs.base import Turn
-from verlite.generation import KeyedNoise, Sampler, SamplingParams, sample_keys
+from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
+from verlite.generation.decode import EAGER
 from verlite.generation.multi_turn import EnvironmentSession, TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
 from verlite.models import build_policy
@@ -90,7 +91,12 @@ def prompts(tokenizer: PreTrainedTokenizerFast, rows: int) -> TensorDict:
 
 
 def run(
-    envs: Sequence[EnvironmentSession], *, width: int = 24, max_turns: int = 3, turn_tokens: int = 5
+    envs: Sequence[EnvironmentSession],
+    *,
+    width: int = 24,
+    max_turns: int = 3,
+    turn_tokens: int = 5,
+    decode: DecodeSettings = EAGER,
 ):
     tokenizer = bpe_tokenizer()
     model = build_policy(
@@ -106,6 +112,7 @@ def run(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         lockstep=False,
+        decode=decode,
     )
     stop = tokenizer.convert_tokens_to_ids("?")
     sampled: list[TensorDict] = []
@@ -121,7 +128,7 @@ def run(
         max_turns=max_turns,
         width=width,
         turn_tokens=turn_tokens,
-        eos_token_id=tokenizer.eos_token_id,
+        end_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
     )
     batch = generate_multi_turn(turn, prompts(tokenizer, len(envs)), envs, tokenizer, limits)
@@ -187,6 +194,18 @@ def test_the_model_over_the_batch_gives_the_log_probs_the_tokens_were_sampled_wi
         log_probs[policy], batch["rollout_log_probs"][policy], rtol=1e-4, atol=1e-5
     )
     assert (batch["rollout_log_probs"][~policy] == 0).all()
+
+
+def test_turns_on_the_static_cache_are_the_eager_turns() -> None:
+    """Each turn a generation of its own width and length on one decoder's static cache (the
+    stop token of a turn among its ends): the trajectories of the eager sampler, exactly."""
+    eager, _, _, _, _ = run([Echo() for _ in range(8)])
+    static, _, _, _, _ = run(
+        [Echo() for _ in range(8)], decode=DecodeSettings("static", batch_buckets=(1, 2))
+    )
+    for key in eager.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
+        if isinstance(eager[key], torch.Tensor):
+            assert torch.equal(static[key], eager[key]), key
 
 
 def test_trajectories_end_on_done_failure_turns_and_room() -> None:

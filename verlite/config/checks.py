@@ -41,13 +41,39 @@ def check_across_fields(cfg: Config) -> None:
         )
     _check_multi_turn(cfg)
     _check_scored_by_environment(cfg)
-    rollout_workers = cfg.trainer.nnodes * (cfg.rollout.workers_per_node or 1)
-    if cfg.rollout.placement == "split" and rollout_workers > cfg.sequences_per_step:
+    _check_decode(cfg)
+    if cfg.rollout.placement == "split" and cfg.generating_workers > cfg.sequences_per_step:
         raise ValueError(
-            f"{rollout_workers} rollout workers (trainer.nnodes={cfg.trainer.nnodes} * "
+            f"{cfg.generating_workers} rollout workers (trainer.nnodes={cfg.trainer.nnodes} * "
             f"rollout.workers_per_node={cfg.rollout.workers_per_node}) outnumber the "
             f"{cfg.sequences_per_step} sequences of a step (data.train_batch_size * "
             "rollout.n); some would have nothing to generate"
+        )
+
+
+def _check_decode(cfg: Config) -> None:
+    """The static decode modes draw with per-sample keys; CUDA graphs need the generating
+    workers on cuda, and cannot hold FSDP's all-gathers."""
+    decode = cfg.rollout.decode
+    if decode in ("static", "cuda_graphs") and cfg.rollout.randomness == "per_rank":
+        raise ValueError(
+            f"rollout.decode={decode} compacts finished rows away, which changes what a "
+            "per-rank random stream draws for the others; use rollout.randomness=per_sample, "
+            "or rollout.decode=eager"
+        )
+    if decode != "cuda_graphs":
+        return
+    if not cfg.generates_on_gpu:
+        raise ValueError(
+            "rollout.decode=cuda_graphs captures CUDA graphs, but the workers that generate run "
+            f"on CPU (model.device={cfg.model.device}, no GPUs per worker); use "
+            "rollout.decode=static or eager, or give the workers GPUs"
+        )
+    if cfg.rollout.placement == "colocated" and cfg.actor.strategy == "fsdp":
+        raise ValueError(
+            "rollout.decode=cuda_graphs cannot capture the parameter all-gathers of an FSDP "
+            "actor that generates (rollout.placement=colocated); use rollout.decode=static, "
+            "rollout.placement=split or actor.strategy=ddp"
         )
 
 
@@ -136,7 +162,7 @@ def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
         if section.max_token_len_per_worker < longest:
             raise ValueError(
                 f"{role}.max_token_len_per_worker={section.max_token_len_per_worker} is below the longest sequence, "
-                f"{_longest_sequence_fields(cfg)} = {longest}"
+                f"{longest_sequence_fields(cfg)} = {longest}"
             )
         return
     micro = f"{role}.micro_batch_size_per_worker={section.micro_batch_size_per_worker}"
@@ -154,7 +180,8 @@ def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
         )
 
 
-def _longest_sequence_fields(cfg: Config) -> str:
+def longest_sequence_fields(cfg: Config) -> str:
+    """The fields that set the longest sequence of a step, as a message names them."""
     if cfg.response_width != cfg.rollout.max_response_length:
         return "rollout.multi_turn.max_total_length"
     return "data.max_prompt_length + rollout.max_response_length"

@@ -87,6 +87,23 @@ class Derived:
         return device == "cuda" or (device == "auto" and self.trainer.gpus_per_worker > 0)
 
     @property
+    def generates_on_gpu(self) -> bool:
+        """Whether the workers that generate (the actor's, or the rollout group's with
+        ``rollout.placement=split``) run their models on cuda."""
+        gpus = self.trainer.gpus_per_worker
+        if self.rollout.placement == "split" and self.rollout.gpus_per_worker is not None:
+            gpus = self.rollout.gpus_per_worker
+        return self.model.device == "cuda" or (self.model.device == "auto" and gpus > 0)
+
+    @property
+    def generating_workers(self) -> int:
+        """The workers a step's generation is spread over: the actor's data-parallel ranks,
+        or the rollout group's workers."""
+        if self.rollout.placement == "split":
+            return self.trainer.nnodes * (self.rollout.workers_per_node or 1)
+        return self.role_sizes("actor").dp_size
+
+    @property
     def precision(self) -> Literal["fp32", "fp64", "bf16-mixed", "bf16"]:
         """``model.precision`` with ``auto`` resolved: bf16-mixed on a GPU, fp32 on CPU (every
         worker of a run uses this one, so a weight sync's dtypes agree on both sides)."""

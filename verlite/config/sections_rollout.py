@@ -3,6 +3,7 @@ multi-turn rollouts with an environment."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
@@ -20,6 +21,14 @@ def _greedy_or_at_least_min_temperature(value: float) -> float:
             f"must be 0 (greedy) or at least {MIN_TEMPERATURE}: logits divided by a smaller "
             "temperature overflow and its gradients grow as 1/temperature"
         )
+    return value
+
+
+def _ascending_buckets(value: list[int] | None) -> list[int] | None:
+    if value is not None and not value:
+        raise ValueError("is empty: give ascending row counts, or null for powers of two")
+    if value is not None and any(a >= b for a, b in itertools.pairwise(value)):
+        raise ValueError(f"{value} is not strictly ascending")
     return value
 
 
@@ -77,6 +86,35 @@ class RolloutConfig(Section):
         "prompt position, sample index), so a run does not depend on how many workers ran it; "
         "per_rank: one random stream per actor worker, the negative control of "
         "`verlite check-invariance --run`.",
+    )
+    stop_token_ids: list[NonNegativeInt] = Field(
+        default_factory=list,
+        description="Token ids that end a response as the end-of-sequence token does (an "
+        "instruct model's end of turn); each must be inside the model's vocabulary.",
+    )
+    ignore_eos: bool = Field(
+        False,
+        description="Benchmarks only: generate every response to rollout.max_response_length, "
+        "the end-of-sequence token included (stop_token_ids still end a response), so that "
+        "a random model's responses are full length.",
+    )
+    decode: Literal["auto", "eager", "static", "cuda_graphs"] = Field(
+        "auto",
+        description="How the sampler decodes. eager: a KV cache grown a position per step, "
+        "one kernel launch per operation; static: a KV cache of fixed shape kept between "
+        "generations, finished rows compacted out by batch-size buckets; cuda_graphs: static, "
+        "each decode step captured once as a CUDA graph and replayed (cuda only). auto: "
+        "cuda_graphs on cuda (static for an FSDP actor that generates), eager on CPU. static "
+        "and cuda_graphs need rollout.randomness=per_sample and a model with full attention "
+        "in every layer.",
+    )
+    decode_batch_buckets: Annotated[
+        list[PositiveInt] | None, AfterValidator(_ascending_buckets)
+    ] = Field(
+        None,
+        description="static and cuda_graphs: the row counts, ascending, that a generation's "
+        "unfinished rows are compacted to as others finish (a graph is captured for each "
+        "used); None: the powers of two below the batch.",
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",

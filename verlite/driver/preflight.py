@@ -7,26 +7,80 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
+import ray
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from verlite import base_weights
-from verlite.config import Config
+from verlite.config import Config, ConfigError
+from verlite.config.checks import longest_sequence_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
+from verlite.generation.static_cache import UnsupportedModel, attention_shape, cache_bytes
 from verlite.models import (
     builtin_vocab_size,
     check_gradient_checkpointing_supported,
     check_lora_supported,
     check_packing_supported,
     check_tokenizer_fits,
+    hf_config,
 )
-from verlite.models.precision import check_precision_supported
+from verlite.models.precision import check_precision_supported, inference_dtypes, param_dtype
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, resolve_reward
 from verlite.rewards.remote import RemoteScorer
+
+
+def check_generation(cfg: Config, tokenizer_size: int) -> None:
+    """What generation asks of the policy: ``rollout.stop_token_ids`` inside its vocabulary,
+    and full attention in every layer for the static decode modes."""
+    config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
+    stops = cfg.rollout.stop_token_ids
+    outside = [token for token in stops if token >= config.vocab_size]
+    if outside:
+        raise ConfigError(
+            f"rollout.stop_token_ids={stops}: {outside} outside the model's vocabulary of "
+            f"{config.vocab_size} tokens (ids 0 to {config.vocab_size - 1})"
+        )
+    if cfg.rollout.decode in ("static", "cuda_graphs"):
+        try:
+            attention_shape(config)
+        except UnsupportedModel as exc:
+            raise ConfigError(f"rollout.decode={cfg.rollout.decode}: {exc}") from None
+
+
+def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
+    """On this machine's GPU, for an embedded Ray whose workers generate on cuda: one
+    generating worker's KV cache (its rows x the longest sequence) and the policy's weights
+    as it generates with them must fit the GPU's memory. A bound from below: activations,
+    and a colocated actor's gradients and optimizer state, come on top (a generation that
+    does not fit what is free is refused then, before it starts)."""
+    if not cfg.generates_on_gpu or not torch.cuda.is_available():
+        return
+    config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    trained = cfg.rollout.placement == "colocated"
+    dtypes = inference_dtypes(model, cfg.precision)
+    weights = sum(
+        p.numel() * (param_dtype(cfg.precision) if trained else dtypes[name]).itemsize
+        for name, p in model.named_parameters()
+    )
+    rows = -(-cfg.sequences_per_step // cfg.generating_workers)
+    kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
+    kv = cache_bytes(config, rows, cfg.max_sequence_length, kv_dtype)
+    total = torch.cuda.get_device_properties(0).total_memory
+    if kv + weights > total:
+        raise ConfigError(
+            f"generation cannot fit {torch.cuda.get_device_name(0)} ({total / 2**30:.1f} GiB): "
+            f"the KV cache of {rows} rows per generating worker (data.train_batch_size x "
+            f"rollout.n / {cfg.generating_workers} workers) x {cfg.max_sequence_length} "
+            f"positions ({longest_sequence_fields(cfg)}) is {kv / 2**30:.1f} GiB and the weights "
+            f"{weights / 2**30:.1f} GiB; generate fewer or shorter rows per worker"
+        )
 
 
 def check_placement(cfg: Config, *, in_session: bool) -> None:
@@ -64,6 +118,9 @@ class RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         builtin_vocab_size(cfg.model, len(tokenizer))
+        check_generation(cfg, len(tokenizer))
+        if cfg.trainer.ray_address is None and not ray.is_initialized():
+            check_generation_fits(cfg, len(tokenizer))
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
                 check_packing_supported(cfg.model, role=role)

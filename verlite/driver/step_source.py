@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
@@ -217,7 +217,7 @@ class StepSource:
 
     def validation_batch(self, records: list[PromptRecord]) -> TensorDict:
         """The actor's greedy answers to ``records`` (the held-out prompts), once each."""
-        greedy = SamplingParams(max_new_tokens=self.sampling.max_new_tokens, temperature=0.0)
+        greedy = replace(self.sampling, temperature=0.0)
         return self.actor.call(
             "generate",
             self._tensordict(records, repeat=1, temperature=0.0),

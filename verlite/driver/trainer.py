@@ -239,6 +239,8 @@ class Trainer:
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
                 top_k=cfg.rollout.top_k,
+                stop_token_ids=tuple(cfg.rollout.stop_token_ids),
+                ignore_eos=cfg.rollout.ignore_eos,
             ),
             actor_split=self.splits["actor"],
             with_old=self.recompute_old,

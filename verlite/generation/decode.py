@@ -26,7 +26,6 @@ within a float32 rounding.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -66,33 +65,19 @@ class DecodeSettings:
     def __post_init__(self) -> None:
         if self.mode not in DECODE_MODES:
             raise ValueError(f"decode mode {self.mode!r}: choose one of {', '.join(DECODE_MODES)}")
-        check_batch_buckets(self.batch_buckets)
         if self.kv_block < 1:
             raise ValueError(f"kv_block {self.kv_block}: must be at least 1")
-
-
-def check_batch_buckets(buckets: tuple[int, ...] | list[int] | None) -> None:
-    """A bucket list is None or non-empty, positive and strictly ascending."""
-    if buckets is None:
-        return
-    if len(buckets) == 0:
-        raise ValueError("batch buckets: the list is empty; give ascending row counts, or None")
-    if any(b < 1 for b in buckets) or any(a >= b for a, b in itertools.pairwise(buckets)):
-        raise ValueError(f"batch buckets {list(buckets)}: must be positive and strictly ascending")
 
 
 EAGER = DecodeSettings()
 
 
 def buckets_for(batch: int, buckets: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The row counts a generation of ``batch`` rows runs on: the buckets below it, then
-    the batch itself."""
-    smaller = (
-        [2**k for k in range(batch.bit_length()) if 2**k < batch]
-        if buckets is None
-        else [b for b in buckets if b < batch]
-    )
-    return (*smaller, batch)
+    """The row counts a generation of ``batch`` rows runs on, ascending: the buckets below
+    it (None: the powers of two), then the batch itself."""
+    if buckets is None:
+        buckets = tuple(2**k for k in range(batch.bit_length()))
+    return (*sorted({b for b in buckets if 0 < b < batch}), batch)
 
 
 class GenerationTooLarge(RunFailure):
@@ -165,7 +150,7 @@ class StaticDecoder:
             block = self.settings.kv_block
             capacity = -(-capacity // block) * block
         self._release()
-        needed = cache_bytes(self.model, rows, capacity, dtype)
+        needed = cache_bytes(self.model.config, rows, capacity, dtype)
         free = free_bytes(device)
         if free is not None and needed > free:
             raise GenerationTooLarge(

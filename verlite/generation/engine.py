@@ -24,6 +24,7 @@ from typing import Protocol
 from tensordict import TensorDict
 from torch import nn
 
+from verlite.generation.decode import EAGER, DecodeSettings
 from verlite.generation.noise import Noise
 from verlite.generation.sampler import Sampler
 from verlite.generation.sampling import SamplingParams
@@ -55,12 +56,17 @@ class NativeEngine:
         pad_token_id: int,
         who: str,
         adapters_only: bool = False,
+        decode: DecodeSettings = EAGER,
     ) -> None:
         # Parameters keep requires_grad (generation runs under no_grad either way): frozen
         # ones take other CPU matmul kernels, whose rounding differs from the actor's.
         self.receiver = WeightReceiver(model, who=who, adapters_only=adapters_only)
         self.sampler = Sampler(
-            model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, lockstep=False
+            model,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            lockstep=False,
+            decode=decode,
         )
 
     def load_bucket(self, bucket: WeightBucket) -> float | None:

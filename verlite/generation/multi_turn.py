@@ -58,7 +58,7 @@ class TurnLimits:
     max_turns: int
     width: int  # tokens of the response area: every turn and observation of a trajectory
     turn_tokens: int  # most tokens of one policy turn
-    eos_token_id: int
+    end_token_ids: tuple[int, ...]  # tokens that end a trajectory (EOS, rollout.stop_token_ids)
     pad_token_id: int
 
 
@@ -152,7 +152,7 @@ def _take_turn(
         trajectory.abandoned_call = session.timed_out
         return
     trajectory.env_score = result.reward
-    if result.done or limits.eos_token_id in tokens:
+    if result.done or any(token in limits.end_token_ids for token in tokens):
         trajectory.active = False
         return
     observation = session.observation_ids(result.observation, tokenizer)

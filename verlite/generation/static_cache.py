@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
@@ -28,30 +29,34 @@ class UnsupportedModel(ValueError):
     """The model's attention cannot run on the static cache."""
 
 
-def attention_shape(model: nn.Module) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a Hugging Face decoder with full attention in every
-    layer; :class:`UnsupportedModel` for one with sliding-window or other layer types, whose
-    masks the static path does not build."""
-    config = model.config
+def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a Hugging Face decoder ``config`` with full attention
+    in every layer; :class:`UnsupportedModel` for one with sliding-window or other layer
+    types, whose masks the static path does not build."""
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds:
         kinds = {"full_attention" if window is None else "sliding_attention"}
     if kinds != {"full_attention"}:
         raise UnsupportedModel(
-            f"{type(model).__name__} has attention layers of kinds {sorted(kinds)} "
-            f"(sliding_window {window}); the static decode path supports full attention only: "
-            "use rollout.decode=eager"
+            f"this {config.model_type} model has attention layers of kinds {sorted(kinds)} "
+            f"(sliding_window {window}); the static decode path supports full attention "
+            "only: use rollout.decode=eager"
         )
+    return _cache_dimensions(config)
+
+
+def _cache_dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def cache_bytes(model: nn.Module, rows: int, capacity: int, dtype: torch.dtype) -> int:
-    """Bytes of a static KV cache of ``rows`` x ``capacity`` positions for ``model``."""
-    layers, kv_heads, head_dim = attention_shape(model)
+def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch.dtype) -> int:
+    """Bytes of a KV cache of ``rows`` x ``capacity`` positions for a model of ``config``
+    (the static cache's, and what the eager sampler's grows to)."""
+    layers, kv_heads, head_dim = _cache_dimensions(config)
     return 2 * layers * rows * kv_heads * capacity * head_dim * dtype.itemsize
 
 
@@ -108,7 +113,7 @@ class StaticCache(Cache):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        layers, kv_heads, head_dim = attention_shape(model)
+        layers, kv_heads, head_dim = attention_shape(model.config)
         shape = (rows, kv_heads, capacity, head_dim)
         # Zeroed, not empty: rows a bucket carries past the unfinished ones read them, and
         # garbage there could hold NaN (harmless to the other rows, but never sampled from).

@@ -87,7 +87,9 @@ def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> 
     )
 
 
-def _hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> PretrainedConfig:
+def hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> PretrainedConfig:
+    """The Hugging Face config of the policy: ``model.path``'s, or the built-in decoder's for
+    a tokenizer of ``vocab_size`` tokens."""
     if cfg.path is not None:
         return AutoConfig.from_pretrained(cfg.path)
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
@@ -108,7 +110,7 @@ def build_policy(
         model = _pretrained(AutoModelForCausalLM, cfg.path, dtype)
     else:
         torch.manual_seed(seed)
-        config = _hf_config(cfg, vocab_size, max_positions)
+        config = hf_config(cfg, vocab_size, max_positions)
         model = AutoModelForCausalLM.from_config(config).to(dtype)
     if lora is not None and lora.rank > 0:
         model = apply_lora(model, lora, seed=seed).to(dtype)
@@ -213,14 +215,14 @@ def build_value_model(
 ) -> ValueModel:
     """The critic: the policy's trunk (pretrained weights when ``cfg.path`` is set) + a fresh head."""
     dtype = model_dtype(cfg)
-    hf_config = _hf_config(cfg, vocab_size, max_positions)
+    config = hf_config(cfg, vocab_size, max_positions)
     torch.manual_seed(seed)
     if cfg.path is not None:
         trunk = _pretrained(AutoModel, cfg.path, dtype)
     else:
-        trunk = AutoModel.from_config(hf_config)
-    model = ValueModel(trunk, hf_config.hidden_size)
-    nn.init.normal_(model.value_head.weight, std=1.0 / hf_config.hidden_size)
+        trunk = AutoModel.from_config(config)
+    model = ValueModel(trunk, config.hidden_size)
+    nn.init.normal_(model.value_head.weight, std=1.0 / config.hidden_size)
     nn.init.zeros_(model.value_head.bias)
     return model.to(dtype)
 
@@ -243,7 +245,7 @@ def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> No
     line otherwise."""
     auto_class = AutoModelForCausalLM if role == "actor" else AutoModel
     with torch.device("meta"):
-        model = auto_class.from_config(_hf_config(cfg, vocab_size=64, max_positions=64))
+        model = auto_class.from_config(hf_config(cfg, vocab_size=64, max_positions=64))
     if not model.supports_gradient_checkpointing:
         raise ConfigError(
             f"{role}.gradient_checkpointing=true: {type(model).__name__} does not support "
@@ -256,7 +258,7 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
     narrowed to a few heads, must keep packed sequences apart (``varlen.enable_packing``);
     refused in one line otherwise, before any worker trains with attention across
     sequences."""
-    config = copy.deepcopy(_hf_config(cfg, vocab_size=64, max_positions=64))
+    config = copy.deepcopy(hf_config(cfg, vocab_size=64, max_positions=64))
     narrow = {
         "vocab_size": 64,
         "num_hidden_layers": 1,
@@ -287,7 +289,7 @@ def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> None:
         return
     check_peft_installed(lora)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_hf_config(cfg, vocab_size=64, max_positions=64))
+        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size=64, max_positions=64))
     check_targets(model, lora)
 
 
@@ -307,7 +309,7 @@ def flop_crossover(cfg: ModelConfig) -> int:
     hidden size (a token's weight FLOPs are 6 x parameters; its share of causal attention
     over a sequence of length L, 6 x hidden x L per layer). Counted on models of 1 and 2
     layers built on the meta device: no memory, any architecture."""
-    config = _hf_config(cfg, vocab_size=64, max_positions=64)
+    config = hf_config(cfg, vocab_size=64, max_positions=64)
     counts = []
     for layers in (1, 2):
         config = copy.deepcopy(config)

@@ -98,11 +98,14 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             device=device,
             precision=cfg.precision,
         )
+        lockstep = cfg.actor.strategy == "fsdp"
+        generating = inference_module(self.engine.model)
         self.sampler = Sampler(
-            inference_module(self.engine.model),
+            generating,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
-            lockstep=cfg.actor.strategy == "fsdp",
+            lockstep=lockstep,
+            decode=self.decode_settings(generating, device, lockstep=lockstep),
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
         # The dtype a weight sync sends each entry of the policy's state in: the rollout

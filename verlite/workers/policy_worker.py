@@ -11,16 +11,18 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from torch import nn
 
-from verlite.config import Config
+from verlite.config import Config, ConfigError
 from verlite.controller import Worker
 from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
-from verlite.generation import Noise, SamplingParams, noise_for
+from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
+from verlite.generation.static_cache import UnsupportedModel, attention_shape
 from verlite.models.precision import autocast
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
@@ -45,6 +47,31 @@ class PolicyWorker(Worker):
             self.stop_token_ids = (
                 () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
             )
+
+    def decode_settings(
+        self, model: nn.Module, device: torch.device, *, lockstep: bool
+    ) -> DecodeSettings:
+        """How ``model`` decodes on ``device`` (``rollout.decode``): ``auto`` is cuda_graphs
+        on cuda (static in ``lockstep``: FSDP's all-gathers cannot be captured), eager on CPU,
+        and eager for what the static path does not run (a per-rank stream, a model with
+        sliding-window attention); an explicit static mode on such a model is refused."""
+        rollout = self.cfg.rollout
+        buckets = (
+            None if rollout.decode_batch_buckets is None else tuple(rollout.decode_batch_buckets)
+        )
+        mode = rollout.decode
+        try:
+            attention_shape(model.config)
+        except UnsupportedModel as exc:
+            if mode != "auto" and mode != "eager":
+                raise ConfigError(f"rollout.decode={mode}: {exc}") from None
+            mode = "eager"
+        if mode == "auto":
+            if device.type != "cuda" or rollout.randomness == "per_rank":
+                mode = "eager"
+            else:
+                mode = "static" if lockstep else "cuda_graphs"
+        return DecodeSettings(mode, batch_buckets=buckets)
 
     def noise(
         self,
@@ -95,7 +122,9 @@ class PolicyWorker(Worker):
                     row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
                 )
             ]
-            turn_params = replace(params, stop_token_ids=self.stop_token_ids)
+            turn_params = replace(
+                params, stop_token_ids=params.stop_token_ids + self.stop_token_ids
+            )
 
             def turn(td: TensorDict, index: int, max_new_tokens: int) -> TensorDict:
                 p = replace(turn_params, max_new_tokens=max_new_tokens)
@@ -107,7 +136,7 @@ class PolicyWorker(Worker):
                 max_turns=multi_turn.max_turns,
                 width=self.cfg.response_width,
                 turn_tokens=params.max_new_tokens,
-                eos_token_id=self.eos_token_id,
+                end_token_ids=tuple(params.end_tokens(self.eos_token_id)),
                 pad_token_id=self.pad_token_id,
             )
             return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)

@@ -99,6 +99,34 @@ BAD_OVERRIDES = [
         "critic.strategy=none",
     ),
     (["actor.offload=cpu"], "actor.offload='cpu': Input should be 'none', 'optimizer' or 'all'"),
+    (["rollout.decode_batch_buckets=[]"], "rollout.decode_batch_buckets=[]: is empty"),
+    (
+        ["rollout.decode_batch_buckets=[8,4]"],
+        "rollout.decode_batch_buckets=[8, 4]: [8, 4] is not strictly ascending",
+    ),
+    (
+        ["rollout.decode_batch_buckets=[0,4]"],
+        "rollout.decode_batch_buckets.0=0: Input should be greater than 0",
+    ),
+    (["rollout.decode=fast"], "rollout.decode='fast': Input should be 'auto', 'eager'"),
+    (
+        ["rollout.decode=static", "rollout.randomness=per_rank"],
+        "rollout.decode=static compacts finished rows away",
+    ),
+    (
+        ["rollout.decode=cuda_graphs"],
+        "rollout.decode=cuda_graphs captures CUDA graphs, but the workers that generate run "
+        "on CPU (model.device=auto, no GPUs per worker)",
+    ),
+    (
+        ["rollout.decode=cuda_graphs", "model.device=cuda", "actor.strategy=fsdp"],
+        "rollout.decode=cuda_graphs cannot capture the parameter all-gathers of an FSDP actor",
+    ),
+    (
+        ["rollout.stop_token_ids=[3,5000]"],
+        "rollout.stop_token_ids=[3, 5000]: [5000] outside the model's vocabulary of",
+    ),
+    (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids.0=-1: Input should be greater"),
     (["actor"], "malformed override 'actor'"),
     (["=1"], "malformed override '=1'"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
@@ -535,3 +563,70 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     assert "exists and is not an empty folder; name a new folder" in err
     err = run(capsys, "export", str(tmp_path), "--merge")
     assert f"its base model {str(tmp_path / 'gone')!r} is not a folder here" in err
+
+
+def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from transformers import MistralConfig
+
+    from verlite.driver import preflight
+
+    monkeypatch.setattr(
+        preflight, "hf_config", lambda *args: MistralConfig(vocab_size=64, sliding_window=8)
+    )
+    cfg = load_config(CONFIG, ["rollout.decode=static"])
+    with pytest.raises(
+        UserError,
+        match=r"rollout.decode=static: this mistral model has attention "
+        r"layers of kinds \['sliding_attention'\] \(sliding_window 8\)",
+    ):
+        preflight.check_generation(cfg, 64)
+    preflight.check_generation(load_config(CONFIG, ["rollout.decode=eager"]), 64)
+
+
+@pytest.mark.parametrize(("total_gib", "refused"), [(1, True), (64, False)])
+def test_generation_larger_than_this_machines_gpu_is_refused_before_ray(
+    monkeypatch: pytest.MonkeyPatch, total_gib: int, refused: bool
+) -> None:
+    """A 0.5B-shaped policy generating 512 rows of 1088 positions on one GPU: its KV cache
+    alone is 2 x 24 layers x 512 x 2 KV heads x 1088 x 64 x 2 bytes = 6.4 GiB."""
+    from types import SimpleNamespace
+
+    from verlite.driver import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda device=None: SimpleNamespace(total_memory=total_gib * 2**30),
+    )
+    shape = [
+        "model.hidden_size=896",
+        "model.num_layers=24",
+        "model.num_heads=14",
+        "model.num_kv_heads=2",
+        "model.intermediate_size=4864",
+        "model.device=cuda",
+        "trainer.gpus_per_worker=1",
+        "data.train_batch_size=64",
+        "rollout.n=8",
+        "algorithm.adv_estimator=grpo",
+        "data.max_prompt_length=64",
+        "rollout.max_response_length=1024",
+        "actor.ppo_mini_batch_size=512",
+    ]
+    cfg = load_config(CONFIG, shape)
+    if not refused:
+        preflight.check_generation_fits(cfg, 32_000)
+        return
+    with pytest.raises(
+        UserError,
+        match=re.escape(
+            "generation cannot fit Fake GPU (1.0 GiB): the KV cache of 512 rows per generating "
+            "worker (data.train_batch_size x rollout.n / 1 workers) x 1088 positions "
+            "(data.max_prompt_length + rollout.max_response_length) is 6.4 GiB and the weights"
+        ),
+    ):
+        preflight.check_generation_fits(cfg, 32_000)

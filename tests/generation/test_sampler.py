@@ -1,4 +1,7 @@
-"""The native sampler: matches Hugging Face greedy decoding, stops at EOS, samples correctly."""
+"""The native sampler: matches Hugging Face greedy decoding, stops at EOS, samples correctly;
+every test runs on both decode paths, eager and static (``verlite.generation.decode``)."""
+
+from functools import partial
 
 import pytest
 import torch
@@ -8,17 +11,29 @@ from verlite.config import ModelConfig
 from verlite.data import position_ids
 from verlite.distributed import run_on_ranks
 from verlite.generation import (
+    DecodeSettings,
     KeyedNoise,
     Sampler,
     SamplingParams,
     sample_keys,
     sample_next_token,
 )
+from verlite.generation.sampler import Sampler as RealSampler
 from verlite.generation.sampling import GenerationDiverged
 from verlite.models import build_policy
 from verlite.workers.forward import response_log_probs
 
 EOS, PAD, VOCAB = 2, 0, 40
+MODES = ["eager", "static"]
+
+
+@pytest.fixture(autouse=True, params=MODES)
+def decode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every ``Sampler`` a test of this module builds decodes this way."""
+    monkeypatch.setattr(
+        f"{__name__}.Sampler", partial(RealSampler, decode=DecodeSettings(request.param))
+    )
+    return request.param
 
 
 def model() -> torch.nn.Module:
@@ -177,7 +192,7 @@ def test_top_k_and_top_p_restrict_the_support(top_k: int, top_p: float, allowed:
     assert set(drawn.tolist()) == allowed
 
 
-def _lockstep(rank: int, world: int) -> list[int]:
+def _lockstep(rank: int, world: int, mode: str) -> list[int]:
     from verlite.distributed import apply_fsdp
 
     m = apply_fsdp(model())
@@ -186,14 +201,14 @@ def _lockstep(rank: int, world: int) -> list[int]:
         bias = torch.full((VOCAB,), -1e4 if rank else 0.0, dtype=torch.float64)
         bias[EOS] = 1e4 if rank == 0 else -1e4
     m.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
-    out = Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
-        td, SamplingParams(5), keyed(td, 0)
-    )
+    out = RealSampler(
+        m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True, decode=DecodeSettings(mode)
+    ).generate(td, SamplingParams(5), keyed(td, 0))
     return out["response_mask"].sum(-1).tolist()
 
 
-def test_fsdp_ranks_stay_in_lockstep_when_lengths_differ() -> None:
-    lengths = run_on_ranks(_lockstep, world_size=2, timeout_s=120)
+def test_fsdp_ranks_stay_in_lockstep_when_lengths_differ(decode: str) -> None:
+    lengths = run_on_ranks(_lockstep, world_size=2, args=(decode,), timeout_s=120)
     assert lengths == [[1, 1, 1, 1], [5, 5, 5, 5]]
 
 
@@ -248,7 +263,7 @@ def test_nan_logits_of_a_finished_row_are_ignored() -> None:
     assert out["response_mask"].sum(-1).tolist() == [1, 1, 1, 1]
 
 
-def _diverge_on_rank_1(rank: int, world: int) -> str:
+def _diverge_on_rank_1(rank: int, world: int, mode: str) -> str:
     from verlite.distributed import apply_fsdp
 
     m = apply_fsdp(model())
@@ -256,16 +271,16 @@ def _diverge_on_rank_1(rank: int, world: int) -> str:
         _poison(m, rows=[0], from_step=1)
     try:
         td = prompts(batch=4, seed=rank)
-        Sampler(m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True).generate(
-            td, SamplingParams(5), keyed(td, 0)
-        )
+        RealSampler(
+            m, eos_token_id=EOS, pad_token_id=PAD, lockstep=True, decode=DecodeSettings(mode)
+        ).generate(td, SamplingParams(5), keyed(td, 0))
     except GenerationDiverged as exc:
         return str(exc)
     return "no error"
 
 
-def test_nan_logits_on_one_fsdp_rank_stop_every_rank() -> None:
+def test_nan_logits_on_one_fsdp_rank_stop_every_rank(decode: str) -> None:
     """A rank that raised alone would leave the others waiting in the next all-gather."""
-    messages = run_on_ranks(_diverge_on_rank_1, world_size=2, timeout_s=120)
+    messages = run_on_ranks(_diverge_on_rank_1, world_size=2, args=(decode,), timeout_s=120)
     assert "0 of 4 rows on this rank" in messages[0]
     assert "1 of 4 rows on this rank" in messages[1]

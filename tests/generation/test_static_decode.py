@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_qwen2
 from verlite.config import ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
-from verlite.generation.decode import StaticDecoder
+from verlite.generation.decode import StaticDecoder, buckets_for
 from verlite.models import build_policy
 
 
@@ -92,13 +93,15 @@ def test_static_matches_eager_bit_for_bit(dtype: str, name: str, buckets) -> Non
     forward = static.static._forward  # type: ignore[union-attr]
     static.static._forward = lambda rows, span, p: (calls.append(rows), forward(rows, span, p))  # type: ignore[union-attr,method-assign]
     assert_same(static.generate(td, params, noise(td, 4, 14)), eager)
-    # Rows finished at different steps: later steps ran on fewer rows (compacted).
+    # Step t ran on the smallest bucket holding the rows still unfinished (compacted as
+    # they finish), and the steps stopped when the last row did.
     lengths = eager["response_mask"].sum(-1)
-    assert (
-        lengths.min() < lengths.max()
-        and len(set(calls)) > 1
-        and calls == sorted(calls, reverse=True)
-    )
+    sizes = buckets_for(len(td), buckets)
+    expected = [
+        next(b for b in sizes if b >= int((lengths > t).sum()))
+        for t in range(1, int(lengths.max()))
+    ]
+    assert calls == expected and len(set(calls)) > 1
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -165,3 +168,115 @@ def test_qwen2_and_lora_match_eager(tied: bool) -> None:
             td, params, noise(td, 6, 14)
         )
         assert_same(static, eager)
+
+
+class Counting(StaticDecoder):
+    """Records each check's count of unfinished rows, and the rows added to fill a bucket."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counted: list[int] = []
+        self.filled = 0
+
+    def _check(self, rows: int, batch: int) -> tuple[int, bool]:
+        active, running = super()._check(rows, batch)
+        self.counted.append(active)
+        return active, running
+
+    def _compact(self, rows: int, target: int) -> None:
+        self.filled += target - self.counted[-1]
+        super()._compact(rows, target)
+
+
+def test_rows_that_fill_a_bucket_carry_nothing() -> None:
+    """Compacted to a bucket larger than the unfinished rows, the rows filling it are finished
+    ones: each step counts exactly the rows that are unfinished (as eager's lengths say), and
+    their responses are eager's."""
+    model, params = llama("fp64"), SETTINGS["sampled"]
+    filled = 0
+    for seed in range(6):
+        td = prompts(batch=12, width=9, seed=seed)
+        eos = ragged_eos(model, td, params, seed)
+        eager = sampler(model, DecodeSettings("eager"), eos).generate(
+            td, params, noise(td, seed, 14)
+        )
+        static = sampler(model, DecodeSettings("eager"), eos)
+        decoder = Counting(
+            model,
+            eos_token_id=eos,
+            pad_token_id=PAD,
+            lockstep=False,
+            settings=DecodeSettings("static", batch_buckets=(3, 6, 9)),
+        )
+        static.static = decoder
+        assert_same(static.generate(td, params, noise(td, seed, 14)), eager)
+        lengths = eager["response_mask"].sum(-1)
+        # (the check after the last position counts the rows that ran to the maximum too)
+        steps = decoder.counted[: params.max_new_tokens - 1]
+        assert steps == [int((lengths > t).sum()) for t in range(1, len(steps) + 1)]
+        filled += decoder.filled
+    assert filled > 0
+
+
+def test_a_cache_that_cannot_fit_is_refused_before_generating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from verlite.generation import decode
+
+    model, td = llama("fp32"), prompts(batch=12, width=9)
+    calls: list[int] = []
+    model.register_forward_hook(lambda *args: calls.append(1))
+    monkeypatch.setattr(decode, "free_bytes", lambda device: 1000)
+    with pytest.raises(
+        decode.GenerationTooLarge,
+        match=r"rollout: the KV cache of 12 rows x 23 positions \(0\.00 GiB in torch\.float32\) "
+        r"does not fit the 0\.00 GiB free on cpu",
+    ):
+        sampler(model, DecodeSettings("static")).generate(td, SamplingParams(14), noise(td, 0, 14))
+    assert not calls
+
+
+def test_what_the_static_path_does_not_run_is_refused_in_one_line() -> None:
+    from transformers import MistralConfig
+
+    from verlite.generation import StreamNoise
+    from verlite.generation.static_cache import UnsupportedModel, attention_shape
+
+    model, td = llama("fp32"), prompts(batch=4, width=5)
+    static = sampler(model, DecodeSettings("static"))
+    with pytest.raises(ValueError, match="draws with per-sample keys only"):
+        static.generate(td, SamplingParams(4), StreamNoise(0, 4, td.device))
+    graphs = Sampler(
+        model,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        lockstep=False,
+        decode=DecodeSettings("cuda_graphs"),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"rollout\.decode=cuda_graphs captures CUDA graphs; this model generates on cpu",
+    ):
+        graphs.generate(td, SamplingParams(4), noise(td, 0, 4))
+    with pytest.raises(ValueError, match="at most 8"):
+        static.generate(td, SamplingParams(4, stop_token_ids=tuple(range(3, 11))), noise(td, 0, 4))
+    with pytest.raises(UnsupportedModel, match="sliding_attention"):
+        attention_shape(MistralConfig(sliding_window=16))
+    assert attention_shape(MistralConfig(sliding_window=None, num_hidden_layers=3)) == (3, 8, 128)
+
+
+def test_ignore_eos_runs_every_row_to_the_length_and_stop_tokens_still_end() -> None:
+    model, td = llama("fp64"), prompts(batch=12, width=9, seed=1)
+    params = SETTINGS["sampled"]
+    eos = ragged_eos(model, td, params, 4)
+    for mode in ("eager", "static"):
+        decoder = sampler(model, DecodeSettings(mode), eos)
+        full = decoder.generate(td, replace(params, ignore_eos=True), noise(td, 4, 14))
+        assert (full["response_mask"].sum(-1) == 14).all()
+        stopped = decoder.generate(
+            td, replace(params, ignore_eos=True, stop_token_ids=(eos,)), noise(td, 4, 14)
+        )
+        assert_same(
+            stopped,
+            sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 4, 14)),
+        )

@@ -349,7 +349,9 @@ class StaticDecoder:
         assert cache is not None
         active = (~self.finished[:rows]).nonzero().flatten()
         count = len(active)
-        index = torch.cat([active, active.new_zeros(target - count)])
+        # The filling rows copy an unfinished row (any row: with no unfinished one, in lockstep).
+        filler = active[:1] if count else active.new_zeros(1)
+        index = torch.cat([active, filler.expand(target - count)])
         cache.gather_rows(index)
         for buffer in (self.ids, self.positions, self.mask, self.keys, self.finished, self.row_of):
             buffer[:target] = buffer[index]

@@ -280,3 +280,31 @@ def test_ignore_eos_runs_every_row_to_the_length_and_stop_tokens_still_end() -> 
             stopped,
             sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 4, 14)),
         )
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_itself(
+    tied: bool,
+) -> None:
+    """Under bf16-mixed with CUDA graphs the actor samples from a bf16 copy of its fp32
+    weights (``workers.actor.generation_copy``), refreshed before each generation: after an
+    optimizer step, the same tokens and log-probs as the fp32 policy under autocast."""
+    from verlite.models.precision import autocast, refresh_inference_copy
+    from verlite.workers.actor import generation_copy
+
+    policy = tiny_qwen2(tied=tied, vocab_size=VOCAB)
+    assert generation_copy(policy, "bf16-mixed", DecodeSettings("static")) is None
+    assert generation_copy(policy, "fp32", DecodeSettings("cuda_graphs")) is None
+    copy = generation_copy(policy, "bf16-mixed", DecodeSettings("cuda_graphs"))
+    assert copy is not None and copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    addresses = [p.data_ptr() for p in copy.parameters()]
+    with torch.no_grad():  # an optimizer step on the fp32 master weights
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    refresh_inference_copy(copy, policy)
+    assert [p.data_ptr() for p in copy.parameters()] == addresses
+    td, params = prompts(batch=10, width=7, seed=3), SETTINGS["sampled"]
+    with autocast("bf16-mixed", torch.device("cpu")):
+        ours = sampler(copy, DecodeSettings("static")).generate(td, params, noise(td, 2, 14))
+        theirs = sampler(policy, DecodeSettings("eager")).generate(td, params, noise(td, 2, 14))
+    assert_same(ours, theirs)

@@ -126,7 +126,7 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ buffers
     def _kv_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype the attention layers' keys come out in: autocast's, else the model's."""
+        """The dtype attention reads keys and values in: autocast's, else the model's."""
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
         return next(p.dtype for p in self.model.parameters() if p.is_floating_point())

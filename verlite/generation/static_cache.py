@@ -83,8 +83,8 @@ class StaticCacheLayer(CacheLayerMixin):
             self.value_buffer[:rows, :, :length] = value_states
             return self.key_buffer[:rows, :, :length], self.value_buffer[:rows, :, :length]
         keys, values = self.key_buffer[:rows], self.value_buffer[:rows]
-        keys.index_copy_(2, owner.slot, key_states)
-        values.index_copy_(2, owner.slot, value_states)
+        keys.index_copy_(2, owner.slot, key_states.to(keys.dtype))
+        values.index_copy_(2, owner.slot, value_states.to(values.dtype))
         return keys[:, :, : owner.span], values[:, :, : owner.span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -99,7 +99,10 @@ class StaticCacheLayer(CacheLayerMixin):
 
 
 class StaticCache(Cache):
-    """The static KV cache of a model: one :class:`StaticCacheLayer` per layer, plus the
+    """The static KV cache of a model: one :class:`StaticCacheLayer` per layer, in ``dtype``
+    (under autocast, its dtype: a rotated key may come out in float32, but attention under
+    autocast reads keys and values in the autocast dtype, so they are stored cast, at a
+    fraction of the memory and of the bytes a step reads), plus the
     state every layer's update reads: whether the prompts are being written (``prefilling``),
     the position a decode step writes (``slot``, a (1,) int64 device tensor) and how many
     positions it attends to (``span``)."""

@@ -90,6 +90,16 @@ def store_for_inference(
     return model
 
 
+@torch.no_grad()
+def refresh_inference_copy(copy: nn.Module, source: nn.Module) -> None:
+    """Bring ``copy`` (``source`` deep-copied, then :func:`store_for_inference`) up to date
+    with ``source``'s current state, in place and cast to the copy's dtypes: its tensors keep
+    their addresses, which a captured CUDA graph reads."""
+    state = source.state_dict(keep_vars=True)
+    for name, target in copy.state_dict(keep_vars=True).items():
+        target.copy_(state[name])
+
+
 def check_precision_supported(precision: str, *, on_gpu: bool) -> None:
     """bf16 (mixed or pure) on a GPU without bf16 arithmetic (before Ampere): refused at
     start-up in one line naming ``model.precision``, where this machine's GPU is the workers'

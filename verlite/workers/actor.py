@@ -20,6 +20,7 @@ from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
 from verlite.generation import (
+    DecodeSettings,
     Sampler,
     SamplingParams,
     SyncLayout,
@@ -31,7 +32,12 @@ from verlite.generation import (
 )
 from verlite.models import build_policy, resolve_device
 from verlite.models.lora import adapters_disabled, save_adapter
-from verlite.models.precision import autocast, inference_dtypes, store_for_inference
+from verlite.models.precision import (
+    autocast,
+    inference_dtypes,
+    refresh_inference_copy,
+    store_for_inference,
+)
 from verlite.models.varlen import enable_packing
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
@@ -63,6 +69,19 @@ def on_device(module: nn.Module, device: torch.device, *, home: torch.device) ->
         yield
     finally:
         module.to(home)
+
+
+def generation_copy(trained: nn.Module, precision: str, decode: DecodeSettings) -> nn.Module | None:
+    """What a colocated actor generates from besides its trained model: under bf16-mixed
+    with CUDA graphs, a copy stored for inference (``models.precision``: bf16 linear weights,
+    computing bit for bit what the fp32 model computes under autocast), refreshed in place
+    before each generation (``refresh_inference_copy``). A captured step reads fixed
+    addresses, and from the fp32 model it would cast every weight again at every replayed
+    step (autocast's cache cannot hold casts across captures); None otherwise: the trained
+    model generates, autocast casting its weights once per generation."""
+    if decode.mode != "cuda_graphs" or precision != "bf16-mixed":
+        return None
+    return store_for_inference(copy.deepcopy(trained), precision)
 
 
 class ActorWorker(TrainingWorker, PolicyWorker):
@@ -99,13 +118,15 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             precision=cfg.precision,
         )
         lockstep = cfg.actor.strategy == "fsdp"
-        generating = inference_module(self.engine.model)
+        trained = inference_module(self.engine.model)
+        decode = self.decode_settings(trained, device, lockstep=lockstep)
+        self._generation_copy = generation_copy(trained, cfg.precision, decode)
         self.sampler = Sampler(
-            generating,
+            trained if self._generation_copy is None else self._generation_copy,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
             lockstep=lockstep,
-            decode=self.decode_settings(generating, device, lockstep=lockstep),
+            decode=decode,
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
         # The dtype a weight sync sends each entry of the policy's state in: the rollout
@@ -140,6 +161,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         row's ``sample_key`` (``rollout.randomness=per_sample``), or from this rank's stream
         of the step seeded ``seed`` (``verlite.core.seeds.rank_sampling``)."""
         prompts = prompts.to(self.engine.device)
+        if self._generation_copy is not None:
+            refresh_inference_copy(self._generation_copy, inference_module(self.engine.model))
         return self.sample(self.sampler.generate, prompts, params, seed, records).cpu()
 
     def generate_with_log_probs(

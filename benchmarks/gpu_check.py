@@ -83,7 +83,9 @@ GPU_MAIN_JOB = ["trainer.gpus_per_worker=1", "trainer.total_steps=100", "trainer
 # What --cpu changes: tiny shapes and few steps, the same code paths.
 CPU_MAIN_JOB = ["trainer.total_steps=2", "trainer.val_freq=1", "data.num_val_samples=8"]
 CPU_UPDATE = ["--tiny", "--rows", "8", "--tokens", "72", "--micro", "4", "--repeats", "2"]
-CPU_7B = [
+# What --cpu changes in a `verlite train` of a GPU-shaped config: a tiny model, 4 prompts of
+# 8-token responses, one thread, no GPU.
+CPU_TRAIN = [
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.num_heads=4",
@@ -92,23 +94,14 @@ CPU_7B = [
     "model.vocab_size=1000",
     "rollout.max_response_length=8",
     "data.train_batch_size=4",
-    "actor.ppo_mini_batch_size=16",
-    "actor.micro_batch_size_per_worker=8",
     "trainer.torch_threads_per_worker=1",
     "trainer.gpus_per_worker=0",
 ]
+CPU_7B = [*CPU_TRAIN, "actor.ppo_mini_batch_size=16", "actor.micro_batch_size_per_worker=8"]
+CPU_05B = [*CPU_TRAIN, "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_worker=16"]
 GPU_ROLLOUT = ["--device", "cuda", "--repeats", "3"]
 CPU_ROLLOUT = ["--compare", "decode", "--shape", "tiny", "--shapes", "4x8,2x8"]
 CPU_ROLLOUT += ["--prompt-len", "8", "--repeats", "2", "--profile-steps", "2,4"]
-CPU_05B = [
-    *CPU_7B[:6],
-    "rollout.max_response_length=8",
-    "data.train_batch_size=4",
-    "actor.ppo_mini_batch_size=32",
-    "actor.micro_batch_size_per_worker=16",
-    "trainer.torch_threads_per_worker=1",
-    "trainer.gpus_per_worker=0",
-]
 
 
 @dataclass
@@ -291,9 +284,9 @@ def rollout_benchmark(target: Target) -> Part:
     if not result:
         return part
     native, figures = result["native"], []
-    for shape, r in result["results"].items():
+    for size, r in result["results"].items():
         rates = r["tokens_per_s"]
-        words = [f"{shape}: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()) + " tok/s"]
+        words = [f"{size}: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()) + " tok/s"]
         words += [
             f"{r[k]:.2f}x {k.removeprefix('native_over_')}"
             for k in ("native_over_eager", "native_over_hf")

@@ -54,11 +54,20 @@ test-cluster: setup
 bench: setup
 	$(PY) -m benchmarks.run_all
 
-# CUDA, NCCL and bfloat16: check-invariance over every visible GPU and the main job on cuda,
-# as one table; without a GPU it says so and exits 0. CI does not run it.
+# CUDA, NCCL and bfloat16 (issue 35): check-invariance over every visible GPU, the main job on
+# cuda, the 0.5B update and the 7B-shaped GRPO steps, as one table (10 minutes of limits); without
+# a GPU it says so and exits 0. CI does not run it.
 .PHONY: gpu-check
 gpu-check: setup
 	$(PY) -m benchmarks.gpu_check
+
+# The decode engine's measures (issue 36), a device command of its own (8 minutes of limits):
+# benchmarks/rollout.py --device cuda (cuda_graphs vs eager vs HF generate, the roofline's share,
+# a profile of what bounds a decode step) and two 0.5B-shaped GRPO steps through verlite train
+# with rollout.decode=eager and cuda_graphs (configs/grpo_0p5b_shape.yaml); in outputs/gpu_bench.
+.PHONY: gpu-bench
+gpu-bench: setup
+	$(PY) -m benchmarks.gpu_check --parts rollout,grpo_step --output-dir outputs/gpu_bench
 
 # docs/config.md from the config models' descriptions (a test fails when it is stale).
 .PHONY: docs

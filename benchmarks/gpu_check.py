@@ -11,12 +11,27 @@
 4. Two GRPO steps of a Qwen2.5-7B-shaped policy through ``verlite train``
    (``configs/grpo_7b_shape.yaml``): the actor's peak memory and the step's split.
 
+``make gpu-bench`` (``--parts rollout,grpo_step``: issue 36's measures, 8 minutes of limits,
+one device command of its own):
+
+5. ``rollout``: ``benchmarks/rollout.py --device cuda``: a Qwen2-0.5B-shaped policy's
+   generation (256 and 64 prompts x 256 new tokens) in ``rollout.decode`` cuda_graphs against
+   eager (the sampler before issue 36) and Hugging Face ``generate``: tokens/s, the ratios,
+   the share of the roofline, and what bounds a decode step (the GPU's busy share).
+6. ``grpo_step``: two GRPO steps of that model through ``verlite train``
+   (``configs/grpo_0p5b_shape.yaml``: 64 prompts x 8 responses x 256 tokens, bf16-mixed, EOS
+   ignored so every response runs to its length), once with ``rollout.decode=eager`` and once
+   with ``cuda_graphs``: each run's second step in seconds, the share of generation
+   (``timing_s/gen``) in it, and the speedup.
+
 Each part runs with its own time limit (a part past it is reported as such and the rest still
 run) and writes its log under ``--output-dir`` (default ``outputs/gpu_check``), with
-``summary.json`` and ``summary.md`` of every part; ``--parts`` runs some of them (a session
-can split the check over two commands, each with its own ``--output-dir``). On a machine
-without a GPU it says so and exits 0; ``--cpu`` runs every part there on tiny shapes (what
-CI runs, so that a typo cannot first show on the GPU). CI does not run it otherwise.
+``summary.json`` and ``summary.md`` of every part; ``--parts`` runs some of them (default:
+1-4, ``make gpu-check``; a session can split the check over two commands, each with its own
+``--output-dir``). On a machine without a GPU it says so and exits 0; ``--cpu`` runs every
+part there on tiny shapes (what CI runs, so that a typo cannot first show on the GPU; there
+the ``grpo_step`` and ``rollout`` parts' fast decode is ``static``, as CUDA graphs need a
+GPU). CI does not run it otherwise. Parts 5 and 6 have not been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -42,10 +57,25 @@ from verlite.table import format_table
 
 CONFIG = "configs/ppo_tiny.yaml"
 CONFIG_7B = "configs/grpo_7b_shape.yaml"
+CONFIG_05B = "configs/grpo_0p5b_shape.yaml"
 OUTPUT_DIR = "outputs/gpu_check"
-# Each part's limit in seconds (each audit's is per spawn of its ranks): together 10 minutes,
-# a device command's most; on one H200 the parts should take about 6 (not yet measured there).
-LIMITS = {"audit": 60, "main_job": 60, "update": 120, "grpo_7b": 240}
+# Each part's limit in seconds (each audit's is per spawn of its ranks). `make gpu-check`
+# (CHECK, issue 35's parts): together 10 minutes, a device command's most; on one H200 they
+# should take about 6 (not yet measured there). `make gpu-bench` (BENCH, issue 36's): 8
+# minutes; estimated from the issue's eager figure (7.6k tok/s, 34 ms a step): rollout ~2.5
+# minutes (a warm-up and 3 repetitions of eager, HF and graphs at both shapes, the profile),
+# grpo_step ~1 minute a run (Ray and the model's set-up, two steps of ~13 s with eager), each
+# run of it held to half the part's limit. Not yet measured on a GPU.
+LIMITS = {
+    "audit": 60,
+    "main_job": 60,
+    "update": 120,
+    "grpo_7b": 240,
+    "rollout": 210,
+    "grpo_step": 270,
+}
+CHECK = ("audit", "main_job", "update", "grpo_7b")
+BENCH = ("rollout", "grpo_step")
 # Seconds a part past its limit has to stop after SIGTERM before its processes are killed.
 GRACE_S = 30
 # The main job on cuda: enough steps to see it run and validate, not to learn.
@@ -53,7 +83,9 @@ GPU_MAIN_JOB = ["trainer.gpus_per_worker=1", "trainer.total_steps=100", "trainer
 # What --cpu changes: tiny shapes and few steps, the same code paths.
 CPU_MAIN_JOB = ["trainer.total_steps=2", "trainer.val_freq=1", "data.num_val_samples=8"]
 CPU_UPDATE = ["--tiny", "--rows", "8", "--tokens", "72", "--micro", "4", "--repeats", "2"]
-CPU_7B = [
+# What --cpu changes in a `verlite train` of a GPU-shaped config: a tiny model, 4 prompts of
+# 8-token responses, one thread, no GPU.
+CPU_TRAIN = [
     "model.hidden_size=32",
     "model.num_layers=2",
     "model.num_heads=4",
@@ -62,11 +94,14 @@ CPU_7B = [
     "model.vocab_size=1000",
     "rollout.max_response_length=8",
     "data.train_batch_size=4",
-    "actor.ppo_mini_batch_size=16",
-    "actor.micro_batch_size_per_worker=8",
     "trainer.torch_threads_per_worker=1",
     "trainer.gpus_per_worker=0",
 ]
+CPU_7B = [*CPU_TRAIN, "actor.ppo_mini_batch_size=16", "actor.micro_batch_size_per_worker=8"]
+CPU_05B = [*CPU_TRAIN, "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_worker=16"]
+GPU_ROLLOUT = ["--device", "cuda", "--repeats", "3"]
+CPU_ROLLOUT = ["--compare", "decode", "--shape", "tiny", "--shapes", "4x8,2x8"]
+CPU_ROLLOUT += ["--prompt-len", "8", "--repeats", "2", "--profile-steps", "2,4"]
 
 
 @dataclass
@@ -235,6 +270,82 @@ def grpo_7b(target: Target) -> Part:
     return part
 
 
+def rollout_benchmark(target: Target) -> Part:
+    """``benchmarks/rollout.py --device cuda``: its JSON (the log's last line) in the summary;
+    a variant it reports under ``errors`` (graphs that failed to capture) fails the part."""
+    args = CPU_ROLLOUT if target.cpu else GPU_ROLLOUT
+    command = [sys.executable, "-m", "benchmarks.rollout", *args]
+    limit = LIMITS["rollout"]
+    code, seconds, lines = _subprocess(command, log=target.output_dir / "rollout.log", limit=limit)
+    result = json.loads(lines[-1]) if code == 0 and lines else {}
+    shape = "tiny" if target.cpu else "qwen2-0.5b"
+    part = Part("rollout benchmark", f"{shape}, decode modes vs HF", seconds=seconds)
+    part.verdict, part.details = _exit_verdict(code, limit), result
+    if not result:
+        return part
+    native, figures = result["native"], []
+    for size, r in result["results"].items():
+        rates = r["tokens_per_s"]
+        words = [f"{size}: " + ", ".join(f"{k} {v:.0f}" for k, v in rates.items()) + " tok/s"]
+        words += [
+            f"{r[k]:.2f}x {k.removeprefix('native_over_')}"
+            for k in ("native_over_eager", "native_over_hf")
+            if k in r
+        ]
+        if r["roofline_share"] is not None and native in r["roofline_share"]:
+            words.append(f"{r['roofline_share'][native]:.1%} of roofline")
+        figures.append(", ".join(words))
+    busy = {
+        mode: p["gpu_busy_share"]
+        for mode, p in result["profile"].items()
+        if isinstance(p, dict) and p["gpu_busy_share"] is not None
+    }
+    if busy:
+        figures.append("GPU busy " + ", ".join(f"{k} {v:.0%}" for k, v in busy.items()))
+    part.figure = "; ".join(figures)
+    if result["errors"]:
+        part.verdict = f"FAILED ({', '.join(result['errors'])})"
+    return part
+
+
+def grpo_step(target: Target) -> Part:
+    """Two GRPO steps of ``configs/grpo_0p5b_shape.yaml`` with the sampler before issue 36
+    (``rollout.decode=eager``) and after (cuda_graphs; static on CPU): each run's second step,
+    its ``timing_s/*`` and generation's share of it, and the speedup."""
+    after = "static" if target.cpu else "cuda_graphs"
+    limit = LIMITS["grpo_step"] / 2
+    part = Part("0.5B-shaped GRPO step", f"rollout.decode eager vs {after}")
+    runs, verdicts = {}, []
+    for decode in ("eager", after):
+        overrides = [f"model.device={target.device}", f"rollout.decode={decode}"]
+        overrides += CPU_05B if target.cpu else []
+        code, seconds, records = _train(target, CONFIG_05B, f"grpo_step_{decode}", overrides, limit)
+        part.seconds += seconds
+        verdict = _exit_verdict(code, limit)
+        if verdict == "ok" and len(records) < 2:
+            verdict = f"FAILED ({len(records)} of 2 steps)"
+        verdicts.append((decode, verdict))
+        if verdict == "ok":
+            timing = {k: v for k, v in records[1].items() if k.startswith("timing_s/")}
+            runs[decode] = {
+                "step_s": timing["timing_s/step"],
+                "gen_share": timing["timing_s/gen"] / timing["timing_s/step"],
+                "timing_s": timing,
+            }
+    failed = [f"{decode}: {verdict}" for decode, verdict in verdicts if verdict != "ok"]
+    part.verdict = "; ".join(failed) if failed else "ok"
+    part.details = {"runs": runs}
+    part.figure = ", ".join(
+        f"{decode} step {r['step_s']:.3g} s (gen {r['gen_share']:.0%})"
+        for decode, r in runs.items()
+    )
+    if len(runs) == 2:
+        speedup = runs["eager"]["step_s"] / runs[after]["step_s"]
+        part.details["speedup"] = speedup
+        part.figure += f"; speedup {speedup:.2f}x"
+    return part
+
+
 def write_summary(target: Target, parts: list[Part], header: str) -> None:
     rows = [(p.name, p.what, p.figure, f"{p.seconds:.0f} s", p.verdict) for p in parts]
     table = format_table(rows)
@@ -260,6 +371,8 @@ def run_parts(target: Target, groups: list[str]) -> list[Part]:
         "main job": ("main_job", lambda: main_job(target)),
         "update benchmark": ("update", lambda: update_benchmark(target)),
         "7B-shaped GRPO": ("grpo_7b", lambda: grpo_7b(target)),
+        "rollout benchmark": ("rollout", lambda: rollout_benchmark(target)),
+        "0.5B-shaped GRPO step": ("grpo_step", lambda: grpo_step(target)),
     }
     done = []
     for name, (group, part) in parts.items():
@@ -281,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu", action="store_true", help="every part on CPU, tiny shapes")
     parser.add_argument(
         "--parts",
-        default=",".join(LIMITS),
-        help=f"the parts to run, comma-separated, of {','.join(LIMITS)} (default: all)",
+        default=",".join(CHECK),
+        help=f"the parts to run, comma-separated, of {','.join(LIMITS)} (default: "
+        f"{','.join(CHECK)}, make gpu-check; make gpu-bench runs {','.join(BENCH)})",
     )
     args = parser.parse_args([] if argv is None else argv)
     groups = args.parts.split(",")

@@ -1,4 +1,6 @@
-"""`make gpu-check` on a machine without a GPU: one line saying so, exit 0."""
+"""`make gpu-check` on a machine without a GPU: one line saying so, exit 0; every part runs
+on CPU with tiny shapes (``--cpu``), issue 35's (`make gpu-check`) and issue 36's
+(`make gpu-bench`: the rollout benchmark and the 0.5B-shaped GRPO step)."""
 
 import json
 from pathlib import Path
@@ -48,12 +50,65 @@ def test_every_part_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> None:
     assert (tmp_path / "main_job" / "hf_actor" / "config.json").is_file()
 
 
+def test_the_rollout_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> None:
+    """``benchmarks/rollout.py``'s decode comparison: static (the fast mode on CPU) against
+    eager and HF at both shapes, every variant generating every token (EOS ignored), the
+    profile of each native mode, no roofline (no GPU bandwidth on CPU), no error."""
+    assert gpu_check.main(["--cpu", "--parts", "rollout", "--output-dir", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    [part] = summary["parts"]
+    assert part["name"] == "rollout benchmark" and part["verdict"] == "ok", part
+    result = part["details"]
+    assert result["native"] == "static" and result["errors"] == {}
+    assert set(result["results"]) == {"4x8", "2x8"}
+    for shape, figures in result["results"].items():
+        rows, new = (int(n) for n in shape.split("x"))
+        assert figures["tokens_per_call"] == {
+            "static": rows * new,
+            "eager": rows * new,
+            "hf": rows * new,
+        }
+        assert all(rate > 0 for rate in figures["tokens_per_s"].values())
+        assert figures["native_over_eager"] > 0 and figures["native_over_hf"] > 0
+        assert figures["roofline"] is None and figures["roofline_share"] is None
+    for mode in ("static", "eager"):
+        assert result["profile"][mode]["step_ms"] > 0
+        assert result["profile"][mode]["gpu_busy_share"] is None
+    assert "4x8: static" in part["figure"] and "x eager" in part["figure"]
+
+
+@pytest.mark.cluster  # two `verlite train` runs, each with an embedded Ray of its own
+def test_the_grpo_step_part_runs_eager_and_static_on_cpu(tmp_path: Path) -> None:
+    """Two GRPO steps of configs/grpo_0p5b_shape.yaml on tiny shapes, with rollout.decode
+    eager and static: each run's second step and its timing_s/*, generation's share of it
+    and the speedup."""
+    code = gpu_check.main(["--cpu", "--parts", "grpo_step", "--output-dir", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    [part] = summary["parts"]
+    assert code == 0 and part["verdict"] == "ok", part
+    runs = part["details"]["runs"]
+    assert set(runs) == {"eager", "static"}
+    for decode, run in runs.items():
+        lines = (tmp_path / f"grpo_step_{decode}" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert [r["step"] for r in records] == [1, 2]
+        second = {k: v for k, v in records[1].items() if k.startswith("timing_s/")}
+        assert run["timing_s"] == second and run["step_s"] == second["timing_s/step"]
+        assert 0 < run["gen_share"] < 1
+    speedup = part["details"]["speedup"]
+    assert speedup == runs["eager"]["step_s"] / runs["static"]["step_s"]
+    assert f"speedup {speedup:.2f}x" in part["figure"]
+
+
 def test_an_unknown_part_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        gpu_check.main(["--parts", "update,rollout"])
+        gpu_check.main(["--parts", "update,decode"])
     assert exit_info.value.code == 2
     assert (
         capsys.readouterr()
         .err.splitlines()[-1]
-        .endswith("--parts: unknown ['rollout']; choose from audit,main_job,update,grpo_7b")
+        .endswith(
+            "--parts: unknown ['decode']; choose from "
+            "audit,main_job,update,grpo_7b,rollout,grpo_step"
+        )
     )

@@ -8,7 +8,13 @@ import torch
 from tests.model_support import tiny_qwen2
 from verlite.config import ConfigError, ModelConfig
 from verlite.models import build_policy, build_value_model, builtin_vocab_size
-from verlite.models.flops import DecoderShape, bf16_peak_flops, causal_pairs, decoder_flops
+from verlite.models.flops import (
+    DecoderShape,
+    bf16_peak_flops,
+    causal_pairs,
+    decoder_flops,
+    hbm_bandwidth,
+)
 
 TINY = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
 
@@ -56,6 +62,26 @@ def test_causal_pairs_count_each_rows_real_tokens() -> None:
 )
 def test_bf16_peak_by_device_name(name: str, peak: float | None) -> None:
     assert bf16_peak_flops(name) == peak
+
+
+@pytest.mark.parametrize(
+    ("name", "bandwidth"),
+    [
+        ("NVIDIA H200", 4.8e12),
+        ("NVIDIA H100 80GB HBM3", 3.35e12),
+        ("NVIDIA H100 PCIe", 2.0e12),
+        ("NVIDIA H100 NVL", 3.9e12),
+        ("NVIDIA A100-SXM4-80GB", 2.039e12),
+        ("NVIDIA A100 80GB PCIe", 1.935e12),
+        ("NVIDIA A100-PCIE-40GB", 1.555e12),
+        ("NVIDIA L40S", 864e9),
+        ("NVIDIA L4", 300e9),
+        ("NVIDIA A10", 600e9),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_hbm_bandwidth_by_device_name(name: str, bandwidth: float | None) -> None:
+    assert hbm_bandwidth(name) == bandwidth
 
 
 def test_model_vocab_size_sets_the_built_in_models_rows() -> None:

@@ -1,5 +1,6 @@
 """FLOPs of a decoder's passes and the bf16 dense peak of the GPU they run on: what a model
-FLOPs utilization (MFU) figure is made of.
+FLOPs utilization (MFU) figure is made of; and the GPU's memory bandwidth, what a decode
+step's roofline is made of.
 
 A pass costs 2 x the model's dense parameters per token (every weight matrix the token goes
 through, the LM head included, the input embedding excluded: a lookup) and 4 x hidden x layers
@@ -36,14 +37,45 @@ BF16_PEAK_FLOPS: tuple[tuple[tuple[str, ...], float], ...] = (
 )
 
 
+# HBM bandwidth in bytes/s by the same words, from the same datasheets ("GPU Memory
+# Bandwidth"): H200 4.8 TB/s; H100 SXM 3.35, PCIe 2.0, NVL 3.9 TB/s; A100 80GB SXM 2,039,
+# 80GB PCIe 1,935, 40GB 1,555 GB/s; L40S 864 GB/s; A10 600 GB/s; L4 300 GB/s. What a
+# decode step, which reads every weight and the KV cache once, is bound by.
+HBM_BANDWIDTH: tuple[tuple[tuple[str, ...], float], ...] = (
+    (("H100", "NVL"), 3.9e12),
+    (("H100", "PCIE"), 2.0e12),
+    (("H100",), 3.35e12),
+    (("H200",), 4.8e12),
+    (("A100", "80GB", "PCIE"), 1.935e12),
+    (("A100", "80GB"), 2.039e12),
+    (("A100",), 1.555e12),
+    (("L40S",), 864e9),
+    (("A10",), 600e9),
+    (("L4",), 300e9),
+)
+
+
+def _by_device_name(
+    table: tuple[tuple[tuple[str, ...], float], ...], device_name: str
+) -> float | None:
+    """The figure of the first row of ``table`` whose words all appear in ``device_name``."""
+    words = device_name.upper().replace("-", " ").split()
+    for keys, value in table:
+        if all(key in words for key in keys):
+            return value
+    return None
+
+
 def bf16_peak_flops(device_name: str) -> float | None:
     """The dense bf16 peak of the GPU ``torch.cuda.get_device_name()`` calls ``device_name``;
     None for one the table does not know."""
-    words = device_name.upper().replace("-", " ").split()
-    for keys, peak in BF16_PEAK_FLOPS:
-        if all(key in words for key in keys):
-            return peak
-    return None
+    return _by_device_name(BF16_PEAK_FLOPS, device_name)
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    """The memory bandwidth (bytes/s) of the GPU ``torch.cuda.get_device_name()`` calls
+    ``device_name``; None for one the table does not know."""
+    return _by_device_name(HBM_BANDWIDTH, device_name)
 
 
 @dataclass(frozen=True)

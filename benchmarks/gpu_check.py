@@ -302,6 +302,9 @@ def rollout_benchmark(target: Target) -> Part:
     }
     if busy:
         figures.append("GPU busy " + ", ".join(f"{k} {v:.0%}" for k, v in busy.items()))
+    diff = result["logprob_abs_diff"]
+    if diff:
+        figures.append(f"logprob diff median {diff['median']:.1e} max {diff['max']:.1e}")
     part.figure = "; ".join(figures)
     if result["errors"]:
         part.verdict = f"FAILED ({', '.join(result['errors'])})"
@@ -331,6 +334,9 @@ def grpo_step(target: Target) -> Part:
                 "step_s": timing["timing_s/step"],
                 "gen_share": timing["timing_s/gen"] / timing["timing_s/step"],
                 "timing_s": timing,
+                # the sampler's log-probs against the actor's recomputed ones (token mean, max)
+                "logprob_abs_diff": records[1].get("rollout/logprob_abs_diff"),
+                "logprob_max_diff": records[1].get("rollout/logprob_max_diff"),
             }
     failed = [f"{decode}: {verdict}" for decode, verdict in verdicts if verdict != "ok"]
     part.verdict = "; ".join(failed) if failed else "ok"

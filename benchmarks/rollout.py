@@ -67,6 +67,7 @@ from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
 from verlite.models.flops import DecoderShape, bf16_peak_flops, decoder_flops, hbm_bandwidth
 from verlite.models.precision import autocast, store_for_inference
+from verlite.workers.forward import response_log_probs
 
 EOS, PAD = 2, 0
 MAIN_JOB = "configs/ppo_tiny.yaml"
@@ -400,6 +401,28 @@ def decode_variants(
     return variants
 
 
+def sampler_agreement(
+    sampler: Sampler, model: torch.nn.Module, td: TensorDict, params: SamplingParams
+) -> dict[str, float]:
+    """How far the log-probs the sampler drew its tokens with are from those one forward pass
+    over prompt + response gives (what the trainer recomputes, ``rollout/logprob_abs_diff``),
+    per response token: median, mean and largest absolute difference."""
+    keys = sample_keys(0, 1, len(td), 1).to(td.device)
+    out = sampler.generate(td, params, KeyedNoise(keys, horizon=params.max_new_tokens))
+    with torch.no_grad():
+        recomputed, _ = response_log_probs(
+            model, out, temperature=params.temperature, with_entropy=False
+        )
+    mask = out["response_mask"].bool()
+    diff = (recomputed.double() - out["rollout_log_probs"].double()).abs()[mask]
+    return {
+        "median": float(diff.median()),
+        "mean": float(diff.mean()),
+        "max": float(diff.max()),
+        "tokens": int(mask.sum()),
+    }
+
+
 def compare_decode(
     args: argparse.Namespace, shapes: list[tuple[int, int]], device: torch.device
 ) -> dict[str, Any]:
@@ -466,6 +489,13 @@ def compare_decode(
     batch, new_tokens = shapes[0]
     td = prompts(batch, args.prompt_len, vocab).to(device)
     params = SamplingParams(new_tokens, temperature=1.0, ignore_eos=True)
+    agreement: dict[str, Any] = {}
+    if native in samplers:
+        try:
+            with autocast(model_cfg.precision, device):
+                agreement = sampler_agreement(samplers[native], model, td, params)
+        except Exception as exc:  # reported; the figures above stand
+            errors["agreement"] = _error(exc)
     profile_steps = tuple(int(n) for n in args.profile_steps.split(","))
     profiles: dict[str, Any] = {}
     for mode, sampler in samplers.items():
@@ -487,6 +517,7 @@ def compare_decode(
         "native": native,
         "results": results,
         "profile": {"batch": batch, "steps": list(profile_steps), **profiles},
+        "logprob_abs_diff": agreement,
         "errors": errors,
         "goal": "issue 36, 256x256 on a GPU: native >= 75k tok/s, native_over_eager >= 10, "
         "native_over_hf >= 6, roofline_share >= 0.08",

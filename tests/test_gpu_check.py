@@ -75,6 +75,10 @@ def test_the_rollout_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> N
         assert result["profile"][mode]["step_ms"] > 0
         assert result["profile"][mode]["gpu_busy_share"] is None
     assert "4x8: static" in part["figure"] and "x eager" in part["figure"]
+    # The sampler's log-probs against a forward pass over its responses (bf16 autocast).
+    diff = result["logprob_abs_diff"]
+    assert diff["tokens"] == 4 * 8 and 0 <= diff["median"] <= diff["max"] < 0.1, diff
+    assert "logprob diff median" in part["figure"]
 
 
 @pytest.mark.cluster  # two `verlite train` runs, each with an embedded Ray of its own

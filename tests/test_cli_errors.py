@@ -127,6 +127,10 @@ BAD_OVERRIDES = [
         "rollout.stop_token_ids=[3, 5000]: [5000] outside the model's vocabulary of",
     ),
     (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids.0=-1: Input should be greater"),
+    (
+        ["rollout.stop_token_ids=[3,4,5,6,7,8,9]"],
+        "rollout.stop_token_ids=[3, 4, 5, 6, 7, 8, 9]: 7 distinct tokens; at most 6",
+    ),
     (["actor"], "malformed override 'actor'"),
     (["=1"], "malformed override '=1'"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
@@ -568,7 +572,7 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
 def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from transformers import MistralConfig
+    from transformers import LlamaConfig, MistralConfig
 
     from verlite.driver import preflight
 
@@ -583,6 +587,25 @@ def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(
     ):
         preflight.check_generation(cfg, 64)
     preflight.check_generation(load_config(CONFIG, ["rollout.decode=eager"]), 64)
+    monkeypatch.setattr(
+        preflight,
+        "hf_config",
+        lambda *args: LlamaConfig(
+            vocab_size=64,
+            rope_scaling={
+                "rope_type": "longrope",
+                "factor": 2.0,
+                "short_factor": [1.0] * 64,
+                "long_factor": [1.0] * 64,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+    )
+    with pytest.raises(UserError, match=r"rollout.decode=cuda_graphs: .*rope_type longrope"):
+        preflight.check_generation(
+            load_config(CONFIG, ["rollout.decode=cuda_graphs", "model.device=cuda"]), 64
+        )
+    preflight.check_generation(load_config(CONFIG, ["rollout.decode=static"]), 64)
 
 
 @pytest.mark.parametrize(("total_gib", "refused"), [(1, True), (64, False)])

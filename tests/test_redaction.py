@@ -123,6 +123,8 @@ def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
         # A count of tokens is no credential; a credential-named key's number is masked.
         "model": {"logits_chunk_tokens": 1024, "auth_token": "t", "api_token": 12345678},
         "actor": {"max_token_len_per_worker": 64},
+        # Token ids neither; a credential-named key's list is masked.
+        "rollout": {"stop_token_ids": [3, 7], "api_tokens": ["sk-live-1234"]},
     }
     assert redact_config(config) == {
         "wandb": {"api_key": "***", "run_name": "run-***"},
@@ -130,7 +132,20 @@ def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
         "none": None,
         "model": {"logits_chunk_tokens": 1024, "auth_token": "***", "api_token": "***"},
         "actor": {"max_token_len_per_worker": 64},
+        "rollout": {"stop_token_ids": [3, 7], "api_tokens": "***"},
     }
+
+
+def test_counts_of_tokens_and_token_ids_on_a_command_line_carry_no_credential() -> None:
+    for key, value in [
+        ("model.logits_chunk_tokens", "512"),
+        ("actor.max_token_len_per_worker", "4096"),
+        ("rollout.stop_token_ids", "[3, 151645]"),
+        ("rollout.stop_token_ids", "[]"),
+    ]:
+        assert not carries_secret(key, value), (key, value)
+    assert carries_secret("rollout.stop_token_ids", "[sk-live-123456]")
+    assert carries_secret("reward.api_token", "12345678")
 
 
 def test_a_command_line_setting_that_holds_a_known_secret_carries_one() -> None:

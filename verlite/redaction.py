@@ -25,9 +25,12 @@ from urllib.parse import quote
 # Config keys whose values are never logged, whatever the section: a credential field, should
 # one be added (the config names environment variables that hold them: reward.remote.auth_env).
 _SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
-# Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker): an integer under
-# such a key is shown as it is (a credential-named key's number is masked like any value).
-_COUNT_KEY = re.compile(r"_tokens$|token_len", re.IGNORECASE)
+# Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker) and token ids
+# (rollout.stop_token_ids): integers under such keys are shown as they are (a credential-named
+# key's other values are masked like any value).
+_NUMBERS_KEY = re.compile(r"_tokens$|token_len|token_ids?$", re.IGNORECASE)
+# Such numbers as an override writes them: 512, [], [3, 5].
+_NUMBERS_TEXT = re.compile(r"\d+|\[\s*(\d+\s*(,\s*\d+\s*)*)?\]")
 # Shorter values cannot be masked without garbling messages (a 1-character token is in most
 # words): a credential verlite reads is refused below this length (see register_secret), and
 # shorter values of credential-named variables are switches (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``).
@@ -59,22 +62,34 @@ def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         if isinstance(value, Mapping):
             clean[key] = redact_config(value)
-        elif _SECRET_KEY.search(str(key)) and value is not None and not _count(str(key), value):
+        elif (
+            _SECRET_KEY.search(str(key))
+            and value is not None
+            and not _token_numbers(str(key), value)
+        ):
             clean[key] = MASK
         else:
             clean[key] = redact_text(value) if isinstance(value, str) else value
     return clean
 
 
-def _count(key: str, value: Any) -> bool:
-    return type(value) is int and bool(_COUNT_KEY.search(key))
+def _token_numbers(key: str, value: Any) -> bool:
+    """Whether ``value`` (a config value, or an override's text) under ``key`` is a count of
+    tokens or a list of token ids: numbers, not a credential."""
+    if not _NUMBERS_KEY.search(key):
+        return False
+    if isinstance(value, str):
+        return bool(_NUMBERS_TEXT.fullmatch(value.strip()))
+    items = value if isinstance(value, list) else [value]
+    return all(type(item) is int for item in items)
 
 
 def carries_secret(key: str, value: str) -> bool:
-    """Whether a config setting holds a credential: a secret-named key, a URL with
-    ``user:pass@``, or a known secret's value."""
+    """Whether a config setting holds a credential: a secret-named key (but for counts of
+    tokens and token ids), a URL with ``user:pass@``, or a known secret's value."""
     return bool(value) and (
-        bool(_SECRET_KEY.search(key) or _URL_CREDENTIALS.search(value))
+        bool(_SECRET_KEY.search(key) and not _token_numbers(key, value))
+        or bool(_URL_CREDENTIALS.search(value))
         or redact_text(value) != value
     )
 

@@ -71,7 +71,14 @@ def test_split_on_policy_logs_the_colocated_run_also_across_a_resume(
     assert state["weight_version"] == 2
     # the loader as step 2 left it: at the end of epoch 0, not after step 3's prompts
     assert state["loader"] == {"epoch": 0, "position": 2, "seed": 0}
-    resumed = config(tmp_path / "resumed", *SPLIT, *EPOCHS_OF_TWO, "trainer.total_steps=4")
+    # Resumed on the static decode path: the same run.
+    resumed = config(
+        tmp_path / "resumed",
+        *SPLIT,
+        *EPOCHS_OF_TWO,
+        "trainer.total_steps=4",
+        "rollout.decode=static",
+    )
     one = RunLayout(RoleLayout(1, "ddp", "full"), RoleLayout(1, "ddp", "full"))
     reports = audit_runs([colocated, resumed], [one, one], tolerance=1e-9, atol=ATOL)
     assert reports[1].ok and reports[1].identical_steps == 4, reports[1].first_difference

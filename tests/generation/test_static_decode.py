@@ -230,7 +230,7 @@ def test_a_cache_that_cannot_fit_is_refused_before_generating(
     with pytest.raises(
         decode.GenerationTooLarge,
         match=r"rollout: the KV cache of 12 rows x 23 positions \(0\.00 GiB in torch\.float32\) "
-        r"does not fit the 0\.00 GiB free on cpu",
+        r"does not fit the memory free on this rank \(0\.00 GiB on cpu\)",
     ):
         sampler(model, DecodeSettings("static")).generate(td, SamplingParams(14), noise(td, 0, 14))
     assert not calls
@@ -297,6 +297,9 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
     assert generation_copy(policy, "fp32", DecodeSettings("cuda_graphs")) is None
     copy = generation_copy(policy, "bf16-mixed", DecodeSettings("cuda_graphs"))
     assert copy is not None and copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    # Its head is its own, in bf16, even where the policy's is tied to the embedding.
+    assert copy.lm_head.weight.dtype == torch.bfloat16
+    assert copy.model.embed_tokens.weight.dtype == torch.float32
     addresses = [p.data_ptr() for p in copy.parameters()]
     with torch.no_grad():  # an optimizer step on the fp32 master weights
         for p in policy.parameters():
@@ -308,3 +311,31 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
         ours = sampler(copy, DecodeSettings("static")).generate(td, params, noise(td, 2, 14))
         theirs = sampler(policy, DecodeSettings("eager")).generate(td, params, noise(td, 2, 14))
     assert_same(ours, theirs)
+
+
+def test_auto_picks_the_fastest_mode_the_run_and_the_model_allow() -> None:
+    from transformers import LlamaConfig, MistralConfig
+
+    from verlite.generation.decode import auto_mode, check_mode_supported
+    from verlite.generation.static_cache import UnsupportedModel
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    full = LlamaConfig(num_hidden_layers=2)
+    dynamic = LlamaConfig(num_hidden_layers=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    sliding = MistralConfig(sliding_window=16)
+
+    def auto(
+        config: object, device: torch.device, lockstep: bool = False, per_rank: bool = False
+    ) -> str:
+        return auto_mode(config, device=device, lockstep=lockstep, per_rank=per_rank)  # type: ignore[arg-type]
+
+    assert auto(full, cuda) == "cuda_graphs"
+    assert auto(full, cuda, lockstep=True) == "static"
+    assert auto(dynamic, cuda) == "static"  # its rotary embedding reads positions on the host
+    assert auto(sliding, cuda) == "eager"
+    assert auto(full, cuda, per_rank=True) == "eager"
+    assert auto(full, cpu) == "eager"
+    with pytest.raises(UnsupportedModel, match="rope_type dynamic"):
+        check_mode_supported(dynamic, "cuda_graphs")
+    check_mode_supported(dynamic, "static")
+    check_mode_supported(sliding, "eager")

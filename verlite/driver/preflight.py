@@ -18,7 +18,8 @@ from verlite.controller import check_device, check_fits_machine, check_fits_sess
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
-from verlite.generation.static_cache import UnsupportedModel, attention_shape, cache_bytes
+from verlite.generation.decode import MAX_END_TOKENS, check_mode_supported
+from verlite.generation.static_cache import UnsupportedModel, cache_bytes
 from verlite.models import (
     builtin_vocab_size,
     check_gradient_checkpointing_supported,
@@ -45,9 +46,15 @@ def check_generation(cfg: Config, tokenizer_size: int) -> None:
             f"rollout.stop_token_ids={stops}: {outside} outside the model's vocabulary of "
             f"{config.vocab_size} tokens (ids 0 to {config.vocab_size - 1})"
         )
-    if cfg.rollout.decode in ("static", "cuda_graphs"):
+    # EOS and a multi-turn run's turn stop end a response too.
+    most = MAX_END_TOKENS - 2
+    if len(set(stops)) > most:
+        raise ConfigError(
+            f"rollout.stop_token_ids={stops}: {len(set(stops))} distinct tokens; at most {most}"
+        )
+    if cfg.rollout.decode != "auto":
         try:
-            attention_shape(config)
+            check_mode_supported(config, cfg.rollout.decode)
         except UnsupportedModel as exc:
             raise ConfigError(f"rollout.decode={cfg.rollout.decode}: {exc}") from None
 
@@ -63,12 +70,16 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
     config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    trained = cfg.rollout.placement == "colocated"
-    dtypes = inference_dtypes(model, cfg.precision)
-    weights = sum(
-        p.numel() * (param_dtype(cfg.precision) if trained else dtypes[name]).itemsize
-        for name, p in model.named_parameters()
-    )
+    stored = inference_dtypes(model, cfg.precision)
+    weights = sum(p.numel() * stored[name].itemsize for name, p in model.named_parameters())
+    if cfg.rollout.placement == "colocated":  # the trained weights, and a copy to generate from
+        trained = sum(p.numel() for p in model.parameters()) * param_dtype(cfg.precision).itemsize
+        copied = (
+            cfg.precision == "bf16-mixed"
+            and cfg.rollout.decode in ("auto", "cuda_graphs")
+            and cfg.actor.strategy != "fsdp"
+        )
+        weights = trained + (weights if copied else 0)
     rows = -(-cfg.sequences_per_step // cfg.generating_workers)
     kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
     kv = cache_bytes(config, rows, cfg.max_sequence_length, kv_dtype)

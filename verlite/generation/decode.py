@@ -33,7 +33,9 @@ from typing import Literal
 import torch
 from tensordict import TensorDict
 from torch import nn
+from transformers import PretrainedConfig
 
+from verlite.distributed import all_reduce_max
 from verlite.errors import RunFailure
 from verlite.generation.noise import KeyedNoise, Noise, keyed_uniforms
 from verlite.generation.sampling import (
@@ -43,7 +45,13 @@ from verlite.generation.sampling import (
     build_step_batch,
     take_token,
 )
-from verlite.generation.static_cache import StaticCache, cache_bytes
+from verlite.generation.static_cache import (
+    StaticCache,
+    UnsupportedModel,
+    attention_shape,
+    cache_bytes,
+    check_capturable,
+)
 
 DecodeMode = Literal["eager", "static", "cuda_graphs"]
 DECODE_MODES: tuple[DecodeMode, ...] = ("eager", "static", "cuda_graphs")
@@ -56,11 +64,14 @@ class DecodeSettings:
     module, steps run eagerly) or ``cuda_graphs`` (this module, steps replayed as graphs).
     ``batch_buckets``: ascending row counts a generation compacts its unfinished rows to
     (None: the powers of two below the batch); ``kv_block``: a captured step attends to its
-    filled positions rounded up to a multiple of this."""
+    filled positions rounded up to a multiple of this; ``reserve``: (rows, positions) the
+    cache holds from its first generation on, the most a run generates at once (a cache
+    grown later drops the graphs captured on it)."""
 
     mode: DecodeMode = "eager"
     batch_buckets: tuple[int, ...] | None = None
     kv_block: int = 64
+    reserve: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         if self.mode not in DECODE_MODES:
@@ -70,6 +81,35 @@ class DecodeSettings:
 
 
 EAGER = DecodeSettings()
+
+
+def check_mode_supported(config: PretrainedConfig, mode: DecodeMode) -> None:
+    """A model of ``config`` can decode in ``mode``: any model eagerly, full attention in
+    every layer statically, and rotary embeddings that keep to the device for CUDA graphs;
+    :class:`~verlite.generation.static_cache.UnsupportedModel` otherwise."""
+    if mode == "static":
+        attention_shape(config)
+    elif mode == "cuda_graphs":
+        check_capturable(config)
+
+
+def auto_mode(
+    config: PretrainedConfig, *, device: torch.device, lockstep: bool, per_rank: bool
+) -> DecodeMode:
+    """``rollout.decode=auto``: cuda_graphs on cuda, or the fastest mode the run and the
+    model allow: static in ``lockstep`` (FSDP's all-gathers cannot be captured) or for a
+    step that cannot be captured; eager on CPU (where it is fastest), with a per-rank noise
+    stream (``per_rank``: compaction would change its draws) and for a model without full
+    attention in every layer."""
+    if device.type != "cuda" or per_rank:
+        return "eager"
+    for mode in ("static", "cuda_graphs") if lockstep else ("cuda_graphs", "static"):
+        try:
+            check_mode_supported(config, mode)
+        except UnsupportedModel:
+            continue
+        return mode
+    return "eager"
 
 
 def buckets_for(batch: int, buckets: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -88,7 +128,8 @@ class GraphCaptureFailed(RunFailure):
     """A decode step could not be captured as a CUDA graph."""
 
 
-# Most distinct end tokens a static generation checks (EOS and a turn's stop token use 2).
+# Most distinct end tokens a static generation checks: EOS, a turn's stop token and
+# rollout.stop_token_ids (its length is checked at start-up).
 MAX_END_TOKENS = 8
 
 
@@ -122,7 +163,8 @@ class StaticDecoder:
         self.cache: StaticCache | None = None
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._graph_pool: tuple[int, int] | None = None
-        self._parameters: list[int] = []  # the parameters' addresses the graphs read
+        self._side_stream: torch.cuda.Stream | None = None  # where a capture's warm-up runs
+        self._addresses: list[int] = []  # of the model's tensors, which the graphs read
 
     # ------------------------------------------------------------------ buffers
     def _kv_dtype(self, device: torch.device) -> torch.dtype:
@@ -132,36 +174,46 @@ class StaticDecoder:
         return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
 
     def _ensure_buffers(self, rows: int, capacity: int, device: torch.device) -> None:
-        """Buffers for ``rows`` rows of ``capacity`` positions, the ones held if they are large
-        enough (grown otherwise, the graphs captured on the old ones dropped)."""
+        """Buffers for ``rows`` rows of ``capacity`` positions (at least ``reserve``), the ones
+        held if they are large enough (grown otherwise, the graphs captured on the old ones
+        dropped)."""
         dtype = self._kv_dtype(device)
+        rows, capacity = (
+            max(rows, self.settings.reserve[0]),
+            max(capacity, self.settings.reserve[1]),
+        )
         cache = self.cache
-        if (
-            cache is not None
-            and cache.rows >= rows
-            and cache.capacity >= capacity
-            and cache.dtype == dtype
-            and cache.slot.device == device
-        ):
-            return
-        rows = max(rows, cache.rows if cache is not None else 0)
-        capacity = max(capacity, cache.capacity if cache is not None else 0)
+        if cache is not None:
+            if (
+                cache.rows >= rows
+                and cache.capacity >= capacity
+                and cache.dtype == dtype
+                and cache.state.slot.device == device
+            ):
+                return
+            # grown, never shrunk: the next generations fit it too
+            rows, capacity = max(rows, cache.rows), max(capacity, cache.capacity)
         if self.settings.mode == "cuda_graphs":
             block = self.settings.kv_block
             capacity = -(-capacity // block) * block
-        self._release()
+        self._release()  # the old buffers go before the new ones are counted and allocated
         needed = cache_bytes(self.model.config, rows, capacity, dtype)
         free = free_bytes(device)
-        if free is not None and needed > free:
+        fits = free is None or needed <= free
+        if self.lockstep:  # every rank refuses, or none: FSDP's ranks all-gather together
+            fits = not agree(torch.tensor([int(not fits)], device=device), lockstep=True)[0]
+        if not fits:
+            where = "on this rank" if free is not None and needed > free else "on another rank"
             raise GenerationTooLarge(
                 f"rollout: the KV cache of {rows} rows x {capacity} positions "
-                f"({needed / 2**30:.2f} GiB in {dtype}) does not fit the "
-                f"{free / 2**30:.2f} GiB free on {device}: generate fewer rows per worker "
-                "(data.train_batch_size x rollout.n / the generating workers) or shorter "
-                "sequences (data.max_prompt_length, rollout.max_response_length)"
+                f"({needed / 2**30:.2f} GiB in {dtype}) does not fit the memory free {where}"
+                f"{'' if free is None else f' ({free / 2**30:.2f} GiB on {device})'}: generate "
+                "fewer rows per worker (data.train_batch_size x rollout.n / the generating "
+                "workers) or shorter sequences (data.max_prompt_length, "
+                "rollout.max_response_length)"
             )
         self.cache = StaticCache(
-            self.model, rows=rows, capacity=capacity, dtype=dtype, device=device
+            self.model.config, rows=rows, capacity=capacity, dtype=dtype, device=device
         )
         long = {"dtype": torch.int64, "device": device}
         self.ids = torch.zeros((rows, 1), **long)  # the token each row's next step reads
@@ -186,8 +238,14 @@ class StaticDecoder:
             )
 
     def _release(self) -> None:
-        self.graphs.clear()
+        """Drop the graphs, then the cache (its buffers freed at once: nothing else holds them)."""
+        self._drop_graphs()
         self.cache = None
+
+    def _drop_graphs(self) -> None:
+        """Drop every graph and their pool (a pool id outlives no graph of it)."""
+        self.graphs.clear()
+        self._graph_pool = None
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -197,12 +255,14 @@ class StaticDecoder:
         """Responses to ``prompts`` as :meth:`Sampler.generate` draws them (keyed noise, or
         greedy: a per-rank stream's draws depend on where each row sits, which compaction
         changes, so it is refused)."""
+        if noise is None and params.temperature != 0:
+            raise ValueError(f"sampling at temperature {params.temperature} needs noise")
         if noise is not None and not isinstance(noise, KeyedNoise):
             raise ValueError(
                 f"rollout.decode={self.settings.mode} draws with per-sample keys only "
                 "(rollout.randomness=per_sample); per_rank needs rollout.decode=eager"
             )
-        ends = params.end_tokens(self.eos_token_id)
+        ends = sorted(set(params.end_tokens(self.eos_token_id)))
         if len(ends) > MAX_END_TOKENS:
             raise ValueError(
                 f"{len(ends)} tokens end a response; the static decode path checks at most "
@@ -215,12 +275,12 @@ class StaticDecoder:
         self._ensure_buffers(batch, width + new, device)
         cache = self.cache
         assert cache is not None
-        self._check_parameters()
+        self._check_addresses()
         buckets = buckets_for(batch, self.settings.batch_buckets)
         self._start(prompts, ends, noise)
         # The prompts: one eager forward on the real prompt width, which writes positions
         # 0 .. width of the cache, then the first token.
-        cache.prefilling = True
+        cache.state.prefilling = True
         try:
             out = self.model(
                 input_ids=input_ids,
@@ -231,7 +291,7 @@ class StaticDecoder:
                 logits_to_keep=1,
             )
         finally:
-            cache.prefilling = False
+            cache.state.prefilling = False
         self._take(out.logits[:, -1], batch, params)
         rows = batch
         for t in range(1, new + 1):
@@ -274,7 +334,7 @@ class StaticDecoder:
         # feeds it writes position ``width`` and reads the row's next position.
         self.position.zero_()
         self.positions[:batch] = prompt_mask.sum(-1, keepdim=True) - 1
-        cache.slot.fill_(width - 1)
+        cache.state.slot.fill_(width - 1)
         self.diverged.fill_(-1)
 
     def _take(self, logits: torch.Tensor, rows: int, params: SamplingParams) -> None:
@@ -292,7 +352,9 @@ class StaticDecoder:
         self.responses.index_put_((row_of, column), token)
         self.log_probs.index_put_((row_of, column), log_prob)
         self.lengths.index_add_(0, row_of, (~finished).long())
-        finished |= torch.isin(token, self.ends)
+        # A comparison with each end token (unused ones are -1): no sort, which torch.isin
+        # may take, and which would read sizes on the host.
+        finished |= (token[:, None] == self.ends).any(-1)
         # The first position with a non-finite row, and how many rows it had.
         first = (self.diverged[0] < 0) & nonfinite.any()
         self.diverged.copy_(
@@ -300,22 +362,21 @@ class StaticDecoder:
         )
         self.ids[:rows, 0] = token
         self.positions[:rows] += 1
-        self.cache.slot += 1  # type: ignore[union-attr]
+        self.cache.state.slot += 1  # type: ignore[union-attr]
         self.position += 1
 
     def _forward(self, rows: int, span: int, params: SamplingParams) -> None:
         """One decode step on the first ``rows`` rows attending to ``span`` positions."""
         cache = self.cache
         assert cache is not None
-        cache.span = span
+        cache.state.span = span
         mask = self.mask[:rows]
-        mask.index_fill_(3, cache.slot, True)
+        mask.index_fill_(3, cache.state.slot, True)
         out = self.model(
             input_ids=self.ids[:rows],
             attention_mask=mask[..., :span],
             position_ids=self.positions[:rows],
             cache=cache,
-            cache_position=cache.slot,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -331,14 +392,17 @@ class StaticDecoder:
         return min(-(-filled // block) * block, self.cache.capacity)
 
     def _check(self, rows: int, batch: int) -> tuple[int, bool]:
-        """This rank's unfinished rows, and whether any rank has one (one host sync; a
-        second with ``lockstep``); raises if a row sampled from non-finite logits."""
+        """This rank's unfinished rows, and whether any rank has one (one host sync; the
+        flags agreed over the ranks first with ``lockstep``); raises, on every rank, if a
+        row sampled from non-finite logits."""
         local = torch.cat([(~self.finished[:rows]).sum().view(1), self.diverged])
-        active, position, diverged_rows = local.tolist()
-        flags = torch.tensor([int(active > 0), int(position >= 0)])
-        running, diverged = agree(flags, lockstep=self.lockstep) if self.lockstep else flags
+        flags = torch.stack([local[0] > 0, local[1] >= 0]).long()
+        if self.lockstep:
+            all_reduce_max(flags)
+        active, position, diverged_rows, running, diverged = torch.cat([local, flags]).tolist()
         if diverged:
-            at = position if position >= 0 else int(self.position)
+            # A rank whose rows stayed finite names the step just sampled, as eager does.
+            at = position if position >= 0 else int(self.position) - 1
             raise GenerationDiverged(at, max(diverged_rows, 0), batch)
         return active, bool(running)
 
@@ -382,7 +446,9 @@ class StaticDecoder:
             enabled=torch.is_autocast_enabled("cuda"),
             cache_enabled=False,
         )
-        side = torch.cuda.Stream(device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), autocast:
             step()
@@ -400,11 +466,13 @@ class StaticDecoder:
             self._graph_pool = graph.pool()
         return graph
 
-    def _check_parameters(self) -> None:
+    def _check_addresses(self) -> None:
         """Drop the graphs if the model's tensors moved since they were captured (a graph
         reads addresses: in-place updates, as an optimizer step and a weight sync on cuda
         make, keep them valid)."""
+        if self.settings.mode != "cuda_graphs":
+            return
         addresses = [t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers())]
-        if addresses != self._parameters:
-            self.graphs.clear()
-            self._parameters = addresses
+        if addresses != self._addresses:
+            self._drop_graphs()
+            self._addresses = addresses

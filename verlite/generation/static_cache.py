@@ -17,10 +17,10 @@ addresses, so one allocation serves every bucket.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -53,6 +53,22 @@ def _cache_dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def check_capturable(config: PretrainedConfig) -> None:
+    """A decode step of a model of ``config`` can be captured as a CUDA graph: full attention
+    (:func:`attention_shape`), and rotary embeddings that do not read the positions on the
+    host (the ``dynamic`` and ``longrope`` kinds compare the largest position with a cached
+    length at every step); :class:`UnsupportedModel` otherwise."""
+    attention_shape(config)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if kind in ("dynamic", "longrope"):
+        raise UnsupportedModel(
+            f"this {config.model_type} model's rotary embeddings (rope_type {kind}) read the "
+            "positions on the host at every step, which a CUDA graph cannot capture: use "
+            "rollout.decode=static"
+        )
+
+
 def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of a KV cache of ``rows`` x ``capacity`` positions for a model of ``config``
     (the static cache's, and what the eager sampler's grows to)."""
@@ -60,13 +76,25 @@ def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch
     return 2 * layers * rows * kv_heads * capacity * head_dim * dtype.itemsize
 
 
-class StaticCacheLayer(CacheLayerMixin):
-    """One layer's key and value buffers; the shared step state (``rows``, ``span``,
-    ``slot``) lives in the :class:`StaticCache` that holds it."""
+@dataclass
+class StepState:
+    """What every layer's update reads of the step being run: whether the prompts are being
+    written (``prefilling``), the position a decode step writes (``slot``, a (1,) int64
+    device tensor) and how many positions it attends to (``span``). Shared by the layers,
+    with no link back to the cache (a cycle would keep a dropped cache's buffers alive until
+    Python's cycle collector ran)."""
 
-    def __init__(self, owner: StaticCache, key: torch.Tensor, value: torch.Tensor) -> None:
+    slot: torch.Tensor
+    span: int
+    prefilling: bool = False
+
+
+class StaticCacheLayer(CacheLayerMixin):
+    """One layer's key and value buffers."""
+
+    def __init__(self, state: StepState, key: torch.Tensor, value: torch.Tensor) -> None:
         super().__init__()
-        self.owner = owner
+        self.state = state
         self.key_buffer, self.value_buffer = key, value
         self.is_initialized = True
 
@@ -76,23 +104,23 @@ class StaticCacheLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        owner = self.owner
+        state = self.state
         rows, length = key_states.shape[0], key_states.shape[-2]
-        if owner.prefilling:  # the prompts, positions 0 .. width
+        if state.prefilling:  # the prompts, positions 0 .. width
             self.key_buffer[:rows, :, :length] = key_states
             self.value_buffer[:rows, :, :length] = value_states
             return self.key_buffer[:rows, :, :length], self.value_buffer[:rows, :, :length]
         keys, values = self.key_buffer[:rows], self.value_buffer[:rows]
-        keys.index_copy_(2, owner.slot, key_states.to(keys.dtype))
-        values.index_copy_(2, owner.slot, value_states.to(values.dtype))
-        return keys[:, :, : owner.span], values[:, :, : owner.span]
+        keys.index_copy_(2, state.slot, key_states.to(keys.dtype))
+        values.index_copy_(2, state.slot, value_states.to(values.dtype))
+        return keys[:, :, : state.span], values[:, :, : state.span]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # Only the prefill builds its mask from these; a decode step passes a 4-D mask.
         return query_length, 0
 
     def get_seq_length(self) -> int:
-        return 0  # the model is always given its cache positions
+        return 0  # nothing precedes the prompts: the prefill's mask starts at position 0
 
     def get_max_length(self) -> int:
         return self.key_buffer.shape[2]
@@ -102,28 +130,27 @@ class StaticCache(Cache):
     """The static KV cache of a model: one :class:`StaticCacheLayer` per layer, in ``dtype``
     (under autocast, its dtype: a rotated key may come out in float32, but attention under
     autocast reads keys and values in the autocast dtype, so they are stored cast, at a
-    fraction of the memory and of the bytes a step reads), plus the
-    state every layer's update reads: whether the prompts are being written (``prefilling``),
-    the position a decode step writes (``slot``, a (1,) int64 device tensor) and how many
-    positions it attends to (``span``)."""
+    fraction of the memory and of the bytes a step reads), and the :class:`StepState` they
+    read."""
 
     def __init__(
         self,
-        model: nn.Module,
+        config: PretrainedConfig,
         *,
         rows: int,
         capacity: int,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        layers, kv_heads, head_dim = attention_shape(model.config)
+        layers, kv_heads, head_dim = attention_shape(config)
         shape = (rows, kv_heads, capacity, head_dim)
+        self.state = StepState(torch.zeros(1, dtype=torch.int64, device=device), capacity)
         # Zeroed, not empty: rows a bucket carries past the unfinished ones read them, and
         # garbage there could hold NaN (harmless to the other rows, but never sampled from).
         super().__init__(
             layers=[
                 StaticCacheLayer(
-                    self,
+                    self.state,
                     torch.zeros(shape, dtype=dtype, device=device),
                     torch.zeros(shape, dtype=dtype, device=device),
                 )
@@ -131,9 +158,6 @@ class StaticCache(Cache):
             ]
         )
         self.rows, self.capacity, self.dtype = rows, capacity, dtype
-        self.prefilling = False
-        self.slot = torch.zeros(1, dtype=torch.int64, device=device)
-        self.span = capacity
 
     def gather_rows(self, index: torch.Tensor) -> None:
         """Move rows ``index`` of every layer to the front (row ``i`` becomes ``index[i]``)."""

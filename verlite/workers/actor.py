@@ -81,7 +81,14 @@ def generation_copy(trained: nn.Module, precision: str, decode: DecodeSettings) 
     model generates, autocast casting its weights once per generation."""
     if decode.mode != "cuda_graphs" or precision != "bf16-mixed":
         return None
-    return store_for_inference(copy.deepcopy(trained), precision)
+    generating = copy.deepcopy(trained)
+    # A head tied to the embedding would stay fp32 (the embedding's dtype) and be cast at
+    # every step: the copy's own head is untied, in bf16, refreshed from the tied weight.
+    head = generating.get_output_embeddings()
+    if type(head) is nn.Linear and head.weight is generating.get_input_embeddings().weight:
+        head.weight = nn.Parameter(head.weight.detach().clone())
+        generating.config.tie_word_embeddings = False
+    return store_for_inference(generating, precision)
 
 
 class ActorWorker(TrainingWorker, PolicyWorker):
@@ -119,7 +126,9 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         )
         lockstep = cfg.actor.strategy == "fsdp"
         trained = inference_module(self.engine.model)
-        decode = self.decode_settings(trained, device, lockstep=lockstep)
+        decode = self.decode_settings(
+            trained, device, lockstep=lockstep, trains_on=cfg.rollout.placement == "colocated"
+        )
         self._generation_copy = generation_copy(trained, cfg.precision, decode)
         self.sampler = Sampler(
             trained if self._generation_copy is None else self._generation_copy,

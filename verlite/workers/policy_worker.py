@@ -20,9 +20,10 @@ from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
 from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
+from verlite.generation.decode import auto_mode, check_mode_supported
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
-from verlite.generation.static_cache import UnsupportedModel, attention_shape
+from verlite.generation.static_cache import UnsupportedModel
 from verlite.models.precision import autocast
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
@@ -49,29 +50,33 @@ class PolicyWorker(Worker):
             )
 
     def decode_settings(
-        self, model: nn.Module, device: torch.device, *, lockstep: bool
+        self, model: nn.Module, device: torch.device, *, lockstep: bool, trains_on: bool
     ) -> DecodeSettings:
-        """How ``model`` decodes on ``device`` (``rollout.decode``): ``auto`` is cuda_graphs
-        on cuda (static in ``lockstep``: FSDP's all-gathers cannot be captured), eager on CPU,
-        and eager for what the static path does not run (a per-rank stream, a model with
-        sliding-window attention); an explicit static mode on such a model is refused."""
-        rollout = self.cfg.rollout
-        buckets = (
-            None if rollout.decode_batch_buckets is None else tuple(rollout.decode_batch_buckets)
-        )
+        """How ``model`` decodes on ``device``: ``rollout.decode``, ``auto`` resolved
+        (``generation.decode.auto_mode``); an explicit mode the model cannot run is refused.
+        The cache is reserved for this worker's share of a step (when it generates the rows
+        trained on: ``trains_on``) by the longest sequence."""
+        cfg, rollout = self.cfg, self.cfg.rollout
         mode = rollout.decode
-        try:
-            attention_shape(model.config)
-        except UnsupportedModel as exc:
-            if mode != "auto" and mode != "eager":
-                raise ConfigError(f"rollout.decode={mode}: {exc}") from None
-            mode = "eager"
         if mode == "auto":
-            if device.type != "cuda" or rollout.randomness == "per_rank":
-                mode = "eager"
-            else:
-                mode = "static" if lockstep else "cuda_graphs"
-        return DecodeSettings(mode, batch_buckets=buckets)
+            mode = auto_mode(
+                model.config,
+                device=device,
+                lockstep=lockstep,
+                per_rank=rollout.randomness == "per_rank",
+            )
+        try:
+            check_mode_supported(model.config, mode)
+        except UnsupportedModel as exc:
+            raise ConfigError(f"rollout.decode={mode}: {exc}") from None
+        rows = -(-cfg.sequences_per_step // cfg.generating_workers) if trains_on else 0
+        return DecodeSettings(
+            mode,
+            batch_buckets=None
+            if rollout.decode_batch_buckets is None
+            else tuple(rollout.decode_batch_buckets),
+            reserve=(rows, cfg.max_sequence_length),
+        )
 
     def noise(
         self,

@@ -46,7 +46,7 @@ class RolloutWorker(PolicyWorker):
             pad_token_id=self.pad_token_id,
             who=f"rollout rank {self.rank} (node {self.node_info()['node_ip']})",
             adapters_only=lora.rank > 0,
-            decode=self.decode_settings(model, self.device, lockstep=False),
+            decode=self.decode_settings(model, self.device, lockstep=False, trains_on=True),
         )
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:

@@ -15,6 +15,7 @@ from verlite.rewards import (
     gsm8k,
     resolve_reward,
 )
+from verlite.rewards.math_answer import MathReward
 
 USER_MODULE = """
 def length_score(response, answer, prompt):
@@ -51,7 +52,13 @@ def _config(reward_fn: str | None = None, **data: Any) -> Config:
 
 
 def test_registry() -> None:
-    assert dict(REWARDS) == {"exact_match": exact_match, "gsm8k": gsm8k, "digit_match": digit_match}
+    assert dict(REWARDS) == {
+        "exact_match": exact_match,
+        "gsm8k": gsm8k,
+        "digit_match": digit_match,
+        "math": REWARDS["math"],
+    }
+    assert isinstance(REWARDS["math"], MathReward)
     for name, fn in REWARDS.items():
         assert get_reward(name) is fn
 
@@ -74,7 +81,7 @@ def test_user_function(user_module: str) -> None:
     [
         (
             "exact",
-            r"reward.fn='exact': not a registered reward \(exact_match, gsm8k, digit_match\)",
+            r"reward.fn='exact': not a registered reward \(exact_match, gsm8k, digit_match, math\)",
         ),
         ("userpkg.scoring", r"nor an import path 'package.module:function'"),
         ("userpkg.scoring:f()", r"nor an import path"),

@@ -151,14 +151,25 @@ class RewardConfig(Section):
 
     fn: str | None = Field(
         None,
-        description="A registered reward name or 'package.module:function'; None uses the task's reward "
-        "(exact match of the answer for prompt files).",
+        description="A registered reward name (exact_match, gsm8k, digit_match, or math: "
+        "math-verify's equivalence of final answers, the extra 'math', docs/math-verifier.md) "
+        "or 'package.module:function'; None uses the task's reward (exact match of the answer "
+        "for prompt files).",
     )
     timeout_s: float = Field(
         30.0,
         gt=0.0,
         description="Longest one call of the reward function may take; a slower call stops the "
-        "run with an error naming the response.",
+        "run with an error naming the response. reward.fn=math gives one verification half of "
+        "it and scores a slower one 0.",
+    )
+    math_format_credit: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="With reward.fn=math: the score of a response whose final answer reads as "
+        "an expression but is not equivalent to the reference (a format-only partial credit); "
+        "0 gives none.",
     )
     remote: RemoteRewardConfig = Field(
         default_factory=RemoteRewardConfig,
@@ -211,6 +222,15 @@ class RewardConfig(Section):
             *(("model",) if self.model.path is not None else ()),
             *(("remote",) if self.remote.url is not None else ()),
         )
+
+    @model_validator(mode="after")
+    def _format_credit_for_math(self) -> RewardConfig:
+        if self.math_format_credit != 0.0 and self.fn != "math":
+            raise ValueError(
+                f"reward.math_format_credit={self.math_format_credit:g} is the math reward's: "
+                f"it needs reward.fn=math (reward.fn={self.fn!r}); set it or unset the credit"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_combine(self) -> RewardConfig:

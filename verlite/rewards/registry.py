@@ -9,6 +9,7 @@ from typing import cast
 
 from verlite.config import Config, ConfigError
 from verlite.data.tasks import TASKS
+from verlite.rewards.math_answer import MathReward, check_installed
 from verlite.rewards.rules import digit_match, exact_match, gsm8k
 from verlite.user_code import load_object
 
@@ -19,11 +20,19 @@ REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "gsm8k": gsm8k,
     "digit_match": digit_match,
+    # math-verify's equivalence (the extra ``math``), with reward.math_format_credit=0 and
+    # the default reward.timeout_s; a run's is built from its config (resolve_reward).
+    "math": MathReward(),
 }
 
 
 def resolve_reward(cfg: Config) -> RewardFn:
     """``reward.fn`` when set; else the task's reward (digit_match) or exact_match for prompt files."""
+    if cfg.reward.fn == "math":
+        check_installed()
+        return MathReward(
+            format_credit=cfg.reward.math_format_credit, timeout_s=cfg.reward.timeout_s
+        )
     if cfg.reward.fn is not None:
         return get_reward(cfg.reward.fn)
     if cfg.data.task is not None:

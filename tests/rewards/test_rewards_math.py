@@ -1,0 +1,224 @@
+"""The math reward (reward.fn=math): final answers found, equivalence by math-verify in a
+process of its own, a bounded cost for huge and adversarial responses, the extra's absence
+refused at start-up, and the driver's scoring of a step with it."""
+
+import io
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from verlite.config import Config
+from verlite.driver.scorer import Scorer
+from verlite.rewards import RewardError, resolve_reward, score_responses
+from verlite.rewards.math_answer import MathReward, final_answer, reference_answer
+
+TIMEOUT_S = 4.0  # reward.timeout_s: a verification gets half of it
+# Power towers: sympy takes far longer than the budget to compare them with a number.
+ADVERSARIAL = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{100})!}", r"\boxed{100!!!}"]
+
+
+def _config(**reward: Any) -> Config:
+    return Config.model_validate({"data": {"train_file": "p.jsonl"}, "reward": reward})
+
+
+@pytest.fixture(scope="module")
+def math_reward() -> Iterator[MathReward]:
+    reward = MathReward(format_credit=0.25, timeout_s=TIMEOUT_S, stream=io.StringIO())
+    yield reward
+    reward.close()
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (r"so the answer is \boxed{72}.", "72"),
+        (r"\boxed{1} then \boxed{ 2 }", "2"),
+        (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+        (r"\boxed{\boxed{1} + 2}", r"\boxed{1} + 2"),  # the box that closes last
+        (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces are not structure
+        (r"\boxed{7} and a cut-off \boxed{\frac{1}{2}", "7"),  # the last one that balances
+        ("Natalia sold 48/2 = 24 clips.\n#### 72\nthanks", "72"),
+        ("#### 1\n#### 2", "2"),
+        (r"#### 5 but \boxed{6}", "6"),  # a box first
+        (r"\boxed{}", None),
+        ("####   \n", None),
+        ("the answer is 72", None),  # no other form is read
+        (r"\boxed{" + "1" * 1001 + "}", None),  # longer than MAX_ANSWER_CHARS
+    ],
+)
+def test_the_final_answer_is_the_last_balanced_box_else_the_last_mark(
+    text: str, expected: str | None
+) -> None:
+    assert final_answer(text) == expected
+
+
+def test_a_reference_without_a_marked_answer_is_taken_whole() -> None:
+    assert reference_answer(" 72 ") == "72"
+    assert reference_answer("Half of 144.\n#### 72") == "72"
+    assert reference_answer(r"So $x = \boxed{\frac{1}{2}}$.") == r"\frac{1}{2}"
+    with pytest.raises(ValueError, match=r"the reference answer '  ' is empty"):
+        reference_answer("  ")
+
+
+@pytest.mark.parametrize(
+    ("response", "answer", "score"),
+    [
+        (r"\boxed{0.5}", "1/2", 1.0),
+        (r"\boxed{1/2}", r"\frac{1}{2}", 1.0),
+        (r"\boxed{\frac{1}{2}}", "0.5", 1.0),
+        ("#### 72", "72", 1.0),
+        (r"\boxed{72.0}", "72", 1.0),
+        ("#### 72", r"\boxed{72}", 1.0),
+        (r"\boxed{\$1,234}", "1234", 1.0),
+        (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}", 1.0),
+        ("Half of 144 is\n#### 72", "Natalia sold 72 clips.\n#### 72", 1.0),
+        (r"\boxed{73}", "72", 0.25),  # read, wrong: the format credit
+        (r"\boxed{x + 1}", "72", 0.25),
+        (r"\boxed{)(}", "72", 0.0),  # not an expression: no credit
+        ("72", "72", 0.0),  # no final answer
+        ("", "72", 0.0),
+    ],
+)
+def test_scores(math_reward: MathReward, response: str, answer: str, score: float) -> None:
+    assert math_reward(response, answer, "a prompt") == score
+
+
+def test_no_format_credit_by_default() -> None:
+    fn = resolve_reward(_config(fn="math"))
+    try:
+        assert isinstance(fn, MathReward)
+        assert fn.format_credit == 0.0 and fn.budget_s == 15.0  # half the default timeout_s
+        assert fn(r"\boxed{73}", "72", "") == 0.0
+    finally:
+        fn.close()
+
+
+def test_a_reference_math_verify_cannot_read_stops_in_one_line(math_reward: MathReward) -> None:
+    with pytest.raises(RewardError, match=r"raised on response 0 .*cannot read the reference"):
+        score_responses(math_reward, [r"\boxed{1}"], ["}"], [""], timeout_s=TIMEOUT_S)
+
+
+def test_huge_responses_score_in_time(math_reward: MathReward) -> None:
+    megabyte = 2**20
+    responses = [
+        "x " * (megabyte // 2) + r"\boxed{72}",
+        "{" * megabyte,
+        r"\boxed{" * (megabyte // 7),
+        r"\boxed{" + "1+" * (megabyte // 2) + "1}",  # too long to be an answer
+    ]
+    started = time.monotonic()
+    scores = score_responses(
+        math_reward, responses, ["72"] * 4, [""] * 4, timeout_s=TIMEOUT_S, stream=io.StringIO()
+    )
+    assert scores == [1.0, 0.0, 0.0, 0.0]
+    assert time.monotonic() - started < TIMEOUT_S
+
+
+def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> None:
+    out = io.StringIO()
+    reward = MathReward(format_credit=0.25, timeout_s=TIMEOUT_S, stream=out)
+    try:
+        reward(r"\boxed{1}", "1", "")  # started: the budget below is the verification's
+        started = time.monotonic()
+        scores = score_responses(
+            reward,
+            [*ADVERSARIAL, r"\boxed{2}"],
+            ["1"] * 4,
+            [""] * 4,
+            timeout_s=TIMEOUT_S,  # the run's bound, never reached
+            stream=out,
+        )
+        took = time.monotonic() - started
+    finally:
+        reward.close()
+    assert scores == [0.0, 0.0, 0.0, 0.25]  # the last one after a restart, verified
+    assert reward.abandoned == 3
+    # Each one half of reward.timeout_s and a kill; the process after it starts in a second.
+    assert took < 3 * (TIMEOUT_S / 2 + 1.5)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == (
+        "reward: math: math-verify did not answer within 2 s (half of reward.timeout_s) on the "
+        "answer '9^{9^{9^{9}}}'; scored 0 and its process restarted (1 so far)"
+    )
+    assert lines[2].endswith("(3 so far)")
+
+
+def test_without_the_extra_the_run_is_refused_in_one_line(
+    verlite_main: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed: import fails
+    result = verlite_main("train", "--config", "configs/ppo_tiny.yaml", "reward.fn=math")
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "reward.fn=math needs the 'math_verify' package" in result.stderr
+    assert result.stderr.endswith("install it with: pip install 'verlite[math]'\n")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["reward.math_format_credit=0.5"],
+            "reward.math_format_credit=0.5 is the math reward's: it needs reward.fn=math "
+            "(reward.fn=None)",
+        ),
+        (
+            ["reward.fn=math", "reward.math_format_credit=1"],
+            "reward.math_format_credit=1: Input should be less than 1",
+        ),
+    ],
+)
+def test_format_credit_errors_are_one_line(
+    verlite_main: Any, overrides: list[str], message: str
+) -> None:
+    result = verlite_main("train", "--config", "configs/ppo_tiny.yaml", *overrides)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and message in result.stderr
+
+
+def _byte_tokenizer() -> PreTrainedTokenizerFast:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<eos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([r"\boxed{72} #### 1/2 \frac{1}{2}"] * 10, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
+
+
+def test_the_driver_scores_a_step_with_it() -> None:
+    cfg = _config(fn="math", math_format_credit=0.25, timeout_s=TIMEOUT_S)
+    tokenizer = _byte_tokenizer()
+    texts = [r"so \boxed{0.5}", "#### 72.0", r"\boxed{71}", "72", r"\frac{1}{2}"]
+    ids = [[*tokenizer.encode(t), tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    batch = TensorDict(
+        {
+            "responses": torch.tensor([r + [0] * (width - len(r)) for r in ids]),
+            "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids]),
+            "uid": torch.tensor([0, 1, 1, 1, 0]),
+        },
+        batch_size=[len(ids)],
+    )
+    records = [
+        {"prompt": "Half of 1?", "answer": r"\frac{1}{2}"},
+        {"prompt": "Clips?", "answer": "48 + 24 = 72\n#### 72"},
+    ]
+    reward_fn = resolve_reward(cfg)
+    scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
+    try:
+        scores, metrics = scorer.score(batch, records)  # type: ignore[arg-type]
+    finally:
+        reward_fn.close()  # type: ignore[attr-defined]
+    assert scores.tolist() == [1.0, 1.0, 0.25, 0.0, 0.0]
+    assert metrics == {"reward/fn/mean": pytest.approx(2.25 / 5)}

@@ -1,0 +1,197 @@
+"""The math reward (``reward.fn=math``): a response's final answer checked for equivalence with
+the reference answer by math-verify (the optional extra ``math``; docs/math-verifier.md).
+
+The final answer of a text is the content of its last ``\\boxed{...}`` whose braces balance
+(escaped ``\\{`` and ``\\}`` do not count), else what follows its last ``####`` on that line;
+nothing else (no "the answer is", no last number): the reward teaches the form the prompt
+asks for. A reference answer that has neither is taken whole. A final answer longer than
+:data:`MAX_ANSWER_CHARS` is no answer.
+
+Score: 1 when math-verify finds the two equivalent (``0.5``, ``1/2`` and ``\\frac{1}{2}``;
+``72`` and ``72.0``), else ``format_credit`` (``reward.math_format_credit``) when the
+response's answer reads as an expression, else 0.
+
+math-verify runs in a process of its own (:mod:`verlite.rewards.math_worker`), started on the
+first call and kept: its timeouts use SIGALRM, which only a main thread can, and a thread
+that computes cannot be stopped. Each verification gets half of ``reward.timeout_s``; one
+that takes longer is abandoned (the process killed, a new one started on the next call),
+scored 0 and said on the console with a count, so a huge or adversarial response costs at
+most that and never stops the run on ``reward.timeout_s``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import selectors
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, TextIO
+
+from verlite.errors import import_extra, shown
+
+MAX_ANSWER_CHARS = 1000
+_WORKER = Path(__file__).with_name("math_worker.py")
+# A \boxed opening brace, an escaped brace (not structure), a brace.
+_BRACES = re.compile(r"\\boxed\s*\{|\\[{}]|[{}]")
+_MARK = "####"
+
+
+def final_answer(text: str) -> str | None:
+    """The last ``\\boxed{...}`` with balanced braces, else the rest of the last ``####``
+    line, stripped; None when there is neither, or it is empty or too long. Linear in the
+    text: a megabyte of braces is one pass."""
+    boxed: str | None = None
+    opened: list[tuple[bool, int]] = []  # (a \boxed brace?, where its content starts)
+    for match in _BRACES.finditer(text):
+        token = match.group()
+        if token.startswith("\\boxed"):
+            opened.append((True, match.end()))
+        elif token == "{":
+            opened.append((False, match.end()))
+        elif token == "}" and opened:
+            is_boxed, start = opened.pop()
+            if is_boxed:  # the one closing last wins: an outer box holds an inner one
+                boxed = text[start : match.start()]
+    if boxed is None and _MARK in text:
+        boxed = text.rsplit(_MARK, 1)[1].split("\n", 1)[0]
+    if boxed is None:
+        return None
+    boxed = boxed.strip()
+    return boxed if 0 < len(boxed) <= MAX_ANSWER_CHARS else None
+
+
+def reference_answer(answer: str) -> str:
+    """The reference's final answer: as :func:`final_answer` finds it, else the whole text."""
+    found = final_answer(answer)
+    if found is not None:
+        return found
+    whole = answer.strip()
+    if not 0 < len(whole) <= MAX_ANSWER_CHARS:
+        raise ValueError(
+            f"math reward: the reference answer {shown(answer, 80)} is empty or longer than "
+            f"{MAX_ANSWER_CHARS} characters, with no \\boxed{{}} or #### answer in it"
+        )
+    return whole
+
+
+def check_installed() -> None:
+    """Fail at start-up, in one line with the install command, when math-verify is missing."""
+    import_extra("math_verify", feature="reward.fn=math", extra="math")
+
+
+class MathReward:
+    """``fn(response, answer, prompt) -> score`` for ``reward.fn=math``; see the module
+    docstring. Calls may come from any thread; they verify one at a time."""
+
+    def __init__(
+        self, *, format_credit: float = 0.0, timeout_s: float = 30.0, stream: TextIO | None = None
+    ) -> None:
+        self.format_credit = format_credit
+        self.budget_s = timeout_s / 2
+        self.abandoned = 0  # verifications that outlived the budget
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._buffer = b""
+
+    def __repr__(self) -> str:  # how scoring's messages name it
+        return "math (verlite.rewards.math_answer)"
+
+    def __call__(self, response: str, answer: str, prompt: str) -> float:
+        gold = reference_answer(answer)
+        pred = final_answer(response)
+        if pred is None:
+            return 0.0
+        with self._lock:
+            reply = self._verify(gold, pred)
+        if reply is None:
+            return 0.0
+        if "error" in reply:
+            raise ValueError(f"math reward: {reply['error']}")
+        if reply["equal"]:
+            return 1.0
+        return self.format_credit if reply["parsed"] else 0.0
+
+    def close(self) -> None:
+        """Stop the verifier process (it is stopped at exit too)."""
+        with self._lock:
+            self._stop()
+
+    def _verify(self, gold: str, pred: str) -> dict[str, Any] | None:
+        """math-verify's reply, or None when it did not come within the budget."""
+        deadline = time.monotonic() + self.budget_s
+        process = self._process or self._start(deadline)
+        if process is None:
+            return self._abandon(pred, "did not start")
+        assert process.stdin is not None
+        # Small (the answers are at most MAX_ANSWER_CHARS): it fits the pipe, never blocks.
+        process.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+        process.stdin.flush()
+        reply = self._read(process, deadline)
+        if reply is None:
+            return self._abandon(pred, "did not answer")
+        return reply
+
+    def _start(self, deadline: float) -> subprocess.Popen[bytes] | None:
+        process = subprocess.Popen(
+            [sys.executable, "-P", str(_WORKER)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        weakref.finalize(self, _kill, process)
+        self._process, self._buffer = process, b""
+        ready = self._read(process, deadline)
+        if ready is None:
+            return None
+        if not ready.get("ready"):
+            raise RuntimeError(f"math reward: the math-verify process said {ready!r} at start")
+        return process
+
+    def _read(self, process: subprocess.Popen[bytes], deadline: float) -> dict[str, Any] | None:
+        """The process's next line, parsed; None when it does not come before ``deadline``.
+        A process that exits is killed by nothing: its end is the error."""
+        assert process.stdout is not None
+        fd = process.stdout.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    return None
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise RuntimeError(
+                        f"math reward: the math-verify process exited (code {process.wait()})"
+                    )
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def _abandon(self, pred: str, what: str) -> None:
+        self._stop()
+        self.abandoned += 1
+        print(
+            f"reward: math: math-verify {what} within {self.budget_s:g} s (half of "
+            f"reward.timeout_s) on the answer {shown(pred, 60)}; scored 0 and its process "
+            f"restarted ({self.abandoned} so far)",
+            file=self._stream or sys.stdout,
+            flush=True,
+        )
+
+    def _stop(self) -> None:
+        if self._process is not None:
+            _kill(self._process)
+            self._process = None
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.kill()
+        process.wait()

@@ -1,0 +1,69 @@
+"""The math reward's verifier process (``reward.fn=math``, :mod:`verlite.rewards.math_answer`).
+
+Run as a script by its path (``python -P math_worker.py``), not imported: it starts in half
+a second with math-verify and the standard library alone (verlite's packages would import
+torch). Its main thread does nothing else, and the process that started it kills it when a
+verification outlives its budget: a computation math-verify cannot interrupt (a long
+operation on huge integers holds the interpreter) never blocks the run.
+
+The protocol, one JSON object a line. It says ``{"ready": true}`` once math-verify is
+imported; then for each request ``{"gold": ..., "pred": ...}`` (the reference's and the
+response's final answers, as text) it answers ``{"parsed": bool, "equal": bool}``: whether
+math-verify read the response's answer as an expression, and whether the two are
+equivalent; or ``{"error": ...}`` when the reference cannot be read.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import json
+import logging
+import resource
+import sys
+from typing import Any
+
+# The most memory the process may map: math-verify's own use is under 100 MiB; a response
+# whose answer asks for an enormous number fails inside sympy (scored as not equivalent)
+# instead of taking the machine's memory from the run.
+MAX_MEMORY_BYTES = 2 * 2**30
+
+
+def _boxed(answer: str) -> str:
+    # An answer's text as math-verify reads a final answer: in \boxed{}, which it takes first.
+    return f"\\boxed{{{answer}}}"
+
+
+def main() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
+    # By name: an optional extra (pyproject's ``math``), imported as import_extra does; the
+    # driver checked it imports before starting this process.
+    math_verify: Any = importlib.import_module("math_verify")
+    # Its timeouts are off (they use SIGALRM, and the budget is kept by the process that
+    # started this one); so is its warning that they are, and its logging of what it failed
+    # to parse (a response's text, which may be a megabyte).
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL + 1)
+
+    @functools.lru_cache(maxsize=4096)  # a prompt's reference answer, for each of its responses
+    def parse_gold(gold: str) -> list[Any]:
+        return list(math_verify.parse(_boxed(gold), parsing_timeout=None))
+
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        gold = parse_gold(request["gold"])
+        if not gold:
+            reply: dict[str, Any] = {
+                "error": f"math-verify cannot read the reference answer {request['gold']!r}"
+            }
+        else:
+            pred = math_verify.parse(_boxed(request["pred"]), parsing_timeout=None)
+            # Parsed: read as an expression, not only kept as the text it failed to read.
+            parsed = any(not isinstance(p, str) for p in pred)
+            equal = bool(pred) and bool(math_verify.verify(gold, pred, timeout_seconds=None))
+            reply = {"parsed": parsed, "equal": equal}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -46,6 +46,8 @@ def _service_url(value: str | None) -> str | None:
 # Query parameters named like a credential (?api_key=..., ?token=..., ?sig=...).
 _SECRET = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The least reward.timeout_s of reward.fn=math (verlite.rewards.math_answer).
+MATH_MIN_TIMEOUT_S = 2.0
 
 
 def _environment_name(value: str | None) -> str | None:
@@ -160,8 +162,8 @@ class RewardConfig(Section):
         30.0,
         gt=0.0,
         description="Longest one call of the reward function may take; a slower call stops the "
-        "run with an error naming the response. reward.fn=math gives one verification half of "
-        "it and scores a slower one 0.",
+        "run with an error naming the response. reward.fn=math (at least 2 s) gives one "
+        "verification half of it and scores a slower one 0.",
     )
     math_format_credit: float = Field(
         0.0,
@@ -224,11 +226,17 @@ class RewardConfig(Section):
         )
 
     @model_validator(mode="after")
-    def _format_credit_for_math(self) -> RewardConfig:
+    def _check_math(self) -> RewardConfig:
         if self.math_format_credit != 0.0 and self.fn != "math":
             raise ValueError(
                 f"reward.math_format_credit={self.math_format_credit:g} is the math reward's: "
                 f"it needs reward.fn=math (reward.fn={self.fn!r}); set it or unset the credit"
+            )
+        if self.fn == "math" and self.timeout_s < MATH_MIN_TIMEOUT_S:
+            raise ValueError(
+                f"reward.timeout_s={self.timeout_s:g} with reward.fn=math: a verification gets "
+                "half of it, which must hold the start of math-verify's process (up to a "
+                f"second); give at least {MATH_MIN_TIMEOUT_S:g}"
             )
         return self
 

@@ -6,6 +6,7 @@ import io
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from verlite.config import Config
 from verlite.driver.scorer import Scorer
-from verlite.rewards import RewardError, resolve_reward, score_responses
+from verlite.rewards import RewardError, math_answer, resolve_reward, score_responses
 from verlite.rewards.math_answer import MathReward, final_answer, reference_answer
 
 TIMEOUT_S = 6.0  # reward.timeout_s: a verification gets half of it
@@ -148,6 +149,32 @@ def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> No
         "answer '9^{9^{9^{9}}}'; scored 0 and its process restarted (1 so far)"
     )
     assert lines[2].endswith("(3 so far)")
+
+
+@pytest.mark.parametrize(
+    ("worker", "message"),
+    [
+        (
+            'print(json.dumps({"ready": True}), flush=True); sys.stdin.readline(); sys.exit(3)',
+            r"math reward: the math-verify process exited \(code 3\)",
+        ),
+        ("print(json.dumps({'hello': 1}), flush=True)", r"said \{'hello': 1\} at start"),
+    ],
+    ids=["crashed", "no greeting"],
+)
+def test_a_verifier_process_that_breaks_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, worker: str, message: str
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(f"import json, sys\n{worker}\n")
+    monkeypatch.setattr(math_answer, "_WORKER", script)
+    reward = MathReward(timeout_s=TIMEOUT_S)
+    try:
+        with pytest.raises(RuntimeError, match=message):
+            reward(r"\boxed{1}", "1", "")
+        assert reward._process is None  # the next call starts a new one
+    finally:
+        reward.close()
 
 
 def test_without_the_extra_the_run_is_refused_in_one_line(

@@ -150,12 +150,13 @@ class MathReward:
         if ready is None:
             return None
         if not ready.get("ready"):
+            self._stop()
             raise RuntimeError(f"math reward: the math-verify process said {ready!r} at start")
         return process
 
     def _read(self, process: subprocess.Popen[bytes], deadline: float) -> dict[str, Any] | None:
         """The process's next line, parsed; None when it does not come before ``deadline``.
-        A process that exits is killed by nothing: its end is the error."""
+        The process never ends by itself: when it does (it crashed), that is the error."""
         assert process.stdout is not None
         fd = process.stdout.fileno()
         with selectors.DefaultSelector() as selector:
@@ -166,6 +167,7 @@ class MathReward:
                     return None
                 chunk = os.read(fd, 65536)
                 if not chunk:
+                    self._process = None
                     raise RuntimeError(
                         f"math reward: the math-verify process exited (code {process.wait()})"
                     )

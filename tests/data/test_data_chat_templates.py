@@ -131,8 +131,13 @@ def test_a_suffix_without_a_template_follows_the_prompt_after_a_space(tmp_path: 
     assert [r["prompt"] for r in val] == [f"{q} {SUFFIX}" for q, _, _ in PROBLEMS]
 
 
-def test_truncation_and_the_overflow_policy_count_the_rendered_tokens(tmp_path: Path) -> None:
-    save_chat_model(tmp_path)
+@pytest.mark.parametrize(
+    ("template", "bos"), [(QWEN_TEMPLATE, False), (BOS_TEMPLATE, True)], ids=["qwen", "with bos"]
+)
+def test_truncation_and_the_overflow_policy_count_the_rendered_tokens(
+    tmp_path: Path, template: str, bos: bool
+) -> None:
+    save_chat_model(tmp_path, template, bos=bos)
     tokenizer = load_tokenizer(str(tmp_path))
     longest = max(
         len(template_ids(tokenizer, [{"role": "user", "content": q}])) for q, _, _ in PROBLEMS

@@ -72,7 +72,7 @@ def _render(
     if not isinstance(text, str) or not text.strip():
         raise DataError(
             f"{location}: the chat template of model.path={model_path!r} renders this prompt as "
-            f"{shown(text, 60)}, nothing but whitespace (data.chat_template=true); fix the "
+            f"{shown(text, 60)}, empty or only whitespace (data.chat_template=true); fix the "
             "template or set data.chat_template=false"
         )
     return text

@@ -1,8 +1,8 @@
 """Checks that need more than one field of a config to decide (the sizes of the roles'
 batches against the step, multi-turn against the roles and the reward, staleness against
-where generation runs, a chat template against the model), run once every section is valid. Each raises a ``ValueError`` whose
-message names its fields; :func:`check_across_fields` runs them in a fixed order, so a
-config with several problems always reports the same one."""
+where generation runs, a chat template against the model), run once every section is valid.
+Each raises a ``ValueError`` whose message names its fields; :func:`check_across_fields`
+runs them in a fixed order, so a config with several problems always reports the same one."""
 
 from __future__ import annotations
 

@@ -147,9 +147,9 @@ def check_prompts(
     """Apply the prompt-length policy; return how many prompts batches will truncate.
 
     A prompt is measured as it is batched (BOS included unless ``bos`` is false: see
-    :func:`encode_prompts`). ``overflow="error"`` raises on the
-    first one longer than ``max_prompt_length``; ``"truncate"`` counts them (batches keep the
-    last tokens, where the question ends). Prompts with characters the tokenizer maps to its
+    :func:`encode_prompts`). ``overflow="error"`` raises on the first one longer than
+    ``max_prompt_length``; ``"truncate"`` counts them (batches keep the last tokens, where the
+    question ends). Prompts with characters the tokenizer maps to its
     unknown token are errors either way: the model could not read them.
     """
     truncated = 0

@@ -1,8 +1,8 @@
 """Checks that need more than one field of a config to decide (the sizes of the roles'
 batches against the step, multi-turn against the roles and the reward, staleness against
-where generation runs), run once every section is valid. Each raises a ``ValueError`` whose
-message names its fields; :func:`check_across_fields` runs them in a fixed order, so a
-config with several problems always reports the same one."""
+where generation runs, a chat template against the model), run once every section is valid.
+Each raises a ``ValueError`` whose message names its fields; :func:`check_across_fields`
+runs them in a fixed order, so a config with several problems always reports the same one."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ def check_across_fields(cfg: Config) -> None:
             "them, but rollout.temperature=0 samples greedily (no distribution); use "
             "rollout_correction=none or a temperature > 0"
         )
+    _check_chat_template(cfg)
     _check_multi_turn(cfg)
     _check_scored_by_environment(cfg)
     _check_decode(cfg)
@@ -74,6 +75,25 @@ def _check_decode(cfg: Config) -> None:
             "rollout.decode=cuda_graphs cannot capture the parameter all-gathers of an FSDP "
             "actor that generates (rollout.placement=colocated); use rollout.decode=static, "
             "rollout.placement=split or actor.strategy=ddp"
+        )
+
+
+def _check_chat_template(cfg: Config) -> None:
+    """A chat template is the model's tokenizer's: the built-in task tokenizer has none, and
+    multi-turn trajectories do not write their turns in one yet."""
+    if not cfg.data.chat_template:
+        return
+    if cfg.model.path is None:
+        raise ValueError(
+            "data.chat_template=true renders prompts with the tokenizer's chat template, but "
+            "model.path is unset (the built-in task tokenizer has none); set model.path to a "
+            "model folder whose tokenizer has one, or data.chat_template=false"
+        )
+    if cfg.rollout.multi_turn.env is not None:
+        raise ValueError(
+            f"data.chat_template=true with rollout.multi_turn.env={cfg.rollout.multi_turn.env!r} "
+            "is not supported yet (multi-turn turns are not written in the template's format); "
+            "set data.chat_template=false or unset rollout.multi_turn.env"
         )
 
 

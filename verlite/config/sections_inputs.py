@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from verlite.config.fields import PathStr, PositiveInt, Section
+from verlite.config.fields import NonEmptyStr, PathStr, PositiveInt, Section
 
 # What the deprecated ``model.dtype`` values mean as a ``model.precision``.
 DTYPE_PRECISION = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
@@ -109,7 +109,7 @@ class DataConfig(Section):
     )
     train_file: PathStr | None = Field(
         None,
-        description="JSONL or Parquet file of training prompts with 'prompt' and 'answer' fields.",
+        description="JSONL or Parquet file of training prompts, each row with a prompt and an answer field (data.prompt_key, data.answer_key).",
     )
     val_file: PathStr | None = Field(
         None,
@@ -134,12 +134,49 @@ class DataConfig(Section):
     shuffle: bool = Field(
         True, description="Shuffle training prompts each epoch (seeded by trainer.seed)."
     )
+    prompt_key: NonEmptyStr = Field(
+        "prompt",
+        description="Prompt files: the field of a row that holds the prompt (GSM8K: question, MATH: problem).",
+    )
+    answer_key: NonEmptyStr = Field(
+        "answer",
+        description="Prompt files: the field of a row that holds the answer, as data.answer_rule reads it (MATH: solution).",
+    )
+    answer_rule: Literal["as_is", "gsm8k", "boxed"] = Field(
+        "as_is",
+        description="Prompt files: how a row's answer is taken from its answer field: as_is (the whole field); gsm8k (the text after the last '####', commas removed, stripped); boxed (the content of the last \\boxed{...}, braces balanced). A row where the rule finds no answer stops the run before it starts, naming the file and row.",
+    )
+    chat_template: bool = Field(
+        False,
+        description="Render each prompt with the tokenizer's own chat template (model.path's), as one user turn after data.system_prompt, with the assistant's generation prompt; the text is tokenized once, as the template writes it (no BOS added), and reward functions receive it as the prompt. Single-turn only (not with rollout.multi_turn.env).",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="With data.chat_template: the system turn's text before each prompt (an empty string is an empty system turn). None: no system turn (the template may add its own default).",
+    )
+    prompt_suffix: NonEmptyStr | None = Field(
+        None,
+        description="Text appended to every prompt after a space (the user turn with data.chat_template), e.g. an instruction 'Put the final answer in \\boxed{}.'.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
         if (self.task is None) == (self.train_file is None):
             raise ValueError(
                 "data.task or data.train_file: set exactly one of them (a synthetic task or a prompt file)"
+            )
+        if self.task is not None:
+            for name in ("prompt_key", "answer_key", "answer_rule"):
+                value = getattr(self, name)
+                if value != DataConfig.model_fields[name].default:
+                    raise ValueError(
+                        f"data.{name}={value!r} reads the rows of prompt files, but "
+                        f"data.task={self.task} generates its prompts; unset one of them"
+                    )
+        if self.system_prompt is not None and not self.chat_template:
+            raise ValueError(
+                "data.system_prompt is a turn of the chat template, which is off; set "
+                "data.chat_template=true or unset data.system_prompt"
             )
         if self.min_digits > self.max_digits:
             raise ValueError(

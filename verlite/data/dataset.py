@@ -1,5 +1,7 @@
-"""Prompt datasets: a synthetic task or prompt files, split into train and validation, with the
-prompt-length policy (``data.prompt_overflow``) applied once, where errors can name the prompt."""
+"""Prompt datasets: a synthetic task or prompt files, split into train and validation, each
+prompt formatted as the policy reads it (``data.prompt_suffix``, ``data.chat_template``) and
+the prompt-length policy (``data.prompt_overflow``) applied once, where errors can name the
+prompt."""
 
 from __future__ import annotations
 
@@ -13,9 +15,10 @@ from typing import Literal, overload
 
 from transformers import PreTrainedTokenizerBase
 
-from verlite.config import Config, DataConfig
+from verlite.config import Config
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
 from verlite.data.tasks import TASKS
+from verlite.data.templates import format_prompts
 from verlite.data.tokenizer import encode_prompts
 
 
@@ -69,10 +72,15 @@ def build_datasets(
         val_where = [f"data.task={data.task} validation sample {i}" for i in range(len(val))]
     else:
         assert data.train_file is not None  # DataConfig requires a task or a train file
-        records, where = read_prompt_file(data.train_file)
+        fields = {
+            "prompt_key": data.prompt_key,
+            "answer_key": data.answer_key,
+            "answer_rule": data.answer_rule,
+        }
+        records, where = read_prompt_file(data.train_file, **fields)
         if data.val_file is not None:
             train, train_where = records, where
-            val, val_where = read_prompt_file(data.val_file)
+            val, val_where = read_prompt_file(data.val_file, **fields)
         else:
             train_idx, val_idx = holdout_split(len(records), data.num_val_samples, seed=seed)
             if not train_idx:
@@ -83,8 +91,8 @@ def build_datasets(
             train, train_where = [records[i] for i in train_idx], [where[i] for i in train_idx]
             val, val_where = [records[i] for i in val_idx], [where[i] for i in val_idx]
     return (
-        _dataset(train, train_where, "train", tokenizer, data),
-        _dataset(val, val_where, "validation", tokenizer, data),
+        _dataset(train, train_where, "train", tokenizer, cfg),
+        _dataset(val, val_where, "validation", tokenizer, cfg),
     )
 
 
@@ -134,17 +142,22 @@ def check_prompts(
     *,
     max_prompt_length: int,
     overflow: Literal["truncate", "error"],
+    bos: bool = True,
 ) -> int:
     """Apply the prompt-length policy; return how many prompts batches will truncate.
 
-    A prompt is measured as it is batched (BOS included). ``overflow="error"`` raises on the
-    first one longer than ``max_prompt_length``; ``"truncate"`` counts them (batches keep the
-    last tokens, where the question ends). Prompts with characters the tokenizer maps to its
+    A prompt is measured as it is batched (BOS included unless ``bos`` is false: see
+    :func:`encode_prompts`). ``overflow="error"`` raises on the first one longer than
+    ``max_prompt_length``; ``"truncate"`` counts them (batches keep the last tokens, where the
+    question ends). Prompts with characters the tokenizer maps to its
     unknown token are errors either way: the model could not read them.
     """
     truncated = 0
     for location, record, ids in zip(
-        where, records, encode_prompts(tokenizer, [r["prompt"] for r in records]), strict=True
+        where,
+        records,
+        encode_prompts(tokenizer, [r["prompt"] for r in records], bos=bos),
+        strict=True,
     ):
         if not ids:
             raise DataError(f"{location}: prompt is empty (and the tokenizer adds no BOS)")
@@ -164,7 +177,7 @@ def check_prompts(
         if len(ids) <= max_prompt_length:
             continue
         if overflow == "error":
-            with_bos = " (BOS included)" if tokenizer.bos_token_id is not None else ""
+            with_bos = " (BOS included)" if bos and tokenizer.bos_token_id is not None else ""
             raise DataError(
                 f"{location}: prompt is {len(ids)} tokens{with_bos}, longer than "
                 f"data.max_prompt_length={max_prompt_length}; raise it or set data.prompt_overflow=truncate"
@@ -182,13 +195,16 @@ def _dataset(
     where: Sequence[str],
     name: str,
     tokenizer: PreTrainedTokenizerBase,
-    data: DataConfig,
+    cfg: Config,
 ) -> PromptDataset:
+    data = cfg.data
+    records = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
     truncated = check_prompts(
         records,
         where,
         tokenizer,
         max_prompt_length=data.max_prompt_length,
         overflow=data.prompt_overflow,
+        bos=not data.chat_template,
     )
     return PromptDataset(tuple(records), name=name, num_truncated=truncated)

@@ -1,8 +1,10 @@
 """Prompt files: JSONL and Parquet readers whose errors name the file and the line (or row).
 
-Each record needs string ``prompt`` and ``answer`` fields, the prompt not blank (an empty
-answer is allowed: a task may expect no output); other fields are ignored.
-Parquet support imports ``pyarrow`` only when a Parquet file is read.
+Each row needs string prompt and answer fields (``data.prompt_key`` and ``data.answer_key``,
+by default ``prompt`` and ``answer``), the prompt not blank (an empty answer is allowed: a task
+may expect no output); other fields are ignored. The answer is taken from its field by
+``data.answer_rule`` (:mod:`verlite.data.answers`). Parquet support imports ``pyarrow`` only
+when a Parquet file is read.
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypedDict
 
-from verlite.errors import UserError
+from verlite.data.answers import ANSWER_RULES
+from verlite.errors import UserError, shown
 from verlite.user_files import parse_json, read_text
 
 
@@ -24,11 +27,16 @@ class PromptRecord(TypedDict):
     answer: str
 
 
-FIELDS = ("prompt", "answer")
-
-
-def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
-    """The records of a ``.jsonl`` or ``.parquet`` file and, for each, where it is (``file:line``)."""
+def read_prompt_file(
+    path: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    answer_rule: str = "as_is",
+) -> tuple[list[PromptRecord], list[str]]:
+    """The records of a ``.jsonl`` or ``.parquet`` file and, for each, where it is
+    (``file:line``): each row's ``prompt_key`` field, and the answer ``answer_rule`` takes from
+    its ``answer_key`` field."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
@@ -42,30 +50,43 @@ def read_prompt_file(path: str | Path) -> tuple[list[PromptRecord], list[str]]:
     records: list[PromptRecord] = []
     where: list[str] = []
     for location, row in rows:
-        records.append(_record(location, row))
+        records.append(_record(location, row, prompt_key, answer_key, answer_rule))
         where.append(location)
     if not records:
         raise DataError(f"{path}: no prompts (the file is empty)")
     return records, where
 
 
-def _record(location: str, row: Any) -> PromptRecord:
+def _record(
+    location: str, row: Any, prompt_key: str, answer_key: str, answer_rule: str
+) -> PromptRecord:
     if not isinstance(row, dict):
         raise DataError(
-            f"{location}: expected an object with 'prompt' and 'answer' fields, got {type(row).__name__}"
+            f"{location}: expected an object with {prompt_key!r} and {answer_key!r} fields, "
+            f"got {type(row).__name__}"
         )
-    for field in FIELDS:
-        if field not in row:
-            raise DataError(f"{location}: missing field {field!r}")
-        value = row[field]
+    for key, setting in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+        if key not in row:
+            raise DataError(
+                f"{location}: missing field {key!r} (data.{setting}); the row has "
+                f"{shown(sorted(map(str, row)), 80)}"
+            )
+        value = row[key]
         if not isinstance(value, str):
             raise DataError(
-                f"{location}: field {field!r} must be a string, got {type(value).__name__} {value!r}"
+                f"{location}: field {key!r} must be a string, got {type(value).__name__} {value!r}"
             )
-    if not row["prompt"].strip():
+    if not row[prompt_key].strip():
         # The policy would answer nothing but the begin-of-sequence token.
         raise DataError(f"{location}: the prompt is empty")
-    return PromptRecord(prompt=row["prompt"], answer=row["answer"])
+    extract, wanted = ANSWER_RULES[answer_rule]
+    answer = extract(row[answer_key])
+    if answer is None:
+        raise DataError(
+            f"{location}: data.answer_rule={answer_rule} finds no answer in field "
+            f"{answer_key!r} (it needs {wanted}): {shown(row[answer_key], 80)}"
+        )
+    return PromptRecord(prompt=row[prompt_key], answer=answer)
 
 
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:

@@ -113,9 +113,14 @@ class PromptBatch(TypedDict):
 
 
 def collate_prompts(
-    records: Sequence[PromptRecord], tokenizer: PreTrainedTokenizerBase, max_prompt_length: int
+    records: Sequence[PromptRecord],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    *,
+    bos: bool = True,
 ) -> PromptBatch:
-    """Token tensors of a batch of prompts, each BOS + prompt, left-padded to ``max_prompt_length``.
+    """Token tensors of a batch of prompts, each BOS + prompt (``bos``: see
+    :func:`encode_prompts`), left-padded to ``max_prompt_length``.
 
     A longer prompt keeps its last ``max_prompt_length`` tokens: datasets have already applied
     ``data.prompt_overflow``, so only prompts it allows to be truncated get here.
@@ -128,7 +133,7 @@ def collate_prompts(
     prompts = [r["prompt"] for r in records]
     input_ids = torch.full((len(records), max_prompt_length), pad, dtype=torch.long)
     attention_mask = torch.zeros((len(records), max_prompt_length), dtype=torch.long)
-    for row, ids in enumerate(encode_prompts(tokenizer, prompts)):
+    for row, ids in enumerate(encode_prompts(tokenizer, prompts, bos=bos)):
         ids = ids[-max_prompt_length:]
         start = max_prompt_length - len(ids)
         input_ids[row, start:] = torch.tensor(ids, dtype=torch.long)
@@ -149,11 +154,13 @@ def prompt_tensordict(
     max_prompt_length: int,
     repeat: int,
     temperature: float,
+    bos: bool = True,
 ) -> TensorDict:
     """The prompts of one rollout in the step batch's layout (``verlite.step_batch``): each
     prompt repeated ``repeat`` times in a row, the copies sharing one ``uid``, and the
-    sampling ``temperature`` the log-probs of the responses must use."""
-    collated = collate_prompts(records, tokenizer, max_prompt_length)
+    sampling ``temperature`` the log-probs of the responses must use. ``bos``: see
+    :func:`encode_prompts`."""
+    collated = collate_prompts(records, tokenizer, max_prompt_length, bos=bos)
     td = TensorDict(
         {
             "input_ids": collated["input_ids"],

@@ -101,14 +101,19 @@ def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str
     return "".join(pieces)
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each prompt: BOS (when the tokenizer has one) then the prompt, no EOS.
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, bos: bool = True
+) -> list[list[int]]:
+    """Token ids of each prompt: BOS (when ``bos`` and the tokenizer has one) then the prompt,
+    no EOS.
 
     BOS is added here rather than by the tokenizer's template so that every tokenizer, with
-    or without a post-processor, gives the same layout.
+    or without a post-processor, gives the same layout. ``bos=False`` is for text a chat
+    template rendered (``data.chat_template``): the template writes the model's special
+    tokens itself, as ``apply_chat_template`` tokenizes it.
     """
     if not prompts:
         return []
     encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    return [bos + ids for ids in encoded]
+    bos_ids = [] if not bos or tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    return [bos_ids + ids for ids in encoded]

@@ -238,6 +238,7 @@ class StepSource:
             max_prompt_length=self.cfg.data.max_prompt_length,
             repeat=repeat,
             temperature=temperature,
+            bos=not self.cfg.data.chat_template,
         )
 
     def _env_records(self, records: list[PromptRecord]) -> list[PromptRecord] | None:

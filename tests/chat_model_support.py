@@ -1,0 +1,84 @@
+"""A local instruct model as a practitioner brings one, built here (nothing downloaded): a tiny
+random Qwen2 saved with ``save_pretrained`` beside a byte-level BPE tokenizer that carries a
+Qwen2.5-style chat template; and prompt files in GSM8K's and MATH's formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow
+import pyarrow.parquet
+from model_support import tiny_qwen2
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+# Qwen2.5-Instruct's turn format (its default system turn left out).
+QWEN_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Llama-3-style: the template writes the BOS token itself.
+BOS_TEMPLATE = "{{- bos_token }}" + QWEN_TEMPLATE
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Synthetic problems: (question, GSM8K answer, MATH solution).
+PROBLEMS = [
+    (
+        f"Tom has {a} apples and buys {b} more. How many apples does he have?",
+        f"He has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b:,}",
+        f"Adding, ${a} + {b} = \\boxed{{{a + b}}}$.",
+    )
+    for a, b in [(12, 60), (7, 8), (1200, 34), (5, 5), (40, 2), (3, 9), (21, 21), (9, 90)]
+]
+
+
+def chat_tokenizer(
+    template: str | None = QWEN_TEMPLATE, *, bos: bool = False
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (every text encodes: no unknown token) with Qwen2's special
+    tokens, ``template`` as its chat template, and a BOS token when ``bos``."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=[*SPECIAL, "<s>"] if bos else SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([" ".join(p) for p in PROBLEMS] * 10, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        bos_token="<s>" if bos else None,
+    )
+    fast.chat_template = template
+    return fast
+
+
+def save_chat_model(
+    folder: Path, template: str | None = QWEN_TEMPLATE, *, bos: bool = False
+) -> PreTrainedTokenizerFast:
+    """A tiny random Qwen2 and :func:`chat_tokenizer` saved into ``folder`` (``model.path``)."""
+    tokenizer = chat_tokenizer(template, bos=bos)
+    tiny_qwen2(tied=True, vocab_size=len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def write_gsm8k_parquet(path: Path) -> Path:
+    """GSM8K's format: ``question``, and ``answer`` with the reasoning then ``#### 72``."""
+    rows = {"question": [q for q, _, _ in PROBLEMS], "answer": [a for _, a, _ in PROBLEMS]}
+    pyarrow.parquet.write_table(pyarrow.table(rows), path)
+    return path
+
+
+def write_math_jsonl(path: Path) -> Path:
+    """MATH's format: ``problem``, and ``solution`` with the answer in ``\\boxed{}``."""
+    path.write_text(
+        "".join(json.dumps({"problem": q, "solution": s}) + "\n" for q, _, s in PROBLEMS)
+    )
+    return path

@@ -1,0 +1,201 @@
+"""Prompts as the policy reads them: the tokenizer's own chat template (data.chat_template)
+with an optional system turn and instruction suffix, tokenized once as ``apply_chat_template``
+tokenizes it, through the batches a run draws; and the default path as it always was."""
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from chat_model_support import (
+    BOS_TEMPLATE,
+    PROBLEMS,
+    QWEN_TEMPLATE,
+    save_chat_model,
+    write_gsm8k_parquet,
+)
+from transformers import PreTrainedTokenizerBase
+
+from verlite.config import Config, load_config
+from verlite.data import DataError, PromptDataset, build_datasets, load_tokenizer
+from verlite.driver.step_source import StepSource
+
+SYSTEM = "You are a careful tutor."
+SUFFIX = "Put the final answer after ####."
+
+
+def gsm8k_config(folder: Path, *overrides: str) -> Config:
+    """The main job's config over a GSM8K parquet (validation: the same file, in file order)
+    and the chat model saved in ``folder``."""
+    path = write_gsm8k_parquet(folder / "gsm8k.parquet")
+    return load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            f"model.path={folder}",
+            "data.task=null",
+            f"data.train_file={path}",
+            f"data.val_file={path}",
+            "data.prompt_key=question",
+            "data.answer_rule=gsm8k",
+            "data.max_prompt_length=128",
+            "data.train_batch_size=4",
+            "data.shuffle=false",
+            "actor.ppo_mini_batch_size=4",
+            "actor.micro_batch_size_per_worker=4",
+            "critic.ppo_mini_batch_size=4",
+            "critic.micro_batch_size_per_worker=4",
+            *overrides,
+        ],
+    )
+
+
+def drawn_step(cfg: Config, tokenizer: PreTrainedTokenizerBase, train: PromptDataset):
+    """The first step's prompts, as the run's step source draws and tokenizes them."""
+    source = StepSource(
+        cfg,
+        actor=None,
+        rollout=None,
+        tokenizer=tokenizer,
+        train_set=train,
+        sampling=None,
+        actor_split=None,
+        with_old=False,
+        with_reference=False,
+    )
+    return source._draw(1)
+
+
+def real_tokens(td) -> list[list[int]]:
+    return [
+        row[mask.bool()].tolist()
+        for row, mask in zip(td["input_ids"], td["attention_mask"], strict=True)
+    ]
+
+
+def template_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)[
+        "input_ids"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("template", "bos"), [(QWEN_TEMPLATE, False), (BOS_TEMPLATE, True)], ids=["qwen", "with bos"]
+)
+def test_prompts_are_the_tokens_of_apply_chat_template(
+    tmp_path: Path, template: str, bos: bool
+) -> None:
+    save_chat_model(tmp_path, template, bos=bos)
+    cfg = gsm8k_config(
+        tmp_path,
+        "data.chat_template=true",
+        f"data.system_prompt={SYSTEM}",
+        f"data.prompt_suffix={SUFFIX}",
+    )
+    tokenizer = load_tokenizer(cfg.model.path)  # as the run loads it, from the folder
+    train, val = build_datasets(cfg, tokenizer)
+    expected = [
+        template_ids(
+            tokenizer,
+            [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": f"{question} {SUFFIX}"},
+            ],
+        )
+        for question, _, _ in PROBLEMS
+    ]
+    if bos:  # the template's BOS, once: verlite adds none of its own
+        assert all(ids[0] == tokenizer.bos_token_id != ids[1] for ids in expected)
+    assert real_tokens(drawn_step(cfg, tokenizer, train).prompts) == expected[:4]
+    source = StepSource.__new__(StepSource)  # validation draws through the same path
+    source.cfg, source.tokenizer = cfg, tokenizer
+    assert real_tokens(source._tensordict(list(val), repeat=1, temperature=0.0)) == expected
+    # Rewards receive the rendered text and the answer the rule took.
+    assert val[0]["prompt"] == tokenizer.decode(expected[0]) and val[0]["answer"] == "72"
+
+
+def test_without_a_system_prompt_the_conversation_is_the_user_turn(tmp_path: Path) -> None:
+    save_chat_model(tmp_path)
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true")
+    tokenizer = load_tokenizer(cfg.model.path)
+    _, val = build_datasets(cfg, tokenizer)
+    question = PROBLEMS[1][0]
+    assert val[1]["prompt"] == (f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_suffix_without_a_template_follows_the_prompt_after_a_space(tmp_path: Path) -> None:
+    save_chat_model(tmp_path)
+    cfg = gsm8k_config(tmp_path, f"data.prompt_suffix={SUFFIX}")
+    tokenizer = load_tokenizer(cfg.model.path)
+    _, val = build_datasets(cfg, tokenizer)
+    assert [r["prompt"] for r in val] == [f"{q} {SUFFIX}" for q, _, _ in PROBLEMS]
+
+
+@pytest.mark.parametrize(
+    ("template", "bos"), [(QWEN_TEMPLATE, False), (BOS_TEMPLATE, True)], ids=["qwen", "with bos"]
+)
+def test_truncation_and_the_overflow_policy_count_the_rendered_tokens(
+    tmp_path: Path, template: str, bos: bool
+) -> None:
+    save_chat_model(tmp_path, template, bos=bos)
+    tokenizer = load_tokenizer(str(tmp_path))
+    longest = max(
+        len(template_ids(tokenizer, [{"role": "user", "content": q}])) for q, _, _ in PROBLEMS
+    )
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true", f"data.max_prompt_length={longest}")
+    assert build_datasets(cfg, tokenizer)[0].num_truncated == 0
+    short = f"data.max_prompt_length={longest - 1}"
+    with pytest.raises(DataError, match=f"longer than data.max_prompt_length={longest - 1};"):
+        build_datasets(gsm8k_config(tmp_path, "data.chat_template=true", short), tokenizer)
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true", short, "data.prompt_overflow=truncate")
+    train, _ = build_datasets(cfg, tokenizer)
+    assert train.num_truncated >= 1
+    rows = drawn_step(cfg, tokenizer, train).prompts["input_ids"]
+    assert rows.shape[1] == longest - 1
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        (None, "data.chat_template=true, but the tokenizer of model.path="),
+        ("{{ '  \n' }}", "row 1: the chat template of model.path="),
+        (
+            "{{ raise_exception('System role not supported') }}",
+            "row 1: the chat template of model.path=",
+        ),
+    ],
+    ids=["no template", "whitespace only", "template raises"],
+)
+def test_a_template_that_cannot_render_prompts_is_one_line(
+    tmp_path: Path, template: str | None, message: str
+) -> None:
+    save_chat_model(tmp_path, template)
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true")
+    with pytest.raises(DataError, match=re.escape(message)) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert "\n" not in str(exc.value)
+
+
+# The main job's prompts as the code before data fields and chat templates drew them.
+MAIN_JOB_TRAIN = "b4ddd1237c831434cabb9cfbed8ab96b80dfd02075e102bf050c911d539f0c36"
+MAIN_JOB_VALIDATION = "d8567c4dfea9311255cf033ef8fec58e4348d45d4d13fa21406fb49228722966"
+MAIN_JOB_FIRST_STEP = "28b8112af040aa127eb445a8de5f56ae7fca8108332ecdb9350088cd5f52a143"
+
+
+def test_the_main_job_draws_the_prompts_it_always_drew() -> None:
+    cfg = load_config("configs/ppo_tiny.yaml")
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+    train, val = build_datasets(cfg, tokenizer)
+    assert train.fingerprint == {"records": 1024, "sha256": MAIN_JOB_TRAIN}
+    assert val.fingerprint == {"records": 64, "sha256": MAIN_JOB_VALIDATION}
+    drawn = drawn_step(cfg, tokenizer, train)
+    td = drawn.prompts
+    assert td["input_ids"].dtype == torch.long
+    tokens = td["input_ids"].numpy().tobytes() + td["attention_mask"].numpy().tobytes()
+    assert hashlib.sha256(tokens).hexdigest() == MAIN_JOB_FIRST_STEP
+    # BOS then the prompt's characters, as before: the same one path, with BOS.
+    prompt = drawn.records[0]["prompt"]
+    assert real_tokens(td)[0] == [
+        tokenizer.bos_token_id,
+        *tokenizer(prompt, add_special_tokens=False)["input_ids"],
+    ]

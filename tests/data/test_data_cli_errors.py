@@ -1,0 +1,121 @@
+"""Bad data fields and chat templates at the command line: one line on stderr naming the
+setting, the value and what is allowed (the file and row for a row's problem); exit code 2;
+no traceback; all before Ray starts."""
+
+import json
+from pathlib import Path
+
+import pytest
+from chat_model_support import save_chat_model, write_gsm8k_parquet, write_math_jsonl
+
+from verlite.cli import main
+
+CONFIG = "configs/ppo_tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Chat models (with a template, without one, one rendering only whitespace) and the
+    GSM8K and MATH files, saved once for the module."""
+    root = tmp_path_factory.mktemp("chat")
+    found = {
+        "model": root / "model",
+        "no template": root / "no_template",
+        "blank template": root / "blank_template",
+    }
+    save_chat_model(found["model"])
+    save_chat_model(found["no template"], None)
+    save_chat_model(found["blank template"], "{% if false %}x{% endif %}\n")
+    found["gsm8k"] = write_gsm8k_parquet(root / "gsm8k.parquet")
+    found["math"] = write_math_jsonl(root / "math.jsonl")
+    return found
+
+
+def run(capsys: pytest.CaptureFixture[str], *overrides: str, config: str = CONFIG) -> str:
+    code = main(["train", "--config", config, *overrides])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+def gsm8k_run(files: dict[str, Path], model: str, *overrides: str) -> list[str]:
+    return [
+        f"model.path={files[model]}",
+        "data.task=null",
+        f"data.train_file={files['gsm8k']}",
+        "data.num_val_samples=2",
+        "data.max_prompt_length=128",
+        f"trainer.output_dir={files['model'].parent / 'run'}",
+        *overrides,
+    ]
+
+
+def test_a_row_without_the_prompt_field_names_file_row_and_setting(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    err = run(capsys, *gsm8k_run(files, "model"))
+    assert f"{files['gsm8k']} row 1: missing field 'prompt' (data.prompt_key); the row has " in err
+
+
+def test_an_answer_the_rule_cannot_find_names_file_and_row(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    # GSM8K's answers hold no \boxed{}: the wrong rule for the file.
+    err = run(
+        capsys, *gsm8k_run(files, "model", "data.prompt_key=question", "data.answer_rule=boxed")
+    )
+    assert (
+        f"{files['gsm8k']} row 1: data.answer_rule=boxed finds no answer in field 'answer'" in err
+    )
+    path = files["math"].parent / "math_bad.jsonl"
+    lines = files["math"].read_text().splitlines()
+    lines[4] = json.dumps({"problem": "What is 2+2?", "solution": "It is 4."})
+    path.write_text("\n".join(lines) + "\n")
+    err = run(
+        capsys,
+        *gsm8k_run(files, "model"),
+        f"data.train_file={path}",
+        "data.prompt_key=problem",
+        "data.answer_key=solution",
+        "data.answer_rule=boxed",
+    )
+    assert f"{path}:5: data.answer_rule=boxed finds no answer in field 'solution'" in err
+
+
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("no template", "data.chat_template=true, but the tokenizer of model.path="),
+        ("blank template", "renders this prompt as '', empty or only whitespace"),
+    ],
+)
+def test_a_tokenizer_that_cannot_render_the_prompts_is_refused(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], model: str, expected: str
+) -> None:
+    overrides = gsm8k_run(files, model, "data.prompt_key=question", "data.chat_template=true")
+    assert expected in run(capsys, *overrides)
+
+
+def test_settings_that_do_not_go_together(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    assert "model.path is unset (the built-in task tokenizer has none)" in run(
+        capsys, "data.chat_template=true"
+    )
+    assert "data.system_prompt is a turn of the chat template, which is off" in run(
+        capsys, *gsm8k_run(files, "model", "data.system_prompt=Be brief.")
+    )
+    assert "data.answer_rule='gsm8k' reads the rows of prompt files, but data.task=copy" in run(
+        capsys, "data.answer_rule=gsm8k"
+    )
+    err = run(
+        capsys,
+        f"model.path={files['model']}",
+        "data.chat_template=true",
+        config="configs/tool_tiny.yaml",
+    )
+    assert (
+        "data.chat_template=true with rollout.multi_turn.env='lookup' is not supported yet" in err
+    )

@@ -1,0 +1,40 @@
+"""A local instruct model and a GSM8K parquet as a practitioner has them: a run through the
+chat template (data.chat_template), the file's own fields and GSM8K's answer rule, scored by
+the gsm8k reward."""
+
+from pathlib import Path
+
+from chat_model_support import save_chat_model, write_gsm8k_parquet
+
+
+def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
+    tmp_path: Path, train, metrics
+) -> None:
+    save_chat_model(tmp_path / "model")
+    path = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    train(
+        tmp_path / "run",
+        f"model.path={tmp_path / 'model'}",
+        "data.task=null",
+        f"data.train_file={path}",
+        f"data.val_file={path}",
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+        "data.chat_template=true",
+        "data.system_prompt=You are a careful tutor.",
+        "data.prompt_suffix=Put the final answer after ####.",
+        "data.max_prompt_length=128",
+        "data.train_batch_size=4",
+        "reward.fn=gsm8k",
+        "actor.ppo_mini_batch_size=4",
+        "actor.micro_batch_size_per_worker=4",
+        "critic.ppo_mini_batch_size=4",
+        "critic.micro_batch_size_per_worker=4",
+        "trainer.total_steps=2",
+        "trainer.val_freq=2",
+    )
+    records = metrics(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0 <= r["critic/score/mean"] <= 1 for r in records)
+    assert "actor/pg_loss" in records[-1]
+    assert any(key.startswith("val") for key in records[-1])

@@ -3,10 +3,12 @@ reward compares with, as GSM8K and MATH write them."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 GSM8K_MARK = "####"
-BOXED = "\\boxed{"
+# A \boxed opening brace, an escaped brace (not structure), a brace.
+_BRACES = re.compile(r"\\boxed\s*\{|\\[{}]|[{}]")
 
 
 def gsm8k_answer(text: str) -> str | None:
@@ -17,23 +19,28 @@ def gsm8k_answer(text: str) -> str | None:
     return text.rsplit(GSM8K_MARK, 1)[1].replace(",", "").strip() or None
 
 
-def last_boxed(text: str) -> str | None:
-    """The content of the last ``\\boxed{...}``, its braces balanced (``\\boxed{\\frac{1}{2}}``
-    gives ``\\frac{1}{2}``), stripped; None when there is none, it is not closed, or it is
-    empty."""
-    start = text.rfind(BOXED)
-    if start < 0:
+def last_boxed(text: str, *, complete: bool = True) -> str | None:
+    """The content of the last ``\\boxed{...}`` to close, its braces balanced (``\\boxed{\\frac{1}{2}}``
+    gives ``\\frac{1}{2}``; escaped ``\\{`` and ``\\}`` are no braces; an outer box holds an
+    inner one), stripped; None when there is none or it is empty. ``complete``: None too
+    when a box is left open (an answer field must be whole); otherwise a box left open, as in
+    a response cut at its length limit, is passed over. One pass: a megabyte of braces is
+    linear."""
+    boxed: str | None = None
+    opened: list[tuple[bool, int]] = []  # (a \boxed brace?, where its content starts)
+    for match in _BRACES.finditer(text):
+        token = match.group()
+        if token.startswith("\\boxed"):
+            opened.append((True, match.end()))
+        elif token == "{":
+            opened.append((False, match.end()))
+        elif token == "}" and opened:
+            is_boxed, start = opened.pop()
+            if is_boxed:
+                boxed = text[start : match.start()]
+    if complete and any(is_boxed for is_boxed, _ in opened):
         return None
-    depth = 1
-    begin = start + len(BOXED)
-    for end in range(begin, len(text)):
-        if text[end] == "{":
-            depth += 1
-        elif text[end] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[begin:end].strip() or None
-    return None
+    return None if boxed is None else boxed.strip() or None
 
 
 def _as_is(text: str) -> str:

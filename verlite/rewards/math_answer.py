@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import selectors
 import subprocess
 import sys
@@ -33,37 +32,21 @@ import weakref
 from pathlib import Path
 from typing import Any, TextIO
 
+from verlite.data.answers import GSM8K_MARK, last_boxed
 from verlite.errors import import_extra, shown
 
 MAX_ANSWER_CHARS = 1000
 _WORKER = Path(__file__).with_name("math_worker.py")
-# A \boxed opening brace, an escaped brace (not structure), a brace.
-_BRACES = re.compile(r"\\boxed\s*\{|\\[{}]|[{}]")
-_MARK = "####"
 
 
 def final_answer(text: str) -> str | None:
-    """The last ``\\boxed{...}`` with balanced braces, else the rest of the last ``####``
-    line, stripped; None when there is neither, or it is empty or too long. Linear in the
-    text: a megabyte of braces is one pass."""
-    boxed: str | None = None
-    opened: list[tuple[bool, int]] = []  # (a \boxed brace?, where its content starts)
-    for match in _BRACES.finditer(text):
-        token = match.group()
-        if token.startswith("\\boxed"):
-            opened.append((True, match.end()))
-        elif token == "{":
-            opened.append((False, match.end()))
-        elif token == "}" and opened:
-            is_boxed, start = opened.pop()
-            if is_boxed:  # the one closing last wins: an outer box holds an inner one
-                boxed = text[start : match.start()]
-    if boxed is None and _MARK in text:
-        boxed = text.rsplit(_MARK, 1)[1].split("\n", 1)[0]
-    if boxed is None:
-        return None
-    boxed = boxed.strip()
-    return boxed if 0 < len(boxed) <= MAX_ANSWER_CHARS else None
+    """The last ``\\boxed{...}`` to close (``data.answers.last_boxed``: a box a response's
+    length limit cut off is passed over), else the rest of the last ``####`` line, stripped;
+    None when there is neither, or it is empty or too long."""
+    boxed = last_boxed(text, complete=False)
+    if boxed is None and GSM8K_MARK in text:
+        boxed = text.rsplit(GSM8K_MARK, 1)[1].split("\n", 1)[0].strip()
+    return boxed if boxed and len(boxed) <= MAX_ANSWER_CHARS else None
 
 
 def reference_answer(answer: str) -> str:

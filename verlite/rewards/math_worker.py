@@ -16,7 +16,6 @@ equivalent; or ``{"error": ...}`` when the reference cannot be read.
 from __future__ import annotations
 
 import functools
-import importlib
 import json
 import logging
 import resource
@@ -36,9 +35,10 @@ def _boxed(answer: str) -> str:
 
 def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
-    # By name: an optional extra (pyproject's ``math``), imported as import_extra does; the
-    # driver checked it imports before starting this process.
-    math_verify: Any = importlib.import_module("math_verify")
+    # An optional extra (pyproject's ``math``): the driver checked it imports before starting
+    # this process.
+    import math_verify
+
     # Its timeouts are off (they use SIGALRM, and the budget is kept by the process that
     # started this one); so is its warning that they are, and its logging of what it failed
     # to parse (a response's text, which may be a megabyte).

@@ -56,6 +56,9 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
                 layout("2:ddp:packed-dynamic", "2:fsdp:packed"),
             ],
             id="ppo-critic",
+            # Two minutes of the 2-core machine: in make test-cluster (CI runs it), with the
+            # GRPO case and the negative control in every make test.
+            marks=pytest.mark.cluster,
         ),
         pytest.param(
             "configs/grpo_tiny.yaml",

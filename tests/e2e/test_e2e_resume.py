@@ -23,7 +23,11 @@ TWO_WORKERS = [
 GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.use_kl_loss=true"]
 
 
-@pytest.mark.parametrize("algorithm", [[], GRPO], ids=["ppo_critic", "grpo"])
+@pytest.mark.parametrize(
+    "algorithm",
+    # The PPO case (the slower: two groups) in make test-cluster, which CI runs.
+    [pytest.param([], id="ppo_critic", marks=pytest.mark.cluster), pytest.param(GRPO, id="grpo")],
+)
 def test_resume_gives_identical_metrics(
     tmp_path: Path, algorithm: list[str], train, metrics, verlite_main
 ) -> None:

@@ -56,8 +56,8 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
                 layout("2:ddp:packed-dynamic", "2:fsdp:packed"),
             ],
             id="ppo-critic",
-            # Two minutes of the 2-core machine: in make test-cluster (CI runs it), with the
-            # GRPO case and the negative control in every make test.
+            # Two minutes of the 2-core machine: in make test-cluster (CI runs it), as the
+            # GRPO case; the negative control runs in every make test.
             marks=pytest.mark.cluster,
         ),
         pytest.param(
@@ -71,6 +71,7 @@ def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path
                 layout("2:fsdp:packed-dynamic"),
             ],
             id="grpo",
+            marks=pytest.mark.cluster,
         ),
     ],
 )

@@ -18,7 +18,7 @@ from verlite.controller import check_device, check_fits_machine, check_fits_sess
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
-from verlite.generation.decode import MAX_END_TOKENS, check_mode_supported
+from verlite.generation.decode import MAX_END_TOKENS, auto_mode, check_mode_supported
 from verlite.generation.static_cache import UnsupportedModel, cache_bytes
 from verlite.models import (
     builtin_vocab_size,
@@ -74,11 +74,15 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
     weights = sum(p.numel() * stored[name].itemsize for name, p in model.named_parameters())
     if cfg.rollout.placement == "colocated":  # the trained weights, and a copy to generate from
         trained = sum(p.numel() for p in model.parameters()) * param_dtype(cfg.precision).itemsize
-        copied = (
-            cfg.precision == "bf16-mixed"
-            and cfg.rollout.decode in ("auto", "cuda_graphs")
-            and cfg.actor.strategy != "fsdp"
-        )
+        mode = cfg.rollout.decode
+        if mode == "auto":
+            mode = auto_mode(
+                config,
+                device=torch.device("cuda"),
+                lockstep=cfg.actor.strategy == "fsdp",
+                per_rank=cfg.rollout.randomness == "per_rank",
+            )
+        copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
         weights = trained + (weights if copied else 0)
     rows = -(-cfg.sequences_per_step // cfg.generating_workers)
     kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)

@@ -103,7 +103,7 @@ def auto_mode(
     attention in every layer."""
     if device.type != "cuda" or per_rank:
         return "eager"
-    for mode in ("static", "cuda_graphs") if lockstep else ("cuda_graphs", "static"):
+    for mode in ("static",) if lockstep else ("cuda_graphs", "static"):
         try:
             check_mode_supported(config, mode)
         except UnsupportedModel:

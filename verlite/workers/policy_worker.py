@@ -13,17 +13,16 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.config import Config, ConfigError
+from verlite.config import Config
 from verlite.controller import Worker
 from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
 from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
-from verlite.generation.decode import auto_mode, check_mode_supported
+from verlite.generation.decode import auto_mode
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
-from verlite.generation.static_cache import UnsupportedModel
 from verlite.models.precision import autocast
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
@@ -53,8 +52,8 @@ class PolicyWorker(Worker):
         self, model: nn.Module, device: torch.device, *, lockstep: bool, trains_on: bool
     ) -> DecodeSettings:
         """How ``model`` decodes on ``device``: ``rollout.decode``, ``auto`` resolved
-        (``generation.decode.auto_mode``); an explicit mode the model cannot run is refused.
-        The cache is reserved for this worker's share of a step (when it generates the rows
+        (``generation.decode.auto_mode``; an explicit mode the model cannot run was refused at
+        start-up, ``driver.preflight.check_generation``). The cache is reserved for this worker's share of a step (when it generates the rows
         trained on: ``trains_on``) by the longest sequence."""
         cfg, rollout = self.cfg, self.cfg.rollout
         mode = rollout.decode
@@ -65,10 +64,6 @@ class PolicyWorker(Worker):
                 lockstep=lockstep,
                 per_rank=rollout.randomness == "per_rank",
             )
-        try:
-            check_mode_supported(model.config, mode)
-        except UnsupportedModel as exc:
-            raise ConfigError(f"rollout.decode={mode}: {exc}") from None
         rows = -(-cfg.sequences_per_step // cfg.generating_workers) if trains_on else 0
         return DecodeSettings(
             mode,

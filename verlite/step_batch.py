@@ -60,6 +60,12 @@ def response_width(td: TensorDict) -> int:
     return int(td["response_mask"].shape[1])
 
 
+def response_lengths(td: TensorDict) -> torch.Tensor:
+    """(B,) real tokens of each row's response area: its response, or a multi-turn
+    trajectory's turns and observations (what ``rollout`` limits to the response width)."""
+    return td["attention_mask"][:, -response_width(td) :].sum(-1)
+
+
 def sequence_lengths(td: TensorDict) -> list[int]:
     """Real tokens per row (prompt + response): the cost of a row in a forward pass."""
     return td["attention_mask"].sum(-1).tolist()

@@ -196,6 +196,44 @@ class KLControlConfig(Section):
     )
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling (docs/dapo.md): train only on groups whose scores vary."""
+
+    enable: bool = Field(
+        False,
+        description="Drop the groups whose rollout.n scores are all equal (zero advantage under a "
+        "group baseline) and draw more prompts for the step until data.train_batch_size groups "
+        "vary; the step trains on those alone. Needs rollout.n >= 2, rollout.max_staleness=0 "
+        "and rollout.randomness=per_sample.",
+    )
+    max_draws: PositiveInt = Field(
+        4,
+        description="Most batches of data.train_batch_size prompts drawn for one step, the first "
+        "included. When they hold fewer varied groups than a step needs, the step is topped up "
+        "with tied groups in draw order (dynamic_sampling/filled_groups) and a line says so.",
+    )
+
+
+class OverlongConfig(Section):
+    """DAPO's overlong shaping (docs/dapo.md) of responses that reach the length limit."""
+
+    buffer: NonNegativeInt = Field(
+        0,
+        description="Soft overlong penalty: over the last `buffer` tokens before the response "
+        "limit (rollout.max_response_length, or the multi-turn response area), a response's "
+        "score falls linearly, to -penalty at the limit; 0: off.",
+    )
+    penalty: float = Field(
+        1.0, gt=0.0, description="The soft overlong penalty at the limit (DAPO's factor)."
+    )
+    filter: bool = Field(
+        False,
+        description="Leave responses that reach the limit out of the policy loss (their tokens "
+        "and sequences are not counted); their scores still count in their group's baseline "
+        "and the critic still learns from them.",
+    )
+
+
 class AlgorithmConfig(Section):
     """Advantage estimation and KL-in-reward."""
 
@@ -228,4 +266,12 @@ class AlgorithmConfig(Section):
     )
     rollout_is_cap: float = Field(
         2.0, gt=0.0, description="tis: the largest importance weight (truncation)."
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig,
+        description="DAPO's dynamic sampling: more prompts until enough groups vary.",
+    )
+    overlong: OverlongConfig = Field(
+        default_factory=OverlongConfig,
+        description="DAPO's overlong shaping: a soft penalty near the limit, or filtering.",
     )

@@ -40,6 +40,9 @@ from verlite.data import PromptLoader, PromptRecord, prompt_tensordict
 from verlite.generation import SamplingParams, SyncLayout, WeightSyncError, sample_keys
 from verlite.workers.peak_memory import pop_peak
 
+# The generating workers' peak memory of a step (rollout.placement=split).
+ROLLOUT_PEAK = "perf/max_memory_allocated_gb/rollout"
+
 
 @dataclass(frozen=True)
 class StepPrompts:
@@ -55,9 +58,10 @@ class StepPrompts:
 @dataclass(frozen=True)
 class GeneratedStep:
     """A step's generated batch, with old (unless the sampler's serve) and reference
-    log-probs, and its ``rollout/`` metrics."""
+    log-probs once :meth:`StepSource.add_log_probs` ran, the records its responses are scored
+    against (a row's is ``row_records(records, uid)``), and its ``rollout/`` metrics."""
 
-    prompts: StepPrompts
+    records: list[PromptRecord]
     batch: TensorDict
     metrics: dict[str, float]
 
@@ -149,11 +153,14 @@ class StepSource:
         for step in range(version + 1, last + 1):
             self._submit(step, version, sync if step == version + 1 else None)
 
-    def take(self, step: int) -> GeneratedStep:
+    def take(self, step: int, *, log_probs: bool = True) -> GeneratedStep:
         """The batch of ``step``, to be trained on by the weights of version ``step - 1``;
-        with a rollout group, waits for its generation (and the sync before it), then has
-        the actor compute its log-probs (``timing_s/log_probs``)."""
+        with a rollout group, waits for its generation (and the sync before it). Then, with
+        ``log_probs``, has the actor compute its log-probs (:meth:`add_log_probs`; colocated,
+        in the call that generates)."""
         if self.rollout is None:
+            if not log_probs:
+                return self.draw_more(step, 0)
             prompts = self._draw(step)
             batch = self.actor.call(
                 "generate_with_log_probs",
@@ -166,30 +173,58 @@ class StepSource:
                 collect="concat",
             )
             self._taken_state = prompts.loader_state
-            return GeneratedStep(prompts, batch, _versions(step, generated_by=step - 1))
+            return GeneratedStep(prompts.records, batch, _versions(step, generated_by=step - 1))
         flight = self._in_flight.popleft()
         if flight.prompts.step != step:
             raise RuntimeError(f"asked for the batch of step {step}, next is {flight.prompts.step}")
         self._taken_state = flight.prompts.loader_state
         metrics = self._finish(flight.sync) if flight.sync is not None else {}
         batch = flight.generation.result()
-        metrics["perf/max_memory_allocated_gb/rollout"] = pop_peak(batch)
-        if self.with_old or self.with_reference:
-            start = time.perf_counter()
-            # The sampling keys and the sampler's log-probs stay on the driver.
-            needed = batch.exclude("sample_key", "rollout_log_probs")
-            batch.update(
-                self.actor.call(
-                    "compute_log_probs",
-                    needed,
-                    self.with_old,
-                    dispatch=self.actor_split,
-                    collect="concat",
-                )
-            )
-            metrics["timing_s/log_probs"] = time.perf_counter() - start
+        metrics[ROLLOUT_PEAK] = pop_peak(batch)
+        if log_probs:
+            metrics.update(self.add_log_probs(batch))
         metrics.update(_versions(step, generated_by=flight.version))
-        return GeneratedStep(flight.prompts, batch, metrics)
+        return GeneratedStep(flight.prompts.records, batch, metrics)
+
+    def draw_more(self, step: int, draw: int) -> GeneratedStep:
+        """Draw ``draw`` of ``step`` (``algorithm.dynamic_sampling``; 0 is the step's first
+        with colocated actors): the next prompts of the data order, numbered after the
+        step's earlier draws (their sampling keys), generated now by the weights that train
+        on them (staleness 0), without log-probs. A checkpoint after the step saves the
+        loader past them."""
+        prompts = self._draw(step, first_prompt=draw * self.cfg.data.train_batch_size)
+        records = self._env_records(prompts.records)
+        if self.rollout is None:
+            generator, args = self.actor, (self._seed(step), records)
+        else:
+            generator, args = self.rollout, (self._seed(step), step - 1, records)
+        batch = generator.call(
+            "generate", prompts.prompts, self.sampling, *args, dispatch="dp_split", collect="concat"
+        )
+        self._taken_state = prompts.loader_state
+        metrics = _versions(step, generated_by=step - 1)
+        if self.rollout is not None:
+            metrics[ROLLOUT_PEAK] = pop_peak(batch)
+        return GeneratedStep(prompts.records, batch, metrics)
+
+    def add_log_probs(self, batch: TensorDict) -> dict[str, float]:
+        """Have the actor compute the old (with ``with_old``) and reference log-probs of a
+        generated ``batch``, into it; the seconds it took (``timing_s/log_probs``)."""
+        if not self.with_old and not self.with_reference:
+            return {}
+        start = time.perf_counter()
+        # The sampling keys and the sampler's log-probs stay on the driver.
+        needed = batch.exclude("sample_key", "rollout_log_probs")
+        batch.update(
+            self.actor.call(
+                "compute_log_probs",
+                needed,
+                self.with_old,
+                dispatch=self.actor_split,
+                collect="concat",
+            )
+        )
+        return {"timing_s/log_probs": time.perf_counter() - start}
 
     def updated(self, step: int) -> dict[str, float]:
         """After the update of ``step`` (the actor now holds version ``step``), with a
@@ -202,16 +237,16 @@ class StepSource:
         self._submit(following, step, self._sync(step))
         return {"timing_s/queue_sync": time.perf_counter() - start}
 
-    def _draw(self, step: int) -> StepPrompts:
+    def _draw(self, step: int, *, first_prompt: int = 0) -> StepPrompts:
         """The next prompts of the data order, each repeated ``rollout.n`` times with one
-        ``uid``, each response's sampling key (design.md, "Whole-run invariance") and the
-        loader's state after them."""
+        ``uid``, each response's sampling key (design.md, "Whole-run invariance"; the prompts
+        numbered from ``first_prompt`` in the step) and the loader's state after them."""
         records = next(self.loader)
         prompts = self._tensordict(
             records, repeat=self.cfg.rollout.n, temperature=self.cfg.rollout.temperature
         )
         prompts["sample_key"] = sample_keys(
-            self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n
+            self.cfg.trainer.seed, step, len(records), self.cfg.rollout.n, first_prompt=first_prompt
         )
         return StepPrompts(step, prompts, records, self.loader.state_dict())
 

@@ -26,14 +26,16 @@ from verlite.config import Config
 from verlite.config.derived import old_log_probs_source, precision_line
 from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
+from verlite.core.dapo import overlong_penalty
 from verlite.core.losses import kl_penalty
 from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.driver.checkpoint import begin_checkpoint, commit_checkpoint, read_trainer_state
+from verlite.driver.dynamic_sampling import DynamicSampling
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
-from verlite.driver.step_source import StepSource
+from verlite.driver.step_source import GeneratedStep, StepSource
 from verlite.errors import RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
@@ -43,6 +45,7 @@ from verlite.models.lora import BASE_FOLDER
 from verlite.records import metrics_log
 from verlite.records.tracking import Tracker
 from verlite.redaction import redact_config
+from verlite.step_batch import response_lengths
 
 
 class TrainingError(RunFailure):
@@ -246,6 +249,11 @@ class Trainer:
             with_old=self.recompute_old,
             with_reference=cfg.use_reference,
         )
+        self.dynamic_sampling = (
+            DynamicSampling(cfg, self.step_source, self._score)
+            if cfg.algorithm.dynamic_sampling.enable
+            else None
+        )
         trained = {"actor": groups.actor, "critic": groups.critic}
         self.mfu_peaks = mfu_peaks(cfg, {k: g for k, g in trained.items() if g is not None})
 
@@ -339,12 +347,17 @@ class Trainer:
         """One step: the numbered stages, each one worker-group call or driver math."""
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
-        with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
-            generated = self.step_source.take(step)
-        batch, records = generated.batch, generated.prompts.records
+        if self.dynamic_sampling is None:
+            with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
+                generated = self.step_source.take(step)
+            with timer("reward"):  # 2. scores (a multi-turn environment's, or reward.combine's)
+                scores, reward_metrics = self._score(generated)
+        else:  # 1-2. more draws until enough groups' scores vary (DAPO's dynamic sampling)
+            generated, scores, reward_metrics = self.dynamic_sampling.take(step, timer)
+        batch = generated.batch
         sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:
-            with timer("values"):  # 2. values
+            with timer("values"):  # 3. values
                 batch.update(
                     self.critic.call(
                         "compute_values",
@@ -353,11 +366,9 @@ class Trainer:
                         collect="concat",
                     )
                 )
-        with timer("reward"):  # 3. reward (a multi-turn environment's, or reward.combine's)
-            scores, reward_metrics = self.scorer.score(batch, records)
+        with timer("adv"):  # 4. token rewards and advantages
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
             turn_metrics = self._multi_turn(batch)
-        with timer("adv"):  # 4. advantages
             kl_metrics = self._token_rewards(batch)
             batch["advantages"], batch["returns"] = compute_advantages(
                 cfg.algorithm.adv_estimator,
@@ -375,6 +386,8 @@ class Trainer:
         if self.critic is not None:
             with timer("update_critic"):  # 5. critic update
                 metrics.update(self._update("critic", self.critic, batch))
+        response_mask = batch["response_mask"]
+        metrics.update(self._overlong_filter(batch))
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
@@ -390,7 +403,7 @@ class Trainer:
                 token_rewards=batch["token_level_rewards"],
                 advantages=batch["advantages"],
                 returns=batch["returns"],
-                response_mask=batch["response_mask"],
+                response_mask=response_mask,
                 max_response_length=cfg.response_width,
                 values=batch.get("values", None),
             )
@@ -447,6 +460,32 @@ class Trainer:
             batch["rollout_is_weights"] = weights
             metrics.update(is_metrics)
         return metrics
+
+    def _score(self, generated: GeneratedStep) -> tuple[Tensor, dict[str, float]]:
+        """Each row's score (``Scorer``) less its soft overlong penalty
+        (``algorithm.overlong.buffer``), and the reward metrics."""
+        scores, metrics = self.scorer.score(generated.batch, generated.records)
+        overlong = self.cfg.algorithm.overlong
+        if overlong.buffer > 0:
+            penalty = overlong_penalty(
+                response_lengths(generated.batch),
+                limit=self.cfg.response_width,
+                buffer=overlong.buffer,
+                factor=overlong.penalty,
+            )
+            scores = scores + penalty
+            metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
+        return scores, metrics
+
+    def _overlong_filter(self, batch: TensorDict) -> dict[str, float]:
+        """With ``algorithm.overlong.filter``: the responses that reach the limit leave the
+        policy loss (their ``response_mask`` zeroed for the actor's update, so its global
+        counts skip them); the share of rows left out."""
+        if not self.cfg.algorithm.overlong.filter:
+            return {}
+        kept = response_lengths(batch) < self.cfg.response_width
+        batch["response_mask"] = batch["response_mask"] * kept.unsqueeze(-1)
+        return {"response_length/overlong_filtered": float((~kept).float().mean())}
 
     @staticmethod
     def _multi_turn(batch: TensorDict) -> dict[str, float]:

@@ -57,10 +57,15 @@ def _hash(values: list[Int], salt: int) -> Int:
     return h
 
 
-def sample_keys(seed: int, step: int, num_prompts: int, n: int) -> torch.Tensor:
+def sample_keys(
+    seed: int, step: int, num_prompts: int, n: int, *, first_prompt: int = 0
+) -> torch.Tensor:
     """The (num_prompts * n, 2) int64 keys of a step's rows, prompt-major (row ``i * n + j``
-    is sample ``j`` of prompt ``i``): two 32-bit hashes of (seed, step, i, j)."""
-    prompt = torch.arange(num_prompts, dtype=torch.int64).repeat_interleave(n)
+    is sample ``j`` of prompt ``first_prompt + i``): two 32-bit hashes of (seed, step, prompt,
+    j). A step's prompts are numbered across its draws (``algorithm.dynamic_sampling``), so
+    no two of its rows share a key."""
+    prompt = torch.arange(first_prompt, first_prompt + num_prompts, dtype=torch.int64)
+    prompt = prompt.repeat_interleave(n)
     sample = torch.arange(n, dtype=torch.int64).repeat(num_prompts)
     values = [seed & MASK32, (seed >> 32) & MASK32, step & MASK32, prompt, sample]
     return torch.stack([_hash(values, salt) for salt in _KEY_LANES], dim=-1)

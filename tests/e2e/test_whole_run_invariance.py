@@ -98,6 +98,39 @@ def test_a_run_is_the_same_run_under_every_layout(
     assert len({w["pid"] for w in placement}) == len(placement)
 
 
+DAPO = [
+    # 4 prompts x 2 samples a step, one update of 8 rows: groups of two often tie
+    "data.train_batch_size=4",
+    "rollout.n=2",
+    "actor.ppo_mini_batch_size=8",
+    "actor.micro_batch_size_per_worker=8",
+    "algorithm.dynamic_sampling.enable=true",
+    "algorithm.dynamic_sampling.max_draws=2",
+    "algorithm.overlong.buffer=2",
+    "algorithm.overlong.filter=true",
+]
+
+
+def test_a_run_with_dapos_filters_is_the_same_run_under_every_layout(
+    tmp_path: Path, local_ray
+) -> None:
+    """Dynamic sampling drops tied groups, draws more and fills steps, and the overlong
+    filter leaves rows out of the loss: the kept rows' counts are the same under any layout,
+    so the runs are too."""
+    layouts = [layout("1:ddp:full"), layout("2:fsdp:dynamic")]
+    reports = audit("configs/grpo_tiny.yaml", DAPO, layouts, tmp_path, steps=5)
+    assert reports[1].ok, f"{reports[1].layout}: {reports[1].first_difference}"
+    assert reports[1].steps == reports[1].identical_steps == 5
+    records = [json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").open()]
+    # the run did what the test is about: steps drew more, tied groups filled one, rows left
+    assert max(r["dynamic_sampling/draws"] for r in records) == 2
+    assert any(r["dynamic_sampling/filled_groups"] > 0 for r in records)
+    assert any(
+        r["dynamic_sampling/tied_groups"] > r["dynamic_sampling/filled_groups"] for r in records
+    )
+    assert any(r["response_length/overlong_filtered"] > 0 for r in records)
+
+
 def test_the_negative_control_one_stream_per_rank_differs_at_the_first_step(cli) -> None:
     """As a user runs it: `verlite check-invariance --run --negative-control` in a process of
     its own (an embedded Ray of its own), one JSON object, exit 1."""

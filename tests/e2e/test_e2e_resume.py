@@ -21,12 +21,25 @@ TWO_WORKERS = [
     "trainer.save_freq=3",
 ]
 GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4", "actor.use_kl_loss=true"]
+# DAPO's dynamic sampling draws past the step's own prompts: the checkpoint saves the loader
+# past every draw.
+DAPO = [
+    "algorithm.adv_estimator=grpo",
+    "rollout.n=2",
+    "data.num_train_samples=96",  # epochs of 6 batches
+    "algorithm.dynamic_sampling.enable=true",
+    "algorithm.dynamic_sampling.max_draws=2",
+]
 
 
 @pytest.mark.parametrize(
     "algorithm",
     # The PPO case (the slower: two groups) in make test-cluster, which CI runs.
-    [pytest.param([], id="ppo_critic", marks=pytest.mark.cluster), pytest.param(GRPO, id="grpo")],
+    [
+        pytest.param([], id="ppo_critic", marks=pytest.mark.cluster),
+        pytest.param(GRPO, id="grpo"),
+        pytest.param(DAPO, id="dapo", marks=pytest.mark.cluster),
+    ],
 )
 def test_resume_gives_identical_metrics(
     tmp_path: Path, algorithm: list[str], train, metrics, verlite_main
@@ -36,13 +49,21 @@ def test_resume_gives_identical_metrics(
     wandb = "trainer.loggers=[console, jsonl, wandb]"
     train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=3", *algorithm, wandb)
     state = json.loads((tmp_path / "resumed/checkpoints/step_3/trainer_state.json").read_text())
-    assert state["loader"] == {"epoch": 0, "position": 3, "seed": 0}  # the end of epoch 0
+    # the loader past every batch drawn by step 3 (with dynamic sampling: past its last draw)
+    straight = metrics(tmp_path / "straight", stable_only=True)
+    drawn = sum(int(r.get("dynamic_sampling/draws", 1)) for r in straight[:3])
+    epoch_batches = 6 if algorithm is DAPO else 3
+    assert state["loader"] == {
+        "epoch": (drawn - 1) // epoch_batches,
+        "position": (drawn - 1) % epoch_batches + 1,
+        "seed": 0,
+    }
+    assert drawn > 3 if algorithm is DAPO else drawn == 3  # step 3 ends epoch 0 without
     # a crash during a later save leaves a partial folder behind: resume=auto must skip it
     partial = tmp_path / "resumed" / "checkpoints" / "step_5.tmp"
     shutil.copytree(tmp_path / "resumed" / "checkpoints" / "step_3", partial)
     (partial / "trainer_state.json").unlink()
     train(tmp_path / "resumed", *TWO_WORKERS, "trainer.total_steps=6", *algorithm, wandb)
-    straight = metrics(tmp_path / "straight", stable_only=True)
     resumed = metrics(tmp_path / "resumed", stable_only=True)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     assert resumed == straight

@@ -4,8 +4,9 @@ policy's adapters into full weights.
 A run ends with its policy in ``RUN_DIR/hf_actor`` (``Trainer.export_policy``): full weights
 in Hugging Face format, or with ``actor.lora`` a peft adapter folder with the base it applies
 to (``models.lora.save_adapter``). ``--merge`` writes the base with ``B A`` added to its
-weights, a plain Hugging Face model (and the tokenizer) that needs no peft to load.
-Torch, transformers and peft load only for ``--merge``.
+weights, a plain Hugging Face model (and the tokenizer) that needs no peft to load. Each
+folder's report says when its tokenizer carries a chat template, the prompt format a run with
+``data.chat_template`` trained on. Torch, transformers and peft load only for ``--merge``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from verlite.errors import UserError
 POLICY_FOLDER = "hf_actor"
 MERGED_FOLDER = "hf_actor_merged"
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
+# Where a saved tokenizer keeps its chat template: a file of its own (transformers >= 4.47),
+# or a key of its tokenizer_config.json (earlier ones).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -58,6 +63,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 "with actor.lora.rank > 0"
             )
         print(f"{policy}: full weights (Hugging Face format)")
+        _say_chat_template(policy)
         return 0
     try:
         config = json.loads(adapter_config.read_text())
@@ -68,6 +74,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{policy}: LoRA adapter (peft, rank {config.get('r')}) over the base "
             f"{config.get('base_model_name_or_path')}; --merge writes merged weights"
         )
+        _say_chat_template(policy)
         return 0
     out = Path(args.out) if args.out else Path(args.run_dir) / MERGED_FOLDER
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -82,4 +89,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     merge_adapter(policy, out)
     AutoTokenizer.from_pretrained(str(policy)).save_pretrained(str(out))
     print(f"{out}: merged weights (Hugging Face format)")
+    _say_chat_template(out)
     return 0
+
+
+def _say_chat_template(folder: Path) -> None:
+    """One line when the tokenizer saved in ``folder`` carries a chat template."""
+    if not (folder / CHAT_TEMPLATE_FILE).is_file():
+        try:
+            config = json.loads((folder / TOKENIZER_CONFIG).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return
+        if not (isinstance(config, dict) and config.get("chat_template")):
+            return
+    print(
+        f"{folder}: its tokenizer has a chat template; generate from "
+        "tokenizer.apply_chat_template(messages, add_generation_prompt=True), the prompts a "
+        "run with data.chat_template=true trained on"
+    )

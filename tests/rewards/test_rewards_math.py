@@ -228,20 +228,25 @@ def _byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
 
 
+def _step_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str], uids: list[int]) -> Any:
+    """A step's responses as the scorer reads them: ids ending in EOS, right-padded, by uid."""
+    ids = [[*tokenizer.encode(t), tokenizer.eos_token_id] for t in texts]
+    width = max(map(len, ids))
+    return TensorDict(
+        {
+            "responses": torch.tensor([r + [0] * (width - len(r)) for r in ids]),
+            "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids]),
+            "uid": torch.tensor(uids),
+        },
+        batch_size=[len(ids)],
+    )
+
+
 def test_the_driver_scores_a_step_with_it() -> None:
     cfg = _config(fn="math", math_format_credit=0.25, timeout_s=TIMEOUT_S)
     tokenizer = _byte_tokenizer()
     texts = [r"so \boxed{0.5}", "#### 72.0", r"\boxed{71}", "72", r"\frac{1}{2}"]
-    ids = [[*tokenizer.encode(t), tokenizer.eos_token_id] for t in texts]
-    width = max(map(len, ids))
-    batch = TensorDict(
-        {
-            "responses": torch.tensor([r + [0] * (width - len(r)) for r in ids]),
-            "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids]),
-            "uid": torch.tensor([0, 1, 1, 1, 0]),
-        },
-        batch_size=[len(ids)],
-    )
+    batch = _step_batch(tokenizer, texts, [0, 1, 1, 1, 0])
     records = [
         {"prompt": "Half of 1?", "answer": r"\frac{1}{2}"},
         {"prompt": "Clips?", "answer": "48 + 24 = 72\n#### 72"},
@@ -249,8 +254,26 @@ def test_the_driver_scores_a_step_with_it() -> None:
     reward_fn = resolve_reward(cfg)
     scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
     try:
-        scores, metrics = scorer.score(batch, records)  # type: ignore[arg-type]
+        scores, metrics = scorer.score(batch, records)
     finally:
         reward_fn.close()  # type: ignore[attr-defined]
     assert scores.tolist() == [1.0, 1.0, 0.25, 0.0, 0.0]
-    assert metrics == {"reward/fn/mean": pytest.approx(2.25 / 5)}
+    assert metrics == {"reward/fn/mean": pytest.approx(2.25 / 5), "reward/math/abandoned": 0.0}
+
+
+def test_a_step_counts_its_abandoned_verifications() -> None:
+    # A silent 0 is never without a count: reward/math/abandoned is the step's own, not the run's.
+    cfg = _config(fn="math", timeout_s=TIMEOUT_S)
+    tokenizer = _byte_tokenizer()
+    records = [{"prompt": "One?", "answer": "1"}]
+    reward_fn = resolve_reward(cfg)
+    scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
+    try:
+        steps = [
+            scorer.score(_step_batch(tokenizer, texts, [0] * len(texts)), records)
+            for texts in ([ADVERSARIAL[0], r"\boxed{1}"], [r"\boxed{1}"])
+        ]
+    finally:
+        reward_fn.close()  # type: ignore[attr-defined]
+    assert [scores.tolist() for scores, _ in steps] == [[0.0, 1.0], [1.0]]
+    assert [metrics["reward/math/abandoned"] for _, metrics in steps] == [1.0, 0.0]

@@ -18,6 +18,7 @@ from verlite.controller import WorkerGroup
 from verlite.data import PromptRecord, response_text, row_records
 from verlite.rewards import RewardFn, score_responses
 from verlite.rewards.combine import combine_scores
+from verlite.rewards.math_answer import MathReward
 from verlite.rewards.remote import RemoteScorer
 from verlite.workers.peak_memory import pop_peak
 from verlite.workers.reward_model import REWARD_INPUT_KEYS
@@ -61,16 +62,14 @@ class Scorer:
                 collect="concat",
             )
         sources: dict[str, list[float]] = {}
+        metrics: dict[str, float] = {}
         if "fn" in weights or "remote" in weights:
             texts, answers, prompts = self._decoded(batch, records)
             if "fn" in weights:
-                sources["fn"] = score_responses(
-                    self.reward_fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s
-                )
+                sources["fn"] = self._score_fn(texts, answers, prompts, metrics)
             if "remote" in weights:
                 assert self.remote is not None
                 sources["remote"] = self.remote.score(texts, answers, prompts)
-        metrics: dict[str, float] = {}
         if pending is not None:
             scored = pending.result()
             sources["model"] = scored["rm_score"].tolist()
@@ -79,6 +78,19 @@ class Scorer:
         combined = combine_scores(sources, weights)
         metrics.update(combined.metrics)
         return torch.tensor(combined.scores, dtype=torch.float32), metrics
+
+    def _score_fn(
+        self, texts: list[str], answers: list[str], prompts: list[str], metrics: dict[str, float]
+    ) -> list[float]:
+        """The reward function's scores; with the math reward, ``reward/math/abandoned`` in
+        ``metrics``: its verifications of these responses that outlived their budget (each
+        scored 0), counted by the reward (``MathReward.abandoned``, a count over the run)."""
+        fn = self.reward_fn
+        before = fn.abandoned if isinstance(fn, MathReward) else 0
+        scores = score_responses(fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s)
+        if isinstance(fn, MathReward):
+            metrics["reward/math/abandoned"] = float(fn.abandoned - before)
+        return scores
 
     def _decoded(
         self, batch: TensorDict, records: list[PromptRecord]

@@ -7,6 +7,7 @@ code path that runs here also runs on a real checkpoint loaded from ``model.path
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -138,6 +139,21 @@ def logits_chunk_tokens(head: nn.Module) -> int:
             "or call verlite.models.set_logits_chunk_tokens on it"
         )
     return tokens
+
+
+def mark_generation_ends(model: nn.Module, end_token_ids: Sequence[int], pad_token_id: int) -> None:
+    """Have the generation config of ``model`` (a causal LM, or a peft model over one), which
+    Hugging Face ``generate`` reads from an export's ``generation_config.json``, end a response
+    where verlite's sampler ended it: ``end_token_ids`` (the tokenizer's EOS, then
+    ``rollout.stop_token_ids``) added to its ``eos_token_id`` after the ids it has (a model
+    folder's own, e.g. an instruct model's end of turn), and ``pad_token_id`` when it has none."""
+    config = model.generation_config  # a peft model's attribute is its base model's
+    present = config.eos_token_id
+    ids = [] if present is None else [present] if isinstance(present, int) else list(present)
+    ids += [i for i in dict.fromkeys(end_token_ids) if i not in ids]
+    config.eos_token_id = ids[0] if len(ids) == 1 else ids
+    if config.pad_token_id is None:
+        config.pad_token_id = pad_token_id
 
 
 class ModelWeightsError(UserError):

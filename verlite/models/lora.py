@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from verlite.base_weights import check_export_base
 from verlite.config import ConfigError, LoraConfig
@@ -107,6 +108,8 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
     if written_base:  # peft reads the base's config while it saves the adapter
         peft_model.get_base_model().config.save_pretrained(base_path)
     peft_model.save_pretrained(str(path))
+    # How the policy generates (its end tokens), which merge_adapter gives the merged model.
+    peft_model.get_base_model().generation_config.save_pretrained(str(path))
     if written_base:
         peft_model.unload().save_pretrained(base_path)
 
@@ -115,7 +118,8 @@ def merge_adapter(adapter: Path, out: Path) -> None:
     """The adapter folder ``adapter`` folded into its base's weights, written to ``out`` in
     Hugging Face format. The base is ``adapter/base`` when the export wrote one there, else
     the path its adapter_config.json names, and must still hold the weights the adapter was
-    trained over (``base_weights.json``, written with the export)."""
+    trained over (``base_weights.json``, written with the export). The merged model generates
+    as the adapter folder's ``generation_config.json`` says (its end tokens)."""
     peft = _peft()
     base_path = adapter / BASE_FOLDER
     if not base_path.is_dir():
@@ -137,4 +141,6 @@ def merge_adapter(adapter: Path, out: Path) -> None:
         )
     base = AutoModelForCausalLM.from_pretrained(str(base_path), local_files_only=True)
     merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    if (adapter / GENERATION_CONFIG_NAME).is_file():  # an earlier verlite's export has none
+        merged.generation_config = GenerationConfig.from_pretrained(str(adapter))
     merged.save_pretrained(str(out))

@@ -15,7 +15,8 @@ math-verify runs in a process of its own (:mod:`verlite.rewards.math_worker`), s
 first call and kept: its timeouts use SIGALRM, which only a main thread can, and a thread
 that computes cannot be stopped. Each verification gets half of ``reward.timeout_s``; one
 that takes longer is abandoned (the process killed, a new one started on the next call),
-scored 0 and said on the console with a count, so a huge or adversarial response costs at
+scored 0, said on the console and counted (:attr:`MathReward.abandoned`; the driver's scorer
+logs a step's as ``reward/math/abandoned``), so a huge or adversarial response costs at
 most that and never stops the run on ``reward.timeout_s``.
 """
 

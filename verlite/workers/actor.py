@@ -30,7 +30,7 @@ from verlite.generation import (
     split_frozen,
     sync_layout,
 )
-from verlite.models import build_policy, resolve_device
+from verlite.models import build_policy, mark_generation_ends, resolve_device
 from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.precision import (
     autocast,
@@ -304,12 +304,17 @@ class ActorWorker(TrainingWorker, PolicyWorker):
 
     def export_hf(self, path: str) -> None:
         """Collective: the trained policy in Hugging Face format, gathered on and written by
-        rank 0 only. A LoRA policy is written as a peft adapter folder, with the base it
-        applies to in ``base/`` unless ``model.path`` names it (``models.lora.save_adapter``)."""
+        rank 0 only, its generation config ending a response at the tokens the rollouts ended
+        at (``models.mark_generation_ends``). A LoRA policy is written as a peft adapter
+        folder, with the base it applies to in ``base/`` unless ``model.path`` names it
+        (``models.lora.save_adapter``)."""
         state = full_state_dict(self.engine.model, rank0_only=True)
         if self.rank == 0:
             model = self._build_policy()
             model.load_state_dict(state)
+            # Hugging Face generate on the export ends a response where the rollouts did.
+            ends = [self.eos_token_id, *self.cfg.rollout.stop_token_ids]
+            mark_generation_ends(model, ends, self.pad_token_id)
             if self.lora:
                 save_adapter(model, Path(path), base_path=self.cfg.model.path)
             else:

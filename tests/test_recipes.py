@@ -1,0 +1,51 @@
+"""The GSM8K recipes (configs/recipes, docs/recipes.md) load and validate as written once the
+user's two paths are given, their prompts fit as rendered by the model's chat template, and
+without the paths they are refused in one line naming what to set. Their run is
+tests/e2e/test_e2e_recipes.py."""
+
+from pathlib import Path
+
+import pytest
+from chat_model_support import save_chat_model, write_gsm8k_parquet
+
+from verlite.config import ConfigError, load_config
+from verlite.data.dataset import build_datasets
+from verlite.data.tokenizer import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "configs" / "recipes").glob("*.yaml"))
+
+
+def test_both_recipes_are_shipped() -> None:
+    assert [p.name for p in RECIPES] == ["gsm8k_grpo.yaml", "gsm8k_ppo.yaml"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_a_recipe_loads_as_written_with_the_two_paths(recipe: Path, tmp_path: Path) -> None:
+    save_chat_model(tmp_path / "model")
+    data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    paths = [f"model.path={tmp_path / 'model'}", f"data.train_file={data}", f"data.val_file={data}"]
+    cfg = load_config(recipe, paths)
+    assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
+    assert cfg.data.answer_rule == "gsm8k" and cfg.data.chat_template
+    assert cfg.reward.fn == "math" and "####" in (cfg.data.prompt_suffix or "")
+    assert cfg.sequences_per_step % cfg.actor.ppo_mini_batch_size == 0
+    assert cfg.use_critic == (recipe.stem == "gsm8k_ppo")
+    # One GPU as written (bf16-mixed there); the documented CPU override gives fp32 on CPU.
+    assert cfg.on_gpu and cfg.precision == "bf16-mixed"
+    on_cpu = load_config(recipe, [*paths, "trainer.gpus_per_worker=0"])
+    assert not on_cpu.on_gpu and on_cpu.precision == "fp32"
+    # The prompts, rendered by the model's template with the suffix, fit as written.
+    train, val = build_datasets(cfg, load_tokenizer(cfg.model.path, task=None))
+    assert len(train) == len(val) == 8
+    assert train[0]["prompt"].endswith("<|im_start|>assistant\n")
+    assert train[0]["answer"] == "72"  # after the ####
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_without_the_paths_a_recipe_says_what_to_set(recipe: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^data.task or data.train_file: set exactly one"):
+        load_config(recipe)
+    data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    with pytest.raises(ConfigError, match=r"^data.chat_template=true .* model.path is unset"):
+        load_config(recipe, [f"data.train_file={data}"])

@@ -79,8 +79,7 @@ def _check_decode(cfg: Config) -> None:
 
 
 def _check_chat_template(cfg: Config) -> None:
-    """A chat template is the model's tokenizer's: the built-in task tokenizer has none, and
-    multi-turn trajectories do not write their turns in one yet."""
+    """A chat template is the model's tokenizer's: the built-in task tokenizer has none."""
     if not cfg.data.chat_template:
         return
     if cfg.model.path is None:
@@ -88,12 +87,6 @@ def _check_chat_template(cfg: Config) -> None:
             "data.chat_template=true renders prompts with the tokenizer's chat template, but "
             "model.path is unset (the built-in task tokenizer has none); set model.path to a "
             "model folder whose tokenizer has one, or data.chat_template=false"
-        )
-    if cfg.rollout.multi_turn.env is not None:
-        raise ValueError(
-            f"data.chat_template=true with rollout.multi_turn.env={cfg.rollout.multi_turn.env!r} "
-            "is not supported yet (multi-turn turns are not written in the template's format); "
-            "set data.chat_template=false or unset rollout.multi_turn.env"
         )
 
 

@@ -21,7 +21,7 @@ from tool_template_support import (
 )
 from transformers import PreTrainedTokenizerFast
 
-from verlite.config import load_config
+from verlite.config import ConfigError, load_config
 from verlite.data import DataError, position_ids
 from verlite.data.templates import TurnFormat, turn_format
 from verlite.envs import AbandonedCalls, Session
@@ -254,3 +254,12 @@ def test_a_template_without_a_tool_role_writes_observations_as_user_turns() -> N
 def test_without_a_chat_template_there_is_no_turn_format() -> None:
     cfg = load_config("configs/tool_tiny.yaml", [])
     assert turn_format(cfg, chat_tokenizer(QWEN_TOOL_TEMPLATE)) is None
+
+
+def test_an_observation_role_without_a_chat_template_is_refused() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config("configs/tool_tiny.yaml", ["rollout.multi_turn.observation_role=user"])
+    assert str(caught.value) == (
+        "rollout.multi_turn.observation_role=user is the role of the chat template's observation "
+        "turns, but data.chat_template is off; set data.chat_template=true or unset it"
+    )

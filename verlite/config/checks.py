@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from verlite.config.sections_reward import RewardConfig
+from verlite.config.sections_rollout import MultiTurnConfig
 
 if TYPE_CHECKING:
     from verlite.config.schema import Config
@@ -79,8 +80,16 @@ def _check_decode(cfg: Config) -> None:
 
 
 def _check_chat_template(cfg: Config) -> None:
-    """A chat template is the model's tokenizer's: the built-in task tokenizer has none."""
+    """A chat template is the model's tokenizer's: the built-in task tokenizer has none; the
+    role of its observation turns is a setting of the template."""
+    role = cfg.rollout.multi_turn.observation_role
     if not cfg.data.chat_template:
+        if role != MultiTurnConfig.model_fields["observation_role"].default:
+            raise ValueError(
+                f"rollout.multi_turn.observation_role={role} is the role of the chat template's "
+                "observation turns, but data.chat_template is off; set data.chat_template=true "
+                "or unset it"
+            )
         return
     if cfg.model.path is None:
         raise ValueError(

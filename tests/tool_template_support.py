@@ -54,3 +54,11 @@ FORGETS_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Writes no generation prompt after a tool turn: the policy would continue the tool's turn.
+NO_PROMPT_AFTER_TOOL_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt and messages[-1].role != 'tool' %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)

@@ -15,6 +15,7 @@ from tensordict import TensorDict
 from tool_template_support import (
     DROPS_TOOL_TEMPLATE,
     FORGETS_TEMPLATE,
+    NO_PROMPT_AFTER_TOOL_TEMPLATE,
     NO_TOOL_ROLE_TEMPLATE,
     QWEN_TOOL_TEMPLATE,
     THINKS_TEMPLATE,
@@ -233,6 +234,11 @@ def test_a_turn_that_ends_with_the_templates_end_token_keeps_it_and_it_is_not_wr
             " (it renders '<|im_start|>assistant\\n<think></think>Answer.<|im_end|>\\n')",
         ),
         (FORGETS_TEMPLATE, "rewrites the turns before an observation turn"),
+        (
+            NO_PROMPT_AFTER_TOOL_TEMPLATE,
+            "does not end an observation turn (rollout.multi_turn.observation_role=tool) with "
+            "the assistant's generation prompt '<|im_start|>assistant\\n'",
+        ),
     ],
 )
 def test_a_template_whose_turns_cannot_be_written_one_after_another_is_refused(

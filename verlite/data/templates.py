@@ -119,7 +119,7 @@ class TurnFormat:
 
     tokenizer: PreTrainedTokenizerBase
     role: str  # rollout.multi_turn.observation_role
-    head: list[dict[str, str]]  # the stand-in conversation up to the assistant's turn
+    head: tuple[dict[str, str], ...]  # the stand-in conversation up to the assistant's turn
     before: str  # its text up to the end of the assistant's content
     end_ids: tuple[int, ...]  # the template's end of an assistant turn, tokenized once
     end: str  # ... as text
@@ -192,7 +192,7 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
     turns = TurnFormat(
         tokenizer,
         cfg.rollout.multi_turn.observation_role,
-        head,
+        tuple(head),
         before,
         tuple(tokenizer.encode(end, add_special_tokens=False)),
         end,

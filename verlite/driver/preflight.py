@@ -148,7 +148,7 @@ class RunInputs:
             if cfg.rollout.multi_turn.turn_stop is not None:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
-        turn_format(cfg, tokenizer)  # a chat template multi-turn turns cannot be written in
+        turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in
         reward_fn = resolve_reward(cfg)
         if cfg.reward.model.path is not None:
             check_reward_model(cfg.reward.model)

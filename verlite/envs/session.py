@@ -125,11 +125,11 @@ class Session:
         return self._checked(value)
 
     def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """The token ids of an observation this session's ``step`` returned, written as the
-        chat template's turn with ``turns`` (the template's end of the assistant turn before
-        it left out: ``TurnFormat.unwritten_end``): one the tokenizer cannot encode (text that
-        is not valid Unicode, such as a lone surrogate, or characters its vocabulary lacks)
-        breaks the contract."""
+        """The token ids of an observation this session's ``step`` returned (with ``turns``:
+        its turn in the chat template and the next generation prompt, the end of the policy's
+        turn before it being ``TurnFormat.unwritten_end``'s): one the tokenizer cannot encode
+        (text that is not valid Unicode, such as a lone surrogate, or characters its
+        vocabulary lacks) breaks the contract."""
         what = f"step returned observation {shown(observation)}"
         try:
             observation.encode("utf-8")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from chat_model_support import save_chat_model, write_gsm8k_parquet, write_math_jsonl
+from tool_template_support import NO_TOOL_ROLE_TEMPLATE
 
 from verlite.cli import main
 
@@ -15,17 +16,19 @@ CONFIG = "configs/ppo_tiny.yaml"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Chat models (with a template, without one, one rendering only whitespace) and the
-    GSM8K and MATH files, saved once for the module."""
+    """Chat models (with a template, without one, one rendering only whitespace, one without
+    a tool role) and the GSM8K and MATH files, saved once for the module."""
     root = tmp_path_factory.mktemp("chat")
     found = {
         "model": root / "model",
         "no template": root / "no_template",
         "blank template": root / "blank_template",
+        "no tool role": root / "no_tool_role",
     }
     save_chat_model(found["model"])
     save_chat_model(found["no template"], None)
     save_chat_model(found["blank template"], "{% if false %}x{% endif %}\n")
+    save_chat_model(found["no tool role"], NO_TOOL_ROLE_TEMPLATE)
     found["gsm8k"] = write_gsm8k_parquet(root / "gsm8k.parquet")
     found["math"] = write_math_jsonl(root / "math.jsonl")
     return found
@@ -110,12 +113,16 @@ def test_settings_that_do_not_go_together(
     assert "data.answer_rule='gsm8k' reads the rows of prompt files, but data.task=copy" in run(
         capsys, "data.answer_rule=gsm8k"
     )
+    # Multi-turn turns through a template that has no tool role (observations are tool turns).
     err = run(
         capsys,
-        f"model.path={files['model']}",
+        f"model.path={files['no tool role']}",
         "data.chat_template=true",
+        "data.max_prompt_length=32",
+        "rollout.multi_turn.max_total_length=256",
         config="configs/tool_tiny.yaml",
     )
     assert (
-        "data.chat_template=true with rollout.multi_turn.env='lookup' is not supported yet" in err
-    )
+        "fails on an observation turn (rollout.multi_turn.observation_role=tool; a template "
+        "without a tool role: set it to user): 'TemplateError: Unknown role: tool'"
+    ) in err

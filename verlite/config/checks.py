@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 from verlite.config.sections_reward import RewardConfig
+from verlite.config.sections_rollout import MultiTurnConfig
 
 if TYPE_CHECKING:
     from verlite.config.schema import Config
@@ -114,21 +115,22 @@ def _check_decode(cfg: Config) -> None:
 
 
 def _check_chat_template(cfg: Config) -> None:
-    """A chat template is the model's tokenizer's: the built-in task tokenizer has none, and
-    multi-turn trajectories do not write their turns in one yet."""
+    """A chat template is the model's tokenizer's: the built-in task tokenizer has none; the
+    role of its observation turns is a setting of the template."""
+    role = cfg.rollout.multi_turn.observation_role
     if not cfg.data.chat_template:
+        if role != MultiTurnConfig.model_fields["observation_role"].default:
+            raise ValueError(
+                f"rollout.multi_turn.observation_role={role} is the role of the chat template's "
+                "observation turns, but data.chat_template is off; set data.chat_template=true "
+                "or unset it"
+            )
         return
     if cfg.model.path is None:
         raise ValueError(
             "data.chat_template=true renders prompts with the tokenizer's chat template, but "
             "model.path is unset (the built-in task tokenizer has none); set model.path to a "
             "model folder whose tokenizer has one, or data.chat_template=false"
-        )
-    if cfg.rollout.multi_turn.env is not None:
-        raise ValueError(
-            f"data.chat_template=true with rollout.multi_turn.env={cfg.rollout.multi_turn.env!r} "
-            "is not supported yet (multi-turn turns are not written in the template's format); "
-            "set data.chat_template=false or unset rollout.multi_turn.env"
         )
 
 

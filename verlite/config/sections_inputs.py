@@ -148,7 +148,7 @@ class DataConfig(Section):
     )
     chat_template: bool = Field(
         False,
-        description="Render each prompt with the tokenizer's own chat template (model.path's), as one user turn after data.system_prompt, with the assistant's generation prompt; the text is tokenized once, as the template writes it (no BOS added), and reward functions receive it as the prompt. Single-turn only (not with rollout.multi_turn.env).",
+        description="Render each prompt with the tokenizer's own chat template (model.path's), as one user turn after data.system_prompt, with the assistant's generation prompt; the text is tokenized once, as the template writes it (no BOS added), and reward functions and environments receive it as the prompt. With rollout.multi_turn.env, each observation is written as the template's turn of rollout.multi_turn.observation_role, the sampled tokens kept as they are.",
     )
     system_prompt: str | None = Field(
         None,

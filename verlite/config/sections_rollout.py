@@ -52,6 +52,12 @@ class MultiTurnConfig(Section):
         description="The text that ends a policy turn and hands it to the environment (one token "
         "of the tokenizer); the end-of-sequence token always ends the trajectory.",
     )
+    observation_role: Literal["tool", "user"] = Field(
+        "tool",
+        description="With data.chat_template: the role of the template's turn that holds an "
+        "observation (tool: Qwen2.5 writes it as a user turn in <tool_response> tags; user, "
+        "for a template without a tool role).",
+    )
     tool_timeout_s: float = Field(
         30.0,
         gt=0.0,

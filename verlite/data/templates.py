@@ -5,15 +5,24 @@ optional system turn, the user turn, the assistant's generation prompt).
 The rendered text becomes the record's prompt: what batches tokenize (once, without a BOS
 of verlite's: the template writes the model's special tokens itself), what the length
 policy measures, and what reward functions receive.
+
+A multi-turn trajectory (``rollout.multi_turn.env``) continues that prompt with the sampled
+tokens as they are, and writes each observation as the template's next turns
+(:class:`TurnFormat`): the text the template renders after an assistant's content, for a
+message of ``rollout.multi_turn.observation_role`` and the next generation prompt. Nothing
+is rendered again around the sampled tokens, so the template's text is read off a stand-in
+conversation, and a template whose turns are not appended one after another (one that
+rewrites earlier turns when a later one comes) is refused before the run starts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from verlite.config import DataConfig
+from verlite.config import Config, DataConfig
 from verlite.data.files import DataError, PromptRecord
 from verlite.errors import shown
 
@@ -48,6 +57,31 @@ def format_prompts(
     return formatted
 
 
+def _system(data: DataConfig) -> list[dict[str, str]]:
+    return [] if data.system_prompt is None else [{"role": "system", "content": data.system_prompt}]
+
+
+def _apply(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    generation_prompt: bool,
+    failure: str,
+) -> str:
+    """The template's text of ``messages``; when it raises, a :class:`DataError` of
+    ``failure`` and the template's message."""
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
+    # The template is the model author's Jinja code: a syntax error, its own
+    # raise_exception (e.g. "system role not supported") or a filter's TypeError.
+    except Exception as exc:
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise DataError(f"{failure}: {shown(reason, 160)}") from None
+    return text  # a str with tokenize=False (_render checks it)
+
+
 def _render(
     location: str,
     prompt: str,
@@ -55,20 +89,14 @@ def _render(
     data: DataConfig,
     model_path: str | None,
 ) -> str:
-    system = (
-        [] if data.system_prompt is None else [{"role": "system", "content": data.system_prompt}]
+    messages = [*_system(data), {"role": "user", "content": prompt}]
+    text = _apply(
+        tokenizer,
+        messages,
+        generation_prompt=True,
+        failure=f"{location}: the chat template of model.path={model_path!r} fails on this "
+        "prompt (data.chat_template=true)",
     )
-    messages = [*system, {"role": "user", "content": prompt}]
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template is the model author's Jinja code: a syntax error, its own
-    # raise_exception (e.g. "system role not supported") or a filter's TypeError.
-    except Exception as exc:
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise DataError(
-            f"{location}: the chat template of model.path={model_path!r} fails on this prompt "
-            f"(data.chat_template=true): {shown(reason, 160)}"
-        ) from None
     if not isinstance(text, str) or not text.strip():
         raise DataError(
             f"{location}: the chat template of model.path={model_path!r} renders this prompt as "
@@ -76,3 +104,111 @@ def _render(
             "template or set data.chat_template=false"
         )
     return text
+
+
+# The stand-in conversation the turn format is read from (none of it reaches a trajectory).
+_QUESTION, _CONTENT, _SAMPLE = "Question?", "Answer.", "Observation 42."
+
+
+@dataclass(frozen=True)
+class TurnFormat:
+    """How a multi-turn trajectory writes its observations in the chat template: after a
+    policy turn, the rest of :attr:`end_ids` (the template's end of an assistant turn, less
+    what the turn wrote of it itself: :meth:`unwritten_end`), then
+    :meth:`observation_text` tokenized once."""
+
+    tokenizer: PreTrainedTokenizerBase
+    role: str  # rollout.multi_turn.observation_role
+    head: tuple[dict[str, str], ...]  # the stand-in conversation up to the assistant's turn
+    before: str  # its text up to the end of the assistant's content
+    end_ids: tuple[int, ...]  # the template's end of an assistant turn, tokenized once
+    end: str  # ... as text
+    model_path: str | None
+
+    def observation_text(self, observation: str) -> str:
+        """The template's text after an assistant turn's end: ``observation`` as a turn of
+        :attr:`role`, then the generation prompt of the next assistant turn."""
+        field = f"rollout.multi_turn.observation_role={self.role}"
+        messages = [
+            *self.head,
+            {"role": "assistant", "content": _CONTENT},
+            {"role": self.role, "content": observation},
+        ]
+        text = _apply(
+            self.tokenizer,
+            messages,
+            generation_prompt=True,
+            failure=f"the chat template of model.path={self.model_path!r} fails on an "
+            f"observation turn ({field}; a template without a tool role: set it to user)",
+        )
+        if not text.startswith(self.before + self.end):
+            raise DataError(
+                f"the chat template of model.path={self.model_path!r} rewrites the turns before "
+                f"an observation turn ({field}) instead of appending it: a multi-turn "
+                "trajectory keeps the tokens it sampled as they are; use a template whose "
+                "turns are appended one after another, or data.chat_template=false"
+            )
+        return text[len(self.before + self.end) :]
+
+    def unwritten_end(self, turn: list[int]) -> list[int]:
+        """The tokens of the template's end of an assistant turn that the policy's ``turn``
+        did not end with: all of them, or those after the ones it sampled itself (a turn that
+        stops on the template's end token keeps it as sampled, written once)."""
+        for k in range(min(len(self.end_ids), len(turn)), 0, -1):
+            if turn[-k:] == list(self.end_ids[:k]):
+                return list(self.end_ids[k:])
+        return list(self.end_ids)
+
+
+def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat | None:
+    """The turn format of a multi-turn run through a chat template (``rollout.multi_turn.env``
+    with ``data.chat_template``), None otherwise. A template that does not write an
+    assistant's content right after its generation prompt, leaves an observation out, or
+    does not end it with the next generation prompt: a :class:`DataError` naming the
+    setting."""
+    if not cfg.data.chat_template or cfg.rollout.multi_turn.env is None:
+        return None
+    where = f"the chat template of model.path={cfg.model.path!r}"
+    head = [*_system(cfg.data), {"role": "user", "content": _QUESTION}]
+    prompt = _apply(tokenizer, head, generation_prompt=True, failure=f"{where} fails")
+    opening = prompt[
+        len(_apply(tokenizer, head, generation_prompt=False, failure=f"{where} fails")) :
+    ]
+    closed = _apply(
+        tokenizer,
+        [*head, {"role": "assistant", "content": _CONTENT}],
+        generation_prompt=False,
+        failure=f"{where} fails on an assistant turn",
+    )
+    before = prompt + _CONTENT
+    if not closed.startswith(before):
+        raise DataError(
+            f"{where} does not write an assistant's turn as its generation prompt followed by "
+            f"the content (it renders {shown(closed[len(prompt) - len(opening) :], 80)}); a "
+            "multi-turn trajectory continues the generation prompt with the sampled tokens "
+            "(data.chat_template=true with rollout.multi_turn.env); use a template that does"
+        )
+    end = closed[len(before) :]
+    turns = TurnFormat(
+        tokenizer,
+        cfg.rollout.multi_turn.observation_role,
+        tuple(head),
+        before,
+        tuple(tokenizer.encode(end, add_special_tokens=False)),
+        end,
+        cfg.model.path,
+    )
+    sample = turns.observation_text(_SAMPLE)
+    field = f"rollout.multi_turn.observation_role={turns.role}"
+    if _SAMPLE not in sample:
+        raise DataError(
+            f"{where} leaves an observation turn out ({field}): it renders "
+            f"{shown(sample, 80)} for the observation {_SAMPLE!r}; use a role the template "
+            "writes (user, for a template without a tool role)"
+        )
+    if not sample.endswith(opening):
+        raise DataError(
+            f"{where} does not end an observation turn ({field}) with the assistant's "
+            f"generation prompt {shown(opening, 40)}: it renders {shown(sample, 80)}"
+        )
+    return turns

@@ -16,6 +16,7 @@ from verlite.config import Config, ConfigError
 from verlite.config.checks import longest_sequence_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import PromptDataset, build_datasets, load_tokenizer
+from verlite.data.templates import turn_format
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
 from verlite.generation.decode import MAX_END_TOKENS, auto_mode, check_mode_supported
@@ -147,6 +148,7 @@ class RunInputs:
             if cfg.rollout.multi_turn.turn_stop is not None:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
+        turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in
         reward_fn = resolve_reward(cfg)
         if cfg.reward.model.path is not None:
             check_reward_model(cfg.reward.model)

@@ -25,6 +25,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from verlite.data.files import PromptRecord
+from verlite.data.templates import TurnFormat
 from verlite.envs.base import Turn
 from verlite.envs.registry import environment_name
 from verlite.errors import RunFailure, UserError, shown
@@ -74,7 +75,8 @@ def _bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str,
 
 class Session:
     """The environment of prompt ``index``'s trajectory; ``abandoned`` is its worker's count
-    of calls that timed out and still run."""
+    of calls that timed out and still run; ``turns``, the chat template's turn format its
+    observations are written in (``data.chat_template``), if any."""
 
     def __init__(
         self,
@@ -84,9 +86,11 @@ class Session:
         index: int,
         timeout_s: float,
         abandoned: AbandonedCalls,
+        turns: TurnFormat | None = None,
     ) -> None:
         self.name, self.index, self.timeout_s = environment_name(cls), index, timeout_s
         self.abandoned = abandoned
+        self.turns = turns
         self.error: str | None = None
         self.timed_out = False  # a step outlived timeout_s: its thread was left running
         # Its own copy: an environment may edit what it is given, and the rollout.n
@@ -121,23 +125,26 @@ class Session:
         return self._checked(value)
 
     def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        """The token ids of an observation this session's ``step`` returned: one the
-        tokenizer cannot encode (text that is not valid Unicode, such as a lone surrogate,
-        or characters its vocabulary lacks) breaks the contract."""
+        """The token ids of an observation this session's ``step`` returned (with ``turns``:
+        its turn in the chat template and the next generation prompt, the end of the policy's
+        turn before it being ``TurnFormat.unwritten_end``'s): one the tokenizer cannot encode
+        (text that is not valid Unicode, such as a lone surrogate, or characters its
+        vocabulary lacks) breaks the contract."""
         what = f"step returned observation {shown(observation)}"
         try:
             observation.encode("utf-8")
         except UnicodeEncodeError as exc:
             self._refuse(f"{what}, not valid text ({exc.reason} at character {exc.start})")
+        text = observation if self.turns is None else self.turns.observation_text(observation)
         try:
-            ids: list[int] = tokenizer.encode(observation, add_special_tokens=False)
+            ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
         except Exception as exc:  # whatever a tokenizer raises, the observation is the cause
             self._refuse(
                 f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: {_one_line(exc)}"
             )
         unknown = tokenizer.unk_token
-        # More unknown tokens than the observation spells out: characters the vocabulary lacks.
-        if ids.count(tokenizer.unk_token_id) > (observation.count(unknown) if unknown else 0):
+        # More unknown tokens than the text spells out: characters the vocabulary lacks.
+        if ids.count(tokenizer.unk_token_id) > (text.count(unknown) if unknown else 0):
             self._refuse(
                 f"{what}, which holds characters the tokenizer does not know (they would "
                 f"reach the policy as {unknown})"

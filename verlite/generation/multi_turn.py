@@ -6,7 +6,9 @@ with the log-probs it drew them with; the environment reads the turn as text (de
 once, special tokens shown), and its observation is tokenized once and appended as tokens. The conversation is
 never decoded and tokenized again as a whole, so what the trainer scores and trains on is
 what the model sampled (re-tokenizing ``"4" "8"`` may give ``"48"``, a token the model
-never chose).
+never chose). With a chat template (``verlite.data.templates.TurnFormat``) the observation's
+tokens are the template's text after the policy's turn: the end of the assistant turn (what
+the turn did not end with itself), the observation's turn and the next generation prompt.
 
 The step layout is the single-turn one (``verlite.step_batch``): the prompt, then a
 response area holding every turn and observation end to end, right-padded. The model reads
@@ -60,6 +62,9 @@ class TurnLimits:
     turn_tokens: int  # most tokens of one policy turn
     end_token_ids: tuple[int, ...]  # tokens that end a trajectory (EOS, rollout.stop_token_ids)
     pad_token_id: int
+    # With a chat template (``data.chat_template``), the policy turn's end the template writes
+    # before an observation, less what the turn wrote itself: ``TurnFormat.unwritten_end``.
+    unwritten_end: Callable[[list[int]], list[int]] | None = None
 
 
 TurnGenerator = Callable[[TensorDict, int, int], TensorDict]
@@ -156,6 +161,8 @@ def _take_turn(
         trajectory.active = False
         return
     observation = session.observation_ids(result.observation, tokenizer)
+    if limits.unwritten_end is not None:
+        observation = limits.unwritten_end(tokens) + observation
     # The observation and at least one more policy token must fit, and a turn must be left.
     if turn + 1 == limits.max_turns or len(trajectory.tokens) + len(observation) >= limits.width:
         trajectory.active, trajectory.truncated = False, True

@@ -17,6 +17,7 @@ from verlite.config import Config
 from verlite.controller import Worker
 from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
+from verlite.data.templates import turn_format
 from verlite.data.tokenizer import load_tokenizer
 from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
 from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
@@ -47,6 +48,7 @@ class PolicyWorker(Worker):
             self.stop_token_ids = (
                 () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
             )
+            self.turns = turn_format(cfg, self.tokenizer)
 
     def decode_settings(
         self, model: nn.Module, device: torch.device, *, lockstep: bool, trains_on: bool
@@ -117,6 +119,7 @@ class PolicyWorker(Worker):
                     index=uid,
                     timeout_s=multi_turn.tool_timeout_s,
                     abandoned=self.abandoned,
+                    turns=self.turns,
                 )
                 for record, uid in zip(
                     row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
@@ -138,5 +141,6 @@ class PolicyWorker(Worker):
                 turn_tokens=params.max_new_tokens,
                 end_token_ids=tuple(params.end_tokens(self.eos_token_id)),
                 pad_token_id=self.pad_token_id,
+                unwritten_end=None if self.turns is None else self.turns.unwritten_end,
             )
             return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)

@@ -1,0 +1,271 @@
+"""Multi-turn trajectories through a chat template (``data.chat_template`` with
+``rollout.multi_turn.env``): each observation is written as the template's turn after the
+policy's, the sampled tokens are kept as they are (nothing is tokenized again), and the
+whole trajectory reads as the template's rendering of the conversation; a template whose
+turns cannot be written so is refused in one line."""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import pytest
+import torch
+from chat_model_support import chat_tokenizer
+from tensordict import TensorDict
+from tool_template_support import (
+    DROPS_TOOL_TEMPLATE,
+    FORGETS_TEMPLATE,
+    NO_PROMPT_AFTER_TOOL_TEMPLATE,
+    NO_TOOL_ROLE_TEMPLATE,
+    QWEN_TOOL_TEMPLATE,
+    THINKS_TEMPLATE,
+)
+from transformers import PreTrainedTokenizerFast
+
+from verlite.config import ConfigError, load_config
+from verlite.data import DataError, position_ids
+from verlite.data.templates import TurnFormat, turn_format
+from verlite.envs import AbandonedCalls, Session
+from verlite.envs.base import Turn
+from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
+
+WIDTH = 256
+
+
+def turns_of(template: str, *overrides: str) -> tuple[TurnFormat, PreTrainedTokenizerFast]:
+    tokenizer = chat_tokenizer(template)
+    cfg = load_config(
+        "configs/tool_tiny.yaml", ["model.path=/models/chat", "data.chat_template=true", *overrides]
+    )
+    turns = turn_format(cfg, tokenizer)
+    assert turns is not None
+    return turns, tokenizer
+
+
+class Tool:
+    """Answers each turn with ``=<the turn>``; done after ``turns`` turns."""
+
+    turns = 3
+
+    def reset(self, record: dict) -> None:
+        self.seen = 0
+
+    def step(self, action: str) -> Turn:
+        self.seen += 1
+        return Turn(f"={action}", 0.5, done=self.seen == self.turns)
+
+
+def scripted(script: list[list[list[int]]]):
+    """A turn generator that samples ``script[row][turn]`` (cut at the turn's length), with
+    log-prob -(its position + 1) so that each token can be told apart."""
+    calls = []
+
+    def generate(td: TensorDict, turn: int, max_new_tokens: int) -> TensorDict:
+        rows = td["uid"].tolist()
+        tokens = [script[row][turn][:max_new_tokens] for row in rows]
+        responses = torch.zeros((len(rows), max_new_tokens), dtype=torch.long)
+        mask = torch.zeros_like(responses)
+        for j, sequence in enumerate(tokens):
+            responses[j, : len(sequence)] = torch.tensor(sequence)
+            mask[j, : len(sequence)] = 1
+        calls.append((rows, tokens, td["input_ids"].clone(), td["attention_mask"].clone()))
+        out = TensorDict(
+            {
+                "responses": responses,
+                "response_mask": mask,
+                "rollout_log_probs": -torch.arange(1.0, max_new_tokens + 1).expand(len(rows), -1)
+                * mask,
+            },
+            batch_size=[len(rows)],
+        )
+        return out
+
+    return generate, calls
+
+
+def run(turns: TurnFormat, tokenizer, script, *, end_token_ids, turn_tokens=8):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "375>"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)] * len(script))
+    mask = torch.ones_like(ids)
+    prompts = TensorDict(
+        {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "position_ids": position_ids(mask),
+            "uid": torch.arange(len(script)),
+        },
+        batch_size=[len(script)],
+    )
+    prompts.set_non_tensor("temperature", 1.0)
+    sessions = [
+        Session(
+            Tool,
+            {"prompt": prompt, "answer": "4"},
+            index=i,
+            timeout_s=5.0,
+            abandoned=AbandonedCalls(0),
+            turns=turns,
+        )
+        for i in range(len(script))
+    ]
+    limits = TurnLimits(
+        max_turns=3,
+        width=WIDTH,
+        turn_tokens=turn_tokens,
+        end_token_ids=end_token_ids,
+        pad_token_id=tokenizer.pad_token_id,
+        unwritten_end=turns.unwritten_end,
+    )
+    generate, calls = scripted(script)
+    batch = generate_multi_turn(generate, prompts, sessions, tokenizer, limits)
+    return batch, calls, prompt
+
+
+def row_tokens(batch: TensorDict, row: int) -> tuple[list[int], list[bool]]:
+    real = batch["attention_mask"][row, -WIDTH:].bool()
+    return (
+        batch["responses"][row][real].tolist(),
+        batch["response_mask"][row][real].bool().tolist(),
+    )
+
+
+def conversation_text(tokenizer, prompt: str, contents: list[str]) -> str:
+    """The template's rendering of the conversation the trajectory holds: the prompt's user
+    turn, each assistant turn's content and the tool's answer to it."""
+    messages = [{"role": "user", "content": "375>"}]
+    for i, content in enumerate(contents):
+        messages.append({"role": "assistant", "content": content})
+        if i + 1 < len(contents):
+            messages.append({"role": "tool", "content": f"={content}"})
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_turns_are_the_sampled_tokens_and_the_trajectory_reads_as_the_template_writes_it() -> None:
+    """An instruct model (its EOS is the template's <|im_end|>): turns that stop on the turn
+    stop "+" or are cut by the turn's length get the template's end of turn written for
+    them; the last turn ends with the EOS it sampled. Nothing is tokenized again: "1" "2"
+    sampled one by one stays two tokens (the tokenizer writes "12" as one)."""
+    turns, tokenizer = turns_of(QWEN_TOOL_TEMPLATE)
+    eos, plus = tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("+")
+    one, two = tokenizer.encode("1") + tokenizer.encode("2")
+    assert tokenizer.encode("12") != [one, two]  # the test would prove nothing otherwise
+    script = [
+        [[one, two, plus], [two, one, plus], [one, eos]],  # calls twice, then answers
+        [[one, two, one, two, one, two, one, two], [two, eos], []],  # cut by the turn's length
+    ]
+    batch, calls, prompt = run(turns, tokenizer, script, end_token_ids=(eos,))
+    for row, turn_script in enumerate(script):
+        tokens, policy = row_tokens(batch, row)
+        sampled = [t for t in turn_script if t]
+        # The policy's tokens are the sampled ones, in order, nothing changed.
+        assert [t for t, p in zip(tokens, policy, strict=True) if p] == list(
+            chain.from_iterable(sampled)
+        )
+        contents = [tokenizer.decode(t, skip_special_tokens=False) for t in sampled]
+        contents[-1] = contents[-1].removesuffix("<|im_end|>")
+        text = tokenizer.decode(tokenizer.encode(prompt) + tokens, skip_special_tokens=False)
+        # What the template writes after the last assistant turn's end token: its "\n".
+        assert text + "\n" == conversation_text(tokenizer, prompt, contents)
+        assert batch["tool_calls"][row] == len(sampled) - 1
+        assert sum(not p for p in policy) == batch["observation_tokens"][row]
+        # The first observation: the template's whole end of the turn, which the turn did not
+        # write, then the tool's turn and the next generation prompt.
+        first = tokens[len(sampled[0]) : policy.index(True, len(sampled[0]))]
+        observation = turns.observation_text(f"={contents[0]}")
+        assert tokenizer.decode(first) == "<|im_end|>\n" + observation
+    # Each later turn generated from the whole trajectory so far, exactly as assembled.
+    rows, _, input_ids, mask = calls[1]
+    for j, row in enumerate(rows):
+        tokens, policy = row_tokens(batch, row)
+        so_far = input_ids[j][mask[j].bool()].tolist()
+        assert (
+            so_far
+            == tokenizer.encode(prompt) + tokens[: len(so_far) - len(tokenizer.encode(prompt))]
+        )
+        assert so_far[-len(tokenizer.encode("<|im_start|>assistant\n")) :] == tokenizer.encode(
+            "<|im_start|>assistant\n"
+        )
+
+
+def test_a_turn_that_ends_with_the_templates_end_token_keeps_it_and_it_is_not_written_twice() -> (
+    None
+):
+    """A base model (its EOS <|endoftext|>) whose turns stop on the template's <|im_end|>: the
+    end token the turn sampled stays the policy's, and the observation begins after it."""
+    turns, tokenizer = turns_of(QWEN_TOOL_TEMPLATE)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    one, two = tokenizer.encode("1") + tokenizer.encode("2")
+    script = [[[one, im_end], [two, im_end], [one, two, im_end]]]
+    batch, _, prompt = run(turns, tokenizer, script, end_token_ids=(end_of_text,))
+    tokens, policy = row_tokens(batch, 0)
+    assert [t for t, p in zip(tokens, policy, strict=True) if p] == list(
+        chain.from_iterable(script[0])
+    )
+    assert tokens.count(im_end) == 3 + 2  # each turn's own, and each observation turn's
+    contents = [tokenizer.decode(t[:-1]) for t in script[0]]
+    text = tokenizer.decode(tokenizer.encode(prompt) + tokens, skip_special_tokens=False)
+    assert "<|im_end|><|im_end|>" not in text
+    assert text + "\n" == conversation_text(tokenizer, prompt, contents)
+    # The observation after the first turn: "\n" (the rest of the template's end), then the
+    # tool's turn and the next generation prompt.
+    first = tokens[2 : policy.index(True, 2)]
+    assert tokenizer.decode(first) == "\n" + turns.observation_text("=1")
+
+
+@pytest.mark.parametrize(
+    ("template", "expected"),
+    [
+        (
+            NO_TOOL_ROLE_TEMPLATE,
+            "fails on an observation turn (rollout.multi_turn.observation_role=tool; a template "
+            "without a tool role: set it to user): 'TemplateError: Unknown role: tool'",
+        ),
+        (
+            DROPS_TOOL_TEMPLATE,
+            "leaves an observation turn out (rollout.multi_turn.observation_role=tool): it "
+            "renders '<|im_start|>assistant\\n' for the observation",
+        ),
+        (
+            THINKS_TEMPLATE,
+            "does not write an assistant's turn as its generation prompt followed by the content"
+            " (it renders '<|im_start|>assistant\\n<think></think>Answer.<|im_end|>\\n')",
+        ),
+        (FORGETS_TEMPLATE, "rewrites the turns before an observation turn"),
+        (
+            NO_PROMPT_AFTER_TOOL_TEMPLATE,
+            "does not end an observation turn (rollout.multi_turn.observation_role=tool) with "
+            "the assistant's generation prompt '<|im_start|>assistant\\n'",
+        ),
+    ],
+)
+def test_a_template_whose_turns_cannot_be_written_one_after_another_is_refused(
+    template: str, expected: str
+) -> None:
+    with pytest.raises(DataError) as caught:
+        turns_of(template)
+    message = str(caught.value)
+    assert message.startswith("the chat template of model.path='/models/chat' ")
+    assert expected in message and "\n" not in message
+
+
+def test_a_template_without_a_tool_role_writes_observations_as_user_turns() -> None:
+    turns, _ = turns_of(NO_TOOL_ROLE_TEMPLATE, "rollout.multi_turn.observation_role=user")
+    assert turns.end == "<|im_end|>\n"
+    assert turns.observation_text("=4") == "<|im_start|>user\n=4<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_without_a_chat_template_there_is_no_turn_format() -> None:
+    cfg = load_config("configs/tool_tiny.yaml", [])
+    assert turn_format(cfg, chat_tokenizer(QWEN_TOOL_TEMPLATE)) is None
+
+
+def test_an_observation_role_without_a_chat_template_is_refused() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config("configs/tool_tiny.yaml", ["rollout.multi_turn.observation_role=user"])
+    assert str(caught.value) == (
+        "rollout.multi_turn.observation_role=user is the role of the chat template's observation "
+        "turns, but data.chat_template is off; set data.chat_template=true or unset it"
+    )

@@ -111,6 +111,7 @@ DAPO = [
 ]
 
 
+@pytest.mark.cluster  # half a minute of the 2-core machine; CI runs make test-cluster
 def test_a_run_with_dapos_filters_is_the_same_run_under_every_layout(
     tmp_path: Path, local_ray
 ) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from verlite.config.sections_reward import RewardConfig
 from verlite.config.sections_rollout import MultiTurnConfig
+from verlite.core.advantages import GROUP_BASELINES
 
 if TYPE_CHECKING:
     from verlite.config.schema import Config
@@ -18,10 +19,7 @@ if TYPE_CHECKING:
 
 def check_across_fields(cfg: Config) -> None:
     """Every check below, in order; raises at the first that fails."""
-    if (
-        cfg.algorithm.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline")
-        and cfg.rollout.n < 2
-    ):
+    if cfg.algorithm.adv_estimator in GROUP_BASELINES and cfg.rollout.n < 2:
         raise ValueError(
             f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} compares samples of one prompt: "
             f"rollout.n must be >= 2, got {cfg.rollout.n}"
@@ -61,7 +59,13 @@ def _check_dapo(cfg: Config) -> None:
     rollout = cfg.rollout
     if cfg.algorithm.dynamic_sampling.enable:
         needs = (
-            ("rollout.n", rollout.n, ">= 2 (a group of one response always ties)", rollout.n >= 2),
+            (
+                "algorithm.adv_estimator",
+                cfg.algorithm.adv_estimator,
+                f"in {', '.join(GROUP_BASELINES)} (a baseline over each prompt's group, which "
+                "gives a group whose scores tie no advantage)",
+                cfg.algorithm.adv_estimator in GROUP_BASELINES,
+            ),
             (
                 "rollout.max_staleness",
                 rollout.max_staleness,

@@ -203,8 +203,9 @@ class DynamicSamplingConfig(Section):
         False,
         description="Drop the groups whose rollout.n scores are all equal (zero advantage under a "
         "group baseline) and draw more prompts for the step until data.train_batch_size groups "
-        "vary; the step trains on those alone. Needs rollout.n >= 2, rollout.max_staleness=0 "
-        "and rollout.randomness=per_sample.",
+        "vary; the step trains on those alone. Needs a group baseline (adv_estimator grpo, rloo "
+        "or reinforce_plus_plus_baseline), rollout.max_staleness=0 and "
+        "rollout.randomness=per_sample.",
     )
     max_draws: PositiveInt = Field(
         4,
@@ -228,9 +229,9 @@ class OverlongConfig(Section):
     )
     filter: bool = Field(
         False,
-        description="Leave responses that reach the limit out of the policy loss (their tokens "
-        "and sequences are not counted); their scores still count in their group's baseline "
-        "and the critic still learns from them.",
+        description="Leave responses that reach the limit (and multi-turn trajectories cut "
+        "short) out of the policy loss: their tokens and sequences are not counted; their scores "
+        "still count in their group's baseline and the critic still learns from them.",
     )
 
 

@@ -34,6 +34,7 @@ from verlite.core.masked import masked_sum, masked_whiten
 __all__ = [
     "ADV_ESTIMATORS",
     "ESTIMATORS_NEEDING_CRITIC",
+    "GROUP_BASELINES",
     "AdvantageFn",
     "AdvantageInputs",
     "compute_advantages",
@@ -58,6 +59,9 @@ class AdvantageInputs:
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]
 
 ADV_ESTIMATORS: dict[str, AdvantageFn] = {}
+# The estimators whose baseline is the mean of a prompt's rollout.n scores: a group whose
+# scores are all equal has zero advantage (before any batch-wide whitening).
+GROUP_BASELINES = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset({"gae"})
 
 

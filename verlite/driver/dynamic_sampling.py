@@ -90,10 +90,13 @@ class DynamicSampling:
             )
         batch, records = self._kept(draws, chosen)
         scores = torch.cat(scored).view(-1, self.n)[chosen].flatten()
-        # Every draw is of the same weights: the first's versions, the largest peak.
+        # Every draw is of the same weights: the first's versions, the largest peak, the
+        # seconds of them all.
         metrics = dict(draws[0].metrics)
         if ROLLOUT_PEAK in metrics:
             metrics[ROLLOUT_PEAK] = max(d.metrics[ROLLOUT_PEAK] for d in draws)
+        if "timing_s/gen" in metrics:
+            metrics["timing_s/gen"] = sum(d.metrics["timing_s/gen"] for d in draws)
         with timer("rollout"):
             metrics.update(self.step_source.add_log_probs(batch))
         metrics.update(
@@ -116,5 +119,11 @@ class DynamicSampling:
         joined = draws[0].batch if len(draws) == 1 else torch.cat([d.batch for d in draws])
         rows = [group * self.n + j for group in chosen for j in range(self.n)]
         batch = take_rows(joined, rows)
+        # Groups are picked by position: each draw's rows must be in its prompts' order.
+        expected = torch.tensor(chosen).repeat_interleave(self.n) % self.need
+        if not torch.equal(batch["uid"], expected):
+            raise RuntimeError(
+                "a draw's rows came back out of prompt order (uid); cannot pick groups"
+            )
         batch["uid"] = torch.arange(len(chosen)).repeat_interleave(self.n)
         return batch, [records[group] for group in chosen]

@@ -194,16 +194,33 @@ class StepSource:
         loader past them."""
         prompts = self._draw(step, first_prompt=draw * self.cfg.data.train_batch_size)
         records = self._env_records(prompts.records)
+        start = time.perf_counter()
         if self.rollout is None:
-            generator, args = self.actor, (self._seed(step), records)
+            batch = self.actor.call(
+                "generate_in_step",
+                prompts.prompts,
+                self.sampling,
+                self._seed(step),
+                records,
+                dispatch="dp_split",
+                collect="concat",
+            )
         else:
-            generator, args = self.rollout, (self._seed(step), step - 1, records)
-        batch = generator.call(
-            "generate", prompts.prompts, self.sampling, *args, dispatch="dp_split", collect="concat"
-        )
+            batch = self.rollout.call(
+                "generate",
+                prompts.prompts,
+                self.sampling,
+                self._seed(step),
+                step - 1,
+                records,
+                dispatch="dp_split",
+                collect="concat",
+            )
         self._taken_state = prompts.loader_state
         metrics = _versions(step, generated_by=step - 1)
-        if self.rollout is not None:
+        if self.rollout is None:  # as the driver times it (the actor times its own otherwise)
+            metrics["timing_s/gen"] = time.perf_counter() - start
+        else:
             metrics[ROLLOUT_PEAK] = pop_peak(batch)
         return GeneratedStep(prompts.records, batch, metrics)
 

@@ -368,6 +368,7 @@ class Trainer:
                 )
         with timer("adv"):  # 4. token rewards and advantages
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
+            cut = self._cut_short(batch)  # read before the multi-turn outcomes leave
             turn_metrics = self._multi_turn(batch)
             kl_metrics = self._token_rewards(batch)
             batch["advantages"], batch["returns"] = compute_advantages(
@@ -387,7 +388,9 @@ class Trainer:
             with timer("update_critic"):  # 5. critic update
                 metrics.update(self._update("critic", self.critic, batch))
         response_mask = batch["response_mask"]
-        metrics.update(self._overlong_filter(batch))
+        if cut is not None:  # algorithm.overlong.filter
+            batch["response_mask"] = response_mask * ~cut.unsqueeze(-1)
+            metrics["response_length/overlong_filtered"] = float(cut.float().mean())
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
@@ -477,15 +480,17 @@ class Trainer:
             metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         return scores, metrics
 
-    def _overlong_filter(self, batch: TensorDict) -> dict[str, float]:
-        """With ``algorithm.overlong.filter``: the responses that reach the limit leave the
-        policy loss (their ``response_mask`` zeroed for the actor's update, so its global
-        counts skip them); the share of rows left out."""
+    def _cut_short(self, batch: TensorDict) -> Tensor | None:
+        """With ``algorithm.overlong.filter``, the rows that leave the policy loss (their
+        ``response_mask`` zeroed for the actor's update, so its global counts skip them): the
+        responses that reach the response limit, and multi-turn trajectories cut short
+        (``truncated``: out of turns or room); None without the filter."""
         if not self.cfg.algorithm.overlong.filter:
-            return {}
-        kept = response_lengths(batch) < self.cfg.response_width
-        batch["response_mask"] = batch["response_mask"] * kept.unsqueeze(-1)
-        return {"response_length/overlong_filtered": float((~kept).float().mean())}
+            return None
+        cut = response_lengths(batch) >= self.cfg.response_width
+        if "truncated" in set(batch.keys()):
+            cut |= batch["truncated"].bool()
+        return cut
 
     @staticmethod
     def _multi_turn(batch: TensorDict) -> dict[str, float]:

@@ -174,6 +174,19 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             refresh_inference_copy(self._generation_copy, inference_module(self.engine.model))
         return self.sample(self.sampler.generate, prompts, params, seed, records).cpu()
 
+    def generate_in_step(
+        self,
+        prompts: TensorDict,
+        params: SamplingParams,
+        seed: int,
+        records: Sequence[PromptRecord] | None = None,
+    ) -> TensorDict:
+        """:meth:`generate` as a training step's work (validation's is not): its peak memory
+        counts in the step's, reported with the update (``algorithm.dynamic_sampling`` calls
+        it for each draw of a step)."""
+        self.peak_memory.begin()
+        return self.generate(prompts, params, seed, records)
+
     def generate_with_log_probs(
         self,
         prompts: TensorDict,
@@ -185,9 +198,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         """The step batch of :meth:`generate` with the columns of :meth:`compute_log_probs`:
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
-        self.peak_memory.begin()
         started = time.perf_counter()
-        batch = self.generate(prompts, params, seed, records)
+        batch = self.generate_in_step(prompts, params, seed, records)
         generated = time.perf_counter()
         batch.update(self.compute_log_probs(batch, with_old))
         # The split of this call's time, reported with the update's metrics (both end on the

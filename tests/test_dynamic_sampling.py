@@ -50,12 +50,12 @@ class DrawingGroups(Groups):
     rollout group also takes calls made synchronously."""
 
     def actor_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method != "generate_in_step":
+        if method != "generate":
             if method == "compute_log_probs":
                 self.log.append(("actor", "log_probs", str(len(args[0]))))
             return super().actor_call(method, *args, **kwargs)
         prompts, _, _, records = args
-        assert records is None
+        assert records is None and kwargs["in_step"]  # its peak memory is the step's
         self.log.append(("actor", "generate", str(self.step_of(prompts))))
         batch = prompts.clone()
         batch["rollout_log_probs"] = torch.zeros(len(batch), 1)

@@ -197,11 +197,12 @@ class StepSource:
         start = time.perf_counter()
         if self.rollout is None:
             batch = self.actor.call(
-                "generate_in_step",
+                "generate",
                 prompts.prompts,
                 self.sampling,
                 self._seed(step),
                 records,
+                in_step=True,
                 dispatch="dp_split",
                 collect="concat",
             )

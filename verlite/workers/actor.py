@@ -164,28 +164,21 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         params: SamplingParams,
         seed: int,
         records: Sequence[PromptRecord] | None = None,
+        *,
+        in_step: bool = False,
     ) -> TensorDict:
         """Responses to this rank's prompts (trajectories with ``rollout.multi_turn``, whose
         environments get ``records``: :meth:`PolicyWorker.sample`). Sampling draws from each
         row's ``sample_key`` (``rollout.randomness=per_sample``), or from this rank's stream
-        of the step seeded ``seed`` (``verlite.core.seeds.rank_sampling``)."""
+        of the step seeded ``seed`` (``verlite.core.seeds.rank_sampling``). ``in_step``: a
+        training step's generation (validation's is not), whose peak memory counts in the
+        step's, reported with the update."""
+        if in_step:
+            self.peak_memory.begin()
         prompts = prompts.to(self.engine.device)
         if self._generation_copy is not None:
             refresh_inference_copy(self._generation_copy, inference_module(self.engine.model))
         return self.sample(self.sampler.generate, prompts, params, seed, records).cpu()
-
-    def generate_in_step(
-        self,
-        prompts: TensorDict,
-        params: SamplingParams,
-        seed: int,
-        records: Sequence[PromptRecord] | None = None,
-    ) -> TensorDict:
-        """:meth:`generate` as a training step's work (validation's is not): its peak memory
-        counts in the step's, reported with the update (``algorithm.dynamic_sampling`` calls
-        it for each draw of a step)."""
-        self.peak_memory.begin()
-        return self.generate(prompts, params, seed, records)
 
     def generate_with_log_probs(
         self,
@@ -199,7 +192,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         log-probs need no reward, so they are computed where the rows were generated,
         without sending the batch back and forth through the driver."""
         started = time.perf_counter()
-        batch = self.generate_in_step(prompts, params, seed, records)
+        batch = self.generate(prompts, params, seed, records, in_step=True)
         generated = time.perf_counter()
         batch.update(self.compute_log_probs(batch, with_old))
         # The split of this call's time, reported with the update's metrics (both end on the

@@ -135,6 +135,7 @@ def test_a_step_trains_on_the_first_groups_whose_scores_vary(placement: str) -> 
         assert len({tuple(k) for k in batch["sample_key"].tolist()}) == BATCH * N
         assert generated.metrics["dynamic_sampling/draws"] == draws
         assert generated.metrics["dynamic_sampling/drawn_groups"] == draws * BATCH
+        assert generated.metrics["dynamic_sampling/dropped_groups"] == (draws - 1) * BATCH
         assert generated.metrics["dynamic_sampling/filled_groups"] == filled == 0
         assert reward["reward/fn/errors"] == draws  # a count from each draw's scoring
         # the colocated actor's generation, timed over every draw
@@ -167,6 +168,7 @@ def test_when_the_draws_run_out_tied_groups_fill_the_step(capsys) -> None:
     assert [r["prompt"] for r in generated.records] == prompts  # all of the one draw
     assert generated.metrics["dynamic_sampling/filled_groups"] == filled
     assert generated.metrics["dynamic_sampling/tied_groups"] == filled
+    assert generated.metrics["dynamic_sampling/dropped_groups"] == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line == (
         f"step {step}: dynamic sampling found {BATCH - filled} groups whose scores vary in 1 "

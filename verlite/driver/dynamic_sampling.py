@@ -104,6 +104,8 @@ class DynamicSampling:
                 "dynamic_sampling/draws": float(len(draws)),
                 "dynamic_sampling/drawn_groups": float(len(tied)),
                 "dynamic_sampling/tied_groups": float(tied.sum()),
+                # tied groups left out and varied ones beyond the step's need
+                "dynamic_sampling/dropped_groups": float(len(tied) - self.need),
                 "dynamic_sampling/filled_groups": float(filled),
             }
         )

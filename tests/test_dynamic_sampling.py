@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from tests.test_step_source import Group, Groups, loader_state_after, step_source
 from verlite.config import Config, ConfigError, load_config
 from verlite.data import PromptRecord, row_records
-from verlite.driver.dynamic_sampling import DynamicSampling, merge_draw_metrics
+from verlite.driver.dynamic_sampling import DynamicSampling, ScoreFn, merge_draw_metrics
 from verlite.driver.step_source import GeneratedStep
 from verlite.generation import sample_keys
 
@@ -79,13 +79,13 @@ class DrawingGroup(Group):
         return self.groups.actor_call(method, *args, **kwargs)
 
 
-def sampling(cfg: Config) -> tuple[DrawingGroups, DynamicSampling]:
+def sampling(cfg: Config, scores: ScoreFn = score) -> tuple[DrawingGroups, DynamicSampling]:
     groups = DrawingGroups(cfg.trainer.seed)
     source = step_source(groups, cfg)
     source.actor = DrawingGroup(groups, "actor")
     if source.rollout is not None:
         source.rollout = DrawingGroup(groups, "rollout")
-    return groups, DynamicSampling(cfg, source, score)
+    return groups, DynamicSampling(cfg, source, scores)
 
 
 def no_timer(_: str) -> contextlib.nullcontext[None]:
@@ -174,6 +174,25 @@ def test_when_the_draws_run_out_tied_groups_fill_the_step(capsys) -> None:
         f"step {step}: dynamic sampling found {BATCH - filled} groups whose scores vary in 1 "
         f"draws (algorithm.dynamic_sampling.max_draws=1); {filled} tied groups fill the step"
     )
+
+
+def test_a_step_where_every_group_ties_draws_up_to_the_bound_and_says_so(capsys) -> None:
+    def all_tie(generated: GeneratedStep) -> tuple[torch.Tensor, dict[str, float]]:
+        return torch.ones(len(generated.batch)), {}
+
+    cfg = load_config("configs/grpo_tiny.yaml", [*SMALL, "algorithm.dynamic_sampling.max_draws=3"])
+    groups, dynamic = sampling(cfg, all_tie)
+    generated, scores, _ = dynamic.take(1, no_timer)
+    assert len([e for e in groups.log if e[1] == "generate"]) == 3  # the bound, no more
+    metrics = generated.metrics
+    assert metrics["dynamic_sampling/draws"] == 3
+    assert metrics["dynamic_sampling/tied_groups"] == metrics["dynamic_sampling/drawn_groups"] == 12
+    assert metrics["dynamic_sampling/filled_groups"] == BATCH  # the first draw's, in order
+    assert metrics["dynamic_sampling/dropped_groups"] == 2 * BATCH
+    first = step_source(DrawingGroups(0), cfg).loader
+    assert [r["prompt"] for r in generated.records] == [r["prompt"] for r in next(first)]
+    assert scores.tolist() == [1.0] * BATCH * N
+    assert "0 groups whose scores vary in 3 draws" in capsys.readouterr().out
 
 
 def test_the_draws_reward_metrics_read_as_one_scoring() -> None:

@@ -172,7 +172,7 @@ def test_when_the_draws_run_out_tied_groups_fill_the_step(capsys) -> None:
     line = capsys.readouterr().out.splitlines()[-1]
     assert line == (
         f"step {step}: dynamic sampling found {BATCH - filled} groups whose scores vary in 1 "
-        f"draws (algorithm.dynamic_sampling.max_draws=1); {filled} tied groups fill the step"
+        f"draw (algorithm.dynamic_sampling.max_draws=1); {filled} tied groups fill the step"
     )
 
 

@@ -84,7 +84,8 @@ class DynamicSampling:
         if filled:
             print(
                 f"step {step}: dynamic sampling found {self.need - filled} groups whose scores "
-                f"vary in {len(draws)} draws (algorithm.dynamic_sampling.max_draws="
+                f"vary in {len(draws)} draw{'s' * (len(draws) != 1)} "
+                "(algorithm.dynamic_sampling.max_draws="
                 f"{self.max_draws}); {filled} tied groups fill the step",
                 flush=True,
             )

@@ -146,7 +146,10 @@ class ConsoleLogger:
             roles[str(record.get("role"))] = roles.get(str(record.get("role")), 0) + 1
         nodes = len({record.get("node_id") for record in placement})
         workers = ", ".join(f"{role} {count}" for role, count in roles.items())
-        parts.append(f"{len(placement)} workers ({workers}) on {nodes} node{'s' * (nodes != 1)}")
+        count = len(placement)
+        parts.append(
+            f"{count} worker{'s' * (count != 1)} ({workers}) on {nodes} node{'s' * (nodes != 1)}"
+        )
         print("run: " + " ".join(parts), file=self.stream, flush=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:

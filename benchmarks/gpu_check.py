@@ -24,6 +24,17 @@ one device command of its own):
    with ``cuda_graphs``: each run's second step in seconds, the share of generation
    (``timing_s/gen``) in it, and the speedup.
 
+``--parts recipe`` (issue 37's time per step of ``configs/recipes/gsm8k_ppo.yaml`` on one GPU):
+
+7. ``recipe``: two steps of the PPO GSM8K recipe with its settings (256 prompts, responses of
+   512 tokens, actor, critic and reference on one GPU, bf16-mixed, the math verifier), but a
+   randomly initialized Qwen2.5-0.5B-shaped policy (that of ``configs/grpo_0p5b_shape.yaml``
+   with Qwen2.5's 151,936-token vocabulary) and generated prompts of 200 digits (about a
+   GSM8K question in the chat template) in place of the user's model and data, which a GPU
+   session here cannot download. Every response runs to 512 tokens (EOS ignored), so the
+   second step's time is an upper bound of the recipe's (a trained model stops earlier); with
+   it the peak memory of the actor and the critic, and the step's split.
+
 Each part runs with its own time limit (a part past it is reported as such and the rest still
 run) and writes its log under ``--output-dir`` (default ``outputs/gpu_check``), with
 ``summary.json`` and ``summary.md`` of every part; ``--parts`` runs some of them (default:
@@ -31,7 +42,7 @@ run) and writes its log under ``--output-dir`` (default ``outputs/gpu_check``), 
 ``--output-dir``). On a machine without a GPU it says so and exits 0; ``--cpu`` runs every
 part there on tiny shapes (what CI runs, so that a typo cannot first show on the GPU; there
 the ``grpo_step`` and ``rollout`` parts' fast decode is ``static``, as CUDA graphs need a
-GPU). CI does not run it otherwise. Parts 5 and 6 have not been measured on a GPU yet.
+GPU). CI does not run it otherwise. Parts 5 to 7 have not been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -58,6 +69,7 @@ from verlite.table import format_table
 CONFIG = "configs/ppo_tiny.yaml"
 CONFIG_7B = "configs/grpo_7b_shape.yaml"
 CONFIG_05B = "configs/grpo_0p5b_shape.yaml"
+RECIPE = "configs/recipes/gsm8k_ppo.yaml"
 OUTPUT_DIR = "outputs/gpu_check"
 # Each part's limit in seconds (each audit's is per spawn of its ranks). `make gpu-check`
 # (CHECK, issue 35's parts): together 10 minutes, a device command's most; on one H200 they
@@ -73,6 +85,7 @@ LIMITS = {
     "grpo_7b": 240,
     "rollout": 210,
     "grpo_step": 270,
+    "recipe": 300,
 }
 CHECK = ("audit", "main_job", "update", "grpo_7b")
 BENCH = ("rollout", "grpo_step")
@@ -99,6 +112,31 @@ CPU_TRAIN = [
 ]
 CPU_7B = [*CPU_TRAIN, "actor.ppo_mini_batch_size=16", "actor.micro_batch_size_per_worker=8"]
 CPU_05B = [*CPU_TRAIN, "actor.ppo_mini_batch_size=32", "actor.micro_batch_size_per_worker=16"]
+# The PPO recipe with generated prompts instead of GSM8K's file and its chat template, and
+# every response to the recipe's limit; nothing checkpointed or exported.
+RECIPE_DATA = [
+    "data.task=copy",
+    "data.num_train_samples=512",
+    "data.num_val_samples=8",
+    "data.chat_template=false",
+    "data.prompt_key=prompt",
+    "data.answer_rule=as_is",
+    "data.prompt_suffix=null",
+    "rollout.ignore_eos=true",
+    "trainer.total_steps=2",
+    "trainer.val_freq=0",
+    "trainer.save_freq=0",
+    "trainer.export=false",
+]
+GPU_RECIPE = ["data.min_digits=200", "data.max_digits=200", "model.vocab_size=151936"]
+CPU_RECIPE = [
+    *CPU_TRAIN,
+    "data.min_digits=8",
+    "data.max_digits=8",
+    "actor.ppo_mini_batch_size=4",
+    "critic.ppo_mini_batch_size=4",
+    "critic.micro_batch_size_per_worker=4",
+]
 GPU_ROLLOUT = ["--device", "cuda", "--repeats", "3"]
 CPU_ROLLOUT = ["--compare", "decode", "--shape", "tiny", "--shapes", "4x8,2x8"]
 CPU_ROLLOUT += ["--prompt-len", "8", "--repeats", "2", "--profile-steps", "2,4"]
@@ -352,6 +390,57 @@ def grpo_step(target: Target) -> Part:
     return part
 
 
+# The fields of a model's shape the recipe part takes from CONFIG_05B.
+SHAPE_FIELDS = (
+    "arch",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+)
+# What the recipe part reports of its second step.
+RECIPE_KEYS = (
+    "timing_s/step",
+    "timing_s/gen",
+    "timing_s/log_probs",
+    "timing_s/values",
+    "timing_s/reward",
+    "timing_s/update_critic",
+    "timing_s/update_actor",
+    "perf/max_memory_allocated_gb/actor",
+    "perf/max_memory_allocated_gb/critic",
+    MFU,
+)
+
+
+def recipe_step(target: Target) -> Part:
+    """Two steps of the PPO GSM8K recipe (``configs/recipes/gsm8k_ppo.yaml``) with a random
+    policy of the 0.5B shape and generated prompts (module docstring, 7): the second step's
+    time, an upper bound of the recipe's, its split and the peak memory."""
+    shape = load_config(CONFIG_05B).model
+    overrides = [f"model.{name}={getattr(shape, name)}" for name in SHAPE_FIELDS]
+    overrides += [f"model.device={target.device}", *RECIPE_DATA]
+    overrides += CPU_RECIPE if target.cpu else GPU_RECIPE
+    limit = LIMITS["recipe"]
+    code, seconds, records = _train(target, RECIPE, "recipe_ppo", overrides, limit)
+    shape_name = "tiny shape" if target.cpu else "random 0.5B shape"
+    part = Part("PPO recipe step", f"gsm8k_ppo.yaml, {shape_name}", seconds=seconds)
+    part.verdict = _exit_verdict(code, limit)
+    if part.verdict == "ok" and len(records) < 2:
+        part.verdict = f"FAILED ({len(records)} of 2 steps)"
+    if part.verdict == "ok":
+        second = {k: records[1][k] for k in RECIPE_KEYS if k in records[1]}
+        part.details = {"second_step": second}
+        step = second["timing_s/step"]
+        part.figure = (
+            f"step <= {step:.3g} s (gen {second['timing_s/gen'] / step:.0%}); peak GB actor "
+            f"{second['perf/max_memory_allocated_gb/actor']:.1f}, critic "
+            f"{second['perf/max_memory_allocated_gb/critic']:.1f}"
+        )
+    return part
+
+
 def write_summary(target: Target, parts: list[Part], header: str) -> None:
     rows = [(p.name, p.what, p.figure, f"{p.seconds:.0f} s", p.verdict) for p in parts]
     table = format_table(rows)
@@ -379,6 +468,7 @@ def run_parts(target: Target, groups: list[str]) -> list[Part]:
         "7B-shaped GRPO": ("grpo_7b", lambda: grpo_7b(target)),
         "rollout benchmark": ("rollout", lambda: rollout_benchmark(target)),
         "0.5B-shaped GRPO step": ("grpo_step", lambda: grpo_step(target)),
+        "PPO recipe step": ("recipe", lambda: recipe_step(target)),
     }
     done = []
     for name, (group, part) in parts.items():

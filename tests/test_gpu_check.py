@@ -104,6 +104,26 @@ def test_the_grpo_step_part_runs_eager_and_static_on_cpu(tmp_path: Path) -> None
     assert f"speedup {speedup:.2f}x" in part["figure"]
 
 
+@pytest.mark.cluster  # a `verlite train` run with an embedded Ray of its own
+def test_the_recipe_part_runs_the_ppo_recipe_on_cpu(tmp_path: Path) -> None:
+    """Two steps of configs/recipes/gsm8k_ppo.yaml with generated prompts and a tiny random
+    policy: the second step's time, its split and both roles' peak memory."""
+    code = gpu_check.main(["--cpu", "--parts", "recipe", "--output-dir", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    [part] = summary["parts"]
+    assert code == 0 and part["verdict"] == "ok", part
+    lines = (tmp_path / "recipe_ppo" / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2]
+    second = part["details"]["second_step"]
+    assert second == {k: records[1][k] for k in gpu_check.RECIPE_KEYS if k in records[1]}
+    assert second["timing_s/update_critic"] > 0 and second["timing_s/update_actor"] > 0
+    config = json.loads((tmp_path / "recipe_ppo" / "config.json").read_text())
+    assert config["reward"]["fn"] == "math" and config["rollout"]["ignore_eos"] is True
+    assert config["algorithm"]["adv_estimator"] == "gae"
+    assert f"step <= {second['timing_s/step']:.3g} s" in part["figure"]
+
+
 def test_an_unknown_part_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         gpu_check.main(["--parts", "update,decode"])
@@ -113,6 +133,6 @@ def test_an_unknown_part_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
         .err.splitlines()[-1]
         .endswith(
             "--parts: unknown ['decode']; choose from "
-            "audit,main_job,update,grpo_7b,rollout,grpo_step"
+            "audit,main_job,update,grpo_7b,rollout,grpo_step,recipe"
         )
     )

@@ -27,13 +27,14 @@ one device command of its own):
 ``--parts recipe`` (issue 37's time per step of ``configs/recipes/gsm8k_ppo.yaml`` on one GPU):
 
 7. ``recipe``: two steps of the PPO GSM8K recipe with its settings (256 prompts, responses of
-   512 tokens, actor, critic and reference on one GPU, bf16-mixed, the math verifier), but a
-   randomly initialized Qwen2.5-0.5B-shaped policy (that of ``configs/grpo_0p5b_shape.yaml``
-   with Qwen2.5's 151,936-token vocabulary) and generated prompts of 200 digits (about a
-   GSM8K question in the chat template) in place of the user's model and data, which a GPU
-   session here cannot download. Every response runs to 512 tokens (EOS ignored), so the
-   second step's time is an upper bound of the recipe's (a trained model stops earlier); with
-   it the peak memory of the actor and the critic, and the step's split.
+   512 tokens, actor, critic and reference on one GPU, bf16-mixed; scored by the gsm8k rule,
+   as math-verify is not on the GPU machine), but a randomly initialized Qwen2.5-0.5B-shaped
+   policy (that of ``configs/grpo_0p5b_shape.yaml`` with Qwen2.5's 151,936-token vocabulary)
+   and generated prompts of 200 digits (about a GSM8K question in the chat template) in place
+   of the user's model and data, which a GPU session here cannot download. Every response
+   runs to 512 tokens (EOS ignored), so the second step's time is an upper bound of the
+   recipe's (a trained model stops earlier); with it the peak memory of the actor and the
+   critic, and the step's split.
 
 Each part runs with its own time limit (a part past it is reported as such and the rest still
 run) and writes its log under ``--output-dir`` (default ``outputs/gpu_check``), with
@@ -123,6 +124,7 @@ RECIPE_DATA = [
     "data.answer_rule=as_is",
     "data.prompt_suffix=null",
     "rollout.ignore_eos=true",
+    "reward.fn=gsm8k",  # math-verify (the recipe's) is not among the GPU machine's wheels
     "trainer.total_steps=2",
     "trainer.val_freq=0",
     "trainer.save_freq=0",

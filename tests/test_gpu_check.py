@@ -119,7 +119,7 @@ def test_the_recipe_part_runs_the_ppo_recipe_on_cpu(tmp_path: Path) -> None:
     assert second == {k: records[1][k] for k in gpu_check.RECIPE_KEYS if k in records[1]}
     assert second["timing_s/update_critic"] > 0 and second["timing_s/update_actor"] > 0
     config = json.loads((tmp_path / "recipe_ppo" / "config.json").read_text())
-    assert config["reward"]["fn"] == "math" and config["rollout"]["ignore_eos"] is True
+    assert config["reward"]["fn"] == "gsm8k" and config["rollout"]["ignore_eos"] is True
     assert config["algorithm"]["adv_estimator"] == "gae"
     assert f"step <= {second['timing_s/step']:.3g} s" in part["figure"]
 

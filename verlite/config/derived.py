@@ -104,6 +104,11 @@ class Derived:
         return self.role_sizes("actor").dp_size
 
     @property
+    def rows_per_generating_worker(self) -> int:
+        """The most rows of a step one generating worker holds (its share, rounded up)."""
+        return -(-self.sequences_per_step // self.generating_workers)
+
+    @property
     def precision(self) -> Literal["fp32", "fp64", "bf16-mixed", "bf16"]:
         """``model.precision`` with ``auto`` resolved: bf16-mixed on a GPU, fp32 on CPU (every
         worker of a run uses this one, so a weight sync's dtypes agree on both sides)."""

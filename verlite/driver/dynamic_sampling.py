@@ -65,6 +65,7 @@ class DynamicSampling:
         ``dynamic_sampling/`` metrics."""
         draws: list[GeneratedStep] = []
         scored: list[torch.Tensor] = []
+        ties: list[torch.Tensor] = []
         reward_parts: list[tuple[int, dict[str, float]]] = []
         varied = 0
         while varied < self.need and len(draws) < self.max_draws:
@@ -77,9 +78,10 @@ class DynamicSampling:
                 scores, metrics = self.score(generated)
             draws.append(generated)
             scored.append(scores)
+            ties.append(tied_groups(scores, self.n))
             reward_parts.append((len(scores), metrics))
-            varied += int((~tied_groups(scores, self.n)).sum())
-        tied = tied_groups(torch.cat(scored), self.n)
+            varied += int((~ties[-1]).sum())
+        tied = torch.cat(ties)
         chosen, filled = chosen_groups(tied, self.need)
         if filled:
             print(

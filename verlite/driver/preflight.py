@@ -85,7 +85,7 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
             )
         copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
         weights = trained + (weights if copied else 0)
-    rows = -(-cfg.sequences_per_step // cfg.generating_workers)
+    rows = cfg.rows_per_generating_worker
     kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
     kv = cache_bytes(config, rows, cfg.max_sequence_length, kv_dtype)
     total = torch.cuda.get_device_properties(0).total_memory

@@ -193,7 +193,6 @@ class StepSource:
         on them (staleness 0), without log-probs. A checkpoint after the step saves the
         loader past them."""
         prompts = self._draw(step, first_prompt=draw * self.cfg.data.train_batch_size)
-        records = self._env_records(prompts.records)
         start = time.perf_counter()
         if self.rollout is None:
             batch = self.actor.call(
@@ -201,22 +200,13 @@ class StepSource:
                 prompts.prompts,
                 self.sampling,
                 self._seed(step),
-                records,
+                self._env_records(prompts.records),
                 in_step=True,
                 dispatch="dp_split",
                 collect="concat",
             )
         else:
-            batch = self.rollout.call(
-                "generate",
-                prompts.prompts,
-                self.sampling,
-                self._seed(step),
-                step - 1,
-                records,
-                dispatch="dp_split",
-                collect="concat",
-            )
+            batch = self._rollout_generation(step, prompts, step - 1).result()
         self._taken_state = prompts.loader_state
         metrics = _versions(step, generated_by=step - 1)
         if self.rollout is None:  # as the driver times it (the actor times its own otherwise)
@@ -312,7 +302,14 @@ class StepSource:
     def _submit(self, step: int, version: int, sync: WeightSync | None) -> None:
         assert self.rollout is not None
         prompts = self._draw(step)
-        generation = self.rollout.call_async(
+        generation = self._rollout_generation(step, prompts, version)
+        self._in_flight.append(_InFlight(prompts, version, generation, sync))
+
+    def _rollout_generation(self, step: int, prompts: StepPrompts, version: int) -> PendingCall:
+        """The rollout group's generation of ``prompts`` (of ``step``) by the weights of
+        ``version``, queued behind its earlier calls."""
+        assert self.rollout is not None
+        return self.rollout.call_async(
             "generate",
             prompts.prompts,
             self.sampling,
@@ -322,7 +319,6 @@ class StepSource:
             dispatch="dp_split",
             collect="concat",
         )
-        self._in_flight.append(_InFlight(prompts, version, generation, sync))
 
     def _finish(self, sync: WeightSync) -> dict[str, float]:
         """Wait for a sync on the actor, then on every rollout worker; its metrics."""

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
+from verlite.data.answers import GSM8K_MARK
+
 # A number as GSM8K writes final answers: optional $, sign, thousands commas, decimals.
 _NUMBER = re.compile(r"\s*\$?\s*(-?[\d,]*\.?\d+)")
-_MARK = "####"
 
 
 def exact_match(response: str, answer: str, prompt: str) -> float:
@@ -26,12 +27,12 @@ def gsm8k(response: str, answer: str, prompt: str) -> float:
     as decimals, so ``1,234`` matches ``1234`` and ``42.0`` matches ``42``. A response
     without ``####`` scores 0.
     """
-    expected = _leading_number(answer.rsplit(_MARK, 1)[-1])
+    expected = _leading_number(answer.rsplit(GSM8K_MARK, 1)[-1])
     if expected is None:
         raise ValueError(f"gsm8k reward: the answer {answer!r} holds no number")
-    if _MARK not in response:
+    if GSM8K_MARK not in response:
         return 0.0
-    return float(_leading_number(response.rsplit(_MARK, 1)[1]) == expected)
+    return float(_leading_number(response.rsplit(GSM8K_MARK, 1)[1]) == expected)
 
 
 def _leading_number(text: str) -> Decimal | None:

@@ -54,9 +54,10 @@ class PolicyWorker(Worker):
         self, model: nn.Module, device: torch.device, *, lockstep: bool, trains_on: bool
     ) -> DecodeSettings:
         """How ``model`` decodes on ``device``: ``rollout.decode``, ``auto`` resolved
-        (``generation.decode.auto_mode``; an explicit mode the model cannot run was refused at
-        start-up, ``driver.preflight.check_generation``). The cache is reserved for this worker's share of a step (when it generates the rows
-        trained on: ``trains_on``) by the longest sequence."""
+        (``generation.decode.auto_mode``; an explicit mode the model cannot run was refused
+        at start-up, ``driver.preflight.check_generation``). The cache is reserved for this
+        worker's share of a step (when it generates the rows trained on: ``trains_on``) by
+        the longest sequence."""
         cfg, rollout = self.cfg, self.cfg.rollout
         mode = rollout.decode
         if mode == "auto":
@@ -66,7 +67,7 @@ class PolicyWorker(Worker):
                 lockstep=lockstep,
                 per_rank=rollout.randomness == "per_rank",
             )
-        rows = -(-cfg.sequences_per_step // cfg.generating_workers) if trains_on else 0
+        rows = cfg.rows_per_generating_worker if trains_on else 0
         return DecodeSettings(
             mode,
             batch_buckets=None

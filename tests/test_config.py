@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import BaseModel
 
 from verlite.config import MOVED_KEYS, Config, ConfigError, check_paths, load_config
@@ -258,6 +259,41 @@ def test_rollout_resources_default_to_the_trainers_and_tis_may_run_on_policy() -
     # one line for an invalid trainer value, not a second for the rollout that inherits it
     message = error_of("trainer.cpus_per_worker=-1")
     assert message.count("cpus_per_worker") == 1, message
+
+
+@pytest.mark.parametrize("has_gpu", [False, True])
+def test_auto_gpus_per_worker_is_resolved_at_load_from_this_machine(
+    has_gpu: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: has_gpu)
+    gpus = float(has_gpu)
+    cfg = load_config(None, [*BASE, "trainer.gpus_per_worker=auto", "rollout.placement=split"])
+    # the number, where the run and its logged config read it; the rollout inherits it
+    assert (cfg.trainer.gpus_per_worker, cfg.rollout.gpus_per_worker) == (gpus, gpus)
+    assert cfg.on_gpu is has_gpu and cfg.generates_on_gpu is has_gpu
+    assert cfg.precision == ("bf16-mixed" if has_gpu else "fp32")
+    split = load_config(
+        None,
+        [*BASE, "rollout.placement=split", "rollout.gpus_per_worker=auto"],
+    )
+    assert (split.trainer.gpus_per_worker, split.rollout.gpus_per_worker) == (0, gpus)
+    # a config reloaded with overrides resolves again, from the file's auto
+    assert load_config(cfg, ["trainer.total_steps=3"]).trainer.gpus_per_worker == gpus
+
+
+@pytest.mark.parametrize("section", ["trainer", "rollout"])
+def test_auto_gpus_per_worker_is_refused_for_a_cluster_and_other_words_are_named(
+    section: str,
+) -> None:
+    message = error_of(f"{section}.gpus_per_worker=auto", "trainer.ray_address=10.0.0.1:6379")
+    assert message == (
+        f"{section}.gpus_per_worker=auto gives each worker a GPU when this machine has one, for "
+        "an embedded Ray; with trainer.ray_address='10.0.0.1:6379' give the GPUs of one worker "
+        "as a number (1: a GPU each, 0: CPU workers)"
+    )
+    assert error_of(f"{section}.gpus_per_worker=many") == (
+        f"{section}.gpus_per_worker='many': expected the GPUs of one worker (a number >= 0), or auto"
+    )
 
 
 MOVED_STALENESS = (

@@ -6,6 +6,7 @@ tests/e2e/test_e2e_recipes.py."""
 from pathlib import Path
 
 import pytest
+import torch
 from chat_model_support import save_chat_model, write_gsm8k_parquet
 
 from verlite.config import ConfigError, load_config
@@ -21,20 +22,25 @@ def test_both_recipes_are_shipped() -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_a_recipe_loads_as_written_with_the_two_paths(recipe: Path, tmp_path: Path) -> None:
+def test_a_recipe_loads_as_written_with_the_two_paths(
+    recipe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     save_chat_model(tmp_path / "model")
     data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
     paths = [f"model.path={tmp_path / 'model'}", f"data.train_file={data}", f"data.val_file={data}"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = load_config(recipe, paths)
     assert (cfg.data.prompt_key, cfg.data.answer_key) == ("question", "answer")
     assert cfg.data.answer_rule == "gsm8k" and cfg.data.chat_template
     assert cfg.reward.fn == "math" and "####" in (cfg.data.prompt_suffix or "")
     assert cfg.sequences_per_step % cfg.actor.ppo_mini_batch_size == 0
     assert cfg.use_critic == (recipe.stem == "gsm8k_ppo")
-    # One GPU as written (bf16-mixed there); the documented CPU override gives fp32 on CPU.
-    assert cfg.on_gpu and cfg.precision == "bf16-mixed"
-    on_cpu = load_config(recipe, [*paths, "trainer.gpus_per_worker=0"])
-    assert not on_cpu.on_gpu and on_cpu.precision == "fp32"
+    # As written: CPU workers in fp32 on a machine without a GPU; a GPU each, in bf16-mixed,
+    # on a machine with one (trainer.gpus_per_worker: auto).
+    assert cfg.trainer.gpus_per_worker == 0 and not cfg.on_gpu and cfg.precision == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    on_gpu = load_config(recipe, paths)
+    assert on_gpu.trainer.gpus_per_worker == 1 and on_gpu.precision == "bf16-mixed"
     # The prompts, rendered by the model's template with the suffix, fit as written.
     train, val = build_datasets(cfg, load_tokenizer(cfg.model.path, task=None))
     assert len(train) == len(val) == 8

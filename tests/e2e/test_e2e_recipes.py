@@ -18,8 +18,8 @@ from verlite.data.tokenizer import encode_prompts, load_tokenizer
 
 RECIPES = Path("configs/recipes")
 # The recipe's code path at a size that runs in seconds here (its own sizes are a GPU's).
+# As written otherwise: trainer.gpus_per_worker auto makes them CPU workers here.
 TINY = (
-    "trainer.gpus_per_worker=0",  # the documented override for a machine without a GPU
     "data.max_prompt_length=128",
     "data.train_batch_size=4",
     "rollout.max_response_length=16",

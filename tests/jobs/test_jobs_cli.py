@@ -22,7 +22,7 @@ from jobs_support import REPO, client_env, free_port, run_verlite
 
 from verlite import cli
 from verlite.cli import build_parser
-from verlite.config import load_config
+from verlite.config import ConfigError, load_config
 from verlite.jobs import JobsError, connect, resolve_address
 from verlite.jobs.entrypoint import job_entrypoint, shown_command
 from verlite.jobs.resubmit import driver_died, links, resubmission
@@ -148,6 +148,17 @@ def test_the_job_keeps_the_users_loggers_and_adds_logline() -> None:
         job_id=JOB,
     )
     assert train_args(job.entrypoint).overrides[-1] == "trainer.loggers=[jsonl,logline]"
+
+
+def test_a_job_is_checked_as_the_cluster_will_load_it() -> None:
+    # auto counts the GPUs of the machine that loads the config: not the cluster's workers
+    with pytest.raises(ConfigError, match=r"^trainer.gpus_per_worker=auto .* give the GPUs"):
+        prepare_submission(
+            config=str(REPO / CONFIG),
+            overrides=["trainer.gpus_per_worker=auto"],
+            working_dir=REPO,
+            job_id=JOB,
+        )
 
 
 def test_max_restarts_is_set_and_a_resubmission_resumes_in_the_same_absolute_folder(

@@ -1,13 +1,14 @@
 """Fields that default to other fields, resolved once on the raw mapping before validation
 (the per-role worker counts, the rollout workers' resources, the critic's loss settings, the
-``seq-mean-token-sum-norm`` scale), so that the resolved config a run logs is the config it
-uses."""
+``seq-mean-token-sum-norm`` scale), and the GPUs per worker that ``auto`` leaves to this
+machine, so that the resolved config a run logs is the config it uses."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Annotated, Any
 
+import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from verlite.config.sections_rollout import RolloutConfig
@@ -23,7 +24,10 @@ def fill_inherited(data: Any) -> Any:
     data = dict(data)
     sections = {name: as_dict(data.get(name)) for name in ("actor", "critic", "trainer", "rollout")}
     rollout, trainer = sections["rollout"], sections["trainer"]
+    if isinstance(trainer, dict):
+        data["trainer"] = trainer = _resolve_auto_gpus(trainer, "trainer", trainer)
     if isinstance(rollout, dict):
+        rollout = _resolve_auto_gpus(rollout, "rollout", trainer)
         for key in ("workers_per_node", "cpus_per_worker", "gpus_per_worker"):
             value = _get(trainer, key, TrainerConfig)
             # An invalid trainer value is reported once, on the trainer.
@@ -57,6 +61,29 @@ def fill_inherited(data: Any) -> Any:
                 )
         data.update(actor=actor, critic=critic)
     return data
+
+
+def _resolve_auto_gpus(section: dict[str, Any], name: str, trainer: Any) -> dict[str, Any]:
+    """``section`` with ``gpus_per_worker: auto`` resolved: one GPU per worker when this
+    machine has a CUDA GPU, none otherwise. The workers of an embedded Ray (or of the Ray
+    session this process opened) run on this machine; a cluster's GPUs are not known here,
+    so with ``trainer.ray_address`` auto is refused."""
+    value = section.get("gpus_per_worker")
+    if not isinstance(value, str):
+        return section  # a number, or None: the field's own check
+    if value != "auto":
+        raise ValueError(
+            f"{name}.gpus_per_worker={value!r}: expected the GPUs of one worker (a number >= 0), "
+            "or auto"
+        )
+    address = trainer.get("ray_address") if isinstance(trainer, dict) else None
+    if address is not None:
+        raise ValueError(
+            f"{name}.gpus_per_worker=auto gives each worker a GPU when this machine has one, "
+            f"for an embedded Ray; with trainer.ray_address={address!r} give the GPUs of one "
+            "worker as a number (1: a GPU each, 0: CPU workers)"
+        )
+    return {**section, "gpus_per_worker": 1.0 if torch.cuda.is_available() else 0.0}
 
 
 def as_dict(section: Any) -> Any:

@@ -146,7 +146,8 @@ class RolloutConfig(Section):
     gpus_per_worker: float | None = Field(
         None,
         ge=0.0,
-        description="split: GPUs of one rollout worker; None uses trainer.gpus_per_worker.",
+        description="split: GPUs of one rollout worker; None uses trainer.gpus_per_worker; auto "
+        "as trainer.gpus_per_worker's.",
     )
     sync_bucket_mb: float = Field(
         128.0,

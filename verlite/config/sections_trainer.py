@@ -45,7 +45,13 @@ class TrainerConfig(Section):
         description="colocate: roles share bundles with fractional resources; split: a pool per role.",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
-    gpus_per_worker: float = Field(0.0, ge=0.0, description="GPUs of one worker bundle.")
+    gpus_per_worker: float = Field(
+        0.0,
+        ge=0.0,
+        description="GPUs of one worker bundle. auto: 1 when the machine that loads the config "
+        "has a CUDA GPU (the workers of an embedded Ray run there), 0 otherwise; resolved at load, "
+        "so the logged config holds the number (refused with ray_address: give a number).",
+    )
     ray_address: NonEmptyStr | None = Field(
         None, description="Ray cluster to connect to; None starts an embedded local Ray."
     )

@@ -18,6 +18,9 @@ from verlite.jobs.server import JobsError
 from verlite.redaction import carries_secret
 from verlite.yaml_files import read_mapping
 
+# Inside the job, Ray's RAY_ADDRESS names the cluster; without an address the trainer would
+# start a private Ray on the head node instead of joining the cluster.
+IN_CLUSTER = "trainer.ray_address=auto"
 # Never shipped: version control, environments, run outputs, caches and build metadata.
 DEFAULT_EXCLUDES = (
     ".git",
@@ -104,7 +107,8 @@ def prepare_submission(
     needs an absolute output folder, the one place both jobs see.
     """
     check_job_ids(job_id, (max_restarts or 0) if resubmit else 0)
-    cfg = load_config(config, overrides)
+    # Checked as the job will load it, in the cluster (trainer.gpus_per_worker=auto is refused).
+    cfg = load_config(config, [*overrides, IN_CLUSTER])
     for item in overrides:
         key, _, value = item.partition("=")
         if carries_secret(key.strip(), value.strip()):
@@ -137,9 +141,7 @@ def prepare_submission(
             if output_dir != Path(cfg.trainer.output_dir)
             else []
         ),
-        # Inside the job, Ray's RAY_ADDRESS names the cluster; without an address the trainer
-        # would start a private Ray on the head node instead of joining the cluster.
-        "trainer.ray_address=auto",
+        IN_CLUSTER,
         f"trainer.loggers=[{','.join(loggers)}]",
     ]
     extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}

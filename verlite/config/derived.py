@@ -74,6 +74,12 @@ class Derived:
         return self.rollout.max_response_length
 
     @property
+    def prompt_bos(self) -> bool:
+        """Whether a prompt's tokens start with the tokenizer's BOS: not under a chat template,
+        whose rendered text carries its own beginning."""
+        return not self.data.chat_template
+
+    @property
     def max_sequence_length(self) -> int:
         """The longest row of a step: a full prompt and a full response area (the models'
         position range, and the least a token budget must hold)."""

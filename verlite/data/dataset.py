@@ -205,6 +205,6 @@ def _dataset(
         tokenizer,
         max_prompt_length=data.max_prompt_length,
         overflow=data.prompt_overflow,
-        bos=not data.chat_template,
+        bos=cfg.prompt_bos,
     )
     return PromptDataset(tuple(records), name=name, num_truncated=truncated)

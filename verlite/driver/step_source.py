@@ -281,7 +281,7 @@ class StepSource:
             max_prompt_length=self.cfg.data.max_prompt_length,
             repeat=repeat,
             temperature=temperature,
-            bos=not self.cfg.data.chat_template,
+            bos=self.cfg.prompt_bos,
         )
 
     def _env_records(self, records: list[PromptRecord]) -> list[PromptRecord] | None:

@@ -120,9 +120,15 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
     """Collective: load in place into an identically built model and optimizer."""
     model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state = {"model": model_state, "optim": optim_state}
+    reader = _SafeReader(str(path))
     try:
+        # Read and checked before DCP reads it again: DCP's loader (torch 2.11) swallows a
+        # reader's refusal and reports only "metadata is None".
+        reader.read_metadata()
         with _single_process_intended():
-            dcp.load(state, storage_reader=_SafeReader(str(path)), planner=_SafeLoadPlanner())
+            dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
+    except (pickle.UnpicklingError, EOFError, OSError) as exc:
+        raise CheckpointLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     except CheckpointException as exc:
         # DCP gathers each rank's exception with its traceback into one BaseException;
         # the causes alone say what is wrong (a refused pickle, a shape that differs).

@@ -291,9 +291,11 @@ def test_auto_gpus_per_worker_is_refused_for_a_cluster_and_other_words_are_named
         "an embedded Ray; with trainer.ray_address='10.0.0.1:6379' give the GPUs of one worker "
         "as a number (1: a GPU each, 0: CPU workers)"
     )
-    assert error_of(f"{section}.gpus_per_worker=many") == (
-        f"{section}.gpus_per_worker='many': expected the GPUs of one worker (a number >= 0), or auto"
-    )
+    for value, echoed in (("many", "'many'"), ("-1", "-1"), ("true", "True")):
+        assert error_of(f"{section}.gpus_per_worker={value}") == (
+            f"{section}.gpus_per_worker={echoed}: expected the GPUs of one worker (a number >= 0), "
+            "or auto"
+        )
 
 
 MOVED_STALENESS = (

@@ -5,6 +5,7 @@ machine, so that the resolved config a run logs is the config it uses."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from verlite.config.sections_rollout import RolloutConfig
 from verlite.config.sections_trainer import TrainerConfig
 from verlite.config.sections_training import ActorConfig
+from verlite.errors import shown
 
 
 def fill_inherited(data: Any) -> Any:
@@ -65,16 +67,16 @@ def fill_inherited(data: Any) -> Any:
 
 def _resolve_auto_gpus(section: dict[str, Any], name: str, trainer: Any) -> dict[str, Any]:
     """``section`` with ``gpus_per_worker: auto`` resolved: one GPU per worker when this
-    machine has a CUDA GPU, none otherwise. The workers of an embedded Ray (or of the Ray
-    session this process opened) run on this machine; a cluster's GPUs are not known here,
-    so with ``trainer.ray_address`` auto is refused."""
+    machine has a CUDA GPU, none otherwise. The workers of an embedded Ray run on this
+    machine; a cluster's GPUs are not known here, so with ``trainer.ray_address`` auto is
+    refused (a Ray session this process opened itself is taken to be of this machine)."""
     value = section.get("gpus_per_worker")
-    if not isinstance(value, str):
-        return section  # a number, or None: the field's own check
-    if value != "auto":
+    if value is None or (_is_number(value) and value >= 0):
+        return section
+    if value != "auto":  # checked here: the field's union would name each of its types
         raise ValueError(
-            f"{name}.gpus_per_worker={value!r}: expected the GPUs of one worker (a number >= 0), "
-            "or auto"
+            f"{name}.gpus_per_worker={shown(value)}: expected the GPUs of one worker (a number "
+            ">= 0), or auto"
         )
     address = trainer.get("ray_address") if isinstance(trainer, dict) else None
     if address is not None:
@@ -84,6 +86,10 @@ def _resolve_auto_gpus(section: dict[str, Any], name: str, trainer: Any) -> dict
             "worker as a number (1: a GPU each, 0: CPU workers)"
         )
     return {**section, "gpus_per_worker": 1.0 if torch.cuda.is_available() else 0.0}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def as_dict(section: Any) -> Any:
@@ -97,10 +103,11 @@ def as_dict(section: Any) -> Any:
 
 def _is_valid(model: type[BaseModel], key: str, value: Any) -> bool:
     field = model.model_fields[key]
+    annotation = (
+        Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
+    )
     try:
-        TypeAdapter(Annotated[field.annotation, *field.metadata]).validate_python(
-            value, strict=model.model_config.get("strict")
-        )
+        TypeAdapter(annotation).validate_python(value, strict=model.model_config.get("strict"))
     except ValidationError:
         return False
     return True

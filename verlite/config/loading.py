@@ -156,23 +156,32 @@ def _union_args(annotation: Any) -> tuple[Any, ...]:
     return (annotation,)
 
 
-def _accepts_str(annotation: Any) -> bool:
+def _keeps_text(annotation: Any, text: str) -> bool:
+    """Whether an override's text is its value as it is: a string field's, a field of words'
+    (``actor.loss_agg_mode``), or one of the words of a field that also takes numbers
+    (``trainer.gpus_per_worker=auto``; its other values parse as YAML)."""
+    words = others = False
     for arg in _union_args(annotation):
         while typing.get_origin(arg) is Annotated:
             arg = typing.get_args(arg)[0]
-        if arg is str or (
-            typing.get_origin(arg) is Literal
-            and any(isinstance(v, str) for v in typing.get_args(arg))
-        ):
+        if arg is str:
             return True
-    return False
+        if typing.get_origin(arg) is Literal and any(
+            isinstance(v, str) for v in typing.get_args(arg)
+        ):
+            if text in typing.get_args(arg):
+                return True
+            words = True
+        elif arg is not type(None):
+            others = True
+    return words and not others
 
 
 def _parse_value(text: str, annotation: Any) -> Any:
     """Typed by the schema: a string field keeps the text as is (except null); others parse as YAML."""
     if text in ("null", "~", "None") and type(None) in _union_args(annotation):
         return None
-    if _accepts_str(annotation):
+    if _keeps_text(annotation, text):
         return text
     try:
         return load_text(text)

@@ -143,9 +143,9 @@ class RolloutConfig(Section):
         gt=0.0,
         description="split: CPUs of one rollout worker; None uses trainer.cpus_per_worker.",
     )
-    gpus_per_worker: float | None = Field(
+    # auto is resolved at load, before validation (config.defaults): a loaded config holds a number.
+    gpus_per_worker: Annotated[float, Field(ge=0.0)] | Literal["auto"] | None = Field(
         None,
-        ge=0.0,
         description="split: GPUs of one rollout worker; None uses trainer.gpus_per_worker; auto "
         "as trainer.gpus_per_worker's.",
     )

@@ -45,9 +45,9 @@ class TrainerConfig(Section):
         description="colocate: roles share bundles with fractional resources; split: a pool per role.",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
-    gpus_per_worker: float = Field(
+    # auto is resolved at load, before validation (config.defaults): a loaded config holds a number.
+    gpus_per_worker: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
         0.0,
-        ge=0.0,
         description="GPUs of one worker bundle. auto: 1 when the machine that loads the config "
         "has a CUDA GPU (the workers of an embedded Ray run there), 0 otherwise; resolved at load, "
         "so the logged config holds the number (refused with ray_address: give a number).",

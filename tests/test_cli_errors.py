@@ -265,6 +265,27 @@ def test_a_model_without_activation_checkpointing_is_refused_before_ray(
     assert not (tmp_path / "run").exists()
 
 
+def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    err = run(capsys, "train", "--config", CONFIG, out, "data.num_train_samples=40")
+    assert err == (
+        "verlite: error: 40 training prompts (data.task=copy, data.num_train_samples=40) are "
+        "fewer than one batch of data.train_batch_size=64\n"
+    )
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "{i}", "answer": "{i}"}}\n' for i in range(70)))
+    from_file = [out, "data.task=null", f"data.train_file={prompts}"]
+    err = run(capsys, "train", "--config", CONFIG, *from_file)
+    assert err == (
+        f"verlite: error: 6 training prompts (data.train_file={prompts} less "
+        "data.num_val_samples=64 held out) are fewer than one batch of data.train_batch_size=64\n"
+    )
+    # Nothing was written: the corrected command runs in the same folder.
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_moved_key_is_one_line_naming_its_new_place(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

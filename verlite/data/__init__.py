@@ -11,6 +11,7 @@ from verlite.data.files import DataError, PromptRecord, read_prompt_file
 from verlite.data.loader import (
     PromptBatch,
     PromptLoader,
+    check_fills_a_batch,
     collate_prompts,
     position_ids,
     prompt_tensordict,
@@ -34,6 +35,7 @@ __all__ = [
     "Task",
     "build_datasets",
     "build_task_tokenizer",
+    "check_fills_a_batch",
     "check_prompts",
     "collate_prompts",
     "encode_prompts",

@@ -20,6 +20,16 @@ from verlite.data.tokenizer import encode_prompts
 STATE_KEYS = ("epoch", "position", "seed")
 
 
+def check_fills_a_batch(num_prompts: int, batch_size: int, *, source: str = "") -> None:
+    """The training prompts (``source``: where they come from, for the message) hold at
+    least one batch: each epoch drops the remainder."""
+    if num_prompts < batch_size:
+        raise DataError(
+            f"{num_prompts} training prompts{source} are fewer than one batch of "
+            f"data.train_batch_size={batch_size}"
+        )
+
+
 class PromptLoader:
     """Endless batches of ``batch_size`` records, epoch after epoch.
 
@@ -38,11 +48,7 @@ class PromptLoader:
         seed: int,
         shuffle: bool = True,
     ) -> None:
-        if len(dataset) < batch_size:
-            raise DataError(
-                f"{len(dataset)} training prompts are fewer than one batch of "
-                f"data.train_batch_size={batch_size}"
-            )
+        check_fills_a_batch(len(dataset), batch_size)
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -15,7 +15,7 @@ from verlite import base_weights
 from verlite.config import Config, ConfigError
 from verlite.config.checks import longest_sequence_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
-from verlite.data import PromptDataset, build_datasets, load_tokenizer
+from verlite.data import PromptDataset, build_datasets, check_fills_a_batch, load_tokenizer
 from verlite.data.templates import turn_format
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
@@ -112,6 +112,19 @@ def check_placement(cfg: Config, *, in_session: bool) -> None:
         check_device(cfg)
 
 
+def _source(cfg: Config) -> str:
+    """Where a run's training prompts come from, as a message names it."""
+    data = cfg.data
+    if data.task is not None:
+        return f" (data.task={data.task}, data.num_train_samples={data.num_train_samples})"
+    held_out = (
+        f" less data.num_val_samples={data.num_val_samples} held out"
+        if data.val_file is None
+        else ""
+    )
+    return f" (data.train_file={data.train_file}{held_out})"
+
+
 @dataclass(frozen=True)
 class RunInputs:
     """What a run reads before any worker starts: the tokenizer, the prompt datasets, the
@@ -148,6 +161,7 @@ class RunInputs:
             if cfg.rollout.multi_turn.turn_stop is not None:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
+        check_fills_a_batch(len(train_set), cfg.data.train_batch_size, source=_source(cfg))
         turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in
         reward_fn = resolve_reward(cfg)
         if cfg.reward.model.path is not None:

@@ -1,9 +1,11 @@
 """Bad input at the command line: one line on stderr naming field, value and what is allowed;
 exit code 2; no traceback; nothing started (all of these fail before Ray)."""
 
+import importlib.metadata
 import json
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ from checkpoint_support import fake_checkpoint
 from verlite.cli import main
 from verlite.config import load_config
 from verlite.controller import check_device
-from verlite.errors import UserError
+from verlite.errors import MissingExtraError, UserError, import_extra
 
 CONFIG = "configs/ppo_tiny.yaml"
 
@@ -284,6 +286,23 @@ def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(
     )
     # Nothing was written: the corrected command runs in the same folder.
     assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_extra_names_its_requirement_or_the_editable_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # not installed: import fails
+    with pytest.raises(MissingExtraError, match=r"pip install 'math-verify>=0\.7' \(verl"):
+        import_extra("math_verify", feature="reward.fn=math", extra="math")
+
+    def not_installed(name: str) -> list[str]:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    # verlite run from its folder (PYTHONPATH), not installed: the extra from that folder
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    with pytest.raises(MissingExtraError) as info:
+        import_extra("math_verify", feature="reward.fn=math", extra="math")
+    assert str(info.value).endswith("install it with: pip install -e '.[math]' in verlite's folder")
 
 
 def test_a_moved_key_is_one_line_naming_its_new_place(

@@ -5,6 +5,7 @@ reason its message names: exit 1), their messages without credentials."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from types import ModuleType
 
 from verlite.redaction import redact_text
@@ -47,11 +48,27 @@ class MissingExtraError(UserError):
 
 
 def import_extra(module: str, *, feature: str, extra: str) -> ModuleType:
-    """Import the package behind an optional feature, or fail with the install command."""
+    """Import the package behind an optional feature, or fail with the install command: the
+    requirement of verlite's ``extra`` as its metadata (pyproject.toml) states it."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
         raise MissingExtraError(
             f"{feature} needs the {module!r} package, which cannot be imported ({exc}); "
-            f"install it with: pip install 'verlite[{extra}]'"
+            f"install it with: {_install_command(extra)}"
         ) from None
+
+
+def _install_command(extra: str) -> str:
+    """How to install verlite's ``extra``: its requirements as verlite's metadata
+    (pyproject.toml) states them, ``pip install 'math-verify>=0.7' (verlite's 'math'
+    extra)``; the editable install of the extra where verlite is not installed."""
+    try:
+        requires = importlib.metadata.requires("verlite") or []
+    except importlib.metadata.PackageNotFoundError:
+        requires = []
+    marker = f'extra == "{extra}"'
+    found = [r.split(";")[0].strip() for r in requires if r.split(";")[-1].strip() == marker]
+    if not found:
+        return f"pip install -e '.[{extra}]' in verlite's folder"
+    return f"pip install {' '.join(repr(r) for r in found)} (verlite's {extra!r} extra)"

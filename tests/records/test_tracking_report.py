@@ -233,7 +233,9 @@ def test_plot_needs_a_png_name_and_matplotlib(
     assert out == ""  # refused before the table, not after it
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, out, err = _metrics([run, "--plot", str(tmp_path / "run.png")], capsys)
-    assert code == 2 and "pip install 'verlite[plot]'" in err and out == ""
+    assert (
+        code == 2 and "pip install 'matplotlib>=3.7' (verlite's 'plot' extra)" in err and out == ""
+    )
     assert not (tmp_path / "run.png").exists()
 
 

@@ -185,7 +185,9 @@ def test_without_the_extra_the_run_is_refused_in_one_line(
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1
     assert "reward.fn=math needs the 'math_verify' package" in result.stderr
-    assert result.stderr.endswith("install it with: pip install 'verlite[math]'\n")
+    assert result.stderr.endswith(
+        "install it with: pip install 'math-verify>=0.7' (verlite's 'math' extra)\n"
+    )
 
 
 @pytest.mark.parametrize(

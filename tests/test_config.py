@@ -441,7 +441,22 @@ ERRORS = [
     (["data.train_file=prompts.jsonl"], "data.task or data.train_file: set exactly one"),
     (["model.hidden_size=30"], "model.hidden_size=30 must be divisible by model.num_heads=4"),
     (["data.min_digits=6"], "data.min_digits=6 must be <= data.max_digits=5"),
-    (["actor.optim=3"], "actor.optim=3: Input should be a valid dictionary"),
+    (
+        ["actor.optim=3"],
+        "actor.optim=3: expected a section: a mapping of its fields, as in "
+        "actor.optim={field: value, ...}, got an int",
+    ),
+    (
+        ["trainer=5", "trainer.total_steps=1"],
+        "override 'trainer.total_steps=1': trainer is not a section here (the file or an "
+        "earlier override set it to 5)",
+    ),
+    (
+        ["trainer={total_steps: 5"],
+        "override 'trainer={total_steps: 5': its value is not valid YAML (expected ',' or '}', "
+        "but got '<stream end>'); a section is given as trainer={field: value, ...}",
+    ),
+    (["actor.optim.lr=[1"], "override 'actor.optim.lr=[1': its value is not valid YAML"),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
@@ -559,7 +574,9 @@ def test_file_errors(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("data:\n  task: [copy\n")
     assert "is not valid YAML at line" in error_of(path=tmp_path / "bad.yaml")
     (tmp_path / "section.yaml").write_text("data: 3\n")
-    assert "data=3: Input should be a valid dictionary" in error_of(path=tmp_path / "section.yaml")
+    assert "data=3: expected a section: a mapping of its fields" in error_of(
+        path=tmp_path / "section.yaml"
+    )
     (tmp_path / "empty.yaml").write_text("")
     assert "data: required field is missing" in error_of(path=tmp_path / "empty.yaml")
 

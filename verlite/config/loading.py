@@ -87,7 +87,17 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep:
         raise ConfigError(malformed)
     section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
-    _assign(section, leaf, _parse_value(text.strip(), annotation), annotation)
+    try:
+        value = _parse_value(text.strip(), annotation)
+    except yaml.YAMLError as exc:
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(
+            f"override {item!r}: its value is not valid YAML ({problem}); a section is given "
+            f"as {key.strip()}={{field: value, ...}}"
+            if _section_type(annotation) is not None
+            else f"override {item!r}: its value is not valid YAML ({problem})"
+        ) from None
+    _assign(section, leaf, value, annotation)
 
 
 def _assign(section: dict[str, Any], leaf: str, value: Any, annotation: Any) -> None:
@@ -127,7 +137,8 @@ def _slot(
         child = section.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(
-                f"override {item or key!r}: {'.'.join(parts[: i + 1])} is not a section"
+                f"override {item or key!r}: {'.'.join(parts[: i + 1])} is not a section here "
+                f"(the file or an earlier override set it to {shown(child)})"
             )
         section = child
     return section, parts[-1], annotation
@@ -183,10 +194,7 @@ def _parse_value(text: str, annotation: Any) -> Any:
         return None
     if _keeps_text(annotation, text):
         return text
-    try:
-        return load_text(text)
-    except yaml.YAMLError:
-        return text  # let validation report the field, value and expected type
+    return load_text(text)
 
 
 # Keys that moved, by their old dotted name: the old one is refused in one line that names the
@@ -246,6 +254,10 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             )
             continue
         message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "model_type":  # a section given as something else
+            message = (
+                f"expected a section: a mapping of its fields, as in {dotted}={{field: value, ...}}"
+            )
         if err["type"] == "missing":
             lines.append(f"{dotted}: required field is missing")
         elif not loc or message.startswith(dotted):  # a cross-field check names its fields

@@ -103,7 +103,10 @@ def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
             ["actor.optim.betas=[0.9, true]"],
             "actor.optim.betas.1=True: Input should be a valid number",
         ),
-        (["data.shuffle=1"], "data.shuffle=1: Input should be a valid boolean, got an int"),
+        (
+            ["data.shuffle=1"],
+            "data.shuffle=1: Input should be a valid boolean (true or false), got an int",
+        ),
         (
             ["trainer={total_steps: true}"],
             "trainer.total_steps=True: Input should be a valid integer",
@@ -115,6 +118,21 @@ def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected
     assert expected in error_of(*overrides)
 
 
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "n", "Yes", "OFF"])
+def test_only_true_and_false_are_booleans_as_in_yaml_1_2(word: str, tmp_path: Path) -> None:
+    # YAML 1.1 reads these as booleans: a file or override would be coerced behind the user
+    expected = (
+        f"actor.use_kl_loss='{word}': Input should be a valid boolean (true or false), got a str"
+    )
+    assert error_of(f"actor.use_kl_loss={word}") == expected
+    path = tmp_path / "c.yaml"
+    path.write_text(f"data: {{task: copy}}\nactor: {{use_kl_loss: {word}}}\n")
+    assert error_of(path=path) == expected
+    for word in ("true", "True", "TRUE", "false", "False", "FALSE"):
+        path.write_text(f"data: {{task: copy}}\nactor: {{use_kl_loss: {word}}}\n")
+        assert load_config(path, [f"critic.packing={word}"]).actor.use_kl_loss is (word[0] in "tT")
+
+
 def test_numbers_from_a_file_and_the_api_are_as_strict_as_from_the_command_line(
     tmp_path: Path,
 ) -> None:
@@ -123,7 +141,7 @@ def test_numbers_from_a_file_and_the_api_are_as_strict_as_from_the_command_line(
     assert "trainer.total_steps='3': Input should be a valid integer, got a str" in error_of(
         path=path
     )
-    path.write_text("data: {task: copy}\ntrainer: {total_steps: yes}\n")  # YAML 1.1's true
+    path.write_text("data: {task: copy}\ntrainer: {total_steps: true}\n")
     assert "trainer.total_steps=True: Input should be a valid integer" in error_of(path=path)
     for overrides in (
         {"trainer.total_steps": True},

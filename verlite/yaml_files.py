@@ -22,11 +22,21 @@ from verlite.user_files import read_text
 
 
 class SafeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``1e-3`` as a number, as YAML 1.2 does: YAML 1.1
-    needs a dot (``1.0e-3``) and would otherwise give the string "1e-3", which a number
-    field refuses (config fields take no strings for numbers)."""
+    """``yaml.SafeLoader`` that reads numbers and booleans as YAML 1.2 does: ``1e-3`` is a
+    number (YAML 1.1 needs a dot, ``1.0e-3``, and would otherwise give the string "1e-3",
+    which a number field refuses), and only true and false are booleans (YAML 1.1 also reads
+    yes, no, on, off, y and n as booleans, which would turn ``enable: yes`` into true
+    behind the user's back: config fields are never coerced, so it is refused as a string)."""
 
 
+_BOOL = "tag:yaml.org,2002:bool"
+SafeLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+SafeLoader.add_implicit_resolver(
+    _BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 SafeLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),

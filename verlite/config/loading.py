@@ -254,6 +254,8 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             )
             continue
         message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "bool_type":
+            message += " (true or false)"
         if err["type"] == "model_type":  # a section given as something else
             message = (
                 f"expected a section: a mapping of its fields, as in {dotted}={{field: value, ...}}"

@@ -27,7 +27,8 @@ command line as a dotted override, `section.field=value` (e.g. `actor.optim.lr=1
 A section set as a mapping (`trainer={total_steps: 2}`) merges into the file's section; a
 mapping-valued field (`reward.combine`) is replaced. Values are never coerced: a whole number
 field takes no `true`, `2.0` or `"3"`, a number field no `false` or string (an int is a
-number), a string field no number; `1e-3` is a number. Unknown keys, wrong types,
+number), a string field no number; `1e-3` is a number, and only `true` and `false` are
+booleans (`yes`, `no`, `on` and `off` are words, as in YAML 1.2). Unknown keys, wrong types,
 out-of-range values, `inf` and `nan` are refused before anything starts, with one line
 naming the field, the value and what is allowed; a key that moved is refused with one line
 naming its new place (see "Moved keys" at the end).

@@ -2,6 +2,9 @@
 commands through ``add_commands``, every command with the handler that runs it."""
 
 import argparse
+import importlib.metadata
+
+import pytest
 
 from verlite import cli
 
@@ -30,3 +33,48 @@ def test_every_command_module_registers_commands_that_each_have_a_handler() -> N
         "stop",
         "list",
     ]
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli.main(list(argv))
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    return err
+
+
+def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # argparse alone says "the following arguments are required: --config"
+    assert _refused(capsys, "train", "--confg", "configs/ppo_tiny.yaml") == (
+        "verlite train: error: unrecognized arguments: --confg (did you mean --config?) "
+        "(see verlite train --help)\n"
+    )
+    # with every required flag given, the command (not `verlite`) names it, with its help
+    err = _refused(capsys, "check-invariance", "--config", "configs/ppo_tiny.yaml", "--mikro", "1")
+    assert err == (
+        "verlite check-invariance: error: unrecognized arguments: --mikro (did you mean "
+        "--micro?) (see verlite check-invariance --help)\n"
+    )
+    # a flag the command knows by a prefix is no mistake; nothing given is still "required"
+    assert "required: --config" in _refused(capsys, "train")
+    assert "unrecognized" not in _refused(capsys, "check-invariance", "--micr", "1")
+
+
+def test_the_version_is_installed_verlites_or_says_it_runs_from_source(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"verlite {importlib.metadata.version('verlite')}\n"
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    # an offline GPU machine runs verlite from its folder on PYTHONPATH: every command works
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out == "verlite (not installed: run from its source folder)\n"

@@ -12,12 +12,14 @@ train, audit or submit, so help, status, logs, list, stop and metrics answer at 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.metadata
 import os
 import signal
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from verlite import export, invariance_command, measure_packing, report, train_command
 from verlite.errors import RunFailure, UserError
@@ -41,18 +43,77 @@ EXIT_USER_ERROR = 2
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """Flag mistakes in one line, like every other user error (argparse prints its usage)."""
+    """Flag mistakes in one line, like every other user error (argparse prints its usage),
+    by the command they were given to; a misspelled flag is named before the flags it leaves
+    missing (argparse would only say that ``--config`` is required after ``--confg``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.given: list[str] = []  # what the last parse was given
+        self.commands: dict[str, _OneLineParser] = {}  # verlite's: each command's parser
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        self.given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
+        if message.startswith("the following arguments are required"):
+            unknown = self.unknown_flags(self.given)
+            if unknown:
+                message = self.unrecognized(unknown)
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def unknown_flags(self, given: Sequence[str]) -> list[str]:
+        """The flags in ``given`` that this command does not know (a known flag's prefix is
+        one, as argparse reads it). Values are not told from flags: enough for a message."""
+        known = [flag for action in self._actions for flag in action.option_strings]
+        return [
+            arg
+            for arg in given
+            if arg.startswith("--")
+            and arg != "--"
+            and not any(flag.startswith(arg.split("=", 1)[0]) for flag in known)
+        ]
 
-def build_parser() -> argparse.ArgumentParser:
+    def unrecognized(self, flags: Sequence[str]) -> str:
+        """The message for ``flags``, with the closest known flag of each."""
+        known = [flag for action in self._actions for flag in action.option_strings]
+        named = []
+        for flag in flags:
+            close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1)
+            named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+        return f"unrecognized arguments: {' '.join(named)}"
+
+
+def build_parser() -> _OneLineParser:
     parser = _OneLineParser(prog="verlite", description="Ray-distributed RL post-training for LMs.")
+    parser.add_argument("--version", action="version", version=f"verlite {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in COMMAND_MODULES:
         module.add_commands(commands)
+    parser.commands = commands.choices
     return parser
+
+
+def _version() -> str:
+    """verlite's version as installed; a source folder on the path (an offline GPU machine's
+    ``PYTHONPATH``) has no installed version."""
+    try:
+        return importlib.metadata.version("verlite")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: run from its source folder)"
+
+
+def _parse(parser: _OneLineParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The parsed arguments; arguments the chosen command does not know are refused by that
+    command (``verlite train: error: ...``, its help), not by ``verlite``."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser.commands[args.command]
+        command.error(command.unrecognized(extra))
+    return args
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> NoReturn:
@@ -79,8 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(build_parser(), argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         code: int = args.handler(args)

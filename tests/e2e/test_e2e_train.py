@@ -132,6 +132,10 @@ def test_each_algorithm_runs(tmp_path: Path, overrides: list[str], train, metric
         assert "actor/reward_kl_penalty_coeff" in records[-1]
     if cfg.critic.warmup_steps and cfg.use_critic:
         assert "actor/pg_loss" not in records[0] and "actor/pg_loss" in records[1]
+    # Every step's split and the actor's peak memory, the critic's warm-up steps' too.
+    for record in records:
+        for key in ("timing_s/gen", "timing_s/log_probs", "perf/max_memory_allocated_gb/actor"):
+            assert key in record, (record["step"], key)
 
 
 def test_train_from_a_hugging_face_directory(tmp_path: Path, train, metrics) -> None:

@@ -394,6 +394,8 @@ class Trainer:
         if step > cfg.critic.warmup_steps or self.critic is None:
             with timer("update_actor"):  # 6. actor update
                 metrics.update(self._update("actor", self.actor, batch))
+        else:  # the critic's warm-up: the actor's peak memory and generation time still count
+            metrics.update(self.actor.call("skip_update", dispatch="broadcast", collect="metrics"))
         metrics.update(self.step_source.updated(step))  # 7. the new weights to the rollout group
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)

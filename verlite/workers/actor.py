@@ -329,7 +329,14 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         """The policy updates of one step over this rank's share, ``(mini_batches, rows)``,
         the peak memory of the actor's work in the step and, when it generated the step's
         batch, the seconds of its generation and log-probs (the slowest rank's)."""
-        metrics = self._update(td)
-        metrics.update(self._rollout_seconds)
-        self._rollout_seconds = {}
-        return metrics
+        return {**self._update(td), **self._step_seconds()}
+
+    def skip_update(self) -> MetricDict:
+        """A step without the policy's update (the critic's warm-up, ``critic.warmup_steps``):
+        what the update reports of the step besides its own, the peak memory of the actor's
+        work in it and its generation's seconds."""
+        return {**self._peak(), **self._step_seconds()}
+
+    def _step_seconds(self) -> MetricDict:
+        seconds, self._rollout_seconds = self._rollout_seconds, {}
+        return seconds

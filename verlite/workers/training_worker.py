@@ -33,10 +33,14 @@ class TrainingWorker(Worker):
         peak memory of the role's work in the step (``perf/max_memory_allocated_gb/<role>``)."""
         self.peak_memory.begin()
         metrics = self.engine.train_step(td, self.loss_fn)
-        metrics[f"perf/max_memory_allocated_gb/{self.engine.metric_prefix}"] = (
-            self.peak_memory.metric()
-        )
+        metrics.update(self._peak())
         return metrics
+
+    def _peak(self) -> MetricDict:
+        """The peak memory of the role's work in the step, which ends the step's window."""
+        return {
+            f"perf/max_memory_allocated_gb/{self.engine.metric_prefix}": self.peak_memory.metric()
+        }
 
     def compute_profile(self) -> tuple[str | None, DecoderShape]:
         """Asked once at start-up: the name of this rank's GPU (None on CPU) and what its

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from verlite.audit.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
-from verlite.config import Config, load_config
+from verlite.config import Config, ConfigError, load_config
 from verlite.errors import UserError
 from verlite.records import metrics_log
 from verlite.records.compare import compared_metrics, first_difference, relative_difference
@@ -215,18 +215,26 @@ def layout_configs(
         "critic.warmup_steps=0",
         f"rollout.randomness={'per_rank' if negative_control else 'per_sample'}",
     ]
-    return [
-        load_config(
-            config,
-            [
-                *overrides,
-                *fixed,
-                *layout_overrides(base, layout),
-                f"trainer.output_dir={runs_dir / str(index)}",
-            ],
-        )
-        for index, layout in enumerate(layouts)
-    ]
+    configs = []
+    for index, layout in enumerate(layouts):
+        layout_keys = layout_overrides(base, layout)
+        try:
+            configs.append(
+                load_config(
+                    config,
+                    [
+                        *overrides,
+                        *fixed,
+                        *layout_keys,
+                        f"trainer.output_dir={runs_dir / str(index)}",
+                    ],
+                )
+            )
+        except ConfigError as exc:  # it names the keys the layout set: say which layout
+            raise ConfigError(
+                f"--layout {layout.describe(base.use_critic)} ({' '.join(layout_keys)}): {exc}"
+            ) from None
+    return configs
 
 
 def audit_runs(

@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build (docs/design.md, "Running here").
+# torch first and pinned (docs/design.md, "Running here"): an unpinned torch follows verlite's range
+# to the newest release, a multi-GB CUDA build here; 2.13.0 is the CPU build among this machine's wheels.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip

@@ -155,5 +155,5 @@ def test_read_metrics_as_frame_without_pandas_names_the_extra(
 ) -> None:
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "critic/score/mean": 0.5}\n')
     monkeypatch.setitem(sys.modules, "pandas", None)
-    with pytest.raises(UserError, match=r"pip install 'verlite\[pandas\]'"):
+    with pytest.raises(UserError, match=r"pip install 'pandas>=2' \(verlite's 'pandas' extra\)"):
         verlite.read_metrics(tmp_path, as_frame=True)

@@ -59,7 +59,9 @@ def test_start_up_errors_are_one_line_naming_the_field_or_the_extra(monkeypatch)
     check_lora_supported(MODEL, LoraConfig(rank=0, target_modules=("nothing",)))  # off
 
     monkeypatch.setitem(sys.modules, "peft", None)  # peft not installed: import fails
-    with pytest.raises(MissingExtraError, match=r"pip install 'verlite\[lora\]'$"):
+    with pytest.raises(
+        MissingExtraError, match=r"pip install 'peft>=0\.21' \(verlite's 'lora' extra\)$"
+    ):
         check_lora_supported(MODEL, LORA)
 
 

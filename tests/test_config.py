@@ -9,6 +9,7 @@ import torch
 from pydantic import BaseModel
 
 from verlite.config import MOVED_KEYS, Config, ConfigError, check_paths, load_config
+from verlite.config.sections_trainer import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["data.task=copy"]
@@ -295,8 +296,10 @@ def test_auto_gpus_per_worker_is_resolved_at_load_from_this_machine(
         [*BASE, "rollout.placement=split", "rollout.gpus_per_worker=auto"],
     )
     assert (split.trainer.gpus_per_worker, split.rollout.gpus_per_worker) == (0, gpus)
-    # a config reloaded with overrides resolves again, from the file's auto
+    # a config reloaded with overrides resolves again, from the file's auto; so does the
+    # section validated on its own (a loaded config never holds the word)
     assert load_config(cfg, ["trainer.total_steps=3"]).trainer.gpus_per_worker == gpus
+    assert TrainerConfig(gpus_per_worker="auto").gpus_per_worker == gpus
 
 
 @pytest.mark.parametrize("section", ["trainer", "rollout"])
@@ -306,10 +309,15 @@ def test_auto_gpus_per_worker_is_refused_for_a_cluster_and_other_words_are_named
     message = error_of(f"{section}.gpus_per_worker=auto", "trainer.ray_address=10.0.0.1:6379")
     assert message == (
         f"{section}.gpus_per_worker=auto gives each worker a GPU when this machine has one, for "
-        "an embedded Ray; with trainer.ray_address='10.0.0.1:6379' give the GPUs of one worker "
-        "as a number (1: a GPU each, 0: CPU workers)"
+        "an embedded Ray; on a Ray cluster, trainer.ray_address='10.0.0.1:6379', give the GPUs "
+        "of one worker as a number (1: a GPU each, 0: CPU workers)"
     )
-    for value, echoed in (("many", "'many'"), ("-1", "-1"), ("true", "True")):
+    # one line for a bad value, not one per member of the field's union, beside other errors
+    both = error_of(f"{section}.gpus_per_worker=-1", "data.task=countdown")
+    assert both.startswith("data.task='countdown': ") and both.endswith(
+        f"; {section}.gpus_per_worker=-1: expected the GPUs of one worker (a number >= 0), or auto"
+    )
+    for value, echoed in (("many", "'many'"), ("true", "True"), (".inf", "inf")):
         assert error_of(f"{section}.gpus_per_worker={value}") == (
             f"{section}.gpus_per_worker={echoed}: expected the GPUs of one worker (a number >= 0), "
             "or auto"

@@ -1,21 +1,18 @@
 """Fields that default to other fields, resolved once on the raw mapping before validation
 (the per-role worker counts, the rollout workers' resources, the critic's loss settings, the
-``seq-mean-token-sum-norm`` scale), and the GPUs per worker that ``auto`` leaves to this
-machine, so that the resolved config a run logs is the config it uses."""
+``seq-mean-token-sum-norm`` scale), so that the resolved config a run logs is the config it
+uses; and ``gpus_per_worker: auto``, refused for a cluster."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-import torch
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from verlite.config.sections_rollout import RolloutConfig
 from verlite.config.sections_trainer import TrainerConfig
 from verlite.config.sections_training import ActorConfig
-from verlite.errors import shown
 
 
 def fill_inherited(data: Any) -> Any:
@@ -27,9 +24,9 @@ def fill_inherited(data: Any) -> Any:
     sections = {name: as_dict(data.get(name)) for name in ("actor", "critic", "trainer", "rollout")}
     rollout, trainer = sections["rollout"], sections["trainer"]
     if isinstance(trainer, dict):
-        data["trainer"] = trainer = _resolve_auto_gpus(trainer, "trainer", trainer)
+        _check_auto_gpus(trainer, "trainer", trainer)
     if isinstance(rollout, dict):
-        rollout = _resolve_auto_gpus(rollout, "rollout", trainer)
+        _check_auto_gpus(rollout, "rollout", trainer)
         for key in ("workers_per_node", "cpus_per_worker", "gpus_per_worker"):
             value = _get(trainer, key, TrainerConfig)
             # An invalid trainer value is reported once, on the trainer.
@@ -65,31 +62,20 @@ def fill_inherited(data: Any) -> Any:
     return data
 
 
-def _resolve_auto_gpus(section: dict[str, Any], name: str, trainer: Any) -> dict[str, Any]:
-    """``section`` with ``gpus_per_worker: auto`` resolved: one GPU per worker when this
-    machine has a CUDA GPU, none otherwise. The workers of an embedded Ray run on this
-    machine; a cluster's GPUs are not known here, so with ``trainer.ray_address`` auto is
-    refused (a Ray session this process opened itself is taken to be of this machine)."""
-    value = section.get("gpus_per_worker")
-    if value is None or (_is_number(value) and value >= 0):
-        return section
-    if value != "auto":  # checked here: the field's union would name each of its types
-        raise ValueError(
-            f"{name}.gpus_per_worker={shown(value)}: expected the GPUs of one worker (a number "
-            ">= 0), or auto"
-        )
+def _check_auto_gpus(section: dict[str, Any], name: str, trainer: Any) -> None:
+    """``gpus_per_worker: auto`` (resolved by its field, ``config.fields``) counts this
+    machine's GPUs, where the workers of an embedded Ray run (a Ray session this process
+    opened itself is taken to be of this machine); a cluster's are not known here, so with
+    ``trainer.ray_address`` auto is refused."""
     address = trainer.get("ray_address") if isinstance(trainer, dict) else None
-    if address is not None:
-        raise ValueError(
-            f"{name}.gpus_per_worker=auto gives each worker a GPU when this machine has one, "
-            f"for an embedded Ray; with trainer.ray_address={address!r} give the GPUs of one "
-            "worker as a number (1: a GPU each, 0: CPU workers)"
-        )
-    return {**section, "gpus_per_worker": 1.0 if torch.cuda.is_available() else 0.0}
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if section.get("gpus_per_worker") != "auto" or address is None:
+        return
+    job = " (which verlite submit sets for its jobs)" if address == "auto" else ""
+    raise ValueError(
+        f"{name}.gpus_per_worker=auto gives each worker a GPU when this machine has one, for "
+        f"an embedded Ray; on a Ray cluster, trainer.ray_address={address!r}{job}, give the "
+        "GPUs of one worker as a number (1: a GPU each, 0: CPU workers)"
+    )
 
 
 def as_dict(section: Any) -> Any:

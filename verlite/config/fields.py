@@ -3,9 +3,11 @@ keys refused) and the field types the sections share."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict
+import torch
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 # Every size and count fits a 32-bit int: a 29-digit step count is a typo, not a plan.
 MAX_INT = 2**31 - 1
@@ -26,6 +28,27 @@ def _path(value: str) -> str:
 
 # A file or folder on the machine that runs verlite.
 PathStr = Annotated[NonEmptyStr, AfterValidator(_path)]
+
+
+def _gpus(value: Any) -> Any:
+    """``auto``: one GPU per worker when this machine has a CUDA GPU (the workers of an
+    embedded Ray run here), none otherwise; any other value a number >= 0, checked here in
+    one message rather than one per member of the field's union."""
+    if value == "auto":
+        return 1.0 if torch.cuda.is_available() else 0.0
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or not math.isfinite(value) or value < 0:
+        raise ValueError("expected the GPUs of one worker (a number >= 0), or auto")
+    return value
+
+
+# The GPUs of one worker: a number, or auto, resolved when the field is validated, so that a
+# loaded config holds the number (and the logged config the number the run used).
+GpusPerWorker = Annotated[Annotated[float, Field(ge=0.0)] | Literal["auto"], BeforeValidator(_gpus)]
+OptionalGpusPerWorker = Annotated[
+    Annotated[float, Field(ge=0.0)] | Literal["auto"] | None,
+    BeforeValidator(lambda value: None if value is None else _gpus(value)),
+]
 
 
 # A list (what YAML and JSON give) for a tuple field; its items stay strict.

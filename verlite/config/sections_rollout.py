@@ -8,7 +8,13 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from verlite.config.fields import NonEmptyStr, NonNegativeInt, PositiveInt, Section
+from verlite.config.fields import (
+    NonEmptyStr,
+    NonNegativeInt,
+    OptionalGpusPerWorker,
+    PositiveInt,
+    Section,
+)
 
 MIN_TEMPERATURE = 0.01
 
@@ -143,8 +149,7 @@ class RolloutConfig(Section):
         gt=0.0,
         description="split: CPUs of one rollout worker; None uses trainer.cpus_per_worker.",
     )
-    # auto is resolved at load, before validation (config.defaults): a loaded config holds a number.
-    gpus_per_worker: Annotated[float, Field(ge=0.0)] | Literal["auto"] | None = Field(
+    gpus_per_worker: OptionalGpusPerWorker = Field(
         None,
         description="split: GPUs of one rollout worker; None uses trainer.gpus_per_worker; auto "
         "as trainer.gpus_per_worker's.",

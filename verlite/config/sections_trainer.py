@@ -7,7 +7,15 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from verlite.config.fields import AsList, NonEmptyStr, NonNegativeInt, PathStr, PositiveInt, Section
+from verlite.config.fields import (
+    AsList,
+    GpusPerWorker,
+    NonEmptyStr,
+    NonNegativeInt,
+    PathStr,
+    PositiveInt,
+    Section,
+)
 
 
 class WandbConfig(Section):
@@ -45,8 +53,7 @@ class TrainerConfig(Section):
         description="colocate: roles share bundles with fractional resources; split: a pool per role.",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
-    # auto is resolved at load, before validation (config.defaults): a loaded config holds a number.
-    gpus_per_worker: Annotated[float, Field(ge=0.0)] | Literal["auto"] = Field(
+    gpus_per_worker: GpusPerWorker = Field(
         0.0,
         description="GPUs of one worker bundle. auto: 1 when the machine that loads the config "
         "has a CUDA GPU (the workers of an embedded Ray run there), 0 otherwise; resolved at load, "

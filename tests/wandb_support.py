@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
 
-def wandb_records(run_dir: Path) -> list[tuple[str, Any]]:
+def wandb_records(run_dir: Path, timeout_s: float = 30.0) -> list[tuple[str, Any]]:
+    """The records of an offline W&B run, once its service has written the last one (its
+    ``exit``): ``run.finish()`` can return before it has (wandb 0.31), and a process that
+    ends waits for it, but a test reads the file right after ``finish``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _read_records(run_dir)
+        if (records and records[-1][0] == "exit") or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
+def _read_records(run_dir: Path) -> list[tuple[str, Any]]:
     """The records of an offline W&B run, read from its ``run-<id>.wandb`` file as ``wandb
     sync`` reads it: a 7-byte header, then 32 KiB blocks of chunks (crc32, length, type:
-    1 whole, 2 first, 3 middle, 4 last) that join into protobuf ``Record`` messages."""
+    1 whole, 2 first, 3 middle, 4 last) that join into protobuf ``Record`` messages; a
+    record still being written is left out."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = run_dir.glob("run-*.wandb")
@@ -22,7 +36,7 @@ def wandb_records(run_dir: Path) -> list[tuple[str, Any]]:
             pos += 32768 - pos % 32768
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
+        if kind == 0 or pos + 7 + length > len(data):  # the end, or a chunk being written
             break
         chunks += data[pos + 7 : pos + 7 + length]
         pos += 7 + length

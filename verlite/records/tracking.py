@@ -300,7 +300,7 @@ class WandbLogger:
     def __init__(
         self, output_dir: Path, cfg: WandbConfig, *, start_step: int = 0, continuing: bool = False
     ) -> None:
-        self.wandb = wandb = import_extra("wandb", feature="the wandb logger", extra="wandb")
+        wandb = import_extra("wandb", feature="the wandb logger", extra="wandb")
         id_file = output_dir / "wandb_run_id"
         resume = (continuing or start_step > 0) and id_file.exists()
         run_id = (
@@ -342,9 +342,6 @@ class WandbLogger:
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.run.finish(exit_code=0 if outcome == "FINISHED" else 1)
-        # finish() can return before the service has written the run's last records to its
-        # offline file (seen with wandb 0.31); teardown waits for the service to end.
-        self.wandb.teardown()
 
 
 def check_wandb(cfg: WandbConfig) -> None:

@@ -60,6 +60,9 @@ def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_mi
     # a flag the command knows by a prefix is no mistake; nothing given is still "required"
     assert "required: --config" in _refused(capsys, "train")
     assert "unrecognized" not in _refused(capsys, "check-invariance", "--micr", "1")
+    # after --, words are positional (overrides); verlite itself asks for its command
+    assert "required: --config" in _refused(capsys, "train", "--", "--confg")
+    assert "required: COMMAND" in _refused(capsys, "--verbose")
 
 
 def test_the_version_is_installed_verlites_or_says_it_runs_from_source(

@@ -100,8 +100,11 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
         (
             ["--run", "--layout", "1:ddp:full", "--layout", "3:ddp:full"],
             # the layout named first: the keys in the config's message are the layout's
-            "--layout actor 3 ddp micro full, critic 1 ddp micro full (actor.workers_per_node=3 "
-            "actor.strategy=ddp ",
+            "--layout 3:ddp:full/1:ddp:full (actor.workers_per_node=3 actor.strategy=ddp ",
+        ),
+        (
+            ["--run", "--layout", "1:ddp:full", "--layout", "3:ddp:full"],
+            "): actor.ppo_mini_batch_size=16 must be divisible by the actor's 3 workers",
         ),
     ],
 )

@@ -119,7 +119,7 @@ def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected
     assert expected in error_of(*overrides)
 
 
-@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "y", "n", "Yes", "OFF"])
+@pytest.mark.parametrize("word", ["yes", "no", "on", "off", "Yes", "OFF"])
 def test_only_true_and_false_are_booleans_as_in_yaml_1_2(word: str, tmp_path: Path) -> None:
     # YAML 1.1 reads these as booleans: a file or override would be coerced behind the user
     expected = (
@@ -483,6 +483,15 @@ ERRORS = [
         "but got '<stream end>'); a section is given as trainer={field: value, ...}",
     ),
     (["actor.optim.lr=[1"], "override 'actor.optim.lr=[1': its value is not valid YAML"),
+    (
+        ["trainer.total_steps=2020-13-45"],  # YAML's date, which cannot be built
+        "override 'trainer.total_steps=2020-13-45': its value is not valid YAML (a value cannot "
+        "be built: month must be in 1..12)",
+    ),
+    (
+        ["trainer.total_steps=!!int x"],
+        "its value is not valid YAML (a value cannot be built: invalid literal for int()",
+    ),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
@@ -661,6 +670,11 @@ def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
     evil = tmp_path / "evil.yaml"
     evil.write_text("data: !!python/object/apply:os.system ['echo pwned']\n")
     assert "is not valid YAML" in error_of(path=evil)
+    # a value YAML cannot build is one line too, not a traceback
+    evil.write_text("data: {task: copy}\ntrainer: {total_steps: 2020-13-45}\n")
+    assert error_of(path=evil) == (
+        f"config file '{evil}' is not valid YAML: a value cannot be built: month must be in 1..12"
+    )
 
 
 def test_check_paths(tmp_path: Path) -> None:

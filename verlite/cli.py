@@ -44,8 +44,9 @@ EXIT_USER_ERROR = 2
 
 class _OneLineParser(argparse.ArgumentParser):
     """Flag mistakes in one line, like every other user error (argparse prints its usage),
-    by the command they were given to; a misspelled flag is named before the flags it leaves
-    missing (argparse would only say that ``--config`` is required after ``--confg``)."""
+    by the command they were given to; a command's misspelled flag is named before the flags
+    it leaves missing (argparse would only say that ``--config`` is required after
+    ``--confg``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -59,7 +60,7 @@ class _OneLineParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        if message.startswith("the following arguments are required"):
+        if message.startswith("the following arguments are required") and not self.commands:
             unknown = self.unknown_flags(self.given)
             if unknown:
                 message = self.unrecognized(unknown)
@@ -69,11 +70,11 @@ class _OneLineParser(argparse.ArgumentParser):
         """The flags in ``given`` that this command does not know (a known flag's prefix is
         one, as argparse reads it). Values are not told from flags: enough for a message."""
         known = [flag for action in self._actions for flag in action.option_strings]
+        flags = list(given)[: list(given).index("--")] if "--" in given else given
         return [
             arg
-            for arg in given
+            for arg in flags
             if arg.startswith("--")
-            and arg != "--"
             and not any(flag.startswith(arg.split("=", 1)[0]) for flag in known)
         ]
 

@@ -25,7 +25,7 @@ class SafeLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that reads numbers and booleans as YAML 1.2 does: ``1e-3`` is a
     number (YAML 1.1 needs a dot, ``1.0e-3``, and would otherwise give the string "1e-3",
     which a number field refuses), and only true and false are booleans (YAML 1.1 also reads
-    yes, no, on, off, y and n as booleans, which would turn ``enable: yes`` into true
+    yes, no, on and off as booleans, which would turn ``enable: yes`` into true
     behind the user's back: config fields are never coerced, so it is refused as a string)."""
 
 
@@ -45,8 +45,13 @@ SafeLoader.add_implicit_resolver(
 
 
 def load_text(text: str) -> Any:
-    """The value of YAML ``text`` read with :class:`SafeLoader` (a config override's value)."""
-    return yaml.load(text, Loader=SafeLoader)
+    """The value of YAML ``text`` read with :class:`SafeLoader` (a config override's value);
+    a value that cannot be built (``2020-13-45`` as a date, ``!!int x``) is a YAML error."""
+    try:
+        return yaml.load(text, Loader=SafeLoader)
+    except (ValueError, TypeError) as exc:  # what a constructor raised
+        problem = f"a value cannot be built: {exc}"
+        raise yaml.constructor.ConstructorError(None, None, problem) from None
 
 
 # Values a file may expand to, aliases counted where they are used: a run config has a few

@@ -1,7 +1,7 @@
 """The GSM8K recipes (configs/recipes, docs/recipes.md) through ``verlite train``, each with
 the user's two paths pointing at a tiny local instruct model and a GSM8K parquet, and sizes
-that run two steps on CPU in seconds: the recipe's code path (the file's own fields, its chat
-template, the math verifier, PPO's critic or GRPO's groups). Then its export (issue 37 item 5):
+that run two steps on CPU in seconds (on a GPU where there is one): the recipe's code path
+(the file's own fields, its chat template, the math verifier, PPO's critic or GRPO's groups). Then its export (issue 37 item 5):
 the folder loads with the Auto classes, its tokenizer renders the prompts the run trained on,
 and ``generate`` runs on them and ends where the rollouts did; a LoRA policy's ``--merge``
 output carries the same tokenizer and generation config."""
@@ -18,7 +18,8 @@ from verlite.data.tokenizer import encode_prompts, load_tokenizer
 
 RECIPES = Path("configs/recipes")
 # The recipe's code path at a size that runs in seconds here (its own sizes are a GPU's).
-# As written otherwise: trainer.gpus_per_worker auto makes them CPU workers here.
+# As written otherwise: trainer.gpus_per_worker auto makes them CPU workers on a machine
+# without a GPU (CI's; on one with a GPU, these runs are on cuda in bf16-mixed).
 TINY = (
     "data.max_prompt_length=128",
     "data.train_batch_size=4",

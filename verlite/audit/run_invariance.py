@@ -55,6 +55,11 @@ class RoleLayout:
     def __str__(self) -> str:
         return f"{self.workers} {self.strategy} micro {self.micro}"
 
+    @property
+    def spec(self) -> str:
+        """As ``--layout`` spells it: ``WORKERS:STRATEGY:MICRO``."""
+        return f"{self.workers}:{self.strategy}:{self.micro}"
+
 
 @dataclass(frozen=True)
 class RunLayout:
@@ -232,7 +237,8 @@ def layout_configs(
             )
         except ConfigError as exc:  # it names the keys the layout set: say which layout
             raise ConfigError(
-                f"--layout {layout.describe(base.use_critic)} ({' '.join(layout_keys)}): {exc}"
+                f"--layout {layout.actor.spec}/{layout.critic.spec} ({' '.join(layout_keys)}): "
+                f"{exc}"
             ) from None
     return configs
 

@@ -334,7 +334,9 @@ class ActorWorker(TrainingWorker, PolicyWorker):
     def skip_update(self) -> MetricDict:
         """A step without the policy's update (the critic's warm-up, ``critic.warmup_steps``):
         what the update reports of the step besides its own, the peak memory of the actor's
-        work in it and its generation's seconds."""
+        work in it (since this call when it did none: a rollout group generated, and no
+        log-probs were asked) and its generation's seconds."""
+        self.peak_memory.begin()
         return {**self._peak(), **self._step_seconds()}
 
     def _step_seconds(self) -> MetricDict:

@@ -5,7 +5,8 @@ On cuda, ``torch.cuda.max_memory_allocated`` since the role's first call of the 
 is reset there): the tensors torch allocated, not what its caching allocator reserved. On CPU,
 the worker process's peak resident set size (``ru_maxrss``), which never decreases: the most
 the process has held since it started, not what this step took. The actor and critic report
-it with their update's metrics; a rollout or reward-model rank, whose calls return rows, in a
+it with their update's metrics (the actor, in the critic's warm-up steps, with
+``skip_update``'s); a rollout or reward-model rank, whose calls return rows, in a
 column of its rows (:func:`with_peak`) that the driver takes out (:func:`pop_peak`).
 """
 

@@ -120,6 +120,25 @@ def test_tensorboard_event_files_hold_scalars_and_run_info(tmp_path: Path) -> No
     assert "s3cret" not in text
 
 
+def test_a_logger_that_fails_to_close_costs_the_others_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from verlite.records.tracking import ConsoleLogger
+
+    def server_gone(self: ConsoleLogger, outcome: str = "FINISHED") -> None:
+        raise ConnectionError("the tracking server is gone")
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setattr(ConsoleLogger, "close", server_gone)
+    tracker = Tracker(["console", "mlflow"], output_dir=tmp_path, total_steps=2)
+    tracker.log(1, STEPS[0])
+    with pytest.raises(ConnectionError, match="the tracking server is gone"):
+        tracker.close()
+    # the sink after it was still closed: its run ended, not left running
+    run = _only_run(_mlflow_client((tmp_path / "mlruns").as_uri()))
+    assert run.info.status == "FINISHED"
+
+
 def test_tensorboard_of_a_run_restarted_from_its_first_step_keeps_one_record_a_step(
     tmp_path: Path,
 ) -> None:

@@ -475,8 +475,17 @@ class Tracker:
             logger.log(step, clean)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
+        """Close every logger, each even when one before it fails (an MLflow server gone at
+        the end must not cost the other sinks their last records); the first failure is
+        raised once all are closed."""
+        failure: Exception | None = None
         for logger in self.loggers:
-            logger.close(outcome)
+            try:
+                logger.close(outcome)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> Tracker:
         return self

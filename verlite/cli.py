@@ -66,11 +66,16 @@ class _OneLineParser(argparse.ArgumentParser):
                 message = self.unrecognized(unknown)
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
-    def unknown_flags(self, given: Sequence[str]) -> list[str]:
-        """The flags in ``given`` that this command does not know (a known flag's prefix is
-        one, as argparse reads it). Values are not told from flags: enough for a message."""
-        known = [flag for action in self._actions for flag in action.option_strings]
-        flags = list(given)[: list(given).index("--")] if "--" in given else given
+    @property
+    def known_flags(self) -> list[str]:
+        return [flag for action in self._actions for flag in action.option_strings]
+
+    def unknown_flags(self, given: list[str]) -> list[str]:
+        """The flags in ``given`` before any ``--`` that this command does not know (a known
+        flag's prefix is one, as argparse reads it). Values are not told from flags: enough
+        for a message."""
+        known = self.known_flags
+        flags = given[: given.index("--")] if "--" in given else given
         return [
             arg
             for arg in flags
@@ -80,10 +85,9 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def unrecognized(self, flags: Sequence[str]) -> str:
         """The message for ``flags``, with the closest known flag of each."""
-        known = [flag for action in self._actions for flag in action.option_strings]
         named = []
         for flag in flags:
-            close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1)
+            close = difflib.get_close_matches(flag.split("=", 1)[0], self.known_flags, n=1)
             named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
         return f"unrecognized arguments: {' '.join(named)}"
 

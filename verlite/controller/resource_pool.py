@@ -362,7 +362,8 @@ def _check_room(cfg: Config, have: dict[str, float], where: str) -> None:
                 if amount
             )
             raise ClusterTooSmall(
-                f"the workers ask for {total:g} {key}{'s' * (total != 1)} ({parts}), {where} has {available:g}; "
+                f"the workers ask for {total:g} {key}{'s' * (total != 1)} ({parts}), "
+                f"{where} has {available:g}; "
                 "lower the workers per node or the CPUs/GPUs per worker "
                 "(trainer., actor., critic., reward.model., rollout.workers_per_node and "
                 "*_per_worker)"

@@ -142,7 +142,7 @@ BAD_OVERRIDES = [
     (["model.path=configs"], "model.path='configs' is not a Hugging Face model directory"),
     (["actor.optim.lr=.inf"], "actor.optim.lr=inf: Input should be a finite number"),
     (["rollout.temperature=.nan"], "rollout.temperature=nan: Input should be a finite number"),
-    (["actor.optim.lr=inf"], "actor.optim.lr='inf': Input should be a valid number, got a str"),
+    (["actor.optim.lr=inf"], "actor.optim.lr='inf': Input should be a valid number, got a string"),
     (["actor.optim.betas=[0.9,1.0]"], "actor.optim.betas.1=1.0: Input should be less than 1"),
     (
         ["rollout.multi_turn.env=lookup"],

@@ -77,7 +77,7 @@ def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
     [
         (
             ["trainer.total_steps=True"],
-            "trainer.total_steps=True: Input should be a valid integer, got a bool",
+            "trainer.total_steps=true: Input should be a valid integer, got a boolean",
         ),
         (
             ["trainer.total_steps=2.0"],
@@ -86,33 +86,41 @@ def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
         (["trainer.seed=2.5"], "trainer.seed=2.5: Input should be a valid integer, got a float"),
         (
             ["trainer.total_steps='3'"],
-            "trainer.total_steps='3': Input should be a valid integer, got a str",
+            "trainer.total_steps='3': Input should be a valid integer, got a string",
         ),
         (
             ["rollout.temperature=False"],
-            "rollout.temperature=False: Input should be a valid number, got a bool",
+            "rollout.temperature=false: Input should be a valid number, got a boolean",
         ),
         (
             ["actor.optim.lr='1e-3'"],
-            "actor.optim.lr='1e-3': Input should be a valid number, got a str",
+            "actor.optim.lr='1e-3': Input should be a valid number, got a string",
         ),
         (
             ["reward.combine={fn: true}"],
-            "reward.combine.fn=True: Input should be a valid number, got a bool",
+            "reward.combine.fn=true: Input should be a valid number, got a boolean",
         ),
         (
             ["actor.optim.betas=[0.9, true]"],
-            "actor.optim.betas.1=True: Input should be a valid number",
+            "actor.optim.betas.1=true: Input should be a valid number",
         ),
         (
             ["data.shuffle=1"],
-            "data.shuffle=1: Input should be a valid boolean (true or false), got an int",
+            "data.shuffle=1: Input should be a valid boolean (true or false), got an integer",
         ),
         (
             ["trainer={total_steps: true}"],
-            "trainer.total_steps=True: Input should be a valid integer",
+            "trainer.total_steps=true: Input should be a valid integer",
         ),
         (["trainer.loggers=[console, 1]"], "trainer.loggers.1=1: Input should be 'console'"),
+        (
+            ["data.max_prompt_length=null"],
+            "data.max_prompt_length=null: Input should be a valid integer, got null",
+        ),
+        (
+            ["actor.optim.betas=[0.9, {b: true}]"],
+            "actor.optim.betas.1={b: true}: Input should be a valid number, got a mapping",
+        ),
     ],
 )
 def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected: str) -> None:
@@ -123,7 +131,7 @@ def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected
 def test_only_true_and_false_are_booleans_as_in_yaml_1_2(word: str, tmp_path: Path) -> None:
     # YAML 1.1 reads these as booleans: a file or override would be coerced behind the user
     expected = (
-        f"actor.use_kl_loss='{word}': Input should be a valid boolean (true or false), got a str"
+        f"actor.use_kl_loss='{word}': Input should be a valid boolean (true or false), got a string"
     )
     assert error_of(f"actor.use_kl_loss={word}") == expected
     path = tmp_path / "c.yaml"
@@ -139,11 +147,11 @@ def test_numbers_from_a_file_and_the_api_are_as_strict_as_from_the_command_line(
 ) -> None:
     path = tmp_path / "c.yaml"
     path.write_text('data: {task: copy}\ntrainer: {total_steps: "3"}\n')
-    assert "trainer.total_steps='3': Input should be a valid integer, got a str" in error_of(
+    assert "trainer.total_steps='3': Input should be a valid integer, got a string" in error_of(
         path=path
     )
     path.write_text("data: {task: copy}\ntrainer: {total_steps: true}\n")
-    assert "trainer.total_steps=True: Input should be a valid integer" in error_of(path=path)
+    assert "trainer.total_steps=true: Input should be a valid integer" in error_of(path=path)
     for overrides in (
         {"trainer.total_steps": True},
         {"rollout.top_p": "0.5"},
@@ -317,7 +325,7 @@ def test_auto_gpus_per_worker_is_refused_for_a_cluster_and_other_words_are_named
     assert both.startswith("data.task='countdown': ") and both.endswith(
         f"; {section}.gpus_per_worker=-1: expected the GPUs of one worker (a number >= 0), or auto"
     )
-    for value, echoed in (("many", "'many'"), ("true", "True"), (".inf", "inf")):
+    for value, echoed in (("many", "'many'"), ("true", "true"), (".inf", "inf")):
         assert error_of(f"{section}.gpus_per_worker={value}") == (
             f"{section}.gpus_per_worker={echoed}: expected the GPUs of one worker (a number >= 0), "
             "or auto"
@@ -470,7 +478,7 @@ ERRORS = [
     (
         ["actor.optim=3"],
         "actor.optim=3: expected a section: a mapping of its fields, as in "
-        "actor.optim={field: value, ...}, got an int",
+        "actor.optim={field: value, ...}, got an integer",
     ),
     (
         ["trainer=5", "trainer.total_steps=1"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+from collections.abc import Callable
 from types import ModuleType
 
 from verlite.redaction import redact_text
@@ -32,11 +33,12 @@ class RunFailure(RuntimeError):
         super().__init__(*_redacted(args))
 
 
-def shown(value: object, limit: int = 120) -> str:
-    """A user's value as a one-line message quotes it: its ``repr``, the middle cut out when
-    longer than ``limit`` characters (a pasted megabyte must not become the message). Secrets
-    are masked before the cut, which could leave a part of one on each side of it."""
-    text = redact_text(repr(value))
+def shown(value: object, limit: int = 120, render: Callable[[object], str] = repr) -> str:
+    """A user's value as a one-line message quotes it: its ``repr`` (or ``render``), the
+    middle cut out when longer than ``limit`` characters (a pasted megabyte must not become
+    the message). Secrets are masked before the cut, which could leave a part of one on each
+    side of it."""
+    text = redact_text(render(value))
     if len(text) <= limit:
         return text
     half = (limit - 5) // 2

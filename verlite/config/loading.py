@@ -269,13 +269,39 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
         else:
             value = err.get("input")
             if err["type"].endswith("_type"):  # strict: a value of another type, never coerced
-                message += f", got {_a(type(value).__name__)}"
-            lines.append(f"{dotted}={shown(value)}: {message}")
+                message += f", got {_yaml_kind(value)}"
+            lines.append(f"{dotted}={shown(value, render=_as_yaml)}: {message}")
     return "; ".join(dict.fromkeys(lines))
 
 
 def _a(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
+
+
+# A config value's kind and spelling as YAML names them: what the user wrote, not Python's.
+_KINDS = {bool: "a boolean", str: "a string", int: "an integer", float: "a float"}
+
+
+def _yaml_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return _KINDS.get(type(value), f"a {type(value).__name__}")
+
+
+def _as_yaml(value: object) -> str:
+    """``value`` spelled as in YAML's flow style: ``true``, ``null``, ``[1, 'a']``,
+    ``{fn: 0.5}``; a string quoted (``'3'`` is not the number 3)."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_as_yaml(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(map(_as_yaml, value)) + "]"
+    return repr(value)
 
 
 def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:

@@ -62,7 +62,29 @@ def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_mi
     assert "unrecognized" not in _refused(capsys, "check-invariance", "--micr", "1")
     # after --, words are positional (overrides); verlite itself asks for its command
     assert "required: --config" in _refused(capsys, "train", "--", "--confg")
-    assert "required: COMMAND" in _refused(capsys, "--verbose")
+    assert "required: COMMAND" in _refused(capsys)
+
+
+def test_a_flag_given_before_the_command_is_named_with_the_commands_that_know_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # argparse alone takes the config's path for the command ("invalid choice"), or says
+    # that COMMAND is required
+    err = _refused(capsys, "--config", "configs/ppo_tiny.yaml", "trainer.seed=1")
+    assert err == (
+        "verlite: error: --config is a flag of verlite train, verlite check-invariance, verlite "
+        "measure-packing, verlite submit, given before any command; a command comes first, as "
+        "in: verlite train --config configs/ppo_tiny.yaml trainer.seed=1 (see verlite --help)\n"
+    )
+    assert _refused(capsys, "--confg=a.yaml") == (
+        "verlite: error: unrecognized arguments: --confg=a.yaml (did you mean --config?); a "
+        "command comes first: verlite COMMAND ... (see verlite --help)\n"
+    )
+    assert "unrecognized arguments: --verbose (did you mean --version?)" in _refused(
+        capsys, "--verbose"
+    )
+    assert _refused(capsys, "trian").endswith("; did you mean train? (see verlite --help)\n")
+    assert "did you mean" not in _refused(capsys, "xyz")
 
 
 def test_the_version_is_installed_verlites_or_says_it_runs_from_source(

@@ -15,6 +15,7 @@ import argparse
 import difflib
 import importlib.metadata
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -60,7 +61,14 @@ class _OneLineParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
-        if message.startswith("the following arguments are required") and not self.commands:
+        if self.commands and self.unknown_flags(self.given[:1]):
+            # verlite's own: a command's flag given before the command (its value may be
+            # taken for the command, or the command found missing)
+            message = self.before_a_command(self.given[0])
+        elif self.commands and message.startswith("argument COMMAND: invalid choice"):
+            close = difflib.get_close_matches(self.given[0], list(self.commands), n=1)
+            message += f"; did you mean {close[0]}?" if close else ""
+        elif message.startswith("the following arguments are required"):
             unknown = self.unknown_flags(self.given)
             if unknown:
                 message = self.unrecognized(unknown)
@@ -82,6 +90,25 @@ class _OneLineParser(argparse.ArgumentParser):
             if arg.startswith("--")
             and not any(flag.startswith(arg.split("=", 1)[0]) for flag in known)
         ]
+
+    def before_a_command(self, flag: str) -> str:
+        """The message for a command's ``flag`` given to verlite before any command: the
+        commands that know it, and the line with the first of them."""
+        name = flag.split("=", 1)[0]
+        owners = [c for c, parser in self.commands.items() if name in parser.known_flags]
+        if not owners:
+            flags = {f for parser in (self, *self.commands.values()) for f in parser.known_flags}
+            close = difflib.get_close_matches(name, sorted(flags), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return (
+                f"unrecognized arguments: {flag}{hint}; a command comes first: "
+                f"{self.prog} COMMAND ..."
+            )
+        line = " ".join(shlex.quote(arg) for arg in [self.prog, owners[0], *self.given])
+        return (
+            f"{name} is a flag of {', '.join(f'{self.prog} {c}' for c in owners)}, given before "
+            f"any command; a command comes first, as in: {line}"
+        )
 
     def unrecognized(self, flags: Sequence[str]) -> str:
         """The message for ``flags``, with the closest known flag of each."""

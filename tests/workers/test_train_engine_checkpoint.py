@@ -93,3 +93,35 @@ def test_a_lora_checkpoint_holds_the_adapters_and_resumes_exactly(tmp_path: Path
     # the adapters and their AdamW moments: less than the model's weights alone
     stored = sum(f.stat().st_size for f in (tmp_path / "train_state").glob("*.distcp"))
     assert stored < sum(p.numel() * p.element_size() for p in saved.model.parameters())
+
+
+def test_a_resume_trains_with_its_own_optimizer_settings(tmp_path: Path) -> None:
+    """The learning rate, weight decay and betas of the resuming config, not the checkpoint's
+    (the optimizer's and the schedule's saved state hold those): a resume reports the change
+    and must make it. Mutation: without ``_apply_settings`` the resumed engine goes on at the
+    old peak lr, weight decay and betas."""
+    batch = make_batch(CONFIG)
+    saved = engine()
+    two_updates(saved, batch)
+    saved.save(tmp_path)
+    changed = {"lr": 3e-4, "weight_decay": 0.25, "betas": (0.8, 0.95)}
+    cfg = CONFIG.actor.model_copy(update={"optim": CONFIG.actor.optim.model_copy(update=changed)})
+
+    def changed_engine() -> TrainEngine:
+        model = build_policy(CONFIG.model, vocab_size=64, max_positions=64, seed=0)
+        return TrainEngine(model, cfg=cfg, total_updates=10, metric_prefix="actor")
+
+    resumed = changed_engine()
+    resumed.load(tmp_path)
+    # a run of the new settings from the start, at the same place of the schedule
+    fresh = changed_engine()
+    for _ in range(2):
+        fresh.optimizer.step()
+        fresh.scheduler.step()
+    for got, want in zip(resumed.optimizer.param_groups, fresh.optimizer.param_groups, strict=True):
+        assert {k: v for k, v in got.items() if k != "params"} == {
+            k: v for k, v in want.items() if k != "params"
+        }
+    assert resumed.scheduler.state_dict() == fresh.scheduler.state_dict()
+    after = two_updates(resumed, batch)
+    assert [m["actor/lr"] for m in after] == [m["actor/lr"] for m in two_updates(fresh, batch)]

@@ -20,6 +20,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -78,14 +79,19 @@ def lr_multiplier(step: int, *, optim: OptimConfig, total_updates: int) -> float
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * cosine
 
 
+def optimizer_settings(optim: OptimConfig) -> dict[str, Any]:
+    """The settings of an optimizer's parameter group that ``optim`` decides: those it is
+    built with, and those a resume applies over the checkpoint's (``TrainEngine.load``)."""
+    if optim.name == "sgd":
+        return {"lr": optim.lr, "weight_decay": optim.weight_decay}
+    return {"lr": optim.lr, "betas": optim.betas, "weight_decay": optim.weight_decay}
+
+
 def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimizer:
     """The optimizer of ``model``'s trainable parameters (a LoRA policy's adapters only)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if optim.name == "sgd":
-        return torch.optim.SGD(params, lr=optim.lr, weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(
-        params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
-    )
+    kind = torch.optim.SGD if optim.name == "sgd" else torch.optim.AdamW
+    return kind(params, **optimizer_settings(optim))
 
 
 def global_counts(td: TensorDict, *, device: torch.device) -> GlobalCounts:
@@ -249,6 +255,26 @@ class TrainEngine:
         # Loading puts the optimizer state on its parameters' device (as does saving).
         self._offload_optimizer_state()
         self.scheduler.load_state_dict(json.loads((path / "schedule.json").read_text()))
+        self._apply_settings()
+
+    def _apply_settings(self) -> None:
+        """This run's optimizer settings over the loaded ones: the optimizer's and the
+        schedule's state hold the peak learning rate, weight decay and betas the checkpoint
+        was trained with, and a resume that changes them (lowering the learning rate of a
+        run that diverged, say; ``check_resumable`` reports it) trains with its own from the
+        schedule's position on. Unchanged, each value is the one loaded, bit for bit: the
+        learning rate is computed as the schedule's step computes it."""
+        settings = optimizer_settings(self.cfg.optim)
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group.update(settings, initial_lr=settings["lr"])
+        scheduler = self.scheduler
+        scheduler.base_lrs = [group["initial_lr"] for group in groups]
+        for group, base, multiplier in zip(
+            groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+        ):
+            group["lr"] = base * multiplier(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reads
 
 
 def micro_batch(

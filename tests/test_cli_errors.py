@@ -514,6 +514,21 @@ def test_a_lora_checkpoint_resumes_only_with_the_same_adapters(
     assert re.search(r"cannot resume from .*step_3: actor.lora.rank=4 there, 0 here", err), err
 
 
+def test_a_checkpoint_of_another_optimizer_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Its state is another optimizer's: loading it in the workers failed after Ray started,
+    on a key DCP could not find (``optim.state...step``)."""
+    from verlite.config import load_config
+
+    saved = load_config(CONFIG, ["critic.optim.name=sgd"]).model_dump(mode="json")
+    fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert re.search(
+        r"cannot resume from .*step_3: critic.optim.name='sgd' there, 'adamw' here", err
+    ), err
+
+
 def test_a_checkpoint_from_before_lora_is_full_training(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

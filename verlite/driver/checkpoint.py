@@ -77,8 +77,10 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
 # Settings that must be the same to resume: the model's shape (its precision may change: weights
 # convert), and what the data position of the checkpoint counts in (the prompts and their
 # order), and the adapters a LoRA checkpoint holds (its shapes, their scale, the layers they
-# apply to; the base is rebuilt from the model settings and the seed). The run's place and
-# bounds may change freely; any other change is allowed and reported in one line.
+# apply to; the base is rebuilt from the model settings and the seed), and each role's
+# optimizer (its saved state is that optimizer's: AdamW's moments are not SGD's). The run's
+# place and bounds may change freely; any other change is allowed and reported in one line
+# (an optimizer's settings then apply from the resumed step: ``TrainEngine.load``).
 _MAY_CONVERT = {"model.dtype", "model.precision"}
 _MUST_MATCH = (
     "model.",
@@ -87,6 +89,8 @@ _MUST_MATCH = (
     "actor.lora.rank",
     "actor.lora.alpha",
     "actor.lora.target_modules",
+    "actor.optim.name",
+    "critic.optim.name",
 )
 # Settings added after checkpoints were first written, as those older checkpoints ran them.
 _PREDATED = {"actor.lora.rank": 0}

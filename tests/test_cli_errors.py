@@ -479,6 +479,7 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
         ("trainer_state.json", '{"step": "3"}', r"'step' is not a whole number >= 0; 'kl_coef'"),
         ("trainer_state.json", "[3]", r"trainer_state\.json is damaged: a list, not a JSON"),
         ("critic/schedule.json", '{"last_epoch":', r"critic/schedule\.json is damaged"),
+        ("actor/engine_state.json", "[0]", r"actor/engine_state\.json is damaged: a list"),
     ],
 )
 def test_a_damaged_checkpoint_file_is_one_line_before_ray(

@@ -125,3 +125,79 @@ def test_a_resume_trains_with_its_own_optimizer_settings(tmp_path: Path) -> None
     assert resumed.scheduler.state_dict() == fresh.scheduler.state_dict()
     after = two_updates(resumed, batch)
     assert [m["actor/lr"] for m in after] == [m["actor/lr"] for m in two_updates(fresh, batch)]
+
+
+def _nonfinite(model, td):
+    """The PPO loss made NaN: its update is skipped (a non-finite gradient norm)."""
+    loss, metrics = LOSS(model, td)
+    return loss * float("nan"), metrics
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_a_save_before_the_first_update_changes_nothing(tmp_path: Path, name: str) -> None:
+    """A checkpoint of an optimizer that never stepped (the actor during the critic's
+    warm-up): DCP's ``get_state_dict`` gives it state by a zero step, which made AdamW's
+    first real update its second (another bias correction) in the run that saved and in
+    its resumes, so ``trainer.save_freq`` changed the training."""
+    cfg = CONFIG.actor.model_copy(
+        update={"optim": CONFIG.actor.optim.model_copy(update={"name": name})}
+    )
+
+    def fresh() -> TrainEngine:
+        model = build_policy(CONFIG.model, vocab_size=64, max_positions=64, seed=0)
+        return TrainEngine(model, cfg=cfg, total_updates=10, metric_prefix="actor")
+
+    batch = make_batch(CONFIG)
+    straight = fresh()
+    updates = two_updates(straight, batch)
+    saved = fresh()
+    saved.save(tmp_path)
+    assert two_updates(saved, batch) == updates
+    resumed = fresh()
+    resumed.load(tmp_path)
+    assert two_updates(resumed, batch) == updates
+    for name, value in full_state_dict(straight.model).items():
+        torch.testing.assert_close(full_state_dict(resumed.model)[name], value, rtol=0, atol=0)
+
+
+def test_skipped_updates_before_a_save_resume_exactly(tmp_path: Path) -> None:
+    """Non-finite updates before a checkpoint: it loads (the run's first update skipped
+    left NaN gradients, so DCP saved no optimizer state and the load asked for state the
+    checkpoint lacked), and the resumed run counts on from the saved streak of skipped
+    updates (it restarted from 0, so ``nonfinite_streak`` and the divergence stop
+    differed)."""
+    batch = make_batch(CONFIG)
+
+    def run(eng: TrainEngine, save: Path | None = None) -> list[dict]:
+        first = [eng.train_mini_batch(batch.clone(), _nonfinite)]
+        if save is not None:
+            eng.save(save)
+            return first
+        return [*first, eng.train_mini_batch(batch.clone(), _nonfinite), *two_updates(eng, batch)]
+
+    straight = run(engine())
+    assert [m["actor/nonfinite_streak"].value for m in straight] == [1, 2, 0, 0]
+    # repr: the skipped updates' grad norms are NaN, which equals nothing
+    assert repr(run(engine(), tmp_path)) == repr(straight[:1])
+    resumed = engine()
+    resumed.load(tmp_path)
+    then = [resumed.train_mini_batch(batch.clone(), _nonfinite), *two_updates(resumed, batch)]
+    assert repr(then) == repr(straight[1:])
+
+
+def _save_after_a_skipped_update(rank: int, world: int, path: str, batch) -> None:
+    eng = engine("fsdp")
+    eng.train_mini_batch(batch[rank::world], _nonfinite)
+    eng.save(Path(path))
+    assert not eng.optimizer.state  # saving gave it none to train on
+
+
+def test_an_fsdp_checkpoint_before_any_step_loads_into_one_rank(tmp_path: Path) -> None:
+    batch = make_batch(CONFIG)
+    run_on_ranks(_save_after_a_skipped_update, world_size=2, args=(str(tmp_path), batch))
+    single = engine()
+    single.load(tmp_path)
+    assert not single.optimizer.state and single.nonfinite_streak == 1
+    straight = engine()
+    straight.train_mini_batch(batch.clone(), _nonfinite)
+    assert repr(two_updates(single, batch)) == repr(two_updates(straight, batch))

@@ -3,7 +3,8 @@
 ``<output_dir>/checkpoints/step_N/`` holds everything needed to continue after step N:
 
     actor/, critic/        each worker group's model + optimizer (DCP, one shard per rank),
-                           LR schedule, and one RNG file per rank
+                           LR schedule, the streak of skipped updates (``engine_state.json``),
+                           and one RNG file per rank
     trainer_state.json     the driver's state: step, data position, KL coefficient, the
                            settings the weights were built with, and the identity of the
                            base model's weight files (``model.path``; ``base_weights``)
@@ -29,6 +30,7 @@ from verlite.config import MOVED_KEYS
 from verlite.errors import UserError
 from verlite.redaction import redact_config
 from verlite.user_files import parse_json, read_text
+from verlite.workers.train_engine import ENGINE_STATE
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -155,8 +157,9 @@ def check_resumable(
         if not (path / role / name).is_file()
     ]
     for role in roles:
-        if (path / role / "schedule.json").is_file():
-            _json_file(path / role / "schedule.json")
+        for name in ("schedule.json", ENGINE_STATE):  # the engine's, read by every rank
+            if (path / role / name).is_file():
+                _json_file(path / role / name)
     base, recorded = here.get("model.path"), state.get("base_weights")
     if (
         base is not None

@@ -63,6 +63,9 @@ from verlite.step_batch import (
 )
 from verlite.workers.forward import mark_packed
 
+# An engine checkpoint's own numbers besides the LR schedule: the streak of skipped updates.
+ENGINE_STATE = "engine_state.json"
+
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]
 
@@ -238,14 +241,23 @@ class TrainEngine:
 
     def save(self, path: Path) -> None:
         """Collective: trainable parameters + optimizer (DCP, sharded per rank), LR schedule
-        position. Frozen parameters (a LoRA policy's base) are rebuilt from the config, not
-        saved."""
+        position, the streak of skipped updates. Frozen parameters (a LoRA policy's base)
+        are rebuilt from the config, not saved. Saving changes nothing the run trains on."""
+        # The last update's gradients, which nothing reads again (each update starts by
+        # dropping them): with them left, DCP would save no state of an optimizer that never
+        # stepped (below), and a resume would ask for state the checkpoint lacks.
+        self.optimizer.zero_grad(set_to_none=True)
         save_train_state(self.model, self.optimizer, path / "train_state")
         # An optimizer without state yet gets it on its parameters' device to be saved.
         self._offload_optimizer_state()
+        self._drop_unstepped_state()
         if get_rank() == 0:
             # LambdaLR's state is plain numbers (the lambda itself is rebuilt from the config).
             (path / "schedule.json").write_text(json.dumps(self.scheduler.state_dict()))
+            # Every rank counts alike (the norm is global).
+            (path / ENGINE_STATE).write_text(
+                json.dumps({"nonfinite_streak": self.nonfinite_streak})
+            )
 
     def load(self, path: Path) -> None:
         """Collective: restore what :meth:`save` wrote (any number of ranks may have saved it)."""
@@ -256,6 +268,19 @@ class TrainEngine:
         self._offload_optimizer_state()
         self.scheduler.load_state_dict(json.loads((path / "schedule.json").read_text()))
         self._apply_settings()
+        self._drop_unstepped_state()
+        # Checkpoints from before it was saved hold none: their streak restarts at 0.
+        if (path / ENGINE_STATE).is_file():
+            state = json.loads((path / ENGINE_STATE).read_text())
+            self.nonfinite_streak = int(state["nonfinite_streak"])
+
+    def _drop_unstepped_state(self) -> None:
+        """An optimizer that has not stepped yet (the schedule counts its steps) holds no
+        state, as in a run that never saved: DCP's ``get_state_dict`` gives it some to save
+        and load, by a step of zero gradients at lr 0, which made AdamW's first real update
+        its second (another bias correction) in the run that saved and in its resumes."""
+        if self.scheduler.last_epoch == 0:
+            self.optimizer.state.clear()
 
     def _apply_settings(self) -> None:
         """This run's optimizer settings over the loaded ones: the optimizer's and the

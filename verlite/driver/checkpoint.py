@@ -208,20 +208,37 @@ def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
 
 
 def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) -> Path:
-    """Write the driver state last, rename the folder into place, drop old checkpoints."""
+    """Write the driver state last, rename the folder into place, drop old checkpoints.
+
+    Checkpoints of later steps than this one are of the run this one resumed before (a
+    ``trainer.resume`` path of an earlier step): the resumed run dropped their records from
+    ``metrics.jsonl`` and trains those steps again, so they go, and this one is the latest,
+    which ``trainer.resume=auto`` continues and ``keep`` never prunes."""
     state_file = tmp / TRAINER_STATE
     state_file.write_text(json.dumps(trainer_state, indent=1))
     with state_file.open() as f:
         os.fsync(f.fileno())
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():  # re-saving the same step after a resume
-        shutil.rmtree(final)
+        _discard(final)
     os.replace(tmp, final)
     for stale in tmp.parent.glob("step_*.tmp"):  # partial saves of runs that crashed
         shutil.rmtree(stale, ignore_errors=True)
-    for old in complete_checkpoints(tmp.parent.parent)[:-keep]:
-        shutil.rmtree(old)
+    done = complete_checkpoints(tmp.parent.parent)
+    mine = done.index(final)
+    for old in done[mine + 1 :] + done[: mine + 1][:-keep]:
+        _discard(old)
     return final
+
+
+def _discard(checkpoint: Path) -> None:
+    """Remove a checkpoint folder, first renamed out of the way (``step_N.discarded.tmp``, which
+    no resume takes and the next save removes): a crash while deleting it leaves no partial
+    ``step_N`` that its ``trainer_state.json`` would pass for complete."""
+    aside = checkpoint.with_name(f"{checkpoint.name}.discarded.tmp")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(checkpoint, aside)
+    shutil.rmtree(aside)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

@@ -42,6 +42,18 @@ def test_adaptive_controller_moves_towards_target_and_fixed_stays() -> None:
     assert adaptive.value == pytest.approx(0.12 * 0.9)
 
 
+def test_a_resumed_controller_continues_the_adaptive_coefficient_not_a_fixed_one() -> None:
+    """``Trainer.resume`` hands it the checkpoint's coefficient: the adaptive state goes on,
+    a fixed coefficient is this run's config's (it set the saved one over a changed
+    ``algorithm.kl_ctrl.kl_coef``, which the resume reported as changed)."""
+    fixed = KLController(0.01)
+    fixed.resume(0.001)
+    assert fixed.value == 0.01
+    adaptive = KLController(0.01, adaptive=True)
+    adaptive.resume(0.0123)
+    assert adaptive.value == 0.0123
+
+
 def test_step_statistics() -> None:
     from verlite.core.step_stats import step_statistics
 

@@ -84,3 +84,24 @@ def test_resume_gives_identical_metrics(
             logged[record.pop("step")] = record
     assert sorted(logged) == [1, 2, 3, 4, 5, 6]
     assert logged[5]["actor/pg_loss"] == pytest.approx(resumed[4]["actor/pg_loss"])
+
+
+def test_a_resume_trains_with_the_settings_it_changed(tmp_path: Path, train, metrics) -> None:
+    """A resume reports the settings it changes and trains with them: the optimizer's (its
+    saved state held the old peak lr) and a fixed in-reward KL coefficient (the checkpoint's
+    was set over it)."""
+    small = [
+        "algorithm.adv_estimator=grpo",
+        "rollout.n=2",
+        "algorithm.use_kl_in_reward=true",
+        "trainer.save_freq=1",
+        "trainer.val_freq=0",
+        "trainer.export=false",
+    ]
+    train(tmp_path, *small, "trainer.total_steps=1")
+    changed = ["algorithm.kl_ctrl.kl_coef=0.0125", "actor.optim.lr=0.0003"]
+    train(tmp_path, *small, "trainer.total_steps=2", *changed)
+    first, resumed = metrics(tmp_path)
+    assert first["actor/lr"] != 0.0003 and first["actor/reward_kl_penalty_coeff"] != 0.0125
+    assert resumed["actor/lr"] == 0.0003
+    assert resumed["actor/reward_kl_penalty_coeff"] == 0.0125

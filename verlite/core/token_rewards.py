@@ -36,6 +36,12 @@ class KLController:
     target_kl: float = 0.1
     horizon: int = 10000
 
+    def resume(self, saved: float) -> None:
+        """Continue from the coefficient a checkpoint saved: the adaptive controller's state.
+        A fixed coefficient is the config's, which a resume may change (and is told it did)."""
+        if self.adaptive:
+            self.value = saved
+
     def update(self, current_kl: float, n_samples: int) -> None:
         if not self.adaptive:
             return

@@ -336,7 +336,7 @@ class Trainer:
         for group in self.groups.trained:
             group.call("load_checkpoint", str(path / group.name))
         self.step_source.load_loader_state(state["loader"])
-        self.kl_ctrl.value = float(state["kl_coef"])
+        self.kl_ctrl.resume(float(state["kl_coef"]))
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
         version = int(state.get("weight_version", step))

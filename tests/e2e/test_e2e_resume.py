@@ -105,3 +105,14 @@ def test_a_resume_trains_with_the_settings_it_changed(tmp_path: Path, train, met
     assert first["actor/lr"] != 0.0003 and first["actor/reward_kl_penalty_coeff"] != 0.0125
     assert resumed["actor/lr"] == 0.0003
     assert resumed["actor/reward_kl_penalty_coeff"] == 0.0125
+
+
+def test_checkpoints_in_the_critics_warm_up_change_nothing(tmp_path: Path, train, metrics) -> None:
+    """The actor's optimizer has not stepped when a checkpoint of the critic's warm-up is
+    written: the zero step DCP gives it to have state to save made the actor's first update
+    AdamW's second, so save_freq=1 logged other actor metrics from step 2 on."""
+    short = ["critic.warmup_steps=1", "trainer.total_steps=3", "trainer.export=false"]
+    train(tmp_path / "never", *short, "trainer.save_freq=0")
+    train(tmp_path / "every", *short, "trainer.save_freq=1")
+    never = metrics(tmp_path / "never", stable_only=True)
+    assert metrics(tmp_path / "every", stable_only=True) == never

@@ -504,6 +504,36 @@ def test_a_checkpoint_in_another_precision_is_resumable(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("saved", "here"),
+    [
+        ("model.device=cpu", "model.device=cuda"),
+        ("model.attention_crossover=256", "model.attention_crossover=512"),
+        ("data.num_val_samples=32", "data.num_val_samples=16"),
+    ],
+)
+def test_a_checkpoint_resumes_on_another_machine_or_validation_set(
+    tmp_path: Path, saved: str, here: str
+) -> None:
+    """Settings of where and how a run computes, not what it trains (and the held-out
+    prompts: the training prompts are checked by their fingerprint) were refused as a
+    model or data setting that must match."""
+    from verlite.config import load_config
+    from verlite.driver.checkpoint import check_resumable
+
+    fake_checkpoint(
+        tmp_path, 3, ["actor"], config=load_config(CONFIG, [saved]).model_dump(mode="json")
+    )
+    changed = check_resumable(
+        tmp_path / "checkpoints" / "step_3",
+        config=load_config(CONFIG, [here]).model_dump(mode="json"),
+        roles=["actor"],
+        total_steps=4,
+        train_set={"records": 8, "sha256": "0" * 64},  # the checkpoint records none: any pass
+    )
+    assert changed == []
+
+
 def test_a_lora_checkpoint_resumes_only_with_the_same_adapters(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

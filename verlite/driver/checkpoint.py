@@ -98,7 +98,10 @@ _MUST_MATCH = (
 _PREDATED = {"actor.lora.rank": 0}
 _FREE = {
     "model.logits_chunk_tokens",  # how log-probs are computed, not what: a memory setting
+    "model.device",  # where: DCP loads onto the parameters' device
+    "model.attention_crossover",  # how packed rows are balanced: this machine's measurement
     "data.val_file",
+    "data.num_val_samples",  # the held-out prompts (training prompts it moves: refused below)
     "trainer.total_steps",
     "trainer.output_dir",
     "trainer.resume",

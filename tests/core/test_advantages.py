@@ -301,6 +301,29 @@ def test_grpo_constant_group_gives_zero_not_nan() -> None:
     close(advantages[2], torch.full((2,), 2.0 / (1.0 + 1e-6), dtype=torch.float64))
 
 
+@pytest.mark.parametrize("name", GROUP_NAMES)
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_float32_tied_groups_have_exactly_zero_advantage(name: str, norm_by_std: bool) -> None:
+    # Scores whose float32 group mean (sum / n, rounded) is an ulp off the tied score, as a
+    # reward model gives n identical responses: GRPO divided that ulp by a std of the same
+    # size, giving every row of the group an advantage of about +-0.87 (102.4, n = 7).
+    for score, n in [(102.40487670898438, 7), (1.1, 3), (0.1, 6), (7.3, 5)]:
+        rewards = torch.zeros(3 * n, 2)
+        rewards[:, 1] = torch.tensor([score, score + 1.0, score - 0.5]).repeat_interleave(n)
+        mask = torch.ones_like(rewards)
+        index = torch.arange(3).repeat_interleave(n)
+        advantages, _ = compute_advantages(
+            name,
+            AdvantageInputs(
+                token_level_rewards=rewards,
+                response_mask=mask,
+                index=index,
+                norm_adv_by_std=norm_by_std,
+            ),
+        )
+        assert torch.equal(advantages, torch.zeros_like(advantages)), (score, n)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("holes", [False, True])
 def test_rloo_matches_loop_reference(seed: int, holes: bool) -> None:

@@ -159,7 +159,13 @@ def _discounted_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor
 def _group_stats(
     scores: torch.Tensor, index: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sequence (group size, group mean, unbiased group std), gathered back to (B,).
+    """Per-sequence (group size, score minus group mean, unbiased group std), gathered back
+    to (B,).
+
+    Deviations are taken from each group's smallest score before the mean is: a group whose
+    scores tie then has deviations and std of exactly 0. Its mean taken directly (the sum
+    over n, rounded) may miss the tied score by an ulp, and GRPO's division by a std of the
+    same size turned that ulp into an advantage of order one for every row of the group.
 
     Groups of one sample get mean 0 and std 1: with no peers there is no baseline, so the
     score passes through unchanged (the convention of verl/OpenRLHF).
@@ -169,14 +175,16 @@ def _group_stats(
     n_groups = uniq.numel()
     zeros = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device)
     counts = zeros.index_add(0, inverse, torch.ones_like(scores))
-    means = zeros.index_add(0, inverse, scores) / counts.clamp(min=1)
+    lowest = zeros.scatter_reduce(0, inverse, scores, "amin", include_self=False)
+    shifted = scores - lowest[inverse]
+    shifted_means = zeros.index_add(0, inverse, shifted) / counts.clamp(min=1)
     # Two-pass variance (sum of squared deviations), not E[x^2] - E[x]^2, which cancels badly.
-    sq_dev = (scores - means[inverse]) ** 2
-    var = zeros.index_add(0, inverse, sq_dev) / (counts - 1).clamp(min=1)
-    singleton = counts <= 1
-    means = torch.where(singleton, torch.zeros_like(means), means)
-    stds = torch.where(singleton, torch.ones_like(var), var.sqrt())
-    return counts[inverse], means[inverse], stds[inverse]
+    deviations = shifted - shifted_means[inverse]
+    var = zeros.index_add(0, inverse, deviations**2) / (counts - 1).clamp(min=1)
+    singleton = (counts <= 1)[inverse]
+    deviations = torch.where(singleton, scores, deviations)
+    stds = torch.where(singleton, torch.ones_like(scores), var.sqrt()[inverse])
+    return counts[inverse], deviations, stds
 
 
 def _sequence_scores(
@@ -232,8 +240,7 @@ def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     token_level_rewards, response_mask = _checked(inputs, "grpo")
     group = _require_index(inputs, "grpo")
     scores = _sequence_scores(token_level_rewards, response_mask)
-    _, mean, std = _group_stats(scores, group)
-    adv = scores - mean
+    _, adv, std = _group_stats(scores, group)
     if inputs.norm_adv_by_std:
         adv = adv / (std + inputs.epsilon)
     advantages = _broadcast(adv, response_mask)
@@ -245,17 +252,17 @@ def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
 
     ``A_i = score_i - mean_{j != i} score_j`` over the other samples of the group, computed
-    as ``score_i * n/(n-1) - group_mean * n/(n-1)``; a group of one keeps ``score_i``.
+    as ``(score_i - group_mean) * n/(n-1)``; a group of one keeps ``score_i``.
     Broadcast over the valid tokens; ``returns = advantages``. Uses only ``index``.
     """
     token_level_rewards, response_mask = _checked(inputs, "rloo")
     group = _require_index(inputs, "rloo")
     scores = _sequence_scores(token_level_rewards, response_mask)
-    counts, mean, _ = _group_stats(scores, group)
+    counts, deviations, _ = _group_stats(scores, group)
     scale = counts / (counts - 1).clamp(min=1)
-    # _group_stats zeroes the mean of singletons; the scale must be 1 for them too.
+    # _group_stats passes singletons' scores through; the scale must be 1 for them too.
     scale = torch.where(counts > 1, scale, torch.ones_like(scale))
-    advantages = _broadcast(scores * scale - mean * scale, response_mask)
+    advantages = _broadcast(deviations * scale, response_mask)
     return advantages, advantages
 
 
@@ -288,6 +295,6 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor,
     token_level_rewards, response_mask = _checked(inputs, "reinforce_plus_plus_baseline")
     group = _require_index(inputs, "reinforce_plus_plus_baseline")
     scores = _sequence_scores(token_level_rewards, response_mask)
-    _, mean, _ = _group_stats(scores, group)
-    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    _, deviations, _ = _group_stats(scores, group)
+    advantages = masked_whiten(_broadcast(deviations, response_mask), response_mask)
     return advantages, advantages

@@ -233,3 +233,36 @@ def test_a_kept_head_stays_fp32_in_a_copy_stored_for_inference() -> None:
     dtypes = {name: p.dtype for name, p in stored.named_parameters()}
     assert dtypes["lm_head.weight"] == torch.float32
     assert dtypes["model.layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+
+
+# ------------------------------------------------------------------------- fp64 norms
+
+
+def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+@pytest.mark.parametrize("role", ["policy", "critic"])
+def test_fp64_models_normalize_in_fp64(role: str) -> None:
+    # Hugging Face's RMSNorm casts to float32: fp64 activations and gradients came out of it
+    # rounded to float32 (models.precision.fp64_norms).
+    cfg = config("model.precision=fp64").model
+    build = build_policy if role == "policy" else build_value_model
+    model = build(cfg, vocab_size=64, max_positions=32, seed=0)
+    reference = copy.deepcopy(model)
+    norms = _norms(model)
+    assert norms
+    hidden = torch.randn(3, norms[0].weight.shape[0], dtype=torch.float64, requires_grad=True)
+    for norm in [*norms, *_norms(reference)]:
+        out = norm(hidden)
+        variance = hidden.pow(2).mean(-1, keepdim=True)
+        exact = norm.weight * hidden * torch.rsqrt(variance + norm.variance_epsilon)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, exact, rtol=1e-15, atol=0)
+        # The copy's norms compute with the copy's own weights.
+        assert norm.forward.__self__ is norm
+
+
+def test_other_precisions_keep_hugging_faces_norms() -> None:
+    model = build_policy(config().model, vocab_size=64, max_positions=32, seed=0)
+    assert all("forward" not in vars(norm) for norm in _norms(model))

@@ -16,6 +16,7 @@ import pytest
 from verlite.audit.invariance import (
     MICRO_LAYOUTS,
     Case,
+    _rank_job,
     check_invariance,
     compare,
     make_batch,
@@ -23,6 +24,9 @@ from verlite.audit.invariance import (
 )
 from verlite.config import load_config
 from verlite.core.losses import LOSS_AGG_MODES
+from verlite.core.partition import dp_shares
+from verlite.distributed import run_on_ranks
+from verlite.step_batch import row_costs
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64"])
 TOLERANCE = 1e-9
@@ -174,3 +178,26 @@ def test_lora_reference_trains_only_the_adapters_and_the_negative_control_fails(
     assert naive is not None
     diffs = compare(naive, reference)
     assert min(diffs["max_rel_grad_diff"], diffs["loss_diff"]) > 1e-3, diffs
+
+
+# Three ranks: the loss gradient is scaled by a dp_size that is not a power of two, which
+# rounds differently in any op below the model's precision. Hugging Face's RMSNorm computed in
+# float32 under fp64 and the gradients were 1.3e-7 apart (models.precision.fp64_norms).
+def test_three_ranks_with_a_rank_without_tokens_match_the_reference() -> None:
+    batch = make_batch(CONFIG, num_sequences=12)
+    shares = dp_shares(row_costs(batch), world=3)
+    mask = batch["response_mask"].clone()
+    mask[shares[2]] = 0  # one rank holds rows, but no token that carries loss
+    batch["response_mask"] = mask
+    cases = [Case(role, "token-mean", "1") for role in ("actor", "critic")]
+    references = [
+        run_case(CONFIG, dataclasses.replace(c, micro="full"), batch, strategy="none")
+        for c in cases
+    ]
+    per_rank = run_on_ranks(
+        _rank_job, world_size=3, args=(CONFIG, batch, cases, "ddp", False, "sgd", 1)
+    )
+    for case, outcome, reference in zip(cases, per_rank[0], references, strict=True):
+        assert reference is not None
+        diffs = compare(outcome, reference)
+        assert max(diffs.values()) < TOLERANCE, (case, diffs)

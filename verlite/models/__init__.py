@@ -24,7 +24,7 @@ from transformers import (
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
-from verlite.models.precision import param_dtype
+from verlite.models.precision import fp64_norms, param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
 
 
@@ -116,7 +116,7 @@ def build_policy(
     if lora is not None and lora.rank > 0:
         model = apply_lora(model, lora, seed=seed).to(dtype)
     set_logits_chunk_tokens(model, cfg.logits_chunk_tokens)
-    return model
+    return fp64_norms(model)
 
 
 # Kept on the LM head module itself (the peft layer when adapters wrap it): a plain attribute,
@@ -240,7 +240,7 @@ def build_value_model(
     model = ValueModel(trunk, config.hidden_size)
     nn.init.normal_(model.value_head.weight, std=1.0 / config.hidden_size)
     nn.init.zeros_(model.value_head.bias)
-    return model.to(dtype)
+    return fp64_norms(model.to(dtype))
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

@@ -100,6 +100,35 @@ def refresh_inference_copy(copy: nn.Module, source: nn.Module) -> None:
         target.copy_(state[name])
 
 
+def fp64_norms(model: nn.Module) -> nn.Module:
+    """``model`` (in place) with each Hugging Face RMSNorm whose weight is fp64 computing in
+    fp64; returned.
+
+    Hugging Face's RMSNorm (Llama, Qwen2 and Mistral share its code) casts its input to
+    float32 whatever its dtype: an upcast for bf16, but under fp64 it rounds every
+    normalized activation, and in backward every gradient through it, to float32. fp64 is
+    what layouts are audited in: the loss gradient is scaled by the data-parallel size
+    (``core.losses.agg_loss``), and a scale that is not a power of two rounds differently
+    there, so the gradients of 3 ranks were 1e-7 apart from one rank's, not 1e-15. Other
+    precisions keep Hugging Face's forward (float32 is at least theirs)."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            type(module).__name__.endswith("RMSNorm")
+            and hasattr(module, "variance_epsilon")
+            and isinstance(weight, torch.Tensor)
+            and weight.dtype == torch.float64
+        ):
+            module.forward = _rms_norm.__get__(module)
+    return model
+
+
+def _rms_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's RMSNorm in the input's dtype."""
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
 def check_precision_supported(precision: str, *, on_gpu: bool) -> None:
     """bf16 (mixed or pure) on a GPU without bf16 arithmetic (before Ampere): refused at
     start-up in one line naming ``model.precision``, where this machine's GPU is the workers'

@@ -31,6 +31,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
 from verlite.models import _pretrained, check_tokenizer_fits
+from verlite.models.precision import fp64_norms
 
 
 def _one_line(exc: BaseException, limit: int = 160) -> str:
@@ -114,7 +115,7 @@ def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> nn.Module:
     model = _pretrained(
         AutoModelForSequenceClassification, cfg.path, dtype, field="reward.model.path"
     )
-    return model.eval()
+    return fp64_norms(model).eval()
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Real spawned ranks with gloo, a tiny Hugging Face Llama (actor) and value model (critic),
 float64, ragged prompts and responses with a fully masked row, truncated importance weights
-on the policy token losses, all five loss_agg_modes, DDP and FSDP2, dp 1/2/4, micro-batches
+on the policy token losses, all five loss_agg_modes, DDP and FSDP2, dp 1/2/4 (and 3, with a rank without loss tokens), micro-batches
 of 1, 2, all rows, and a token budget, padded or packed (2 rows or the budget per packed
 row), and 2 rows with activation checkpointing: one plain SGD step, and three steps of AdamW with gradient clipping active, as
 training runs.

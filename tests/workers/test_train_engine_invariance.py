@@ -10,11 +10,13 @@ training runs.
 
 import dataclasses
 import itertools
+from pathlib import Path
 
 import pytest
 
 from verlite.audit.invariance import (
     MICRO_LAYOUTS,
+    VOCAB_SIZE,
     Case,
     _rank_job,
     check_invariance,
@@ -26,6 +28,7 @@ from verlite.config import load_config
 from verlite.core.losses import LOSS_AGG_MODES
 from verlite.core.partition import dp_shares
 from verlite.distributed import run_on_ranks
+from verlite.models import tiny_hf_config
 from verlite.step_batch import row_costs
 
 CONFIG = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64"])
@@ -201,3 +204,19 @@ def test_three_ranks_with_a_rank_without_tokens_match_the_reference() -> None:
         assert reference is not None
         diffs = compare(outcome, reference)
         assert max(diffs.values()) < TOLERANCE, (case, diffs)
+
+
+# A checkpoint whose config.json sets attention_dropout: a training forward drew dropout
+# masks, so the update depended on the micro-batches and the random stream (models._without_dropout).
+def test_a_checkpoint_with_dropout_matches_the_reference(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf = tiny_hf_config(
+        CONFIG.model, vocab_size=VOCAB_SIZE, max_positions=CONFIG.max_sequence_length
+    )
+    hf.attention_dropout = 0.5
+    AutoModelForCausalLM.from_config(hf).save_pretrained(tmp_path)
+    cfg = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64", f"model.path={tmp_path}"])
+    reports = check_invariance(cfg, dps=[2], strategies=["ddp"], micros=["1", "full"])
+    failures = [r for r in reports if r.worst() > TOLERANCE]
+    assert not failures, failures

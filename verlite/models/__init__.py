@@ -188,6 +188,21 @@ def _pretrained(
             f"{field}={path!r}: its weights do not fit its config.json: "
             f"{'; '.join(problems)}; training would start them from random values"
         )
+    return _without_dropout(model)
+
+
+def _without_dropout(model: nn.Module) -> nn.Module:
+    """``model`` (in place) with the dropout its config.json sets (``attention_dropout``)
+    turned off; returned. A training forward would draw dropout masks: the log-probs of the
+    update would not be those the old log-probs were computed with (eval mode), so an
+    on-policy ratio would not be 1, and the gradient would depend on how the batch is split
+    and on the random stream. The config keeps its value, so an export writes it unchanged.
+    LoRA's own dropout (``actor.lora.dropout``) is applied after, and kept."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
     return model
 
 

@@ -12,8 +12,14 @@ from typing import Any
 import pytest
 import torch
 
-from verlite.config import load_config
-from verlite.models import ModelWeightsError, build_policy, build_value_model, tiny_hf_config
+from verlite.config import ConfigError, load_config
+from verlite.models import (
+    ModelWeightsError,
+    build_policy,
+    build_value_model,
+    check_rope_supported,
+    tiny_hf_config,
+)
 
 Builder = Callable[..., Any]
 BUILDERS: list[Builder] = [build_policy, build_value_model]
@@ -82,3 +88,28 @@ def test_a_checkpoints_dropout_is_off_in_training(tmp_path: Path, builder: Build
 
 def _outputs(out: Any) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_a_length_dependent_rope_past_the_original_context_is_refused(
+    tmp_path: Path, kind: str
+) -> None:
+    # Dynamic NTK rope: a row's logits moved by 3e-5 (fp64) when a longer row shared its
+    # forward pass, so its log-probs depended on its micro-batch.
+    folder = _saved_model(tmp_path)
+    rope = {"rope_type": kind, "factor": 2.0, "rope_theta": 10000.0}
+    if kind == "longrope":
+        rope |= {
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 16,
+        }
+    _edit_config(folder, rope_parameters=rope, rope_scaling=rope)
+    cfg = load_config(None, ["data.task=copy", f"model.path={folder}"]).model
+    check_rope_supported(cfg, max_sequence_length=16)  # within the original context
+    with pytest.raises(ConfigError) as caught:
+        check_rope_supported(cfg, max_sequence_length=17)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"model.path={folder}: its rope scaling {kind!r}" in message
+    assert "sequences here reach 17" in message

@@ -26,6 +26,7 @@ from verlite.models import (
     check_gradient_checkpointing_supported,
     check_lora_supported,
     check_packing_supported,
+    check_rope_supported,
     check_tokenizer_fits,
     hf_config,
 )
@@ -156,6 +157,7 @@ class RunInputs:
             if getattr(cfg, role).gradient_checkpointing:
                 check_gradient_checkpointing_supported(cfg.model, role=role)
         check_lora_supported(cfg.model, cfg.actor.lora)
+        check_rope_supported(cfg.model, max_sequence_length=cfg.max_sequence_length)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)
             if cfg.rollout.multi_turn.turn_stop is not None:

@@ -313,6 +313,37 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
         ) from None
 
 
+# Rotary scalings whose frequencies follow the longest position of each forward pass (and,
+# for dynamic, the passes before it) once that passes the model's original context.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:
+    """``model.path`` at start-up: a rotary scaling of ``LENGTH_DEPENDENT_ROPE`` with
+    sequences longer than the model's original context is refused in one line. Its
+    frequencies are set by the longest row of each forward pass, so a row's log-probs would
+    depend on the rows that share its micro-batch (3e-5 in fp64 for a row beside a longer
+    one), and a sampler's cache on its own length: not the same policy in every layout."""
+    if cfg.path is None:
+        return
+    config = AutoConfig.from_pretrained(cfg.path)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kinds = [rope] if isinstance(rope, dict) and "rope_type" in rope else []
+    if isinstance(rope, dict) and not kinds:  # one set of parameters per layer type
+        kinds = [value for value in rope.values() if isinstance(value, dict)]
+    for params in kinds:
+        kind = params.get("rope_type", params.get("type"))
+        original = params.get("original_max_position_embeddings") or config.max_position_embeddings
+        if kind in LENGTH_DEPENDENT_ROPE and max_sequence_length > original:
+            raise ConfigError(
+                f"model.path={cfg.path}: its rope scaling {kind!r} changes the rotary "
+                f"frequencies with the longest sequence of each forward pass beyond {original} "
+                f"positions, and sequences here reach {max_sequence_length}: a row's "
+                "log-probs would depend on the rows it shares a micro-batch with; keep "
+                f"sequences within {original} tokens or use a checkpoint with static rope scaling"
+            )
+
+
 def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> None:
     """``actor.lora.rank > 0`` at start-up: peft installed, and every target module a linear
     layer of the model (checked on a model built on the meta device: no memory)."""

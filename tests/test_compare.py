@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from verlite.records.compare import first_difference, relative_difference
+from verlite.records.compare import Difference, first_difference, relative_difference
 
 STEPS = [
     {"step": 1, "critic/score/mean": 0.25, "actor/pg_loss": -0.01, "timing_s/step": 0.2},
@@ -49,6 +49,18 @@ def test_runs_that_differ_only_in_wall_clock_metrics_are_identical(tmp_path: Pat
         out
         == f"{a} and {b} are identical to 0 over 3 steps (2 metrics a step; timings and restarts not compared)\n"
     )
+
+
+def test_validation_memory_is_run_history_and_its_scores_are_compared() -> None:
+    """A reward model's peak memory while it scored validation (``val/perf/...``) differs
+    between equal runs (a process's peak RSS on CPU) as the step's own does; ``val/score/mean``
+    is what the run trained to."""
+    memory = "val/perf/max_memory_allocated_gb/reward_model"
+    a = [{**r, "val/score/mean": 0.5, memory: 1.25} for r in STEPS]
+    b = [{**r, "val/score/mean": 0.5, memory: 1.5} for r in STEPS]
+    assert first_difference(a, b, tolerance=0.0) is None
+    c = [{**r, "val/score/mean": 0.75} for r in b]
+    assert first_difference(a, c, tolerance=0.0) == Difference(1, "val/score/mean", 0.5, 0.75)
 
 
 def test_the_first_step_and_metric_that_differ_are_named(tmp_path: Path, run) -> None:

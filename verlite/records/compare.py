@@ -1,8 +1,8 @@
 """``verlite compare RUN_A RUN_B``: are two runs the same run?
 
 Two output folders are compared step by step on every metric except those of the run's
-history (``timing_s/*``, ``perf/*``, ``trainer/*``: clocks and restarts, which differ between
-equal runs). A value differs when ``|a - b| > max(tolerance * max(|a|, |b|), atol)``; NaN
+history (``timing_s/*``, ``perf/*``, ``trainer/*`` and their ``val/`` forms: clocks, memory
+and restarts, which differ between equal runs). A value differs when ``|a - b| > max(tolerance * max(|a|, |b|), atol)``; NaN
 equals NaN and an infinity equals itself. ``atol`` (default 0) serves metrics that are zero
 in exact arithmetic, such as the PPO KL of a step's first mini-batch: their rounding noise
 (~1e-18 in float64) has no meaningful relative difference. The first step (in step order)
@@ -98,7 +98,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "compare",
         help="compare two runs' metrics step by step",
         description="Compare the metrics.jsonl of two runs step by step on every metric but "
-        "those of the run's history (timing_s/*, perf/*, trainer/*). Print the first step and "
+        "those of the run's history (timing_s/*, perf/*, trainer/*, val/perf/*). Print the first step and "
         "metric that differ by more than the tolerance (relative), or that the runs are "
         "identical. Exit 0 when identical, 1 when they differ, 2 on bad input.",
     )

@@ -39,7 +39,10 @@ RUN_HISTORY_PREFIXES = ("timing_s/", "perf/", "trainer/")
 
 
 def is_run_history(metric: str) -> bool:
-    return metric.startswith(RUN_HISTORY_PREFIXES)
+    """Whether ``metric`` is of the run's history, validation's own included: the trainer logs
+    what validation measured under ``val/`` (a reward model's peak memory while it scored the
+    validation batch: ``val/perf/max_memory_allocated_gb/reward_model``)."""
+    return metric.removeprefix("val/").startswith(RUN_HISTORY_PREFIXES)
 
 
 def encode(step: int, metrics: Mapping[str, float]) -> str:

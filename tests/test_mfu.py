@@ -35,24 +35,60 @@ class _Group:
         return [{"node_id": "n", "gpu_ids": ids} for ids in self.gpus]
 
 
+# 4 rows a step: the actor updates on 2 global mini-batches of 2 rows, the critic on 1 of 4.
+SIZES = [
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "actor.micro_batch_size_per_worker=1",
+    "critic.ppo_mini_batch_size=4",
+    "critic.micro_batch_size_per_worker=1",
+]
+# 5 tokens, 6 + 3 causal pairs and 1 real token in the responses (the last 2 columns, where
+# the LM head runs) in each half of the batch.
+MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]]).repeat(2, 1)
+
+
+def _flops(rows: torch.Tensor) -> float:
+    """One forward and backward pass of SHAPE over ``rows`` of MASK, by hand."""
+    tokens, pairs, responses = {2: (5, 9, 1), 4: (10, 18, 2)}[len(rows)]
+    return 3 * (2.0 * 900 * tokens + 2.0 * 100 * responses + 4.0 * 8 * 2 * pairs)
+
+
 def test_the_update_flops_over_the_peak_of_the_roles_gpus() -> None:
-    cfg = load_config("configs/ppo_tiny.yaml", ["actor.ppo_epochs=2"])
+    cfg = load_config("configs/ppo_tiny.yaml", [*SIZES, "actor.ppo_epochs=2"])
     actor, critic = _Group("NVIDIA H200", [["0"], ["1"]]), _Group("NVIDIA H200", [["0"]])
     peaks = mfu_peaks(cfg, {"actor": actor, "critic": critic})
     assert peaks == {"actor": (SHAPE, 2 * 989.4e12), "critic": (SHAPE, 989.4e12)}
     assert actor.calls == critic.calls == 1
-    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])  # 5 tokens, 6 + 3 causal pairs
-    # The LM head runs over the 1 real token of the last 2 columns (the responses) only.
-    flops = 3 * (2.0 * 900 * 5 + 2.0 * 100 * 1 + 4.0 * 8 * 2 * 9)
+    losses = {"actor": MASK[:, -2:], "critic": MASK[:, -2:]}
+    flops = _flops(MASK)
     seconds = {"update_actor": 0.5, "update_critic": 0.25}
-    assert mfu_metrics(cfg, peaks, mask, seconds, response_width=2) == {
+    assert mfu_metrics(cfg, peaks, MASK, losses, seconds, response_width=2) == {
         "perf/mfu/update": 2 * flops / (0.5 * 2 * 989.4e12),
         "perf/mfu/critic_update": flops / (0.25 * 989.4e12),
     }
     # A step whose actor did not update (critic warm-up) has no actor figure.
-    assert list(mfu_metrics(cfg, peaks, mask, {"update_critic": 0.25}, response_width=2)) == [
-        "perf/mfu/critic_update"
-    ]
+    only_critic = mfu_metrics(cfg, peaks, MASK, losses, {"update_critic": 0.25}, response_width=2)
+    assert list(only_critic) == ["perf/mfu/critic_update"]
+
+
+def test_a_mini_batch_the_update_skipped_costs_no_flops() -> None:
+    """The overlong filter leaves the actor's first mini-batch (rows 0-1) without a loss token:
+    the engine skips it, so only the second one's passes count; the critic, which still
+    learns from every row, runs all of them. With every row filtered, the actor's update
+    did no pass at all."""
+    cfg = load_config("configs/ppo_tiny.yaml", SIZES)
+    peaks = {"actor": (SHAPE, 1e12), "critic": (SHAPE, 1e12)}
+    responses = MASK[:, -2:]
+    filtered = responses * torch.tensor([0, 0, 1, 0]).unsqueeze(-1)
+    seconds = {"update_actor": 0.5, "update_critic": 0.25}
+    losses = {"actor": filtered, "critic": responses}
+    assert mfu_metrics(cfg, peaks, MASK, losses, seconds, response_width=2) == {
+        "perf/mfu/update": _flops(MASK[2:]) / (0.5 * 1e12),
+        "perf/mfu/critic_update": _flops(MASK) / (0.25 * 1e12),
+    }
+    none = {"actor": torch.zeros_like(responses), "critic": responses}
+    assert mfu_metrics(cfg, peaks, MASK, none, seconds, response_width=2)["perf/mfu/update"] == 0
 
 
 def test_the_peak_override_and_what_logs_no_mfu(capsys: pytest.CaptureFixture[str]) -> None:

@@ -105,27 +105,40 @@ def mfu_metrics(
     cfg: Config,
     peaks: dict[str, tuple[DecoderShape, float]],
     attention_mask: Tensor,
+    loss_masks: dict[str, Tensor],
     seconds: dict[str, float],
     *,
     response_width: int,
 ) -> dict[str, float]:
     """``perf/mfu/*`` of the updates that ran (timed in ``seconds``, ``timing_s``'s stages):
-    the FLOPs of ppo_epochs forward and backward passes over the step batch's real tokens
+    the FLOPs of ppo_epochs forward and backward passes over the real tokens
     (``attention_mask``, the LM head over the real ones of its last ``response_width``
-    columns, the responses, where a log-prob pass runs it) per second of the update's wall
-    time, over the bf16 peak of the role's GPUs (:func:`mfu_peaks`)."""
-    tokens, attended = float(attention_mask.sum()), causal_pairs(attention_mask)
-    responses = float(attention_mask[:, -response_width:].sum())
+    columns, the responses, where a log-prob pass runs it) of the global mini-batches the
+    role updated on (:func:`updated_rows` of its ``loss_masks``) per second of the update's
+    wall time, over the bf16 peak of the role's GPUs (:func:`mfu_peaks`)."""
     out = {}
     for role, (shape, peak) in peaks.items():
         key, stage = MFU_METRICS[role]
         if stage in seconds:
-            epochs = getattr(cfg, role).ppo_epochs
-            flops = epochs * shape.flops(
-                tokens=tokens, attended=attended, backward=True, head_tokens=responses
+            k = cfg.role_sizes(role).num_mini_batches
+            rows = attention_mask[updated_rows(loss_masks[role], k)]
+            flops = getattr(cfg, role).ppo_epochs * shape.flops(
+                tokens=float(rows.sum()),
+                attended=causal_pairs(rows),
+                backward=True,
+                head_tokens=float(rows[:, -response_width:].sum()),
             )
             out[key] = flops / (seconds[stage] * peak)
     return out
+
+
+def updated_rows(loss_mask: Tensor, mini_batches: int) -> Tensor:
+    """(B,) which rows of a step batch its role's update ran forward and backward passes on:
+    those of the global mini-batches (contiguous, ``core.partition.dp_shares``) that hold a
+    loss token. The engine skips one that holds none (``TrainEngine.train_mini_batch``: the
+    overlong filter can leave a whole mini-batch out), and it costs no FLOPs."""
+    by_mini_batch = loss_mask.bool().any(-1).view(mini_batches, -1)
+    return by_mini_batch.any(-1, keepdim=True).expand_as(by_mini_batch).flatten()
 
 
 def _every(freq: int, step: int, last: int) -> bool:
@@ -424,6 +437,8 @@ class Trainer:
                 cfg,
                 self.mfu_peaks,
                 batch["attention_mask"],
+                # the critic updated on every response token, the actor on the filter's
+                {"critic": response_mask, "actor": batch["response_mask"]},
                 timer.seconds,
                 response_width=batch["responses"].shape[1],
             )

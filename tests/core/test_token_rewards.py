@@ -65,7 +65,7 @@ def test_step_statistics() -> None:
         advantages=torch.tensor([[1.0, -1, 2], [0.5, 99, 99]]),
         returns=returns,
         response_mask=mask,
-        max_response_length=3,
+        at_limit=mask.sum(-1) >= 3,
         values=returns.clone(),
     )
     assert stats["critic/score/mean"] == 0.5 and stats["critic/score/min"] == 0.25

@@ -45,3 +45,30 @@ def test_multi_turn_trajectories_cut_short_leave_the_policy_loss(
     for record in records:  # no turn reaches the response area's width here
         assert record["response_length/clip_ratio"] == 0.0
         assert record["response_length/overlong_filtered"] == record["multiturn/truncated"]
+
+
+def test_multi_turn_trajectories_that_fill_their_room_reach_the_limit(
+    tmp_path: Path, local_ray, metrics
+) -> None:
+    """A response area of 6 tokens: a call of up to 4 and its observation fill it, and the
+    filter leaves such a trajectory out as a response at the limit, whose share is
+    ``response_length/clip_ratio``. Its policy tokens alone (what ``response_length/mean``
+    counts) never reach the area's width: measured by them, the share was 0 while the filter
+    left rows out for their length."""
+    cfg = load_config(
+        "configs/tool_tiny.yaml",
+        [
+            f"trainer.output_dir={tmp_path}",
+            *FILTER,
+            "rollout.multi_turn.max_total_length=14",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=32",
+        ],
+    )
+    run(cfg, RunInputs.load(cfg))
+    records = metrics(tmp_path)
+    # rows filtered for their length alone: at the limit, not cut short
+    assert any(r["response_length/overlong_filtered"] > r["multiturn/truncated"] for r in records)
+    for record in records:
+        at_limit, truncated = record["response_length/clip_ratio"], record["multiturn/truncated"]
+        assert at_limit <= record["response_length/overlong_filtered"] <= at_limit + truncated

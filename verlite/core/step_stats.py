@@ -14,10 +14,16 @@ def step_statistics(
     advantages: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    max_response_length: int,
+    at_limit: torch.Tensor,
     values: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Scores are per sequence (B,); the rest (B, R) response-aligned."""
+    """Scores and ``at_limit`` are per sequence (B,); the rest (B, R) response-aligned.
+
+    ``response_length/*`` count the policy's tokens (``response_mask``); ``clip_ratio`` is
+    the share of rows whose response area is full (``at_limit``): a response of the most
+    tokens allowed, or a multi-turn trajectory whose turns and observations fill its room,
+    whose policy tokens alone never reach the area's width.
+    """
     mask = response_mask.to(torch.bool)
     lengths = response_mask.sum(-1).float()
     stats = {
@@ -32,7 +38,7 @@ def step_statistics(
         "response_length/mean": lengths.mean(),
         "response_length/max": lengths.max(),
         "response_length/min": lengths.min(),
-        "response_length/clip_ratio": (lengths >= max_response_length).float().mean(),
+        "response_length/clip_ratio": at_limit.float().mean(),
     }
     if values is not None:
         stats["critic/values/mean"] = masked_mean(values, mask)

@@ -381,7 +381,8 @@ class Trainer:
                 )
         with timer("adv"):  # 4. token rewards and advantages
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
-            cut = self._cut_short(batch)  # read before the multi-turn outcomes leave
+            at_limit = response_lengths(batch) >= cfg.response_width
+            cut = self._cut_short(batch, at_limit)  # read before the multi-turn outcomes leave
             turn_metrics = self._multi_turn(batch)
             kl_metrics = self._token_rewards(batch)
             batch["advantages"], batch["returns"] = compute_advantages(
@@ -422,7 +423,7 @@ class Trainer:
                 advantages=batch["advantages"],
                 returns=batch["returns"],
                 response_mask=response_mask,
-                max_response_length=cfg.response_width,
+                at_limit=at_limit,
                 values=batch.get("values", None),
             )
         )
@@ -497,17 +498,17 @@ class Trainer:
             metrics["reward/overlong_penalty/mean"] = float(penalty.mean())
         return scores, metrics
 
-    def _cut_short(self, batch: TensorDict) -> Tensor | None:
+    def _cut_short(self, batch: TensorDict, at_limit: Tensor) -> Tensor | None:
         """With ``algorithm.overlong.filter``, the rows that leave the policy loss (their
         ``response_mask`` zeroed for the actor's update, so its global counts skip them): the
-        responses that reach the response limit, and multi-turn trajectories cut short
+        responses that reach the response limit (``at_limit``, whose share is
+        ``response_length/clip_ratio``), and multi-turn trajectories cut short
         (``truncated``: out of turns or room); None without the filter."""
         if not self.cfg.algorithm.overlong.filter:
             return None
-        cut = response_lengths(batch) >= self.cfg.response_width
         if "truncated" in set(batch.keys()):
-            cut |= batch["truncated"].bool()
-        return cut
+            return at_limit | batch["truncated"].bool()
+        return at_limit
 
     @staticmethod
     def _multi_turn(batch: TensorDict) -> dict[str, float]:

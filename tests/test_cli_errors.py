@@ -402,7 +402,9 @@ def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) ->
     (tmp_path / "rng_rank0.pt").write_bytes(pickle.dumps({"cpu": Payload()}))
     (tmp_path / "schedule.json").write_text(json.dumps({}))
     worker = TrainingWorker(role="actor", rank=0, world_size=1, torch_threads=1)
-    worker.engine = type("NoEngine", (), {"load": lambda self, path: None})()
+    worker.engine = type(
+        "NoEngine", (), {"load": lambda self, path: None, "device": torch.device("cpu")}
+    )()
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         worker.load_checkpoint(str(tmp_path))
     assert not marker.exists()

@@ -2,6 +2,7 @@
 
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -201,3 +202,33 @@ def test_an_fsdp_checkpoint_before_any_step_loads_into_one_rank(tmp_path: Path) 
     straight = engine()
     straight.train_mini_batch(batch.clone(), _nonfinite)
     assert repr(two_updates(single, batch)) == repr(two_updates(straight, batch))
+
+
+def test_a_gpu_ranks_rng_state_is_saved_and_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On cuda the worker's checkpoint holds its GPU's RNG state beside the CPU's (LoRA's
+    dropout draws on the GPU), restored on that device; a CPU run's checkpoint resumed on a
+    GPU has none to restore. The GPU is stood in for by torch.cuda's two RNG functions."""
+    from verlite.workers.training_worker import TrainingWorker
+
+    gpu = torch.device("cuda", 0)
+    state = torch.arange(16, dtype=torch.uint8)
+    restored: list[tuple[torch.Tensor, torch.device]] = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: state.clone())
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda new, device: restored.append((new, device))
+    )
+
+    def worker(device: torch.device) -> TrainingWorker:
+        out = TrainingWorker(role="actor", rank=0, world_size=1, torch_threads=1)
+        out.engine = SimpleNamespace(device=device, save=lambda _: None, load=lambda _: None)
+        return out
+
+    worker(gpu).save_checkpoint(str(tmp_path / "gpu"))
+    worker(gpu).load_checkpoint(str(tmp_path / "gpu"))
+    assert len(restored) == 1 and torch.equal(restored[0][0], state) and restored[0][1] == gpu
+    worker(torch.device("cpu")).save_checkpoint(str(tmp_path / "cpu"))
+    worker(gpu).load_checkpoint(str(tmp_path / "cpu"))
+    worker(torch.device("cpu")).load_checkpoint(str(tmp_path / "gpu"))
+    assert len(restored) == 1

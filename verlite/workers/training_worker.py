@@ -50,11 +50,16 @@ class TrainingWorker(Worker):
         return name, DecoderShape.of(self.engine.model)
 
     def save_checkpoint(self, path: str) -> None:
-        """Collective over the group: model, optimizer and schedule (DCP), and this rank's RNG."""
+        """Collective over the group: model, optimizer and schedule (DCP), and this rank's RNG
+        states: the CPU's, and its GPU's on cuda (LoRA's dropout draws there)."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         self.engine.save(folder)
-        torch.save({"cpu": torch.get_rng_state()}, folder / f"rng_rank{self.rank}.pt")
+        states = {"cpu": torch.get_rng_state()}
+        device = self.engine.device
+        if device.type == "cuda":
+            states["cuda"] = torch.cuda.get_rng_state(device)
+        torch.save(states, folder / f"rng_rank{self.rank}.pt")
 
     def load_checkpoint(self, path: str) -> None:
         """Collective: restore what ``save_checkpoint`` wrote, with any number of ranks then.
@@ -66,4 +71,9 @@ class TrainingWorker(Worker):
         self.engine.load(folder)
         rng_file = folder / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
-            torch.set_rng_state(torch.load(rng_file, weights_only=True)["cpu"])
+            states = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(states["cpu"])
+            device = self.engine.device
+            # a checkpoint of CPU workers resumed on a GPU (model.device may change) has none
+            if device.type == "cuda" and "cuda" in states:
+                torch.cuda.set_rng_state(states["cuda"], device)

@@ -121,5 +121,5 @@ class TrainerConfig(Section):
     )
     max_consecutive_skips: PositiveInt = Field(
         3,
-        description="Stop after this many consecutive updates skipped for a non-finite loss or gradient.",
+        description="Stop after this many consecutive updates skipped for a non-finite global gradient norm (what a non-finite loss gives).",
     )

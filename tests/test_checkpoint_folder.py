@@ -1,8 +1,10 @@
 """The checkpoint folder as saves leave it (``driver/checkpoint.py``): what is kept, what a
 resume finds."""
 
+import os
 from pathlib import Path
 
+import pytest
 from checkpoint_support import fake_checkpoint
 
 from verlite.driver.checkpoint import (
@@ -36,3 +38,40 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tmp_path: 
     assert saved.is_dir()
     assert complete_checkpoints(tmp_path) == [saved]
     assert resume_checkpoint(tmp_path, "auto") == saved
+
+
+def test_a_checkpoint_is_on_disk_before_it_is_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file the workers wrote, every folder, and then the driver's state are flushed
+    before the rename, and the rename after it: a machine that crashes (not only the process)
+    leaves no ``step_N`` whose files the disk never received."""
+    synced: list[Path] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: Path, dst: Path) -> None:
+        synced.append(Path("renamed"))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    tmp = begin_checkpoint(tmp_path, 1)
+    (tmp / "actor" / "model").mkdir(parents=True)
+    written = [tmp / "actor" / "model" / "shard.distcp", tmp / "actor" / "rng_rank0.pt"]
+    for path in written:
+        path.write_bytes(b"x")
+    commit_checkpoint(tmp, {"step": 1, "loader": {}, "kl_coef": 0.0}, keep=1)
+    before = synced[: synced.index(Path("renamed"))]
+    assert set(before) == {
+        *written,
+        tmp,
+        tmp / "actor",
+        tmp / "actor" / "model",
+        tmp / "trainer_state.json",
+    }
+    assert before[-1] == tmp / "trainer_state.json"
+    assert synced[synced.index(Path("renamed")) + 1] == tmp.parent

@@ -11,7 +11,9 @@
 
 A checkpoint is written into ``step_N.tmp/`` and renamed to ``step_N`` only when complete,
 so a crash while saving leaves the previous checkpoint valid and the partial one ignored
-(and removed by the next save). Workers write directly into the folder, so on a
+(and removed by the next save); its files are flushed to the disk before the rename, so a
+crash of the machine does too (on this machine's disk: a network file system's other
+clients flush their own writes when they close them). Workers write directly into the folder, so on a
 multi-node cluster ``trainer.output_dir`` must be on storage every node can see.
 """
 
@@ -217,14 +219,15 @@ def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) ->
     ``trainer.resume`` path of an earlier step): the resumed run dropped their records from
     ``metrics.jsonl`` and trains those steps again, so they go, and this one is the latest,
     which ``trainer.resume=auto`` continues and ``keep`` never prunes."""
+    _sync_tree(tmp)  # what the workers wrote is on disk before the state that vouches for it
     state_file = tmp / TRAINER_STATE
     state_file.write_text(json.dumps(trainer_state, indent=1))
-    with state_file.open() as f:
-        os.fsync(f.fileno())
+    _sync(state_file)
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():  # re-saving the same step after a resume
         _discard(final)
     os.replace(tmp, final)
+    _sync(final.parent)  # the rename itself
     for stale in tmp.parent.glob("step_*.tmp"):  # partial saves of runs that crashed
         shutil.rmtree(stale, ignore_errors=True)
     done = complete_checkpoints(tmp.parent.parent)
@@ -232,6 +235,25 @@ def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) ->
     for old in done[mine + 1 :] + done[: mine + 1][:-keep]:
         _discard(old)
     return final
+
+
+def _sync(path: Path) -> None:
+    """Flush a file's or a folder's (its entries') writes to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(folder: Path) -> None:
+    """Flush every file and folder under ``folder``, itself included: after a crash of the
+    machine (not only of the process) a checkpoint that is in place holds what was written,
+    not files the disk never received."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            _sync(Path(root, name))
+        _sync(Path(root))
 
 
 def _discard(checkpoint: Path) -> None:

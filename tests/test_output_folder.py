@@ -109,6 +109,9 @@ def test_a_resume_may_change_settings_but_not_the_data_it_counts_in(tmp_path: Pa
         in said
     )
     assert "rollout.n: 1 -> 2" in said and "total_steps" not in said
+    # a run extended: a cosine schedule decays to the new end, so the change is named too
+    assert prepare_output_folder(config(out, "trainer.total_steps=8"))
+    assert capsys.readouterr().out.endswith("with changed settings: trainer.total_steps: 6 -> 8\n")
 
 
 def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> None:

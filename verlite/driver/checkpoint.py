@@ -83,8 +83,9 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
 # order), and the adapters a LoRA checkpoint holds (its shapes, their scale, the layers they
 # apply to; the base is rebuilt from the model settings and the seed), and each role's
 # optimizer (its saved state is that optimizer's: AdamW's moments are not SGD's). The run's
-# place and bounds may change freely; any other change is allowed and reported in one line
-# (an optimizer's settings then apply from the resumed step: ``TrainEngine.load``).
+# place may change freely; any other change is allowed and reported in one line (an
+# optimizer's settings then apply from the resumed step: ``TrainEngine.load``; a new
+# ``trainer.total_steps`` moves the end a cosine schedule decays to).
 _MAY_CONVERT = {"model.dtype", "model.precision"}
 _MUST_MATCH = (
     "model.",
@@ -104,7 +105,6 @@ _FREE = {
     "model.attention_crossover",  # how packed rows are balanced: this machine's measurement
     "data.val_file",
     "data.num_val_samples",  # the held-out prompts (training prompts it moves: refused below)
-    "trainer.total_steps",
     "trainer.output_dir",
     "trainer.resume",
     "trainer.overwrite",

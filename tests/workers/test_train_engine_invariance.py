@@ -19,6 +19,7 @@ from verlite.audit.invariance import (
     VOCAB_SIZE,
     Case,
     _rank_job,
+    audit_rows,
     check_invariance,
     compare,
     make_batch,
@@ -204,6 +205,17 @@ def test_three_ranks_with_a_rank_without_tokens_match_the_reference() -> None:
         assert reference is not None
         diffs = compare(outcome, reference)
         assert max(diffs.values()) < TOLERANCE, (case, diffs)
+
+
+def test_the_audit_batch_splits_equally_over_every_requested_size() -> None:
+    """Any data-parallel size is audited (dp 3 found float32 norms in an fp64 model), on a
+    batch every size splits into equal shares, 16 rows for the powers of two."""
+    assert audit_rows([1, 2, 4]) == audit_rows([16]) == 16
+    assert audit_rows([1, 3]) == audit_rows([6]) == 48
+    assert audit_rows([5, 8]) == 80
+    for dps in ([3], [2, 3], [5, 6, 7]):
+        rows = audit_rows(dps)
+        assert all(rows % dp == 0 for dp in dps) and rows % 16 == 0
 
 
 # A checkpoint whose config.json sets attention_dropout: a training forward drew dropout

@@ -29,18 +29,7 @@ def test_multi_turn_trajectories_cut_short_leave_the_policy_loss(
     tmp_path: Path, local_ray, metrics
 ) -> None:
     # one turn only: a trajectory whose turn calls the tool is cut short, out of turns
-    cfg = load_config(
-        "configs/tool_tiny.yaml",
-        [
-            f"trainer.output_dir={tmp_path}",
-            *FILTER,
-            "rollout.multi_turn.max_turns=1",
-            "data.train_batch_size=4",
-            "actor.ppo_mini_batch_size=32",
-        ],
-    )
-    run(cfg, RunInputs.load(cfg))
-    records = metrics(tmp_path)
+    records = _tool_run(tmp_path, metrics, "rollout.multi_turn.max_turns=1")
     assert any(r["multiturn/truncated"] > 0 for r in records)
     for record in records:  # no turn reaches the response area's width here
         assert record["response_length/clip_ratio"] == 0.0
@@ -55,20 +44,25 @@ def test_multi_turn_trajectories_that_fill_their_room_reach_the_limit(
     ``response_length/clip_ratio``. Its policy tokens alone (what ``response_length/mean``
     counts) never reach the area's width: measured by them, the share was 0 while the filter
     left rows out for their length."""
-    cfg = load_config(
-        "configs/tool_tiny.yaml",
-        [
-            f"trainer.output_dir={tmp_path}",
-            *FILTER,
-            "rollout.multi_turn.max_total_length=14",
-            "data.train_batch_size=4",
-            "actor.ppo_mini_batch_size=32",
-        ],
-    )
-    run(cfg, RunInputs.load(cfg))
-    records = metrics(tmp_path)
+    records = _tool_run(tmp_path, metrics, "rollout.multi_turn.max_total_length=14")
     # rows filtered for their length alone: at the limit, not cut short
     assert any(r["response_length/overlong_filtered"] > r["multiturn/truncated"] for r in records)
     for record in records:
         at_limit, truncated = record["response_length/clip_ratio"], record["multiturn/truncated"]
         assert at_limit <= record["response_length/overlong_filtered"] <= at_limit + truncated
+
+
+def _tool_run(tmp_path: Path, metrics, *overrides: str) -> list[dict]:
+    """The metrics of a multi-turn run of the tool task with the overlong filter on."""
+    cfg = load_config(
+        "configs/tool_tiny.yaml",
+        [
+            f"trainer.output_dir={tmp_path}",
+            *FILTER,
+            *overrides,
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=32",
+        ],
+    )
+    run(cfg, RunInputs.load(cfg))
+    return metrics(tmp_path)

@@ -14,6 +14,7 @@ base it applies to; ``verlite export --merge`` folds it into full weights).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import warnings
 from collections.abc import Iterator
@@ -114,6 +115,17 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
         peft_model.unload().save_pretrained(base_path)
 
 
+def merge_dtype(adapter: Path) -> torch.dtype:
+    """The dtype ``merge_adapter`` loads the base in, computes ``W + B A`` in and writes: the
+    adapter folder's weights' (the run's precision; fp32 under bf16-mixed), at least fp32.
+    Hugging Face loads a folder in its stored dtype, bf16 for published checkpoints, where
+    the adapters' update, small against the weights, would round away (a third of what small
+    adapters change in the logits: tests/models/test_lora.py)."""
+    weights = _peft().utils.load_peft_weights(str(adapter), device="cpu")
+    stored = {tensor.dtype for tensor in weights.values()}
+    return functools.reduce(torch.promote_types, stored, torch.float32)
+
+
 def merge_adapter(adapter: Path, out: Path) -> None:
     """The adapter folder ``adapter`` folded into its base's weights, written to ``out`` in
     Hugging Face format. The base is ``adapter/base`` when the export wrote one there, else
@@ -139,7 +151,9 @@ def merge_adapter(adapter: Path, out: Path) -> None:
             f"merging onto {str(base_path)!r} as it is now",
             file=sys.stderr,
         )
-    base = AutoModelForCausalLM.from_pretrained(str(base_path), local_files_only=True)
+    base = AutoModelForCausalLM.from_pretrained(
+        str(base_path), local_files_only=True, dtype=merge_dtype(adapter)
+    )
     merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     if (adapter / GENERATION_CONFIG_NAME).is_file():  # an earlier verlite's export has none
         merged.generation_config = GenerationConfig.from_pretrained(str(adapter))

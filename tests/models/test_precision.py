@@ -11,6 +11,7 @@ from tests.model_support import tiny_qwen2
 from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, load_config
 from verlite.config.derived import bf16_lost_update, precision_line
+from verlite.driver import preflight
 from verlite.generation import make_bucket, sync_layout
 from verlite.generation.weights import WeightReceiver
 from verlite.models import ValueModel, build_policy, build_value_model, set_logits_chunk_tokens
@@ -224,6 +225,32 @@ def test_bf16_on_a_gpu_without_it_is_refused_in_one_line(monkeypatch: pytest.Mon
     check_precision_supported("fp32", on_gpu=True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     check_precision_supported("bf16-mixed", on_gpu=True)
+
+
+def test_the_default_precision_on_a_gpu_without_bf16_is_refused_naming_auto(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``model.precision=auto`` (the default) is bf16-mixed on cuda: the line names the
+    setting the user has (auto) and what it became, not a bf16-mixed they never wrote."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla T4")
+    monkeypatch.setattr(preflight, "check_fits_machine", lambda cfg: None)
+    cfg = config("model.device=cuda")
+    assert cfg.model.precision == "auto" and cfg.precision == "bf16-mixed"
+    with pytest.raises(ConfigError) as info:
+        preflight.check_placement(cfg, in_session=False)
+    assert str(info.value) == (
+        "model.precision=auto (which is bf16-mixed on cuda): this machine's GPU (Tesla T4) has "
+        "no bf16 arithmetic; set model.precision=fp32"
+    )
+    explicit = config("model.device=cuda", "model.precision=bf16-mixed")
+    with pytest.raises(ConfigError, match=r"^model.precision=bf16-mixed: this"):
+        preflight.check_placement(explicit, in_session=False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    preflight.check_placement(cfg, in_session=False)
 
 
 def test_a_kept_head_stays_fp32_in_a_copy_stored_for_inference() -> None:

@@ -108,7 +108,9 @@ def check_placement(cfg: Config, *, in_session: bool) -> None:
         check_fits_session(cfg)
     elif cfg.trainer.ray_address is None:
         check_fits_machine(cfg)
-        check_precision_supported(cfg.precision, on_gpu=cfg.on_gpu)
+        check_precision_supported(
+            cfg.precision, on_gpu=cfg.on_gpu, auto=cfg.model.precision == "auto"
+        )
     else:
         check_device(cfg)
 

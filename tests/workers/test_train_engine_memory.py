@@ -188,21 +188,43 @@ ADAMW = load_config(
 )
 
 
-def test_offloaded_optimizer_state_visits_the_device_for_the_step_only(monkeypatch) -> None:
-    moves: list[str] = []
+def test_offloaded_optimizer_state_visits_the_device_one_parameter_at_a_time(monkeypatch) -> None:
+    """Each parameter's state comes to the device (the CPU here) for its own step and goes
+    back before the next one's comes: the device never holds more than one parameter's
+    state (moved at once, the whole model's was there for the step). The steps apart are
+    the joint step bit for bit."""
+    moves: list[tuple[str, tuple[int, ...]]] = []
+    stepped: list[tuple[torch.optim.Optimizer, int]] = []  # each step's optimizer, parameters
 
-    def record(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        moves.append(device.type)
-        move_optimizer_state(optimizer, device)
+    def record(optimizer: torch.optim.Optimizer, device: torch.device, params=None) -> None:
+        moves.append((device.type, tuple(map(id, params if params is not None else []))))
+        move_optimizer_state(optimizer, device, params)
 
+    real_step = torch.optim.AdamW.step
+
+    def step(optimizer: torch.optim.Optimizer, *args, **kwargs):
+        updated = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        stepped.append((optimizer, len(updated)))
+        return real_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)  # before the engines wrap it
     monkeypatch.setattr(train_engine, "move_optimizer_state", record)
     batch = make_batch(ADAMW)
     plain, offloaded = _engine("none"), _engine("optimizer")
     for _ in range(2):
         assert offloaded.train_mini_batch(batch, LOSS) == plain.train_mini_batch(batch, LOSS)
-    assert moves == ["cpu", "cpu"] * 2  # to the device (the CPU here), back to the CPU
+    params = list(offloaded.model.parameters())
+    assert [n for opt, n in stepped if opt is plain.optimizer] == [len(params)] * 2
+    assert [n for opt, n in stepped if opt is offloaded.optimizer] == [1] * (2 * len(params))
+    # each parameter's state: to the device, its step, back to the CPU
+    expected = [(d, (id(p),)) for p in params for d in ("cpu", "cpu")] * 2
+    assert moves == expected
     for name, value in full_state_dict(plain.model).items():
         assert torch.equal(full_state_dict(offloaded.model)[name], value), name
+    for ours, theirs in zip(plain.model.parameters(), params, strict=True):
+        state = offloaded.optimizer.state[theirs]
+        for key, value in plain.optimizer.state[ours].items():
+            assert torch.equal(state[key], value), key
     moves.clear()
     plain.train_mini_batch(batch, LOSS)
     assert not moves

@@ -108,7 +108,7 @@ class WorkerRoleConfig(Section):
     )
     offload: Literal["none", "optimizer", "all"] = Field(
         "none",
-        description="Keep training state on the CPU: optimizer (its state lives on the CPU between updates, moved to the device for each step; any strategy), or all (FSDP2's CPU offload: parameters, gradients and optimizer state on the CPU, the optimizer steps there; needs strategy=fsdp). With the actor, not none also keeps the reference model on the CPU except during its log-prob pass.",
+        description="Keep training state on the CPU: optimizer (its state lives on the CPU; the step goes one parameter at a time, that parameter's state on the device for its own step; any strategy), or all (FSDP2's CPU offload: parameters, gradients and optimizer state on the CPU, the optimizer steps there; needs strategy=fsdp). With the actor, not none also keeps the reference model on the CPU except during its log-prob pass.",
     )
 
 

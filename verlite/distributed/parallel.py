@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -123,14 +123,21 @@ def _join_single_rank_group(device_type: str) -> None:
     )
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+def move_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+    params: Sequence[torch.Tensor] | None = None,
+) -> None:
     """Move the state that mirrors each parameter (AdamW's moments; not its step counter,
     which stays where the optimizer keeps it) to ``device``: exact copies, done when this
-    returns. To the CPU they land in pageable memory: a pinned copy would be faster, but
-    torch's pinned-memory cache rounds each allocation up to a power of two and keeps it
-    (some 110 GB of host memory for a 7B model's 61 GB of AdamW state)."""
+    returns; of ``params`` only when given (those without state yet have none to move). To
+    the CPU they land in pageable memory: a pinned copy would be faster, but torch's
+    pinned-memory cache rounds each allocation up to a power of two and keeps it (some 110 GB
+    of host memory for a 7B model's 61 GB of AdamW state)."""
     to_host = device.type == "cpu"
-    for param, state in optimizer.state.items():
+    states = optimizer.state
+    chosen = states.items() if params is None else [(p, states[p]) for p in params if p in states]
+    for param, state in chosen:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.shape == param.shape:
                 state[key] = value.to(device, non_blocking=not to_host)

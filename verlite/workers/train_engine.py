@@ -16,9 +16,10 @@ Metrics come back per rank; the caller reduces them over ranks (``Stage.RANKS``)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,25 @@ def build_optimizer(model: nn.Module, optim: OptimConfig) -> torch.optim.Optimiz
     params = [p for p in model.parameters() if p.requires_grad]
     kind = torch.optim.SGD if optim.name == "sgd" else torch.optim.AdamW
     return kind(params, **optimizer_settings(optim))
+
+
+def trained_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters of ``optimizer`` that its next step updates: those with a gradient."""
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+@contextlib.contextmanager
+def stepping_only(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> Iterator[None]:
+    """``optimizer`` with ``param`` its only parameter for the block: a step then updates it
+    alone (its group's settings apply); every group's parameters are restored after."""
+    groups = [(group, group["params"]) for group in optimizer.param_groups]
+    for group, params in groups:
+        group["params"] = [p for p in params if p is param]
+    try:
+        yield
+    finally:
+        for group, params in groups:
+            group["params"] = params
 
 
 def global_counts(td: TensorDict, *, device: torch.device) -> GlobalCounts:
@@ -187,13 +207,22 @@ class TrainEngine:
         return {k: m.to_float() for k, m in out.items()}
 
     def _optimizer_step(self) -> None:
-        """The optimizer's step; with ``offload=optimizer`` its state comes to the model's
-        device for it and goes back to the CPU after (AdamW creates it on the device at the
-        first step)."""
-        if self.cfg.offload == "optimizer":
-            move_optimizer_state(self.optimizer, self.device)
-        self.optimizer.step()
-        self._offload_optimizer_state()
+        """The optimizer's step. With ``offload=optimizer`` it steps one parameter at a time:
+        each one's state comes to the model's device for its own step and goes back to the
+        CPU after (AdamW creates it on the device at the first step), so besides the weights
+        and gradients the device holds one parameter's state at most. Moved at once, a 7B
+        policy's AdamW moments (61 GB) came on top of its fp32 weights and gradients (61 GB):
+        the step needed the memory offloading saves. AdamW's and SGD's updates are
+        elementwise: stepped apart, each parameter gets the joint step's update bit for bit."""
+        if self.cfg.offload != "optimizer":
+            self.optimizer.step()
+            return
+        cpu = torch.device("cpu")
+        for param in trained_params(self.optimizer):
+            with stepping_only(self.optimizer, param):
+                move_optimizer_state(self.optimizer, self.device, [param])
+                self.optimizer.step()
+                move_optimizer_state(self.optimizer, cpu, [param])
 
     def _offload_optimizer_state(self) -> None:
         if self.cfg.offload == "optimizer":

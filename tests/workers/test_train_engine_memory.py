@@ -23,6 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
 from verlite.audit.invariance import check_invariance, make_batch
 from verlite.config import Config, ConfigError, load_config
+from verlite.core.metrics import Stage, reduce_metrics
 from verlite.distributed import (
     apply_fsdp,
     destroy_process_group,
@@ -228,6 +229,22 @@ def test_offloaded_optimizer_state_visits_the_device_one_parameter_at_a_time(mon
     moves.clear()
     plain.train_mini_batch(batch, LOSS)
     assert not moves
+
+
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
+def test_a_training_step_leaves_no_gradient_behind(offload: str) -> None:
+    """The next step's generation and log-prob passes run beside the weights alone: the
+    step's last gradients (as large as the weights in fp32) are dropped once it is done,
+    and the step updates as before."""
+    batch = make_batch(ADAMW)
+    engine, updates = _engine(offload), _engine(offload)
+    metrics = engine.train_step(torch.stack([batch, batch]), LOSS)
+    assert all(p.grad is None for p in engine.model.parameters())
+    assert metrics == reduce_metrics(
+        [updates.train_mini_batch(batch, LOSS) for _ in range(2)], Stage.MINI_BATCHES
+    )
+    for name, value in full_state_dict(updates.model).items():
+        assert torch.equal(full_state_dict(engine.model)[name], value), name
 
 
 def test_resume_with_the_optimizer_state_offloaded_continues_exactly(

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
+from benchmarks.common import peak_tensor_bytes
 from verlite.audit.invariance import check_invariance, make_batch
 from verlite.config import Config, ConfigError, load_config
 from verlite.core.metrics import Stage, reduce_metrics
@@ -353,6 +354,54 @@ def test_offloaded_updates_match_the_reference(offload: str) -> None:
     assert len(reports) == 2 * 2 * len(OFFLOAD_MICROS)
     failures = [r for r in reports if r.worst() > TOLERANCE]
     assert not failures, failures
+
+
+WIDE = [  # layers of 2 MB of bf16 weights, to see them in the peak
+    "model.precision=bf16-mixed",
+    "model.hidden_size=256",
+    "model.intermediate_size=1024",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "actor.strategy=fsdp",
+]
+
+
+def _log_probs_pass(layers: int, world: int = 1) -> tuple[int, torch.Tensor]:
+    """A log-prob pass of the whole batch in bf16-mixed (FSDP2 over ``world`` ranks, a
+    whole model at one): its peak of live tensor bytes, and its log-probs."""
+    cfg = load_config("configs/ppo_tiny.yaml", [*WIDE, f"model.num_layers={layers}"])
+    model = build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    engine = TrainEngine(
+        model, cfg=cfg.actor, total_updates=1, metric_prefix="actor", precision=cfg.precision
+    )
+    assert engine.model is model and (world > 1) == isinstance(model, FSDPModule)
+    batch = make_batch(cfg)
+
+    def fn(m: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
+        return {"lp": response_log_probs(m, td, temperature=1.0, with_entropy=False)[0]}
+
+    engine.infer(batch, fn)  # FSDP2's lazy set-up, outside the measure
+    return peak_tensor_bytes(lambda: engine.infer(batch, fn)), engine.infer(batch, fn)["lp"]
+
+
+def _sharded_pass(rank: int, world: int, layers: int) -> tuple[int, torch.Tensor]:
+    return _log_probs_pass(layers, world)
+
+
+def test_a_sharded_log_prob_pass_in_bf16_mixed_holds_one_layers_casts_not_the_models() -> None:
+    """FSDP2 gathers one layer at a time; autocast's cache kept the bf16 cast of each one it
+    gathered until the pass ended, a bf16 copy of the whole model on every rank: 4 more
+    layers added their 8 MB of casts to the peak. The log-probs are the single process's
+    bit for bit."""
+    layer_bytes = 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 1024)
+    peaks = {}
+    for layers in (4, 8):
+        results = run_on_ranks(_sharded_pass, world_size=2, args=(layers,))
+        _, whole = _log_probs_pass(layers)
+        for _, log_probs in results:
+            assert torch.equal(log_probs, whole)
+        peaks[layers] = max(peak for peak, _ in results)
+    assert peaks[8] - peaks[4] < layer_bytes
 
 
 # ---------------------------------------------------------------------------- reference

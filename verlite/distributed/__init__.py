@@ -22,6 +22,7 @@ from verlite.distributed.parallel import (
     inference_module,
     model_state,
     move_optimizer_state,
+    sharded,
     unwrap,
 )
 from verlite.distributed.process_group import (
@@ -64,5 +65,6 @@ __all__ = [
     "move_optimizer_state",
     "rank_gpus",
     "run_on_ranks",
+    "sharded",
     "unwrap",
 ]

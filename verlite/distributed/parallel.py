@@ -44,6 +44,12 @@ def inference_module(model: nn.Module) -> nn.Module:
     return unwrap(model)
 
 
+def sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards, each layer gathered for its passes
+    (``apply_fsdp`` leaves a model of one rank whole unless it offloads)."""
+    return isinstance(model, FSDPModule)
+
+
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks of ``model``: children of every ``nn.ModuleList`` attribute named
     ``layers`` or ``h`` found anywhere below it (so a value-model wrapper holding a trunk

@@ -37,10 +37,19 @@ def param_dtype(precision: str) -> torch.dtype:
     return PARAM_DTYPES[precision]
 
 
-def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
-    """The region every forward pass of a model runs in: bf16 autocast under ``bf16-mixed``."""
+def autocast(
+    precision: str, device: torch.device, *, cache: bool = True
+) -> contextlib.AbstractContextManager[None]:
+    """The region every forward pass of a model runs in: bf16 autocast under ``bf16-mixed``.
+
+    ``cache``: autocast keeps the bf16 cast of each trained weight it casts until the region
+    ends, so that a region of many passes (a generation's decode steps) casts each weight
+    once. Over an FSDP2 model (``distributed.sharded``) that is a bf16 copy of every gathered
+    layer, the whole model on every rank, which its sharding was to avoid: its forward-only
+    regions pass ``cache=False`` and cast each layer as they gather it (the same bf16 values:
+    the same results bit for bit)."""
     if precision == "bf16-mixed":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
+        return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 

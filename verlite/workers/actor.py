@@ -18,7 +18,13 @@ from verlite.core import seeds
 from verlite.core.metrics import Metric, MetricDict
 from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
-from verlite.distributed import full_state_dict, full_tensor, inference_module, model_state
+from verlite.distributed import (
+    full_state_dict,
+    full_tensor,
+    inference_module,
+    model_state,
+    sharded,
+)
 from verlite.generation import (
     DecodeSettings,
     Sampler,
@@ -178,7 +184,10 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         prompts = prompts.to(self.engine.device)
         if self._generation_copy is not None:
             refresh_inference_copy(self._generation_copy, inference_module(self.engine.model))
-        return self.sample(self.sampler.generate, prompts, params, seed, records).cpu()
+        cache_casts = not sharded(self.engine.model)
+        return self.sample(
+            self.sampler.generate, prompts, params, seed, records, cache_casts=cache_casts
+        ).cpu()
 
     def generate_with_log_probs(
         self,

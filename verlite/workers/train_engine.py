@@ -48,6 +48,7 @@ from verlite.distributed import (
     grad_sync,
     inference_module,
     move_optimizer_state,
+    sharded,
 )
 from verlite.distributed.sharded_state import load_train_state, save_train_state
 from verlite.models import enable_gradient_checkpointing
@@ -260,7 +261,7 @@ class TrainEngine:
         """Forward-only ``fn`` over ``td`` with the policy being trained; ``plan`` reuses the
         micro-batches another pass over the same rows already agreed on."""
         plan = plan or self.plan(td, training=False)
-        with autocast(self.precision, self.device):
+        with autocast(self.precision, self.device, cache=not sharded(self.model)):
             return infer(
                 inference_module(self.model),
                 td,

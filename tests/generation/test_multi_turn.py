@@ -97,9 +97,10 @@ def run(
     max_turns: int = 3,
     turn_tokens: int = 5,
     decode: DecodeSettings = EAGER,
+    model: torch.nn.Module | None = None,
 ):
     tokenizer = bpe_tokenizer()
-    model = build_policy(
+    model = model or build_policy(
         ModelConfig(
             hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64
         ),
@@ -194,6 +195,56 @@ def test_the_model_over_the_batch_gives_the_log_probs_the_tokens_were_sampled_wi
         log_probs[policy], batch["rollout_log_probs"][policy], rtol=1e-4, atol=1e-5
     )
     assert (batch["rollout_log_probs"][~policy] == 0).all()
+
+
+@pytest.mark.parametrize("mode", ["eager", "static"])
+def test_no_row_runs_past_its_room_whatever_the_rows_beside_it(mode: str) -> None:
+    """A turn generates for as long as the row with the most room may; each other row stops
+    one token past its own room (which says whether the turn was cut), and a finished row
+    is not fed at later positions. So no forward reaches a position a trajectory cannot
+    hold: with a rotary scaling set by the batch's largest position (``dynamic``, allowed
+    while the run's sequences stay within the model's context), rows that ran past their
+    room changed every row's frequencies, and the sampler's log-probs were not the
+    trainer's (1.4e-4 apart in float64; positions up to 51 of 43)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from verlite.models import set_logits_chunk_tokens
+
+    tokenizer, width = bpe_tokenizer(), 40
+    longest = prompts(tokenizer, 8)["input_ids"].shape[1] + width  # prompt and trajectory
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=longest,
+        rope_scaling={"rope_type": "dynamic", "factor": 4.0},
+    )
+    model = LlamaForCausalLM(config).double()
+    set_logits_chunk_tokens(model, 64)
+    reached: list[int] = []
+    model.register_forward_pre_hook(
+        lambda _, args, kwargs: reached.append(int(kwargs["position_ids"].max())),
+        with_kwargs=True,
+    )
+    # Observations of other lengths: the rows' rooms differ from the second turn on.
+    envs = [Echo(observation="4812 1248 12 84 " * 4 if i % 2 else "4", turns=9) for i in range(8)]
+    batch, *_ = run(
+        envs, width=width, max_turns=4, turn_tokens=16, decode=DecodeSettings(mode), model=model
+    )
+    assert max(reached) < longest
+    assert batch["truncated"].sum() > 0
+    reached.clear()
+    with torch.no_grad():
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+    assert max(reached) < longest
+    policy = batch["response_mask"].bool()
+    torch.testing.assert_close(
+        log_probs[policy], batch["rollout_log_probs"][policy].double(), rtol=0, atol=1e-6
+    )
 
 
 def test_turns_on_the_static_cache_are_the_eager_turns() -> None:

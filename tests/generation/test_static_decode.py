@@ -339,3 +339,26 @@ def test_auto_picks_the_fastest_mode_the_run_and_the_model_allow() -> None:
         check_mode_supported(dynamic, "cuda_graphs")
     check_mode_supported(dynamic, "static")
     check_mode_supported(sliding, "eager")
+
+
+@pytest.mark.parametrize("mode", ["eager", "static", "cuda_graphs"])
+def test_a_row_budget_ends_a_row_as_an_end_token_does(mode: str) -> None:
+    """Rows carrying a token budget (``sampling.BUDGET_KEY``, a multi-turn trajectory's
+    room) stop there: each row's response is its unbudgeted one cut at the budget, whatever
+    the budgets beside it, on every decode path."""
+    from verlite.generation.sampling import BUDGET_KEY
+
+    model, td, params = llama("fp64"), prompts(batch=12, width=9, seed=1), SETTINGS["sampled"]
+    eos = ragged_eos(model, td, params, 4)
+    free = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 4, 14))
+    budgets = torch.tensor([1, 2, 3, 5, 8, 13, 14, 20, 1, 4, 6, 9])
+    td[BUDGET_KEY] = budgets
+    decode = DecodeSettings(mode, batch_buckets=(2, 5, 8), kv_block=4)
+    out = sampler(model, decode, eos).generate(td, params, noise(td, 4, 14))
+    lengths = torch.minimum(free["response_mask"].sum(-1), budgets)
+    assert torch.equal(out["response_mask"].sum(-1), lengths)
+    assert (lengths < free["response_mask"].sum(-1)).sum() >= 4  # budgets that cut rows
+    kept = torch.arange(14) < lengths[:, None]
+    assert torch.equal(out["responses"], free["responses"].where(kept, PAD))
+    assert torch.equal(out["rollout_log_probs"], free["rollout_log_probs"].where(kept, 0.0))
+    assert BUDGET_KEY not in set(out.keys())

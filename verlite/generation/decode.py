@@ -43,6 +43,7 @@ from verlite.generation.sampling import (
     SamplingParams,
     agree,
     build_step_batch,
+    row_budgets,
     take_token,
 )
 from verlite.generation.static_cache import (
@@ -226,6 +227,7 @@ class StaticDecoder:
         self.responses = torch.zeros((rows + 1, capacity), **long)
         self.log_probs = torch.zeros((rows + 1, capacity), dtype=torch.float32, device=device)
         self.lengths = torch.zeros(rows + 1, **long)
+        self.budgets = torch.zeros(rows + 1, **long)  # per response row (``row_budgets``)
         self.ends = torch.full((MAX_END_TOKENS,), -1, **long)
         self.position = torch.zeros(1, **long)  # the decode position being sampled
         self.diverged = torch.full((2,), -1, **long)  # (decode position, rows) of the first
@@ -277,7 +279,7 @@ class StaticDecoder:
         assert cache is not None
         self._check_addresses()
         buckets = buckets_for(batch, self.settings.batch_buckets)
-        self._start(prompts, ends, noise)
+        self._start(prompts, ends, noise, row_budgets(prompts, params))
         # The prompts: one eager forward on the real prompt width, which writes positions
         # 0 .. width of the cache, then the first token.
         cache.state.prefilling = True
@@ -311,7 +313,9 @@ class StaticDecoder:
             self.log_probs[:batch, :new].clone(),
         )
 
-    def _start(self, prompts: TensorDict, ends: list[int], noise: Noise | None) -> None:
+    def _start(
+        self, prompts: TensorDict, ends: list[int], noise: Noise | None, budgets: torch.Tensor
+    ) -> None:
         """The per-row state of a new generation of ``prompts``, in the held buffers."""
         batch, width = prompts["input_ids"].shape
         prompt_mask = prompts["attention_mask"]
@@ -328,6 +332,8 @@ class StaticDecoder:
         self.responses.fill_(self.pad_token_id)
         self.log_probs.zero_()
         self.lengths.zero_()
+        self.budgets.zero_()
+        self.budgets[:batch] = budgets
         self.ends.fill_(-1)
         self.ends[: len(ends)] = torch.tensor(ends, dtype=torch.int64)
         # The first token is sampled at decode position 0 from the prefill; the step that
@@ -355,13 +361,16 @@ class StaticDecoder:
         # A comparison with each end token (unused ones are -1): no sort, which torch.isin
         # may take, and which would read sizes on the host.
         finished |= (token[:, None] == self.ends).any(-1)
+        finished |= self.lengths[row_of] >= self.budgets[row_of]
+        # An unfinished row reads its next position; a finished one stays at the one it
+        # read last, as eager's do.
+        self.positions[:rows] += (~finished).long()[:, None]
         # The first position with a non-finite row, and how many rows it had.
         first = (self.diverged[0] < 0) & nonfinite.any()
         self.diverged.copy_(
             torch.where(first, torch.stack([self.position[0], nonfinite.sum()]), self.diverged)
         )
         self.ids[:rows, 0] = token
-        self.positions[:rows] += 1
         self.cache.state.slot += 1  # type: ignore[union-attr]
         self.position += 1
 

@@ -7,8 +7,10 @@ A rollout worker holds one engine. What an engine must do, and nothing more:
   bucket: the sync's seconds); ``version`` is the version it holds, checked (None: none),
   and ``require(version)`` refuses any other.
 - ``generate(prompts, params, noise)``: responses to left-padded prompts as the step
-  TensorDict of ``verlite.step_batch``, each response token drawn with its row's own noise
-  (``verlite.generation.noise``: per-sample keys, so that a run does not depend on its layout),
+  TensorDict of ``verlite.step_batch``, each at most its row's ``token_budget`` long where
+  the prompts carry one (``generation.sampling.row_budgets``: a multi-turn trajectory's
+  room), each response token drawn with its row's own noise (``verlite.generation.noise``:
+  per-sample keys, so that a run does not depend on its layout),
   with the token ids and ``rollout_log_probs``, the log-probabilities the engine drew
   each token with (float32, 0 on pads).
 

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.data import position_ids
 from verlite.data.tokenizer import response_text
-from verlite.generation.sampling import build_step_batch
+from verlite.generation.sampling import BUDGET_KEY, build_step_batch
 
 
 class TurnResult(Protocol):
@@ -129,6 +129,10 @@ def generate_multi_turn(
             prompts[torch.tensor(rows)],
             limits.pad_token_id,
         )
+        # Each row draws at most one token past its room: it says whether the turn would
+        # have gone on (``truncated``), and no row runs past the positions a trajectory
+        # may reach, whatever the room of the rows beside it.
+        turn_prompts[BUDGET_KEY] = torch.tensor(room, device=turn_prompts["input_ids"].device) + 1
         out = generate(turn_prompts, turn, min(limits.turn_tokens, max(room)))
         lengths = out["response_mask"].sum(-1).tolist()
         for j, i in enumerate(rows):

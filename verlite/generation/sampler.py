@@ -22,6 +22,7 @@ from verlite.generation.sampling import (
     SamplingParams,
     agree,
     build_step_batch,
+    row_budgets,
     take_token,
 )
 
@@ -78,6 +79,7 @@ class Sampler:
         )
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
         ends = torch.tensor(params.end_tokens(self.eos_token_id), dtype=torch.long, device=device)
+        budgets = row_budgets(prompts, params)
         lengths = torch.zeros(batch, dtype=torch.long, device=device)
         width = prompt_mask.shape[1]
         # Room for every response position, so a step passes a view instead of concatenating.
@@ -106,7 +108,7 @@ class Sampler:
             responses[:, t] = token
             sampled_log_probs[:, t] = log_prob
             lengths += (~finished).long()
-            finished |= torch.isin(token, ends)
+            finished |= torch.isin(token, ends) | (lengths >= budgets)
             flags = torch.stack([(~finished).any(), nonfinite.any()]).to(torch.int64)
             active, diverged = agree(flags, lockstep=self.lockstep)
             if diverged:
@@ -114,7 +116,10 @@ class Sampler:
             if not active:
                 break
             step_ids = token.unsqueeze(-1)
-            positions = next_positions + t
+            # An unfinished row reads its next position; a finished one stays at the one it
+            # read last, so that no row runs past the positions its own tokens need (a rotary
+            # scaling set by the batch's largest position would change every row's logits).
+            positions = next_positions + (lengths - 1 - finished.long())[:, None]
         real = torch.arange(params.max_new_tokens, device=device) < lengths[:, None]
         return build_step_batch(prompts, responses, real, sampled_log_probs)
 

@@ -26,6 +26,23 @@ class SamplingParams:
         return [*([] if self.ignore_eos else [eos_token_id]), *self.stop_token_ids]
 
 
+# A prompts column, (B,) int64: the most tokens each row may generate, below the batch's
+# ``max_new_tokens`` (a multi-turn trajectory's room left; ``generation.multi_turn``).
+BUDGET_KEY = "token_budget"
+
+
+def row_budgets(prompts: TensorDict, params: SamplingParams) -> torch.Tensor:
+    """(B,) int64 on the prompts' device: the most tokens each row generates, its
+    ``BUDGET_KEY`` entry if the prompts carry one, at most ``params.max_new_tokens``. A row
+    that reached its budget is finished as one that drew an end token is: it is no longer
+    sampled, so a row's tokens never depend on the budgets of the rows beside it."""
+    device = prompts["input_ids"].device
+    budgets = torch.full((len(prompts),), params.max_new_tokens, dtype=torch.long, device=device)
+    if BUDGET_KEY in set(prompts.keys()):
+        budgets = torch.minimum(prompts[BUDGET_KEY].to(device=device, dtype=torch.long), budgets)
+    return budgets
+
+
 class GenerationDiverged(RunFailure):
     """The policy gave non-finite next-token logits: sampling from them would draw garbage."""
 
@@ -145,7 +162,7 @@ def build_step_batch(
         batch_size=prompts.batch_size,
     )
     for key, value in prompts.items():  # carry uid, answers' index, non-tensor entries
-        if key in td:
+        if key in td or key == BUDGET_KEY:
             continue
         if isinstance(value, torch.Tensor):
             td.set(key, value)

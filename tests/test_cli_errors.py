@@ -160,7 +160,19 @@ BAD_OVERRIDES = [
             "rollout.multi_turn.max_total_length=24",
             "actor.strategy=fsdp",
         ],
-        "rollout.multi_turn with an FSDP actor that generates (rollout.placement=colocated) is not supported",
+        "rollout.multi_turn with an FSDP actor that generates (rollout.placement=colocated, "
+        "validation: trainer.val_freq=50) is not supported",
+    ),
+    (  # the actor validates a split run: its ranks' turns would not line up either
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "actor.strategy=fsdp",
+            "rollout.placement=split",
+        ],
+        "rollout.multi_turn with an FSDP actor that generates (validation: trainer.val_freq=50) "
+        "is not supported: its ranks would take different numbers of turns in lockstep "
+        "collectives; use actor.strategy=ddp, or rollout.placement=split with trainer.val_freq=0",
     ),
     (
         ["rollout.multi_turn.env=lokup", "rollout.multi_turn.max_total_length=24"],

@@ -176,11 +176,21 @@ def _check_multi_turn(cfg: Config) -> None:
             f"rollout.multi_turn.env={multi_turn.env!r} needs rollout.multi_turn."
             f"max_total_length (the most tokens of a trajectory, >= {one_turn})"
         )
-    if cfg.rollout.placement == "colocated" and cfg.actor.strategy == "fsdp":
+    # The actor generates the training batches when colocated, and validates in every run.
+    generates = [
+        what
+        for what, applies in (
+            ("rollout.placement=colocated", cfg.rollout.placement == "colocated"),
+            (f"validation: trainer.val_freq={cfg.trainer.val_freq}", cfg.trainer.val_freq > 0),
+        )
+        if applies
+    ]
+    if cfg.actor.strategy == "fsdp" and generates:
         raise ValueError(
-            "rollout.multi_turn with an FSDP actor that generates (rollout.placement="
-            "colocated) is not supported: its ranks would take different numbers of turns "
-            "in lockstep collectives; use rollout.placement=split or actor.strategy=ddp"
+            f"rollout.multi_turn with an FSDP actor that generates ({', '.join(generates)}) "
+            "is not supported: its ranks would take different numbers of turns in lockstep "
+            "collectives; use actor.strategy=ddp, or rollout.placement=split with "
+            "trainer.val_freq=0"
         )
     if multi_turn.max_total_length < one_turn:
         raise ValueError(

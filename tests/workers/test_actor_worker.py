@@ -157,3 +157,34 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
         reloaded, _ = response_log_probs(exported, batch, temperature=1.0, with_entropy=False)
     mask = batch["response_mask"].bool()
     torch.testing.assert_close(reloaded[mask], trained[mask], rtol=0, atol=1e-6)
+
+
+def test_an_fsdp_actor_validating_a_split_run_decodes_static_not_with_graphs() -> None:
+    """``rollout.decode=cuda_graphs`` with an FSDP actor passes start-up when a rollout group
+    generates (split); the actor still generates the validation batches, in lockstep, and
+    its all-gathers cannot be captured: it decodes statically, the rollout group with graphs."""
+    from types import SimpleNamespace
+
+    from verlite.models import build_policy
+    from verlite.workers.policy_worker import PolicyWorker
+
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            "rollout.decode=cuda_graphs",
+            "model.device=cuda",
+            "actor.strategy=fsdp",
+            "rollout.placement=split",
+            "trainer.workers_per_node=2",
+            "actor.micro_batch_size_per_worker=8",
+            "critic.micro_batch_size_per_worker=8",
+        ],
+    )
+    assert cfg.trainer.val_freq > 0
+    model = build_policy(cfg.model, vocab_size=40, max_positions=16, seed=0)
+    worker = SimpleNamespace(cfg=cfg)
+    cuda = torch.device("cuda")
+    settings = PolicyWorker.decode_settings(worker, model, cuda, lockstep=True, trains_on=False)  # type: ignore[arg-type]
+    assert settings.mode == "static"
+    settings = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=True)  # type: ignore[arg-type]
+    assert settings.mode == "cuda_graphs"

@@ -55,12 +55,17 @@ class PolicyWorker(Worker):
     ) -> DecodeSettings:
         """How ``model`` decodes on ``device``: ``rollout.decode``, ``auto`` resolved
         (``generation.decode.auto_mode``; an explicit mode the model cannot run was refused
-        at start-up, ``driver.preflight.check_generation``). The cache is reserved for this
-        worker's share of a step (when it generates the rows trained on: ``trains_on``) by
-        the longest sequence."""
+        at start-up, ``driver.preflight.check_generation``), and ``cuda_graphs`` as static in
+        ``lockstep``: an FSDP actor's all-gathers cannot be captured, and the one such actor
+        that start-up lets through generates for validation only, the rollout group of its
+        split run capturing the graphs. The cache is reserved for this worker's share of a
+        step (when it generates the rows trained on: ``trains_on``) by the longest
+        sequence."""
         cfg, rollout = self.cfg, self.cfg.rollout
         mode = rollout.decode
-        if mode == "auto":
+        if mode == "cuda_graphs" and lockstep:
+            mode = "static"
+        elif mode == "auto":
             mode = auto_mode(
                 model.config,
                 device=device,

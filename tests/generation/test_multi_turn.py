@@ -307,3 +307,42 @@ def test_an_observation_that_cannot_be_tokenized_names_the_environment_and_promp
         r"'48\\ud800', not valid text \(surrogates not allowed at character 2\)",
         str(caught.value),
     ), str(caught.value)
+
+
+def test_the_cache_a_run_reserves_holds_every_turn() -> None:
+    """A turn's prompt is the trajectory so far (up to a token short of the longest
+    sequence), and the row with the most room may take a whole turn after it: the static
+    cache a worker reserves (``Config.cache_positions``) holds that, so it never grows in
+    mid-run (dropping the CUDA graphs captured on it) past what start-up checked fits."""
+    from types import SimpleNamespace
+
+    from verlite.config import load_config
+    from verlite.workers.policy_worker import PolicyWorker
+
+    cfg = load_config(
+        "configs/tool_tiny.yaml",
+        [
+            "data.max_prompt_length=4",
+            "rollout.max_response_length=16",
+            "rollout.multi_turn.max_total_length=44",
+            "rollout.multi_turn.max_turns=4",
+        ],
+    )
+    envs = [Echo(observation="4812 1248 12 84 " * 4 if i % 2 else "4", turns=9) for i in range(8)]
+    _, sampled, *_ = run(
+        envs,
+        width=cfg.response_width,
+        max_turns=cfg.rollout.multi_turn.max_turns,
+        turn_tokens=cfg.rollout.max_response_length,
+    )
+    spans = [out["input_ids"].shape[1] for out in sampled]  # a turn's prompt and its turn
+    assert max(spans) > cfg.max_sequence_length
+    model = build_policy(ModelConfig(), vocab_size=40, max_positions=16, seed=0)
+    settings = PolicyWorker.decode_settings(
+        SimpleNamespace(cfg=cfg),  # type: ignore[arg-type]
+        model,
+        torch.device("cpu"),
+        lockstep=False,
+        trains_on=True,
+    )
+    assert max(spans) <= settings.reserve[1] == cfg.cache_positions

@@ -251,6 +251,16 @@ def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
         )
 
 
+def cache_position_fields(cfg: Config) -> str:
+    """The fields that set ``Config.cache_positions``, as a message names them."""
+    if cfg.rollout.multi_turn.env is None:
+        return longest_sequence_fields(cfg)
+    return (
+        "rollout.multi_turn.max_total_length - 1 + rollout.max_response_length: a turn's "
+        "prompt and the turn"
+    )
+
+
 def longest_sequence_fields(cfg: Config) -> str:
     """The fields that set the longest sequence of a step, as a message names them."""
     if cfg.response_width != cfg.rollout.max_response_length:

@@ -86,6 +86,16 @@ class Derived:
         return self.data.max_prompt_length + self.response_width
 
     @property
+    def cache_positions(self) -> int:
+        """The most positions one generation's KV cache spans: a prompt and a response; in a
+        multi-turn run, a turn's prompt (the trajectory so far, as long as one token short
+        of ``max_sequence_length``) and a whole turn after it, which the row with the most
+        room left may take while the others stop at theirs."""
+        if self.rollout.multi_turn.env is None:
+            return self.max_sequence_length
+        return self.max_sequence_length - 1 + self.rollout.max_response_length
+
+    @property
     def on_gpu(self) -> bool:
         """Whether the training workers run their models on cuda: ``model.device=cuda``, or
         ``auto`` with GPUs in their bundles (Ray hides every GPU from a worker given none)."""

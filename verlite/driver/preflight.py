@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from verlite import base_weights
 from verlite.config import Config, ConfigError
-from verlite.config.checks import longest_sequence_fields
+from verlite.config.checks import cache_position_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import PromptDataset, build_datasets, check_fills_a_batch, load_tokenizer
 from verlite.data.templates import turn_format
@@ -88,14 +88,14 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
         weights = trained + (weights if copied else 0)
     rows = cfg.rows_per_generating_worker
     kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
-    kv = cache_bytes(config, rows, cfg.max_sequence_length, kv_dtype)
+    kv = cache_bytes(config, rows, cfg.cache_positions, kv_dtype)
     total = torch.cuda.get_device_properties(0).total_memory
     if kv + weights > total:
         raise ConfigError(
             f"generation cannot fit {torch.cuda.get_device_name(0)} ({total / 2**30:.1f} GiB): "
             f"the KV cache of {rows} rows per generating worker (data.train_batch_size x "
-            f"rollout.n / {cfg.generating_workers} workers) x {cfg.max_sequence_length} "
-            f"positions ({longest_sequence_fields(cfg)}) is {kv / 2**30:.1f} GiB and the weights "
+            f"rollout.n / {cfg.generating_workers} workers) x {cfg.cache_positions} "
+            f"positions ({cache_position_fields(cfg)}) is {kv / 2**30:.1f} GiB and the weights "
             f"{weights / 2**30:.1f} GiB; generate fewer or shorter rows per worker"
         )
 

@@ -59,8 +59,8 @@ class PolicyWorker(Worker):
         ``lockstep``: an FSDP actor's all-gathers cannot be captured, and the one such actor
         that start-up lets through generates for validation only, the rollout group of its
         split run capturing the graphs. The cache is reserved for this worker's share of a
-        step (when it generates the rows trained on: ``trains_on``) by the longest
-        sequence."""
+        step (when it generates the rows trained on: ``trains_on``) by the most positions a
+        generation spans (``Config.cache_positions``)."""
         cfg, rollout = self.cfg, self.cfg.rollout
         mode = rollout.decode
         if mode == "cuda_graphs" and lockstep:
@@ -78,7 +78,7 @@ class PolicyWorker(Worker):
             batch_buckets=None
             if rollout.decode_batch_buckets is None
             else tuple(rollout.decode_batch_buckets),
-            reserve=(rows, cfg.max_sequence_length),
+            reserve=(rows, cfg.cache_positions),
         )
 
     def noise(

@@ -6,6 +6,7 @@ twice, is one line naming the file (and line), never a traceback."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +47,24 @@ def read_text(
 
 
 def parse_json(text: str, where: str, *, error: type[UserError] = UserError) -> Any:
-    """The JSON value of ``text``, found at ``where`` ("file:line"); malformed JSON and an
-    object that sets a key twice (json.loads would keep the last silently) raise ``error``
-    with one line naming ``where``."""
+    """The JSON value of ``text``, found at ``where`` ("file:line"); malformed JSON, an
+    object that sets a key twice (json.loads would keep the last silently), and JSON that
+    Python cannot hold (arrays nested past the recursion limit, an integer of more digits
+    than ``sys.get_int_max_str_digits()``: valid JSON, which json.loads raises on with a
+    RecursionError or a bare ValueError) raise ``error`` with one line naming ``where``."""
     try:
         return json.loads(text, object_pairs_hook=_keys_once)
     except json.JSONDecodeError as exc:
         raise error(f"{where}: malformed JSON: {exc.msg} (column {exc.colno})") from None
     except _KeyTwice as exc:
         raise error(f"{where}: field {exc.args[0]!r} is set twice") from None
+    except RecursionError:
+        raise error(f"{where}: JSON nests too deeply to read") from None
+    except ValueError:  # the only other ValueError json.loads raises
+        raise error(
+            f"{where}: JSON holds an integer of more than {sys.get_int_max_str_digits():,} "
+            "digits, more than Python reads"
+        ) from None
 
 
 class _KeyTwice(Exception):

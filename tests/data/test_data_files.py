@@ -55,6 +55,15 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
             r":2: field 'prompt' is set twice",
         ),
         (['{"prompt": "1", "answer": "1", "x": {"k": 1, "k": 2}}'], r":1: field 'k' is set twice"),
+        # Valid JSON that json.loads raises a RecursionError or a bare ValueError on.
+        (
+            ['{"prompt": "1", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"],
+            r":1: JSON nests too deeply to read",
+        ),
+        (
+            ['{"prompt": "1", "answer": "1", "x": ' + "7" * 5000 + "}"],
+            r":1: JSON holds an integer of more than 4,300 digits",
+        ),
     ],
 )
 def test_errors_name_file_and_line(tmp_path: Path, lines: list[str], message: str) -> None:

@@ -64,6 +64,11 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
             ['{"prompt": "1", "answer": "1", "x": ' + "7" * 5000 + "}"],
             r":1: JSON holds an integer of more than 4,300 digits",
         ),
+        # Half a surrogate pair: valid JSON, no text (the tokenizer raised a TypeError on it).
+        (
+            ['{"prompt": "1", "answer": "1"}', '{"prompt": "a\\ud800b", "answer": "1"}'],
+            r":2: field 'prompt' holds '\\ud800' at character 1, half of a UTF-16 surrogate",
+        ),
     ],
 )
 def test_errors_name_file_and_line(tmp_path: Path, lines: list[str], message: str) -> None:

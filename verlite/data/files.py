@@ -76,6 +76,7 @@ def _record(
             raise DataError(
                 f"{location}: field {key!r} must be a string, got {type(value).__name__} {value!r}"
             )
+        _check_unicode(location, key, value)
     if not row[prompt_key].strip():
         # The policy would answer nothing but the begin-of-sequence token.
         raise DataError(f"{location}: the prompt is empty")
@@ -87,6 +88,18 @@ def _record(
             f"{answer_key!r} (it needs {wanted}): {shown(row[answer_key], 80)}"
         )
     return PromptRecord(prompt=row[prompt_key], answer=answer)
+
+
+def _check_unicode(location: str, key: str, value: str) -> None:
+    """A JSON string may escape half of a UTF-16 surrogate pair (``"\\ud800"``), which is
+    no character: the tokenizer would raise a TypeError on it at the first batch."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise DataError(
+            f"{location}: field {key!r} holds {value[exc.start]!r} at character {exc.start}, "
+            "half of a UTF-16 surrogate pair, which is no text; escape whole characters only"
+        ) from None
 
 
 def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:

@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -222,6 +223,40 @@ def test_the_token_in_the_url_is_never_shown(
     assert failure(scorer(url, token=token, concurrency=1)).startswith(
         f"reward.remote.url='{shown}': batch 0"
     )
+
+
+@pytest.mark.usefixtures("registry")
+def test_a_service_on_this_machine_is_reached_without_the_environments_proxy(
+    service: ScoringService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A proxy of the environment got the request (the token in cleartext over the network
+    # the http:// check keeps it off) and answered in the service's stead.
+    seen: list[str | None] = []
+
+    class Proxy(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(502)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, args=(0.05,), daemon=True).start()
+    try:
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.server_address[1]}")
+        monkeypatch.delenv("no_proxy", raising=False)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        for url in (service.url, service.url.replace("127.0.0.1", "localhost")):
+            scores, _ = score(scorer(url, token=TOKEN, max_retries=0))
+            assert scores == EXPECTED
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert seen == []
+    assert service.authorization[-1] == f"Bearer {TOKEN}"
 
 
 def test_the_first_batch_to_fail_for_good_is_the_stage_error(service: ScoringService) -> None:

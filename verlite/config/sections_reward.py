@@ -105,7 +105,7 @@ class RemoteRewardConfig(Section):
         if self.auth_env is None or self.url is None:
             return self
         parts = urlsplit(self.url)
-        if parts.scheme == "http" and not _is_loopback_host(parts.hostname or ""):
+        if parts.scheme == "http" and not is_loopback_host(parts.hostname or ""):
             raise ValueError(
                 f"reward.remote.auth_env={self.auth_env!r} with an http:// URL to "
                 f"{parts.hostname}: the token would cross the network in cleartext; use https "
@@ -114,7 +114,8 @@ class RemoteRewardConfig(Section):
         return self
 
 
-def _is_loopback_host(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a URL's hostname) names this machine: localhost or a loopback IP."""
     try:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -6,7 +6,8 @@ when ``reward.remote.auth_env`` names a variable) and the body
 ``{"responses": [...], "prompts": [...], "answers": [...]}``: three lists of strings of one
 length, row by row. The service answers ``200`` with ``{"scores": [...]}``: one JSON number
 in [0, 1] per response, in the same order (other keys are ignored). Redirects are not
-followed (they would carry the token elsewhere).
+followed (they would carry the token elsewhere), and a service on this machine is reached
+without the environment's proxy (``http_proxy``).
 
 Failures. Retried up to ``max_retries`` times, waiting ``retry_backoff_s`` and twice as long
 at each further retry: no connection (refused, reset, dropped before the reply), no whole
@@ -49,6 +50,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from verlite.config import RemoteRewardConfig
+from verlite.config.sections_reward import is_loopback_host
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import MIN_SECRET_LENGTH, redact_text, register_secret
 from verlite.rewards.scoring import PROGRESS_EVERY_S
@@ -141,7 +143,13 @@ class RemoteScorer:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
-        self._opener = urllib.request.build_opener(_NoRedirects)
+        handlers: list[urllib.request.BaseHandler] = [_NoRedirects()]
+        if is_loopback_host(parts.hostname or ""):
+            # A service on this machine is reached directly: a proxy of the environment
+            # (http_proxy) would get the request, the token in cleartext over the network
+            # that the http:// check keeps it off, and could not reach the service anyway.
+            handlers.append(urllib.request.ProxyHandler({}))
+        self._opener = urllib.request.build_opener(*handlers)
 
     @classmethod
     def from_config(cls, cfg: RemoteRewardConfig) -> RemoteScorer | None:

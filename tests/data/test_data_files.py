@@ -120,3 +120,22 @@ def test_parquet(tmp_path: Path) -> None:
     path.write_bytes(b"not parquet")
     with pytest.raises(DataError, match=r"p.parquet: cannot read Parquet file"):
         read_prompt_file(path)
+
+
+def test_errors_are_one_line_of_bounded_length(tmp_path: Path) -> None:
+    # A column named twice: Arrow's message lists the schema, a line per column. A value
+    # of the wrong type: quoted whole, a megabyte of it made the message.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    columns = [pa.array(["1+1="]), pa.array(["2"]), pa.array(["3+3="])]
+    pq.write_table(pa.Table.from_arrays(columns, names=["prompt", "answer", "prompt"]), path)
+    with pytest.raises(DataError, match=r"p.parquet: cannot read Parquet file: .*prompt") as exc:
+        read_prompt_file(path)
+    assert "\n" not in str(exc.value)
+    jsonl = _jsonl(tmp_path / "p.jsonl", json.dumps({"prompt": "1", "answer": list(range(10**5))}))
+    with pytest.raises(
+        DataError, match=r":1: field 'answer' must be a string, got list \[0, 1,"
+    ) as exc:
+        read_prompt_file(jsonl)
+    assert len(str(exc.value)) < len(str(jsonl)) + 150

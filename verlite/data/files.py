@@ -74,7 +74,8 @@ def _record(
         value = row[key]
         if not isinstance(value, str):
             raise DataError(
-                f"{location}: field {key!r} must be a string, got {type(value).__name__} {value!r}"
+                f"{location}: field {key!r} must be a string, got {type(value).__name__} "
+                f"{shown(value, 80)}"
             )
         _check_unicode(location, key, value)
     if not row[prompt_key].strip():
@@ -125,6 +126,8 @@ def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
     try:
         table = pyarrow.parquet.read_table(path)
     except (OSError, pyarrow.ArrowException) as exc:
-        raise DataError(f"{path}: cannot read Parquet file: {exc}") from None
+        # Arrow's message may span lines (a schema that names a column twice lists it).
+        reason = " ".join(str(exc).split())
+        raise DataError(f"{path}: cannot read Parquet file: {shown(reason, 200, str)}") from None
     for number, row in enumerate(table.to_pylist(), start=1):
         yield f"{path} row {number}", row

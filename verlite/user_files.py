@@ -20,10 +20,10 @@ def read_text(
     error: type[UserError] = UserError,
     max_bytes: int | None = None,
 ) -> str:
-    """The UTF-8 text of the file ``path``. ``what`` names the file in messages ("config
-    file"); problems raise ``error`` with one line. With ``max_bytes``, reading stops there,
-    so a device such as /dev/zero, or a pipe that never ends, is refused instead of filling
-    the memory."""
+    """The UTF-8 text of the file ``path``, without a leading byte-order mark. ``what``
+    names the file in messages ("config file"); problems raise ``error`` with one line.
+    With ``max_bytes``, reading stops there, so a device such as /dev/zero, or a pipe that
+    never ends, is refused instead of filling the memory."""
     shown = repr(str(path))
     if not str(path):  # Path("") is the current folder
         raise error(f"{what}: an empty path names no file")
@@ -37,7 +37,8 @@ def read_text(
     if max_bytes is not None and len(raw) > max_bytes:
         raise error(f"{what} {shown} is larger than {max_bytes:,} bytes; is it the right file?")
     try:
-        return raw.decode("utf-8")
+        # A byte-order mark (what Windows editors and PowerShell write first) is no content.
+        return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise error(

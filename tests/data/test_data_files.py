@@ -86,6 +86,17 @@ def test_missing_file_and_unknown_format(tmp_path: Path) -> None:
         read_prompt_file(tmp_path / "p.csv")
 
 
+def test_a_byte_order_mark_and_windows_line_ends_are_no_content(tmp_path: Path) -> None:
+    # The mark made line 1 malformed JSON ("Unexpected UTF-8 BOM (decode using utf-8-sig)").
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(
+        b'\xef\xbb\xbf{"prompt": "1+1=", "answer": "2"}\r\n\r\n{"prompt": "3=", "answer": "3"}\r\n'
+    )
+    records, where = read_prompt_file(path)
+    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "3=", "answer": "3"}]
+    assert where == [f"{path}:1", f"{path}:3"]
+
+
 def test_not_utf8(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_bytes(b'{"prompt": "\xff", "answer": "1"}\n')

@@ -176,6 +176,29 @@ def test_a_template_that_cannot_render_prompts_is_one_line(
     assert "\n" not in str(exc.value)
 
 
+# Gemma's and Mistral's way: a system turn raises.
+NO_SYSTEM_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- raise_exception('System role not supported') }}{%- endif %}" + QWEN_TEMPLATE
+)
+
+
+def test_a_template_that_refuses_a_system_turn_names_the_system_prompt(tmp_path: Path) -> None:
+    # The error blamed the first row's prompt ("row 1: ... fails on this prompt").
+    save_chat_model(tmp_path, NO_SYSTEM_TEMPLATE)
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true", f"data.system_prompt={SYSTEM}")
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    message = str(exc.value)
+    assert message.startswith(f"the chat template of model.path={str(tmp_path)!r} fails on ")
+    assert f"the system turn data.system_prompt={SYSTEM!r}; unset data.system_prompt" in message
+    assert "System role not supported" in message and "row 1" not in message
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true")  # without one it renders
+    assert build_datasets(cfg, load_tokenizer(cfg.model.path))[1][0]["prompt"].startswith(
+        "<|im_start|>user\n"
+    )
+
+
 # The main job's prompts as the code before data fields and chat templates drew them.
 MAIN_JOB_TRAIN = "b4ddd1237c831434cabb9cfbed8ab96b80dfd02075e102bf050c911d539f0c36"
 MAIN_JOB_VALIDATION = "d8567c4dfea9311255cf033ef8fec58e4348d45d4d13fa21406fb49228722966"

@@ -46,6 +46,8 @@ def format_prompts(
             "template (no chat_template in its tokenizer_config.json, no chat_template.jinja); "
             "save a tokenizer that has one, or set data.chat_template=false"
         )
+    if data.chat_template and data.system_prompt is not None:
+        _check_system_turn(tokenizer, data, model_path)
     formatted = []
     for location, record in zip(where, records, strict=True):
         prompt = record["prompt"]
@@ -55,6 +57,22 @@ def format_prompts(
             prompt = _render(location, prompt, tokenizer, data, model_path)
         formatted.append(PromptRecord(prompt=prompt, answer=record["answer"]))
     return formatted
+
+
+def _check_system_turn(
+    tokenizer: PreTrainedTokenizerBase, data: DataConfig, model_path: str | None
+) -> None:
+    """A template that refuses a system turn (Gemma's and Mistral's raise "System role not
+    supported"), or fails on this one, names data.system_prompt: failing on the first row
+    instead would blame a prompt that is not the cause."""
+    _apply(
+        tokenizer,
+        [*_system(data), {"role": "user", "content": _QUESTION}],
+        generation_prompt=True,
+        failure=f"the chat template of model.path={model_path!r} fails on the system turn "
+        f"data.system_prompt={shown(data.system_prompt, 60)}; unset data.system_prompt (or "
+        "put its text in data.prompt_suffix) for a template without a system role",
+    )
 
 
 def _system(data: DataConfig) -> list[dict[str, str]]:

@@ -1,5 +1,7 @@
 """Built-in rule-based rewards and their edge cases."""
 
+import time
+
 import pytest
 
 from verlite.rewards import digit_match, exact_match, gsm8k
@@ -74,3 +76,13 @@ def test_gsm8k(response: str, answer: str, score: float) -> None:
 def test_gsm8k_answer_without_a_number() -> None:
     with pytest.raises(ValueError, match="the answer 'forty' holds no number"):
         gsm8k("#### 40", "forty", "")
+
+
+def test_gsm8k_reads_a_response_of_whitespace_in_linear_time() -> None:
+    # A degenerate response: its final-answer mark, then lines of whitespace. The number
+    # pattern failed in quadratic time (24 s for these 32,000 characters).
+    response = "#### " + "\t\n" * 16_000 + "x"
+    started = time.perf_counter()
+    assert gsm8k(response, "42", "question") == 0.0
+    assert gsm8k("#### $ \t1,042", "1042", "question") == 1.0  # whitespace after the $ still
+    assert time.perf_counter() - started < 2.0

@@ -5,6 +5,8 @@ no traceback; all before Ray starts."""
 import json
 from pathlib import Path
 
+import pyarrow
+import pyarrow.parquet
 import pytest
 from chat_model_support import save_chat_model, write_gsm8k_parquet, write_math_jsonl
 from tool_template_support import NO_TOOL_ROLE_TEMPLATE
@@ -12,6 +14,7 @@ from tool_template_support import NO_TOOL_ROLE_TEMPLATE
 from verlite.cli import main
 
 CONFIG = "configs/ppo_tiny.yaml"
+SIZES = ("ppo_mini_batch_size", "micro_batch_size_per_worker")  # of the actor and the critic
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +129,37 @@ def test_settings_that_do_not_go_together(
         "fails on an observation turn (rollout.multi_turn.observation_role=tool; a template "
         "without a tool role: set it to user): 'TemplateError: Unknown role: tool'"
     ) in err
+
+
+def test_an_answer_the_reward_cannot_read_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    # The gsm8k and math rewards raised on such an answer only at the step that drew it
+    # (validation's: at the first validation), the run stopping there.
+    table = pyarrow.parquet.read_table(files["gsm8k"]).to_pydict()
+    table["answer"][2] = "He has many apples.\n#### forty"
+    path = files["gsm8k"].parent / "gsm8k_words.parquet"
+    pyarrow.parquet.write_table(pyarrow.table(table), path)
+    batch = [f"{role}.{size}=4" for role in ("actor", "critic") for size in SIZES]
+    rows = [
+        *gsm8k_run(files, "model", *batch),
+        "data.train_batch_size=4",
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+    ]
+    err = run(capsys, *rows, f"data.train_file={path}", "reward.fn=gsm8k")
+    assert (
+        f"{path} row 3: gsm8k reward: the answer 'forty' holds no number (reward.fn=gsm8k)" in err
+    )
+    # What follows ####: no \boxed{} nor #### in it, so the whole, too long to be an answer.
+    math = files["math"].parent / "math_long.jsonl"
+    math.write_text(json.dumps({"question": "What is 2+2?", "answer": "#### " + "x" * 1001}))
+    err = run(
+        capsys,
+        *rows,
+        f"data.val_file={math}",
+        "reward.fn=math",
+        "reward.timeout_s=10",
+    )
+    assert err.startswith(f"verlite: error: {math}:1: math reward: the reference answer 'xxx")
+    assert err.endswith("(reward.fn=math)\n")

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from verlite.config import Config, ConfigError
+from verlite.data import DataError, PromptDataset
 from verlite.rewards import (
     REWARDS,
+    check_answers,
     digit_match,
     exact_match,
     get_reward,
@@ -108,3 +110,13 @@ def test_user_function(user_module: str) -> None:
 def test_user_function_errors(user_module: str, spec: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         get_reward(spec)
+
+
+def test_check_answers_reads_them_as_the_built_in_reward_does() -> None:
+    records = ({"prompt": "q", "answer": "#### 1,234"}, {"prompt": "q", "answer": "many"})
+    dataset = PromptDataset(records, name="train", where=("f.jsonl:1", "f.jsonl:2"))
+    with pytest.raises(DataError, match=r"^f.jsonl:2: gsm8k reward: the answer 'many' holds no"):
+        check_answers(gsm8k, [dataset])
+    # Rewards that take any answer, and user functions, are not called ahead.
+    check_answers(exact_match, [dataset])
+    check_answers(lambda response, answer, prompt: 1.0, [dataset])

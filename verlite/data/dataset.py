@@ -27,11 +27,14 @@ class PromptDataset(Sequence[PromptRecord]):
     """The prompt records of one split.
 
     ``num_truncated`` counts prompts longer than ``data.max_prompt_length`` that batches keep
-    only the last tokens of (``data.prompt_overflow=truncate``), for the trainer to log.
+    only the last tokens of (``data.prompt_overflow=truncate``), for the trainer to log;
+    ``where`` says where each record comes from (``file:line``, or the task's sample), for
+    the checks that name one.
     """
 
     records: tuple[PromptRecord, ...]
     name: str
+    where: tuple[str, ...]
     num_truncated: int = 0
 
     def __len__(self) -> int:
@@ -207,4 +210,4 @@ def _dataset(
         overflow=data.prompt_overflow,
         bos=cfg.prompt_bos,
     )
-    return PromptDataset(tuple(records), name=name, num_truncated=truncated)
+    return PromptDataset(tuple(records), name=name, num_truncated=truncated, where=tuple(where))

@@ -33,7 +33,7 @@ from verlite.models import (
 from verlite.models.precision import check_precision_supported, inference_dtypes, param_dtype
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
-from verlite.rewards import RewardFn, resolve_reward
+from verlite.rewards import RewardFn, check_answers, resolve_reward
 from verlite.rewards.remote import RemoteScorer
 
 
@@ -168,6 +168,10 @@ class RunInputs:
         check_fills_a_batch(len(train_set), cfg.data.train_batch_size, source=_source(cfg))
         turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in
         reward_fn = resolve_reward(cfg)
+        combine = cfg.reward.combine
+        assert combine is not None  # resolved at load
+        if "fn" in combine and cfg.rollout.multi_turn.env is None:  # else it scores nothing
+            check_answers(reward_fn, (train_set, val_set))
         if cfg.reward.model.path is not None:
             check_reward_model(cfg.reward.model)
         remote = RemoteScorer.from_config(cfg.reward.remote)

@@ -4,13 +4,14 @@ run's reward."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 from verlite.config import Config, ConfigError
+from verlite.data import DataError, PromptDataset
 from verlite.data.tasks import TASKS
-from verlite.rewards.math_answer import MathReward, check_installed
-from verlite.rewards.rules import digit_match, exact_match, gsm8k
+from verlite.rewards.math_answer import MathReward, check_installed, reference_answer
+from verlite.rewards.rules import digit_match, exact_match, gsm8k, gsm8k_reference
 from verlite.user_code import load_object
 
 RewardFn = Callable[[str, str, str], float]
@@ -38,6 +39,33 @@ def resolve_reward(cfg: Config) -> RewardFn:
     if cfg.data.task is not None:
         return REWARDS[TASKS[cfg.data.task].reward]
     return exact_match
+
+
+def check_answers(fn: RewardFn, datasets: Iterable[PromptDataset]) -> None:
+    """Every record's answer read as the built-in reward ``fn`` reads it (gsm8k's number,
+    math's final answer), before the run starts: a record ``fn`` cannot score against stops
+    the run here, naming its file and row, instead of at the step that first draws it
+    (validation's: the first validation). User functions are not called ahead."""
+    found = _reference_check(fn)
+    if found is None:
+        return
+    name, check = found
+    for dataset in datasets:
+        for location, record in zip(dataset.where, dataset.records, strict=True):
+            try:
+                check(record["answer"])
+            except ValueError as exc:
+                raise DataError(f"{location}: {exc} (reward.fn={name})") from None
+
+
+def _reference_check(fn: RewardFn) -> tuple[str, Callable[[str], object]] | None:
+    """The name of the built-in reward ``fn`` and how it reads a record's answer, raising
+    ValueError where it cannot; None for a reward that takes any answer."""
+    if fn is gsm8k:
+        return "gsm8k", gsm8k_reference
+    if isinstance(fn, MathReward):
+        return "math", reference_answer
+    return None
 
 
 def get_reward(spec: str) -> RewardFn:

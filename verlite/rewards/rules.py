@@ -10,6 +10,7 @@ import re
 from decimal import Decimal
 
 from verlite.data.answers import GSM8K_MARK
+from verlite.errors import shown
 
 # A number as GSM8K writes final answers: optional $, sign, thousands commas, decimals.
 # The whitespace after a $ belongs to the $: with two optional runs of whitespace side by
@@ -30,12 +31,19 @@ def gsm8k(response: str, answer: str, prompt: str) -> float:
     as decimals, so ``1,234`` matches ``1234`` and ``42.0`` matches ``42``. A response
     without ``####`` scores 0.
     """
-    expected = _leading_number(answer.rsplit(GSM8K_MARK, 1)[-1])
-    if expected is None:
-        raise ValueError(f"gsm8k reward: the answer {answer!r} holds no number")
+    expected = gsm8k_reference(answer)
     if GSM8K_MARK not in response:
         return 0.0
     return float(_leading_number(response.rsplit(GSM8K_MARK, 1)[1]) == expected)
+
+
+def gsm8k_reference(answer: str) -> Decimal:
+    """The number :func:`gsm8k` compares with: the answer's, or what follows its last
+    ``####``; a ValueError when it holds none."""
+    expected = _leading_number(answer.rsplit(GSM8K_MARK, 1)[-1])
+    if expected is None:
+        raise ValueError(f"gsm8k reward: the answer {shown(answer, 80)} holds no number")
+    return expected
 
 
 def _leading_number(text: str) -> Decimal | None:

@@ -1,7 +1,8 @@
 """Built-in rule-based rewards: ``fn(response, answer, prompt) -> float`` in [0, 1].
 
-Responses arrive decoded up to EOS with special tokens skipped; leading and trailing
-whitespace never counts against them.
+Responses arrive decoded up to EOS, other special tokens shown as text
+(``data.tokenizer.response_text``); leading and trailing whitespace never counts against
+them.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_model_support import chat_tokenizer
 
 from verlite.config import Config
 from verlite.data import (
@@ -12,6 +13,7 @@ from verlite.data import (
     PromptDataset,
     build_datasets,
     build_task_tokenizer,
+    check_prompts,
     holdout_split,
     task_records,
 )
@@ -157,3 +159,18 @@ def test_file_errors_surface_through_build_datasets(tmp_path: Path) -> None:
     path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "x"\n')
     with pytest.raises(DataError, match=rf"^{path}:2: malformed JSON"):
         build_datasets(_config(train_file=str(path)), build_task_tokenizer())
+
+
+def test_a_bos_that_is_also_the_unknown_token_is_no_unknown_character() -> None:
+    # GPT-2's and GPT-NeoX's (Pythia's) tokenizers have one token for BOS, EOS and unknown:
+    # the BOS verlite adds made every plain prompt "characters the tokenizer does not know
+    # ('' become '<|endoftext|>')".
+    tokenizer = chat_tokenizer(None)
+    tokenizer.bos_token = tokenizer.unk_token = tokenizer.eos_token = "<|endoftext|>"
+    prompts = ["Tom has 12 apples.", "Tom has <|endoftext|> apples."]  # the second spells it
+    records = [{"prompt": p, "answer": "1"} for p in prompts]
+    lengths = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) + 1 for p in prompts]
+    limit = min(lengths)
+    assert check_prompts(
+        records, ["f:1", "f:2"], tokenizer, max_prompt_length=limit, overflow="truncate"
+    ) == sum(n > limit for n in lengths)

@@ -156,6 +156,8 @@ def check_prompts(
     unknown token are errors either way: the model could not read them.
     """
     truncated = 0
+    added = int(bos and tokenizer.bos_token_id is not None)  # the BOS encode_prompts adds
+    unk = tokenizer.unk_token_id
     for location, record, ids in zip(
         where,
         records,
@@ -164,8 +166,10 @@ def check_prompts(
     ):
         if not ids:
             raise DataError(f"{location}: prompt is empty (and the tokenizer adds no BOS)")
-        unk = tokenizer.unk_token_id
-        if unk is not None and unk in ids:
+        # More unknown tokens than the text spells out (a chat template writing the unknown
+        # token's text as its BOS). The BOS added here is not the prompt's: GPT-2's and
+        # GPT-NeoX's tokenizers have one token for BOS, EOS and unknown.
+        if unk is not None and ids[added:].count(unk) > record["prompt"].count(tokenizer.unk_token):
             unknown = sorted(
                 {
                     c

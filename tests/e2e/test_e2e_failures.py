@@ -160,11 +160,15 @@ def test_truncated_prompts_are_counted(tmp_path: Path, train) -> None:
     lines = [{"prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(40)]
     lines += [{"prompt": "1234567890123=", "answer": "1"}] * 3
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    # Validation's were cut without a count.
+    held_out = tmp_path / "validation.jsonl"
+    held_out.write_text("".join(json.dumps(x) + "\n" for x in lines[-8:]))
     train(
         tmp_path / "run",
         *RUN,
         "data.task=null",
         f"data.train_file={prompts}",
+        f"data.val_file={held_out}",
         "data.prompt_overflow=truncate",
         "trainer.total_steps=1",
         "trainer.workers_per_node=1",
@@ -172,7 +176,8 @@ def test_truncated_prompts_are_counted(tmp_path: Path, train) -> None:
         "critic.micro_batch_size_per_worker=8",
     )
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["data/truncated_prompts"] >= 1
+    assert record["data/truncated_prompts"] == 3
+    assert record["val/data/truncated_prompts"] == 3
 
 
 def test_divergence_stops_after_the_configured_streak() -> None:

@@ -541,11 +541,14 @@ class Trainer:
         return metrics
 
     def validate(self) -> dict[str, float]:
-        """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``."""
+        """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``, and
+        ``val/data/truncated_prompts`` counts those cut to ``data.max_prompt_length`` (as
+        ``data/truncated_prompts`` the training set's)."""
         records = list(self.val_set)
         batch = self.step_source.validation_batch(records)
         scores, reward_metrics = self.scorer.score(batch, records)
         return {
             "val/score/mean": float(scores.mean()),
+            "val/data/truncated_prompts": float(self.val_set.num_truncated),
             **{f"val/{name}": value for name, value in reward_metrics.items()},
         }

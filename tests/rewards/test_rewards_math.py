@@ -3,6 +3,9 @@ process of its own, a bounded cost for huge and adversarial responses, the extra
 refused at start-up, and the driver's scoring of a step with it."""
 
 import io
+import os
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -149,6 +152,49 @@ def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> No
         "answer '9^{9^{9^{9}}}'; scored 0 and its process restarted (1 so far)"
     )
     assert lines[2].endswith("(3 so far)")
+
+
+# A driver that starts a verification that never ends in time, then is killed outright.
+KILLED_DRIVER = """
+import os, signal, threading, time
+from verlite.rewards.math_answer import MathReward
+reward = MathReward(timeout_s=2.0)
+reward(r"\\boxed{1}", "1", "")
+print(reward._process.pid, flush=True)
+threading.Thread(target=reward, args=(r"\\boxed{9^{9^{9^{9}}}}", "1", ""), daemon=True).start()
+time.sleep(0.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has ended (whoever adopted it may not reap it)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_verification_orphaned_by_its_killed_driver_ends_within_its_cpu_budget() -> None:
+    # The orphan computed on at 100% CPU for as long as the answer asked (minutes here).
+    # Not stderr: the verifier inherits it, and an orphan holding it open would hold this.
+    driver = subprocess.run(
+        [sys.executable, "-c", KILLED_DRIVER],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        timeout=60,
+    )
+    assert driver.returncode == -signal.SIGKILL
+    worker = int(driver.stdout.split()[0])
+    deadline = time.monotonic() + 20  # 3 s of CPU time (twice the 1 s budget, and one)
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    running = _running(worker)
+    if running:
+        os.kill(worker, signal.SIGKILL)
+    assert not running
 
 
 @pytest.mark.parametrize(

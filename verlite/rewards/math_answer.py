@@ -124,7 +124,7 @@ class MathReward:
 
     def _start(self, deadline: float) -> subprocess.Popen[bytes] | None:
         process = subprocess.Popen(
-            [sys.executable, "-P", str(_WORKER)],
+            [sys.executable, "-P", str(_WORKER), repr(self.budget_s)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )

@@ -6,6 +6,13 @@ torch). Its main thread does nothing else, and the process that started it kills
 verification outlives its budget: a computation math-verify cannot interrupt (a long
 operation on huge integers holds the interpreter) never blocks the run.
 
+It runs as its own clock too: before each verification it limits its CPU time
+(``RLIMIT_CPU``) to what it has used plus twice the budget and a second, which the kernel
+enforces by ending it. A process whose driver is alive is killed at the budget first (its
+single thread uses no more CPU time than time passes); one whose driver died without
+killing it (SIGKILL, the out-of-memory killer) would otherwise compute on for as long as
+the answer asks, orphaned (a power tower: hours).
+
 The protocol, one JSON object a line. It says ``{"ready": true}`` once math-verify is
 imported; then for each request ``{"gold": ..., "pred": ...}`` (the reference's and the
 response's final answers, as text) it answers ``{"parsed": bool, "equal": bool}``: whether
@@ -18,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import resource
 import sys
 from typing import Any
@@ -33,7 +41,19 @@ def _boxed(answer: str) -> str:
     return f"\\boxed{{{answer}}}"
 
 
+def _limit_cpu_time(budget_s: float) -> None:
+    """End this process once this verification used twice its budget of CPU time."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    used = usage.ru_utime + usage.ru_stime
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = math.ceil(used + 2 * budget_s) + 1
+    resource.setrlimit(
+        resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard)
+    )
+
+
 def main() -> None:
+    budget_s = float(sys.argv[1])  # a verification's, in seconds (MathReward.budget_s)
     resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
     # An optional extra (pyproject's ``math``): the driver checked it imports before starting
     # this process.
@@ -51,6 +71,7 @@ def main() -> None:
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        _limit_cpu_time(budget_s)
         gold = parse_gold(request["gold"])
         if not gold:
             reply: dict[str, Any] = {

@@ -1,6 +1,7 @@
 """Datasets from a synthetic task or prompt files: splits, disjointness, the prompt-length policy."""
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +175,12 @@ def test_a_bos_that_is_also_the_unknown_token_is_no_unknown_character() -> None:
     assert check_prompts(
         records, ["f:1", "f:2"], tokenizer, max_prompt_length=limit, overflow="truncate"
     ) == sum(n > limit for n in lengths)
+
+
+def test_unknown_characters_of_a_long_prompt_are_named_in_time(tmp_path: Path) -> None:
+    # Each character was encoded on its own to find them: 15 s for this prompt.
+    path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "1+1=" * 250_000 + "What"])
+    started = time.perf_counter()
+    with pytest.raises(DataError, match=r":2: prompt has characters .* \('W' become '<unk>'\)"):
+        build_datasets(_config(train_file=str(path), num_val_samples=1), build_task_tokenizer())
+    assert time.perf_counter() - started < 5.0

@@ -1,5 +1,6 @@
 """The character-level task tokenizer: ids, round trips, save/load, and loading a model's tokenizer."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from verlite.config import ConfigError
 from verlite.data import build_task_tokenizer, encode_prompts, load_tokenizer
 from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS, response_text
+from verlite.models.reward_model import load_reward_tokenizer
 
 
 def test_special_tokens_and_small_vocab() -> None:
@@ -85,6 +87,25 @@ def test_a_model_folder_without_a_tokenizer_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ConfigError, match=r"model\.path=.*: no tokenizer loads from it"):
         load_tokenizer(str(tmp_path))
+
+
+def unreadable_tokenizer(folder: Path) -> Path:
+    """A tokenizer saved with a model type this tokenizers version does not know, as a newer
+    version's file reads to an older one."""
+    build_task_tokenizer().save_pretrained(folder)
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    saved["model"]["type"] = "FutureModel"
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    return folder
+
+
+def test_a_tokenizer_file_the_library_cannot_read_is_one_line(tmp_path: Path) -> None:
+    # tokenizers raises a bare Exception ("data did not match any variant of untagged enum
+    # ModelWrapper"): a traceback.
+    with pytest.raises(ConfigError, match=r"model\.path=.*: no tokenizer loads from it: .*variant"):
+        load_tokenizer(str(unreadable_tokenizer(tmp_path)))
+    with pytest.raises(ConfigError, match=r"reward\.model\.path=.*: no tokenizer loads from it"):
+        load_reward_tokenizer(str(tmp_path))
 
 
 def test_encode_prompts_prepends_bos_only() -> None:

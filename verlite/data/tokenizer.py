@@ -58,7 +58,10 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
         return build_task_tokenizer(TASK_ALPHABET if task is not None else CHARACTERS)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    except (OSError, ValueError) as exc:  # no tokenizer files, or ones it cannot build from
+    # No tokenizer files, ones it cannot build from, or a tokenizer.json the installed
+    # tokenizers cannot read (one a newer version saved: a bare Exception, "data did not
+    # match any variant of untagged enum ModelWrapper").
+    except Exception as exc:
         reason = " ".join(str(exc).split())
         raise ConfigError(
             f"model.path={model_path!r}: no tokenizer loads from it: {shown(reason, 160)}; "

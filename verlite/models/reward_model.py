@@ -72,7 +72,9 @@ def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The reward model's own tokenizer (local files only)."""
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as exc:
+    # As the policy's (data.tokenizer.load_tokenizer): a tokenizer.json the installed
+    # tokenizers cannot read raises a bare Exception.
+    except Exception as exc:
         raise ConfigError(
             f"reward.model.path={path!r}: no tokenizer loads from it: {_one_line(exc)}; save "
             "the reward model's tokenizer into the folder (tokenizer.save_pretrained)"

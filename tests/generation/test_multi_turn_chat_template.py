@@ -12,6 +12,7 @@ import pytest
 import torch
 from chat_model_support import chat_tokenizer
 from tensordict import TensorDict
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tool_template_support import (
     DROPS_TOOL_TEMPLATE,
     FORGETS_TEMPLATE,
@@ -255,6 +256,63 @@ def test_a_template_without_a_tool_role_writes_observations_as_user_turns() -> N
     turns, _ = turns_of(NO_TOOL_ROLE_TEMPLATE, "rollout.multi_turn.observation_role=user")
     assert turns.end == "<|im_end|>\n"
     assert turns.observation_text("=4") == "<|im_start|>user\n=4<|im_end|>\n<|im_start|>assistant\n"
+
+
+# Mistral-Instruct v0.1's turn format: [INST] is text, not a special token.
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{{- '[INST] ' + message.content + ' [/INST]' }}"
+    "{%- else %}{{- message.content + eos_token }}{%- endif %}{%- endfor %}"
+)
+
+
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer that marks the first word of a text with "▁", as Hugging Face converts
+    Llama's and Mistral's SentencePiece models (Metaspace, ``prepend_scheme="first"``)."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    text = "[INST] Question? [/INST] Answer. [INST] =4 [/INST]"
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
+    tokenizer.train_from_iterator([text] * 10, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.pad_token, fast.chat_template = "</s>", MISTRAL_TEMPLATE
+    return fast
+
+
+def test_an_observation_is_tokenized_as_it_follows_the_end_of_the_policys_turn() -> None:
+    # Tokenized on its own, the observation's turn began "▁[INST]" where the template's
+    # conversation has "[INST]" after the end of the assistant's turn.
+    tokenizer = sentencepiece_tokenizer()
+    cfg = load_config(
+        "configs/tool_tiny.yaml",
+        [
+            "model.path=/models/chat",
+            "data.chat_template=true",
+            "rollout.multi_turn.observation_role=user",
+        ],
+    )
+    turns = turn_format(cfg, tokenizer)
+    assert turns is not None and turns.end == "</s>"
+    conversation = [
+        {"role": "user", "content": "Question?"},
+        {"role": "assistant", "content": "Answer."},
+        {"role": "user", "content": "=4"},
+    ]
+    whole = tokenizer.apply_chat_template(conversation, tokenize=True)["input_ids"]
+    after_end = whole[whole.index(tokenizer.eos_token_id) + 1 :]
+    session = Session(
+        Tool,
+        {"prompt": "Question?", "answer": "4"},
+        index=0,
+        timeout_s=5.0,
+        abandoned=AbandonedCalls(0),
+        turns=turns,
+    )
+    assert session.observation_ids("=4", tokenizer) == after_end
+    assert tokenizer.convert_ids_to_tokens(after_end)[0] != "▁[INST]"
 
 
 def test_without_a_chat_template_there_is_no_turn_format() -> None:

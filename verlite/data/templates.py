@@ -168,6 +168,17 @@ class TurnFormat:
             )
         return text[len(self.before + self.end) :]
 
+    def observation_ids(self, text: str) -> list[int]:
+        """The tokens of :meth:`observation_text`'s ``text`` as they follow the template's end
+        of an assistant turn: tokenized after that end, as the template's whole conversation
+        is (a SentencePiece tokenizer that marks a text's first word, Metaspace's
+        ``prepend_scheme="first"``, marked the observation's alone: ``▁[INST]`` where the
+        conversation has ``[INST]``); alone where the end's tokens would not stay apart."""
+        ids: list[int] = self.tokenizer.encode(self.end + text, add_special_tokens=False)
+        if self.end and ids[: len(self.end_ids)] == list(self.end_ids):
+            return ids[len(self.end_ids) :]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
     def unwritten_end(self, turn: list[int]) -> list[int]:
         """The tokens of the template's end of an assistant turn that the policy's ``turn``
         did not end with: all of them, or those after the ones it sampled itself (a turn that

@@ -137,7 +137,10 @@ class Session:
             self._refuse(f"{what}, not valid text ({exc.reason} at character {exc.start})")
         text = observation if self.turns is None else self.turns.observation_text(observation)
         try:
-            ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+            if self.turns is None:
+                ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.turns.observation_ids(text)
         except Exception as exc:  # whatever a tokenizer raises, the observation is the cause
             self._refuse(
                 f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: {_one_line(exc)}"

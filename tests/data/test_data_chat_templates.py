@@ -199,6 +199,25 @@ def test_a_template_that_refuses_a_system_turn_names_the_system_prompt(tmp_path:
     )
 
 
+# Phi-3-mini's first template's way: only user and assistant turns are written.
+DROPS_SYSTEM_TEMPLATE = QWEN_TEMPLATE.replace(
+    "for message in messages", "for message in messages if message.role != 'system'"
+)
+
+
+def test_a_template_that_leaves_the_system_turn_out_names_the_system_prompt(
+    tmp_path: Path,
+) -> None:
+    # The system prompt was lost without a word.
+    save_chat_model(tmp_path, DROPS_SYSTEM_TEMPLATE)
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true", f"data.system_prompt={SYSTEM}")
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert f"leaves the system turn data.system_prompt={SYSTEM!r} out: it renders " in str(
+        exc.value
+    )
+
+
 # The main job's prompts as the code before data fields and chat templates drew them.
 MAIN_JOB_TRAIN = "b4ddd1237c831434cabb9cfbed8ab96b80dfd02075e102bf050c911d539f0c36"
 MAIN_JOB_VALIDATION = "d8567c4dfea9311255cf033ef8fec58e4348d45d4d13fa21406fb49228722966"

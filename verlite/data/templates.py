@@ -63,16 +63,26 @@ def _check_system_turn(
     tokenizer: PreTrainedTokenizerBase, data: DataConfig, model_path: str | None
 ) -> None:
     """A template that refuses a system turn (Gemma's and Mistral's raise "System role not
-    supported"), or fails on this one, names data.system_prompt: failing on the first row
-    instead would blame a prompt that is not the cause."""
-    _apply(
+    supported"), fails on this one, or leaves it out (one that writes only the roles it
+    knows), names data.system_prompt: failing on the first row instead would blame a prompt
+    that is not the cause, and a left-out system prompt would be lost without a word."""
+    where = f"the chat template of model.path={model_path!r}"
+    setting = f"data.system_prompt={shown(data.system_prompt, 60)}"
+    remedy = (
+        "unset data.system_prompt (or put its text in data.prompt_suffix) for a template "
+        "without a system role"
+    )
+    text = _apply(
         tokenizer,
         [*_system(data), {"role": "user", "content": _QUESTION}],
         generation_prompt=True,
-        failure=f"the chat template of model.path={model_path!r} fails on the system turn "
-        f"data.system_prompt={shown(data.system_prompt, 60)}; unset data.system_prompt (or "
-        "put its text in data.prompt_suffix) for a template without a system role",
+        failure=f"{where} fails on the system turn {setting}; {remedy}",
     )
+    assert data.system_prompt is not None  # checked only when set
+    if data.system_prompt.strip() not in text:
+        raise DataError(
+            f"{where} leaves the system turn {setting} out: it renders {shown(text, 80)}; {remedy}"
+        )
 
 
 def _system(data: DataConfig) -> list[dict[str, str]]:

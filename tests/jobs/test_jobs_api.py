@@ -115,6 +115,41 @@ def test_status_logs_stop_and_list_read_the_job_api_with_the_token(dashboard: st
     assert TOKEN not in "".join(p.stdout + p.stderr for p in (status, logs, stop, listing))
 
 
+class Proxy(BaseHTTPRequestHandler):
+    """A proxy of the environment: it records what it is sent and answers 502."""
+
+    seen: ClassVar[list[str | None]] = []
+
+    def _answer(self) -> None:
+        self.seen.append(self.headers.get("Authorization"))
+        self.send_response(502)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_dashboard_on_this_machine_is_reached_without_the_environments_proxy(
+    dashboard: str,
+) -> None:
+    # A local head or an SSH tunnel's end: requests sent the Ray token in cleartext to the
+    # proxy (http_proxy), which cannot reach it.
+    Proxy.seen = []
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Proxy)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    try:
+        address = f"http://127.0.0.1:{proxy.server_address[1]}"
+        env = {"http_proxy": address, "HTTP_PROXY": address, "no_proxy": "", "NO_PROXY": ""}
+        status = verlite("status", "raysubmit_1", "--address", dashboard, **env)
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+    assert (status.returncode, status.stdout, Proxy.seen) == (0, "FAILED\n", []), status.stderr
+
+
 def test_reading_a_job_loads_neither_ray_nor_torch(dashboard: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "verlite", "status", "raysubmit_1"],

@@ -4,7 +4,6 @@ scores combine."""
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any
@@ -15,6 +14,7 @@ from pydantic import AfterValidator, Field, model_validator
 from verlite.config.defaults import as_dict
 from verlite.config.fields import PathStr, PositiveInt, Section
 from verlite.errors import shown
+from verlite.reachable import is_loopback_host
 from verlite.redaction import redact_url
 
 
@@ -112,14 +112,6 @@ class RemoteRewardConfig(Section):
                 "(plain http is for a service on this machine: 127.0.0.1, localhost)"
             )
         return self
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (a URL's hostname) names this machine: localhost or a loopback IP."""
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class RewardModelConfig(Section):

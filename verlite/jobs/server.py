@@ -16,11 +16,12 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import requests
 
 from verlite.errors import UserError
+from verlite.reachable import is_loopback_host
 from verlite.records import metrics_log
 from verlite.records.metrics_log import Record
 from verlite.redaction import redact_text
@@ -124,7 +125,7 @@ class JobServer:
         def attempt() -> None:
             nonlocal first
             try:
-                with _errors(self.url):
+                with _errors(self.url), _direct(self.url):
                     self.sdk.submit_job(
                         entrypoint=entrypoint,
                         runtime_env=runtime_env,
@@ -193,7 +194,7 @@ class JobServer:
     def follow(self, job_id: str, out: TextIO) -> str:
         """Copy the job's log to ``out`` as it grows until the job ends; return its final status."""
         self.info(job_id)  # an unknown id fails here, in one line, not in the websocket
-        with _errors(self.url, job_id):
+        with _errors(self.url, job_id), _direct(self.url):
             asyncio.run(self._tail(job_id, out))
         from ray.job_submission import JobStatus  # loaded with the SDK the tail used
 
@@ -226,7 +227,7 @@ class JobServer:
             # console; its problems reach the user as JobsError instead.
             for name in RAY_CHATTY_LOGGERS:
                 logging.getLogger(name).setLevel(logging.ERROR)
-            with _errors(self.url), _address_env_unset():
+            with _errors(self.url), _address_env_unset(), _direct(self.url):
                 self._sdk = JobSubmissionClient(self.url)
         return self._sdk
 
@@ -274,9 +275,12 @@ def _answer(method: str, url: str, headers: dict[str, str], seconds: float) -> t
     :data:`MAX_ANSWER_BYTES`: a read timeout bounds each wait for data, not a server that
     trickles a byte at a time, or one that never stops sending. Raises ``requests.Timeout``."""
     deadline = time.monotonic() + seconds
-    with requests.request(
-        method, url, headers=headers, timeout=(CONNECT_TIMEOUT_S, seconds), stream=True
-    ) as response:
+    with (
+        _direct(url),
+        requests.request(
+            method, url, headers=headers, timeout=(CONNECT_TIMEOUT_S, seconds), stream=True
+        ) as response,
+    ):
         body = bytearray()
         while chunk := response.raw.read1(1 << 20, decode_content=True):
             body += chunk
@@ -341,6 +345,29 @@ def _address_env_unset() -> Iterator[None]:
         yield
     finally:
         os.environ.update(saved)
+
+
+@contextlib.contextmanager
+def _direct(url: str) -> Iterator[None]:
+    """Requests to a dashboard on this machine (a local head, an SSH tunnel's end) go to it
+    directly: a proxy of the environment (http_proxy) would get them, the Ray token in
+    cleartext with them, and could not reach it. Requests and Ray's SDK read ``no_proxy``
+    when they send."""
+    host = urlsplit(url).hostname or ""
+    if not is_loopback_host(host):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in ("no_proxy", "NO_PROXY")}
+    for name, value in saved.items():
+        os.environ[name] = f"{value},{host}" if value else host
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @contextlib.contextmanager

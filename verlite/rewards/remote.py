@@ -50,8 +50,8 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from verlite.config import RemoteRewardConfig
-from verlite.config.sections_reward import is_loopback_host
 from verlite.errors import RunFailure, UserError, shown
+from verlite.reachable import is_loopback_host
 from verlite.redaction import MIN_SECRET_LENGTH, redact_text, register_secret
 from verlite.rewards.scoring import PROGRESS_EVERY_S
 

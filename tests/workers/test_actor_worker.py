@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from chat_model_support import save_chat_model
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
@@ -52,7 +53,7 @@ def _sampled_prompts(
 
 def _actor(cfg: Config) -> tuple[ActorWorker, PreTrainedTokenizerBase, PromptDataset]:
     """A ready actor worker of ``cfg`` in this process, its tokenizer and training prompts."""
-    tokenizer = load_tokenizer(None, task=cfg.data.task)
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
     train_set, _ = build_datasets(cfg, tokenizer)
     worker = ActorWorker(**_one_rank("actor", cfg, tokenizer))
     worker.init_model()
@@ -87,20 +88,23 @@ def test_generate_with_log_probs_equals_generate_then_log_probs(
     assert bool(fused["response_mask"].any()) and bool((fused["old_log_probs"] < 0).any())
 
 
+@pytest.mark.parametrize("tied", [False, True])
 def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
-    tmp_path: Path,
+    tmp_path: Path, tied: bool
 ) -> None:
     """What ``rollout.placement=split`` relies on: the weights published by the actor's sync,
     bucket by bucket, loaded by a rollout worker, give bit for bit the batch the actor generates itself; the
-    worker refuses to generate before the sync and with another version."""
-    cfg = load_config(
-        "configs/ppo_tiny.yaml",
-        [
-            "rollout.placement=split",
-            "rollout.sync_bucket_mb=0.01",
-            f"trainer.output_dir={tmp_path}",
-        ],
-    )
+    worker refuses to generate before the sync and with another version. A tied head (a
+    ``model.path`` Qwen2's) travels once, as the embedding."""
+    overrides = [
+        "rollout.placement=split",
+        "rollout.sync_bucket_mb=0.01",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    if tied:
+        save_chat_model(tmp_path / "model")
+        overrides.append(f"model.path={tmp_path / 'model'}")
+    cfg = load_config("configs/ppo_tiny.yaml", overrides)
     actor, tokenizer, train_set = _actor(cfg)
     with torch.no_grad():  # weights no fresh model has
         for param in actor.engine.model.parameters():
@@ -115,6 +119,8 @@ def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
 
     layout = actor.weight_layout()
     assert len(layout.buckets) > 1
+    sent = [spec.name for bucket in layout.buckets for spec in bucket]
+    assert ("lm_head.weight" in sent) is not tied and "model.embed_tokens.weight" in sent
     for index in range(len(layout.buckets)):
         bucket = actor.publish_bucket(5, index)
         copied = [part.copy() for part in bucket.parts]  # as the object store's put copies

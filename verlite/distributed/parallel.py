@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -222,6 +222,28 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's live state keyed as the unwrapped model's: whole tensors of a DDP or
     plain model, FSDP2's sharded ones (DTensors, whose shapes are the full ones)."""
     return dict(unwrap(model).state_dict())
+
+
+def distinct_entries(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` without the entries that hold an earlier entry's tensor again (a tied head
+    is the embedding under a second name): the first name kept, in order. Two entries are
+    one tensor when they view the same elements of one storage (a sharded tensor's shard,
+    on every rank alike)."""
+    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    out = {}
+    for name, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        where = (
+            local.untyped_storage().data_ptr(),
+            local.storage_offset(),
+            tuple(local.shape),
+            local.stride(),
+        )
+        if local.numel() and where in seen:
+            continue
+        seen.add(where)
+        out[name] = value
+    return out
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from verlite.distributed import distinct_entries
 from verlite.errors import RunFailure
 
 
@@ -276,7 +277,8 @@ class WeightReceiver:
             self._failure = f"the sync of version {bucket.version} did not complete"
             # The model's own tensors as they are now (not detached aliases, which a view
             # would rebind without the model seeing it): a sync lands where generation reads.
-            self._targets = dict(self.model.state_dict(keep_vars=True))
+            # A tensor under two names (a tied head) is sent, and set, once.
+            self._targets = distinct_entries(self.model.state_dict(keep_vars=True))
             if self.adapters_only:
                 self._targets, _ = split_frozen(self.model, self._targets)
             self._sent = set()

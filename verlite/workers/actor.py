@@ -19,6 +19,7 @@ from verlite.core.metrics import Metric, MetricDict
 from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import (
+    distinct_entries,
     full_state_dict,
     full_tensor,
     inference_module,
@@ -254,8 +255,10 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         return sync_layout(state, self._sync_bucket_bytes, self._sent_dtypes)
 
     def _synced_state(self) -> dict[str, torch.Tensor]:
-        """What a weight sync sends: the policy's state, a LoRA policy's adapters only."""
-        state = model_state(self.engine.model)
+        """What a weight sync sends: the policy's state, a LoRA policy's adapters only; a
+        tensor under two names (a tied head) once, as the rollout model, built alike, holds
+        it once (``WeightReceiver``)."""
+        state = distinct_entries(model_state(self.engine.model))
         return split_frozen(inference_module(self.engine.model), state)[0] if self.lora else state
 
     def _base_checksum(self) -> tuple[int, int] | None:

@@ -63,3 +63,28 @@ def test_world_one_group_wraps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
         vdist.destroy_process_group()
     assert not vdist.is_initialized()
     vdist.destroy_process_group()  # idempotent
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses this machine listens on at ``port`` (IPv4 and IPv6, hex as
+    /proc/net spells them)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, hex_port = local.split(":")
+                if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                    found.add(address)
+    return found
+
+
+def test_the_store_of_a_loopback_group_listens_on_loopback_only() -> None:
+    """Rank 0's TCP store listens on the group's address alone: torch's own listened on
+    every interface (0.0.0.0 and ::), a loopback run's too."""
+    port = vdist.find_free_port()
+    vdist.init_process_group(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+    try:
+        assert _listening(port) == {"0100007F"}  # 127.0.0.1
+    finally:
+        vdist.destroy_process_group()

@@ -37,21 +37,41 @@ def init_process_group(
     """Join the default process group; every rank calls this concurrently.
 
     Rank 0 hosts the TCP store at ``master_addr:master_port`` (as in Ray Train, the driver
-    asks rank 0 for its address and a free port and hands both to every rank). The address
-    travels in the init method, so no environment variable is read or written.
+    asks rank 0 for its address and a free port and hands both to every rank), listening on
+    that address only: torch's own store listens on every interface of the machine, a
+    loopback run's too. No environment variable is read or written.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialized")
-    host = f"[{master_addr}]" if ":" in master_addr else master_addr
+    timeout = datetime.timedelta(seconds=timeout_s)
+    listening = _listen(master_addr, master_port) if rank == 0 else None
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, rank == 0, timeout, master_listen_fd=listening
+    )
     dist.init_process_group(
         backend=backend or default_backend(),
-        init_method=f"tcp://{host}:{master_port}",
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
+
+
+def _listen(address: str, port: int) -> int:
+    """A socket listening on ``address:port`` alone, its descriptor handed over (the store
+    closes it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def init_from_env() -> None:

@@ -86,6 +86,7 @@ def test_resume_gives_identical_metrics(
     assert logged[5]["actor/pg_loss"] == pytest.approx(resumed[4]["actor/pg_loss"])
 
 
+@pytest.mark.cluster  # a whole run and its resume: make test-cluster
 def test_a_resume_trains_with_the_settings_it_changed(tmp_path: Path, train, metrics) -> None:
     """A resume reports the settings it changes and trains with them: the optimizer's (its
     saved state held the old peak lr) and a fixed in-reward KL coefficient (the checkpoint's
@@ -107,6 +108,7 @@ def test_a_resume_trains_with_the_settings_it_changed(tmp_path: Path, train, met
     assert resumed["actor/reward_kl_penalty_coeff"] == 0.0125
 
 
+@pytest.mark.cluster  # a whole run and its resume: make test-cluster
 def test_checkpoints_in_the_critics_warm_up_change_nothing(tmp_path: Path, train, metrics) -> None:
     """The actor's optimizer has not stepped when a checkpoint of the critic's warm-up is
     written: the zero step DCP gives it to have state to save made the actor's first update

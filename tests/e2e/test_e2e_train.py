@@ -190,6 +190,7 @@ def test_a_short_run_of_the_main_job_learns(tmp_path: Path, train, metrics) -> N
         assert r["rollout/logprob_abs_diff"] < 1e-5 and r["rollout/logprob_max_diff"] < 1e-4, r
 
 
+@pytest.mark.cluster  # 30 s of whole runs: make test-cluster
 def test_the_console_holds_the_runs_own_lines_and_no_library_chatter(
     tmp_path: Path, cli, train
 ) -> None:

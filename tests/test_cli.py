@@ -73,8 +73,16 @@ def test_a_flag_given_before_the_command_is_named_with_the_commands_that_know_it
     err = _refused(capsys, "--config", "configs/ppo_tiny.yaml", "trainer.seed=1")
     assert err == (
         "verlite: error: --config is a flag of verlite train, verlite check-invariance, verlite "
-        "measure-packing, verlite submit, given before any command; a command comes first, as "
+        "measure-packing, verlite submit, given before the command; a command comes first, as "
         "in: verlite train --config configs/ppo_tiny.yaml trainer.seed=1 (see verlite --help)\n"
+    )
+    # a command given after the flag is the one the line puts first, or named as not its own
+    assert _refused(capsys, "--dp", "3", "check-invariance", "--config", "a.yaml").endswith(
+        "as in: verlite check-invariance --dp 3 --config a.yaml (see verlite --help)\n"
+    )
+    assert _refused(capsys, "--out", "x", "compare", "a", "b") == (
+        "verlite: error: --out is not a flag of verlite compare (a flag of verlite export) "
+        "(see verlite --help)\n"
     )
     assert _refused(capsys, "--confg=a.yaml") == (
         "verlite: error: unrecognized arguments: --confg=a.yaml (did you mean --config?); a "

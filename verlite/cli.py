@@ -92,10 +92,16 @@ class _OneLineParser(argparse.ArgumentParser):
         ]
 
     def before_a_command(self, flag: str) -> str:
-        """The message for a command's ``flag`` given to verlite before any command: the
-        commands that know it, and the line with the first of them."""
+        """The message for a command's ``flag`` given to verlite before its command: the
+        commands that know it, and the line with the command (the one given later, else the
+        first that knows the flag) moved to the front."""
         name = flag.split("=", 1)[0]
         owners = [c for c, parser in self.commands.items() if name in parser.known_flags]
+        named = [f"{self.prog} {c}" for c in owners]
+        given = next((arg for arg in self.given if arg in self.commands), None)
+        if given is not None and given not in owners:
+            where = f" (a flag of {', '.join(named)})" if owners else ""
+            return f"{name} is not a flag of {self.prog} {given}{where}"
         if not owners:
             flags = {f for parser in (self, *self.commands.values()) for f in parser.known_flags}
             close = difflib.get_close_matches(name, sorted(flags), n=1)
@@ -104,10 +110,13 @@ class _OneLineParser(argparse.ArgumentParser):
                 f"unrecognized arguments: {flag}{hint}; a command comes first: "
                 f"{self.prog} COMMAND ..."
             )
-        line = " ".join(shlex.quote(arg) for arg in [self.prog, owners[0], *self.given])
+        rest = list(self.given)
+        if given is not None:
+            rest.remove(given)
+        line = " ".join(shlex.quote(arg) for arg in [self.prog, given or owners[0], *rest])
         return (
-            f"{name} is a flag of {', '.join(f'{self.prog} {c}' for c in owners)}, given before "
-            f"any command; a command comes first, as in: {line}"
+            f"{name} is a flag of {', '.join(named)}, given before the command; a command "
+            f"comes first, as in: {line}"
         )
 
     def unrecognized(self, flags: Sequence[str]) -> str:

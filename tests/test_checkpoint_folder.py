@@ -27,7 +27,9 @@ def test_saves_keep_the_latest_ones(tmp_path: Path) -> None:
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_3", "step_4"]
 
 
-def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tmp_path: Path) -> None:
+def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The folder holds step_3 and step_6; a run resumed from step_3 (``trainer.resume`` its
     path) saves step_4. Pruning by step number deleted the checkpoint just written (with
     ``max_checkpoints=1``) and kept step_6, whose records the resumed run's
@@ -36,6 +38,10 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(tmp_path: 
         fake_checkpoint(tmp_path, step, ["actor"])
     saved = _save(tmp_path, 4, keep=1)
     assert saved.is_dir()
+    said = capsys.readouterr().out
+    assert (
+        said == "removed the checkpoints of the run this one resumed before, past step 4: step_6\n"
+    )
     assert complete_checkpoints(tmp_path) == [saved]
     assert resume_checkpoint(tmp_path, "auto") == saved
 

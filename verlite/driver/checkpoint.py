@@ -86,7 +86,9 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
 # place may change freely; any other change is allowed and reported in one line (an
 # optimizer's settings then apply from the resumed step: ``TrainEngine.load``; a new
 # ``trainer.total_steps`` moves the end a cosine schedule decays to).
-_MAY_CONVERT = {"model.dtype", "model.precision"}
+# model.device too, reported: model.precision=auto resolves by the device (fp32 on the CPU,
+# bf16-mixed on cuda), so moving the run changes its arithmetic.
+_MAY_CONVERT = {"model.dtype", "model.precision", "model.device"}
 _MUST_MATCH = (
     "model.",
     "data.",
@@ -101,7 +103,6 @@ _MUST_MATCH = (
 _PREDATED = {"actor.lora.rank": 0}
 _FREE = {
     "model.logits_chunk_tokens",  # how log-probs are computed, not what: a memory setting
-    "model.device",  # where: DCP loads onto the parameters' device
     "model.attention_crossover",  # how packed rows are balanced: this machine's measurement
     "data.val_file",
     "data.num_val_samples",  # the held-out prompts (training prompts it moves: refused below)
@@ -224,7 +225,7 @@ def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) ->
     state_file.write_text(json.dumps(trainer_state, indent=1))
     _sync(state_file)
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
-    if final.exists():  # re-saving the same step after a resume
+    if final.exists():  # the run this one resumed before saved this step (an earlier one stays)
         _discard(final)
     os.replace(tmp, final)
     _sync(final.parent)  # the rename itself
@@ -232,7 +233,14 @@ def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) ->
         shutil.rmtree(stale, ignore_errors=True)
     done = complete_checkpoints(tmp.parent.parent)
     mine = done.index(final)
-    for old in done[mine + 1 :] + done[: mine + 1][:-keep]:
+    later = done[mine + 1 :]
+    if later:
+        print(
+            f"removed the checkpoints of the run this one resumed before, past step "
+            f"{final.name.removeprefix('step_')}: {', '.join(p.name for p in later)}",
+            flush=True,
+        )
+    for old in later + done[: mine + 1][:-keep]:
         _discard(old)
     return final
 

@@ -88,3 +88,10 @@ def test_the_store_of_a_loopback_group_listens_on_loopback_only() -> None:
         assert _listening(port) == {"0100007F"}  # 127.0.0.1
     finally:
         vdist.destroy_process_group()
+    # a host name (MASTER_ADDR may hold one) may resolve elsewhere: torch listens as it does
+    port = vdist.find_free_port()
+    vdist.init_process_group(rank=0, world_size=1, master_addr="localhost", master_port=port)
+    try:
+        assert _listening(port)
+    finally:
+        vdist.destroy_process_group()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import socket
 
@@ -38,15 +39,17 @@ def init_process_group(
 
     Rank 0 hosts the TCP store at ``master_addr:master_port`` (as in Ray Train, the driver
     asks rank 0 for its address and a free port and hands both to every rank), listening on
-    that address only: torch's own store listens on every interface of the machine, a
-    loopback run's too. No environment variable is read or written.
+    that address only when it is an IP address (torch's own store listens on every interface
+    of the machine, a loopback run's too); a host name (``MASTER_ADDR`` may hold one, which
+    may resolve to an address of another machine, a Kubernetes service's) is left to torch.
+    No environment variable is read or written.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if dist.is_initialized():
         raise RuntimeError("the default process group is already initialized")
     timeout = datetime.timedelta(seconds=timeout_s)
-    listening = _listen(master_addr, master_port) if rank == 0 else None
+    listening = _listen(master_addr, master_port) if rank == 0 and _is_ip(master_addr) else None
     store = dist.TCPStore(
         master_addr, master_port, world_size, rank == 0, timeout, master_listen_fd=listening
     )
@@ -57,6 +60,14 @@ def init_process_group(
         world_size=world_size,
         timeout=timeout,
     )
+
+
+def _is_ip(address: str) -> bool:
+    try:
+        ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return True
 
 
 def _listen(address: str, port: int) -> int:

@@ -293,3 +293,10 @@ def test_fp64_models_normalize_in_fp64(role: str) -> None:
 def test_other_precisions_keep_hugging_faces_norms() -> None:
     model = build_policy(config().model, vocab_size=64, max_positions=32, seed=0)
     assert all("forward" not in vars(norm) for norm in _norms(model))
+    # an fp64 model cast later (to bf16) computes its norms as Hugging Face does again
+    fp64 = build_policy(
+        config("model.precision=fp64").model, vocab_size=64, max_positions=32, seed=0
+    )
+    norm = _norms(fp64.to(torch.bfloat16))[0]
+    hidden = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
+    assert torch.equal(norm(hidden), type(norm).forward(norm, hidden))

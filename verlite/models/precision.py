@@ -133,7 +133,10 @@ def fp64_norms(model: nn.Module) -> nn.Module:
 
 
 def _rms_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's RMSNorm in the input's dtype."""
+    """Hugging Face's RMSNorm in fp64 for an fp64 input; the class's own otherwise (a model
+    cast after this was set, to bf16 say, keeps Hugging Face's float32 upcast)."""
+    if hidden.dtype != torch.float64:
+        return type(self).forward(self, hidden)
     variance = hidden.pow(2).mean(-1, keepdim=True)
     return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
 

@@ -55,6 +55,8 @@ def _limit_cpu_time(budget_s: float) -> None:
 def main() -> None:
     budget_s = float(sys.argv[1])  # a verification's, in seconds (MathReward.budget_s)
     resource.setrlimit(resource.RLIMIT_AS, (MAX_MEMORY_BYTES, MAX_MEMORY_BYTES))
+    # Ended by RLIMIT_CPU (SIGXCPU), it would dump a core as large as its memory.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # An optional extra (pyproject's ``math``): the driver checked it imports before starting
     # this process.
     import math_verify

@@ -188,22 +188,59 @@ def _pretrained(
             f"{field}={path!r}: its weights do not fit its config.json: "
             f"{'; '.join(problems)}; training would start them from random values"
         )
-    return _without_dropout(model)
+    model = _without_dropout(model)
+    _check_no_dropout(model, path, field=field)
+    return model
 
 
 def _without_dropout(model: nn.Module) -> nn.Module:
-    """``model`` (in place) with the dropout its config.json sets (``attention_dropout``)
-    turned off; returned. A training forward would draw dropout masks: the log-probs of the
-    update would not be those the old log-probs were computed with (eval mode), so an
-    on-policy ratio would not be 1, and the gradient would depend on how the batch is split
-    and on the random stream. The config keeps its value, so an export writes it unchanged.
-    LoRA's own dropout (``actor.lora.dropout``) is applied after, and kept."""
+    """``model`` (in place) with the dropout its config.json sets turned off; returned: its
+    dropout modules, and the rates its modules keep as numbers (``attention_dropout``, OPT's
+    ``dropout``). A training forward would draw dropout masks: the log-probs of the update
+    would not be those the old log-probs were computed with (eval mode), so an on-policy
+    ratio would not be 1, and the gradient would depend on how the batch is split and on the
+    random stream. The config keeps its values, so an export writes them unchanged. LoRA's
+    own dropout (``actor.lora.dropout``) is applied after, and kept."""
     for module in model.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_dropout_rate(name, value):
+                setattr(module, name, 0.0)
     return model
+
+
+def _is_dropout_rate(name: str, value: object) -> bool:
+    return ("dropout" in name or "pdrop" in name or name == "layerdrop") and (
+        isinstance(value, float) and value > 0
+    )
+
+
+def _check_no_dropout(model: nn.Module, path: str, *, field: str) -> None:
+    """Refuse, in one line, a model whose config sets a dropout rate it applies some other
+    way (read from the config at every forward, as Falcon's ``hidden_dropout``): one short
+    training forward must equal the evaluation forward. Run only where the config sets a
+    rate, with the random state restored after."""
+    rates = {k: v for k, v in model.config.to_dict().items() if _is_dropout_rate(k, v)}
+    if not rates:
+        return
+    ids = torch.arange(1, 9).unsqueeze(0) % model.config.vocab_size
+    training = model.training
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        outputs = []
+        for train in (False, True):
+            model.train(train)
+            outputs.append(model(input_ids=ids.to(model.device))[0])
+    model.train(training)
+    if not torch.equal(*outputs):
+        named = ", ".join(f"{k}={v}" for k, v in rates.items())
+        raise ModelWeightsError(
+            f"{field}={path!r}: its config.json sets {named}, which "
+            f"{type(model).__name__} applies in training forwards in a way verlite cannot turn "
+            "off (a training forward differs from an evaluation forward): the update would "
+            "depend on how the batch is split and on the random stream; set these to 0.0 in "
+            "its config.json"
+        )
 
 
 class ValueModel(nn.Module):

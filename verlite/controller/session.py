@@ -6,7 +6,6 @@ from __future__ import annotations
 import _thread
 import atexit
 import contextlib
-import ipaddress
 import logging
 import os
 import subprocess
@@ -19,7 +18,7 @@ import ray
 from ray._private import ray_constants
 
 from verlite.errors import UserError
-from verlite.reachable import connection_problem
+from verlite.reachable import connection_problem, is_loopback_host
 
 LOOPBACK = "127.0.0.1"
 # How long a cluster address may take to accept a connection, and Ray to join the cluster.
@@ -39,13 +38,7 @@ _watcher: subprocess.Popen[bytes] | None = None
 
 
 def _is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(address.rsplit(":", 1)[0].strip("[]"))
 
 
 @contextlib.contextmanager

@@ -80,11 +80,11 @@ def test_a_missing_field_names_its_setting_and_the_rows_fields(tmp_path: Path) -
     with pytest.raises(
         DataError,
         match=re.escape(
-            f"{path} row 1: missing field 'prompt' (data.prompt_key); the row has ['answer', 'question']"
+            f"{path}: missing column 'prompt' (data.prompt_key); the file has ['answer', 'question']"
         ),
     ):
         read_prompt_file(path)
-    with pytest.raises(DataError, match=re.escape("missing field 'solution' (data.answer_key)")):
+    with pytest.raises(DataError, match=re.escape("missing column 'solution' (data.answer_key)")):
         read_prompt_file(path, prompt_key="question", answer_key="solution")
 
 

@@ -58,11 +58,11 @@ def gsm8k_run(files: dict[str, Path], model: str, *overrides: str) -> list[str]:
     ]
 
 
-def test_a_row_without_the_prompt_field_names_file_row_and_setting(
+def test_a_file_without_the_prompt_column_names_file_and_setting(
     capsys: pytest.CaptureFixture[str], files: dict[str, Path]
 ) -> None:
     err = run(capsys, *gsm8k_run(files, "model"))
-    assert f"{files['gsm8k']} row 1: missing field 'prompt' (data.prompt_key); the row has " in err
+    assert f"{files['gsm8k']}: missing column 'prompt' (data.prompt_key); the file has " in err
 
 
 def test_an_answer_the_rule_cannot_find_names_file_and_row(

@@ -150,3 +150,49 @@ def test_errors_are_one_line_of_bounded_length(tmp_path: Path) -> None:
     ) as exc:
         read_prompt_file(jsonl)
     assert len(str(exc.value)) < len(str(jsonl)) + 150
+
+
+def test_parquet_reads_only_the_configured_columns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A dataset's parquet with a column the run never uses (an image per row, 4 MiB in all):
+    # the table read holds the prompt and answer columns alone, the records unchanged.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    images = [bytes([i]) * 2**20 for i in range(4)]
+    table = {"question": ["1+1=", "2+2=", "3+3=", "4+4="], "image": images}
+    pq.write_table(pa.table({**table, "answer": ["2", "4", "6", "8"]}), path)
+    read: list[list[str]] = []
+    read_table = pq.read_table
+
+    def recording(*args: object, **kwargs: object) -> object:
+        result = read_table(*args, **kwargs)
+        read.append(result.column_names)
+        return result
+
+    monkeypatch.setattr(pq, "read_table", recording)
+    records, where = read_prompt_file(path, prompt_key="question")
+    assert read == [["question", "answer"]]
+    assert records == [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 5)]
+    assert where == [f"{path} row {i}" for i in range(1, 5)]
+    with pytest.raises(DataError) as exc:
+        read_prompt_file(path, answer_key="solution")
+    assert str(exc.value) == (
+        f"{path}: missing column 'prompt' (data.prompt_key); the file has "
+        "['answer', 'image', 'question']"
+    )
+
+
+def test_a_folder_of_parquet_parts_reads_as_one_file(tmp_path: Path) -> None:
+    # Spark writes a Parquet "file" as a folder of parts; read_table reads it in order.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    path.mkdir()
+    for part, (prompt, answer) in enumerate([("1+1=", "2"), ("2+2=", "4")]):
+        table = pa.table({"prompt": [prompt], "answer": [answer], "image": [b"\0" * 64]})
+        pq.write_table(table, path / f"part-{part}.parquet")
+    records, where = read_prompt_file(path)
+    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    assert where == [f"{path} row 1", f"{path} row 2"]

@@ -2,9 +2,10 @@
 
 Each row needs string prompt and answer fields (``data.prompt_key`` and ``data.answer_key``,
 by default ``prompt`` and ``answer``), the prompt not blank (an empty answer is allowed: a task
-may expect no output); other fields are ignored. The answer is taken from its field by
-``data.answer_rule`` (:mod:`verlite.data.answers`). Parquet support imports ``pyarrow`` only
-when a Parquet file is read.
+may expect no output); other fields are ignored, and a Parquet file's other columns are not
+read. The answer is taken from its field by ``data.answer_rule``
+(:mod:`verlite.data.answers`). Parquet support imports ``pyarrow`` only when a Parquet file
+is read.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def read_prompt_file(
     if suffix == ".jsonl":
         rows = _jsonl_rows(path)
     elif suffix == ".parquet":
-        rows = _parquet_rows(path)
+        rows = _parquet_rows(path, {prompt_key: "prompt_key", answer_key: "answer_key"})
     else:
         raise DataError(
             f"{path}: unknown prompt file format {suffix!r}; expected .jsonl or .parquet"
@@ -115,7 +116,11 @@ def _jsonl_rows(path: Path) -> Iterable[tuple[str, Any]]:
         yield location, parse_json(line, location, error=DataError)
 
 
-def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
+def _parquet_rows(path: Path, columns: dict[str, str]) -> Iterable[tuple[str, Any]]:
+    """The rows of ``columns`` (each column's name, and the setting that names it) alone: a
+    dataset's file may hold columns the run never reads (images, long solutions), which
+    reading the whole table would load into memory. A missing column is named once, for the
+    file, with the columns it has."""
     try:
         import pyarrow
         import pyarrow.parquet
@@ -124,7 +129,15 @@ def _parquet_rows(path: Path) -> Iterable[tuple[str, Any]]:
             f"{path}: reading Parquet files needs pyarrow, which is not installed: pip install pyarrow"
         ) from None
     try:
-        table = pyarrow.parquet.read_table(path)
+        # The dataset's schema, not read_schema's: a folder of Parquet parts (Spark's) reads too.
+        names = pyarrow.parquet.ParquetDataset(path).schema.names
+        for name, setting in columns.items():
+            if name not in names:
+                raise DataError(
+                    f"{path}: missing column {name!r} (data.{setting}); the file has "
+                    f"{shown(sorted(names), 80)}"
+                )
+        table = pyarrow.parquet.read_table(path, columns=list(columns))
     except (OSError, pyarrow.ArrowException) as exc:
         # Arrow's message may span lines (a schema that names a column twice lists it).
         reason = " ".join(str(exc).split())

@@ -3,6 +3,7 @@ process of its own, a bounded cost for huge and adversarial responses, the extra
 refused at start-up, and the driver's scoring of a step with it."""
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -107,6 +108,51 @@ def test_no_format_credit_by_default() -> None:
 def test_a_reference_math_verify_cannot_read_stops_in_one_line(math_reward: MathReward) -> None:
     with pytest.raises(RewardError, match=r"raised on response 0 .*cannot read the reference"):
         score_responses(math_reward, [r"\boxed{1}"], ["}"], [""], timeout_s=TIMEOUT_S)
+
+
+def test_a_reference_math_verify_cannot_read_is_refused_before_the_run(
+    verlite_main: Any, tmp_path: Path
+) -> None:
+    # "$$" has no box and no "####": taken whole, math-verify reads nothing in it. Found by a
+    # response that has a final answer, it stopped the run mid-way; now the run is refused
+    # before Ray starts, naming the file, the row and the answer.
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"{i}+{i}=", "answer": f"#### {2 * i}"} for i in range(70)]
+    rows[5]["answer"] = "$$"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    result = verlite_main(
+        "train",
+        "--config",
+        "configs/ppo_tiny.yaml",
+        "data.task=null",
+        f"data.train_file={path}",
+        "data.num_val_samples=2",
+        "reward.fn=math",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == (
+        f"verlite: error: {path}:6: math reward: math-verify cannot read the reference answer "
+        "'$$'; write it as a number or a LaTeX expression (reward.fn=math)\n"
+    )
+
+
+def test_a_reference_is_checked_in_the_verifier_process_within_its_budget() -> None:
+    reward = MathReward(timeout_s=TIMEOUT_S)
+    try:
+        reward.check_reference("Half of 144.\n#### 72")
+        with pytest.raises(ValueError, match=r"cannot read the reference answer '\}'"):
+            reward.check_reference("}")
+        assert reward(r"\boxed{72}", "72", "") == 1.0  # the same process scores on
+    finally:
+        reward.close()
+    # A budget the process cannot start in: an error naming the reference, not a response
+    # scored 0 and counted.
+    out = io.StringIO()
+    hurried = MathReward(timeout_s=0.02, stream=out)
+    with pytest.raises(ValueError, match=r"did not start within 0.01 s .* reference answer '72'"):
+        hurried.check_reference("72")
+    assert hurried.abandoned == 0 and out.getvalue() == "" and hurried._process is None
 
 
 def test_huge_responses_score_in_time(math_reward: MathReward) -> None:

@@ -102,6 +102,28 @@ class MathReward:
             return 1.0
         return self.format_credit if reply["parsed"] else 0.0
 
+    def check_reference(self, answer: str) -> None:
+        """Raise ValueError when math-verify cannot read ``answer``'s final answer
+        (:func:`reference_answer`), or not within the budget: every response to its prompt
+        would stop the run (or be abandoned) when scored, so it is found before the run
+        starts. math-verify reads it in its process, as it does when scoring."""
+        gold = reference_answer(answer)
+        try:
+            with self._lock:
+                reply = self._ask({"gold": gold})
+        except RuntimeError as exc:  # the process ended on it (out of its memory or CPU time)
+            raise ValueError(f"{exc} reading the reference answer {shown(gold, 80)}") from None
+        if isinstance(reply, str):
+            raise ValueError(
+                f"math reward: math-verify {reply} within {self.budget_s:g} s (half of "
+                f"reward.timeout_s) reading the reference answer {shown(gold, 80)}"
+            )
+        if "error" in reply:
+            raise ValueError(
+                f"math reward: math-verify cannot read the reference answer {shown(gold, 80)}; "
+                "write it as a number or a LaTeX expression"
+            )
+
     def close(self) -> None:
         """Stop the verifier process (it is stopped at exit too)."""
         with self._lock:
@@ -109,17 +131,27 @@ class MathReward:
 
     def _verify(self, gold: str, pred: str) -> dict[str, Any] | None:
         """math-verify's reply, or None when it did not come within the budget."""
+        reply = self._ask({"gold": gold, "pred": pred})
+        if isinstance(reply, str):
+            return self._abandon(pred, reply)
+        return reply
+
+    def _ask(self, request: dict[str, str]) -> dict[str, Any] | str:
+        """math-verify's reply to ``request``; when it does not come within the budget, what
+        went wrong ("did not start", "did not answer"), the process stopped."""
         deadline = time.monotonic() + self.budget_s
         process = self._process or self._start(deadline)
         if process is None:
-            return self._abandon(pred, "did not start")
+            self._stop()
+            return "did not start"
         assert process.stdin is not None
         # Small (the answers are at most MAX_ANSWER_CHARS): it fits the pipe, never blocks.
-        process.stdin.write(json.dumps({"gold": gold, "pred": pred}).encode() + b"\n")
+        process.stdin.write(json.dumps(request).encode() + b"\n")
         process.stdin.flush()
         reply = self._read(process, deadline)
         if reply is None:
-            return self._abandon(pred, "did not answer")
+            self._stop()
+            return "did not answer"
         return reply
 
     def _start(self, deadline: float) -> subprocess.Popen[bytes] | None:
@@ -161,7 +193,6 @@ class MathReward:
         return reply
 
     def _abandon(self, pred: str, what: str) -> None:
-        self._stop()
         self.abandoned += 1
         print(
             f"reward: math: math-verify {what} within {self.budget_s:g} s (half of "

@@ -17,7 +17,9 @@ The protocol, one JSON object a line. It says ``{"ready": true}`` once math-veri
 imported; then for each request ``{"gold": ..., "pred": ...}`` (the reference's and the
 response's final answers, as text) it answers ``{"parsed": bool, "equal": bool}``: whether
 math-verify read the response's answer as an expression, and whether the two are
-equivalent; or ``{"error": ...}`` when the reference cannot be read.
+equivalent; or ``{"error": ...}`` when the reference cannot be read. A request without
+``pred`` checks the reference alone (``MathReward.check_reference``, before the run starts):
+``{"read": true}``, or the error.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main() -> None:
             reply: dict[str, Any] = {
                 "error": f"math-verify cannot read the reference answer {request['gold']!r}"
             }
+        elif "pred" not in request:  # a reference checked before the run
+            reply = {"read": True}
         else:
             pred = math_verify.parse(_boxed(request["pred"]), parsing_timeout=None)
             # Parsed: read as an expression, not only kept as the text it failed to read.

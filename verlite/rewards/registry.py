@@ -10,7 +10,7 @@ from typing import cast
 from verlite.config import Config, ConfigError
 from verlite.data import DataError, PromptDataset
 from verlite.data.tasks import TASKS
-from verlite.rewards.math_answer import MathReward, check_installed, reference_answer
+from verlite.rewards.math_answer import MathReward, check_installed
 from verlite.rewards.rules import digit_match, exact_match, gsm8k, gsm8k_reference
 from verlite.user_code import load_object
 
@@ -43,19 +43,24 @@ def resolve_reward(cfg: Config) -> RewardFn:
 
 def check_answers(fn: RewardFn, datasets: Iterable[PromptDataset]) -> None:
     """Every record's answer read as the built-in reward ``fn`` reads it (gsm8k's number,
-    math's final answer), before the run starts: a record ``fn`` cannot score against stops
-    the run here, naming its file and row, instead of at the step that first draws it
-    (validation's: the first validation). User functions are not called ahead."""
+    math's final answer, which math-verify must read), before the run starts: a record ``fn``
+    cannot score against stops the run here, naming its file and row, instead of at the step
+    that first draws it (validation's: the first validation). User functions are not called
+    ahead."""
     found = _reference_check(fn)
     if found is None:
         return
     name, check = found
+    checked: set[str] = set()  # each answer once (math-verify takes milliseconds a reading)
     for dataset in datasets:
         for location, record in zip(dataset.where, dataset.records, strict=True):
+            if record["answer"] in checked:
+                continue
             try:
                 check(record["answer"])
             except ValueError as exc:
                 raise DataError(f"{location}: {exc} (reward.fn={name})") from None
+            checked.add(record["answer"])
 
 
 def _reference_check(fn: RewardFn) -> tuple[str, Callable[[str], object]] | None:
@@ -64,7 +69,7 @@ def _reference_check(fn: RewardFn) -> tuple[str, Callable[[str], object]] | None
     if fn is gsm8k:
         return "gsm8k", gsm8k_reference
     if isinstance(fn, MathReward):
-        return "math", reference_answer
+        return "math", fn.check_reference
     return None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -194,6 +195,49 @@ def check_prompts(
     return truncated
 
 
+def check_special_token_text(
+    records: Sequence[PromptRecord], where: Sequence[str], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Refuse a prompt that spells a special token of ``tokenizer`` (``<|im_end|>``,
+    ``<|im_start|>``, ``<eos>``): the tokenizer reads that text as the token itself, which
+    silently ends a turn or starts one (a question that holds ``<|im_end|>`` leaves the user
+    turn there). Tokenizing the prompt with special tokens split instead would split the
+    chat template's own tokens too (it is rendered into the same text), and the prompt text
+    that rewards, exports and the length policy receive would no longer be what the model
+    reads. Checked on the prompt field as the file has it, before the suffix and the
+    template."""
+    pattern = _special_token_pattern(tokenizer)
+    if pattern is None:
+        return
+    for location, record in zip(where, records, strict=True):
+        found = pattern.search(record["prompt"])
+        if found is not None:
+            raise DataError(
+                f"{location}: the prompt holds {found.group()!r}, the text of a special token "
+                "of the tokenizer, which would read it as that token (ending or starting a "
+                "turn), not as text; prompts may not spell special tokens: remove or reword it"
+            )
+
+
+def _special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:
+    """The texts the tokenizer reads as a special token that the same text split into
+    ordinary tokens is not (a pad token set to an ordinary token, such as ``!``, is text),
+    longest first; None when there are none."""
+    texts = set(tokenizer.all_special_tokens) | {
+        token.content for token in tokenizer.added_tokens_decoder.values() if token.special
+    }
+    controls = [
+        text
+        for text in texts
+        if text
+        and tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        != tokenizer(text, add_special_tokens=False)["input_ids"]
+    ]
+    if not controls:
+        return None
+    return re.compile("|".join(map(re.escape, sorted(controls, key=len, reverse=True))))
+
+
 def _pair(prompt: str, answer: str) -> PromptRecord:
     return PromptRecord(prompt=prompt, answer=answer)
 
@@ -206,6 +250,7 @@ def _dataset(
     cfg: Config,
 ) -> PromptDataset:
     data = cfg.data
+    check_special_token_text(records, where, tokenizer)
     records = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
     truncated = check_prompts(
         records,

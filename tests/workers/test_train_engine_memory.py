@@ -179,15 +179,16 @@ def test_moving_the_optimizer_state_moves_the_moments_not_the_step() -> None:
             assert torch.equal(optimizer.state[param][key], value), key
 
 
-def _engine(offload: str, strategy: str = "none") -> TrainEngine:
-    cfg = ADAMW.actor.model_copy(update={"offload": offload, "strategy": strategy})
-    return TrainEngine(policy(), cfg=cfg, total_updates=10, metric_prefix="actor")
+def _engine(offload: str, strategy: str = "none", run: Config | None = None) -> TrainEngine:
+    run = run or ADAMW
+    cfg = run.actor.model_copy(update={"offload": offload, "strategy": strategy})
+    return TrainEngine(policy(run), cfg=cfg, total_updates=10, metric_prefix="actor")
 
 
-ADAMW = load_config(
-    "configs/ppo_tiny.yaml",
-    ["model.dtype=float64", "actor.optim.warmup_steps=3", "actor.optim.schedule=cosine"],
-)
+ADAMW_SETTINGS = ["actor.optim.warmup_steps=3", "actor.optim.schedule=cosine"]
+ADAMW = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64", *ADAMW_SETTINGS])
+# float32, as a run trains: a resume exact in float64 could still round differently there
+ADAMW_FP32 = load_config("configs/ppo_tiny.yaml", ["model.dtype=float32", *ADAMW_SETTINGS])
 
 
 def test_offloaded_optimizer_state_visits_the_device_one_parameter_at_a_time(monkeypatch) -> None:
@@ -248,9 +249,10 @@ def test_a_training_step_leaves_no_gradient_behind(offload: str) -> None:
         assert torch.equal(full_state_dict(engine.model)[name], value), name
 
 
-def test_resume_with_the_optimizer_state_offloaded_continues_exactly(
-    tmp_path: Path, monkeypatch
-) -> None:
+def test_resume_with_the_optimizer_state_offloaded_continues_exactly(tmp_path: Path) -> None:
+    """The state is read into the tensors the engine created for it on the CPU
+    (``test_a_resume_with_the_optimizer_state_offloaded_creates_it_a_parameter_at_a_time``),
+    and the resumed updates are the uninterrupted run's, bit for bit."""
     batch = make_batch(ADAMW)
     straight = _engine("optimizer")
     first = [straight.train_mini_batch(batch.clone(), LOSS) for _ in range(2)]
@@ -258,29 +260,91 @@ def test_resume_with_the_optimizer_state_offloaded_continues_exactly(
     saved = _engine("optimizer")
     assert [saved.train_mini_batch(batch.clone(), LOSS) for _ in range(2)] == first
     saved.save(tmp_path)
-    moves: list[str] = []
-    monkeypatch.setattr(
-        train_engine, "move_optimizer_state", lambda opt, device: moves.append(device.type)
-    )
     resumed = _engine("optimizer")
     resumed.load(tmp_path)
-    assert moves == ["cpu"]  # loading lands the state on the parameters' device
-    monkeypatch.undo()
     assert [resumed.train_mini_batch(batch.clone(), LOSS) for _ in range(2)] == then
     for name, value in full_state_dict(straight.model).items():
         assert torch.equal(full_state_dict(resumed.model)[name], value), name
 
 
+def _one_parameter_at_a_time(monkeypatch) -> list[int]:
+    """The number of parameters with a gradient at each AdamW step from now on; loading an
+    optimizer's state with ``Optimizer.load_state_dict`` (which casts every loaded moment
+    to its parameter's device, all at once) fails the test."""
+    stepped: list[int] = []
+    real_step = torch.optim.AdamW.step
+
+    def step(optimizer: torch.optim.Optimizer, *args, **kwargs):
+        stepped.append(sum(p.grad is not None for g in optimizer.param_groups for p in g["params"]))
+        return real_step(optimizer, *args, **kwargs)
+
+    def load_state_dict(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+        raise AssertionError("every moment cast to its parameter's device at once")
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    monkeypatch.setattr(torch.optim.Optimizer, "load_state_dict", load_state_dict)
+    return stepped
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def test_a_resume_with_the_optimizer_state_offloaded_creates_it_a_parameter_at_a_time(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A fresh engine has no optimizer state to load into: DCP's ``get_state_dict`` and
+    ``set_state_dict`` gave it some by one AdamW step of the whole model with zero
+    gradients, every gradient and moment on the device at once (for a 7B policy 91 GB
+    beside its 30 GB of fp32 weights: what ``offload=optimizer`` exists to avoid), then
+    loaded the checkpoint with ``Optimizer.load_state_dict``, which casts every moment to its
+    parameter's device. Now the engine's own step creates it, one parameter at a time,
+    where its offload keeps it, and DCP reads the checkpoint into it in place: besides the
+    moments (on the CPU) the load holds about one parameter's tensors more. The resume is
+    exact: ``test_resume_with_the_optimizer_state_offloaded_continues_exactly``."""
+    saved = _engine("optimizer")
+    saved.train_mini_batch(make_batch(ADAMW), LOSS)
+    saved.save(tmp_path)
+    stepped = _one_parameter_at_a_time(monkeypatch)
+    resumed = _engine("optimizer")
+    params = list(resumed.model.parameters())
+    peak = peak_tensor_bytes(lambda: resumed.load(tmp_path))
+    assert stepped == [1] * len(params)
+    assert all(p.grad is None for p in params)
+    moments = [v for s in resumed.optimizer.state.values() for v in s.values() if v.dim()]
+    assert len(moments) == 2 * len(params) and all(v.device.type == "cpu" for v in moments)
+    largest = max(_nbytes([p]) for p in params)
+    # A whole model's gradients (what DCP's step held) are many parameters' worth.
+    assert peak <= _nbytes(moments) + 3 * largest < _nbytes(moments) + _nbytes(params)
+
+
+def test_a_save_of_an_optimizer_that_never_stepped_creates_its_state_a_parameter_at_a_time(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A warm-up checkpoint (the actor's, while the critic warms up) saves an optimizer that
+    never stepped: DCP's ``get_state_dict`` gave it state by one step of the whole model,
+    every gradient and moment on the device at once. Its state is created one parameter at
+    a time, and dropped after the save (``test_a_save_before_the_first_update_changes_nothing``)."""
+    stepped = _one_parameter_at_a_time(monkeypatch)  # before the engine wraps AdamW's step
+    engine = _engine("optimizer")
+    params = list(engine.model.parameters())
+    peak = peak_tensor_bytes(lambda: engine.save(tmp_path))
+    assert stepped == [1] * len(params)
+    assert all(p.grad is None for p in params) and not engine.optimizer.state
+    largest = max(_nbytes([p]) for p in params)
+    assert peak <= 2 * _nbytes(params) + 3 * largest < 3 * _nbytes(params)
+
+
 def _resume_on_ranks(rank: int, world: int, offload: str, path: str, batch) -> tuple:
     """Four updates straight, and two, a save, a fresh engine's load and two more."""
     local = batch[rank::world]
-    straight = _engine(offload, "fsdp")
+    straight = _engine(offload, "fsdp", ADAMW_FP32)
     metrics = [straight.train_mini_batch(local.clone(), LOSS) for _ in range(4)]
-    saved = _engine(offload, "fsdp")
+    saved = _engine(offload, "fsdp", ADAMW_FP32)
     for _ in range(2):
         saved.train_mini_batch(local.clone(), LOSS)
     saved.save(Path(path))
-    resumed = _engine(offload, "fsdp")
+    resumed = _engine(offload, "fsdp", ADAMW_FP32)
     resumed.load(Path(path))
     then = [resumed.train_mini_batch(local.clone(), LOSS) for _ in range(2)]
     devices = {
@@ -297,7 +361,9 @@ def _resume_on_ranks(rank: int, world: int, offload: str, path: str, batch) -> t
 
 @pytest.mark.parametrize("offload", ["optimizer", "all"])
 def test_fsdp_resume_with_offload_continues_exactly(offload: str, tmp_path: Path) -> None:
-    batch = make_batch(ADAMW)
+    """Two spawned ranks, float32: the updates after a save and a fresh engine's load are
+    the uninterrupted run's, bit for bit, and the loaded state waits on the CPU."""
+    batch = make_batch(ADAMW_FP32)
     results = run_on_ranks(_resume_on_ranks, world_size=2, args=(offload, str(tmp_path), batch))
     for expected, then, straight, resumed, devices in results:
         assert then == expected

@@ -1,9 +1,10 @@
 """Save and load one worker group's training state with torch.distributed.checkpoint (DCP).
 
-Trainable parameters and optimizer state go through ``get_state_dict`` / ``set_state_dict``,
-which key everything by the unwrapped model's parameter names whatever the wrapping (none,
-DDP, FSDP2), and DCP writes each rank's shard. Loading reshards: a checkpoint saved by N
-ranks loads into M ranks. Frozen parameters (a LoRA policy's base) are not saved.
+Trainable parameters and optimizer state go through ``get_state_dict`` (the parameters back
+through ``set_model_state_dict``), which keys everything by the unwrapped model's parameter
+names whatever the wrapping (none, DDP, FSDP2), and DCP writes each rank's shard. Loading
+reshards: a checkpoint saved by N ranks loads into M ranks. Frozen parameters (a LoRA
+policy's base) are not saved.
 
 Loading runs no code from the files. DCP's stock reader unpickles ``.metadata`` with plain
 ``pickle`` and its planner reads non-tensor values (optimizer hyperparameters) with
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
-    set_state_dict,
+    set_model_state_dict,
 )
 from torch.serialization import _get_layout
 
@@ -117,7 +118,14 @@ def save_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
 
 
 def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Collective: load in place into an identically built model and optimizer."""
+    """Collective: load in place into an identically built model and optimizer.
+
+    The optimizer's state is read into the tensors it holds, where they are (on the CPU,
+    for state offloaded there); one without state gets it from ``get_state_dict``, by a
+    step of zero gradients. ``set_state_dict`` would load it again with
+    ``Optimizer.load_state_dict``, which casts every moment to its parameter's device at
+    once: it sets the model alone, and the optimizer gets its groups' settings (learning
+    rate, betas, ...) here."""
     model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
     state = {"model": model_state, "optim": optim_state}
     reader = _SafeReader(str(path))
@@ -134,12 +142,13 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
         # the causes alone say what is wrong (a refused pickle, a shape that differs).
         causes = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
         raise CheckpointLoadError(f"cannot load {path}: {'; '.join(causes)}") from None
-    set_state_dict(
+    set_model_state_dict(
         model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optim"],
+        state["model"],
         # Not strict about the frozen parameters, which are not loaded; every trained one
         # was requested above, and DCP fails on any the checkpoint lacks.
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
+    loaded_groups = state["optim"]["param_groups"]
+    for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
+        group.update((key, value) for key, value in loaded.items() if key != "params")

@@ -194,3 +194,40 @@ def test_an_fsdp_actor_validating_a_split_run_decodes_static_not_with_graphs() -
     assert settings.mode == "static"
     settings = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=True)  # type: ignore[arg-type]
     assert settings.mode == "cuda_graphs"
+
+
+@pytest.mark.parametrize("decode", ["cuda_graphs", "auto"])
+def test_a_split_runs_actor_validates_without_graphs_or_a_generation_copy(decode: str) -> None:
+    """With ``rollout.placement=split`` the rollout group generates the rows trained on; the
+    actor generates the validation batches only, every ``trainer.val_freq`` steps. With
+    CUDA graphs it held, all run long, their memory pool and, under bf16-mixed, a bf16 copy
+    of the policy to capture them from (``generation_copy``: 15 GB for a 7B policy), for a
+    few generations. It decodes statically from the trained model instead: autocast's bf16
+    casts last as long as a validation's generation (the replayed graphs run the static
+    step: ``tests/generation/test_static_decode.py``). The rollout group keeps its graphs."""
+    from types import SimpleNamespace
+
+    from verlite.models import build_policy
+    from verlite.workers.actor import generation_copy
+    from verlite.workers.policy_worker import PolicyWorker
+
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            f"rollout.decode={decode}",
+            "model.device=cuda",
+            "model.precision=bf16-mixed",
+            "actor.strategy=ddp",
+            "rollout.placement=split",
+        ],
+    )
+    assert cfg.trainer.val_freq > 0
+    model = build_policy(cfg.model, vocab_size=40, max_positions=16, seed=0)
+    worker = SimpleNamespace(cfg=cfg)
+    cuda = torch.device("cuda")
+    validating = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=False)  # type: ignore[arg-type]
+    assert validating.mode == "static"
+    assert generation_copy(model, cfg.precision, validating) is None
+    rollout = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=True)  # type: ignore[arg-type]
+    assert rollout.mode == "cuda_graphs"
+    assert generation_copy(model, cfg.precision, rollout) is not None

@@ -115,8 +115,10 @@ class RolloutConfig(Section):
         description="How the sampler decodes. eager: a KV cache grown a position per step, "
         "one kernel launch per operation; static: a KV cache of fixed shape kept between "
         "generations, finished rows compacted out by batch-size buckets; cuda_graphs: static, "
-        "each decode step captured once as a CUDA graph and replayed (cuda only). auto: "
-        "cuda_graphs on cuda (static for an FSDP actor that generates), eager on CPU. static "
+        "each decode step captured once as a CUDA graph and replayed (cuda only; a split "
+        "run's actor, which generates the validation batches only, and an FSDP actor decode "
+        "static instead). auto: cuda_graphs on cuda (static for an FSDP actor that generates), "
+        "eager on CPU. static "
         "and cuda_graphs need rollout.randomness=per_sample and a model with full attention "
         "in every layer.",
     )

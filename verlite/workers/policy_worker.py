@@ -55,23 +55,27 @@ class PolicyWorker(Worker):
     ) -> DecodeSettings:
         """How ``model`` decodes on ``device``: ``rollout.decode``, ``auto`` resolved
         (``generation.decode.auto_mode``; an explicit mode the model cannot run was refused
-        at start-up, ``driver.preflight.check_generation``), and ``cuda_graphs`` as static in
-        ``lockstep``: an FSDP actor's all-gathers cannot be captured, and the one such actor
-        that start-up lets through generates for validation only, the rollout group of its
-        split run capturing the graphs. The cache is reserved for this worker's share of a
-        step (when it generates the rows trained on: ``trains_on``) by the most positions a
-        generation spans (``Config.cache_positions``)."""
+        at start-up, ``driver.preflight.check_generation``), and ``cuda_graphs`` as static
+        in ``lockstep`` (an FSDP actor's all-gathers cannot be captured) and where this
+        worker does not generate the rows trained on (``trains_on``: a split run's actor,
+        whose generations are the validation batches, every ``trainer.val_freq`` steps).
+        Its graphs' memory pool, and under bf16-mixed the bf16 copy of the policy they are
+        captured from (``workers.actor.generation_copy``: 15 GB for a 7B policy), stayed on
+        the device all run for those few generations; decoding statically, the trained
+        model generates under autocast, whose bf16 casts last one generation. The cache is
+        reserved for this worker's share of a step (when ``trains_on``) by the most
+        positions a generation spans (``Config.cache_positions``)."""
         cfg, rollout = self.cfg, self.cfg.rollout
         mode = rollout.decode
-        if mode == "cuda_graphs" and lockstep:
-            mode = "static"
-        elif mode == "auto":
+        if mode == "auto":
             mode = auto_mode(
                 model.config,
                 device=device,
                 lockstep=lockstep,
                 per_rank=rollout.randomness == "per_rank",
             )
+        if mode == "cuda_graphs" and (lockstep or not trains_on):
+            mode = "static"
         rows = cfg.rows_per_generating_worker if trains_on else 0
         return DecodeSettings(
             mode,

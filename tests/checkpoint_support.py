@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verlite.driver.checkpoint import ENGINE_FILES
+from verlite.checkpoint_files import ENGINE_FILES
 
 
 def fake_checkpoint(output_dir: Path, step: int, roles: Sequence[str], **saved: Any) -> Path:

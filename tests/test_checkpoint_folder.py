@@ -2,11 +2,14 @@
 resume finds."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from checkpoint_support import fake_checkpoint
 
+from verlite import checkpoint_files
 from verlite.driver.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
@@ -81,3 +84,34 @@ def test_a_checkpoint_is_on_disk_before_it_is_in_place(
     }
     assert before[-1] == tmp / "trainer_state.json"
     assert synced[synced.index(Path("renamed")) + 1] == tmp.parent
+
+
+def test_the_drivers_checkpoint_checks_import_no_training_engine() -> None:
+    """The driver checks a checkpoint before any worker starts (``check_resumable``); the
+    engine's file names came from ``workers.train_engine``, so those checks imported DCP,
+    the models and the workers (2719 modules, not 1233)."""
+    code = (
+        "import sys, verlite.driver.checkpoint; "
+        "print(sorted(m for m in sys.modules if m.startswith(('verlite.workers', "
+        "'torch.distributed.checkpoint', 'transformers'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_each_checkpoint_file_name_is_written_once() -> None:
+    """``verlite/checkpoint_files.py`` owns the names of a role's checkpoint files: the
+    engine, which writes them, and the driver, which checks them, both read them there."""
+    names = [
+        value
+        for key, value in vars(checkpoint_files).items()
+        if key.isupper() and isinstance(value, str)
+    ]
+    source = Path(checkpoint_files.__file__).parent
+    for name in names:
+        found = [
+            path.relative_to(source).as_posix()
+            for path in sorted(source.rglob("*.py"))
+            if f'"{name}"' in path.read_text()
+        ]
+        assert found == ["checkpoint_files.py"], (name, found)

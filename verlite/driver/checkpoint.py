@@ -28,17 +28,14 @@ from pathlib import Path
 from typing import Any
 
 from verlite.base_weights import differences
+from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
 from verlite.config import MOVED_KEYS
 from verlite.errors import UserError
 from verlite.redaction import redact_config
 from verlite.user_files import parse_json, read_text
-from verlite.workers.train_engine import ENGINE_STATE
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
-# What every role's folder must hold: the DCP index of its model and optimizer shards, and
-# the LR schedule (``TrainEngine.save``).
-ENGINE_FILES = ("train_state/.metadata", "schedule.json")
 
 
 class CheckpointError(UserError):
@@ -163,7 +160,7 @@ def check_resumable(
         if not (path / role / name).is_file()
     ]
     for role in roles:
-        for name in ("schedule.json", ENGINE_STATE):  # the engine's, read by every rank
+        for name in (SCHEDULE, ENGINE_STATE):  # the engine's, read by every rank
             if (path / role / name).is_file():
                 _json_file(path / role / name)
     base, recorded = here.get("model.path"), state.get("base_weights")

@@ -27,6 +27,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from verlite.checkpoint_files import ENGINE_STATE, SCHEDULE, TRAIN_STATE
 from verlite.config import OptimConfig, WorkerRoleConfig
 from verlite.core.losses import GlobalCounts, count_valid
 from verlite.core.metrics import Metric, MetricDict, Stage, reduce_metrics
@@ -64,9 +65,6 @@ from verlite.step_batch import (
     trim_padding,
 )
 from verlite.workers.forward import mark_packed
-
-# An engine checkpoint's own numbers besides the LR schedule: the streak of skipped updates.
-ENGINE_STATE = "engine_state.json"
 
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]
@@ -278,11 +276,11 @@ class TrainEngine:
         # stepped (below), and a resume would ask for state the checkpoint lacks.
         self.optimizer.zero_grad(set_to_none=True)
         self._create_state()
-        save_train_state(self.model, self.optimizer, path / "train_state")
+        save_train_state(self.model, self.optimizer, path / TRAIN_STATE)
         self._drop_unstepped_state()
         if get_rank() == 0:
             # LambdaLR's state is plain numbers (the lambda itself is rebuilt from the config).
-            (path / "schedule.json").write_text(json.dumps(self.scheduler.state_dict()))
+            (path / SCHEDULE).write_text(json.dumps(self.scheduler.state_dict()))
             # Every rank counts alike (the norm is global).
             (path / ENGINE_STATE).write_text(
                 json.dumps({"nonfinite_streak": self.nonfinite_streak})
@@ -290,11 +288,11 @@ class TrainEngine:
 
     def load(self, path: Path) -> None:
         """Collective: restore what :meth:`save` wrote (any number of ranks may have saved it)."""
-        if not (path / "schedule.json").is_file():
-            raise FileNotFoundError(f"{path} holds no engine checkpoint (schedule.json is missing)")
+        if not (path / SCHEDULE).is_file():
+            raise FileNotFoundError(f"{path} holds no engine checkpoint ({SCHEDULE} is missing)")
         self._create_state()  # read into in place, where it is kept
-        load_train_state(self.model, self.optimizer, path / "train_state")
-        self.scheduler.load_state_dict(json.loads((path / "schedule.json").read_text()))
+        load_train_state(self.model, self.optimizer, path / TRAIN_STATE)
+        self.scheduler.load_state_dict(json.loads((path / SCHEDULE).read_text()))
         self._apply_settings()
         self._drop_unstepped_state()
         # Checkpoints from before it was saved hold none: their streak restarts at 0.

@@ -14,7 +14,7 @@ from verlite.driver.trainer import mfu_metrics, mfu_peaks
 from verlite.models.flops import DecoderShape
 from verlite.records.tracking import ConsoleLogger
 
-SHAPE = DecoderShape(dense_params=1000, hidden_size=8, num_layers=2, head_params=100)
+SHAPE = DecoderShape(dense_params=1000, attention_width=8, num_layers=2, head_params=100)
 
 
 class _Group:

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import (
+    AutoModelForCausalLM,
+    GemmaConfig,
+    GPT2Config,
+    LlamaConfig,
+    OPTConfig,
+    PretrainedConfig,
+    Qwen3Config,
+)
 
 from tests.model_support import tiny_qwen2
 from verlite.config import ConfigError, ModelConfig
@@ -25,7 +34,7 @@ def test_dense_parameters_count_the_lm_head_once_whether_tied_or_not() -> None:
     model = tiny_qwen2(tied=False)
     embedding = model.get_input_embeddings().weight.numel()
     assert untied.dense_params == sum(p.numel() for p in model.parameters()) - embedding
-    assert (untied.hidden_size, untied.num_layers) == (32, 2)
+    assert (untied.attention_width, untied.num_layers) == (32, 2)
 
 
 def test_flops_of_a_pass() -> None:
@@ -37,6 +46,99 @@ def test_flops_of_a_pass() -> None:
     # The value model: its trunk and scalar head, no LM head.
     value = DecoderShape.of(build_value_model(TINY, vocab_size=50, max_positions=16, seed=0))
     assert value.dense_params == shape.dense_params - 50 * 32 + 32 + 1
+
+
+# A pass over 10 tokens whose queries attend 55 keys in all.
+TOKENS, PAIRS = 10, 55
+
+
+def _tiny(config: PretrainedConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_attention_is_counted_at_heads_times_head_dim_when_that_is_not_hidden() -> None:
+    # Qwen3 sets head_dim: 4 heads of 16 are twice the hidden size of 32.
+    h, heads, kv_heads, d, inner, layers, vocab = 32, 4, 2, 16, 64, 2, 100
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inner,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d,
+        tie_word_embeddings=False,
+    )
+    attention = (
+        h * heads * d + 2 * h * kv_heads * d + heads * d * h + 2 * d
+    )  # q, k, v, o; q/k norms
+    layer = attention + 3 * h * inner + 2 * h  # + gated MLP, two norms
+    dense = layers * layer + h + vocab * h  # + final norm, LM head (the embedding excluded)
+    by_hand = 2.0 * dense * TOKENS + 4.0 * heads * d * layers * PAIRS
+    assert decoder_flops(_tiny(config), tokens=TOKENS, attended=PAIRS, backward=False) == by_hand
+
+
+def test_gemma_attention_is_counted_at_its_head_dim() -> None:
+    h, heads, d, inner, layers, vocab = 32, 4, 24, 64, 2, 100  # 4 x 24 = 96, not 32
+    config = GemmaConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=inner,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=1,
+        head_dim=d,
+    )
+    shape = DecoderShape.of(_tiny(config))
+    assert shape.attention_width == heads * d
+    # q, k, v, o (one KV head), gated MLP, two norms; final norm; the LM head, tied
+    layer = h * heads * d + 2 * h * d + heads * d * h + 3 * h * inner + 2 * h
+    assert shape.dense_params == layers * layer + h + vocab * h
+
+
+def test_embeddings_are_excluded_whatever_their_names() -> None:
+    # GPT-2's token and position tables are ``wte`` and ``wpe``; its LM head is tied to wte.
+    h, heads, layers, vocab, positions = 32, 4, 2, 100, 16
+    config = GPT2Config(
+        vocab_size=vocab, n_embd=h, n_layer=layers, n_head=heads, n_positions=positions
+    )
+    attention = (h * 3 * h + 3 * h) + (h * h + h)  # c_attn (q, k, v), c_proj, with biases
+    mlp = (h * 4 * h + 4 * h) + (4 * h * h + h)
+    layer = attention + mlp + 2 * 2 * h  # two layer norms (weight and bias)
+    dense = layers * layer + 2 * h + vocab * h  # + final norm, the LM head counted once
+    shape = DecoderShape.of(_tiny(config))
+    assert (shape.dense_params, shape.attention_width) == (dense, h)
+    assert shape.head_params == vocab * h
+    # OPT names its token table embed_tokens, but its learned positions embed_positions.
+    opt = OPTConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        ffn_dim=64,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        max_position_embeddings=positions,
+        word_embed_proj_dim=h,
+    )
+    layer = 4 * (h * h + h) + (h * 64 + 64) + (64 * h + h) + 2 * 2 * h
+    assert DecoderShape.of(_tiny(opt)).dense_params == layers * layer + 2 * h + vocab * h
+
+
+def test_qwen2_and_llama_attention_width_is_the_hidden_size() -> None:
+    # hidden / heads is their head dim: the count is what it was before head_dim was read.
+    qwen2 = DecoderShape.of(tiny_qwen2(tied=False))
+    llama = LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    for shape in (qwen2, DecoderShape.of(_tiny(llama))):
+        assert shape.attention_width == 32
+        forward = 2.0 * shape.dense_params * TOKENS + 4.0 * 32 * 2 * PAIRS
+        assert shape.flops(tokens=TOKENS, attended=PAIRS, backward=False) == forward
 
 
 def test_causal_pairs_count_each_rows_real_tokens() -> None:

@@ -4,13 +4,15 @@ gradients; a sequence never sees the ones packed with it; a model whose attentio
 them is refused; the packed token budget counts real tokens. (Across spawned ranks and every
 loss mode: tests/workers/test_train_engine_invariance.py.)"""
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, Qwen3Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from verlite.audit.invariance import make_batch
-from verlite.config import ConfigError, load_config
+from verlite.config import ConfigError, ModelConfig, load_config
 from verlite.core.partition import PackedTokenPartition
 from verlite.models import (
     build_policy,
@@ -215,3 +217,20 @@ def test_the_attention_crossover_is_a_layers_parameters_over_its_width() -> None
     kv = h // heads * kv_heads
     layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
     assert flop_crossover(cfg.model) == round(layer / h)
+
+
+def test_the_attention_crossover_divides_by_heads_times_head_dim(tmp_path: Path) -> None:
+    """A Qwen3 whose 4 heads of 16 are twice its hidden size of 32: a token's attention over
+    L keys costs 4 x 16 wide per layer, so the crossover is the layer over 64, not 32."""
+    h, i, heads, kv_heads, d = 32, 64, 4, 2, 16
+    Qwen3Config(
+        vocab_size=100,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d,
+    ).save_pretrained(tmp_path)
+    layer = 2 * h * heads * d + 2 * h * kv_heads * d + 2 * d + 3 * h * i + 2 * h
+    assert flop_crossover(ModelConfig(path=str(tmp_path))) == round(layer / (heads * d))

@@ -3,14 +3,16 @@ FLOPs utilization (MFU) figure is made of; and the GPU's memory bandwidth, what 
 step's roofline is made of.
 
 A pass costs 2 x the model's dense parameters per token (every weight matrix the token goes
-through, the LM head included, the input embedding excluded: a lookup) and 4 x hidden x layers
-per attended (query, key) pair (scores and weighted values); a backward pass twice a forward
-one. The GPU's peak is its datasheet's dense (no sparsity) bf16 tensor-core figure.
+through, the LM head included, the embeddings excluded: lookups, whatever they are named) and
+4 x heads x head_dim x layers per attended (query, key) pair (scores and weighted values: each
+of the query heads' dot products and sums is head_dim wide, which is not hidden / heads in
+every model: Qwen3's and Gemma's heads are wider); a backward pass twice a forward one. The GPU's peak is its datasheet's dense (no sparsity) bf16 tensor-core figure.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -80,11 +82,11 @@ def hbm_bandwidth(device_name: str) -> float | None:
 
 @dataclass(frozen=True)
 class DecoderShape:
-    """What a decoder's FLOPs depend on: its dense parameters (the module docstring's),
-    hidden size and layer count."""
+    """What a decoder's FLOPs depend on: its dense parameters (the module docstring's), the
+    width of its attention (query heads x head dim) and its layer count."""
 
     dense_params: int
-    hidden_size: int
+    attention_width: int
     num_layers: int
     # Of the dense parameters, the LM head's (0 for a model without one: a value model).
     head_params: int = 0
@@ -94,13 +96,14 @@ class DecoderShape:
         """The shape of a Hugging Face decoder (or a peft model or value model around one).
         An LM head tied to the input embedding is counted once, as the LM head."""
         config = next(m.config for m in model.modules() if hasattr(m, "config"))
-        dense = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
         inner = next(m for m in model.modules() if hasattr(m, "get_output_embeddings"))
         head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
-        if head is not None and head.weight is embedding.weight:
+        lookups = {id(p) for p in _embedding_parameters(model, embedding)}
+        dense = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+        if head is not None and id(head.weight) in lookups:
             dense += head.weight.numel()
         head_params = 0 if head is None else head.weight.numel()
-        return cls(dense, int(config.hidden_size), int(config.num_hidden_layers), head_params)
+        return cls(dense, attention_width(config), int(config.num_hidden_layers), head_params)
 
     def flops(
         self,
@@ -118,9 +121,25 @@ class DecoderShape:
         flops = (
             2.0 * (self.dense_params - self.head_params) * tokens
             + 2.0 * self.head_params * through_head
-            + 4.0 * self.hidden_size * self.num_layers * attended
+            + 4.0 * self.attention_width * self.num_layers * attended
         )
         return 3.0 * flops if backward else flops
+
+
+def attention_width(config: Any) -> int:
+    """Query heads x head dim of a Hugging Face config: its ``head_dim`` where it sets one
+    (Qwen3, Gemma: wider than hidden / heads), else hidden / heads."""
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+    return heads * int(head_dim)
+
+
+def _embedding_parameters(model: nn.Module, embedding: nn.Module) -> list[nn.Parameter]:
+    """The parameters of ``model``'s lookups: every ``nn.Embedding`` (token and learned
+    position tables, whatever their names: GPT-2's ``wte``/``wpe``, OPT's
+    ``embed_positions``) and the input embedding the model names, whatever its type."""
+    tables = [m for m in model.modules() if isinstance(m, nn.Embedding)] + [embedding]
+    return [p for table in tables for p in table.parameters()]
 
 
 def decoder_flops(

@@ -15,13 +15,15 @@ from verlite.driver.checkpoint import (
     commit_checkpoint,
     complete_checkpoints,
     resume_checkpoint,
+    seal_checkpoint,
 )
 
 
 def _save(out: Path, step: int, *, keep: int) -> Path:
     tmp = begin_checkpoint(out, step)
     (tmp / "actor").mkdir()
-    return commit_checkpoint(tmp, {"step": step, "loader": {}, "kl_coef": 0.0}, keep=keep)
+    seal_checkpoint(tmp, {"step": step, "loader": {}, "kl_coef": 0.0})
+    return commit_checkpoint(tmp, keep=keep)
 
 
 def test_saves_keep_the_latest_ones(tmp_path: Path) -> None:
@@ -73,7 +75,8 @@ def test_a_checkpoint_is_on_disk_before_it_is_in_place(
     written = [tmp / "actor" / "model" / "shard.distcp", tmp / "actor" / "rng_rank0.pt"]
     for path in written:
         path.write_bytes(b"x")
-    commit_checkpoint(tmp, {"step": 1, "loader": {}, "kl_coef": 0.0}, keep=1)
+    seal_checkpoint(tmp, {"step": 1, "loader": {}, "kl_coef": 0.0})
+    commit_checkpoint(tmp, keep=1)
     before = synced[: synced.index(Path("renamed"))]
     assert set(before) == {
         *written,

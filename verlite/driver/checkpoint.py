@@ -210,17 +210,26 @@ def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
     return tmp
 
 
-def commit_checkpoint(tmp: Path, trainer_state: dict[str, Any], *, keep: int) -> Path:
-    """Write the driver state last, rename the folder into place, drop old checkpoints.
+def seal_checkpoint(tmp: Path, trainer_state: dict[str, Any]) -> None:
+    """Flush what the workers wrote into ``tmp`` to the disk, then write the driver state,
+    which vouches for it, last: all of a save's cost but the rename (:func:`commit_checkpoint`),
+    so that the step's metrics, logged before that rename, can count it."""
+    _sync_tree(tmp)  # what the workers wrote is on disk before the state that vouches for it
+    state_file = tmp / TRAINER_STATE
+    state_file.write_text(json.dumps(trainer_state, indent=1))
+    _sync(state_file)
+
+
+def commit_checkpoint(tmp: Path, *, keep: int) -> Path:
+    """Rename a sealed ``tmp`` (:func:`seal_checkpoint`) into place, drop old checkpoints.
+
+    The rename comes after the step's metrics are logged: a checkpoint in place is of a step
+    every sink holds, so a run resumed from it logs each step once.
 
     Checkpoints of later steps than this one are of the run this one resumed before (a
     ``trainer.resume`` path of an earlier step): the resumed run dropped their records from
     ``metrics.jsonl`` and trains those steps again, so they go, and this one is the latest,
     which ``trainer.resume=auto`` continues and ``keep`` never prunes."""
-    _sync_tree(tmp)  # what the workers wrote is on disk before the state that vouches for it
-    state_file = tmp / TRAINER_STATE
-    state_file.write_text(json.dumps(trainer_state, indent=1))
-    _sync(state_file)
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():  # the run this one resumed before saved this step (an earlier one stays)
         _discard(final)

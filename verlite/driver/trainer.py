@@ -31,7 +31,12 @@ from verlite.core.losses import kl_penalty
 from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
-from verlite.driver.checkpoint import begin_checkpoint, commit_checkpoint, read_trainer_state
+from verlite.driver.checkpoint import (
+    begin_checkpoint,
+    commit_checkpoint,
+    read_trainer_state,
+    seal_checkpoint,
+)
 from verlite.driver.dynamic_sampling import DynamicSampling
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
@@ -294,15 +299,33 @@ class Trainer:
             print(self.old_log_probs_line, flush=True)
             self.step_source.start(version=start_step)
             for step in range(start_step + 1, cfg.trainer.total_steps + 1):
-                metrics = self.train_step(step)
-                diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
-                if not diverged and _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
-                    metrics.update(self.validate())
-                tracker.log(step, metrics)  # the step that diverged is logged too
-                if diverged:
-                    raise diverged
-                if _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
-                    self.save_checkpoint(step)
+                self.run_step(step, tracker)
+
+    def run_step(self, step: int, tracker: Tracker) -> None:
+        """Train ``step``, validate and write its checkpoint on schedule, log it, then put the
+        checkpoint in place. ``timing_s/step`` is all of it but that rename (and the pruning
+        of older checkpoints) after the log: what a step costs the run, so that the steps'
+        sum is the run's wall time; ``timing_s/validation`` and ``timing_s/checkpoint`` are
+        its parts. A checkpoint is renamed into place only once its step is logged: a run
+        resumed from it finds the step in every sink."""
+        cfg, timer = self.cfg, Timer()
+        started = time.perf_counter()
+        metrics = self.train_step(step)
+        diverged = divergence(metrics, limit=cfg.trainer.max_consecutive_skips)
+        sealed = None
+        if not diverged and _every(cfg.trainer.val_freq, step, cfg.trainer.total_steps):
+            with timer("validation"):
+                metrics.update(self.validate())
+        if not diverged and _every(cfg.trainer.save_freq, step, cfg.trainer.total_steps):
+            with timer("checkpoint"):
+                sealed = self.write_checkpoint(step)
+        metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
+        metrics["timing_s/step"] = time.perf_counter() - started
+        tracker.log(step, metrics)  # the step that diverged is logged too
+        if diverged:
+            raise diverged
+        if sealed is not None:
+            self.place_checkpoint(sealed, timer.seconds["checkpoint"])
 
     def export_policy(self) -> Path:
         """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``; a
@@ -319,10 +342,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
 
-    def save_checkpoint(self, step: int) -> None:
-        """Workers write their state into ``step_N.tmp``; the driver's state last, then rename.
-        Prints how long it took: what ``trainer.save_freq`` weighs against a step's time."""
-        started = time.perf_counter()
+    def write_checkpoint(self, step: int) -> Path:
+        """Workers write their state into ``step_N.tmp``, the driver's state last, all of it
+        flushed to the disk (:func:`~verlite.driver.checkpoint.seal_checkpoint`); the folder,
+        for :meth:`place_checkpoint` to put in place."""
         tmp = begin_checkpoint(self.output_dir, step)
         for group in self.groups.trained:
             group.call("save_checkpoint", str(tmp / group.name))
@@ -339,9 +362,16 @@ class Trainer:
             # What a resume checks model.path's weights against (None: the built-in model).
             "base_weights": self.base_weights,
         }
-        path = commit_checkpoint(tmp, state, keep=self.cfg.trainer.max_checkpoints)
+        seal_checkpoint(tmp, state)
+        return tmp
+
+    def place_checkpoint(self, tmp: Path, seconds: float) -> None:
+        """Rename a written checkpoint into place. Prints how long the save took
+        (``timing_s/checkpoint``, ``seconds``): what ``trainer.save_freq`` weighs against a
+        step's time."""
+        path = commit_checkpoint(tmp, keep=self.cfg.trainer.max_checkpoints)
         self.saved.append(path)
-        print(f"saved {path} in {time.perf_counter() - started:.2f} s", flush=True)
+        print(f"saved {path} in {seconds:.2f} s", flush=True)
 
     def resume(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into the workers and the driver; its step."""
@@ -429,9 +459,9 @@ class Trainer:
         )
         step_time = time.perf_counter() - step_start
         metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
-        metrics["timing_s/step"] = step_time
         metrics["trainer/restarts"] = float(self.restarts)
         metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
+        # Tokens per second of the training (:meth:`run_step` adds validation and checkpoint).
         metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
         metrics.update(
             mfu_metrics(

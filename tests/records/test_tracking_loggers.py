@@ -211,6 +211,39 @@ def test_mlflow_resumed_run_continues_the_same_run(
     assert run.data.params["trainer.total_steps"] == "3"
 
 
+def test_mlflow_resumed_run_does_not_chart_the_steps_it_trains_again_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run that crashed after step 3 resumes from its checkpoint of step 1: it trains steps
+    2 and 3 again, with the same values (exact resume) but its own clocks. MLflow cannot
+    delete a point: the run keeps one per step, the first attempt's."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    timed = [{**m, "timing_s/step": 1.0} for m in STEPS]
+    tracker = Tracker(["mlflow"], output_dir=tmp_path, total_steps=4)
+    for step, metrics in enumerate(timed, 1):
+        tracker.log(step, metrics)
+    tracker.close("FAILED")
+    tracker = Tracker(["mlflow"], output_dir=tmp_path, total_steps=4, start_step=1)
+    for step, metrics in enumerate(timed[1:], 2):
+        tracker.log(step, {**metrics, "timing_s/step": 2.0})
+    tracker.log(4, {"critic/score/mean": 0.9, "timing_s/step": 2.0})
+    tracker.close()
+    client = _mlflow_client((tmp_path / "mlruns").as_uri())
+    run_id = _only_run(client).info.run_id
+
+    def points(key: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+    assert points("critic/score/mean") == [(1, 0.1), (2, 0.3), (3, 0.2), (4, 0.9)]
+    assert points("val/score/mean") == [(3, 0.4)]
+    assert points("timing_s/step") == [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+    # A resume with changed settings that trains a step to other values: both are logged.
+    tracker = Tracker(["mlflow"], output_dir=tmp_path, total_steps=4, start_step=3)
+    tracker.log(4, {"critic/score/mean": 0.8})
+    tracker.close()
+    assert points("critic/score/mean")[-2:] == [(4, 0.8), (4, 0.9)]
+
+
 def test_mlflow_run_restarted_from_its_first_step_continues_the_same_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -303,7 +336,8 @@ def test_wandb_resumed_run_keeps_its_run_id(tmp_path: Path) -> None:
     _run(["wandb"], tmp_path)
     first_id = (tmp_path / "wandb_run_id").read_text()
     tracker = Tracker(["wandb"], output_dir=tmp_path, total_steps=5, start_step=2)
-    tracker.log(3, {"critic/score/mean": 0.7})  # step 3 trained again after the checkpoint
+    tracker.log(3, STEPS[2])  # step 3 trained again after the checkpoint: the run holds it
+    tracker.log(4, {"critic/score/mean": 0.7})
     tracker.close("FAILED")
     assert (tmp_path / "wandb_run_id").read_text() == first_id
     # Each process writes a folder of its own; `wandb sync` joins them by run id.
@@ -314,7 +348,7 @@ def test_wandb_resumed_run_keeps_its_run_id(tmp_path: Path) -> None:
         steps[len(wandb_steps(run_dir))] = run_dir
     resumed = steps[1]
     assert sorted(steps) == [1, 3]
-    assert wandb_steps(resumed) == [{"critic/score/mean": 0.7, "step": 3}]
+    assert wandb_steps(resumed) == [{"critic/score/mean": 0.7, "step": 4}]
     (exit_record,) = [value for kind, value in wandb_records(resumed) if kind == "exit"]
     assert exit_record.exit_code == 1
     # A fresh run in a folder holding an earlier run's id starts a run of its own.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import netrc
 import os
 import re
@@ -233,19 +234,21 @@ class MlflowLogger:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         try:
             self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
-            self.run_id = self._open_run(output_dir, resume=continuing or start_step > 0)
+            self.run_id, continued = self._open_run(output_dir, resume=continuing or start_step > 0)
+            self.held = self._held_points() if continued else {}
         except self.mlflow_error as exc:
             raise UserError(
                 f"mlflow logger: cannot open a run at tracking URI {redact_url(uri)!r}: {exc}"
             ) from None
 
-    def _open_run(self, output_dir: Path, *, resume: bool) -> str:
+    def _open_run(self, output_dir: Path, *, resume: bool) -> tuple[str, bool]:
+        """The run's id, and whether it is the run recorded before (continued)."""
         id_file = output_dir / "mlflow_run_id"
         if resume and id_file.exists():
             run_id = read_text(id_file, what="MLflow run id file").strip()
             try:
                 self.client.update_run(run_id, status="RUNNING")
-                return run_id
+                return run_id, True
             except self.mlflow_error:
                 pass  # the run lives in another tracking store: start a new one
         experiment = self.client.get_experiment_by_name(self.EXPERIMENT)
@@ -257,7 +260,29 @@ class MlflowLogger:
         run_id = str(self.client.create_run(experiment_id, run_name=output_dir.name).info.run_id)
         output_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(run_id + "\n")
-        return run_id
+        return run_id, False
+
+    def _held_points(self) -> dict[str, dict[int, float]]:
+        """Each metric's points (step: value) in the continued run: what the attempts before
+        this one logged, the steps after the checkpoint resumed included."""
+        keys = self.client.get_run(self.run_id).data.metrics
+        return {
+            key: {m.step: m.value for m in self.client.get_metric_history(self.run_id, key)}
+            for key in keys
+        }
+
+    def _logs_again(self, key: str, step: int, value: float) -> bool:
+        """Whether a point goes to the run: not when the run holds it already. A resumed run
+        computes the same values for the steps after its checkpoint, and MLflow cannot delete
+        a point, so logging them again would chart each step twice; the run's own clocks and
+        counters (``metrics_log.is_run_history``) differ by nature, and the held ones stand.
+        A value that differs (a resume with changed settings) is logged beside the held one:
+        both are what happened."""
+        held = self.held.get(key, {}).get(step)
+        if held is None:
+            return True
+        same = held == value or (math.isnan(held) and math.isnan(value))
+        return not (same or metrics_log.is_run_history(key))
 
     def log_run_info(
         self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
@@ -277,13 +302,13 @@ class MlflowLogger:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
-        self.client.log_batch(
-            self.run_id,
-            metrics=[
-                self.entities.Metric(_mlflow_key(k), float(v), now, step)
-                for k, v in metrics.items()
-            ],
-        )
+        points = [
+            self.entities.Metric(key, value, now, step)
+            for key, value in ((_mlflow_key(k), float(v)) for k, v in metrics.items())
+            if self._logs_again(key, step, value)
+        ]
+        if points:
+            self.client.log_batch(self.run_id, metrics=points)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=outcome)
@@ -295,7 +320,8 @@ class WandbLogger:
     metrics are charted against ``step``, verlite's training step, so the steps a resumed
     run trains again are shown at their step (W&B's own ``_step`` only counts calls and
     would drop them). A resumed or restarted run continues the run whose id is in
-    ``<output_dir>/wandb_run_id``."""
+    ``<output_dir>/wandb_run_id``, and does not log again the steps that run holds
+    (:meth:`log`)."""
 
     def __init__(
         self, output_dir: Path, cfg: WandbConfig, *, start_step: int = 0, continuing: bool = False
@@ -303,6 +329,13 @@ class WandbLogger:
         wandb = import_extra("wandb", feature="the wandb logger", extra="wandb")
         id_file = output_dir / "wandb_run_id"
         resume = (continuing or start_step > 0) and id_file.exists()
+        # The last step logged to the run, by every attempt so far.
+        self.logged_file = output_dir / "wandb_logged_step"
+        self.held_through = (
+            int(read_text(self.logged_file, what="W&B logged step file"))
+            if resume and self.logged_file.exists()
+            else 0
+        )
         run_id = (
             read_text(id_file, what="W&B run id file").strip() if resume else uuid.uuid4().hex[:12]
         )
@@ -338,7 +371,16 @@ class WandbLogger:
         self.run.config.update({**config, "placement": list(placement)}, allow_val_change=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Log a step, unless the run holds it already: a resumed run computes the same values
+        for the steps after its checkpoint, and W&B keeps every point it was sent (a point
+        of a lower ``step`` is charted beside the held one; only ``_step``, which verlite
+        does not chart by, drops lower ones), whether online or synced later from offline
+        files, which know nothing of the attempts before. What the run holds is the last
+        step verlite logged to it (``<output_dir>/wandb_logged_step``)."""
+        if step <= self.held_through:
+            return
         self.run.log({**metrics, "step": step})
+        self.logged_file.write_text(f"{step}\n")
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.run.finish(exit_code=0 if outcome == "FINISHED" else 1)

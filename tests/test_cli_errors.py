@@ -300,6 +300,27 @@ def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(
     assert not (tmp_path / "run").exists()
 
 
+def test_validation_prompts_fewer_than_its_workers_are_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Validation spreads its prompts over the actor's workers; a data-parallel share is
+    never empty, so one prompt over two workers raised a traceback at the first validation,
+    after the first step had trained."""
+    two = [
+        "actor.workers_per_node=2",
+        "actor.micro_batch_size_per_worker=8",
+        "trainer.cpus_per_worker=0.5",  # three workers on this machine's two CPUs
+    ]
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    err = run(capsys, "train", "--config", CONFIG, out, *two, "data.num_val_samples=1")
+    assert err == (
+        "verlite: error: 1 validation prompts (data.num_val_samples=1) are fewer than the 2 "
+        "actor workers validation spreads them over, one at least each; validate on more "
+        "prompts, use fewer workers, or trainer.val_freq=0\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_missing_extra_names_its_requirement_or_the_editable_install(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -527,6 +527,11 @@ ERRORS = [
         "sequences of a step",
     ),
     (
+        ["reward.model.path=rm", "reward.model.workers_per_node=32"],
+        "32 reward model workers (trainer.nnodes=1 * reward.model.workers_per_node=32) "
+        "outnumber the 16 sequences of a step",
+    ),
+    (
         ["algorithm.rollout_correction=is"],
         "algorithm.rollout_correction='is': Input should be 'none' or 'tis'",
     ),

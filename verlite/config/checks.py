@@ -50,6 +50,14 @@ def check_across_fields(cfg: Config) -> None:
             f"{cfg.sequences_per_step} sequences of a step (data.train_batch_size * "
             "rollout.n); some would have nothing to generate"
         )
+    scorers = cfg.reward_model_workers
+    if scorers > cfg.sequences_per_step:
+        raise ValueError(
+            f"{scorers} reward model workers (trainer.nnodes={cfg.trainer.nnodes} * "
+            f"reward.model.workers_per_node={cfg.reward.model.workers_per_node}) outnumber the "
+            f"{cfg.sequences_per_step} sequences of a step (data.train_batch_size * "
+            "rollout.n); some would have nothing to score"
+        )
 
 
 def _check_dapo(cfg: Config) -> None:

@@ -120,6 +120,16 @@ class Derived:
         return self.role_sizes("actor").dp_size
 
     @property
+    def reward_model_workers(self) -> int:
+        """The reward model group's workers, which a step's and a validation's scoring is
+        spread over (0 when no reward model scores: ``reward.combine`` weighs no ``model``)."""
+        if self.reward.model.path is None or "model" not in (self.reward.combine or {}):
+            return 0
+        return self.trainer.nnodes * (
+            self.reward.model.workers_per_node or self.trainer.workers_per_node
+        )
+
+    @property
     def rows_per_generating_worker(self) -> int:
         """The most rows of a step one generating worker holds (its share, rounded up)."""
         return -(-self.sequences_per_step // self.generating_workers)

@@ -15,7 +15,13 @@ from verlite import base_weights
 from verlite.config import Config, ConfigError
 from verlite.config.checks import cache_position_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
-from verlite.data import PromptDataset, build_datasets, check_fills_a_batch, load_tokenizer
+from verlite.data import (
+    DataError,
+    PromptDataset,
+    build_datasets,
+    check_fills_a_batch,
+    load_tokenizer,
+)
 from verlite.data.templates import turn_format
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
@@ -115,6 +121,28 @@ def check_placement(cfg: Config, *, in_session: bool) -> None:
         check_device(cfg)
 
 
+def check_validation_shares(cfg: Config, num_val: int) -> None:
+    """Validation spreads its ``num_val`` prompts over the actor's workers, which answer
+    them, and the reward model's, which score them; a data-parallel share is never empty
+    (``core.partition.dp_shares``), so every such worker needs one prompt at least. Refused
+    before the run starts, not at its first validation."""
+    if cfg.trainer.val_freq == 0:
+        return
+    spread = {"actor": cfg.role_sizes("actor").dp_size, "reward model": cfg.reward_model_workers}
+    for who, workers in spread.items():
+        if num_val < workers:
+            held = (
+                f"data.val_file={cfg.data.val_file}"
+                if cfg.data.val_file is not None
+                else f"data.num_val_samples={cfg.data.num_val_samples}"
+            )
+            raise DataError(
+                f"{num_val} validation prompts ({held}) are fewer than the {workers} {who} "
+                "workers validation spreads them over, one at least each; validate on more "
+                "prompts, use fewer workers, or trainer.val_freq=0"
+            )
+
+
 def _source(cfg: Config) -> str:
     """Where a run's training prompts come from, as a message names it."""
     data = cfg.data
@@ -166,6 +194,7 @@ class RunInputs:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
         check_fills_a_batch(len(train_set), cfg.data.train_batch_size, source=_source(cfg))
+        check_validation_shares(cfg, len(val_set))
         turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in
         reward_fn = resolve_reward(cfg)
         combine = cfg.reward.combine

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from verlite.audit.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
 from verlite.config import Config, load_config
@@ -302,21 +303,62 @@ def test_with_recompute_auto_the_samplers_log_probs_serve_and_the_run_is_the_sam
     assert difference is None, difference.describe("always", "auto")
 
 
+def _tied_chat_model(folder: Path) -> tuple[str, ...]:
+    """Overrides for a ``model.path`` Qwen2 whose LM head is tied to its embedding (as
+    Qwen2.5-0.5B's), trained on a GSM8K parquet through its chat template."""
+    from chat_model_support import save_chat_model, write_gsm8k_parquet
+
+    save_chat_model(folder / "model")
+    data = write_gsm8k_parquet(folder / "gsm8k.parquet")
+    return (
+        f"model.path={folder / 'model'}",
+        "data.task=null",
+        f"data.train_file={data}",
+        f"data.val_file={data}",
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+        "data.chat_template=true",
+        "data.max_prompt_length=64",
+        "reward.fn=gsm8k",
+    )
+
+
+@pytest.mark.parametrize(
+    "tied", [False, pytest.param(True, marks=pytest.mark.cluster, id="tied-head")]
+)
 def test_in_bf16_mixed_the_split_run_logs_the_colocated_run(
-    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, local_ray, capsys: pytest.CaptureFixture[str], tied: bool
 ) -> None:
     """The rollout model holds its linear layers in bf16 and each sync casts the actor's fp32
     master weights to it, checked where they land: it generates bit for bit what the
-    colocated actor's fp32 policy generates under bf16 autocast."""
+    colocated actor's fp32 policy generates under bf16 autocast. A head tied to the
+    embedding (``tied``, a whole run: ``make test-cluster``) is a bf16 head of its own in the
+    rollout model, sent under its own name."""
+    model = _tied_chat_model(tmp_path) if tied else ()
     runs = {}
     for name, placement in (("colocated", ()), ("split", SPLIT)):
         cfg = config(
-            tmp_path / name, "model.precision=bf16-mixed", "trainer.total_steps=2", *placement
+            tmp_path / name,
+            "model.precision=bf16-mixed",
+            "trainer.total_steps=2",
+            *model,
+            *placement,
         )
         run(cfg, RunInputs.load(cfg))
         runs[name] = records(tmp_path / name)
     assert "precision: bf16-mixed (fp32 master weights" in capsys.readouterr().out
     assert all(r["perf/weight_sync_bytes"] > 0 for r in runs["split"])
+    if tied:  # every tensor the rollout model holds, its bf16 head beside the fp32 embedding
+        from transformers import AutoModelForCausalLM
+
+        from verlite.models.precision import store_for_generation
+
+        held = store_for_generation(
+            AutoModelForCausalLM.from_pretrained(tmp_path / "model"), "bf16-mixed"
+        )
+        assert held.lm_head.weight.dtype == torch.bfloat16
+        nbytes = sum(t.nbytes for t in held.state_dict().values())
+        assert all(r["perf/weight_sync_bytes"] == nbytes for r in runs["split"])
     unstable = ("timing_s/", "perf/", "trainer/")
     stable = {
         name: [{k: v for k, v in r.items() if not k.startswith(unstable)} for r in rs]

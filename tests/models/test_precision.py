@@ -18,7 +18,9 @@ from verlite.models import ValueModel, build_policy, build_value_model, set_logi
 from verlite.models.precision import (
     autocast,
     check_precision_supported,
+    generation_dtypes,
     inference_dtypes,
+    store_for_generation,
     store_for_inference,
 )
 from verlite.workers.forward import response_log_probs
@@ -176,6 +178,34 @@ def test_a_copy_stored_for_inference_computes_bit_for_bit_what_the_policy_does(
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_copy_stored_for_generation_holds_a_bf16_head_of_its_own(tied: bool) -> None:
+    """A model that only samples (a rollout worker's) holds its LM head in bf16 also where
+    the policy ties it to the fp32 embedding: the bf16 cast autocast makes of the tied weight
+    at every forward, so the copy computes what the policy does bit for bit; its dtypes are
+    the ones ``generation_dtypes`` names for the policy's state (what a sync sends)."""
+    cfg = config("model.precision=bf16-mixed")
+    policy = (
+        _tied_qwen2() if tied else build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    )
+    generating = store_for_generation(copy.deepcopy(policy), "bf16-mixed")
+    head, embedding = generating.lm_head.weight, generating.model.embed_tokens.weight
+    assert head is not embedding and not generating.config.tie_word_embeddings
+    assert (head.dtype, embedding.dtype) == (torch.bfloat16, torch.float32)
+    assert torch.equal(head, policy.lm_head.weight.to(torch.bfloat16))
+    held = {name: value.dtype for name, value in generating.state_dict().items()}
+    assert held == generation_dtypes(policy, "bf16-mixed")
+    assert held.keys() == policy.state_dict().keys()
+    batch = make_batch(cfg)
+    with torch.no_grad(), autocast("bf16-mixed", CPU):
+        ours, _ = response_log_probs(policy, batch, temperature=1.0, with_entropy=False)
+        theirs, _ = response_log_probs(generating, batch, temperature=1.0, with_entropy=False)
+    assert torch.equal(ours, theirs)
+    # In other precisions nothing is cast: a tied head stays tied.
+    kept = store_for_generation(copy.deepcopy(policy), "fp32")
+    assert (kept.lm_head.weight is kept.model.embed_tokens.weight) is tied
+
+
 def test_other_precisions_store_every_model_as_it_is() -> None:
     policy = build_policy(config().model, vocab_size=64, max_positions=64, seed=0)
     for precision in ("fp32", "fp64", "bf16"):
@@ -300,3 +330,4 @@ def test_other_precisions_keep_hugging_faces_norms() -> None:
     norm = _norms(fp64.to(torch.bfloat16))[0]
     hidden = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
     assert torch.equal(norm(hidden), type(norm).forward(norm, hidden))
+

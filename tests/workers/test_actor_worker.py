@@ -1,7 +1,9 @@
 """The actor worker in this process: its fused ``generate_with_log_probs`` call returns exactly what
 ``generate`` followed by ``compute_log_probs`` returns (the same rows, tokens, old and
-reference log-probs), a rollout worker given its weights generates exactly its batch, and
-the model it exports computes the trained policy's log-probs."""
+reference log-probs), a rollout worker given its weights generates exactly its batch (under
+bf16-mixed with a bf16 head of its own where the policy's is tied, which the sync fills, also
+from an FSDP actor on spawned ranks), and the model it exports computes the trained policy's
+log-probs."""
 
 import dataclasses
 from pathlib import Path
@@ -231,3 +233,166 @@ def test_a_split_runs_actor_validates_without_graphs_or_a_generation_copy(decode
     rollout = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=True)  # type: ignore[arg-type]
     assert rollout.mode == "cuda_graphs"
     assert generation_copy(model, cfg.precision, rollout) is not None
+
+
+def _rollout(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> RolloutWorker:
+    """A ready rollout worker of ``cfg`` in this process."""
+    worker = RolloutWorker(**_one_rank("rollout", cfg, tokenizer))
+    worker.node_info = lambda: {"node_ip": "127.0.0.1"}  # no Ray in this process
+    worker.init_model()
+    return worker
+
+
+def _split_bf16_mixed(tmp_path: Path, *overrides: str) -> Config:
+    """A split bf16-mixed run of a ``model.path`` Qwen2 whose LM head is tied to its
+    embedding (as Qwen2.5-0.5B's), synced in buckets of 10 KB."""
+    save_chat_model(tmp_path / "model")
+    return load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            "rollout.placement=split",
+            "model.precision=bf16-mixed",
+            "rollout.sync_bucket_mb=0.01",
+            f"model.path={tmp_path / 'model'}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
+
+
+def _own_bf16_head(worker: RolloutWorker) -> torch.Tensor:
+    """The rollout model's LM head weight, checked to be its own bf16 tensor beside the
+    fp32 embedding."""
+    model = worker.generation_engine.receiver.model
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    assert head is not embedding and head.data_ptr() != embedding.data_ptr()
+    assert (head.dtype, embedding.dtype) == (torch.bfloat16, torch.float32)
+    return head
+
+
+def test_a_bf16_mixed_rollout_worker_holds_its_own_bf16_head_which_the_sync_fills(
+    tmp_path: Path,
+) -> None:
+    """Under bf16-mixed the rollout model's LM head, tied to the embedding in the policy, is
+    a bf16 parameter of its own: tied, it would stay fp32 (the embedding's dtype) and be cast
+    to bf16 at every decode step a CUDA graph replays. A sync sends it under its own name,
+    cast once on the actor, its check covering it: after the sync the head is the bf16 cast
+    of the actor's trained embedding, bit for bit, and the worker generates the actor's batch."""
+    cfg = _split_bf16_mixed(tmp_path)
+    actor, tokenizer, train_set = _actor(cfg)
+    with torch.no_grad():  # weights no fresh model has
+        for param in actor.engine.model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    rollout = _rollout(cfg, tokenizer)
+    head = _own_bf16_head(rollout)
+    layout = actor.weight_layout()
+    sent = {spec.name: spec.dtype for bucket in layout.buckets for spec in bucket}
+    assert sent["lm_head.weight"] == "bfloat16" and sent["model.embed_tokens.weight"] == "float32"
+    assert layout.buckets[-1][-1].name == "lm_head.weight"
+    buckets = []
+    for index in range(len(layout.buckets)):
+        bucket = actor.publish_bucket(5, index)
+        buckets.append(dataclasses.replace(bucket, parts=[part.copy() for part in bucket.parts]))
+
+    # A sync that leaves the head out (the tied layout, the embedding sent once) is refused.
+    engine = rollout.generation_engine
+    with pytest.raises(WeightSyncError, match=r"did not send 1 of .* \(e\.g\. 'lm_head\.weight'\)"):
+        for bucket in buckets[:-1]:
+            engine.load_bucket(dataclasses.replace(bucket, count=len(buckets) - 1))
+    for bucket in buckets:
+        engine.load_bucket(bucket)
+    assert engine.version == 5
+    trained = actor.engine.model.get_input_embeddings().weight
+    assert torch.equal(head, trained.to(torch.bfloat16)) and not torch.equal(
+        head, _own_bf16_head(_rollout(cfg, tokenizer))
+    )
+    assert torch.equal(engine.receiver.model.get_input_embeddings().weight, trained)
+
+    prompts = _sampled_prompts(cfg, tokenizer, train_set)
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
+    generated = rollout.generate(prompts, sampling, 7, 5)
+    pop_peak(generated)
+    expected = actor.generate(prompts, sampling, 7)
+    for key in sorted(expected.keys()):
+        assert torch.equal(torch.as_tensor(generated[key]), torch.as_tensor(expected[key])), key
+
+
+def _fsdp_sync(rank: int, world: int, cfg: Config, ids: dict[str, int]) -> dict[str, Any] | None:
+    """On each of ``world`` spawned ranks: an FSDP actor of ``cfg`` whose shards moved off
+    the initial weights publishes the sync of version 2; rank 0 returns its buckets and the
+    policy's full state, gathered."""
+    from verlite.distributed import full_state_dict
+
+    actor = ActorWorker(rank=rank, world_size=world, torch_threads=1, role="actor", cfg=cfg, **ids)
+    actor.init_model()
+    torch.manual_seed(rank)
+    with torch.no_grad():  # a shard of its own on each rank
+        for param in actor.engine.model.parameters():
+            param.to_local().add_(torch.randn_like(param.to_local()) * 0.05)
+    buckets = []
+    for index in range(len(actor.weight_layout().buckets)):
+        bucket = actor.publish_bucket(2, index)
+        if bucket is not None:
+            buckets.append(dataclasses.replace(bucket, parts=[p.copy() for p in bucket.parts]))
+    state = full_state_dict(actor.engine.model, rank0_only=True)
+    return {"buckets": buckets, "state": state} if rank == 0 else None
+
+
+def test_an_fsdp_actors_sync_fills_the_bf16_head_of_a_rollout_worker(tmp_path: Path) -> None:
+    """Sharded, the tied head is one DTensor with the embedding: every rank gathers it for
+    the embedding's entry and again for the head's, which rank 0 casts to bf16. What lands in
+    a rollout worker is the actor's gathered state in the rollout model's dtypes, bit for bit."""
+    from verlite.distributed import run_on_ranks
+
+    cfg = _split_bf16_mixed(
+        tmp_path,
+        "actor.strategy=fsdp",
+        "trainer.workers_per_node=2",
+        "actor.micro_batch_size_per_worker=8",
+        "critic.micro_batch_size_per_worker=8",
+    )
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+    ids = {k: v for k, v in _one_rank("actor", cfg, tokenizer).items() if k.endswith("_id")}
+    ids["vocab_size"] = len(tokenizer)
+    published = run_on_ranks(_fsdp_sync, world_size=2, args=(cfg, ids))[0]
+    rollout = _rollout(cfg, tokenizer)
+    for bucket in published["buckets"]:
+        rollout.generation_engine.load_bucket(bucket)
+    assert rollout.generation_engine.version == 2
+    trained = published["state"]
+    held = rollout.generation_engine.receiver.model.state_dict()
+    assert held.keys() == trained.keys()
+    for name, value in held.items():
+        assert torch.equal(value, trained[name].to(value.dtype)), name
+    head = _own_bf16_head(rollout)
+    assert torch.equal(head, trained["model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_a_lora_rollout_worker_holds_its_bf16_head_in_the_base_the_sync_checks(
+    tmp_path: Path,
+) -> None:
+    """With LoRA an adapters-only sync checks the rollout model's base against the actor's:
+    the head it holds apart, in bf16, is part of that base, frozen as the embedding is, and
+    the actor's checksum casts its tied head alike (mutation: a head made trainable when
+    untied leaves the base, and the check refuses the sync)."""
+    cfg = _split_bf16_mixed(tmp_path, "actor.lora.rank=4")
+    actor, tokenizer, train_set = _actor(cfg)
+    with torch.no_grad():  # adapters no fresh model has
+        for param in actor.engine.model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    rollout = _rollout(cfg, tokenizer)
+    layout = actor.weight_layout()
+    assert all(".lora_" in spec.name for bucket in layout.buckets for spec in bucket)
+    for index in range(len(layout.buckets)):
+        bucket = actor.publish_bucket(3, index)
+        copied = [part.copy() for part in bucket.parts]
+        rollout.generation_engine.load_bucket(dataclasses.replace(bucket, parts=copied))
+    assert not _own_bf16_head(rollout).requires_grad
+    prompts = _sampled_prompts(cfg, tokenizer, train_set)
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
+    generated = rollout.generate(prompts, sampling, 7, 3)
+    pop_peak(generated)
+    expected = actor.generate(prompts, sampling, 7)
+    for key in sorted(expected.keys()):
+        assert torch.equal(torch.as_tensor(generated[key]), torch.as_tensor(expected[key])), key

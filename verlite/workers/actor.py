@@ -41,9 +41,11 @@ from verlite.models import build_policy, mark_generation_ends, resolve_device
 from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.precision import (
     autocast,
-    inference_dtypes,
+    generation_dtypes,
     refresh_inference_copy,
+    store_for_generation,
     store_for_inference,
+    untied_head,
 )
 from verlite.models.varlen import enable_packing
 from verlite.workers.forward import response_log_probs
@@ -80,22 +82,16 @@ def on_device(module: nn.Module, device: torch.device, *, home: torch.device) ->
 
 def generation_copy(trained: nn.Module, precision: str, decode: DecodeSettings) -> nn.Module | None:
     """What a colocated actor generates from besides its trained model: under bf16-mixed
-    with CUDA graphs, a copy stored for inference (``models.precision``: bf16 linear weights,
-    computing bit for bit what the fp32 model computes under autocast), refreshed in place
-    before each generation (``refresh_inference_copy``). A captured step reads fixed
-    addresses, and from the fp32 model it would cast every weight again at every replayed
-    step (autocast's cache cannot hold casts across captures); None otherwise: the trained
-    model generates, autocast casting its weights once per generation."""
+    with CUDA graphs, a copy stored for generation as a rollout worker's model is
+    (``models.precision.store_for_generation``: bf16 linear weights, a tied head made its own
+    bf16 one, computing bit for bit what the fp32 model computes under autocast), refreshed
+    in place before each generation (``refresh_inference_copy``). A captured step reads
+    fixed addresses, and from the fp32 model it would cast every weight again at every
+    replayed step (autocast's cache cannot hold casts across captures); None otherwise: the
+    trained model generates, autocast casting its weights once per generation."""
     if decode.mode != "cuda_graphs" or precision != "bf16-mixed":
         return None
-    generating = copy.deepcopy(trained)
-    # A head tied to the embedding would stay fp32 (the embedding's dtype) and be cast at
-    # every step: the copy's own head is untied, in bf16, refreshed from the tied weight.
-    head = generating.get_output_embeddings()
-    if type(head) is nn.Linear and head.weight is generating.get_input_embeddings().weight:
-        head.weight = nn.Parameter(head.weight.detach().clone())
-        generating.config.tie_word_embeddings = False
-    return store_for_inference(generating, precision)
+    return store_for_generation(copy.deepcopy(trained), precision)
 
 
 class ActorWorker(TrainingWorker, PolicyWorker):
@@ -146,8 +142,10 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
         # The dtype a weight sync sends each entry of the policy's state in: the rollout
-        # model's (``models.precision.inference_dtypes``).
-        self._sent_dtypes = inference_dtypes(inference_module(self.engine.model), cfg.precision)
+        # model's (``models.precision.generation_dtypes``), and the tied head's name when
+        # the rollout model holds it apart (``untied_head``).
+        self._sent_dtypes = generation_dtypes(trained, cfg.precision)
+        self._untied_head = untied_head(trained, cfg.precision)
         self.peak_memory = PeakMemory(device)
 
     @property
@@ -255,10 +253,18 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         return sync_layout(state, self._sync_bucket_bytes, self._sent_dtypes)
 
     def _synced_state(self) -> dict[str, torch.Tensor]:
-        """What a weight sync sends: the policy's state, a LoRA policy's adapters only; a
-        tensor under two names (a tied head) once, as the rollout model, built alike, holds
-        it once (``WeightReceiver``)."""
-        state = distinct_entries(model_state(self.engine.model))
+        """What a weight sync sends: the policy's state as the rollout model, built alike and
+        stored for generation, holds it (``WeightReceiver`` expects each of its distinct
+        tensors): a tensor under two names once, but a tied head the rollout model holds
+        apart (bf16-mixed: ``models.precision.store_for_generation``) under its own name
+        too, cast to bf16 on the actor; a LoRA policy's adapters only."""
+        state = model_state(self.engine.model)
+        distinct = distinct_entries(state)
+        state = {
+            name: value
+            for name, value in state.items()
+            if name in distinct or name == self._untied_head
+        }
         return split_frozen(inference_module(self.engine.model), state)[0] if self.lora else state
 
     def _base_checksum(self) -> tuple[int, int] | None:

@@ -12,7 +12,7 @@ from verlite.core import seeds
 from verlite.data import PromptRecord
 from verlite.generation import GenerationEngine, NativeEngine, SamplingParams, WeightBucket
 from verlite.models import build_policy, resolve_device
-from verlite.models.precision import store_for_inference
+from verlite.models.precision import store_for_generation
 from verlite.workers.peak_memory import PeakMemory, with_peak
 from verlite.workers.policy_worker import PolicyWorker
 
@@ -29,8 +29,9 @@ class RolloutWorker(PolicyWorker):
         self.peak_memory = PeakMemory(self.device)
         # Its initial weights never generate: the first sync replaces them. A LoRA policy's
         # sync sends the adapters alone: the base is built as the actor builds it (same
-        # seed), and each sync checks that it is the actor's. Stored as models that are
-        # never trained are (``models.precision``): the dtypes the actor's syncs send.
+        # seed), and each sync checks that it is the actor's. Stored as a model that only
+        # samples (``models.precision.store_for_generation``: under bf16-mixed its linear
+        # layers in bf16, a tied head its own bf16 one): the dtypes the actor's syncs send.
         lora = cfg.actor.lora
         model = build_policy(
             cfg.model,
@@ -39,7 +40,7 @@ class RolloutWorker(PolicyWorker):
             seed=seeds.policy_init(cfg.trainer.seed),
             lora=lora,
         )
-        model = store_for_inference(model, cfg.precision).to(self.device)
+        model = store_for_generation(model, cfg.precision).to(self.device)
         self.generation_engine = NativeEngine(
             model,
             eos_token_id=self.eos_token_id,

@@ -331,3 +331,49 @@ def test_other_precisions_keep_hugging_faces_norms() -> None:
     hidden = torch.randn(3, norm.weight.shape[0], dtype=torch.bfloat16)
     assert torch.equal(norm(hidden), type(norm).forward(norm, hidden))
 
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, precision: str
+) -> None:
+    """A split rollout worker of a tied Qwen2 holds, under bf16-mixed, its fp32 embedding
+    and a bf16 head of its own (``store_for_generation``): the start-up check of a GPU's
+    memory counts both, to the byte (in fp32 the tied head is the embedding, counted once)."""
+    from types import SimpleNamespace
+
+    from verlite.generation.static_cache import cache_bytes
+
+    tiny_qwen2(tied=True, vocab_size=64).save_pretrained(tmp_path)
+    cfg = config(
+        f"model.path={tmp_path}",
+        f"model.precision={precision}",
+        "model.device=cuda",
+        "rollout.placement=split",
+    )
+    policy = tiny_qwen2(tied=True, vocab_size=64)
+    linear = {
+        f"{n}.{k}"
+        for n, m in policy.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        for k, _ in m.named_parameters()
+    }
+    half = precision == "bf16-mixed"
+    weights = sum(  # the embedding and norms in fp32; the linear layers (the head's too) bf16
+        p.numel() * (2 if half and name in linear else 4)
+        for name, p in policy.named_parameters(remove_duplicate=not half)
+    )
+    dtype = torch.bfloat16 if half else torch.float32
+    kv = cache_bytes(policy.config, cfg.rows_per_generating_worker, cfg.cache_positions, dtype)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    for total, fits in ((kv + weights, True), (kv + weights - 1, False)):
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            lambda d=None, t=total: SimpleNamespace(total_memory=t),
+        )
+        if fits:
+            preflight.check_generation_fits(cfg, 64)
+        else:
+            with pytest.raises(ConfigError, match="generation cannot fit Fake GPU"):
+                preflight.check_generation_fits(cfg, 64)

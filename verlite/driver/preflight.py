@@ -36,7 +36,7 @@ from verlite.models import (
     check_tokenizer_fits,
     hf_config,
 )
-from verlite.models.precision import check_precision_supported, inference_dtypes, param_dtype
+from verlite.models.precision import check_precision_supported, param_dtype, store_for_generation
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, check_answers, resolve_reward
@@ -78,10 +78,13 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
     config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    stored = inference_dtypes(model, cfg.precision)
-    weights = sum(p.numel() * stored[name].itemsize for name, p in model.named_parameters())
+    trained = sum(p.numel() for p in model.parameters()) * param_dtype(cfg.precision).itemsize
+    # What a rollout worker's model, or a colocated actor's generation copy, holds: a tied
+    # head its own bf16 tensor under bf16-mixed (``store_for_generation``; on the meta
+    # device, nothing is allocated).
+    stored = store_for_generation(model, cfg.precision)
+    weights = sum(p.numel() * p.element_size() for p in stored.parameters())
     if cfg.rollout.placement == "colocated":  # the trained weights, and a copy to generate from
-        trained = sum(p.numel() for p in model.parameters()) * param_dtype(cfg.precision).itemsize
         mode = cfg.rollout.decode
         if mode == "auto":
             mode = auto_mode(

@@ -118,7 +118,7 @@ def utilization(cfg: Config, records: list[dict[str, Any]], warmup: int, peak: f
     step_flops = rl_step_flops(
         cfg, vocab_size=len(load_tokenizer(cfg.model.path, task=cfg.data.task))
     )
-    flops = sum(step_flops(r["perf/throughput"] * r["timing_s/step"]) for r in steady)
+    flops = sum(step_flops(r["perf/throughput"] * r["timing_s/train"]) for r in steady)
     return flops / sum(r["timing_s/step"] for r in steady) / peak
 
 

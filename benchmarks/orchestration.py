@@ -129,7 +129,7 @@ def main() -> None:
                 if step > 1:
                     seconds["verlite"].append(t_remote)
                     seconds["in_process"].append(t_local)
-                    tokens = m_remote["perf/throughput"] * m_remote["timing_s/step"]
+                    tokens = m_remote["perf/throughput"] * m_remote["timing_s/train"]
                     flops.append(step_flops(tokens))
     assert worst < 1e-4, f"the two trainers diverged (relative metric difference {worst:.2e})"
     peak = machine_peak()

@@ -52,7 +52,7 @@ def step_times(dp: int, *, steps: int, config: str, peak: float) -> dict[str, fl
     kept = runs[1:]  # the first step warms up
     step_flops = rl_step_flops(cfg, vocab_size=len(inputs.tokenizer))
     utilization = [
-        step_flops(m["perf/throughput"] * m["timing_s/step"]) / seconds / peak
+        step_flops(m["perf/throughput"] * m["timing_s/train"]) / seconds / peak
         for seconds, m in kept
     ]
     result = {"step_s": median([seconds for seconds, _ in kept]), "mfu": median(utilization)}

@@ -29,6 +29,7 @@ STEP_KEYS = {
     "timing_s/reward",
     "timing_s/adv",
     "timing_s/update_actor",
+    "timing_s/train",
     "timing_s/step",
     "perf/throughput",
     "perf/max_memory_allocated_gb/actor",
@@ -136,6 +137,11 @@ def test_each_algorithm_runs(tmp_path: Path, overrides: list[str], train, metric
     for record in records:
         for key in ("timing_s/gen", "timing_s/log_probs", "perf/max_memory_allocated_gb/actor"):
             assert key in record, (record["step"], key)
+        # validation (every second step here) is in the step's time, not in its training's
+        assert (
+            record["timing_s/train"] + record.get("timing_s/validation", 0.0)
+            <= (record["timing_s/step"])
+        )
 
 
 def test_train_from_a_hugging_face_directory(tmp_path: Path, train, metrics) -> None:

@@ -461,7 +461,9 @@ class Trainer:
         metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
         metrics["trainer/restarts"] = float(self.restarts)
         metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
-        # Tokens per second of the training (:meth:`run_step` adds validation and checkpoint).
+        # The training's seconds and tokens per second (:meth:`run_step` adds validation and
+        # checkpoint to timing_s/step).
+        metrics["timing_s/train"] = step_time
         metrics["perf/throughput"] = float(batch["attention_mask"].sum()) / step_time
         metrics.update(
             mfu_metrics(

@@ -380,7 +380,10 @@ class WandbLogger:
         if step <= self.held_through:
             return
         self.run.log({**metrics, "step": step})
-        self.logged_file.write_text(f"{step}\n")
+        # Replaced whole: a crash mid-write leaves the last step, never a torn number.
+        tmp = self.logged_file.with_suffix(".tmp")
+        tmp.write_text(f"{step}\n")
+        os.replace(tmp, self.logged_file)
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.run.finish(exit_code=0 if outcome == "FINISHED" else 1)

@@ -120,3 +120,18 @@ def test_check_answers_reads_them_as_the_built_in_reward_does() -> None:
     # Rewards that take any answer, and user functions, are not called ahead.
     check_answers(exact_match, [dataset])
     check_answers(lambda response, answer, prompt: 1.0, [dataset])
+
+
+def test_a_long_check_of_the_answers_says_how_far_it_is(monkeypatch, capsys) -> None:
+    """Each distinct answer is read once, the first row that holds it named on a failure; a
+    reading that takes a while prints a line now and then (every one here)."""
+    from verlite.rewards import registry
+
+    monkeypatch.setattr(registry, "PROGRESS_EVERY_S", 0.0)
+    answers = ["#### 1", "#### 2", "#### 1", "#### 3", "x", "x"]
+    records = [{"prompt": "q", "answer": a} for a in answers]
+    where = [f"f.jsonl:{i}" for i in range(1, 7)]
+    with pytest.raises(DataError, match=r"^f.jsonl:5: gsm8k reward: the answer 'x'"):
+        check_answers(gsm8k, [PromptDataset(records, name="train", where=where)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"reward.fn=gsm8k: read {n} of 4 distinct answers (0 s)" for n in (1, 2, 3)]

@@ -4,6 +4,7 @@ run's reward."""
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Iterable
 from typing import cast
 
@@ -13,6 +14,9 @@ from verlite.data.tasks import TASKS
 from verlite.rewards.math_answer import MathReward, check_installed
 from verlite.rewards.rules import digit_match, exact_match, gsm8k, gsm8k_reference
 from verlite.user_code import load_object
+
+# Seconds between the progress lines of a long start-up reading of the answers.
+PROGRESS_EVERY_S = 10.0
 
 RewardFn = Callable[[str, str, str], float]
 """``fn(response, answer, prompt) -> score`` in [0, 1], called positionally."""
@@ -51,16 +55,26 @@ def check_answers(fn: RewardFn, datasets: Iterable[PromptDataset]) -> None:
     if found is None:
         return
     name, check = found
-    checked: set[str] = set()  # each answer once (math-verify takes milliseconds a reading)
+    # Each answer once, where it first occurs (math-verify takes a millisecond or more a
+    # reading: MATH's 12,500 answers some 20 s, so a line every PROGRESS_EVERY_S says so).
+    first: dict[str, str] = {}
     for dataset in datasets:
         for location, record in zip(dataset.where, dataset.records, strict=True):
-            if record["answer"] in checked:
-                continue
-            try:
-                check(record["answer"])
-            except ValueError as exc:
-                raise DataError(f"{location}: {exc} (reward.fn={name})") from None
-            checked.add(record["answer"])
+            first.setdefault(record["answer"], location)
+    started = shown = time.monotonic()
+    for done, (answer, location) in enumerate(first.items(), 1):
+        try:
+            check(answer)
+        except ValueError as exc:
+            raise DataError(f"{location}: {exc} (reward.fn={name})") from None
+        now = time.monotonic()
+        if now - shown >= PROGRESS_EVERY_S and done < len(first):
+            print(
+                f"reward.fn={name}: read {done:,} of {len(first):,} distinct answers "
+                f"({now - started:.0f} s)",
+                flush=True,
+            )
+            shown = now
 
 
 def _reference_check(fn: RewardFn) -> tuple[str, Callable[[str], object]] | None:

@@ -135,3 +135,14 @@ def test_response_text_shows_ids_past_the_tokenizer_as_unk() -> None:
     assert response_text(tokenizer, [one, size, two, size + 500]) == "1<unk>2<unk>"
     assert response_text(tokenizer, [size, tokenizer.eos_token_id]) == "<unk>"
     assert response_text(tokenizer, [one, two, tokenizer.eos_token_id]) == "12"
+
+
+def test_a_qwen2_folder_without_tokenizer_files_is_one_line(tmp_path: Path) -> None:
+    # transformers builds an empty Qwen2Tokenizer (one special token) from a Qwen2 folder with
+    # no tokenizer files, where it refuses a Llama one: the user who saved the model but not its
+    # tokenizer was told "prompt is empty", or that the tokenizer "has no chat template".
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ConfigError, match=r"model\.path=.*: no tokenizer loads from it: .*only"):
+        load_tokenizer(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"reward\.model\.path=.*: no tokenizer loads from it"):
+        load_reward_tokenizer(str(tmp_path))

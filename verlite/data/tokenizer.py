@@ -67,6 +67,13 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
             f"model.path={model_path!r}: no tokenizer loads from it: {shown(reason, 160)}; "
             "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
         ) from None
+    if only_special_tokens(tokenizer):
+        raise ConfigError(
+            f"model.path={model_path!r}: no tokenizer loads from it: the tokenizer built from "
+            f"the folder has only its {len(tokenizer)} special token(s), no vocabulary (no "
+            "tokenizer files); save the model's tokenizer into the folder "
+            "(tokenizer.save_pretrained)"
+        )
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(
@@ -75,6 +82,13 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
             )
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def only_special_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether every token of ``tokenizer`` is a special one: what transformers builds for a
+    Qwen2 or GPT-2 model folder that holds no tokenizer files (rather than refusing it), and
+    which would encode every prompt to nothing."""
+    return len(tokenizer) <= len(set(tokenizer.all_special_ids))
 
 
 def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:

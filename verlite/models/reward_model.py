@@ -71,7 +71,7 @@ def token_limit(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
 def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The reward model's own tokenizer (local files only)."""
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     # As the policy's (data.tokenizer.load_tokenizer): a tokenizer.json the installed
     # tokenizers cannot read raises a bare Exception.
     except Exception as exc:
@@ -79,6 +79,16 @@ def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
             f"reward.model.path={path!r}: no tokenizer loads from it: {_one_line(exc)}; save "
             "the reward model's tokenizer into the folder (tokenizer.save_pretrained)"
         ) from None
+    # As the policy's: transformers builds a tokenizer of special tokens alone from a Qwen2 or
+    # GPT-2 folder without tokenizer files; it would encode every text to nothing.
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ConfigError(
+            f"reward.model.path={path!r}: no tokenizer loads from it: the tokenizer built from "
+            f"the folder has only its {len(tokenizer)} special token(s), no vocabulary (no "
+            "tokenizer files); save the reward model's tokenizer into the folder "
+            "(tokenizer.save_pretrained)"
+        )
+    return tokenizer
 
 
 def check_reward_model(cfg: RewardModelConfig) -> None:

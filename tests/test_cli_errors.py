@@ -671,6 +671,8 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
 
 
 def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    err = run(capsys, "export", str(tmp_path / "typo"))
+    assert f"verlite: error: no such folder: {str(tmp_path / 'typo')!r}" in err
     err = run(capsys, "export", str(tmp_path))
     assert "holds no exported policy (hf_actor/ is missing" in err
     (tmp_path / "hf_actor").mkdir()

@@ -49,6 +49,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 def cmd_export(args: argparse.Namespace) -> int:
     if args.out is not None and not args.merge:
         raise UserError(f"--out {args.out}: names where --merge writes; add --merge")
+    if not Path(args.run_dir).is_dir():  # a mistyped folder: not a run still to finish
+        raise UserError(f"no such folder: {args.run_dir!r}")
     policy = Path(args.run_dir) / POLICY_FOLDER
     if not policy.is_dir():
         raise UserError(

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from verlite.data import DataError, read_prompt_file
+from verlite.errors import MissingExtraError
 
 
 def _jsonl(path: Path, *lines: str) -> Path:
@@ -113,7 +114,12 @@ def test_parquet_without_pyarrow_names_the_install(
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # makes `import pyarrow` fail
     path = tmp_path / "p.parquet"
     path.write_bytes(b"")
-    with pytest.raises(DataError, match=r"p.parquet: .*pip install pyarrow"):
+    # verlite's extra and its pin, as every optional package's message names them
+    with pytest.raises(
+        MissingExtraError,
+        match=r"p.parquet: reading Parquet files needs the 'pyarrow' package, which cannot be "
+        r"imported \(.*\); install it with: pip install 'pyarrow>=14' \(verlite's 'parquet' extra\)",
+    ):
         read_prompt_file(path)
 
 

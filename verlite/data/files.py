@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from verlite.data.answers import ANSWER_RULES
-from verlite.errors import UserError, shown
+from verlite.errors import UserError, import_extra, shown
 from verlite.user_files import parse_json, read_text
 
 
@@ -120,14 +120,12 @@ def _parquet_rows(path: Path, columns: dict[str, str]) -> Iterable[tuple[str, An
     """The rows of ``columns`` (each column's name, and the setting that names it) alone: a
     dataset's file may hold columns the run never reads (images, long solutions), which
     reading the whole table would load into memory. A missing column is named once, for the
-    file, with the columns it has."""
-    try:
-        import pyarrow
-        import pyarrow.parquet
-    except ImportError:
-        raise DataError(
-            f"{path}: reading Parquet files needs pyarrow, which is not installed: pip install pyarrow"
-        ) from None
+    file, with the columns it has. Without pyarrow, the install command names verlite's
+    'parquet' extra and its pin, as every optional package's does."""
+    import_extra("pyarrow", feature=f"{path}: reading Parquet files", extra="parquet")
+    import pyarrow
+    import pyarrow.parquet
+
     try:
         # The dataset's schema, not read_schema's: a folder of Parquet parts (Spark's) reads too.
         names = pyarrow.parquet.ParquetDataset(path).schema.names

@@ -58,10 +58,18 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int) -> nn.Module:
         target_modules=list(cfg.target_modules),
         task_type="CAUSAL_LM",
     )
-    with warnings.catch_warnings():
-        # peft 0.21 asks transformers 5 a deprecated question; nothing a user can act on.
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+    with _peft_wrapping():
         return peft.get_peft_model(model, lora)
+
+
+@contextlib.contextmanager
+def _peft_wrapping() -> Iterator[None]:
+    """Where peft wraps a model (training's adapters, ``verlite export --merge``'s load):
+    peft 0.21 asks transformers 5 a deprecated question (``is_gradient_checkpointing``), a
+    FutureWarning nothing a user can act on, which would be the merge's only other output."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
 
 
 def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
@@ -154,7 +162,8 @@ def merge_adapter(adapter: Path, out: Path) -> None:
     base = AutoModelForCausalLM.from_pretrained(
         str(base_path), local_files_only=True, dtype=merge_dtype(adapter)
     )
-    merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    with _peft_wrapping():
+        merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     if (adapter / GENERATION_CONFIG_NAME).is_file():  # an earlier verlite's export has none
         merged.generation_config = GenerationConfig.from_pretrained(str(adapter))
     merged.save_pretrained(str(out))

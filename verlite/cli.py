@@ -41,6 +41,7 @@ COMMAND_MODULES = (
 )
 
 EXIT_USER_ERROR = 2
+HF_PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -183,6 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     args = _parse(build_parser(), argv)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    # Before a command imports transformers, and inherited by the ranks it spawns
+    # (check-invariance, measure-packing): Hugging Face's progress bars ("Loading weights" at
+    # every load of model.path) are not a command's output. Ray's workers get the same
+    # (controller.worker_group.WORKER_ENV); HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them.
+    os.environ.setdefault(HF_PROGRESS_BARS_ENV, "1")
     try:
         code: int = args.handler(args)
     except UserError as exc:

@@ -3,7 +3,10 @@ trials and fit recover a known cost law exactly, refuse a squared term that is n
 the command prints the crossover to configure; the configured one is what DP shares use."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -115,3 +118,29 @@ def test_measure_packing_refuses_bad_flags_in_one_line(flags, message, capsys) -
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_command_that_loads_model_path_shows_no_hugging_face_progress_bars(tmp_path) -> None:
+    """`verlite measure-packing` (and check-invariance, whose spawned ranks inherit it) load
+    model.path outside Ray's workers: transformers' "Loading weights" bar stays off the
+    console, as it does for `verlite train`."""
+    from verlite.data import load_tokenizer
+    from verlite.models import build_policy
+
+    tokenizer = load_tokenizer(None, task="copy")
+    config = load_config(CONFIG)
+    build_policy(config.model, vocab_size=len(tokenizer), max_positions=64, seed=0).save_pretrained(
+        tmp_path
+    )
+    tokenizer.save_pretrained(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    args = ["--config", CONFIG, f"model.path={tmp_path}", "--trials", "4", "--budget", "64"]
+    done = subprocess.run(
+        [sys.executable, "-m", "verlite.cli", "measure-packing", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Loading weights" not in done.stdout + done.stderr, done.stderr

@@ -13,11 +13,18 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     train = subparsers.add_parser(
         "train",
         help="train with RL on an embedded local Ray or an existing cluster",
-        description="Run PPO/GRPO/RLOO/REINFORCE++ as configured. Metrics go to the console and "
-        "<trainer.output_dir>/metrics.jsonl; workers.json records where every worker ran.",
+        description="Run PPO/GRPO/Dr. GRPO/RLOO/REINFORCE++ as configured. Metrics go to the "
+        "console and <trainer.output_dir>/metrics.jsonl; workers.json records where every worker "
+        "ran; the trained policy goes to <trainer.output_dir>/hf_actor (Hugging Face "
+        "format, unless trainer.export=false; see verlite export).",
     )
     train.add_argument("--config", required=True, help="run config YAML")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")
+    train.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted config overrides, e.g. trainer.total_steps=50 (every field: docs/config.md)",
+    )
     train.add_argument(
         "--address", default=None, help="Ray cluster address (same as trainer.ray_address=...)"
     )

@@ -4,6 +4,7 @@ config field."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import re
 from collections.abc import Iterable
@@ -23,9 +24,10 @@ def load_object(
     neither."""
     match = _IMPORT_PATH.fullmatch(spec)
     if match is None:
+        registered = list(registered)
         raise ConfigError(
             f"{field}={spec!r}: not a registered {what} ({', '.join(registered)}) "
-            f"nor an import path {example!r}"
+            f"nor an import path {example!r}{_did_you_mean(spec, registered)}"
         )
     module_name, attr = match["module"], match["attr"]
     try:
@@ -42,9 +44,16 @@ def load_object(
         ) from exc
     for part in attr.split("."):
         if not hasattr(target, part):
+            public = [name for name in dir(target) if not name.startswith("_")]
             raise ConfigError(
                 f"{field}={spec!r}: {getattr(target, '__name__', module_name)!r} has no "
-                f"attribute {part!r}"
+                f"attribute {part!r}{_did_you_mean(part, public)}"
             )
         target = getattr(target, part)
     return target
+
+
+def _did_you_mean(given: str, names: list[str]) -> str:
+    """The closest of ``names`` to a mistyped ``given``, as the config's unknown keys get."""
+    close = difflib.get_close_matches(given, names, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""

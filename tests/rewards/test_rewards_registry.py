@@ -100,6 +100,15 @@ def test_user_function(user_module: str) -> None:
             r"reward.fn='userpkg.scoring:nope': 'userpkg.scoring' has no attribute 'nope'",
         ),
         ("userpkg.scoring:Scorers.nope", r"'Scorers' has no attribute 'nope'"),
+        # a typo is answered with the closest name, as a config key's is
+        (
+            "userpkg.scoring:length_scor",
+            r"'userpkg.scoring' has no attribute 'length_scor'; did you mean 'length_score'\?$",
+        ),
+        (
+            "exact_mach",
+            r"nor an import path 'package.module:function'; did you mean 'exact_match'\?$",
+        ),
         (
             "userpkg.scoring:NOT_CALLABLE",
             r"reward.fn='userpkg.scoring:NOT_CALLABLE' is not callable \(it is a int\)",

@@ -57,6 +57,11 @@ BAD_OVERRIDES = [
     ),
     (["algorithm.adv_estimator=grpo"], "rollout.n must be >= 2"),
     (["model.path=/no/such/model"], "model.path='/no/such/model': no such file or directory"),
+    (  # a Hub id, as from_pretrained takes one
+        ["model.path=Qwen/Qwen2.5-0.5B-Instruct"],
+        "model.path='Qwen/Qwen2.5-0.5B-Instruct': no such file or directory; give a local folder "
+        "written by save_pretrained (nothing is downloaded)",
+    ),
     (
         ["data.task=null", "data.train_file=/no/such.jsonl"],
         "data.train_file='/no/such.jsonl': no such file or directory",

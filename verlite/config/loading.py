@@ -345,7 +345,7 @@ def check_inputs(cfg: Config) -> dict[str, str | None]:
     }
     for dotted, value in inputs.items():
         if value is not None and not _exists(dotted, value):
-            raise ConfigError(f"{dotted}={shown(value)}: no such file or directory")
+            raise ConfigError(f"{dotted}={shown(value)}: no such file or directory{_hint(dotted)}")
         if dotted.startswith("data.") and value is not None and not Path(value).is_file():
             # a folder cannot be read, a pipe or device may block or never end
             raise ConfigError(
@@ -355,6 +355,14 @@ def check_inputs(cfg: Config) -> dict[str, str | None]:
         if inputs[dotted] is not None:
             _check_model_dir(inputs[dotted], dotted)
     return inputs
+
+
+def _hint(dotted: str) -> str:
+    """What a missing model path is: a Hugging Face Hub id (``Qwen/Qwen2.5-0.5B-Instruct``)
+    reads as a relative path that does not exist, and nothing is downloaded."""
+    if not dotted.endswith("model.path"):
+        return ""
+    return "; give a local folder written by save_pretrained (nothing is downloaded)"
 
 
 def _exists(dotted: str, value: str) -> bool:

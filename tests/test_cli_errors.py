@@ -679,7 +679,10 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     err = run(capsys, "export", str(tmp_path / "typo"))
     assert f"verlite: error: no such folder: {str(tmp_path / 'typo')!r}" in err
     err = run(capsys, "export", str(tmp_path))
-    assert "holds no exported policy (hf_actor/ is missing" in err
+    assert "holds no exported policy (hf_actor/ is missing; a run exports it when it fin" in err
+    (tmp_path / "config.json").write_text(json.dumps({"trainer": {"export": False}}))
+    err = run(capsys, "export", str(tmp_path))
+    assert "(hf_actor/ is missing; the run has trainer.export=false, which exports none)" in err
     (tmp_path / "hf_actor").mkdir()
     (tmp_path / "hf_actor" / "config.json").write_text("{}")
     err = run(capsys, "export", str(tmp_path), "--merge")

@@ -24,6 +24,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
 # or a key of its tokenizer_config.json (earlier ones).
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+RUN_CONFIG = "config.json"  # the run's settings, as its jsonl logger wrote them
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,8 +55,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     policy = Path(args.run_dir) / POLICY_FOLDER
     if not policy.is_dir():
         raise UserError(
-            f"{args.run_dir}: holds no exported policy ({POLICY_FOLDER}/ is missing; a run "
-            "exports it when it finishes)"
+            f"{args.run_dir}: holds no exported policy ({POLICY_FOLDER}/ is missing; "
+            f"{_why_no_policy(Path(args.run_dir))})"
         )
     adapter_config = policy / ADAPTER_CONFIG
     if not adapter_config.is_file():
@@ -93,6 +94,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     print(f"{out}: merged weights (Hugging Face format)")
     _say_chat_template(out)
     return 0
+
+
+def _why_no_policy(run_dir: Path) -> str:
+    """Why a run folder has no policy: a run with ``trainer.export=false`` (its logged
+    ``config.json`` says so) never writes one; any other writes it when it finishes."""
+    try:
+        config = json.loads((run_dir / RUN_CONFIG).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = None
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    if isinstance(trainer, dict) and trainer.get("export") is False:
+        return "the run has trainer.export=false, which exports none"
+    return "a run exports it when it finishes"
 
 
 def _say_chat_template(folder: Path) -> None:

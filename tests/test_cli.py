@@ -57,6 +57,13 @@ def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_mi
         "verlite check-invariance: error: unrecognized arguments: --mikro (did you mean "
         "--micro?) (see verlite check-invariance --help)\n"
     )
+    # a dotted key written as a flag, as other trainers take overrides: the override it meant
+    err = _refused(capsys, "train", "--config", "c.yaml", "--trainer.total_steps=5", "--actor.lr")
+    assert err == (
+        "verlite train: error: unrecognized arguments: --trainer.total_steps=5 (an override "
+        "takes no dashes: trainer.total_steps=5) --actor.lr (an override takes no dashes: "
+        "actor.lr=VALUE) (see verlite train --help)\n"
+    )
     # a flag the command knows by a prefix is no mistake; nothing given is still "required"
     assert "required: --config" in _refused(capsys, "train")
     assert "unrecognized" not in _refused(capsys, "check-invariance", "--micr", "1")

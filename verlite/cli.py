@@ -121,12 +121,24 @@ class _OneLineParser(argparse.ArgumentParser):
         )
 
     def unrecognized(self, flags: Sequence[str]) -> str:
-        """The message for ``flags``, with the closest known flag of each."""
+        """The message for ``flags``, with the closest known flag of each; a dotted key
+        written as a flag (``--trainer.total_steps=5``, as other trainers' command lines take
+        it) is shown as the override it meant, for the commands that take overrides."""
         named = []
         for flag in flags:
-            close = difflib.get_close_matches(flag.split("=", 1)[0], self.known_flags, n=1)
-            named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+            name = flag.split("=", 1)[0]
+            close = difflib.get_close_matches(name, self.known_flags, n=1)
+            if self.takes_overrides and flag.startswith("-") and "." in name:
+                override = flag.lstrip("-") if "=" in flag else f"{name.lstrip('-')}=VALUE"
+                named.append(f"{flag} (an override takes no dashes: {override})")
+            else:
+                named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
         return f"unrecognized arguments: {' '.join(named)}"
+
+    @property
+    def takes_overrides(self) -> bool:
+        """Whether this command takes dotted config overrides (its ``overrides`` words)."""
+        return any(action.dest == "overrides" for action in self._actions)
 
 
 def build_parser() -> _OneLineParser:

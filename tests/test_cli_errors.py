@@ -685,6 +685,8 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     assert "(hf_actor/ is missing; the run has trainer.export=false, which exports none)" in err
     (tmp_path / "hf_actor").mkdir()
     (tmp_path / "hf_actor" / "config.json").write_text("{}")
+    err = run(capsys, "export", str(tmp_path / "hf_actor"))  # the policy, not its run
+    assert f"this is the exported policy itself: give its run folder, {str(tmp_path)!r})" in err
     err = run(capsys, "export", str(tmp_path), "--merge")
     assert "holds full weights, not a LoRA adapter; --merge applies to runs with actor.lora" in err
     err = run(capsys, "export", str(tmp_path), "--out", str(tmp_path / "merged"))

@@ -97,8 +97,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _why_no_policy(run_dir: Path) -> str:
-    """Why a run folder has no policy: a run with ``trainer.export=false`` (its logged
+    """Why a run folder has no policy: it is the policy folder itself (``hf_actor``, or the
+    merged one), not the run's; a run with ``trainer.export=false`` (its logged
     ``config.json`` says so) never writes one; any other writes it when it finishes."""
+    if run_dir.resolve().name in (POLICY_FOLDER, MERGED_FOLDER):
+        run = str(run_dir.resolve().parent)
+        return f"this is the exported policy itself: give its run folder, {run!r}"
     try:
         config = json.loads((run_dir / RUN_CONFIG).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):

@@ -9,8 +9,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from verlite.config import ConfigError
 from verlite.data import build_task_tokenizer, encode_prompts, load_tokenizer
-from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS, response_text
-from verlite.models.reward_model import load_reward_tokenizer
+from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS, load_reward_tokenizer, response_text
 
 
 def test_special_tokens_and_small_vocab() -> None:

@@ -21,6 +21,7 @@ from verlite.data.tasks import TASKS, Task
 from verlite.data.tokenizer import (
     build_task_tokenizer,
     encode_prompts,
+    load_reward_tokenizer,
     load_tokenizer,
     response_text,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "collate_prompts",
     "encode_prompts",
     "holdout_split",
+    "load_reward_tokenizer",
     "load_tokenizer",
     "position_ids",
     "prompt_tensordict",

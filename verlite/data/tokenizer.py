@@ -56,24 +56,7 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
     :data:`CHARACTERS` for prompt files."""
     if model_path is None:
         return build_task_tokenizer(TASK_ALPHABET if task is not None else CHARACTERS)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
-    # No tokenizer files, ones it cannot build from, or a tokenizer.json the installed
-    # tokenizers cannot read (one a newer version saved: a bare Exception, "data did not
-    # match any variant of untagged enum ModelWrapper").
-    except Exception as exc:
-        reason = " ".join(str(exc).split())
-        raise ConfigError(
-            f"model.path={model_path!r}: no tokenizer loads from it: {shown(reason, 160)}; "
-            "save the model's tokenizer into the folder (tokenizer.save_pretrained)"
-        ) from None
-    if only_special_tokens(tokenizer):
-        raise ConfigError(
-            f"model.path={model_path!r}: no tokenizer loads from it: the tokenizer built from "
-            f"the folder has only its {len(tokenizer)} special token(s), no vocabulary (no "
-            "tokenizer files); save the model's tokenizer into the folder "
-            "(tokenizer.save_pretrained)"
-        )
+    tokenizer = read_tokenizer(model_path, field="model.path", whose="the model's")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(
@@ -84,11 +67,34 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
     return tokenizer
 
 
-def only_special_tokens(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether every token of ``tokenizer`` is a special one: what transformers builds for a
-    Qwen2 or GPT-2 model folder that holds no tokenizer files (rather than refusing it), and
-    which would encode every prompt to nothing."""
-    return len(tokenizer) <= len(set(tokenizer.all_special_ids))
+def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The reward model's own tokenizer (``reward.model.path``), read as the policy's is."""
+    return read_tokenizer(path, field="reward.model.path", whose="the reward model's")
+
+
+def read_tokenizer(path: str, *, field: str, whose: str) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in the folder ``path`` (the setting ``field``; local files only),
+    or one line saying that none loads from it: no tokenizer files, ones it cannot build
+    from, a tokenizer.json the installed tokenizers cannot read (one a newer version saved:
+    a bare Exception, "data did not match any variant of untagged enum ModelWrapper"), or
+    the tokenizer of special tokens alone that transformers builds for a Qwen2 or GPT-2
+    folder without tokenizer files (rather than refusing it), which would encode every text
+    to nothing."""
+    save = f"save {whose} tokenizer into the folder (tokenizer.save_pretrained)"
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        reason = " ".join(str(exc).split())
+        raise ConfigError(
+            f"{field}={path!r}: no tokenizer loads from it: {shown(reason, 160)}; {save}"
+        ) from None
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ConfigError(
+            f"{field}={path!r}: no tokenizer loads from it: the tokenizer built from the folder "
+            f"has only its {len(tokenizer)} special token(s), no vocabulary (no tokenizer "
+            f"files); {save}"
+        )
+    return tokenizer
 
 
 def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:

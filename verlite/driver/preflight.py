@@ -20,6 +20,7 @@ from verlite.data import (
     PromptDataset,
     build_datasets,
     check_fills_a_batch,
+    load_reward_tokenizer,
     load_tokenizer,
 )
 from verlite.data.templates import turn_format
@@ -206,6 +207,10 @@ class RunInputs:
             check_answers(reward_fn, (train_set, val_set))
         if cfg.reward.model.path is not None:
             check_reward_model(cfg.reward.model)
+            rm_tokenizer = load_reward_tokenizer(cfg.reward.model.path)
+            check_tokenizer_fits(
+                cfg.reward.model.path, len(rm_tokenizer), field="reward.model.path"
+            )
         remote = RemoteScorer.from_config(cfg.reward.remote)
         if remote is not None:
             remote.probe(train_set[0]["prompt"], train_set[0]["answer"])

@@ -22,7 +22,6 @@ from torch import nn
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
-    AutoTokenizer,
     PretrainedConfig,
     PreTrainedTokenizerBase,
 )
@@ -30,7 +29,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 
 from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
-from verlite.models import _pretrained, check_tokenizer_fits
+from verlite.models import _pretrained
 from verlite.models.precision import fp64_norms
 
 
@@ -68,33 +67,10 @@ def token_limit(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
     return cfg.max_length
 
 
-def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The reward model's own tokenizer (local files only)."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    # As the policy's (data.tokenizer.load_tokenizer): a tokenizer.json the installed
-    # tokenizers cannot read raises a bare Exception.
-    except Exception as exc:
-        raise ConfigError(
-            f"reward.model.path={path!r}: no tokenizer loads from it: {_one_line(exc)}; save "
-            "the reward model's tokenizer into the folder (tokenizer.save_pretrained)"
-        ) from None
-    # As the policy's: transformers builds a tokenizer of special tokens alone from a Qwen2 or
-    # GPT-2 folder without tokenizer files; it would encode every text to nothing.
-    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
-        raise ConfigError(
-            f"reward.model.path={path!r}: no tokenizer loads from it: the tokenizer built from "
-            f"the folder has only its {len(tokenizer)} special token(s), no vocabulary (no "
-            "tokenizer files); save the reward model's tokenizer into the folder "
-            "(tokenizer.save_pretrained)"
-        )
-    return tokenizer
-
-
 def check_reward_model(cfg: RewardModelConfig) -> None:
     """At start-up, before Ray: ``reward.model.path`` holds a decoder sequence-classification
-    model with one label and a tokenizer that fits its vocabulary, and ``max_length`` fits it;
-    each problem one line."""
+    model with one label, and ``max_length`` fits it; each problem one line (its tokenizer:
+    ``driver.preflight``)."""
     assert cfg.path is not None
     path = cfg.path
     config = _config(path)
@@ -117,7 +93,6 @@ def check_reward_model(cfg: RewardModelConfig) -> None:
             f"reward.model.path={path!r} has num_labels={config.num_labels}; a reward model "
             "has one label, whose sigmoid is the score"
         )
-    check_tokenizer_fits(path, len(load_reward_tokenizer(path)), field="reward.model.path")
     token_limit(cfg, config)
 
 

@@ -17,13 +17,12 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.controller import Worker
-from verlite.data import load_tokenizer, response_text
+from verlite.data import load_reward_tokenizer, load_tokenizer, response_text
 from verlite.models import model_dtype, resolve_device
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
     encode_texts,
     load_reward_model,
-    load_reward_tokenizer,
     score_texts,
     token_limit,
 )

@@ -356,6 +356,40 @@ def test_wandb_resumed_run_keeps_its_run_id(tmp_path: Path) -> None:
     assert (tmp_path / "wandb_run_id").read_text() != first_id
 
 
+def _resumed_wandb_steps(out: Path, steps: dict[int, dict[str, float]], **kwargs: Any) -> list:
+    """What a run resumed from step 1 in ``out`` sends to W&B (its own offline folder)."""
+    before = set((out / "wandb").glob("offline-run-*"))
+    tracker = Tracker(["wandb"], output_dir=out, total_steps=5, start_step=1, **kwargs)
+    for step, metrics in steps.items():
+        tracker.log(step, metrics)
+    tracker.close()
+    (resumed,) = set((out / "wandb").glob("offline-run-*")) - before
+    return wandb_steps(resumed)
+
+
+def test_a_resume_sends_w_and_b_what_its_run_does_not_hold(tmp_path: Path) -> None:
+    """The run holds steps 1-3 as STEPS; a resume from step 1 sends what differs: a step
+    whose values changed (a resume with changed settings), and every step when another W&B
+    run opens (another project under the same id). Clocks do not count as a change."""
+    from verlite.config import WandbConfig
+
+    _run(["wandb"], tmp_path)
+    changed = {**STEPS[2], "actor/pg_loss": -0.25}
+    sent = _resumed_wandb_steps(
+        tmp_path, {2: {**STEPS[1], "timing_s/step": 9.0}, 3: changed, 4: STEPS[0]}
+    )
+    assert sent == [{**changed, "step": 3}, {**STEPS[0], "step": 4}]
+    sent = _resumed_wandb_steps(tmp_path, {2: STEPS[1]}, wandb=WandbConfig(project="other"))
+    assert sent == [{**STEPS[1], "step": 2}]
+    # A record cut short by a crash: its step is sent again, the others are held.
+    record = tmp_path / "wandb_sent.jsonl"
+    lines = record.read_text().splitlines()
+    record.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:9])
+    assert _resumed_wandb_steps(tmp_path, {2: STEPS[1]}, wandb=WandbConfig(project="other")) == [
+        {**STEPS[1], "step": 2}
+    ]
+
+
 def test_wandb_online_without_a_key_fails_before_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

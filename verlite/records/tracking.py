@@ -10,6 +10,7 @@ TensorBoard, MLflow and W&B are optional extras, imported only when configured.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import netrc
@@ -235,7 +236,7 @@ class MlflowLogger:
         try:
             self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
             self.run_id, continued = self._open_run(output_dir, resume=continuing or start_step > 0)
-            self.held = self._held_points() if continued else {}
+            self.held = self._held_points(after=start_step) if continued else {}
         except self.mlflow_error as exc:
             raise UserError(
                 f"mlflow logger: cannot open a run at tracking URI {redact_url(uri)!r}: {exc}"
@@ -262,12 +263,17 @@ class MlflowLogger:
         id_file.write_text(run_id + "\n")
         return run_id, False
 
-    def _held_points(self) -> dict[str, dict[int, float]]:
-        """Each metric's points (step: value) in the continued run: what the attempts before
-        this one logged, the steps after the checkpoint resumed included."""
+    def _held_points(self, *, after: int) -> dict[str, dict[int, float]]:
+        """Each metric's points (step: value) in the continued run after step ``after`` (the
+        checkpoint resumed): what the attempts before this one logged of the steps this one
+        trains again."""
         keys = self.client.get_run(self.run_id).data.metrics
         return {
-            key: {m.step: m.value for m in self.client.get_metric_history(self.run_id, key)}
+            key: {
+                m.step: m.value
+                for m in self.client.get_metric_history(self.run_id, key)
+                if m.step > after
+            }
             for key in keys
         }
 
@@ -329,16 +335,13 @@ class WandbLogger:
         wandb = import_extra("wandb", feature="the wandb logger", extra="wandb")
         id_file = output_dir / "wandb_run_id"
         resume = (continuing or start_step > 0) and id_file.exists()
-        # The last step logged to the run, by every attempt so far.
-        self.logged_file = output_dir / "wandb_logged_step"
-        self.held_through = (
-            int(read_text(self.logged_file, what="W&B logged step file"))
-            if resume and self.logged_file.exists()
-            else 0
-        )
         run_id = (
             read_text(id_file, what="W&B run id file").strip() if resume else uuid.uuid4().hex[:12]
         )
+        # What every attempt so far sent to this run (run, project and entity alike).
+        self.sent_file = output_dir / "wandb_sent.jsonl"
+        self.run_key = {"run": run_id, "project": cfg.project, "entity": cfg.entity}
+        self.held = self._held_steps() if resume else {}
         output_dir.mkdir(parents=True, exist_ok=True)
         try:
             self.run = wandb.init(
@@ -362,8 +365,30 @@ class WandbLogger:
                 f"(mode {cfg.mode}): {reason}"
             ) from None
         id_file.write_text(run_id + "\n")
+        if not self.held:  # a new run, or one whose record is of another run: started over
+            tmp = self.sent_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.run_key) + "\n")
+            os.replace(tmp, self.sent_file)
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
+
+    def _held_steps(self) -> dict[int, str]:
+        """The steps the run holds, each with the digest of what was sent
+        (:func:`_sent_digest`); none when the record is of another run (a resume into another
+        project or entity opens a new run under the same id). A line a crash cut short is
+        not counted: that step is sent again."""
+        if not self.sent_file.is_file():
+            return {}
+        header, *lines = read_text(self.sent_file, what="W&B record").splitlines() or [""]
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(header) == self.run_key:
+                held = {}
+                for line in lines:
+                    with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError):
+                        record = json.loads(line)
+                        held[int(record["step"])] = str(record["digest"])
+                return held
+        return {}
 
     def log_run_info(
         self, config: Mapping[str, Any], placement: Sequence[Mapping[str, Any]]
@@ -371,22 +396,34 @@ class WandbLogger:
         self.run.config.update({**config, "placement": list(placement)}, allow_val_change=True)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """Log a step, unless the run holds it already: a resumed run computes the same values
-        for the steps after its checkpoint, and W&B keeps every point it was sent (a point
-        of a lower ``step`` is charted beside the held one; only ``_step``, which verlite
-        does not chart by, drops lower ones), whether online or synced later from offline
-        files, which know nothing of the attempts before. What the run holds is the last
-        step verlite logged to it (``<output_dir>/wandb_logged_step``)."""
-        if step <= self.held_through:
+        """Log a step, unless the run holds it already with the same values: a resumed run
+        computes the same values for the steps after its checkpoint, and W&B keeps every
+        point it was sent (a point of a lower ``step`` is charted beside the held one; only
+        ``_step``, which verlite does not chart by, drops lower ones), whether online or
+        synced later from offline files, which know nothing of the attempts before. A step
+        whose values differ (a resume with changed settings) is sent: both are what
+        happened, as MLflow keeps them. What the run holds is recorded beside it
+        (``<output_dir>/wandb_sent.jsonl``: the run, then a digest per step sent)."""
+        digest = _sent_digest(metrics)
+        if self.held.get(step) == digest:
             return
         self.run.log({**metrics, "step": step})
-        # Replaced whole: a crash mid-write leaves the last step, never a torn number.
-        tmp = self.logged_file.with_suffix(".tmp")
-        tmp.write_text(f"{step}\n")
-        os.replace(tmp, self.logged_file)
+        with self.sent_file.open("a") as record:
+            record.write(json.dumps({"step": step, "digest": digest}) + "\n")
 
     def close(self, outcome: RunOutcome = "FINISHED") -> None:
         self.run.finish(exit_code=0 if outcome == "FINISHED" else 1)
+
+
+def _sent_digest(metrics: Mapping[str, float]) -> str:
+    """What identifies a step's values: its metrics but the run's clocks and counters
+    (``metrics_log.is_run_history``: they differ by nature), each value's exact float."""
+    compared = sorted(
+        (key, float(value).hex())
+        for key, value in metrics.items()
+        if not metrics_log.is_run_history(key)
+    )
+    return hashlib.sha256(json.dumps(compared).encode()).hexdigest()[:32]
 
 
 def check_wandb(cfg: WandbConfig) -> None:

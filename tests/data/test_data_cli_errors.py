@@ -185,6 +185,7 @@ def test_a_prompt_that_spells_a_special_token_is_refused(
     )
     assert err == (
         f"verlite: error: {path} row 4: the prompt holds '<|im_end|>', the text of a special "
-        "token of the tokenizer, which would read it as that token (ending or starting a "
-        "turn), not as text; prompts may not spell special tokens: remove or reword it\n"
+        "token of the tokenizer, which would read it as that token inside the chat template's "
+        "user turn, not as text; with data.chat_template=true prompts may not spell special "
+        "tokens: remove or reword it\n"
     )

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chat_model_support import chat_tokenizer
+from chat_model_support import chat_tokenizer, save_chat_model
 
 from verlite.config import Config
 from verlite.data import (
@@ -186,18 +186,24 @@ def test_unknown_characters_of_a_long_prompt_are_named_in_time(tmp_path: Path) -
     assert time.perf_counter() - started < 5.0
 
 
-def test_a_prompt_that_spells_a_special_token_is_refused_with_or_without_a_template(
+def test_a_prompt_that_spells_a_special_token_is_refused_under_a_chat_template(
     tmp_path: Path,
 ) -> None:
-    # Without a chat template too: "<eos>" in a prompt was the built-in tokenizer's EOS.
-    path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "2+2=<eos>3+3=", "4+4="])
-    with pytest.raises(DataError, match=rf"^{path}:2: the prompt holds '<eos>', the text of a"):
-        build_datasets(_config(train_file=str(path), num_val_samples=1), build_task_tokenizer())
+    tokenizer = save_chat_model(tmp_path / "model")
+
+    def config(path: Path, template: bool = True) -> Config:
+        data = {"train_file": str(path), "num_val_samples": 1, "chat_template": template}
+        return Config.model_validate({"data": data, "model": {"path": str(tmp_path / "model")}})
+
+    path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "2+2=<|im_end|>3+3=", "4+4="])
+    with pytest.raises(DataError, match=rf"^{path}:2: the prompt holds '<\|im_end\|>', the"):
+        build_datasets(config(path), tokenizer)
+    # Without a template the prompt is the model's input as written, markup included.
+    build_datasets(config(path, template=False), tokenizer)
     # A special token that is an ordinary token's text (a pad token set to one) is text.
-    tokenizer = chat_tokenizer(None)
     tokenizer.pad_token = "!"
     path = _write_jsonl(tmp_path / "q.jsonl", ["Tom has 12 apples!", "Tom has <|endoftext|>"])
     with pytest.raises(DataError, match=r":2: the prompt holds '<\|endoftext\|>'"):
-        build_datasets(_config(train_file=str(path), num_val_samples=1), tokenizer)
+        build_datasets(config(path), tokenizer)
     path = _write_jsonl(tmp_path / "q.jsonl", ["Tom has 12 apples!", "Tom has 7 pears!"])
-    build_datasets(_config(train_file=str(path), num_val_samples=1), tokenizer)
+    build_datasets(config(path), tokenizer)

@@ -199,13 +199,14 @@ def check_special_token_text(
     records: Sequence[PromptRecord], where: Sequence[str], tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """Refuse a prompt that spells a special token of ``tokenizer`` (``<|im_end|>``,
-    ``<|im_start|>``, ``<eos>``): the tokenizer reads that text as the token itself, which
-    silently ends a turn or starts one (a question that holds ``<|im_end|>`` leaves the user
-    turn there). Tokenizing the prompt with special tokens split instead would split the
-    chat template's own tokens too (it is rendered into the same text), and the prompt text
-    that rewards, exports and the length policy receive would no longer be what the model
-    reads. Checked on the prompt field as the file has it, before the suffix and the
-    template."""
+    ``<|im_start|>``, ``<eos>``) where the chat template makes it a user turn's content: the
+    tokenizer reads that text as the token itself, which silently ends the turn or starts
+    another (a question that holds ``<|im_end|>`` leaves the user turn there). Tokenizing
+    with special tokens split instead would split the template's own tokens too (it is
+    rendered into the same text), and the prompt text that rewards, exports and the length
+    policy receive would no longer be what the model reads. Checked on the prompt field as
+    the file has it, before the suffix and the template. Without a template the prompt is
+    the model's input as written, markup a user rendered ahead included."""
     pattern = _special_token_pattern(tokenizer)
     if pattern is None:
         return
@@ -214,8 +215,9 @@ def check_special_token_text(
         if found is not None:
             raise DataError(
                 f"{location}: the prompt holds {found.group()!r}, the text of a special token "
-                "of the tokenizer, which would read it as that token (ending or starting a "
-                "turn), not as text; prompts may not spell special tokens: remove or reword it"
+                "of the tokenizer, which would read it as that token inside the chat "
+                "template's user turn, not as text; with data.chat_template=true prompts may "
+                "not spell special tokens: remove or reword it"
             )
 
 
@@ -250,7 +252,8 @@ def _dataset(
     cfg: Config,
 ) -> PromptDataset:
     data = cfg.data
-    check_special_token_text(records, where, tokenizer)
+    if data.chat_template:
+        check_special_token_text(records, where, tokenizer)
     records = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
     truncated = check_prompts(
         records,

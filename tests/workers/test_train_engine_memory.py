@@ -267,6 +267,33 @@ def test_resume_with_the_optimizer_state_offloaded_continues_exactly(tmp_path: P
         assert torch.equal(full_state_dict(resumed.model)[name], value), name
 
 
+def test_a_load_into_copies_of_the_optimizer_state_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """The state is read in place into the tensors ``get_state_dict`` hands back: were they
+    copies (another torch, or CPU-offload options), the load would change nothing and the
+    run would resume from placeholder moments. It stops instead."""
+    from verlite.distributed import sharded_state
+
+    batch = make_batch(ADAMW)
+    saved = _engine("optimizer")
+    saved.train_mini_batch(batch.clone(), LOSS)
+    saved.save(tmp_path)
+    real = sharded_state.get_state_dict
+
+    def copying(model, optimizer, options):
+        model_state, optim_state = real(model, optimizer, options=options)
+        optim_state["state"] = {
+            name: {key: value.clone() for key, value in entry.items()}
+            for name, entry in optim_state["state"].items()
+        }
+        return model_state, optim_state
+
+    monkeypatch.setattr(sharded_state, "get_state_dict", copying)
+    with pytest.raises(
+        RuntimeError, match=r"optimizer state .* is a copy, not the optimizer's own"
+    ):
+        _engine("optimizer").load(tmp_path)
+
+
 def _one_parameter_at_a_time(monkeypatch) -> list[int]:
     """The number of parameters with a gradient at each AdamW step from now on; loading an
     optimizer's state with ``Optimizer.load_state_dict`` (which casts every loaded moment

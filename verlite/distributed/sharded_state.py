@@ -117,6 +117,27 @@ def save_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
 
 
+def _check_held_in_place(optimizer: torch.optim.Optimizer, optim_state: dict[str, Any]) -> None:
+    """Every state tensor ``get_state_dict`` handed back is one the optimizer holds, so that
+    DCP's load into them is the optimizer's (torch 2.11 and 2.13 hand back the optimizer's
+    own without full-state or CPU-offload options); a copy would make the load a silent no-op,
+    the run resuming from placeholder moments."""
+    held = {
+        id(value)
+        for entry in optimizer.state.values()
+        for value in entry.values()
+        if isinstance(value, torch.Tensor)
+    }
+    for name, entry in optim_state["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and id(value) not in held:
+                raise RuntimeError(
+                    f"the optimizer state {name}.{key} that DCP would load into is a copy, not "
+                    "the optimizer's own tensor: this torch's get_state_dict differs from the "
+                    "one verlite's in-place load was written for"
+                )
+
+
 def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
     """Collective: load in place into an identically built model and optimizer.
 
@@ -127,6 +148,7 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
     once: it sets the model alone, and the optimizer gets its groups' settings (learning
     rate, betas, ...) here."""
     model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+    _check_held_in_place(optimizer, optim_state)
     state = {"model": model_state, "optim": optim_state}
     reader = _SafeReader(str(path))
     try:

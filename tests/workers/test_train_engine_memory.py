@@ -362,6 +362,26 @@ def test_a_save_of_an_optimizer_that_never_stepped_creates_its_state_a_parameter
     assert peak <= 2 * _nbytes(params) + 3 * largest < 3 * _nbytes(params)
 
 
+def test_an_optimizer_without_state_is_not_stepped_a_parameter_at_a_time(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """SGD keeps no state: one step shows it, and DCP's own zero-gradient step (as much
+    memory as a training step's gradients) stands, where a step per parameter did nothing."""
+    stepped: list[int] = []
+    real_step = torch.optim.SGD.step
+
+    def step(optimizer: torch.optim.Optimizer, *args, **kwargs):
+        stepped.append(sum(p.grad is not None for g in optimizer.param_groups for p in g["params"]))
+        return real_step(optimizer, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.SGD, "step", step)
+    sgd = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64", "actor.optim.name=sgd"])
+    engine = _engine("none", run=sgd)
+    engine.save(tmp_path)
+    params = list(engine.model.parameters())
+    assert stepped == [1, len(params)]  # the engine's probe, then DCP's joint step
+
+
 def _resume_on_ranks(rank: int, world: int, offload: str, path: str, batch) -> tuple:
     """Four updates straight, and two, a save, a fresh engine's load and two more."""
     local = batch[rank::world]

@@ -167,7 +167,7 @@ def sync_layout(
 ) -> SyncLayout:
     """The buckets of a sync of ``state`` (whole or sharded tensors: their full shapes), each
     tensor sent in its ``dtypes`` entry (the receiving model's; ``verlite.models.precision.
-    inference_dtypes``), else its own dtype."""
+    generation_dtypes``), else its own dtype."""
     buckets: list[tuple[TensorSpec, ...]] = []
     bucket: list[TensorSpec] = []
     size = staged = 0

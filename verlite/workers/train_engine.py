@@ -311,8 +311,9 @@ class TrainEngine:
         (:meth:`_optimizer_step`, which with ``offload=optimizer`` sends the state it creates
         to the CPU), dropped after it. The learning rate is 0 for these steps: the weights do
         not change, and the state's values are placeholders a load overwrites and a save
-        drops after (``_drop_unstepped_state``). SGD keeps no state: DCP still steps it with
-        zero gradients, no more memory than a training step's gradients."""
+        drops after (``_drop_unstepped_state``). An optimizer that keeps no state (SGD
+        without momentum) is left after its first parameter: DCP still steps it with zero
+        gradients, no more memory than a training step's gradients."""
         if self.optimizer.state:
             return
         groups = self.optimizer.param_groups
@@ -326,6 +327,8 @@ class TrainEngine:
                     self._optimizer_step()
                 finally:
                     param.grad = None
+                if not self.optimizer.state:
+                    break
         finally:
             for group, rate in zip(groups, rates, strict=True):
                 group["lr"] = rate

@@ -188,17 +188,3 @@ def test_parquet_reads_only_the_configured_columns(
         f"{path}: missing column 'prompt' (data.prompt_key); the file has "
         "['answer', 'image', 'question']"
     )
-
-
-def test_a_folder_of_parquet_parts_reads_as_one_file(tmp_path: Path) -> None:
-    # Spark writes a Parquet "file" as a folder of parts; read_table reads it in order.
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    path = tmp_path / "p.parquet"
-    path.mkdir()
-    for part, (prompt, answer) in enumerate([("1+1=", "2"), ("2+2=", "4")]):
-        table = pa.table({"prompt": [prompt], "answer": [answer], "image": [b"\0" * 64]})
-        pq.write_table(table, path / f"part-{part}.parquet")
-    records, where = read_prompt_file(path)
-    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
-    assert where == [f"{path} row 1", f"{path} row 2"]

@@ -127,8 +127,7 @@ def _parquet_rows(path: Path, columns: dict[str, str]) -> Iterable[tuple[str, An
     import pyarrow.parquet
 
     try:
-        # The dataset's schema, not read_schema's: a folder of Parquet parts (Spark's) reads too.
-        names = pyarrow.parquet.ParquetDataset(path).schema.names
+        names = pyarrow.parquet.read_schema(path).names
         for name, setting in columns.items():
             if name not in names:
                 raise DataError(

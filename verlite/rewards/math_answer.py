@@ -113,6 +113,12 @@ class MathReward:
                 reply = self._ask({"gold": gold})
         except RuntimeError as exc:  # the process ended on it (out of its memory or CPU time)
             raise ValueError(f"{exc} reading the reference answer {shown(gold, 80)}") from None
+        if reply == "did not start":  # not the answer's doing: every verification's would fail
+            raise ValueError(
+                f"math reward: math-verify's process did not start within {self.budget_s:g} s "
+                "(half of reward.timeout_s, which a verification's start counts in); raise "
+                "reward.timeout_s"
+            )
         if isinstance(reply, str):
             raise ValueError(
                 f"math reward: math-verify {reply} within {self.budget_s:g} s (half of "

@@ -47,12 +47,11 @@ clean:
 # own embedded Ray and kills a worker, the node or the driver (SIGTERM). Also the slowest whole
 # runs: every gpu-check part on CPU shapes, the whole-run invariance cases (the negative control
 # stays in make test), the PPO case of the resume test and the resumes with changed settings or
-# warm-up checkpoints, and the console's lines of whole runs.
+# warm-up checkpoints, a tied-head split run under bf16-mixed, and the console's lines of whole
+# runs: every test marked cluster, wherever it is.
 .PHONY: test-cluster
 test-cluster: setup
-	$(PY) -m pytest -q -m cluster tests/jobs tests/controller/test_controller_session.py \
-		tests/e2e/test_e2e_failures.py tests/test_gpu_check.py tests/e2e/test_whole_run_invariance.py \
-		tests/e2e/test_e2e_resume.py tests/e2e/test_e2e_train.py
+	$(PY) -m pytest -q -m cluster tests
 
 # Every benchmark in benchmarks/, each in a fresh process; figures in benchmarks/results.json.
 .PHONY: bench

@@ -127,12 +127,12 @@ class _OneLineParser(argparse.ArgumentParser):
         named = []
         for flag in flags:
             name = flag.split("=", 1)[0]
-            close = difflib.get_close_matches(name, self.known_flags, n=1)
             if self.takes_overrides and flag.startswith("-") and "." in name:
                 override = flag.lstrip("-") if "=" in flag else f"{name.lstrip('-')}=VALUE"
                 named.append(f"{flag} (an override takes no dashes: {override})")
-            else:
-                named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+                continue
+            close = difflib.get_close_matches(name, self.known_flags, n=1)
+            named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
         return f"unrecognized arguments: {' '.join(named)}"
 
     @property

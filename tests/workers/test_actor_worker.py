@@ -167,35 +167,42 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(tmp_path: Pat
     torch.testing.assert_close(reloaded[mask], trained[mask], rtol=0, atol=1e-6)
 
 
-def test_an_fsdp_actor_validating_a_split_run_decodes_static_not_with_graphs() -> None:
-    """``rollout.decode=cuda_graphs`` with an FSDP actor passes start-up when a rollout group
-    generates (split); the actor still generates the validation batches, in lockstep, and
-    its all-gathers cannot be captured: it decodes statically, the rollout group with graphs."""
+def _split_run_decoding_on_cuda(*overrides: str) -> tuple[Config, Any, Any]:
+    """A split run's config on cuda (which validates), its policy, and how a worker of it
+    decodes (``PolicyWorker.decode_settings``, called on CPU: only its decision is tested)."""
     from types import SimpleNamespace
 
     from verlite.models import build_policy
     from verlite.workers.policy_worker import PolicyWorker
 
-    cfg = load_config(
-        "configs/ppo_tiny.yaml",
-        [
-            "rollout.decode=cuda_graphs",
-            "model.device=cuda",
-            "actor.strategy=fsdp",
-            "rollout.placement=split",
-            "trainer.workers_per_node=2",
-            "actor.micro_batch_size_per_worker=8",
-            "critic.micro_batch_size_per_worker=8",
-        ],
-    )
+    overrides = ("model.device=cuda", "rollout.placement=split", *overrides)
+    cfg = load_config("configs/ppo_tiny.yaml", list(overrides))
     assert cfg.trainer.val_freq > 0
     model = build_policy(cfg.model, vocab_size=40, max_positions=16, seed=0)
     worker = SimpleNamespace(cfg=cfg)
-    cuda = torch.device("cuda")
-    settings = PolicyWorker.decode_settings(worker, model, cuda, lockstep=True, trains_on=False)  # type: ignore[arg-type]
-    assert settings.mode == "static"
-    settings = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=True)  # type: ignore[arg-type]
-    assert settings.mode == "cuda_graphs"
+
+    def settings(*, lockstep: bool, trains_on: bool) -> Any:
+        cuda = torch.device("cuda")
+        return PolicyWorker.decode_settings(
+            worker, model, cuda, lockstep=lockstep, trains_on=trains_on
+        )  # type: ignore[arg-type]
+
+    return cfg, model, settings
+
+
+def test_an_fsdp_actor_validating_a_split_run_decodes_static_not_with_graphs() -> None:
+    """``rollout.decode=cuda_graphs`` with an FSDP actor passes start-up when a rollout group
+    generates (split); the actor still generates the validation batches, in lockstep, and
+    its all-gathers cannot be captured: it decodes statically, the rollout group with graphs."""
+    _, _, settings = _split_run_decoding_on_cuda(
+        "rollout.decode=cuda_graphs",
+        "actor.strategy=fsdp",
+        "trainer.workers_per_node=2",
+        "actor.micro_batch_size_per_worker=8",
+        "critic.micro_batch_size_per_worker=8",
+    )
+    assert settings(lockstep=True, trains_on=False).mode == "static"
+    assert settings(lockstep=False, trains_on=True).mode == "cuda_graphs"
 
 
 @pytest.mark.parametrize("decode", ["cuda_graphs", "auto"])
@@ -207,30 +214,15 @@ def test_a_split_runs_actor_validates_without_graphs_or_a_generation_copy(decode
     few generations. It decodes statically from the trained model instead: autocast's bf16
     casts last as long as a validation's generation (the replayed graphs run the static
     step: ``tests/generation/test_static_decode.py``). The rollout group keeps its graphs."""
-    from types import SimpleNamespace
-
-    from verlite.models import build_policy
     from verlite.workers.actor import generation_copy
-    from verlite.workers.policy_worker import PolicyWorker
 
-    cfg = load_config(
-        "configs/ppo_tiny.yaml",
-        [
-            f"rollout.decode={decode}",
-            "model.device=cuda",
-            "model.precision=bf16-mixed",
-            "actor.strategy=ddp",
-            "rollout.placement=split",
-        ],
+    cfg, model, settings = _split_run_decoding_on_cuda(
+        f"rollout.decode={decode}", "model.precision=bf16-mixed", "actor.strategy=ddp"
     )
-    assert cfg.trainer.val_freq > 0
-    model = build_policy(cfg.model, vocab_size=40, max_positions=16, seed=0)
-    worker = SimpleNamespace(cfg=cfg)
-    cuda = torch.device("cuda")
-    validating = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=False)  # type: ignore[arg-type]
+    validating = settings(lockstep=False, trains_on=False)
     assert validating.mode == "static"
     assert generation_copy(model, cfg.precision, validating) is None
-    rollout = PolicyWorker.decode_settings(worker, model, cuda, lockstep=False, trains_on=True)  # type: ignore[arg-type]
+    rollout = settings(lockstep=False, trains_on=True)
     assert rollout.mode == "cuda_graphs"
     assert generation_copy(model, cfg.precision, rollout) is not None
 

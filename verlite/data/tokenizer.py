@@ -56,7 +56,7 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
     :data:`CHARACTERS` for prompt files."""
     if model_path is None:
         return build_task_tokenizer(TASK_ALPHABET if task is not None else CHARACTERS)
-    tokenizer = read_tokenizer(model_path, field="model.path", whose="the model's")
+    tokenizer = _read_tokenizer(model_path, field="model.path", whose="the model's")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ConfigError(
@@ -69,10 +69,10 @@ def load_tokenizer(model_path: str | None, *, task: str | None = None) -> PreTra
 
 def load_reward_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The reward model's own tokenizer (``reward.model.path``), read as the policy's is."""
-    return read_tokenizer(path, field="reward.model.path", whose="the reward model's")
+    return _read_tokenizer(path, field="reward.model.path", whose="the reward model's")
 
 
-def read_tokenizer(path: str, *, field: str, whose: str) -> PreTrainedTokenizerBase:
+def _read_tokenizer(path: str, *, field: str, whose: str) -> PreTrainedTokenizerBase:
     """The tokenizer saved in the folder ``path`` (the setting ``field``; local files only),
     or one line saying that none loads from it: no tokenizer files, ones it cannot build
     from, a tokenizer.json the installed tokenizers cannot read (one a newer version saved:

@@ -6,7 +6,8 @@ A pass costs 2 x the model's dense parameters per token (every weight matrix the
 through, the LM head included, the embeddings excluded: lookups, whatever they are named) and
 4 x heads x head_dim x layers per attended (query, key) pair (scores and weighted values: each
 of the query heads' dot products and sums is head_dim wide, which is not hidden / heads in
-every model: Qwen3's and Gemma's heads are wider); a backward pass twice a forward one. The GPU's peak is its datasheet's dense (no sparsity) bf16 tensor-core figure.
+every model: Qwen3's and Gemma's heads are wider); a backward pass twice a forward one. The
+GPU's peak is its datasheet's dense (no sparsity) bf16 tensor-core figure.
 """
 
 from __future__ import annotations

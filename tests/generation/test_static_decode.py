@@ -362,3 +362,118 @@ def test_a_row_budget_ends_a_row_as_an_end_token_does(mode: str) -> None:
     assert torch.equal(out["responses"], free["responses"].where(kept, PAD))
     assert torch.equal(out["rollout_log_probs"], free["rollout_log_probs"].where(kept, 0.0))
     assert BUDGET_KEY not in set(out.keys())
+
+
+# What a decode step must not do to be captured as a CUDA graph: read a tensor's value on the
+# host (``.item()``, ``int()``, ``.tolist()``, a comparison used as a bool), or run an op whose
+# output's shape depends on the values (``nonzero``, ``masked_select``, ``unique``).
+HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
+VALUE_SHAPED = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::masked_select",
+    "aten::unique_dim",
+    "aten::_unique2",
+    "aten::is_nonzero",
+}
+
+
+class HostReads(ClosureGraphs):
+    """``cuda_graphs`` on CPU, recording each host read or value-shaped op a captured step
+    makes (on a GPU, each would fail the capture or bake one step's value into the graph)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.found: list[str] = []
+
+    def _capture(self, step: Callable[[], None]) -> SimpleNamespace:  # type: ignore[override]
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        found = self.found
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if func._schema.name in VALUE_SHAPED:
+                    found.append(func._schema.name)
+                return func(*args, **(kwargs or {}))
+
+        class Reads(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if getattr(func, "__name__", "") in HOST_READS:
+                    found.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        with Ops(), Reads():
+            return super()._capture(step)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_captured_decode_step_reads_nothing_on_the_host(autocast: bool) -> None:
+    """Every step that ``cuda_graphs`` captures (Llama, and Qwen2 with a tied head; sampled
+    with top-k and top-p; in fp32 and under bf16 autocast) makes no host read and no op whose
+    shape depends on values: on a GPU the capture would fail, or replay one step's number at
+    every step. The steps between (``_check``, ``_compact``) read on the host, outside."""
+    decode = DecodeSettings("cuda_graphs", batch_buckets=(2, 4, 8), kv_block=4)
+    for model in (llama("fp32"), tiny_qwen2(tied=True, vocab_size=VOCAB)):
+        td, params = prompts(batch=12, width=9, seed=1), SETTINGS["top_k_top_p"]
+        graphs = Sampler(model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False, decode=decode)
+        decoder = HostReads(
+            model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False, settings=decode
+        )
+        graphs.static = decoder
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            graphs.generate(td, params, noise(td, 4, 14))
+        assert decoder.captured > 2 and decoder.found == []
+
+
+class AddressedGraphs(ClosureGraphs):
+    """``cuda_graphs`` on CPU whose 'graph' reads, as a real one, the addresses its model's
+    tensors had at its capture: replayed after they moved, it fails."""
+
+    def _capture(self, step: Callable[[], None]) -> SimpleNamespace:  # type: ignore[override]
+        captured = [t.data_ptr() for t in self.model.parameters()]
+
+        def replay() -> None:
+            now = [t.data_ptr() for t in self.model.parameters()]
+            assert now == captured, "a graph replayed on model tensors that moved since its capture"
+            step()
+
+        self.captured += 1
+        step()
+        return SimpleNamespace(replay=replay)
+
+
+def test_graphs_replay_only_on_the_tensors_they_were_captured_on() -> None:
+    """A weight sync on the CPU makes the model's tensors views of the received bytes (new
+    addresses): the graphs captured before are dropped, and the tokens are the new weights'
+    (as eager draws them), every replay on the tensors its graph was captured on. An
+    in-place refresh (a colocated actor's generation copy; a sync on a GPU) keeps the
+    addresses, and the graphs."""
+    from tests.generation.test_weight_sync import deliver, sync
+    from verlite.generation.weights import WeightReceiver
+    from verlite.models.precision import refresh_inference_copy
+
+    decode = DecodeSettings("cuda_graphs", batch_buckets=(2, 4, 8), kv_block=4)
+    model, trained = llama("fp64"), llama("fp64")
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    td, params = prompts(batch=12, width=9, seed=2), SETTINGS["sampled"]
+    graphs = Sampler(model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False, decode=decode)
+    decoder = AddressedGraphs(
+        model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False, settings=decode
+    )
+    graphs.static = decoder
+    graphs.generate(td, params, noise(td, 5, 14))
+    before = dict(decoder.graphs)
+    receiver = WeightReceiver(model, who="rollout rank 0")
+    deliver(receiver, sync(trained, version=1, bucket_bytes=4096))
+    out = graphs.generate(td, params, noise(td, 5, 14))
+    assert not any(decoder.graphs.get(key) is graph for key, graph in before.items())
+    eager = sampler(trained, DecodeSettings("eager")).generate(td, params, noise(td, 5, 14))
+    assert_same(out, eager)
+    kept = dict(decoder.graphs)
+    refresh_inference_copy(model, llama("fp64"))  # in place: the graphs stay
+    graphs.generate(td, params, noise(td, 5, 14))
+    assert all(decoder.graphs[key] is graph for key, graph in kept.items())

@@ -59,7 +59,7 @@ bench: setup
 	$(PY) -m benchmarks.run_all
 
 # CUDA, NCCL and bfloat16 (issue 35): check-invariance over every visible GPU, the main job on
-# cuda, the 0.5B update and the 7B-shaped GRPO steps, as one table (10 minutes of limits); without
+# cuda, the 0.5B update and the 7B-shaped GRPO steps, as one table (held to 570 s, --budget-s); without
 # a GPU it says so and exits 0. CI does not run it.
 .PHONY: gpu-check
 gpu-check: setup

@@ -36,14 +36,19 @@ one device command of its own):
    recipe's (a trained model stops earlier); with it the peak memory of the actor and the
    critic, and the step's split.
 
-Each part runs with its own time limit (a part past it is reported as such and the rest still
-run) and writes its log under ``--output-dir`` (default ``outputs/gpu_check``), with
-``summary.json`` and ``summary.md`` of every part; ``--parts`` runs some of them (default:
-1-4, ``make gpu-check``; a session can split the check over two commands, each with its own
-``--output-dir``). On a machine without a GPU it says so and exits 0; ``--cpu`` runs every
-part there on tiny shapes (what CI runs, so that a typo cannot first show on the GPU; there
-the ``grpo_step`` and ``rollout`` parts' fast decode is ``static``, as CUDA graphs need a
-GPU). CI does not run it otherwise. Parts 5 to 7 have not been measured on a GPU yet.
+Each part is a process of its own with its own time limit (a part past it is stopped,
+reported as such, and the rest still run), its whole output in a log under ``--output-dir``
+(default ``outputs/gpu_check``); ``summary.json`` and ``summary.md`` are written there as
+each part starts (its row RUNNING) and ends, so a device command cut at its limit keeps
+what its finished parts measured; a part whose results cannot be read leaves its traceback
+in ``<part's name>.error.log``. ``--budget-s``: the seconds the command may take in all (a device
+command's limit, less what ran before it): each part gets its own limit or what the budget
+has left, and one that would get less than ``MIN_PART_S`` is not run. ``--parts`` runs
+some of them (default: 1-4, ``make gpu-check``; a session can split the check over two
+commands, each with its own ``--output-dir``). On a machine without a GPU it says so and
+exits 0; ``--cpu`` runs every part there on tiny shapes (what CI runs, so that a typo cannot
+first show on the GPU; there the ``grpo_step`` and ``rollout`` parts' fast decode is
+``static``, as CUDA graphs need a GPU). CI does not run it otherwise. Parts 5 to 7 have not been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import signal
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,7 +69,7 @@ from typing import Any
 
 import torch
 
-from verlite.audit.invariance import check_invariance, tolerance_for
+from verlite.audit.invariance import LayoutReport
 from verlite.config import load_config
 from verlite.table import format_table
 
@@ -72,15 +78,17 @@ CONFIG_7B = "configs/grpo_7b_shape.yaml"
 CONFIG_05B = "configs/grpo_0p5b_shape.yaml"
 RECIPE = "configs/recipes/gsm8k_ppo.yaml"
 OUTPUT_DIR = "outputs/gpu_check"
-# Each part's limit in seconds (each audit's is per spawn of its ranks). `make gpu-check`
-# (CHECK, issue 35's parts): together 10 minutes, a device command's most; on one H200 they
-# should take about 6 (not yet measured there). `make gpu-bench` (BENCH, issue 36's): 8
-# minutes; estimated from the issue's eager figure (7.6k tok/s, 34 ms a step): rollout ~2.5
-# minutes (a warm-up and 3 repetitions of eager, HF and graphs at both shapes, the profile),
-# grpo_step ~1 minute a run (Ray and the model's set-up, two steps of ~13 s with eager), each
-# run of it held to half the part's limit. Not yet measured on a GPU.
+# Each part's limit in seconds: of one audit's process (each of the three, one per precision,
+# for its in-process references and one launch of ranks per dp and strategy on one GPU; more
+# GPUs add AUDIT_LAUNCH_S a launch), of the other parts' process (grpo_step: of each of its
+# two runs, half of it). `make gpu-check` (CHECK, issue 35's parts): about 10 minutes, a
+# device command's most (--budget-s holds them to it); on one H200 they should take about 6
+# (not yet measured there). `make gpu-bench` (BENCH, issue 36's): 8 minutes; estimated from
+# the issue's eager figure (7.6k tok/s, 34 ms a step): rollout ~2.5 minutes (a warm-up and 3
+# repetitions of eager, HF and graphs at both shapes, the profile), grpo_step ~1 minute a run
+# (Ray and the model's set-up, two steps of ~13 s with eager). Not yet measured on a GPU.
 LIMITS = {
-    "audit": 60,
+    "audit": 90,
     "main_job": 60,
     "update": 120,
     "grpo_7b": 240,
@@ -88,8 +96,15 @@ LIMITS = {
     "grpo_step": 270,
     "recipe": 300,
 }
+# An audit's ranks launched past the two of one GPU (dp 1, ddp and fsdp): seconds each.
+AUDIT_LAUNCH_S = 30
+# A part the budget leaves fewer seconds than this (after GRACE_S) is not run.
+MIN_PART_S = 20
 CHECK = ("audit", "main_job", "update", "grpo_7b")
 BENCH = ("rollout", "grpo_step")
+# The seconds `gpu_check` may take in all by default: a device command's 600 s, less 20 s for
+# installing the wheels (/work/shared/device/README.md) and 10 s of margin.
+BUDGET_S = 570.0
 # Seconds a part past its limit has to stop after SIGTERM before its processes are killed.
 GRACE_S = 30
 # The main job on cuda: enough steps to see it run and validate, not to learn.
@@ -168,32 +183,55 @@ class Target:
     device: str
     dps: list[int]
     output_dir: Path
-    audit_layouts: dict[str, Any] = field(default_factory=dict)
+    audit_flags: tuple[str, ...] = ()  # what else ``verlite check-invariance`` is given
 
     @property
     def cpu(self) -> bool:
         return self.device == "cpu"
 
 
-def audit(target: Target, precision: str, *, expect_pass: bool) -> Part:
-    """``check-invariance`` of the main config in ``precision`` over ``target.dps``."""
-    cfg = load_config(CONFIG, [f"model.device={target.device}", f"model.precision={precision}"])
+def audit_limit(target: Target) -> float:
+    """The limit of one audit's process: :data:`LIMITS` ``audit``, and :data:`AUDIT_LAUNCH_S`
+    for each launch of ranks past the two of one GPU."""
+    launches = len(target.dps) * 2
+    return LIMITS["audit"] + AUDIT_LAUNCH_S * max(0, launches - 2)
+
+
+def audit(target: Target, precision: str, *, expect_pass: bool, limit: float) -> Part:
+    """``verlite check-invariance --json`` of the main config in ``precision`` over
+    ``target.dps``, a process of its own (its output in ``check_invariance_<precision>.log``)
+    stopped past ``limit`` seconds."""
     part = Part(f"check-invariance {precision}", f"dp {','.join(map(str, target.dps))}")
-    started = time.monotonic()
-    limit = LIMITS["audit"]
-    reports = check_invariance(cfg, dps=target.dps, timeout_s=limit, **target.audit_layouts)
-    part.seconds = time.monotonic() - started
-    worst, tolerance = max(r.worst() for r in reports), tolerance_for(cfg)
-    failed = sum(r.worst() > tolerance for r in reports)
-    part.what = f"{len(reports)} layouts, {part.what}"
+    command = [sys.executable, "-m", "verlite", "check-invariance", "--config", CONFIG, "--json"]
+    command += ["--dp", ",".join(map(str, target.dps)), *target.audit_flags]
+    command += [f"model.device={target.device}", f"model.precision={precision}"]
+    log = target.output_dir / f"check_invariance_{precision}.log"
+    code, part.seconds, lines = _subprocess(command, log=log, limit=limit)
+    result = _last_json(lines) if code in (0, 1) else {}
+    if not result:  # 1 without a result: it raised
+        part.verdict = _exit_verdict(code, limit)
+        return part
+    worsts = [LayoutReport(**layout).worst() for layout in result["layouts"]]
+    worst, tolerance, layouts = max(worsts), result["tolerance"], len(worsts)
+    failed = sum(w > tolerance for w in worsts)
+    part.what = f"{layouts} layouts, {part.what}"
     part.figure = f"worst {worst:.1e} (tolerance {tolerance:g}), {failed} over"
     passed = failed == 0
     if expect_pass:
         part.verdict = "ok" if passed else "FAILED"
     else:
         part.verdict = "fails as expected" if not passed else "UNEXPECTEDLY PASSED"
-    part.details = {"worst": worst, "tolerance": tolerance, "layouts": len(reports), "over": failed}
+    part.details = {"worst": worst, "tolerance": tolerance, "layouts": layouts, "over": failed}
     return part
+
+
+def _last_json(lines: list[str]) -> dict[str, Any]:
+    """The JSON object a command printed last (``benchmarks.common.emit``'s line), {} if none."""
+    for line in reversed(lines):
+        if line.startswith("{"):
+            with contextlib.suppress(json.JSONDecodeError):
+                return dict(json.loads(line))
+    return {}
 
 
 def _subprocess(
@@ -244,11 +282,10 @@ def _train(
     return code, seconds, records
 
 
-def main_job(target: Target) -> Part:
+def main_job(target: Target, limit: float) -> Part:
     """The main config trained on ``target``'s device, actor and critic sharing one GPU."""
     overrides = [f"model.device={target.device}"]
     overrides += CPU_MAIN_JOB if target.cpu else GPU_MAIN_JOB
-    limit = LIMITS["main_job"]
     code, seconds, records = _train(target, CONFIG, "main_job", overrides, limit)
     vals = [r["val/score/mean"] for r in records if "val/score/mean" in r]
     return Part(
@@ -261,13 +298,12 @@ def main_job(target: Target) -> Part:
     )
 
 
-def update_benchmark(target: Target) -> Part:
+def update_benchmark(target: Target, limit: float) -> Part:
     """``benchmarks/gpu_update.py``: its JSON (the log's last line) in the summary."""
     command = [sys.executable, "-m", "benchmarks.gpu_update", *(CPU_UPDATE if target.cpu else [])]
-    limit = LIMITS["update"]
     log = target.output_dir / "gpu_update.log"
     code, seconds, lines = _subprocess(command, log=log, limit=limit)
-    result = json.loads(lines[-1]) if code == 0 and lines else {}
+    result = _last_json(lines) if code == 0 else {}
     part = Part("update benchmark", result.get("shape", "qwen2-0.5b"), seconds=seconds)
     part.verdict, part.details = _exit_verdict(code, limit), result
     if result:
@@ -286,12 +322,11 @@ SPLIT = ("timing_s/gen", "timing_s/log_probs", "timing_s/update_actor", "timing_
 MFU = "perf/mfu/update"  # on cuda only
 
 
-def grpo_7b(target: Target) -> Part:
+def grpo_7b(target: Target, limit: float) -> Part:
     """Two GRPO steps of ``configs/grpo_7b_shape.yaml``: each step's actor peak memory and
     the split of its time."""
     overrides = [f"model.device={target.device}"]
     overrides += CPU_7B if target.cpu else []
-    limit = LIMITS["grpo_7b"]
     code, seconds, records = _train(target, CONFIG_7B, "grpo_7b_shape", overrides, limit)
     steps = [
         {k: r.get(k) for k in ("step", "perf/max_memory_allocated_gb/actor", MFU, *SPLIT)}
@@ -310,14 +345,13 @@ def grpo_7b(target: Target) -> Part:
     return part
 
 
-def rollout_benchmark(target: Target) -> Part:
+def rollout_benchmark(target: Target, limit: float) -> Part:
     """``benchmarks/rollout.py --device cuda``: its JSON (the log's last line) in the summary;
     a variant it reports under ``errors`` (graphs that failed to capture) fails the part."""
     args = CPU_ROLLOUT if target.cpu else GPU_ROLLOUT
     command = [sys.executable, "-m", "benchmarks.rollout", *args]
-    limit = LIMITS["rollout"]
     code, seconds, lines = _subprocess(command, log=target.output_dir / "rollout.log", limit=limit)
-    result = json.loads(lines[-1]) if code == 0 and lines else {}
+    result = _last_json(lines) if code == 0 else {}
     shape = "tiny" if target.cpu else "qwen2-0.5b"
     part = Part("rollout benchmark", f"{shape}, decode modes vs HF", seconds=seconds)
     part.verdict, part.details = _exit_verdict(code, limit), result
@@ -351,12 +385,12 @@ def rollout_benchmark(target: Target) -> Part:
     return part
 
 
-def grpo_step(target: Target) -> Part:
+def grpo_step(target: Target, limit: float) -> Part:
     """Two GRPO steps of ``configs/grpo_0p5b_shape.yaml`` with the sampler before issue 36
     (``rollout.decode=eager``) and after (cuda_graphs; static on CPU): each run's second step,
     its ``timing_s/*`` and generation's share of it, and the speedup."""
     after = "static" if target.cpu else "cuda_graphs"
-    limit = LIMITS["grpo_step"] / 2
+    limit /= 2
     part = Part("0.5B-shaped GRPO step", f"rollout.decode eager vs {after}")
     runs, verdicts = {}, []
     for decode in ("eager", after):
@@ -416,7 +450,7 @@ RECIPE_KEYS = (
 )
 
 
-def recipe_step(target: Target) -> Part:
+def recipe_step(target: Target, limit: float) -> Part:
     """Two steps of the PPO GSM8K recipe (``configs/recipes/gsm8k_ppo.yaml``) with a random
     policy of the 0.5B shape and generated prompts (module docstring, 7): the second step's
     time, an upper bound of the recipe's, its split and the peak memory."""
@@ -424,7 +458,6 @@ def recipe_step(target: Target) -> Part:
     overrides = [f"model.{name}={getattr(shape, name)}" for name in SHAPE_FIELDS]
     overrides += [f"model.device={target.device}", *RECIPE_DATA]
     overrides += CPU_RECIPE if target.cpu else GPU_RECIPE
-    limit = LIMITS["recipe"]
     code, seconds, records = _train(target, RECIPE, "recipe_ppo", overrides, limit)
     shape_name = "tiny shape" if target.cpu else "random 0.5B shape"
     part = Part("PPO recipe step", f"gsm8k_ppo.yaml, {shape_name}", seconds=seconds)
@@ -443,47 +476,90 @@ def recipe_step(target: Target) -> Part:
     return part
 
 
-def write_summary(target: Target, parts: list[Part], header: str) -> None:
+def write_summary(target: Target, parts: list[Part], header: str) -> list[tuple[str, ...]]:
+    """``summary.json`` and ``summary.md`` of ``parts`` under the output dir; the table's rows."""
     rows = [(p.name, p.what, p.figure, f"{p.seconds:.0f} s", p.verdict) for p in parts]
-    table = format_table(rows)
-    print(table, flush=True)
     target.output_dir.mkdir(parents=True, exist_ok=True)
     summary = {"header": header, "parts": [asdict(p) for p in parts]}
     (target.output_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = ["| part | what | figure | time | verdict |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     (target.output_dir / "summary.md").write_text(f"{header}\n\n" + "\n".join(lines) + "\n")
+    return rows
 
 
-def run_parts(target: Target, groups: list[str]) -> list[Part]:
-    """The parts of ``groups`` (keys of :data:`LIMITS`) in turn; one that raises is reported
-    as failed and the rest still run."""
-    parts: dict[str, tuple[str, Callable[[], Part]]] = {
-        "check-invariance fp32": ("audit", lambda: audit(target, "fp32", expect_pass=True)),
+PartFn = Callable[[Target, float], Part]
+
+
+def _parts(target: Target) -> dict[str, tuple[str, float, PartFn]]:
+    """Every part by its row's name, in the order of the module docstring: its group (a key
+    of :data:`LIMITS`, what ``--parts`` names), its limit and what runs it."""
+
+    def audit_in(precision: str, *, expect_pass: bool) -> PartFn:
+        return lambda t, limit: audit(t, precision, expect_pass=expect_pass, limit=limit)
+
+    return {
+        "check-invariance fp32": ("audit", audit_limit(target), audit_in("fp32", expect_pass=True)),
         "check-invariance bf16-mixed": (
             "audit",
-            lambda: audit(target, "bf16-mixed", expect_pass=True),
+            audit_limit(target),
+            audit_in("bf16-mixed", expect_pass=True),
         ),
-        "check-invariance bf16": ("audit", lambda: audit(target, "bf16", expect_pass=False)),
-        "main job": ("main_job", lambda: main_job(target)),
-        "update benchmark": ("update", lambda: update_benchmark(target)),
-        "7B-shaped GRPO": ("grpo_7b", lambda: grpo_7b(target)),
-        "rollout benchmark": ("rollout", lambda: rollout_benchmark(target)),
-        "0.5B-shaped GRPO step": ("grpo_step", lambda: grpo_step(target)),
-        "PPO recipe step": ("recipe", lambda: recipe_step(target)),
+        "check-invariance bf16": (
+            "audit",
+            audit_limit(target),
+            audit_in("bf16", expect_pass=False),
+        ),
+        "main job": ("main_job", LIMITS["main_job"], main_job),
+        "update benchmark": ("update", LIMITS["update"], update_benchmark),
+        "7B-shaped GRPO": ("grpo_7b", LIMITS["grpo_7b"], grpo_7b),
+        "rollout benchmark": ("rollout", LIMITS["rollout"], rollout_benchmark),
+        "0.5B-shaped GRPO step": ("grpo_step", LIMITS["grpo_step"], grpo_step),
+        "PPO recipe step": ("recipe", LIMITS["recipe"], recipe_step),
     }
-    done = []
-    for name, (group, part) in parts.items():
+
+
+def run_parts(
+    target: Target, groups: list[str], *, header: str, budget_s: float | None = None
+) -> list[Part]:
+    """The parts of ``groups`` (keys of :data:`LIMITS`) in turn, each within its limit or what
+    ``budget_s`` has left; the summary written as each starts and ends. One that raises is
+    reported as failed, its traceback in ``<name>.error.log``, and the rest still run."""
+    started_all = time.monotonic()
+    done: list[Part] = []
+    for name, (group, own_limit, run) in _parts(target).items():
         if group not in groups:
             continue
+        limit = float(own_limit)
+        if budget_s is not None:
+            left = budget_s - (time.monotonic() - started_all) - GRACE_S
+            if left < MIN_PART_S:
+                verdict = f"NOT RUN (budget: {max(left, 0):.0f} s left, its limit {limit:.0f} s)"
+                done.append(Part(name, "", "", 0.0, verdict))
+                _report(target, done, header)
+                continue
+            limit = min(limit, left)
+        write_summary(target, [*done, Part(name, "", "", 0.0, "RUNNING")], header)
         started = time.monotonic()
         try:
-            done.append(part())
+            part = run(target, limit)
         except Exception as exc:  # a broken part is a row of the table, not the end of the check
+            log = target.output_dir / f"{name.replace(' ', '_')}.error.log"
+            log.write_text(traceback.format_exc())
             error = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-            done.append(Part(name, "", error, time.monotonic() - started, "FAILED"))
-        print(f"gpu-check: {name}: {done[-1].verdict}", flush=True)
+            part = Part(name, "", f"{error} (traceback in {log})", 0.0, "FAILED")
+        part.seconds = part.seconds or time.monotonic() - started
+        done.append(part)
+        _report(target, done, header)
     return done
+
+
+def _report(target: Target, done: list[Part], header: str) -> None:
+    """The summary of the parts ``done`` so far, and the last one's line."""
+    write_summary(target, done, header)
+    last = done[-1]
+    figure = f": {last.figure}" if last.figure else ""
+    print(f"gpu-check: {last.name}: {last.verdict} ({last.seconds:.0f} s){figure}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -496,6 +572,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the parts to run, comma-separated, of {','.join(LIMITS)} (default: "
         f"{','.join(CHECK)}, make gpu-check; make gpu-bench runs {','.join(BENCH)})",
     )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=BUDGET_S,
+        help="seconds the check may take in all, a device command's limit (default "
+        f"{BUDGET_S:.0f}: one of 600 s after a 20 s install); each part gets its own limit or "
+        f"what is left, one left under {MIN_PART_S} s is not run; 0: no budget",
+    )
     args = parser.parse_args([] if argv is None else argv)
     groups = args.parts.split(",")
     if unknown := set(groups) - set(LIMITS):
@@ -503,8 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if args.cpu:
-        layouts = {"strategies": ("ddp",), "roles": ("actor",)}
-        target = Target("cpu", [2], output_dir, layouts)
+        target = Target("cpu", [2], output_dir, ("--strategy", "ddp"))
         header = f"gpu-check --cpu: tiny shapes, torch {torch.__version__}"
     else:
         if torch.version.cuda is None:
@@ -523,8 +606,8 @@ def main(argv: list[str] | None = None) -> int:
         target = Target("cuda", [dp for dp in (1, 2, 4, 8) if dp <= gpus], output_dir)
         header = f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     print(header, flush=True)
-    parts = run_parts(target, groups)
-    write_summary(target, parts, header)
+    parts = run_parts(target, groups, header=header, budget_s=args.budget_s or None)
+    print(format_table(write_summary(target, parts, header)), flush=True)
     return 0 if all(p.ok for p in parts) else 1
 
 

@@ -136,3 +136,111 @@ def test_an_unknown_part_is_one_line(capsys: pytest.CaptureFixture[str]) -> None
             "audit,main_job,update,grpo_7b,rollout,grpo_step,recipe"
         )
     )
+
+
+def test_each_part_leaves_its_row_in_the_summary_before_the_next_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A device command cut at its limit (the whole process killed) keeps what its parts
+    measured: summary.json and summary.md hold every finished part, and the part under way
+    as RUNNING, from the moment it starts; each part ends with one line of its own."""
+    seen: list[dict] = []
+
+    def first(target: gpu_check.Target, limit: float) -> gpu_check.Part:
+        return gpu_check.Part("main job", "2 steps", "final validation 0.5", 3.0, "ok")
+
+    def second(target: gpu_check.Target, limit: float) -> gpu_check.Part:
+        seen.append(json.loads((tmp_path / "summary.json").read_text()))
+        return gpu_check.Part("update benchmark", "tiny", "1 tok/s", 2.0, "ok")
+
+    monkeypatch.setattr(gpu_check, "main_job", first)
+    monkeypatch.setattr(gpu_check, "update_benchmark", second)
+    assert (
+        gpu_check.main(["--cpu", "--parts", "main_job,update", "--output-dir", str(tmp_path)]) == 0
+    )
+    [during] = seen
+    rows = [(p["name"], p["verdict"]) for p in during["parts"]]
+    assert rows == [("main job", "ok"), ("update benchmark", "RUNNING")]
+    assert "| update benchmark |" in (tmp_path / "summary.md").read_text()
+    lines = capsys.readouterr().out.splitlines()
+    assert "gpu-check: main job: ok (3 s): final validation 0.5" in lines
+    assert "gpu-check: update benchmark: ok (2 s): 1 tok/s" in lines
+
+
+def test_a_part_that_raises_leaves_its_traceback_under_the_output_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A part whose reading of its results raises is a FAILED row naming the error's last
+    line and the file that holds its whole traceback; the parts after it still run."""
+
+    def broken(target: gpu_check.Target, limit: float) -> gpu_check.Part:
+        records: list[dict] = [{"step": 1}]
+        return gpu_check.Part("main job", "", f"{records[0]['perf/mfu/update']:.2f}")
+
+    def fine(target: gpu_check.Target, limit: float) -> gpu_check.Part:
+        return gpu_check.Part("update benchmark", "tiny", "", 1.0, "ok")
+
+    monkeypatch.setattr(gpu_check, "main_job", broken)
+    monkeypatch.setattr(gpu_check, "update_benchmark", fine)
+    assert (
+        gpu_check.main(["--cpu", "--parts", "main_job,update", "--output-dir", str(tmp_path)]) == 1
+    )
+    parts = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert [(p["name"], p["verdict"]) for p in parts] == [
+        ("main job", "FAILED"),
+        ("update benchmark", "ok"),
+    ]
+    log = tmp_path / "main_job.error.log"
+    assert parts[0]["figure"] == f"KeyError: 'perf/mfu/update' (traceback in {log})"
+    text = log.read_text()
+    assert text.startswith("Traceback") and "in broken" in text
+
+
+def test_the_parts_run_within_the_budget_and_those_it_cannot_hold_are_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--budget-s``: the device command's time; each part gets its own limit or what the
+    budget has left (less the grace a part past its limit has to stop), and a part that
+    would get too little is reported as not run, not started and cut."""
+    limits: list[float] = []
+
+    def part(target: gpu_check.Target, limit: float) -> gpu_check.Part:
+        limits.append(limit)
+        return gpu_check.Part("main job", "", "", 0.0, "ok")
+
+    monkeypatch.setattr(gpu_check, "main_job", part)
+    monkeypatch.setattr(gpu_check, "update_benchmark", part)
+    out = str(tmp_path)
+    assert gpu_check.main(["--cpu", "--parts", "main_job", "--output-dir", out]) == 0
+    assert limits == [gpu_check.LIMITS["main_job"]]
+    budget = gpu_check.GRACE_S + 100
+    assert (
+        gpu_check.main(
+            ["--cpu", "--parts", "update", "--budget-s", str(budget), "--output-dir", out]
+        )
+        == 0
+    )
+    assert limits[1] <= 100 and limits[1] > 90  # the budget's, below the part's own 120 s
+    small = gpu_check.GRACE_S + gpu_check.MIN_PART_S - 1
+    assert (
+        gpu_check.main(
+            ["--cpu", "--parts", "main_job", "--budget-s", str(small), "--output-dir", out]
+        )
+        == 1
+    )
+    assert len(limits) == 2
+    [row] = json.loads((tmp_path / "summary.json").read_text())["parts"]
+    assert row["name"] == "main job" and row["verdict"].startswith("NOT RUN (budget: ")
+
+
+def test_an_audit_runs_as_a_command_of_its_own_with_its_log(tmp_path: Path) -> None:
+    """Each audit is a ``verlite check-invariance --json`` process with its own limit and its
+    whole output in ``<output dir>/check_invariance_<precision>.log``: a hang or a crash
+    of its ranks (NCCL's, on a GPU) is stopped at the limit and leaves its traceback there."""
+    flags = ("--strategy", "ddp", "--micro", "full")
+    target = gpu_check.Target("cpu", [1], tmp_path, flags)
+    part = gpu_check.audit(target, "fp32", expect_pass=True, limit=120)
+    assert part.verdict == "ok", part
+    assert part.details["layouts"] == 2 and part.details["over"] == 0  # actor and critic
+    log = (tmp_path / "check_invariance_fp32.log").read_text()
+    assert json.loads(log.splitlines()[-1])["ok"] is True

@@ -244,3 +244,47 @@ def test_an_audit_runs_as_a_command_of_its_own_with_its_log(tmp_path: Path) -> N
     assert part.details["layouts"] == 2 and part.details["over"] == 0  # actor and critic
     log = (tmp_path / "check_invariance_fp32.log").read_text()
     assert json.loads(log.splitlines()[-1])["ok"] is True
+
+
+def test_every_run_a_gpu_part_starts_loads_and_fits_one_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's own overrides (the main job's steps, the recipe's prompts and vocabulary,
+    rollout.decode=cuda_graphs), which ``--cpu`` never gives: each ``verlite train`` a GPU
+    part starts loads as a config (``auto`` resolved as on a machine with a GPU), fits the
+    device machine (one 80 GB GPU, 16 CPUs) and generates there, so that a typo or a
+    refusal shows here and not in a GPU session's minutes."""
+    from types import SimpleNamespace
+
+    from verlite.config import load_config
+    from verlite.controller import resource_pool
+    from verlite.data.tokenizer import load_tokenizer
+    from verlite.driver import preflight
+
+    commands: list[list[str]] = []
+
+    def record(command: list[str], *, log: Path, limit: float) -> tuple[int, float, list[str]]:
+        commands.append(command)
+        return 0, 0.0, []
+
+    monkeypatch.setattr(gpu_check, "_subprocess", record)
+    target = gpu_check.Target("cuda", [1], tmp_path)
+    for part in (gpu_check.main_job, gpu_check.grpo_7b, gpu_check.grpo_step, gpu_check.recipe_step):
+        part(target, 60.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
+    gpu = SimpleNamespace(total_memory=80 * 2**30)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: gpu)
+    monkeypatch.setattr(resource_pool, "get_num_cpus", lambda: 16)
+    decodes = []
+    for command in commands:
+        at = command.index("--config")
+        cfg = load_config(command[at + 1], command[at + 2 :])
+        assert cfg.model.device == "cuda" and cfg.on_gpu and cfg.generates_on_gpu, command
+        resource_pool.check_fits_machine(cfg)
+        vocab = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
+        preflight.check_generation(cfg, vocab)
+        preflight.check_generation_fits(cfg, vocab)
+        decodes.append(cfg.rollout.decode)
+    assert decodes == ["auto", "auto", "eager", "cuda_graphs", "auto"]

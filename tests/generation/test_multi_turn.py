@@ -346,3 +346,48 @@ def test_the_cache_a_run_reserves_holds_every_turn() -> None:
         trains_on=True,
     )
     assert max(spans) <= settings.reserve[1] == cfg.cache_positions
+
+
+def test_a_turn_reads_its_batch_on_the_host_once_whatever_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU every read of a device tensor on the host waits for the device: the turns
+    read the prompts and each turn's responses a few times in all, not once per row (8 and
+    16 rows read alike); the reads inside generation (its own steps) are not counted."""
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    reads = {"tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "nonzero"}
+
+    class HostReads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count, self.paused = 0, False
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if not self.paused and getattr(func, "__name__", "") in reads:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for rows in (8, 16):
+        mode = HostReads()
+
+        def counted(generate, *args, _mode=mode, _real=generate_multi_turn):  # type: ignore[no-untyped-def]
+            def turn(td, index, max_new_tokens):  # type: ignore[no-untyped-def]
+                _mode.paused = True
+                try:
+                    return generate(td, index, max_new_tokens)
+                finally:
+                    _mode.paused = False
+
+            with _mode:
+                return _real(turn, *args)
+
+        monkeypatch.setattr(sys.modules[__name__], "generate_multi_turn", counted)
+        _, sampled, _, _, _ = run([Echo() for _ in range(rows)])
+        monkeypatch.undo()
+        assert len(sampled) == 3  # every run takes its three turns
+        counts.append(mode.count)
+    assert counts[0] == counts[1] and counts[0] <= 2 + 3 * len(sampled), counts

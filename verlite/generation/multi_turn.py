@@ -114,10 +114,13 @@ def generate_multi_turn(
 ) -> TensorDict:
     """The trajectories of ``prompts`` (left-padded, one session each) as a step batch with
     observation holes in ``response_mask``, plus the per-row :data:`OUTCOMES`."""
-    mask = prompts["attention_mask"].bool()
+    # Each batch read on the host once, not a row at a time: on a GPU every read waits for
+    # the device.
     trajectories = [
-        _Trajectory(prompt=ids[row_mask].tolist())
-        for ids, row_mask in zip(prompts["input_ids"], mask, strict=True)
+        _Trajectory(prompt=[token for token, real in zip(ids, mask, strict=True) if real])
+        for ids, mask in zip(
+            prompts["input_ids"].tolist(), prompts["attention_mask"].tolist(), strict=True
+        )
     ]
     for turn in range(limits.max_turns):
         rows = [i for i, t in enumerate(trajectories) if t.active]
@@ -135,11 +138,11 @@ def generate_multi_turn(
         turn_prompts[BUDGET_KEY] = torch.tensor(room, device=turn_prompts["input_ids"].device) + 1
         out = generate(turn_prompts, turn, min(limits.turn_tokens, max(room)))
         lengths = out["response_mask"].sum(-1).tolist()
+        responses, log_probs = out["responses"].tolist(), out["rollout_log_probs"].tolist()
         for j, i in enumerate(rows):
             kept = min(lengths[j], room[j])
-            tokens = out["responses"][j, :kept].tolist()
-            log_probs = out["rollout_log_probs"][j, :kept].tolist()
-            _take_turn(trajectories[i], sessions[i], tokens, log_probs, tokenizer, limits, turn)
+            taken = responses[j][:kept], log_probs[j][:kept]
+            _take_turn(trajectories[i], sessions[i], *taken, tokenizer, limits, turn)
             trajectories[i].truncated |= kept < lengths[j]
     return _step_batch(prompts, trajectories, limits)
 

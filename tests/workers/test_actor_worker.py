@@ -388,3 +388,30 @@ def test_a_lora_rollout_worker_holds_its_bf16_head_in_the_base_the_sync_checks(
     expected = actor.generate(prompts, sampling, 7)
     for key in sorted(expected.keys()):
         assert torch.equal(torch.as_tensor(generated[key]), torch.as_tensor(expected[key])), key
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_training_group_joins_the_backend_of_the_device_its_model_runs_on(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker given a GPU whose model runs on the CPU (``model.device=cpu`` with
+    ``trainer.gpus_per_worker`` 1 or auto on a GPU machine) joins gloo: NCCL reduces device
+    tensors only, and DDP's first broadcast of its CPU parameters would fail. On cuda, NCCL.
+    (Run on CPU, torch told a GPU is visible; the group's join is recorded, not made.)"""
+    from verlite.controller import worker as worker_module
+    from verlite.distributed import default_backend
+    from verlite.workers.critic import CriticWorker
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    joined: list[str] = []
+
+    def record(**kwargs: Any) -> None:
+        joined.append(kwargs.get("backend") or default_backend())
+
+    monkeypatch.setattr(worker_module, "init_process_group", record)
+    cfg = load_config("configs/ppo_tiny.yaml", [f"model.device={device}"])
+    for kind in (ActorWorker, CriticWorker):
+        worker = object.__new__(kind)
+        worker.cfg, worker.rank, worker.world_size = cfg, 0, 2
+        worker.init_distributed("127.0.0.1", 29500)
+    assert joined == ["gloo" if device == "cpu" else "nccl"] * 2

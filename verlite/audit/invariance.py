@@ -44,6 +44,7 @@ from verlite.core.partition import dp_shares
 from verlite.data import position_ids
 from verlite.distributed import (
     all_gather_object,
+    backend_for,
     full_grads,
     full_state_dict,
     get_rank,
@@ -416,7 +417,7 @@ def check_invariance(
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     # On a GPU each rank takes one visible GPU and the ranks talk over NCCL.
-    backend = "nccl" if audit_device(cfg).type == "cuda" else "gloo"
+    backend = backend_for(audit_device(cfg))
     try:
         rank_gpus(backend, max(dps))
     except ValueError as exc:

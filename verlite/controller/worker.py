@@ -15,7 +15,12 @@ from typing import Any
 import ray
 import torch
 
-from verlite.distributed import destroy_process_group, find_free_port, init_process_group
+from verlite.distributed import (
+    default_backend,
+    destroy_process_group,
+    find_free_port,
+    init_process_group,
+)
 from verlite.memory import retain_freed_memory
 
 
@@ -69,7 +74,13 @@ class Worker:
             world_size=self.world_size,
             master_addr=master_addr,
             master_port=master_port,
+            backend=self.backend(),
         )
+
+    def backend(self) -> str:
+        """The backend of the group's process group: NCCL where a GPU is visible, gloo
+        otherwise; a worker that knows where its tensors are says so (``TrainingWorker``)."""
+        return default_backend()
 
     def shutdown(self) -> None:
         """Leave the process group (the group kills the process afterwards)."""

@@ -27,6 +27,7 @@ from verlite.distributed.parallel import (
     unwrap,
 )
 from verlite.distributed.process_group import (
+    backend_for,
     default_backend,
     destroy_process_group,
     find_free_port,
@@ -46,6 +47,7 @@ __all__ = [
     "all_reduce_sum",
     "apply_ddp",
     "apply_fsdp",
+    "backend_for",
     "broadcast_object",
     "clip_grad_norm",
     "default_backend",

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from verlite.distributed.process_group import get_world_size, is_initialized
+from verlite.distributed.process_group import backend_for, get_world_size, is_initialized
 
 # Attribute names Hugging Face models use for their stack of decoder blocks:
 # `layers` (Llama, Qwen2, Mistral, Gemma: model.model.layers) and `h` (GPT-2, Falcon).
@@ -123,9 +123,11 @@ def apply_fsdp(
 def _join_single_rank_group(device_type: str) -> None:
     """A default process group of this process alone (an in-memory store: no port), which
     FSDP2's device mesh needs; the worker of a one-rank group has none."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
     torch.distributed.init_process_group(
-        backend, store=torch.distributed.HashStore(), rank=0, world_size=1
+        backend_for(torch.device(device_type)),
+        store=torch.distributed.HashStore(),
+        rank=0,
+        world_size=1,
     )
 
 

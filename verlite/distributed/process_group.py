@@ -21,9 +21,15 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def backend_for(device: torch.device) -> str:
+    """The backend of a process group whose ranks reduce tensors on ``device``: ``nccl`` on
+    cuda (it reduces device tensors only), ``gloo`` on the CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 def default_backend() -> str:
     """``nccl`` when a GPU is visible, ``gloo`` otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return backend_for(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def init_process_group(

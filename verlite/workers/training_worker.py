@@ -11,10 +11,13 @@ from tensordict import TensorDict
 
 from verlite.controller import Worker
 from verlite.core.metrics import MetricDict
+from verlite.distributed import backend_for
+from verlite.models import resolve_device
 from verlite.models.flops import DecoderShape
 from verlite.workers.peak_memory import PeakMemory
 
 if TYPE_CHECKING:
+    from verlite.config import Config
     from verlite.workers.train_engine import LossFn, TrainEngine
 
 
@@ -24,9 +27,17 @@ class TrainingWorker(Worker):
     memory of its work in a step (``self.peak_memory``, also built there) and what the
     driver's MFU figures need."""
 
+    cfg: Config
     engine: TrainEngine
     peak_memory: PeakMemory
     loss_fn: LossFn
+
+    def backend(self) -> str:
+        """The backend of the device the model runs on (``model.device``), not of the GPUs
+        the worker was given: a worker given a GPU whose model runs on the CPU joins gloo
+        (NCCL reduces device tensors only: DDP's first broadcast of its CPU parameters, and
+        every count the engine all-reduces, would fail)."""
+        return backend_for(resolve_device(self.cfg.model))
 
     def _update(self, td: TensorDict) -> MetricDict:
         """The updates of one step over this rank's share, ``(mini_batches, rows)``, and the

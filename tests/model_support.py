@@ -1,10 +1,10 @@
-"""A tiny Qwen2 causal LM built from a config (tied or untied LM head), for tests of what
-depends on a real model class's structure."""
+"""Tiny causal LMs of real Hugging Face classes built from configs (a Qwen2 with a tied or
+untied LM head; Mixture-of-Experts models), for tests of what depends on a model class's structure."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 
 def tiny_qwen2(*, tied: bool, vocab_size: int = 100, seed: int = 0) -> torch.nn.Module:
@@ -20,5 +20,31 @@ def tiny_qwen2(*, tied: bool, vocab_size: int = 100, seed: int = 0) -> torch.nn.
         tie_word_embeddings=tied,
         attn_implementation="sdpa",
     )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def tiny_moe(kind: str = "qwen2_moe", *, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A two-layer Mixture-of-Experts causal LM of a real Hugging Face class (``qwen2_moe``
+    with a shared expert, ``mixtral``, ``qwen3_moe``): 4 experts of which each token uses 1
+    (``num_experts_per_tok``), hidden size 32, vocabulary 64, float32."""
+    settings: dict[str, object] = {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 1,
+        "attn_implementation": "sdpa",
+    }
+    if kind == "mixtral":
+        settings["num_local_experts"] = 4
+    else:
+        settings.update(num_experts=4, moe_intermediate_size=16)
+    if kind == "qwen2_moe":
+        settings["shared_expert_intermediate_size"] = 16
+    settings.update(overrides)
+    config = AutoConfig.for_model(kind, **settings)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)

@@ -47,7 +47,7 @@ def test_round_trip_restores_weights_and_hyperparameters(tmp_path: Path) -> None
     with torch.no_grad():
         for p in restored.parameters():
             p.zero_()
-    load_train_state(restored, restored_optimizer, tmp_path / "ck")
+    load_train_state(restored, restored_optimizer, tmp_path / "ck", create_state=lambda: None)
     for a, b in zip(model.parameters(), restored.parameters(), strict=True):
         assert torch.equal(a, b)
     assert restored_optimizer.param_groups[0]["lr"] == 0.0123  # a non-tensor value
@@ -59,7 +59,7 @@ def test_metadata_that_names_other_code_is_refused(tmp_path: Path) -> None:
     marker = tmp_path / "ran"
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     with pytest.raises(CheckpointLoadError, match=r"refers to posix\.system, which is not a"):
-        load_train_state(model, optimizer, tmp_path / "ck")
+        load_train_state(model, optimizer, tmp_path / "ck", create_state=lambda: None)
     assert not marker.exists()
 
 
@@ -79,7 +79,7 @@ def test_the_refusal_is_named_whatever_dcp_makes_of_the_readers_error(
     (tmp_path / "ck" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
     monkeypatch.setattr(dcp, "load", load_of_torch_2_11)
     with pytest.raises(CheckpointLoadError, match=r"refers to posix\.system, which is not a"):
-        load_train_state(model, optimizer, tmp_path / "ck")
+        load_train_state(model, optimizer, tmp_path / "ck", create_state=lambda: None)
     assert not marker.exists()
 
 
@@ -91,5 +91,5 @@ def test_a_non_tensor_value_that_would_run_code_is_refused(tmp_path: Path) -> No
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp_path / "ck"))
     assert not marker.exists()
     with pytest.raises(CheckpointLoadError, match="UnpicklingError: Weights only load failed"):
-        load_train_state(model, optimizer, tmp_path / "ck")
+        load_train_state(model, optimizer, tmp_path / "ck", create_state=lambda: None)
     assert not marker.exists()

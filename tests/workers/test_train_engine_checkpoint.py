@@ -137,9 +137,10 @@ def _nonfinite(model, td):
 @pytest.mark.parametrize("name", ["adamw", "sgd"])
 def test_a_save_before_the_first_update_changes_nothing(tmp_path: Path, name: str) -> None:
     """A checkpoint of an optimizer that never stepped (the actor during the critic's
-    warm-up): it is given state to save by a zero step (``TrainEngine._create_state``),
-    which, kept, made AdamW's first real update its second (another bias correction) in the
-    run that saved and in its resumes, so ``trainer.save_freq`` changed the training."""
+    warm-up) holds no optimizer state: the placeholder state a zero step gave it to save,
+    kept, made AdamW's first real update its second (another bias correction) in the run
+    that saved and in its resumes, so ``trainer.save_freq`` changed the training; nothing
+    is created now (``test_a_checkpoint_of_an_optimizer_that_never_stepped_creates_no_state``)."""
     cfg = CONFIG.actor.model_copy(
         update={"optim": CONFIG.actor.optim.model_copy(update={"name": name})}
     )

@@ -4,7 +4,8 @@ Trainable parameters and optimizer state go through ``get_state_dict`` (the para
 through ``set_model_state_dict``), which keys everything by the unwrapped model's parameter
 names whatever the wrapping (none, DDP, FSDP2), and DCP writes each rank's shard. Loading
 reshards: a checkpoint saved by N ranks loads into M ranks. Frozen parameters (a LoRA
-policy's base) are not saved.
+policy's base) are not saved, nor is optimizer state a parameter does not have yet (it
+resumes without, as uninterrupted).
 
 Loading runs no code from the files. DCP's stock reader unpickles ``.metadata`` with plain
 ``pickle`` and its planner reads non-tensor values (optimizer hyperparameters) with
@@ -20,7 +21,7 @@ import contextlib
 import io
 import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PosixPath
 from typing import Any
 
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
 )
@@ -111,10 +113,33 @@ def _single_process_intended() -> Iterator[None]:
 
 
 def save_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
-    """Collective: every rank of the group calls it with the same ``path``."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+    """Collective: every rank of the group calls it with the same ``path``.
+
+    The optimizer's state is saved for the parameters that have some: a parameter that has
+    never had a gradient has none (nor does any parameter of an optimizer that has not
+    stepped yet, the actor's during the critic's warm-up, or of one that keeps none, SGD),
+    and its absence from the checkpoint is what a load reads as "none yet". Nothing is
+    created to be saved: ``get_state_dict`` would give an optimizer without state some by a
+    zero-gradient step of the whole model (every gradient and AdamW moment at once)."""
+    if optimizer.state:
+        model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+        state = {"model": model_state, "optim": optim_state}
+    else:
+        state = {"model": get_model_state_dict(model, options=_TRAINED_ONLY)}
     with _single_process_intended():
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path))
+
+
+_OPTIM_STATE = "optim.state."
+
+
+def _names_with_optimizer_state(metadata: dcp_metadata.Metadata) -> set[str]:
+    """The parameters (by name) a checkpoint holds optimizer state for: DCP keys a value
+    ``optim.state.<parameter name>.<state key>`` (``exp_avg``, ``step``, ...)."""
+    keys = metadata.state_dict_metadata
+    return {
+        key[len(_OPTIM_STATE) :].rsplit(".", 1)[0] for key in keys if key.startswith(_OPTIM_STATE)
+    }
 
 
 def _check_held_in_place(optimizer: torch.optim.Optimizer, optim_state: dict[str, Any]) -> None:
@@ -138,23 +163,42 @@ def _check_held_in_place(optimizer: torch.optim.Optimizer, optim_state: dict[str
                 )
 
 
-def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> None:
+def load_train_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    path: Path,
+    *,
+    create_state: Callable[[], None],
+) -> None:
     """Collective: load in place into an identically built model and optimizer.
 
     The optimizer's state is read into the tensors it holds, where they are (on the CPU,
-    for state offloaded there); one without state gets it from ``get_state_dict``, by a
-    step of zero gradients. ``set_state_dict`` would load it again with
+    for state offloaded there): ``create_state`` gives a fresh optimizer its state, called
+    only when the checkpoint holds some. A parameter the checkpoint holds no state for had
+    none when it was saved (it had never had a gradient): its placeholder is dropped, so
+    that its first update is, as in the run that saved, the first of its state (AdamW's
+    bias correction of step 1). ``set_state_dict`` would load the state again with
     ``Optimizer.load_state_dict``, which casts every moment to its parameter's device at
     once: it sets the model alone, and the optimizer gets its groups' settings (learning
     rate, betas, ...) here."""
-    model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
-    _check_held_in_place(optimizer, optim_state)
-    state = {"model": model_state, "optim": optim_state}
     reader = _SafeReader(str(path))
     try:
         # Read and checked before DCP reads it again: DCP's loader (torch 2.11) swallows a
         # reader's refusal and reports only "metadata is None".
-        reader.read_metadata()
+        saved = _names_with_optimizer_state(reader.read_metadata())
+    except (pickle.UnpicklingError, EOFError, OSError) as exc:
+        raise CheckpointLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
+    placeholders: dict[str, dict[str, Any]] = {}
+    if saved:
+        create_state()
+        model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+        _check_held_in_place(optimizer, optim_state)
+        placeholders = {n: e for n, e in optim_state["state"].items() if n not in saved}
+        optim_state["state"] = {n: e for n, e in optim_state["state"].items() if n in saved}
+        state = {"model": model_state, "optim": optim_state}
+    else:
+        state = {"model": get_model_state_dict(model, options=_TRAINED_ONLY)}
+    try:
         with _single_process_intended():
             dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
     except (pickle.UnpicklingError, EOFError, OSError) as exc:
@@ -171,6 +215,20 @@ def load_train_state(model: nn.Module, optimizer: torch.optim.Optimizer, path: P
         # was requested above, and DCP fails on any the checkpoint lacks.
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
-    loaded_groups = state["optim"]["param_groups"]
-    for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
-        group.update((key, value) for key, value in loaded.items() if key != "params")
+    if saved:
+        _drop_placeholders(optimizer, placeholders)
+        loaded_groups = state["optim"]["param_groups"]
+        for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
+            group.update((key, value) for key, value in loaded.items() if key != "params")
+
+
+def _drop_placeholders(
+    optimizer: torch.optim.Optimizer, placeholders: dict[str, dict[str, Any]]
+) -> None:
+    """Drop the optimizer's state whose tensors are among ``placeholders`` (named as
+    ``get_state_dict`` names them, held in place: ``_check_held_in_place``)."""
+    ids = {id(v) for entry in placeholders.values() for v in entry.values()}
+    for param in [
+        p for p, entry in optimizer.state.items() if any(id(v) in ids for v in entry.values())
+    ]:
+        del optimizer.state[param]

@@ -270,14 +270,14 @@ class TrainEngine:
     def save(self, path: Path) -> None:
         """Collective: trainable parameters + optimizer (DCP, sharded per rank), LR schedule
         position, the streak of skipped updates. Frozen parameters (a LoRA policy's base)
-        are rebuilt from the config, not saved. Saving changes nothing the run trains on."""
+        are rebuilt from the config, not saved; so is the optimizer state of a parameter
+        that has none yet (never had a gradient; every parameter before the first update,
+        the actor's during the critic's warm-up). Saving changes nothing the run trains on
+        and creates no state to save."""
         # The last update's gradients, which nothing reads again (each update starts by
-        # dropping them): with them left, DCP would save no state of an optimizer that never
-        # stepped (below), and a resume would ask for state the checkpoint lacks.
+        # dropping them).
         self.optimizer.zero_grad(set_to_none=True)
-        self._create_state()
         save_train_state(self.model, self.optimizer, path / TRAIN_STATE)
-        self._drop_unstepped_state()
         if get_rank() == 0:
             # LambdaLR's state is plain numbers (the lambda itself is rebuilt from the config).
             (path / SCHEDULE).write_text(json.dumps(self.scheduler.state_dict()))
@@ -290,30 +290,35 @@ class TrainEngine:
         """Collective: restore what :meth:`save` wrote (any number of ranks may have saved it)."""
         if not (path / SCHEDULE).is_file():
             raise FileNotFoundError(f"{path} holds no engine checkpoint ({SCHEDULE} is missing)")
-        self._create_state()  # read into in place, where it is kept
-        load_train_state(self.model, self.optimizer, path / TRAIN_STATE)
+        # read into in place, where it is kept; a parameter without state saved gets none
+        load_train_state(
+            self.model, self.optimizer, path / TRAIN_STATE, create_state=self._create_state
+        )
         self.scheduler.load_state_dict(json.loads((path / SCHEDULE).read_text()))
         self._apply_settings()
-        self._drop_unstepped_state()
+        if self.scheduler.last_epoch == 0:
+            # Checkpoints written before the first update by earlier versions hold the
+            # placeholder state a zero-gradient step at lr 0 created to save: kept, it made
+            # AdamW's first real update its second (another bias correction).
+            self.optimizer.state.clear()
         # Checkpoints from before it was saved hold none: their streak restarts at 0.
         if (path / ENGINE_STATE).is_file():
             state = json.loads((path / ENGINE_STATE).read_text())
             self.nonfinite_streak = int(state["nonfinite_streak"])
 
     def _create_state(self) -> None:
-        """Give an optimizer without state (a fresh engine's, about to load; one that has not
-        stepped yet, about to be saved) the state its first step creates, where the engine
-        keeps it: DCP saves and loads state the optimizer holds. Left to DCP's
-        ``get_state_dict`` and ``set_state_dict``, it was one step of the whole model with
-        zero gradients, every gradient and every AdamW moment on the device at once (for a
-        7B policy, 91 GB beside its 30 GB of fp32 weights: what ``offload=optimizer`` exists
-        to avoid). Here each parameter gets a zero gradient for its own step
-        (:meth:`_optimizer_step`, which with ``offload=optimizer`` sends the state it creates
-        to the CPU), dropped after it. The learning rate is 0 for these steps: the weights do
-        not change, and the state's values are placeholders a load overwrites and a save
-        drops after (``_drop_unstepped_state``). An optimizer that keeps no state (SGD
-        without momentum) is left after its first parameter: DCP still steps it with zero
-        gradients, no more memory than a training step's gradients."""
+        """Give a fresh optimizer, about to load a checkpoint that holds optimizer state, the
+        state its first step creates, where the engine keeps it: DCP loads into state the
+        optimizer holds. Left to DCP's ``get_state_dict`` and ``set_state_dict``, it was one
+        step of the whole model with zero gradients, every gradient and every AdamW moment
+        on the device at once (for a 7B policy, 91 GB beside its 30 GB of fp32 weights:
+        what ``offload=optimizer`` exists to avoid). Here each parameter gets a zero
+        gradient for its own step (:meth:`_optimizer_step`, which with
+        ``offload=optimizer`` sends the state it creates to the CPU), dropped after it. The
+        learning rate is 0 for these steps: the weights do not change, and the state's
+        values are placeholders the load overwrites (or drops, for a parameter the
+        checkpoint holds no state for). An optimizer that keeps no state (SGD without
+        momentum) is left after its first parameter."""
         if self.optimizer.state:
             return
         groups = self.optimizer.param_groups
@@ -332,14 +337,6 @@ class TrainEngine:
         finally:
             for group, rate in zip(groups, rates, strict=True):
                 group["lr"] = rate
-
-    def _drop_unstepped_state(self) -> None:
-        """An optimizer that has not stepped yet (the schedule counts its steps) holds no
-        state, as in a run that never saved: the state :meth:`_create_state` gave it to save
-        and load (one zero-gradient step at lr 0) made AdamW's first real update its second
-        (another bias correction) in the run that saved and in its resumes."""
-        if self.scheduler.last_epoch == 0:
-            self.optimizer.state.clear()
 
     def _apply_settings(self) -> None:
         """This run's optimizer settings over the loaded ones: the optimizer's and the

@@ -9,12 +9,14 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     LlamaConfig,
+    MistralConfig,
     OPTConfig,
     PretrainedConfig,
+    Qwen2Config,
     Qwen3Config,
 )
 
-from tests.model_support import tiny_qwen2
+from tests.model_support import tiny_moe, tiny_qwen2
 from verlite.config import ConfigError, ModelConfig
 from verlite.models import build_policy, build_value_model, builtin_vocab_size
 from verlite.models.flops import (
@@ -144,6 +146,73 @@ def test_qwen2_and_llama_attention_width_is_the_hidden_size() -> None:
 def test_causal_pairs_count_each_rows_real_tokens() -> None:
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]])
     assert causal_pairs(mask) == 6 + 3
+    # A window of 2: the i-th token attends min(i, 2) keys.
+    assert causal_pairs(mask, window=2) == (1 + 2 + 2) + (1 + 2)
+
+
+# Rows of 10 and 3 real tokens: 55 + 6 pairs of full causal attention; with a window of 4,
+# (1 + 2 + 3 + 4 + 4 x 6) + (1 + 2 + 3).
+ROWS = torch.tensor([[1] * 10, [0] * 7 + [1] * 3])
+FULL, WINDOWED = 55 + 6, 34 + 6
+
+
+def _attention_flops(shape: DecoderShape) -> float:
+    """A forward pass's FLOPs over ROWS less its weights' (2 x dense parameters x tokens)."""
+    attended, windowed = shape.pairs(ROWS)
+    flops = shape.flops(tokens=13, attended=attended, windowed=windowed, backward=False)
+    return flops - 2.0 * shape.dense_params * 13
+
+
+def test_a_sliding_window_layer_counts_the_keys_its_window_holds() -> None:
+    """Mistral slides every layer over ``sliding_window``; Qwen2 with ``use_sliding_window``
+    the layers from ``max_window_layers`` on: each such layer attends min(i, window) keys at
+    the i-th token. They were counted as full causal attention (55 + 6 pairs per layer here
+    instead of 34 + 6)."""
+    common = dict(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    mistral = DecoderShape.of(_tiny(MistralConfig(num_hidden_layers=2, sliding_window=4, **common)))
+    assert (mistral.sliding_layers, mistral.sliding_window) == (2, 4)
+    assert _attention_flops(mistral) == 4.0 * 32 * (2 * WINDOWED)
+    qwen2 = Qwen2Config(
+        num_hidden_layers=3,
+        use_sliding_window=True,
+        sliding_window=4,
+        max_window_layers=1,
+        **common,
+    )
+    shape = DecoderShape.of(_tiny(qwen2))
+    assert _attention_flops(shape) == 4.0 * 32 * (1 * FULL + 2 * WINDOWED)
+    # Without use_sliding_window Qwen2 attends in full (its sliding_window is then None).
+    plain = DecoderShape.of(_tiny(Qwen2Config(num_hidden_layers=3, **common)))
+    assert _attention_flops(plain) == 4.0 * 32 * 3 * FULL
+    # Rows no longer than the window: the windowed count is the full one.
+    short = ROWS[:, -4:]
+    assert causal_pairs(short, window=4) == causal_pairs(short)
+
+
+def test_a_moe_layer_counts_the_experts_a_token_is_sent_to() -> None:
+    """A routed expert's weights count for the tokens sent to it: per token the
+    ``num_experts_per_tok`` experts of each MoE layer, the shared expert, its gate and the
+    router whole. Every expert was counted (4x the routed MLP here)."""
+    h, layers, experts, inner = 32, 2, 4, 16  # tiny_moe: 4 experts of moe_intermediate 16
+    expert = 3 * h * inner  # gate, up and down projections, no bias
+    for kind, top_k, shared in [("qwen2_moe", 1, expert + h), ("qwen3_moe", 2, 0)]:
+        model = tiny_moe(kind, num_experts_per_tok=top_k)
+        block = model.model.layers[0].mlp
+        by_hand = experts * h + top_k * expert + shared  # router, routed experts, shared
+        assert sum(p.numel() for p in block.parameters()) == by_hand + (experts - top_k) * expert
+        everything = sum(p.numel() for p in model.parameters()) - 64 * h  # but the embedding
+        unused = layers * (experts - top_k) * expert
+        assert DecoderShape.of(model).dense_params == everything - unused
+    # Mixtral: experts of intermediate_size (32), no shared expert, top-2 of 4.
+    mixtral = tiny_moe("mixtral", num_experts_per_tok=2)
+    everything = sum(p.numel() for p in mixtral.parameters()) - 64 * h
+    assert DecoderShape.of(mixtral).dense_params == everything - layers * 2 * (3 * h * 32)
 
 
 @pytest.mark.parametrize(

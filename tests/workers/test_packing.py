@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AttentionInterface, Qwen3Config
+from transformers import AttentionInterface, Qwen3Config, Qwen3MoeConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from verlite.audit.invariance import make_batch
@@ -234,3 +234,25 @@ def test_the_attention_crossover_divides_by_heads_times_head_dim(tmp_path: Path)
     ).save_pretrained(tmp_path)
     layer = 2 * h * heads * d + 2 * h * kv_heads * d + 2 * d + 3 * h * i + 2 * h
     assert flop_crossover(ModelConfig(path=str(tmp_path))) == round(layer / (heads * d))
+
+
+def test_the_attention_crossover_of_a_moe_counts_the_experts_a_token_is_sent_to(
+    tmp_path: Path,
+) -> None:
+    """A Qwen3-MoE layer's weight FLOPs per token are its attention, norms, router and the 2
+    experts of 4 it is sent to: counted with all 4, the crossover was 196, not 148."""
+    h, heads, kv_heads, d, experts, top_k, i = 32, 4, 2, 16, 4, 2, 16
+    Qwen3MoeConfig(
+        vocab_size=100,
+        hidden_size=h,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=i,
+    ).save_pretrained(tmp_path)
+    attention = 2 * h * heads * d + 2 * h * kv_heads * d + 2 * d  # q, o; k, v; q/k norms
+    layer = attention + 2 * h + experts * h + top_k * 3 * h * i  # norms, router, experts
+    assert flop_crossover(ModelConfig(path=str(tmp_path))) == round(layer / (heads * d)) == 148

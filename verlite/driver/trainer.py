@@ -45,7 +45,7 @@ from verlite.errors import RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover
-from verlite.models.flops import DecoderShape, bf16_peak_flops, causal_pairs
+from verlite.models.flops import DecoderShape, bf16_peak_flops
 from verlite.models.lora import BASE_FOLDER
 from verlite.records import metrics_log
 from verlite.records.tracking import Tracker
@@ -127,9 +127,11 @@ def mfu_metrics(
         if stage in seconds:
             k = cfg.role_sizes(role).num_mini_batches
             rows = attention_mask[updated_rows(loss_masks[role], k)]
+            attended, windowed = shape.pairs(rows)
             flops = getattr(cfg, role).ppo_epochs * shape.flops(
                 tokens=float(rows.sum()),
-                attended=causal_pairs(rows),
+                attended=attended,
+                windowed=windowed,
                 backward=True,
                 head_tokens=float(rows[:, -response_width:].sum()),
             )

@@ -23,7 +23,7 @@ from transformers import (
 
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
-from verlite.models.flops import attention_width
+from verlite.models.flops import DecoderShape, attention_width
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
 from verlite.models.precision import fp64_norms, param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
@@ -408,8 +408,9 @@ def flop_crossover(cfg: ModelConfig) -> int:
     """The attention crossover counted from FLOPs: one decoder layer's parameters over its
     attention width, heads x head dim (a token's weight FLOPs are 6 x parameters; its share
     of causal attention over a sequence of length L, 6 x heads x head dim x L per layer:
-    ``flops.DecoderShape``'s count). Counted on models of 1 and 2 layers built on the meta
-    device: no memory, any architecture."""
+    ``flops.DecoderShape``'s count, of a Mixture-of-Experts layer the experts a token is
+    sent to). Counted on models of 1 and 2 layers built on the meta device: no memory, any
+    architecture."""
     config = hf_config(cfg, vocab_size=64, max_positions=64)
     counts = []
     for layers in (1, 2):
@@ -417,5 +418,5 @@ def flop_crossover(cfg: ModelConfig) -> int:
         config.num_hidden_layers = layers
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        counts.append(sum(p.numel() for p in model.parameters()))
+        counts.append(DecoderShape.of(model).dense_params)
     return max(1, round((counts[1] - counts[0]) / attention_width(config)))

@@ -3,11 +3,14 @@ FLOPs utilization (MFU) figure is made of; and the GPU's memory bandwidth, what 
 step's roofline is made of.
 
 A pass costs 2 x the model's dense parameters per token (every weight matrix the token goes
-through, the LM head included, the embeddings excluded: lookups, whatever they are named) and
-4 x heads x head_dim x layers per attended (query, key) pair (scores and weighted values: each
-of the query heads' dot products and sums is head_dim wide, which is not hidden / heads in
-every model: Qwen3's and Gemma's heads are wider); a backward pass twice a forward one. The
-GPU's peak is its datasheet's dense (no sparsity) bf16 tensor-core figure.
+through, the LM head included, the embeddings excluded: lookups, whatever they are named; of a
+Mixture-of-Experts layer's routed experts only the ``num_experts_per_tok`` a token is sent to,
+its shared experts and router whole) and 4 x heads x head_dim per attended (query, key) pair
+of each layer (scores and weighted values: each of the query heads' dot products and sums is
+head_dim wide, which is not hidden / heads in every model: Qwen3's and Gemma's heads are
+wider; a sliding-window layer's query attends the last ``sliding_window`` keys at most); a
+backward pass twice a forward one. The GPU's peak is its datasheet's dense (no sparsity)
+bf16 tensor-core figure.
 """
 
 from __future__ import annotations
@@ -83,14 +86,17 @@ def hbm_bandwidth(device_name: str) -> float | None:
 
 @dataclass(frozen=True)
 class DecoderShape:
-    """What a decoder's FLOPs depend on: its dense parameters (the module docstring's), the
-    width of its attention (query heads x head dim) and its layer count."""
+    """What a decoder's FLOPs depend on: its dense parameters (the module docstring's: those
+    a token goes through), the width of its attention (query heads x head dim), its layer
+    count and, of those, the sliding-window layers and their window."""
 
     dense_params: int
     attention_width: int
     num_layers: int
     # Of the dense parameters, the LM head's (0 for a model without one: a value model).
     head_params: int = 0
+    sliding_layers: int = 0
+    sliding_window: int | None = None
 
     @classmethod
     def of(cls, model: nn.Module) -> DecoderShape:
@@ -101,10 +107,13 @@ class DecoderShape:
         head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
         lookups = {id(p) for p in _embedding_parameters(model, embedding)}
         dense = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
+        dense -= _unused_expert_parameters(model, config)
         if head is not None and id(head.weight) in lookups:
             dense += head.weight.numel()
         head_params = 0 if head is None else head.weight.numel()
-        return cls(dense, attention_width(config), int(config.num_hidden_layers), head_params)
+        layers = int(config.num_hidden_layers)
+        sliding, window = sliding_window_layers(config)
+        return cls(dense, attention_width(config), layers, head_params, sliding, window)
 
     def flops(
         self,
@@ -113,18 +122,31 @@ class DecoderShape:
         attended: float,
         backward: bool,
         head_tokens: float | None = None,
+        windowed: float | None = None,
     ) -> float:
-        """One pass over ``tokens`` tokens whose queries attend ``attended`` keys in all
-        (:func:`causal_pairs`), the LM head over ``head_tokens`` of them (all when None: a
+        """One pass over ``tokens`` tokens whose queries attend ``attended`` keys in all in a
+        full-attention layer (:func:`causal_pairs`) and ``windowed`` in a sliding-window one
+        (``causal_pairs`` with the window; None: ``attended``, no sequence being longer
+        than the window), the LM head over ``head_tokens`` of them (all when None: a
         log-prob pass runs it only where a response token is predicted); with
         ``backward``, forward and backward (3x)."""
         through_head = tokens if head_tokens is None else head_tokens
+        windowed = attended if windowed is None else windowed
+        full_layers = self.num_layers - self.sliding_layers
+        pairs = full_layers * attended + self.sliding_layers * windowed
         flops = (
             2.0 * (self.dense_params - self.head_params) * tokens
             + 2.0 * self.head_params * through_head
-            + 4.0 * self.attention_width * self.num_layers * attended
+            + 4.0 * self.attention_width * pairs
         )
         return 3.0 * flops if backward else flops
+
+    def pairs(self, attention_mask: torch.Tensor) -> tuple[float, float]:
+        """:meth:`flops`'s ``attended`` and ``windowed`` of a pass over ``attention_mask``."""
+        return (
+            causal_pairs(attention_mask),
+            causal_pairs(attention_mask, window=self.sliding_window),
+        )
 
 
 def attention_width(config: Any) -> int:
@@ -133,6 +155,39 @@ def attention_width(config: Any) -> int:
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
     return heads * int(head_dim)
+
+
+def sliding_window_layers(config: Any) -> tuple[int, int | None]:
+    """How many layers of a Hugging Face config attend a sliding window, and the window, as
+    its model builds them: the layers its ``layer_types`` names ``sliding_attention`` (Qwen2
+    and Qwen3 with ``use_sliding_window``, from ``max_window_layers`` on; Gemma 2 and 3),
+    every layer when it has no ``layer_types`` but a ``sliding_window`` (Mistral, Mixtral,
+    Qwen3-MoE with ``use_sliding_window``); (0, None) otherwise."""
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return 0, None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return int(config.num_hidden_layers), int(window)
+    sliding = sum(kind == "sliding_attention" for kind in types)
+    return sliding, (int(window) if sliding else None)
+
+
+def _unused_expert_parameters(model: nn.Module, config: Any) -> int:
+    """The parameters of the routed experts a token is not sent to: of each experts module
+    (Hugging Face keeps a layer's experts as 3-D parameters, one slice per expert, in a
+    module with ``num_experts``: Qwen2-MoE, Qwen3-MoE, Mixtral, ...) all but the config's
+    ``num_experts_per_tok`` of its ``num_experts``. Shared experts and routers are dense."""
+    top_k = getattr(config, "num_experts_per_tok", None)
+    unused = 0
+    for module in model.modules():
+        experts = getattr(module, "num_experts", None)
+        if top_k is None or not isinstance(experts, int) or experts <= top_k:
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dim() == 3 and param.shape[0] == experts:
+                unused += param.numel() // experts * (experts - int(top_k))
+    return unused
 
 
 def _embedding_parameters(model: nn.Module, embedding: nn.Module) -> list[nn.Parameter]:
@@ -150,15 +205,27 @@ def decoder_flops(
     attended: float,
     backward: bool,
     head_tokens: float | None = None,
+    windowed: float | None = None,
 ) -> float:
     """:meth:`DecoderShape.flops` of ``model``."""
     return DecoderShape.of(model).flops(
-        tokens=tokens, attended=attended, backward=backward, head_tokens=head_tokens
+        tokens=tokens,
+        attended=attended,
+        backward=backward,
+        head_tokens=head_tokens,
+        windowed=windowed,
     )
 
 
-def causal_pairs(attention_mask: torch.Tensor) -> float:
+def causal_pairs(attention_mask: torch.Tensor, *, window: int | None = None) -> float:
     """The (query, key) pairs causal attention computes over the real tokens of each row of
-    ``attention_mask`` (1 for a real token): L (L + 1) / 2 for a row of L."""
+    ``attention_mask`` (1 for a real token): L (L + 1) / 2 for a row of L. With a sliding
+    ``window`` (Hugging Face's: a query attends itself and the ``window - 1`` keys before
+    it) the i-th token (from 1) attends min(i, window) keys: W (W + 1) / 2 + (L - W) W for
+    a row longer than W."""
     lengths = attention_mask.sum(-1).double()
-    return float((lengths * (lengths + 1) / 2).sum())
+    pairs = lengths * (lengths + 1) / 2
+    if window is not None:
+        beyond = (lengths - window).clamp(min=0)
+        pairs = torch.where(beyond > 0, window * (window + 1) / 2 + beyond * window, pairs)
+    return float(pairs.sum())

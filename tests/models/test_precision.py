@@ -302,7 +302,7 @@ def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
 @pytest.mark.parametrize("role", ["policy", "critic"])
 def test_fp64_models_normalize_in_fp64(role: str) -> None:
     # Hugging Face's RMSNorm casts to float32: fp64 activations and gradients came out of it
-    # rounded to float32 (models.precision.fp64_norms).
+    # rounded to float32 (models.precision.fp64_throughout).
     cfg = config("model.precision=fp64").model
     build = build_policy if role == "policy" else build_value_model
     model = build(cfg, vocab_size=64, max_positions=32, seed=0)

@@ -1,7 +1,10 @@
-"""Mixture-of-Experts models (real Hugging Face classes, tiny configs) through the training
-engine: every parameter's optimizer state survives a checkpoint, including a parameter that
-has not had a gradient yet, and the resume is the uninterrupted run bit for bit (float32)."""
+"""Mixture-of-Experts models (real Hugging Face classes, tiny configs) through verlite's paths:
+every parameter's optimizer state survives a checkpoint, including a parameter that has not
+had a gradient yet, and the resume is the uninterrupted run bit for bit (float32); fp64
+trains; the router's load-balancing loss stays out of the objective; the invariance audit
+holds (and on a sliding-window model); static decoding is eager decoding's."""
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -12,12 +15,22 @@ import torch
 from model_support import tiny_moe
 from torch import nn
 
-from verlite.audit.invariance import make_batch
+from tests.generation.test_static_decode import (
+    SETTINGS,
+    assert_same,
+    noise,
+    prompts,
+    ragged_eos,
+    sampler,
+)
+from verlite.audit.invariance import check_invariance, make_batch, tolerance_for
 from verlite.config import load_config
 from verlite.distributed import full_state_dict, run_on_ranks, unwrap
-from verlite.models import set_logits_chunk_tokens
+from verlite.generation import DecodeSettings
+from verlite.models import build_policy, build_value_model, set_logits_chunk_tokens
+from verlite.step_batch import stamp_counts
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
-from verlite.workers.train_engine import TrainEngine
+from verlite.workers.train_engine import TrainEngine, global_counts
 
 CONFIG = load_config(
     "configs/ppo_tiny.yaml",
@@ -124,3 +137,115 @@ def test_a_moe_resumes_exactly_on_two_ranks(strategy: str, starve: bool, tmp_pat
     batch = make_batch(CONFIG)
     args = (strategy, starve, str(tmp_path), batch)
     _check(run_on_ranks(_resume, world_size=2, args=args), starve=starve)
+
+
+# ------------------------------------------------------------------ verlite's other paths
+
+
+@pytest.fixture(scope="module")
+def moe_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2-MoE (shared expert, top-1 of 4 experts) saved as a model folder."""
+    path = tmp_path_factory.mktemp("qwen2_moe")
+    tiny_moe().save_pretrained(path)
+    return str(path)
+
+
+def _fp64(moe_path: str, *overrides: str):
+    return load_config(
+        "configs/ppo_tiny.yaml", [f"model.path={moe_path}", "model.precision=fp64", *overrides]
+    )
+
+
+def test_an_fp64_moe_trains(moe_path: str) -> None:
+    """Transformers runs experts through ``grouped_mm``, which has no fp64 kernel: an fp64
+    update stopped with "RuntimeError: Expected mat_a to be Float32, BFloat16 or Float16
+    matrix, got Double". fp64 models run Hugging Face's eager experts
+    (``models.precision.fp64_throughout``), the policy's and the critic's."""
+    cfg = _fp64(moe_path)
+    policy = build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    critic = build_value_model(cfg.model, vocab_size=64, max_positions=64, seed=0)
+    for model in (policy, critic.trunk):
+        assert model.config._experts_implementation == "eager"
+    engine = TrainEngine(policy, cfg=cfg.actor, total_updates=2, metric_prefix="actor")
+    metrics = engine.train_mini_batch(
+        make_batch(cfg), partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+    )
+    assert math.isfinite(metrics["actor/grad_norm"].value)
+
+
+def test_the_router_load_balancing_loss_is_not_added_to_the_objective(moe_path: str) -> None:
+    """Hugging Face adds ``router_aux_loss_coef`` x its load-balancing loss to the loss it
+    computes from ``labels`` when ``output_router_logits`` is set; verlite passes no labels
+    and computes its own objective, so a config with it set trains the same gradient: the
+    router learns from the RL objective alone (docs/models.md)."""
+    cfg = _fp64(moe_path)
+    loss = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
+    grads = []
+    for router_logits in (False, True):
+        model = build_policy(cfg.model, vocab_size=64, max_positions=64, seed=0)
+        model.config.output_router_logits = router_logits
+        model.config.router_aux_loss_coef = 10.0
+        engine = TrainEngine(model, cfg=cfg.actor, total_updates=2, metric_prefix="actor")
+        td = make_batch(cfg)
+        stamp_counts(td, global_counts(td, device=torch.device("cpu")))
+        loss(engine.model, td)[0].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_moe_gradients_are_invariant_to_micro_batches_and_ranks(
+    moe_path: str, strategy: str
+) -> None:
+    """The invariance audit on the MoE (fp64, both roles): routing is per token, so the
+    gradient of every layout (2 ranks; fixed, token-budget, packed and checkpointed micro-
+    batches) is the single-process full batch's."""
+    reports = check_invariance(
+        _fp64(moe_path),
+        dps=[2],
+        strategies=[strategy],
+        micros=["1", "dynamic", "packed-dynamic", "checkpointed"],
+    )
+    assert len(reports) == 2 * 4
+    failures = [r for r in reports if r.worst() > tolerance_for(_fp64(moe_path))]
+    assert not failures, failures
+
+
+def test_the_static_decode_path_generates_what_eager_decoding_does(moe_path: str) -> None:
+    """The static KV cache (and cuda_graphs' bookkeeping, replayed on CPU) decodes an MoE
+    token for token as the eager path does (fp64, sampled with top-k and top-p)."""
+    model = build_policy(_fp64(moe_path).model, vocab_size=64, max_positions=96, seed=0)
+    td, params = prompts(batch=10, width=7, seed=3), SETTINGS["top_k_top_p"]
+    eos = ragged_eos(model, td, params, 6)
+    eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 6, 14))
+    for decode in (DecodeSettings("static"), DecodeSettings("cuda_graphs", kv_block=4)):
+        assert_same(sampler(model, decode, eos).generate(td, params, noise(td, 6, 14)), eager)
+
+
+def test_sliding_window_gradients_are_invariant_to_micro_batches_and_ranks(
+    tmp_path: Path,
+) -> None:
+    """A Mistral whose window (4) is shorter than the audit's rows: a micro-batch trimmed to
+    its own longest prompt and response keeps each row's real tokens contiguous, so every
+    query attends the same keys in any layout (packing refuses a window:
+    tests/workers/test_packing.py)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    torch.manual_seed(0)
+    MistralForCausalLM(config).save_pretrained(tmp_path)
+    cfg = load_config("configs/ppo_tiny.yaml", [f"model.path={tmp_path}", "model.precision=fp64"])
+    reports = check_invariance(
+        cfg, dps=[2], strategies=["fsdp"], micros=["1", "dynamic", "checkpointed"]
+    )
+    failures = [r for r in reports if r.worst() > tolerance_for(cfg)]
+    assert len(reports) == 2 * 3 and not failures, failures

@@ -186,7 +186,7 @@ def test_lora_reference_trains_only_the_adapters_and_the_negative_control_fails(
 
 # Three ranks: the loss gradient is scaled by a dp_size that is not a power of two, which
 # rounds differently in any op below the model's precision. Hugging Face's RMSNorm computed in
-# float32 under fp64 and the gradients were 1.3e-7 apart (models.precision.fp64_norms).
+# float32 under fp64 and the gradients were 1.3e-7 apart (models.precision.fp64_throughout).
 def test_three_ranks_with_a_rank_without_tokens_match_the_reference() -> None:
     batch = make_batch(CONFIG, num_sequences=12)
     shares = dp_shares(row_costs(batch), world=3)

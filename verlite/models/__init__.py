@@ -25,7 +25,7 @@ from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
-from verlite.models.precision import fp64_norms, param_dtype
+from verlite.models.precision import fp64_throughout, param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
 
 
@@ -117,7 +117,7 @@ def build_policy(
     if lora is not None and lora.rank > 0:
         model = apply_lora(model, lora, seed=seed).to(dtype)
     set_logits_chunk_tokens(model, cfg.logits_chunk_tokens)
-    return fp64_norms(model)
+    return fp64_throughout(model)
 
 
 # Kept on the LM head module itself (the peft layer when adapters wrap it): a plain attribute,
@@ -293,7 +293,7 @@ def build_value_model(
     model = ValueModel(trunk, config.hidden_size)
     nn.init.normal_(model.value_head.weight, std=1.0 / config.hidden_size)
     nn.init.zeros_(model.value_head.bias)
-    return fp64_norms(model.to(dtype))
+    return fp64_throughout(model.to(dtype))
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

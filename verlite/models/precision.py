@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from verlite.config import ConfigError
 
@@ -155,17 +156,24 @@ def refresh_inference_copy(copy: nn.Module, source: nn.Module) -> None:
         target.copy_(state[name])
 
 
-def fp64_norms(model: nn.Module) -> nn.Module:
-    """``model`` (in place) with each Hugging Face RMSNorm whose weight is fp64 computing in
-    fp64; returned.
+def fp64_throughout(model: nn.Module) -> nn.Module:
+    """``model`` (in place) computing in fp64 where its weights are fp64; returned.
 
     Hugging Face's RMSNorm (Llama, Qwen2 and Mistral share its code) casts its input to
     float32 whatever its dtype: an upcast for bf16, but under fp64 it rounds every
     normalized activation, and in backward every gradient through it, to float32. fp64 is
     what layouts are audited in: the loss gradient is scaled by the data-parallel size
     (``core.losses.agg_loss``), and a scale that is not a power of two rounds differently
-    there, so the gradients of 3 ranks were 1e-7 apart from one rank's, not 1e-15. Other
-    precisions keep Hugging Face's forward (float32 is at least theirs)."""
+    there, so the gradients of 3 ranks were 1e-7 apart from one rank's, not 1e-15. Each such
+    RMSNorm computes in fp64 on fp64 weights.
+
+    A Mixture-of-Experts model's experts (Qwen2-MoE, Qwen3-MoE, Mixtral, ...) run by
+    default through ``grouped_mm``, which has no fp64 kernel: an fp64 forward stopped with
+    "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double". An fp64 model's
+    experts run through Hugging Face's ``eager`` experts (a loop over the experts a batch
+    uses), the same function of the weights.
+
+    Other precisions keep Hugging Face's forward (float32 is at least theirs)."""
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (
@@ -175,6 +183,10 @@ def fp64_norms(model: nn.Module) -> nn.Module:
             and weight.dtype == torch.float64
         ):
             module.forward = _rms_norm.__get__(module)
+    fp64 = any(p.dtype == torch.float64 for p in model.parameters())
+    for hf in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
+        if fp64 and getattr(hf.config, "_experts_implementation", None) == "grouped_mm":
+            hf.set_experts_implementation("eager")
     return model
 
 

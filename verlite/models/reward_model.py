@@ -30,7 +30,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
 from verlite.models import _pretrained
-from verlite.models.precision import fp64_norms
+from verlite.models.precision import fp64_throughout
 
 
 def _one_line(exc: BaseException, limit: int = 160) -> str:
@@ -102,7 +102,7 @@ def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> nn.Module:
     model = _pretrained(
         AutoModelForSequenceClassification, cfg.path, dtype, field="reward.model.path"
     )
-    return fp64_norms(model).eval()
+    return fp64_throughout(model).eval()
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,9 @@ def load_train_state(
     bias correction of step 1). ``set_state_dict`` would load the state again with
     ``Optimizer.load_state_dict``, which casts every moment to its parameter's device at
     once: it sets the model alone, and the optimizer gets its groups' settings (learning
-    rate, betas, ...) here."""
+    rate, betas, ...) here, from a checkpoint that holds optimizer state (one without
+    leaves the optimizer as built: ``TrainEngine`` applies its run's settings after a load
+    in either case)."""
     reader = _SafeReader(str(path))
     try:
         # Read and checked before DCP reads it again: DCP's loader (torch 2.11) swallows a

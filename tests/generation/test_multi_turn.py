@@ -98,7 +98,10 @@ def run(
     turn_tokens: int = 5,
     decode: DecodeSettings = EAGER,
     model: torch.nn.Module | None = None,
+    rows: list[int] | None = None,
 ):
+    """``envs`` generated as one batch: of the first ``len(envs)`` prompts, or of ``rows``
+    of the first eight."""
     tokenizer = bpe_tokenizer()
     model = model or build_policy(
         ModelConfig(
@@ -132,7 +135,8 @@ def run(
         end_token_ids=(tokenizer.eos_token_id,),
         pad_token_id=tokenizer.pad_token_id,
     )
-    batch = generate_multi_turn(turn, prompts(tokenizer, len(envs)), envs, tokenizer, limits)
+    batch_prompts = prompts(tokenizer, len(envs)) if rows is None else prompts(tokenizer, 8)[rows]
+    batch = generate_multi_turn(turn, batch_prompts, envs, tokenizer, limits)
     return batch, sampled, tokenizer, model, stop
 
 
@@ -245,6 +249,30 @@ def test_no_row_runs_past_its_room_whatever_the_rows_beside_it(mode: str) -> Non
     torch.testing.assert_close(
         log_probs[policy], batch["rollout_log_probs"][policy].double(), rtol=0, atol=1e-6
     )
+
+
+def test_a_trajectory_is_the_same_alone_or_beside_other_rows() -> None:
+    """Whatever rows a worker's share holds, each trajectory is the same, its outcomes
+    included. A turn generated at most as many tokens as the most room of its rows: a row
+    generating alone could not draw the token past its room that says whether its turn was
+    cut, and a turn the environment ended there was ``truncated`` (and dropped by
+    ``algorithm.overlong.filter``) beside a row with more room only (rows 1, 3, 5 and 7)."""
+
+    def envs() -> list[Echo]:
+        return [
+            Echo(observation="4812 1248 12 84 " * 4 if i % 2 else "4", turns=2) for i in range(8)
+        ]
+
+    settings = {"width": 40, "max_turns": 4, "turn_tokens": 16}
+    together, *_ = run(envs(), **settings)
+    assert together["truncated"].sum() > 0
+    for row, env in enumerate(envs()):
+        alone, *_ = run([env], rows=[row], **settings)
+        for key in alone.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
+            if key == "rollout_log_probs":  # float32 over a batch of another width
+                torch.testing.assert_close(alone[key][0], together[key][row], rtol=0, atol=1e-5)
+            elif isinstance(alone[key], torch.Tensor):
+                assert torch.equal(alone[key][0], together[key][row]), (row, key)
 
 
 def test_turns_on_the_static_cache_are_the_eager_turns() -> None:

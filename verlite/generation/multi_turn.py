@@ -134,9 +134,12 @@ def generate_multi_turn(
         )
         # Each row draws at most one token past its room: it says whether the turn would
         # have gone on (``truncated``), and no row runs past the positions a trajectory
-        # may reach, whatever the room of the rows beside it.
-        turn_prompts[BUDGET_KEY] = torch.tensor(room, device=turn_prompts["input_ids"].device) + 1
-        out = generate(turn_prompts, turn, min(limits.turn_tokens, max(room)))
+        # may reach, whatever the room of the rows beside it. The turn's length leaves the
+        # row with the most room its token past it too: a row's outcome must not depend on
+        # whether a row with more room shares its batch.
+        budgets = torch.tensor(room, device=turn_prompts["input_ids"].device) + 1
+        turn_prompts[BUDGET_KEY] = budgets
+        out = generate(turn_prompts, turn, min(limits.turn_tokens, int(budgets.max())))
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].tolist(), out["rollout_log_probs"].tolist()
         for j, i in enumerate(rows):

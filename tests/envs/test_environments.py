@@ -160,10 +160,12 @@ def test_abandoned_calls_that_finish_no_longer_count() -> None:
 def test_an_observation_the_tokenizer_cannot_encode_is_named(observation, message) -> None:
     tokenizer = build_task_tokenizer()
     s = session(Lookup)
-    for fine in ("=4", "=4<unk>"):  # the unknown token's own text is the token
-        assert s.observation_ids(fine, tokenizer) == tokenizer.encode(
-            fine, add_special_tokens=False
-        )
+    assert s.observation_ids("=4", tokenizer) == tokenizer.encode("=4", add_special_tokens=False)
+    # The unknown token's own text is its characters, as any special token's is.
+    assert s.observation_ids("=4<unk>", tokenizer) == tokenizer.encode(
+        "=4<unk>", add_special_tokens=False, split_special_tokens=True
+    )
+    assert tokenizer.unk_token_id not in tokenizer.encode("<unk>", split_special_tokens=True)
     with pytest.raises(EnvironmentBroken) as caught:
         s.observation_ids(observation, tokenizer)
     assert str(caught.value) == f"environment lookup, prompt 7: {message}"
@@ -173,6 +175,7 @@ class Refuses:
     """A tokenizer that raises on text it cannot take."""
 
     unk_token, unk_token_id = None, None
+    added_tokens_decoder: ClassVar[dict] = {}
 
     def encode(self, text, add_special_tokens):
         raise TypeError("TextEncodeInput must be Union[TextInputSequence, Tuple]")

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, DataConfig
 from verlite.data.files import DataError, PromptRecord
+from verlite.data.tokenizer import encode_written, special_texts
 from verlite.errors import shown
 
 
@@ -155,7 +157,23 @@ class TurnFormat:
 
     def observation_text(self, observation: str) -> str:
         """The template's text after an assistant turn's end: ``observation`` as a turn of
-        :attr:`role`, then the generation prompt of the next assistant turn."""
+        :attr:`role`, then the generation prompt of the next assistant turn. An observation
+        that holds a special token's text must be written between the text the template
+        writes around any observation, where :meth:`observation_ids` finds it."""
+        text = self._rendered(observation)
+        if self._span(text) is None and any(
+            special in observation for special in special_texts(self.tokenizer)
+        ):
+            raise DataError(
+                f"the chat template of model.path={self.model_path!r} writes other text around "
+                f"the observation {shown(observation, 40)} than around others "
+                f"(rollout.multi_turn.observation_role={self.role}): it renders "
+                f"{shown(text, 80)}; the observation holds a special token's text, which must "
+                "be tokenized as text, and its place in the turn cannot be told"
+            )
+        return text
+
+    def _rendered(self, observation: str) -> str:
         field = f"rollout.multi_turn.observation_role={self.role}"
         messages = [
             *self.head,
@@ -178,16 +196,39 @@ class TurnFormat:
             )
         return text[len(self.before + self.end) :]
 
+    @cached_property
+    def _around(self) -> tuple[str, str]:
+        """The template's text before and after an observation in :meth:`observation_text`
+        (``turn_format`` checked that it writes the observation)."""
+        sample = self._rendered(_SAMPLE)
+        at = sample.find(_SAMPLE)
+        return (sample[:at], sample[at + len(_SAMPLE) :]) if at >= 0 else ("", "")
+
+    def _span(self, text: str) -> tuple[int, int] | None:
+        """Where the observation is in :meth:`observation_text`'s ``text``: between the text
+        the template writes around any observation; None if the template wrote other text
+        around this one."""
+        before, after = self._around
+        if text.startswith(before) and text.endswith(after) and len(text) >= len(before + after):
+            return len(before), len(text) - len(after)
+        return None
+
     def observation_ids(self, text: str) -> list[int]:
         """The tokens of :meth:`observation_text`'s ``text`` as they follow the template's end
         of an assistant turn: tokenized after that end, as the template's whole conversation
         is (a SentencePiece tokenizer that marks a text's first word, Metaspace's
         ``prepend_scheme="first"``, marked the observation's alone: ``▁[INST]`` where the
-        conversation has ``[INST]``); alone where the end's tokens would not stay apart."""
-        ids: list[int] = self.tokenizer.encode(self.end + text, add_special_tokens=False)
+        conversation has ``[INST]``); alone where the end's tokens would not stay apart. The
+        observation's own text is the environment's writing (``encode_written``): a special
+        token's text in it is its characters, so it cannot close the observation's turn or
+        open an assistant's; the template's special tokens around it are the tokenizer's."""
+        start, stop = self._span(text) or (0, 0)  # none: it holds no special token's text
+        ids = encode_written(
+            self.tokenizer, self.end + text, len(self.end) + start, len(self.end) + stop
+        )
         if self.end and ids[: len(self.end_ids)] == list(self.end_ids):
             return ids[len(self.end_ids) :]
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_written(self.tokenizer, text, start, stop)
 
     def unwritten_end(self, turn: list[int]) -> list[int]:
         """The tokens of the template's end of an assistant turn that the policy's ``turn``

@@ -124,6 +124,41 @@ def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str
     return "".join(pieces)
 
 
+def special_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The texts of the tokenizer's special tokens (``<|im_end|>``, ``<eos>``): those it reads
+    as the token wherever they occur, unless asked to split them."""
+    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content]
+
+
+def encode_written(
+    tokenizer: PreTrainedTokenizerBase, text: str, start: int = 0, stop: int | None = None
+) -> list[int]:
+    """The token ids of ``text`` (no BOS or EOS added) in which ``text[start:stop]`` is
+    someone else's writing, such as an environment's observation: a special token's text
+    there (``<|im_end|>``, ``<|im_start|>assistant``, the EOS) is encoded as its characters,
+    never as the special token, so that it cannot end a turn, open one or end the sequence.
+    Outside the span, special tokens are the tokenizer's (a chat template's own turns).
+
+    A tokenizer splits a text at its special tokens before anything else, so the text up to
+    the last special token before the span and from the first one after it encode as they
+    do in the whole text; the stretch between them is encoded with
+    ``split_special_tokens``. A text whose span holds no special token's text encodes as
+    it always did."""
+    stop = len(text) if stop is None else stop
+    specials = special_texts(tokenizer)
+    if not any(s in text[start:stop] for s in specials):
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    before = [text.rfind(s, 0, start) for s in specials]
+    lo = max((i + len(s) for i, s in zip(before, specials, strict=True) if i >= 0), default=0)
+    hi = min((i for s in specials if (i := text.find(s, stop)) >= 0), default=len(text))
+    pieces = [
+        tokenizer.encode(text[:lo], add_special_tokens=False) if lo else [],
+        tokenizer.encode(text[lo:hi], add_special_tokens=False, split_special_tokens=True),
+        tokenizer.encode(text[hi:], add_special_tokens=False) if hi < len(text) else [],
+    ]
+    return [int(i) for piece in pieces for i in piece]
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, bos: bool = True
 ) -> list[list[int]]:

@@ -22,7 +22,9 @@ from verlite.data.files import PromptRecord
 class Turn:
     """What an environment answers to one policy turn."""
 
-    observation: str  # appended to the trajectory as tokens the policy did not sample
+    # Appended to the trajectory as tokens the policy did not sample, tokenized as text: a
+    # special token's text in it ("<|im_end|>") is its characters, never the special token.
+    observation: str
     reward: float  # in [0, 1]: the trajectory's score if this turn is its last
     done: bool  # the trajectory is over (the observation is then not appended)
 

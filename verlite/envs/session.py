@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.data.files import PromptRecord
 from verlite.data.templates import TurnFormat
+from verlite.data.tokenizer import encode_written
 from verlite.envs.base import Turn
 from verlite.envs.registry import environment_name
 from verlite.errors import RunFailure, UserError, shown
@@ -138,19 +139,19 @@ class Session:
         text = observation if self.turns is None else self.turns.observation_text(observation)
         try:
             if self.turns is None:
-                ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+                ids: list[int] = encode_written(tokenizer, text)
             else:
                 ids = self.turns.observation_ids(text)
         except Exception as exc:  # whatever a tokenizer raises, the observation is the cause
             self._refuse(
                 f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: {_one_line(exc)}"
             )
-        unknown = tokenizer.unk_token
-        # More unknown tokens than the text spells out: characters the vocabulary lacks.
-        if ids.count(tokenizer.unk_token_id) > (text.count(unknown) if unknown else 0):
+        # The observation's text is never a special token (its "<unk>" included), so an
+        # unknown token stands for characters the vocabulary lacks.
+        if tokenizer.unk_token_id is not None and tokenizer.unk_token_id in ids:
             self._refuse(
                 f"{what}, which holds characters the tokenizer does not know (they would "
-                f"reach the policy as {unknown})"
+                f"reach the policy as {tokenizer.unk_token})"
             )
         return ids
 

@@ -191,6 +191,25 @@ BAD_OVERRIDES = [
         ],
         "rollout.multi_turn.turn_stop='++' is 2 tokens of the model's tokenizer; a turn must end on one token",
     ),
+    (  # the tokens that end a trajectory: it would never see an observation
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "rollout.multi_turn.turn_stop=<eos>",
+        ],
+        "rollout.multi_turn.turn_stop='<eos>' is token 2, the end-of-sequence token, which ends "
+        "the whole trajectory: a turn that stops on it is never followed by an observation; "
+        "choose a token that only ends a turn",
+    ),
+    (
+        [
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=24",
+            "rollout.stop_token_ids=[14]",
+            "rollout.multi_turn.turn_stop=+",
+        ],
+        "rollout.multi_turn.turn_stop='+' is token 14, in rollout.stop_token_ids, which ends",
+    ),
     (
         [
             "rollout.multi_turn.env=lookup",

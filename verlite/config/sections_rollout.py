@@ -56,7 +56,8 @@ class MultiTurnConfig(Section):
     turn_stop: NonEmptyStr | None = Field(
         None,
         description="The text that ends a policy turn and hands it to the environment (one token "
-        "of the tokenizer); the end-of-sequence token always ends the trajectory.",
+        "of the tokenizer, not the end-of-sequence token nor one of rollout.stop_token_ids); "
+        "the end-of-sequence token always ends the trajectory.",
     )
     observation_role: Literal["tool", "user"] = Field(
         "tool",

@@ -13,7 +13,9 @@ from verlite.envs.session import AbandonedCalls, EnvironmentBroken, Session, Too
 
 
 def turn_stop_id(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> int:
-    """The token of ``rollout.multi_turn.turn_stop``, which must be exactly one."""
+    """The token of ``rollout.multi_turn.turn_stop``, which must be exactly one, and not one
+    that ends the whole trajectory (the end-of-sequence token or a ``rollout.stop_token_ids``
+    one): a turn that stops on it would never be followed by an observation."""
     stop = cfg.rollout.multi_turn.turn_stop
     ids = tokenizer.encode(stop, add_special_tokens=False)
     if len(ids) != 1:
@@ -21,7 +23,18 @@ def turn_stop_id(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> int:
             f"rollout.multi_turn.turn_stop={stop!r} is {len(ids)} tokens of the model's "
             "tokenizer; a turn must end on one token"
         )
-    return int(ids[0])
+    token = int(ids[0])
+    ends = {
+        **({} if cfg.rollout.ignore_eos else {tokenizer.eos_token_id: "the end-of-sequence token"}),
+        **{i: "in rollout.stop_token_ids" for i in cfg.rollout.stop_token_ids},
+    }
+    if token in ends:
+        raise ConfigError(
+            f"rollout.multi_turn.turn_stop={stop!r} is token {token}, {ends[token]}, which ends "
+            "the whole trajectory: a turn that stops on it is never followed by an observation; "
+            "choose a token that only ends a turn"
+        )
+    return token
 
 
 __all__ = [

@@ -97,7 +97,7 @@ def main() -> None:
         max_turns=args.turns,
         width=total,
         turn_tokens=args.turn,
-        eos_token_id=NEVER,
+        end_token_ids=(),  # no token ends a trajectory
         pad_token_id=tokenizer.pad_token_id,
     )
 

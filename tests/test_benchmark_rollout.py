@@ -70,3 +70,15 @@ def test_the_gpu_busy_time_merges_overlapping_events_and_skips_the_cpus() -> Non
         profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
     )
     assert rollout.gpu_busy_seconds(profile) == pytest.approx(25e-9)  # type: ignore[arg-type]
+
+
+def test_the_multi_turn_benchmark_runs_on_tiny_shapes() -> None:
+    """``benchmarks/multi_turn.py`` (the figures of docs/multi-turn.md) still runs: it built
+    ``TurnLimits`` with an ``eos_token_id`` the class no longer has, and raised TypeError."""
+    command = [sys.executable, "-m", "benchmarks.multi_turn", "--rows", "2", "--turns", "2"]
+    command += ["--turn", "4", "--observation", "2", "--repeats", "2"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == "multi_turn" and result["trajectory_tokens"] == 2 * 4 + 2
+    assert set(result["tokens_per_s"]) == {"single_turn", "multi_turn"}

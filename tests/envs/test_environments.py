@@ -6,6 +6,7 @@ calls still running than its limit stops the run; an environment that breaks its
 and the prompt."""
 
 import random
+import sqlite3
 import sys
 import threading
 import time
@@ -82,6 +83,43 @@ def test_a_tool_that_raises_or_hangs_ends_only_its_trajectory() -> None:
     assert time.monotonic() - started < 5
     assert hung.error == "step did not return within 0.2 s"
     assert hung.timed_out and not crashed.timed_out
+
+
+class Database:
+    """A tool over a SQLite database opened in ``reset``, its connection kept per thread (as
+    database clients keep theirs, in a ``threading.local``)."""
+
+    local = threading.local()
+
+    def __init__(self):
+        self.threads = [threading.current_thread()]
+
+    def reset(self, record):
+        self.threads.append(threading.current_thread())
+        self.local.db = sqlite3.connect(":memory:")
+        self.local.db.execute("create table kv (k text, v text)")
+        self.local.db.execute(
+            "insert into kv values (?, ?)", (record["prompt"][:-1], record["answer"])
+        )
+
+    def step(self, action):
+        self.threads.append(threading.current_thread())
+        row = self.local.db.execute("select v from kv where k = ?", (action,)).fetchone()
+        return Turn("=" + (row[0] if row else ""), 0.0, done=False)
+
+
+def test_an_environment_is_made_reset_and_stepped_in_one_thread() -> None:
+    """Each call ran in a thread of its own: every step of an environment with per-thread
+    state raised (here ``AttributeError: '_thread._local' object has no attribute 'db'``),
+    a tool error that scored every trajectory 0. Closing the session ends its thread."""
+    s = session(Database)
+    assert s.step("37") == Turn("=4821", 0.0, False)
+    assert s.error is None
+    assert s.step("38") == Turn("=", 0.0, False)
+    assert len(set(s.env.threads)) == 1 and len(s.env.threads) == 4
+    s.close()
+    s._caller.thread.join(timeout=60)
+    assert not s._caller.thread.is_alive()
 
 
 class Spins:

@@ -1,8 +1,10 @@
 """One trajectory's environment, its calls checked and bounded in time.
 
-A call runs in a daemon thread of its own and is waited for at most
-``rollout.multi_turn.tool_timeout_s``. A ``step`` that raises or outlives that bound is a
-tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never
+A session's calls (making its environment, ``reset`` and every ``step``) run one after
+another in one daemon thread of its own, so that an environment's thread-bound state (a
+``sqlite3`` connection) works in every call; :meth:`Session.close` ends the thread. Each
+call is waited for at most ``rollout.multi_turn.tool_timeout_s``. A ``step`` that raises
+or outlives that bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never
 the run. A Python thread cannot be stopped, so the thread of a call that timed out is left
 running (``multiturn/abandoned_calls``); each worker counts its live ones
 (:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
@@ -55,23 +57,41 @@ class AbandonedCalls:
         return len(self._threads)
 
 
-def _bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str, Any]:
-    """``("ok", result)``, ``("raised", exception)`` or ``("timeout", the thread still
-    running it)``."""
-    box: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+class _Caller:
+    """The one daemon thread that runs a session's calls, one after another: an environment
+    is made, reset and stepped in the same thread, as code holding thread-bound state
+    expects (a ``sqlite3`` connection opened in ``reset`` refuses every other thread), and
+    each call is waited for at most ``timeout_s``."""
 
-    def run() -> None:
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any] | None]
+        self._calls = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while (call := self._calls.get()) is not None:
+            fn, args, box = call
+            try:
+                box.put(("ok", fn(*args)))
+            except BaseException as exc:  # reported by the caller, whatever it is
+                box.put(("raised", exc))
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str, Any]:
+        """``("ok", result)``, ``("raised", exception)`` or ``("timeout", the thread still
+        running it)``; after a timeout the thread takes no more calls and ends once the call
+        returns."""
+        box: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._calls.put((fn, args, box))
         try:
-            box.put(("ok", fn(*args)))
-        except BaseException as exc:  # reported by the caller, whatever it is
-            box.put(("raised", exc))
+            return box.get(timeout=timeout_s)
+        except queue.Empty:
+            self.close()
+            return "timeout", self.thread
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        return box.get(timeout=timeout_s)
-    except queue.Empty:
-        return "timeout", thread
+    def close(self) -> None:
+        """The thread ends after the calls it was given."""
+        self._calls.put(None)
 
 
 class Session:
@@ -97,13 +117,20 @@ class Session:
         # Its own copy: an environment may edit what it is given, and the rollout.n
         # trajectories of a prompt (and the driver's scoring) must not see that.
         record = copy.deepcopy(record)
+        self._caller = _Caller()
         self.env = self._set_up(cls, f"{cls.__name__}()")
         self._set_up(self.env.reset, "reset", record)
+
+    def close(self) -> None:
+        """Let the thread that runs this session's calls end (the trajectory is over)."""
+        self._caller.close()
 
     def _set_up(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
         """A call that makes or resets the environment: one that raises or hangs breaks
         the contract."""
-        outcome, value = _bounded(fn, *args, timeout_s=self.timeout_s)
+        outcome, value = self._caller.call(fn, *args, timeout_s=self.timeout_s)
+        if outcome != "ok":
+            self.close()
         if outcome == "timeout":
             self.abandoned.add(value)
             self._refuse(f"{what} did not return within {self.timeout_s:g} s")
@@ -114,7 +141,7 @@ class Session:
     def step(self, action: str) -> Turn | None:
         """The environment's answer to a policy turn; None after a tool error (recorded in
         ``error``), which ends the trajectory."""
-        outcome, value = _bounded(self.env.step, action, timeout_s=self.timeout_s)  # type: ignore[attr-defined]
+        outcome, value = self._caller.call(self.env.step, action, timeout_s=self.timeout_s)  # type: ignore[attr-defined]
         if outcome == "timeout":
             self.error = f"step did not return within {self.timeout_s:g} s"
             self.timed_out = True

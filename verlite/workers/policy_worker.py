@@ -157,4 +157,8 @@ class PolicyWorker(Worker):
                 pad_token_id=self.pad_token_id,
                 unwritten_end=None if self.turns is None else self.turns.unwritten_end,
             )
-            return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)
+            try:
+                return generate_multi_turn(turn, prompts, sessions, self.tokenizer, limits)
+            finally:
+                for session in sessions:
+                    session.close()

@@ -139,14 +139,14 @@ def test_calls_left_running_past_the_workers_limit_stop_the_run_in_one_line() ->
     abandoned = AbandonedCalls(limit=2)
     try:
         for _ in range(2):  # within the limit: tool errors of their trajectories
-            assert session(Spins, timeout_s=0.01, abandoned=abandoned).step("x") is None
+            assert session(Spins, timeout_s=0.5, abandoned=abandoned).step("x") is None
         with pytest.raises(ToolsStuck) as caught:
-            session(Spins, timeout_s=0.01, abandoned=abandoned).step("x")
+            session(Spins, timeout_s=0.5, abandoned=abandoned).step("x")
     finally:
         Spins.release.set()
     assert str(caught.value) == (
         "environment test_environments:Spins, prompt 7: calls that outlived "
-        "rollout.multi_turn.tool_timeout_s=0.01 still running in this worker: 3, more than "
+        "rollout.multi_turn.tool_timeout_s=0.5 still running in this worker: 3, more than "
         "rollout.multi_turn.max_abandoned_calls=2; a thread cannot be stopped and each one "
         "left running slows every later step: make step return in time (run work that may "
         "hang in a process it can kill)"
@@ -170,14 +170,14 @@ class Finishes:
 
 def test_abandoned_calls_that_finish_no_longer_count() -> None:
     abandoned = AbandonedCalls(limit=1)
-    first = session(Finishes, timeout_s=0.01, abandoned=abandoned)
+    first = session(Finishes, timeout_s=0.5, abandoned=abandoned)
     assert first.step("x") is None
     Finishes.release.set()
     for thread in Finishes.threads:  # the abandoned call returns now
         thread.join()
     Finishes.release.clear()
     try:  # one running again: within the limit of 1
-        assert session(Finishes, timeout_s=0.01, abandoned=abandoned).step("x") is None
+        assert session(Finishes, timeout_s=0.5, abandoned=abandoned).step("x") is None
     finally:
         Finishes.release.set()
 

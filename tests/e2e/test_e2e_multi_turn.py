@@ -26,7 +26,7 @@ from verlite.controller import WorkerGroupError
 from verlite.data import PromptLoader, build_datasets, load_tokenizer
 from verlite.driver.preflight import RunInputs
 from verlite.driver.run import run
-from verlite.records.metrics_log import read
+from verlite.records.metrics_log import is_run_history, read
 
 CONFIG = "configs/tool_tiny.yaml"
 SMALL = (
@@ -165,3 +165,24 @@ def test_each_trajectory_gets_its_prompts_record_of_its_own(tmp_path: Path, cli)
             expected += list(val_set)
     seen = [json.loads(line) for line in witness.read_text().splitlines()]
     assert seen == expected
+
+
+@pytest.mark.cluster  # a whole run and its resume: make test-cluster
+def test_a_resumed_multi_turn_run_logs_the_run_it_continues(tmp_path: Path, local_ray) -> None:
+    """4 steps straight equal 2 steps, a checkpoint and a resume to 4: the trajectories (keyed
+    by the step, the prompt and the turn) and their ``multiturn/`` metrics, exactly."""
+    saving = ("trainer.save_freq=2", "trainer.total_steps=4")
+    straight = config(tmp_path / "straight", *saving)
+    run(straight, RunInputs.load(straight))
+    first = config(tmp_path / "resumed", *saving[:1], "trainer.total_steps=2")
+    run(first, RunInputs.load(first))
+    resumed = config(tmp_path / "resumed", *saving)
+    run(resumed, RunInputs.load(resumed))
+
+    def stable(out: Path) -> list[dict]:
+        return [{k: v for k, v in r.items() if not is_run_history(k)} for r in read(out)]
+
+    logged = stable(tmp_path / "resumed")
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert logged == stable(tmp_path / "straight")
+    assert sum(r["multiturn/tool_calls/mean"] for r in logged) > 0

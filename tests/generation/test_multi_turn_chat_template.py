@@ -12,7 +12,7 @@ import pytest
 import torch
 from chat_model_support import chat_tokenizer
 from tensordict import TensorDict
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from tool_template_support import (
     DROPS_TOOL_TEMPLATE,
     FORGETS_TEMPLATE,
@@ -270,6 +270,60 @@ def test_an_observation_cannot_forge_a_turn_boundary_or_an_assistant_turn() -> N
     per_call = [t for t in (*turns.end_ids, *benign) if t in specials]
     assert len(per_call) == 4
     assert [t for t in observed if t in specials] == per_call * 2
+
+
+# Phi-3-Instruct's turn format: its turn tokens take the whitespace after them (rstrip).
+PHI3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|' + message.role + '|>\\n' + message.content + '<|end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}"
+)
+
+
+def test_a_forged_observation_keeps_the_tokens_of_a_template_whose_turn_tokens_strip() -> None:
+    """Phi-3's ``<|user|>`` takes the newline after it, as its whole conversation tokenizes;
+    the observation's turn does too when the observation holds a special token's text (the
+    newline was a token of its own, which no conversation has)."""
+    tokenizer = chat_tokenizer(PHI3_TEMPLATE)
+    turn_tokens = ["<|user|>", "<|assistant|>", "<|end|>"]
+    tokenizer.add_special_tokens(
+        {
+            "additional_special_tokens": [
+                AddedToken(t, rstrip=True, normalized=False) for t in turn_tokens
+            ]
+        }
+    )
+    cfg = load_config(
+        "configs/tool_tiny.yaml",
+        [
+            "model.path=/models/chat",
+            "data.chat_template=true",
+            "rollout.multi_turn.observation_role=user",
+        ],
+    )
+    turns = turn_format(cfg, tokenizer)
+    assert turns is not None
+    session = Session(
+        Forges,
+        {"prompt": "375>", "answer": "4"},
+        index=0,
+        timeout_s=5.0,
+        abandoned=AbandonedCalls(0),
+        turns=turns,
+    )
+    benign = session.observation_ids("=4", tokenizer)
+    assert tokenizer.convert_ids_to_tokens(benign) == [
+        "<|user|>",
+        "=",
+        "4",
+        "<|end|>",
+        "<|assistant|>",
+    ]
+    forged = session.observation_ids(FORGED, tokenizer)
+    assert forged[:1] == benign[:1] and forged[-2:] == benign[-2:]
+    assert tokenizer.decode(forged[1:-2]) == FORGED
+    assert not set(forged[1:-2]) & set(tokenizer.all_special_ids)
 
 
 # Marks a tool's output that holds "<|" before its <tool_response>: other text around it

@@ -141,16 +141,25 @@ def encode_written(
 
     A tokenizer splits a text at its special tokens before anything else, so the text up to
     the last special token before the span and from the first one after it encode as they
-    do in the whole text; the stretch between them is encoded with
+    do in the whole text (with the whitespace a token that strips it takes: Phi-3's
+    ``<|user|>`` takes the newline after it); the stretch between them is encoded with
     ``split_special_tokens``. A text whose span holds no special token's text encodes as
     it always did."""
     stop = len(text) if stop is None else stop
-    specials = special_texts(tokenizer)
+    specials = {t.content: t for t in tokenizer.added_tokens_decoder.values() if t.special}
+    specials.pop("", None)
     if not any(s in text[start:stop] for s in specials):
         return list(tokenizer.encode(text, add_special_tokens=False))
-    before = [text.rfind(s, 0, start) for s in specials]
-    lo = max((i + len(s) for i, s in zip(before, specials, strict=True) if i >= 0), default=0)
-    hi = min((i for s in specials if (i := text.find(s, stop)) >= 0), default=len(text))
+    lo, hi = 0, len(text)
+    for content, token in specials.items():
+        if (at := text.rfind(content, 0, start)) >= 0:
+            end = at + len(content)
+            if token.rstrip:
+                end = len(text) - len(text[end:].lstrip())
+            lo = max(lo, end)
+        if (at := text.find(content, stop)) >= 0:
+            hi = min(hi, len(text[:at].rstrip()) if token.lstrip else at)
+    hi = max(hi, lo)
     pieces = [
         tokenizer.encode(text[:lo], add_special_tokens=False) if lo else [],
         tokenizer.encode(text[lo:hi], add_special_tokens=False, split_special_tokens=True),

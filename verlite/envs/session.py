@@ -1,15 +1,15 @@
 """One trajectory's environment, its calls checked and bounded in time.
 
 A session's calls (making its environment, ``reset`` and every ``step``) run one after
-another in one daemon thread of its own, so that an environment's thread-bound state (a
-``sqlite3`` connection) works in every call; :meth:`Session.close` ends the thread. Each
-call is waited for at most ``rollout.multi_turn.tool_timeout_s``. A ``step`` that raises
-or outlives that bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never
-the run. A Python thread cannot be stopped, so the thread of a call that timed out is left
-running (``multiturn/abandoned_calls``); each worker counts its live ones
-(:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
-(a tool stuck in a loop, which would slow every later step) stop the run in one line.
-An environment that breaks its contract stops the run in one line naming it and the prompt:
+another in one daemon thread of its own, so that state an environment keeps per thread (a
+database client's connection) is there in every call; :meth:`Session.close` ends the
+thread. Each call is waited for at most ``rollout.multi_turn.tool_timeout_s``. A ``step``
+that raises or outlives that bound is a tool error: it ends that trajectory (score 0,
+counted in ``multiturn/tool_errors``), never the run. A Python thread cannot be stopped,
+so the thread of a call that timed out is left running (``multiturn/abandoned_calls``);
+each worker counts its live ones (:class:`AbandonedCalls`), and more than
+``rollout.multi_turn.max_abandoned_calls`` of them (a tool stuck in a loop, which would
+slow every later step) stop the run in one line. An environment that breaks its contract stops the run in one line naming it and the prompt:
 a class that cannot be made or a ``reset`` that raises or hangs, or a ``step`` whose answer
 is not a :class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode,
 a reward in [0, 1] and a bool ``done``.
@@ -59,9 +59,9 @@ class AbandonedCalls:
 
 class _Caller:
     """The one daemon thread that runs a session's calls, one after another: an environment
-    is made, reset and stepped in the same thread, as code holding thread-bound state
-    expects (a ``sqlite3`` connection opened in ``reset`` refuses every other thread), and
-    each call is waited for at most ``timeout_s``."""
+    is made, reset and stepped in the same thread, as code holding per-thread state expects
+    (a connection in a ``threading.local``, a ``sqlite3`` connection that refuses other
+    threads), and each call is waited for at most ``timeout_s``."""
 
     def __init__(self) -> None:
         self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any] | None]

@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from model_support import tiny_qwen2
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from verlite.config import ConfigError, LoraConfig, ModelConfig
@@ -165,3 +167,32 @@ def test_a_bf16_base_merges_in_the_adapters_precision_without_rounding_their_upd
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.dtype == torch.float32
     assert float((logits(merged, IDS) - expected).norm() / change.norm()) < 1e-3
+
+
+def test_an_adapter_on_a_tied_lm_head_merges_to_the_adapted_models_logits(tmp_path) -> None:
+    """A base whose LM head is its input embedding (``tie_word_embeddings``, as Qwen2.5-0.5B):
+    an adapter on ``lm_head`` changes the head's output only. Merged into the one shared
+    weight, ``B A`` changed the embedding too (logits off by 3.5 times the adapters' whole change); the adapter file holds the adapters alone;
+    the merge unties the head first, and the input embedding stays the base's."""
+    tiny_qwen2(tied=True, vocab_size=40).save_pretrained(tmp_path / "pretrained")
+    cfg = ModelConfig(path=str(tmp_path / "pretrained"), dtype="float64")
+    lora = LoraConfig(rank=4, target_modules=("q_proj", "lm_head"))
+    model = trained(build_policy(cfg, vocab_size=40, max_positions=32, seed=0, lora=lora))
+    expected = logits(model, IDS)
+    with adapters_disabled(model):
+        change = expected - logits(model, IDS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_adapter(model, tmp_path / "adapter", base_path=cfg.path)
+        merge_adapter(tmp_path / "adapter", tmp_path / "merged")
+    assert [str(w.message) for w in caught] == []
+    # the adapters alone, not the embedding peft would add beside a tied head
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert saved and all(".lora_A." in name or ".lora_B." in name for name in saved)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    # to the rounding of Hugging Face's fp32 rotary tables: 1e-7 of the change
+    assert float((logits(merged, IDS) - expected).norm() / change.norm()) < 1e-5
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    embedding = merged.get_input_embeddings().weight
+    assert torch.equal(embedding, base.get_input_embeddings().weight)
+    assert not torch.equal(merged.get_output_embeddings().weight, embedding)

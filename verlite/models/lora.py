@@ -69,6 +69,9 @@ def _peft_wrapping() -> Iterator[None]:
     FutureWarning nothing a user can act on, which would be the merge's only other output."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        # An adapter on a head tied to the embedding: peft warns that merging it would
+        # change the embedding too, which ``merge_adapter`` prevents (``_untie_adapted_head``).
+        warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*")
         yield
 
 
@@ -116,7 +119,9 @@ def save_adapter(model: nn.Module, path: Path, *, base_path: str | None) -> None
     peft_model.peft_config["default"].base_model_name_or_path = base_path
     if written_base:  # peft reads the base's config while it saves the adapter
         peft_model.get_base_model().config.save_pretrained(base_path)
-    peft_model.save_pretrained(str(path))
+    # The adapters only: peft would add the whole embedding when an adapter wraps a head
+    # tied to it, which no run trains (the base holds it).
+    peft_model.save_pretrained(str(path), save_embedding_layers=False)
     # How the policy generates (its end tokens), which merge_adapter gives the merged model.
     peft_model.get_base_model().generation_config.save_pretrained(str(path))
     if written_base:
@@ -134,12 +139,29 @@ def merge_dtype(adapter: Path) -> torch.dtype:
     return functools.reduce(torch.promote_types, stored, torch.float32)
 
 
+def _untie_adapted_head(model: Any) -> None:
+    """Give the peft model ``model`` an LM head of its own when an adapter wraps it and it
+    is its input embedding (``tie_word_embeddings``): the adapter changes the head's output
+    only, and merged into the shared weight ``B A`` would change the embedding too."""
+    head = model.get_output_embeddings()
+    embedding = model.get_input_embeddings()
+    if not isinstance(head, _peft().tuners.tuners_utils.BaseTunerLayer):
+        return
+    base_head = head.get_base_layer()
+    if base_head.weight is not embedding.weight:
+        return
+    base_head.weight = nn.Parameter(base_head.weight.detach().clone(), requires_grad=False)
+    model.get_base_model().config.tie_word_embeddings = False
+
+
 def merge_adapter(adapter: Path, out: Path) -> None:
     """The adapter folder ``adapter`` folded into its base's weights, written to ``out`` in
     Hugging Face format. The base is ``adapter/base`` when the export wrote one there, else
     the path its adapter_config.json names, and must still hold the weights the adapter was
     trained over (``base_weights.json``, written with the export). The merged model generates
-    as the adapter folder's ``generation_config.json`` says (its end tokens)."""
+    as the adapter folder's ``generation_config.json`` says (its end tokens); an adapted LM
+    head that the base ties to its input embedding is written untied
+    (:func:`_untie_adapted_head`)."""
     peft = _peft()
     base_path = adapter / BASE_FOLDER
     if not base_path.is_dir():
@@ -163,7 +185,9 @@ def merge_adapter(adapter: Path, out: Path) -> None:
         str(base_path), local_files_only=True, dtype=merge_dtype(adapter)
     )
     with _peft_wrapping():
-        merged = peft.PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+        adapted = peft.PeftModel.from_pretrained(base, str(adapter))
+        _untie_adapted_head(adapted)
+        merged = adapted.merge_and_unload()
     if (adapter / GENERATION_CONFIG_NAME).is_file():  # an earlier verlite's export has none
         merged.generation_config = GenerationConfig.from_pretrained(str(adapter))
     merged.save_pretrained(str(out))

@@ -16,7 +16,8 @@ import pytest
 from scoring_service import ScoringService, scoring_service
 
 from verlite import redaction
-from verlite.config import RemoteRewardConfig
+from verlite.config import ConfigError, RemoteRewardConfig, load_config
+from verlite.config.fields import MAX_TIMEOUT_S
 from verlite.errors import RunFailure, UserError
 from verlite.rewards import digit_match
 from verlite.rewards import remote as remote_module
@@ -364,3 +365,20 @@ def test_the_probe_fails_in_seconds_on_a_service_that_is_down(service: ScoringSe
         "response to the first training prompt) failed: the connection failed: Connection "
         "refused; start the service or correct the URL"
     )
+
+
+def test_a_timeout_no_clock_can_wait_is_refused_at_load_and_the_longest_works(
+    service: ScoringService,
+) -> None:
+    """reward.remote.timeout_s=1e10 and reward.timeout_s=5e6 passed the config, then every
+    request (the start-up probe's first) raised ``OverflowError: timestamp out of range for
+    platform time_t`` from the socket, and the math reward's verifier ``OverflowError:
+    timeout is too large`` from its select: a traceback. Refused at load in one line; the
+    longest accepted (a day) scores."""
+    for field, value in (("reward.remote.timeout_s", 1e10), ("reward.timeout_s", 5e6)):
+        with pytest.raises(ConfigError) as info:
+            load_config("configs/ppo_tiny.yaml", [f"{field}={value!r}"])
+        message = str(info.value)
+        assert message.startswith(f"{field}={value!r}: ") and "\n" not in message
+        assert f"less than or equal to {MAX_TIMEOUT_S:g}" in message
+    assert score(scorer(service.url, timeout_s=MAX_TIMEOUT_S))[0] == EXPECTED

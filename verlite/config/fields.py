@@ -14,6 +14,11 @@ MAX_INT = 2**31 - 1
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_INT)]
 NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
+# The longest wait a timeout may set: a day. Sockets, selectors and locks cannot wait much
+# longer (an OverflowError past 2**31 ms for epoll, about 25 days), and no request or call
+# of a run is meant to.
+MAX_TIMEOUT_S = 86400.0
+TimeoutSeconds = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S)]
 
 
 def _path(value: str) -> str:

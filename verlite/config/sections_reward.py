@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import AfterValidator, Field, model_validator
 
 from verlite.config.defaults import as_dict
-from verlite.config.fields import PathStr, PositiveInt, Section
+from verlite.config.fields import PathStr, PositiveInt, Section, TimeoutSeconds
 from verlite.errors import shown
 from verlite.reachable import is_loopback_host
 from verlite.redaction import redact_url
@@ -75,11 +75,10 @@ class RemoteRewardConfig(Section):
     concurrency: Annotated[int, Field(gt=0, le=256)] = Field(
         4, description="Requests in flight at once."
     )
-    timeout_s: float = Field(
+    timeout_s: TimeoutSeconds = Field(
         30.0,
-        gt=0.0,
         description="Most seconds one request may take, from connecting to the end of its "
-        "reply; a slower one is retried.",
+        "reply (at most a day); a slower one is retried.",
     )
     max_retries: Annotated[int, Field(ge=0, le=100)] = Field(
         3,
@@ -151,10 +150,10 @@ class RewardConfig(Section):
         "or 'package.module:function'; None uses the task's reward (exact match of the answer "
         "for prompt files).",
     )
-    timeout_s: float = Field(
+    timeout_s: TimeoutSeconds = Field(
         30.0,
-        gt=0.0,
-        description="Longest one call of the reward function may take; a slower call stops the "
+        description="Longest one call of the reward function may take (at most a day, in "
+        "seconds); a slower call stops the "
         "run with an error naming the response. reward.fn=math (at least 2 s) gives one "
         "verification half of it and scores a slower one 0.",
     )

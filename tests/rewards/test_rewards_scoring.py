@@ -57,10 +57,22 @@ def test_real_numbers_of_other_types_are_converted_and_said_once(score: Any, kin
     assert out.getvalue().count(f"returns {kind} scores; converted to float") <= 1
 
 
-@pytest.mark.parametrize("bad", [torch.tensor([0.5, 0.5]), np.array([1.0]), complex(1, 0)])
-def test_arrays_and_complex_numbers_are_refused(bad: Any) -> None:
-    with pytest.raises(RewardError, match="scores must be finite numbers in"):
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.tensor([0.5, 0.5]),
+        np.array([1.0]),
+        complex(1, 0),
+        torch.linspace(0, 1, 64),  # a score per token: its repr spans lines
+        "0." + "5" * 10_000,
+    ],
+)
+def test_arrays_and_complex_numbers_are_refused_in_one_short_line(bad: Any) -> None:
+    """The value is quoted on one line and cut short: a tensor of scores per token quoted
+    whole took 11 lines, a long string 10,000 characters."""
+    with pytest.raises(RewardError, match="scores must be finite numbers in") as info:
         score_responses(lambda r, a, p: bad, ["x"], ["a"], ["p"])
+    assert "\n" not in str(info.value) and len(str(info.value)) < 300
 
 
 def failing_reward(response: str, answer: str, prompt: str) -> float:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.rewards.registry import RewardFn, reward_name
 
 # How often a slow scoring stage says how far it is.
@@ -112,8 +112,8 @@ def _checked(
     value = as_real(score)
     if value is None or not (math.isfinite(value) and 0.0 <= value <= 1.0):
         raise RewardError(
-            f"reward function {reward_name(fn)} returned {score!r} for response {index} "
-            f"({_short(response)}); scores must be finite numbers in [0, 1]"
+            f"reward function {reward_name(fn)} returned {shown(score, 80, _one_line_repr)} "
+            f"for response {index} ({_short(response)}); scores must be finite numbers in [0, 1]"
         )
     if type(score) is not float and type(score) not in _CONVERTED:
         _CONVERTED.add(type(score))
@@ -140,6 +140,11 @@ def as_real(score: Any) -> float | None:
 def _short(text: str, limit: int = 80) -> str:
     shown = repr(text)
     return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
+
+
+def _one_line_repr(value: object) -> str:
+    # A tensor's or array's repr spans lines.
+    return " ".join(repr(value).split())
 
 
 def _one_line(text: str) -> str:

@@ -13,6 +13,9 @@ import pytest
 import torch
 from reward_model_support import reference_scores, save_tiny_reward_model
 from tensordict import TensorDict
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import PreTrainedTokenizerFast
 
 from verlite.config import load_config
 from verlite.controller import WorkerGroup
@@ -20,7 +23,7 @@ from verlite.controller.resource_pool import build_pools
 from verlite.data import build_task_tokenizer, prompt_tensordict, response_text
 from verlite.data.tasks import TASK_ALPHABET
 from verlite.workers.peak_memory import pop_peak
-from verlite.workers.reward_model import REWARD_INPUT_KEYS, RewardModelWorker
+from verlite.workers.reward_model import REWARD_INPUT_KEYS, RewardModelWorker, reward_texts
 
 ROWS = 10
 PROMPT_WIDTH, RESPONSE_WIDTH = 8, 6
@@ -106,3 +109,32 @@ def test_reward_group_scores_each_response_as_a_single_forward_does(
         assert scored["rm_truncated"].tolist() == truncated
         assert pop_peak(scored) > 0  # the largest rank's peak memory, for the driver
     assert nothing.batch_size == torch.Size([0])
+
+
+def test_the_response_continues_the_prompts_text_under_a_sentencepiece_decoder() -> None:
+    """A SentencePiece-style tokenizer (Llama-2's, Mistral's: a ``Metaspace`` decoder) drops
+    the leading space of a sequence it decodes. Decoded alone, the response's first word
+    lost the space that separates it from the prompt: the reward model read
+    'Question:The answer is 4' for 'Question: The answer is 4'."""
+    vocab = ["<unk>", "<s>", "</s>", "▁Question:", "▁The", "▁answer", "▁is", "▁4"]
+    model = WordLevel({token: i for i, token in enumerate(vocab)}, unk_token="<unk>")
+    spm = Tokenizer(model)
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    spm.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=spm, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="</s>"
+    )
+    # left-padded prompt (BOS, "Question:"), a response ended by EOS, then padding
+    td = TensorDict(
+        {
+            "input_ids": torch.tensor([[2, 1, 3, 4, 5, 6, 7, 2, 2]]),
+            "attention_mask": torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 0]]),
+            "responses": torch.tensor([[4, 5, 6, 7, 2, 2]]),
+            "response_mask": torch.tensor([[1, 1, 1, 1, 1, 0]]),
+        },
+        batch_size=[1],
+    )
+    assert reward_texts(tokenizer, td) == ["Question: The answer is 4"]
+    # the character tokenizer of the main job reads as before
+    batch, texts = _batch()
+    assert reward_texts(build_task_tokenizer(TASK_ALPHABET), batch) == texts

@@ -20,6 +20,7 @@ from verlite.data.loader import (
 from verlite.data.tasks import TASKS, Task
 from verlite.data.tokenizer import (
     build_task_tokenizer,
+    continuation_text,
     encode_prompts,
     load_reward_tokenizer,
     load_tokenizer,
@@ -39,6 +40,7 @@ __all__ = [
     "check_fills_a_batch",
     "check_prompts",
     "collate_prompts",
+    "continuation_text",
     "encode_prompts",
     "holdout_split",
     "load_reward_tokenizer",

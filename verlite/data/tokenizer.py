@@ -168,6 +168,21 @@ def encode_written(
     return [int(i) for piece in pieces for i in piece]
 
 
+def continuation_text(
+    tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int], response: Sequence[int]
+) -> str:
+    """:func:`response_text` of ``response`` as it continues ``prompt``'s text. A tokenizer
+    whose decoder drops a sequence's leading space (SentencePiece's ``Metaspace``: Llama-2's,
+    Mistral's) drops, from a response decoded alone, the space between the prompt and its
+    first word: decoded after the prompt, the response keeps it. Decoded alone where the
+    prompt's text is not a prefix of the two decoded together (a character cut between them)."""
+    prefix = tokenizer.decode(list(prompt), skip_special_tokens=False)
+    whole = response_text(tokenizer, [*prompt, *response])
+    if prompt and whole.startswith(prefix):
+        return whole[len(prefix) :]
+    return response_text(tokenizer, response)
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, bos: bool = True
 ) -> list[list[int]]:

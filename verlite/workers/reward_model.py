@@ -4,8 +4,8 @@ checkpoint, no collectives.
 
 A row reaches it as the policy's token ids; it reads them as text with the policy's
 tokenizer (the prompt without its special tokens, the response as a reward function reads
-it, ``data.response_text``) and tokenizes that text again with the reward model's own
-tokenizer, whose vocabulary may differ.
+it, ``data.response_text``, decoded after the prompt: :func:`reward_texts`) and tokenizes
+that text again with the reward model's own tokenizer, whose vocabulary may differ.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from tensordict import TensorDict
 
 from verlite.config import Config
 from verlite.controller import Worker
-from verlite.data import load_reward_tokenizer, load_tokenizer, response_text
+from verlite.data import continuation_text, load_reward_tokenizer, load_tokenizer
 from verlite.models import model_dtype, resolve_device
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
@@ -55,26 +55,14 @@ class RewardModelWorker(Worker):
     def init_distributed(self, master_addr: str, master_port: int) -> None:
         """Reward ranks share no collectives: no process group to join."""
 
-    def texts(self, td: TensorDict) -> list[str]:
-        """Each row's prompt and response as text, read with the policy's tokenizer."""
-        width = td["responses"].shape[1]
-        prompts = td["input_ids"][:, :-width]
-        real = td["attention_mask"][:, :-width].bool()
-        lengths = td["response_mask"].sum(-1).tolist()
-        return [
-            self.policy_tokenizer.decode(prompt[keep].tolist(), skip_special_tokens=True)
-            + response_text(self.policy_tokenizer, response[:n].tolist())
-            for prompt, keep, response, n in zip(
-                prompts, real, td["responses"], lengths, strict=True
-            )
-        ]
-
     def score(self, td: TensorDict) -> TensorDict:
         """Each row's score in [0, 1] (``rm_score``) and whether its text was cut to
         ``reward.model.max_length`` (``rm_truncated``), in the order of the rows, and this
         rank's peak memory over the call (``PEAK_COLUMN``)."""
         self.peak_memory.begin()
-        inputs = encode_texts(self.tokenizer, self.texts(td), max_length=self.max_length)
+        inputs = encode_texts(
+            self.tokenizer, reward_texts(self.policy_tokenizer, td), max_length=self.max_length
+        )
         micro = self.cfg.reward.model.micro_batch_size_per_worker
         with autocast(self.cfg.precision, self.device):
             parts = [
@@ -90,3 +78,22 @@ class RewardModelWorker(Worker):
             batch_size=[rows],
         )
         return with_peak(scored, self.peak_memory)
+
+
+def reward_texts(tokenizer: Any, td: TensorDict) -> list[str]:
+    """Each row's prompt and response as text, read with the policy's ``tokenizer`` (a
+    Hugging Face tokenizer, ``data.load_tokenizer``'s): the prompt without its special
+    tokens, then the response as it continues the prompt's text (``data.continuation_text``:
+    the space before its first word kept)."""
+    width = td["responses"].shape[1]
+    prompts = td["input_ids"][:, :-width]
+    real = td["attention_mask"][:, :-width].bool()
+    lengths = td["response_mask"].sum(-1).tolist()
+    texts = []
+    for prompt, keep, response, n in zip(prompts, real, td["responses"], lengths, strict=True):
+        ids = prompt[keep].tolist()
+        texts.append(
+            tokenizer.decode(ids, skip_special_tokens=True)
+            + continuation_text(tokenizer, ids, response[:n].tolist())
+        )
+    return texts

@@ -5,6 +5,8 @@ and scores with ``digit_match``, with failures scripted request by request."""
 from __future__ import annotations
 
 import json
+import select
+import socket
 import threading
 import time
 import urllib.parse
@@ -21,6 +23,8 @@ from verlite.rewards import digit_match
 #   500, 429, 404 that status
 #   drop          the connection closed without a reply
 #   trickle       the right scores, a byte every 0.05 s
+#   trickle_head  a status line and a header a byte every 0.05 s (for 5 s), never ended:
+#                 ``heads_cut`` counts the clients that left before it was all sent
 #   malformed     a reply that is not JSON
 #   short         one score fewer than responses
 #   out_of_range  the last score 1.5
@@ -50,6 +54,8 @@ class ScoringService:
         self.authorization: list[str | None] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.heads_cut = 0
+        self.head_trickled = threading.Event()  # a trickle_head reply ended
         self.lock = threading.Lock()
         self.server = _QuietServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -65,7 +71,8 @@ class ScoringService:
             self.down, self.down_after, self.answered, self.barrier = False, None, 0, None
             self.choose = None
             self.requests, self.batch_sizes, self.authorization = 0, [], []
-            self.max_in_flight = 0
+            self.max_in_flight, self.heads_cut = 0, 0
+            self.head_trickled.clear()
 
     def next_behaviour(self, body: dict[str, Any]) -> str:
         with self.lock:
@@ -133,6 +140,9 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
             if behaviour == "drop":
                 self.close_connection = True
                 return
+            if behaviour == "trickle_head":
+                self._trickle_head()
+                return
             if behaviour == "slow":
                 time.sleep(service.delay_s)
             if behaviour.isdigit():
@@ -164,6 +174,25 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 scores[-1] = token  # type: ignore[call-overload]
             self._send(200, json.dumps({"scores": scores}).encode(), trickle=behaviour == "trickle")
 
+        def _trickle_head(self) -> None:
+            self._done()
+            self.close_connection = True
+            head = b"HTTP/1.1 200 OK\r\nX-Trickle: " + b"x" * 100
+            try:
+                for i in range(len(head)):
+                    if _closed_by_peer(self.connection):
+                        with service.lock:
+                            service.heads_cut += 1
+                        break
+                    self.wfile.write(head[i : i + 1])
+                    self.wfile.flush()
+                    time.sleep(0.05)
+            except OSError:  # the client reset the connection
+                with service.lock:
+                    service.heads_cut += 1
+            finally:
+                service.head_trickled.set()
+
         def _send(
             self, status: int, payload: bytes, *, trickle: bool = False, reason: str | None = None
         ) -> None:
@@ -181,6 +210,15 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 time.sleep(0.05)
 
     return Handler
+
+
+def _closed_by_peer(connection: socket.socket) -> bool:
+    """Whether the client has shut or closed its end (a read would see the end of it)."""
+    readable, _, _ = select.select([connection], [], [], 0)
+    try:
+        return bool(readable) and connection.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 _TOKEN_BODIES: dict[str, tuple[int, Callable[[str], str]]] = {

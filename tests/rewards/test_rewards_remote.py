@@ -104,6 +104,18 @@ def test_a_failure_a_retry_can_mend_is_retried_and_said(
     assert f"retrying in 0 s (attempt {len(script) + 1} of 3)" in out
 
 
+def test_a_reply_whose_head_trickles_in_is_cut_off_at_the_timeout(service: ScoringService) -> None:
+    """reward.remote.timeout_s bounds the whole request, its status line and headers too:
+    each read of them waited up to the timeout afresh, so a reply whose head trickled in
+    held the request for as long as it trickled (a stalled proxy: without end)."""
+    service.reset("trickle_head")
+    scores, out = score(scorer(service.url, batch_size=10, timeout_s=0.3, max_retries=1))
+    assert scores == EXPECTED
+    assert "batch 0 (responses 0-9): no whole reply within 0.3 s (reward.remote.timeout_s)" in out
+    assert service.head_trickled.wait(timeout=30)
+    assert service.heads_cut == 1, "the client left while the head was still coming"
+
+
 def test_the_backoff_doubles(service: ScoringService) -> None:
     service.reset("500", "500")
     _, out = score(scorer(service.url, batch_size=10, retry_backoff_s=0.05))

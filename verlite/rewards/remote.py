@@ -11,9 +11,9 @@ without the environment's proxy (``http_proxy``).
 
 Failures. Retried up to ``max_retries`` times, waiting ``retry_backoff_s`` and twice as long
 at each further retry: no connection (refused, reset, dropped before the reply), no whole
-reply within ``timeout_s`` (a reply still arriving then is cut off; a read that stalls waits
-at most ``timeout_s`` itself), HTTP 5xx and 429 -- what a service that restarts or sheds load
-does. Not retried, since a retry cannot mend a service's bug: any other status, a reply that
+reply within ``timeout_s`` (:class:`_Deadline` shuts the connection then, wherever the
+reply is: a status line, headers or a body still arriving are cut off), HTTP 5xx and 429 --
+what a service that restarts or sheds load does. Not retried, since a retry cannot mend a service's bug: any other status, a reply that
 is not JSON or not ``{"scores": [...]}``, another count of scores than of responses, a score
 that is not a number in [0, 1]. Either way the step stops with a :class:`RemoteRewardError`
 (a run failure: exit 1, the checkpoints written so far stay valid) in one line naming the
@@ -34,10 +34,12 @@ network). A scoring stage that takes long prints its progress, as ``scoring.py``
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -143,7 +145,11 @@ class RemoteScorer:
         self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if token is not None:
             self._headers["Authorization"] = f"Bearer {token}"
-        handlers: list[urllib.request.BaseHandler] = [_NoRedirects()]
+        handlers: list[urllib.request.BaseHandler] = [
+            _NoRedirects(),
+            _HTTPHandler(),
+            _HTTPSHandler(),
+        ]
         if is_loopback_host(parts.hostname or ""):
             # A service on this machine is reached directly: a proxy of the environment
             # (http_proxy) would get the request, the token in cleartext over the network
@@ -314,10 +320,25 @@ class RemoteScorer:
         ).encode()
         request = urllib.request.Request(self.url, data=body, headers=self._headers, method="POST")
         timeout_s = self.cfg.timeout_s
-        deadline = time.monotonic() + timeout_s
+        too_slow = f"no whole reply within {timeout_s:g} s (reward.remote.timeout_s)"
+        with _Deadline(timeout_s) as deadline:
+            try:
+                raw = self._exchange(request)
+            except _Failed:
+                if deadline.passed:  # what the cut made of the reply: a reset, a short body
+                    raise _Retryable(too_slow) from None
+                raise
+            except TimeoutError:  # one read waited the socket's timeout
+                raise _Retryable(too_slow) from None
+        if deadline.passed:  # a reply cut where it could have ended
+            raise _Retryable(too_slow)
+        return self._scores(raw, batch)
+
+    def _exchange(self, request: urllib.request.Request) -> bytes:
+        """The reply's body to ``request``; :class:`_Failed`, or TimeoutError."""
         try:
-            with self._opener.open(request, timeout=timeout_s) as reply:
-                raw = _read_until(reply, deadline)
+            with self._opener.open(request, timeout=self.cfg.timeout_s) as reply:
+                return _read_body(reply)
         except urllib.error.HTTPError as exc:
             status = f"HTTP {exc.code} {exc.reason}{_excerpt(_body_of(exc))}"
             if exc.code == 429 or exc.code >= 500:
@@ -326,11 +347,8 @@ class RemoteScorer:
         except (OSError, http.client.HTTPException) as exc:  # URLError and timeouts too
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             if isinstance(reason, TimeoutError):
-                raise _Retryable(
-                    f"no whole reply within {timeout_s:g} s (reward.remote.timeout_s)"
-                ) from None
+                raise TimeoutError from None
             raise _Retryable(f"the connection failed: {_reason(reason)}") from None
-        return self._scores(raw, batch)
 
     def _scores(self, raw: bytes, batch: _Batch) -> list[float]:
         try:
@@ -374,18 +392,93 @@ def _excerpt(raw: bytes) -> str:
     return f": {shown(text, 160)}" if text else ""
 
 
-def _read_until(reply: http.client.HTTPResponse, deadline: float) -> bytes:
-    """The reply's body, read by chunks: past ``deadline`` it is a timeout (the socket's own
-    timeout bounds each read, not a reply that trickles)."""
+def _read_body(reply: http.client.HTTPResponse) -> bytes:
+    """The reply's body, read by chunks up to :data:`MAX_REPLY_BYTES`."""
     chunks, size = [], 0
     while chunk := reply.read1(_CHUNK_BYTES):
         size += len(chunk)
         if size > MAX_REPLY_BYTES:
             raise _Broken(f"the reply is larger than {MAX_REPLY_BYTES} bytes")
-        if time.monotonic() > deadline:
-            raise TimeoutError
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+# The request each thread is making (its :class:`_Deadline`), for the connections it opens.
+_current = threading.local()
+
+
+class _Deadline:
+    """One request's time limit, whatever the service sends: the socket's own timeout bounds
+    each read, not a reply whose status line, headers or body trickle in; at ``timeout_s``
+    the request's connection is shut, which ends the read that waits at once."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.passed = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(timeout_s, self._expire)
+        self._timer.daemon = True
+
+    def __enter__(self) -> _Deadline:
+        _current.deadline = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._timer.cancel()
+        _current.deadline = None
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            if self.passed:
+                _shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.passed = True
+            for sock in self._sockets:
+                _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # closed already, or handed to TLS
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _watched(sock: socket.socket) -> socket.socket:
+    deadline: _Deadline | None = getattr(_current, "deadline", None)
+    if deadline is not None:
+        deadline.watch(sock)
+    return sock
+
+
+class _WatchedConnection(http.client.HTTPConnection):
+    """A connection of this thread's request, shut at its :class:`_Deadline`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        create = self._create_connection  # type: ignore[has-type]
+        # The TCP socket as soon as it connects (a TLS handshake that stalls is cut too).
+        self._create_connection = lambda *a, **k: _watched(create(*a, **k))
+
+    def connect(self) -> None:
+        super().connect()
+        _watched(self.sock)  # the TLS socket that replaces it for https
+
+
+class _WatchedTLSConnection(_WatchedConnection, http.client.HTTPSConnection):
+    pass
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(_WatchedConnection, req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def do_open(self, http_class: Any, req: urllib.request.Request, **kwargs: Any) -> Any:
+        return super().do_open(_WatchedTLSConnection, req, **kwargs)
 
 
 def _body_of(error: urllib.error.HTTPError) -> bytes:

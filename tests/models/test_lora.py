@@ -12,7 +12,7 @@ import pytest
 import torch
 from model_support import tiny_qwen2
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import MissingExtraError
@@ -196,3 +196,39 @@ def test_an_adapter_on_a_tied_lm_head_merges_to_the_adapted_models_logits(tmp_pa
     embedding = merged.get_input_embeddings().weight
     assert torch.equal(embedding, base.get_input_embeddings().weight)
     assert not torch.equal(merged.get_output_embeddings().weight, embedding)
+
+
+def test_gpt2s_conv1d_projections_take_adapters_and_merge_to_the_same_logits(tmp_path) -> None:
+    """GPT-2's projections (``c_attn``, ``c_proj``, ``c_fc``) are ``Conv1D`` layers, linear
+    layers with their weight transposed, which peft adapts: they were refused at start-up
+    ('c_attn name no linear layer of the model; its linear layers are: lm_head')."""
+    config = GPT2Config(
+        vocab_size=40,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.float64).save_pretrained(tmp_path / "gpt2")
+    cfg = ModelConfig(path=str(tmp_path / "gpt2"), dtype="float64")
+    lora = LoraConfig(rank=4, target_modules=("c_attn", "c_fc"))
+    check_lora_supported(cfg, lora)
+    model = trained(build_policy(cfg, vocab_size=40, max_positions=32, seed=0, lora=lora))
+    expected = logits(model, IDS)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2")
+    with adapters_disabled(model):
+        torch.testing.assert_close(logits(model, IDS), logits(base, IDS), rtol=0, atol=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        save_adapter(model, tmp_path / "adapter", base_path=cfg.path)
+        merge_adapter(tmp_path / "adapter", tmp_path / "merged")
+    assert [str(w.message) for w in caught] == []
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    torch.testing.assert_close(logits(merged, IDS), expected)
+    with pytest.raises(
+        ConfigError, match=r"q_proj name no linear .*: c_attn, c_fc, c_proj, lm_head$"
+    ):
+        check_lora_supported(cfg, LoraConfig(rank=4, target_modules=("c_attn", "q_proj")))

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.pytorch_utils import Conv1D
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from verlite.base_weights import check_export_base
@@ -72,7 +73,14 @@ def _peft_wrapping() -> Iterator[None]:
         # An adapter on a head tied to the embedding: peft warns that merging it would
         # change the embedding too, which ``merge_adapter`` prevents (``_untie_adapted_head``).
         warnings.filterwarnings("ignore", message=".*tie_word_embeddings=True.*")
+        # It adapts a GPT-2 Conv1D as its transposed weight asks, and says so.
+        warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
         yield
+
+
+# The linear layers peft adapts: torch's, and GPT-2's Conv1D (a linear layer whose weight is
+# stored transposed; peft sets its fan_in_fan_out for it).
+_LINEAR = (nn.Linear, Conv1D)
 
 
 def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
@@ -82,7 +90,7 @@ def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
     linear = {
         name.rsplit(".", 1)[-1]
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name
+        if isinstance(module, _LINEAR) and name
     }
     missing = [name for name in cfg.target_modules if name not in linear]
     if missing:

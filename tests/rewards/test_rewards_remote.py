@@ -5,6 +5,7 @@ the others not, each reported in one line naming the URL, the batch and the stat
 from __future__ import annotations
 
 import io
+import re
 import socket
 import threading
 import time
@@ -394,3 +395,19 @@ def test_a_timeout_no_clock_can_wait_is_refused_at_load_and_the_longest_works(
         assert message.startswith(f"{field}={value!r}: ") and "\n" not in message
         assert f"less than or equal to {MAX_TIMEOUT_S:g}" in message
     assert score(scorer(service.url, timeout_s=MAX_TIMEOUT_S))[0] == EXPECTED
+
+
+def test_a_slow_probe_says_it_waits(
+    service: ScoringService, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The start-up probe waits up to reward.remote.timeout_s (up to a day) for a service that
+    is slow to answer, as a scoring stage does: it says so every PROGRESS_EVERY_S, where it
+    printed nothing until the answer."""
+    monkeypatch.setattr(remote_module, "PROGRESS_EVERY_S", 0.05)
+    service.reset("slow")
+    service.delay_s = 1.0
+    scorer(service.url, timeout_s=30.0).probe("100=", "100")
+    out = capsys.readouterr().out
+    waiting = f"reward: waiting for the remote verifier {service.url} to answer the start-up probe"
+    assert re.search(rf"{re.escape(waiting)} \(\d+ s of reward.remote.timeout_s=30\)", out)
+    assert f"reward: remote verifier {service.url} answered the probe in" in out

@@ -29,7 +29,8 @@ or as a score); a token shorter than ``MIN_SECRET_LENGTH`` characters cannot be 
 is refused.
 
 Up to ``concurrency`` requests are in flight at once, in threads (the driver waits on the
-network). A scoring stage that takes long prints its progress, as ``scoring.py`` does.
+network). A scoring stage that takes long prints its progress, as ``scoring.py`` does, and
+so does the start-up probe while it waits.
 """
 
 from __future__ import annotations
@@ -187,8 +188,23 @@ class RemoteScorer:
         fails in seconds (a :class:`UserError`, as a wrong URL is) instead of after the
         first rollout."""
         started = time.monotonic()
+        # In a thread of its own, as a scoring stage's requests are: the wait says how long
+        # it has been (a service slow to answer, a long reward.remote.timeout_s).
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="reward")
+        request = pool.submit(self._post, _Batch(0, 0, ("",), (prompt,), (answer,)))
+        pool.shutdown(wait=False)
         try:
-            self._post(_Batch(0, 0, ("",), (prompt,), (answer,)))
+            while True:
+                try:
+                    request.result(timeout=PROGRESS_EVERY_S)
+                    break
+                except TimeoutError:  # concurrent.futures' (the builtin's since 3.11)
+                    print(
+                        f"reward: waiting for the remote verifier {self.shown_url} to answer "
+                        f"the start-up probe ({time.monotonic() - started:.0f} s of "
+                        f"reward.remote.timeout_s={self.cfg.timeout_s:g})",
+                        flush=True,
+                    )
         except _Failed as exc:
             raise UserError(
                 f"reward.remote.url={shown(self.shown_url)}: the start-up probe (one request "

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from verlite.config import Config
-from verlite.config.fields import MAX_TIMEOUT_S
+from verlite.config.fields import MAX_SECONDS
 from verlite.driver.scorer import Scorer
 from verlite.rewards import RewardError, math_answer, resolve_reward, score_responses
 from verlite.rewards.math_answer import MathReward, final_answer, reference_answer
@@ -378,7 +378,7 @@ def test_the_longest_timeout_accepted_verifies() -> None:
     """reward.timeout_s=5e6 (accepted then) gave the verifier a budget its select could not
     wait (``OverflowError: timeout is too large``); the longest now accepted verifies (the
     refusal above it: tests/rewards/test_rewards_remote.py)."""
-    reward = MathReward(timeout_s=MAX_TIMEOUT_S)
+    reward = MathReward(timeout_s=MAX_SECONDS)
     try:
         assert reward(r"so \boxed{2}", "2", "1+1=") == 1.0
     finally:

@@ -18,7 +18,7 @@ from scoring_service import ScoringService, scoring_service
 
 from verlite import redaction
 from verlite.config import ConfigError, RemoteRewardConfig, load_config
-from verlite.config.fields import MAX_TIMEOUT_S
+from verlite.config.fields import MAX_SECONDS
 from verlite.errors import RunFailure, UserError
 from verlite.rewards import digit_match
 from verlite.rewards import remote as remote_module
@@ -393,8 +393,8 @@ def test_a_timeout_no_clock_can_wait_is_refused_at_load_and_the_longest_works(
             load_config("configs/ppo_tiny.yaml", [f"{field}={value!r}"])
         message = str(info.value)
         assert message.startswith(f"{field}={value!r}: ") and "\n" not in message
-        assert f"less than or equal to {MAX_TIMEOUT_S:g}" in message
-    assert score(scorer(service.url, timeout_s=MAX_TIMEOUT_S))[0] == EXPECTED
+        assert f"less than or equal to {MAX_SECONDS:g}" in message
+    assert score(scorer(service.url, timeout_s=MAX_SECONDS))[0] == EXPECTED
 
 
 def test_a_slow_probe_says_it_waits(

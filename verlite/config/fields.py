@@ -14,11 +14,11 @@ MAX_INT = 2**31 - 1
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_INT)]
 NonNegativeInt = Annotated[int, Field(ge=0, le=MAX_INT)]
 NonEmptyStr = Annotated[str, Field(min_length=1)]
-# The longest wait a timeout may set: a day. Sockets, selectors and locks cannot wait much
-# longer (an OverflowError past 2**31 ms for epoll, about 25 days), and no request or call
-# of a run is meant to.
-MAX_TIMEOUT_S = 86400.0
-TimeoutSeconds = Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S)]
+# Every timeout and wait is at most a day: what the clocks it is handed to can hold is less
+# than "forever" (1e10 s overflows a queue's or a socket's timeout, and 25 days an epoll
+# wait's, as an OverflowError inside a worker), and no call is meant to take longer.
+MAX_SECONDS = 86_400.0
+Seconds = Annotated[float, Field(gt=0.0, le=MAX_SECONDS)]
 
 
 def _path(value: str) -> str:
@@ -58,6 +58,18 @@ OptionalGpusPerWorker = Annotated[
 
 # A list (what YAML and JSON give) for a tuple field; its items stay strict.
 AsList = Strict(False)
+
+
+def _distinct(value: tuple[Any, ...]) -> tuple[Any, ...]:
+    repeated = sorted({str(item) for item in value if value.count(item) > 1})
+    if repeated:
+        raise ValueError(f"names {', '.join(repeated)} more than once; give each once")
+    return value
+
+
+# A tuple of names that each mean one thing: a name given twice is a mistake (two JSONL
+# loggers would write every step twice to one metrics.jsonl).
+Distinct = AfterValidator(_distinct)
 
 
 class Section(BaseModel):

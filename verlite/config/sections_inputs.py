@@ -68,7 +68,7 @@ class ModelConfig(Section):
         if not isinstance(data, dict) or data.get("dtype") is None:
             return data
         dtype = data["dtype"]
-        if dtype not in DTYPE_PRECISION:
+        if not isinstance(dtype, str) or dtype not in DTYPE_PRECISION:
             return data  # the field's own check names the allowed values
         precision = DTYPE_PRECISION[dtype]
         if data.get("precision", "auto") not in ("auto", precision):

@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, urlsplit
 from pydantic import AfterValidator, Field, model_validator
 
 from verlite.config.defaults import as_dict
-from verlite.config.fields import PathStr, PositiveInt, Section, TimeoutSeconds
+from verlite.config.fields import NonEmptyStr, PathStr, PositiveInt, Seconds, Section
 from verlite.errors import shown
 from verlite.reachable import is_loopback_host
 from verlite.redaction import redact_url
@@ -75,7 +75,7 @@ class RemoteRewardConfig(Section):
     concurrency: Annotated[int, Field(gt=0, le=256)] = Field(
         4, description="Requests in flight at once."
     )
-    timeout_s: TimeoutSeconds = Field(
+    timeout_s: Seconds = Field(
         30.0,
         description="Most seconds one request may take, from connecting to the end of its "
         "reply (at most a day); a slower one is retried.",
@@ -143,14 +143,14 @@ class RewardModelConfig(Section):
 class RewardConfig(Section):
     """How responses are scored: every reward, built-in or user, returns a finite score in [0, 1]."""
 
-    fn: str | None = Field(
+    fn: NonEmptyStr | None = Field(
         None,
         description="A registered reward name (exact_match, gsm8k, digit_match, or math: "
         "math-verify's equivalence of final answers, the extra 'math', docs/math-verifier.md) "
         "or 'package.module:function'; None uses the task's reward (exact match of the answer "
         "for prompt files).",
     )
-    timeout_s: TimeoutSeconds = Field(
+    timeout_s: Seconds = Field(
         30.0,
         description="Longest one call of the reward function may take (at most a day, in "
         "seconds); a slower call stops the "

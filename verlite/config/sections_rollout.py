@@ -13,6 +13,7 @@ from verlite.config.fields import (
     NonNegativeInt,
     OptionalGpusPerWorker,
     PositiveInt,
+    Seconds,
     Section,
 )
 
@@ -65,9 +66,8 @@ class MultiTurnConfig(Section):
         "observation (tool: Qwen2.5 writes it as a user turn in <tool_response> tags; user, "
         "for a template without a tool role).",
     )
-    tool_timeout_s: float = Field(
+    tool_timeout_s: Seconds = Field(
         30.0,
-        gt=0.0,
         description="Most seconds one environment call may take; a step that takes longer or "
         "raises ends its trajectory (multiturn/tool_errors), never the run.",
     )

@@ -9,11 +9,13 @@ from pydantic import Field
 
 from verlite.config.fields import (
     AsList,
+    Distinct,
     GpusPerWorker,
     NonEmptyStr,
     NonNegativeInt,
     PathStr,
     PositiveInt,
+    Seconds,
     Section,
 )
 
@@ -62,9 +64,8 @@ class TrainerConfig(Section):
     ray_address: NonEmptyStr | None = Field(
         None, description="Ray cluster to connect to; None starts an embedded local Ray."
     )
-    resource_timeout_s: float = Field(
+    resource_timeout_s: Seconds = Field(
         60.0,
-        gt=0.0,
         description="Fail if the workers cannot be placed within this many seconds, at the start "
         "and after each restart (the wait for a replacement node).",
     )
@@ -107,9 +108,10 @@ class TrainerConfig(Section):
     loggers: Annotated[
         tuple[Literal["console", "jsonl", "logline", "tensorboard", "mlflow", "wandb"], ...],
         AsList,
+        Distinct,
     ] = Field(
         ("console", "jsonl"),
-        description="Metric sinks: console (progress line), jsonl (<output_dir>/metrics.jsonl), "
+        description="Metric sinks, each named once: console (progress line), jsonl (<output_dir>/metrics.jsonl), "
         "logline (one marked JSON line per step on stdout, read back by `verlite metrics --job`), "
         "tensorboard, mlflow, wandb (see trainer.wandb).",
     )

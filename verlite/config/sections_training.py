@@ -8,7 +8,14 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
-from verlite.config.fields import AsList, NonEmptyStr, NonNegativeInt, PositiveInt, Section
+from verlite.config.fields import (
+    AsList,
+    Distinct,
+    NonEmptyStr,
+    NonNegativeInt,
+    PositiveInt,
+    Section,
+)
 from verlite.core.advantages import ADV_ESTIMATORS
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 
@@ -134,11 +141,11 @@ class LoraConfig(Section):
         description="Dropout on the adapters' input while training; > 0 draws random masks, "
         "so gradients then depend on how the batch is split (the invariance audit uses 0).",
     )
-    target_modules: Annotated[tuple[NonEmptyStr, ...], AsList] = Field(
+    target_modules: Annotated[tuple[NonEmptyStr, ...], AsList, Distinct] = Field(
         LORA_DEFAULT_TARGETS,
         min_length=1,
         description="Names of the linear layers that get adapters, matched as the last part "
-        "of a module's name (peft's target_modules); each must name a layer of the model.",
+        "of a module's name (peft's target_modules); each must name a layer of the model, once.",
     )
 
 

@@ -142,3 +142,61 @@ def test_dropout_kept_as_numbers_is_off_and_dropout_read_from_the_config_is_refu
     message = str(caught.value)
     assert "\n" not in message and "hidden_dropout=0.3" in message
     assert message.endswith("set these to 0.0 in its config.json")
+
+
+def _saved_opt(folder: Path, positions: int) -> Path:
+    """A tiny OPT (learned positions: a table of ``positions`` rows) with the copy task's
+    tokenizer."""
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from verlite.data import load_tokenizer
+
+    tokenizer = load_tokenizer(None, task="copy")
+    config = OPTConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        word_embed_proj_dim=16,
+        num_hidden_layers=1,
+        ffn_dim=32,
+        num_attention_heads=2,
+        max_position_embeddings=positions,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_sequences_past_the_models_context_are_refused_before_ray(tmp_path: Path) -> None:
+    """OPT's position table has max_position_embeddings rows: a longer sequence indexed past
+    it (an IndexError inside a worker, at the first rollout) once the run had started."""
+    from transformers import AutoModelForCausalLM
+
+    from verlite.driver.preflight import RunInputs
+
+    folder = _saved_opt(tmp_path / "opt", positions=16)
+    with pytest.raises(IndexError):  # what a worker met
+        AutoModelForCausalLM.from_pretrained(folder)(torch.zeros(1, 17, dtype=torch.long))
+    overrides = [f"model.path={folder}", f"trainer.output_dir={tmp_path / 'run'}"]
+    within = load_config("configs/ppo_tiny.yaml", [*overrides, "rollout.max_response_length=8"])
+    RunInputs.load(within).folder.release()  # 8 + 8 = 16 positions: the whole table
+    past = load_config("configs/ppo_tiny.yaml", [*overrides, "rollout.max_response_length=9"])
+    with pytest.raises(ConfigError) as caught:
+        RunInputs.load(past)
+    assert str(caught.value) == (
+        f"model.path={folder}: sequences here reach 17 tokens (data.max_prompt_length + "
+        "rollout.max_response_length), past the model's context of 16 positions (config.json "
+        "max_position_embeddings); shorten the prompts or responses"
+    )
+
+
+def test_a_rotary_scaling_extends_the_context_it_is_checked_against(tmp_path: Path) -> None:
+    """A static rope scaling (linear, yarn) runs past max_position_embeddings on purpose."""
+    from verlite.models import check_context_fits
+
+    folder = _saved_model(tmp_path)  # max_position_embeddings 16
+    cfg = load_config(None, ["data.task=copy", f"model.path={folder}"]).model
+    with pytest.raises(ConfigError, match="past the model's context of 16 positions"):
+        check_context_fits(cfg, max_sequence_length=17, fields="the fields")
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    _edit_config(folder, rope_parameters=rope, rope_scaling=rope)
+    check_context_fits(cfg, max_sequence_length=32, fields="the fields")

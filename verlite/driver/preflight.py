@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from verlite import base_weights
 from verlite.config import Config, ConfigError
-from verlite.config.checks import cache_position_fields
+from verlite.config.checks import cache_position_fields, longest_sequence_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import (
     DataError,
@@ -30,6 +30,7 @@ from verlite.generation.decode import MAX_END_TOKENS, auto_mode, check_mode_supp
 from verlite.generation.static_cache import UnsupportedModel, cache_bytes
 from verlite.models import (
     builtin_vocab_size,
+    check_context_fits,
     check_gradient_checkpointing_supported,
     check_lora_supported,
     check_packing_supported,
@@ -191,6 +192,11 @@ class RunInputs:
             if getattr(cfg, role).gradient_checkpointing:
                 check_gradient_checkpointing_supported(cfg.model, role=role)
         check_lora_supported(cfg.model, cfg.actor.lora)
+        check_context_fits(
+            cfg.model,
+            max_sequence_length=cfg.max_sequence_length,
+            fields=longest_sequence_fields(cfg),
+        )
         check_rope_supported(cfg.model, max_sequence_length=cfg.max_sequence_length)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)

@@ -356,6 +356,30 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: str) -> None:
+    """``model.path`` at start-up: the run's longest sequence (``fields`` name what sets it)
+    within the model's ``max_position_embeddings``. Past it, a model with learned positions
+    (OPT, GPT-2) indexes past its position table (an ``IndexError`` inside a worker, at the
+    first rollout) and a rotary one is run on positions it was never trained at; a rotary
+    scaling other than the default extends the context on purpose and is left to
+    :func:`check_rope_supported`."""
+    if cfg.path is None:
+        return
+    config = AutoConfig.from_pretrained(cfg.path)
+    positions = getattr(config, "max_position_embeddings", None)
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    kinds = {rope.get("rope_type", rope.get("type"))} if isinstance(rope, dict) else set()
+    if isinstance(rope, dict) and kinds == {None}:  # one set of parameters per layer type
+        kinds = {v.get("rope_type", v.get("type")) for v in rope.values() if isinstance(v, dict)}
+    scaled = bool(kinds - {None, "default"})
+    if isinstance(positions, int) and max_sequence_length > positions and not scaled:
+        raise ConfigError(
+            f"model.path={cfg.path}: sequences here reach {max_sequence_length} tokens "
+            f"({fields}), past the model's context of {positions} positions (config.json "
+            "max_position_embeddings); shorten the prompts or responses"
+        )
+
+
 def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:
     """``model.path`` at start-up: a rotary scaling of ``LENGTH_DEPENDENT_ROPE`` with
     sequences longer than the model's original context is refused in one line. Its

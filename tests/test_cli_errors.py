@@ -713,6 +713,11 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     (tmp_path / "hf_actor" / "adapter_config.json").write_text("{not json")
     err = run(capsys, "export", str(tmp_path))
     assert "adapter_config.json: not a readable peft adapter config (" in err
+    for not_an_object in ("[1]", "null", '"r"'):  # JSON, but no adapter config
+        (tmp_path / "hf_actor" / "adapter_config.json").write_text(not_an_object)
+        for merge in ([], ["--merge"]):
+            err = run(capsys, "export", str(tmp_path), *merge)
+            assert "adapter_config.json: not a readable peft adapter config (" in err
     (tmp_path / "hf_actor" / "adapter_config.json").write_text(
         json.dumps({"peft_type": "LORA", "r": 4, "base_model_name_or_path": str(tmp_path / "gone")})
     )

@@ -72,6 +72,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         config = json.loads(adapter_config.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UserError(f"{adapter_config}: not a readable peft adapter config ({exc})") from None
+    if not isinstance(config, dict):
+        kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+        kind = kinds.get(type(config), "a number")
+        raise UserError(
+            f"{adapter_config}: not a readable peft adapter config ({kind}, not a JSON object)"
+        )
     if not args.merge:
         print(
             f"{policy}: LoRA adapter (peft, rank {config.get('r')}) over the base "

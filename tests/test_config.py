@@ -474,6 +474,11 @@ ERRORS = [
     (["algorithm.adv_estimator=grpo"], "rollout.n must be >= 2, got 1"),
     (["data.train_file=prompts.jsonl"], "data.task or data.train_file: set exactly one"),
     (["model.hidden_size=30"], "model.hidden_size=30 must be divisible by model.num_heads=4"),
+    (  # a head of 3 dimensions: the first forward failed inside a worker (rotary sizes 3 vs 4)
+        ["model.hidden_size=12"],
+        "model.hidden_size=12 / model.num_heads=4 gives heads of 3 dimensions; rotary "
+        "position embeddings rotate pairs of them: give each head an even number",
+    ),
     (["data.min_digits=6"], "data.min_digits=6 must be <= data.max_digits=5"),
     (
         ["actor.optim=3"],

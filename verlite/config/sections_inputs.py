@@ -26,7 +26,11 @@ class ModelConfig(Section):
     )
     hidden_size: PositiveInt = Field(64, description="Built-in model: hidden size.")
     num_layers: PositiveInt = Field(2, description="Built-in model: number of decoder layers.")
-    num_heads: PositiveInt = Field(4, description="Built-in model: attention heads.")
+    num_heads: PositiveInt = Field(
+        4,
+        description="Built-in model: attention heads; each holds hidden_size / num_heads "
+        "dimensions, an even number (rotary embeddings rotate pairs).",
+    )
     num_kv_heads: PositiveInt = Field(
         2, description="Built-in model: key/value heads (grouped-query attention)."
     )
@@ -83,6 +87,13 @@ class ModelConfig(Section):
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} must be divisible by model.num_heads={self.num_heads}"
+            )
+        head_dim = self.hidden_size // self.num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} / model.num_heads={self.num_heads} gives "
+                f"heads of {head_dim} dimensions; rotary position embeddings rotate pairs of "
+                "them: give each head an even number"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

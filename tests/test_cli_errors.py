@@ -539,6 +539,21 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
         ("trainer_state.json", "[3]", r"trainer_state\.json is damaged: a list, not a JSON"),
         ("critic/schedule.json", '{"last_epoch":', r"critic/schedule\.json is damaged"),
         ("actor/engine_state.json", "[0]", r"actor/engine_state\.json is damaged: a list"),
+        (  # each field a resume reads, of another shape: no traceback
+            "trainer_state.json",
+            '{"step": 3, "kl_coef": 0, "loader": {}, "config": [1], "model": "m"}',
+            r"trainer_state\.json is damaged: 'config' is not a mapping; 'model' is not a mapping",
+        ),
+        (  # base_weights null: a run of the built-in model; the problem is the next key
+            "trainer_state.json",
+            '{"step": 3, "kl_coef": 0, "loader": {}, "base_weights": null, "train_set": {}}',
+            r"damaged: 'train_set' is not a mapping of 'records' \(a count\) and 'sha256'",
+        ),
+        (
+            "trainer_state.json",
+            '{"step": 3, "kl_coef": 0, "loader": {}, "train_set": [8], "base_weights": 1}',
+            r"'base_weights' is not a mapping; 'train_set' is not a mapping of 'records'",
+        ),
     ],
 )
 def test_a_damaged_checkpoint_file_is_one_line_before_ray(

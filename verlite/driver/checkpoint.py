@@ -284,10 +284,26 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     """The driver's state saved with the checkpoint at ``path``, its fields checked."""
     state = _json_file(path / TRAINER_STATE)
     step, kl_coef = state.get("step"), state.get("kl_coef")
+    # What a resume reads, each when the checkpoint has it (older ones lack some).
+    mappings = [key for key in ("config", "model") if key in state]
+    if state.get("base_weights") is not None:  # None: the built-in model's run
+        mappings.append("base_weights")
+    train_set = state.get("train_set")
     problems = [
         *(["'step' is not a whole number >= 0"] if not _is_count(step) else []),
         *(["'kl_coef' is not a number"] if not _is_number(kl_coef) else []),
         *(["'loader' is not a mapping"] if not isinstance(state.get("loader"), dict) else []),
+        *(f"'{key}' is not a mapping" for key in mappings if not isinstance(state[key], dict)),
+        *(
+            ["'train_set' is not a mapping of 'records' (a count) and 'sha256' (text)"]
+            if train_set is not None
+            and not (
+                isinstance(train_set, dict)
+                and _is_count(train_set.get("records"))
+                and isinstance(train_set.get("sha256"), str)
+            )
+            else []
+        ),
     ]
     if problems:
         raise CheckpointError(f"{path / TRAINER_STATE} is damaged: {'; '.join(problems)}")

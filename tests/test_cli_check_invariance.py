@@ -105,6 +105,13 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
             ["--run", "--layout", "1:ddp:full", "--layout", "3:ddp:full"],
             "): actor.ppo_mini_batch_size=16 must be divisible by the actor's 3 workers",
         ),
+        # an input that is not there: a transformers traceback from the ranks (exit 1) before
+        (["model.path=/no/such/model"], "model.path='/no/such/model': no such file or directory"),
+        (["--run", "model.path=/no/such/model"], "model.path='/no/such/model': no such file"),
+        (
+            ["data.task=null", "data.train_file=/no/such.jsonl"],
+            "data.train_file='/no/such.jsonl': no such file or directory",
+        ),
     ],
 )
 def test_user_errors_exit_2_in_one_line(verlite_main, args: list[str], message: str) -> None:

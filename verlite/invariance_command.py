@@ -135,7 +135,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         check_layouts,
         tolerance_for,
     )
-    from verlite.config import load_config
+    from verlite.config import check_inputs, load_config
 
     for flag in ("layout", "runs_dir", "atol"):
         if getattr(args, flag) is not None:
@@ -146,6 +146,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     optimizer = args.optimizer or "sgd"
     check_layouts(dps)
     cfg = load_config(args.config, args.overrides)
+    check_inputs(cfg)  # one line for an input that is not there, before any rank starts
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     if not args.json:
@@ -226,7 +227,7 @@ def _check_run_invariance(args: argparse.Namespace) -> int:
         check_run_invariance,
         parse_layout,
     )
-    from verlite.config import load_config
+    from verlite.config import check_inputs, load_config
 
     tolerances = {
         "fp64": (1e-9, ATOL),
@@ -239,6 +240,7 @@ def _check_run_invariance(args: argparse.Namespace) -> int:
             raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
     layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
     base = load_config(args.config, args.overrides)
+    check_inputs(base)  # one line for an input that is not there, before Ray starts
     default_tolerance, default_atol = tolerances[base.precision]
     tolerance = default_tolerance if args.tolerance is None else args.tolerance
     atol = default_atol if args.atol is None else args.atol

@@ -189,3 +189,14 @@ def test_a_prompt_that_spells_a_special_token_is_refused(
         "user turn, not as text; with data.chat_template=true prompts may not spell special "
         "tokens: remove or reword it\n"
     )
+
+
+def test_a_suffix_the_tokenizer_cannot_read_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """The synthetic task's tokenizer knows digits and a few signs: a suffix of words was
+    blamed on the task's first prompt ("data.task=copy train sample 0: prompt has
+    characters ..."), not on the setting that brought them."""
+    err = run(capsys, "data.prompt_suffix=Answer:")
+    assert err == (
+        "verlite: error: data.prompt_suffix='Answer:', appended to every prompt after a space, "
+        "has characters the tokenizer does not know (' :Aenrsw' become '<unk>')\n"
+    )

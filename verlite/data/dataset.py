@@ -20,7 +20,7 @@ from verlite.config import Config
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
 from verlite.data.tasks import TASKS
 from verlite.data.templates import format_prompts
-from verlite.data.tokenizer import encode_prompts
+from verlite.data.tokenizer import encode_prompts, unknown_characters
 from verlite.errors import shown
 
 
@@ -174,14 +174,10 @@ def check_prompts(
         if unk is not None and ids[added:].count(unk) > record["prompt"].count(tokenizer.unk_token):
             # Each distinct character once: a long prompt has few (one call each took 2.9 s
             # for 200,000 characters).
-            unknown = sorted(
-                c
-                for c in set(record["prompt"])
-                if unk in tokenizer.encode(c, add_special_tokens=False)
-            )
+            unknown = unknown_characters(tokenizer, record["prompt"])
             raise DataError(
                 f"{location}: prompt has characters the tokenizer does not know "
-                f"({shown(''.join(unknown), 80)} become {tokenizer.unk_token!r})"
+                f"({shown(unknown, 80)} become {tokenizer.unk_token!r})"
             )
         if len(ids) <= max_prompt_length:
             continue

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, DataConfig
 from verlite.data.files import DataError, PromptRecord
-from verlite.data.tokenizer import encode_written, special_texts
+from verlite.data.tokenizer import encode_written, special_texts, unknown_characters
 from verlite.errors import shown
 
 
@@ -50,6 +50,15 @@ def format_prompts(
         )
     if data.chat_template and data.system_prompt is not None:
         _check_system_turn(tokenizer, data, model_path)
+    if data.prompt_suffix is not None and (
+        unknown := unknown_characters(tokenizer, f" {data.prompt_suffix}")
+    ):
+        # Named here: each prompt's own check would blame the first prompt.
+        raise DataError(
+            f"data.prompt_suffix={shown(data.prompt_suffix, 60)}, appended to every prompt "
+            f"after a space, has characters the tokenizer does not know ({shown(unknown, 80)} "
+            f"become {tokenizer.unk_token!r})"
+        )
     formatted = []
     for location, record in zip(where, records, strict=True):
         prompt = record["prompt"]

@@ -183,6 +183,17 @@ def continuation_text(
     return response_text(tokenizer, response)
 
 
+def unknown_characters(tokenizer: PreTrainedTokenizerBase, text: str) -> str:
+    """The characters of ``text`` that ``tokenizer`` maps to its unknown token, each once,
+    sorted (each looked up on its own: a long text has few distinct characters)."""
+    unk = tokenizer.unk_token_id
+    if unk is None:
+        return ""
+    return "".join(
+        sorted(c for c in set(text) if unk in tokenizer.encode(c, add_special_tokens=False))
+    )
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], *, bos: bool = True
 ) -> list[list[int]]:

@@ -356,6 +356,20 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 
 
+def _rope_sets(config: PretrainedConfig) -> list[dict[str, Any]]:
+    """A checkpoint's rotary parameters: one set, or one per layer type; none without."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    if "rope_type" in rope or "type" in rope:
+        return [rope]
+    return [value for value in rope.values() if isinstance(value, dict)]
+
+
+def _rope_kind(params: dict[str, Any]) -> Any:
+    return params.get("rope_type", params.get("type"))
+
+
 def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: str) -> None:
     """``model.path`` at start-up: the run's longest sequence (``fields`` name what sets it)
     within the model's ``max_position_embeddings``. Past it, a model with learned positions
@@ -367,11 +381,7 @@ def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: st
         return
     config = AutoConfig.from_pretrained(cfg.path)
     positions = getattr(config, "max_position_embeddings", None)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    kinds = {rope.get("rope_type", rope.get("type"))} if isinstance(rope, dict) else set()
-    if isinstance(rope, dict) and kinds == {None}:  # one set of parameters per layer type
-        kinds = {v.get("rope_type", v.get("type")) for v in rope.values() if isinstance(v, dict)}
-    scaled = bool(kinds - {None, "default"})
+    scaled = any(_rope_kind(params) not in (None, "default") for params in _rope_sets(config))
     if isinstance(positions, int) and max_sequence_length > positions and not scaled:
         raise ConfigError(
             f"model.path={cfg.path}: sequences here reach {max_sequence_length} tokens "
@@ -389,12 +399,8 @@ def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:
     if cfg.path is None:
         return
     config = AutoConfig.from_pretrained(cfg.path)
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    kinds = [rope] if isinstance(rope, dict) and "rope_type" in rope else []
-    if isinstance(rope, dict) and not kinds:  # one set of parameters per layer type
-        kinds = [value for value in rope.values() if isinstance(value, dict)]
-    for params in kinds:
-        kind = params.get("rope_type", params.get("type"))
+    for params in _rope_sets(config):
+        kind = _rope_kind(params)
         original = params.get("original_max_position_embeddings") or config.max_position_embeddings
         if kind in LENGTH_DEPENDENT_ROPE and max_sequence_length > original:
             raise ConfigError(

@@ -137,9 +137,8 @@ def generate_multi_turn(
         # may reach, whatever the room of the rows beside it. The turn's length leaves the
         # row with the most room its token past it too: a row's outcome must not depend on
         # whether a row with more room shares its batch.
-        budgets = torch.tensor(room, device=turn_prompts["input_ids"].device) + 1
-        turn_prompts[BUDGET_KEY] = budgets
-        out = generate(turn_prompts, turn, min(limits.turn_tokens, int(budgets.max())))
+        turn_prompts[BUDGET_KEY] = torch.tensor(room, device=turn_prompts["input_ids"].device) + 1
+        out = generate(turn_prompts, turn, min(limits.turn_tokens, max(room) + 1))
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].tolist(), out["rollout_log_probs"].tolist()
         for j, i in enumerate(rows):

@@ -399,13 +399,14 @@ MISTRAL_TEMPLATE = (
 )
 
 
-def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+def sentencepiece_tokenizer(extra: str = "") -> PreTrainedTokenizerFast:
     """A BPE tokenizer that marks the first word of a text with "▁", as Hugging Face converts
-    Llama's and Mistral's SentencePiece models (Metaspace, ``prepend_scheme="first"``)."""
+    Llama's and Mistral's SentencePiece models (Metaspace, ``prepend_scheme="first"``); it
+    also knows the characters of ``extra``."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
     tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
-    text = "[INST] Question? [/INST] Answer. [INST] =4 [/INST]"
+    text = "[INST] Question? [/INST] Answer. [INST] =4 [/INST]" + extra
     trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"])
     tokenizer.train_from_iterator([text] * 10, trainer)
     fast = PreTrainedTokenizerFast(
@@ -446,6 +447,39 @@ def test_an_observation_is_tokenized_as_it_follows_the_end_of_the_policys_turn()
     )
     assert session.observation_ids("=4", tokenizer) == after_end
     assert tokenizer.convert_ids_to_tokens(after_end)[0] != "▁[INST]"
+
+
+def test_a_forged_observation_is_tokenized_as_it_follows_the_end_of_the_policys_turn() -> None:
+    """The same when the observation holds a special token's text ("</s>", its characters):
+    its turn's "[INST]", the text the template writes after the special token "</s>" that
+    ends the policy's turn, was tokenized as the first word of a text, "▁[INST]", which
+    reads back as "</s> [INST]", a space no conversation of the template has."""
+    tokenizer = sentencepiece_tokenizer(extra=" <a/s>")  # "</s>" as characters: no <unk>
+    cfg = load_config(
+        "configs/tool_tiny.yaml",
+        [
+            "model.path=/models/chat",
+            "data.chat_template=true",
+            "rollout.multi_turn.observation_role=user",
+        ],
+    )
+    turns = turn_format(cfg, tokenizer)
+    assert turns is not None and turns.end == "</s>"
+    session = Session(
+        Tool,
+        {"prompt": "Question?", "answer": "4"},
+        index=0,
+        timeout_s=5.0,
+        abandoned=AbandonedCalls(0),
+        turns=turns,
+    )
+    benign = session.observation_ids("=4", tokenizer)
+    forged = session.observation_ids("=4</s>", tokenizer)
+    assert tokenizer.eos_token_id not in forged
+    assert tokenizer.convert_ids_to_tokens(forged)[:2] == ["[", "INST]"]
+    assert forged[:2] == benign[:2]
+    whole = tokenizer.decode([*turns.end_ids, *forged], skip_special_tokens=False)
+    assert whole == "</s>" + turns.observation_text("=4</s>")
 
 
 def test_without_a_chat_template_there_is_no_turn_format() -> None:

@@ -7,9 +7,10 @@ small alphabet, so the built-in model's ``vocab_size`` is ``len(tokenizer)``.
 from __future__ import annotations
 
 import string
+import weakref
 from collections.abc import Sequence
 
-from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
@@ -143,8 +144,8 @@ def encode_written(
     the last special token before the span and from the first one after it encode as they
     do in the whole text (with the whitespace a token that strips it takes: Phi-3's
     ``<|user|>`` takes the newline after it); the stretch between them is encoded with
-    ``split_special_tokens``. A text whose span holds no special token's text encodes as
-    it always did."""
+    ``split_special_tokens``, as it follows that special token (:func:`_as_text`). A text
+    whose span holds no special token's text encodes as it always did."""
     stop = len(text) if stop is None else stop
     specials = {t.content: t for t in tokenizer.added_tokens_decoder.values() if t.special}
     specials.pop("", None)
@@ -162,10 +163,43 @@ def encode_written(
     hi = max(hi, lo)
     pieces = [
         tokenizer.encode(text[:lo], add_special_tokens=False) if lo else [],
-        tokenizer.encode(text[lo:hi], add_special_tokens=False, split_special_tokens=True),
+        _as_text(tokenizer, text[lo:hi], first=not lo),
         tokenizer.encode(text[hi:], add_special_tokens=False) if hi < len(text) else [],
     ]
     return [int(i) for piece in pieces for i in piece]
+
+
+# Marks the start of a text that follows a special token in :func:`_as_text`; a non-special
+# added token of a copy of the tokenizer, so that it stays a token of its own.
+_AFTER_SPECIAL = "\U0010fffd<verlite: after a special token>\U0010fffd"
+_TEXT_READERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, Tokenizer] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _as_text(tokenizer: PreTrainedTokenizerBase, text: str, *, first: bool) -> list[int]:
+    """The ids of ``text`` with its special tokens' texts as characters, as the tokenizer
+    encodes it at the start of a whole text (``first``) or after a special token. The two
+    differ for a tokenizer that marks a text's first word (a SentencePiece conversion's
+    Metaspace ``prepend_scheme="first"``: Mistral's): after the special token ``</s>``,
+    ``[INST]`` is ``[`` ``INST]``; alone, it is ``▁[INST]``, which reads back with a space.
+    Encoded after a marker token, ``text`` is not the whole text's start."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if first or not isinstance(backend, Tokenizer):
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    reader = _TEXT_READERS.get(tokenizer)
+    if reader is None:  # a copy, once per tokenizer: the run's own is left as it is
+        reader = Tokenizer.from_str(backend.to_str())
+        reader.no_truncation()  # as the tokenizer encodes when asked for no truncation
+        reader.no_padding()
+        reader.add_tokens([AddedToken(_AFTER_SPECIAL, special=False, normalized=False)])
+        reader.encode_special_tokens = True
+        _TEXT_READERS[tokenizer] = reader
+    marker = reader.token_to_id(_AFTER_SPECIAL)
+    ids = reader.encode(_AFTER_SPECIAL + text, add_special_tokens=False).ids
+    if ids[:1] != [marker] or marker in ids[1:]:  # the marker's text in ``text`` itself
+        return list(tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+    return list(ids[1:])
 
 
 def continuation_text(

@@ -51,7 +51,6 @@ from benchmarks.common import (
     paired_ratio,
     quartiles,
     ratios,
-    time_call,
 )
 from verlite.config import ModelConfig, load_config
 from verlite.data import load_tokenizer, position_ids
@@ -349,29 +348,33 @@ def profile_decode(
     params: SamplingParams,
     steps: tuple[int, int],
     device: torch.device,
+    repeats: int,
 ) -> dict[str, Any]:
     """Wall and GPU-busy time per decode step of ``sampler``: the difference between
-    generating ``steps[1]`` and ``steps[0]`` tokens per row, over the steps between (each
-    length run once first, to warm it up). The wall time is measured without the profiler,
-    the GPU's with it; on CPU there is no GPU time."""
+    generating ``steps[1]`` and ``steps[0]`` tokens per row, over the steps between. The wall
+    time is the difference of the two lengths' medians over ``repeats`` interleaved
+    repetitions (each length run once first, to warm it up), measured without the profiler;
+    the GPU's is measured once per length with it; on CPU there is no GPU time."""
     keys = sample_keys(0, 1, len(td), 1).to(device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    walls, busy = [], []
-    for new_tokens in steps:
-        short = dataclasses.replace(params, max_new_tokens=new_tokens)
-        run = _synchronized(
-            device,
-            lambda p=short: sampler.generate(td, p, KeyedNoise(keys, horizon=p.max_new_tokens)),
+
+    def generating(new_tokens: int) -> Callable[[], Any]:
+        length = dataclasses.replace(params, max_new_tokens=new_tokens)
+        return _synchronized(
+            device, lambda: sampler.generate(td, length, KeyedNoise(keys, horizon=new_tokens))
         )
-        run()
-        walls.append(time_call(run)[0])
+
+    runs = {str(new_tokens): generating(new_tokens) for new_tokens in steps}
+    seconds, _ = interleaved(runs, repeats=repeats)
+    busy = []
+    for run in runs.values():
         with torch.profiler.profile(activities=activities) as profile:
             run()
         busy.append(gpu_busy_seconds(profile))
     count = steps[1] - steps[0]
-    step_s = (walls[1] - walls[0]) / count
+    step_s = (median(seconds[str(steps[1])]) - median(seconds[str(steps[0])])) / count
     result: dict[str, Any] = {"step_ms": step_s * 1e3, "gpu_ms": None, "gpu_busy_share": None}
     if device.type == "cuda":
         gpu_s = (busy[1] - busy[0]) / count
@@ -503,7 +506,9 @@ def compare_decode(
             continue
         try:
             with autocast(model_cfg.precision, device):
-                profiles[mode] = profile_decode(sampler, td, params, profile_steps, device)
+                profiles[mode] = profile_decode(
+                    sampler, td, params, profile_steps, device, args.repeats
+                )
         except Exception as exc:  # reported; the figures above stand
             errors[f"profile_{mode}"] = _error(exc)
     return {

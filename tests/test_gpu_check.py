@@ -3,6 +3,7 @@ on CPU with tiny shapes (``--cpu``), issue 35's (`make gpu-check`) and issue 36'
 (`make gpu-bench`: the rollout benchmark and the 0.5B-shaped GRPO step)."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,8 @@ def test_the_rollout_benchmark_runs_on_cpu_with_tiny_shapes(tmp_path: Path) -> N
         assert figures["native_over_eager"] > 0 and figures["native_over_hf"] > 0
         assert figures["roofline"] is None and figures["roofline_share"] is None
     for mode in ("static", "eager"):
-        assert result["profile"][mode]["step_ms"] > 0
+        # A difference of two medians: its sign is the machine's load's on CPU, not checked.
+        assert math.isfinite(result["profile"][mode]["step_ms"])
         assert result["profile"][mode]["gpu_busy_share"] is None
     assert "4x8: static" in part["figure"] and "x eager" in part["figure"]
     # The sampler's log-probs against a forward pass over its responses (bf16 autocast).

@@ -124,6 +124,17 @@ def test_the_backoff_doubles(service: ScoringService) -> None:
     assert "retrying in 0.1 s (attempt 3 of 4)" in out
 
 
+def test_the_backoff_stops_doubling_at_ten_minutes() -> None:
+    """The most retries allowed (100) at the default backoff wait at most ten minutes each:
+    doubled without a bound, the 31st attempt waited 34 years and the 35th overflowed the
+    clock ``threading.Event.wait`` is handed (OverflowError inside the scoring thread)."""
+    cfg = RemoteRewardConfig(url="http://127.0.0.1:1/score", max_retries=100)
+    waits = [remote_module.retry_wait_s(cfg.retry_backoff_s, a) for a in range(1, 101)]
+    assert waits[:4] == [1.0, 2.0, 4.0, 8.0]
+    assert max(waits) == waits[-1] == 600.0 and waits[9] == 512.0 and waits[10] == 600.0
+    assert max(waits) < threading.TIMEOUT_MAX
+
+
 def test_a_service_that_stays_down_stops_the_step_after_the_retries(
     service: ScoringService,
 ) -> None:

@@ -60,6 +60,11 @@ def _environment_name(value: str | None) -> str | None:
     return value
 
 
+# The longest wait between two retries of a remote verifier's request (10 minutes): the
+# doubling stops there, so the waits of many retries stay waits a service can come back in.
+MAX_RETRY_WAIT_S = 600.0
+
+
 class RemoteRewardConfig(Section):
     """A remote verifier: a user's HTTP service that scores batches of responses
     (docs/reward-models-and-verifiers.md; the protocol is in verlite/rewards/remote.py)."""
@@ -89,8 +94,9 @@ class RemoteRewardConfig(Section):
     retry_backoff_s: float = Field(
         1.0,
         ge=0.0,
-        le=600.0,
-        description="Wait before the first retry of a request; it doubles with each retry.",
+        le=MAX_RETRY_WAIT_S,
+        description="Wait before the first retry of a request; it doubles with each retry, "
+        f"up to {MAX_RETRY_WAIT_S:g} s.",
     )
     auth_env: Annotated[str | None, AfterValidator(_environment_name)] = Field(
         None,

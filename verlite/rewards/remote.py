@@ -10,18 +10,19 @@ followed (they would carry the token elsewhere), and a service on this machine i
 without the environment's proxy (``http_proxy``).
 
 Failures. Retried up to ``max_retries`` times, waiting ``retry_backoff_s`` and twice as long
-at each further retry: no connection (refused, reset, dropped before the reply), no whole
-reply within ``timeout_s`` (:class:`_Deadline` shuts the connection then, wherever the
-reply is: a status line, headers or a body still arriving are cut off), HTTP 5xx and 429 --
-what a service that restarts or sheds load does. Not retried, since a retry cannot mend a service's bug: any other status, a reply that
-is not JSON or not ``{"scores": [...]}``, another count of scores than of responses, a score
-that is not a number in [0, 1]. Either way the step stops with a :class:`RemoteRewardError`
-(a run failure: exit 1, the checkpoints written so far stay valid) in one line naming the
-URL (without credentials), the batch and its responses, and the status or the value; after
-retries, how many attempts were made. A retry is said on the console when it is made. When
-batches in flight fail, the first to fail for good is the stage's error. A reply that is not
-plain JSON (``NaN`` or ``Infinity``, nested too deeply to parse, not UTF-8) breaks the
-protocol.
+at each further retry, at most ``MAX_RETRY_WAIT_S`` (10 minutes) a wait: no connection
+(refused, reset, dropped before the reply), no whole reply within ``timeout_s``
+(:class:`_Deadline` shuts the connection then, wherever the reply is: a status line, headers
+or a body still arriving are cut off), HTTP 5xx and 429 -- what a service that restarts or
+sheds load does. Not retried, since a retry cannot mend a service's bug: any other status, a
+reply that is not JSON or not ``{"scores": [...]}``, another count of scores than of
+responses, a score that is not a number in [0, 1]. Either way the step stops with a
+:class:`RemoteRewardError` (a run failure: exit 1, the checkpoints written so far stay
+valid) in one line naming the URL (without credentials), the batch and its responses, and
+the status or the value; after retries, how many attempts were made. A retry is said on the
+console when it is made. When batches in flight fail, the first to fail for good is the
+stage's error. A reply that is not plain JSON (``NaN`` or ``Infinity``, nested too deeply to
+parse, not UTF-8) breaks the protocol.
 
 The token. It is registered with :mod:`verlite.redaction` when read, so no message, console
 line or record shows it in any spelling (a service may echo it in its status line, its body
@@ -53,6 +54,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from verlite.config import RemoteRewardConfig
+from verlite.config.sections_reward import MAX_RETRY_WAIT_S
 from verlite.errors import RunFailure, UserError, shown
 from verlite.reachable import is_loopback_host
 from verlite.redaction import MIN_SECRET_LENGTH, redact_text, register_secret
@@ -62,6 +64,14 @@ from verlite.rewards.scoring import PROGRESS_EVERY_S
 MAX_REPLY_BYTES = 64 * 2**20
 _CHUNK_BYTES = 2**16
 _EXCERPT_BYTES = 300  # of a reply, quoted in a message
+
+
+def retry_wait_s(backoff_s: float, attempt: int) -> float:
+    """The wait after failed attempt ``attempt`` (1, 2, ...): ``backoff_s`` doubled at each
+    further attempt, at most ``MAX_RETRY_WAIT_S``: unbounded, the 31st attempt of a 1 s
+    backoff (``reward.remote.max_retries`` may be 100) would wait 34 years, and a later one
+    overflow the clock it waits on."""
+    return min(backoff_s * 2.0 ** (attempt - 1), MAX_RETRY_WAIT_S)
 
 
 class RemoteRewardError(RunFailure):
@@ -315,7 +325,7 @@ class RemoteScorer:
                         f"{self.cfg.max_retries}); the service stays down or failing: once it "
                         "answers, trainer.resume=auto continues from the last checkpoint"
                     ) from None
-                wait_s = self.cfg.retry_backoff_s * 2 ** (attempt - 1)
+                wait_s = retry_wait_s(self.cfg.retry_backoff_s, attempt)
                 print(
                     f"reward: {where}: {exc}; retrying in {wait_s:g} s "
                     f"(attempt {attempt + 1} of {attempts})",

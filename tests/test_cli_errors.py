@@ -7,6 +7,7 @@ import pickle
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -619,6 +620,25 @@ def test_a_lora_checkpoint_resumes_only_with_the_same_adapters(
     fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
     err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
     assert re.search(r"cannot resume from .*step_3: actor.lora.rank=4 there, 0 here", err), err
+
+
+def test_a_lora_checkpoint_resumes_with_its_target_modules_in_another_order(
+    tmp_path: Path,
+) -> None:
+    """peft adapts the layers a list names in the model's order: the same names listed in
+    another order were refused as other adapters; other names still are."""
+    from verlite.config import load_config
+    from verlite.driver.checkpoint import CheckpointError, check_resumable
+
+    def lora(targets: str) -> dict[str, Any]:
+        overrides = ["actor.lora.rank=4", f"actor.lora.target_modules={targets}"]
+        return load_config(CONFIG, overrides).model_dump(mode="json")
+
+    step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=lora("[q_proj,v_proj]"))
+    common = {"roles": ["actor", "critic"], "total_steps": 4, "train_set": "none recorded"}
+    assert check_resumable(step_3, config=lora("[v_proj,q_proj]"), **common) == []
+    with pytest.raises(CheckpointError, match=r"actor\.lora\.target_modules="):
+        check_resumable(step_3, config=lora("[q_proj,k_proj]"), **common)
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_before_ray(

@@ -96,6 +96,9 @@ _MUST_MATCH = (
     "actor.optim.name",
     "critic.optim.name",
 )
+# Lists of names whose order means nothing (peft adapts the layers a list names in the
+# model's order): the same names in another order are the same setting.
+_UNORDERED = {"actor.lora.target_modules"}
 # Settings added after checkpoints were first written, as those older checkpoints ran them.
 _PREDATED = {"actor.lora.rank": 0}
 _FREE = {
@@ -111,6 +114,12 @@ _FREE = {
     "trainer.mlflow_tracking_uri",
     "trainer.resource_timeout_s",
 }
+
+
+def _same(key: str, there: Any, here: Any) -> bool:
+    if key in _UNORDERED and isinstance(there, list | tuple) and isinstance(here, list | tuple):
+        return sorted(map(str, there)) == sorted(map(str, here))
+    return bool(there == here)
 
 
 def check_resumable(
@@ -145,7 +154,9 @@ def check_resumable(
         if "config" in state
         else _flatten({"model": state.get("model", {})})
     )
-    changed = sorted(key for key in there.keys() & here.keys() if there[key] != here[key])
+    changed = sorted(
+        key for key in there.keys() & here.keys() if not _same(key, there[key], here[key])
+    )
     blocking = [
         f"{key}={there[key]!r} there, {here[key]!r} here"
         for key in changed

@@ -185,18 +185,44 @@ def test_sequences_past_the_models_context_are_refused_before_ray(tmp_path: Path
     assert str(caught.value) == (
         f"model.path={folder}: sequences here reach 17 tokens (data.max_prompt_length + "
         "rollout.max_response_length), past the model's context of 16 positions (config.json "
-        "max_position_embeddings); shorten the prompts or responses"
+        "max_position_embeddings), the rows of its position table; shorten the prompts or "
+        "responses"
     )
 
 
-def test_a_rotary_scaling_extends_the_context_it_is_checked_against(tmp_path: Path) -> None:
-    """A static rope scaling (linear, yarn) runs past max_position_embeddings on purpose."""
+def test_a_run_of_a_rotary_model_past_its_context_starts_with_the_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from verlite.data import load_tokenizer
+    from verlite.driver.preflight import RunInputs
+
+    folder = _saved_model(tmp_path / "model")  # rotary, max_position_embeddings 16
+    load_tokenizer(None, task="copy").save_pretrained(folder)
+    overrides = [f"model.path={folder}", f"trainer.output_dir={tmp_path / 'run'}"]
+    past = load_config("configs/ppo_tiny.yaml", [*overrides, "rollout.max_response_length=9"])
+    RunInputs.load(past).folder.release()
+    assert "warning: model.path=" in capsys.readouterr().out
+
+
+def test_a_rotary_model_past_its_context_is_warned_of_and_a_scaling_extends_it(
+    tmp_path: Path,
+) -> None:
+    """A rotary model has no table to index past: a longer sequence runs on positions it was
+    not trained at, which a long-response run of a short-context checkpoint may mean. It was
+    refused, with no way out; now it is one warning line. A static rope scaling (linear,
+    yarn) runs past max_position_embeddings on purpose: nothing to say."""
     from verlite.models import check_context_fits
 
     folder = _saved_model(tmp_path)  # max_position_embeddings 16
     cfg = load_config(None, ["data.task=copy", f"model.path={folder}"]).model
-    with pytest.raises(ConfigError, match="past the model's context of 16 positions"):
-        check_context_fits(cfg, max_sequence_length=17, fields="the fields")
+    assert check_context_fits(cfg, max_sequence_length=16, fields="the fields") is None
+    warning = check_context_fits(cfg, max_sequence_length=17, fields="the fields")
+    assert warning == (
+        f"warning: model.path={folder}: sequences here reach 17 tokens (the fields), past the "
+        "model's context of 16 positions (config.json max_position_embeddings): its rotary "
+        "positions past 16 are ones it was not trained at; shorten the prompts or responses, "
+        "or give config.json a rope scaling, unless that is meant"
+    )
     rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
     _edit_config(folder, rope_parameters=rope, rope_scaling=rope)
-    check_context_fits(cfg, max_sequence_length=32, fields="the fields")
+    assert check_context_fits(cfg, max_sequence_length=32, fields="the fields") is None

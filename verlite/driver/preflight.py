@@ -192,11 +192,13 @@ class RunInputs:
             if getattr(cfg, role).gradient_checkpointing:
                 check_gradient_checkpointing_supported(cfg.model, role=role)
         check_lora_supported(cfg.model, cfg.actor.lora)
-        check_context_fits(
+        context = check_context_fits(
             cfg.model,
             max_sequence_length=cfg.max_sequence_length,
             fields=longest_sequence_fields(cfg),
         )
+        if context is not None:
+            print(context, flush=True)
         check_rope_supported(cfg.model, max_sequence_length=cfg.max_sequence_length)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)

@@ -370,24 +370,39 @@ def _rope_kind(params: dict[str, Any]) -> Any:
     return params.get("rope_type", params.get("type"))
 
 
-def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: str) -> None:
+def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: str) -> str | None:
     """``model.path`` at start-up: the run's longest sequence (``fields`` name what sets it)
-    within the model's ``max_position_embeddings``. Past it, a model with learned positions
-    (OPT, GPT-2) indexes past its position table (an ``IndexError`` inside a worker, at the
-    first rollout) and a rotary one is run on positions it was never trained at; a rotary
-    scaling other than the default extends the context on purpose and is left to
-    :func:`check_rope_supported`."""
+    against the model's ``max_position_embeddings``. Past it, a model with learned positions
+    (OPT, GPT-2: a position table, an embedding besides the token embeddings, found on a
+    model built on the meta device) indexes past its table (an ``IndexError`` inside a
+    worker, at the first rollout): refused in one line. A rotary model runs on positions it
+    was not trained at, which a user may mean (a long-response run of a short-context
+    checkpoint): the warning line returned says so. A rotary scaling other than the default
+    extends the context on purpose and is left to :func:`check_rope_supported`."""
     if cfg.path is None:
-        return
+        return None
     config = AutoConfig.from_pretrained(cfg.path)
     positions = getattr(config, "max_position_embeddings", None)
     scaled = any(_rope_kind(params) not in (None, "default") for params in _rope_sets(config))
-    if isinstance(positions, int) and max_sequence_length > positions and not scaled:
+    if not isinstance(positions, int) or max_sequence_length <= positions or scaled:
+        return None
+    past = (
+        f"model.path={cfg.path}: sequences here reach {max_sequence_length} tokens ({fields}), "
+        f"past the model's context of {positions} positions (config.json "
+        "max_position_embeddings)"
+    )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    tokens = model.get_input_embeddings()
+    if any(isinstance(m, nn.Embedding) and m is not tokens for m in model.modules()):
         raise ConfigError(
-            f"model.path={cfg.path}: sequences here reach {max_sequence_length} tokens "
-            f"({fields}), past the model's context of {positions} positions (config.json "
-            "max_position_embeddings); shorten the prompts or responses"
+            f"{past}, the rows of its position table; shorten the prompts or responses"
         )
+    return (
+        f"warning: {past}: its rotary positions past {positions} are ones it was not trained "
+        "at; shorten the prompts or responses, or give config.json a rope scaling, unless "
+        "that is meant"
+    )
 
 
 def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:

@@ -43,10 +43,12 @@ def test_multi_turn_trajectories_that_fill_their_room_reach_the_limit(
     filter leaves such a trajectory out as a response at the limit, whose share is
     ``response_length/clip_ratio``. Its policy tokens alone (what ``response_length/mean``
     counts) never reach the area's width: measured by them, the share was 0 while the filter
-    left rows out for their length."""
+    left rows out for their length. (Such a trajectory is cut short too: the turn after the
+    observation draws the token past its room of 0, and it is no end. That token used to be
+    drawn only when a row beside it had room left, so whether the trajectory counted as cut
+    short depended on its neighbours.)"""
     records = _tool_run(tmp_path, metrics, "rollout.multi_turn.max_total_length=14")
-    # rows filtered for their length alone: at the limit, not cut short
-    assert any(r["response_length/overlong_filtered"] > r["multiturn/truncated"] for r in records)
+    assert any(r["response_length/clip_ratio"] > 0 for r in records)
     for record in records:
         at_limit, truncated = record["response_length/clip_ratio"], record["multiturn/truncated"]
         assert at_limit <= record["response_length/overlong_filtered"] <= at_limit + truncated

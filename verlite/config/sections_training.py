@@ -251,7 +251,10 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="Discount factor.")
     lam: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda.")
     norm_adv_by_std: bool = Field(
-        True, description="GRPO: divide by the group std; false gives Dr. GRPO."
+        True,
+        description="GRPO: divide by the group std; false gives Dr. GRPO's advantage, which "
+        "the paper pairs with actor.loss_agg_mode=seq-mean-token-sum-norm (no per-response "
+        "length normalization; seq-mean-token-mean would keep it).",
     )
     use_kl_in_reward: bool = Field(
         False, description="Subtract a KL penalty to the reference from the token rewards."

@@ -1,10 +1,10 @@
 """Tiny causal LMs of real Hugging Face classes built from configs (a Qwen2 with a tied or
-untied LM head; Mixture-of-Experts models), for tests of what depends on a model class's structure."""
+untied LM head; Mixture-of-Experts models; sliding-window models), for tests of what depends on a model class's structure."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 
 def tiny_qwen2(*, tied: bool, vocab_size: int = 100, seed: int = 0) -> torch.nn.Module:
@@ -46,5 +46,35 @@ def tiny_moe(kind: str = "qwen2_moe", *, seed: int = 0, **overrides: object) -> 
         settings["shared_expert_intermediate_size"] = 16
     settings.update(overrides)
     config = AutoConfig.for_model(kind, **settings)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def tiny_sliding(
+    kind: str, window: int | None, *, vocab_size: int = 64, seed: int = 0
+) -> torch.nn.Module:
+    """A two-layer causal LM of a real sliding-window class, float32, seeded alike for any
+    ``window`` (None: the same weights attending in full): ``mistral`` slides every layer,
+    ``qwen2`` (``use_sliding_window`` from ``max_window_layers=1`` on) only its second, as
+    Hugging Face's ``layer_types`` rule puts it (the Gemma-style mix of sliding and full
+    layers)."""
+    common: dict[str, object] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "attn_implementation": "sdpa",
+    }
+    if kind == "mistral":
+        config = MistralConfig(sliding_window=window, **common)
+    else:
+        config = Qwen2Config(
+            use_sliding_window=True, max_window_layers=1, sliding_window=window or 1, **common
+        )
+        assert config.layer_types == ["full_attention", "sliding_attention"]
+        if window is None:
+            config.sliding_window, config.layer_types = None, ["full_attention"] * 2
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)

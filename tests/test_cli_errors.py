@@ -766,18 +766,32 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
 def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    """Accepted exactly when no sequence of the run can pass the window."""
     from transformers import LlamaConfig, MistralConfig
 
     from verlite.driver import preflight
 
-    monkeypatch.setattr(
-        preflight, "hf_config", lambda *args: MistralConfig(vocab_size=64, sliding_window=8)
-    )
     cfg = load_config(CONFIG, ["rollout.decode=static"])
+    longest = cfg.max_sequence_length
+    for window in (longest, longest + 1):
+        monkeypatch.setattr(
+            preflight,
+            "hf_config",
+            lambda *args, w=window: MistralConfig(vocab_size=64, sliding_window=w),
+        )
+        preflight.check_generation(cfg, 64)
+        preflight.check_generation(
+            load_config(CONFIG, ["rollout.decode=cuda_graphs", "model.device=cuda"]), 64
+        )
+    monkeypatch.setattr(
+        preflight,
+        "hf_config",
+        lambda *args: MistralConfig(vocab_size=64, sliding_window=longest - 1),
+    )
     with pytest.raises(
         UserError,
-        match=r"rollout.decode=static: this mistral model has attention "
-        r"layers of kinds \['sliding_attention'\] \(sliding_window 8\)",
+        match=rf"^rollout.decode=static: this mistral model attends through a sliding window "
+        rf"of {longest - 1} tokens \(sliding_window\) and a sequence can be {longest} tokens",
     ):
         preflight.check_generation(cfg, 64)
     preflight.check_generation(load_config(CONFIG, ["rollout.decode=eager"]), 64)

@@ -60,13 +60,27 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
             f"--budget={budget} is below the longest sequence ({longest} tokens: "
             "data.max_prompt_length + rollout.max_response_length)"
         )
+    from verlite.config.checks import longest_sequence_fields
     from verlite.core import seeds
     from verlite.data.tokenizer import load_tokenizer
-    from verlite.models import build_policy, flop_crossover, resolve_device
+    from verlite.models import (
+        build_policy,
+        flop_crossover,
+        hf_config,
+        resolve_device,
+        window_passed,
+    )
     from verlite.models.packing_cost import measure_packed_cost
     from verlite.models.varlen import PackingUnsupported, enable_packing
 
     vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
+    passed = window_passed(
+        hf_config(cfg.model, vocab_size, longest),
+        max_sequence_length=longest,
+        fields=longest_sequence_fields(cfg),
+    )
+    if passed is not None:  # before the weights load
+        raise ConfigError(f"model: {passed}")
     device = resolve_device(cfg.model)
     policy = build_policy(
         cfg.model,

@@ -287,6 +287,32 @@ def test_turns_on_the_static_cache_are_the_eager_turns() -> None:
             assert torch.equal(static[key], eager[key]), key
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_turns_of_a_window_no_trajectory_passes_on_the_static_cache_are_the_eager_turns(
+    kind: str,
+) -> None:
+    """A sliding window as long as the longest trajectory (the prompt width and the 24
+    tokens of room: ``max_sequence_length``): a turn's static cache can span more positions
+    than that (its prompt left-padded to the widest trajectory, and a whole turn), yet no
+    row's real tokens are farther apart than the window, so the windowless static masks
+    give the eager sampler's trajectories, Hugging Face's window applied, exactly."""
+    from tests.model_support import tiny_sliding
+
+    tokenizer = bpe_tokenizer()
+    longest = prompts(tokenizer, 8)["input_ids"].shape[1] + 24
+    model = tiny_sliding(kind, longest, vocab_size=len(tokenizer), seed=3).double()
+    eager, *_ = run([Echo() for _ in range(8)], model=model)
+    static, *_ = run(
+        [Echo() for _ in range(8)],
+        model=model,
+        decode=DecodeSettings("static", batch_buckets=(1, 2)),
+    )
+    assert int(eager["attention_mask"].sum(-1).max()) > longest // 2  # several turns in
+    for key in eager.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
+        if isinstance(eager[key], torch.Tensor):
+            assert torch.equal(static[key], eager[key]), key
+
+
 def test_trajectories_end_on_done_failure_turns_and_room() -> None:
     envs = [Echo(turns=1), Echo(fail_on=2), Echo(turns=9), Echo(turns=9)]
     batch, _, tokenizer, _, _ = run(envs, max_turns=3)

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDict
 
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
-from tests.model_support import tiny_qwen2
+from tests.model_support import tiny_qwen2, tiny_sliding
 from verlite.config import ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.decode import StaticDecoder, buckets_for
@@ -170,6 +170,31 @@ def test_qwen2_and_lora_match_eager(tied: bool) -> None:
         assert_same(static, eager)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_window_no_sequence_passes_decodes_statically_as_eagerly(kind: str) -> None:
+    """A sliding window as long as the longest sequence (prompts of up to 7 tokens and 14
+    new ones: 21) never binds: static and replayed (cuda_graphs on CPU) decoding, whose
+    masks apply no window, give eager decoding's tokens and float64 log-probs, Hugging
+    Face's window applied, bit for bit. A window a sequence passes does bind there, which
+    is why the static modes refuse it (``check_mode_supported``)."""
+    from verlite.generation.decode import check_mode_supported
+
+    td, params = prompts(batch=10, width=7, seed=3), SETTINGS["top_k_top_p"]
+    longest = 7 + params.max_new_tokens
+    model = tiny_sliding(kind, longest, vocab_size=VOCAB).double()
+    for mode in ("static", "cuda_graphs"):
+        check_mode_supported(model.config, mode, longest=longest)  # type: ignore[arg-type]
+    eos = ragged_eos(model, td, params, 6)
+    eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 6, 14))
+    assert int(eager["attention_mask"].sum(-1).max()) > longest - 3  # rows near the window
+    for decode in (DecodeSettings("static"), DecodeSettings("cuda_graphs", kv_block=4)):
+        assert_same(sampler(model, decode, eos).generate(td, params, noise(td, 6, 14)), eager)
+    binding = tiny_sliding(kind, 6, vocab_size=VOCAB).double()
+    eager = sampler(binding, DecodeSettings("eager"), eos).generate(td, params, noise(td, 6, 14))
+    static = sampler(binding, DecodeSettings("static"), eos).generate(td, params, noise(td, 6, 14))
+    assert not torch.equal(static["rollout_log_probs"], eager["rollout_log_probs"])
+
+
 class Counting(StaticDecoder):
     """Records each check's count of unfinished rows, and the rows added to fill a bucket."""
 
@@ -260,9 +285,26 @@ def test_what_the_static_path_does_not_run_is_refused_in_one_line() -> None:
         graphs.generate(td, SamplingParams(4), noise(td, 0, 4))
     with pytest.raises(ValueError, match="at most 8"):
         static.generate(td, SamplingParams(4, stop_token_ids=tuple(range(3, 11))), noise(td, 0, 4))
-    with pytest.raises(UnsupportedModel, match="sliding_attention"):
-        attention_shape(MistralConfig(sliding_window=16))
-    assert attention_shape(MistralConfig(sliding_window=None, num_hidden_layers=3)) == (3, 8, 128)
+    with pytest.raises(
+        UnsupportedModel,
+        match=r"^this mistral model attends through a sliding window of 16 tokens "
+        r"\(sliding_window\) and a sequence can be 17 tokens; .* use rollout\.decode=eager "
+        r"or keep sequences to 16 tokens$",
+    ):
+        attention_shape(MistralConfig(sliding_window=16), longest=17)
+    assert attention_shape(MistralConfig(sliding_window=16, num_hidden_layers=3), longest=16) == (
+        3,
+        8,
+        128,
+    )
+    assert attention_shape(MistralConfig(sliding_window=None, num_hidden_layers=3), longest=99) == (
+        3,
+        8,
+        128,
+    )
+    chunked = MistralConfig(num_hidden_layers=2, layer_types=["chunked_attention"] * 2)
+    with pytest.raises(UnsupportedModel, match=r"kinds \['chunked_attention'\]"):
+        attention_shape(chunked, longest=4)
 
 
 def test_ignore_eos_runs_every_row_to_the_length_and_stop_tokens_still_end() -> None:
@@ -325,20 +367,28 @@ def test_auto_picks_the_fastest_mode_the_run_and_the_model_allow() -> None:
     sliding = MistralConfig(sliding_window=16)
 
     def auto(
-        config: object, device: torch.device, lockstep: bool = False, per_rank: bool = False
+        config: object,
+        device: torch.device,
+        lockstep: bool = False,
+        per_rank: bool = False,
+        longest: int = 17,
     ) -> str:
-        return auto_mode(config, device=device, lockstep=lockstep, per_rank=per_rank)  # type: ignore[arg-type]
+        return auto_mode(  # type: ignore[arg-type]
+            config, device=device, lockstep=lockstep, per_rank=per_rank, longest=longest
+        )
 
     assert auto(full, cuda) == "cuda_graphs"
     assert auto(full, cuda, lockstep=True) == "static"
     assert auto(dynamic, cuda) == "static"  # its rotary embedding reads positions on the host
-    assert auto(sliding, cuda) == "eager"
+    assert auto(sliding, cuda) == "eager"  # a sequence of 17 could pass its window of 16
+    assert auto(sliding, cuda, longest=16) == "cuda_graphs"  # none can
+    assert auto(sliding, cuda, lockstep=True, longest=16) == "static"
     assert auto(full, cuda, per_rank=True) == "eager"
     assert auto(full, cpu) == "eager"
     with pytest.raises(UnsupportedModel, match="rope_type dynamic"):
-        check_mode_supported(dynamic, "cuda_graphs")
-    check_mode_supported(dynamic, "static")
-    check_mode_supported(sliding, "eager")
+        check_mode_supported(dynamic, "cuda_graphs", longest=17)
+    check_mode_supported(dynamic, "static", longest=17)
+    check_mode_supported(sliding, "eager", longest=17)
 
 
 @pytest.mark.parametrize("mode", ["eager", "static", "cuda_graphs"])

@@ -144,3 +144,26 @@ def test_a_command_that_loads_model_path_shows_no_hugging_face_progress_bars(tmp
     )
     assert done.returncode == 0, done.stderr
     assert "Loading weights" not in done.stdout + done.stderr, done.stderr
+
+
+def test_measure_packing_refuses_a_window_its_sequences_pass_in_one_line(tmp_path, capsys) -> None:
+    """A Mistral whose window (8) is shorter than the longest sequence: packed attention
+    applies no window, so the measurement is refused before it times a row (it would raise
+    in the first one)."""
+    from tests.model_support import tiny_sliding
+    from verlite.data import load_tokenizer
+
+    tokenizer = load_tokenizer(None, task="copy")
+    tiny_sliding("mistral", 8, vocab_size=len(tokenizer)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    longest = load_config(CONFIG).max_sequence_length
+    code = main(["measure-packing", "--config", CONFIG, f"model.path={tmp_path}", "--trials", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "Loading weights" not in err  # refused before the weights load
+    assert err.endswith(
+        "\nverlite: error: model: 2 of the model's 2 layers attend through a sliding window of 8 "
+        "tokens (sliding_window), and a sequence can be data.max_prompt_length + "
+        f"rollout.max_response_length = {longest} tokens; packed attention applies no window, "
+        "which is the model's attention only for sequences of at most 8 tokens\n"
+    )

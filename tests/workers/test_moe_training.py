@@ -228,8 +228,8 @@ def test_sliding_window_gradients_are_invariant_to_micro_batches_and_ranks(
 ) -> None:
     """A Mistral whose window (4) is shorter than the audit's rows: a micro-batch trimmed to
     its own longest prompt and response keeps each row's real tokens contiguous, so every
-    query attends the same keys in any layout (packing refuses a window:
-    tests/workers/test_packing.py)."""
+    query attends the same keys in any layout (packing refuses a window a sequence can
+    pass: tests/workers/test_packing.py)."""
     from transformers import MistralConfig, MistralForCausalLM
 
     config = MistralConfig(
@@ -249,3 +249,20 @@ def test_sliding_window_gradients_are_invariant_to_micro_batches_and_ranks(
     )
     failures = [r for r in reports if r.worst() > tolerance_for(cfg)]
     assert len(reports) == 2 * 3 and not failures, failures
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_window_no_sequence_passes_is_invariant_packed(kind: str, tmp_path: Path) -> None:
+    """A sliding window as long as the run's longest sequence (every layer's, Mistral; the
+    second layer's, Qwen2 with use_sliding_window): packed micro-batches, fixed and on a
+    token budget, give the single-process padded full batch's gradients for both roles."""
+    from model_support import tiny_sliding
+
+    cfg = load_config("configs/ppo_tiny.yaml", ["model.precision=fp64"])
+    tiny_sliding(kind, cfg.max_sequence_length).save_pretrained(tmp_path)
+    cfg = load_config("configs/ppo_tiny.yaml", [f"model.path={tmp_path}", "model.precision=fp64"])
+    reports = check_invariance(
+        cfg, dps=[2], strategies=["fsdp"], micros=["packed", "packed-dynamic"]
+    )
+    failures = [r for r in reports if r.worst() > tolerance_for(cfg)]
+    assert len(reports) == 2 * 2 and not failures, failures

@@ -11,6 +11,7 @@ import torch
 from transformers import AttentionInterface, Qwen3Config, Qwen3MoeConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from tests.model_support import tiny_sliding
 from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, ModelConfig, load_config
 from verlite.core.partition import PackedTokenPartition
@@ -19,6 +20,7 @@ from verlite.models import (
     build_value_model,
     check_packing_supported,
     flop_crossover,
+    set_logits_chunk_tokens,
 )
 from verlite.models.varlen import (
     ATTENTION,
@@ -149,7 +151,9 @@ def test_a_model_whose_attention_mixes_packed_sequences_is_refused(monkeypatch) 
     with pytest.raises(PackingUnsupported, match="lets packed sequences attend to each other"):
         enable_packing(policy)
     with pytest.raises(ConfigError, match=r"^actor.packing=true: .* set actor.packing=false$"):
-        check_packing_supported(CFG.model, role="actor")
+        check_packing_supported(
+            CFG.model, role="actor", max_sequence_length=CFG.max_sequence_length, fields="x"
+        )
 
 
 def test_the_packed_token_budget_counts_real_tokens() -> None:
@@ -165,22 +169,98 @@ def test_the_packed_token_budget_counts_real_tokens() -> None:
         PackedTokenPartition(lengths, max_tokens=50)
 
 
-def test_a_model_with_a_sliding_window_is_refused() -> None:
-    """Packed attention applies no window: a model that attends through one would train
-    with another attention than it generates with."""
-    from transformers import MistralConfig, MistralForCausalLM
+def sliding_model(kind: str, window: int | None) -> torch.nn.Module:
+    """:func:`tests.model_support.tiny_sliding` in float64, for log-prob passes."""
+    model = tiny_sliding(kind, window, seed=7).double()
+    set_logits_chunk_tokens(model, CFG.model.logits_chunk_tokens)
+    return model
 
-    config = MistralConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-    )
-    with pytest.raises(PackingUnsupported, match="attends with sliding_window"):
-        enable_packing(MistralForCausalLM(config))
+
+def log_probs_and_grads(
+    model: torch.nn.Module, batch, real: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    log_probs, entropy = response_log_probs(model, batch, temperature=0.7, with_entropy=True)
+    grads = torch.autograd.grad((log_probs * real).sum(), list(model.parameters()))
+    return (log_probs[real], entropy[real], *grads)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_window_no_sequence_passes_packs_as_full_attention_bit_for_bit(kind: str) -> None:
+    """A window as long as the longest sequence (L: the query at L - 1 still attends the
+    key at 0, 0 <= i - j < window) never binds: the padded pass is the full-attention
+    model's bit for bit, the packed pass too, and packed and padded agree as they do for a
+    full-attention model (tests above: the same sums in another order)."""
+    padded, packed = batches()
+    real = padded["attention_mask"][:, -padded["responses"].shape[1] :].bool()
+    longest = int(padded["attention_mask"].sum(1).max())
+    full = sliding_model(kind, None)
+    windowed = sliding_model(kind, longest)
+    want = log_probs_and_grads(full, padded, real)
+    got = log_probs_and_grads(windowed, padded, real)
+    assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+    enable_packing(full)
+    enable_packing(windowed)
+    want_packed = log_probs_and_grads(full, packed, real)
+    got_packed = log_probs_and_grads(windowed, packed, real)
+    assert all(torch.equal(a, b) for a, b in zip(want_packed, got_packed, strict=True))
+    for a, b in zip(want, got_packed, strict=True):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_a_window_one_token_short_binds_and_a_packed_pass_refuses_it(kind: str) -> None:
+    """The bound is exact for attention: with a window of L - 1 the last query of the
+    longest row (L tokens) loses its first key, so the padded pass's outputs there are no
+    longer full attention's (Hugging Face's mask, kv > q - window, for either class); with
+    a window of L every output is. Packed attention, which applies no window, refuses the
+    row rather than attend past it."""
+    padded, packed = batches()
+    mask = padded["attention_mask"]
+    longest = int(mask.sum(1).max())
+
+    def logits(window: int | None) -> torch.Tensor:
+        model = sliding_model(kind, window)
+        with torch.no_grad():
+            out = model(input_ids=padded["input_ids"], attention_mask=mask)
+        return out.logits[mask.bool()]
+
+    full = logits(None)
+    assert torch.equal(logits(longest), full)
+    assert not torch.equal(logits(longest - 1), full)
+    short = sliding_model(kind, longest - 1)
+    enable_packing(short)
+    with pytest.raises(
+        PackingUnsupported,
+        match=rf"sliding window of {longest - 1} tokens and a packed sequence has {longest}",
+    ):
+        response_log_probs(short, packed, temperature=0.7, with_entropy=False)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_packing_a_sliding_window_model_is_decided_at_start_up(kind: str, tmp_path: Path) -> None:
+    """Accepted exactly when the run's longest sequence fits the window; refused in one
+    line naming both numbers otherwise (Qwen2 slides only its later layers, which the
+    one-layer probe alone would not see)."""
+    longest = CFG.max_sequence_length
+    fields = "data.max_prompt_length + rollout.max_response_length"
+    for window in (longest, longest - 1):
+        sliding_model(kind, window).save_pretrained(tmp_path / str(window))
+    at_most = ModelConfig(path=str(tmp_path / str(longest)))
+    check_packing_supported(at_most, role="actor", max_sequence_length=longest, fields=fields)
+    layers = 2 if kind == "mistral" else 1
+    with pytest.raises(
+        ConfigError,
+        match=rf"^critic\.packing=true: {layers} of the model's 2 layers attend through a "
+        rf"sliding window of {longest - 1} tokens \(sliding_window\), and a sequence can be "
+        rf"data\.max_prompt_length \+ rollout\.max_response_length = {longest} tokens; .* set "
+        r"critic\.packing=false or keep every sequence within the window$",
+    ):
+        check_packing_supported(
+            ModelConfig(path=str(tmp_path / str(longest - 1))),
+            role="critic",
+            max_sequence_length=longest,
+            fields=fields,
+        )
 
 
 def test_a_packed_pass_builds_no_attention_mask(monkeypatch) -> None:

@@ -121,7 +121,9 @@ class RolloutConfig(Section):
         "static instead). auto: cuda_graphs on cuda (static for an FSDP actor that generates), "
         "eager on CPU. static "
         "and cuda_graphs need rollout.randomness=per_sample and a model with full attention "
-        "in every layer.",
+        "in every layer, or sliding-window layers whose window is at least the longest "
+        "sequence (data.max_prompt_length + rollout.max_response_length, or "
+        "rollout.multi_turn.max_total_length); auto decodes any other model eagerly.",
     )
     decode_batch_buckets: Annotated[
         list[PositiveInt] | None, AfterValidator(_ascending_buckets)

@@ -96,7 +96,7 @@ class WorkerRoleConfig(Section):
     )
     packing: bool = Field(
         False,
-        description="Run each micro-batch as one packed row of its sequences' real tokens (no padding), attention confined to each sequence; training and inference passes alike.",
+        description="Run each micro-batch as one packed row of its sequences' real tokens (no padding), attention confined to each sequence; training and inference passes alike. A sliding-window model packs only when its window is at least the longest sequence (data.max_prompt_length + rollout.max_response_length, or rollout.multi_turn.max_total_length).",
     )
     loss_agg_mode: LossAggMode = Field(
         "token-mean", description=f"How token losses aggregate: {', '.join(LOSS_AGG_MODES)}."

@@ -47,7 +47,9 @@ from verlite.rewards.remote import RemoteScorer
 
 def check_generation(cfg: Config, tokenizer_size: int) -> None:
     """What generation asks of the policy: ``rollout.stop_token_ids`` inside its vocabulary,
-    and full attention in every layer for the static decode modes."""
+    and for the static decode modes every layer attending as full causal attention on the
+    run's sequences (full attention, or a sliding window ``max_sequence_length`` never
+    passes)."""
     config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
     stops = cfg.rollout.stop_token_ids
     outside = [token for token in stops if token >= config.vocab_size]
@@ -64,7 +66,7 @@ def check_generation(cfg: Config, tokenizer_size: int) -> None:
         )
     if cfg.rollout.decode != "auto":
         try:
-            check_mode_supported(config, cfg.rollout.decode)
+            check_mode_supported(config, cfg.rollout.decode, longest=cfg.max_sequence_length)
         except UnsupportedModel as exc:
             raise ConfigError(f"rollout.decode={cfg.rollout.decode}: {exc}") from None
 
@@ -94,6 +96,7 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
                 device=torch.device("cuda"),
                 lockstep=cfg.actor.strategy == "fsdp",
                 per_rank=cfg.rollout.randomness == "per_rank",
+                longest=cfg.max_sequence_length,
             )
         copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
         weights = trained + (weights if copied else 0)
@@ -188,7 +191,12 @@ class RunInputs:
             check_generation_fits(cfg, len(tokenizer))
         for role in ("actor", "critic"):
             if getattr(cfg, role).packing:
-                check_packing_supported(cfg.model, role=role)
+                check_packing_supported(
+                    cfg.model,
+                    role=role,
+                    max_sequence_length=cfg.max_sequence_length,
+                    fields=longest_sequence_fields(cfg),
+                )
             if getattr(cfg, role).gradient_checkpointing:
                 check_gradient_checkpointing_supported(cfg.model, role=role)
         check_lora_supported(cfg.model, cfg.actor.lora)

@@ -84,29 +84,36 @@ class DecodeSettings:
 EAGER = DecodeSettings()
 
 
-def check_mode_supported(config: PretrainedConfig, mode: DecodeMode) -> None:
-    """A model of ``config`` can decode in ``mode``: any model eagerly, full attention in
-    every layer statically, and rotary embeddings that keep to the device for CUDA graphs;
+def check_mode_supported(config: PretrainedConfig, mode: DecodeMode, *, longest: int) -> None:
+    """A model of ``config`` can decode sequences of up to ``longest`` tokens (the run's
+    ``max_sequence_length``) in ``mode``: any model eagerly, statically one whose every layer
+    then attends as full causal attention (full attention, or a sliding window no sequence
+    passes), and for CUDA graphs rotary embeddings that keep to the device;
     :class:`~verlite.generation.static_cache.UnsupportedModel` otherwise."""
     if mode == "static":
-        attention_shape(config)
+        attention_shape(config, longest=longest)
     elif mode == "cuda_graphs":
-        check_capturable(config)
+        check_capturable(config, longest=longest)
 
 
 def auto_mode(
-    config: PretrainedConfig, *, device: torch.device, lockstep: bool, per_rank: bool
+    config: PretrainedConfig,
+    *,
+    device: torch.device,
+    lockstep: bool,
+    per_rank: bool,
+    longest: int,
 ) -> DecodeMode:
     """``rollout.decode=auto``: cuda_graphs on cuda, or the fastest mode the run and the
     model allow: static in ``lockstep`` (FSDP's all-gathers cannot be captured) or for a
     step that cannot be captured; eager on CPU (where it is fastest), with a per-rank noise
-    stream (``per_rank``: compaction would change its draws) and for a model without full
-    attention in every layer."""
+    stream (``per_rank``: compaction would change its draws) and for a model the static
+    path cannot run on sequences of ``longest`` tokens (:func:`check_mode_supported`)."""
     if device.type != "cuda" or per_rank:
         return "eager"
     for mode in ("static",) if lockstep else ("cuda_graphs", "static"):
         try:
-            check_mode_supported(config, mode)
+            check_mode_supported(config, mode, longest=longest)
         except UnsupportedModel:
             continue
         return mode

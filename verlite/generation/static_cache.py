@@ -29,19 +29,30 @@ class UnsupportedModel(ValueError):
     """The model's attention cannot run on the static cache."""
 
 
-def attention_shape(config: PretrainedConfig) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim) of a Hugging Face decoder ``config`` with full attention
-    in every layer; :class:`UnsupportedModel` for one with sliding-window or other layer
-    types, whose masks the static path does not build."""
+def attention_shape(config: PretrainedConfig, *, longest: int) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a Hugging Face decoder ``config`` whose every layer
+    attends as full causal attention on sequences of up to ``longest`` tokens (the run's
+    ``max_sequence_length``): full-attention layers, and sliding-window ones whose window is
+    ``longest`` or more (Hugging Face's window: query i attends key j iff 0 <= i - j <
+    window; a row's real tokens are contiguous, so no two are ``longest`` apart).
+    :class:`UnsupportedModel` for a window a sequence could pass, and for other layer types:
+    the static path builds full-attention masks."""
     window = getattr(config, "sliding_window", None)
     kinds = set(getattr(config, "layer_types", None) or ())
     if not kinds:
         kinds = {"full_attention" if window is None else "sliding_attention"}
-    if kinds != {"full_attention"}:
+    if not kinds <= {"full_attention", "sliding_attention"}:
         raise UnsupportedModel(
-            f"this {config.model_type} model has attention layers of kinds {sorted(kinds)} "
-            f"(sliding_window {window}); the static decode path supports full attention "
-            "only: use rollout.decode=eager"
+            f"this {config.model_type} model has attention layers of kinds {sorted(kinds)}; "
+            "the static decode path supports full and sliding-window attention only: use "
+            "rollout.decode=eager"
+        )
+    if "sliding_attention" in kinds and window is not None and longest > window:
+        raise UnsupportedModel(
+            f"this {config.model_type} model attends through a sliding window of {window} "
+            f"tokens (sliding_window) and a sequence can be {longest} tokens; the static decode "
+            f"path applies no window, which is the model's attention only for sequences of at "
+            f"most {window} tokens: use rollout.decode=eager or keep sequences to {window} tokens"
         )
     return _cache_dimensions(config)
 
@@ -53,12 +64,12 @@ def _cache_dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
-def check_capturable(config: PretrainedConfig) -> None:
-    """A decode step of a model of ``config`` can be captured as a CUDA graph: full attention
-    (:func:`attention_shape`), and rotary embeddings that do not read the positions on the
+def check_capturable(config: PretrainedConfig, *, longest: int) -> None:
+    """A decode step of a model of ``config`` can be captured as a CUDA graph: attention the
+    static path runs on sequences of up to ``longest`` tokens (:func:`attention_shape`), and rotary embeddings that do not read the positions on the
     host (the ``dynamic`` and ``longrope`` kinds compare the largest position with a cached
     length at every step); :class:`UnsupportedModel` otherwise."""
-    attention_shape(config)
+    attention_shape(config, longest=longest)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
     if kind in ("dynamic", "longrope"):
@@ -142,7 +153,7 @@ class StaticCache(Cache):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        layers, kv_heads, head_dim = attention_shape(config)
+        layers, kv_heads, head_dim = _cache_dimensions(config)
         shape = (rows, kv_heads, capacity, head_dim)
         self.state = StepState(torch.zeros(1, dtype=torch.int64, device=device), capacity)
         # Zeroed, not empty: rows a bucket carries past the unfinished ones read them, and

@@ -23,7 +23,7 @@ from transformers import (
 
 from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
-from verlite.models.flops import DecoderShape, attention_width
+from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
 from verlite.models.precision import fp64_throughout, param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
@@ -322,12 +322,40 @@ def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> No
         )
 
 
-def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
-    """``<role>.packing=true`` at start-up: a one-layer model of ``cfg``'s architecture,
-    narrowed to a few heads, must keep packed sequences apart (``varlen.enable_packing``);
-    refused in one line otherwise, before any worker trains with attention across
-    sequences."""
+def window_passed(config: PretrainedConfig, *, max_sequence_length: int, fields: str) -> str | None:
+    """Why packed attention, which applies no window, cannot run a model of ``config`` on
+    sequences of up to ``fields`` = ``max_sequence_length`` tokens: a sliding window of its
+    (``flops.sliding_window_layers``) such a sequence could pass; None when none can
+    (Hugging Face's window lets query i attend key j iff 0 <= i - j < window: full causal
+    attention on a sequence no longer than the window)."""
+    sliding, window = sliding_window_layers(config)
+    if window is None or max_sequence_length <= window:
+        return None
+    return (
+        f"{sliding} of the model's {config.num_hidden_layers} layers attend through a sliding "
+        f"window of {window} tokens (sliding_window), and a sequence can be {fields} = "
+        f"{max_sequence_length} tokens; packed attention applies no window, which is the "
+        f"model's attention only for sequences of at most {window} tokens"
+    )
+
+
+def check_packing_supported(
+    cfg: ModelConfig, *, role: str, max_sequence_length: int, fields: str
+) -> None:
+    """``<role>.packing=true`` at start-up: no sliding window of the model can bind on a
+    sequence of the run (``fields`` = ``max_sequence_length`` tokens at most: Hugging Face's
+    window lets query i attend key j iff 0 <= i - j < window, full causal attention for a
+    sequence no longer than the window, which is what packed attention computes), and a
+    one-layer-per-kind model of ``cfg``'s architecture, narrowed to a few heads, must keep
+    packed sequences apart (``varlen.enable_packing``); refused in one line otherwise,
+    before any worker trains with attention across sequences or past a window."""
     config = copy.deepcopy(hf_config(cfg, vocab_size=64, max_positions=64))
+    passed = window_passed(config, max_sequence_length=max_sequence_length, fields=fields)
+    if passed is not None:
+        raise ConfigError(
+            f"{role}.packing=true: {passed}: set {role}.packing=false or keep every sequence "
+            "within the window"
+        )
     narrow = {
         "vocab_size": 64,
         "num_hidden_layers": 1,
@@ -340,6 +368,10 @@ def check_packing_supported(cfg: ModelConfig, *, role: str) -> None:
     for key, value in narrow.items():
         if hasattr(config, key):
             setattr(config, key, value)
+    kinds = getattr(config, "layer_types", None)
+    if kinds:  # one layer of each kind (Qwen2's first layers attend in full, later ones slide)
+        config.layer_types = sorted(set(kinds))
+        config.num_hidden_layers = len(config.layer_types)
     try:
         enable_packing(AutoModelForCausalLM.from_config(config))
     except PackingUnsupported as exc:

@@ -6,7 +6,11 @@ to end, positions restarting at 0 for each. The linear layers, the MLPs and the 
 then run on real tokens only. Attention must stay within each sequence: it runs here on the
 sequences regrouped by length, each group a (sequences, heads, longest, dim) batch with
 ``is_causal`` (a sequence's pad keys come after every real query, so causal masking alone
-keeps them out), and the outputs go back to the packed order. Lengths within a group differ
+keeps them out), and the outputs go back to the packed order. A sliding-window layer (Hugging
+Face's window: query i attends key j iff 0 <= i - j < window) attends exactly this way when
+no sequence of the row is longer than its window; a row with a longer one is refused (the
+start-up check, ``models.check_packing_supported``, refuses a run whose sequences could be).
+Lengths within a group differ
 by at most a factor of ``GROUP_SPREAD``, which bounds the attention spent on pads; the
 grouping is computed once per micro-batch (:class:`PackedAttention`), not per layer.
 
@@ -33,7 +37,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTENTION = "verlite_varlen"
 # Attention arguments packed attention does not implement: a model that passes any of them
 # is refused rather than trained with another attention than it generates with.
-UNSUPPORTED = ("sliding_window", "softcap", "s_aux")
+UNSUPPORTED = ("softcap", "s_aux")
 KWARG = "verlite_packed"  # the keyword argument that carries a PackedAttention
 GROUP_SPREAD = 2**0.25  # the longest sequence of a group / its shortest, at most
 
@@ -51,6 +55,7 @@ class PackedAttention:
     groups: tuple[_Group, ...]
     order: torch.Tensor  # packed position of each row of the groups' outputs, concatenated
     restore: torch.Tensor  # the inverse: where each packed position's output is
+    longest: int  # tokens of the row's longest sequence
 
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor) -> PackedAttention:
@@ -70,7 +75,8 @@ class PackedAttention:
             )
             groups.append(_Group(index, real))
         order = torch.cat([group.index[group.real] for group in groups])
-        return cls(tuple(groups), order, torch.argsort(order))
+        longest = max(int(group.index.shape[1]) for group in groups)
+        return cls(tuple(groups), order, torch.argsort(order), longest)
 
 
 def varlen_attention(
@@ -94,7 +100,14 @@ def varlen_attention(
     if unsupported:
         raise PackingUnsupported(
             f"{type(module).__name__} attends with {', '.join(unsupported)}, which packed "
-            "attention does not apply (it would attend past the window or without the cap)"
+            "attention does not apply (it would attend without the cap)"
+        )
+    window = kwargs.get("sliding_window")
+    if window is not None and packed.longest > int(window):  # type: ignore[call-overload]
+        raise PackingUnsupported(
+            f"{type(module).__name__} attends through a sliding window of {window} tokens and "
+            f"a packed sequence has {packed.longest}: packed attention applies no window (it "
+            "is the window's for sequences no longer than it)"
         )
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)

@@ -73,6 +73,7 @@ class PolicyWorker(Worker):
                 device=device,
                 lockstep=lockstep,
                 per_rank=rollout.randomness == "per_rank",
+                longest=cfg.max_sequence_length,
             )
         if mode == "cuda_graphs" and (lockstep or not trains_on):
             mode = "static"

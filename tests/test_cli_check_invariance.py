@@ -163,3 +163,24 @@ def test_a_gpu_audit_needs_a_gpu_per_rank(verlite_main) -> None:
     assert progress == "checking 4 rank launches ..." and error.startswith(
         "verlite: error: --dp 4 with model.device=cuda: NCCL needs one GPU per rank: 4 ranks"
     )
+
+
+def test_packed_layouts_of_a_window_a_sequence_passes_are_one_line(
+    verlite_main, tmp_path, capsys
+) -> None:
+    """A Mistral whose window (8) is shorter than the audit's rows: packed attention applies
+    no window, so the packed layouts are refused before any rank starts (they stopped in the
+    ranks' first packed pass); the padded layouts run it (tests/workers/test_moe_training.py)."""
+    from tests.model_support import tiny_sliding
+
+    tiny_sliding("mistral", 8).save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    args = ["check-invariance", "--config", CONFIG, f"model.path={tmp_path}", "--dp", "1"]
+    proc = verlite_main(*args, "--micro", "1,packed-dynamic")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "verlite: error: --micro packed-dynamic: 2 of the model's 2 layers attend through a "
+        "sliding window of 8 tokens (sliding_window), and a sequence can be "
+        "data.max_prompt_length + rollout.max_response_length = 12 tokens;"
+    ), proc.stderr
+    assert proc.stderr.endswith("; leave the packed layouts out\n")

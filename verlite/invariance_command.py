@@ -21,6 +21,7 @@ from verlite.table import format_table
 
 if TYPE_CHECKING:
     from verlite.audit.run_invariance import RunReport
+    from verlite.config import Config
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -125,6 +126,23 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
     return list(values)
 
 
+def _check_packed_layouts(cfg: Config, packed: list[str]) -> None:
+    """The packed layouts asked for can run the model: not when a sequence of the audit's
+    batch (as long as ``max_sequence_length``) could pass a sliding window of it, which
+    packed attention does not apply (``models.window_passed``); refused before any rank
+    starts, where the first packed pass would stop it."""
+    if not packed:
+        return
+    from verlite.config.checks import longest_sequence_fields
+    from verlite.models import hf_config, window_passed
+
+    longest = cfg.max_sequence_length
+    config = hf_config(cfg.model, vocab_size=64, max_positions=longest)
+    passed = window_passed(config, max_sequence_length=longest, fields=longest_sequence_fields(cfg))
+    if passed is not None:
+        raise UserError(f"--micro {','.join(packed)}: {passed}; leave the packed layouts out")
+
+
 def cmd_check_invariance(args: argparse.Namespace) -> int:
     if args.run:
         return _check_run_invariance(args)
@@ -147,6 +165,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     check_layouts(dps)
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for an input that is not there, before any rank starts
+    _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     if not args.json:

@@ -56,8 +56,8 @@ def tiny_sliding(
     """A two-layer causal LM of a real sliding-window class, float32, seeded alike for any
     ``window`` (None: the same weights attending in full): ``mistral`` slides every layer,
     ``qwen2`` (``use_sliding_window`` from ``max_window_layers=1`` on) only its second, as
-    Hugging Face's ``layer_types`` rule puts it (the Gemma-style mix of sliding and full
-    layers)."""
+    Hugging Face's ``layer_types`` rule puts it, ``gemma3`` (text) only its first: mixes of
+    sliding and full layers."""
     common: dict[str, object] = {
         "vocab_size": vocab_size,
         "hidden_size": 32,
@@ -69,6 +69,16 @@ def tiny_sliding(
     }
     if kind == "mistral":
         config = MistralConfig(sliding_window=window, **common)
+    elif kind == "gemma3":
+        # Its layer types also pick each layer's rotary parameters: attending in full is a
+        # window no sequence reaches, not full-attention layers.
+        config = AutoConfig.for_model(
+            "gemma3_text",
+            head_dim=8,
+            sliding_window=window or 2**20,
+            layer_types=["sliding_attention", "full_attention"],
+            **common,
+        )
     else:
         config = Qwen2Config(
             use_sliding_window=True, max_window_layers=1, sliding_window=window or 1, **common

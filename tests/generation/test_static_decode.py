@@ -170,7 +170,7 @@ def test_qwen2_and_lora_match_eager(tied: bool) -> None:
         assert_same(static, eager)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
 def test_a_window_no_sequence_passes_decodes_statically_as_eagerly(kind: str) -> None:
     """A sliding window as long as the longest sequence (prompts of up to 7 tokens and 14
     new ones: 21) never binds: static and replayed (cuda_graphs on CPU) decoding, whose

@@ -184,12 +184,13 @@ def log_probs_and_grads(
     return (log_probs[real], entropy[real], *grads)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
 def test_a_window_no_sequence_passes_packs_as_full_attention_bit_for_bit(kind: str) -> None:
     """A window as long as the longest sequence (L: the query at L - 1 still attends the
     key at 0, 0 <= i - j < window) never binds: the padded pass is the full-attention
     model's bit for bit, the packed pass too, and packed and padded agree as they do for a
-    full-attention model (tests above: the same sums in another order)."""
+    full-attention model (tests above: the same sums in another order). Mistral slides
+    every layer, Qwen2 its second, Gemma 3 its first."""
     padded, packed = batches()
     real = padded["attention_mask"][:, -padded["responses"].shape[1] :].bool()
     longest = int(padded["attention_mask"].sum(1).max())
@@ -203,11 +204,14 @@ def test_a_window_no_sequence_passes_packs_as_full_attention_bit_for_bit(kind: s
     want_packed = log_probs_and_grads(full, packed, real)
     got_packed = log_probs_and_grads(windowed, packed, real)
     assert all(torch.equal(a, b) for a, b in zip(want_packed, got_packed, strict=True))
+    # Gemma 3's RMSNorm computes in float32 whatever the model's dtype (Hugging Face casts
+    # to float()), so across layouts its norm gradients agree to float32 rounding only.
+    rtol, atol = (1e-5, 1e-6) if kind == "gemma3" else (1e-10, 1e-12)
     for a, b in zip(want, got_packed, strict=True):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+        assert torch.allclose(a, b, rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
 def test_a_window_one_token_short_binds_and_a_packed_pass_refuses_it(kind: str) -> None:
     """The bound is exact for attention: with a window of L - 1 the last query of the
     longest row (L tokens) loses its first key, so the padded pass's outputs there are no
@@ -236,7 +240,7 @@ def test_a_window_one_token_short_binds_and_a_packed_pass_refuses_it(kind: str) 
         response_log_probs(short, packed, temperature=0.7, with_entropy=False)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
 def test_packing_a_sliding_window_model_is_decided_at_start_up(kind: str, tmp_path: Path) -> None:
     """Accepted exactly when the run's longest sequence fits the window; refused in one
     line naming both numbers otherwise (Qwen2 slides only its later layers, which the

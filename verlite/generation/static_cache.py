@@ -66,9 +66,10 @@ def _cache_dimensions(config: PretrainedConfig) -> tuple[int, int, int]:
 
 def check_capturable(config: PretrainedConfig, *, longest: int) -> None:
     """A decode step of a model of ``config`` can be captured as a CUDA graph: attention the
-    static path runs on sequences of up to ``longest`` tokens (:func:`attention_shape`), and rotary embeddings that do not read the positions on the
-    host (the ``dynamic`` and ``longrope`` kinds compare the largest position with a cached
-    length at every step); :class:`UnsupportedModel` otherwise."""
+    static path runs on sequences of up to ``longest`` tokens (:func:`attention_shape`), and
+    rotary embeddings that do not read the positions on the host (the ``dynamic`` and
+    ``longrope`` kinds compare the largest position with a cached length at every step);
+    :class:`UnsupportedModel` otherwise."""
     attention_shape(config, longest=longest)
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None

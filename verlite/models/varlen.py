@@ -10,9 +10,9 @@ keeps them out), and the outputs go back to the packed order. A sliding-window l
 Face's window: query i attends key j iff 0 <= i - j < window) attends exactly this way when
 no sequence of the row is longer than its window; a row with a longer one is refused (the
 start-up check, ``models.check_packing_supported``, refuses a run whose sequences could be).
-Lengths within a group differ
-by at most a factor of ``GROUP_SPREAD``, which bounds the attention spent on pads; the
-grouping is computed once per micro-batch (:class:`PackedAttention`), not per layer.
+Lengths within a group differ by at most a factor of ``GROUP_SPREAD``, which bounds the
+attention spent on pads; the grouping is computed once per micro-batch
+(:class:`PackedAttention`), not per layer.
 
 The attention function is registered with Hugging Face as ``verlite_varlen``; without the
 packed structure among a call's keyword arguments it is Hugging Face's SDPA attention,
@@ -100,7 +100,7 @@ def varlen_attention(
     if unsupported:
         raise PackingUnsupported(
             f"{type(module).__name__} attends with {', '.join(unsupported)}, which packed "
-            "attention does not apply (it would attend without the cap)"
+            "attention does not apply (it would attend without the cap or the sinks)"
         )
     window = kwargs.get("sliding_window")
     if window is not None and packed.longest > int(window):  # type: ignore[call-overload]

@@ -144,6 +144,28 @@ def test_an_adapter_over_a_model_path_names_it_and_merges_to_the_same_logits(tmp
     torch.testing.assert_close(logits(merged, IDS), expected)
 
 
+def test_a_bf16_adapter_folder_loads_with_peft_to_the_trained_policys_logits(tmp_path) -> None:
+    """A bf16 LoRA run over ``model.path``: its base loaded by Hugging Face in bf16 with the
+    adapter folder on it (peft) computes the trained policy's logits bit for bit. The policy
+    was cast with ``Module.to`` after its adapters were added, which rounded the rotary
+    frequencies (``inv_freq``, not in any weights file) to bf16 while Hugging Face keeps them
+    float32: the loaded adapter's logits were up to 0.002 from the trained policy's (peft
+    loads the adapters in their stored dtype here, as they were trained)."""
+    from peft import PeftModel
+
+    policy(lora=None).to(torch.bfloat16).save_pretrained(tmp_path / "pretrained")
+    cfg = MODEL.model_copy(update={"path": str(tmp_path / "pretrained"), "precision": "bf16"})
+    model = trained(build_policy(cfg, vocab_size=40, max_positions=32, seed=0, lora=LORA))
+    expected = logits(model, IDS)
+    save_adapter(model, tmp_path / "adapter", base_path=cfg.path)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    loaded = PeftModel.from_pretrained(
+        base, str(tmp_path / "adapter"), autocast_adapter_dtype=False
+    )
+    assert base.dtype == torch.bfloat16
+    torch.testing.assert_close(logits(loaded, IDS), expected, rtol=0, atol=0)
+
+
 def test_a_bf16_base_merges_in_the_adapters_precision_without_rounding_their_update(
     tmp_path,
 ) -> None:

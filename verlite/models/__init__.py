@@ -25,7 +25,7 @@ from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
-from verlite.models.precision import fp64_throughout, param_dtype
+from verlite.models.precision import cast_weights, fp64_throughout, param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
 
 
@@ -113,9 +113,9 @@ def build_policy(
     else:
         torch.manual_seed(seed)
         config = hf_config(cfg, vocab_size, max_positions)
-        model = AutoModelForCausalLM.from_config(config).to(dtype)
+        model = cast_weights(AutoModelForCausalLM.from_config(config), dtype)
     if lora is not None and lora.rank > 0:
-        model = apply_lora(model, lora, seed=seed).to(dtype)
+        model = cast_weights(apply_lora(model, lora, seed=seed), dtype)
     set_logits_chunk_tokens(model, cfg.logits_chunk_tokens)
     return fp64_throughout(model)
 
@@ -293,7 +293,7 @@ def build_value_model(
     model = ValueModel(trunk, config.hidden_size)
     nn.init.normal_(model.value_head.weight, std=1.0 / config.hidden_size)
     nn.init.zeros_(model.value_head.bias)
-    return fp64_throughout(model.to(dtype))
+    return fp64_throughout(cast_weights(model, dtype))
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

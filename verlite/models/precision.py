@@ -156,6 +156,26 @@ def refresh_inference_copy(copy: nn.Module, source: nn.Module) -> None:
         target.copy_(state[name])
 
 
+def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` (in place) with its floating parameters and saved buffers in ``dtype``, as
+    Hugging Face loads a checkpoint in ``dtype``; returned. A buffer the model computes itself
+    and never saves keeps the dtype it was built in: ``Module.to`` would round the rotary
+    frequencies (``inv_freq``), which Hugging Face builds in float32 whatever the model's
+    dtype, to bf16, and the policy would compute other logits than its export loaded back."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        for name, buffer in module.named_buffers(recurse=False):
+            if (
+                buffer.is_floating_point()
+                and name not in module._non_persistent_buffers_set
+                and buffer.dtype != dtype
+            ):
+                setattr(module, name, buffer.to(dtype))
+    return model
+
+
 def fp64_throughout(model: nn.Module) -> nn.Module:
     """``model`` (in place) computing in fp64 where its weights are fp64; returned.
 

@@ -92,6 +92,10 @@ def test_writer_and_reader_agree_on_nan_and_a_resumed_run_reads_as_one(tmp_path:
         (b'{"step": 1, "a": null}\n', "line 1: metric 'a' is None; expected a number"),
         (b'{"step": 1, "a": "0.5"}\n', "line 1: metric 'a' is '0.5'; expected a number"),
         (b'{"step": 1, "a": false}\n', "line 1: metric 'a' is False; expected a number"),
+        (  # valid JSON that no float holds: verlite compare and metrics crashed on it
+            b'{"step": 1, "a": 1' + b"0" * 400 + b"}\n",
+            "line 1: metric 'a' is an integer of 401 digits, beyond a float's range",
+        ),
         (b'{"step": 1, "a": 1, "step": 5}\n', "line 1: field 'step' is set twice"),
         (b'{"step": 1, "a": \xff}\n', "is not UTF-8 text \\(byte 0xff at offset 17, line 1\\)"),
     ],

@@ -54,6 +54,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _fits_a_float(number: float) -> bool:
+    """Whether ``number`` converts to a float (a JSON integer may have any number of digits)."""
+    try:
+        float(number)
+    except OverflowError:
+        return False
+    return True
+
+
 def _step_of(value: Any) -> int | None:
     """The step of a record (a whole number >= 0; true is no step), or None."""
     step = value.get("step") if isinstance(value, dict) else None
@@ -68,8 +77,15 @@ def _checked(value: Any, where: str) -> Record:
             f"{where} is not a metrics record: its 'step' must be a whole number >= 0 (got {got})"
         )
     for metric, number in value.items():
-        if metric != "step" and not _is_number(number):
+        if metric == "step":
+            continue
+        if not _is_number(number):
             raise UserError(f"{where}: metric {metric!r} is {shown(number)}; expected a number")
+        if not _fits_a_float(number):  # every reader computes in floats
+            raise UserError(
+                f"{where}: metric {metric!r} is an integer of {len(str(abs(number)))} digits, "
+                "beyond a float's range"
+            )
     return dict(value)
 
 

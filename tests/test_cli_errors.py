@@ -761,6 +761,11 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     assert "exists and is not an empty folder; name a new folder" in err
     err = run(capsys, "export", str(tmp_path), "--merge")
     assert f"its base model {str(tmp_path / 'gone')!r} is not a folder here" in err
+    # a run stopped while it wrote the export: the folder's files are not said to be a policy
+    (tmp_path / "hf_actor.incomplete").write_text("")
+    for merge in ([], ["--merge"]):
+        err = run(capsys, "export", str(tmp_path), *merge)
+        assert "hf_actor: incomplete: the run stopped while it wrote it; run it again as it" in err
 
 
 def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from checkpoint_support import fake_checkpoint
 
+from verlite import policy_folder
 from verlite.config import Config, ConfigError, check_paths, load_config
 from verlite.driver import output_folder
 from verlite.driver.checkpoint import CheckpointError
@@ -117,8 +119,31 @@ def test_a_resume_may_change_settings_but_not_the_data_it_counts_in(tmp_path: Pa
 def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> None:
     out = tmp_path / "run"
     earlier_run(out, checkpoint_step=6)
+    (out / "hf_actor").mkdir()  # its export, written as it ended
     with pytest.raises(CheckpointError, match=r"already reached trainer\.total_steps=6"):
         prepare_output_folder(config(out))
+    # nor a run that never exports
+    shutil.rmtree(out / "hf_actor")
+    with pytest.raises(CheckpointError, match=r"already reached trainer\.total_steps=6"):
+        prepare_output_folder(config(out, "trainer.export=false"))
+
+
+@pytest.mark.parametrize("interrupted", [False, True])
+def test_a_run_that_stopped_before_its_export_was_whole_resumes_to_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], interrupted: bool
+) -> None:
+    """Killed after its last checkpoint, before or while it exported: the trained policy was
+    in the checkpoint only, and a resume was refused ("already reached total_steps"), so no
+    command could export it. Now the run resumes from that checkpoint to export alone."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=6)
+    if interrupted:  # a part of the export written, the mark of an export under way beside it
+        (out / "hf_actor").mkdir()
+        (out / "hf_actor" / "config.json").write_text("{}")
+        (out / policy_folder.INCOMPLETE_MARK).write_text("")
+    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_6"
+    said = capsys.readouterr().out
+    assert "reached trainer.total_steps=6 but its policy export (hf_actor) is " in said
 
 
 def test_resume_disable_over_a_run_is_refused(tmp_path: Path) -> None:

@@ -16,9 +16,8 @@ import json
 from pathlib import Path
 
 from verlite.errors import UserError
+from verlite.policy_folder import MERGED_FOLDER, POLICY_FOLDER, policy_exported
 
-POLICY_FOLDER = "hf_actor"
-MERGED_FOLDER = "hf_actor_merged"
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
 # Where a saved tokenizer keeps its chat template: a file of its own (transformers >= 4.47),
 # or a key of its tokenizer_config.json (earlier ones).
@@ -57,6 +56,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UserError(
             f"{args.run_dir}: holds no exported policy ({POLICY_FOLDER}/ is missing; "
             f"{_why_no_policy(Path(args.run_dir))})"
+        )
+    if not policy_exported(Path(args.run_dir)):
+        raise UserError(
+            f"{policy}: incomplete: the run stopped while it wrote it; run it again as it was "
+            "(trainer.resume=auto) to export it from its last checkpoint"
         )
     adapter_config = policy / ADAPTER_CONFIG
     if not adapter_config.is_file():

@@ -118,3 +118,35 @@ def test_checkpoints_in_the_critics_warm_up_change_nothing(tmp_path: Path, train
     train(tmp_path / "every", *short, "trainer.save_freq=1")
     never = metrics(tmp_path / "never", stable_only=True)
     assert metrics(tmp_path / "every", stable_only=True) == never
+
+
+@pytest.mark.cluster  # whole runs and their resume: make test-cluster
+def test_a_run_stopped_while_it_exported_resumes_to_export_its_policy(
+    tmp_path: Path, train, metrics, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Killed after its last checkpoint, while it wrote hf_actor: the run again resumes from
+    that checkpoint to export alone (it was refused, "already reached trainer.total_steps",
+    and no command exported the checkpoint), the export replaces the part written, and the
+    record keeps its steps once each. The run done, a run again is refused as before."""
+    from transformers import AutoModelForCausalLM
+
+    from verlite.errors import UserError
+
+    run = ["algorithm.adv_estimator=grpo", "rollout.n=2", "trainer.total_steps=2"]
+    run += ["trainer.save_freq=2", "trainer.val_freq=0"]
+    train(tmp_path, *run)
+    whole = (tmp_path / "hf_actor" / "model.safetensors").read_bytes()
+    recorded = metrics(tmp_path)
+    (tmp_path / "hf_actor" / "model.safetensors").unlink()  # as a kill mid-export leaves it
+    (tmp_path / "hf_actor.incomplete").write_text("")
+    capsys.readouterr()
+    train(tmp_path, *run)
+    said = capsys.readouterr().out
+    assert "reached trainer.total_steps=2 but its policy export (hf_actor) is incomplete" in said
+    assert "replacing " in said and "(an interrupted export's part)" in said
+    assert not (tmp_path / "hf_actor.incomplete").exists()
+    assert (tmp_path / "hf_actor" / "model.safetensors").read_bytes() == whole
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf_actor")
+    assert metrics(tmp_path) == recorded
+    with pytest.raises(UserError, match=r"already reached trainer\.total_steps=2"):
+        train(tmp_path, *run)

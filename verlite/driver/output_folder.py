@@ -6,7 +6,9 @@ Before Ray starts, the folder is one of:
 - missing or empty: a fresh run starts there;
 - a run with a complete checkpoint, and ``trainer.resume`` is ``auto`` (or names one of its
   checkpoints): the run continues from it — unless that checkpoint is already at
-  ``trainer.total_steps``, which is refused (nothing would be trained);
+  ``trainer.total_steps``, which is refused (nothing would be trained), but for a run that
+  stopped before its policy export was whole (``policy_folder.policy_exported``): it resumes
+  to export;
 - anything else (someone's files, an earlier run without a checkpoint, ``resume=disable``
   over a run, a checkpoint of another folder resumed into this one): refused, with one
   line naming what is there. With ``trainer.overwrite=true``
@@ -46,6 +48,7 @@ from verlite.driver.checkpoint import (
     resume_checkpoint,
 )
 from verlite.errors import shown
+from verlite.policy_folder import POLICY_FOLDER, policy_exported
 
 LOCK_FILE = ".verlite-lock"
 
@@ -199,6 +202,14 @@ def _resume_point(cfg: Config, out: Path, train_set: Mapping[str, Any]) -> Path 
     )
     step = int(read_trainer_state(path)["step"])
     if step == cfg.trainer.total_steps:
+        if cfg.trainer.export and not policy_exported(out):
+            state = "incomplete" if (out / POLICY_FOLDER).exists() else "missing"
+            print(
+                f"{shown(str(path))} reached trainer.total_steps={step} but its policy export "
+                f"({POLICY_FOLDER}) is {state} in {shown(str(out))}: resuming to export it",
+                flush=True,
+            )
+            return path
         raise CheckpointError(
             f"the run in {shown(str(out))} already reached trainer.total_steps={step} (checkpoint "
             f"{path.name}); raise trainer.total_steps to train further, or choose another "

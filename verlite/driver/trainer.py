@@ -12,6 +12,7 @@ session.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -47,6 +48,7 @@ from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover
 from verlite.models.flops import DecoderShape, bf16_peak_flops
 from verlite.models.lora import BASE_FOLDER
+from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER
 from verlite.records import metrics_log
 from verlite.records.tracking import Tracker
 from verlite.redaction import redact_config
@@ -333,13 +335,20 @@ class Trainer:
         """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``; a
         LoRA adapter with the identity of the base it applies to (``verlite export --merge``
         checks it): ``model.path``'s as this run started, or the ``base/`` it wrote."""
-        path = self.output_dir / "hf_actor"
+        path, mark = self.output_dir / POLICY_FOLDER, self.output_dir / INCOMPLETE_MARK
+        if path.exists():  # a continued run's earlier export, or a part of an interrupted one
+            what = "an interrupted export's part" if mark.exists() else "the earlier export"
+            print(f"replacing {path} ({what}) with this run's policy", flush=True)
+        mark.touch()  # until the export is whole: a run stopped before resumes to export
+        if path.exists():
+            shutil.rmtree(path)  # none of its files may outlive it beside the new ones
         self.actor.call("export_hf", str(path))
         self.tokenizer.save_pretrained(path)
         if self.cfg.actor.lora.rank > 0:
             base = path / BASE_FOLDER if self.cfg.model.path is None else self.cfg.model.path
             weights = self.base_weights or base_weights.identity(base)
             base_weights.write_record(path, Path(base).resolve(), weights)
+        mark.unlink()
         return path
 
     # ---------------------------------------------------------------- checkpoints

@@ -139,11 +139,13 @@ def test_a_run_stopped_while_it_exported_resumes_to_export_its_policy(
     recorded = metrics(tmp_path)
     (tmp_path / "hf_actor" / "model.safetensors").unlink()  # as a kill mid-export leaves it
     (tmp_path / "hf_actor.incomplete").write_text("")
+    (tmp_path / "hf_actor_merged").mkdir()  # as verlite export --merge left it
     capsys.readouterr()
     train(tmp_path, *run)
     said = capsys.readouterr().out
     assert "reached trainer.total_steps=2 but its policy export (hf_actor) is incomplete" in said
     assert "replacing " in said and "(an interrupted export's part)" in said
+    assert "hf_actor_merged holds an earlier policy, merged; run verlite export --merge" in said
     assert not (tmp_path / "hf_actor.incomplete").exists()
     assert (tmp_path / "hf_actor" / "model.safetensors").read_bytes() == whole
     AutoModelForCausalLM.from_pretrained(tmp_path / "hf_actor")

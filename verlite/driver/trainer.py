@@ -48,7 +48,7 @@ from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover
 from verlite.models.flops import DecoderShape, bf16_peak_flops
 from verlite.models.lora import BASE_FOLDER
-from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER
+from verlite.policy_folder import INCOMPLETE_MARK, MERGED_FOLDER, POLICY_FOLDER
 from verlite.records import metrics_log
 from verlite.records.tracking import Tracker
 from verlite.redaction import redact_config
@@ -349,6 +349,12 @@ class Trainer:
             weights = self.base_weights or base_weights.identity(base)
             base_weights.write_record(path, Path(base).resolve(), weights)
         mark.unlink()
+        if (merged := self.output_dir / MERGED_FOLDER).exists():  # verlite export --merge's
+            print(
+                f"{merged} holds an earlier policy, merged; run verlite export --merge with "
+                "--out for this one",
+                flush=True,
+            )
         return path
 
     # ---------------------------------------------------------------- checkpoints

@@ -392,3 +392,42 @@ def test_cli_errors_are_one_line_exit_2() -> None:
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("verlite: error: ") and problem in result.stderr
         assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("env_vars", "overrides", "named"),
+    [
+        ("{WANDB_API_KEY: wk-0123456789abcdef}", [], "WANDB_API_KEY"),
+        ("{MLFLOW_TRACKING_URI: 'https://alice:s3cret@mlflow.example'}", [], "MLFLOW_TRACKING_URI"),
+        # The verifier's token, in the variable the config names, whatever it is called.
+        (
+            "{VERIFIER_KEY: vk-0123456789abcdef}",
+            [
+                "reward.remote.url=https://verifier.example/score",
+                "reward.remote.auth_env=VERIFIER_KEY",
+            ],
+            "VERIFIER_KEY",
+        ),
+    ],
+)
+def test_a_credential_in_the_runtime_envs_variables_is_not_put_into_the_job(
+    tmp_path: Path, env_vars: str, overrides: list[str], named: str
+) -> None:
+    """A job's runtime_env is public to whoever lists jobs (`ray job list`, the dashboard's
+    GET /api/jobs/ return it whole), as its command line is."""
+    path = tmp_path / "env.yaml"
+    path.write_text(f"env_vars: {env_vars}\n")
+    with pytest.raises(JobsError) as info:
+        prepare_submission(
+            config=str(REPO / CONFIG),
+            overrides=overrides,
+            working_dir=REPO,
+            job_id=JOB,
+            runtime_env_file=str(path),
+        )
+    message = str(info.value)
+    assert message.startswith(
+        f"runtime env file {str(path)!r}: env_vars.{named} carries a credential"
+    )
+    assert "0123456789abcdef" not in message and "s3cret" not in message
+    assert "\n" not in message

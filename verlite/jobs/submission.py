@@ -145,6 +145,8 @@ def prepare_submission(
         f"trainer.loggers=[{','.join(loggers)}]",
     ]
     extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}
+    if runtime_env_file:
+        _check_no_credentials(runtime_env_file, extra.get("env_vars"), cfg.reward.remote.auth_env)
     command = ["train", "--config", config_in_job, *job_overrides]
     return Submission(
         entrypoint=job_entrypoint(command),
@@ -183,6 +185,24 @@ def read_runtime_env(path: str) -> dict[str, Any]:
             "(choose it with --working-dir)"
         )
     return data
+
+
+def _check_no_credentials(path: str, env_vars: object, auth_env: str | None) -> None:
+    """A runtime env's variables hold no credential: Ray keeps a job's runtime_env with the
+    job and shows it whole to anyone who can list the cluster's jobs (``ray job list``, the
+    dashboard), as it does the command line. A credential is a secret-named variable, a value
+    with one (``user:pass@``, a known secret's value), or the variable ``reward.remote.auth_env``
+    names."""
+    if not isinstance(env_vars, Mapping):
+        return  # not a mapping of variables: RuntimeEnv says so in build_runtime_env
+    for name, value in env_vars.items():
+        if name == auth_env or carries_secret(str(name), str(value)):
+            raise JobsError(
+                f"runtime env file {path!r}: env_vars.{name} carries a credential, and a job's "
+                "runtime env is shown to anyone who can list the cluster's jobs (ray job list, "
+                "the Ray dashboard); set it in the environment of the cluster's nodes instead "
+                "(where `ray start` runs, e.g. from a Kubernetes secret), which the job inherits"
+            )
 
 
 def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -431,3 +431,43 @@ def test_a_credential_in_the_runtime_envs_variables_is_not_put_into_the_job(
     )
     assert "0123456789abcdef" not in message and "s3cret" not in message
     assert "\n" not in message
+
+
+def test_a_working_dir_over_rays_package_limit_is_refused_before_anything_is_sent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray zips the working dir uncompressed, hashing and reading every byte first, and its
+    job server refuses a package at its gRPC limit (512 MiB) only after the upload: a model
+    folder inside the project (docs/recipes.md's models/...) must be named here, in one
+    line, before any of that. The limit is lowered to keep the test small."""
+    from ray._private.runtime_env import packaging
+
+    monkeypatch.setattr(packaging, "GCS_STORAGE_MAX_SIZE", 1 << 20)
+    (tmp_path / "configs").mkdir()
+    shutil.copy(REPO / CONFIG, tmp_path / "configs" / "run.yaml")
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(os.urandom(1 << 20))
+    (tmp_path / "data.jsonl").write_bytes(b"{}\n" * 1000)
+
+    def submit(runtime_env: str | None = None) -> None:
+        prepare_submission(
+            config=str(tmp_path / "configs" / "run.yaml"),
+            overrides=[],
+            working_dir=tmp_path,
+            job_id=JOB,
+            runtime_env_file=runtime_env,
+        )
+
+    with pytest.raises(JobsError) as info:
+        submit()
+    message = str(info.value)
+    assert message.startswith(f"--working-dir {str(tmp_path)!r} holds 1.0 MiB to ship")
+    assert "Ray's limit of 1.0 MiB" in message and "models/ (1.0 MiB)" in message
+    assert "\n" not in message
+    # Left out by the runtime env's excludes, or by a .gitignore as Ray reads them: shipped.
+    excludes = tmp_path / "env.yaml"
+    excludes.write_text("excludes: [models/]\n")
+    submit(str(excludes))
+    (tmp_path / ".gitignore").write_text("/models/\n")
+    submit()

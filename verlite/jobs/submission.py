@@ -3,6 +3,8 @@ the project, built and validated on this machine before any cluster is contacted
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -222,4 +224,49 @@ def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, 
         RuntimeEnv(**runtime_env)
     except (TypeError, ValueError) as exc:
         raise JobsError(f"invalid runtime env: {exc}") from None
+    _check_package_size(working_dir, runtime_env["excludes"])
     return runtime_env
+
+
+def _check_package_size(working_dir: Path, excludes: list[str]) -> None:
+    """The files Ray will ship from ``working_dir`` fit its package limit. Ray's SDK hashes
+    every byte of them, zips them uncompressed and uploads the zip, and only then does the job
+    server refuse one at its gRPC message limit; counted here with Ray's own rules (the
+    excludes, and ``.gitignore``/``.rayignore`` unless Ray is told to ignore them), from the
+    files' sizes alone, before any of that."""
+    from ray._private import ray_constants
+    from ray._private.runtime_env import packaging
+
+    include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
+    sizes: dict[str, int] = {}
+
+    def count(path: Path) -> None:
+        if path.is_file():
+            parts = path.relative_to(working_dir).parts
+            top = parts[0] + ("/" if len(parts) > 1 else "")
+            sizes[top] = sizes.get(top, 0) + path.stat().st_size
+
+    # Ray's own walk of a working dir, its excludes and ignore files applied.
+    excluded = packaging._get_excludes(working_dir, excludes)
+    # (Its notes of the ignore files it reads go to this module's logger, not the console.)
+    packaging._dir_travel(
+        working_dir,
+        [excluded],
+        count,
+        include_gitignore=include_gitignore,
+        logger=logging.getLogger(__name__),
+    )
+    total, limit = sum(sizes.values()), packaging.GCS_STORAGE_MAX_SIZE
+    if total >= limit:
+        largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
+        listed = ", ".join(f"{name} ({_mib(size)})" for name, size in largest)
+        raise JobsError(
+            f"--working-dir {str(working_dir)!r} holds {_mib(total)} to ship, at or over Ray's "
+            f"limit of {_mib(limit)} for a job's working directory; the largest: {listed}. Keep "
+            "models and data outside it (an absolute path the nodes see), or leave them out "
+            "with the --runtime-env file's excludes, .gitignore or .rayignore"
+        )
+
+
+def _mib(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB"

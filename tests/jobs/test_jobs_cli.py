@@ -471,3 +471,40 @@ def test_a_working_dir_over_rays_package_limit_is_refused_before_anything_is_sen
     submit(str(excludes))
     (tmp_path / ".gitignore").write_text("/models/\n")
     submit()
+
+
+@pytest.mark.parametrize("token_file", ["RAY_AUTH_TOKEN_PATH", "HOME"])
+def test_the_ray_token_file_inside_the_working_dir_is_never_shipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, token_file: str
+) -> None:
+    """deploy/slurm/verlite.sbatch writes the token to $SLURM_SUBMIT_DIR/.ray-token-JOBID (mode
+    600) and submits from there: the package Ray builds from the runtime env, stored in the
+    cluster and unpacked on every node, must not hold it."""
+    import zipfile
+
+    from ray._private.runtime_env.packaging import create_package
+
+    shutil.copy(REPO / CONFIG, tmp_path / "run.yaml")
+    if token_file == "HOME":
+        monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))
+        token = tmp_path / ".ray" / "auth_token"
+        token.parent.mkdir()
+    else:
+        token = tmp_path / "run [1]" / ".ray-token-77"
+        token.parent.mkdir()
+        monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(token))
+    token.write_text("0123456789abcdef" * 4)
+    job = prepare_submission(
+        config=str(tmp_path / "run.yaml"), overrides=[], working_dir=tmp_path, job_id=JOB
+    )
+    package = tmp_path.parent / f"{tmp_path.name}.zip"
+    create_package(
+        str(tmp_path),
+        package,
+        include_gitignore=True,
+        excludes=job.runtime_env["excludes"],
+    )
+    names = zipfile.ZipFile(package).namelist()
+    assert "run.yaml" in names
+    assert not [name for name in names if "token" in name], names

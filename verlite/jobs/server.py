@@ -433,11 +433,18 @@ def _token() -> str | None:
         return None
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV].strip()
-    path = Path(os.environ.get(TOKEN_PATH_ENV) or DEFAULT_TOKEN_FILE).expanduser()
+    path = token_files()[0]
     try:
         return path.read_text().strip() or None
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def token_files() -> list[Path]:
+    """The files a Ray token is read from on this machine, the one Ray reads first first:
+    ``RAY_AUTH_TOKEN_PATH`` when set, and ``~/.ray/auth_token``."""
+    named = os.environ.get(TOKEN_PATH_ENV)
+    return [Path(p).expanduser() for p in ([named] if named else []) + [DEFAULT_TOKEN_FILE]]
 
 
 def _token_source() -> str:

@@ -16,7 +16,7 @@ from verlite.config import load_config
 from verlite.errors import shown
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.resubmit import resubmission
-from verlite.jobs.server import JobsError
+from verlite.jobs.server import JobsError, token_files
 from verlite.redaction import carries_secret
 from verlite.yaml_files import read_mapping
 
@@ -218,7 +218,7 @@ def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, 
     runtime_env = {
         **extra,
         "working_dir": str(working_dir),
-        "excludes": [*DEFAULT_EXCLUDES, *excludes],
+        "excludes": [*DEFAULT_EXCLUDES, *_token_excludes(working_dir), *excludes],
     }
     try:
         RuntimeEnv(**runtime_env)
@@ -226,6 +226,22 @@ def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, 
         raise JobsError(f"invalid runtime env: {exc}") from None
     _check_package_size(working_dir, runtime_env["excludes"])
     return runtime_env
+
+
+def _token_excludes(working_dir: Path) -> list[str]:
+    """Patterns leaving out the Ray token files inside ``working_dir`` (a token written beside
+    the project, as deploy/slurm/verlite.sbatch does): a shipped package is stored in the
+    cluster and unpacked on every node, readable there by others than the token's owner."""
+    root = working_dir.resolve()
+    patterns = []
+    for path in token_files():
+        try:
+            inside = path.resolve().relative_to(root).as_posix()
+        except ValueError:
+            continue
+        # Anchored at the working dir, the wildcard characters of a gitignore pattern escaped.
+        patterns.append("/" + re.sub(r"([\\*?\[\]!#])", r"\\\1", inside))
+    return patterns
 
 
 def _check_package_size(working_dir: Path, excludes: list[str]) -> None:

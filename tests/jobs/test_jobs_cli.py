@@ -12,6 +12,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -508,3 +509,67 @@ def test_the_ray_token_file_inside_the_working_dir_is_never_shipped(
     names = zipfile.ZipFile(package).namelist()
     assert "run.yaml" in names
     assert not [name for name in names if "token" in name], names
+
+
+@pytest.fixture
+def streaming_dashboard() -> Iterator[tuple[str, dict[str, str]]]:
+    """A real aiohttp server on 127.0.0.1 answering as a Ray dashboard's job API does for a
+    job that has ended: its record, and its log over the websocket Ray's SDK follows, closed
+    normally at its end. The jobs' statuses are the dict handed out."""
+    import asyncio
+
+    from aiohttp import web
+
+    statuses: dict[str, str] = {}
+
+    async def version(request: web.Request) -> web.Response:
+        return web.json_response({"ray_version": "2.60.0"})
+
+    async def job(request: web.Request) -> web.Response:
+        job_id = request.match_info["job_id"]
+        return web.json_response(
+            {"submission_id": job_id, "status": statuses[job_id], "entrypoint": "true"}
+        )
+
+    async def tail(request: web.Request) -> web.WebSocketResponse:
+        socket = web.WebSocketResponse()
+        await socket.prepare(request)
+        await socket.send_str(f"the log of {request.match_info['job_id']}\n")
+        await socket.close()
+        return socket
+
+    app = web.Application()
+    app.router.add_get("/api/version", version)
+    app.router.add_get("/api/jobs/{job_id}", job)
+    app.router.add_get("/api/jobs/{job_id}/logs/tail", tail)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{port}", statuses
+    asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize(("status", "code"), [("SUCCEEDED", 0), ("FAILED", 1), ("STOPPED", 1)])
+def test_following_a_log_exits_as_the_job_ended(
+    streaming_dashboard: tuple[str, dict[str, str]],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    status: str,
+    code: int,
+) -> None:
+    """`verlite logs ID --follow` (what `verlite submit` without --wait says to run) ends as
+    `submit --wait` does: 0 when the job SUCCEEDED, 1 otherwise, its end on stderr."""
+    url, statuses = streaming_dashboard
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    statuses["raysubmit_end"] = status
+    assert cli.main(["logs", "raysubmit_end", "--follow", "--address", url]) == code
+    out, err = capsys.readouterr()
+    assert out == "the log of raysubmit_end\n"
+    assert err.splitlines()[-1] == f"job raysubmit_end {status}"

@@ -108,7 +108,11 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     logs.add_argument("job_id", metavar="ID", help="submission id")
     _server_arguments(logs)
-    logs.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    logs.add_argument(
+        "--follow",
+        action="store_true",
+        help="keep printing until the job ends; exit 0 if it SUCCEEDED, 1 otherwise",
+    )
     logs.set_defaults(handler=cmd_logs)
 
     stop = subparsers.add_parser(
@@ -167,8 +171,7 @@ def _follow(server: JobServer, submission: Submission, first: str, max_restarts:
     job_id, attempt = first, 0
     while True:
         print(f"following {job_id}; Ctrl-C stops following, not the job", file=sys.stderr)
-        status = server.follow(job_id, sys.stdout)
-        print(f"job {job_id} {status}", file=sys.stderr)
+        status = _follow_to_end(server, job_id)
         if status == "SUCCEEDED":
             return 0
         info = server.info(job_id)
@@ -192,6 +195,13 @@ def _follow(server: JobServer, submission: Submission, first: str, max_restarts:
         )
 
 
+def _follow_to_end(server: JobServer, job_id: str) -> str:
+    """Copy job ``job_id``'s log to stdout until it ends, then its status to stderr; the status."""
+    status = server.follow(job_id, sys.stdout)
+    print(f"job {job_id} {printable(status)}", file=sys.stderr)
+    return status
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     server = connect(args.address, retry_s=args.retry_for)
     info = server.info(args.job_id)
@@ -207,9 +217,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_logs(args: argparse.Namespace) -> int:
     server = connect(args.address, retry_s=args.retry_for)
     if args.follow:
-        server.follow(args.job_id, sys.stdout)
-    else:
-        sys.stdout.write(server.logs(args.job_id))
+        return 0 if _follow_to_end(server, args.job_id) == "SUCCEEDED" else 1
+    sys.stdout.write(server.logs(args.job_id))
     return 0
 
 

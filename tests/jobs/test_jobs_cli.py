@@ -400,6 +400,13 @@ def test_cli_errors_are_one_line_exit_2() -> None:
     [
         ("{WANDB_API_KEY: wk-0123456789abcdef}", [], "WANDB_API_KEY"),
         ("{MLFLOW_TRACKING_URI: 'https://alice:s3cret@mlflow.example'}", [], "MLFLOW_TRACKING_URI"),
+        # Any setting, not only a variable: a private package index's password.
+        (
+            "{}\npip: {packages: [pyarrow], pip_install_options: [--index-url, "
+            "'https://alice:s3cret@pypi.example/simple']}",
+            [],
+            "pip.pip_install_options[1]",
+        ),
         # The verifier's token, in the variable the config names, whatever it is called.
         (
             "{VERIFIER_KEY: vk-0123456789abcdef}",
@@ -411,7 +418,7 @@ def test_cli_errors_are_one_line_exit_2() -> None:
         ),
     ],
 )
-def test_a_credential_in_the_runtime_envs_variables_is_not_put_into_the_job(
+def test_a_credential_in_the_runtime_env_is_not_put_into_the_job(
     tmp_path: Path, env_vars: str, overrides: list[str], named: str
 ) -> None:
     """A job's runtime_env is public to whoever lists jobs (`ray job list`, the dashboard's
@@ -427,9 +434,8 @@ def test_a_credential_in_the_runtime_envs_variables_is_not_put_into_the_job(
             runtime_env_file=str(path),
         )
     message = str(info.value)
-    assert message.startswith(
-        f"runtime env file {str(path)!r}: env_vars.{named} carries a credential"
-    )
+    where = named if "." in named else f"env_vars.{named}"
+    assert message.startswith(f"runtime env file {str(path)!r}: {where} carries a credential")
     assert "0123456789abcdef" not in message and "s3cret" not in message
     assert "\n" not in message
 

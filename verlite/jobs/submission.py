@@ -7,7 +7,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,7 +148,7 @@ def prepare_submission(
     ]
     extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}
     if runtime_env_file:
-        _check_no_credentials(runtime_env_file, extra.get("env_vars"), cfg.reward.remote.auth_env)
+        _check_no_credentials(runtime_env_file, extra, cfg.reward.remote.auth_env)
     command = ["train", "--config", config_in_job, *job_overrides]
     return Submission(
         entrypoint=job_entrypoint(command),
@@ -189,22 +189,34 @@ def read_runtime_env(path: str) -> dict[str, Any]:
     return data
 
 
-def _check_no_credentials(path: str, env_vars: object, auth_env: str | None) -> None:
-    """A runtime env's variables hold no credential: Ray keeps a job's runtime_env with the
-    job and shows it whole to anyone who can list the cluster's jobs (``ray job list``, the
-    dashboard), as it does the command line. A credential is a secret-named variable, a value
-    with one (``user:pass@``, a known secret's value), or the variable ``reward.remote.auth_env``
-    names."""
-    if not isinstance(env_vars, Mapping):
-        return  # not a mapping of variables: RuntimeEnv says so in build_runtime_env
-    for name, value in env_vars.items():
-        if name == auth_env or carries_secret(str(name), str(value)):
+def _check_no_credentials(path: str, runtime_env: Mapping[str, Any], auth_env: str | None) -> None:
+    """A runtime env holds no credential: Ray keeps a job's runtime_env with the job and shows
+    it whole to anyone who can list the cluster's jobs (``ray job list``, the dashboard), as it
+    does the command line. A credential is a setting :func:`carries_secret` finds (a
+    secret-named variable, a value with ``user:pass@`` such as a pip index URL, a known
+    secret's value), or the variable ``reward.remote.auth_env`` names."""
+    for where, key, value in _settings(runtime_env):
+        if (where.startswith("env_vars.") and key == auth_env) or carries_secret(key, value):
             raise JobsError(
-                f"runtime env file {path!r}: env_vars.{name} carries a credential, and a job's "
-                "runtime env is shown to anyone who can list the cluster's jobs (ray job list, "
-                "the Ray dashboard); set it in the environment of the cluster's nodes instead "
-                "(where `ray start` runs, e.g. from a Kubernetes secret), which the job inherits"
+                f"runtime env file {path!r}: {where} carries a credential, and a job's runtime "
+                "env is shown to anyone who can list the cluster's jobs (ray job list, the Ray "
+                "dashboard); give it to the cluster's nodes instead (their environment where "
+                "`ray start` runs, e.g. from a Kubernetes secret, which the job inherits; a pip "
+                "index in their pip.conf)"
             )
+
+
+def _settings(value: object, where: str = "", key: str = "") -> Iterator[tuple[str, str, str]]:
+    """Each text setting of a runtime env: where it is (``pip.packages[1]``), the name of the
+    mapping key it is under, and its text."""
+    if isinstance(value, Mapping):
+        for name, item in value.items():
+            yield from _settings(item, f"{where}.{name}" if where else str(name), str(name))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _settings(item, f"{where}[{index}]", key)
+    elif value is not None:
+        yield where, key, str(value)
 
 
 def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:

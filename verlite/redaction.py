@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, urlsplit
 
 # Config keys whose values are never logged, whatever the section: a credential field, should
 # one be added (the config names environment variables that hold them: reward.remote.auth_env).
@@ -86,12 +86,28 @@ def _token_numbers(key: str, value: Any) -> bool:
 
 def carries_secret(key: str, value: str) -> bool:
     """Whether a config setting holds a credential: a secret-named key (but for counts of
-    tokens and token ids), a URL with ``user:pass@``, or a known secret's value."""
+    tokens and token ids), a URL with ``user:pass@`` or a credential in its query
+    (:func:`secret_query_names`), or a known secret's value."""
     return bool(value) and (
         bool(_SECRET_KEY.search(key) and not _token_numbers(key, value))
         or bool(_URL_CREDENTIALS.search(value))
+        or ("://" in value and bool(secret_query_names(value)))
         or redact_text(value) != value
     )
+
+
+# Query parameters named like a credential (?api_key=..., ?token=..., ?X-Amz-Signature=...).
+_SECRET_QUERY_NAME = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
+
+
+def secret_query_names(url: str) -> list[str]:
+    """The names of ``url``'s query parameters named like a credential."""
+    query = urlsplit(url).query
+    return [
+        name
+        for name, _ in parse_qsl(query, keep_blank_values=True)
+        if _SECRET_QUERY_NAME.search(name)
+    ]
 
 
 def redact_url(text: str) -> str:

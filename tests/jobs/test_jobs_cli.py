@@ -311,6 +311,38 @@ def test_a_credential_on_the_command_line_is_not_put_into_the_job() -> None:
     assert "mlflow.example" in job.entrypoint  # a URL without credentials is fine
 
 
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://mlflow.example/?token=0123456789abcdef",
+        "https://mlflow.example/api?user=me&api_key=0123456789abcdef",
+        "https://store.example/x?X-Amz-Signature=0123456789abcdef",
+    ],
+)
+def test_a_url_with_a_credential_in_its_query_is_not_put_into_the_job(
+    tmp_path: Path, url: str
+) -> None:
+    """A token in a URL's query is as public on the job's command line, or in its runtime
+    env, as user:password@ is; reward.remote.url refuses the same parameters."""
+    with pytest.raises(JobsError, match=r"^override trainer\.mlflow_tracking_uri carries a"):
+        prepare_submission(
+            config=str(REPO / CONFIG),
+            overrides=[f"trainer.mlflow_tracking_uri={url}"],
+            working_dir=REPO,
+            job_id=JOB,
+        )
+    path = tmp_path / "env.yaml"
+    path.write_text(f"env_vars: {{MLFLOW_TRACKING_URI: '{url}'}}\n")
+    with pytest.raises(JobsError, match=r"env_vars\.MLFLOW_TRACKING_URI carries a credential"):
+        prepare_submission(
+            config=str(REPO / CONFIG),
+            overrides=[],
+            working_dir=REPO,
+            job_id=JOB,
+            runtime_env_file=str(path),
+        )
+
+
 def test_the_value_of_a_credential_variable_on_the_command_line_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -15,7 +15,7 @@ from verlite.config.defaults import as_dict
 from verlite.config.fields import NonEmptyStr, PathStr, PositiveInt, Seconds, Section
 from verlite.errors import shown
 from verlite.reachable import is_loopback_host
-from verlite.redaction import redact_url
+from verlite.redaction import redact_url, secret_query_names
 
 
 def _service_url(value: str | None) -> str | None:
@@ -27,9 +27,7 @@ def _service_url(value: str | None) -> str | None:
     where = f"reward.remote.url={shown(redact_url(re.split(r'[?#]', value)[0]))}"
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"{where}: must be an http:// or https:// URL with a host")
-    secret_names = [
-        name for name, _ in parse_qsl(parts.query, keep_blank_values=True) if _SECRET.search(name)
-    ]
+    secret_names = secret_query_names(value)
     if "@" in parts.netloc or secret_names:
         held = f"?{'&'.join(secret_names)}=..." if secret_names else "user:password@"
         raise ValueError(
@@ -43,8 +41,6 @@ def _service_url(value: str | None) -> str | None:
     return value
 
 
-# Query parameters named like a credential (?api_key=..., ?token=..., ?sig=...).
-_SECRET = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The least reward.timeout_s of reward.fn=math (verlite.rewards.math_answer).
 MATH_MIN_TIMEOUT_S = 2.0

@@ -611,3 +611,37 @@ def test_following_a_log_exits_as_the_job_ended(
     out, err = capsys.readouterr()
     assert out == "the log of raysubmit_end\n"
     assert err.splitlines()[-1] == f"job raysubmit_end {status}"
+
+
+def test_an_input_in_the_working_dir_that_the_job_would_not_get_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Ray leaves out what .gitignore lists (data/ and models/ often are): a relative input
+    there exists here, but not in the job's copy of the project, where it is read."""
+    shutil.copy(REPO / CONFIG, tmp_path / "run.yaml")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    (tmp_path / ".gitignore").write_text("data/\n")
+    overrides = ["data.task=null", "data.train_file=data/train.jsonl"]
+
+    def submit(runtime_env: str | None = None) -> None:
+        prepare_submission(
+            config=str(tmp_path / "run.yaml"),
+            overrides=overrides,
+            working_dir=tmp_path,
+            job_id=JOB,
+            runtime_env_file=runtime_env,
+        )
+
+    with pytest.raises(JobsError) as info:
+        submit()
+    assert str(info.value).startswith(
+        "data.train_file='data/train.jsonl' is in the working directory but left out of what "
+        "the job ships"
+    )
+    (tmp_path / ".gitignore").write_text("")
+    submit()
+    env = tmp_path / "env.yaml"
+    env.write_text("excludes: ['*.jsonl']\n")
+    with pytest.raises(JobsError, match=r"^data\.train_file='data/train\.jsonl' is in the"):
+        submit(str(env))

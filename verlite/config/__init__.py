@@ -12,6 +12,7 @@ from verlite.config.loading import (
     check_inputs,
     check_paths,
     format_validation_error,
+    input_paths,
     load_config,
 )
 from verlite.config.schema import Config
@@ -52,5 +53,6 @@ __all__ = [
     "check_inputs",
     "check_paths",
     "format_validation_error",
+    "input_paths",
     "load_config",
 ]

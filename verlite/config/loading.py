@@ -334,15 +334,20 @@ def check_paths(cfg: Config) -> None:
             )
 
 
-def check_inputs(cfg: Config) -> dict[str, str | None]:
-    """Fail on input paths that do not exist on this machine and a model folder that cannot
-    be a Hugging Face model; the inputs by field."""
-    inputs = {
+def input_paths(cfg: Config) -> dict[str, str | None]:
+    """The run's input files and folders by field (None: not set)."""
+    return {
         "model.path": cfg.model.path,
         "reward.model.path": cfg.reward.model.path,
         "data.train_file": cfg.data.train_file,
         "data.val_file": cfg.data.val_file,
     }
+
+
+def check_inputs(cfg: Config) -> dict[str, str | None]:
+    """Fail on input paths that do not exist on this machine and a model folder that cannot
+    be a Hugging Face model; the inputs by field."""
+    inputs = input_paths(cfg)
     for dotted, value in inputs.items():
         if value is not None and not _exists(dotted, value):
             raise ConfigError(f"{dotted}={shown(value)}: no such file or directory{_hint(dotted)}")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verlite.config import load_config
+from verlite.config import input_paths, load_config
 from verlite.errors import shown
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.resubmit import resubmission
@@ -149,11 +149,15 @@ def prepare_submission(
     extra = read_runtime_env(runtime_env_file) if runtime_env_file else {}
     if runtime_env_file:
         _check_no_credentials(runtime_env_file, extra, cfg.reward.remote.auth_env)
+    runtime_env = build_runtime_env(root, extra)
+    shipped = shipped_files(root, runtime_env["excludes"])
+    _check_package_size(root, shipped)
+    _check_inputs_shipped(root, shipped, input_paths(cfg))
     command = ["train", "--config", config_in_job, *job_overrides]
     return Submission(
         entrypoint=job_entrypoint(command),
         resume_entrypoint=job_entrypoint([*command, *RESUME_OVERRIDES]),
-        runtime_env=build_runtime_env(root, extra),
+        runtime_env=runtime_env,
         output_dir=str(output_dir),
     )
 
@@ -236,7 +240,6 @@ def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, 
         RuntimeEnv(**runtime_env)
     except (TypeError, ValueError) as exc:
         raise JobsError(f"invalid runtime env: {exc}") from None
-    _check_package_size(working_dir, runtime_env["excludes"])
     return runtime_env
 
 
@@ -256,34 +259,41 @@ def _token_excludes(working_dir: Path) -> list[str]:
     return patterns
 
 
-def _check_package_size(working_dir: Path, excludes: list[str]) -> None:
-    """The files Ray will ship from ``working_dir`` fit its package limit. Ray's SDK hashes
-    every byte of them, zips them uncompressed and uploads the zip, and only then does the job
-    server refuse one at its gRPC message limit; counted here with Ray's own rules (the
-    excludes, and ``.gitignore``/``.rayignore`` unless Ray is told to ignore them), from the
-    files' sizes alone, before any of that."""
+def shipped_files(working_dir: Path, excludes: list[str]) -> dict[Path, int]:
+    """The files Ray ships from ``working_dir`` (relative to it) and their sizes, found with
+    Ray's own walk and rules: the excludes, and ``.gitignore``/``.rayignore`` unless Ray is
+    told to ignore them."""
     from ray._private import ray_constants
     from ray._private.runtime_env import packaging
 
     include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
-    sizes: dict[str, int] = {}
+    files: dict[Path, int] = {}
 
     def count(path: Path) -> None:
         if path.is_file():
-            parts = path.relative_to(working_dir).parts
-            top = parts[0] + ("/" if len(parts) > 1 else "")
-            sizes[top] = sizes.get(top, 0) + path.stat().st_size
+            files[path.relative_to(working_dir)] = path.stat().st_size
 
-    # Ray's own walk of a working dir, its excludes and ignore files applied.
-    excluded = packaging._get_excludes(working_dir, excludes)
     # (Its notes of the ignore files it reads go to this module's logger, not the console.)
     packaging._dir_travel(
         working_dir,
-        [excluded],
+        [packaging._get_excludes(working_dir, excludes)],
         count,
         include_gitignore=include_gitignore,
         logger=logging.getLogger(__name__),
     )
+    return files
+
+
+def _check_package_size(working_dir: Path, shipped: dict[Path, int]) -> None:
+    """The ``shipped`` files fit Ray's package limit. Ray's SDK hashes every byte of them,
+    zips them uncompressed and uploads the zip, and only then does the job server refuse one
+    at its gRPC message limit: counted here from the files' sizes, before any of that."""
+    from ray._private.runtime_env import packaging
+
+    sizes: dict[str, int] = {}
+    for path, size in shipped.items():
+        top = path.parts[0] + ("/" if len(path.parts) > 1 else "")
+        sizes[top] = sizes.get(top, 0) + size
     total, limit = sum(sizes.values()), packaging.GCS_STORAGE_MAX_SIZE
     if total >= limit:
         largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
@@ -293,6 +303,27 @@ def _check_package_size(working_dir: Path, excludes: list[str]) -> None:
             f"limit of {_mib(limit)} for a job's working directory; the largest: {listed}. Keep "
             "models and data outside it (an absolute path the nodes see), or leave them out "
             "with the --runtime-env file's excludes, .gitignore or .rayignore"
+        )
+
+
+def _check_inputs_shipped(
+    working_dir: Path, shipped: dict[Path, int], inputs: Mapping[str, str | None]
+) -> None:
+    """Each relative input, read in the job's copy of the working dir, is shipped when it is
+    in the working dir here: Ray leaves out what .gitignore lists (often data/ and models/)."""
+    for dotted, value in inputs.items():
+        if value is None or Path(value).is_absolute():
+            continue
+        inside = Path(os.path.normpath(value))  # as Ray's walk names it: links not followed
+        if inside.parts[:1] in ((), ("..",)) or not (working_dir / inside).exists():
+            continue  # not in this project: the job says so if it cannot read it
+        if any(path == inside or path.is_relative_to(inside) for path in shipped):
+            continue
+        raise JobsError(
+            f"{dotted}={value!r} is in the working directory but left out of what the job "
+            "ships (by .gitignore, .rayignore, the default excludes or the --runtime-env "
+            "file's excludes), so the job would not find it; give it as an absolute path the "
+            "nodes see, or stop excluding it"
         )
 
 

@@ -645,3 +645,29 @@ def test_an_input_in_the_working_dir_that_the_job_would_not_get_is_refused(
     env.write_text("excludes: ['*.jsonl']\n")
     with pytest.raises(JobsError, match=r"^data\.train_file='data/train\.jsonl' is in the"):
         submit(str(env))
+
+
+def test_a_named_pipe_in_the_working_dir_is_refused_not_waited_on(tmp_path: Path) -> None:
+    """Ray's SDK hashes every file it ships by reading it: opening a named pipe blocks until
+    something writes to it, so `verlite submit` would hang without a word."""
+    shutil.copy(REPO / CONFIG, tmp_path / "run.yaml")
+    (tmp_path / "tools").mkdir()
+    os.mkfifo(tmp_path / "tools" / "events")
+    with pytest.raises(JobsError) as info:
+        prepare_submission(
+            config=str(tmp_path / "run.yaml"), overrides=[], working_dir=tmp_path, job_id=JOB
+        )
+    assert str(info.value).startswith(
+        f"--working-dir {str(tmp_path)!r} holds a named pipe, tools/events, "
+    )
+    # The command says only that, in one line (Ray's walk logs nothing of it).
+    args = ["submit", "--config", str(tmp_path / "run.yaml"), "--working-dir", str(tmp_path)]
+    result = run_verlite(
+        args, client_env(RAY_ADDRESS=f"http://127.0.0.1:{free_port()}"), timeout=120
+    )
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "named pipe" in result.stderr
+    (tmp_path / ".gitignore").write_text("/tools/events\n")
+    prepare_submission(
+        config=str(tmp_path / "run.yaml"), overrides=[], working_dir=tmp_path, job_id=JOB
+    )

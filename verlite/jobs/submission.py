@@ -262,16 +262,19 @@ def _token_excludes(working_dir: Path) -> list[str]:
 def shipped_files(working_dir: Path, excludes: list[str]) -> dict[Path, int]:
     """The files Ray ships from ``working_dir`` (relative to it) and their sizes, found with
     Ray's own walk and rules: the excludes, and ``.gitignore``/``.rayignore`` unless Ray is
-    told to ignore them."""
+    told to ignore them. A named pipe among them is refused."""
     from ray._private import ray_constants
     from ray._private.runtime_env import packaging
 
     include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE, "0") != "1"
     files: dict[Path, int] = {}
+    pipes: list[str] = []
 
     def count(path: Path) -> None:
         if path.is_file():
             files[path.relative_to(working_dir)] = path.stat().st_size
+        elif path.is_fifo():
+            pipes.append(path.relative_to(working_dir).as_posix())
 
     # (Its notes of the ignore files it reads go to this module's logger, not the console.)
     packaging._dir_travel(
@@ -281,6 +284,14 @@ def shipped_files(working_dir: Path, excludes: list[str]) -> dict[Path, int]:
         include_gitignore=include_gitignore,
         logger=logging.getLogger(__name__),
     )
+    if pipes:
+        # Ray hashes what it ships by reading each file that is not a folder: a named pipe's
+        # open() blocks until something writes to it, and the submission with it.
+        raise JobsError(
+            f"--working-dir {str(working_dir)!r} holds a named pipe, {pipes[0]}, which Ray "
+            "would wait on forever while it reads the project to ship it; remove it, or leave "
+            "it out with the --runtime-env file's excludes, .gitignore or .rayignore"
+        )
     return files
 
 

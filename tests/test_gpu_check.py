@@ -235,6 +235,7 @@ def test_the_parts_run_within_the_budget_and_those_it_cannot_hold_are_not_run(
     assert row["name"] == "main job" and row["verdict"].startswith("NOT RUN (budget: ")
 
 
+@pytest.mark.cluster  # a `verlite check-invariance` process of its own (8 s): the whole-suite budget
 def test_an_audit_runs_as_a_command_of_its_own_with_its_log(tmp_path: Path) -> None:
     """Each audit is a ``verlite check-invariance --json`` process with its own limit and its
     whole output in ``<output dir>/check_invariance_<precision>.log``: a hang or a crash

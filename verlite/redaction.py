@@ -86,10 +86,15 @@ def _token_numbers(key: str, value: Any) -> bool:
 
 def carries_secret(key: str, value: str) -> bool:
     """Whether a config setting holds a credential: a secret-named key (but for counts of
-    tokens and token ids), a URL with ``user:pass@`` or a credential in its query
-    (:func:`secret_query_names`), or a known secret's value."""
+    tokens and token ids, and switches: values shorter than :data:`MIN_SECRET_LENGTH`, such
+    as ``TOKENIZERS_PARALLELISM=false``), a URL with ``user:pass@`` or a credential in its
+    query (:func:`secret_query_names`), or a known secret's value."""
     return bool(value) and (
-        bool(_SECRET_KEY.search(key) and not _token_numbers(key, value))
+        bool(
+            _SECRET_KEY.search(key)
+            and len(value) >= MIN_SECRET_LENGTH
+            and not _token_numbers(key, value)
+        )
         or bool(_URL_CREDENTIALS.search(value))
         or ("://" in value and bool(secret_query_names(value)))
         or redact_text(value) != value

@@ -472,6 +472,26 @@ def test_a_credential_in_the_runtime_env_is_not_put_into_the_job(
     assert "\n" not in message
 
 
+def test_switches_named_like_credentials_go_into_the_job(tmp_path: Path) -> None:
+    """A variable named like a credential whose value is shorter than a credential can be
+    (redaction.MIN_SECRET_LENGTH) is a switch, as verlite's masking takes it: Hugging Face's
+    TOKENIZERS_PARALLELISM=false (its name holds "token") goes into the job's runtime env."""
+    path = tmp_path / "env.yaml"
+    path.write_text(
+        "env_vars: {TOKENIZERS_PARALLELISM: 'false', HF_HUB_DISABLE_IMPLICIT_TOKEN: '1'}\n"
+    )
+    submission = prepare_submission(
+        config=str(REPO / CONFIG),
+        overrides=[],
+        working_dir=REPO,
+        job_id=JOB,
+        runtime_env_file=str(path),
+    )
+    env_vars = submission.runtime_env["env_vars"]
+    assert env_vars["TOKENIZERS_PARALLELISM"] == "false"
+    assert env_vars["HF_HUB_DISABLE_IMPLICIT_TOKEN"] == "1"
+
+
 def test_a_working_dir_over_rays_package_limit_is_refused_before_anything_is_sent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -765,7 +765,7 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     (tmp_path / "hf_actor.incomplete").write_text("")
     for merge in ([], ["--merge"]):
         err = run(capsys, "export", str(tmp_path), *merge)
-        assert "hf_actor: incomplete: the run stopped while it wrote it; run it again as it" in err
+        assert "hf_actor: incomplete: the run stopped (or runs) before it exported its last" in err
 
 
 def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(

@@ -146,6 +146,26 @@ def test_a_run_that_stopped_before_its_export_was_whole_resumes_to_export(
     assert "reached trainer.total_steps=6 but its policy export (hf_actor) is " in said
 
 
+def test_a_continued_run_stopped_before_its_export_resumes_to_export(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run continued past its end (trainer.total_steps raised) trains beside its earlier,
+    whole export: killed after its new last checkpoint, before it exported, the folder's
+    hf_actor was the earlier step's policy, taken for the run's (verlite export showed it) and
+    the run again refused ("already reached"). From the continued run's start hf_actor is
+    marked as not its policy, and a run again resumes to export."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=4, saved=config(out, "trainer.total_steps=4"))
+    (out / "hf_actor").mkdir()  # step 4's export, whole
+    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_4"
+    assert not policy_folder.policy_exported(out)
+    fake_checkpoint(out, 6, ("actor", "critic"), config=config(out).model_dump(mode="json"))
+    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_6"
+    assert "reached trainer.total_steps=6 but its policy export (hf_actor) is " in (
+        capsys.readouterr().out
+    )
+
+
 def test_resume_disable_over_a_run_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "run"
     earlier_run(out, checkpoint_step=3)

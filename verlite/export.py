@@ -59,7 +59,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     if not policy_exported(Path(args.run_dir)):
         raise UserError(
-            f"{policy}: incomplete: the run stopped while it wrote it; run it again as it was "
+            f"{policy}: incomplete: the run stopped (or runs) before it exported its last policy "
+            "whole; run it again as it was "
             "(trainer.resume=auto) to export it from its last checkpoint"
         )
     adapter_config = policy / ADAPTER_CONFIG

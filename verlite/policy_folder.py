@@ -9,8 +9,8 @@ from pathlib import Path
 
 POLICY_FOLDER = "hf_actor"
 MERGED_FOLDER = "hf_actor_merged"  # ``verlite export --merge``'s default
-# Beside POLICY_FOLDER while a run writes it: with the mark, the folder is not a whole export
-# (the run stopped while it wrote it).
+# Beside POLICY_FOLDER while a run writes it, and while a run continued past its end trains
+# (its export is an earlier step's): with the mark, the folder is not the run's whole export.
 INCOMPLETE_MARK = f"{POLICY_FOLDER}.incomplete"
 
 

@@ -144,7 +144,7 @@ def test_a_run_stopped_while_it_exported_resumes_to_export_its_policy(
     train(tmp_path, *run)
     said = capsys.readouterr().out
     assert "reached trainer.total_steps=2 but its policy export (hf_actor) is incomplete" in said
-    assert "replacing " in said and "(an interrupted export's part)" in said
+    assert "replacing " in said and "(an earlier step's or an interrupted export)" in said
     assert "hf_actor_merged holds an earlier policy, merged; run verlite export --merge" in said
     assert not (tmp_path / "hf_actor.incomplete").exists()
     assert (tmp_path / "hf_actor" / "model.safetensors").read_bytes() == whole

@@ -8,7 +8,7 @@ Before Ray starts, the folder is one of:
   checkpoints): the run continues from it — unless that checkpoint is already at
   ``trainer.total_steps``, which is refused (nothing would be trained), but for a run that
   stopped before its policy export was whole (``policy_folder.policy_exported``): it resumes
-  to export;
+  to export (a run continued past its end marks its earlier export as not whole as it starts);
 - anything else (someone's files, an earlier run without a checkpoint, ``resume=disable``
   over a run, a checkpoint of another folder resumed into this one): refused, with one
   line naming what is there. With ``trainer.overwrite=true``
@@ -48,7 +48,7 @@ from verlite.driver.checkpoint import (
     resume_checkpoint,
 )
 from verlite.errors import shown
-from verlite.policy_folder import POLICY_FOLDER, policy_exported
+from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, policy_exported
 
 LOCK_FILE = ".verlite-lock"
 
@@ -175,6 +175,15 @@ def prepare_output_folder(
                 raise _not_empty(out, cfg)
             moved = _move_contents_aside(out)
             print(f"moved the earlier contents of {out} to {moved}", flush=True)
+        if continuing and cfg.trainer.export and policy_exported(out):
+            # A run continued past its end: its export is an earlier step's policy from now
+            # on; stopped after its last checkpoint, the run again resumes to export its own.
+            (out / INCOMPLETE_MARK).touch()
+            print(
+                f"{shown(str(out / POLICY_FOLDER))} holds an earlier step's policy until this "
+                "run exports its own",
+                flush=True,
+            )
     except BaseException:
         hold.release()
         raise

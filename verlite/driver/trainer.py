@@ -337,7 +337,11 @@ class Trainer:
         checks it): ``model.path``'s as this run started, or the ``base/`` it wrote."""
         path, mark = self.output_dir / POLICY_FOLDER, self.output_dir / INCOMPLETE_MARK
         if path.exists():  # a continued run's earlier export, or a part of an interrupted one
-            what = "an interrupted export's part" if mark.exists() else "the earlier export"
+            what = (
+                "an earlier step's or an interrupted export"
+                if mark.exists()
+                else "the earlier export"
+            )
             print(f"replacing {path} ({what}) with this run's policy", flush=True)
         mark.touch()  # until the export is whole: a run stopped before resumes to export
         if path.exists():

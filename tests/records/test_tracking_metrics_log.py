@@ -61,7 +61,9 @@ def test_truncate_keeps_the_records_up_to_the_checkpoint_and_drops_torn_lines(
 ) -> None:
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"step": s, "a": float(s)}) for s in (1, 2, 3, 4)]
-    path.write_text("\n".join([*lines[:2], "not json", *lines[2:]]) + '\n{"step": 5, "a"')
+    # unreadable too: an integer past the digits Python's json reads (a ValueError of its own)
+    huge = '{"step": 2, "a": ' + "9" * 5000 + "}"
+    path.write_text("\n".join([*lines[:2], "not json", huge, *lines[2:]]) + '\n{"step": 5, "a"')
     metrics_log.truncate(tmp_path, after_step=3)
     assert path.read_text().splitlines() == lines[:3]
     assert [r["step"] for r in metrics_log.read(tmp_path)] == [1, 2, 3]

@@ -149,7 +149,7 @@ def truncate(output_dir: Path, *, after_step: int) -> None:
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             step = _step_of(json.loads(line))
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or an integer past the digits Python reads
             continue
         if step is not None and step <= after_step:
             kept.append(line)

@@ -377,3 +377,53 @@ def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
         else:
             with pytest.raises(ConfigError, match="generation cannot fit Fake GPU"):
                 preflight.check_generation_fits(cfg, 64)
+
+
+def test_a_bf16_cast_keeps_what_hugging_face_loads_in_fp32(tmp_path) -> None:
+    """A LoRA policy's frozen base cast to bf16 holds what Hugging Face loads in bf16 (the
+    base its export is loaded onto): the tensors a model class keeps in float32 whatever the
+    dtype (``_keep_in_fp32_modules_strict``: GLM-4-MoE's and DeepSeek-V3's router weights and
+    score-correction biases) stay float32, so its logits are the loaded model's bit for bit
+    (rounded to bf16 they were 0.002 apart). A trained model's parameters are all bf16, as
+    FSDP2 trains a block's parameters in one dtype (mixed, it stops: "FSDP expects uniform
+    original parameter dtype")."""
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig
+
+    from verlite.models.precision import cast_weights
+
+    torch.manual_seed(0)
+    config = Glm4MoeConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # a router that routes: HF initializes its weight to zeros
+        model.model.layers[1].mlp.gate.weight.normal_()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    cast = cast_weights(
+        AutoModelForCausalLM.from_pretrained(tmp_path).requires_grad_(False), torch.bfloat16
+    )
+    gate = cast.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert cast.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    tokens = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(cast(tokens).logits, loaded(tokens).logits)
+    trained = cast_weights(AutoModelForCausalLM.from_pretrained(tmp_path), torch.bfloat16)
+    assert {param.dtype for param in trained.parameters()} == {torch.bfloat16}
+    assert trained.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32

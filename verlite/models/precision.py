@@ -17,6 +17,7 @@ are never trained are stored (docs/design.md, "Precision").
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Sequence
 
 import torch
@@ -161,19 +162,47 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     Hugging Face loads a checkpoint in ``dtype``; returned. A buffer the model computes itself
     and never saves keeps the dtype it was built in: ``Module.to`` would round the rotary
     frequencies (``inv_freq``), which Hugging Face builds in float32 whatever the model's
-    dtype, to bf16, and the policy would compute other logits than its export loaded back."""
+    dtype, to bf16, and the policy would compute other logits than its export loaded back.
+    Nor are the tensors Hugging Face keeps in float32 when it loads in bf16 (or fp16) cast:
+    those its model class names in ``_keep_in_fp32_modules_strict`` (GLM-4-MoE's and
+    DeepSeek-V3's router weights and score-correction biases), but for trained parameters
+    (FSDP2 trains a block's parameters in one dtype): a LoRA policy's frozen base computes
+    as its export, loaded back, does."""
+    kept = _kept_in_fp32(model) if dtype in (torch.bfloat16, torch.float16) else set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if param.is_floating_point() and param.dtype != dtype:
+            if param.is_floating_point() and param.dtype != dtype and id(param) not in kept:
                 param.data = param.data.to(dtype)
         for name, buffer in module.named_buffers(recurse=False):
             if (
                 buffer.is_floating_point()
                 and name not in module._non_persistent_buffers_set
                 and buffer.dtype != dtype
+                and id(buffer) not in kept
             ):
                 setattr(module, name, buffer.to(dtype))
     return model
+
+
+def _kept_in_fp32(model: nn.Module) -> set[int]:
+    """The ids of ``model``'s frozen parameters and buffers that Hugging Face loads in float32
+    under bf16 or fp16: of each Hugging Face model in it, those whose names match its class's
+    ``_keep_in_fp32_modules_strict`` patterns, matched as its loader matches them (a search,
+    ``*`` any text)."""
+    kept: set[int] = set()
+    for hf in model.modules():
+        names = getattr(hf, "_keep_in_fp32_modules_strict", None)
+        if not isinstance(hf, PreTrainedModel) or not names:
+            continue
+        pattern = re.compile("|".join(str(name).replace("*", ".*") for name in names))
+        tensors = [*hf.named_parameters(), *hf.named_buffers()]
+        kept.update(
+            id(tensor)
+            for name, tensor in tensors
+            if pattern.search(name)
+            and not (isinstance(tensor, nn.Parameter) and tensor.requires_grad)
+        )
+    return kept
 
 
 def fp64_throughout(model: nn.Module) -> nn.Module:

@@ -6,8 +6,9 @@ from functools import partial
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
-from tests.model_support import tiny_qwen2
+from tests.model_support import tiny_moe, tiny_qwen2
 from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, load_config
 from verlite.config.derived import bf16_lost_update, precision_line
@@ -17,6 +18,7 @@ from verlite.generation.weights import WeightReceiver
 from verlite.models import ValueModel, build_policy, build_value_model, set_logits_chunk_tokens
 from verlite.models.precision import (
     autocast,
+    cast_weights,
     check_precision_supported,
     generation_dtypes,
     inference_dtypes,
@@ -387,30 +389,7 @@ def test_a_bf16_cast_keeps_what_hugging_face_loads_in_fp32(tmp_path) -> None:
     (rounded to bf16 they were 0.002 apart). A trained model's parameters are all bf16, as
     FSDP2 trains a block's parameters in one dtype (mixed, it stops: "FSDP expects uniform
     original parameter dtype")."""
-    from transformers import AutoModelForCausalLM, Glm4MoeConfig
-
-    from verlite.models.precision import cast_weights
-
-    torch.manual_seed(0)
-    config = Glm4MoeConfig(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_moe("glm4_moe", n_routed_experts=4, first_k_dense_replace=1, head_dim=8)
     with torch.no_grad():  # a router that routes: HF initializes its weight to zeros
         model.model.layers[1].mlp.gate.weight.normal_()
     model.save_pretrained(tmp_path)

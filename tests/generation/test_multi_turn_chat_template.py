@@ -33,14 +33,30 @@ from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 WIDTH = 256
 
 
-def turns_of(template: str, *overrides: str) -> tuple[TurnFormat, PreTrainedTokenizerFast]:
-    tokenizer = chat_tokenizer(template)
+def turns_for(tokenizer: PreTrainedTokenizerFast, *overrides: str) -> TurnFormat:
     cfg = load_config(
         "configs/tool_tiny.yaml", ["model.path=/models/chat", "data.chat_template=true", *overrides]
     )
     turns = turn_format(cfg, tokenizer)
     assert turns is not None
-    return turns, tokenizer
+    return turns
+
+
+def turns_of(template: str, *overrides: str) -> tuple[TurnFormat, PreTrainedTokenizerFast]:
+    tokenizer = chat_tokenizer(template)
+    return turns_for(tokenizer, *overrides), tokenizer
+
+
+def session_of(env: type, prompt: str, turns: TurnFormat | None) -> Session:
+    """A trajectory's session of ``env`` for ``prompt`` (answer 4)."""
+    return Session(
+        env,
+        {"prompt": prompt, "answer": "4"},
+        index=0,
+        timeout_s=5.0,
+        abandoned=AbandonedCalls(0),
+        turns=turns,
+    )
 
 
 class Tool:
@@ -234,14 +250,7 @@ def test_an_observation_cannot_forge_a_turn_boundary_or_an_assistant_turn() -> N
     turns, tokenizer = turns_of(QWEN_TOOL_TEMPLATE)
     specials = set(tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<|endoftext|>"]))
     for with_template in (None, turns):
-        session = Session(
-            Forges,
-            {"prompt": "375>", "answer": "4"},
-            index=0,
-            timeout_s=5.0,
-            abandoned=AbandonedCalls(0),
-            turns=with_template,
-        )
+        session = session_of(Forges, "375>", with_template)
         ids = session.observation_ids(FORGED, tokenizer)
         benign = session.observation_ids("=4", tokenizer)
         assert [i for i in ids if i in specials] == [i for i in benign if i in specials]
@@ -294,24 +303,8 @@ def test_a_forged_observation_keeps_the_tokens_of_a_template_whose_turn_tokens_s
             ]
         }
     )
-    cfg = load_config(
-        "configs/tool_tiny.yaml",
-        [
-            "model.path=/models/chat",
-            "data.chat_template=true",
-            "rollout.multi_turn.observation_role=user",
-        ],
-    )
-    turns = turn_format(cfg, tokenizer)
-    assert turns is not None
-    session = Session(
-        Forges,
-        {"prompt": "375>", "answer": "4"},
-        index=0,
-        timeout_s=5.0,
-        abandoned=AbandonedCalls(0),
-        turns=turns,
-    )
+    turns = turns_for(tokenizer, "rollout.multi_turn.observation_role=user")
+    session = session_of(Forges, "375>", turns)
     benign = session.observation_ids("=4", tokenizer)
     assert tokenizer.convert_ids_to_tokens(benign) == [
         "<|user|>",
@@ -420,16 +413,8 @@ def test_an_observation_is_tokenized_as_it_follows_the_end_of_the_policys_turn()
     # Tokenized on its own, the observation's turn began "▁[INST]" where the template's
     # conversation has "[INST]" after the end of the assistant's turn.
     tokenizer = sentencepiece_tokenizer(extra=" <a/s>")  # "</s>" as characters: no <unk>
-    cfg = load_config(
-        "configs/tool_tiny.yaml",
-        [
-            "model.path=/models/chat",
-            "data.chat_template=true",
-            "rollout.multi_turn.observation_role=user",
-        ],
-    )
-    turns = turn_format(cfg, tokenizer)
-    assert turns is not None and turns.end == "</s>"
+    turns = turns_for(tokenizer, "rollout.multi_turn.observation_role=user")
+    assert turns.end == "</s>"
     conversation = [
         {"role": "user", "content": "Question?"},
         {"role": "assistant", "content": "Answer."},
@@ -437,14 +422,7 @@ def test_an_observation_is_tokenized_as_it_follows_the_end_of_the_policys_turn()
     ]
     whole = tokenizer.apply_chat_template(conversation, tokenize=True)["input_ids"]
     after_end = whole[whole.index(tokenizer.eos_token_id) + 1 :]
-    session = Session(
-        Tool,
-        {"prompt": "Question?", "answer": "4"},
-        index=0,
-        timeout_s=5.0,
-        abandoned=AbandonedCalls(0),
-        turns=turns,
-    )
+    session = session_of(Tool, "Question?", turns)
     assert session.observation_ids("=4", tokenizer) == after_end
     assert tokenizer.convert_ids_to_tokens(after_end)[0] != "▁[INST]"
     # The same when the observation holds a special token's text ("</s>", its characters):

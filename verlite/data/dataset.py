@@ -20,7 +20,7 @@ from verlite.config import Config
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
 from verlite.data.tasks import TASKS
 from verlite.data.templates import format_prompts
-from verlite.data.tokenizer import encode_prompts, unknown_characters
+from verlite.data.tokenizer import encode_prompts, special_tokens, unknown_characters
 from verlite.errors import shown
 
 
@@ -221,9 +221,7 @@ def _special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str
     """The texts the tokenizer reads as a special token that the same text split into
     ordinary tokens is not (a pad token set to an ordinary token, such as ``!``, is text),
     longest first; None when there are none."""
-    texts = set(tokenizer.all_special_tokens) | {
-        token.content for token in tokenizer.added_tokens_decoder.values() if token.special
-    }
+    texts = set(tokenizer.all_special_tokens) | set(special_tokens(tokenizer))
     controls = [
         text
         for text in texts

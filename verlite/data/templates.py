@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, DataConfig
 from verlite.data.files import DataError, PromptRecord
-from verlite.data.tokenizer import encode_written, special_texts, unknown_characters
+from verlite.data.tokenizer import encode_written, special_tokens, unknown_characters
 from verlite.errors import shown
 
 
@@ -171,7 +171,7 @@ class TurnFormat:
         writes around any observation, where :meth:`observation_ids` finds it."""
         text = self._rendered(observation)
         if self._span(text) is None and any(
-            special in observation for special in special_texts(self.tokenizer)
+            special in observation for special in special_tokens(self.tokenizer)
         ):
             raise DataError(
                 f"the chat template of model.path={self.model_path!r} writes other text around "

@@ -125,10 +125,12 @@ def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str
     return "".join(pieces)
 
 
-def special_texts(tokenizer: PreTrainedTokenizerBase) -> list[str]:
-    """The texts of the tokenizer's special tokens (``<|im_end|>``, ``<eos>``): those it reads
-    as the token wherever they occur, unless asked to split them."""
-    return [t.content for t in tokenizer.added_tokens_decoder.values() if t.special and t.content]
+def special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, AddedToken]:
+    """The tokenizer's special tokens (``<|im_end|>``, ``<eos>``) by their text: the texts it
+    reads as the token wherever they occur, unless asked to split them."""
+    return {
+        t.content: t for t in tokenizer.added_tokens_decoder.values() if t.special and t.content
+    }
 
 
 def encode_written(
@@ -147,8 +149,7 @@ def encode_written(
     ``split_special_tokens``, as it follows that special token (:func:`_as_text`). A text
     whose span holds no special token's text encodes as it always did."""
     stop = len(text) if stop is None else stop
-    specials = {t.content: t for t in tokenizer.added_tokens_decoder.values() if t.special}
-    specials.pop("", None)
+    specials = special_tokens(tokenizer)
     if not any(s in text[start:stop] for s in specials):
         return list(tokenizer.encode(text, add_special_tokens=False))
     lo, hi = 0, len(text)

@@ -2,17 +2,17 @@
 
 A session's calls (making its environment, ``reset`` and every ``step``) run one after
 another in one daemon thread of its own, so that state an environment keeps per thread (a
-database client's connection) is there in every call; :meth:`Session.close` ends the
-thread. Each call is waited for at most ``rollout.multi_turn.tool_timeout_s``. A ``step``
-that raises or outlives that bound is a tool error: it ends that trajectory (score 0,
-counted in ``multiturn/tool_errors``), never the run. A Python thread cannot be stopped,
-so the thread of a call that timed out is left running (``multiturn/abandoned_calls``);
-each worker counts its live ones (:class:`AbandonedCalls`), and more than
-``rollout.multi_turn.max_abandoned_calls`` of them (a tool stuck in a loop, which would
-slow every later step) stop the run in one line. An environment that breaks its contract stops the run in one line naming it and the prompt:
-a class that cannot be made or a ``reset`` that raises or hangs, or a ``step`` whose answer
-is not a :class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode,
-a reward in [0, 1] and a bool ``done``.
+database client's connection) is there in every call; :meth:`Session.close` ends the thread.
+Each call is waited for at most ``rollout.multi_turn.tool_timeout_s``. A ``step`` that
+raises or outlives that bound is a tool error: it ends that trajectory (score 0, counted in
+``multiturn/tool_errors``), never the run. A Python thread cannot be stopped, so the thread
+of a call that timed out is left running (``multiturn/abandoned_calls``); each worker counts
+its live ones (:class:`AbandonedCalls`), and more than
+``rollout.multi_turn.max_abandoned_calls`` of them (a tool stuck in a loop, which would slow
+every later step) stop the run in one line. An environment that breaks its contract stops
+the run in one line naming it and the prompt: a class that cannot be made or a ``reset``
+that raises or hangs, or a ``step`` whose answer is not a :class:`~verlite.envs.base.Turn`
+of a string observation the tokenizer can encode, a reward in [0, 1] and a bool ``done``.
 """
 
 from __future__ import annotations

@@ -86,14 +86,17 @@ def reward_texts(tokenizer: Any, td: TensorDict) -> list[str]:
     tokens, then the response as it continues the prompt's text (``data.continuation_text``:
     the space before its first word kept)."""
     width = td["responses"].shape[1]
-    prompts = td["input_ids"][:, :-width]
-    real = td["attention_mask"][:, :-width].bool()
+    # Each batch read on the host once, not a row at a time (on a GPU every read waits).
+    prompts = td["input_ids"][:, :-width].tolist()
+    real = td["attention_mask"][:, :-width].tolist()
     lengths = td["response_mask"].sum(-1).tolist()
     texts = []
-    for prompt, keep, response, n in zip(prompts, real, td["responses"], lengths, strict=True):
-        ids = prompt[keep].tolist()
+    for prompt, keep, response, n in zip(
+        prompts, real, td["responses"].tolist(), lengths, strict=True
+    ):
+        ids = [token for token, kept in zip(prompt, keep, strict=True) if kept]
         texts.append(
             tokenizer.decode(ids, skip_special_tokens=True)
-            + continuation_text(tokenizer, ids, response[:n].tolist())
+            + continuation_text(tokenizer, ids, response[:n])
         )
     return texts

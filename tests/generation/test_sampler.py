@@ -282,5 +282,5 @@ def _diverge_on_rank_1(rank: int, world: int, mode: str) -> str:
 def test_nan_logits_on_one_fsdp_rank_stop_every_rank(decode: str) -> None:
     """A rank that raised alone would leave the others waiting in the next all-gather."""
     messages = run_on_ranks(_diverge_on_rank_1, world_size=2, args=(decode,), timeout_s=120)
-    assert "0 of 4 rows on this rank" in messages[0]
-    assert "1 of 4 rows on this rank" in messages[1]
+    assert "decode step 1 (0 of 4 rows on this rank)" in messages[0]
+    assert "decode step 1 (1 of 4 rows on this rank)" in messages[1]

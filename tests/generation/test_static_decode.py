@@ -93,13 +93,14 @@ def test_static_matches_eager_bit_for_bit(dtype: str, name: str, buckets) -> Non
     forward = static.static._forward  # type: ignore[union-attr]
     static.static._forward = lambda rows, span, p: (calls.append(rows), forward(rows, span, p))  # type: ignore[union-attr,method-assign]
     assert_same(static.generate(td, params, noise(td, 4, 14)), eager)
-    # Step t ran on the smallest bucket holding the rows still unfinished (compacted as
-    # they finish), and the steps stopped when the last row did.
+    # Step t ran on the smallest bucket holding the rows unfinished before step t - 1 (the
+    # host reads a step's flags while the next step runs: its choice lags a step, compacted
+    # as rows finish), and the steps stopped one step after the last row finished.
     lengths = eager["response_mask"].sum(-1)
     sizes = buckets_for(len(td), buckets)
     expected = [
-        next(b for b in sizes if b >= int((lengths > t).sum()))
-        for t in range(1, int(lengths.max()))
+        next(b for b in sizes if b >= int((lengths > t - 1).sum()))
+        for t in range(1, min(int(lengths.max()) + 1, params.max_new_tokens))
     ]
     assert calls == expected and len(set(calls)) > 1
 
@@ -203,8 +204,8 @@ class Counting(StaticDecoder):
         self.counted: list[int] = []
         self.filled = 0
 
-    def _check(self, rows: int, batch: int) -> tuple[int, bool]:
-        active, running = super()._check(rows, batch)
+    def _check(self, position: int, batch: int) -> tuple[int, bool]:
+        active, running = super()._check(position, batch)
         self.counted.append(active)
         return active, running
 
@@ -241,6 +242,91 @@ def test_rows_that_fill_a_bucket_carry_nothing() -> None:
         assert steps == [int((lengths > t).sum()) for t in range(1, len(steps) + 1)]
         filled += decoder.filled
     assert filled > 0
+
+
+class Ordered(ClosureGraphs):
+    """Records in order each decode step launched, each step's flags sent to the host and
+    each step's flags read there (the prefill's, decode position 0, are sent first)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[str] = []
+
+    def _step(self, rows: int, span: int, params: SamplingParams) -> None:
+        self.log.append(f"launch {sum(e.startswith('launch') for e in self.log) + 1}")
+        super()._step(rows, span, params)
+
+    def _send(self, position: int) -> None:
+        self.log.append(f"send {position}")
+        super()._send(position)
+
+    def _check(self, position: int, batch: int) -> tuple[int, bool]:
+        self.log.append(f"read {position}")
+        return super()._check(position, batch)
+
+
+@pytest.mark.parametrize("mode", ["static", "cuda_graphs"])
+def test_the_host_reads_a_steps_flags_only_once_the_next_step_is_launched(mode: str) -> None:
+    """Step t is launched and its flags' copy started before the flags of step t - 1 are
+    read (the one host read of a step): on a GPU the host's read, choice of bucket and
+    compaction overlap the next step instead of the GPU waiting for them. Only the last
+    step's flags are read with no step after them: the one launched after the last row
+    finished, which samples pads only, and the responses are still eager's."""
+    from verlite.generation.sampling import BUDGET_KEY
+
+    model, td, params = llama("fp64"), prompts(batch=12, width=9, seed=1), SETTINGS["sampled"]
+    eos = ragged_eos(model, td, params, 4)
+    td[BUDGET_KEY] = torch.arange(12) % 9 + 1  # every row ends before the last position
+    eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 4, 14))
+    decode = DecodeSettings(mode, batch_buckets=(2, 4, 8), kv_block=4)
+    static = sampler(model, DecodeSettings("eager"), eos)
+    decoder = Ordered(model, eos_token_id=eos, pad_token_id=PAD, lockstep=False, settings=decode)
+    static.static = decoder
+    assert_same(static.generate(td, params, noise(td, 4, 14)), eager)
+    last = int(eager["response_mask"].sum(-1).max())  # the step after the last row's last
+    assert last < params.max_new_tokens - 1
+    expected = ["send 0"]
+    for t in range(1, last + 1):
+        expected += [f"launch {t}", f"send {t}", f"read {t - 1}"]
+    assert decoder.log == [*expected, f"read {last}"]
+
+
+def _ragged_lockstep(rank: int, world: int, eos: int) -> tuple[list[int], bool]:
+    """Rank 0's rows stop within 6 tokens (their budgets), rank 1's at their end token."""
+    from verlite.distributed import apply_fsdp
+    from verlite.generation.sampling import BUDGET_KEY
+
+    model, td = apply_fsdp(llama("fp64")), prompts(batch=12, width=9, seed=1 + rank)
+    if rank == 0:
+        td[BUDGET_KEY] = torch.tensor([1, 2, 3, 4, 5, 6] * 2)
+    out = [
+        Sampler(model, eos_token_id=eos, pad_token_id=PAD, lockstep=True, decode=decode).generate(
+            td, SETTINGS["sampled"], noise(td, 4, 14)
+        )
+        for decode in (DecodeSettings("eager"), DecodeSettings("static", batch_buckets=(2, 4, 8)))
+    ]
+    try:
+        assert_same(out[1], out[0])
+    except AssertionError:
+        return [], False
+    return out[0]["response_mask"].sum(-1).tolist(), True
+
+
+def test_fsdp_ranks_whose_rows_finish_at_different_steps_decode_statically_as_eagerly() -> None:
+    """In FSDP lockstep over two gloo ranks, rows finishing at many different steps and one
+    rank's long before the other's (it then steps on, compacted to its smallest bucket, on
+    finished rows only): the static path's responses are eager's on every rank, its decisions
+    taken on the flags of the step before, agreed over the ranks."""
+    from verlite.distributed import run_on_ranks
+
+    model, td = llama("fp64"), prompts(batch=12, width=9, seed=2)
+    eos = ragged_eos(model, td, SETTINGS["sampled"], 4)
+    (short, same0), (long, same1) = run_on_ranks(
+        _ragged_lockstep, world_size=2, args=(eos,), timeout_s=120
+    )
+    assert same0 and same1
+    assert max(short) <= 6 < max(long)
+    assert len(set(short)) >= 4 and len(set(long)) >= 4
 
 
 def test_a_cache_that_cannot_fit_is_refused_before_generating(

@@ -17,6 +17,16 @@ captured per (bucket, span, sampling settings) the first time it is needed, its 
 being a real step (the warm-up torch asks for before capture), and kept while the model's
 parameters and the buffers stay where they are.
 
+The host reads one small tensor a step, the flags the step wrote itself (its unfinished
+rows, the first position a row diverged at), a step behind: step t is launched and the copy
+of its flags started (on cuda non-blocking, into pinned memory) before the flags of step
+t - 1 are read, so the device has a step queued while the host decides whether to stop,
+which bucket the next step runs on, and whether a row diverged. The decisions lag a step: a
+bucket holds the rows unfinished a step earlier (at least those unfinished now, which
+compaction moves), and one step runs after the last row finished, on finished rows only (it
+writes pads and zero log-probs), within the ``max_new_tokens`` positions. What this saves
+on a GPU is not measured.
+
 Without graphs (``mode="static"``, what runs on CPU) the same step runs eagerly and attends
 to exactly the filled positions: its tokens and log-probs are those of the eager sampler,
 bit for bit (tests/generation/test_static_decode.py). With a rounded span a step's attention
@@ -238,6 +248,14 @@ class StaticDecoder:
         self.ends = torch.full((MAX_END_TOKENS,), -1, **long)
         self.position = torch.zeros(1, **long)  # the decode position being sampled
         self.diverged = torch.full((2,), -1, **long)  # (decode position, rows) of the first
+        # What the host reads of a step, written by the step itself (``_take``): its unfinished
+        # rows, ``diverged``, and whether any row is unfinished / any diverged (those two
+        # agreed over the ranks in lockstep); copied into one of two host buffers (pinned on
+        # cuda, with the event that says the copy is done), a step's while the last is read.
+        self.flags = torch.zeros(5, **long)
+        pinned = device.type == "cuda"
+        self.host_flags = [torch.zeros(5, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
+        self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
 
     def _check_device(self, device: torch.device) -> None:
         if self.settings.mode == "cuda_graphs" and device.type != "cuda":
@@ -302,16 +320,21 @@ class StaticDecoder:
         finally:
             cache.state.prefilling = False
         self._take(out.logits[:, -1], batch, params)
-        rows = batch
-        for t in range(1, new + 1):
-            active, running = self._check(rows, batch)
-            if not running or t == new:
+        self._send(0)
+        rows, t = batch, 0
+        # Step t goes out before the flags of step t - 1 are read (the module's docstring):
+        # the next bucket holds the rows unfinished before step t, at least those after it.
+        for t in range(1, new):
+            self._step(rows, self._span(width + t), params)
+            self._send(t)
+            active, running = self._check(t - 1, batch)
+            if not running or t == new - 1:
                 break
             smaller = next(b for b in buckets if b >= max(active, 1))
             if smaller < rows:
                 self._compact(rows, smaller)
                 rows = smaller
-            self._step(rows, self._span(width + t), params)
+        self._check(t, batch)  # the last step's flags: whether it diverged
         real = torch.arange(new, device=device) < self.lengths[:batch, None]
         return build_step_batch(
             prompts,
@@ -352,7 +375,8 @@ class StaticDecoder:
 
     def _take(self, logits: torch.Tensor, rows: int, params: SamplingParams) -> None:
         """Sample decode position ``self.position`` for the first ``rows`` rows from their
-        ``logits``, record it and advance every device counter: no host number involved."""
+        ``logits``, record it, write the step's ``flags`` and advance every device counter:
+        no host number involved."""
         finished = self.finished[:rows]
         uniforms = (
             None if params.temperature == 0 else keyed_uniforms(self.keys[:rows], self.position)
@@ -376,6 +400,10 @@ class StaticDecoder:
         first = (self.diverged[0] < 0) & nonfinite.any()
         self.diverged.copy_(
             torch.where(first, torch.stack([self.position[0], nonfinite.sum()]), self.diverged)
+        )
+        unfinished = (~finished).sum().view(1)
+        self.flags.copy_(
+            torch.cat([unfinished, self.diverged, unfinished > 0, self.diverged[:1] >= 0])
         )
         self.ids[:rows, 0] = token
         self.cache.state.slot += 1  # type: ignore[union-attr]
@@ -407,19 +435,28 @@ class StaticDecoder:
         assert self.cache is not None
         return min(-(-filled // block) * block, self.cache.capacity)
 
-    def _check(self, rows: int, batch: int) -> tuple[int, bool]:
-        """This rank's unfinished rows, and whether any rank has one (one host sync; the
-        flags agreed over the ranks first with ``lockstep``); raises, on every rank, if a
-        row sampled from non-finite logits."""
-        local = torch.cat([(~self.finished[:rows]).sum().view(1), self.diverged])
-        flags = torch.stack([local[0] > 0, local[1] >= 0]).long()
+    def _send(self, position: int) -> None:
+        """Start copying the flags of decode position ``position``, the step just launched,
+        to the host (in stream order after it, agreed over the ranks first in ``lockstep``):
+        on cuda a non-blocking copy into pinned memory, its event recorded."""
         if self.lockstep:
-            all_reduce_max(flags)
-        active, position, diverged_rows, running, diverged = torch.cat([local, flags]).tolist()
+            all_reduce_max(self.flags[3:])
+        self.host_flags[position % 2].copy_(self.flags, non_blocking=True)
+        event = self.copied[position % 2]
+        if event is not None:
+            event.record()
+
+    def _check(self, position: int, batch: int) -> tuple[int, bool]:
+        """This rank's rows unfinished after decode position ``position``, and whether any
+        rank has one, as ``_send`` copied them (waiting for that copy only: the one host read
+        of a step); raises, on every rank, if a row sampled from non-finite logits."""
+        event = self.copied[position % 2]
+        if event is not None:
+            event.synchronize()
+        active, at, diverged_rows, running, diverged = self.host_flags[position % 2].tolist()
         if diverged:
-            # A rank whose rows stayed finite names the step just sampled, as eager does.
-            at = position if position >= 0 else int(self.position) - 1
-            raise GenerationDiverged(at, max(diverged_rows, 0), batch)
+            # A rank whose rows stayed finite names this position, as eager does.
+            raise GenerationDiverged(at if at >= 0 else position, max(diverged_rows, 0), batch)
         return active, bool(running)
 
     def _compact(self, rows: int, target: int) -> None:
@@ -429,7 +466,8 @@ class StaticDecoder:
         assert cache is not None
         active = (~self.finished[:rows]).nonzero().flatten()
         count = len(active)
-        # The filling rows copy an unfinished row (any row: with no unfinished one, in lockstep).
+        # The filling rows copy an unfinished row (any row with no unfinished one: in lockstep,
+        # or when the last ones finished at the step the lagged flags did not see yet).
         filler = active[:1] if count else active.new_zeros(1)
         index = torch.cat([active, filler.expand(target - count)])
         cache.gather_rows(index)

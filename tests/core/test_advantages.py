@@ -528,6 +528,7 @@ def test_compute_advantages_hands_the_estimator_its_inputs() -> None:
         assert inputs.norm_adv_by_std is True
     finally:
         ADV_ESTIMATORS.pop("_spy", None)
+        adv_mod.ESTIMATOR_SETTINGS.pop("_spy", None)
     assert "_spy" not in adv_mod.ADV_ESTIMATORS
 
 

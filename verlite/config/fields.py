@@ -4,10 +4,15 @@ keys refused) and the field types the sections share."""
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
+
+if TYPE_CHECKING:
+    from verlite.config.schema import Config
 
 # Every size and count fits a 32-bit int: a 29-digit step count is a typo, not a plan.
 MAX_INT = 2**31 - 1
@@ -81,3 +86,24 @@ class Section(BaseModel):
     model_config = ConfigDict(
         frozen=True, extra="forbid", validate_default=True, allow_inf_nan=False, strict=True
     )
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Settings that take effect only when a feature is on, declared by each section module
+    beside its fields (its ``NEEDS``) and gathered by :mod:`verlite.config.inert`: the
+    ``fields`` (dotted; a section stands for every field under it) do nothing unless
+    ``active(cfg)``; ``unless`` says what turns them on, as the start-up line and
+    docs/config.md say it; ``example`` holds overrides that turn it on (docs/config.md shows
+    them, and the tests check each declaration with them)."""
+
+    fields: tuple[str, ...]
+    unless: str
+    active: Callable[[Config], bool]
+    example: Mapping[str, Any]
+
+
+def fields_but(model: type[BaseModel], section: str, switch: str) -> tuple[str, ...]:
+    """The dotted fields of ``model`` at ``section`` except its ``switch``: what a feature
+    whose section holds its own switch leaves without effect when it is off."""
+    return tuple(f"{section}.{name}" for name in model.model_fields if name != switch)

@@ -43,28 +43,37 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
     another (``critic.loss_agg_mode`` follows ``actor.loss_agg_mode``) follows the override."""
     if isinstance(source, Config):
         raw = copy.deepcopy(source._source) if source._source is not None else source.model_dump()
-    elif isinstance(source, Mapping):
-        raw = copy.deepcopy(dict(source))
-    elif source is not None:
-        raw = read_mapping(
-            source, what="config file", example="of sections: model:, data:, ...", error=ConfigError
-        )
+        explicit = source.explicit
     else:
-        raw = {}
+        if isinstance(source, Mapping):
+            raw = copy.deepcopy(dict(source))
+        elif source is not None:
+            raw = read_mapping(
+                source,
+                what="config file",
+                example="of sections: model:, data:, ...",
+                error=ConfigError,
+            )
+        else:
+            raw = {}
+        explicit = frozenset(explicit_fields(raw))
     if isinstance(overrides, str | bytes) or not isinstance(overrides, Mapping | Iterable):
         what = "one string" if isinstance(overrides, str) else _a(type(overrides).__name__)
         raise ConfigError(
             f"overrides={shown(overrides)} is {what}; give a list of dotted.key=value strings "
             "or a mapping of dotted keys to values (or none)"
         )
+    # The overrides alone, applied to an empty config as well: the fields they set.
+    overridden: dict[str, Any] = {}
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            section, leaf, annotation = _slot(
-                raw,
-                str(key),
-                f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode",
-            )
-            _assign(section, leaf, value, annotation)
+            for target in (raw, overridden):
+                section, leaf, annotation = _slot(
+                    target,
+                    str(key),
+                    f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode",
+                )
+                _assign(section, leaf, copy.deepcopy(value), annotation)
     else:
         for index, item in enumerate(overrides):
             if not isinstance(item, str):
@@ -72,13 +81,31 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
                     f"overrides[{index}]={shown(item)}: expected a dotted.key=value string, "
                     f"got {_a(type(item).__name__)}"
                 )
-            _apply_override(raw, item)
+            for target in (raw, overridden):
+                _apply_override(target, item)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, raw)) from None
     cfg._source = raw
+    cfg._explicit = explicit | explicit_fields(overridden)
     return cfg
+
+
+def explicit_fields(raw: Mapping[str, Any], model: type[BaseModel] = Config) -> set[str]:
+    """The dotted fields a raw mapping of ``model`` sets: its values that are not sections,
+    and those inside the sections it gives as mappings (an empty section sets nothing)."""
+    found = set()
+    for key, value in raw.items():
+        field = model.model_fields.get(key) if isinstance(key, str) else None
+        if field is None:
+            continue  # an unknown key: validation refuses it
+        section = _section_type(field.annotation)
+        if section is None:
+            found.add(key)
+        elif isinstance(value, Mapping):
+            found.update(f"{key}.{name}" for name in explicit_fields(value, section))
+    return found
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> None:

@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from verlite.config import MOVED_KEYS, Config
+from verlite.config.inert import NEEDS
 
 HEADER = """# Configuration reference
 
@@ -31,7 +32,11 @@ number), a string field no number; `1e-3` is a number, and only `true` and `fals
 booleans (`yes`, `no`, `on` and `off` are words, as in YAML 1.2). Unknown keys, wrong types,
 out-of-range values, `inf` and `nan` are refused before anything starts, with one line
 naming the field, the value and what is allowed; a key that moved is refused with one line
-naming its new place (see "Moved keys" at the end).
+naming its new place (see "Moved keys" at the end). A setting that has no effect because
+the feature it belongs to is off (`rollout.multi_turn.max_turns` without
+`rollout.multi_turn.env`) is accepted, and a run names every such setting its file or
+command line sets in one line at start-up, e.g. `config: rollout.multi_turn.max_turns has no
+effect unless rollout.multi_turn.env is set` (see "Settings that need a feature" at the end).
 """
 
 
@@ -40,7 +45,21 @@ def config_reference() -> str:
     lines = [HEADER]
     for name, field in Config.model_fields.items():
         _section(lines, name, _model_of(field), field.description or "")
-    lines += ["## Moved keys", "", "| old key | now |", "|---|---|"]
+    lines += [
+        "## Settings that need a feature",
+        "",
+        "Set without their feature, these do nothing; a run names the ones its config sets "
+        "(a section stands for every field in it).",
+        "",
+        "| settings | take effect only if | e.g. |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {', '.join(f'`{name}`' for name in needs.fields)} | {needs.unless} | "
+        f"{' '.join(f'`{key}={_flow(value)}`' for key, value in needs.example.items())} |"
+        for needs in NEEDS
+    ]
+    lines += ["", "## Moved keys", "", "| old key | now |", "|---|---|"]
     lines += [f"| `{old}` | `{new}` |" for old, new in MOVED_KEYS.items()]
     return "\n".join([*lines, ""])
 
@@ -63,6 +82,13 @@ def _section(lines: list[str], path: str, model: type[BaseModel], summary: str) 
     lines.append("")
     for sub_path, sub, sub_summary in nested:
         _section(lines, sub_path, sub, sub_summary)
+
+
+def _flow(value: Any) -> str:
+    """A value as an override writes it: ``true``, ``null``, ``[console, wandb]``."""
+    if isinstance(value, list):
+        return f"[{', '.join(map(_flow, value))}]"
+    return "null" if value is None else json.dumps(value).strip('"')
 
 
 def _model_of(field: FieldInfo) -> Any:

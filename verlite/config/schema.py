@@ -34,6 +34,15 @@ class Config(Section, Derived):
     # The raw mapping it was loaded from: overrides apply to it, so that fields defaulting to
     # other fields follow them (``load_config(cfg, overrides)``).
     _source: dict[str, Any] | None = PrivateAttr(None)
+    # The dotted fields its file and overrides set (verlite.config.loading), as against those
+    # left to their defaults or filled in from other fields.
+    _explicit: frozenset[str] = PrivateAttr(frozenset())
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """The dotted fields the config's file and overrides set (the others hold defaults,
+        or values filled in from other fields); none for a config built otherwise."""
+        return self._explicit
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Config:
         """A copy; one with ``update`` forgets the mapping it was loaded from, which no

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from verlite.config.fields import NonEmptyStr, PathStr, PositiveInt, Section
+from verlite.config.fields import Needs, NonEmptyStr, PathStr, PositiveInt, Section
 
 # What the deprecated ``model.dtype`` values mean as a ``model.precision``.
 DTYPE_PRECISION = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
@@ -194,3 +194,45 @@ class DataConfig(Section):
                 f"data.min_digits={self.min_digits} must be <= data.max_digits={self.max_digits}"
             )
         return self
+
+
+# Settings of these sections that only a feature makes count (verlite.config.inert).
+NEEDS = (
+    Needs(
+        (
+            "model.arch",
+            "model.hidden_size",
+            "model.num_layers",
+            "model.num_heads",
+            "model.num_kv_heads",
+            "model.intermediate_size",
+        ),
+        unless="model.path is unset (the built-in model)",
+        active=lambda cfg: cfg.model.path is None,
+        example={"model.path": None},
+    ),
+    Needs(
+        ("model.attention_crossover",),
+        unless="a role packs (actor.packing, or critic.packing with a critic)",
+        active=lambda cfg: any(getattr(cfg, role).packing for role in cfg.roles),
+        example={"actor.packing": True},
+    ),
+    Needs(
+        ("data.num_train_samples", "data.min_digits", "data.max_digits"),
+        unless="data.task is set (a synthetic task)",
+        active=lambda cfg: cfg.data.task is not None,
+        example={"data.task": "copy", "data.train_file": None},
+    ),
+    Needs(
+        ("data.val_file",),
+        unless="data.train_file is set (a synthetic task makes its own validation prompts)",
+        active=lambda cfg: cfg.data.train_file is not None,
+        example={"data.task": None, "data.train_file": "prompts.jsonl"},
+    ),
+    Needs(
+        ("data.num_val_samples",),
+        unless="data.val_file is unset (the validation prompts are held out)",
+        active=lambda cfg: cfg.data.val_file is None or cfg.data.task is not None,
+        example={"data.val_file": None},
+    ),
+)

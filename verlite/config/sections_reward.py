@@ -12,7 +12,15 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, Field, model_validator
 
 from verlite.config.defaults import as_dict
-from verlite.config.fields import NonEmptyStr, PathStr, PositiveInt, Seconds, Section
+from verlite.config.fields import (
+    Needs,
+    NonEmptyStr,
+    PathStr,
+    PositiveInt,
+    Seconds,
+    Section,
+    fields_but,
+)
 from verlite.errors import shown
 from verlite.reachable import is_loopback_host
 from verlite.redaction import redact_url, secret_query_names
@@ -268,3 +276,20 @@ class RewardConfig(Section):
                 f"reward.combine={self.combine}: no source has a weight > 0; give at least one"
             )
         return self
+
+
+# Settings of this section that only a feature makes count (verlite.config.inert).
+NEEDS = (
+    Needs(
+        fields_but(RemoteRewardConfig, "reward.remote", "url"),
+        unless="reward.remote.url is set",
+        active=lambda cfg: cfg.reward.remote.url is not None,
+        example={"reward.remote.url": "http://127.0.0.1:8000/score"},
+    ),
+    Needs(
+        fields_but(RewardModelConfig, "reward.model", "path"),
+        unless="reward.model.path is set",
+        active=lambda cfg: cfg.reward.model.path is not None,
+        example={"reward.model.path": "reward_model"},
+    ),
+)

@@ -9,12 +9,14 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field
 
 from verlite.config.fields import (
+    Needs,
     NonEmptyStr,
     NonNegativeInt,
     OptionalGpusPerWorker,
     PositiveInt,
     Seconds,
     Section,
+    fields_but,
 )
 
 MIN_TEMPERATURE = 0.01
@@ -169,3 +171,37 @@ class RolloutConfig(Section):
         default_factory=MultiTurnConfig,
         description="Multi-turn rollouts with an environment (tools).",
     )
+
+
+# Settings of this section that only a feature makes count (verlite.config.inert).
+NEEDS = (
+    Needs(
+        tuple(
+            f"rollout.{name}"
+            for name in ("workers_per_node", "cpus_per_worker", "gpus_per_worker", "sync_bucket_mb")
+        ),
+        unless="rollout.placement=split",
+        active=lambda cfg: cfg.rollout.placement == "split",
+        example={"rollout.placement": "split"},
+    ),
+    Needs(
+        ("rollout.decode_batch_buckets",),
+        unless="rollout.decode is static or cuda_graphs (auto: on cuda, with "
+        "rollout.randomness=per_sample)",
+        active=lambda cfg: (
+            cfg.rollout.decode in ("static", "cuda_graphs")
+            or (
+                cfg.rollout.decode == "auto"
+                and (cfg.on_gpu or cfg.generates_on_gpu)
+                and cfg.rollout.randomness == "per_sample"
+            )
+        ),
+        example={"rollout.decode": "static"},
+    ),
+    Needs(
+        fields_but(MultiTurnConfig, "rollout.multi_turn", "env"),
+        unless="rollout.multi_turn.env is set",
+        active=lambda cfg: cfg.rollout.multi_turn.env is not None,
+        example={"rollout.multi_turn.env": "lookup", "rollout.multi_turn.max_total_length": 64},
+    ),
+)

@@ -11,6 +11,7 @@ from verlite.config.fields import (
     AsList,
     Distinct,
     GpusPerWorker,
+    Needs,
     NonEmptyStr,
     NonNegativeInt,
     PathStr,
@@ -125,3 +126,32 @@ class TrainerConfig(Section):
         3,
         description="Stop after this many consecutive updates skipped for a non-finite global gradient norm (what a non-finite loss gives).",
     )
+
+
+# Settings of this section that only a feature makes count (verlite.config.inert).
+NEEDS = (
+    Needs(
+        ("trainer.wandb",),
+        unless="trainer.loggers names wandb",
+        active=lambda cfg: "wandb" in cfg.trainer.loggers,
+        example={"trainer.loggers": ["console", "wandb"]},
+    ),
+    Needs(
+        ("trainer.mlflow_tracking_uri",),
+        unless="trainer.loggers names mlflow",
+        active=lambda cfg: "mlflow" in cfg.trainer.loggers,
+        example={"trainer.loggers": ["console", "mlflow"]},
+    ),
+    Needs(
+        ("trainer.max_checkpoints",),
+        unless="trainer.save_freq > 0",
+        active=lambda cfg: cfg.trainer.save_freq > 0,
+        example={"trainer.save_freq": 5},
+    ),
+    Needs(
+        ("trainer.peak_tflops",),
+        unless="the training workers run on cuda (perf/mfu/*)",
+        active=lambda cfg: cfg.on_gpu,
+        example={"model.device": "cuda"},
+    ),
+)

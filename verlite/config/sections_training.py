@@ -11,12 +11,20 @@ from pydantic import AfterValidator, Field
 from verlite.config.fields import (
     AsList,
     Distinct,
+    Needs,
     NonEmptyStr,
     NonNegativeInt,
     PositiveInt,
     Section,
+    fields_but,
 )
-from verlite.core.advantages import ADV_ESTIMATORS
+from verlite.core.advantages import (
+    ADV_ESTIMATORS,
+    ESTIMATOR_SETTINGS,
+    ESTIMATORS_NEEDING_CRITIC,
+    GROUP_BASELINES,
+    SETTINGS,
+)
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
 
 
@@ -286,3 +294,126 @@ class AlgorithmConfig(Section):
         default_factory=OverlongConfig,
         description="DAPO's overlong shaping: a soft penalty near the limit, or filtering.",
     )
+
+
+def _role_needs(role: Literal["actor", "critic"]) -> tuple[Needs, ...]:
+    """What a role's settings need, the same for the actor and the critic."""
+    return (
+        Needs(
+            (f"{role}.max_token_len_per_worker",),
+            unless=f"{role}.use_dynamic_bsz=true",
+            active=lambda cfg: getattr(cfg, role).use_dynamic_bsz,
+            example={f"{role}.use_dynamic_bsz": True, f"{role}.max_token_len_per_worker": 512},
+        ),
+        Needs(
+            (f"{role}.micro_batch_size_per_worker",),
+            unless=f"{role}.use_dynamic_bsz=false (a token budget cuts the micro-batches)",
+            active=lambda cfg: not getattr(cfg, role).use_dynamic_bsz,
+            example={f"{role}.use_dynamic_bsz": False},
+        ),
+        Needs(
+            (f"{role}.loss_scale_factor",),
+            unless=f"{role}.loss_agg_mode=seq-mean-token-sum-norm",
+            active=lambda cfg: getattr(cfg, role).loss_agg_mode == "seq-mean-token-sum-norm",
+            example={f"{role}.loss_agg_mode": "seq-mean-token-sum-norm"},
+        ),
+        Needs(
+            (f"{role}.optim.min_lr_ratio",),
+            unless=f"{role}.optim.schedule=cosine",
+            active=lambda cfg: getattr(cfg, role).optim.schedule == "cosine",
+            example={f"{role}.optim.schedule": "cosine"},
+        ),
+        Needs(
+            (f"{role}.optim.betas",),
+            unless=f"{role}.optim.name=adamw",
+            active=lambda cfg: getattr(cfg, role).optim.name == "adamw",
+            example={f"{role}.optim.name": "adamw"},
+        ),
+    )
+
+
+def _estimator_reads(setting: str) -> Needs:
+    """``algorithm.<setting>``, which only the estimators that read it use."""
+    readers = sorted(name for name in ADV_ESTIMATORS if setting in ESTIMATOR_SETTINGS[name])
+    return Needs(
+        (f"algorithm.{setting}",),
+        unless=f"algorithm.adv_estimator reads it ({', '.join(readers)})",
+        active=lambda cfg: setting in ESTIMATOR_SETTINGS[cfg.algorithm.adv_estimator],
+        example={
+            "algorithm.adv_estimator": readers[0],
+            **({"rollout.n": 2} if readers[0] in GROUP_BASELINES else {}),
+        },
+    )
+
+
+# Settings of these sections that only a feature makes count (verlite.config.inert); the
+# critic's first, so that a critic setting of a run without a critic is named for that.
+NEEDS = (
+    Needs(
+        ("critic",),
+        unless=f"algorithm.adv_estimator trains a critic ({', '.join(sorted(ESTIMATORS_NEEDING_CRITIC))})",
+        active=lambda cfg: cfg.use_critic,
+        example={"algorithm.adv_estimator": sorted(ESTIMATORS_NEEDING_CRITIC)[0]},
+    ),
+    *_role_needs("actor"),
+    *_role_needs("critic"),
+    Needs(
+        ("actor.kl_loss_coef", "actor.kl_loss_type"),
+        unless="actor.use_kl_loss=true",
+        active=lambda cfg: cfg.actor.use_kl_loss,
+        example={"actor.use_kl_loss": True},
+    ),
+    Needs(
+        ("actor.clip_ratio_low", "actor.clip_ratio_high"),
+        unless="actor.policy_loss clips a ratio (not reinforce)",
+        active=lambda cfg: cfg.actor.policy_loss != "reinforce",
+        example={"actor.policy_loss": "vanilla"},
+    ),
+    Needs(
+        ("actor.clip_ratio_c",),
+        unless="actor.policy_loss=vanilla (dual-clip)",
+        active=lambda cfg: cfg.actor.policy_loss == "vanilla",
+        example={"actor.policy_loss": "vanilla"},
+    ),
+    Needs(
+        fields_but(LoraConfig, "actor.lora", "rank"),
+        unless="actor.lora.rank > 0",
+        active=lambda cfg: cfg.actor.lora.rank > 0,
+        example={"actor.lora.rank": 4},
+    ),
+    Needs(
+        ("algorithm.kl_penalty", "algorithm.kl_ctrl"),
+        unless="algorithm.use_kl_in_reward=true",
+        active=lambda cfg: cfg.algorithm.use_kl_in_reward,
+        example={"algorithm.use_kl_in_reward": True},
+    ),
+    Needs(
+        ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon"),
+        unless="algorithm.kl_ctrl.type=adaptive",
+        active=lambda cfg: cfg.algorithm.kl_ctrl.type == "adaptive",
+        example={"algorithm.use_kl_in_reward": True, "algorithm.kl_ctrl.type": "adaptive"},
+    ),
+    *(_estimator_reads(setting) for setting in sorted(SETTINGS)),
+    Needs(
+        ("algorithm.rollout_is_cap",),
+        unless="algorithm.rollout_correction=tis",
+        active=lambda cfg: cfg.algorithm.rollout_correction == "tis",
+        example={"algorithm.rollout_correction": "tis"},
+    ),
+    Needs(
+        ("algorithm.dynamic_sampling.max_draws",),
+        unless="algorithm.dynamic_sampling.enable=true",
+        active=lambda cfg: cfg.algorithm.dynamic_sampling.enable,
+        example={
+            "algorithm.dynamic_sampling.enable": True,
+            "algorithm.adv_estimator": "grpo",
+            "rollout.n": 2,
+        },
+    ),
+    Needs(
+        ("algorithm.overlong.penalty",),
+        unless="algorithm.overlong.buffer > 0",
+        active=lambda cfg: cfg.algorithm.overlong.buffer > 0,
+        example={"algorithm.overlong.buffer": 2},
+    ),
+)

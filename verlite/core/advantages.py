@@ -34,7 +34,9 @@ from verlite.core.masked import masked_sum, masked_whiten
 __all__ = [
     "ADV_ESTIMATORS",
     "ESTIMATORS_NEEDING_CRITIC",
+    "ESTIMATOR_SETTINGS",
     "GROUP_BASELINES",
+    "SETTINGS",
     "AdvantageFn",
     "AdvantageInputs",
     "compute_advantages",
@@ -65,13 +67,25 @@ GROUP_BASELINES = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 ESTIMATORS_NEEDING_CRITIC: frozenset[str] = frozenset({"gae"})
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Register an estimator, a function of one :class:`AdvantageInputs`, under ``name``."""
+# The settings of AdvantageInputs (algorithm.<name> in a run's config), and those each
+# registered estimator reads: a run's config names the others as having no effect.
+SETTINGS: frozenset[str] = frozenset({"gamma", "lam", "norm_adv_by_std"})
+ESTIMATOR_SETTINGS: dict[str, frozenset[str]] = {}
+
+
+def register_advantage(
+    name: str, *, reads: frozenset[str] = SETTINGS
+) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register an estimator, a function of one :class:`AdvantageInputs`, under ``name``;
+    ``reads``: which of the :data:`SETTINGS` it uses (all, unless it says)."""
+    if not reads <= SETTINGS:
+        raise ValueError(f"{name!r} reads {sorted(reads - SETTINGS)}: not among {sorted(SETTINGS)}")
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADV_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADV_ESTIMATORS[name] = fn
+        ESTIMATOR_SETTINGS[name] = reads
         return fn
 
     return decorator
@@ -200,7 +214,7 @@ def _broadcast(per_seq: torch.Tensor, response_mask: torch.Tensor) -> torch.Tens
 # --------------------------------------------------------------------------- estimators
 
 
-@register_advantage("gae")
+@register_advantage("gae", reads=frozenset({"gamma", "lam"}))
 def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2015, arXiv:1506.02438).
 
@@ -226,7 +240,7 @@ def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return masked_whiten(adv, response_mask), returns
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", reads=frozenset({"norm_adv_by_std"}))
 def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-relative outcome advantage: GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
@@ -247,7 +261,7 @@ def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return advantages, advantages
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", reads=frozenset())
 def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740).
 
@@ -266,7 +280,7 @@ def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return advantages, advantages
 
 
-@register_advantage("reinforce_plus_plus")
+@register_advantage("reinforce_plus_plus", reads=frozenset({"gamma"}))
 def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262).
 
@@ -284,7 +298,7 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
     return masked_whiten(returns, response_mask), returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", reads=frozenset())
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ with a group-mean baseline (Hu et al. 2025, arXiv:2501.03262).
 

@@ -21,6 +21,7 @@ import ray
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
+from verlite.config.inert import inert_settings_line
 from verlite.controller import (
     RESUME_HINT,
     WorkerGroup,
@@ -172,6 +173,8 @@ def run_training(cfg: Config) -> Path:
             "connected to a Ray session; leave trainer.ray_address unset to train in it, "
             "or call ray.shutdown() first"
         )
+    if (inert := inert_settings_line(cfg)) is not None:
+        print(inert, flush=True)
     check_placement(cfg, in_session=joined)
     inputs = RunInputs.load(cfg)
     if joined:

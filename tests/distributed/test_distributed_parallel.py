@@ -237,3 +237,70 @@ def test_measuring_only_leaves_grads_alone() -> None:
         norm = vdist.clip_grad_norm(model, max_norm)
         torch.testing.assert_close(norm, torch.tensor(24.0).sqrt())
         assert torch.equal(model.weight.grad, torch.full((2, 3), 2.0))
+
+
+def _train_kept_fp32_rank(rank: int, world: int, path: str) -> dict[str, Any]:
+    """One AdamW step of the pure-bf16 policy at ``path`` (Hugging Face loads its router in
+    float32) under DDP and under FSDP2, on this rank's half of a batch."""
+    from verlite.config import ModelConfig
+    from verlite.models import build_policy
+
+    ids = torch.randint(0, 64, (4, 10), generator=torch.Generator().manual_seed(2))
+    ids = ids[rank * 2 : (rank + 1) * 2]
+    out: dict[str, Any] = {}
+    for strategy in ("ddp", "fsdp"):
+        model = build_policy(
+            ModelConfig(path=path, precision="bf16"), vocab_size=64, max_positions=64, seed=0
+        )
+        wrapped = vdist.apply_ddp(model) if strategy == "ddp" else vdist.apply_fsdp(model)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+        wrapped(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        norm = vdist.clip_grad_norm(wrapped, 1.0)
+        grads = vdist.full_grads(wrapped)
+        optimizer.step()
+        out[strategy] = {
+            "norm": norm,
+            "grads": grads,
+            "state": vdist.full_state_dict(wrapped),
+            "units": sum(isinstance(m, FSDPModule) for m in wrapped.modules()),
+        }
+    # A module whose own parameters are of two dtypes cannot be split into groups of one.
+    mixed = _Gpt2Like()
+    mixed.transformer.h[0].bias.data = mixed.transformer.h[0].bias.data.to(torch.float64)
+    try:
+        vdist.apply_fsdp(mixed)
+    except ValueError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_fsdp_shards_a_pure_bf16_model_that_keeps_its_router_in_fp32(tmp_path) -> None:
+    """GLM-4-MoE keeps its router's weight in float32 whatever the dtype Hugging Face loads
+    it in (``_keep_in_fp32_modules_strict``); in a pure-bf16 policy its decoder block holds
+    bf16 and float32 parameters, which one FSDP2 group refuses ("FSDP expects uniform original
+    parameter dtype"). The router becomes a group of its own: FSDP2 trains the model as DDP
+    does, the router in float32."""
+    from tests.model_support import tiny_moe
+
+    model = tiny_moe("glm4_moe", n_routed_experts=4, first_k_dense_replace=1, head_dim=8)
+    with torch.no_grad():  # a router that routes: HF initializes its weight to zeros
+        model.model.layers[1].mlp.gate.weight.normal_()
+    model.save_pretrained(tmp_path)
+    for rank in vdist.run_on_ranks(
+        _train_kept_fp32_rank, world_size=2, args=(str(tmp_path),), timeout_s=300
+    ):
+        ddp, fsdp = rank["ddp"], rank["fsdp"]
+        # two blocks and the root, and the MoE block's router
+        assert fsdp["units"] == 4
+        router = "model.layers.1.mlp.gate.weight"
+        assert fsdp["state"][router].dtype == torch.float32
+        assert not torch.equal(fsdp["state"][router], model.state_dict()[router])
+        # Pure bf16 rounds each tensor's norm, a shard's under FSDP2, to bf16 (it is not
+        # layout-invariant: docs/invariance-audit.md): the global norm agrees to its spacing.
+        torch.testing.assert_close(fsdp["norm"], ddp["norm"], rtol=2**-7, atol=0)
+        _assert_same(fsdp["grads"], ddp["grads"])
+        _assert_same(fsdp["state"], ddp["state"])
+        assert rank["refused"] == (
+            "Linear holds parameters of its own in ['torch.float64'] beside torch.float32: "
+            "FSDP2 shards a module's parameters in one dtype; use DDP (strategy=ddp)"
+        )

@@ -386,9 +386,9 @@ def test_a_bf16_cast_keeps_what_hugging_face_loads_in_fp32(tmp_path) -> None:
     base its export is loaded onto): the tensors a model class keeps in float32 whatever the
     dtype (``_keep_in_fp32_modules_strict``: GLM-4-MoE's and DeepSeek-V3's router weights and
     score-correction biases) stay float32, so its logits are the loaded model's bit for bit
-    (rounded to bf16 they were 0.002 apart). A trained model's parameters are all bf16, as
-    FSDP2 trains a block's parameters in one dtype (mixed, it stops: "FSDP expects uniform
-    original parameter dtype")."""
+    (rounded to bf16 they were 0.002 apart). A model cast here trains all its parameters in
+    bf16 (one Hugging Face loaded keeps its router in float32: FSDP2 shards it as a group of
+    its own, tests/distributed/test_distributed_parallel.py)."""
     model = tiny_moe("glm4_moe", n_routed_experts=4, first_k_dense_replace=1, head_dim=8)
     with torch.no_grad():  # a router that routes: HF initializes its weight to zeros
         model.model.layers[1].mlp.gate.weight.normal_()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,16 +110,61 @@ def apply_fsdp(
         # The last block's parameters are needed again right at the start of backward, so
         # freeing them after forward would only cost an extra all-gather (torchtitan does this).
         keep = i == len(layers) - 1
-        fully_shard(
+        _shard_by_dtype(
             layer,
             mesh=mesh,
             reshard_after_forward=reshard_after_forward and not keep,
             offload_policy=policy,
         )
-    fully_shard(
+    _shard_by_dtype(
         model, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy
     )
     return model
+
+
+def _shard_by_dtype(module: nn.Module, **shard: Any) -> None:
+    """``fully_shard(module)`` in groups of one dtype, as FSDP2 shards each group's
+    parameters as one flat buffer: where the parameters it would take hold several dtypes
+    (a pure-bf16 model whose class keeps its MoE router in float32, Hugging Face's
+    ``_keep_in_fp32_modules_strict``, loaded as it loads it), the smallest submodules that
+    hold those of a dtype other than the most common one become groups of their own first."""
+    sizes: Counter[torch.dtype] = Counter()
+    for param in _unsharded_params(module):
+        sizes[param.dtype] += param.numel()
+    if len(sizes) > 1:
+        _split_off(module, sizes.most_common(1)[0][0], shard)
+    fully_shard(module, **shard)
+
+
+def _split_off(module: nn.Module, main: torch.dtype, shard: dict[str, Any]) -> None:
+    """A group of its own for each submodule of ``module`` whose parameters are all of one
+    dtype other than ``main``, the smallest that hold them."""
+    own = {param.dtype for param in module.parameters(recurse=False)} - {main}
+    if own:
+        raise ValueError(
+            f"{type(module).__name__} holds parameters of its own in {sorted(map(str, own))} "
+            f"beside {main}: FSDP2 shards a module's parameters in one dtype; use DDP "
+            "(strategy=ddp)"
+        )
+    for child in module.children():
+        dtypes = {param.dtype for param in _unsharded_params(child)}
+        if dtypes == {main} or not dtypes:
+            continue
+        if len(dtypes) == 1:
+            fully_shard(child, **shard)
+        else:
+            _split_off(child, main, shard)
+
+
+def _unsharded_params(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``fully_shard(module)`` would take: those no group inside it holds."""
+    held = {
+        id(param)
+        for sub in module.modules()
+        if sub is not module and isinstance(sub, FSDPModule)
+        for param in sub.parameters()
+    }
+    return [param for param in module.parameters() if id(param) not in held]
 
 
 def _join_single_rank_group(device_type: str) -> None:

@@ -166,8 +166,9 @@ def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     Nor are the tensors Hugging Face keeps in float32 when it loads in bf16 (or fp16) cast:
     those its model class names in ``_keep_in_fp32_modules_strict`` (GLM-4-MoE's and
     DeepSeek-V3's router weights and score-correction biases), but for trained parameters
-    (FSDP2 trains a block's parameters in one dtype): a LoRA policy's frozen base computes
-    as its export, loaded back, does."""
+    (a model cast here trains every parameter in ``dtype``; one Hugging Face loaded keeps its
+    router in float32, which FSDP2 shards as a group of its own, ``distributed.parallel``):
+    a LoRA policy's frozen base computes as its export, loaded back, does."""
     kept = _kept_in_fp32(model) if dtype in (torch.bfloat16, torch.float16) else set()
     for module in model.modules():
         for param in module.parameters(recurse=False):

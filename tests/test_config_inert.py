@@ -38,6 +38,7 @@ BASES: list[dict[str, Any]] = [
         "actor.policy_loss": "reinforce",
         "algorithm.use_kl_in_reward": True,
     },
+    {"data.task": "copy", "rollout.temperature": 0.0},
 ]
 
 

@@ -176,6 +176,12 @@ class RolloutConfig(Section):
 # Settings of this section that only a feature makes count (verlite.config.inert).
 NEEDS = (
     Needs(
+        ("rollout.top_k", "rollout.top_p"),
+        unless="rollout.temperature > 0 (0 takes the most likely token)",
+        active=lambda cfg: cfg.rollout.temperature > 0,
+        example={"rollout.temperature": 1.0},
+    ),
+    Needs(
         tuple(
             f"rollout.{name}"
             for name in ("workers_per_node", "cpus_per_worker", "gpus_per_worker", "sync_bucket_mb")

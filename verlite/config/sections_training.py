@@ -398,7 +398,7 @@ NEEDS = (
         ("algorithm.rollout_is_cap",),
         unless="algorithm.rollout_correction=tis",
         active=lambda cfg: cfg.algorithm.rollout_correction == "tis",
-        example={"algorithm.rollout_correction": "tis"},
+        example={"algorithm.rollout_correction": "tis", "rollout.temperature": 1.0},
     ),
     Needs(
         ("algorithm.dynamic_sampling.max_draws",),

@@ -20,14 +20,27 @@ from verlite.data.tokenizer import build_task_tokenizer
 from verlite.envs.base import Turn
 from verlite.envs.lookup import Lookup, LookupWithoutTool, digits_in_place
 from verlite.envs.registry import get_environment
-from verlite.envs.session import AbandonedCalls, EnvironmentBroken, Session, ToolsStuck
+from verlite.envs.session import (
+    AbandonedCalls,
+    EnvironmentBroken,
+    Session,
+    SessionThreads,
+    ToolsStuck,
+)
 
 RECORD = {"prompt": "37>", "answer": "4821"}
 
 
-def session(cls: type, timeout_s: float = 5.0, abandoned: AbandonedCalls | None = None) -> Session:
-    abandoned = AbandonedCalls(limit=32) if abandoned is None else abandoned
-    return Session(cls, RECORD, index=7, timeout_s=timeout_s, abandoned=abandoned)
+def session(
+    cls: type,
+    timeout_s: float = 5.0,
+    abandoned: AbandonedCalls | None = None,
+    threads: SessionThreads | None = None,
+    record: dict[str, str] = RECORD,
+) -> Session:
+    if threads is None:
+        threads = SessionThreads(32, AbandonedCalls(limit=32) if abandoned is None else abandoned)
+    return Session(cls, record, index=7, timeout_s=timeout_s, threads=threads)
 
 
 def test_the_lookup_tool_answers_its_key_and_scores_the_final_answer() -> None:
@@ -111,15 +124,137 @@ class Database:
 def test_an_environment_is_made_reset_and_stepped_in_one_thread() -> None:
     """Each call ran in a thread of its own: every step of an environment with per-thread
     state raised (here ``AttributeError: '_thread._local' object has no attribute 'db'``),
-    a tool error that scored every trajectory 0. Closing the session ends its thread."""
+    a tool error that scored every trajectory 0."""
     s = session(Database)
     assert s.step("37") == Turn("=4821", 0.0, False)
     assert s.error is None
     assert s.step("38") == Turn("=", 0.0, False)
     assert len(set(s.env.threads)) == 1 and len(s.env.threads) == 4
     s.close()
-    s._caller.thread.join(timeout=60)
-    assert not s._caller.thread.is_alive()
+
+
+class Connected:
+    """A tool that keeps one database connection per thread (a client's pool) and the
+    trajectory's own data on the environment object, as per-thread state shared by the
+    sessions of a thread asks."""
+
+    local = threading.local()
+
+    def __init__(self):
+        self.threads = [threading.current_thread()]
+        if not hasattr(self.local, "db"):
+            self.local.db = sqlite3.connect(":memory:")
+            self.local.db.execute("create table kv (owner int, k text, v text)")
+
+    def reset(self, record):
+        self.threads.append(threading.current_thread())
+        self.local.db.execute(
+            "insert into kv values (?, ?, ?)", (id(self), record["prompt"][:-1], record["answer"])
+        )
+
+    def step(self, action):
+        self.threads.append(threading.current_thread())
+        query = "select v from kv where owner = ? and k = ?"
+        row = self.local.db.execute(query, (id(self), action)).fetchone()
+        return Turn("=" + (row[0] if row else ""), 0.0, done=False)
+
+
+def test_many_sessions_share_a_bounded_number_of_threads_each_in_one() -> None:
+    """Each session had a thread of its own for the whole rollout: 2,048 trajectories held
+    2,048 idle threads (200 here), and a container with a low thread limit failed."""
+    before = threading.active_count()
+    threads = SessionThreads(4, AbandonedCalls(limit=0))
+    records = [{"prompt": f"{k}>", "answer": f"{1000 + k}"} for k in range(200)]
+    sessions = [session(Connected, threads=threads, record=r) for r in records]
+    assert threading.active_count() - before == 4
+    for k in (5, 7):  # every session answers from its own data, over its thread's connection
+        assert [s.step(str(k)) for s in sessions[k - 5 : k + 3]] == [
+            Turn("=" if j != k else f"={1000 + k}", 0.0, False) for j in range(k - 5, k + 3)
+        ]
+    bound = {s.env.threads[0] for s in sessions}
+    assert len(bound) == 4
+    assert all(len(set(s.env.threads)) == 1 for s in sessions)
+    per_thread = [sum(s.env.threads[0] is t for s in sessions) for t in bound]
+    assert per_thread == [50] * 4
+    for s in sessions:
+        s.close()
+        s.close()  # closing twice releases its thread once
+    assert threading.active_count() - before == 4  # the pool's threads wait for the next batch
+    assert session(Connected, threads=threads).env.threads[0] in bound
+
+
+class Blocks:
+    """A tool whose step in one trajectory (prompt "1>") waits until the test lets it."""
+
+    release = threading.Event()
+    running = threading.Event()
+
+    def reset(self, record):
+        self.key = record["prompt"]
+        self.thread = threading.current_thread()
+
+    def step(self, action):
+        if self.key == "1>":
+            self.running.set()
+            self.release.wait()
+        return Turn(self.key, 0.0, False)
+
+
+def test_a_call_that_outlives_its_timeout_holds_only_its_threads_sessions() -> None:
+    """A call that timed out leaves its thread busy: the sessions bound to it end at their
+    next step as tool errors without waiting (and without counting as abandoned calls of
+    their own), the sessions of the other threads go on, and new sessions get a fresh
+    thread; once the call returns, its thread's sessions step again, and the thread ends
+    when they are closed."""
+    threads = SessionThreads(2, AbandonedCalls(limit=1))
+    records = [{"prompt": f"{k}>", "answer": ""} for k in range(4)]
+    Blocks.release.clear()
+    s = [session(Blocks, timeout_s=0.5, threads=threads, record=r) for r in records]
+    held = s[1].env.thread  # sessions 1 and 3 share a thread, 0 and 2 the other
+    assert [x.env.thread for x in s] == [s[0].env.thread, held] * 2
+    try:
+        assert s[1].step("x") is None and s[1].timed_out
+        stuck = s[1]._thread.held
+        assert s[3].step("x") is None  # not counted: a second would pass the limit of 1
+        assert s[3].error == (
+            "step not run: the thread it shares with other trajectories' environments "
+            "(rollout.multi_turn.env_threads) is held by a call that outlived 0.5 s"
+        )
+        assert not s[3].timed_out
+        assert [s[0].step("x"), s[2].step("x")] == [Turn("0>", 0.0, False), Turn("2>", 0.0, False)]
+        fresh = session(Blocks, timeout_s=0.5, threads=threads)
+        assert fresh.env.thread not in (held, s[0].env.thread)
+        assert fresh.step("x") == Turn("37>", 0.0, False)
+    finally:
+        Blocks.release.set()
+    assert stuck is not None and stuck.done.wait(timeout=60)  # the held call has returned
+    assert s[3].step("x") == Turn("3>", 0.0, False)
+    s[1].close()
+    s[3].close()
+    held.join(timeout=60)
+    assert not held.is_alive()
+
+
+def test_a_call_waits_for_its_threads_running_call_without_counting_it() -> None:
+    """The timeout counts from a call's start: a call queued behind another session's call
+    that is within its own timeout waits for it (here longer than its own timeout) and then
+    gets its whole timeout."""
+    threads = SessionThreads(1, AbandonedCalls(limit=0))
+    slow = session(Blocks, timeout_s=60, threads=threads, record={"prompt": "1>", "answer": ""})
+    quick = session(Blocks, timeout_s=0.2, threads=threads, record={"prompt": "2>", "answer": ""})
+    Blocks.release.clear()
+    Blocks.running.clear()
+    answers: dict[str, object] = {}
+    first = threading.Thread(target=lambda: answers.update(slow=slow.step("x")))
+    first.start()
+    Blocks.running.wait()
+    second = threading.Thread(target=lambda: answers.update(quick=quick.step("x")))
+    second.start()
+    time.sleep(1)  # the quick call waits longer than its timeout for its thread
+    Blocks.release.set()
+    first.join()
+    second.join()
+    assert answers == {"slow": Turn("1>", 0.0, False), "quick": Turn("2>", 0.0, False)}
 
 
 class Spins:
@@ -172,8 +307,9 @@ def test_abandoned_calls_that_finish_no_longer_count() -> None:
     abandoned = AbandonedCalls(limit=1)
     first = session(Finishes, timeout_s=0.5, abandoned=abandoned)
     assert first.step("x") is None
+    first.close()
     Finishes.release.set()
-    for thread in Finishes.threads:  # the abandoned call returns now
+    for thread in Finishes.threads:  # the abandoned call returns now, its thread ends
         thread.join()
     Finishes.release.clear()
     try:  # one running again: within the limit of 1

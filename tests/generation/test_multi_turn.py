@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from verlite.config import ModelConfig
 from verlite.data import position_ids
-from verlite.envs import AbandonedCalls, EnvironmentBroken, Session
+from verlite.envs import AbandonedCalls, EnvironmentBroken, Session, SessionThreads
 from verlite.envs.base import Turn
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.decode import EAGER
@@ -350,7 +350,7 @@ def test_an_observation_that_cannot_be_tokenized_names_the_environment_and_promp
             {"prompt": "48 12", "answer": ""},
             index=uid,
             timeout_s=5.0,
-            abandoned=AbandonedCalls(limit=0),
+            threads=SessionThreads(2, AbandonedCalls(limit=0)),
         )
         for uid in range(4)
     ]

@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerFast
 from verlite.config import ConfigError, load_config
 from verlite.data import DataError, position_ids
 from verlite.data.templates import TurnFormat, turn_format
-from verlite.envs import AbandonedCalls, Session
+from verlite.envs import AbandonedCalls, Session, SessionThreads
 from verlite.envs.base import Turn
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 
@@ -54,7 +54,7 @@ def session_of(env: type, prompt: str, turns: TurnFormat | None) -> Session:
         {"prompt": prompt, "answer": "4"},
         index=0,
         timeout_s=5.0,
-        abandoned=AbandonedCalls(0),
+        threads=SessionThreads(2, AbandonedCalls(0)),
         turns=turns,
     )
 
@@ -122,7 +122,7 @@ def run(turns: TurnFormat, tokenizer, script, *, end_token_ids, turn_tokens=8, e
             {"prompt": prompt, "answer": "4"},
             index=i,
             timeout_s=5.0,
-            abandoned=AbandonedCalls(0),
+            threads=SessionThreads(2, AbandonedCalls(0)),
             turns=turns,
         )
         for i in range(len(script))

@@ -9,7 +9,13 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config, ConfigError
 from verlite.envs.base import Environment, Turn
 from verlite.envs.registry import ENVIRONMENTS, get_environment
-from verlite.envs.session import AbandonedCalls, EnvironmentBroken, Session, ToolsStuck
+from verlite.envs.session import (
+    AbandonedCalls,
+    EnvironmentBroken,
+    Session,
+    SessionThreads,
+    ToolsStuck,
+)
 
 
 def turn_stop_id(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -43,6 +49,7 @@ __all__ = [
     "Environment",
     "EnvironmentBroken",
     "Session",
+    "SessionThreads",
     "ToolsStuck",
     "Turn",
     "get_environment",

@@ -1,25 +1,31 @@
 """One trajectory's environment, its calls checked and bounded in time.
 
 A session's calls (making its environment, ``reset`` and every ``step``) run one after
-another in one daemon thread of its own, so that state an environment keeps per thread (a
-database client's connection) is there in every call; :meth:`Session.close` ends the thread.
-Each call is waited for at most ``rollout.multi_turn.tool_timeout_s``. A ``step`` that
-raises or outlives that bound is a tool error: it ends that trajectory (score 0, counted in
-``multiturn/tool_errors``), never the run. A Python thread cannot be stopped, so the thread
-of a call that timed out is left running (``multiturn/abandoned_calls``); each worker counts
-its live ones (:class:`AbandonedCalls`), and more than
-``rollout.multi_turn.max_abandoned_calls`` of them (a tool stuck in a loop, which would slow
-every later step) stop the run in one line. An environment that breaks its contract stops
-the run in one line naming it and the prompt: a class that cannot be made or a ``reset``
-that raises or hangs, or a ``step`` whose answer is not a :class:`~verlite.envs.base.Turn`
-of a string observation the tokenizer can encode, a reward in [0, 1] and a bool ``done``.
+another in one daemon thread, so that state an environment keeps per thread (a database
+client's connection) is there in every call. A worker's sessions share
+``rollout.multi_turn.env_threads`` threads (:class:`SessionThreads`; a thread per trajectory
+would be thousands of idle threads), each bound to one when it is made: per-thread state is
+shared by the sessions of a thread, as in any thread pool, and what is a trajectory's own
+belongs on its environment object. Each call is waited for at most
+``rollout.multi_turn.tool_timeout_s`` from its start. A ``step`` that raises or outlives that
+bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``),
+never the run. A Python thread cannot be stopped, so a call that timed out is left running
+(``multiturn/abandoned_calls``) and its thread retired: a fresh one takes its new sessions,
+and a later step of a session bound to it ends as a tool error, not run, while that call
+holds it (it is never waited for). Each worker counts its live abandoned calls
+(:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
+(a tool stuck in a loop, which would slow every later step) stop the run in one line. An
+environment that breaks its contract stops the run in one line naming it and the prompt: a
+class that cannot be made or a ``reset`` that raises or hangs, or a ``step`` whose answer is
+not a :class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode, a
+reward in [0, 1] and a bool ``done``.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import math
-import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -48,56 +54,134 @@ class AbandonedCalls:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._threads: list[threading.Thread] = []
+        self._calls: list[_Call] = []
 
-    def add(self, thread: threading.Thread) -> int:
-        """Count ``thread`` in; how many abandoned calls are still running, it included."""
-        self._threads = [t for t in self._threads if t.is_alive()]
-        self._threads.append(thread)
-        return len(self._threads)
+    def add(self, call: _Call) -> int:
+        """Count ``call`` in; how many abandoned calls are still running, it included."""
+        self._calls = [c for c in self._calls if not c.done.is_set()]
+        self._calls.append(call)
+        return len(self._calls)
 
 
-class _Caller:
-    """The one daemon thread that runs a session's calls, one after another: an environment
-    is made, reset and stepped in the same thread, as code holding per-thread state expects
-    (a connection in a ``threading.local``, a ``sqlite3`` connection that refuses other
-    threads), and each call is waited for at most ``timeout_s``."""
+class _Call:
+    """One environment call, queued on a thread; ``outcome`` is ``("ok", result)`` or
+    ``("raised", exception)`` once it returned."""
 
-    def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any] | None]
-        self._calls = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn, self.args = fn, args
+        self.started = False
+        self.cancelled = False  # gave up before it started: never run
+        self.outcome: tuple[str, Any] | None = None
+        self.done = threading.Event()
+
+
+class _Thread:
+    """A daemon thread that runs the calls of the sessions bound to it, one after another
+    in the order given; ``held`` is a call of one of them that outlived its timeout and
+    still runs, which no later call waits for."""
+
+    def __init__(self, name: str) -> None:
+        self.sessions = 0  # bound to it and not closed
+        self.retired = False  # takes no more sessions; ends once its sessions are closed
+        self.held: _Call | None = None
+        self._lock = threading.Condition()
+        self._calls: collections.deque[_Call] = collections.deque()
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
-        while (call := self._calls.get()) is not None:
-            fn, args, box = call
+        while (call := self._next()) is not None:
             try:
-                box.put(("ok", fn(*args)))
+                outcome: tuple[str, Any] = ("ok", call.fn(*call.args))
             except BaseException as exc:  # reported by the caller, whatever it is
-                box.put(("raised", exc))
+                outcome = ("raised", exc)
+            with self._lock:
+                call.outcome = outcome
+                if self.held is call:
+                    self.held = None
+                call.done.set()
+                self._lock.notify_all()
+
+    def _next(self) -> _Call | None:
+        """The next call to run; None once the thread is retired and its sessions closed."""
+        with self._lock:
+            while True:
+                while self._calls:
+                    call = self._calls.popleft()
+                    if not call.cancelled:
+                        call.started = True
+                        self._lock.notify_all()
+                        return call
+                if self.retired and self.sessions == 0:
+                    return None
+                self._lock.wait()
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str, Any]:
-        """``("ok", result)``, ``("raised", exception)`` or ``("timeout", the thread still
-        running it)``; after a timeout the thread takes no more calls and ends once the call
-        returns."""
-        box: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._calls.put((fn, args, box))
-        try:
-            return box.get(timeout=timeout_s)
-        except queue.Empty:
-            self.close()
-            return "timeout", self.thread
+        """``("ok", result)``, ``("raised", exception)``, ``("timeout", the call still
+        running)`` or ``("held", the call)``: this thread was held by another session's
+        call that outlived its timeout, and this call was not run. The timeout counts from
+        the call's start: waiting for another session's call that is within its own
+        timeout does not count."""
+        call = _Call(fn, args)
+        with self._lock:
+            self._calls.append(call)
+            self._lock.notify_all()
+            while not call.started:
+                if self.held is not None:
+                    call.cancelled = True
+                    return "held", self.held
+                self._lock.wait()
+        if call.done.wait(timeout_s):
+            assert call.outcome is not None
+            return call.outcome
+        with self._lock:
+            if call.outcome is not None:  # it returned just now
+                return call.outcome
+            self.held = call
+            self.retired = True
+            self._lock.notify_all()
+        return "timeout", call
 
-    def close(self) -> None:
-        """The thread ends after the calls it was given."""
-        self._calls.put(None)
+    def bind(self) -> None:
+        """A session is bound to this thread."""
+        with self._lock:
+            self.sessions += 1
+
+    def release(self) -> None:
+        """A session bound to this thread is over."""
+        with self._lock:
+            self.sessions -= 1
+            self._lock.notify_all()
+
+
+class SessionThreads:
+    """The threads that run one worker's environment calls: at most ``size`` take sessions
+    (``rollout.multi_turn.env_threads``), each session bound to the one with the fewest
+    when it is made. A thread whose call outlived its timeout is retired (a fresh one takes
+    its place) and ends once its sessions are closed and that call returned; ``abandoned``
+    counts such calls still running."""
+
+    def __init__(self, size: int, abandoned: AbandonedCalls) -> None:
+        self.size, self.abandoned = size, abandoned
+        self._threads: list[_Thread] = []
+        self._made = 0
+
+    def bind(self) -> _Thread:
+        """The thread a new session's calls run in."""
+        self._threads = [t for t in self._threads if not t.retired]
+        if len(self._threads) < self.size:
+            self._made += 1
+            self._threads.append(_Thread(f"verlite-env-{self._made}"))
+        thread = min(self._threads, key=lambda t: t.sessions)
+        thread.bind()
+        return thread
 
 
 class Session:
-    """The environment of prompt ``index``'s trajectory; ``abandoned`` is its worker's count
-    of calls that timed out and still run; ``turns``, the chat template's turn format its
-    observations are written in (``data.chat_template``), if any."""
+    """The environment of prompt ``index``'s trajectory, its calls run in a thread of
+    ``threads`` (its worker's); ``turns``, the chat template's turn format its observations
+    are written in (``data.chat_template``), if any. One caller at a time makes and steps a
+    worker's sessions."""
 
     def __init__(
         self,
@@ -106,29 +190,36 @@ class Session:
         *,
         index: int,
         timeout_s: float,
-        abandoned: AbandonedCalls,
+        threads: SessionThreads,
         turns: TurnFormat | None = None,
     ) -> None:
         self.name, self.index, self.timeout_s = environment_name(cls), index, timeout_s
-        self.abandoned = abandoned
+        self.abandoned = threads.abandoned
         self.turns = turns
         self.error: str | None = None
-        self.timed_out = False  # a step outlived timeout_s: its thread was left running
+        self.timed_out = False  # a step outlived timeout_s: its call was left running
         # Its own copy: an environment may edit what it is given, and the rollout.n
         # trajectories of a prompt (and the driver's scoring) must not see that.
         record = copy.deepcopy(record)
-        self._caller = _Caller()
+        self._thread: _Thread | None = threads.bind()
         self.env = self._set_up(cls, f"{cls.__name__}()")
         self._set_up(self.env.reset, "reset", record)
 
     def close(self) -> None:
-        """Let the thread that runs this session's calls end (the trajectory is over)."""
-        self._caller.close()
+        """The trajectory is over: its thread no longer runs calls for it."""
+        if self._thread is not None:
+            self._thread.release()
+            self._thread = None
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+        assert self._thread is not None, "a closed session makes no calls"
+        return self._thread.call(fn, *args, timeout_s=self.timeout_s)
 
     def _set_up(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
         """A call that makes or resets the environment: one that raises or hangs breaks
-        the contract."""
-        outcome, value = self._caller.call(fn, *args, timeout_s=self.timeout_s)
+        the contract (a new session is bound to a thread no call holds)."""
+        outcome, value = self._call(fn, *args)
+        assert outcome != "held", "a new session's thread is held by no call"
         if outcome != "ok":
             self.close()
         if outcome == "timeout":
@@ -140,8 +231,10 @@ class Session:
 
     def step(self, action: str) -> Turn | None:
         """The environment's answer to a policy turn; None after a tool error (recorded in
-        ``error``), which ends the trajectory."""
-        outcome, value = self._caller.call(self.env.step, action, timeout_s=self.timeout_s)  # type: ignore[attr-defined]
+        ``error``), which ends the trajectory: the step raised, outlived ``timeout_s``
+        (``timed_out``), or could not run because another session's call that outlived its
+        timeout holds the thread this session's calls must run in."""
+        outcome, value = self._call(self.env.step, action)
         if outcome == "timeout":
             self.error = f"step did not return within {self.timeout_s:g} s"
             self.timed_out = True
@@ -149,6 +242,13 @@ class Session:
             return None
         if outcome == "raised":
             self.error = f"step raised {type(value).__name__}: {_one_line(value)}"
+            return None
+        if outcome == "held":
+            self.error = (
+                "step not run: the thread it shares with other trajectories' environments "
+                "(rollout.multi_turn.env_threads) is held by a call that outlived "
+                f"{self.timeout_s:g} s"
+            )
             return None
         return self._checked(value)
 

@@ -19,7 +19,7 @@ from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
 from verlite.data.templates import turn_format
 from verlite.data.tokenizer import load_tokenizer
-from verlite.envs import AbandonedCalls, Session, get_environment, turn_stop_id
+from verlite.envs import AbandonedCalls, Session, SessionThreads, get_environment, turn_stop_id
 from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
 from verlite.generation.decode import auto_mode
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
@@ -43,7 +43,9 @@ class PolicyWorker(Worker):
         multi_turn = cfg.rollout.multi_turn
         if multi_turn.env is not None:
             self.environment = get_environment(multi_turn.env)
-            self.abandoned = AbandonedCalls(multi_turn.max_abandoned_calls)
+            self.env_threads = SessionThreads(
+                multi_turn.env_threads, AbandonedCalls(multi_turn.max_abandoned_calls)
+            )
             self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
             self.stop_token_ids = (
                 () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
@@ -133,7 +135,7 @@ class PolicyWorker(Worker):
                     record,
                     index=uid,
                     timeout_s=multi_turn.tool_timeout_s,
-                    abandoned=self.abandoned,
+                    threads=self.env_threads,
                     turns=self.turns,
                 )
                 for record, uid in zip(

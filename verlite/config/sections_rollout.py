@@ -83,10 +83,9 @@ class MultiTurnConfig(Section):
         32,
         description="Threads that run a worker's environment calls: each trajectory's calls "
         "run in one of them (per-thread state is shared by the trajectories of a thread), "
-        "bound when its environment is made. The calls are made one at a time, so more threads "
-        "only narrow what a call that outlives tool_timeout_s holds up: its thread's other "
-        "trajectories end at their next step, tool errors (about 1/env_threads of a worker's "
-        "trajectories).",
+        "bound when its environment is made. The calls are made one at a time; a call that "
+        "outlives tool_timeout_s retires its thread, whose other trajectories move to a fresh "
+        "one at their next call.",
     )
 
 

@@ -11,8 +11,8 @@ belongs on its environment object. Each call is waited for at most
 bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``),
 never the run. A Python thread cannot be stopped, so a call that timed out is left running
 (``multiturn/abandoned_calls``) and its thread retired: a fresh one takes its new sessions,
-and a later step of a session bound to it ends as a tool error, not run, while that call
-holds it (it is never waited for). Each worker counts its live abandoned calls
+and the other sessions bound to it move to a fresh thread at their next call (never waiting
+for that call; what their environments keep per thread stays behind). Each worker counts its live abandoned calls
 (:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
 (a tool stuck in a loop, which would slow every later step) stop the run in one line. An
 environment that breaks its contract stops the run in one line naming it and the prompt: a
@@ -201,6 +201,7 @@ class Session:
         # Its own copy: an environment may edit what it is given, and the rollout.n
         # trajectories of a prompt (and the driver's scoring) must not see that.
         record = copy.deepcopy(record)
+        self._threads = threads
         self._thread: _Thread | None = threads.bind()
         self.env = self._set_up(cls, f"{cls.__name__}()")
         self._set_up(self.env.reset, "reset", record)
@@ -212,14 +213,21 @@ class Session:
             self._thread = None
 
     def _call(self, fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
+        """The call's outcome; run in a fresh thread when another session's call that
+        outlived its timeout holds this session's (a retired thread: the fresh one is held
+        by no call, since one caller at a time steps a worker's sessions)."""
         assert self._thread is not None, "a closed session makes no calls"
-        return self._thread.call(fn, *args, timeout_s=self.timeout_s)
+        outcome, value = self._thread.call(fn, *args, timeout_s=self.timeout_s)
+        if outcome == "held":
+            self._thread.release()
+            self._thread = self._threads.bind()
+            outcome, value = self._thread.call(fn, *args, timeout_s=self.timeout_s)
+        return outcome, value
 
     def _set_up(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
         """A call that makes or resets the environment: one that raises or hangs breaks
-        the contract (a new session is bound to a thread no call holds)."""
+        the contract."""
         outcome, value = self._call(fn, *args)
-        assert outcome != "held", "a new session's thread is held by no call"
         if outcome != "ok":
             self.close()
         if outcome == "timeout":
@@ -231,9 +239,8 @@ class Session:
 
     def step(self, action: str) -> Turn | None:
         """The environment's answer to a policy turn; None after a tool error (recorded in
-        ``error``), which ends the trajectory: the step raised, outlived ``timeout_s``
-        (``timed_out``), or could not run because another session's call that outlived its
-        timeout holds the thread this session's calls must run in."""
+        ``error``), which ends the trajectory: the step raised or outlived ``timeout_s``
+        (``timed_out``)."""
         outcome, value = self._call(self.env.step, action)
         if outcome == "timeout":
             self.error = f"step did not return within {self.timeout_s:g} s"
@@ -242,13 +249,6 @@ class Session:
             return None
         if outcome == "raised":
             self.error = f"step raised {type(value).__name__}: {_one_line(value)}"
-            return None
-        if outcome == "held":
-            self.error = (
-                "step not run: the thread it shares with other trajectories' environments "
-                "(rollout.multi_turn.env_threads) is held by a call that outlived "
-                f"{self.timeout_s:g} s"
-            )
             return None
         return self._checked(value)
 

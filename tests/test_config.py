@@ -56,6 +56,12 @@ def test_a_section_override_merges_into_the_files_section_at_every_level(
     )
 
 
+def test_a_remote_verifier_url_with_query_parameters_that_only_contain_a_credential_word() -> None:
+    # ?author= holds "auth", ?design= "sig": neither is a credential (verlite.redaction).
+    url = "https://scorer.example/score?author=me&design=b"
+    assert load_config(TINY, [f"reward.remote.url={url}"]).reward.remote.url == url
+
+
 def test_a_section_the_file_leaves_out_takes_a_mapping_with_dotted_keys() -> None:
     # ppo_tiny.yaml has no reward section: the mapping still names fields below it
     for overrides in (["reward={remote.timeout_s: 4.0}"], {"reward": {"remote.timeout_s": 4.0}}):

@@ -21,10 +21,12 @@ from verlite.driver.checkpoint import check_resumable
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import (
     carries_secret,
+    credential_named,
     redact_config,
     redact_text,
     redacted_output,
     register_secret,
+    secret_query_names,
 )
 
 SECRET = "sk-live/51Hx+q'\"<&>z=="  # every spelling of it differs: quotes, slash, plus, HTML
@@ -134,6 +136,77 @@ def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
         "actor": {"max_token_len_per_worker": 64},
         "rollout": {"stop_token_ids": [3, 7], "api_tokens": "***"},
     }
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "token",
+        "access_token",
+        "api-key",
+        "apiKey",
+        "X-Api-Key",
+        "key",
+        "password",
+        "PGPASSWORD",
+        "secret",
+        "client_secret",
+        "sig",
+        "X-Amz-Signature",
+        "X-Amz-Security-Token",
+        "X-Amz-Credential",
+        "auth",
+        "HF_TOKEN",
+        "RAY_AUTH_TOKEN",
+        "WANDB_API_KEY",
+        "AWS_SECRET_ACCESS_KEY",
+        "MLFLOW_TRACKING_PASSWORD",
+        "wandb.api_key",
+        "rollout.stop_token_ids",
+    ],
+)
+def test_names_holding_a_credential_word_as_a_part_are_credential_named(name: str) -> None:
+    assert credential_named(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "author",
+        "design",
+        "keyword",
+        "sort_key",
+        "data.prompt_key",
+        "monkey",
+        "passage",
+        "TOKENIZERS_PARALLELISM",
+        "assignee",
+        "auth_type",
+        # Where a credential is kept, not the credential: a file's path, a variable's name.
+        "HF_TOKEN_PATH",
+        "RAY_AUTH_TOKEN_PATH",
+        "POSTGRES_PASSWORD_FILE",
+        "reward.remote.auth_env",
+    ],
+)
+def test_names_that_only_contain_a_credential_word_are_not_credential_named(name: str) -> None:
+    assert not credential_named(name)
+
+
+def test_query_parameters_are_credentials_by_their_names_parts() -> None:
+    url = "https://mlflow.example/api?author=me&design=b&keyword=x&apiKey=0123&sig=ab&X-Api-Key=c"
+    assert secret_query_names(url) == ["apiKey", "sig", "X-Api-Key"]
+    assert not carries_secret("trainer.mlflow_tracking_uri", "https://mlflow.example/?author=me")
+
+
+def test_a_variable_naming_a_credentials_file_carries_no_credential(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not carries_secret("HF_TOKEN_PATH", "/etc/hf/token")
+    assert carries_secret("HF_TOKEN", "hf_0123456789abcdef")
+    # Its path is shown in messages: it is not masked as the credential it names would be.
+    monkeypatch.setenv("HF_TOKEN_PATH", "/etc/hf/token")
+    assert redact_text("read /etc/hf/token") == "read /etc/hf/token"
 
 
 def test_counts_of_tokens_and_token_ids_on_a_command_line_carry_no_credential() -> None:

@@ -22,9 +22,26 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import parse_qsl, quote, urlsplit
 
-# Config keys whose values are never logged, whatever the section: a credential field, should
-# one be added (the config names environment variables that hold them: reward.remote.auth_env).
-_SECRET_KEY = re.compile(r"token|secret|password|passwd|api_key|credential", re.IGNORECASE)
+# The words that make a name (a config key, an environment variable, a URL's query parameter,
+# an HTTP header) name a credential, as whole parts of it (see credential_named).
+# A part that is one of these, or ends in one (PGPASSWORD, APITOKEN, clientsecret):
+_CREDENTIAL_WORDS = (
+    "token|tokens|secret|secrets|password|passwd|passphrase|credential|credentials|apikey"
+)
+_CREDENTIAL_PART = re.compile(rf"\w*(?:{_CREDENTIAL_WORDS})|sig|signature")
+# A key, a credential when it is the whole name (?key=) or a kind of secret key (api_key,
+# AWS_SECRET_ACCESS_KEY, apiKey, X-Api-Key), never a mapping's key (data.prompt_key, sort_key).
+_KEY_KINDS = frozenset(
+    {"api", "access", "secret", "private", "account", "client", "auth", "signing"}
+)
+# Authorization, a credential as the name's last word (?auth=, Authorization), not as a
+# qualifier (auth_type, reward.remote.auth_env, RAY_AUTH_MODE).
+_AUTH_PART = re.compile(r"auth|authorization")
+# A last part that makes the name one of where a credential is kept, not of the credential.
+_REFERENCE_PART = re.compile(r"path|file|filename|dir|env")
+# The parts of a name: split at '_', '-', '.' and the other non-word characters, and where
+# camelCase starts a word (apiKey, XApiKey, AWSAccessKeyId).
+_PART_BOUNDARY = re.compile(r"[\W_]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 # Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker) and token ids
 # (rollout.stop_token_ids): integers under such keys are shown as they are (a credential-named
 # key's other values are masked like any value).
@@ -45,6 +62,34 @@ _URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 _registered: set[str] = set()
 
 
+def credential_named(name: str) -> bool:
+    """Whether ``name`` (a config key, an environment variable, a URL's query parameter, an
+    HTTP header) names a credential, by its parts (:data:`_PART_BOUNDARY`: ``X-Amz-Signature``
+    is ``x amz signature``, ``apiKey`` is ``api key``), never by a substring: ``?author=``
+    holds "auth" and ``?design=`` "sig", but neither names a credential. A credential name
+    has a part that is (or, glued, ends in) a credential word (``token``, ``access_token``,
+    ``secret``, ``password``, ``PGPASSWORD``, ``credentials``, ``apikey``), ``sig`` or
+    ``signature``; a key of a credential kind (``api_key``, ``X-Api-Key``,
+    ``AWS_SECRET_ACCESS_KEY``; ``key`` alone); or ``auth``/``authorization`` as its last part.
+
+    A name whose last part is ``path``, ``file``, ``dir`` or ``env`` (``HF_TOKEN_PATH``,
+    ``POSTGRES_PASSWORD_FILE``, ``reward.remote.auth_env``) names where a credential is kept
+    (a file, an environment variable), not the credential: its value is a path or a name,
+    which messages may show and a job may carry; the file or variable it names is never
+    read into a message (a token verlite reads from one is registered, :func:`register_secret`)."""
+    parts = [part.lower() for part in _PART_BOUNDARY.split(name) if part]
+    if not parts or _REFERENCE_PART.fullmatch(parts[-1]):
+        return False
+    return (
+        any(_CREDENTIAL_PART.fullmatch(part) for part in parts)
+        or any(
+            part == "key" and (index == 0 or parts[index - 1] in _KEY_KINDS)
+            for index, part in enumerate(parts)
+        )
+        or bool(_AUTH_PART.fullmatch(parts[-1]))
+    )
+
+
 def register_secret(value: str) -> None:
     """Mask ``value`` (and its quoted, escaped and URL-encoded forms) in every text
     :func:`redact_text` sees from now on in this process: called where verlite reads a
@@ -63,9 +108,7 @@ def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(value, Mapping):
             clean[key] = redact_config(value)
         elif (
-            _SECRET_KEY.search(str(key))
-            and value is not None
-            and not _token_numbers(str(key), value)
+            credential_named(str(key)) and value is not None and not _token_numbers(str(key), value)
         ):
             clean[key] = MASK
         else:
@@ -91,7 +134,7 @@ def carries_secret(key: str, value: str) -> bool:
     query (:func:`secret_query_names`), or a known secret's value."""
     return bool(value) and (
         bool(
-            _SECRET_KEY.search(key)
+            credential_named(key)
             and len(value) >= MIN_SECRET_LENGTH
             and not _token_numbers(key, value)
         )
@@ -101,18 +144,11 @@ def carries_secret(key: str, value: str) -> bool:
     )
 
 
-# Query parameters named like a credential (?api_key=..., ?token=..., ?X-Amz-Signature=...).
-_SECRET_QUERY_NAME = re.compile(r"token|secret|passw|key|auth|credential|sig", re.IGNORECASE)
-
-
 def secret_query_names(url: str) -> list[str]:
-    """The names of ``url``'s query parameters named like a credential."""
+    """The names of ``url``'s query parameters named like a credential (:func:`credential_named`:
+    ``?api_key=``, ``?token=``, ``?X-Amz-Signature=``, ``?sig=``; not ``?author=``)."""
     query = urlsplit(url).query
-    return [
-        name
-        for name, _ in parse_qsl(query, keep_blank_values=True)
-        if _SECRET_QUERY_NAME.search(name)
-    ]
+    return [name for name, _ in parse_qsl(query, keep_blank_values=True) if credential_named(name)]
 
 
 def redact_url(text: str) -> str:
@@ -139,7 +175,7 @@ def secrets_in_environment() -> list[str]:
     return [
         value
         for name, value in os.environ.items()
-        if _SECRET_KEY.search(name) and len(value) >= MIN_SECRET_LENGTH
+        if credential_named(name) and len(value) >= MIN_SECRET_LENGTH
     ]
 
 

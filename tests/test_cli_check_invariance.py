@@ -184,3 +184,25 @@ def test_packed_layouts_of_a_window_a_sequence_passes_are_one_line(
         "data.max_prompt_length + rollout.max_response_length = 12 tokens;"
     ), proc.stderr
     assert proc.stderr.endswith("; leave the packed layouts out\n")
+
+
+@pytest.mark.parametrize("model", ["path", "builtin"])
+def test_a_model_whose_vocabulary_is_under_the_audits_is_audited(
+    verlite_main, tmp_path, capsys, model: str
+) -> None:
+    """The audit draws its batch's ids below 64 (audit.invariance.VOCAB_SIZE): a model of 32
+    tokens (a model.path folder, or model.vocab_size=32) got ids past its embedding, an
+    IndexError traceback in the reference pass, or a refusal of model.vocab_size=32 as
+    'below the tokenizer's 64 tokens', a tokenizer the audit does not have."""
+    from tests.model_support import tiny_qwen2
+
+    if model == "path":
+        tiny_qwen2(tied=False, vocab_size=32).save_pretrained(tmp_path)
+        capsys.readouterr()  # the save's progress bar
+        setting = f"model.path={tmp_path}"
+    else:
+        setting = "model.vocab_size=32"
+    args = ["--dp", "1", "--micro", "1,packed", "--strategy", "ddp", "--json"]
+    proc = verlite_main("check-invariance", "--config", CONFIG, setting, *args)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["ok"] is True

@@ -134,10 +134,10 @@ def _check_packed_layouts(cfg: Config, packed: list[str]) -> None:
     if not packed:
         return
     from verlite.config.checks import longest_sequence_fields
-    from verlite.models import hf_config, window_passed
+    from verlite.models import probe_config, window_passed
 
     longest = cfg.max_sequence_length
-    config = hf_config(cfg.model, vocab_size=64, max_positions=longest)
+    config = probe_config(cfg.model, max_positions=longest)
     passed = window_passed(config, max_sequence_length=longest, fields=longest_sequence_fields(cfg))
     if passed is not None:
         raise UserError(f"--micro {','.join(packed)}: {passed}; leave the packed layouts out")

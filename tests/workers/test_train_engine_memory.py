@@ -564,3 +564,14 @@ def test_the_reference_moves_for_its_pass_only(offload: str, tmp_path: Path, mon
     assert {p.device for p in worker.reference.parameters()} == {home}
     # the reference is the initial policy: its log-probs are the policy's before any update
     assert torch.equal(out["ref_log_prob"], out["old_log_probs"])
+
+
+def test_the_start_up_probes_build_the_builtin_model_with_its_own_vocabulary() -> None:
+    """model.vocab_size=32 holds the copy task's tokenizer; the probes built the model for a
+    stand-in tokenizer of 64 tokens and refused it as 'below the tokenizer's 64 tokens'."""
+    from verlite.models import check_packing_supported, flop_crossover
+
+    small = load_config("configs/ppo_tiny.yaml", ["model.vocab_size=32"]).model
+    check_gradient_checkpointing_supported(small, role="actor")
+    check_packing_supported(small, role="actor", max_sequence_length=12, fields="12")
+    assert flop_crossover(small) == flop_crossover(CONFIG.model)

@@ -53,7 +53,7 @@ from verlite.distributed import (
     run_on_ranks,
 )
 from verlite.errors import UserError
-from verlite.models import build_policy, build_value_model, model_dtype
+from verlite.models import build_policy, build_value_model, model_dtype, probe_config
 from verlite.models.precision import autocast
 from verlite.step_batch import row_costs, stamp_counts, take_rows
 from verlite.workers.forward import response_log_probs
@@ -88,6 +88,8 @@ TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9, "bf16-mixed": 1e-2, "bf16": 1e-2}
 CONFIGURED_OPTIMIZER_TOLERANCE = {"fp32": 1e-3, "fp64": 1e-9, "bf16-mixed": 5e-2, "bf16": 5e-2}
 LOSS_METRIC = {"actor": "actor/loss", "critic": "critic/vf_loss"}
 # Small on purpose: 4 ranks share 2 CPU cores in tests; raggedness matters, size does not.
+# The batch's token ids are drawn below it, or below the model's vocabulary when that is
+# smaller (audit_vocab_size).
 VOCAB_SIZE = 64
 NUM_SEQUENCES = 16
 # What one spawned rank holds (torch, transformers and the tiny model: ~350 MiB measured),
@@ -149,7 +151,9 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
     prompt_part = (cols < prompt_width) & (cols >= prompt_width - prompt_lens[:, None])
     response_part = (cols >= prompt_width) & (cols < prompt_width + response_lens[:, None])
     attention_mask = (prompt_part | response_part).long()
-    input_ids = torch.randint(1, VOCAB_SIZE, attention_mask.shape, generator=gen) * attention_mask
+    vocab = audit_vocab_size(cfg)
+    low = min(1, vocab - 1)  # ids from 1, as pads are 0, unless 0 is the only one
+    input_ids = torch.randint(low, vocab, attention_mask.shape, generator=gen) * attention_mask
     response_mask = attention_mask[:, prompt_width:].clone()
     # Multi-turn rows: every other row of 3 or more response tokens holds an observation
     # between the policy's tokens (attended to, but 0 in the loss mask), and one row's whole
@@ -190,18 +194,28 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
 # ----------------------------------------------------------------------- one update
 
 
+def audit_vocab_size(cfg: Config) -> int:
+    """The tokens of the audit's batch, and the vocabulary it builds the built-in model
+    with: :data:`VOCAB_SIZE`, or the model's own vocabulary when that is smaller (a
+    ``model.path`` model's ``vocab_size``, ``model.vocab_size``), whose embedding a larger id
+    would index past."""
+    vocab = getattr(probe_config(cfg.model).get_text_config(), "vocab_size", None)
+    return min(VOCAB_SIZE, vocab) if isinstance(vocab, int) and vocab > 0 else VOCAB_SIZE
+
+
 def _build_model(cfg: Config, role: Role) -> nn.Module:
     max_positions = cfg.max_sequence_length
     seed = cfg.trainer.seed
+    vocab = audit_vocab_size(cfg)
     if role == "critic":
         return build_value_model(
-            cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=seed
+            cfg.model, vocab_size=vocab, max_positions=max_positions, seed=seed
         )
     # Dropout draws masks that depend on the micro-batch layout: the audit compares
     # without it (docs/design.md, "LoRA").
     lora = cfg.actor.lora.model_copy(update={"dropout": 0.0})
     model = build_policy(
-        cfg.model, vocab_size=VOCAB_SIZE, max_positions=max_positions, seed=seed, lora=lora
+        cfg.model, vocab_size=vocab, max_positions=max_positions, seed=seed, lora=lora
     )
     if lora.rank > 0:
         _perturb_adapters(model, seed)

@@ -97,6 +97,19 @@ def hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> Pretrain
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
 
 
+# The built-in model's vocabulary where only its shape matters (models built on the meta device
+# to probe what its class supports): model.vocab_size when set, else a stand-in tokenizer size.
+_PROBE_VOCAB = 64
+
+
+def probe_config(cfg: ModelConfig, *, max_positions: int = 64) -> PretrainedConfig:
+    """The Hugging Face config of ``cfg``'s model for a probe of its class or shape (what it
+    supports, its FLOPs, its windows): ``model.path``'s, or the built-in decoder's with its
+    own ``model.vocab_size`` (any size is one the probe's answer does not depend on; a stand-in
+    tokenizer size larger than ``model.vocab_size`` would be refused as one it cannot hold)."""
+    return hf_config(cfg, vocab_size=cfg.vocab_size or _PROBE_VOCAB, max_positions=max_positions)
+
+
 def build_policy(
     cfg: ModelConfig,
     *,
@@ -314,7 +327,7 @@ def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> No
     line otherwise."""
     auto_class = AutoModelForCausalLM if role == "actor" else AutoModel
     with torch.device("meta"):
-        model = auto_class.from_config(hf_config(cfg, vocab_size=64, max_positions=64))
+        model = auto_class.from_config(probe_config(cfg))
     if not model.supports_gradient_checkpointing:
         raise ConfigError(
             f"{role}.gradient_checkpointing=true: {type(model).__name__} does not support "
@@ -349,7 +362,7 @@ def check_packing_supported(
     one-layer-per-kind model of ``cfg``'s architecture, narrowed to a few heads, must keep
     packed sequences apart (``varlen.enable_packing``); refused in one line otherwise,
     before any worker trains with attention across sequences or past a window."""
-    config = copy.deepcopy(hf_config(cfg, vocab_size=64, max_positions=64))
+    config = copy.deepcopy(probe_config(cfg))
     passed = window_passed(config, max_sequence_length=max_sequence_length, fields=fields)
     if passed is not None:
         raise ConfigError(
@@ -466,7 +479,7 @@ def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> None:
         return
     check_peft_installed(lora)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(cfg, vocab_size=64, max_positions=64))
+        model = AutoModelForCausalLM.from_config(probe_config(cfg))
     check_targets(model, lora)
 
 
@@ -488,7 +501,7 @@ def flop_crossover(cfg: ModelConfig) -> int:
     ``flops.DecoderShape``'s count, of a Mixture-of-Experts layer the experts a token is
     sent to). Counted on models of 1 and 2 layers built on the meta device: no memory, any
     architecture."""
-    config = hf_config(cfg, vocab_size=64, max_positions=64)
+    config = probe_config(cfg)
     counts = []
     for layers in (1, 2):
         config = copy.deepcopy(config)

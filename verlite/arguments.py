@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 
 
 def positive_int(text: str) -> int:
@@ -15,6 +16,24 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
+
+
+def positive_int_at_most(maximum: int) -> Callable[[str], int]:
+    """A positive integer of at most ``maximum`` (a flag whose larger values would run or
+    allocate without bound)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= maximum:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive integer of at most {maximum}, got {text!r}"
+            )
+        return value
+
+    return parse
 
 
 def positive_float(text: str) -> float:

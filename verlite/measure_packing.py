@@ -8,8 +8,13 @@ import argparse
 import json
 import sys
 
-from verlite.arguments import positive_int
+from verlite.arguments import positive_int, positive_int_at_most
 from verlite.table import format_table
+
+# The most tokens of a measured packed row (2^20): far beyond a worker's micro-batch, and each
+# trial builds its row one sequence at a time, so a budget without a bound ran (and allocated)
+# without one.
+MAX_BUDGET = 2**20
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -29,10 +34,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     measure.add_argument(
         "--budget",
-        type=positive_int,
+        type=positive_int_at_most(MAX_BUDGET),
         default=None,
-        help="most tokens of a packed row (default: actor.max_token_len_per_worker, or "
-        "actor.micro_batch_size_per_worker x the longest sequence)",
+        help="most tokens of a packed row, at most 1048576 (default: actor.max_token_len_per_worker, "
+        "or actor.micro_batch_size_per_worker x the longest sequence)",
     )
     measure.add_argument(
         "--trials", type=positive_int, default=40, help="packed rows to time (default 40)"
@@ -50,11 +55,22 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
         raise ConfigError(f"--trials={args.trials}: a fit of 3 coefficients needs at least 4")
     longest = cfg.max_sequence_length
     actor = cfg.actor
-    budget = args.budget or (
-        actor.max_token_len_per_worker
-        if actor.use_dynamic_bsz and actor.max_token_len_per_worker
-        else actor.micro_batch_size_per_worker * longest
-    )
+    budget = args.budget
+    if budget is None:
+        if actor.use_dynamic_bsz and actor.max_token_len_per_worker:
+            budget = actor.max_token_len_per_worker
+            source = f"actor.max_token_len_per_worker={budget}"
+        else:
+            budget = actor.micro_batch_size_per_worker * longest
+            source = (
+                f"actor.micro_batch_size_per_worker={actor.micro_batch_size_per_worker} x "
+                f"{longest} tokens = {budget}"
+            )
+        if budget > MAX_BUDGET:
+            raise ConfigError(
+                f"--budget defaults to {source}, over the {MAX_BUDGET} tokens a measured row "
+                "may hold; give --budget"
+            )
     if budget < longest:
         raise ConfigError(
             f"--budget={budget} is below the longest sequence ({longest} tokens: "

@@ -102,6 +102,14 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
     [
         (["--trials", "3"], "--trials=3: a fit of 3 coefficients needs at least 4"),
         (["--budget", "5"], "--budget=5 is below the longest sequence (12 tokens"),
+        # A row of 2^20 tokens at most (measure_packing.MAX_BUDGET): a budget of 10^12 ran on
+        # for ever, building each trial's row one sequence at a time.
+        (["--budget", "1048577"], "argument --budget: expected a positive integer of at most"),
+        (["--budget", "10**12"], "expected a positive integer of at most 1048576, got '10**12'"),
+        (
+            ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_worker=1000000000"],
+            "--budget defaults to actor.max_token_len_per_worker=1000000000, over the 1048576",
+        ),
         (["--trials", "zero"], "expected a positive integer, got 'zero'"),
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model': no such file"),
         (["model.path=/"], "model.path='/' is not a Hugging Face model directory"),

@@ -35,6 +35,7 @@ from verlite.rewards import digit_match
 #   token_json    HTTP 400 whose JSON body quotes the token (JSON-escaped)
 #   token_cut     HTTP 400 whose body's first 300 bytes end inside the token
 #   token_url     HTTP 404 whose body quotes the token URL-encoded
+#   token_slow_401  HTTP 401 at once, its body (the token first) a byte every 0.05 s
 
 
 class ScoringService:
@@ -157,7 +158,9 @@ def _handler(service: ScoringService) -> type[BaseHTTPRequestHandler]:
                 return
             if behaviour in _TOKEN_BODIES:
                 status, body_of = _TOKEN_BODIES[behaviour]
-                self._send(status, body_of(token).encode())
+                self._send(
+                    status, body_of(token).encode(), trickle=behaviour.startswith("token_slow")
+                )
                 return
             if behaviour == "malformed":
                 self._send(200, b'{"scores": [0.5,')
@@ -225,4 +228,5 @@ _TOKEN_BODIES: dict[str, tuple[int, Callable[[str], str]]] = {
     "token_json": (400, lambda token: json.dumps({"error": f"unknown key {token}"})),
     "token_cut": (400, lambda token: "x" * (300 - len(token) // 2) + token),
     "token_url": (404, lambda token: f"no route /v1/{urllib.parse.quote(token, safe='')}/score"),
+    "token_slow_401": (401, lambda token: f"{token} is not a key of this service"),
 }

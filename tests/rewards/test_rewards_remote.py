@@ -227,6 +227,22 @@ def test_the_token_is_sent_and_never_shown(
 
 
 @pytest.mark.usefixtures("registry")
+def test_a_client_error_is_not_retried_however_late_its_reply_ends(service: ScoringService) -> None:
+    """A 4xx is the service's answer (bad request, a token it refuses) whenever it comes: a
+    401 whose body was still arriving at reward.remote.timeout_s was retried as 'no whole
+    reply within 0.3 s', and its status never shown. The body read by then is quoted with
+    the start of the token it holds masked."""
+    service.reset("token_slow_401")
+    message = failure(scorer(service.url, token=TOKEN, batch_size=10, timeout_s=0.3))
+    assert message.startswith(
+        f"reward.remote.url='{service.url}': batch 0 (responses 0-9): HTTP 401 Unauthorized"
+    ), message
+    assert message.endswith("(not retried)") and service.requests == 1
+    for fragment in ("sk-l", "51Hx", "r0ken"):
+        assert fragment not in message
+
+
+@pytest.mark.usefixtures("registry")
 def test_the_token_is_never_shown_in_a_retry_line(service: ScoringService) -> None:
     service.reset("token_reason_503")
     scores, out = score(scorer(service.url, token=TOKEN, batch_size=10))

@@ -14,7 +14,9 @@ at each further retry, at most ``MAX_RETRY_WAIT_S`` (10 minutes) a wait: no conn
 (refused, reset, dropped before the reply), no whole reply within ``timeout_s``
 (:class:`_Deadline` shuts the connection then, wherever the reply is: a status line, headers
 or a body still arriving are cut off), HTTP 5xx and 429 -- what a service that restarts or
-sheds load does. Not retried, since a retry cannot mend a service's bug: any other status, a
+sheds load does. Not retried, since a retry cannot mend a service's bug: any other status
+(a 4xx is the service's answer however late its reply ends: one whose body is cut off at
+``timeout_s`` is shown with what came of it, not taken for a slow reply), a
 reply that is not JSON or not ``{"scores": [...]}``, another count of scores than of
 responses, a score that is not a number in [0, 1]. Either way the step stops with a
 :class:`RemoteRewardError` (a run failure: exit 1, the checkpoints written so far stay
@@ -83,8 +85,11 @@ class _Failed(Exception):
     """A failed request. Its message quotes what the service sent (a status line, a body, a
     score), which may echo the token: masked here, before any retry line or error shows it."""
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, answered: bool = False) -> None:
         super().__init__(redact_text(message))
+        # The service's status line came: the failure is what it answered, however late its
+        # reply ended (a 4xx whose body is cut off at the deadline is still a 4xx).
+        self.answered = answered
 
 
 class _Retryable(_Failed):
@@ -349,9 +354,10 @@ class RemoteScorer:
         too_slow = f"no whole reply within {timeout_s:g} s (reward.remote.timeout_s)"
         with _Deadline(timeout_s) as deadline:
             try:
-                raw = self._exchange(request)
-            except _Failed:
-                if deadline.passed:  # what the cut made of the reply: a reset, a short body
+                raw = self._exchange(request, deadline)
+            except _Failed as exc:
+                # What the cut made of a reply without a status: a reset, a short body.
+                if deadline.passed and not exc.answered:
                     raise _Retryable(too_slow) from None
                 raise
             except TimeoutError:  # one read waited the socket's timeout
@@ -360,16 +366,19 @@ class RemoteScorer:
             raise _Retryable(too_slow)
         return self._scores(raw, batch)
 
-    def _exchange(self, request: urllib.request.Request) -> bytes:
-        """The reply's body to ``request``; :class:`_Failed`, or TimeoutError."""
+    def _exchange(self, request: urllib.request.Request, deadline: _Deadline) -> bytes:
+        """The reply's body to ``request``; :class:`_Failed`, or TimeoutError. An error
+        status is what the service answered whenever it came: its body as read by
+        ``deadline`` is quoted (cut there, the start of a secret at its end masked)."""
         try:
             with self._opener.open(request, timeout=self.cfg.timeout_s) as reply:
                 return _read_body(reply)
         except urllib.error.HTTPError as exc:
-            status = f"HTTP {exc.code} {exc.reason}{_excerpt(_body_of(exc))}"
+            body = _body_of(exc)
+            status = f"HTTP {exc.code} {exc.reason}{_excerpt(body, cut=deadline.passed)}"
             if exc.code == 429 or exc.code >= 500:
-                raise _Retryable(status) from None
-            raise _Broken(status) from None
+                raise _Retryable(status, answered=True) from None
+            raise _Broken(status, answered=True) from None
         except (OSError, http.client.HTTPException) as exc:  # URLError and timeouts too
             reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
             if isinstance(reason, TimeoutError):
@@ -410,11 +419,12 @@ def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not a JSON number")
 
 
-def _excerpt(raw: bytes) -> str:
+def _excerpt(raw: bytes, *, cut: bool = False) -> str:
     """The start of a reply, for a message: one line, credentials masked, the start of one
-    too where the reply is cut (an error's body is read up to ``_EXCERPT_BYTES``)."""
+    too where the reply is cut (an error's body is read up to ``_EXCERPT_BYTES``; ``cut``:
+    its reading was cut off before)."""
     text = " ".join(raw[:_EXCERPT_BYTES].decode("utf-8", "replace").split())
-    text = redact_text(text, cut=len(raw) >= _EXCERPT_BYTES)
+    text = redact_text(text, cut=cut or len(raw) >= _EXCERPT_BYTES)
     return f": {shown(text, 160)}" if text else ""
 
 
@@ -510,6 +520,8 @@ class _HTTPSHandler(urllib.request.HTTPSHandler):
 def _body_of(error: urllib.error.HTTPError) -> bytes:
     try:
         return error.read(_EXCERPT_BYTES)
+    except http.client.IncompleteRead as exc:  # cut off (at the deadline): what came
+        return exc.partial[:_EXCERPT_BYTES]
     except (OSError, http.client.HTTPException):
         return b""
 

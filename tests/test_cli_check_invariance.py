@@ -30,7 +30,7 @@ def test_json_report_ok(verlite_main) -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["ok"] is True and report["tolerance"] == 1e-3
-    assert (report["optimizer"], report["steps"]) == ("configured", 3)
+    assert (report["optimizer"], report["steps"], report["sequences"]) == ("configured", 3, 16)
     assert len(report["layouts"]) == 2 * 2 * 2  # dp x micro x role
     keys = {
         "dp",
@@ -76,6 +76,11 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
         (["--micro", "3"], "allowed: 1,2,full,dynamic"),
         (["--dp", "0"], "expected positive integers"),
         (["--dp", "1000"], "--dp 1000: its ranks need about 500.0 GiB (512 MiB each)"),
+        (
+            ["--dp", "5,7,11"],
+            "--dp 5,7,11: the audit's batch would hold 6160 sequences (the least multiple of 16 "
+            "that every size splits into equal shares), over the 1024 allowed;",
+        ),
         (["--strategy", "zero"], "allowed: ddp,fsdp"),
         (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
         (["--steps", "3,"], "argument --steps: expected a positive integer, got '3,'"),
@@ -160,7 +165,9 @@ def test_a_gpu_audit_needs_a_gpu_per_rank(verlite_main) -> None:
     proc = verlite_main("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     progress, error = proc.stderr.splitlines()
-    assert progress == "checking 4 rank launches ..." and error.startswith(
+    assert progress == (
+        "checking 56 layouts in 4 rank launches on a batch of 16 sequences ..."
+    ) and error.startswith(
         "verlite: error: --dp 4 with model.device=cuda: NCCL needs one GPU per rank: 4 ranks"
     )
 
@@ -206,3 +213,18 @@ def test_a_model_whose_vocabulary_is_under_the_audits_is_audited(
     proc = verlite_main("check-invariance", "--config", CONFIG, setting, *args)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["ok"] is True
+
+
+def test_a_layout_list_says_how_large_its_batch_is_up_front(verlite_main) -> None:
+    """--dp 5,7 audits a batch of 560 sequences (lcm(16, 5, 7)): said before the ranks start
+    (here model.device=cuda stops it right after, without a GPU for every rank)."""
+    if torch.cuda.device_count() >= 7:
+        pytest.skip("this machine has a GPU for every rank of --dp 7")
+    proc = verlite_main(
+        "check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "5,7", "--micro", "1"
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0] == (
+        "checking 8 layouts in 4 rank launches on a batch of 560 sequences (the least multiple "
+        "of 16 that every --dp size splits into equal shares) ..."
+    )

@@ -148,7 +148,9 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         return _check_run_invariance(args)
     from verlite.audit.invariance import (
         MICRO_LAYOUTS,
+        NUM_SEQUENCES,
         STRATEGIES,
+        audit_rows,
         check_invariance,
         check_layouts,
         tolerance_for,
@@ -168,9 +170,18 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
+    rows = audit_rows(dps)
     if not args.json:
+        why = (
+            f" (the least multiple of {NUM_SEQUENCES} that every --dp size splits into equal "
+            "shares)"
+            if rows > NUM_SEQUENCES
+            else ""
+        )
+        layouts = len(dps) * len(strategies) * len(micros) * 2  # actor and critic
         print(
-            f"checking {len(dps) * len(strategies)} rank launches ...",
+            f"checking {layouts} layouts in {len(dps) * len(strategies)} rank launches on a "
+            f"batch of {rows} sequences{why} ...",
             file=sys.stderr,
             flush=True,
         )
@@ -187,7 +198,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     ok = all(r.worst() <= tolerance for r in reports)
     if args.json:
         layouts = [asdict(r) for r in reports]
-        setting = {"optimizer": optimizer, "steps": steps}
+        setting = {"optimizer": optimizer, "steps": steps, "sequences": rows}
         print(json.dumps({"ok": ok, "tolerance": tolerance, **setting, "layouts": layouts}))
     else:
         print(format_table(invariance_rows(reports, tolerance)))

@@ -92,6 +92,10 @@ LOSS_METRIC = {"actor": "actor/loss", "critic": "critic/vf_loss"}
 # smaller (audit_vocab_size).
 VOCAB_SIZE = 64
 NUM_SEQUENCES = 16
+# The most sequences of an audit batch (audit_rows): every --dp size up to 64 alone, and lists
+# whose sizes share factors (1,2,4,8; 3,6,12; 5,10,20). Sizes without common factors multiply
+# the batch (--dp 5,7: 560; --dp 5,7,11: 6160), and every layout's ranks work through all of it.
+MAX_AUDIT_ROWS = 1024
 # What one spawned rank holds (torch, transformers and the tiny model: ~350 MiB measured),
 # with room to spare; a layout whose ranks would not fit the memory available is refused.
 RANK_MEMORY_BYTES = 512 * 2**20
@@ -386,7 +390,8 @@ def audit_rows(dps: Sequence[int]) -> int:
 
 def check_layouts(dps: Sequence[int]) -> None:
     """Refuse, before spawning anything, data-parallel sizes whose ranks would not fit this
-    machine's available memory."""
+    machine's available memory, or whose batch would hold more than :data:`MAX_AUDIT_ROWS`
+    sequences."""
     available = _available_memory()
     need = max(dps) * RANK_MEMORY_BYTES
     if available is not None and need > available:
@@ -394,6 +399,13 @@ def check_layouts(dps: Sequence[int]) -> None:
             f"--dp {max(dps)}: its ranks need about {need / 2**30:.1f} GiB "
             f"({RANK_MEMORY_BYTES // 2**20} MiB each); this machine has "
             f"{available / 2**30:.1f} GiB available"
+        )
+    rows = audit_rows(dps)
+    if rows > MAX_AUDIT_ROWS:
+        raise UserError(
+            f"--dp {','.join(map(str, dps))}: the audit's batch would hold {rows} sequences "
+            f"(the least multiple of {NUM_SEQUENCES} that every size splits into equal shares), "
+            f"over the {MAX_AUDIT_ROWS} allowed; audit the sizes in separate runs"
         )
 
 

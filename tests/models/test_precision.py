@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tests.model_support import tiny_moe, tiny_qwen2
+from tests.model_support import tiny_moe, tiny_qwen2, tiny_sliding
 from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, load_config
 from verlite.config.derived import bf16_lost_update, precision_line
@@ -20,6 +20,7 @@ from verlite.models.precision import (
     autocast,
     cast_weights,
     check_precision_supported,
+    fp64_throughout,
     generation_dtypes,
     inference_dtypes,
     store_for_generation,
@@ -320,6 +321,91 @@ def test_fp64_models_normalize_in_fp64(role: str) -> None:
         torch.testing.assert_close(out, exact, rtol=1e-15, atol=0)
         # The copy's norms compute with the copy's own weights.
         assert norm.forward.__self__ is norm
+
+
+def _gemma_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    # Gemma's RMSNorm: zero-centred weights, 1 + weight scales (its epsilon is `eps`).
+    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)
+
+
+def test_an_fp64_gemma3_normalizes_in_fp64(tmp_path) -> None:
+    """Gemma3RMSNorm has `eps`, not `variance_epsilon`, and scales by 1 + weight: it stayed
+    float32 under model.precision=fp64 (its outputs float32-rounded: 1e-7 off the fp64
+    function), the q/k norms of every layer too."""
+    tiny_sliding("gemma3", 16).save_pretrained(tmp_path)
+    cfg = config("model.precision=fp64", f"model.path={tmp_path}").model
+    model = build_policy(cfg, vocab_size=64, max_positions=32, seed=0)
+    norms = [m for m in model.modules() if type(m).__name__ == "Gemma3RMSNorm"]
+    assert len(norms) == 2 * 6 + 1  # per layer: 4 around attention and MLP, q and k; the last
+    with torch.no_grad():  # trained weights, not the zeros it starts from
+        for norm in norms:
+            norm.weight.copy_(torch.randn(norm.weight.shape, dtype=torch.float64))
+    for norm in norms:
+        hidden = torch.randn(3, *norm.weight.shape, dtype=torch.float64)
+        torch.testing.assert_close(norm(hidden), _gemma_norm(norm, hidden), rtol=1e-15, atol=0)
+
+
+def _layer_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    centred = hidden - hidden.mean(-1, keepdim=True)
+    scaled = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * scaled
+
+
+def _unscaled_rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+
+
+def _llama_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    return norm.weight * _unscaled_rms_norm(norm, hidden)
+
+
+def _norm_cases() -> list[tuple[torch.nn.Module, object]]:
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.gemma3n.modeling_gemma3n import Gemma3nRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return [
+        (LlamaRMSNorm(8), _llama_norm),
+        (GemmaRMSNorm(8), _gemma_norm),
+        (CohereLayerNorm((2, 8)), _layer_norm),  # Cohere's q/k norm: a weight per head
+        (Gemma3nRMSNorm(8, with_scale=False), _unscaled_rms_norm),
+    ]
+
+
+@pytest.mark.parametrize("case", range(4), ids=["llama", "gemma", "cohere", "gemma3n-unscaled"])
+def test_fp64_norms_of_any_class_normalize_in_fp64(case: int) -> None:
+    """Each class's norm, as an fp64 model holds it (with other fp64 weights), computes its
+    own function in fp64: told by what it computes, not by an attribute's name."""
+    norm, function = _norm_cases()[case]
+    model = torch.nn.Sequential(norm, torch.nn.Linear(8, 8)).double()
+    with torch.no_grad():
+        for param in norm.parameters():
+            param.copy_(torch.randn(param.shape, dtype=torch.float64))
+    fp64_throughout(model)
+    shape = (3, *getattr(norm, "weight", torch.empty(8)).shape)
+    hidden = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    out = norm(hidden)
+    torch.testing.assert_close(out, function(norm, hidden), rtol=1e-15, atol=0)
+    (grad,) = torch.autograd.grad(out.sum(), hidden)
+    assert not torch.equal(grad, grad.float().double()), "its gradient is fp64 too"
+
+
+class _OtherNorm(torch.nn.Module):
+    """A norm computing none of the known forms (in float32): left as its class computes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(8))
+        self.eps = 1e-6
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(hidden.float()) * self.weight.float()).type_as(hidden)
+
+
+def test_a_norm_that_computes_another_function_keeps_its_own_forward() -> None:
+    model = fp64_throughout(torch.nn.Sequential(_OtherNorm(), torch.nn.LayerNorm(8)).double())
+    assert all("forward" not in vars(m) for m in model)
 
 
 def test_other_precisions_keep_hugging_faces_norms() -> None:

@@ -17,6 +17,7 @@ are never trained are stored (docs/design.md, "Precision").
 from __future__ import annotations
 
 import contextlib
+import copy
 import re
 from collections.abc import Sequence
 
@@ -209,13 +210,14 @@ def _kept_in_fp32(model: nn.Module) -> set[int]:
 def fp64_throughout(model: nn.Module) -> nn.Module:
     """``model`` (in place) computing in fp64 where its weights are fp64; returned.
 
-    Hugging Face's RMSNorm (Llama, Qwen2 and Mistral share its code) casts its input to
-    float32 whatever its dtype: an upcast for bf16, but under fp64 it rounds every
-    normalized activation, and in backward every gradient through it, to float32. fp64 is
-    what layouts are audited in: the loss gradient is scaled by the data-parallel size
-    (``core.losses.agg_loss``), and a scale that is not a power of two rounds differently
-    there, so the gradients of 3 ranks were 1e-7 apart from one rank's, not 1e-15. Each such
-    RMSNorm computes in fp64 on fp64 weights.
+    Hugging Face's normalization layers cast their input to float32 whatever its dtype
+    (Llama's, Qwen2's and Mistral's RMSNorm, Gemma 3's, Cohere's LayerNorm, ...): an upcast
+    for bf16, but under fp64 it rounds every normalized activation, and in backward every
+    gradient through it, to float32. fp64 is what layouts are audited in: the loss gradient
+    is scaled by the data-parallel size (``core.losses.agg_loss``), and a scale that is not a
+    power of two rounds differently there, so the gradients of 3 ranks were 1e-7 apart from
+    one rank's, not 1e-15. Each such layer (:func:`_fp64_norm_form`: found by what it
+    computes, whatever its attributes are called) computes the same function in fp64.
 
     A Mixture-of-Experts model's experts (Qwen2-MoE, Qwen3-MoE, Mixtral, ...) run by
     default through ``grouped_mm``, which has no fp64 kernel: an fp64 forward stopped with
@@ -224,29 +226,110 @@ def fp64_throughout(model: nn.Module) -> nn.Module:
     uses), the same function of the weights.
 
     Other precisions keep Hugging Face's forward (float32 is at least theirs)."""
-    for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            type(module).__name__.endswith("RMSNorm")
-            and hasattr(module, "variance_epsilon")
-            and isinstance(weight, torch.Tensor)
-            and weight.dtype == torch.float64
-        ):
-            module.forward = _rms_norm.__get__(module)
     fp64 = any(p.dtype == torch.float64 for p in model.parameters())
+    if not fp64:
+        return model
+    for module in model.modules():
+        form = _fp64_norm_form(module)
+        if form is not None:
+            module.verlite_fp64_norm = form
+            module.forward = _fp64_norm.__get__(module)
     for hf in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
-        if fp64 and getattr(hf.config, "_experts_implementation", None) == "grouped_mm":
+        if getattr(hf.config, "_experts_implementation", None) == "grouped_mm":
             hf.set_experts_implementation("eager")
     return model
 
 
-def _rms_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's RMSNorm in fp64 for an fp64 input; the class's own otherwise (a model
-    cast after this was set, to bf16 say, keeps Hugging Face's float32 upcast)."""
+# What a normalization layer may name its epsilon (Llama: variance_epsilon; Gemma 3: eps).
+_EPS_NAMES = ("variance_epsilon", "eps", "epsilon")
+# How a layer may scale its normalized input: by its weight (Llama), by 1 + its weight
+# (Gemma's zero-centred weights), or not at all (Gemma 3n's norms without scale).
+_SCALES = ("weight", "one_plus_weight", "none")
+# A layer's own output against the fp64 function of its form, relative to the largest:
+# within float32 rounding (it computes that form in float32), or within fp64 rounding (it
+# computes in fp64 already).
+_FORM_RTOL = 1e-5
+_FP64_RTOL = 1e-12
+
+
+def _fp64_norm_form(module: nn.Module) -> tuple[float, bool, str] | None:
+    """What the normalization layer ``module`` computes, where it rounds an fp64 input to
+    float32: its epsilon, whether it centres (a LayerNorm) or not (an RMSNorm), and its
+    scale (:data:`_SCALES`); None for any other module, a layer that computes in fp64
+    already (``nn.LayerNorm``), or one that computes none of these forms (left as it is).
+    Told by its class (a ``...Norm`` with an epsilon and fp64 weights, or none) and then by
+    what it computes: a copy with random weights (so that no form hides behind the
+    weights' initial ones or zeros) is run on a random fp64 input, and its output compared
+    with each form's computed in fp64."""
+    if not type(module).__name__.endswith("Norm"):
+        return None
+    eps = next(
+        (getattr(module, n) for n in _EPS_NAMES if type(getattr(module, n, None)) is float), None
+    )
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    tensors = [t for t in (weight, bias) if t is not None]
+    if eps is None or not all(
+        isinstance(t, torch.Tensor) and t.dtype == torch.float64 and not t.is_meta for t in tensors
+    ):
+        return None
+    device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (16,)
+    gen = torch.Generator().manual_seed(0)
+    probe = copy.deepcopy(module)
+    with torch.no_grad():
+        for tensor in (
+            probe.weight if weight is not None else None,
+            probe.bias if bias is not None else None,
+        ):
+            if tensor is not None:
+                tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float64))
+        hidden = torch.randn((4, *shape), generator=gen, dtype=torch.float64).to(device)
+        try:
+            out = type(module).forward(probe, hidden)
+        except Exception:  # a layer of another signature: not one of these
+            return None
+        if (
+            not isinstance(out, torch.Tensor)
+            or out.dtype != torch.float64
+            or out.shape != hidden.shape
+        ):
+            return None
+        for centred in (False, True):
+            for scale in _SCALES if weight is not None else ("none",):
+                form = (eps, centred, scale)
+                exact = _normalized(probe, hidden, form)
+                error = float((out - exact).abs().max() / exact.abs().max())
+                if error <= _FP64_RTOL:  # computes in fp64 already (nn.LayerNorm)
+                    return None
+                if error <= _FORM_RTOL:
+                    return form
+    return None
+
+
+def _normalized(
+    module: nn.Module, hidden: torch.Tensor, form: tuple[float, bool, str]
+) -> torch.Tensor:
+    """``module``'s normalization of ``hidden`` in the form ``form`` (:func:`_fp64_norm_form`),
+    in ``hidden``'s dtype."""
+    eps, centred, scale = form
+    if centred:
+        hidden = hidden - hidden.mean(-1, keepdim=True)
+    out = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
+    if scale == "weight":
+        out = module.weight * out
+    elif scale == "one_plus_weight":
+        out = out * (1.0 + module.weight)
+    bias = getattr(module, "bias", None)
+    return out + bias if isinstance(bias, torch.Tensor) else out
+
+
+def _fp64_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The normalization layer's own function in fp64 for an fp64 input; the class's own
+    forward otherwise (a model cast after this was set, to bf16 say, keeps Hugging Face's
+    float32 upcast)."""
     if hidden.dtype != torch.float64:
         return type(self).forward(self, hidden)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+    return _normalized(self, hidden, self.verlite_fp64_norm)
 
 
 def check_precision_supported(precision: str, *, on_gpu: bool, auto: bool = False) -> None:

@@ -204,6 +204,54 @@ def test_a_run_of_a_rotary_model_past_its_context_starts_with_the_warning(
     assert "warning: model.path=" in capsys.readouterr().out
 
 
+_TINY = {"vocab_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2}
+# Real Hugging Face configs of 16 positions: GPT-2 and OPT learn a table of them (GPT-2's wpe,
+# OPT's embed_positions with 2 rows more); Gemma 3n is rotary, with per-layer token embeddings
+# (embed_tokens_per_layer, an nn.Embedding besides the token embeddings).
+_CONTEXT_MODELS = {
+    "gpt2": {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64, "n_positions": 16},
+    "opt": {**_TINY, "hidden_size": 32, "ffn_dim": 64, "max_position_embeddings": 16},
+    "gemma3n_text": {
+        **_TINY,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "max_position_embeddings": 16,
+        "vocab_size_per_layer_input": 64,
+        "hidden_size_per_layer_input": 8,
+        "num_kv_shared_layers": 0,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "activation_sparsity_pattern": [0.0, 0.0],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "table"), [("gpt2", True), ("opt", True), ("gemma3n_text", False)]
+)
+def test_only_a_position_table_refuses_a_sequence_past_the_context(
+    tmp_path: Path, kind: str, table: bool
+) -> None:
+    """Any nn.Embedding besides the token embeddings was taken for a position table: Gemma
+    3n's per-layer embeddings made its 17-token sequences refused, where a rotary model's are
+    warned of."""
+    from transformers import AutoConfig
+
+    from verlite.models import check_context_fits
+
+    AutoConfig.for_model(kind, **_CONTEXT_MODELS[kind]).save_pretrained(tmp_path)
+    cfg = load_config(None, ["data.task=copy", f"model.path={tmp_path}"]).model
+    assert check_context_fits(cfg, max_sequence_length=16, fields="the fields") is None
+    if table:
+        with pytest.raises(ConfigError, match=r"16 positions .*, the rows of its position table"):
+            check_context_fits(cfg, max_sequence_length=17, fields="the fields")
+    else:
+        warning = check_context_fits(cfg, max_sequence_length=17, fields="the fields")
+        assert warning is not None and "its rotary positions past 16" in warning
+
+
 def test_a_rotary_model_past_its_context_is_warned_of_and_a_scaling_extends_it(
     tmp_path: Path,
 ) -> None:

@@ -7,6 +7,7 @@ code path that runs here also runs on a real checkpoint loaded from ``model.path
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -418,8 +419,8 @@ def _rope_kind(params: dict[str, Any]) -> Any:
 def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: str) -> str | None:
     """``model.path`` at start-up: the run's longest sequence (``fields`` name what sets it)
     against the model's ``max_position_embeddings``. Past it, a model with learned positions
-    (OPT, GPT-2: a position table, an embedding besides the token embeddings, found on a
-    model built on the meta device) indexes past its table (an ``IndexError`` inside a
+    (OPT, GPT-2: a position table, :func:`position_tables`, found on a model built on the
+    meta device) indexes past its table (an ``IndexError`` inside a
     worker, at the first rollout): refused in one line. A rotary model runs on positions it
     was not trained at, which a user may mean (a long-response run of a short-context
     checkpoint): the warning line returned says so. A rotary scaling other than the default
@@ -438,8 +439,7 @@ def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: st
     )
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    tokens = model.get_input_embeddings()
-    if any(isinstance(m, nn.Embedding) and m is not tokens for m in model.modules()):
+    if position_tables(model, positions):
         raise ConfigError(
             f"{past}, the rows of its position table; shorten the prompts or responses"
         )
@@ -448,6 +448,32 @@ def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: st
         "at; shorten the prompts or responses, or give config.json a rope scaling, unless "
         "that is meant"
     )
+
+
+# The rows a learned position table holds beyond max_position_embeddings (OPT's and BioGPT's
+# offset of 2, from their padding index).
+_POSITION_OFFSET_ROWS = 2
+_NAMES_POSITIONS = re.compile(r"position", re.IGNORECASE)
+
+
+def position_tables(model: nn.Module, positions: int) -> list[str]:
+    """The names of ``model``'s learned position tables: embeddings besides its token
+    embeddings that its class or name says hold positions (OPT's
+    ``OPTLearnedPositionalEmbedding``, ``embed_positions``, ``position_embeddings``), or, where
+    neither says (GPT-2's ``wpe``), that have a row per position of ``positions``
+    (``max_position_embeddings``, up to :data:`_POSITION_OFFSET_ROWS` more). Other embeddings
+    are not (Gemma 3n's per-layer token embeddings, ``embed_tokens_per_layer``)."""
+    tokens = model.get_input_embeddings()
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        and module is not tokens
+        and (
+            bool(_NAMES_POSITIONS.search(f"{name} {type(module).__name__}"))
+            or 0 <= module.num_embeddings - positions <= _POSITION_OFFSET_ROWS
+        )
+    ]
 
 
 def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:

@@ -1,7 +1,8 @@
 """The documentation set holds together: README.md is the front door (under 300 lines, linking
-every guide under docs/), and every link in README.md and docs/*.md leads somewhere — a
-relative link to a file of the repository and an ``#anchor`` to a heading of that file (GitHub's
-rule), an external link well formed (nothing is fetched)."""
+every guide under docs/), and every link in README.md, docs/*.md, deploy/README.md and
+benchmarks/README.md leads somewhere — a relative link to a file of the repository and an
+``#anchor`` to a heading of that file (GitHub's rule), an external link well formed (nothing is
+fetched)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-DOCUMENTS = [ROOT / "README.md", *DOCS]
+# The guides beside the code they describe are documents too.
+DOCUMENTS = [
+    ROOT / "README.md",
+    *DOCS,
+    ROOT / "deploy" / "README.md",
+    ROOT / "benchmarks" / "README.md",
+]
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.MULTILINE | re.DOTALL)
 CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)

@@ -107,13 +107,13 @@ def test_the_readme_links_every_guide() -> None:
     assert [doc.name for doc in DOCS if doc not in linked] == []
 
 
-@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_leads_to_a_file_and_heading(document: Path) -> None:
     problems = broken(document)
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_external_link_is_well_formed(document: Path) -> None:
     problems = malformed(document)
     assert not problems, "\n".join(problems)

@@ -218,10 +218,8 @@ def _main(argv: Sequence[str] | None) -> int:
         # in Ray's handler, which does the same; the run's finally blocks closed its files.
         if exc.code != signal.SIGTERM:
             raise
-        print(
-            "verlite: terminated (SIGTERM); trainer.resume=auto continues from the last checkpoint",
-            file=sys.stderr,
-        )
+        # A run said before this what a new one of its folder does (driver.checkpoint).
+        print("verlite: terminated (SIGTERM)", file=sys.stderr)
         return 128 + signal.SIGTERM
     except BrokenPipeError:
         # The reader of stdout left (`verlite metrics ... | head`): stop quietly. Point stdout

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from verlite.driver.checkpoint import complete_checkpoints
 from verlite.driver.trainer import divergence
 from verlite.rewards.scoring import RewardError
 
@@ -231,9 +232,17 @@ def test_sigterm_stops_the_run_in_one_line_with_its_files_whole(tmp_path: Path) 
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
-    assert stderr.strip().splitlines()[-1].startswith("verlite: terminated (SIGTERM)")
+    assert stderr.strip().splitlines()[-1] == "verlite: terminated (SIGTERM)"
+    # What a new run of the folder does, by what the stopped run left there.
+    saved = complete_checkpoints(out)
+    said = (
+        f"stopped: a new `verlite train` with trainer.resume=auto continues from {saved[-1]}"
+        if saved
+        else "stopped: no checkpoint saved yet (trainer.save_freq=2)"
+    )
+    assert said in stdout, stdout
     assert "Traceback" not in stderr
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))

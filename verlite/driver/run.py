@@ -31,7 +31,7 @@ from verlite.controller import (
     run_pools,
     write_placement_report,
 )
-from verlite.driver.checkpoint import complete_checkpoints
+from verlite.driver.checkpoint import complete_checkpoints, stopped_run_hint
 from verlite.driver.preflight import RunInputs, check_placement
 from verlite.driver.trainer import RunGroups, Trainer
 from verlite.errors import RunFailure, UserError
@@ -134,6 +134,9 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                     f"resuming from {resume_from or 'the first step (no checkpoint yet)'}",
                     flush=True,
                 )
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM (`verlite stop`, a preemption)
+        print(f"stopped: {stopped_run_hint(output_dir, cfg.trainer.save_freq)}", flush=True)
+        raise
     finally:
         inputs.folder.release()
 

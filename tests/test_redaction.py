@@ -163,6 +163,30 @@ def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
         "MLFLOW_TRACKING_PASSWORD",
         "wandb.api_key",
         "rollout.stop_token_ids",
+        # Numbered, plural, glued or short forms (caught by substring before; kept caught).
+        "DB_PASSWORD2",
+        "MY_SECRET1",
+        "TOKEN2",
+        "SMTP_PASSWORDS",
+        "passwords",
+        "SECRETKEY",
+        "secretkey",
+        "authkey",
+        "api_key2",
+        "HMAC_KEY",
+        "ssh_key",
+        "encryption_key",
+        "master_key",
+        "consumer_key",
+        "sessionKey",
+        "subscription-key",
+        "private_key",
+        "passwd",
+        "DB_PASS",
+        "MYSQL_PWD",
+        "Cookie",
+        "bearer",
+        "jwt",
     ],
 )
 def test_names_holding_a_credential_word_as_a_part_are_credential_named(name: str) -> None:
@@ -181,6 +205,11 @@ def test_names_holding_a_credential_word_as_a_part_are_credential_named(name: st
         "passage",
         "TOKENIZERS_PARALLELISM",
         "assignee",
+        "passes",
+        "bypass",
+        # The working folders, not a MySQL password.
+        "PWD",
+        "OLDPWD",
         "auth_type",
         # Where a credential is kept, not the credential: a file's path, a variable's name.
         "HF_TOKEN_PATH",
@@ -196,6 +225,9 @@ def test_names_that_only_contain_a_credential_word_are_not_credential_named(name
 def test_query_parameters_are_credentials_by_their_names_parts() -> None:
     url = "https://mlflow.example/api?author=me&design=b&keyword=x&apiKey=0123&sig=ab&X-Api-Key=c"
     assert secret_query_names(url) == ["apiKey", "sig", "X-Api-Key"]
+    # In a query any key is a credential's name (Azure's subscription key, OAuth's consumer key).
+    keys = "https://apim.example/score?subscription-key=0&consumer_key=1&keys=2&monkey=3"
+    assert secret_query_names(keys) == ["subscription-key", "consumer_key", "keys"]
     assert not carries_secret("trainer.mlflow_tracking_uri", "https://mlflow.example/?author=me")
 
 

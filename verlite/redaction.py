@@ -24,16 +24,22 @@ from urllib.parse import parse_qsl, quote, urlsplit
 
 # The words that make a name (a config key, an environment variable, a URL's query parameter,
 # an HTTP header) name a credential, as whole parts of it (see credential_named).
-# A part that is one of these, or ends in one (PGPASSWORD, APITOKEN, clientsecret):
-_CREDENTIAL_WORDS = (
-    "token|tokens|secret|secrets|password|passwd|passphrase|credential|credentials|apikey"
-)
-_CREDENTIAL_PART = re.compile(rf"\w*(?:{_CREDENTIAL_WORDS})|sig|signature")
+# A part that is one of these, or ends in one (PGPASSWORD, APITOKEN, clientsecret), plural or
+# numbered or both (passwords, DB_PASSWORD2, TOKEN_2 is two parts); DB_PASS's pass, whole:
+_CREDENTIAL_WORDS = "token|secret|password|passwd|passphrase|credential|apikey|cookie|bearer|jwt"
+_CREDENTIAL_PART = re.compile(rf"\w*(?:{_CREDENTIAL_WORDS})s?\d*|pass\d*|sig|signature")
 # A key, a credential when it is the whole name (?key=) or a kind of secret key (api_key,
-# AWS_SECRET_ACCESS_KEY, apiKey, X-Api-Key), never a mapping's key (data.prompt_key, sort_key).
-_KEY_KINDS = frozenset(
-    {"api", "access", "secret", "private", "account", "client", "auth", "signing"}
+# AWS_SECRET_ACCESS_KEY, apiKey, X-Api-Key, secretkey), never a mapping's key (data.prompt_key,
+# sort_key); in a URL's query, any key is (?subscription-key=, ?consumer_key=).
+_KEY_KINDS = (
+    "api|access|secret|private|account|client|auth|signing|subscription|session|consumer"
+    "|encryption|master|ssh|hmac|shared|license|service"
 )
+_KEY_PART = re.compile(r"keys?\d*")
+_KIND_KEY_PART = re.compile(rf"(?:{_KEY_KINDS})keys?\d*")
+_KIND_PART = re.compile(_KEY_KINDS)
+# MYSQL_PWD's pwd, not as the first part: PWD and OLDPWD are the working folders.
+_PWD = "pwd"
 # Authorization, a credential as the name's last word (?auth=, Authorization), not as a
 # qualifier (auth_type, reward.remote.auth_env, RAY_AUTH_MODE).
 _AUTH_PART = re.compile(r"auth|authorization")
@@ -62,7 +68,7 @@ _URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 _registered: set[str] = set()
 
 
-def credential_named(name: str) -> bool:
+def credential_named(name: str, *, query: bool = False) -> bool:
     """Whether ``name`` (a config key, an environment variable, a URL's query parameter, an
     HTTP header) names a credential, by its parts (:data:`_PART_BOUNDARY`: ``X-Amz-Signature``
     is ``x amz signature``, ``apiKey`` is ``api key``), never by a substring: ``?author=``
@@ -70,7 +76,8 @@ def credential_named(name: str) -> bool:
     has a part that is (or, glued, ends in) a credential word (``token``, ``access_token``,
     ``secret``, ``password``, ``PGPASSWORD``, ``credentials``, ``apikey``), ``sig`` or
     ``signature``; a key of a credential kind (``api_key``, ``X-Api-Key``,
-    ``AWS_SECRET_ACCESS_KEY``; ``key`` alone); or ``auth``/``authorization`` as its last part.
+    ``AWS_SECRET_ACCESS_KEY``; ``key`` alone; any key of a URL's query: ``query``); or
+    ``auth``/``authorization`` as its last part.
 
     A name whose last part is ``path``, ``file``, ``dir`` or ``env`` (``HF_TOKEN_PATH``,
     ``POSTGRES_PASSWORD_FILE``, ``reward.remote.auth_env``) names where a credential is kept
@@ -81,9 +88,11 @@ def credential_named(name: str) -> bool:
     if not parts or _REFERENCE_PART.fullmatch(parts[-1]):
         return False
     return (
-        any(_CREDENTIAL_PART.fullmatch(part) for part in parts)
+        any(_CREDENTIAL_PART.fullmatch(part) or _KIND_KEY_PART.fullmatch(part) for part in parts)
+        or _PWD in parts[1:]
         or any(
-            part == "key" and (index == 0 or parts[index - 1] in _KEY_KINDS)
+            _KEY_PART.fullmatch(part)
+            and (query or index == 0 or bool(_KIND_PART.fullmatch(parts[index - 1])))
             for index, part in enumerate(parts)
         )
         or bool(_AUTH_PART.fullmatch(parts[-1]))
@@ -148,7 +157,11 @@ def secret_query_names(url: str) -> list[str]:
     """The names of ``url``'s query parameters named like a credential (:func:`credential_named`:
     ``?api_key=``, ``?token=``, ``?X-Amz-Signature=``, ``?sig=``; not ``?author=``)."""
     query = urlsplit(url).query
-    return [name for name, _ in parse_qsl(query, keep_blank_values=True) if credential_named(name)]
+    return [
+        name
+        for name, _ in parse_qsl(query, keep_blank_values=True)
+        if credential_named(name, query=True)
+    ]
 
 
 def redact_url(text: str) -> str:

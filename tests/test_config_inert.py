@@ -163,6 +163,26 @@ def test_explicit_fields_are_the_files_and_the_overrides_not_the_filled_in_defau
     assert copied.explicit == cfg.explicit  # a copy's dump is not what the user set
 
 
+def test_the_actors_loss_scale_factor_is_not_named_while_the_critic_takes_it() -> None:
+    """A critic that sets no loss_scale_factor takes the actor's (config.defaults): under a
+    critic in seq-mean-token-sum-norm the actor's scales the critic's loss."""
+    ppo = ROOT / "configs" / "ppo_tiny.yaml"
+    scaled = [
+        "actor.loss_agg_mode=token-mean",
+        "actor.loss_scale_factor=100",
+        "critic.loss_agg_mode=seq-mean-token-sum-norm",
+    ]
+    cfg = load_config(ppo, scaled)
+    assert cfg.critic.loss_scale_factor == 100.0
+    assert inert_settings_line(cfg) is None
+    own = load_config(ppo, [*scaled, "critic.loss_scale_factor=10"])
+    assert inert_settings_line(own) == (
+        "config: actor.loss_scale_factor has no effect unless "
+        "actor.loss_agg_mode=seq-mean-token-sum-norm (or the critic's, which takes it unless "
+        "it sets its own)"
+    )
+
+
 def test_an_estimator_names_only_settings_there_are() -> None:
     assert advantages.ESTIMATOR_SETTINGS["gae"] == {"gamma", "lam"}
     with pytest.raises(ValueError, match="not among"):

@@ -4,7 +4,7 @@ loss aggregation, the optimizer), LoRA adapters, and the algorithm (advantages, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import AfterValidator, Field
 
@@ -26,6 +26,9 @@ from verlite.core.advantages import (
     SETTINGS,
 )
 from verlite.core.losses import KL_KINDS, LOSS_AGG_MODES, POLICY_LOSSES
+
+if TYPE_CHECKING:
+    from verlite.config.schema import Config
 
 
 def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
@@ -296,6 +299,20 @@ class AlgorithmConfig(Section):
     )
 
 
+def _scales_a_loss(cfg: Config, role: Literal["actor", "critic"]) -> bool:
+    """Whether ``role``'s loss_scale_factor scales a loss: its own under
+    seq-mean-token-sum-norm, and the actor's the critic's too when the critic takes it
+    (config.defaults: a critic that sets none takes the actor's)."""
+    if getattr(cfg, role).loss_agg_mode == "seq-mean-token-sum-norm":
+        return True
+    return (
+        role == "actor"
+        and cfg.use_critic
+        and cfg.critic.loss_agg_mode == "seq-mean-token-sum-norm"
+        and "critic.loss_scale_factor" not in cfg.explicit
+    )
+
+
 def _role_needs(role: Literal["actor", "critic"]) -> tuple[Needs, ...]:
     """What a role's settings need, the same for the actor and the critic."""
     return (
@@ -313,8 +330,13 @@ def _role_needs(role: Literal["actor", "critic"]) -> tuple[Needs, ...]:
         ),
         Needs(
             (f"{role}.loss_scale_factor",),
-            unless=f"{role}.loss_agg_mode=seq-mean-token-sum-norm",
-            active=lambda cfg: getattr(cfg, role).loss_agg_mode == "seq-mean-token-sum-norm",
+            unless=f"{role}.loss_agg_mode=seq-mean-token-sum-norm"
+            + (
+                " (or the critic's, which takes it unless it sets its own)"
+                if role == "actor"
+                else ""
+            ),
+            active=lambda cfg: _scales_a_loss(cfg, role),
             example={f"{role}.loss_agg_mode": "seq-mean-token-sum-norm"},
         ),
         Needs(

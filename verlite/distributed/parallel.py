@@ -147,6 +147,8 @@ def _split_off(module: nn.Module, main: torch.dtype, shard: dict[str, Any]) -> N
             "(strategy=ddp)"
         )
     for child in module.children():
+        if isinstance(child, FSDPModule):  # a group already: its parameters are held
+            continue
         dtypes = {param.dtype for param in _unsharded_params(child)}
         if dtypes == {main} or not dtypes:
             continue

@@ -444,7 +444,7 @@ class StaticDecoder:
         self.host_flags[position % 2].copy_(self.flags, non_blocking=True)
         event = self.copied[position % 2]
         if event is not None:
-            event.record()
+            event.record(torch.cuda.current_stream(self.flags.device))  # the copy's stream
 
     def _check(self, position: int, batch: int) -> tuple[int, bool]:
         """This rank's rows unfinished after decode position ``position``, and whether any

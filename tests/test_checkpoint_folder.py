@@ -5,12 +5,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from checkpoint_support import fake_checkpoint
 
-from verlite import checkpoint_files, load_config
+from verlite import checkpoint_files
 from verlite.driver.checkpoint import (
     begin_checkpoint,
     commit_checkpoint,
@@ -18,8 +17,6 @@ from verlite.driver.checkpoint import (
     resume_checkpoint,
     seal_checkpoint,
 )
-
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "ppo_tiny.yaml"
 
 
 def _save(out: Path, step: int, *, keep: int) -> Path:
@@ -121,35 +118,3 @@ def test_each_checkpoint_file_name_is_written_once() -> None:
             if f'"{name}"' in path.read_text()
         ]
         assert found == ["checkpoint_files.py"], (name, found)
-
-
-@pytest.mark.parametrize("stop", [SystemExit(15), KeyboardInterrupt()], ids=["SIGTERM", "Ctrl-C"])
-def test_a_stopped_run_says_what_a_new_run_of_its_folder_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], stop
-) -> None:
-    # `verlite stop` of the main job (trainer.save_freq=0) used to end on "trainer.resume=auto
-    # continues from the last checkpoint", and the new run was then refused: there was none.
-    from verlite.driver import run as driver_run
-
-    out = tmp_path / "run"
-    inputs = SimpleNamespace(resume_from=None, folder=SimpleNamespace(release=lambda: None))
-
-    def stopped(*args: object) -> None:
-        raise stop
-
-    monkeypatch.setattr(driver_run, "_attempt", stopped)
-    for save_freq, said in [
-        (0, "no checkpoint saved (trainer.save_freq=0 saves none)"),
-        (5, "no checkpoint saved yet (trainer.save_freq=5)"),
-    ]:
-        cfg = load_config(CONFIG, {"trainer.output_dir": str(out), "trainer.save_freq": save_freq})
-        with pytest.raises(type(stop)):
-            driver_run.run(cfg, inputs)
-        line = capsys.readouterr().out
-        assert said in line and "trainer.overwrite=true" in line, line
-        assert "continues" not in line
-    _save(out, 5, keep=3)
-    with pytest.raises(type(stop)):
-        driver_run.run(cfg, inputs)
-    line = capsys.readouterr().out
-    assert f"trainer.resume=auto continues from {out / 'checkpoints' / 'step_5'}" in line, line

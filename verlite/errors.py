@@ -32,6 +32,12 @@ class RunFailure(RuntimeError):
     def __init__(self, *args: object) -> None:
         super().__init__(*_redacted(args))
 
+    def then(self, next_step: str) -> None:
+        """Follow this failure's message with ``next_step``: what a new run of the output
+        folder does, which the driver, knowing the folder, adds as the failure leaves the
+        run (``driver.run.run``)."""
+        self.args = (f"{self}; {next_step}",)
+
 
 def shown(value: object, limit: int = 120, render: Callable[[object], str] = repr) -> str:
     """A user's value as a one-line message quotes it: its ``repr`` (or ``render``), the

@@ -6,7 +6,8 @@ in Hugging Face format, or with ``actor.lora`` a peft adapter folder with the ba
 to (``models.lora.save_adapter``). ``--merge`` writes the base with ``B A`` added to its
 weights, a plain Hugging Face model (and the tokenizer) that needs no peft to load. Each
 folder's report says when its tokenizer carries a chat template, the prompt format a run with
-``data.chat_template`` trained on. Torch, transformers and peft load only for ``--merge``.
+``data.chat_template`` trained on. Torch, transformers and peft load only for ``--merge`` (and
+torch for an incomplete export's error, which says what a new run of the folder does).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from verlite.errors import UserError
 from verlite.policy_folder import MERGED_FOLDER, POLICY_FOLDER, policy_exported
@@ -58,10 +60,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{_why_no_policy(Path(args.run_dir))})"
         )
     if not policy_exported(Path(args.run_dir)):
+        # Torch loads for this error alone (the checkpoints' folder contract imports it).
+        from verlite.driver.output_folder import stopped_run_hint
+
+        save_freq = _trainer_settings(Path(args.run_dir)).get("save_freq")
         raise UserError(
             f"{policy}: incomplete: the run stopped (or runs) before it exported its last policy "
-            "whole; run it again as it was "
-            "(trainer.resume=auto) to export it from its last checkpoint"
+            f"whole; {stopped_run_hint(args.run_dir, save_freq if type(save_freq) is int else None)}"
         )
     adapter_config = policy / ADAPTER_CONFIG
     if not adapter_config.is_file():
@@ -114,14 +119,19 @@ def _why_no_policy(run_dir: Path) -> str:
     if run_dir.resolve().name in (POLICY_FOLDER, MERGED_FOLDER):
         run = str(run_dir.resolve().parent)
         return f"this is the exported policy itself: give its run folder, {run!r}"
+    if _trainer_settings(run_dir).get("export") is False:
+        return "the run has trainer.export=false, which exports none"
+    return "a run exports it when it finishes"
+
+
+def _trainer_settings(run_dir: Path) -> dict[str, Any]:
+    """The ``trainer`` section of the run's logged ``config.json``; empty where unreadable."""
     try:
         config = json.loads((run_dir / RUN_CONFIG).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         config = None
     trainer = config.get("trainer") if isinstance(config, dict) else None
-    if isinstance(trainer, dict) and trainer.get("export") is False:
-        return "the run has trainer.export=false, which exports none"
-    return "a run exports it when it finishes"
+    return trainer if isinstance(trainer, dict) else {}
 
 
 def _say_chat_template(folder: Path) -> None:

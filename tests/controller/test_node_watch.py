@@ -34,6 +34,11 @@ DRIVER = textwrap.dedent(
 
     while pidfds() < 2:
         pass  # until the watcher waits on the driver and the vital process
+    if sys.argv[2] == "told":  # what a new run does, told twice through session's function
+        from verlite.controller import session
+        session._watcher = watcher
+        session.say_after_node_loss("no checkpoint saved: a new run starts afresh")
+        session.say_after_node_loss("a new run continues from /runs/a\\nb/step_4")
     if sys.argv[2] != "driver first":
         vital.kill()
         vital.wait()
@@ -66,6 +71,12 @@ def run_driver(case: str) -> str:
 
 def test_a_driver_ended_after_its_vital_process_gets_the_watchers_line() -> None:
     assert run_driver("vital first").splitlines() == ["gone: raylet"]
+
+
+def test_the_watchers_line_says_what_it_was_told_last_about_a_new_run() -> None:
+    # It said "a new `verlite train` with trainer.resume=auto continues from the latest
+    # checkpoint" whatever the run's folder held; the driver now tells it as that changes.
+    assert run_driver("told") == "gone: raylet; a new run continues from /runs/a\nb/step_4\n"
 
 
 @pytest.mark.parametrize("case", ["stop", "driver first"])

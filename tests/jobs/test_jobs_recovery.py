@@ -230,6 +230,9 @@ def test_a_killed_driver_is_resubmitted_and_resumes_to_the_same_metrics(
     reader.join(timeout=10)
     said = "".join(stderr)
     assert f"resubmitted as {job_id}-r1 (1 of 1, --max-restarts)" in said
+    # It cannot see the folder (the cluster's): both outcomes, not "resuming from the latest
+    # checkpoint" of a job that may have saved none.
+    assert "or, where the job saved none, starts from the first step" in said
     assert f"job {job_id}-r1 SUCCEEDED" in said
     assert cluster.job(job_id)["status"] == "FAILED"
 

@@ -15,9 +15,9 @@ from verlite.controller.resource_pool import (
     run_pools,
 )
 from verlite.controller.session import (
-    RESUME_HINT,
     lost_embedded_node,
     ray_session,
+    say_after_node_loss,
     start_ray,
     stop_ray,
 )
@@ -25,7 +25,6 @@ from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
 __all__ = [
-    "RESUME_HINT",
     "ClusterTooSmall",
     "Collect",
     "Dispatch",
@@ -43,6 +42,7 @@ __all__ = [
     "lost_embedded_node",
     "ray_session",
     "run_pools",
+    "say_after_node_loss",
     "start_ray",
     "stop_ray",
     "write_placement_report",

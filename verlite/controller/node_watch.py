@@ -5,16 +5,19 @@ When a process the embedded node cannot run without (its raylet, its GCS) exits,
 ends the driver at its next object-store access with a bare exit code 1 (``QuickExit``, no
 Python cleanup, nothing on the console). The driver cannot say why; this watcher can. It waits
 on the driver and on the node's vital processes (pidfds: woken the moment one exits) and on a
-pipe from the driver, which writes ``stop`` before it shuts Ray down on purpose. If a vital
-process exits and the driver then ends without having written ``stop``, it prints its message
-(given by the driver, ``{gone}`` naming what exited) to the standard error the two share.
-A driver that ends first, or says ``stop``, leaves it silent.
+pipe from the driver, which writes ``stop`` before it shuts Ray down on purpose, and before
+that, as a JSON string on a line of its own, what a new run of its output folder does (again
+each time that changes). If a vital process exits and the driver then ends without having
+written ``stop``, it prints its message (given by the driver, ``{gone}`` naming what exited),
+followed by the latest of those lines, to the standard error the two share. A driver that
+ends first, or says ``stop``, leaves it silent.
 
 Usage: ``python -I node_watch.py DRIVER_PID MESSAGE NAME=PID [NAME=PID ...]``
 """
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -38,15 +41,23 @@ def watch(driver: int, message: str, vital: dict[str, int]) -> None:
             gone.append(name)
         except OSError:  # cannot be watched: stay silent rather than guess
             return
-    stdin = sys.stdin.fileno()
+    stdin, unread, next_step = sys.stdin.fileno(), b"", None
     while True:
         ready, _, _ = select.select([stdin, driver_fd, *vital_fds], [], [])
         gone += [vital_fds.pop(fd) for fd in ready if fd in vital_fds]
-        if stdin in ready and os.read(stdin, len(STOP)) == STOP:
-            return  # the driver shuts its Ray down on purpose and speaks for itself
-        if driver_fd in ready or stdin in ready:  # the driver ended (its pipe closed)
+        ended = driver_fd in ready
+        if stdin in ready:
+            chunk = os.read(stdin, 1 << 16)
+            ended = ended or not chunk  # the driver ended (its pipe closed)
+            *lines, unread = (unread + chunk).split(b"\n")
+            if STOP in lines or unread == STOP:
+                return  # the driver shuts its Ray down on purpose and speaks for itself
+            next_step = json.loads(lines[-1]) if lines else next_step
+        if ended:
             if gone:
-                print(message.format(gone=", ".join(gone)), file=sys.stderr, flush=True)
+                said = message.format(gone=", ".join(gone))
+                said = said if next_step is None else f"{said}; {next_step}"
+                print(said, file=sys.stderr, flush=True)
             return
 
 

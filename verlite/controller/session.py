@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import atexit
 import contextlib
+import json
 import logging
 import os
 import subprocess
@@ -32,7 +33,6 @@ CHATTY_LOGGERS = ("ray._private.authentication.authentication_token_setup",)
 # The processes an embedded node cannot run without; "{gone}" in NODE_GONE names those exited.
 VITAL = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
 NODE_GONE = "the embedded Ray's node is gone (its {gone} exited)"
-RESUME_HINT = "a new `verlite train` with trainer.resume=auto continues from the latest checkpoint"
 # The watcher of this process's embedded node (node_watch.py), while there is one.
 _watcher: subprocess.Popen[bytes] | None = None
 
@@ -200,7 +200,7 @@ def _watch_embedded_node() -> None:
         return
     node = ray._private.worker._global_node
     vital = [f"{kind}={info.process.pid}" for kind in VITAL for info in node.all_processes[kind]]
-    message = f"verlite: error: {NODE_GONE} and Ray ended this run's driver with it; {RESUME_HINT}"
+    message = f"verlite: error: {NODE_GONE} and Ray ended this run's driver with it"
     script = Path(__file__).with_name("node_watch.py")
     _watcher = subprocess.Popen(
         [sys.executable, "-I", str(script), str(os.getpid()), message, *vital],
@@ -208,6 +208,18 @@ def _watch_embedded_node() -> None:
         start_new_session=True,
     )
     atexit.register(_stop_watching)  # before Ray's own exit handler, which stops the node
+
+
+def say_after_node_loss(next_step: str) -> None:
+    """What the watcher of this process's embedded node adds to its line if Ray ends the
+    driver: what a new run of the output folder does, which the driver says again as that
+    changes (a run starting, a checkpoint saved). Nothing without a watcher."""
+    if _watcher is None:
+        return
+    # One JSON line: a folder's name may hold a newline.
+    with contextlib.suppress(BrokenPipeError):
+        _watcher.stdin.write(json.dumps(next_step).encode() + b"\n")  # type: ignore[union-attr]
+        _watcher.stdin.flush()  # type: ignore[union-attr]
 
 
 def _stop_watching() -> None:

@@ -59,24 +59,6 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def stopped_run_hint(output_dir: str | Path, save_freq: int) -> str:
-    """What a new ``verlite train`` of a stopped run's folder does: continue from the latest
-    complete checkpoint (``trainer.resume=auto``), or, with none saved, refuse the folder
-    unless ``trainer.overwrite=true`` moves it aside and starts from the first step."""
-    checkpoints = complete_checkpoints(output_dir)
-    if checkpoints:
-        return f"a new `verlite train` with trainer.resume=auto continues from {checkpoints[-1]}"
-    why = (
-        "no checkpoint saved (trainer.save_freq=0 saves none)"
-        if not save_freq
-        else f"no checkpoint saved yet (trainer.save_freq={save_freq})"
-    )
-    return (
-        f"{why}: a new `verlite train` of {output_dir} starts from the first step, with "
-        "trainer.overwrite=true to move this run's files aside"
-    )
-
-
 def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint ``trainer.resume`` asks for: ``auto`` (latest complete, if any),
     ``disable`` (none), or a path to a ``step_N`` folder."""

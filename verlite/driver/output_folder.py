@@ -229,6 +229,26 @@ def _resume_point(cfg: Config, out: Path, train_set: Mapping[str, Any]) -> Path 
     return path
 
 
+def stopped_run_hint(output_dir: str | Path, save_freq: int | None) -> str:
+    """What a new ``verlite train`` of a stopped run's folder does, by the contract above:
+    continue from the latest complete checkpoint (``trainer.resume=auto``); with none saved,
+    start from the first step, in a folder the run left empty, or else once
+    ``trainer.overwrite=true`` moves its files aside (the folder is refused without it).
+    ``save_freq``: the run's ``trainer.save_freq``, None where it is not known."""
+    checkpoints = complete_checkpoints(output_dir)
+    if checkpoints:
+        return f"a new `verlite train` with trainer.resume=auto continues from {checkpoints[-1]}"
+    why = "no checkpoint saved"
+    if save_freq == 0:
+        why += " (trainer.save_freq=0 saves none)"
+    elif save_freq is not None:
+        why += f" yet (trainer.save_freq={save_freq})"
+    fresh = f"{why}: a new `verlite train` of {output_dir} starts from the first step"
+    if not _has_contents(Path(output_dir)):
+        return fresh
+    return f"{fresh}, with trainer.overwrite=true to move this run's files aside"
+
+
 def _entries(out: Path) -> list[Path]:
     """What the folder holds besides a run's lock file, by name."""
     return sorted(p for p in out.iterdir() if not _is_lock_file(p)) if out.is_dir() else []

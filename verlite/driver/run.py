@@ -23,15 +23,16 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config
 from verlite.config.inert import inert_settings_line
 from verlite.controller import (
-    RESUME_HINT,
     WorkerGroup,
     WorkerGroupError,
     lost_embedded_node,
     ray_session,
     run_pools,
+    say_after_node_loss,
     write_placement_report,
 )
-from verlite.driver.checkpoint import complete_checkpoints, stopped_run_hint
+from verlite.driver.checkpoint import complete_checkpoints
+from verlite.driver.output_folder import stopped_run_hint
 from verlite.driver.preflight import RunInputs, check_placement
 from verlite.driver.trainer import RunGroups, Trainer
 from verlite.errors import RunFailure, UserError
@@ -102,6 +103,7 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
         )
     resume_from, restarts = inputs.resume_from, 0
     saved: list[Path] = []  # the checkpoints this run saved, oldest first
+    say_after_node_loss(stopped_run_hint(output_dir, cfg.trainer.save_freq))
     try:
         while True:
             try:
@@ -111,9 +113,7 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                 if not err.lost:
                     raise
                 if (gone := lost_embedded_node()) is not None:
-                    raise RunFailure(
-                        f"{gone}, so nothing can restart in it: {err}; {RESUME_HINT}"
-                    ) from err
+                    raise RunFailure(f"{gone}, so nothing can restart in it: {err}") from err
                 if restarts == limit:
                     if not limit:
                         raise
@@ -134,6 +134,9 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                     f"resuming from {resume_from or 'the first step (no checkpoint yet)'}",
                     flush=True,
                 )
+    except RunFailure as err:  # a worker died, the run diverged, a service stays down, ...
+        err.then(stopped_run_hint(output_dir, cfg.trainer.save_freq))
+        raise
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM (`verlite stop`, a preemption)
         print(f"stopped: {stopped_run_hint(output_dir, cfg.trainer.save_freq)}", flush=True)
         raise

@@ -25,7 +25,7 @@ from torch import Tensor
 from verlite import base_weights
 from verlite.config import Config
 from verlite.config.derived import old_log_probs_source, precision_line
-from verlite.controller import DpSplit, WorkerGroup
+from verlite.controller import DpSplit, WorkerGroup, say_after_node_loss
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.dapo import overlong_penalty
 from verlite.core.losses import kl_penalty
@@ -39,6 +39,7 @@ from verlite.driver.checkpoint import (
     seal_checkpoint,
 )
 from verlite.driver.dynamic_sampling import DynamicSampling
+from verlite.driver.output_folder import stopped_run_hint
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
 from verlite.driver.step_source import GeneratedStep, StepSource
@@ -56,7 +57,7 @@ from verlite.step_batch import response_lengths
 
 
 class TrainingError(RunFailure):
-    """The run cannot go on (diverged); the last checkpoint is still good to resume from."""
+    """The run cannot go on (diverged); every checkpoint it saved is still good to resume from."""
 
 
 def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None:
@@ -70,8 +71,8 @@ def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None
         if streak >= limit:
             return TrainingError(
                 f"{role}: {int(streak)} consecutive updates skipped for a non-finite loss or gradient "
-                f"norm (trainer.max_consecutive_skips={limit}); the run diverged. Lower the learning "
-                "rate or check the rewards, then resume from the last checkpoint"
+                f"norm (trainer.max_consecutive_skips={limit}); the run diverged: lower the "
+                "learning rate or check the rewards"
             )
     return None
 
@@ -393,6 +394,7 @@ class Trainer:
         path = commit_checkpoint(tmp, keep=self.cfg.trainer.max_checkpoints)
         self.saved.append(path)
         print(f"saved {path} in {seconds:.2f} s", flush=True)
+        say_after_node_loss(stopped_run_hint(self.output_dir, self.cfg.trainer.save_freq))
 
     def resume(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into the workers and the driver; its step."""

@@ -49,8 +49,7 @@ class GenerationDiverged(RunFailure):
     def __init__(self, step: int, rows: int, batch: int) -> None:
         super().__init__(
             f"rollout: non-finite next-token logits at decode step {step} "
-            f"({rows} of {batch} rows on this rank); the policy diverged. "
-            "Lower the learning rate, then resume from the last checkpoint"
+            f"({rows} of {batch} rows on this rank); the policy diverged: lower the learning rate"
         )
 
 

@@ -168,6 +168,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _follow(server: JobServer, submission: Submission, first: str, max_restarts: int) -> int:
     """Follow job ``first`` to its end, resubmitting it while its driver dies, up to
     ``max_restarts`` times; 0 when the last job SUCCEEDED, 1 otherwise."""
+    from verlite.jobs.submission import RESUME_OVERRIDES
+
     job_id, attempt = first, 0
     while True:
         print(f"following {job_id}; Ctrl-C stops following, not the job", file=sys.stderr)
@@ -188,8 +190,10 @@ def _follow(server: JobServer, submission: Submission, first: str, max_restarts:
         )
         print(
             f"job {previous}'s driver died (exit code {info.get('driver_exit_code')}); "
-            f"resubmitted as {job_id} ({attempt} of {max_restarts}, --max-restarts), resuming "
-            f"from the latest checkpoint in {submission.output_dir}",
+            f"resubmitted as {job_id} ({attempt} of {max_restarts}, --max-restarts) with "
+            f"{' '.join(RESUME_OVERRIDES)}: it continues from the latest checkpoint in "
+            f"{submission.output_dir}, or, where the job saved none, starts from the first "
+            "step with the job's files moved aside (its log says which)",
             file=sys.stderr,
             flush=True,
         )

@@ -327,8 +327,8 @@ class RemoteScorer:
                 if attempt == attempts:
                     raise RemoteRewardError(
                         f"{where}: {exc}, after {attempt} attempt(s) (reward.remote.max_retries="
-                        f"{self.cfg.max_retries}); the service stays down or failing: once it "
-                        "answers, trainer.resume=auto continues from the last checkpoint"
+                        f"{self.cfg.max_retries}); the service stays down or failing: run "
+                        "again once it answers"
                     ) from None
                 wait_s = retry_wait_s(self.cfg.retry_backoff_s, attempt)
                 print(

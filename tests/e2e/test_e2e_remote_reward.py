@@ -67,6 +67,11 @@ def test_a_flaky_service_loses_no_step_and_one_that_stays_down_resumes(
     assert "after 4 attempt(s) (reward.remote.max_retries=3)" in str(stopped.value)
     assert [r["step"] for r in metrics(out)] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+    # What a new run of the folder does (the driver's word; the service cannot know).
+    assert str(stopped.value).endswith(
+        "the service stays down or failing: run again once it answers; a new `verlite train` "
+        f"with trainer.resume=auto continues from {out / 'checkpoints' / 'step_1'}"
+    ), str(stopped.value)
 
     service.reset()  # back up: the run resumes from its last checkpoint
     train(out, *RUN, *remote)

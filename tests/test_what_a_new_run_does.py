@@ -18,6 +18,7 @@ from verlite import load_config
 from verlite.config import Config, ConfigError
 from verlite.controller import WorkerGroupError
 from verlite.controller.session import NODE_GONE
+from verlite.driver import output_folder
 from verlite.driver import run as driver_run
 from verlite.driver import trainer as driver_trainer
 from verlite.driver.output_folder import prepare_output_folder
@@ -223,3 +224,26 @@ def test_an_incomplete_export_says_what_a_new_run_of_its_folder_does(
         f"whole; a new `verlite train` with trainer.resume=auto continues from {last}\n"
     )
     assert new_run_of(out) == last  # to export alone
+
+
+def test_a_stop_whose_folder_cannot_be_read_still_stops_as_it_was_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hint is read from the folder while the run stops: a folder that cannot be read is
+    said so, and the stop (SIGTERM's exit) is not replaced by the error."""
+    out = tmp_path / "run"
+    inputs = SimpleNamespace(resume_from=None, folder=SimpleNamespace(release=lambda: None))
+
+    def stopped(*args: object) -> None:
+        raise SystemExit(143)
+
+    def unreadable(folder: object) -> list[Path]:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(driver_run, "_attempt", stopped)
+    monkeypatch.setattr(output_folder, "complete_checkpoints", unreadable)
+    with pytest.raises(SystemExit) as stop:
+        driver_run.run(config(out, **{"trainer.save_freq": 5}), inputs)  # type: ignore[arg-type]
+    assert stop.value.code == 143
+    said = capsys.readouterr().out
+    assert f"stopped: {out} could not be read (PermissionError: Permission denied)" in said, said

@@ -234,8 +234,17 @@ def stopped_run_hint(output_dir: str | Path, save_freq: int | None) -> str:
     continue from the latest complete checkpoint (``trainer.resume=auto``); with none saved,
     start from the first step, in a folder the run left empty, or else once
     ``trainer.overwrite=true`` moves its files aside (the folder is refused without it).
-    ``save_freq``: the run's ``trainer.save_freq``, None where it is not known."""
-    checkpoints = complete_checkpoints(output_dir)
+    ``save_freq``: the run's ``trainer.save_freq``, None where it is not known. A folder that
+    cannot be read is said so, never raised: the hint ends a run that is stopping already."""
+    try:
+        checkpoints = complete_checkpoints(output_dir)
+        contents = _has_contents(Path(output_dir))
+    except OSError as exc:
+        return (
+            f"{output_dir} could not be read ({type(exc).__name__}: {exc.strerror or exc}): a new "
+            "`verlite train` with trainer.resume=auto continues from its latest complete "
+            "checkpoint, if it holds one"
+        )
     if checkpoints:
         return f"a new `verlite train` with trainer.resume=auto continues from {checkpoints[-1]}"
     why = "no checkpoint saved"
@@ -244,7 +253,7 @@ def stopped_run_hint(output_dir: str | Path, save_freq: int | None) -> str:
     elif save_freq is not None:
         why += f" yet (trainer.save_freq={save_freq})"
     fresh = f"{why}: a new `verlite train` of {output_dir} starts from the first step"
-    if not _has_contents(Path(output_dir)):
+    if not contents:
         return fresh
     return f"{fresh}, with trainer.overwrite=true to move this run's files aside"
 

@@ -641,6 +641,76 @@ def test_a_lora_checkpoint_resumes_with_its_target_modules_in_another_order(
         check_resumable(step_3, config=lora("[q_proj,k_proj]"), **common)
 
 
+# Both configs leave the setting without effect (verlite.config.inert): it changes nothing the
+# checkpoint holds. (The base config, then the checkpoint's and the resumed run's overrides.)
+_GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=2"]
+_INERT_IN_BOTH = [
+    (["model.path=base"], "model.hidden_size=64", "model.hidden_size=128"),
+    (["data.task=null", "data.train_file=p.jsonl"], "data.max_digits=3", "data.max_digits=5"),
+    ([], "actor.lora.alpha=16", "actor.lora.alpha=8"),
+    ([], "actor.lora.target_modules=[q_proj]", "actor.lora.target_modules=[v_proj]"),
+    (_GRPO, "critic.optim.name=adamw", "critic.optim.name=sgd"),
+]
+# The same settings where they have an effect in either config: refused, naming the key.
+_EFFECTIVE_IN_ONE = [
+    ([], "model.hidden_size=64", "model.hidden_size=128", "model.hidden_size"),  # built-in
+    (["model.path=base"], "model.path=null", "model.hidden_size=128", "model.hidden_size"),
+    ([], "data.max_digits=3", "data.max_digits=5", "data.max_digits"),  # the task's prompts
+    (["actor.lora.rank=4"], "actor.lora.alpha=16", "actor.lora.alpha=8", "actor.lora.alpha"),
+    ([], "actor.lora.alpha=8", "actor.lora.rank=4", "actor.lora.alpha"),  # now with adapters
+    ([], "critic.optim.name=adamw", "critic.optim.name=sgd", "critic.optim.name"),  # PPO's
+    (_GRPO, "critic.optim.name=sgd", "algorithm.adv_estimator=gae", "critic.optim.name"),
+]
+
+
+@pytest.mark.parametrize(("base", "saved", "here"), _INERT_IN_BOTH)
+def test_a_resume_allows_a_change_that_has_no_effect(
+    tmp_path: Path, base: list[str], saved: str, here: str
+) -> None:
+    """The start-up line calls such a setting without effect; a resume still refused its
+    change as a model, data, LoRA or optimizer setting that must match ("cannot resume ...:
+    model.hidden_size=64 there, 128 here" under model.path). Reported as any change."""
+    changed = _resume(tmp_path, [*base, saved], [*base, here])
+    assert [line.partition(":")[0] for line in changed] == [here.partition("=")[0]]
+
+
+@pytest.mark.parametrize(("base", "saved", "here", "key"), _EFFECTIVE_IN_ONE)
+def test_a_resume_refuses_a_change_that_has_an_effect_in_either_run(
+    tmp_path: Path, base: list[str], saved: str, here: str, key: str
+) -> None:
+    from verlite.driver.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match=rf"cannot resume .*{re.escape(key)}="):
+        _resume(tmp_path, [*base, saved], [*base, here])
+
+
+def test_a_resume_compares_every_setting_of_a_config_it_cannot_read(tmp_path: Path) -> None:
+    """A checkpoint's record this version cannot read whole (a setting since removed) leaves
+    no knowing what had an effect there: the settings that must match are compared."""
+    from verlite.config import load_config
+    from verlite.driver.checkpoint import CheckpointError, check_resumable
+
+    saved = load_config(CONFIG, ["model.path=base"]).model_dump(mode="json")
+    saved["trainer"]["a_setting_since_removed"] = 1
+    step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
+    cfg = load_config(CONFIG, ["model.path=base", "model.hidden_size=128"])
+    with pytest.raises(CheckpointError, match=r"model\.hidden_size=64 there, 128 here"):
+        config = cfg.model_dump(mode="json")
+        check_resumable(step_3, config=config, roles=cfg.roles, total_steps=4, train_set={})
+
+
+def _resume(tmp_path: Path, saved: list[str], here: list[str]) -> list[str]:
+    """check_resumable of a run with the ``here`` overrides from a checkpoint of ``saved``."""
+    from verlite.config import load_config
+    from verlite.driver.checkpoint import check_resumable
+
+    there = load_config(CONFIG, saved)
+    step_3 = fake_checkpoint(tmp_path, 3, there.roles, config=there.model_dump(mode="json"))
+    cfg = load_config(CONFIG, here)
+    config = cfg.model_dump(mode="json")  # the checkpoint records no training prompts: any pass
+    return check_resumable(step_3, config=config, roles=cfg.roles, total_steps=4, train_set={})
+
+
 def test_a_checkpoint_of_another_optimizer_is_refused_before_ray(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ from verlite.config.loading import (
     format_validation_error,
     input_paths,
     load_config,
+    recorded_config,
 )
 from verlite.config.schema import Config
 from verlite.config.sections_inputs import DataConfig, ModelConfig
@@ -55,4 +56,5 @@ __all__ = [
     "format_validation_error",
     "input_paths",
     "load_config",
+    "recorded_config",
 ]

@@ -38,15 +38,25 @@ def covers(declared: str, dotted: str) -> bool:
     return dotted == declared or dotted.startswith(f"{declared}.")
 
 
+def _declares(needs: Needs, dotted: str) -> bool:
+    """Whether ``needs`` names the field ``dotted`` (itself or a section above it)."""
+    return any(covers(field, dotted) for field in needs.fields)
+
+
+def without_effect(cfg: Config, dotted: str) -> bool:
+    """Whether the field ``dotted`` has no effect in ``cfg``, set explicitly or not: a
+    declaration names it and its feature is off (a resume compares no such field:
+    ``verlite.driver.checkpoint``)."""
+    return any(_declares(needs, dotted) and not needs.active(cfg) for needs in NEEDS)
+
+
 def inert_settings(cfg: Config) -> list[tuple[list[str], Needs]]:
     """The settings ``cfg`` sets explicitly that have no effect, grouped by what they need."""
     claimed: set[str] = set()
     found = []
     for needs in NEEDS:
         names = [
-            name
-            for name in sorted(cfg.explicit)
-            if name not in claimed and any(covers(field, name) for field in needs.fields)
+            name for name in sorted(cfg.explicit) if name not in claimed and _declares(needs, name)
         ]
         if names and not needs.active(cfg):
             claimed.update(names)

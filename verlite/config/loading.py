@@ -92,6 +92,23 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
     return cfg
 
 
+def recorded_config(flat: Mapping[str, Any]) -> Config | None:
+    """The config a run recorded, by dotted key (a checkpoint's, under today's keys), as this
+    version reads it; None where it reads none (a record of the model settings alone, or of
+    settings since removed)."""
+    raw: dict[str, Any] = {}
+    for dotted, value in flat.items():
+        *sections, name = dotted.split(".")
+        node = raw
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = value
+    try:
+        return Config.model_validate(raw)
+    except ValidationError:
+        return None
+
+
 def explicit_fields(raw: Mapping[str, Any], model: type[BaseModel] = Config) -> set[str]:
     """The dotted fields a raw mapping of ``model`` sets: its values that are not sections,
     and those inside the sections it gives as mappings (an empty section sets nothing)."""

@@ -29,7 +29,8 @@ from typing import Any
 
 from verlite.base_weights import differences
 from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
-from verlite.config import MOVED_KEYS
+from verlite.config import MOVED_KEYS, recorded_config
+from verlite.config.inert import without_effect
 from verlite.errors import UserError
 from verlite.redaction import redact_config
 from verlite.user_files import parse_json, read_text
@@ -83,6 +84,9 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
 # place may change freely; any other change is allowed and reported in one line (an
 # optimizer's settings then apply from the resumed step: ``TrainEngine.load``; a new
 # ``trainer.total_steps`` moves the end a cosine schedule decays to).
+# A setting of these that both configs leave without effect (its feature off in both:
+# ``verlite.config.inert``; a built-in model's shape under ``model.path``, ``actor.lora.alpha``
+# at ``actor.lora.rank=0``) was never part of what the checkpoint holds: it may change, reported.
 # model.device too, reported: model.precision=auto resolves by the device (fp32 on the CPU,
 # bf16-mixed on cuda), so moving the run changes its arithmetic.
 _MAY_CONVERT = {"model.dtype", "model.precision", "model.device"}
@@ -157,10 +161,14 @@ def check_resumable(
     changed = sorted(
         key for key in there.keys() & here.keys() if not _same(key, there[key], here[key])
     )
+    configs = [recorded_config(there), recorded_config(here)]
     blocking = [
         f"{key}={there[key]!r} there, {here[key]!r} here"
         for key in changed
-        if key.startswith(_MUST_MATCH) and key not in _MAY_CONVERT and key not in _FREE
+        if key.startswith(_MUST_MATCH)
+        and key not in _MAY_CONVERT
+        and key not in _FREE
+        and not all(cfg is not None and without_effect(cfg, key) for cfg in configs)
     ]
     missing = [role for role in roles if not (path / role).is_dir()]
     incomplete = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import time
 
 import pytest
@@ -35,6 +36,19 @@ def _exit_on_rank_one(rank: int, world: int) -> None:
 
 def _sleep(rank: int, world: int) -> None:
     time.sleep(60)
+
+
+def _loaded(rank: int, world: int) -> list[str]:
+    return [m for m in ("ray", "tensordict", "verlite.workers.train_engine") if m in sys.modules]
+
+
+def test_ranks_start_with_the_training_engine_loaded_and_no_ray() -> None:
+    """A rank forks from a server that imported the training engine once (imported per rank,
+    it cost each rank of the invariance audit 2-4 s), and no Ray: this module imports
+    neither, so a rank holds what the server preloaded."""
+    assert vdist.run_on_ranks(_loaded, world_size=1) == [
+        ["tensordict", "verlite.workers.train_engine"]
+    ]
 
 
 def test_results_come_back_in_rank_order() -> None:

@@ -137,14 +137,19 @@ def _reap(procs: list[BaseProcess], grace_s: float) -> None:
 
 
 def _context(backend: str) -> mp.context.BaseContext:
-    """Ranks start as forks of one server process that has imported torch and transformers
-    once (a fresh interpreter per rank spent ~2 s importing them), and nothing else: no
-    threads, process group or CUDA state are inherited, as with spawn. NCCL ranks are
-    spawned: an import in the server that asked CUDA anything would break CUDA in its forks."""
+    """Ranks start as forks of one server process that has imported torch, transformers and
+    verlite's training engine once, and nothing else: no threads, process group or CUDA state
+    are inherited, as with spawn. A rank imported what the server had not: ``transformers``
+    imports its model classes lazily, and the engine (tensordict, the models, the losses) cost
+    each rank of the invariance audit 2-4 s, a 4-rank start 15-20 s on a busy 2-core machine,
+    0.3 s with it preloaded. NCCL ranks are spawned: an import in the server that asked CUDA
+    anything would break CUDA in its forks."""
     if backend == "nccl":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "verlite.distributed"])
+    ctx.set_forkserver_preload(
+        ["torch", "transformers", "verlite.distributed", "verlite.workers.train_engine"]
+    )
     return ctx
 
 

@@ -69,7 +69,10 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
                 worker_kwargs={**common, **kwargs},
                 torch_threads=cfg.trainer.torch_threads_per_worker,
                 run_id=run_id,
+                join=False,  # every group's processes start (import torch) side by side
             )
+        for group in started.values():
+            group.join()
         for group in started.values():
             group.call("init_model", dispatch="broadcast", collect="list")
         yield RunGroups(

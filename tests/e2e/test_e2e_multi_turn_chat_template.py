@@ -1,7 +1,9 @@
-"""A multi-turn run through a chat template, as `verlite train` runs it: a tiny random Qwen2
-saved with ``save_pretrained`` beside a tokenizer whose template has Qwen2.5's tool turns,
-``data.chat_template=true`` and an environment (tests/user_code/chat_tool_env.py) whose every
-observation is written as the template's tool turn after the policy's."""
+"""A multi-turn run through a chat template, through `verlite train` (its code in this process,
+on the shared Ray; test_e2e_multi_turn.py runs the command in a process and a Ray of its own):
+a tiny random Qwen2 saved with ``save_pretrained`` beside a tokenizer whose template has
+Qwen2.5's tool turns, ``data.chat_template=true`` and an environment
+(tests/user_code/chat_tool_env.py) whose every observation is written as the template's tool
+turn after the policy's."""
 
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from verlite.data.templates import turn_format
 
 
 def test_a_chat_model_trains_on_trajectories_written_in_its_template(
-    tmp_path: Path, cli, metrics
+    tmp_path: Path, local_ray, verlite_main, metrics
 ) -> None:
     tokenizer = save_chat_model(tmp_path / "model", QWEN_TOOL_TEMPLATE)
     overrides = [
@@ -34,7 +36,7 @@ def test_a_chat_model_trains_on_trajectories_written_in_its_template(
         "trainer.loggers=[jsonl]",
         f"trainer.output_dir={tmp_path / 'run'}",
     ]
-    proc = cli("train", "--config", "configs/tool_tiny.yaml", *overrides)
+    proc = verlite_main("train", "--config", "configs/tool_tiny.yaml", *overrides)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = metrics(tmp_path / "run")
     assert [r["step"] for r in records] == [1, 2]

@@ -103,7 +103,12 @@ def test_a_lost_worker_restarts_the_run_in_place_until_max_restarts_are_spent(
     assert proc.returncode == 1, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("verlite: error: worker group 'actor': rank 1"), stderr[-3000:]
-    assert last.endswith("(after 1 restart; trainer.max_restarts=1)")
+    # ... and what a new run of the folder does: continue from the checkpoint it resumed past.
+    assert re.search(
+        r"\(after 1 restart; trainer\.max_restarts=1\); a new `verlite train` with "
+        r"trainer\.resume=auto continues from \S+/checkpoints/step_\d+$",
+        last,
+    ), last
     # What the restarted run logged is the uninterrupted run's, step for step.
     logged = metrics(out, stable_only=True)
     assert len(logged) >= 4 and logged == metrics(straight, stable_only=True)[: len(logged)]

@@ -254,3 +254,21 @@ def test_gpt2s_conv1d_projections_take_adapters_and_merge_to_the_same_logits(tmp
         ConfigError, match=r"q_proj name no linear .*: c_attn, c_fc, c_proj, lm_head$"
     ):
         check_lora_supported(cfg, LoraConfig(rank=4, target_modules=("c_attn", "q_proj")))
+
+
+def test_on_a_random_base_only_an_lm_head_adapter_lifts_the_frozen_heads_bound() -> None:
+    """docs/lora.md, "What the quick-start learns": with the default targets the built-in
+    model's head and final norm stay at their init, so however far the adapters move every
+    logit is within sqrt(hidden) times the head's largest row norm (the norm's output has
+    norm sqrt(hidden)); an adapter on ``lm_head`` (as the quick-start adds) leaves it."""
+    targets = LoraConfig(rank=4)
+    model = policy(lora=targets)
+    head = model.get_output_embeddings().weight
+    bound = MODEL.hidden_size**0.5 * head.norm(dim=1).max()
+    with torch.no_grad():
+        for param in trained(model).parameters():
+            if param.requires_grad:
+                param.mul_(30.0)
+    assert logits(model, IDS).abs().max() <= bound
+    with_head = LoraConfig(rank=4, target_modules=(*targets.target_modules, "lm_head"))
+    assert logits(trained(policy(lora=with_head)), IDS).abs().max() > 10 * bound

@@ -156,7 +156,8 @@ class LoraConfig(Section):
         LORA_DEFAULT_TARGETS,
         min_length=1,
         description="Names of the linear layers that get adapters, matched as the last part "
-        "of a module's name (peft's target_modules); each must name a layer of the model, once.",
+        "of a module's name (peft's target_modules); each must name a layer of the model, once. "
+        "Add lm_head where the base's head is untrained (the built-in model): docs/lora.md.",
     )
 
 

@@ -124,7 +124,8 @@ def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
     message = str(raised.value)
     assert re.search(
         r"failed in generate_with_log_probs\(\): EnvironmentBroken: environment bad_env:TooGenerous, "
-        r"prompt \d+: step returned reward 1.5; rewards must be in \[0, 1\]$",
+        r"prompt \d+: step returned reward 1.5; rewards must be in \[0, 1\]; no checkpoint saved "
+        r"\(trainer.save_freq=0 saves none\): a new `verlite train` of \S+ starts from the first step",
         message,
     ), message
     assert "\n" not in message

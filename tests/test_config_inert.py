@@ -175,6 +175,8 @@ def test_the_actors_loss_scale_factor_is_not_named_while_the_critic_takes_it() -
     cfg = load_config(ppo, scaled)
     assert cfg.critic.loss_scale_factor == 100.0
     assert inert_settings_line(cfg) is None
+    # An explicit null is none: the critic takes the actor's.
+    assert inert_settings_line(load_config(ppo, [*scaled, "critic.loss_scale_factor=null"])) is None
     own = load_config(ppo, [*scaled, "critic.loss_scale_factor=10"])
     assert inert_settings_line(own) == (
         "config: actor.loss_scale_factor has no effect unless "

@@ -207,6 +207,7 @@ def test_names_holding_a_credential_word_as_a_part_are_credential_named(name: st
         "assignee",
         "passes",
         "bypass",
+        "pass_at_k",
         # The working folders, not a MySQL password.
         "PWD",
         "OLDPWD",

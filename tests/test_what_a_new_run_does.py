@@ -247,3 +247,17 @@ def test_a_stop_whose_folder_cannot_be_read_still_stops_as_it_was_told(
     assert stop.value.code == 143
     said = capsys.readouterr().out
     assert f"stopped: {out} could not be read (PermissionError: Permission denied)" in said, said
+
+
+def test_the_hint_masks_a_credential_in_the_folders_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node watcher prints the hint outside the driver's masked streams, and a failure's
+    message takes it as it is: the hint is masked when it is made."""
+    monkeypatch.setenv("VERLITE_TEST_TOKEN", "s3cr3t-folder-name")
+    out = tmp_path / "run-s3cr3t-folder-name"
+    hint = output_folder.stopped_run_hint(out, 0)
+    assert "s3cr3t-folder-name" not in hint and "run-***" in hint, hint
+    failure = RunFailure("the worker process died")
+    failure.then(hint)
+    assert "s3cr3t" not in str(failure)

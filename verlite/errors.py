@@ -36,7 +36,7 @@ class RunFailure(RuntimeError):
         """Follow this failure's message with ``next_step``: what a new run of the output
         folder does, which the driver, knowing the folder, adds as the failure leaves the
         run (``driver.run.run``)."""
-        self.args = (f"{self}; {next_step}",)
+        self.args = _redacted((f"{self}; {next_step}",))
 
 
 def shown(value: object, limit: int = 120, render: Callable[[object], str] = repr) -> str:

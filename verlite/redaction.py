@@ -25,9 +25,9 @@ from urllib.parse import parse_qsl, quote, urlsplit
 # The words that make a name (a config key, an environment variable, a URL's query parameter,
 # an HTTP header) name a credential, as whole parts of it (see credential_named).
 # A part that is one of these, or ends in one (PGPASSWORD, APITOKEN, clientsecret), plural or
-# numbered or both (passwords, DB_PASSWORD2, TOKEN_2 is two parts); DB_PASS's pass, whole:
+# numbered or both (passwords, DB_PASSWORD2, TOKEN_2 is two parts):
 _CREDENTIAL_WORDS = "token|secret|password|passwd|passphrase|credential|apikey|cookie|bearer|jwt"
-_CREDENTIAL_PART = re.compile(rf"\w*(?:{_CREDENTIAL_WORDS})s?\d*|pass\d*|sig|signature")
+_CREDENTIAL_PART = re.compile(rf"\w*(?:{_CREDENTIAL_WORDS})s?\d*|sig|signature")
 # A key, a credential when it is the whole name (?key=) or a kind of secret key (api_key,
 # AWS_SECRET_ACCESS_KEY, apiKey, X-Api-Key, secretkey), never a mapping's key (data.prompt_key,
 # sort_key); in a URL's query, any key is (?subscription-key=, ?consumer_key=).
@@ -38,8 +38,10 @@ _KEY_KINDS = (
 _KEY_PART = re.compile(r"keys?\d*")
 _KIND_KEY_PART = re.compile(rf"(?:{_KEY_KINDS})keys?\d*")
 _KIND_PART = re.compile(_KEY_KINDS)
-# MYSQL_PWD's pwd, not as the first part: PWD and OLDPWD are the working folders.
+# MYSQL_PWD's pwd, not as the first part: PWD and OLDPWD are the working folders; DB_PASS's
+# pass as the last part, not ?pass_at_k= (pass@k).
 _PWD = "pwd"
+_PASS = re.compile(r"pass\d*")
 # Authorization, a credential as the name's last word (?auth=, Authorization), not as a
 # qualifier (auth_type, reward.remote.auth_env, RAY_AUTH_MODE).
 _AUTH_PART = re.compile(r"auth|authorization")
@@ -90,6 +92,7 @@ def credential_named(name: str, *, query: bool = False) -> bool:
     return (
         any(_CREDENTIAL_PART.fullmatch(part) or _KIND_KEY_PART.fullmatch(part) for part in parts)
         or _PWD in parts[1:]
+        or bool(_PASS.fullmatch(parts[-1]))
         or any(
             _KEY_PART.fullmatch(part)
             and (query or index == 0 or bool(_KIND_PART.fullmatch(parts[index - 1])))

@@ -303,14 +303,15 @@ class AlgorithmConfig(Section):
 def _scales_a_loss(cfg: Config, role: Literal["actor", "critic"]) -> bool:
     """Whether ``role``'s loss_scale_factor scales a loss: its own under
     seq-mean-token-sum-norm, and the actor's the critic's too when the critic takes it
-    (config.defaults: a critic that sets none takes the actor's)."""
+    (config.defaults: a critic that sets none, or null, takes the actor's; one that sets the
+    same value leaves the actor's unnamed, which is harmless)."""
     if getattr(cfg, role).loss_agg_mode == "seq-mean-token-sum-norm":
         return True
     return (
         role == "actor"
         and cfg.use_critic
         and cfg.critic.loss_agg_mode == "seq-mean-token-sum-norm"
-        and "critic.loss_scale_factor" not in cfg.explicit
+        and cfg.critic.loss_scale_factor == cfg.actor.loss_scale_factor
     )
 
 

@@ -49,6 +49,7 @@ from verlite.driver.checkpoint import (
 )
 from verlite.errors import shown
 from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, policy_exported
+from verlite.redaction import redact_text
 
 LOCK_FILE = ".verlite-lock"
 
@@ -235,10 +236,16 @@ def stopped_run_hint(output_dir: str | Path, save_freq: int | None) -> str:
     start from the first step, in a folder the run left empty, or else once
     ``trainer.overwrite=true`` moves its files aside (the folder is refused without it).
     ``save_freq``: the run's ``trainer.save_freq``, None where it is not known. A folder that
-    cannot be read is said so, never raised: the hint ends a run that is stopping already."""
+    cannot be read is said so, never raised: the hint ends a run that is stopping already.
+    Masked (:func:`~verlite.redaction.redact_text`): the node watcher prints it outside the
+    driver's masked streams."""
+    return redact_text(_what_a_new_run_does(Path(output_dir), save_freq))
+
+
+def _what_a_new_run_does(output_dir: Path, save_freq: int | None) -> str:
     try:
         checkpoints = complete_checkpoints(output_dir)
-        contents = _has_contents(Path(output_dir))
+        contents = _has_contents(output_dir)
     except OSError as exc:
         return (
             f"{output_dir} could not be read ({type(exc).__name__}: {exc.strerror or exc}): a new "

@@ -157,6 +157,8 @@ def _attempt(
     with start_groups(cfg, inputs.tokenizer) as groups:
         placed = time.perf_counter()
         print(write_placement_report(groups.all, cfg.trainer.output_dir), flush=True)
+        # The folder holds the run's files from now on: a new run of it needs overwrite.
+        say_after_node_loss(stopped_run_hint(cfg.trainer.output_dir, cfg.trainer.save_freq))
         trainer = Trainer(cfg, inputs, groups=groups, restarts=restarts, saved=saved)
         start = trainer.resume(resume_from) if resume_from else 0
         if restarts:

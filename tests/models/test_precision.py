@@ -15,11 +15,18 @@ from verlite.config.derived import bf16_lost_update, precision_line
 from verlite.driver import preflight
 from verlite.generation import make_bucket, sync_layout
 from verlite.generation.weights import WeightReceiver
-from verlite.models import ValueModel, build_policy, build_value_model, set_logits_chunk_tokens
+from verlite.models import (
+    ValueModel,
+    build_policy,
+    build_value_model,
+    float32_norms_line,
+    set_logits_chunk_tokens,
+)
 from verlite.models.precision import (
     autocast,
     cast_weights,
     check_precision_supported,
+    float32_norms,
     fp64_throughout,
     generation_dtypes,
     inference_dtypes,
@@ -406,6 +413,62 @@ class _OtherNorm(torch.nn.Module):
 def test_a_norm_that_computes_another_function_keeps_its_own_forward() -> None:
     model = fp64_throughout(torch.nn.Sequential(_OtherNorm(), torch.nn.LayerNorm(8)).double())
     assert all("forward" not in vars(m) for m in model)
+
+
+class _Fp64OtherNorm(_OtherNorm):
+    """A norm of no known form that computes in its input's dtype: fp64 in an fp64 model."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(hidden) * self.weight
+
+
+def test_the_norms_an_fp64_model_keeps_in_float32_are_named() -> None:
+    """A norm of a form verlite does not recompute in fp64 and whose forward rounds to
+    float32 is named (once per class); one of no known form that computes in fp64, one it
+    recomputes (Llama's RMSNorm) and nn.LayerNorm (fp64 already) are not."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    layers = [_OtherNorm(), _OtherNorm(), _Fp64OtherNorm(), LlamaRMSNorm(8), torch.nn.LayerNorm(8)]
+    model = fp64_throughout(torch.nn.Sequential(*layers).double())
+    assert float32_norms(model) == ["_OtherNorm"]
+
+
+class TanhNorm(torch.nn.Module):
+    """A custom norm a model class may hold in place of Llama's RMSNorm: float32 inside."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        scaled = (
+            torch.tanh(hidden.float()) * torch.rsqrt(hidden.float().pow(2).mean(-1) + 1)[..., None]
+        )
+        return self.weight * scaled.to(hidden.dtype)
+
+
+def test_an_fp64_run_names_the_norms_it_keeps_in_float32_at_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """model.precision=fp64 promises fp64 compute; a norm of no form verlite recomputes
+    stayed float32 without a word. The start-up line names its class; Llama's RMSNorm, which
+    verlite recomputes in fp64, gives no line, nor does another precision."""
+    from transformers.models.llama import modeling_llama
+
+    assert float32_norms_line(config("model.precision=fp64").model) is None
+    monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", TanhNorm)
+    line = float32_norms_line(config("model.precision=fp64").model)
+    assert line is not None and line.startswith("model.precision=fp64: TanhNorm normalize in ")
+    assert "\n" not in line and "float32" in line
+    assert float32_norms_line(config().model) is None
+    # what the line says: the fp64 policy's TanhNorm keeps its own forward, in float32
+    cfg = config("model.precision=fp64").model
+    policy = build_policy(cfg, vocab_size=64, max_positions=32, seed=0)
+    norm = next(m for m in policy.modules() if isinstance(m, TanhNorm))
+    assert "forward" not in vars(norm)
+    out = norm(torch.randn(3, norm.weight.shape[0], dtype=torch.float64))
+    assert out.dtype == torch.float64 and torch.equal(out, out.float().double())
 
 
 def test_other_precisions_keep_hugging_faces_norms() -> None:

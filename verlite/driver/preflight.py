@@ -36,6 +36,7 @@ from verlite.models import (
     check_packing_supported,
     check_rope_supported,
     check_tokenizer_fits,
+    float32_norms_line,
     hf_config,
 )
 from verlite.models.precision import check_precision_supported, param_dtype, store_for_generation
@@ -207,6 +208,8 @@ class RunInputs:
         )
         if context is not None:
             print(context, flush=True)
+        if (norms := float32_norms_line(cfg.model)) is not None:
+            print(norms, flush=True)
         check_rope_supported(cfg.model, max_sequence_length=cfg.max_sequence_length)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)

@@ -26,7 +26,7 @@ from verlite.config import ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
-from verlite.models.precision import cast_weights, fp64_throughout, param_dtype
+from verlite.models.precision import cast_weights, float32_norms, fp64_throughout, param_dtype
 from verlite.models.varlen import PackingUnsupported, enable_packing
 
 
@@ -334,6 +334,32 @@ def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> No
             f"{role}.gradient_checkpointing=true: {type(model).__name__} does not support "
             f"activation checkpointing; set {role}.gradient_checkpointing=false"
         )
+
+
+def float32_norms_line(cfg: ModelConfig) -> str | None:
+    """``model.precision=fp64`` at start-up: the line that names the normalization layers of
+    ``cfg``'s model (policy and critic trunk alike) that keep float32 in an fp64 model
+    (``precision.float32_norms``: a form :func:`fp64_throughout` does not recompute in fp64,
+    whose own forward rounds to float32); None when there are none or another precision.
+    Checked on the model built on the meta device, each norm made real alone (no memory)."""
+    if cfg.precision != "fp64":
+        return None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(probe_config(cfg))
+    norms = nn.ModuleList(
+        cast_weights(copy.deepcopy(module).to_empty(device="cpu"), torch.float64)
+        for module in model.modules()
+        if type(module).__name__.endswith("Norm")
+    )
+    names = float32_norms(norms)
+    if not names:
+        return None
+    return (
+        f"model.precision=fp64: {', '.join(names)} normalize in a form verlite does not "
+        "recompute in fp64 and keep their own forward, which rounds their activations and "
+        "gradients to float32: results there are float32-exact, not fp64-exact (layouts agree "
+        "to about 1e-7, not 1e-9; docs/precision-and-memory.md)"
+    )
 
 
 def window_passed(config: PretrainedConfig, *, max_sequence_length: int, fields: str) -> str | None:

@@ -256,7 +256,8 @@ def _fp64_norm_form(module: nn.Module) -> tuple[float, bool, str] | None:
     """What the normalization layer ``module`` computes, where it rounds an fp64 input to
     float32: its epsilon, whether it centres (a LayerNorm) or not (an RMSNorm), and its
     scale (:data:`_SCALES`); None for any other module, a layer that computes in fp64
-    already (``nn.LayerNorm``), or one that computes none of these forms (left as it is).
+    already (``nn.LayerNorm``), or one that computes none of these forms (left as it is:
+    :func:`float32_norms` names those that round to float32).
     Told by its class (a ``...Norm`` with an epsilon and fp64 weights, or none) and then by
     what it computes: a copy with random weights (so that no form hides behind the
     weights' initial ones or zeros) is run on a random fp64 input, and its output compared
@@ -266,9 +267,32 @@ def _fp64_norm_form(module: nn.Module) -> tuple[float, bool, str] | None:
     eps = next(
         (getattr(module, n) for n in _EPS_NAMES if type(getattr(module, n, None)) is float), None
     )
+    weight = getattr(module, "weight", None)
+    probed = None if eps is None else _probe(module)
+    if probed is None:
+        return None
+    probe, hidden, out = probed
+    with torch.no_grad():
+        for centred in (False, True):
+            for scale in _SCALES if weight is not None else ("none",):
+                form = (eps, centred, scale)
+                exact = _normalized(probe, hidden, form)
+                error = float((out - exact).abs().max() / exact.abs().max())
+                if error <= _FP64_RTOL:  # computes in fp64 already (nn.LayerNorm)
+                    return None
+                if error <= _FORM_RTOL:
+                    return form
+    return None
+
+
+def _probe(module: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor] | None:
+    """A copy of the ``...Norm`` layer ``module`` with random fp64 weights, a random fp64
+    input of its width and the copy's output on it (its class's forward); None where its
+    weight or bias is not an fp64 tensor, or it does not map one tensor to an fp64 tensor of
+    that shape (a layer of another signature)."""
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     tensors = [t for t in (weight, bias) if t is not None]
-    if eps is None or not all(
+    if not all(
         isinstance(t, torch.Tensor) and t.dtype == torch.float64 and not t.is_meta for t in tensors
     ):
         return None
@@ -284,26 +308,42 @@ def _fp64_norm_form(module: nn.Module) -> tuple[float, bool, str] | None:
             if tensor is not None:
                 tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float64))
         hidden = torch.randn((4, *shape), generator=gen, dtype=torch.float64).to(device)
+        out = _run(probe, hidden)
+    return None if out is None else (probe, hidden, out)
+
+
+def _run(module: nn.Module, hidden: torch.Tensor) -> torch.Tensor | None:
+    """``module``'s class forward on ``hidden`` (no gradients): an fp64 tensor of its
+    shape, or None for a layer that raises or returns anything else."""
+    with torch.no_grad():
         try:
-            out = type(module).forward(probe, hidden)
+            out = type(module).forward(module, hidden)
         except Exception:  # a layer of another signature: not one of these
             return None
-        if (
-            not isinstance(out, torch.Tensor)
-            or out.dtype != torch.float64
-            or out.shape != hidden.shape
-        ):
-            return None
-        for centred in (False, True):
-            for scale in _SCALES if weight is not None else ("none",):
-                form = (eps, centred, scale)
-                exact = _normalized(probe, hidden, form)
-                error = float((out - exact).abs().max() / exact.abs().max())
-                if error <= _FP64_RTOL:  # computes in fp64 already (nn.LayerNorm)
-                    return None
-                if error <= _FORM_RTOL:
-                    return form
-    return None
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float64 or out.shape != hidden.shape:
+        return None
+    return out
+
+
+def float32_norms(model: nn.Module) -> list[str]:
+    """The class names of the ``...Norm`` layers of the fp64 ``model`` that
+    :func:`fp64_throughout` leaves as they are (no form of :func:`_fp64_norm_form`) and
+    that round their fp64 input to float32: their output on an input of float32 values
+    does not move when each value moves by 2^-40 of itself, far below float32's spacing
+    (2^-23), which an fp64 computation sees. Sorted, each once."""
+    names = set()
+    for module in model.modules():
+        if _fp64_norm_form(module) is not None:
+            continue
+        probed = _probe(module) if type(module).__name__.endswith("Norm") else None
+        if probed is None:
+            continue
+        probe, hidden, _ = probed
+        exact = hidden.float().double()
+        out, moved = _run(probe, exact), _run(probe, exact * (1 + 2**-40))
+        if out is not None and moved is not None and torch.equal(out, moved):
+            names.add(type(module).__name__)
+    return sorted(names)
 
 
 def _normalized(

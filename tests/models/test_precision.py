@@ -555,3 +555,26 @@ def test_a_bf16_cast_keeps_what_hugging_face_loads_in_fp32(tmp_path) -> None:
     trained = cast_weights(AutoModelForCausalLM.from_pretrained(tmp_path), torch.bfloat16)
     assert {param.dtype for param in trained.parameters()} == {torch.bfloat16}
     assert trained.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+
+
+def test_a_pure_bf16_critic_keeps_in_fp32_what_the_policy_keeps(tmp_path) -> None:
+    """The critic built from model.path holds each trunk parameter in the dtype the policy
+    holds it in: under pure bf16 the trained router GLM-4-MoE keeps in float32 (its class's
+    ``_keep_in_fp32_modules_strict``, as Hugging Face loads it) stays float32 in both. The
+    critic's loaded trunk was cast again, the router rounded to bf16, while the policy's
+    stayed float32; the value head, built here, is bf16 as before."""
+    model = tiny_moe("glm4_moe", n_routed_experts=4, first_k_dense_replace=1, head_dim=8)
+    with torch.no_grad():  # a router that routes: HF initializes its weight to zeros
+        model.model.layers[1].mlp.gate.weight.normal_()
+    model.save_pretrained(tmp_path)
+    cfg = config("model.precision=bf16", f"model.path={tmp_path}").model
+    policy = build_policy(cfg, vocab_size=64, max_positions=32, seed=0)
+    critic = build_value_model(cfg, vocab_size=64, max_positions=32, seed=0)
+    policy_dtypes = {n: p.dtype for n, p in policy.model.named_parameters()}
+    critic_dtypes = {n: p.dtype for n, p in critic.trunk.named_parameters()}
+    assert critic_dtypes == policy_dtypes
+    assert critic_dtypes["layers.1.mlp.gate.weight"] == torch.float32
+    assert critic.value_head.weight.dtype == critic.value_head.bias.dtype == torch.bfloat16
+    assert torch.equal(
+        critic.trunk.layers[1].mlp.gate.weight, policy.model.layers[1].mlp.gate.weight
+    )

@@ -121,15 +121,11 @@ def build_policy(
 ) -> nn.Module:
     """The actor (and reference): a causal LM, from ``cfg.path`` or built from the config;
     with adapters (a peft model, ``models.lora``) when ``lora`` has a rank."""
-    dtype = model_dtype(cfg)
-    if cfg.path is not None:
-        model = _pretrained(AutoModelForCausalLM, cfg.path, dtype)
-    else:
+    if cfg.path is None:
         torch.manual_seed(seed)
-        config = hf_config(cfg, vocab_size, max_positions)
-        model = cast_weights(AutoModelForCausalLM.from_config(config), dtype)
+    model = _base_model(AutoModelForCausalLM, cfg, vocab_size, max_positions)
     if lora is not None and lora.rank > 0:
-        model = cast_weights(apply_lora(model, lora, seed=seed), dtype)
+        model = cast_weights(apply_lora(model, lora, seed=seed), model_dtype(cfg))
     set_logits_chunk_tokens(model, cfg.logits_chunk_tokens)
     return fp64_throughout(model)
 
@@ -297,17 +293,29 @@ def build_value_model(
     cfg: ModelConfig, *, vocab_size: int, max_positions: int, seed: int
 ) -> ValueModel:
     """The critic: the policy's trunk (pretrained weights when ``cfg.path`` is set) + a fresh head."""
-    dtype = model_dtype(cfg)
-    config = hf_config(cfg, vocab_size, max_positions)
     torch.manual_seed(seed)
-    if cfg.path is not None:
-        trunk = _pretrained(AutoModel, cfg.path, dtype)
-    else:
-        trunk = AutoModel.from_config(config)
-    model = ValueModel(trunk, config.hidden_size)
-    nn.init.normal_(model.value_head.weight, std=1.0 / config.hidden_size)
+    trunk = _base_model(AutoModel, cfg, vocab_size, max_positions)
+    hidden_size = trunk.config.hidden_size
+    model = ValueModel(trunk, hidden_size)
+    nn.init.normal_(model.value_head.weight, std=1.0 / hidden_size)
     nn.init.zeros_(model.value_head.bias)
-    return fp64_throughout(cast_weights(model, dtype))
+    cast_weights(model.value_head, model_dtype(cfg))
+    return fp64_throughout(model)
+
+
+def _base_model(
+    auto_class: type[AutoModel], cfg: ModelConfig, vocab_size: int, max_positions: int
+) -> nn.Module:
+    """The model of ``cfg`` (an ``auto_class``: the policy's causal LM, the critic's trunk)
+    in its precision's parameter dtype, as every role holds it: loaded from ``cfg.path`` as
+    Hugging Face loads it in that dtype (what its class keeps in float32, a MoE router,
+    stays float32, trained or not), or built from the config (random weights from the
+    current seed) and cast (``precision.cast_weights``)."""
+    dtype = model_dtype(cfg)
+    if cfg.path is not None:
+        return _pretrained(auto_class, cfg.path, dtype)
+    config = hf_config(cfg, vocab_size, max_positions)
+    return cast_weights(auto_class.from_config(config), dtype)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:

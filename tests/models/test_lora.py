@@ -68,6 +68,23 @@ def test_start_up_errors_are_one_line_naming_the_field_or_the_extra(monkeypatch)
         check_lora_supported(MODEL, LORA)
 
 
+def test_lora_on_the_built_in_model_without_its_head_says_so_at_start_up(tmp_path) -> None:
+    """docs/lora.md: on the built-in (random) model the default targets leave its random LM
+    head frozen, which holds sampling near uniform; a run said nothing of it. One line names
+    the field and the fix; none with lm_head among the targets, none for a model folder."""
+    line = check_lora_supported(MODEL, LORA)
+    assert line == (
+        "actor.lora.target_modules=[q_proj, v_proj, down_proj] leaves out lm_head: the "
+        "built-in model's LM head is random and stays frozen, which keeps sampling near "
+        "uniform whatever the adapters learn (docs/lora.md, 'What the quick-start learns'); "
+        "add lm_head to actor.lora.target_modules"
+    )
+    with_head = LoraConfig(rank=4, target_modules=("q_proj", "lm_head"))
+    assert check_lora_supported(MODEL, with_head) is None
+    policy(lora=None).save_pretrained(tmp_path)
+    assert check_lora_supported(ModelConfig(path=str(tmp_path), dtype="float64"), LORA) is None
+
+
 def test_only_the_adapters_train_and_the_reference_is_the_base() -> None:
     model = trained(policy())
     trainable = {name for name, p in model.named_parameters() if p.requires_grad}

@@ -157,7 +157,8 @@ class LoraConfig(Section):
         min_length=1,
         description="Names of the linear layers that get adapters, matched as the last part "
         "of a module's name (peft's target_modules); each must name a layer of the model, once. "
-        "Add lm_head where the base's head is untrained (the built-in model): docs/lora.md.",
+        "Add lm_head where the base's head is untrained (the built-in model; a run without it "
+        "says so at start-up): docs/lora.md.",
     )
 
 

@@ -200,7 +200,8 @@ class RunInputs:
                 )
             if getattr(cfg, role).gradient_checkpointing:
                 check_gradient_checkpointing_supported(cfg.model, role=role)
-        check_lora_supported(cfg.model, cfg.actor.lora)
+        if (frozen_head := check_lora_supported(cfg.model, cfg.actor.lora)) is not None:
+            print(frozen_head, flush=True)
         context = check_context_fits(
             cfg.model,
             max_sequence_length=cfg.max_sequence_length,

@@ -532,15 +532,28 @@ def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:
             )
 
 
-def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> None:
+def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> str | None:
     """``actor.lora.rank > 0`` at start-up: peft installed, and every target module a linear
-    layer of the model (checked on a model built on the meta device: no memory)."""
+    layer of the model (checked on a model built on the meta device: no memory). Returns the
+    line a run prints where the targets leave out the built-in model's LM head (random, as
+    all its weights: frozen, it holds sampling near uniform whatever the adapters learn,
+    docs/lora.md); None otherwise (a ``model.path`` model's head is trained already)."""
     if lora.rank == 0:
-        return
+        return None
     check_peft_installed(lora)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(probe_config(cfg))
     check_targets(model, lora)
+    head = model.get_output_embeddings()
+    name = next(n for n, m in model.named_modules() if m is head).rsplit(".", 1)[-1]
+    if cfg.path is not None or name in lora.target_modules:
+        return None
+    return (
+        f"actor.lora.target_modules=[{', '.join(lora.target_modules)}] leaves out {name}: the "
+        "built-in model's LM head is random and stays frozen, which keeps sampling near "
+        "uniform whatever the adapters learn (docs/lora.md, 'What the quick-start learns'); "
+        f"add {name} to actor.lora.target_modules"
+    )
 
 
 def attention_crossover(cfg: ModelConfig) -> int:

@@ -8,13 +8,17 @@ import argparse
 import json
 import sys
 
-from verlite.arguments import positive_int, positive_int_at_most
+from verlite.arguments import positive_int_at_most
 from verlite.table import format_table
 
 # The most tokens of a measured packed row (2^20): far beyond a worker's micro-batch, and each
 # trial builds its row one sequence at a time, so a budget without a bound ran (and allocated)
 # without one.
 MAX_BUDGET = 2**20
+# The most packed rows a measurement times: each is a timed forward and backward pass, one
+# after another, so a count without a bound ran on for ever (--trials=1000000000). 1000 trials
+# give the fit a standard error about a fifth of the default 40's.
+MAX_TRIALS = 1000
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,7 +44,10 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "or actor.micro_batch_size_per_worker x the longest sequence)",
     )
     measure.add_argument(
-        "--trials", type=positive_int, default=40, help="packed rows to time (default 40)"
+        "--trials",
+        type=positive_int_at_most(MAX_TRIALS),
+        default=40,
+        help=f"packed rows to time, 4 to {MAX_TRIALS} (default 40)",
     )
     measure.add_argument("--json", action="store_true", help="print one JSON object instead")
     measure.set_defaults(handler=cmd_measure_packing)

@@ -110,7 +110,11 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
             ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_worker=1000000000"],
             "--budget defaults to actor.max_token_len_per_worker=1000000000, over the 1048576",
         ),
-        (["--trials", "zero"], "expected a positive integer, got 'zero'"),
+        (["--trials", "zero"], "expected a positive integer of at most 1000, got 'zero'"),
+        # 1000 trials at most (measure_packing.MAX_TRIALS): --trials=1000000000 timed rows
+        # for ever, one after another (18 in 40 s here, and on).
+        (["--trials", "1001"], "argument --trials: expected a positive integer of at most 1000"),
+        (["--trials", "1000000000"], "at most 1000, got '1000000000'"),
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model': no such file"),
         (["model.path=/"], "model.path='/' is not a Hugging Face model directory"),
         (["--config", ""], "config file: an empty path names no file"),

@@ -755,3 +755,38 @@ def test_credentials_given_for_the_remote_verifier_are_never_shown() -> None:
     assert "hunter22" not in error_of("reward.remote.url=http://scorer/score?sig=hunter22")
     # A token pasted where the variable's name belongs.
     assert "sk-live-51Hx" not in error_of("reward.remote.auth_env=sk-live-51Hx")
+
+
+def test_each_override_is_read_once_and_sets_the_fields_it_names(monkeypatch) -> None:
+    """load_config parsed every string override twice (once into the config, once into the
+    overrides alone, whose fields are Config.explicit): each is parsed once now, placed in
+    both, and the fields it sets are the same, a section given as a mapping included."""
+    from verlite.config import loading
+
+    parsed: list[str] = []
+    load_text = loading.load_text
+    monkeypatch.setattr(loading, "load_text", lambda text: parsed.append(text) or load_text(text))
+    overrides = ["actor.optim.lr=0.5", "critic={ppo_epochs: 2, optim.lr: 0.25}", "data.task=copy"]
+    cfg = load_config(None, overrides)
+    assert parsed == ["0.5", "{ppo_epochs: 2, optim.lr: 0.25}"]
+    assert (cfg.actor.optim.lr, cfg.critic.ppo_epochs, cfg.critic.optim.lr) == (0.5, 2, 0.25)
+    assert {"actor.optim.lr", "critic.ppo_epochs", "critic.optim.lr", "data.task"} == set(
+        cfg.explicit
+    )
+    mapped = load_config(None, {"critic": {"ppo_epochs": 2, "optim.lr": 0.25}, "data.task": "copy"})
+    assert set(mapped.explicit) == {"critic.ppo_epochs", "critic.optim.lr", "data.task"}
+
+
+def test_a_recorded_config_is_read_back_from_its_dotted_keys() -> None:
+    """A checkpoint records the config by dotted key (config.flatten, a mapping-valued field
+    such as reward.combine flattened too); recorded_config reads it back (config.unflatten)."""
+    from verlite.config import flatten, recorded_config, unflatten
+
+    cfg = load_config(TINY, ["reward.combine={fn: 1.0}", "actor.lora.target_modules=[q_proj]"])
+    dumped = cfg.model_dump(mode="json")
+    flat = flatten(dumped)
+    assert flat["reward.combine.fn"] == 1.0 and flat["actor.lora.target_modules"] == ["q_proj"]
+    assert unflatten(flat) == dumped
+    recorded = recorded_config(flat)
+    assert recorded is not None and recorded.model_dump() == cfg.model_dump()
+    assert recorded_config({**flat, "trainer.removed_setting": 1}) is None

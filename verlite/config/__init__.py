@@ -11,10 +11,12 @@ from verlite.config.loading import (
     ConfigError,
     check_inputs,
     check_paths,
+    flatten,
     format_validation_error,
     input_paths,
     load_config,
     recorded_config,
+    unflatten,
 )
 from verlite.config.schema import Config
 from verlite.config.sections_inputs import DataConfig, ModelConfig
@@ -53,8 +55,10 @@ __all__ = [
     "WorkerRoleConfig",
     "check_inputs",
     "check_paths",
+    "flatten",
     "format_validation_error",
     "input_paths",
     "load_config",
     "recorded_config",
+    "unflatten",
 ]

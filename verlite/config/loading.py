@@ -63,17 +63,19 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
             f"overrides={shown(overrides)} is {what}; give a list of dotted.key=value strings "
             "or a mapping of dotted keys to values (or none)"
         )
-    # The overrides alone, applied to an empty config as well: the fields they set.
+    # Each override is read once (its key checked, a string's value parsed) and placed twice:
+    # into the config, and into an empty mapping that holds the overrides alone, whose fields
+    # (explicit_fields) are those the overrides set. Not read off the key: a section given as
+    # a mapping (trainer={total_steps: 2}, or {"optim.lr": 0.1} inside it) sets the fields
+    # it names, as _assign places them.
     overridden: dict[str, Any] = {}
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
-            for target in (raw, overridden):
-                section, leaf, annotation = _slot(
-                    target,
-                    str(key),
-                    f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode",
-                )
-                _assign(section, leaf, copy.deepcopy(value), annotation)
+            malformed = (
+                f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode"
+            )
+            _place(raw, str(key), copy.deepcopy(value), malformed)
+            _place(overridden, str(key), copy.deepcopy(value), malformed)
     else:
         for index, item in enumerate(overrides):
             if not isinstance(item, str):
@@ -81,8 +83,7 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
                     f"overrides[{index}]={shown(item)}: expected a dotted.key=value string, "
                     f"got {_a(type(item).__name__)}"
                 )
-            for target in (raw, overridden):
-                _apply_override(target, item)
+            _apply_override(raw, overridden, item)
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as exc:
@@ -96,17 +97,35 @@ def recorded_config(flat: Mapping[str, Any]) -> Config | None:
     """The config a run recorded, by dotted key (a checkpoint's, under today's keys), as this
     version reads it; None where it reads none (a record of the model settings alone, or of
     settings since removed)."""
-    raw: dict[str, Any] = {}
+    try:
+        return Config.model_validate(unflatten(flat))
+    except ValidationError:
+        return None
+
+
+def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A config mapping (a ``model_dump``, a checkpoint's record) by dotted key: each value
+    that is no mapping under the keys that lead to it (a tuple as a list, as JSON reads it
+    back); :func:`unflatten` inverts it."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested mapping whose :func:`flatten` is ``flat``."""
+    nested: dict[str, Any] = {}
     for dotted, value in flat.items():
         *sections, name = dotted.split(".")
-        node = raw
+        node = nested
         for section in sections:
             node = node.setdefault(section, {})
         node[name] = value
-    try:
-        return Config.model_validate(raw)
-    except ValidationError:
-        return None
+    return nested
 
 
 def explicit_fields(raw: Mapping[str, Any], model: type[BaseModel] = Config) -> set[str]:
@@ -125,7 +144,9 @@ def explicit_fields(raw: Mapping[str, Any], model: type[BaseModel] = Config) -> 
     return found
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: dict[str, Any], overridden: dict[str, Any], item: str) -> None:
+    """Apply the ``dotted.key=value`` string ``item``, its value parsed once, to ``raw`` and
+    to ``overridden`` (:func:`load_config`: the overrides alone)."""
     key, sep, text = item.partition("=")
     malformed = f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
     if not sep:
@@ -141,6 +162,14 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             if _section_type(annotation) is not None
             else f"override {item!r}: its value is not valid YAML ({problem})"
         ) from None
+    _assign(section, leaf, value, annotation)
+    _place(overridden, key.strip(), copy.deepcopy(value), malformed)
+
+
+def _place(raw: dict[str, Any], key: str, value: Any, malformed: str) -> None:
+    """Set the dotted ``key`` of ``raw`` to an override's ``value`` (:func:`_assign`);
+    ``malformed``: the message for a key that is no dotted key."""
+    section, leaf, annotation = _slot(raw, key, malformed)
     _assign(section, leaf, value, annotation)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from verlite.base_weights import differences
 from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
-from verlite.config import MOVED_KEYS, recorded_config
+from verlite.config import MOVED_KEYS, flatten, recorded_config
 from verlite.config.inert import without_effect
 from verlite.errors import UserError
 from verlite.redaction import redact_config
@@ -150,13 +150,13 @@ def check_resumable(
             "trainer.output_dir for a new run"
         )
     # The checkpoint records the config with its credentials masked: this one is compared so.
-    here = _flatten(redact_config(config))
+    here = flatten(redact_config(config))
     # Checkpoints record the whole config (older ones under keys that moved since, read under
     # their new names); the oldest only the model settings.
     there = (
-        {**_PREDATED, **{MOVED_KEYS.get(k, k): v for k, v in _flatten(state["config"]).items()}}
+        {**_PREDATED, **{MOVED_KEYS.get(k, k): v for k, v in flatten(state["config"]).items()}}
         if "config" in state
-        else _flatten({"model": state.get("model", {})})
+        else flatten({"model": state.get("model", {})})
     )
     changed = sorted(
         key for key in there.keys() & here.keys() if not _same(key, there[key], here[key])
@@ -208,16 +208,6 @@ def check_resumable(
             "trainer.resume=disable or another trainer.output_dir for a new run"
         )
     return [f"{key}: {there[key]!r} -> {here[key]!r}" for key in changed if key not in _FREE]
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    return flat
 
 
 def begin_checkpoint(output_dir: str | Path, step: int) -> Path:

@@ -14,7 +14,7 @@ from model_support import tiny_qwen2
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
-from verlite.config import ConfigError, LoraConfig, ModelConfig
+from verlite.config import ConfigError, LoraConfig, ModelConfig, load_config
 from verlite.errors import MissingExtraError
 from verlite.generation import (
     WeightSyncError,
@@ -68,7 +68,9 @@ def test_start_up_errors_are_one_line_naming_the_field_or_the_extra(monkeypatch)
         check_lora_supported(MODEL, LORA)
 
 
-def test_lora_on_the_built_in_model_without_its_head_says_so_at_start_up(tmp_path) -> None:
+def test_lora_on_the_built_in_model_without_its_head_says_so_at_start_up(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """docs/lora.md: on the built-in (random) model the default targets leave its random LM
     head frozen, which holds sampling near uniform; a run said nothing of it. One line names
     the field and the fix; none with lm_head among the targets, none for a model folder."""
@@ -83,6 +85,20 @@ def test_lora_on_the_built_in_model_without_its_head_says_so_at_start_up(tmp_pat
     assert check_lora_supported(MODEL, with_head) is None
     policy(lora=None).save_pretrained(tmp_path)
     assert check_lora_supported(ModelConfig(path=str(tmp_path), dtype="float64"), LORA) is None
+    # the run prints it before Ray starts
+    from verlite.driver.preflight import RunInputs
+
+    run = load_config(
+        "configs/ppo_tiny.yaml", ["actor.lora.rank=4", f"trainer.output_dir={tmp_path / 'run'}"]
+    )
+    RunInputs.load(run).folder.release()
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("actor.lora.target_modules=")] == [
+        "actor.lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj] leaves out lm_head: the built-in model's LM head is random and stays "
+        "frozen, which keeps sampling near uniform whatever the adapters learn (docs/lora.md, "
+        "'What the quick-start learns'); add lm_head to actor.lora.target_modules"
+    ]
 
 
 def test_only_the_adapters_train_and_the_reference_is_the_base() -> None:

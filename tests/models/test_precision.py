@@ -449,7 +449,7 @@ class TanhNorm(torch.nn.Module):
 
 
 def test_an_fp64_run_names_the_norms_it_keeps_in_float32_at_start_up(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
 ) -> None:
     """model.precision=fp64 promises fp64 compute; a norm of no form verlite recomputes
     stayed float32 without a word. The start-up line names its class; Llama's RMSNorm, which
@@ -462,6 +462,9 @@ def test_an_fp64_run_names_the_norms_it_keeps_in_float32_at_start_up(
     assert line is not None and line.startswith("model.precision=fp64: TanhNorm normalize in ")
     assert "\n" not in line and "float32" in line
     assert float32_norms_line(config().model) is None
+    run = config("model.precision=fp64", f"trainer.output_dir={tmp_path}")
+    preflight.RunInputs.load(run).folder.release()  # the run prints it before Ray starts
+    assert line in capsys.readouterr().out.splitlines()
     # what the line says: the fp64 policy's TanhNorm keeps its own forward, in float32
     cfg = config("model.precision=fp64").model
     policy = build_policy(cfg, vocab_size=64, max_positions=32, seed=0)

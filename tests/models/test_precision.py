@@ -456,12 +456,13 @@ def test_an_fp64_run_names_the_norms_it_keeps_in_float32_at_start_up(
     verlite recomputes in fp64, gives no line, nor does another precision."""
     from transformers.models.llama import modeling_llama
 
-    assert float32_norms_line(config("model.precision=fp64").model) is None
+    assert float32_norms_line(config("model.precision=fp64")) is None
     monkeypatch.setattr(modeling_llama, "LlamaRMSNorm", TanhNorm)
-    line = float32_norms_line(config("model.precision=fp64").model)
-    assert line is not None and line.startswith("model.precision=fp64: TanhNorm normalize in ")
+    line = float32_norms_line(config("model.precision=fp64"))
+    assert line is not None
+    assert line.startswith("model.precision=fp64: TanhNorm (policy and critic) normalize in ")
     assert "\n" not in line and "float32" in line
-    assert float32_norms_line(config().model) is None
+    assert float32_norms_line(config()) is None
     run = config("model.precision=fp64", f"trainer.output_dir={tmp_path}")
     preflight.RunInputs.load(run).folder.release()  # the run prints it before Ray starts
     assert line in capsys.readouterr().out.splitlines()
@@ -472,6 +473,31 @@ def test_an_fp64_run_names_the_norms_it_keeps_in_float32_at_start_up(
     assert "forward" not in vars(norm)
     out = norm(torch.randn(3, norm.weight.shape[0], dtype=torch.float64))
     assert out.dtype == torch.float64 and torch.equal(out, out.float().double())
+
+
+class RewardTanhNorm(TanhNorm):
+    """The custom norm of a reward model's class."""
+
+
+def test_an_fp64_run_names_the_reward_models_norms_it_keeps_in_float32(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The reward model computes in fp64 too (model.precision): its norms of no known form
+    are named apart from the policy's (here a stock Llama: none)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+    from transformers.models.qwen2 import modeling_qwen2
+
+    settings = {"hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2}
+    small = Qwen2Config(
+        vocab_size=64, num_hidden_layers=1, num_key_value_heads=1, num_labels=1, **settings
+    )
+    Qwen2ForSequenceClassification(small).save_pretrained(tmp_path)
+    fp64 = config("model.precision=fp64", f"reward.model.path={tmp_path}")
+    assert float32_norms_line(fp64) is None
+    monkeypatch.setattr(modeling_qwen2, "Qwen2RMSNorm", RewardTanhNorm)
+    line = float32_norms_line(fp64)
+    assert line is not None
+    assert line.startswith("model.precision=fp64: RewardTanhNorm (reward model) normalize in ")
 
 
 def test_other_precisions_keep_hugging_faces_norms() -> None:

@@ -209,8 +209,6 @@ class RunInputs:
         )
         if context is not None:
             print(context, flush=True)
-        if (norms := float32_norms_line(cfg.model)) is not None:
-            print(norms, flush=True)
         check_rope_supported(cfg.model, max_sequence_length=cfg.max_sequence_length)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)
@@ -231,6 +229,8 @@ class RunInputs:
             check_tokenizer_fits(
                 cfg.reward.model.path, len(rm_tokenizer), field="reward.model.path"
             )
+        if (norms := float32_norms_line(cfg)) is not None:
+            print(norms, flush=True)
         remote = RemoteScorer.from_config(cfg.reward.remote)
         if remote is not None:
             remote.probe(train_set[0]["prompt"], train_set[0]["answer"])

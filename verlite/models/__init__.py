@@ -17,12 +17,13 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     LlamaConfig,
     PretrainedConfig,
     Qwen2Config,
 )
 
-from verlite.config import ConfigError, LoraConfig, ModelConfig
+from verlite.config import Config, ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
@@ -344,29 +345,40 @@ def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> No
         )
 
 
-def float32_norms_line(cfg: ModelConfig) -> str | None:
-    """``model.precision=fp64`` at start-up: the line that names the normalization layers of
-    ``cfg``'s model (policy and critic trunk alike) that keep float32 in an fp64 model
-    (``precision.float32_norms``: a form :func:`fp64_throughout` does not recompute in fp64,
-    whose own forward rounds to float32); None when there are none or another precision.
-    Checked on the model built on the meta device, each norm made real alone (no memory)."""
-    if cfg.precision != "fp64":
+def float32_norms_line(cfg: Config) -> str | None:
+    """``model.precision=fp64`` at start-up: the line that names the normalization layers that
+    keep float32 in the run's fp64 models (``precision.float32_norms``: of a form
+    :func:`fp64_throughout` does not recompute in fp64, whose own forward rounds to float32),
+    the policy's (its critic's trunk holds the same) and the reward model's; None when there
+    are none, or under another precision."""
+    if cfg.model.precision != "fp64":
         return None
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(probe_config(cfg))
-    norms = nn.ModuleList(
-        cast_weights(copy.deepcopy(module).to_empty(device="cpu"), torch.float64)
-        for module in model.modules()
-        if type(module).__name__.endswith("Norm")
-    )
-    names = float32_norms(norms)
-    if not names:
+    found = [("policy and critic", _float32_norms(AutoModelForCausalLM, probe_config(cfg.model)))]
+    if cfg.reward.model.path is not None:
+        config = AutoConfig.from_pretrained(cfg.reward.model.path)
+        found.append(("reward model", _float32_norms(AutoModelForSequenceClassification, config)))
+    parts = [f"{', '.join(names)} ({models})" for models, names in found if names]
+    if not parts:
         return None
     return (
-        f"model.precision=fp64: {', '.join(names)} normalize in a form verlite does not "
+        f"model.precision=fp64: {'; '.join(parts)} normalize in a form verlite does not "
         "recompute in fp64 and keep their own forward, which rounds their activations and "
         "gradients to float32: results there are float32-exact, not fp64-exact (layouts agree "
         "to about 1e-7, not 1e-9; docs/precision-and-memory.md)"
+    )
+
+
+def _float32_norms(auto_class: type[AutoModel], config: PretrainedConfig) -> list[str]:
+    """:func:`precision.float32_norms` of the fp64 model of ``config``, checked on the model
+    built on the meta device, each of its norms made real alone (no memory)."""
+    with torch.device("meta"):
+        model = auto_class.from_config(config)
+    return float32_norms(
+        nn.ModuleList(
+            cast_weights(copy.deepcopy(module).to_empty(device="cpu"), torch.float64)
+            for module in model.modules()
+            if type(module).__name__.endswith("Norm")
+        )
     )
 
 

@@ -6,7 +6,10 @@ folder's contract then does (``prepare_output_folder``), with and without a chec
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,17 +18,19 @@ import pytest
 from checkpoint_support import fake_checkpoint
 
 from verlite import load_config
-from verlite.config import Config, ConfigError
-from verlite.controller import WorkerGroupError
+from verlite.config import Config
+from verlite.controller import WorkerGroupError, node_watch, session
 from verlite.controller.session import NODE_GONE
 from verlite.driver import output_folder
 from verlite.driver import run as driver_run
 from verlite.driver import trainer as driver_trainer
 from verlite.driver.output_folder import prepare_output_folder
 from verlite.driver.trainer import Trainer, divergence
-from verlite.errors import RunFailure
+from verlite.envs.session import EnvironmentBroken
+from verlite.errors import RunFailure, UserError
 from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER
 from verlite.rewards.remote import RemoteRewardError
+from verlite.rewards.scoring import RewardError
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "ppo_tiny.yaml"
 PROMPTS = {"records": 8, "sha256": "0" * 64}  # fake checkpoints record none: any passes
@@ -47,7 +52,7 @@ def new_run_of(out: Path, **fields: Any) -> Path | str | None:
     (the first step), or the one-line refusal."""
     try:
         resume_from, hold = prepare_output_folder(config(out, **fields), train_set=PROMPTS)
-    except ConfigError as exc:
+    except UserError as exc:
         return str(exc)
     hold.release()
     return resume_from
@@ -78,22 +83,51 @@ FAILURES = {
     ),
     "worker died": lambda: worker_failure(lost=True, cause="the worker process died"),
     "node lost": lambda: worker_failure(lost=True, cause="the worker process died"),
+    # Bad input the run meets as it trains: a user error (exit 2), with the hint all the same.
+    "reward value": lambda: RewardError(
+        "reward function reward_fn returned 'yes' on response 3 ('The answer is 4'): "
+        "a reward is a number in [0, 1]"
+    ),
+    "environment contract": lambda: EnvironmentBroken(
+        "environment calculator, prompt 2: step() returned a reward of nan"
+    ),
 }
+
+
+class Watcher:
+    """The node watcher as the driver's session sees it: the JSON lines written to its
+    standard input, and what it would say of them if the node were lost now."""
+
+    def __init__(self) -> None:
+        self.stdin = io.BytesIO()
+
+    def told(self) -> list[Any]:
+        return [json.loads(line) for line in self.stdin.getvalue().splitlines()]
+
+    def says(self) -> str:
+        return node_watch.what_a_new_run_does(self.told()[-1])
+
+
+@pytest.fixture
+def watcher(monkeypatch: pytest.MonkeyPatch) -> Watcher:
+    watching = Watcher()
+    monkeypatch.setattr(session, "_watcher", watching)
+    return watching
 
 
 @pytest.mark.parametrize("name", list(FAILURES))
 def test_a_failed_run_says_what_a_new_run_of_its_folder_does(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watcher: Watcher, name: str
 ) -> None:
     # Each of these promised "trainer.resume=auto continues from the last (latest)
     # checkpoint" whatever the folder held; the main job (trainer.save_freq=0) holds none,
-    # and a new run of its folder is refused.
+    # and a new run of its folder is refused. A user error met mid-run (a reward function's
+    # value, an environment's broken contract) ended without saying it at all.
     out = tmp_path / "run"
     inputs = SimpleNamespace(resume_from=None, folder=SimpleNamespace(release=lambda: None))
     if name == "node lost":
         gone = NODE_GONE.format(gone="raylet (exit code -9)")
         monkeypatch.setattr(driver_run, "lost_embedded_node", lambda: gone)
-    written: list[str] = []
 
     def failed(*args: object) -> None:
         # The run wrote its records; the checkpoint was written before, when one is there.
@@ -102,10 +136,10 @@ def test_a_failed_run_says_what_a_new_run_of_its_folder_does(
         raise FAILURES[name]()
 
     monkeypatch.setattr(driver_run, "_attempt", failed)
-    monkeypatch.setattr(driver_run, "say_after_node_loss", written.append)
+    raised = UserError if isinstance(FAILURES[name](), UserError) else RunFailure
 
     def message(**fields: Any) -> str:
-        with pytest.raises(RunFailure) as info:
+        with pytest.raises(raised) as info:  # a user error stays one (exit 2)
             driver_run.run(config(out, **fields), inputs)  # type: ignore[arg-type]
         said = str(info.value)
         assert "\n" not in said and "last checkpoint" not in said, said
@@ -120,7 +154,7 @@ def test_a_failed_run_says_what_a_new_run_of_its_folder_does(
     assert "is not empty" in str(new_run_of(out))
     assert new_run_of(out, **{"trainer.overwrite": True}) is None
     # The watcher's line, told as the run started (an empty folder then: a fresh start).
-    assert written == [
+    assert watcher.told() == [
         f"no checkpoint saved (trainer.save_freq=0 saves none): a new `verlite "
         f"train` of {out} starts from the first step"
     ]
@@ -173,24 +207,207 @@ def test_a_stopped_run_says_what_a_new_run_of_its_folder_does(
     assert new_run_of(out) == step_5
 
 
+def test_a_complete_run_stopped_says_a_new_run_of_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Stopped as its workers shut down, after the last checkpoint and the export, the run
+    # said "trainer.resume=auto continues from step_N": the new run was refused (it already
+    # reached trainer.total_steps).
+    out = tmp_path / "run"
+    inputs = SimpleNamespace(resume_from=None, folder=SimpleNamespace(release=lambda: None))
+    cfg = config(out, **{"trainer.save_freq": 2})
+    total = cfg.trainer.total_steps
+
+    def finished(*args: object) -> None:
+        checkpoint(out, total)
+        (out / POLICY_FOLDER).mkdir()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(driver_run, "_attempt", finished)
+    with pytest.raises(KeyboardInterrupt):
+        driver_run.run(cfg, inputs)  # type: ignore[arg-type]
+    last = out / "checkpoints" / f"step_{total}"
+    said = capsys.readouterr().out
+    assert (
+        f"stopped: the run is complete ({last} is at trainer.total_steps={total}, its policy "
+        "exported): a new `verlite train` of the same config is refused; a larger "
+        "trainer.total_steps continues it, trainer.resume=disable with trainer.overwrite=true "
+        "starts it over (its files moved aside)\n"
+    ) in said, said
+    # What it says, measured: refused as it is, and what each change does.
+    assert "already reached trainer.total_steps" in str(new_run_of(out, **{"trainer.save_freq": 2}))
+    assert "already reached" in str(new_run_of(out, **{"trainer.overwrite": True}))
+    assert new_run_of(out, **{"trainer.total_steps": total + 2}) == last
+    fresh = {"trainer.resume": "disable", "trainer.overwrite": True}
+    assert new_run_of(out, **fresh) is None
+    assert not last.exists()  # moved aside with the rest
+
+
+def test_a_run_resumed_from_another_folders_checkpoint_says_it_resumes_from_it_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watcher: Watcher
+) -> None:
+    # trainer.resume=<a checkpoint of another folder>: the hint said "starts from the first
+    # step", though the same config resumes from that checkpoint again (once
+    # trainer.overwrite=true moves this run's files aside: its folder is refused as it is).
+    other = checkpoint(tmp_path / "other", 2)
+    out = tmp_path / "run"
+    fields = {"trainer.resume": str(other), "trainer.save_freq": 2}
+    inputs = SimpleNamespace(resume_from=other, folder=SimpleNamespace(release=lambda: None))
+    own: list[int] = []
+
+    def failed(*args: object) -> None:
+        out.mkdir(exist_ok=True)
+        (out / "metrics.jsonl").write_text('{"step": 3}\n')
+        for step in own:
+            checkpoint(out, step)
+        raise worker_failure(lost=False, cause="ValueError: a rank raised")
+
+    monkeypatch.setattr(driver_run, "_attempt", failed)
+
+    def message() -> str:
+        with pytest.raises(RunFailure) as info:
+            driver_run.run(config(out, **fields), inputs)  # type: ignore[arg-type]
+        return str(info.value)
+
+    said = message()
+    assert watcher.says() == f"a new `verlite train` of {out} resumes from {other} again"
+    assert said.endswith(
+        f"; a new `verlite train` of {out} resumes from {other} again, with "
+        "trainer.overwrite=true to move this run's files aside"
+    ), said
+    assert "is not empty" in str(new_run_of(out, **fields))
+    assert new_run_of(out, **fields, **{"trainer.overwrite": True}) == other
+
+    own.append(4)  # a checkpoint of its own: trainer.resume=auto continues it
+    said = message()
+    step_4 = out / "checkpoints" / "step_4"
+    assert said.endswith(
+        f"; a new `verlite train` of {out} resumes from {other} again, with "
+        f"trainer.overwrite=true to move this run's files aside; with trainer.resume=auto it "
+        f"continues from {step_4}"
+    ), said
+    assert new_run_of(out, **{"trainer.save_freq": 2}) == step_4
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_of_its_folder_says_it_goes_back_to_it(
+    tmp_path: Path,
+) -> None:
+    # trainer.resume=<its own step_2>, stopped after saving step_4: the hint said
+    # "trainer.resume=auto continues from step_4", but the same config resumes step_2 again
+    # (and its first save removes step_4); once step_2 is pruned, it is refused.
+    out = tmp_path / "run"
+    step_2, step_4 = checkpoint(out, 2), checkpoint(out, 4)
+    trainer = config(out, **{"trainer.resume": str(step_2)}).trainer
+    assert output_folder.stopped_run_hint(out, trainer) == (
+        f"a new `verlite train` with its trainer.resume continues from {step_2}; with "
+        f"trainer.resume=auto it continues from {step_4}"
+    )
+    assert new_run_of(out, **{"trainer.resume": str(step_2)}) == step_2
+    assert new_run_of(out) == step_4
+    shutil.rmtree(step_2)  # pruned (trainer.max_checkpoints)
+    said = output_folder.stopped_run_hint(out, trainer)
+    refusal = str(new_run_of(out, **{"trainer.resume": str(step_2)}))
+    assert "not a complete checkpoint" in refusal
+    assert said == (
+        f"a new `verlite train` of the same config is refused: {refusal}; with "
+        f"trainer.resume=auto it continues from {step_4}"
+    ), said
+
+
 def test_each_checkpoint_saved_tells_the_node_watcher_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, watcher: Watcher
 ) -> None:
     # The watcher's line, printed after Ray ended the driver, said "continues from the latest
     # checkpoint" whatever the folder held when it died.
     out = tmp_path / "run"
-    written: list[str] = []
-    monkeypatch.setattr(driver_trainer, "say_after_node_loss", written.append)
     cfg = config(out, **{"trainer.save_freq": 3, "trainer.max_checkpoints": 1})
     trainer: Any = SimpleNamespace(cfg=cfg, saved=[], output_dir=out)
     for step in (3, 6):
         tmp = checkpoint(out, step).rename(out / "checkpoints" / f"step_{step}.tmp")
         Trainer.place_checkpoint(trainer, tmp, 0.1)
-    assert written == [
-        f"a new `verlite train` with trainer.resume=auto continues from {out / 'checkpoints' / f'step_{step}'}"
-        for step in (3, 6)
-    ]
+        assert watcher.says() == (
+            f"a new `verlite train` with trainer.resume=auto continues from {out / 'checkpoints' / f'step_{step}'}"
+        )
     assert new_run_of(out) == out / "checkpoints" / "step_6"
+
+
+class NodeLost(BaseException):
+    """Ray ending the driver at once (its QuickExit): nothing after it runs."""
+
+
+def test_a_node_lost_as_the_run_writes_its_first_file_says_the_folder_needs_overwrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watcher: Watcher
+) -> None:
+    """Lost after the placement report (the run's first file) was written but before the
+    driver told the watcher, it said a new run starts from the first step: refused, the
+    folder holds the report."""
+    out = tmp_path / "run"
+    cfg = config(out, **{"trainer.save_freq": 0})
+    inputs: Any = SimpleNamespace(
+        resume_from=None, tokenizer=None, folder=SimpleNamespace(release=lambda: None)
+    )
+    groups = SimpleNamespace(all=[])
+    monkeypatch.setattr(driver_run, "start_groups", lambda *args: contextlib.nullcontext(groups))
+
+    def report(groups: object, folder: str | Path) -> str:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "workers.json").write_text("[]\n")
+        raise NodeLost
+
+    monkeypatch.setattr(driver_run, "write_placement_report", report)
+    with pytest.raises(NodeLost):
+        driver_run.run(cfg, inputs)
+    assert watcher.says().endswith(
+        f"a new `verlite train` of {out} starts from the first step, with "
+        "trainer.overwrite=true to move this run's files aside"
+    ), watcher.says()
+    assert "is not empty" in str(new_run_of(out))
+
+
+def test_a_node_lost_as_the_run_changes_its_folder_is_said_as_the_folder_then_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watcher: Watcher
+) -> None:
+    """A node lost after a checkpoint was renamed into place but before the driver told the
+    watcher named the checkpoint before it (the one trainer.max_checkpoints=1 had just
+    removed); lost after the export was made whole, it said the run continues from its last
+    checkpoint, where a new run is refused: it is complete. The watcher now reads the folder
+    when it speaks, against what the driver told it before the change."""
+    out = tmp_path / "run"
+    cfg = config(out, **{"trainer.save_freq": 3, "trainer.max_checkpoints": 1})
+    trainer: Any = SimpleNamespace(cfg=cfg, saved=[], output_dir=out)
+    step_3 = checkpoint(out, 3)
+    Trainer.place_checkpoint(trainer, checkpoint(out, 3).rename(f"{step_3}.tmp"), 0.1)
+    placed = driver_trainer.commit_checkpoint
+
+    def lost_after(tmp: Path, *, keep: int) -> Path:
+        placed(tmp, keep=keep)
+        raise NodeLost
+
+    monkeypatch.setattr(driver_trainer, "commit_checkpoint", lost_after)
+    last = checkpoint(out, cfg.trainer.total_steps)
+    with pytest.raises(NodeLost):
+        Trainer.place_checkpoint(trainer, last.rename(f"{last}.tmp"), 0.1)
+    assert not step_3.exists()
+    assert watcher.says() == (
+        f"a new `verlite train` with trainer.resume=auto continues from {last} to export its policy"
+    )
+    assert new_run_of(out) == last
+
+    # The export made whole (its mark gone), and the node lost before another word.
+    removed = Path.unlink
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        removed(path, missing_ok)
+        if path.name == INCOMPLETE_MARK:
+            raise NodeLost
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    trainer.actor = SimpleNamespace(call=lambda method, folder: Path(folder).mkdir())
+    trainer.tokenizer = SimpleNamespace(save_pretrained=lambda folder: None)
+    with pytest.raises(NodeLost):
+        Trainer.export_policy(trainer)
+    assert watcher.says().startswith(f"the run is complete ({last} is at trainer.total_steps=")
+    assert "already reached" in str(new_run_of(out))
 
 
 def test_an_incomplete_export_says_what_a_new_run_of_its_folder_does(
@@ -220,8 +437,14 @@ def test_an_incomplete_export_says_what_a_new_run_of_its_folder_does(
     (out / "config.json").write_text("{torn")  # its save_freq unknown: not guessed
     assert "whole; no checkpoint saved: a new `verlite train` of" in said()
     last = checkpoint(out, settings["trainer"]["total_steps"])
+    # Its settings unknown, whether the checkpoint is its last step is not guessed.
     assert said().endswith(
         f"whole; a new `verlite train` with trainer.resume=auto continues from {last}\n"
+    )
+    (out / "config.json").write_text(json.dumps(settings))
+    assert said().endswith(
+        f"whole; a new `verlite train` with trainer.resume=auto continues from {last} to "
+        "export its policy\n"
     )
     assert new_run_of(out) == last  # to export alone
 
@@ -256,7 +479,7 @@ def test_the_hint_masks_a_credential_in_the_folders_name(
     message takes it as it is: the hint is masked when it is made."""
     monkeypatch.setenv("VERLITE_TEST_TOKEN", "s3cr3t-folder-name")
     out = tmp_path / "run-s3cr3t-folder-name"
-    hint = output_folder.stopped_run_hint(out, 0)
+    hint = output_folder.stopped_run_hint(out, config(out).trainer)
     assert "s3cr3t-folder-name" not in hint and "run-***" in hint, hint
     failure = RunFailure("the worker process died")
     failure.then(hint)

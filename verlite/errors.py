@@ -18,16 +18,8 @@ def _redacted(args: tuple[object, ...]) -> tuple[object, ...]:
     return tuple(redact_text(arg) if isinstance(arg, str) else arg for arg in args)
 
 
-class UserError(ValueError):
-    """Bad input: a config value, a data file, a reward function, a command-line flag."""
-
-    def __init__(self, *args: object) -> None:
-        super().__init__(*_redacted(args))
-
-
-class RunFailure(RuntimeError):
-    """A run stopped for a reason its message names (a worker died, training diverged):
-    the CLI prints it in one line and exits 1; checkpoints written so far stay valid."""
+class _OneLine(Exception):
+    """A failure the command line reports as its one-line message, credentials masked."""
 
     def __init__(self, *args: object) -> None:
         super().__init__(*_redacted(args))
@@ -37,6 +29,15 @@ class RunFailure(RuntimeError):
         folder does, which the driver, knowing the folder, adds as the failure leaves the
         run (``driver.run.run``)."""
         self.args = _redacted((f"{self}; {next_step}",))
+
+
+class UserError(_OneLine, ValueError):
+    """Bad input: a config value, a data file, a reward function, a command-line flag."""
+
+
+class RunFailure(_OneLine, RuntimeError):
+    """A run stopped for a reason its message names (a worker died, training diverged):
+    the CLI prints it in one line and exits 1; checkpoints written so far stay valid."""
 
 
 def shown(value: object, limit: int = 120, render: Callable[[object], str] = repr) -> str:

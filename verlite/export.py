@@ -61,12 +61,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         )
     if not policy_exported(Path(args.run_dir)):
         # Torch loads for this error alone (the checkpoints' folder contract imports it).
+        from pydantic import ValidationError
+
+        from verlite.config import TrainerConfig
         from verlite.driver.output_folder import stopped_run_hint
 
-        save_freq = _trainer_settings(Path(args.run_dir)).get("save_freq")
+        settings = _trainer_settings(Path(args.run_dir))  # as the run's config.json has them
+        try:
+            trainer = TrainerConfig.model_validate(settings) if settings else None
+        except ValidationError:
+            trainer = None  # unknown: not guessed
         raise UserError(
             f"{policy}: incomplete: the run stopped (or runs) before it exported its last policy "
-            f"whole; {stopped_run_hint(args.run_dir, save_freq if type(save_freq) is int else None)}"
+            f"whole; {stopped_run_hint(args.run_dir, trainer)}"
         )
     adapter_config = policy / ADAPTER_CONFIG
     if not adapter_config.is_file():

@@ -39,6 +39,14 @@ DRIVER = textwrap.dedent(
         session._watcher = watcher
         session.say_after_node_loss("no checkpoint saved: a new run starts afresh")
         session.say_after_node_loss("a new run continues from /runs/a\\nb/step_4")
+    if sys.argv[2] in ("changed", "unchanged"):  # told before a change of the folder
+        from pathlib import Path
+        from verlite.controller import session
+        session._watcher = watcher
+        mark = Path(sys.argv[3])
+        session.say_after_node_loss("continues from step_3", once=([mark], True, "continues from step_6"))
+        if sys.argv[2] == "changed":
+            mark.mkdir()  # the checkpoint renamed into place; the node lost before another word
     if sys.argv[2] != "driver first":
         vital.kill()
         vital.wait()
@@ -51,12 +59,12 @@ DRIVER = textwrap.dedent(
 )
 
 
-def run_driver(case: str) -> str:
+def run_driver(case: str, *extra: str) -> str:
     """Run the driver for ``case`` and return what reached its standard error (the watcher's
     too: ``communicate`` waits until the watcher, which shares it, has exited)."""
     script = str(Path(session.__file__).with_name("node_watch.py"))
     proc = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, script, case],
+        [sys.executable, "-c", DRIVER, script, case, *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -77,6 +85,14 @@ def test_the_watchers_line_says_what_it_was_told_last_about_a_new_run() -> None:
     # It said "a new `verlite train` with trainer.resume=auto continues from the latest
     # checkpoint" whatever the run's folder held; the driver now tells it as that changes.
     assert run_driver("told") == "gone: raylet; a new run continues from /runs/a\nb/step_4\n"
+
+
+@pytest.mark.parametrize("case", ["changed", "unchanged"])
+def test_the_watcher_says_what_the_folder_holds_when_it_speaks(tmp_path: Path, case: str) -> None:
+    # Told only after a checkpoint was placed, a node lost in between named the one before.
+    # Told before the change too, with the path that marks it made, it looks when it speaks.
+    said = run_driver(case, str(tmp_path / "step_6"))
+    assert said == f"gone: raylet; continues from step_{6 if case == 'changed' else 3}\n"
 
 
 @pytest.mark.parametrize("case", ["stop", "driver first"])

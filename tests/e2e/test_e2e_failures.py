@@ -207,6 +207,14 @@ def test_a_reward_that_raises_stops_the_run_in_one_line(tmp_path: Path, train, m
     message = str(raised.value)
     assert message.startswith("reward function userreward:score raised on response 0")
     assert "ValueError: cannot parse" in message and "\n" not in message
+    # ... ending, as every error that ends a run, on what a new run of its folder does (a
+    # user error met mid-run used to end without it).
+    assert re.search(
+        r"; no checkpoint saved \(trainer.save_freq=0 saves none\): a new `verlite train` of "
+        r"\S+ starts from the first step, with trainer.overwrite=true to move this run's files "
+        r"aside$",
+        message,
+    ), message
 
 
 def test_someones_folder_is_left_untouched(tmp_path: Path, cli) -> None:

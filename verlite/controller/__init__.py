@@ -3,7 +3,7 @@ worker groups, explicit dispatch/collect, failures, and the placement report."""
 
 from verlite.controller.dispatch import Collect, Dispatch, DpSplit
 from verlite.controller.failures import WorkerGroupError
-from verlite.controller.placement import write_placement_report
+from verlite.controller.placement import PLACEMENT_FILES, write_placement_report
 from verlite.controller.resource_pool import (
     ClusterTooSmall,
     PlacementError,
@@ -25,6 +25,7 @@ from verlite.controller.worker import Worker
 from verlite.controller.worker_group import PendingCall, WorkerGroup
 
 __all__ = [
+    "PLACEMENT_FILES",
     "ClusterTooSmall",
     "Collect",
     "Dispatch",

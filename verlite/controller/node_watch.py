@@ -6,11 +6,14 @@ ends the driver at its next object-store access with a bare exit code 1 (``Quick
 Python cleanup, nothing on the console). The driver cannot say why; this watcher can. It waits
 on the driver and on the node's vital processes (pidfds: woken the moment one exits) and on a
 pipe from the driver, which writes ``stop`` before it shuts Ray down on purpose, and before
-that, as a JSON string on a line of its own, what a new run of its output folder does (again
-each time that changes). If a vital process exits and the driver then ends without having
-written ``stop``, it prints its message (given by the driver, ``{gone}`` naming what exited),
-followed by the latest of those lines, to the standard error the two share. A driver that
-ends first, or says ``stop``, leaves it silent.
+that, as JSON on a line of its own, what a new run of its output folder does (again each
+time that changes; before the driver changes the folder, what it does once that change is
+made too, and the paths whose presence says it is made: :func:`what_a_new_run_does` reads
+them when it speaks, so a loss between the change and the driver's next word is said right).
+If a vital process exits and the driver then ends without having written ``stop``, it prints
+its message (given by the driver, ``{gone}`` naming what exited), followed by the latest of
+those lines, to the standard error the two share. A driver that ends first, or says
+``stop``, leaves it silent.
 
 Usage: ``python -I node_watch.py DRIVER_PID MESSAGE NAME=PID [NAME=PID ...]``
 """
@@ -22,8 +25,19 @@ import os
 import select
 import signal
 import sys
+from typing import Any
 
 STOP = b"stop"
+
+
+def what_a_new_run_does(told: str | dict[str, Any]) -> str:
+    """The line the driver told last, as the folder is now: the line, or, told before a change
+    of the folder, ``{"now", "once", "present", "then"}``: ``then`` once any of the paths
+    ``once`` exists (``present``) or once none does, ``now`` until then."""
+    if isinstance(told, str):
+        return told
+    made = any(os.path.lexists(path) for path in told["once"]) == told["present"]
+    return str(told["then"] if made else told["now"])
 
 
 def watch(driver: int, message: str, vital: dict[str, int]) -> None:
@@ -56,7 +70,8 @@ def watch(driver: int, message: str, vital: dict[str, int]) -> None:
         if ended:
             if gone:
                 said = message.format(gone=", ".join(gone))
-                said = said if next_step is None else f"{said}; {next_step}"
+                if next_step is not None:
+                    said = f"{said}; {what_a_new_run_does(next_step)}"
                 print(said, file=sys.stderr, flush=True)
             return
 

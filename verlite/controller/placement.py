@@ -8,6 +8,10 @@ from pathlib import Path
 
 from verlite.controller.worker_group import WorkerGroup
 
+# The placement report (workers.json): the file a run writes first in its output folder, as
+# it is being written and once whole.
+PLACEMENT_FILES = ("workers.json.tmp", "workers.json")
+
 
 def _layout(groups: Sequence[WorkerGroup]) -> str:
     by_pool: dict[int, list[str]] = {}
@@ -35,9 +39,9 @@ def write_placement_report(groups: Sequence[WorkerGroup], out_dir: str | Path) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Written whole, then renamed: a reader (a restarted run rewrites it) never sees half.
-    partial = out / "workers.json.tmp"
+    partial, whole = (out / name for name in PLACEMENT_FILES)
     partial.write_text(json.dumps(records, indent=2) + "\n")
-    partial.replace(out / "workers.json")
+    partial.replace(whole)
     pools = {id(group.pool): group.pool for group in groups}
     bundles = sum(pool.world_size for pool in pools.values())
     nodes = {record["node_id"] for record in records}

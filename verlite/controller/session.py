@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import ray
@@ -210,15 +210,24 @@ def _watch_embedded_node() -> None:
     atexit.register(_stop_watching)  # before Ray's own exit handler, which stops the node
 
 
-def say_after_node_loss(next_step: str) -> None:
+def say_after_node_loss(
+    next_step: str, once: tuple[Sequence[Path], bool, str] | None = None
+) -> None:
     """What the watcher of this process's embedded node adds to its line if Ray ends the
     driver: what a new run of the output folder does, which the driver says again as that
-    changes (a run starting, a checkpoint saved). Nothing without a watcher."""
+    changes (a run starting, a checkpoint saved). ``once``: said before the driver changes the
+    folder, ``(marks, present, then)``: the watcher says ``then`` instead once any of the paths
+    ``marks`` exists (``present``), or once none does: the change was made. Nothing without a
+    watcher."""
     if _watcher is None:
         return
+    told: str | dict[str, object] = next_step
+    if once is not None:
+        marks, present, then = once
+        told = {"now": next_step, "once": [str(p) for p in marks], "present": present, "then": then}
     # One JSON line: a folder's name may hold a newline.
     with contextlib.suppress(BrokenPipeError):
-        _watcher.stdin.write(json.dumps(next_step).encode() + b"\n")  # type: ignore[union-attr]
+        _watcher.stdin.write(json.dumps(told).encode() + b"\n")  # type: ignore[union-attr]
         _watcher.stdin.flush()  # type: ignore[union-attr]
 
 

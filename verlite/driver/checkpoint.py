@@ -60,6 +60,19 @@ def complete_checkpoints(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint of a run's own folder (``step_N``), by its name."""
+    found = STEP_DIR.match(path.name)
+    if found is None:
+        raise ValueError(f"{path} is not named as a checkpoint (step_N)")
+    return int(found[1])
+
+
+def placed_path(tmp: Path) -> Path:
+    """Where :func:`commit_checkpoint` puts the checkpoint written into ``tmp``."""
+    return tmp.with_name(tmp.name.removesuffix(".tmp"))
+
+
 def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     """The checkpoint ``trainer.resume`` asks for: ``auto`` (latest complete, if any),
     ``disable`` (none), or a path to a ``step_N`` folder."""
@@ -239,7 +252,7 @@ def commit_checkpoint(tmp: Path, *, keep: int) -> Path:
     ``trainer.resume`` path of an earlier step): the resumed run dropped their records from
     ``metrics.jsonl`` and trains those steps again, so they go, and this one is the latest,
     which ``trainer.resume=auto`` continues and ``keep`` never prunes."""
-    final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+    final = placed_path(tmp)
     if final.exists():  # the run this one resumed before saved this step (an earlier one stays)
         _discard(final)
     os.replace(tmp, final)

@@ -15,6 +15,10 @@ Before Ray starts, the folder is one of:
   its contents are moved aside, whole, to a sibling ``<name>.replaced-<UTC time>`` folder,
   and a fresh run starts in the emptied folder. Nothing is deleted.
 
+:func:`new_run` decides which, for a config and the folder's state (:class:`FolderState`):
+:func:`prepare_output_folder` acts on it, and :func:`stopped_run_hint` says it when a run
+ends early (and what to change where the same config is refused).
+
 A run holds its folder while it runs (:class:`FolderLock`): a second run into a folder in
 use is refused, whatever ``trainer.overwrite`` says, so two runs (jobs submitted at once with
 one config) never write into one folder. The lock file is only ever a regular file verlite
@@ -35,19 +39,21 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from verlite.config import Config, ConfigError
+from verlite.config import Config, ConfigError, TrainerConfig
 from verlite.driver.checkpoint import (
     CheckpointError,
     check_resumable,
+    checkpoint_step,
     complete_checkpoints,
     read_trainer_state,
     resume_checkpoint,
 )
-from verlite.errors import shown
+from verlite.errors import UserError, shown
 from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, policy_exported
 from verlite.redaction import redact_text
 
@@ -162,21 +168,22 @@ def prepare_output_folder(
         )
     if _is_lock_file(out / LOCK_FILE):  # a run was here: it may still be running
         FolderLock.take(out).release()
-    resume_from = _resume_point(cfg, out, train_set)
-    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
-    if not continuing and _has_contents(out) and not cfg.trainer.overwrite:
-        raise _not_empty(out, cfg)  # refused before this run writes anything there
+    plan = new_run(out, cfg.trainer, FolderState.read(out))
+    if plan.refused is not None:
+        raise plan.refused  # refused before this run writes anything there
+    if plan.resume_from is not None:
+        _check_resume_point(cfg, out, plan, train_set)
     _make_writable_folder(out)
     hold = FolderLock.take(out)
     try:
         # Under the hold the contents are judged again: a run that started here after the
         # checks above may have ended since, leaving its files.
-        if not continuing and _has_contents(out):
+        if not plan.continuing and _has_contents(out):
             if not cfg.trainer.overwrite:
-                raise _not_empty(out, cfg)
+                raise _not_empty(out, cfg.trainer.output_dir, cfg.trainer.resume)
             moved = _move_contents_aside(out)
             print(f"moved the earlier contents of {out} to {moved}", flush=True)
-        if continuing and cfg.trainer.export and policy_exported(out):
+        if plan.continuing and cfg.trainer.export and policy_exported(out):
             # A run continued past its end: its export is an earlier step's policy from now
             # on; stopped after its last checkpoint, the run again resumes to export its own.
             (out / INCOMPLETE_MARK).touch()
@@ -188,81 +195,202 @@ def prepare_output_folder(
     except BaseException:
         hold.release()
         raise
-    return resume_from, hold
+    return plan.resume_from, hold
 
 
-def _not_empty(out: Path, cfg: Config) -> ConfigError:
+def _not_empty(out: Path, output_dir: str, resume: str) -> ConfigError:
     return ConfigError(
-        f"trainer.output_dir={shown(cfg.trainer.output_dir)} is not empty ({_describe(out, cfg)}) and holds "
-        "no checkpoint this run continues; choose an empty folder, or set "
+        f"trainer.output_dir={shown(output_dir)} is not empty ({_describe(out, resume)}) and "
+        "holds no checkpoint this run continues; choose an empty folder, or set "
         "trainer.overwrite=true to move its contents aside"
     )
 
 
-def _resume_point(cfg: Config, out: Path, train_set: Mapping[str, Any]) -> Path | None:
-    path = resume_checkpoint(out, cfg.trainer.resume)
-    if path is None:
-        return None
+def _check_resume_point(cfg: Config, out: Path, plan: NewRun, train_set: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint the config cannot resume (``check_resumable``); say what resuming
+    it changes, or that it resumes to export alone."""
+    assert plan.resume_from is not None
     changed = check_resumable(
-        path,
+        plan.resume_from,
         config=cfg.model_dump(mode="json"),
         roles=cfg.roles,
         total_steps=cfg.trainer.total_steps,
         train_set=train_set,
     )
-    step = int(read_trainer_state(path)["step"])
-    if step == cfg.trainer.total_steps:
-        if cfg.trainer.export and not policy_exported(out):
-            state = "incomplete" if (out / POLICY_FOLDER).exists() else "missing"
-            print(
-                f"{shown(str(path))} reached trainer.total_steps={step} but its policy export "
-                f"({POLICY_FOLDER}) is {state} in {shown(str(out))}: resuming to export it",
-                flush=True,
-            )
-            return path
-        raise CheckpointError(
-            f"the run in {shown(str(out))} already reached trainer.total_steps={step} (checkpoint "
-            f"{path.name}); raise trainer.total_steps to train further, or choose another "
-            "trainer.output_dir for a new run"
+    if plan.export_only:
+        state = "incomplete" if (out / POLICY_FOLDER).exists() else "missing"
+        print(
+            f"{shown(str(plan.resume_from))} reached trainer.total_steps="
+            f"{cfg.trainer.total_steps} but its policy export ({POLICY_FOLDER}) is {state} in "
+            f"{shown(str(out))}: resuming to export it",
+            flush=True,
         )
-    if changed:
-        print(f"resuming {path} with changed settings: {'; '.join(changed)}", flush=True)
-    return path
+    elif changed:
+        print(
+            f"resuming {plan.resume_from} with changed settings: {'; '.join(changed)}", flush=True
+        )
 
 
-def stopped_run_hint(output_dir: str | Path, save_freq: int | None) -> str:
-    """What a new ``verlite train`` of a stopped run's folder does, by the contract above:
-    continue from the latest complete checkpoint (``trainer.resume=auto``); with none saved,
-    start from the first step, in a folder the run left empty, or else once
-    ``trainer.overwrite=true`` moves its files aside (the folder is refused without it).
-    ``save_freq``: the run's ``trainer.save_freq``, None where it is not known. A folder that
-    cannot be read is said so, never raised: the hint ends a run that is stopping already.
-    Masked (:func:`~verlite.redaction.redact_text`): the node watcher prints it outside the
-    driver's masked streams."""
-    return redact_text(_what_a_new_run_does(Path(output_dir), save_freq))
+@dataclass(frozen=True)
+class FolderState:
+    """What an output folder holds, as far as the contract above reads it."""
+
+    checkpoints: tuple[Path, ...]  # complete, oldest first
+    contents: bool  # anything but a run's lock file
+    exported: bool  # the run's whole policy export (``policy_exported``)
+
+    @classmethod
+    def read(cls, out: Path) -> FolderState:
+        """The folder's state now (an ``OSError`` where it cannot be read)."""
+        return cls(tuple(complete_checkpoints(out)), _has_contents(out), policy_exported(out))
 
 
-def _what_a_new_run_does(output_dir: Path, save_freq: int | None) -> str:
+@dataclass(frozen=True)
+class NewRun:
+    """What ``verlite train`` of a config does with its output folder, by the contract above:
+    :func:`prepare_output_folder` acts on it, :func:`stopped_run_hint` says it."""
+
+    resume_from: Path | None = None  # the checkpoint it resumes from; None: the first step
+    continuing: bool = False  # resume_from is the folder's own: its files stay
+    export_only: bool = False  # resume_from is at trainer.total_steps: it exports, no more
+    moves_aside: bool = False  # the folder's files are moved aside (trainer.overwrite=true)
+    refused: UserError | None = None  # the one line it is refused with
+    needs_overwrite: bool = False  # refused for the folder's files: overwrite moves them aside
+    complete: bool = False  # refused: resume_from is at trainer.total_steps, the run whole
+
+
+def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> NewRun:
+    """What a new ``verlite train`` with the settings ``trainer`` does with the folder ``out``
+    (its resolved path) in ``state``; ``trainer`` None: settings not known (then
+    ``trainer.resume=auto``, no overwrite, the end not known). Whether the checkpoint fits
+    the rest of the config (``check_resumable``) is not judged here: a stopped run's own does."""
+    resume = "auto" if trainer is None else trainer.resume
     try:
-        checkpoints = complete_checkpoints(output_dir)
-        contents = _has_contents(output_dir)
-    except OSError as exc:
-        return (
-            f"{output_dir} could not be read ({type(exc).__name__}: {exc.strerror or exc}): a new "
-            "`verlite train` with trainer.resume=auto continues from its latest complete "
-            "checkpoint, if it holds one"
+        if resume == "auto":
+            resume_from = state.checkpoints[-1] if state.checkpoints else None
+            step = None if resume_from is None else checkpoint_step(resume_from)
+        else:
+            resume_from = resume_checkpoint(out, resume)  # None for disable
+            step = None if resume_from is None else int(read_trainer_state(resume_from)["step"])
+    except UserError as exc:  # no such checkpoint, or its state unreadable
+        return NewRun(refused=exc)
+    export_only = False
+    if resume_from is not None and trainer is not None and step == trainer.total_steps:
+        if not trainer.export or state.exported:
+            reached = CheckpointError(
+                f"the run in {shown(str(out))} already reached trainer.total_steps={step} "
+                f"(checkpoint {resume_from.name}); raise trainer.total_steps to train further, "
+                "or choose another trainer.output_dir for a new run"
+            )
+            return NewRun(resume_from=resume_from, refused=reached, complete=True)
+        export_only = True
+    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
+    if continuing or not state.contents:
+        return NewRun(resume_from, continuing=continuing, export_only=export_only)
+    if trainer is None or not trainer.overwrite:
+        refused = _not_empty(out, str(out) if trainer is None else trainer.output_dir, resume)
+        return NewRun(resume_from, export_only=export_only, refused=refused, needs_overwrite=True)
+    return NewRun(resume_from, export_only=export_only, moves_aside=True)
+
+
+@dataclass(frozen=True)
+class FolderChange:
+    """A change the run is about to make to its folder: made once any of ``marks`` exists
+    (``present``) or once none does, leaving the folder's state ``made(state)``."""
+
+    marks: tuple[Path, ...]
+    present: bool
+    made: Callable[[FolderState], FolderState]
+
+
+def stopped_run_hint(
+    output_dir: str | Path, trainer: TrainerConfig | None, change: FolderChange | None = None
+) -> str:
+    """What a new ``verlite train`` of a stopped run's folder with the same config does
+    (:func:`new_run`; ``trainer``: the run's settings, None where they are not known), and,
+    where it is refused, what to change: continue from a checkpoint, start from the first
+    step (the folder's files moved aside with ``trainer.overwrite=true``), or nothing more to
+    train. ``change``: as the folder will be once the run made it. A folder that cannot be read
+    is said so, never raised: the hint ends a run that is stopping already. Masked
+    (:func:`~verlite.redaction.redact_text`): the node watcher prints it outside the driver's
+    masked streams."""
+    out = Path(output_dir)
+    try:
+        state = FolderState.read(out)
+        said = _what_a_new_run_does(out, trainer, state if change is None else change.made(state))
+    except (OSError, RuntimeError) as exc:  # RuntimeError: pathlib's report of a link loop
+        said = (
+            f"{out} could not be read ({type(exc).__name__}: "
+            f"{getattr(exc, 'strerror', None) or exc}): a new `verlite train` with "
+            "trainer.resume=auto continues from its latest complete checkpoint, if it holds one"
         )
-    if checkpoints:
-        return f"a new `verlite train` with trainer.resume=auto continues from {checkpoints[-1]}"
-    why = "no checkpoint saved"
+    return redact_text(said)
+
+
+def tell_node_watcher(
+    output_dir: str | Path, trainer: TrainerConfig, change: FolderChange | None = None
+) -> None:
+    """Tell the node watcher (``say_after_node_loss``) what a new run of the folder does;
+    before the run makes ``change``, what it does once it is made too: the watcher looks at
+    the change's marks when the node is lost, so a loss between the change and the next
+    word names what the folder then holds."""
+    # Here, not at the top: `verlite export`'s hint (stopped_run_hint) imports no Ray.
+    from verlite.controller import say_after_node_loss
+
+    now = stopped_run_hint(output_dir, trainer)
+    if change is None:
+        say_after_node_loss(now)
+        return
+    made = stopped_run_hint(output_dir, trainer, change)
+    say_after_node_loss(now, once=(change.marks, change.present, made))
+
+
+def _what_a_new_run_does(out: Path, trainer: TrainerConfig | None, state: FolderState) -> str:
+    plan = new_run(out.resolve(), trainer, state)
+    new = "a new `verlite train`"
+    if plan.complete:
+        assert trainer is not None and plan.resume_from is not None
+        exported = ", its policy exported" if trainer.export else ""
+        return (
+            f"the run is complete ({plan.resume_from} is at trainer.total_steps="
+            f"{trainer.total_steps}{exported}): {new} of the same config is refused; a larger "
+            "trainer.total_steps continues it, trainer.resume=disable with "
+            "trainer.overwrite=true starts it over (its files moved aside)"
+        )
+    export = " to export its policy" if plan.export_only else ""
+    if plan.refused is not None and not plan.needs_overwrite:
+        said = f"{new} of the same config is refused: {plan.refused}"
+    elif plan.continuing:
+        how = (
+            "trainer.resume=auto"
+            if trainer is None or trainer.resume == "auto"
+            else "its trainer.resume"
+        )
+        said = f"{new} with {how} continues from {plan.resume_from}{export}"
+    elif plan.resume_from is not None:
+        said = f"{new} of {out} resumes from {plan.resume_from} again{export}"
+    else:
+        said = f"{_why_first_step(trainer, state)}: {new} of {out} starts from the first step"
+    if plan.moves_aside:
+        said += ", moving this run's files aside (trainer.overwrite=true)"
+    if plan.needs_overwrite:
+        said += ", with trainer.overwrite=true to move this run's files aside"
+    if trainer is not None and trainer.resume != "auto":  # what the default does instead
+        auto = new_run(out.resolve(), trainer.model_copy(update={"resume": "auto"}), state)
+        if auto.continuing and auto.refused is None and auto.resume_from != plan.resume_from:
+            said += f"; with trainer.resume=auto it continues from {auto.resume_from}"
+    return said
+
+
+def _why_first_step(trainer: TrainerConfig | None, state: FolderState) -> str:
+    if trainer is not None and trainer.resume == "disable" and state.checkpoints:
+        return "trainer.resume=disable"
+    save_freq = None if trainer is None else trainer.save_freq
     if save_freq == 0:
-        why += " (trainer.save_freq=0 saves none)"
-    elif save_freq is not None:
-        why += f" yet (trainer.save_freq={save_freq})"
-    fresh = f"{why}: a new `verlite train` of {output_dir} starts from the first step"
-    if not contents:
-        return fresh
-    return f"{fresh}, with trainer.overwrite=true to move this run's files aside"
+        return "no checkpoint saved (trainer.save_freq=0 saves none)"
+    if save_freq is not None:
+        return f"no checkpoint saved yet (trainer.save_freq={save_freq})"
+    return "no checkpoint saved"
 
 
 def _entries(out: Path) -> list[Path]:
@@ -274,10 +402,10 @@ def _has_contents(out: Path) -> bool:
     return bool(_entries(out))
 
 
-def _describe(out: Path, cfg: Config) -> str:
+def _describe(out: Path, resume: str) -> str:
     """What the folder holds, in a few words."""
     if (out / "metrics.jsonl").is_file() or (out / "workers.json").is_file():
-        if cfg.trainer.resume == "disable" and complete_checkpoints(out):
+        if resume == "disable" and complete_checkpoints(out):
             return "a run with checkpoints, and trainer.resume=disable"
         return "an earlier run"
     entries = sorted(p.name for p in _entries(out))

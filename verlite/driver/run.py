@@ -12,6 +12,7 @@ it restarts them, up to ``trainer.max_restarts`` times, from the latest checkpoi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,16 +24,21 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config
 from verlite.config.inert import inert_settings_line
 from verlite.controller import (
+    PLACEMENT_FILES,
     WorkerGroup,
     WorkerGroupError,
     lost_embedded_node,
     ray_session,
     run_pools,
-    say_after_node_loss,
     write_placement_report,
 )
 from verlite.driver.checkpoint import complete_checkpoints
-from verlite.driver.output_folder import stopped_run_hint
+from verlite.driver.output_folder import (
+    FolderChange,
+    FolderState,
+    stopped_run_hint,
+    tell_node_watcher,
+)
 from verlite.driver.preflight import RunInputs, check_placement
 from verlite.driver.trainer import RunGroups, Trainer
 from verlite.errors import RunFailure, UserError
@@ -106,7 +112,7 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
         )
     resume_from, restarts = inputs.resume_from, 0
     saved: list[Path] = []  # the checkpoints this run saved, oldest first
-    say_after_node_loss(stopped_run_hint(output_dir, cfg.trainer.save_freq))
+    tell_node_watcher(output_dir, cfg.trainer)
     try:
         while True:
             try:
@@ -137,11 +143,13 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                     f"resuming from {resume_from or 'the first step (no checkpoint yet)'}",
                     flush=True,
                 )
-    except RunFailure as err:  # a worker died, the run diverged, a service stays down, ...
-        err.then(stopped_run_hint(output_dir, cfg.trainer.save_freq))
+    # A worker died, the run diverged, a service stays down, ...; or bad input found as the
+    # run meets it (a reward function's value, an environment that breaks its contract).
+    except (RunFailure, UserError) as err:
+        err.then(stopped_run_hint(output_dir, cfg.trainer))
         raise
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C; SIGTERM (`verlite stop`, a preemption)
-        print(f"stopped: {stopped_run_hint(output_dir, cfg.trainer.save_freq)}", flush=True)
+        print(f"stopped: {stopped_run_hint(output_dir, cfg.trainer)}", flush=True)
         raise
     finally:
         inputs.folder.release()
@@ -156,9 +164,12 @@ def _attempt(
     started = time.perf_counter()
     with start_groups(cfg, inputs.tokenizer) as groups:
         placed = time.perf_counter()
-        print(write_placement_report(groups.all, cfg.trainer.output_dir), flush=True)
-        # The folder holds the run's files from now on: a new run of it needs overwrite.
-        say_after_node_loss(stopped_run_hint(cfg.trainer.output_dir, cfg.trainer.save_freq))
+        # The folder holds the run's files from the placement report on.
+        out = Path(cfg.trainer.output_dir)
+        files = tuple(out / name for name in PLACEMENT_FILES)
+        tell_node_watcher(out, cfg.trainer, FolderChange(files, True, _with_contents))
+        print(write_placement_report(groups.all, out), flush=True)
+        tell_node_watcher(out, cfg.trainer)
         trainer = Trainer(cfg, inputs, groups=groups, restarts=restarts, saved=saved)
         start = trainer.resume(resume_from) if resume_from else 0
         if restarts:
@@ -171,6 +182,10 @@ def _attempt(
         trainer.fit(start)
         if cfg.trainer.export:
             trainer.export_policy()
+
+
+def _with_contents(state: FolderState) -> FolderState:
+    return dataclasses.replace(state, contents=True)
 
 
 def run_training(cfg: Config) -> Path:

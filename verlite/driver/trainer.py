@@ -25,7 +25,7 @@ from torch import Tensor
 from verlite import base_weights
 from verlite.config import Config
 from verlite.config.derived import old_log_probs_source, precision_line
-from verlite.controller import DpSplit, WorkerGroup, say_after_node_loss
+from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.dapo import overlong_penalty
 from verlite.core.losses import kl_penalty
@@ -33,13 +33,16 @@ from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.driver.checkpoint import (
+    TRAINER_STATE,
     begin_checkpoint,
+    checkpoint_step,
     commit_checkpoint,
+    placed_path,
     read_trainer_state,
     seal_checkpoint,
 )
 from verlite.driver.dynamic_sampling import DynamicSampling
-from verlite.driver.output_folder import stopped_run_hint
+from verlite.driver.output_folder import FolderChange, FolderState, tell_node_watcher
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
 from verlite.driver.step_source import GeneratedStep, StepSource
@@ -353,7 +356,11 @@ class Trainer:
             base = path / BASE_FOLDER if self.cfg.model.path is None else self.cfg.model.path
             weights = self.base_weights or base_weights.identity(base)
             base_weights.write_record(path, Path(base).resolve(), weights)
+        # Told before the mark goes: a node lost right after it says the export is whole.
+        whole = FolderChange((mark,), False, lambda state: replace(state, exported=True))
+        tell_node_watcher(self.output_dir, self.cfg.trainer, whole)
         mark.unlink()
+        tell_node_watcher(self.output_dir, self.cfg.trainer)
         if (merged := self.output_dir / MERGED_FOLDER).exists():  # verlite export --merge's
             print(
                 f"{merged} holds an earlier policy, merged; run verlite export --merge with "
@@ -391,10 +398,20 @@ class Trainer:
         """Rename a written checkpoint into place. Prints how long the save took
         (``timing_s/checkpoint``, ``seconds``): what ``trainer.save_freq`` weighs against a
         step's time."""
+        final = placed_path(tmp)
+
+        def placed(state: FolderState) -> FolderState:
+            # The latest: checkpoints of later steps (of a run this one resumed) go with it.
+            kept = (p for p in state.checkpoints if checkpoint_step(p) < checkpoint_step(final))
+            return replace(state, checkpoints=(*kept, final))
+
+        # Told before the rename: a node lost right after it names this checkpoint.
+        placing = FolderChange((final / TRAINER_STATE,), True, placed)
+        tell_node_watcher(self.output_dir, self.cfg.trainer, placing)
         path = commit_checkpoint(tmp, keep=self.cfg.trainer.max_checkpoints)
         self.saved.append(path)
         print(f"saved {path} in {seconds:.2f} s", flush=True)
-        say_after_node_loss(stopped_run_hint(self.output_dir, self.cfg.trainer.save_freq))
+        tell_node_watcher(self.output_dir, self.cfg.trainer)
 
     def resume(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into the workers and the driver; its step."""

@@ -91,6 +91,7 @@ def test_timeout_stops_every_rank() -> None:
 def test_nccl_ranks_take_one_visible_gpu_each(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert vdist.rank_gpus("nccl", 2) == ["3", "5"]
+    assert vdist.rank_gpus("cuda:nccl,cpu:gloo", 2) == ["3", "5"]  # with offload=all
     assert vdist.rank_gpus("gloo", 3) == [None, None, None]
     with pytest.raises(ValueError, match="NCCL needs one GPU per rank: 3 ranks, 2 GPUs visible"):
         vdist.rank_gpus("nccl", 3)

@@ -304,3 +304,45 @@ def test_fsdp_shards_a_pure_bf16_model_that_keeps_its_router_in_fp32(tmp_path) -
             "Linear holds parameters of its own in ['torch.float64'] beside torch.float32: "
             "FSDP2 shards a module's parameters in one dtype; use DDP (strategy=ddp)"
         )
+
+
+def _host_shards_norm_rank(rank: int, world: int) -> dict[str, float]:
+    """``clip_grad_norm`` of gradients held as FSDP2's CPU offload holds them (DTensor shards
+    of a mesh of every rank, on the host), in the group ``run_on_ranks`` joined; and the
+    norm of the whole gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    mesh, sharded = init_device_mesh("cpu", (world,)), [Shard(0)]
+    whole = [torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    model = nn.Module()
+    for i, grad in enumerate(whole):
+        shard = grad.chunk(world)[rank]
+        param = nn.Parameter(DTensor.from_local(torch.zeros_like(shard), mesh, sharded))
+        param.grad = DTensor.from_local(shard.clone(), mesh, sharded)
+        model.register_parameter(f"p{i}", param)
+    norm = vdist.clip_grad_norm(model, None)
+    return {"norm": float(norm), "whole": float(torch.cat([g.flatten() for g in whole]).norm())}
+
+
+def test_shards_held_on_the_host_reduce_their_norm_in_the_group_a_gpu_worker_joins() -> None:
+    """With ``offload=all`` FSDP2 keeps the shards of the gradients on the host, and DTensor
+    reduces their norm there (``clip_grad_norm``): a group of cuda ranks holds a CPU backend
+    beside NCCL for it (``backend_for(..., host_shards=True)``). On this machine gloo stands
+    in for NCCL: the group NCCL alone made (``cuda:gloo`` here) fails as a GPU would ("No
+    backend type associated with device type cpu"); the one joined now gives the norm of the
+    whole gradients."""
+    cuda = torch.device("cuda")
+
+    def stand_in(backend: str) -> str:  # NCCL reduces cuda tensors alone
+        return "cuda:gloo" if backend == "nccl" else backend.replace("nccl", "gloo")
+
+    joined = stand_in(vdist.backend_for(cuda, host_shards=True))
+    for out in vdist.run_on_ranks(_host_shards_norm_rank, world_size=2, backend=joined):
+        assert out["norm"] == pytest.approx(out["whole"], rel=1e-6)
+    with pytest.raises(
+        vdist.RankFailedError, match="No backend type associated with device type cpu"
+    ):
+        vdist.run_on_ranks(
+            _host_shards_norm_rank, world_size=2, backend=stand_in(vdist.backend_for(cuda))
+        )

@@ -429,5 +429,16 @@ def test_a_training_group_joins_the_backend_of_the_device_its_model_runs_on(
     for kind in (ActorWorker, CriticWorker):
         worker = object.__new__(kind)
         worker.cfg, worker.rank, worker.world_size = cfg, 0, 2
+        worker.role = "actor" if kind is ActorWorker else "critic"
         worker.init_distributed("127.0.0.1", 29500)
     assert joined == ["gloo" if device == "cpu" else "nccl"] * 2
+    # An actor keeping its FSDP2 shards on the host (offload=all) joins gloo for them too.
+    joined.clear()
+    offloaded = [f"model.device={device}", "actor.strategy=fsdp", "actor.offload=all"]
+    cfg = load_config("configs/ppo_tiny.yaml", offloaded)
+    for kind in (ActorWorker, CriticWorker):
+        worker = object.__new__(kind)
+        worker.cfg, worker.rank, worker.world_size = cfg, 0, 2
+        worker.role = "actor" if kind is ActorWorker else "critic"
+        worker.init_distributed("127.0.0.1", 29500)
+    assert joined == (["gloo"] * 2 if device == "cpu" else ["cuda:nccl,cpu:gloo", "nccl"])

@@ -442,8 +442,10 @@ def check_invariance(
     check_layouts(dps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    # On a GPU each rank takes one visible GPU and the ranks talk over NCCL.
-    backend = backend_for(audit_device(cfg))
+    # On a GPU each rank takes one visible GPU and the ranks talk over NCCL (and gloo for
+    # the shards FSDP2's CPU offload keeps on the host).
+    host_shards = any(getattr(cfg, role).offload == "all" for role in roles)
+    backend = backend_for(audit_device(cfg), host_shards=host_shards)
     try:
         rank_gpus(backend, max(dps))
     except ValueError as exc:

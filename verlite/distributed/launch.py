@@ -66,8 +66,8 @@ def _alive(pid: int) -> bool:
 
 def rank_gpus(backend: str, world_size: int) -> list[str | None]:
     """The GPU each rank runs on: with NCCL one visible GPU per rank (the rank then sees only
-    it, as cuda:0, like a Ray worker given one GPU); none with gloo."""
-    if backend != "nccl":
+    it, as cuda:0, like a Ray worker given one GPU); none with gloo alone."""
+    if "nccl" not in backend:
         return [None] * world_size
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
@@ -144,7 +144,7 @@ def _context(backend: str) -> mp.context.BaseContext:
     each rank of the invariance audit 2-4 s, a 4-rank start 15-20 s on a busy 2-core machine,
     0.3 s with it preloaded. NCCL ranks are spawned: an import in the server that asked CUDA
     anything would break CUDA in its forks."""
-    if backend == "nccl":
+    if "nccl" in backend:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(
@@ -164,7 +164,7 @@ def run_on_ranks(
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; results by rank.
 
-    With ``backend="nccl"`` each rank gets one of the visible GPUs (``rank_gpus``).
+    With NCCL in ``backend`` each rank gets one of the visible GPUs (``rank_gpus``).
 
     ``fn`` and ``args`` must be picklable (a module-level function), and so must the
     results. Raises ``RankFailedError`` naming the first rank that raised (with its

@@ -21,10 +21,17 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def backend_for(device: torch.device) -> str:
+def backend_for(device: torch.device, *, host_shards: bool = False) -> str:
     """The backend of a process group whose ranks reduce tensors on ``device``: ``nccl`` on
-    cuda (it reduces device tensors only), ``gloo`` on the CPU."""
-    return "nccl" if device.type == "cuda" else "gloo"
+    cuda (it reduces device tensors only), ``gloo`` on the CPU. ``host_shards``: ranks on
+    cuda that also hold FSDP2 shards on the host (``offload=all``), which DTensor reduces
+    where they are (the gradient norm of ``clip_grad_norm``): NCCL for the device's
+    tensors and gloo for the host's (``cuda:nccl,cpu:gloo``, as torchtitan joins with CPU
+    offload); with NCCL alone such a reduction fails ("No backend type associated with
+    device type cpu")."""
+    if device.type != "cuda":
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if host_shards else "nccl"
 
 
 def default_backend() -> str:

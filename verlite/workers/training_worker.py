@@ -36,8 +36,10 @@ class TrainingWorker(Worker):
         """The backend of the device the model runs on (``model.device``), not of the GPUs
         the worker was given: a worker given a GPU whose model runs on the CPU joins gloo
         (NCCL reduces device tensors only: DDP's first broadcast of its CPU parameters, and
-        every count the engine all-reduces, would fail)."""
-        return backend_for(resolve_device(self.cfg.model))
+        every count the engine all-reduces, would fail). A role that keeps its FSDP2 shards
+        on the host (``offload=all``) joins gloo for them beside NCCL (``backend_for``)."""
+        host_shards = getattr(self.cfg, self.role).offload == "all"
+        return backend_for(resolve_device(self.cfg.model), host_shards=host_shards)
 
     def _update(self, td: TensorDict) -> MetricDict:
         """The updates of one step over this rank's share, ``(mini_batches, rows)``, and the

@@ -316,6 +316,30 @@ def test_auto_gpus_per_worker_is_resolved_at_load_from_this_machine(
     assert TrainerConfig(gpus_per_worker="auto").gpus_per_worker == gpus
 
 
+def test_ranks_of_a_training_group_on_cuda_do_not_share_a_gpu() -> None:
+    """NCCL runs each rank of a group on its own GPU ("Duplicate GPU detected" otherwise,
+    in the first collective inside a worker, on a GPU only): two actor workers per node with
+    half a GPU each, which one GPU would hold, are refused at load; one worker per node, a
+    GPU each (actor and critic may share one: two groups), or CPU workers are not."""
+    half = ["trainer.gpus_per_worker=0.5", "trainer.workers_per_node=2"]
+    micro = ["actor.micro_batch_size_per_worker=2", "critic.micro_batch_size_per_worker=2"]
+    assert error_of("model.device=cuda", *half, *micro) == (
+        "trainer.gpus_per_worker=0.5 with 2 actor workers per node puts several actor ranks "
+        "on one GPU, which NCCL cannot join into one group; use trainer.gpus_per_worker=1 (a "
+        "GPU per actor worker; actor and critic may share it), one actor worker per node, or "
+        "model.device=cpu"
+    )
+    assert "2 critic workers" in error_of(
+        "model.device=auto", *half, "actor.workers_per_node=1", *micro
+    )
+    for fine in (
+        ["model.device=cuda", "trainer.gpus_per_worker=0.5"],
+        ["model.device=cuda", "trainer.gpus_per_worker=1", "trainer.workers_per_node=2", *micro],
+        ["model.device=cpu", *half, *micro],
+    ):
+        load_config(None, [*BASE, *fine])
+
+
 @pytest.mark.parametrize("section", ["trainer", "rollout"])
 def test_auto_gpus_per_worker_is_refused_for_a_cluster_and_other_words_are_named(
     section: str,

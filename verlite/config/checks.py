@@ -26,6 +26,7 @@ def check_across_fields(cfg: Config) -> None:
         )
     for role in cfg.roles:
         _check_role_sizes(cfg, role)
+        _check_gpu_per_rank(cfg, role)
     if cfg.rollout.max_staleness > 0 and cfg.rollout.placement == "colocated":
         raise ValueError(
             f"rollout.max_staleness={cfg.rollout.max_staleness} generates while the actor "
@@ -256,6 +257,22 @@ def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
         raise ValueError(
             f"{mini} must be divisible by micro_batch_size_per_worker * workers = "
             f"{section.micro_batch_size_per_worker} * {sizes.dp_size}"
+        )
+
+
+def _check_gpu_per_rank(cfg: Config, role: Literal["actor", "critic"]) -> None:
+    """A training role on cuda joins NCCL, which runs each rank of a group on a GPU of its
+    own (two ranks on one device: "Duplicate GPU detected", ncclInvalidUsage, or a hang):
+    several of its workers on a node may not share GPUs (Ray packs fractions of a GPU onto
+    one). Actor and critic sharing a GPU are two groups, which NCCL allows."""
+    per_node = getattr(cfg, role).workers_per_node or cfg.trainer.workers_per_node
+    gpus = cfg.trainer.gpus_per_worker
+    if cfg.on_gpu and 0 < gpus < 1 and per_node > 1:
+        raise ValueError(
+            f"trainer.gpus_per_worker={gpus:g} with {per_node} {role} workers per node puts "
+            f"several {role} ranks on one GPU, which NCCL cannot join into one group; use "
+            f"trainer.gpus_per_worker=1 (a GPU per {role} worker; actor and critic may share "
+            f"it), one {role} worker per node, or model.device=cpu"
         )
 
 

@@ -60,7 +60,9 @@ class TrainerConfig(Section):
         0.0,
         description="GPUs of one worker bundle. auto: 1 when the machine that loads the config "
         "has a CUDA GPU (the workers of an embedded Ray run there), 0 otherwise; resolved at load, "
-        "so the logged config holds the number (refused with ray_address: give a number).",
+        "so the logged config holds the number (refused with ray_address: give a number). "
+        "Below 1 on cuda only with one actor and one critic worker per node: NCCL needs a GPU "
+        "per rank of a group.",
     )
     ray_address: NonEmptyStr | None = Field(
         None, description="Ray cluster to connect to; None starts an embedded local Ray."

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -488,6 +489,9 @@ def compare_decode(
                     ratios(rates[native], rates[other])
                 )
         results[f"{batch}x{new_tokens}"] = result
+        # In the log as soon as measured: a profile or a limit that kills the process later
+        # must not take these figures with it (the JSON at the end holds them all).
+        print(f"measured {batch}x{new_tokens}: {json.dumps(result)}", flush=True)
     # What bounds a decode step: at the first shape, each native mode.
     batch, new_tokens = shapes[0]
     td = prompts(batch, args.prompt_len, vocab).to(device)

@@ -1,13 +1,19 @@
 """Multi-turn rollouts: the cost of turn boundaries.
 
 The same randomly initialized Llama (hidden 256, 4 layers) and the same 32 left-padded
-prompts of 16..32 tokens, two ways to produce trajectories of the same total length:
+prompts of 16..32 tokens, ways to produce trajectories of the same total length:
 
 single_turn  one generation of T = turns x turn + (turns - 1) x observation new tokens;
 multi_turn   ``generate_multi_turn``: ``turns`` policy turns of ``turn`` tokens each, an
              environment answering each of the first ``turns - 1`` with an observation of
              ``observation`` tokens (appended as tokens, not sampled); every turn prefills
-             each trajectory's whole sequence again, the cost this measures.
+             each trajectory's whole sequence again, the cost this measures. The
+             environment (``verlite.envs.Session``s on ``--env-threads`` threads, as
+             ``rollout.multi_turn.env_threads``) takes ``--tool-latency-s`` a step;
+multi_turn_one_thread  with ``--tool-latency-s`` above 0, the same on one thread: its
+             calls one after another, as every worker made them before a turn started
+             all its steps before waiting for any. ``concurrent_over_serial_time``:
+             multi_turn / multi_turn_one_thread wall time.
 
 Both sample at temperature 1 with keyed noise and never stop early (no token ends a row),
 so both hold exactly T response tokens a row. The figure: multi_turn / single_turn wall
@@ -20,10 +26,10 @@ through the model once: ``benchmarks.rollout.generation_flops``) over this machi
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 from tensordict import TensorDict
-from transformers import PreTrainedTokenizerBase
 
 from benchmarks.common import (
     emit,
@@ -37,6 +43,8 @@ from benchmarks.common import (
 from benchmarks.rollout import generation_flops, prompts
 from verlite.config import ModelConfig
 from verlite.data import load_tokenizer
+from verlite.data.files import PromptRecord
+from verlite.envs import AbandonedCalls, Session, SessionThreads
 from verlite.envs.base import Turn
 from verlite.generation import KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
@@ -51,18 +59,16 @@ NEVER = -1  # an end-of-sequence id no token has: rows run to their length
 
 
 class FixedObservation:
-    """Answers every turn with the same observation; never done."""
+    """Answers every turn with the record's observation after ``latency_s``; never done."""
 
-    def __init__(self, observation: str) -> None:
-        self.observation = observation
-        self.error: str | None = None
-        self.timed_out = False
+    latency_s = 0.0
+
+    def reset(self, record: dict[str, str]) -> None:
+        self.observation = record["answer"]
 
     def step(self, action: str) -> Turn:
+        time.sleep(self.latency_s)
         return Turn(self.observation, 0.0, False)
-
-    def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-        return tokenizer.encode(observation, add_special_tokens=False)
 
 
 def main() -> None:
@@ -72,7 +78,12 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=16, help="tokens of a policy turn")
     parser.add_argument("--observation", type=int, default=8, help="tokens of an observation")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--tool-latency-s", type=float, default=0.0, help="seconds an environment step takes"
+    )
+    parser.add_argument("--env-threads", type=int, default=32, help="threads of the steps")
     args = parser.parse_args()
+    FixedObservation.latency_s = args.tool_latency_s
     torch.set_num_threads(1)
     retain_freed_memory()
     tokenizer = load_tokenizer(None, task="lookup")
@@ -101,11 +112,25 @@ def main() -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
 
-    def multi_turn() -> TensorDict:
-        sessions = [FixedObservation(observation) for _ in range(args.rows)]
-        return generate_multi_turn(generate, td, sessions, tokenizer, limits)
+    def multi_turn(env_threads: int) -> TensorDict:
+        threads = SessionThreads(env_threads, AbandonedCalls(0))
+        record = PromptRecord(prompt="", answer=observation)
+        sessions = [
+            Session(FixedObservation, record, index=row, timeout_s=600, threads=threads)
+            for row in range(args.rows)
+        ]
+        try:
+            return generate_multi_turn(generate, td, sessions, tokenizer, limits)
+        finally:
+            for session in sessions:
+                session.close()
 
-    variants = {"single_turn": lambda: generate(td, 0, total), "multi_turn": multi_turn}
+    variants = {
+        "single_turn": lambda: generate(td, 0, total),
+        "multi_turn": lambda: multi_turn(args.env_threads),
+    }
+    if args.tool_latency_s > 0:
+        variants["multi_turn_one_thread"] = lambda: multi_turn(1)
     seconds, results = interleaved(variants, repeats=args.repeats)
     for name, result in results.items():
         held = result[0]["attention_mask"][:, -total:].sum(-1)
@@ -113,6 +138,7 @@ def main() -> None:
     peak = matmul_peak()
     flops = generation_flops(model, td, torch.full((args.rows,), float(total)))
     tokens = args.rows * total
+    serial = seconds.get("multi_turn_one_thread")
     emit(
         {
             "benchmark": "multi_turn",
@@ -120,12 +146,24 @@ def main() -> None:
             "turns": args.turns,
             "turn_tokens": args.turn,
             "observation_tokens": args.observation,
+            "tool_latency_s": args.tool_latency_s,
+            "env_threads": args.env_threads,
             "trajectory_tokens": total,
             "tokens_per_s": {name: tokens / median(s) for name, s in seconds.items()},
             "mfu": {name: flops / median(s) / peak for name, s in seconds.items()},
             "matmul_peak_gflops": peak / 1e9,
             "multi_over_single_time": paired_ratio(seconds["multi_turn"], seconds["single_turn"]),
             "quartiles": quartiles(ratios(seconds["multi_turn"], seconds["single_turn"])),
+            **(
+                {}
+                if serial is None
+                else {
+                    "concurrent_over_serial_time": paired_ratio(seconds["multi_turn"], serial),
+                    "concurrent_over_serial_quartiles": quartiles(
+                        ratios(seconds["multi_turn"], serial)
+                    ),
+                }
+            ),
             "goal": "measure: the cost of turn boundaries",
         }
     )

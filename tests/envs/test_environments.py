@@ -45,20 +45,20 @@ def session(
 
 def test_the_lookup_tool_answers_its_key_and_scores_the_final_answer() -> None:
     s = session(Lookup)
-    assert s.step("99+") == Turn("=", 0.0, False)  # a key it does not hold
-    assert s.step("37+") == Turn("=4821", 0.2, False)  # found: the lookup's credit
-    assert s.step("4821") == Turn("", 1.0, True)
+    assert s.start_step("99+")() == Turn("=", 0.0, False)  # a key it does not hold
+    assert s.start_step("37+")() == Turn("=4821", 0.2, False)  # found: the lookup's credit
+    assert s.start_step("4821")() == Turn("", 1.0, True)
     called = session(Lookup)
-    assert called.step("+") == Turn("=4821", 0.2, False)  # no key: the prompt's
-    assert called.step("4800") == Turn("", pytest.approx(0.2 + 0.8 * 0.5), True)
-    assert session(Lookup).step("4821") == Turn("", 0.8, True)  # a lucky guess, no lookup
+    assert called.start_step("+")() == Turn("=4821", 0.2, False)  # no key: the prompt's
+    assert called.start_step("4800")() == Turn("", pytest.approx(0.2 + 0.8 * 0.5), True)
+    assert session(Lookup).start_step("4821")() == Turn("", 0.8, True)  # a lucky guess, no lookup
     assert digits_in_place("48210", "4821") == 0.8  # no credit for a wrong length
 
 
 def test_without_the_tool_no_call_reveals_the_value() -> None:
     s = session(LookupWithoutTool)
-    assert s.step("37+") == Turn("=", 0.0, False)
-    assert s.step("+") == Turn("=", 0.0, False)
+    assert s.start_step("37+")() == Turn("=", 0.0, False)
+    assert s.start_step("+")() == Turn("=", 0.0, False)
 
 
 def test_lookup_prompts_hold_no_trace_of_their_answer() -> None:
@@ -88,11 +88,11 @@ class Hangs:
 
 def test_a_tool_that_raises_or_hangs_ends_only_its_trajectory() -> None:
     crashed = session(Raises)
-    assert crashed.step("x") is None
+    assert crashed.start_step("x")() is None
     assert crashed.error == "step raised RuntimeError: tool crashed with a traceback"
     hung = session(Hangs, timeout_s=0.2)
     started = time.monotonic()
-    assert hung.step("x") is None
+    assert hung.start_step("x")() is None
     assert time.monotonic() - started < 5
     assert hung.error == "step did not return within 0.2 s"
     assert hung.timed_out and not crashed.timed_out
@@ -126,9 +126,9 @@ def test_an_environment_is_made_reset_and_stepped_in_one_thread() -> None:
     state raised (here ``AttributeError: '_thread._local' object has no attribute 'db'``),
     a tool error that scored every trajectory 0."""
     s = session(Database)
-    assert s.step("37") == Turn("=4821", 0.0, False)
+    assert s.start_step("37")() == Turn("=4821", 0.0, False)
     assert s.error is None
-    assert s.step("38") == Turn("=", 0.0, False)
+    assert s.start_step("38")() == Turn("=", 0.0, False)
     assert len(set(s.env.threads)) == 1 and len(s.env.threads) == 4
     s.close()
 
@@ -168,7 +168,7 @@ def test_many_sessions_share_a_bounded_number_of_threads_each_in_one() -> None:
     sessions = [session(Connected, threads=threads, record=r) for r in records]
     assert threading.active_count() - before == 4
     for k in (5, 7):  # every session answers from its own data, over its thread's connection
-        assert [s.step(str(k)) for s in sessions[k - 5 : k + 3]] == [
+        assert [s.start_step(str(k))() for s in sessions[k - 5 : k + 3]] == [
             Turn("=" if j != k else f"={1000 + k}", 0.0, False) for j in range(k - 5, k + 3)
         ]
     bound = {s.env.threads[0] for s in sessions}
@@ -213,15 +213,18 @@ def test_a_call_that_outlives_its_timeout_holds_only_its_threads_sessions() -> N
     held = s[1].env.thread  # sessions 1 and 3 share a thread, 0 and 2 the other
     assert [x.env.thread for x in s] == [s[0].env.thread, held] * 2
     try:
-        assert s[1].step("x") is None and s[1].timed_out
+        assert s[1].start_step("x")() is None and s[1].timed_out
         stuck = s[1]._thread.held
-        assert s[3].step("x") == Turn("3>", 0.0, False)  # run at once, in a fresh thread
+        assert s[3].start_step("x")() == Turn("3>", 0.0, False)  # run at once, in a fresh thread
         moved = s[3].env.step_thread
         assert moved not in (held, s[0].env.thread)
-        assert [s[0].step("x"), s[2].step("x")] == [Turn("0>", 0.0, False), Turn("2>", 0.0, False)]
+        assert [s[0].start_step("x")(), s[2].start_step("x")()] == [
+            Turn("0>", 0.0, False),
+            Turn("2>", 0.0, False),
+        ]
         fresh = session(Blocks, timeout_s=0.5, threads=threads)
         assert fresh.env.thread == moved  # the fresh thread takes new sessions
-        assert fresh.step("x") == Turn("37>", 0.0, False)
+        assert fresh.start_step("x")() == Turn("37>", 0.0, False)
         s[1].close()
         s[3].close()
         assert held.is_alive()  # its call still runs
@@ -233,25 +236,58 @@ def test_a_call_that_outlives_its_timeout_holds_only_its_threads_sessions() -> N
 
 
 def test_a_call_waits_for_its_threads_running_call_without_counting_it() -> None:
-    """The timeout counts from a call's start: a call queued behind another session's call
-    that is within its own timeout waits for it (here longer than its own timeout) and then
-    gets its whole timeout."""
+    """The timeout counts from a call's start: a call started behind another session's call
+    on its thread, which is within its own timeout, waits for it (here longer than its own
+    timeout, its answer waited for first) and then gets its whole timeout."""
     threads = SessionThreads(1, AbandonedCalls(limit=0))
     slow = session(Blocks, timeout_s=60, threads=threads, record={"prompt": "1>", "answer": ""})
     quick = session(Blocks, timeout_s=0.2, threads=threads, record={"prompt": "2>", "answer": ""})
     Blocks.release.clear()
     Blocks.running.clear()
-    answers: dict[str, object] = {}
-    first = threading.Thread(target=lambda: answers.update(slow=slow.step("x")))
-    first.start()
+    slow_answer = slow.start_step("x")
+    quick_answer = quick.start_step("x")
     Blocks.running.wait()
-    second = threading.Thread(target=lambda: answers.update(quick=quick.step("x")))
-    second.start()
-    time.sleep(1)  # the quick call waits longer than its timeout for its thread
-    Blocks.release.set()
-    first.join()
-    second.join()
-    assert answers == {"slow": Turn("1>", 0.0, False), "quick": Turn("2>", 0.0, False)}
+    # The quick call waits longer than its timeout for its thread.
+    threading.Timer(1.0, Blocks.release.set).start()
+    assert quick_answer() == Turn("2>", 0.0, False)
+    assert slow_answer() == Turn("1>", 0.0, False)
+    assert quick.error is None and slow.error is None
+
+
+class Overruns:
+    """A tool whose step in trajectory "1>" outlives its timeout and returns before the one
+    of trajectory "0>" (on another thread) does."""
+
+    returned = threading.Event()
+
+    def reset(self, record):
+        self.key = record["prompt"]
+
+    def step(self, action):
+        if self.key == "1>":
+            time.sleep(1.0)
+            self.returned.set()
+        else:
+            self.returned.wait()
+        return Turn(self.key, 0.0, False)
+
+
+def test_a_call_is_judged_by_its_own_deadline_whichever_call_is_waited_for() -> None:
+    """Calls of a turn run side by side and are waited for in row order: while the caller
+    waits for one, another that outlives its timeout is a tool error left running, as it
+    is when waited for alone, not an answer taken late because the caller looked at it
+    after it returned."""
+    threads = SessionThreads(2, AbandonedCalls(limit=1))
+    first, late = (
+        session(Overruns, timeout_s=t, threads=threads, record={"prompt": f"{k}>", "answer": ""})
+        for k, t in ((0, 60), (1, 0.5))
+    )
+    Overruns.returned.clear()
+    answers = [first.start_step("x"), late.start_step("x")]
+    assert answers[0]() == Turn("0>", 0.0, False)  # returns after the late call has
+    assert answers[1]() is None
+    assert late.error == "step did not return within 0.5 s"
+    assert late.timed_out  # it still ran at its deadline
 
 
 class Spins:
@@ -271,9 +307,9 @@ def test_calls_left_running_past_the_workers_limit_stop_the_run_in_one_line() ->
     abandoned = AbandonedCalls(limit=2)
     try:
         for _ in range(2):  # within the limit: tool errors of their trajectories
-            assert session(Spins, timeout_s=0.5, abandoned=abandoned).step("x") is None
+            assert session(Spins, timeout_s=0.5, abandoned=abandoned).start_step("x")() is None
         with pytest.raises(ToolsStuck) as caught:
-            session(Spins, timeout_s=0.5, abandoned=abandoned).step("x")
+            session(Spins, timeout_s=0.5, abandoned=abandoned).start_step("x")()
     finally:
         Spins.release.set()
     assert str(caught.value) == (
@@ -303,14 +339,14 @@ class Finishes:
 def test_abandoned_calls_that_finish_no_longer_count() -> None:
     abandoned = AbandonedCalls(limit=1)
     first = session(Finishes, timeout_s=0.5, abandoned=abandoned)
-    assert first.step("x") is None
+    assert first.start_step("x")() is None
     first.close()
     Finishes.release.set()
     for thread in Finishes.threads:  # the abandoned call returns now, its thread ends
         thread.join()
     Finishes.release.clear()
     try:  # one running again: within the limit of 1
-        assert session(Finishes, timeout_s=0.5, abandoned=abandoned).step("x") is None
+        assert session(Finishes, timeout_s=0.5, abandoned=abandoned).start_step("x")() is None
     finally:
         Finishes.release.set()
 
@@ -396,7 +432,7 @@ class BadReset:
 )
 def test_an_environment_that_breaks_its_contract_is_named_in_one_line(cls, message) -> None:
     with pytest.raises(EnvironmentBroken) as caught:
-        session(cls).step("x")
+        session(cls).start_step("x")()
     text = str(caught.value)
     assert text.startswith("environment test_environments:Answers, prompt 7: step returned")
     assert message in text and "\n" not in text

@@ -7,7 +7,9 @@ and a trajectory ends on done, end of sequence, a failed tool, or its limits."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import pytest
 import torch
@@ -58,13 +60,14 @@ class Echo:
     def observation_ids(self, observation: str, tokenizer: PreTrainedTokenizerFast) -> list[int]:
         return tokenizer.encode(observation, add_special_tokens=False)
 
-    def step(self, action: str) -> Turn | None:
+    def start_step(self, action: str) -> Callable[[], Turn | None]:
         self.seen.append(action)
         if len(self.seen) == self.fail_on:
             self.error = "step raised RuntimeError: boom"
-            return None
+            return lambda: None
         done = len(self.seen) == self.turns
-        return Turn(self.observation, min(1.0, 0.25 * len(self.seen)), done)
+        turn = Turn(self.observation, min(1.0, 0.25 * len(self.seen)), done)
+        return lambda: turn
 
 
 def prompts(tokenizer: PreTrainedTokenizerFast, rows: int) -> TensorDict:
@@ -445,3 +448,50 @@ def test_a_turn_reads_its_batch_on_the_host_once_whatever_its_rows(
         assert len(sampled) == 3  # every run takes its three turns
         counts.append(mode.count)
     assert counts[0] == counts[1] and counts[0] <= 2 + 3 * len(sampled), counts
+
+
+class Meets:
+    """A tool whose first step waits until ``parties`` trajectories' first steps run at
+    once (``barrier``; broken after a few seconds alone: a tool error), each step noting
+    its thread, turn and prompt (``calls``)."""
+
+    barrier: threading.Barrier
+    calls: ClassVar[list[tuple[threading.Thread, int, int]]] = []
+
+    def reset(self, record: dict[str, str]) -> None:
+        self.index, self.steps = int(record["answer"]), 0
+
+    def step(self, action: str) -> Turn:
+        self.steps += 1
+        self.calls.append((threading.current_thread(), self.steps, self.index))
+        if self.steps == 1:
+            self.barrier.wait()
+        return Turn("4812", 0.5 * self.steps, self.steps == 2)
+
+
+def test_a_turn_runs_the_environment_steps_of_its_threads_side_by_side() -> None:
+    """A turn stepped its trajectories one after another, each waited for before the next
+    began, however many threads the worker had: a tool taking 0.5 s cost 32 s a turn for 64
+    trajectories. Here each thread's first call waits for the first calls of the 3 other
+    threads: one at a time, the barrier broke (4 tool errors); side by side every
+    trajectory takes its turns, and a thread's calls still run in the order they were
+    started (8 trajectories on 4 threads)."""
+    Meets.barrier, Meets.calls[:] = threading.Barrier(4, timeout=5), []
+    threads = SessionThreads(4, AbandonedCalls(limit=0))
+    sessions = [
+        Session(
+            Meets, {"prompt": "48 12", "answer": str(row)}, index=row, timeout_s=30, threads=threads
+        )
+        for row in range(8)
+    ]
+    batch, *_ = run(sessions, max_turns=3)
+    for s in sessions:
+        s.close()
+    assert [s.error for s in sessions] == [None] * 8
+    assert batch["tool_error"].tolist() == [0.0] * 8
+    assert (batch["turns"] >= 1).all() and batch["env_score"].min() >= 0.5
+    by_thread: dict[threading.Thread, list[tuple[int, int]]] = {}
+    for thread, turn, row in Meets.calls:
+        by_thread.setdefault(thread, []).append((turn, row))
+    assert len(by_thread) == 4
+    assert all(calls == sorted(calls) for calls in by_thread.values())

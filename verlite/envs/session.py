@@ -6,9 +6,12 @@ client's connection) is there in every call. A worker's sessions share
 ``rollout.multi_turn.env_threads`` threads (:class:`SessionThreads`; a thread per trajectory
 would be thousands of idle threads), each bound to one when it is made: per-thread state is
 shared by the sessions of a thread, as in any thread pool, and what is a trajectory's own
-belongs on its environment object. Each call is waited for at most
-``rollout.multi_turn.tool_timeout_s`` from its start. A ``step`` that raises or outlives that
-bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``),
+belongs on its environment object. A turn starts the ``step`` of every trajectory before
+waiting for any (:meth:`Session.start_step`), so the calls of different threads run side by
+side and a thread's run one after another, in the order they were started. Each call is
+bounded by ``rollout.multi_turn.tool_timeout_s`` from its start (:meth:`SessionThreads.wait`
+checks every running call of the worker against its own deadline, whichever call it waits
+for). A ``step`` that raises or outlives that bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``),
 never the run. A Python thread cannot be stopped, so a call that timed out is left running
 (``multiturn/abandoned_calls``) and its thread retired: a fresh one takes its new sessions,
 and the other sessions bound to it move to a fresh thread at their next call (never waiting
@@ -27,6 +30,7 @@ import collections
 import copy
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -64,27 +68,42 @@ class AbandonedCalls:
 
 
 class _Call:
-    """One environment call, queued on a thread; ``outcome`` is ``("ok", result)`` or
+    """One environment call, queued on ``thread``; ``outcome`` is ``("ok", result)`` or
     ``("raised", exception)`` once it returned."""
 
-    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        self.fn, self.args = fn, args
-        self.started = False
+    def __init__(
+        self, thread: _Thread, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float
+    ) -> None:
+        self.thread, self.fn, self.args, self.timeout_s = thread, fn, args, timeout_s
+        self.deadline: float | None = None  # set when it starts: timeout_s from then
         self.cancelled = False  # gave up before it started: never run
+        self.overdue = False  # ran past its deadline
+        self.left_running = False  # still ran at its deadline: it holds its thread
         self.outcome: tuple[str, Any] | None = None
         self.done = threading.Event()
+
+    def check(self, now: float) -> None:
+        """Mark the call overdue if it ran past its deadline by ``now``: one still running
+        is left running, holding its thread, which is retired."""
+        if self.deadline is None or self.overdue or now < self.deadline:
+            return
+        self.overdue = True
+        if self.outcome is None:
+            self.left_running = True
+            self.thread.held, self.thread.retired = self, True
 
 
 class _Thread:
     """A daemon thread that runs the calls of the sessions bound to it, one after another
     in the order given; ``held`` is a call of one of them that outlived its timeout and
-    still runs, which no later call waits for."""
+    still runs, which no later call waits for. The threads of a pool share ``pool``'s lock."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, pool: SessionThreads) -> None:
         self.sessions = 0  # bound to it and not closed
         self.retired = False  # takes no more sessions; ends once its sessions are closed
         self.held: _Call | None = None
-        self._lock = threading.Condition()
+        self._pool = pool
+        self._lock = pool.lock
         self._calls: collections.deque[_Call] = collections.deque()
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
@@ -97,6 +116,8 @@ class _Thread:
                 outcome = ("raised", exc)
             with self._lock:
                 call.outcome = outcome
+                call.check(time.monotonic())
+                self._pool.running.discard(call)
                 if self.held is call:
                     self.held = None
                 call.done.set()
@@ -109,38 +130,22 @@ class _Thread:
                 while self._calls:
                     call = self._calls.popleft()
                     if not call.cancelled:
-                        call.started = True
+                        call.deadline = time.monotonic() + call.timeout_s
+                        self._pool.running.add(call)
                         self._lock.notify_all()
                         return call
                 if self.retired and self.sessions == 0:
                     return None
                 self._lock.wait()
 
-    def call(self, fn: Callable[..., Any], *args: Any, timeout_s: float) -> tuple[str, Any]:
-        """``("ok", result)``, ``("raised", exception)``, ``("timeout", the call still
-        running)`` or ``("held", the call)``: this thread was held by another session's
-        call that outlived its timeout, and this call was not run. The timeout counts from
-        the call's start: waiting for another session's call that is within its own
-        timeout does not count."""
-        call = _Call(fn, args)
+    def submit(self, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float) -> _Call:
+        """``fn(*args)`` queued after this thread's calls, bounded by ``timeout_s`` from its
+        start (:meth:`SessionThreads.wait`)."""
+        call = _Call(self, fn, args, timeout_s)
         with self._lock:
             self._calls.append(call)
             self._lock.notify_all()
-            while not call.started:
-                if self.held is not None:
-                    call.cancelled = True
-                    return "held", self.held
-                self._lock.wait()
-        if call.done.wait(timeout_s):
-            assert call.outcome is not None
-            return call.outcome
-        with self._lock:
-            if call.outcome is not None:  # it returned just now
-                return call.outcome
-            self.held = call
-            self.retired = True
-            self._lock.notify_all()
-        return "timeout", call
+        return call
 
     def bind(self) -> None:
         """A session is bound to this thread."""
@@ -157,12 +162,15 @@ class _Thread:
 class SessionThreads:
     """The threads that run one worker's environment calls: at most ``size`` take sessions
     (``rollout.multi_turn.env_threads``), each session bound to the one with the fewest
-    when it is made. A thread whose call outlived its timeout is retired (a fresh one takes
-    its place) and ends once its sessions are closed and that call returned; ``abandoned``
+    when it is made. Calls of different threads run side by side, a thread's one after
+    another. A thread whose call outlived its timeout is retired (a fresh one takes its
+    place) and ends once its sessions are closed and that call returned; ``abandoned``
     counts such calls still running."""
 
     def __init__(self, size: int, abandoned: AbandonedCalls) -> None:
         self.size, self.abandoned = size, abandoned
+        self.lock = threading.Condition()  # guards every thread's calls and state
+        self.running: set[_Call] = set()  # the calls started and not yet returned
         self._threads: list[_Thread] = []
         self._made = 0
 
@@ -171,17 +179,41 @@ class SessionThreads:
         self._threads = [t for t in self._threads if not t.retired]
         if len(self._threads) < self.size:
             self._made += 1
-            self._threads.append(_Thread(f"verlite-env-{self._made}"))
+            self._threads.append(_Thread(f"verlite-env-{self._made}", self))
         thread = min(self._threads, key=lambda t: t.sessions)
         thread.bind()
         return thread
+
+    def wait(self, call: _Call) -> tuple[str, Any]:
+        """``("ok", result)``, ``("raised", exception)``, ``("timeout", the call)``: it ran
+        past its timeout (``left_running`` if it still ran then), or ``("held", the call
+        holding its thread)``:
+        its thread was held by another session's call that outlived its timeout, and this
+        call was not run. The timeout counts from the call's start: waiting for another
+        session's call that is within its own timeout does not count. Every running call
+        of the pool is checked against its deadline while this waits, so a call whose
+        caller waits for another one is judged by its own time."""
+        with self.lock:
+            while True:
+                now = time.monotonic()
+                for running in list(self.running):
+                    running.check(now)
+                if call.overdue:
+                    return "timeout", call
+                if call.outcome is not None:
+                    return call.outcome
+                if call.deadline is None and call.thread.held is not None:
+                    call.cancelled = True
+                    return "held", call.thread.held
+                deadlines = [c.deadline for c in self.running if not c.overdue]
+                self.lock.wait(min(deadlines) - now if deadlines else None)  # type: ignore[type-var]
 
 
 class Session:
     """The environment of prompt ``index``'s trajectory, its calls run in a thread of
     ``threads`` (its worker's); ``turns``, the chat template's turn format its observations
-    are written in (``data.chat_template``), if any. One caller at a time makes and steps a
-    worker's sessions."""
+    are written in (``data.chat_template``), if any. One caller at a time makes, steps and
+    closes a worker's sessions (their calls then run in the threads)."""
 
     def __init__(
         self,
@@ -212,40 +244,57 @@ class Session:
             self._thread.release()
             self._thread = None
 
-    def _call(self, fn: Callable[..., Any], *args: Any) -> tuple[str, Any]:
-        """The call's outcome; run in a fresh thread when another session's call that
-        outlived its timeout holds this session's (a retired thread: the fresh one is held
-        by no call, since one caller at a time steps a worker's sessions)."""
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> _Call:
+        """``fn(*args)`` queued on this session's thread, or on a fresh one when another
+        session's call that outlived its timeout holds it (a retired thread)."""
         assert self._thread is not None, "a closed session makes no calls"
-        outcome, value = self._thread.call(fn, *args, timeout_s=self.timeout_s)
-        if outcome == "held":
+        if self._thread.held is not None:
             self._thread.release()
             self._thread = self._threads.bind()
-            outcome, value = self._thread.call(fn, *args, timeout_s=self.timeout_s)
-        return outcome, value
+        return self._thread.submit(fn, args, self.timeout_s)
+
+    def _outcome(self, call: _Call) -> tuple[str, Any]:
+        """The outcome of ``call`` (:meth:`SessionThreads.wait`), queued again (on a fresh
+        thread) if a call that outlived its timeout held its thread before it started."""
+        while (outcome := self._threads.wait(call))[0] == "held":
+            call = self._submit(call.fn, *call.args)
+        return outcome
+
+    def _abandoned(self, call: _Call) -> int | None:
+        """How many abandoned calls this worker has, ``call`` counted in, if it was left
+        running at its deadline; None if it returned, late."""
+        return self.abandoned.add(call) if call.left_running else None
 
     def _set_up(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
         """A call that makes or resets the environment: one that raises or hangs breaks
         the contract."""
-        outcome, value = self._call(fn, *args)
+        outcome, value = self._outcome(self._submit(fn, *args))
         if outcome != "ok":
             self.close()
         if outcome == "timeout":
-            self.abandoned.add(value)
+            self._abandoned(value)
             self._refuse(f"{what} did not return within {self.timeout_s:g} s")
         if outcome == "raised":
             self._refuse(f"{what} raised {type(value).__name__}: {_one_line(value)}")
         return value
 
-    def step(self, action: str) -> Turn | None:
-        """The environment's answer to a policy turn; None after a tool error (recorded in
+    def start_step(self, action: str) -> Callable[[], Turn | None]:
+        """Start the environment's answer to a policy turn: its call is queued on this
+        session's thread, and runs while the calls of sessions on other threads run. The
+        function returned waits for it: the answer, or None after a tool error (recorded in
         ``error``), which ends the trajectory: the step raised or outlived ``timeout_s``
-        (``timed_out``)."""
-        outcome, value = self._call(self.env.step, action)
+        (``timed_out``: its call was left running)."""
+        call = self._submit(self.env.step, action)
+        return lambda: self._answer(call)
+
+    def _answer(self, call: _Call) -> Turn | None:
+        outcome, value = self._outcome(call)
         if outcome == "timeout":
             self.error = f"step did not return within {self.timeout_s:g} s"
-            self.timed_out = True
-            self._check_abandoned(self.abandoned.add(value))
+            running = self._abandoned(value)
+            if running is not None:
+                self.timed_out = True
+                self._check_abandoned(running)
             return None
         if outcome == "raised":
             self.error = f"step raised {type(value).__name__}: {_one_line(value)}"

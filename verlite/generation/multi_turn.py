@@ -16,7 +16,9 @@ all of it (``attention_mask``); ``response_mask`` marks the policy's tokens only
 losses and advantage estimators skip observations (``verlite.core.advantages``: holes).
 
 Each turn generates for every unfinished trajectory at once, from its whole sequence so
-far (prefilled again: a turn boundary costs one prefill of the sequence). A trajectory
+far (prefilled again: a turn boundary costs one prefill of the sequence), then starts the
+environment step of every one of them before waiting for any, so that a worker's sessions
+run their calls side by side (``verlite.envs.Session.start_step``). A trajectory
 ends when the environment says it is done, the policy ends the sequence, a tool call fails,
 or it runs out of turns or room (``truncated``).
 """
@@ -37,9 +39,16 @@ from verlite.generation.sampling import BUDGET_KEY, build_step_batch
 
 
 class TurnResult(Protocol):
-    observation: str
-    reward: float
-    done: bool
+    """An environment's answer (``verlite.envs.Turn``)."""
+
+    @property
+    def observation(self) -> str: ...
+
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def done(self) -> bool: ...
 
 
 class EnvironmentSession(Protocol):
@@ -48,7 +57,10 @@ class EnvironmentSession(Protocol):
     error: str | None
     timed_out: bool  # the failed call outlived its timeout and still runs
 
-    def step(self, action: str) -> TurnResult | None: ...
+    def start_step(self, action: str) -> Callable[[], TurnResult | None]:
+        """Starts the environment's answer to ``action``; the function returned waits for
+        it (None after a tool error)."""
+        ...
 
     def observation_ids(
         self, observation: str, tokenizer: PreTrainedTokenizerBase
@@ -141,26 +153,34 @@ def generate_multi_turn(
         out = generate(turn_prompts, turn, min(limits.turn_tokens, max(room) + 1))
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].tolist(), out["rollout_log_probs"].tolist()
+        turns = []
         for j, i in enumerate(rows):
             kept = min(lengths[j], room[j])
-            taken = responses[j][:kept], log_probs[j][:kept]
-            _take_turn(trajectories[i], sessions[i], *taken, tokenizer, limits, turn)
+            trajectories[i].add(responses[j][:kept], log_probs[j][:kept], policy=True)
+            trajectories[i].turns += 1
             trajectories[i].truncated |= kept < lengths[j]
+            turns.append(responses[j][:kept])
+        # Every row's step is started before any is waited for, so that the environment
+        # calls of the worker's threads run side by side; the answers are taken in row order.
+        answers = [
+            sessions[i].start_step(response_text(tokenizer, tokens))
+            for i, tokens in zip(rows, turns, strict=True)
+        ]
+        for i, tokens, answer in zip(rows, turns, answers, strict=True):
+            _take_answer(trajectories[i], sessions[i], tokens, answer(), tokenizer, limits, turn)
     return _step_batch(prompts, trajectories, limits)
 
 
-def _take_turn(
+def _take_answer(
     trajectory: _Trajectory,
     session: EnvironmentSession,
     tokens: list[int],
-    log_probs: list[float],
+    result: TurnResult | None,
     tokenizer: PreTrainedTokenizerBase,
     limits: TurnLimits,
     turn: int,
 ) -> None:
-    trajectory.add(tokens, log_probs, policy=True)
-    trajectory.turns += 1
-    result = session.step(response_text(tokenizer, tokens))
+    """The environment's answer ``result`` to the policy's turn ``tokens``."""
     if result is None:  # the tool failed: the trajectory ends, scored 0
         trajectory.active, trajectory.env_score, trajectory.tool_error = False, 0.0, True
         trajectory.abandoned_call = session.timed_out

@@ -70,8 +70,9 @@ class MultiTurnConfig(Section):
     )
     tool_timeout_s: Seconds = Field(
         30.0,
-        description="Most seconds one environment call may take; a step that takes longer or "
-        "raises ends its trajectory (multiturn/tool_errors), never the run.",
+        description="Most seconds one environment call may take, from its start (not from the "
+        "time it waited for its thread's earlier calls); a step that takes longer or raises "
+        "ends its trajectory (multiturn/tool_errors), never the run.",
     )
     max_abandoned_calls: NonNegativeInt = Field(
         32,

@@ -8,11 +8,13 @@ would be thousands of idle threads), each bound to one when it is made: per-thre
 shared by the sessions of a thread, as in any thread pool, and what is a trajectory's own
 belongs on its environment object. A turn starts the ``step`` of every trajectory before
 waiting for any (:meth:`Session.start_step`), so the calls of different threads run side by
-side and a thread's run one after another, in the order they were started. Each call is
+side (state an environment shares between threads must be safe to use from several at
+once) and a thread's run one after another, in the order they were started. Each call is
 bounded by ``rollout.multi_turn.tool_timeout_s`` from its start (:meth:`SessionThreads.wait`
 checks every running call of the worker against its own deadline, whichever call it waits
-for). A ``step`` that raises or outlives that bound is a tool error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``),
-never the run. A Python thread cannot be stopped, so a call that timed out is left running
+for). A ``step`` that raises or outlives that bound (returning late included) is a tool
+error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never the
+run. A Python thread cannot be stopped, so a call that timed out is left running
 (``multiturn/abandoned_calls``) and its thread retired: a fresh one takes its new sessions,
 and the other sessions bound to it move to a fresh thread at their next call (never waiting
 for that call; what their environments keep per thread stays behind). Each worker counts its live abandoned calls
@@ -187,9 +189,8 @@ class SessionThreads:
     def wait(self, call: _Call) -> tuple[str, Any]:
         """``("ok", result)``, ``("raised", exception)``, ``("timeout", the call)``: it ran
         past its timeout (``left_running`` if it still ran then), or ``("held", the call
-        holding its thread)``:
-        its thread was held by another session's call that outlived its timeout, and this
-        call was not run. The timeout counts from the call's start: waiting for another
+        holding its thread)``: its thread was held by another session's call that outlived
+        its timeout, and this call was not run. The timeout counts from the call's start: waiting for another
         session's call that is within its own timeout does not count. Every running call
         of the pool is checked against its deadline while this waits, so a call whose
         caller waits for another one is judged by its own time."""
@@ -205,8 +206,10 @@ class SessionThreads:
                 if call.deadline is None and call.thread.held is not None:
                     call.cancelled = True
                     return "held", call.thread.held
-                deadlines = [c.deadline for c in self.running if not c.overdue]
-                self.lock.wait(min(deadlines) - now if deadlines else None)  # type: ignore[type-var]
+                deadlines = [
+                    c.deadline for c in self.running if c.deadline is not None and not c.overdue
+                ]
+                self.lock.wait(min(deadlines) - now if deadlines else None)
 
 
 class Session:

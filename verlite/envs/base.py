@@ -7,7 +7,9 @@ pipeline tokenized, so the environment does not return it again. ``step(action)`
 policy turn as text (the tokens the policy sampled, decoded once up to an end-of-sequence
 token, other special tokens shown, the turn's stop text included) and returns a :class:`Turn`: the observation the policy reads next (a tool's
 output), the trajectory's reward so far and whether it is over. The reward of the last turn
-is the trajectory's score.
+is the trajectory's score. The steps of different trajectories may run at the same time, in
+the threads of ``rollout.multi_turn.env_threads`` (:mod:`verlite.envs.session`): what
+environments share between them must be safe to use from several threads at once.
 """
 
 from __future__ import annotations

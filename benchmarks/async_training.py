@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
+    add_repeats,
     emit,
     machine_peak,
     median,
@@ -150,7 +151,7 @@ def plot(curves: dict[str, list[dict[str, Any]]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_repeats(parser, 3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(

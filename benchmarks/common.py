@@ -7,6 +7,7 @@ Absolute times are printed for reading only; nothing asserts them.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -17,11 +18,29 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
+from verlite.arguments import positive_int
 from verlite.config import Config
 from verlite.config.derived import old_log_probs_source
 from verlite.data import position_ids
 from verlite.models import build_policy, build_value_model
 from verlite.models.flops import decoder_flops
+
+
+def add_repeats(parser: argparse.ArgumentParser, default: int) -> None:
+    """``--repeats``: the interleaved repetitions of each variant, at least two (the
+    quartiles every benchmark reports need two; one is refused in a line, not a traceback)."""
+
+    def repetitions(text: str) -> int:
+        if positive_int(text) < 2:
+            raise argparse.ArgumentTypeError(f"expected at least 2 (quartiles), got {text!r}")
+        return int(text)
+
+    parser.add_argument(
+        "--repeats",
+        type=repetitions,
+        default=default,
+        help=f"interleaved repetitions of each variant, at least 2 (default {default})",
+    )
 
 
 def time_call(fn: Callable[[], Any]) -> tuple[float, Any]:

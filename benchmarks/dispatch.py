@@ -18,7 +18,15 @@ import ray
 import torch
 from tensordict import TensorDict
 
-from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
+from benchmarks.common import (
+    add_repeats,
+    emit,
+    interleaved,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+)
 from verlite.controller import ResourcePool, Worker, WorkerGroup, start_ray, stop_ray
 from verlite.data import position_ids
 from verlite.memory import retain_freed_memory
@@ -75,7 +83,7 @@ def step_batch(rows: int, prompt: int, response: int, *, seed: int = 0) -> Tenso
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=31)
+    add_repeats(parser, 31)
     args = parser.parse_args()
 
     retain_freed_memory()  # as the driver of `verlite train` does

@@ -42,6 +42,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
+    add_repeats,
     emit,
     interleaved,
     matmul_peak,
@@ -223,7 +224,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rows", type=int, default=128)
     parser.add_argument("--budget", type=int, default=4 * LONGEST)
-    parser.add_argument("--repeats", type=int, default=3)
+    add_repeats(parser, 3)
     # One thread: torch's threads wait on each other at every op, so when other work shares
     # the cores a multi-threaded run slows erratically, a single thread proportionally.
     parser.add_argument("--threads", type=int, default=1)

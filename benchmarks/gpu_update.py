@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from benchmarks.common import emit, interleaved, median, quartiles, update_batch
+from benchmarks.common import add_repeats, emit, interleaved, median, quartiles, update_batch
 from verlite.config import ActorConfig, ModelConfig
 from verlite.models import set_logits_chunk_tokens
 from verlite.models.flops import bf16_peak_flops, causal_pairs, decoder_flops
@@ -222,7 +222,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=320)
     parser.add_argument("--micro", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_repeats(parser, 5)
     args = parser.parse_args()
     emit(
         run(

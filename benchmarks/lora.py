@@ -37,6 +37,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
+    add_repeats,
     emit,
     interleaved,
     matmul_peak,
@@ -103,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=9)
+    add_repeats(parser, 9)
     # One thread, as the other benchmarks: steadier on a shared machine.
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()

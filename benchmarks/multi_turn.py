@@ -32,6 +32,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
+    add_repeats,
     emit,
     interleaved,
     matmul_peak,
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn", type=int, default=16, help="tokens of a policy turn")
     parser.add_argument("--observation", type=int, default=8, help="tokens of an observation")
-    parser.add_argument("--repeats", type=int, default=7)
+    add_repeats(parser, 7)
     parser.add_argument(
         "--tool-latency-s", type=float, default=0.0, help="seconds an environment step takes"
     )

@@ -45,6 +45,7 @@ import torch
 from tensordict import TensorDict
 
 from benchmarks.common import (
+    add_repeats,
     emit,
     interleaved,
     matmul_peak,
@@ -556,7 +557,7 @@ def main() -> None:
         default="8,40",
         help="decode: the two generation lengths whose difference the profile measures",
     )
-    parser.add_argument("--repeats", type=int, default=5)
+    add_repeats(parser, 5)
     # One thread: torch's threads wait on each other at every op, so when other work shares
     # the cores a multi-threaded run slows erratically, a single thread proportionally.
     parser.add_argument("--threads", type=int, default=1)

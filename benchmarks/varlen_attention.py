@@ -24,7 +24,15 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
+from benchmarks.common import (
+    add_repeats,
+    emit,
+    interleaved,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+)
 from benchmarks.dynamic_batching import skewed_lengths
 from verlite.core.partition import PackedTokenPartition
 from verlite.models.varlen import PackedAttention, varlen_attention
@@ -121,7 +129,7 @@ def fwd_bwd(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=5)
+    add_repeats(parser, 5)
     parser.add_argument("--budget", type=int, default=4096)
     args = parser.parse_args()
     torch.set_num_threads(1)

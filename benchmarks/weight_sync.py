@@ -27,7 +27,15 @@ import numpy as np
 import ray
 import torch
 
-from benchmarks.common import emit, interleaved, median, paired_ratio, quartiles, ratios
+from benchmarks.common import (
+    add_repeats,
+    emit,
+    interleaved,
+    median,
+    paired_ratio,
+    quartiles,
+    ratios,
+)
 from verlite.config import RolloutConfig, load_config
 from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
 from verlite.data import load_tokenizer
@@ -169,7 +177,7 @@ def measure(name: str, repeats: int, bucket_mb: float) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=21)
+    add_repeats(parser, 21)
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     parser.add_argument(
         "--bucket-mb",

@@ -1,0 +1,37 @@
+"""What every benchmark's flags share: ``--repeats`` below two (the quartiles each reports
+need two repetitions) is refused in one line, exit 2, in every benchmark that has it."""
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.common import add_repeats
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.mark.parametrize("value", ["1", "0", "-3", "two"])
+def test_fewer_than_two_repeats_are_refused_in_one_line(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = argparse.ArgumentParser(prog="bench")
+    add_repeats(parser, 5)
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(["--repeats", value])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("bench: error: argument --repeats: expected ") and value in error
+    assert parser.parse_args(["--repeats", "2"]).repeats == 2
+    assert parser.parse_args([]).repeats == 5
+
+
+def test_every_benchmark_takes_its_repeats_through_add_repeats() -> None:
+    by_hand = [
+        path.name
+        for path in sorted(BENCHMARKS.glob("*.py"))
+        if path.name != "common.py"
+        and re.search(r"add_argument\(\s*\"--repeats\"", path.read_text())
+    ]
+    assert by_hand == []

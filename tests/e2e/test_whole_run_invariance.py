@@ -17,6 +17,7 @@ from verlite.audit.run_invariance import (
     RoleLayout,
     RunLayout,
     audit_runs,
+    compare_runs,
     layout_configs,
 )
 
@@ -130,6 +131,55 @@ def test_a_run_with_dapos_filters_is_the_same_run_under_every_layout(
         r["dynamic_sampling/tied_groups"] > r["dynamic_sampling/filled_groups"] for r in records
     )
     assert any(r["response_length/overlong_filtered"] > 0 for r in records)
+
+
+REINFORCE_PLUS_PLUS_KL_IN_REWARD = [
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=16",
+    "actor.micro_batch_size_per_worker=16",
+    "trainer.val_freq=0",
+    "algorithm.adv_estimator=reinforce_plus_plus",
+    "actor.loss_agg_mode=seq-mean-token-sum",
+    "algorithm.use_kl_in_reward=true",
+]
+
+
+@pytest.mark.cluster  # a minute of the 2-core machine; CI runs make test-cluster
+def test_reinforce_plus_plus_with_the_kl_in_the_reward_is_the_same_run_under_two_layouts(
+    tmp_path: Path, local_ray
+) -> None:
+    """The float64 log-probs the actor recomputes come out a unit of rounding apart under
+    another layout; the sampler-agreement metrics, a difference of log-probs (~1e-7), must
+    take that as the same run (it failed at step 2 with an absolute tolerance of 1e-15:
+    ``rollout/logprob_max_diff`` 7.5e-9 apart, relative)."""
+    layouts = [layout("1:ddp:full"), layout("2:fsdp:dynamic")]
+    reports = audit(
+        "configs/grpo_tiny.yaml", REINFORCE_PLUS_PLUS_KL_IN_REWARD, layouts, tmp_path, steps=2
+    )
+    assert reports[1].ok, f"{reports[1].layout}: {reports[1].first_difference}"
+    records = [json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").open()]
+    assert all(r["rollout/logprob_max_diff"] > 0 for r in records)
+
+
+def test_a_unit_of_rounding_of_a_log_prob_is_the_same_run() -> None:
+    """The step-2 records of the run above under 1 and 2 actor workers: their
+    ``rollout/logprob_max_diff`` (the trainer's float64 log-probs less the sampler's float32
+    ones) differ by 2^-49, one unit of rounding of a log-prob between 8 and 16, 7.5e-9 of the
+    metric; their ``actor/pg_loss`` by 7.9e-13. The absolute tolerance takes the first as
+    rounding; a loss 1e-8 off, relative, is still a difference."""
+    reference = {"step": 2, "rollout/logprob_max_diff": 2.3680897642819332e-07}
+    reference["actor/pg_loss"] = -0.0005610705042644604
+    other = {"step": 2, "rollout/logprob_max_diff": 2.3680897820455016e-07}
+    other["actor/pg_loss"] = -0.0005610705042649045
+
+    def same(run: dict, ref: dict) -> bool:
+        report = compare_runs([run], [ref], layout="2", tolerance=TOLERANCE, atol=ATOL, seconds=0)
+        return report.ok
+
+    assert same(other, reference)
+    assert not same(
+        {**reference, "actor/pg_loss": reference["actor/pg_loss"] * (1 + 1e-8)}, reference
+    )
 
 
 def test_the_negative_control_one_stream_per_rank_differs_at_the_first_step(cli) -> None:

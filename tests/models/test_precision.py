@@ -433,6 +433,17 @@ def test_the_norms_an_fp64_model_keeps_in_float32_are_named() -> None:
     assert float32_norms(model) == ["_OtherNorm"]
 
 
+def test_a_weightless_norm_is_probed_at_the_width_it_normalizes() -> None:
+    """A norm without weights is probed at its ``normalized_shape`` (another width makes its
+    forward raise, and it went unnamed): OLMo's LayerNorm (no epsilon attribute, no weight)
+    rounds to float32 and is named; a weightless nn.LayerNorm (fp64 already) is not."""
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    layers = [OlmoLayerNorm(24), torch.nn.LayerNorm(24, elementwise_affine=False)]
+    model = fp64_throughout(torch.nn.Sequential(*layers).double())
+    assert float32_norms(model) == ["OlmoLayerNorm"]
+
+
 class TanhNorm(torch.nn.Module):
     """A custom norm a model class may hold in place of Llama's RMSNorm: float32 inside."""
 

@@ -297,7 +297,15 @@ def _probe(module: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor] | 
     ):
         return None
     device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
-    shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else (16,)
+    # Its width: its weight's, else what it normalizes over (a weightless LayerNorm's
+    # ``normalized_shape``: another width makes its forward raise), else any.
+    width = getattr(module, "normalized_shape", None)
+    if isinstance(weight, torch.Tensor):
+        shape = tuple(weight.shape)
+    elif isinstance(width, int) or (isinstance(width, tuple | list) and width):
+        shape = (width,) if isinstance(width, int) else tuple(width)
+    else:
+        shape = (16,)
     gen = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(module)
     with torch.no_grad():

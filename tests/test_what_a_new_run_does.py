@@ -410,6 +410,38 @@ def test_a_node_lost_as_the_run_changes_its_folder_is_said_as_the_folder_then_is
     assert "already reached" in str(new_run_of(out))
 
 
+def test_a_node_lost_as_a_run_resumed_from_its_earlier_checkpoint_saves_is_said_right(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watcher: Watcher
+) -> None:
+    """A run resumed from its folder's step_2 (trainer.resume=<step_2>) saves step_4 again,
+    over the step_4 of the run it resumed, whose step_6 the save then removes. Lost before
+    the rename, the watcher said the folder as it would be after it (step_4's mark was there
+    already): "with trainer.resume=auto it continues from step_4", while step_6 was still
+    there. It says the folder as it is, before and after."""
+    out = tmp_path / "run"
+    step_2, step_4, step_6 = checkpoint(out, 2), checkpoint(out, 4), checkpoint(out, 6)
+    fields = {"trainer.resume": str(step_2), "trainer.save_freq": 2}
+    trainer: Any = SimpleNamespace(cfg=config(out, **fields), saved=[], output_dir=out)
+    placed = driver_trainer.commit_checkpoint
+    renamed = False
+
+    def lost(tmp: Path, *, keep: int) -> Path:
+        if renamed:
+            placed(tmp, keep=keep)
+        raise NodeLost
+
+    monkeypatch.setattr(driver_trainer, "commit_checkpoint", lost)
+    for renamed in (False, True):
+        tmp = out / "checkpoints" / "step_4.tmp"
+        shutil.copytree(step_4, tmp)
+        with pytest.raises(NodeLost):
+            Trainer.place_checkpoint(trainer, tmp, 0.1)
+        assert step_6.exists() != renamed and new_run_of(out) == (step_4 if renamed else step_6)
+        said, hint = watcher.says(), output_folder.stopped_run_hint(out, trainer.cfg.trainer)
+        assert said == hint, said
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_an_incomplete_export_says_what_a_new_run_of_its_folder_does(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

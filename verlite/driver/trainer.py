@@ -33,7 +33,6 @@ from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.driver.checkpoint import (
-    TRAINER_STATE,
     begin_checkpoint,
     checkpoint_step,
     commit_checkpoint,
@@ -400,13 +399,21 @@ class Trainer:
         step's time."""
         final = placed_path(tmp)
 
-        def placed(state: FolderState) -> FolderState:
-            # The latest: checkpoints of later steps (of a run this one resumed) go with it.
-            kept = (p for p in state.checkpoints if checkpoint_step(p) < checkpoint_step(final))
-            return replace(state, checkpoints=(*kept, final))
+        keep = self.cfg.trainer.max_checkpoints
 
-        # Told before the rename: a node lost right after it names this checkpoint.
-        placing = FolderChange((final / TRAINER_STATE,), True, placed)
+        def placed(state: FolderState) -> FolderState:
+            # As commit_checkpoint leaves it: the latest, checkpoints of later steps (of a run
+            # this one resumed) gone, and of the earlier ones the newest keep - 1.
+            earlier = sorted(
+                (p for p in state.checkpoints if checkpoint_step(p) < checkpoint_step(final)),
+                key=checkpoint_step,
+            )
+            return replace(state, checkpoints=(*earlier[len(earlier) - keep + 1 :], final))
+
+        # Told before the rename: a node lost right after it names this checkpoint. Made once
+        # the written folder is gone (renamed): this step's own mark may be there before,
+        # where the run this one resumed saved the same step.
+        placing = FolderChange((tmp,), False, placed)
         tell_node_watcher(self.output_dir, self.cfg.trainer, placing)
         path = commit_checkpoint(tmp, keep=self.cfg.trainer.max_checkpoints)
         self.saved.append(path)

@@ -9,11 +9,12 @@ multi_turn   ``generate_multi_turn``: ``turns`` policy turns of ``turn`` tokens 
              ``observation`` tokens (appended as tokens, not sampled); every turn prefills
              each trajectory's whole sequence again, the cost this measures. The
              environment (``verlite.envs.Session``s on ``--env-threads`` threads, as
-             ``rollout.multi_turn.env_threads``) takes ``--tool-latency-s`` a step;
-multi_turn_one_thread  with ``--tool-latency-s`` above 0, the same on one thread: its
-             calls one after another, as every worker made them before a turn started
-             all its steps before waiting for any. ``concurrent_over_serial_time``:
-             multi_turn / multi_turn_one_thread wall time.
+             ``rollout.multi_turn.env_threads``) takes ``--tool-latency-s`` a step and
+             ``--reset-latency-s`` a ``reset`` (its sessions opened for each run);
+multi_turn_one_thread  with either latency above 0, the same on one thread: its calls one
+             after another, as every worker made them before a turn started all its steps
+             (and a step all its resets) before waiting for any.
+             ``concurrent_over_serial_time``: multi_turn / multi_turn_one_thread wall time.
 
 Both sample at temperature 1 with keyed noise and never stop early (no token ends a row),
 so both hold exactly T response tokens a row. The figure: multi_turn / single_turn wall
@@ -45,7 +46,7 @@ from benchmarks.rollout import generation_flops, prompts
 from verlite.config import ModelConfig
 from verlite.data import load_tokenizer
 from verlite.data.files import PromptRecord
-from verlite.envs import AbandonedCalls, Session, SessionThreads
+from verlite.envs import AbandonedCalls, SessionThreads, open_sessions
 from verlite.envs.base import Turn
 from verlite.generation import KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
@@ -60,11 +61,14 @@ NEVER = -1  # an end-of-sequence id no token has: rows run to their length
 
 
 class FixedObservation:
-    """Answers every turn with the record's observation after ``latency_s``; never done."""
+    """Answers every turn with the record's observation after ``latency_s``, reset after
+    ``reset_latency_s``; never done."""
 
     latency_s = 0.0
+    reset_latency_s = 0.0
 
     def reset(self, record: dict[str, str]) -> None:
+        time.sleep(self.reset_latency_s)
         self.observation = record["answer"]
 
     def step(self, action: str) -> Turn:
@@ -82,9 +86,13 @@ def main() -> None:
     parser.add_argument(
         "--tool-latency-s", type=float, default=0.0, help="seconds an environment step takes"
     )
+    parser.add_argument(
+        "--reset-latency-s", type=float, default=0.0, help="seconds an environment reset takes"
+    )
     parser.add_argument("--env-threads", type=int, default=32, help="threads of the steps")
     args = parser.parse_args()
     FixedObservation.latency_s = args.tool_latency_s
+    FixedObservation.reset_latency_s = args.reset_latency_s
     torch.set_num_threads(1)
     retain_freed_memory()
     tokenizer = load_tokenizer(None, task="lookup")
@@ -116,10 +124,13 @@ def main() -> None:
     def multi_turn(env_threads: int) -> TensorDict:
         threads = SessionThreads(env_threads, AbandonedCalls(0))
         record = PromptRecord(prompt="", answer=observation)
-        sessions = [
-            Session(FixedObservation, record, index=row, timeout_s=600, threads=threads)
-            for row in range(args.rows)
-        ]
+        sessions = open_sessions(
+            FixedObservation,
+            [record] * args.rows,
+            indices=range(args.rows),
+            timeout_s=600,
+            threads=threads,
+        )
         try:
             return generate_multi_turn(generate, td, sessions, tokenizer, limits)
         finally:
@@ -130,7 +141,7 @@ def main() -> None:
         "single_turn": lambda: generate(td, 0, total),
         "multi_turn": lambda: multi_turn(args.env_threads),
     }
-    if args.tool_latency_s > 0:
+    if args.tool_latency_s > 0 or args.reset_latency_s > 0:
         variants["multi_turn_one_thread"] = lambda: multi_turn(1)
     seconds, results = interleaved(variants, repeats=args.repeats)
     for name, result in results.items():
@@ -148,6 +159,7 @@ def main() -> None:
             "turn_tokens": args.turn,
             "observation_tokens": args.observation,
             "tool_latency_s": args.tool_latency_s,
+            "reset_latency_s": args.reset_latency_s,
             "env_threads": args.env_threads,
             "trajectory_tokens": total,
             "tokens_per_s": {name: tokens / median(s) for name, s in seconds.items()},

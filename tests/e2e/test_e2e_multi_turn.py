@@ -134,9 +134,9 @@ def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
 def test_each_trajectory_gets_its_prompts_record_of_its_own(tmp_path: Path, cli) -> None:
     """GRPO with 8 trajectories a prompt through `verlite train`: the environment logs each
     record it is reset with, then edits and guts it (tests/user_code/witness_env.py). One
-    worker makes a batch's environments one after another in row order, so the log is the
-    rows' records in order: each step's prompts, each ``n`` times in a row, then the
-    validation prompts once each; never an edited or gutted record."""
+    worker resets a batch's environments side by side, so the log holds, batch after batch
+    (each in the order its resets ran), the rows' records: each step's prompts, each ``n``
+    times, then the validation prompts once each; never an edited or gutted record."""
     witness = tmp_path / "seen.jsonl"
     overrides = [
         *SMALL,  # 4 prompts a step, 8 trajectories each
@@ -161,11 +161,14 @@ def test_each_trajectory_gets_its_prompts_record_of_its_own(tmp_path: Path, cli)
     assert len({r["prompt"] for r in steps[0]}) > 1  # a mix-up would show
     expected = []
     for step, records in enumerate(steps, 1):
-        expected += [r for r in records for _ in range(cfg.rollout.n)]
+        expected.append([r for r in records for _ in range(cfg.rollout.n)])
         if step >= 2:  # validated after steps 2 and 3, one greedy trajectory a prompt
-            expected += list(val_set)
+            expected.append(list(val_set))
     seen = [json.loads(line) for line in witness.read_text().splitlines()]
-    assert seen == expected
+    assert len(seen) == sum(len(batch) for batch in expected)
+    for batch in expected:
+        assert sorted(seen[: len(batch)], key=json.dumps) == sorted(batch, key=json.dumps)
+        seen = seen[len(batch) :]
 
 
 @pytest.mark.cluster  # a whole run and its resume: make test-cluster

@@ -26,6 +26,7 @@ from verlite.envs.session import (
     Session,
     SessionThreads,
     ToolsStuck,
+    open_sessions,
 )
 
 RECORD = {"prompt": "37>", "answer": "4821"}
@@ -40,7 +41,7 @@ def session(
 ) -> Session:
     if threads is None:
         threads = SessionThreads(32, AbandonedCalls(limit=32) if abandoned is None else abandoned)
-    return Session(cls, record, index=7, timeout_s=timeout_s, threads=threads)
+    return open_sessions(cls, [record], indices=[7], timeout_s=timeout_s, threads=threads)[0]
 
 
 def test_the_lookup_tool_answers_its_key_and_scores_the_final_answer() -> None:
@@ -476,3 +477,115 @@ def test_environments_load_by_name_or_import_path(tmp_path, monkeypatch) -> None
             get_environment(spec)
         assert message in str(caught.value), str(caught.value)
     sys.modules.pop("userenv", None)
+
+
+class Gathers:
+    """An environment whose making and ``reset`` each wait until those of ``parties``
+    trajectories run at once (``barrier``; broken after a few seconds alone), noting the
+    thread and prompt of each reset (``resets``)."""
+
+    barrier: threading.Barrier
+    resets: ClassVar[list[tuple[threading.Thread, str]]] = []
+
+    def __init__(self):
+        self.barrier.wait()
+
+    def reset(self, record):
+        self.resets.append((threading.current_thread(), record["prompt"]))
+        self.barrier.wait()
+        self.prompt = record["prompt"]
+
+    def step(self, action):
+        return Turn(self.prompt, 1.0, True)
+
+
+def test_a_step_makes_and_resets_its_environments_side_by_side() -> None:
+    """Each environment was made and reset, and waited for, before the next was begun,
+    however many threads the worker had: a 2 s sandbox start cost 128 s a step for 64
+    trajectories. Here each thread's calls wait for those of the 3 other threads: one at a
+    time, the barrier broke (``BrokenBarrierError``: the run stopped); side by side every
+    environment is made and reset, each with its own record, and a thread's resets run in
+    row order (8 trajectories on 4 threads)."""
+    Gathers.barrier, Gathers.resets[:] = threading.Barrier(4, timeout=5), []
+    records = [{"prompt": f"{row}>", "answer": ""} for row in range(8)]
+    threads = SessionThreads(4, AbandonedCalls(limit=0))
+    sessions = open_sessions(Gathers, records, indices=range(8), timeout_s=30, threads=threads)
+    assert [s.start_step("x")() for s in sessions] == [
+        Turn(f"{row}>", 1.0, True) for row in range(8)
+    ]
+    by_thread: dict[threading.Thread, list[int]] = {}
+    for thread, prompt in Gathers.resets:
+        by_thread.setdefault(thread, []).append(int(prompt[:-1]))
+    assert len(by_thread) == 4
+    assert all(rows == sorted(rows) for rows in by_thread.values())
+    for s in sessions:
+        s.close()
+
+
+class FailsLate:
+    """A ``reset`` that raises naming its prompt: prompt 1's only once prompt 3's raised."""
+
+    raised = threading.Event()
+
+    def reset(self, record):
+        if record["prompt"] == "1>":
+            assert self.raised.wait(5)
+        elif record["prompt"] == "3>":
+            self.raised.set()
+        raise RuntimeError(f"no sandbox for {record['prompt']}")
+
+    def step(self, action):
+        return Turn("", 0.0, True)
+
+
+def test_the_first_row_whose_reset_fails_stops_the_run_whichever_failed_first() -> None:
+    """The results of a step's resets are taken in row order: prompt 3's raised first, yet
+    prompt 1, the first row that failed, is the one named, on every run."""
+    FailsLate.raised.clear()
+    records = [{"prompt": f"{row}>", "answer": ""} for row in range(1, 5)]
+    threads = SessionThreads(4, AbandonedCalls(limit=0))
+    with pytest.raises(EnvironmentBroken) as caught:
+        open_sessions(FailsLate, records, indices=range(1, 5), timeout_s=30, threads=threads)
+    assert str(caught.value) == (
+        "environment test_environments:FailsLate, prompt 1: reset raised RuntimeError: "
+        "no sandbox for 1>"
+    )
+    assert FailsLate.raised.is_set()
+
+
+class HangsInReset:
+    """A ``reset`` that hangs for prompt 2 (until ``release``)."""
+
+    release = threading.Event()
+
+    def reset(self, record):
+        if record["prompt"] == "2>":
+            self.release.wait(30)
+
+    def step(self, action):
+        return Turn("", 0.0, True)
+
+
+def test_a_reset_that_hangs_among_a_steps_resets_stops_the_run_naming_its_prompt() -> None:
+    """A step's resets run side by side under the same bound as its steps: the one that
+    outlives ``tool_timeout_s`` is left running (counted an abandoned call) and names its
+    prompt."""
+    HangsInReset.release.clear()
+    abandoned = AbandonedCalls(limit=4)
+    records = [{"prompt": f"{row}>", "answer": ""} for row in range(4)]
+    try:
+        with pytest.raises(EnvironmentBroken) as caught:
+            open_sessions(
+                HangsInReset,
+                records,
+                indices=range(4),
+                timeout_s=0.3,
+                threads=SessionThreads(2, abandoned),
+            )
+        assert str(caught.value) == (
+            "environment test_environments:HangsInReset, prompt 2: reset did not return "
+            "within 0.3 s"
+        )
+        assert [c.left_running for c in abandoned._calls] == [True]  # the hung reset
+    finally:
+        HangsInReset.release.set()

@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerFast
 
 from verlite.config import ModelConfig
 from verlite.data import position_ids
-from verlite.envs import AbandonedCalls, EnvironmentBroken, Session, SessionThreads
+from verlite.envs import AbandonedCalls, EnvironmentBroken, SessionThreads, open_sessions
 from verlite.envs.base import Turn
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.decode import EAGER
@@ -348,13 +348,13 @@ def test_an_observation_that_cannot_be_tokenized_names_the_environment_and_promp
     """The observation goes through the session's checked encoding, not straight into the
     tokenizer (whose TypeError would name neither)."""
     sessions = [
-        Session(
+        open_sessions(
             Garbles,
-            {"prompt": "48 12", "answer": ""},
-            index=uid,
+            [{"prompt": "48 12", "answer": ""}],
+            indices=[uid],
             timeout_s=5.0,
             threads=SessionThreads(2, AbandonedCalls(limit=0)),
-        )
+        )[0]
         for uid in range(4)
     ]
     with pytest.raises(EnvironmentBroken) as caught:
@@ -478,12 +478,13 @@ def test_a_turn_runs_the_environment_steps_of_its_threads_side_by_side() -> None
     started (8 trajectories on 4 threads)."""
     Meets.barrier, Meets.calls[:] = threading.Barrier(4, timeout=5), []
     threads = SessionThreads(4, AbandonedCalls(limit=0))
-    sessions = [
-        Session(
-            Meets, {"prompt": "48 12", "answer": str(row)}, index=row, timeout_s=30, threads=threads
-        )
-        for row in range(8)
-    ]
+    sessions = open_sessions(
+        Meets,
+        [{"prompt": "48 12", "answer": str(row)} for row in range(8)],
+        indices=range(8),
+        timeout_s=30,
+        threads=threads,
+    )
     batch, *_ = run(sessions, max_turns=3)
     for s in sessions:
         s.close()

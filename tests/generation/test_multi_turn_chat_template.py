@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerFast
 from verlite.config import ConfigError, load_config
 from verlite.data import DataError, position_ids
 from verlite.data.templates import TurnFormat, turn_format
-from verlite.envs import AbandonedCalls, Session, SessionThreads
+from verlite.envs import AbandonedCalls, Session, SessionThreads, open_sessions
 from verlite.envs.base import Turn
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 
@@ -49,14 +49,14 @@ def turns_of(template: str, *overrides: str) -> tuple[TurnFormat, PreTrainedToke
 
 def session_of(env: type, prompt: str, turns: TurnFormat | None) -> Session:
     """A trajectory's session of ``env`` for ``prompt`` (answer 4)."""
-    return Session(
+    return open_sessions(
         env,
-        {"prompt": prompt, "answer": "4"},
-        index=0,
+        [{"prompt": prompt, "answer": "4"}],
+        indices=[0],
         timeout_s=5.0,
         threads=SessionThreads(2, AbandonedCalls(0)),
         turns=turns,
-    )
+    )[0]
 
 
 class Tool:
@@ -117,14 +117,14 @@ def run(turns: TurnFormat, tokenizer, script, *, end_token_ids, turn_tokens=8, e
     )
     prompts.set_non_tensor("temperature", 1.0)
     sessions = [
-        Session(
+        open_sessions(
             env,
-            {"prompt": prompt, "answer": "4"},
-            index=i,
+            [{"prompt": prompt, "answer": "4"}],
+            indices=[i],
             timeout_s=5.0,
             threads=SessionThreads(2, AbandonedCalls(0)),
             turns=turns,
-        )
+        )[0]
         for i in range(len(script))
     ]
     limits = TurnLimits(

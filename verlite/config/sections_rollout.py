@@ -84,7 +84,8 @@ class MultiTurnConfig(Section):
         32,
         description="Threads that run a worker's environment calls: each trajectory's calls "
         "run in one of them (per-thread state is shared by the trajectories of a thread), "
-        "bound when its environment is made. A turn's steps run side by side on the threads, "
+        "bound when its environment is made. A step's environments are made and reset, and a "
+        "turn's steps run, side by side on the threads, "
         "each thread's one after another; a call that outlives tool_timeout_s retires its "
         "thread, whose other trajectories move to a fresh one at their next call.",
     )

@@ -15,6 +15,7 @@ from verlite.envs.session import (
     Session,
     SessionThreads,
     ToolsStuck,
+    open_sessions,
 )
 
 
@@ -53,5 +54,6 @@ __all__ = [
     "ToolsStuck",
     "Turn",
     "get_environment",
+    "open_sessions",
     "turn_stop_id",
 ]

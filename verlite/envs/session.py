@@ -6,24 +6,25 @@ client's connection) is there in every call. A worker's sessions share
 ``rollout.multi_turn.env_threads`` threads (:class:`SessionThreads`; a thread per trajectory
 would be thousands of idle threads), each bound to one when it is made: per-thread state is
 shared by the sessions of a thread, as in any thread pool, and what is a trajectory's own
-belongs on its environment object. A turn starts the ``step`` of every trajectory before
-waiting for any (:meth:`Session.start_step`), so the calls of different threads run side by
-side (state an environment shares between threads must be safe to use from several at
-once) and a thread's run one after another, in the order they were started. Each call is
-bounded by ``rollout.multi_turn.tool_timeout_s`` from its start (:meth:`SessionThreads.wait`
-checks every running call of the worker against its own deadline, whichever call it waits
-for). A ``step`` that raises or outlives that bound (returning late included) is a tool
-error: it ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never the
-run. A Python thread cannot be stopped, so a call that timed out is left running
+belongs on its environment object. A step's environments are all made, then all reset
+(:func:`open_sessions`), and a turn's steps all started (:meth:`Session.start_step`), before
+any is waited for, so the calls of different threads run side by side (state an environment
+shares between threads must be safe to use from several at once) and a thread's run one
+after another, in the order they were started. Each call is bounded by
+``rollout.multi_turn.tool_timeout_s`` from its start (:meth:`SessionThreads.wait` checks
+every running call of the worker against its own deadline, whichever call it waits for). A
+``step`` that raises or outlives that bound (returning late included) is a tool error: it
+ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never the run. A
+Python thread cannot be stopped, so a call that timed out is left running
 (``multiturn/abandoned_calls``) and its thread retired: a fresh one takes its new sessions,
 and the other sessions bound to it move to a fresh thread at their next call (never waiting
-for that call; what their environments keep per thread stays behind). Each worker counts its live abandoned calls
-(:class:`AbandonedCalls`), and more than ``rollout.multi_turn.max_abandoned_calls`` of them
-(a tool stuck in a loop, which would slow every later step) stop the run in one line. An
-environment that breaks its contract stops the run in one line naming it and the prompt: a
-class that cannot be made or a ``reset`` that raises or hangs, or a ``step`` whose answer is
-not a :class:`~verlite.envs.base.Turn` of a string observation the tokenizer can encode, a
-reward in [0, 1] and a bool ``done``.
+for that call; what their environments keep per thread stays behind). Each worker counts its
+live abandoned calls (:class:`AbandonedCalls`), and more than
+``rollout.multi_turn.max_abandoned_calls`` of them (a tool stuck in a loop, which would slow
+every later step) stop the run in one line. An environment that breaks its contract stops
+the run in one line naming it and the prompt: a class that cannot be made or a ``reset``
+that raises or hangs, or a ``step`` whose answer is not a :class:`~verlite.envs.base.Turn`
+of a string observation the tokenizer can encode, a reward in [0, 1] and a bool ``done``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import copy
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -215,13 +216,13 @@ class SessionThreads:
 class Session:
     """The environment of prompt ``index``'s trajectory, its calls run in a thread of
     ``threads`` (its worker's); ``turns``, the chat template's turn format its observations
-    are written in (``data.chat_template``), if any. One caller at a time makes, steps and
-    closes a worker's sessions (their calls then run in the threads)."""
+    are written in (``data.chat_template``), if any. Made and reset by :func:`open_sessions`.
+    One caller at a time opens, steps and closes a worker's sessions (their calls then run
+    in the threads)."""
 
     def __init__(
         self,
         cls: type,
-        record: PromptRecord,
         *,
         index: int,
         timeout_s: float,
@@ -233,13 +234,9 @@ class Session:
         self.turns = turns
         self.error: str | None = None
         self.timed_out = False  # a step outlived timeout_s: its call was left running
-        # Its own copy: an environment may edit what it is given, and the rollout.n
-        # trajectories of a prompt (and the driver's scoring) must not see that.
-        record = copy.deepcopy(record)
+        self.env: Any = None  # made by open_sessions
         self._threads = threads
         self._thread: _Thread | None = threads.bind()
-        self.env = self._set_up(cls, f"{cls.__name__}()")
-        self._set_up(self.env.reset, "reset", record)
 
     def close(self) -> None:
         """The trajectory is over: its thread no longer runs calls for it."""
@@ -268,12 +265,14 @@ class Session:
         running at its deadline; None if it returned, late."""
         return self.abandoned.add(call) if call.left_running else None
 
-    def _set_up(self, fn: Callable[..., Any], what: str, *args: Any) -> Any:
-        """A call that makes or resets the environment: one that raises or hangs breaks
-        the contract."""
-        outcome, value = self._outcome(self._submit(fn, *args))
-        if outcome != "ok":
-            self.close()
+    def _start_set_up(self, what: str, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        """Start a call that makes or resets the environment; the function returned waits
+        for its result: one that raises or hangs breaks the contract."""
+        call = self._submit(fn, *args)
+        return lambda: self._set_up(call, what)
+
+    def _set_up(self, call: _Call, what: str) -> Any:
+        outcome, value = self._outcome(call)
         if outcome == "timeout":
             self._abandoned(value)
             self._refuse(f"{what} did not return within {self.timeout_s:g} s")
@@ -362,6 +361,44 @@ class Session:
 
     def _refuse(self, what: str) -> None:
         raise EnvironmentBroken(f"environment {self.name}, prompt {self.index}: {what}")
+
+
+def open_sessions(
+    cls: type,
+    records: Sequence[PromptRecord],
+    *,
+    indices: Sequence[int],
+    timeout_s: float,
+    threads: SessionThreads,
+    turns: TurnFormat | None = None,
+) -> list[Session]:
+    """The sessions of the trajectories of ``records`` (the prompt of ``indices[i]`` for
+    ``records[i]``), each environment made with ``cls()`` and reset with its own copy of its
+    record (an environment may edit what it is given, and the ``rollout.n`` trajectories of
+    a prompt, and the driver's scoring, must not see that). Every environment is made, then
+    every one reset, each call started on its session's thread before any is waited for, so
+    that the calls of different threads run side by side; the results are taken in row
+    order, so that the row whose call broke the contract first in row order stops the run,
+    whichever finished first (every session is then closed)."""
+    sessions = [
+        Session(cls, index=index, timeout_s=timeout_s, threads=threads, turns=turns)
+        for index in indices
+    ]
+    try:
+        made = [s._start_set_up(f"{cls.__name__}()", cls) for s in sessions]
+        for session, result in zip(sessions, made, strict=True):
+            session.env = result()
+        reset = [
+            s._start_set_up("reset", s.env.reset, copy.deepcopy(record))
+            for s, record in zip(sessions, records, strict=True)
+        ]
+        for result in reset:
+            result()
+    except BaseException:
+        for session in sessions:
+            session.close()
+        raise
+    return sessions
 
 
 def _one_line(exc: BaseException) -> str:

@@ -19,7 +19,13 @@ from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
 from verlite.data.templates import turn_format
 from verlite.data.tokenizer import load_tokenizer
-from verlite.envs import AbandonedCalls, Session, SessionThreads, get_environment, turn_stop_id
+from verlite.envs import (
+    AbandonedCalls,
+    SessionThreads,
+    get_environment,
+    open_sessions,
+    turn_stop_id,
+)
 from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
 from verlite.generation.decode import auto_mode
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
@@ -129,19 +135,14 @@ class PolicyWorker(Worker):
             if self.cfg.rollout.multi_turn.env is None or records is None:
                 return generate(prompts, params, self.noise(prompts, params, seed, device))
             multi_turn = self.cfg.rollout.multi_turn
-            sessions = [
-                Session(
-                    self.environment,
-                    record,
-                    index=uid,
-                    timeout_s=multi_turn.tool_timeout_s,
-                    threads=self.env_threads,
-                    turns=self.turns,
-                )
-                for record, uid in zip(
-                    row_records(records, prompts["uid"]), prompts["uid"].tolist(), strict=True
-                )
-            ]
+            sessions = open_sessions(
+                self.environment,
+                row_records(records, prompts["uid"]),
+                indices=prompts["uid"].tolist(),
+                timeout_s=multi_turn.tool_timeout_s,
+                threads=self.env_threads,
+                turns=self.turns,
+            )
             turn_params = replace(
                 params, stop_token_ids=params.stop_token_ids + self.stop_token_ids
             )

@@ -39,6 +39,7 @@ from benchmarks.common import (
     ratios,
     rl_step_flops,
 )
+from verlite.arguments import non_negative_int, positive_int
 from verlite.config import Config, load_config
 from verlite.controller import start_ray, stop_ray
 from verlite.data.tokenizer import load_tokenizer
@@ -152,10 +153,13 @@ def plot(curves: dict[str, list[dict[str, Any]]]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_repeats(parser, 3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=8)
+    parser.add_argument("--warmup", type=non_negative_int, default=2)
     parser.add_argument(
-        "--plot-steps", type=int, default=0, help=f"steps of each curve in {PLOT.name} (0: none)"
+        "--plot-steps",
+        type=non_negative_int,
+        default=0,
+        help=f"steps of each curve in {PLOT.name} (0: none)",
     )
     args = parser.parse_args()
     retain_freed_memory()

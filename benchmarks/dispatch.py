@@ -27,6 +27,7 @@ from benchmarks.common import (
     quartiles,
     ratios,
 )
+from verlite.arguments import positive_int
 from verlite.controller import ResourcePool, Worker, WorkerGroup, start_ray, stop_ray
 from verlite.data import position_ids
 from verlite.memory import retain_freed_memory
@@ -82,7 +83,7 @@ def step_batch(rows: int, prompt: int, response: int, *, seed: int = 0) -> Tenso
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=1024)
+    parser.add_argument("--rows", type=positive_int, default=1024)
     add_repeats(parser, 31)
     args = parser.parse_args()
 

@@ -53,6 +53,7 @@ from benchmarks.common import (
     ratios,
     update_batch,
 )
+from verlite.arguments import positive_int
 from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy, flop_crossover
@@ -222,12 +223,12 @@ def update_memory(batch: TensorDict, budget: int) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=128)
-    parser.add_argument("--budget", type=int, default=4 * LONGEST)
+    parser.add_argument("--rows", type=positive_int, default=128)
+    parser.add_argument("--budget", type=positive_int, default=4 * LONGEST)
     add_repeats(parser, 3)
     # One thread: torch's threads wait on each other at every op, so when other work shares
     # the cores a multi-threaded run slows erratically, a single thread proportionally.
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     retain_freed_memory()  # as every worker does

@@ -69,6 +69,7 @@ from typing import Any
 
 import torch
 
+from verlite.arguments import non_negative_float
 from verlite.audit.invariance import LayoutReport
 from verlite.config import load_config
 from verlite.table import format_table
@@ -574,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--budget-s",
-        type=float,
+        type=non_negative_float,
         default=BUDGET_S,
         help="seconds the check may take in all, a device command's limit (default "
         f"{BUDGET_S:.0f}: one of 600 s after a 20 s install); each part gets its own limit or "

@@ -29,6 +29,7 @@ from tensordict import TensorDict
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.common import add_repeats, emit, interleaved, median, quartiles, update_batch
+from verlite.arguments import positive_int
 from verlite.config import ActorConfig, ModelConfig
 from verlite.models import set_logits_chunk_tokens
 from verlite.models.flops import bf16_peak_flops, causal_pairs, decoder_flops
@@ -219,9 +220,9 @@ def run(*, tiny: bool, rows: int, tokens: int, micro: int, repeats: int) -> dict
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on few tokens (CI)")
-    parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--tokens", type=int, default=320)
-    parser.add_argument("--micro", type=int, default=16)
+    parser.add_argument("--rows", type=positive_int, default=256)
+    parser.add_argument("--tokens", type=positive_int, default=320)
+    parser.add_argument("--micro", type=positive_int, default=16)
     add_repeats(parser, 5)
     args = parser.parse_args()
     emit(

@@ -47,6 +47,7 @@ from benchmarks.common import (
     ratios,
     update_batch,
 )
+from verlite.arguments import positive_int
 from verlite.config import ActorConfig, LoraConfig, ModelConfig
 from verlite.memory import retain_freed_memory
 from verlite.models import build_policy
@@ -102,11 +103,11 @@ def resident_bytes(eng: TrainEngine, reference: torch.nn.Module | None) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=32)
+    parser.add_argument("--rank", type=positive_int, default=8)
+    parser.add_argument("--rows", type=positive_int, default=32)
     add_repeats(parser, 9)
     # One thread, as the other benchmarks: steadier on a shared machine.
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     retain_freed_memory()

@@ -43,6 +43,7 @@ from benchmarks.common import (
     ratios,
 )
 from benchmarks.rollout import generation_flops, prompts
+from verlite.arguments import non_negative_float, positive_int
 from verlite.config import ModelConfig
 from verlite.data import load_tokenizer
 from verlite.data.files import PromptRecord
@@ -78,18 +79,26 @@ class FixedObservation:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--turn", type=int, default=16, help="tokens of a policy turn")
-    parser.add_argument("--observation", type=int, default=8, help="tokens of an observation")
+    parser.add_argument("--rows", type=positive_int, default=32)
+    parser.add_argument("--turns", type=positive_int, default=4)
+    parser.add_argument("--turn", type=positive_int, default=16, help="tokens of a policy turn")
+    parser.add_argument(
+        "--observation", type=positive_int, default=8, help="tokens of an observation"
+    )
     add_repeats(parser, 7)
     parser.add_argument(
-        "--tool-latency-s", type=float, default=0.0, help="seconds an environment step takes"
+        "--tool-latency-s",
+        type=non_negative_float,
+        default=0.0,
+        help="seconds an environment step takes",
     )
     parser.add_argument(
-        "--reset-latency-s", type=float, default=0.0, help="seconds an environment reset takes"
+        "--reset-latency-s",
+        type=non_negative_float,
+        default=0.0,
+        help="seconds an environment reset takes",
     )
-    parser.add_argument("--env-threads", type=int, default=32, help="threads of the steps")
+    parser.add_argument("--env-threads", type=positive_int, default=32, help="threads of the steps")
     args = parser.parse_args()
     FixedObservation.latency_s = args.tool_latency_s
     FixedObservation.reset_latency_s = args.reset_latency_s

@@ -34,6 +34,7 @@ from benchmarks.common import (
     rl_step_flops,
     time_call,
 )
+from verlite.arguments import positive_int
 from verlite.config import load_config
 from verlite.controller import dispatch as dispatching
 from verlite.controller import ray_session
@@ -100,7 +101,7 @@ def in_process_trainer(cfg: Any, inputs: RunInputs) -> Trainer:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=positive_int, default=30)
     parser.add_argument("--config", default="configs/ppo_tiny.yaml")
     args = parser.parse_args()
 

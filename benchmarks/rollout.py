@@ -54,6 +54,7 @@ from benchmarks.common import (
     quartiles,
     ratios,
 )
+from verlite.arguments import positive_int
 from verlite.config import ModelConfig, load_config
 from verlite.data import load_tokenizer, position_ids
 from verlite.generation import (
@@ -548,9 +549,13 @@ def main() -> None:
         help="batch x new tokens, comma-separated (default: 32x64,64x128; decode: 256x256,64x256)",
     )
     parser.add_argument(
-        "--prompt-len", type=int, help="prompts of half to all of it (default 32; decode: 64)"
+        "--prompt-len",
+        type=positive_int,
+        help="prompts of half to all of it (default 32; decode: 64)",
     )
-    parser.add_argument("--vocab", type=int, default=2048, help="noise: the model's vocabulary")
+    parser.add_argument(
+        "--vocab", type=positive_int, default=2048, help="noise: the model's vocabulary"
+    )
     parser.add_argument("--shape", choices=sorted(DECODE_SHAPES), default="qwen2-0.5b")
     parser.add_argument(
         "--profile-steps",
@@ -560,7 +565,7 @@ def main() -> None:
     add_repeats(parser, 5)
     # One thread: torch's threads wait on each other at every op, so when other work shares
     # the cores a multi-threaded run slows erratically, a single thread proportionally.
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     args = parser.parse_args()
     compare = args.compare or ("decode" if args.device == "cuda" else "noise")
     if compare == "noise" and args.device != "cpu":

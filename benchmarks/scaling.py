@@ -17,6 +17,7 @@ import tempfile
 
 from benchmarks.common import emit, machine_peak, median, rl_step_flops, time_call
 from benchmarks.orchestration import OVERRIDES
+from verlite.arguments import positive_int
 from verlite.config import load_config
 from verlite.controller import ray_session
 from verlite.driver.preflight import RunInputs
@@ -63,7 +64,7 @@ def step_times(dp: int, *, steps: int, config: str, peak: float) -> dict[str, fl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=5)
     parser.add_argument("--dp", default="1,2,4")
     parser.add_argument("--config", default="configs/ppo_tiny.yaml")
     args = parser.parse_args()

@@ -17,6 +17,7 @@ from pathlib import Path
 from ray.cluster_utils import Cluster
 
 from benchmarks.common import emit
+from verlite.arguments import non_negative_int, positive_int
 from verlite.config import load_config
 from verlite.controller import start_ray, stop_ray
 from verlite.driver.preflight import RunInputs
@@ -26,9 +27,9 @@ from verlite.memory import retain_freed_memory
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--window", type=int, default=10)
-    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=400)
+    parser.add_argument("--window", type=positive_int, default=10)
+    parser.add_argument("--staleness", type=non_negative_int, default=1)
     args = parser.parse_args()
     retain_freed_memory()
     node: dict[str, object] = {"num_cpus": 2, "node_ip_address": "127.0.0.1"}

@@ -34,6 +34,7 @@ from benchmarks.common import (
     ratios,
 )
 from benchmarks.dynamic_batching import skewed_lengths
+from verlite.arguments import positive_int
 from verlite.core.partition import PackedTokenPartition
 from verlite.models.varlen import PackedAttention, varlen_attention
 
@@ -130,7 +131,7 @@ def fwd_bwd(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     add_repeats(parser, 5)
-    parser.add_argument("--budget", type=int, default=4096)
+    parser.add_argument("--budget", type=positive_int, default=4096)
     args = parser.parse_args()
     torch.set_num_threads(1)
     lengths = skewed_lengths(128, seed=0)

@@ -36,6 +36,7 @@ from benchmarks.common import (
     quartiles,
     ratios,
 )
+from verlite.arguments import positive_float
 from verlite.config import RolloutConfig, load_config
 from verlite.controller import ResourcePool, WorkerGroup, start_ray, stop_ray
 from verlite.data import load_tokenizer
@@ -181,7 +182,7 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
     parser.add_argument(
         "--bucket-mb",
-        type=float,
+        type=positive_float,
         default=RolloutConfig.model_fields["sync_bucket_mb"].default,
         help="rollout.sync_bucket_mb (default: the config's default)",
     )

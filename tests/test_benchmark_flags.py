@@ -1,5 +1,7 @@
 """What every benchmark's flags share: ``--repeats`` below two (the quartiles each reports
-need two repetitions) is refused in one line, exit 2, in every benchmark that has it."""
+need two repetitions) is refused in one line, exit 2, in every benchmark that has it, and
+every number a flag takes is checked by its type (``verlite.arguments``): a bare ``int`` or
+``float`` let ``--env-threads 0`` or a negative latency end in a traceback."""
 
 import argparse
 import re
@@ -35,3 +37,12 @@ def test_every_benchmark_takes_its_repeats_through_add_repeats() -> None:
         and re.search(r"add_argument\(\s*\"--repeats\"", path.read_text())
     ]
     assert by_hand == []
+
+
+def test_no_benchmark_takes_an_unchecked_number() -> None:
+    unchecked = [
+        path.name
+        for path in sorted(BENCHMARKS.glob("*.py"))
+        if re.search(r"type=(int|float)\b", path.read_text())
+    ]
+    assert unchecked == []

@@ -287,8 +287,48 @@ def test_a_call_is_judged_by_its_own_deadline_whichever_call_is_waited_for() -> 
     answers = [first.start_step("x"), late.start_step("x")]
     assert answers[0]() == Turn("0>", 0.0, False)  # returns after the late call has
     assert answers[1]() is None
-    assert late.error == "step did not return within 0.2 s"
+    assert late.error == (
+        "step did not return within 0.2 s (1 other call ran beside it: steps that compute in "
+        "Python share one interpreter lock; rollout.multi_turn.env_threads=1 runs them one "
+        "after another, each timed alone)"
+    )
     assert late.timed_out  # it still ran at its deadline
+
+
+class HangsOrOverruns:
+    """Trajectory "0>"'s step hangs until the test releases it; "1>"'s outlives its
+    timeout, then returns when the test lets it."""
+
+    release, finish = threading.Event(), threading.Event()
+
+    def reset(self, record):
+        self.key = record["prompt"]
+
+    def step(self, action):
+        (self.release if self.key == "0>" else self.finish).wait()
+        return Turn(self.key, 0.0, False)
+
+
+def test_a_call_left_running_that_returned_before_its_answer_is_taken_is_not_counted() -> None:
+    """Both steps outlive their timeout while the caller waits for the first; the second
+    returns before the caller takes its answer (it tokenized the first's): only the first
+    still runs, within max_abandoned_calls=1. Counting the returned call stopped the run
+    with ToolsStuck ("still running in this worker: 2")."""
+    threads = SessionThreads(2, AbandonedCalls(limit=1))
+    hangs, overruns = (
+        session(HangsOrOverruns, timeout_s=0.2, threads=threads, record={"prompt": f"{k}>"})
+        for k in (0, 1)
+    )
+    try:
+        answers = [hangs.start_step("x"), overruns.start_step("x")]
+        assert answers[0]() is None and hangs.timed_out
+        HangsOrOverruns.finish.set()
+        while len(threads.running) > 1:  # the second call returns; the first still runs
+            time.sleep(0.01)
+        assert answers[1]() is None
+        assert overruns.timed_out  # left running at its deadline, as the first
+    finally:
+        HangsOrOverruns.release.set()
 
 
 class Spins:

@@ -64,9 +64,10 @@ class AbandonedCalls:
         self._calls: list[_Call] = []
 
     def add(self, call: _Call) -> int:
-        """Count ``call`` in; how many abandoned calls are still running, it included."""
-        self._calls = [c for c in self._calls if not c.done.is_set()]
-        self._calls.append(call)
+        """Count ``call`` in; how many abandoned calls are still running, it included while it
+        runs: a call left running at its deadline may have returned by the time its answer
+        is taken (a turn's steps run side by side)."""
+        self._calls = [c for c in (*self._calls, call) if not c.done.is_set()]
         return len(self._calls)
 
 
@@ -82,6 +83,7 @@ class _Call:
         self.cancelled = False  # gave up before it started: never run
         self.overdue = False  # ran past its deadline
         self.left_running = False  # still ran at its deadline: it holds its thread
+        self.beside = 0  # calls of other threads running when it was found overdue
         self.outcome: tuple[str, Any] | None = None
         self.done = threading.Event()
 
@@ -91,6 +93,7 @@ class _Call:
         if self.deadline is None or self.overdue or now < self.deadline:
             return
         self.overdue = True
+        self.beside = sum(c.thread is not self.thread for c in self.thread.pool.running)
         if self.outcome is None:
             self.left_running = True
             self.thread.held, self.thread.retired = self, True
@@ -105,7 +108,7 @@ class _Thread:
         self.sessions = 0  # bound to it and not closed
         self.retired = False  # takes no more sessions; ends once its sessions are closed
         self.held: _Call | None = None
-        self._pool = pool
+        self.pool = pool
         self._lock = pool.lock
         self._calls: collections.deque[_Call] = collections.deque()
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
@@ -120,7 +123,7 @@ class _Thread:
             with self._lock:
                 call.outcome = outcome
                 call.check(time.monotonic())
-                self._pool.running.discard(call)
+                self.pool.running.discard(call)
                 if self.held is call:
                     self.held = None
                 call.done.set()
@@ -134,7 +137,7 @@ class _Thread:
                     call = self._calls.popleft()
                     if not call.cancelled:
                         call.deadline = time.monotonic() + call.timeout_s
-                        self._pool.running.add(call)
+                        self.pool.running.add(call)
                         self._lock.notify_all()
                         return call
                 if self.retired and self.sessions == 0:
@@ -275,7 +278,7 @@ class Session:
         outcome, value = self._outcome(call)
         if outcome == "timeout":
             self._abandoned(value)
-            self._refuse(f"{what} did not return within {self.timeout_s:g} s")
+            self._refuse(f"{what} did not return within {self.timeout_s:g} s{_beside(value)}")
         if outcome == "raised":
             self._refuse(f"{what} raised {type(value).__name__}: {_one_line(value)}")
         return value
@@ -292,7 +295,7 @@ class Session:
     def _answer(self, call: _Call) -> Turn | None:
         outcome, value = self._outcome(call)
         if outcome == "timeout":
-            self.error = f"step did not return within {self.timeout_s:g} s"
+            self.error = f"step did not return within {self.timeout_s:g} s" + _beside(value)
             running = self._abandoned(value)
             if running is not None:
                 self.timed_out = True
@@ -399,6 +402,20 @@ def open_sessions(
             session.close()
         raise
     return sessions
+
+
+def _beside(call: _Call) -> str:
+    """What a call that timed out shared its time with: the calls of the pool's other threads
+    running at its deadline. Python code holds the interpreter's lock, so steps that compute
+    in Python side by side each take about as long as all of them together."""
+    others = call.beside
+    if not others:
+        return ""
+    return (
+        f" ({others} other call{'s' if others > 1 else ''} ran beside it: steps that compute in "
+        "Python share one interpreter lock; rollout.multi_turn.env_threads=1 runs them one "
+        "after another, each timed alone)"
+    )
 
 
 def _one_line(exc: BaseException) -> str:

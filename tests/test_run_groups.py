@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 
 from verlite.config import load_config
-from verlite.controller import Worker, WorkerGroup
+from verlite.controller import PendingCall, Worker, WorkerGroup, WorkerGroupError
 from verlite.data import load_tokenizer
 from verlite.driver import run as driver_run
 from verlite.driver.trainer import RunGroups
@@ -66,12 +67,19 @@ class Idle(Worker):
         pass
 
 
-def test_a_runs_groups_start_side_by_side(local_ray, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every group's workers are started before any group is waited for: their starts (a
-    real worker imports torch and transformers, seconds) overlap; one group after another,
-    they added up."""
+def test_a_runs_groups_start_and_build_their_models_side_by_side(
+    local_ray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every group's workers are started, and every group's init_model submitted, before any
+    group is waited for: their starts (a real worker imports torch and transformers, seconds)
+    and their model builds overlap; one group after another, they added up. Joining a group
+    only waits: its start was queued whole at construction, so the driver makes no calls
+    (round trips) of its own on the way."""
     events = []
     construct, join = WorkerGroup.__init__, WorkerGroup.join
+    call_async, result = WorkerGroup.call_async, PendingCall.result
+    remote = ray.actor.ActorMethod._remote
+    joining: list[str] = []
 
     def constructed(group: WorkerGroup, name: str, *args: Any, **kwargs: Any) -> None:
         construct(group, name, *args, **kwargs)
@@ -79,13 +87,78 @@ def test_a_runs_groups_start_side_by_side(local_ray, monkeypatch: pytest.MonkeyP
 
     def joined(group: WorkerGroup) -> None:
         events.append(f"waited for {group.name}")
+        joining.append(group.name)
         join(group)
+        joining.pop()
+
+    def submitted(group: WorkerGroup, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        events.append(f"{method} submitted to {group.name}")
+        return call_async(group, method, *args, **kwargs)
+
+    def awaited(call: PendingCall) -> Any:
+        events.append(f"{call._method} awaited from {call._group.name}")
+        return result(call)
+
+    def sent(method: Any, *args: Any, **kwargs: Any) -> Any:
+        if joining:
+            events.append(f"{method._method_name} sent while joining {joining[-1]}")
+        return remote(method, *args, **kwargs)
 
     monkeypatch.setattr(WorkerGroup, "__init__", constructed)
     monkeypatch.setattr(WorkerGroup, "join", joined)
+    monkeypatch.setattr(WorkerGroup, "call_async", submitted)
+    monkeypatch.setattr(PendingCall, "result", awaited)
+    monkeypatch.setattr(ray.actor.ActorMethod, "_remote", sent)
     for name in ("ActorWorker", "CriticWorker"):
         monkeypatch.setattr(driver_run, name, Idle)
     cfg = load_config("configs/ppo_tiny.yaml", ["trainer.cpus_per_worker=0.5"])
-    with driver_run.start_groups(cfg, load_tokenizer(None, task=cfg.data.task)) as groups:
-        assert groups.critic is not None and groups.critic.call("node_info")
-    assert events == ["started actor", "started critic", "waited for actor", "waited for critic"]
+    with driver_run.start_groups(cfg, load_tokenizer(None, task=cfg.data.task)):
+        pass
+    assert events == [
+        "started actor",
+        "started critic",
+        "init_model submitted to actor",
+        "init_model submitted to critic",
+        "waited for actor",
+        "waited for critic",
+        "init_model awaited from actor",
+        "init_model awaited from critic",
+    ]
+
+
+class FailingInit(Worker):
+    """A worker whose model cannot be built."""
+
+    def init_model(self) -> None:
+        raise ValueError("no model at this path")
+
+
+def test_a_groups_failed_init_ends_the_start_with_its_error_and_nothing_left_running(
+    local_ray, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The groups build their models side by side; the critic's failure is still reported as
+    the critic's (group, rank, method, cause), and every worker of every group is gone."""
+    handles: list[Any] = []
+    construct = WorkerGroup.__init__
+
+    def constructed(group: WorkerGroup, *args: Any, **kwargs: Any) -> None:
+        construct(group, *args, **kwargs)
+        handles.extend(group._workers)
+
+    monkeypatch.setattr(WorkerGroup, "__init__", constructed)
+    monkeypatch.setattr(driver_run, "ActorWorker", Idle)
+    monkeypatch.setattr(driver_run, "CriticWorker", FailingInit)
+    cfg = load_config("configs/ppo_tiny.yaml", ["trainer.cpus_per_worker=0.5"])
+    with (
+        pytest.raises(WorkerGroupError) as caught,
+        driver_run.start_groups(cfg, load_tokenizer(None, task=cfg.data.task)),
+    ):
+        pytest.fail("the groups started")
+    message = str(caught.value)
+    assert message.startswith("worker group 'critic': rank 0 on node "), message
+    assert message.endswith("failed in init_model(): ValueError: no model at this path"), message
+    assert not caught.value.lost
+    assert len(handles) == 2
+    for handle in handles:
+        with pytest.raises(RayActorError):
+            ray.get(handle.ping.remote())

@@ -76,7 +76,8 @@ class WorkerGroup:
     role the workers receive. Construction reserves the pool, starts the workers and
     (:meth:`join`) joins them in one process group; a failure on the way shuts down what was
     started. With ``join=False`` the caller joins later: groups constructed one after another
-    that way start their processes (seconds of imports each) side by side.
+    that way start their processes (seconds of imports each) side by side, and a call made
+    before :meth:`join` runs once the workers have joined.
     """
 
     def __init__(
@@ -127,7 +128,15 @@ class WorkerGroup:
                         **worker_kwargs,
                     )
                 )
+            # The whole start is queued now: a worker runs its calls in the order they were
+            # submitted, so :meth:`join` only waits, and no round trip of the driver's delays
+            # a group that the caller joins after another.
             self._started = [w.node_info.remote() for w in self._workers]
+            self._installed = [w.__ray_call__.remote(install_in_worker) for w in self._workers]
+            # Rank 0's address goes to every rank as object refs, so all init calls are
+            # submitted together and the ranks rendezvous concurrently.
+            addr, port = self._workers[0].master_address.options(num_returns=2).remote()
+            self._joined = [w.init_distributed.remote(addr, port) for w in self._workers]
         except BaseException:
             self.shutdown()
             raise
@@ -135,22 +144,15 @@ class WorkerGroup:
             self.join()
 
     def join(self) -> None:
-        """Wait for every worker to start, then join them in one process group."""
+        """Wait for every worker to start and to join the group's process group (both
+        submitted at construction)."""
         try:
             self._infos: list[dict[str, Any]] = self._wait(self._started, "node_info")
             # Batches go out and results come back as raw byte arrays: the driver's and
             # every worker's Ray serializer learn the TensorDict transport.
             use_tensordict_transport()
-            self._wait(
-                [w.__ray_call__.remote(install_in_worker) for w in self._workers],
-                "install_in_worker",
-            )
-            # Rank 0's address goes to every rank as object refs, so all init calls are
-            # submitted together and the ranks rendezvous concurrently.
-            addr, port = self._workers[0].master_address.options(num_returns=2).remote()
-            self._wait(
-                [w.init_distributed.remote(addr, port) for w in self._workers], "init_distributed"
-            )
+            self._wait(self._installed, "install_in_worker")
+            self._wait(self._joined, "init_distributed")
         except BaseException:
             self.shutdown()
             raise

@@ -199,7 +199,7 @@ def _main(argv: Sequence[str] | None) -> int:
     # Before a command imports transformers, and inherited by the ranks it spawns
     # (check-invariance, measure-packing): Hugging Face's progress bars ("Loading weights" at
     # every load of model.path) are not a command's output. Ray's workers get the same
-    # (controller.worker_group.WORKER_ENV); HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them.
+    # (controller.session.WORKER_ENV); HF_HUB_DISABLE_PROGRESS_BARS=0 keeps them.
     os.environ.setdefault(HF_PROGRESS_BARS_ENV, "1")
     try:
         code: int = args.handler(args)

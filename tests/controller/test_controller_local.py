@@ -28,12 +28,15 @@ from verlite.controller import (
     write_placement_report,
 )
 from verlite.controller.failures import is_lost
+from verlite.controller.session import WORKER_ENV
 from verlite.core.metrics import Metric, MetricDict
 from verlite.distributed import all_reduce_sum, get_rank, get_world_size
 
 # Ray workers cannot import this module (pytest puts tests/controller on the driver's
 # sys.path only), so the test workers travel by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+HF_PROGRESS_BARS = "HF_HUB_DISABLE_PROGRESS_BARS"
 
 
 class ProbeWorker(Worker):
@@ -81,6 +84,10 @@ class ProbeWorker(Worker):
             if self.rank == leaving and time.monotonic() - start > 0.5:
                 os._exit(1)
             all_reduce_sum(torch.ones(1))
+
+    def environment(self) -> tuple[str | None, str]:
+        """The progress-bar switch this process sees, and the runtime_env it runs in."""
+        return os.environ.get(HF_PROGRESS_BARS), ray.get_runtime_context().get_runtime_env_string()
 
     def fail_on(self, rank: int, seconds: float) -> None:
         if self.rank == rank:
@@ -144,6 +151,14 @@ def test_embedded_ray_is_loopback_only() -> None:
     nodes = ray.nodes()
     assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+def test_workers_of_the_embedded_ray_inherit_their_environment(pair: WorkerGroup) -> None:
+    """In the embedded Ray that start_ray started, every worker sees WORKER_ENV from its node
+    and runs in no runtime_env of its own: Ray may then hand it an idle worker process it
+    started ahead, instead of starting one for it."""
+    assert WORKER_ENV == {HF_PROGRESS_BARS: "1"}
+    assert pair.call("environment") == [("1", "{}")] * 2
 
 
 def test_group_forms_a_process_group(pair: WorkerGroup) -> None:

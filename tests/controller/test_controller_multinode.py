@@ -2,6 +2,7 @@
 node, all on loopback): node groups pinned to distinct nodes in node-id order, colocated
 and split roles, and a DP=4 actor update over two nodes equal to the single-process one."""
 
+import os
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from verlite.controller import (
     stop_ray,
     write_placement_report,
 )
+from verlite.controller.session import WORKER_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_tiny.yaml"
@@ -41,6 +43,13 @@ class UpdateWorker(Worker):
 
     def update(self, cfg: Config, batch: TensorDict) -> Outcome | None:
         return run_case(cfg, CASE, batch, strategy="ddp")
+
+
+class EnvironmentWorker(Worker):
+    def environment(self) -> tuple[str | None, dict[str, Any]]:
+        """The progress-bar switch this process sees, and the runtime_env it runs in."""
+        context = ray.get_runtime_context()
+        return os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"), context.runtime_env
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,3 +200,20 @@ def test_a_split_run_over_two_nodes_syncs_weights_to_a_rollout_worker_on_each(
     # generated ahead by the first weights, with no sync of its own)
     synced = [r["step"] for r in records if r.get("perf/weight_sync_bytes", 0) > 0]
     assert synced == [1, 3]
+
+
+def test_workers_of_a_cluster_get_their_environment_through_the_runtime_env() -> None:
+    """A session joined by address: its nodes' environment is not the driver's, so the
+    workers get WORKER_ENV through their runtime_env."""
+    pool = ResourcePool(
+        "env", nnodes=1, workers_per_node=1, cpus_per_worker=1.0, gpus_per_worker=0.0, timeout_s=30
+    )
+    group = WorkerGroup(
+        "env", EnvironmentWorker, pool, share=1.0, worker_kwargs={}, torch_threads=1, run_id="env"
+    )
+    try:
+        [(seen, runtime_env)] = group.call("environment")
+    finally:
+        release([group], [pool])
+    assert seen == "1"
+    assert runtime_env["env_vars"] == WORKER_ENV

@@ -73,3 +73,31 @@ def test_the_ray_switch_that_lets_python_handle_sigterm_still_exists() -> None:
     from ray._private import ray_constants
 
     assert isinstance(ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER, bool)
+
+
+@pytest.mark.cluster  # an embedded Ray of its own, in a fresh process: run with the cluster tests
+def test_an_embedded_rays_workers_get_worker_env_and_the_driver_keeps_its_own() -> None:
+    """start_ray(None) has the embedded node's processes inherit WORKER_ENV, whatever the
+    driver's environment says (a user's HF_HUB_DISABLE_PROGRESS_BARS=0 keeps the driver's
+    bars, not the workers'), and leaves the driver's environment as it was."""
+    code = (
+        "import os, ray\n"
+        "from verlite.controller import ResourcePool, Worker, WorkerGroup, start_ray, stop_ray\n"
+        "class Probe(Worker):\n"
+        "    def environment(self):\n"
+        "        return (os.environ.get('HF_HUB_DISABLE_PROGRESS_BARS'),\n"
+        "                ray.get_runtime_context().get_runtime_env_string())\n"
+        "ray.cloudpickle.register_pickle_by_value(__import__('__main__'))\n"
+        "os.environ['HF_HUB_DISABLE_PROGRESS_BARS'] = '0'\n"
+        "start_ray(None, num_cpus=1)\n"
+        "pool = ResourcePool('p', nnodes=1, workers_per_node=1, cpus_per_worker=1.0,\n"
+        "                    gpus_per_worker=0.0, timeout_s=30)\n"
+        "group = WorkerGroup('p', Probe, pool, share=1.0, worker_kwargs={}, torch_threads=1,\n"
+        "                    run_id='env')\n"
+        "print('WORKERS', group.call('environment'))\n"
+        "print('DRIVER', os.environ['HF_HUB_DISABLE_PROGRESS_BARS'])\n"
+        "group.shutdown(); pool.remove(); stop_ray()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "WORKERS [('1', '{}')]\nDRIVER 0\n" in proc.stdout, proc.stdout

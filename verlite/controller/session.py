@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray._private import ray_constants
@@ -35,6 +36,15 @@ VITAL = (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVE
 NODE_GONE = "the embedded Ray's node is gone (its {gone} exited)"
 # The watcher of this process's embedded node (node_watch.py), while there is one.
 _watcher: subprocess.Popen[bytes] | None = None
+# Set in every worker before it imports anything: Hugging Face's progress bars ("Loading
+# weights", "Writing model shards" at every load and export) would reach the run's console
+# through Ray's log forwarding. An embedded Ray started here has its node's processes, and so
+# every worker process, inherit them: Ray then hands a group the idle worker processes it
+# started ahead. In any other session the workers get them through their runtime_env
+# (merged into a job's, key by key), for which Ray starts a process of their own each.
+WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+# The session (its name) of the embedded Ray this process started with WORKER_ENV.
+_inheriting_session: str | None = None
 
 
 def _is_loopback(address: str) -> bool:
@@ -127,6 +137,7 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     (``host:port``, ``auto``, ``ray://...``) connects to that cluster with the user's own
     authentication settings; ``num_cpus`` must then be None.
     """
+    global _inheriting_session
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialized in this process; call stop_ray() first")
     # The driver's Ray core installs a C++ handler for SIGTERM (and crash signals) that dumps
@@ -138,7 +149,7 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
     for name in CHATTY_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     if address is None:
-        with _keep_loopback():
+        with _keep_loopback(), _environment(WORKER_ENV):
             ray.init(
                 # "local" rather than None: None would join a cluster named by RAY_ADDRESS
                 # or by the last `ray start` on this machine.
@@ -149,6 +160,7 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
                 _node_ip_address=LOOPBACK,
                 logging_level=logging.WARNING,
             )
+        _inheriting_session = ray._private.worker._global_node.session_name
         _watch_embedded_node()
         return
     if num_cpus is not None:
@@ -173,6 +185,32 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
                 "cluster's nodes have it (RAY_AUTH_MODE=token with RAY_AUTH_TOKEN_PATH or "
                 "RAY_AUTH_TOKEN)"
             ) from None
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in this process's environment for the block alone (the processes it starts
+    inherit them); what was there before is restored."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def worker_runtime_env() -> dict[str, Any] | None:
+    """The runtime_env of a worker group's actors: none in the embedded Ray this process
+    started (its workers inherit :data:`WORKER_ENV`, and Ray may reuse its idle worker
+    processes), WORKER_ENV as env_vars in any other session."""
+    node = ray._private.worker._global_node
+    if node is not None and _inheriting_session == node.session_name:
+        return None
+    return {"env_vars": dict(WORKER_ENV)}
 
 
 def lost_embedded_node() -> str | None:
@@ -246,7 +284,9 @@ def _stop_watching() -> None:
 
 def stop_ray() -> None:
     """Disconnect from Ray, stopping the embedded Ray if this process started one."""
+    global _inheriting_session
     _stop_watching()
+    _inheriting_session = None
     ray.shutdown()
 
 

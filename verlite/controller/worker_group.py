@@ -20,6 +20,7 @@ from verlite.controller import dispatch as dispatching
 from verlite.controller.dispatch import Collect, Dispatch
 from verlite.controller.failures import WorkerGroupError, describe_failure, is_lost
 from verlite.controller.resource_pool import ResourcePool
+from verlite.controller.session import worker_runtime_env
 from verlite.controller.transport import install_in_worker, use_tensordict_transport
 from verlite.controller.worker import Worker
 
@@ -33,10 +34,6 @@ from verlite.controller.worker import Worker
 _INLINE = (type(None), bool, int, float, str)
 # How long a graceful shutdown may take before the workers are killed regardless.
 _SHUTDOWN_GRACE_S = 10.0
-# Set in every worker before it imports anything (merged into a job's runtime_env, key by
-# key): Hugging Face's progress bars ("Loading weights", "Writing model shards" at every
-# load and export) would reach the run's console through Ray's log forwarding.
-WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 # How long a rank's transport error waits for the death of the peer that caused it.
 _PEER_DEATH_GRACE_S = 2.0
 
@@ -110,7 +107,7 @@ class WorkerGroup:
             for rank, slot in enumerate(self._slots):
                 options = remote_cls.options(
                     name=f"verlite:{run_id}:{name}:{rank}",
-                    runtime_env={"env_vars": WORKER_ENV},
+                    runtime_env=worker_runtime_env(),
                     num_cpus=self.resources["CPU"],
                     num_gpus=self.resources.get("GPU", 0.0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(

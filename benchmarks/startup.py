@@ -130,14 +130,17 @@ def run_once(tree: Path, output_dir: Path) -> dict[str, float]:
 
 
 def summary(values: list[float]) -> dict[str, float]:
-    q1, _, q3 = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+    q1, _, q3 = statistics.quantiles(values, n=4)
     return {"median": round(statistics.median(values), 3), "q1": round(q1, 3), "q3": round(q3, 3)}
 
 
 def main() -> None:
+    # Here, not at the top: the child (``--probe``) measures its own imports from its start.
+    from benchmarks.common import add_repeats
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--revs", default="HEAD", help="git revisions, comma-separated")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions of each revision")
+    add_repeats(parser, 5)
     args = parser.parse_args()
     revs = args.revs.split(",")
     runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in revs}
@@ -150,7 +153,7 @@ def main() -> None:
                 ["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True
             )
             subprocess.run(["tar", "-x", "-C", str(trees[rev])], input=archive.stdout, check=True)
-        for rep in range(args.reps):
+        for rep in range(args.repeats):
             for rev in revs if rep % 2 == 0 else revs[::-1]:
                 runs[rev].append(run_once(trees[rev], Path(tmp, "out", rev)))
                 print(rep, rev, runs[rev][-1]["to_first_step"], file=sys.stderr, flush=True)

@@ -193,6 +193,35 @@ def test_packed_layouts_of_a_window_a_sequence_passes_are_one_line(
     assert proc.stderr.endswith("; leave the packed layouts out\n")
 
 
+def test_the_checkpointed_layout_of_a_model_without_checkpointing_is_one_line(
+    verlite_main, tmp_path, capsys
+) -> None:
+    """JetMoe (a real causal LM class) has no activation checkpointing: the checkpointed
+    layout, one of the default --micro, is refused before any rank starts (each rank's
+    build raised Hugging Face's ValueError: a traceback, exit 1)."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    config = JetMoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    JetMoeForCausalLM(config).save_pretrained(tmp_path)
+    capsys.readouterr()  # the save's progress bar
+    args = ["check-invariance", "--config", CONFIG, f"model.path={tmp_path}", "--dp", "1"]
+    proc = verlite_main(*args, "--micro", "1,checkpointed")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr == (
+        "verlite: error: --micro checkpointed: JetMoeForCausalLM (the actor's model) does not "
+        "support activation checkpointing; leave checkpointed out of --micro\n"
+    )
+
+
 @pytest.mark.parametrize("model", ["path", "builtin"])
 def test_a_model_whose_vocabulary_is_under_the_audits_is_audited(
     verlite_main, tmp_path, capsys, model: str

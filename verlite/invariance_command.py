@@ -143,6 +143,23 @@ def _check_packed_layouts(cfg: Config, packed: list[str]) -> None:
         raise UserError(f"--micro {','.join(packed)}: {passed}; leave the packed layouts out")
 
 
+def _check_checkpointed_layout(cfg: Config, micros: list[str]) -> None:
+    """The ``checkpointed`` layout (one of the default ``--micro``) can run the model: its
+    classes (the actor's causal LM, the critic's trunk) support activation checkpointing;
+    refused before any rank starts, where every rank's first build would stop it."""
+    if "checkpointed" not in micros:
+        return
+    from verlite.models import checkpointing_unsupported
+
+    for role in ("actor", "critic"):
+        unsupported = checkpointing_unsupported(cfg.model, role=role)
+        if unsupported is not None:
+            raise UserError(
+                f"--micro checkpointed: {unsupported} (the {role}'s model) does not support "
+                "activation checkpointing; leave checkpointed out of --micro"
+            )
+
+
 def cmd_check_invariance(args: argparse.Namespace) -> int:
     if args.run:
         return _check_run_invariance(args)
@@ -168,6 +185,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for an input that is not there, before any rank starts
     _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
+    _check_checkpointed_layout(cfg, micros)
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     rows = audit_rows(dps)

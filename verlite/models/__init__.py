@@ -331,16 +331,23 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     target.config.use_cache = False
 
 
-def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> None:
-    """``<role>.gradient_checkpointing=true`` at start-up: the model class of ``cfg`` must
-    support it (checked on a model built on the meta device: no memory); refused in one
-    line otherwise."""
+def checkpointing_unsupported(cfg: ModelConfig, *, role: str) -> str | None:
+    """The class name of ``role``'s model of ``cfg`` (the actor's causal LM, the critic's
+    trunk) when it does not support activation checkpointing; None when it does. Checked on
+    a model built on the meta device: no memory."""
     auto_class = AutoModelForCausalLM if role == "actor" else AutoModel
     with torch.device("meta"):
         model = auto_class.from_config(probe_config(cfg))
-    if not model.supports_gradient_checkpointing:
+    return None if model.supports_gradient_checkpointing else type(model).__name__
+
+
+def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> None:
+    """``<role>.gradient_checkpointing=true`` at start-up: the model class of ``cfg`` must
+    support it; refused in one line otherwise."""
+    unsupported = checkpointing_unsupported(cfg, role=role)
+    if unsupported is not None:
         raise ConfigError(
-            f"{role}.gradient_checkpointing=true: {type(model).__name__} does not support "
+            f"{role}.gradient_checkpointing=true: {unsupported} does not support "
             f"activation checkpointing; set {role}.gradient_checkpointing=false"
         )
 

@@ -3,6 +3,7 @@ never trained stored in bf16 without changing a result, and the weight sync's ca
 
 import copy
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,9 +11,12 @@ from transformers import AutoModelForCausalLM
 
 from tests.model_support import tiny_moe, tiny_qwen2, tiny_sliding
 from verlite.audit.invariance import make_batch
+from verlite.cli import main
 from verlite.config import ConfigError, load_config
-from verlite.config.derived import bf16_lost_update, precision_line
+from verlite.config.derived import bf16_lost_update, precision_line, precision_warning
 from verlite.driver import preflight
+from verlite.driver import run as run_module
+from verlite.errors import UserError
 from verlite.generation import make_bucket, sync_layout
 from verlite.generation.weights import WeightReceiver
 from verlite.models import (
@@ -79,14 +83,37 @@ def test_pure_bf16_warns_of_a_learning_rate_its_updates_lose() -> None:
     assert torch.tensor(0.02, dtype=torch.bfloat16) + lost * 0.99 == torch.tensor(
         0.02, dtype=torch.bfloat16
     )
-    line = precision_line(config("model.precision=bf16", "actor.optim.lr=1e-6"))
-    assert "warning: actor.optim.lr=1e-06" in line and "model.precision=bf16-mixed" in line
+    line = precision_warning(config("model.precision=bf16", "actor.optim.lr=1e-6"))
+    assert line is not None and line.startswith(
+        "warning: model.precision=bf16: actor.optim.lr=1e-06"
+    )
+    assert "model.precision=bf16-mixed" in line
     assert "critic.optim.lr" not in line  # the critic's 1e-3 moves such weights
     assert "\n" not in line
-    assert "warning" not in precision_line(config("model.precision=bf16", "actor.optim.lr=1e-3"))
-    assert "warning" not in precision_line(
-        config("model.precision=bf16-mixed", "actor.optim.lr=1e-6")
-    )
+    assert precision_warning(config("model.precision=bf16", "actor.optim.lr=1e-3")) is None
+    assert precision_warning(config("model.precision=bf16-mixed", "actor.optim.lr=1e-6")) is None
+    assert "warning" not in precision_line(config("model.precision=bf16", "actor.optim.lr=1e-6"))
+
+
+@pytest.mark.parametrize("setting", ["model.precision=bf16", "model.dtype=bfloat16"])
+def test_pure_bf16_at_a_learning_rate_it_loses_is_warned_before_ray_starts(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    setting: str,
+) -> None:
+    """The warning comes before Ray starts and any worker loads weights (it was printed with
+    the precision line once the workers were placed: minutes into a large model's run)."""
+
+    def no_ray(address: str | None) -> None:
+        raise UserError("Ray would start here")
+
+    monkeypatch.setattr(run_module, "ray_session", no_ray)
+    overrides = [setting, "actor.optim.lr=1e-6", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert main(["train", "--config", CONFIG, *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert err == "verlite: error: Ray would start here\n"
+    assert out.count("warning: model.precision=bf16: actor.optim.lr=1e-06 is at most half") == 1
 
 
 # ------------------------------------------------------------------------ master weights

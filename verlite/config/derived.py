@@ -207,9 +207,7 @@ def bf16_lost_update(magnitude: float) -> float:
 
 
 def precision_line(cfg: Config) -> str:
-    """The line a run prints at start-up about its precision; under pure bf16, a warning for
-    each role whose learning rate is too small to move a weight of typical magnitude (an
-    AdamW step moves each weight by about the learning rate)."""
+    """The line a run prints at start-up about its precision."""
     meaning = {
         "fp32": "parameters and compute in fp32",
         "fp64": "parameters and compute in fp64",
@@ -217,16 +215,27 @@ def precision_line(cfg: Config) -> str:
         "bf16": "parameters and compute in bf16, no master weights",
     }[cfg.precision]
     auto = f"; model.precision=auto on {'cuda' if cfg.on_gpu else 'CPU'}"
-    line = f"precision: {cfg.precision} ({meaning}{auto if cfg.model.precision == 'auto' else ''})"
+    return f"precision: {cfg.precision} ({meaning}{auto if cfg.model.precision == 'auto' else ''})"
+
+
+def precision_warning(cfg: Config) -> str | None:
+    """Under pure bf16, one line naming each role whose learning rate is too small to move
+    a weight of typical magnitude (an AdamW step moves each weight by about the learning
+    rate); None otherwise. A run prints it before Ray starts: the user decides, but is told
+    before any weights load."""
     if cfg.precision != "bf16":
-        return line
+        return None
     lost = bf16_lost_update(TYPICAL_WEIGHT)
-    for role in cfg.roles:
-        lr = getattr(cfg, role).optim.lr
-        if lr < lost:
-            line += (
-                f"; warning: {role}.optim.lr={lr:g} is at most half the bf16 spacing of a weight "
-                f"of magnitude {TYPICAL_WEIGHT:g} ({lost:.2g}): its updates round away and such "
-                "weights never change; use model.precision=bf16-mixed (fp32 master weights)"
-            )
-    return line
+    rates = [
+        f"{role}.optim.lr={lr:g}"
+        for role in cfg.roles
+        if (lr := getattr(cfg, role).optim.lr) < lost
+    ]
+    if not rates:
+        return None
+    return (
+        f"warning: model.precision=bf16: {', '.join(rates)} {'is' if len(rates) == 1 else 'are'} "
+        f"at most half the bf16 spacing of a weight of magnitude {TYPICAL_WEIGHT:g} "
+        f"({lost:.2g}): its updates round away and such weights never change; use "
+        "model.precision=bf16-mixed (fp32 master weights)"
+    )

@@ -22,6 +22,7 @@ import ray
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
+from verlite.config.derived import precision_warning
 from verlite.config.inert import inert_settings_line
 from verlite.controller import (
     PLACEMENT_FILES,
@@ -205,6 +206,8 @@ def run_training(cfg: Config) -> Path:
         )
     if (inert := inert_settings_line(cfg)) is not None:
         print(inert, flush=True)
+    if (warning := precision_warning(cfg)) is not None:
+        print(warning, flush=True)
     check_placement(cfg, in_session=joined)
     inputs = RunInputs.load(cfg)
     if joined:

@@ -11,7 +11,7 @@ are never trained are stored (docs/design.md, "Precision").
   every layout computes the same arithmetic and the invariance audit can hold them to one
   tolerance.
 - ``bf16``: parameters and compute in bf16 (no master weights): an update smaller than half
-  a weight's bf16 spacing rounds away (``verlite.config.precision_line`` warns of it).
+  a weight's bf16 spacing rounds away (``verlite.config.derived.precision_warning`` warns of it, before Ray starts).
 """
 
 from __future__ import annotations

@@ -353,7 +353,32 @@ def test_the_driver_scores_a_step_with_it() -> None:
     finally:
         reward_fn.close()  # type: ignore[attr-defined]
     assert scores.tolist() == [1.0, 1.0, 0.25, 0.0, 0.0]
-    assert metrics == {"reward/fn/mean": pytest.approx(2.25 / 5), "reward/math/abandoned": 0.0}
+    # "72" and "\frac{1}{2}" have no final answer (no \boxed{}, no ####): 0, and counted.
+    assert metrics == {
+        "reward/fn/mean": pytest.approx(2.25 / 5),
+        "reward/math/abandoned": 0.0,
+        "reward/math/no_answer": 2.0,
+    }
+
+
+def test_a_step_counts_its_responses_without_a_final_answer() -> None:
+    """A model that never writes the form the prompt asks for scores 0 on every response: the
+    step says how many of them had no answer to verify (a silent 0 is never without a
+    count), the step's own count, not the run's."""
+    cfg = _config(fn="math", timeout_s=TIMEOUT_S)
+    tokenizer = _byte_tokenizer()
+    records = [{"prompt": "One?", "answer": "#### 1"}]
+    reward_fn = resolve_reward(cfg)
+    scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
+    try:
+        steps = [
+            scorer.score(_step_batch(tokenizer, texts, [0] * len(texts)), records)
+            for texts in (["1", "72", r"\boxed{2}"], [r"\boxed{1}", "#### 1"])
+        ]
+    finally:
+        reward_fn.close()  # type: ignore[attr-defined]
+    assert [scores.tolist() for scores, _ in steps] == [[0.0, 0.0, 0.0], [1.0, 1.0]]
+    assert [metrics["reward/math/no_answer"] for _, metrics in steps] == [2.0, 0.0]
 
 
 def test_a_step_counts_its_abandoned_verifications() -> None:

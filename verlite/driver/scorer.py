@@ -82,14 +82,17 @@ class Scorer:
     def _score_fn(
         self, texts: list[str], answers: list[str], prompts: list[str], metrics: dict[str, float]
     ) -> list[float]:
-        """The reward function's scores; with the math reward, ``reward/math/abandoned`` in
-        ``metrics``: its verifications of these responses that outlived their budget (each
-        scored 0), counted by the reward (``MathReward.abandoned``, a count over the run)."""
+        """The reward function's scores; with the math reward, in ``metrics``,
+        ``reward/math/abandoned``: its verifications of these responses that outlived their
+        budget, and ``reward/math/no_answer``: these responses without a final answer (each
+        scored 0), counted by the reward (``MathReward.abandoned`` and ``unanswered``, counts
+        over the run)."""
         fn = self.reward_fn
-        before = fn.abandoned if isinstance(fn, MathReward) else 0
+        before = (fn.abandoned, fn.unanswered) if isinstance(fn, MathReward) else (0, 0)
         scores = score_responses(fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s)
         if isinstance(fn, MathReward):
-            metrics["reward/math/abandoned"] = float(fn.abandoned - before)
+            metrics["reward/math/abandoned"] = float(fn.abandoned - before[0])
+            metrics["reward/math/no_answer"] = float(fn.unanswered - before[1])
         return scores
 
     def _decoded(

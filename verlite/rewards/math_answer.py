@@ -9,7 +9,9 @@ asks for. A reference answer that has neither is taken whole. A final answer lon
 
 Score: 1 when math-verify finds the two equivalent (``0.5``, ``1/2`` and ``\\frac{1}{2}``;
 ``72`` and ``72.0``), else ``format_credit`` (``reward.math_format_credit``) when the
-response's answer reads as an expression, else 0.
+response's answer reads as an expression, else 0. A response without a final answer scores 0
+and is counted (:attr:`MathReward.unanswered`; a step's as ``reward/math/no_answer``): a
+model that never writes the asked form is told apart from one that answers wrong.
 
 math-verify runs in a process of its own (:mod:`verlite.rewards.math_worker`), started on the
 first call and kept: its timeouts use SIGALRM, which only a main thread can, and a thread
@@ -79,6 +81,7 @@ class MathReward:
         self.format_credit = format_credit
         self.budget_s = timeout_s / 2
         self.abandoned = 0  # verifications that outlived the budget
+        self.unanswered = 0  # responses without a final answer (no \boxed{}, no ####)
         self._stream = stream
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
@@ -91,6 +94,8 @@ class MathReward:
         gold = reference_answer(answer)
         pred = final_answer(response)
         if pred is None:
+            with self._lock:
+                self.unanswered += 1
             return 0.0
         with self._lock:
             reply = self._verify(gold, pred)

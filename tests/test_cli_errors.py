@@ -304,6 +304,41 @@ def test_a_model_without_activation_checkpointing_is_refused_before_ray(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_without_sdpa_attention_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Gemma 2 (a real model class, popular as an instruct model) has no SDPA attention,
+    which every worker loads models with: each worker's load raised Hugging Face's
+    ValueError after Ray started (exit 1, half a minute in), and check-invariance's ranks
+    a traceback."""
+    from chat_model_support import chat_tokenizer
+    from transformers import AutoModelForCausalLM, Gemma2Config
+
+    tokenizer = chat_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "gemma2")
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma2")
+    capsys.readouterr()  # the save's progress bar
+    expected = (
+        f"verlite: error: model.path={str(tmp_path / 'gemma2')!r}: Gemma2ForCausalLM does not "
+        "support scaled-dot-product attention (SDPA), which verlite loads every model with; "
+        "use a model whose class does (Llama, Qwen2, Mistral, ...)\n"
+    )
+    model = f"model.path={tmp_path / 'gemma2'}"
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    assert run(capsys, "train", "--config", CONFIG, model, out) == expected
+    assert not (tmp_path / "run").exists()
+    assert run(capsys, "check-invariance", "--config", CONFIG, model, "--dp", "1") == expected
+
+
 def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

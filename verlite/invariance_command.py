@@ -173,6 +173,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         tolerance_for,
     )
     from verlite.config import check_inputs, load_config
+    from verlite.models import check_attention_supported
 
     for flag in ("layout", "runs_dir", "atol"):
         if getattr(args, flag) is not None:
@@ -184,6 +185,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     check_layouts(dps)
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for an input that is not there, before any rank starts
+    check_attention_supported(cfg.model)
     _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
     _check_checkpointed_layout(cfg, micros)
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)

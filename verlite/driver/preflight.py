@@ -30,6 +30,7 @@ from verlite.generation.decode import MAX_END_TOKENS, auto_mode, check_mode_supp
 from verlite.generation.static_cache import UnsupportedModel, cache_bytes
 from verlite.models import (
     builtin_vocab_size,
+    check_attention_supported,
     check_context_fits,
     check_gradient_checkpointing_supported,
     check_lora_supported,
@@ -187,6 +188,7 @@ class RunInputs:
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         builtin_vocab_size(cfg.model, len(tokenizer))
+        check_attention_supported(cfg.model)
         check_generation(cfg, len(tokenizer))
         if cfg.trainer.ray_address is None and not ray.is_initialized():
             check_generation_fits(cfg, len(tokenizer))

@@ -331,6 +331,24 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     target.config.use_cache = False
 
 
+def check_attention_supported(cfg: ModelConfig) -> None:
+    """``model.path`` at start-up: its class runs scaled-dot-product attention, which every
+    model is loaded with (``_pretrained``; eager attention yields NaN on fully padded query
+    rows); refused in one line otherwise (checked on a model built on the meta device: no
+    memory), where each worker's load would raise once Ray started. The built-in decoders
+    (Llama, Qwen2) do."""
+    if cfg.path is None:
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(probe_config(cfg))
+    if not model._supports_sdpa:
+        raise ConfigError(
+            f"model.path={cfg.path!r}: {type(model).__name__} does not support "
+            "scaled-dot-product attention (SDPA), which verlite loads every model with; use a "
+            "model whose class does (Llama, Qwen2, Mistral, ...)"
+        )
+
+
 def checkpointing_unsupported(cfg: ModelConfig, *, role: str) -> str | None:
     """The class name of ``role``'s model of ``cfg`` (the actor's causal LM, the critic's
     trunk) when it does not support activation checkpointing; None when it does. Checked on

@@ -837,6 +837,19 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
 def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     err = run(capsys, "export", str(tmp_path / "typo"))
     assert f"verlite: error: no such folder: {str(tmp_path / 'typo')!r}" in err
+    (tmp_path / "weights.bin").write_text("a file")  # a file, not a run's folder
+    err = run(capsys, "export", str(tmp_path / "weights.bin"))
+    assert (
+        f"verlite: error: {str(tmp_path / 'weights.bin')!r} is a file; give a run's folder" in err
+    )
+    for empty in (["", "--merge"], [str(tmp_path), "--merge", "--out", ""]):
+        # an unset shell variable: the current folder said to hold no policy, named ''
+        with pytest.raises(SystemExit) as exit_info:
+            main(["export", *empty])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "expected a path, got an empty string" in err, err
+    (tmp_path / "weights.bin").unlink()
     err = run(capsys, "export", str(tmp_path))
     assert "holds no exported policy (hf_actor/ is missing; a run exports it when it fin" in err
     (tmp_path / "config.json").write_text(json.dumps({"trainer": {"export": False}}))

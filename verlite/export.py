@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from verlite.arguments import path
 from verlite.errors import UserError
 from verlite.policy_folder import MERGED_FOLDER, POLICY_FOLDER, policy_exported
 
@@ -38,12 +39,17 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "With --merge, write the adapter folded into its base's weights as a plain Hugging "
         f"Face model with the tokenizer, to RUN_DIR/{MERGED_FOLDER} or --out.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's output folder")
+    parser.add_argument(
+        "run_dir", metavar="RUN_DIR", type=path, help="a finished run's output folder"
+    )
     parser.add_argument(
         "--merge", action="store_true", help="write the merged weights of a LoRA policy"
     )
     parser.add_argument(
-        "--out", default=None, help=f"with --merge, a new folder (default RUN_DIR/{MERGED_FOLDER})"
+        "--out",
+        default=None,
+        type=path,
+        help=f"with --merge, a new folder (default RUN_DIR/{MERGED_FOLDER})",
     )
     parser.set_defaults(handler=cmd_export)
 
@@ -51,6 +57,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 def cmd_export(args: argparse.Namespace) -> int:
     if args.out is not None and not args.merge:
         raise UserError(f"--out {args.out}: names where --merge writes; add --merge")
+    if Path(args.run_dir).is_file():
+        raise UserError(f"{args.run_dir!r} is a file; give a run's folder (trainer.output_dir)")
     if not Path(args.run_dir).is_dir():  # a mistyped folder: not a run still to finish
         raise UserError(f"no such folder: {args.run_dir!r}")
     policy = Path(args.run_dir) / POLICY_FOLDER

@@ -339,6 +339,52 @@ def test_a_model_without_sdpa_attention_is_refused_before_ray(
     assert run(capsys, "check-invariance", "--config", CONFIG, model, "--dp", "1") == expected
 
 
+def _saved_model(folder: Path, **save: Any) -> Path:
+    from chat_model_support import chat_tokenizer
+    from model_support import tiny_qwen2
+
+    tokenizer = chat_tokenizer()
+    tokenizer.save_pretrained(folder)
+    tiny_qwen2(tied=False, vocab_size=len(tokenizer)).save_pretrained(folder, **save)
+    return folder
+
+
+def test_damaged_weight_files_are_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A copy cut short, a shard missing, a file that is not safetensors: each worker's load
+    raised after Ray started (SafetensorError: 'incomplete metadata, file not fully covered',
+    exit 1, half a minute in); now one line naming the file, before Ray."""
+    one = _saved_model(tmp_path / "one")
+    capsys.readouterr()  # the save's progress bar
+    weights = one / "model.safetensors"
+    whole = weights.read_bytes()
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    weights.write_bytes(whole[: len(whole) // 2])
+    err = run(capsys, "train", "--config", CONFIG, f"model.path={one}", out)
+    assert err == (
+        f"verlite: error: model.path={str(one)!r}: model.safetensors is cut short or damaged: "
+        f"{len(whole) // 2} bytes where its header describes {len(whole)}; copy or save the "
+        "model again\n"
+    )
+    weights.write_bytes(b"not a safetensors file")
+    err = run(capsys, "train", "--config", CONFIG, f"model.path={one}", out)
+    assert err.startswith(
+        f"verlite: error: model.path={str(one)!r}: model.safetensors is not a safetensors file"
+    ), err
+    sharded = _saved_model(tmp_path / "sharded", max_shard_size="20KB")
+    capsys.readouterr()
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 1
+    shards[-1].unlink()
+    err = run(capsys, "train", "--config", CONFIG, f"model.path={sharded}", out)
+    assert err == (
+        f"verlite: error: model.path={str(sharded)!r}: model.safetensors.index.json names "
+        f"{shards[-1].name}, which is not in the folder; copy or save the model again\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

@@ -12,7 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoint_support import fake_checkpoint
+from safetensors.torch import save_file
 
 from verlite import policy_folder
 from verlite.config import Config, ConfigError, check_paths, load_config
@@ -228,7 +230,7 @@ def test_an_output_folder_overlapping_an_input_is_refused(
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "llama"}')
-    (model / "model.safetensors").write_bytes(b"")
+    save_file({"w": torch.zeros(1)}, model / "model.safetensors")
     (model / "train.jsonl").write_text('{"prompt": "1", "answer": "1"}\n')
     (tmp_path / "other" / "checkpoints" / "step_3").mkdir(parents=True)
     fill = {"model": model, "tmp": tmp_path}

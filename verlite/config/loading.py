@@ -484,6 +484,61 @@ def _check_model_dir(path: str, field: str) -> None:
             f"{field}={path!r} holds no weights (none of {', '.join(WEIGHT_FILES)}); "
             "save the model with save_pretrained"
         )
+    for name in _safetensors_files(Path(path), field):
+        problem = _safetensors_problem(Path(path) / name)
+        if problem is not None:
+            raise ConfigError(f"{field}={path!r}: {name} {problem}; copy or save the model again")
+
+
+# The largest header the safetensors format allows (its own reader refuses a larger one).
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def _safetensors_files(folder: Path, field: str) -> list[str]:
+    """The safetensors files a load of ``folder`` reads: model.safetensors, or the shards its
+    index names (each must be there)."""
+    if (folder / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return []
+    text = read_text(index, what=f"{field}'s {index.name}", error=ConfigError)
+    try:
+        weight_map = json.loads(text)["weight_map"]
+        shards = sorted(set(weight_map.values()))
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"{field}={str(folder)!r}: {index.name} cannot be read as a safetensors index "
+            f"({_one_line(exc)}); copy or save the model again"
+        ) from None
+    for shard in shards:
+        if not isinstance(shard, str) or not (folder / shard).is_file():
+            raise ConfigError(
+                f"{field}={str(folder)!r}: {index.name} names {shard}, which is not in the "
+                "folder; copy or save the model again"
+            )
+    return shards
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    """What makes ``file`` unloadable as safetensors, read from its header alone (an 8-byte
+    length, a JSON header, then the tensors' bytes, which must fill the rest exactly); None
+    when its size is what the header describes."""
+    size = file.stat().st_size
+    with file.open("rb") as stream:
+        head = stream.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= min(SAFETENSORS_MAX_HEADER, size - 8):
+            return "is not a safetensors file (no header of a readable length)"
+        try:
+            header = json.loads(stream.read(length))
+            ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__"]
+            expected = 8 + length + max((int(end) for end in ends), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return "is not a safetensors file (its header is not a tensor table)"
+    if size != expected:
+        return f"is cut short or damaged: {size} bytes where its header describes {expected}"
+    return None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -162,6 +162,10 @@ def main() -> None:
         help=f"steps of each curve in {PLOT.name} (0: none)",
     )
     args = parser.parse_args()
+    if args.warmup >= args.steps:
+        parser.error(
+            f"--warmup {args.warmup}: below --steps ({args.steps}), the steps timed after it"
+        )
     retain_freed_memory()
     rates: dict[str, list[float]] = {name: [] for name in TIMED}
     mfu: dict[str, list[float]] = {name: [] for name in TIMED}

@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--window", type=positive_int, default=10)
     parser.add_argument("--staleness", type=non_negative_int, default=1)
     args = parser.parse_args()
+    if args.window > args.steps:
+        parser.error(f"--window {args.window}: at most --steps ({args.steps}), the scores it means")
     retain_freed_memory()
     node: dict[str, object] = {"num_cpus": 2, "node_ip_address": "127.0.0.1"}
     cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})

@@ -143,6 +143,8 @@ def main() -> None:
     add_repeats(parser, 5)
     args = parser.parse_args()
     revs = args.revs.split(",")
+    if "" in revs or len(set(revs)) < len(revs):
+        parser.error(f"--revs {args.revs!r}: distinct git revisions, comma-separated")
     runs: dict[str, list[dict[str, float]]] = {rev: [] for rev in revs}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {}

@@ -67,14 +67,15 @@ class Idle(Worker):
         pass
 
 
-def test_a_runs_groups_start_and_build_their_models_side_by_side(
+def test_a_runs_groups_start_side_by_side_and_build_their_models_one_after_another(
     local_ray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every group's workers are started, and every group's init_model submitted, before any
-    group is waited for: their starts (a real worker imports torch and transformers, seconds)
-    and their model builds overlap; one group after another, they added up. Joining a group
-    only waits: its start was queued whole at construction, so the driver makes no calls
-    (round trips) of its own on the way."""
+    """Every group's workers are started before any group is waited for: their starts (a
+    real worker imports torch and transformers, seconds) overlap. Joining a group only
+    waits: its start was queued whole at construction, so the driver makes no calls (round
+    trips) of its own on the way. The models are built one group after another: each build
+    peaks on the host (a 7B policy in float32 is ~30 GB), and side by side the peaks of the
+    groups of a node would add up."""
     events = []
     construct, join = WorkerGroup.__init__, WorkerGroup.join
     call_async, result = WorkerGroup.call_async, PendingCall.result
@@ -117,11 +118,11 @@ def test_a_runs_groups_start_and_build_their_models_side_by_side(
     assert events == [
         "started actor",
         "started critic",
-        "init_model submitted to actor",
-        "init_model submitted to critic",
         "waited for actor",
         "waited for critic",
+        "init_model submitted to actor",
         "init_model awaited from actor",
+        "init_model submitted to critic",
         "init_model awaited from critic",
     ]
 
@@ -136,8 +137,8 @@ class FailingInit(Worker):
 def test_a_groups_failed_init_ends_the_start_with_its_error_and_nothing_left_running(
     local_ray, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The groups build their models side by side; the critic's failure is still reported as
-    the critic's (group, rank, method, cause), and every worker of every group is gone."""
+    """The critic's failure to build its model is reported as the critic's (group, rank,
+    method, cause), and every worker of every group is gone."""
     handles: list[Any] = []
     construct = WorkerGroup.__init__
 

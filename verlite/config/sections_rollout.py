@@ -72,10 +72,10 @@ class MultiTurnConfig(Section):
         30.0,
         description="Most seconds one environment call may take, from its start (not from the "
         "time it waited for its thread's earlier calls); a step that takes longer or raises "
-        "ends its trajectory (multiturn/tool_errors), never the run. A turn's steps run side "
-        "by side (env_threads), and Python code holds one interpreter lock: steps that compute "
-        "in Python each take about as long as all running beside them (env_threads=1 times "
-        "each alone).",
+        "ends its trajectory (multiturn/tool_errors), never the run. Counted as the time the "
+        "call would take alone: calls that compute in Python side by side (env_threads) take "
+        "turns on the interpreter lock, and the CPU time the others ran meanwhile is not "
+        "charged to it.",
     )
     max_abandoned_calls: NonNegativeInt = Field(
         32,

@@ -78,14 +78,13 @@ def start_groups(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> Iterator[Ru
                 run_id=run_id,
                 join=False,  # every group's processes start (import torch) side by side
             )
-        # Every group's model is built side by side (no group's depends on another's: each
-        # builds from the config and its own seed), queued behind its start; the waits go
-        # in the order of the groups, so a failure is reported as one after another would.
-        inits = [group.call_async("init_model") for group in started.values()]
         for group in started.values():
             group.join()
-        for init in inits:
-            init.result()
+        # One group's model after another: each builds its model on the host first (a 7B
+        # policy is ~30 GB in float32, its reference a copy), and groups of one node side by
+        # side would hold those peaks at once.
+        for group in started.values():
+            group.call("init_model", dispatch="broadcast", collect="list")
         yield RunGroups(
             actor=started["actor"],
             critic=started.get("critic"),

@@ -408,7 +408,7 @@ class Trainer:
                 (p for p in state.checkpoints if checkpoint_step(p) < checkpoint_step(final)),
                 key=checkpoint_step,
             )
-            return replace(state, checkpoints=(*earlier[len(earlier) - keep + 1 :], final))
+            return replace(state, checkpoints=(*earlier[max(0, len(earlier) - keep + 1) :], final))
 
         # Told before the rename: a node lost right after it names this checkpoint. Made once
         # the written folder is gone (renamed): this step's own mark may be there before,

@@ -6,13 +6,16 @@ client's connection) is there in every call. A worker's sessions share
 ``rollout.multi_turn.env_threads`` threads (:class:`SessionThreads`; a thread per trajectory
 would be thousands of idle threads), each bound to one when it is made: per-thread state is
 shared by the sessions of a thread, as in any thread pool, and what is a trajectory's own
-belongs on its environment object. A step's environments are all made, then all reset
-(:func:`open_sessions`), and a turn's steps all started (:meth:`Session.start_step`), before
-any is waited for, so the calls of different threads run side by side (state an environment
+belongs on its environment object. A step's environments are all started being made, then
+all being reset once every one is made (:func:`open_sessions`), and a turn's steps all
+started (:meth:`Session.start_step`), each round before any of it is waited for, so the calls
+of different threads run side by side (state an environment
 shares between threads must be safe to use from several at once) and a thread's run one
 after another, in the order they were started. Each call is bounded by
-``rollout.multi_turn.tool_timeout_s`` from its start (:meth:`SessionThreads.wait` checks
-every running call of the worker against its own deadline, whichever call it waits for). A
+``rollout.multi_turn.tool_timeout_s`` of the time it would have taken alone, counted from its
+start (:meth:`_Call.used`: calls that compute in Python side by side take turns on the
+interpreter's lock, and none is charged the time it waited for it), and
+:meth:`SessionThreads.wait` checks every running call of the worker, whichever it waits for. A
 ``step`` that raises or outlives that bound (returning late included) is a tool error: it
 ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never the run. A
 Python thread cannot be stopped, so a call that timed out is left running
@@ -30,6 +33,7 @@ of a string observation the tokenizer can encode, a reward in [0, 1] and a bool 
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import math
 import threading
@@ -65,7 +69,7 @@ class AbandonedCalls:
 
     def add(self, call: _Call) -> int:
         """Count ``call`` in; how many abandoned calls are still running, it included while it
-        runs: a call left running at its deadline may have returned by the time its answer
+        runs: a call left running at its timeout may have returned by the time its answer
         is taken (a turn's steps run side by side)."""
         self._calls = [c for c in (*self._calls, call) if not c.done.is_set()]
         return len(self._calls)
@@ -79,21 +83,39 @@ class _Call:
         self, thread: _Thread, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float
     ) -> None:
         self.thread, self.fn, self.args, self.timeout_s = thread, fn, args, timeout_s
-        self.deadline: float | None = None  # set when it starts: timeout_s from then
+        self.started: float | None = None  # when it started (time.monotonic)
+        self._cpu_at_start: dict[_Thread, float] = {}  # the pool's threads' CPU seconds then
         self.cancelled = False  # gave up before it started: never run
-        self.overdue = False  # ran past its deadline
-        self.left_running = False  # still ran at its deadline: it holds its thread
-        self.beside = 0  # calls of other threads running when it was found overdue
+        self.overdue = False  # ran past its timeout
+        self.left_running = False  # still ran at its timeout: it holds its thread
         self.outcome: tuple[str, Any] | None = None
         self.done = threading.Event()
 
-    def check(self, now: float) -> None:
-        """Mark the call overdue if it ran past its deadline by ``now``: one still running
-        is left running, holding its thread, which is retired."""
-        if self.deadline is None or self.overdue or now < self.deadline:
+    def start(self, now: float, cpu: dict[_Thread, float]) -> None:
+        """It starts at ``now``, the pool's threads having run ``cpu`` CPU seconds."""
+        self.started, self._cpu_at_start = now, cpu
+
+    def used(self, now: float, cpu: dict[_Thread, float]) -> float:
+        """The seconds of its timeout it used by ``now`` (the pool's threads having run
+        ``cpu`` CPU seconds): the time it would have taken alone, as far as the clocks tell.
+        Its wall time less the CPU time the pool's other threads ran meanwhile (Python code
+        holds one interpreter lock, so calls that compute side by side take turns on it, each
+        as long as all of them together), and at least its own thread's CPU time (calls in
+        code that releases the lock run on several cores at once). A call that waits (a
+        sandbox, a request, a hang) while the others wait too is charged its wall time. Grows
+        at most as fast as the wall clock."""
+        assert self.started is not None
+        base = self._cpu_at_start
+        own = cpu[self.thread] - base.get(self.thread, 0.0)
+        others = sum(v - base.get(t, 0.0) for t, v in cpu.items() if t is not self.thread)
+        return max(now - self.started - others, own)
+
+    def check(self, now: float, cpu: dict[_Thread, float]) -> None:
+        """Mark the call overdue if it used its timeout by ``now`` (:meth:`used`): one still
+        running is left running, holding its thread, which is retired."""
+        if self.started is None or self.overdue or self.used(now, cpu) < self.timeout_s:
             return
         self.overdue = True
-        self.beside = sum(c.thread is not self.thread for c in self.thread.pool.running)
         if self.outcome is None:
             self.left_running = True
             self.thread.held, self.thread.retired = self, True
@@ -113,6 +135,16 @@ class _Thread:
         self._calls: collections.deque[_Call] = collections.deque()
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
+        self._clock = _cpu_clock(self.thread)
+        self._cpu = 0.0
+
+    def cpu_seconds(self) -> float:
+        """The CPU seconds this thread ran (0 where the platform cannot tell: its calls are
+        then charged their wall time); once it ended, what it ran until then."""
+        if self._clock is not None and self.thread.is_alive():
+            with contextlib.suppress(OSError):
+                self._cpu = time.clock_gettime(self._clock)
+        return self._cpu
 
     def _serve(self) -> None:
         while (call := self._next()) is not None:
@@ -122,7 +154,7 @@ class _Thread:
                 outcome = ("raised", exc)
             with self._lock:
                 call.outcome = outcome
-                call.check(time.monotonic())
+                call.check(time.monotonic(), self.pool.cpu_seconds())
                 self.pool.running.discard(call)
                 if self.held is call:
                     self.held = None
@@ -136,7 +168,7 @@ class _Thread:
                 while self._calls:
                     call = self._calls.popleft()
                     if not call.cancelled:
-                        call.deadline = time.monotonic() + call.timeout_s
+                        call.start(time.monotonic(), self.pool.cpu_seconds())
                         self.pool.running.add(call)
                         self._lock.notify_all()
                         return call
@@ -179,13 +211,24 @@ class SessionThreads:
         self.running: set[_Call] = set()  # the calls started and not yet returned
         self._threads: list[_Thread] = []
         self._made = 0
+        self._every: list[_Thread] = []  # every thread a running call's time may be shared with
+
+    def cpu_seconds(self) -> dict[_Thread, float]:
+        """The CPU seconds each thread of the pool ran (:meth:`_Call.used`); a thread that
+        ended is dropped once no call runs (none started while it ran). Under the lock."""
+        if not self.running:
+            self._every = [t for t in self._every if t.thread.is_alive()]
+        return {t: t.cpu_seconds() for t in self._every}
 
     def bind(self) -> _Thread:
         """The thread a new session's calls run in."""
         self._threads = [t for t in self._threads if not t.retired]
         if len(self._threads) < self.size:
             self._made += 1
-            self._threads.append(_Thread(f"verlite-env-{self._made}", self))
+            thread = _Thread(f"verlite-env-{self._made}", self)
+            self._threads.append(thread)
+            with self.lock:
+                self._every.append(thread)
         thread = min(self._threads, key=lambda t: t.sessions)
         thread.bind()
         return thread
@@ -194,26 +237,25 @@ class SessionThreads:
         """``("ok", result)``, ``("raised", exception)``, ``("timeout", the call)``: it ran
         past its timeout (``left_running`` if it still ran then), or ``("held", the call
         holding its thread)``: its thread was held by another session's call that outlived
-        its timeout, and this call was not run. The timeout counts from the call's start: waiting for another
-        session's call that is within its own timeout does not count. Every running call
-        of the pool is checked against its deadline while this waits, so a call whose
-        caller waits for another one is judged by its own time."""
+        its timeout, and this call was not run. The timeout counts from the call's start
+        (:meth:`_Call.used`): waiting for another session's call that is within its own
+        timeout does not count. Every running call of the pool is checked while this waits,
+        so a call whose caller waits for another one is judged by its own time."""
         with self.lock:
             while True:
-                now = time.monotonic()
+                now, cpu = time.monotonic(), self.cpu_seconds()
                 for running in list(self.running):
-                    running.check(now)
+                    running.check(now, cpu)
                 if call.overdue:
                     return "timeout", call
                 if call.outcome is not None:
                     return call.outcome
-                if call.deadline is None and call.thread.held is not None:
+                if call.started is None and call.thread.held is not None:
                     call.cancelled = True
                     return "held", call.thread.held
-                deadlines = [
-                    c.deadline for c in self.running if c.deadline is not None and not c.overdue
-                ]
-                self.lock.wait(min(deadlines) - now if deadlines else None)
+                # Woken no later than the first running call could use its timeout.
+                left = [c.timeout_s - c.used(now, cpu) for c in self.running if not c.overdue]
+                self.lock.wait(max(min(left), 1e-3) if left else None)
 
 
 class Session:
@@ -265,7 +307,7 @@ class Session:
 
     def _abandoned(self, call: _Call) -> int | None:
         """How many abandoned calls this worker has, ``call`` counted in, if it was left
-        running at its deadline; None if it returned, late."""
+        running at its timeout; None if it returned, late."""
         return self.abandoned.add(call) if call.left_running else None
 
     def _start_set_up(self, what: str, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
@@ -278,7 +320,7 @@ class Session:
         outcome, value = self._outcome(call)
         if outcome == "timeout":
             self._abandoned(value)
-            self._refuse(f"{what} did not return within {self.timeout_s:g} s{_beside(value)}")
+            self._refuse(f"{what} did not return within {self.timeout_s:g} s")
         if outcome == "raised":
             self._refuse(f"{what} raised {type(value).__name__}: {_one_line(value)}")
         return value
@@ -295,7 +337,7 @@ class Session:
     def _answer(self, call: _Call) -> Turn | None:
         outcome, value = self._outcome(call)
         if outcome == "timeout":
-            self.error = f"step did not return within {self.timeout_s:g} s" + _beside(value)
+            self.error = f"step did not return within {self.timeout_s:g} s"
             running = self._abandoned(value)
             if running is not None:
                 self.timed_out = True
@@ -383,11 +425,12 @@ def open_sessions(
     that the calls of different threads run side by side; the results are taken in row
     order, so that the row whose call broke the contract first in row order stops the run,
     whichever finished first (every session is then closed)."""
-    sessions = [
-        Session(cls, index=index, timeout_s=timeout_s, threads=threads, turns=turns)
-        for index in indices
-    ]
+    sessions: list[Session] = []
     try:
+        for index in indices:
+            sessions.append(
+                Session(cls, index=index, timeout_s=timeout_s, threads=threads, turns=turns)
+            )
         made = [s._start_set_up(f"{cls.__name__}()", cls) for s in sessions]
         for session, result in zip(sessions, made, strict=True):
             session.env = result()
@@ -404,18 +447,12 @@ def open_sessions(
     return sessions
 
 
-def _beside(call: _Call) -> str:
-    """What a call that timed out shared its time with: the calls of the pool's other threads
-    running at its deadline. Python code holds the interpreter's lock, so steps that compute
-    in Python side by side each take about as long as all of them together."""
-    others = call.beside
-    if not others:
-        return ""
-    return (
-        f" ({others} other call{'s' if others > 1 else ''} ran beside it: steps that compute in "
-        "Python share one interpreter lock; rollout.multi_turn.env_threads=1 runs them one "
-        "after another, each timed alone)"
-    )
+def _cpu_clock(thread: threading.Thread) -> int | None:
+    """The id of ``thread``'s CPU-time clock; None where the platform has none."""
+    try:
+        return time.pthread_getcpuclockid(thread.ident)  # type: ignore[arg-type]
+    except (AttributeError, OSError):
+        return None
 
 
 def _one_line(exc: BaseException) -> str:

@@ -629,24 +629,44 @@ def test_a_reset_that_hangs_among_a_steps_resets_stops_the_run_naming_its_prompt
 
 
 def test_a_call_is_charged_the_time_it_would_take_alone() -> None:
-    """A call's timeout counts the time it would have taken alone: its wall time less the CPU
-    time the worker's other environment threads ran meanwhile (calls that compute in Python
-    side by side take turns on the interpreter lock), at least its own CPU time. Charged
-    its wall time, 8 steps of 0.2 s of Python each, side by side, each took 1.6 s."""
+    """A call's timeout counts the time it would have taken alone (``SessionThreads.apply``,
+    on given clocks): the wall time less the CPU time the pool's other threads ran meanwhile,
+    at least its share of the wall time and its own CPU time. Charged the wall time, 8 steps
+    of 0.2 s of Python each, side by side, each took 1.6 s; charged the wall time less the
+    others' CPU time since it started, a stuck call beside calls on several cores, or beside
+    a call left running, was never found."""
     threads = SessionThreads(3, AbandonedCalls(limit=3))
     a, b, c = (threads.bind() for _ in range(3))
-    call = _Call(a, print, (), timeout_s=1.0)
-    call.start(100.0, {a: 5.0, b: 1.0})  # c made since: its CPU counts from 0
-    # Turns on the lock: 1.6 s of wall time, the others ran 1.4 s: 0.2 s of its own.
-    assert call.used(101.6, {a: 5.2, b: 2.0, c: 0.6}) == pytest.approx(0.2)
-    # Waiting (a request, a hang) while the others wait too: its wall time.
-    assert call.used(101.6, {a: 5.0, b: 1.0, c: 0.0}) == pytest.approx(1.6)
-    # Code that releases the lock, on several cores at once: its own CPU time.
-    assert call.used(101.6, {a: 6.6, b: 2.6, c: 1.6}) == pytest.approx(1.6)
-    call.check(101.6, {a: 5.2, b: 2.0, c: 0.6})
-    assert not call.overdue
-    call.check(101.6, {a: 5.0, b: 1.0, c: 0.0})
-    assert call.overdue and call.left_running  # it has not returned
+    calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b, c)]
+    with threads.lock:
+        threads.apply(100.0, {a: 0.0, b: 0.0, c: 0.0})
+        for call in calls:
+            call.started = True
+            threads.running.add(call)
+        # On three cores (code that releases the lock): at least its own CPU time, 1 s.
+        threads.apply(101.0, {a: 1.0, b: 1.0, c: 1.0})
+        assert [x.charged for x in calls] == pytest.approx([1.0] * 3)
+        # Turns on the interpreter lock: 0.9 s, 0.3 s of CPU each: 0.3 s alone.
+        threads.apply(101.9, {a: 1.3, b: 1.3, c: 1.3})
+        assert [x.charged for x in calls] == pytest.approx([1.3] * 3)
+        # Waiting while the others wait (a request, a hang): the wall time.
+        threads.apply(102.2, {a: 1.3, b: 1.3, c: 1.3})
+        assert [x.charged for x in calls] == pytest.approx([1.6] * 3)
+        # b and c on two cores, a stuck: a is charged its share, a third of the wall time.
+        threads.apply(102.5, {a: 1.3, b: 1.6, c: 1.6})
+        assert calls[0].charged == pytest.approx(1.7)
+        threads.running -= {calls[1], calls[2]}  # they returned: a owes them nothing
+        threads.apply(103.0, {a: 1.3, b: 1.6, c: 1.6})
+        assert calls[0].charged == pytest.approx(2.2) and calls[0].overdue
+        assert calls[0].left_running and a.held is calls[0]
+        # Beside a's call, left running and spinning on, calls of b and c that wait are
+        # charged the wall time (not their share of it).
+        waits = [_Call(t, print, (), timeout_s=2.0) for t in (b, c)]
+        for call in waits:
+            call.started, call.own_at_start = True, 1.6
+            threads.running.add(call)
+        threads.apply(103.6, {a: 1.9, b: 1.6, c: 1.6})
+        assert [x.charged for x in waits] == pytest.approx([0.6, 0.6])
 
 
 class Computes:

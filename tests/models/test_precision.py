@@ -105,10 +105,12 @@ def test_pure_bf16_at_a_learning_rate_it_loses_is_warned_before_ray_starts(
     """The warning comes before Ray starts and any worker loads weights (it was printed with
     the precision line once the workers were placed: minutes into a large model's run)."""
 
-    def no_ray(address: str | None) -> None:
+    def no_ray(*args: object) -> None:
         raise UserError("Ray would start here")
 
+    # Its own Ray session, or one an earlier test of this process left open.
     monkeypatch.setattr(run_module, "ray_session", no_ray)
+    monkeypatch.setattr(run_module, "run", no_ray)
     overrides = [setting, "actor.optim.lr=1e-6", f"trainer.output_dir={tmp_path / 'run'}"]
     assert main(["train", "--config", CONFIG, *overrides]) == 2
     out, err = capsys.readouterr()

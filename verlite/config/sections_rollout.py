@@ -74,8 +74,8 @@ class MultiTurnConfig(Section):
         "time it waited for its thread's earlier calls); a step that takes longer or raises "
         "ends its trajectory (multiturn/tool_errors), never the run. Counted as the time the "
         "call would take alone: calls that compute in Python side by side (env_threads) take "
-        "turns on the interpreter lock, and the CPU time the others ran meanwhile is not "
-        "charged to it.",
+        "turns on the interpreter lock, so the CPU time the others ran meanwhile is not charged "
+        "to it (docs/multi-turn.md).",
     )
     max_abandoned_calls: NonNegativeInt = Field(
         32,

@@ -13,8 +13,8 @@ of different threads run side by side (state an environment
 shares between threads must be safe to use from several at once) and a thread's run one
 after another, in the order they were started. Each call is bounded by
 ``rollout.multi_turn.tool_timeout_s`` of the time it would have taken alone, counted from its
-start (:meth:`_Call.used`: calls that compute in Python side by side take turns on the
-interpreter's lock, and none is charged the time it waited for it), and
+start (:meth:`SessionThreads.apply`: calls that compute in Python side by side take turns on
+the interpreter's lock, and none is charged the time it waited for it), and
 :meth:`SessionThreads.wait` checks every running call of the worker, whichever it waits for. A
 ``step`` that raises or outlives that bound (returning late included) is a tool error: it
 ends that trajectory (score 0, counted in ``multiturn/tool_errors``), never the run. A
@@ -83,37 +83,19 @@ class _Call:
         self, thread: _Thread, fn: Callable[..., Any], args: tuple[Any, ...], timeout_s: float
     ) -> None:
         self.thread, self.fn, self.args, self.timeout_s = thread, fn, args, timeout_s
-        self.started: float | None = None  # when it started (time.monotonic)
-        self._cpu_at_start: dict[_Thread, float] = {}  # the pool's threads' CPU seconds then
+        self.started = False
+        self.charged = 0.0  # seconds of its timeout used (:meth:`SessionThreads.charge`)
+        self.own_at_start = 0.0  # its thread's CPU seconds when it started
         self.cancelled = False  # gave up before it started: never run
         self.overdue = False  # ran past its timeout
         self.left_running = False  # still ran at its timeout: it holds its thread
         self.outcome: tuple[str, Any] | None = None
         self.done = threading.Event()
 
-    def start(self, now: float, cpu: dict[_Thread, float]) -> None:
-        """It starts at ``now``, the pool's threads having run ``cpu`` CPU seconds."""
-        self.started, self._cpu_at_start = now, cpu
-
-    def used(self, now: float, cpu: dict[_Thread, float]) -> float:
-        """The seconds of its timeout it used by ``now`` (the pool's threads having run
-        ``cpu`` CPU seconds): the time it would have taken alone, as far as the clocks tell.
-        Its wall time less the CPU time the pool's other threads ran meanwhile (Python code
-        holds one interpreter lock, so calls that compute side by side take turns on it, each
-        as long as all of them together), and at least its own thread's CPU time (calls in
-        code that releases the lock run on several cores at once). A call that waits (a
-        sandbox, a request, a hang) while the others wait too is charged its wall time. Grows
-        at most as fast as the wall clock."""
-        assert self.started is not None
-        base = self._cpu_at_start
-        own = cpu[self.thread] - base.get(self.thread, 0.0)
-        others = sum(v - base.get(t, 0.0) for t, v in cpu.items() if t is not self.thread)
-        return max(now - self.started - others, own)
-
-    def check(self, now: float, cpu: dict[_Thread, float]) -> None:
-        """Mark the call overdue if it used its timeout by ``now`` (:meth:`used`): one still
-        running is left running, holding its thread, which is retired."""
-        if self.started is None or self.overdue or self.used(now, cpu) < self.timeout_s:
+    def check(self) -> None:
+        """Mark the call overdue if it was charged its timeout: one still running is left
+        running, holding its thread, which is retired."""
+        if not self.started or self.overdue or self.charged < self.timeout_s:
             return
         self.overdue = True
         if self.outcome is None:
@@ -133,10 +115,10 @@ class _Thread:
         self.pool = pool
         self._lock = pool.lock
         self._calls: collections.deque[_Call] = collections.deque()
+        self._cpu = 0.0
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
         self._clock = _cpu_clock(self.thread)
-        self._cpu = 0.0
 
     def cpu_seconds(self) -> float:
         """The CPU seconds this thread ran (0 where the platform cannot tell: its calls are
@@ -154,7 +136,7 @@ class _Thread:
                 outcome = ("raised", exc)
             with self._lock:
                 call.outcome = outcome
-                call.check(time.monotonic(), self.pool.cpu_seconds())
+                self.pool.charge()  # a call that returns past its timeout is late
                 self.pool.running.discard(call)
                 if self.held is call:
                     self.held = None
@@ -168,7 +150,8 @@ class _Thread:
                 while self._calls:
                     call = self._calls.popleft()
                     if not call.cancelled:
-                        call.start(time.monotonic(), self.pool.cpu_seconds())
+                        self.pool.charge()  # the running calls, up to its start
+                        call.started, call.own_at_start = True, self.cpu_seconds()
                         self.pool.running.add(call)
                         self._lock.notify_all()
                         return call
@@ -211,14 +194,40 @@ class SessionThreads:
         self.running: set[_Call] = set()  # the calls started and not yet returned
         self._threads: list[_Thread] = []
         self._made = 0
-        self._every: list[_Thread] = []  # every thread a running call's time may be shared with
+        self._every: list[_Thread] = []  # the pool's threads that have not ended
+        self._charged_at = time.monotonic()  # when the running calls were last charged
+        self._cpu: dict[_Thread, float] = {}  # the threads' CPU seconds then
 
-    def cpu_seconds(self) -> dict[_Thread, float]:
-        """The CPU seconds each thread of the pool ran (:meth:`_Call.used`); a thread that
-        ended is dropped once no call runs (none started while it ran). Under the lock."""
-        if not self.running:
-            self._every = [t for t in self._every if t.thread.is_alive()]
-        return {t: t.cpu_seconds() for t in self._every}
+    def charge(self) -> None:
+        """Charge every running call the time since the last charge, and check it against its
+        timeout (under the lock): what that time would have been to it alone, as far as the
+        clocks tell (:meth:`apply`)."""
+        self._every = [t for t in self._every if t.thread.is_alive()]
+        self.apply(time.monotonic(), {t: t.cpu_seconds() for t in self._every})
+
+    def apply(self, now: float, cpu: dict[_Thread, float]) -> None:
+        """Charge each running call that is not overdue the wall time since the last charge
+        less the CPU time the pool's other threads ran meanwhile (``cpu``: each thread's CPU
+        seconds ``now``). Python code holds one interpreter lock, so calls that compute side
+        by side take turns on it, each as long as all of them together; a call that waits (a
+        sandbox, a request, a hang) while the others wait too is charged the wall time. At
+        least its share of the wall time (beside k such calls, 1/k of it: code that releases
+        the lock runs on several cores at once, and whatever the others run, a stuck call is
+        found within k times its timeout), and at least its own thread's CPU time since it
+        started. A thread held by a call left running is not counted: that call runs on
+        unbounded, and a call beside it is charged as if it did not. Never more than the wall
+        time: waiting ``timeout_s - charged`` never finds a call late."""
+        wall, last = now - self._charged_at, self._cpu
+        spent = {t: v - last.get(t, 0.0) for t, v in cpu.items() if t.held is None}
+        self._charged_at, self._cpu = now, cpu
+        live = [c for c in self.running if not c.overdue]
+        total = sum(spent.values())
+        for call in live:
+            others = total - spent.get(call.thread, 0.0)
+            call.charged += max(0.0, wall - others, wall / len(live))
+            call.charged = max(call.charged, cpu.get(call.thread, 0.0) - call.own_at_start)
+        for call in list(self.running):
+            call.check()
 
     def bind(self) -> _Thread:
         """The thread a new session's calls run in."""
@@ -238,24 +247,23 @@ class SessionThreads:
         past its timeout (``left_running`` if it still ran then), or ``("held", the call
         holding its thread)``: its thread was held by another session's call that outlived
         its timeout, and this call was not run. The timeout counts from the call's start
-        (:meth:`_Call.used`): waiting for another session's call that is within its own
-        timeout does not count. Every running call of the pool is checked while this waits,
-        so a call whose caller waits for another one is judged by its own time."""
+        (:meth:`charge`): waiting for another session's call that is within its own timeout
+        does not count. Every running call of the pool is charged and checked while this
+        waits (at least once a second), so a call whose caller waits for another one is
+        judged by its own time."""
         with self.lock:
             while True:
-                now, cpu = time.monotonic(), self.cpu_seconds()
-                for running in list(self.running):
-                    running.check(now, cpu)
+                self.charge()
                 if call.overdue:
                     return "timeout", call
                 if call.outcome is not None:
                     return call.outcome
-                if call.started is None and call.thread.held is not None:
+                if not call.started and call.thread.held is not None:
                     call.cancelled = True
                     return "held", call.thread.held
                 # Woken no later than the first running call could use its timeout.
-                left = [c.timeout_s - c.used(now, cpu) for c in self.running if not c.overdue]
-                self.lock.wait(max(min(left), 1e-3) if left else None)
+                left = [c.timeout_s - c.charged for c in self.running if not c.overdue]
+                self.lock.wait(min(max(min(left), 1e-3), 1.0) if left else None)
 
 
 class Session:

@@ -631,10 +631,10 @@ def test_a_reset_that_hangs_among_a_steps_resets_stops_the_run_naming_its_prompt
 def test_a_call_is_charged_the_time_it_would_take_alone() -> None:
     """A call's timeout counts the time it would have taken alone (``SessionThreads.apply``,
     on given clocks): the wall time less the CPU time the pool's other threads ran meanwhile,
-    at least its share of the wall time and its own CPU time. Charged the wall time, 8 steps
-    of 0.2 s of Python each, side by side, each took 1.6 s; charged the wall time less the
-    others' CPU time since it started, a stuck call beside calls on several cores, or beside
-    a call left running, was never found."""
+    or its own CPU time where more, and at least its share of the wall time. Charged the
+    wall time, 8 steps of 0.2 s of Python each, side by side, each took 1.6 s; charged the
+    wall time less the others' CPU time from its start, a stuck call beside calls on several
+    cores, or beside a call left running, was never found."""
     threads = SessionThreads(3, AbandonedCalls(limit=3))
     a, b, c = (threads.bind() for _ in range(3))
     calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b, c)]
@@ -643,7 +643,7 @@ def test_a_call_is_charged_the_time_it_would_take_alone() -> None:
         for call in calls:
             call.started = True
             threads.running.add(call)
-        # On three cores (code that releases the lock): at least its own CPU time, 1 s.
+        # On three cores (code that releases the lock): its own CPU time, 1 s.
         threads.apply(101.0, {a: 1.0, b: 1.0, c: 1.0})
         assert [x.charged for x in calls] == pytest.approx([1.0] * 3)
         # Turns on the interpreter lock: 0.9 s, 0.3 s of CPU each: 0.3 s alone.
@@ -652,21 +652,41 @@ def test_a_call_is_charged_the_time_it_would_take_alone() -> None:
         # Waiting while the others wait (a request, a hang): the wall time.
         threads.apply(102.2, {a: 1.3, b: 1.3, c: 1.3})
         assert [x.charged for x in calls] == pytest.approx([1.6] * 3)
-        # b and c on two cores, a stuck: a is charged its share, a third of the wall time.
+        # b and c on two cores, a stuck: nothing it would have spent alone...
         threads.apply(102.5, {a: 1.3, b: 1.6, c: 1.6})
-        assert calls[0].charged == pytest.approx(1.7)
-        threads.running -= {calls[1], calls[2]}  # they returned: a owes them nothing
+        assert calls[0].charged == pytest.approx(1.6)
+        threads.running -= {calls[1], calls[2]}  # ...and they returned: a owes them nothing
         threads.apply(103.0, {a: 1.3, b: 1.6, c: 1.6})
-        assert calls[0].charged == pytest.approx(2.2) and calls[0].overdue
+        assert calls[0].charged == pytest.approx(2.1) and calls[0].overdue
         assert calls[0].left_running and a.held is calls[0]
-        # Beside a's call, left running and spinning on, calls of b and c that wait are
-        # charged the wall time (not their share of it).
-        waits = [_Call(t, print, (), timeout_s=2.0) for t in (b, c)]
-        for call in waits:
-            call.started, call.own_at_start = True, 1.6
-            threads.running.add(call)
+        # Alone beside a's call, left running and spinning on: a stuck call of b's is
+        # charged its share of the wall time, all of it.
+        stuck = _Call(b, print, (), timeout_s=2.0)
+        stuck.started = True
+        threads.running.add(stuck)
         threads.apply(103.6, {a: 1.9, b: 1.6, c: 1.6})
-        assert [x.charged for x in waits] == pytest.approx([0.6, 0.6])
+        assert stuck.charged == pytest.approx(0.6)
+
+
+@pytest.mark.parametrize("intervals", [1, 2, 200])
+def test_a_calls_charge_does_not_depend_on_how_often_it_is_charged(intervals: int) -> None:
+    """Two calls taking turns on the interpreter lock for 1 s, 0.5 s of CPU each: each is
+    charged 0.5 s, charged once or at every turn (a share taken per interval charged 0.75 s
+    at 5 ms turns: other calls' starts and returns charge the pool)."""
+    threads = SessionThreads(2, AbandonedCalls(limit=2))
+    a, b = (threads.bind() for _ in range(2))
+    calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b)]
+    with threads.lock:
+        threads.apply(0.0, {a: 0.0, b: 0.0})
+        for call in calls:
+            call.started = True
+            threads.running.add(call)
+        for i in range(1, intervals + 1):  # a runs the odd turns, b the even ones
+            if intervals == 1:
+                threads.apply(1.0, {a: 0.5, b: 0.5})
+            else:
+                threads.apply(i / intervals, {a: (i + 1) // 2 / intervals, b: i // 2 / intervals})
+    assert [x.charged for x in calls] == pytest.approx([0.5, 0.5], abs=0.01)
 
 
 class Computes:

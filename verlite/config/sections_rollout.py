@@ -75,7 +75,8 @@ class MultiTurnConfig(Section):
         "ends its trajectory (multiturn/tool_errors), never the run. Counted as the time the "
         "call would take alone: calls that compute in Python side by side (env_threads) take "
         "turns on the interpreter lock, so the CPU time the others ran meanwhile is not charged "
-        "to it (docs/multi-turn.md).",
+        "to it, but at least its share of the wall time: a stuck call is found within k times "
+        "this, k the calls running beside it, itself included (docs/multi-turn.md).",
     )
     max_abandoned_calls: NonNegativeInt = Field(
         32,

@@ -84,8 +84,9 @@ class _Call:
     ) -> None:
         self.thread, self.fn, self.args, self.timeout_s = thread, fn, args, timeout_s
         self.started = False
-        self.charged = 0.0  # seconds of its timeout used (:meth:`SessionThreads.charge`)
-        self.own_at_start = 0.0  # its thread's CPU seconds when it started
+        self.charged = 0.0  # seconds of its timeout used (:meth:`SessionThreads.apply`)
+        self.alone = 0.0  # of them, the time it would have taken alone
+        self.share = 0.0  # of them, its share of the wall time beside the others
         self.cancelled = False  # gave up before it started: never run
         self.overdue = False  # ran past its timeout
         self.left_running = False  # still ran at its timeout: it holds its thread
@@ -151,7 +152,7 @@ class _Thread:
                     call = self._calls.popleft()
                     if not call.cancelled:
                         self.pool.charge()  # the running calls, up to its start
-                        call.started, call.own_at_start = True, self.cpu_seconds()
+                        call.started = True
                         self.pool.running.add(call)
                         self._lock.notify_all()
                         return call
@@ -206,26 +207,29 @@ class SessionThreads:
         self.apply(time.monotonic(), {t: t.cpu_seconds() for t in self._every})
 
     def apply(self, now: float, cpu: dict[_Thread, float]) -> None:
-        """Charge each running call that is not overdue the wall time since the last charge
-        less the CPU time the pool's other threads ran meanwhile (``cpu``: each thread's CPU
-        seconds ``now``). Python code holds one interpreter lock, so calls that compute side
-        by side take turns on it, each as long as all of them together; a call that waits (a
-        sandbox, a request, a hang) while the others wait too is charged the wall time. At
-        least its share of the wall time (beside k such calls, 1/k of it: code that releases
-        the lock runs on several cores at once, and whatever the others run, a stuck call is
-        found within k times its timeout), and at least its own thread's CPU time since it
-        started. A thread held by a call left running is not counted: that call runs on
-        unbounded, and a call beside it is charged as if it did not. Never more than the wall
-        time: waiting ``timeout_s - charged`` never finds a call late."""
+        """Charge each running call that is not overdue the time since the last charge
+        (``cpu``: each thread's CPU seconds ``now``), then check it against its timeout. Its
+        charge is the larger of two sums. What the time would have been to it alone: the wall
+        time less the CPU time the pool's other threads ran meanwhile (Python code holds one
+        interpreter lock, so calls that compute side by side take turns on it, each as long
+        as all of them together; a call that waits, for a sandbox, a request or for ever,
+        while the others wait too is charged the wall time), or its own thread's CPU time
+        where that is more (code that releases the lock runs on several cores at once). And
+        its share of the wall time, 1/k beside k running calls it included: whatever the
+        others run, a stuck call is found within k times its timeout, and at its timeout once
+        it runs alone. Each interval adds at most the wall time, so waiting ``timeout_s -
+        charged`` never finds a call late; both sums only add up, so how often it is charged
+        changes nothing."""
         wall, last = now - self._charged_at, self._cpu
-        spent = {t: v - last.get(t, 0.0) for t, v in cpu.items() if t.held is None}
+        spent = {t: max(0.0, v - last.get(t, 0.0)) for t, v in cpu.items()}
         self._charged_at, self._cpu = now, cpu
         live = [c for c in self.running if not c.overdue]
         total = sum(spent.values())
         for call in live:
-            others = total - spent.get(call.thread, 0.0)
-            call.charged += max(0.0, wall - others, wall / len(live))
-            call.charged = max(call.charged, cpu.get(call.thread, 0.0) - call.own_at_start)
+            own = spent.get(call.thread, 0.0)
+            call.alone += max(wall - (total - own), own, 0.0)
+            call.share += wall / len(live)
+            call.charged = max(call.alone, call.share)
         for call in list(self.running):
             call.check()
 

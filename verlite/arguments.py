@@ -6,16 +6,24 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T", int, float)
+
+
+def _number(text: str, parse: Callable[[str], T], ok: Callable[[T], bool], expected: str) -> T:
+    """``text`` as ``parse`` reads it, if ``ok``; else one line: ``expected ..., got 'text'``."""
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def positive_int_at_most(maximum: int) -> Callable[[str], int]:
@@ -23,47 +31,23 @@ def positive_int_at_most(maximum: int) -> Callable[[str], int]:
     allocate without bound)."""
 
     def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if not 1 <= value <= maximum:
-            raise argparse.ArgumentTypeError(
-                f"expected a positive integer of at most {maximum}, got {text!r}"
-            )
-        return value
+        return _number(
+            text, int, lambda v: 1 <= v <= maximum, f"a positive integer of at most {maximum}"
+        )
 
     return parse
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer of 0 or more, got {text!r}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "an integer of 0 or more")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number of 0 or more, got {text!r}")
-    return value
+    return _number(text, float, lambda v: 0 <= v < math.inf, "a finite number of 0 or more")
 
 
 def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive finite number, got {text!r}")
-    return value
+    return _number(text, float, lambda v: 0 < v < math.inf, "a positive finite number")
 
 
 def int_list(text: str) -> list[int]:

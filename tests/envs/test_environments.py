@@ -590,6 +590,38 @@ def test_the_first_row_whose_reset_fails_stops_the_run_whichever_failed_first() 
     assert FailsLate.raised.is_set()
 
 
+class MadeInTurn:
+    """An environment that cannot be made the first time; the next makings wait for ``go``."""
+
+    go = threading.Event()
+    made: ClassVar[list[int]] = []
+
+    def __init__(self):
+        if self.made:
+            self.go.wait(30)
+        self.made.append(len(self.made))
+        if len(self.made) == 1:
+            raise RuntimeError("no sandbox")
+
+    def step(self, action):
+        return Turn("", 0.0, True)
+
+
+def test_a_step_stopped_by_a_broken_environment_makes_no_more_of_them() -> None:
+    """Four trajectories on one thread; the first environment cannot be made. The run stops
+    naming it, and the three makings queued behind it are not run (each would start a
+    sandbox no session closes): they ran after the error, one after another."""
+    MadeInTurn.go.clear()
+    MadeInTurn.made.clear()
+    records = [{"prompt": f"{row}>", "answer": ""} for row in range(4)]
+    threads = SessionThreads(1, AbandonedCalls(limit=0))
+    with pytest.raises(EnvironmentBroken, match="prompt 0: MadeInTurn\\(\\) raised RuntimeError"):
+        open_sessions(MadeInTurn, records, indices=range(4), timeout_s=30, threads=threads)
+    MadeInTurn.go.set()  # the second, if it started as the first failed, is made
+    time.sleep(0.5)  # what the thread still had queued would run by now
+    assert MadeInTurn.made in ([0], [0, 1])
+
+
 class HangsInReset:
     """A ``reset`` that hangs for prompt 2 (until ``release``)."""
 

@@ -294,10 +294,16 @@ class Session:
         self.env: Any = None  # made by open_sessions
         self._threads = threads
         self._thread: _Thread | None = threads.bind()
+        self._last: _Call | None = None  # its latest call
 
     def close(self) -> None:
-        """The trajectory is over: its thread no longer runs calls for it."""
+        """The trajectory is over: its thread no longer runs calls for it, its call still
+        queued included (a run stopped by another row's broken reset starts no more sandboxes
+        for it)."""
         if self._thread is not None:
+            with self._threads.lock:
+                if self._last is not None and not self._last.started:
+                    self._last.cancelled = True
             self._thread.release()
             self._thread = None
 
@@ -308,7 +314,8 @@ class Session:
         if self._thread.held is not None:
             self._thread.release()
             self._thread = self._threads.bind()
-        return self._thread.submit(fn, args, self.timeout_s)
+        self._last = self._thread.submit(fn, args, self.timeout_s)
+        return self._last
 
     def _outcome(self, call: _Call) -> tuple[str, Any]:
         """The outcome of ``call`` (:meth:`SessionThreads.wait`), queued again (on a fresh

@@ -206,7 +206,7 @@ KILLED_DRIVER = """
 import os, signal, threading, time
 from verlite.rewards.math_answer import MathReward
 reward = MathReward(timeout_s=2.0)
-reward(r"\\boxed{1}", "1", "")
+reward._start(time.monotonic() + 60)  # its start not held to the 1 s budget on a loaded machine
 print(reward._process.pid, flush=True)
 threading.Thread(target=reward, args=(r"\\boxed{9^{9^{9^{9}}}}", "1", ""), daemon=True).start()
 time.sleep(0.5)

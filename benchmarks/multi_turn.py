@@ -130,8 +130,12 @@ def main() -> None:
         pad_token_id=tokenizer.pad_token_id,
     )
 
+    # One pool per thread count for every repetition, as a worker keeps one for its run: a
+    # pool's threads wait for the next step's sessions, so a pool per run left them behind.
+    pools = {n: SessionThreads(n, AbandonedCalls(0)) for n in {args.env_threads, 1}}
+
     def multi_turn(env_threads: int) -> TensorDict:
-        threads = SessionThreads(env_threads, AbandonedCalls(0))
+        threads = pools[env_threads]
         record = PromptRecord(prompt="", answer=observation)
         sessions = open_sessions(
             FixedObservation,

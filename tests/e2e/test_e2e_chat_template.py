@@ -4,7 +4,7 @@ the gsm8k reward."""
 
 from pathlib import Path
 
-from chat_model_support import save_chat_model, write_gsm8k_parquet
+from chat_model_support import PROBLEMS, save_chat_model, write_gsm8k_parquet
 
 
 def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
@@ -38,3 +38,7 @@ def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
     assert all(0 <= r["critic/score/mean"] <= 1 for r in records)
     assert "actor/pg_loss" in records[-1]
     assert any(key.startswith("val") for key in records[-1])
+    # Responses without a number after a "####" score 0 and are counted, training's and
+    # validation's: a step's own (4 responses), validation's of each held-out prompt once.
+    assert all(r["reward/gsm8k/no_answer"] in range(4 + 1) for r in records)
+    assert records[-1]["val/reward/gsm8k/no_answer"] in range(len(PROBLEMS) + 1)

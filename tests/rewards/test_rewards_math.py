@@ -14,10 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from tensordict import TensorDict
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from scorer_support import byte_tokenizer, step_batch
 
 from verlite.config import Config
 from verlite.config.fields import MAX_SECONDS
@@ -310,38 +307,11 @@ def test_math_setting_errors_are_one_line(
     assert result.stderr.count("\n") == 1 and message in result.stderr
 
 
-def _byte_tokenizer() -> PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<eos>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator([r"\boxed{72} #### 1/2 \frac{1}{2}"] * 10, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>")
-
-
-def _step_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str], uids: list[int]) -> Any:
-    """A step's responses as the scorer reads them: ids ending in EOS, right-padded, by uid."""
-    ids = [[*tokenizer.encode(t), tokenizer.eos_token_id] for t in texts]
-    width = max(map(len, ids))
-    return TensorDict(
-        {
-            "responses": torch.tensor([r + [0] * (width - len(r)) for r in ids]),
-            "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in ids]),
-            "uid": torch.tensor(uids),
-        },
-        batch_size=[len(ids)],
-    )
-
-
 def test_the_driver_scores_a_step_with_it() -> None:
     cfg = _config(fn="math", math_format_credit=0.25, timeout_s=TIMEOUT_S)
-    tokenizer = _byte_tokenizer()
+    tokenizer = byte_tokenizer()
     texts = [r"so \boxed{0.5}", "#### 72.0", r"\boxed{71}", "72", r"\frac{1}{2}"]
-    batch = _step_batch(tokenizer, texts, [0, 1, 1, 1, 0])
+    batch = step_batch(tokenizer, texts, [0, 1, 1, 1, 0])
     records = [
         {"prompt": "Half of 1?", "answer": r"\frac{1}{2}"},
         {"prompt": "Clips?", "answer": "48 + 24 = 72\n#### 72"},
@@ -366,13 +336,13 @@ def test_a_step_counts_its_responses_without_a_final_answer() -> None:
     step says how many of them had no answer to verify (a silent 0 is never without a
     count), the step's own count, not the run's."""
     cfg = _config(fn="math", timeout_s=TIMEOUT_S)
-    tokenizer = _byte_tokenizer()
+    tokenizer = byte_tokenizer()
     records = [{"prompt": "One?", "answer": "#### 1"}]
     reward_fn = resolve_reward(cfg)
     scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
     try:
         steps = [
-            scorer.score(_step_batch(tokenizer, texts, [0] * len(texts)), records)
+            scorer.score(step_batch(tokenizer, texts, [0] * len(texts)), records)
             for texts in (["1", "72", r"\boxed{2}"], [r"\boxed{1}", "#### 1"])
         ]
     finally:
@@ -384,13 +354,13 @@ def test_a_step_counts_its_responses_without_a_final_answer() -> None:
 def test_a_step_counts_its_abandoned_verifications() -> None:
     # A silent 0 is never without a count: reward/math/abandoned is the step's own, not the run's.
     cfg = _config(fn="math", timeout_s=TIMEOUT_S)
-    tokenizer = _byte_tokenizer()
+    tokenizer = byte_tokenizer()
     records = [{"prompt": "One?", "answer": "1"}]
     reward_fn = resolve_reward(cfg)
     scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
     try:
         steps = [
-            scorer.score(_step_batch(tokenizer, texts, [0] * len(texts)), records)
+            scorer.score(step_batch(tokenizer, texts, [0] * len(texts)), records)
             for texts in ([ADVERSARIAL[0], r"\boxed{1}"], [r"\boxed{1}"])
         ]
     finally:

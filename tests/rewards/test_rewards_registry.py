@@ -18,6 +18,7 @@ from verlite.rewards import (
     resolve_reward,
 )
 from verlite.rewards.math_answer import MathReward
+from verlite.rewards.rules import Gsm8kReward
 
 USER_MODULE = """
 def length_score(response, answer, prompt):
@@ -68,7 +69,9 @@ def test_registry() -> None:
 def test_resolve_defaults() -> None:
     assert resolve_reward(_config(task="reverse")) is digit_match
     assert resolve_reward(_config(train_file="p.jsonl")) is exact_match
-    assert resolve_reward(_config("gsm8k", train_file="p.jsonl")) is gsm8k
+    # The rewards that count their responses without an answer: the run's own instance.
+    run, other = (resolve_reward(_config("gsm8k", train_file="p.jsonl")) for _ in range(2))
+    assert isinstance(run, Gsm8kReward) and run is not gsm8k and run is not other
     assert resolve_reward(_config("exact_match", task="copy")) is exact_match
 
 
@@ -126,6 +129,9 @@ def test_check_answers_reads_them_as_the_built_in_reward_does() -> None:
     dataset = PromptDataset(records, name="train", where=("f.jsonl:1", "f.jsonl:2"))
     with pytest.raises(DataError, match=r"^f.jsonl:2: gsm8k reward: the answer 'many' holds no"):
         check_answers(gsm8k, [dataset])
+    run = resolve_reward(_config("gsm8k", train_file="p.jsonl"))  # a run's own reads them too
+    with pytest.raises(DataError, match=r"^f.jsonl:2: gsm8k reward: the answer 'many' holds no"):
+        check_answers(run, [dataset])
     # Rewards that take any answer, and user functions, are not called ahead.
     check_answers(exact_match, [dataset])
     check_answers(lambda response, answer, prompt: 1.0, [dataset])

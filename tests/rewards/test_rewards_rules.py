@@ -3,8 +3,12 @@
 import time
 
 import pytest
+from scorer_support import byte_tokenizer, step_batch
 
-from verlite.rewards import digit_match, exact_match, gsm8k
+from verlite.config import Config
+from verlite.driver.scorer import Scorer
+from verlite.rewards import REWARDS, digit_match, exact_match, gsm8k, resolve_reward
+from verlite.rewards.rules import Gsm8kReward
 
 
 @pytest.mark.parametrize(
@@ -49,28 +53,61 @@ def test_digit_match_is_one_only_for_an_exact_match() -> None:
 
 
 @pytest.mark.parametrize(
-    ("response", "answer", "score"),
+    ("response", "answer", "score", "answered"),
     [
-        ("so the total is\n#### 42", "42", 1.0),
-        ("#### 42", "#### 42", 1.0),
-        ("#### 1,234", "1234", 1.0),
-        ("#### 1234", "step one... 1,000 + 234\n#### 1,234", 1.0),
-        ("#### 42.0", "42", 1.0),
-        ("#### $42", "42", 1.0),
-        ("####42 apples", "42", 1.0),
-        ("#### -3", "-3", 1.0),
-        ("#### 3", "-3", 0.0),
-        ("#### 41 ... #### 42", "42", 1.0),  # the last mark counts
-        ("#### 42 ... #### 41", "42", 0.0),
-        ("42", "42", 0.0),  # no final-answer mark
-        ("", "42", 0.0),
-        ("####", "42", 0.0),
-        ("#### forty-two", "42", 0.0),
-        ("#### 0.5", "0.50", 1.0),
+        ("so the total is\n#### 42", "42", 1.0, True),
+        ("#### 42", "#### 42", 1.0, True),
+        ("#### 1,234", "1234", 1.0, True),
+        ("#### 1234", "step one... 1,000 + 234\n#### 1,234", 1.0, True),
+        ("#### 42.0", "42", 1.0, True),
+        ("#### $42", "42", 1.0, True),
+        ("####42 apples", "42", 1.0, True),
+        ("#### -3", "-3", 1.0, True),
+        ("#### 3", "-3", 0.0, True),  # answered, wrong
+        ("#### 41 ... #### 42", "42", 1.0, True),  # the last mark counts
+        ("#### 42 ... #### 41", "42", 0.0, True),
+        ("#### 42 ... #### none", "42", 0.0, False),  # nothing after the last mark
+        ("42", "42", 0.0, False),  # no final-answer mark
+        ("", "42", 0.0, False),
+        ("####", "42", 0.0, False),
+        ("#### ", "42", 0.0, False),
+        ("#### forty-two", "42", 0.0, False),
+        ("#### 0.5", "0.50", 1.0, True),
     ],
 )
-def test_gsm8k(response: str, answer: str, score: float) -> None:
-    assert gsm8k(response, answer, "question") == score
+def test_gsm8k(response: str, answer: str, score: float, answered: bool) -> None:
+    """The score, and a response without a number after its last #### counted as no answer
+    (reward/gsm8k/no_answer): a silent 0 is never without a count."""
+    reward = Gsm8kReward()
+    assert reward(response, answer, "question") == score
+    assert reward.counts() == {"no_answer": 0 if answered else 1}
+
+
+def test_a_step_counts_its_responses_without_a_gsm8k_answer() -> None:
+    """The driver's scorer logs each step's own count (not the run's) for the run's own
+    reward, which the registry's shared one does not see."""
+    cfg = Config.model_validate({"data": {"train_file": "p.jsonl"}, "reward": {"fn": "gsm8k"}})
+    tokenizer = byte_tokenizer()
+    records = [{"prompt": "Clips?", "answer": "48 + 24 = 72\n#### 72"}]
+    shared = REWARDS["gsm8k"]
+    assert isinstance(shared, Gsm8kReward)
+    shared_before = shared.counts()
+    scorer = Scorer(cfg, tokenizer, reward_fn=resolve_reward(cfg), remote=None, reward_model=None)
+    steps = [
+        scorer.score(step_batch(tokenizer, texts, [0] * len(texts)), records)
+        for texts in (
+            ["#### 72", "72", "#### ", "so #### 71", "#### seventy-two"],
+            ["#### 72", "#### 1,000"],
+            ["the answer is 72"],
+        )
+    ]
+    assert [scores.tolist() for scores, _ in steps] == [[1, 0, 0, 0, 0], [1, 0], [0]]
+    assert [metrics for _, metrics in steps] == [
+        {"reward/fn/mean": pytest.approx(1 / 5), "reward/gsm8k/no_answer": 3.0},
+        {"reward/fn/mean": 0.5, "reward/gsm8k/no_answer": 0.0},
+        {"reward/fn/mean": 0.0, "reward/gsm8k/no_answer": 1.0},
+    ]
+    assert shared.counts() == shared_before
 
 
 def test_gsm8k_answer_without_a_number() -> None:

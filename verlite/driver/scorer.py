@@ -17,8 +17,8 @@ from verlite.config import Config
 from verlite.controller import WorkerGroup
 from verlite.data import PromptRecord, response_text, row_records
 from verlite.rewards import RewardFn, score_responses
+from verlite.rewards.answer_reward import AnswerReward
 from verlite.rewards.combine import combine_scores
-from verlite.rewards.math_answer import MathReward
 from verlite.rewards.remote import RemoteScorer
 from verlite.workers.peak_memory import pop_peak
 from verlite.workers.reward_model import REWARD_INPUT_KEYS
@@ -82,17 +82,19 @@ class Scorer:
     def _score_fn(
         self, texts: list[str], answers: list[str], prompts: list[str], metrics: dict[str, float]
     ) -> list[float]:
-        """The reward function's scores; with the math reward, in ``metrics``,
-        ``reward/math/abandoned``: its verifications of these responses that outlived their
-        budget, and ``reward/math/no_answer``: these responses without a final answer (each
-        scored 0), counted by the reward (``MathReward.abandoned`` and ``unanswered``, counts
-        over the run)."""
+        """The reward function's scores; with a reward that reads a final answer
+        (``AnswerReward``: gsm8k, math), its counts of these responses in ``metrics`` as
+        ``reward/<name>/<count>``: ``no_answer`` (those without a final answer, each scored
+        0) and what it counts beside (math's ``abandoned``: verifications that outlived their
+        budget). The reward's counts are over the run: a step's is their difference across
+        its scoring."""
         fn = self.reward_fn
-        before = (fn.abandoned, fn.unanswered) if isinstance(fn, MathReward) else (0, 0)
+        counted = fn if isinstance(fn, AnswerReward) else None
+        before = counted.counts() if counted is not None else {}
         scores = score_responses(fn, texts, answers, prompts, timeout_s=self.cfg.reward.timeout_s)
-        if isinstance(fn, MathReward):
-            metrics["reward/math/abandoned"] = float(fn.abandoned - before[0])
-            metrics["reward/math/no_answer"] = float(fn.unanswered - before[1])
+        if counted is not None:
+            for what, total in counted.counts().items():
+                metrics[f"reward/{counted.name}/{what}"] = float(total - before[what])
         return scores
 
     def _decoded(

@@ -10,15 +10,16 @@ asks for. A reference answer that has neither is taken whole. A final answer lon
 Score: 1 when math-verify finds the two equivalent (``0.5``, ``1/2`` and ``\\frac{1}{2}``;
 ``72`` and ``72.0``), else ``format_credit`` (``reward.math_format_credit``) when the
 response's answer reads as an expression, else 0. A response without a final answer scores 0
-and is counted (:attr:`MathReward.unanswered`; a step's as ``reward/math/no_answer``): a
-model that never writes the asked form is told apart from one that answers wrong.
+and is counted (``no_answer``; a step's as ``reward/math/no_answer``, as every built-in
+reward that reads a final answer does: :mod:`verlite.rewards.answer_reward`): a model that
+never writes the asked form is told apart from one that answers wrong.
 
 math-verify runs in a process of its own (:mod:`verlite.rewards.math_worker`), started on the
 first call and kept: its timeouts use SIGALRM, which only a main thread can, and a thread
 that computes cannot be stopped. Each verification gets half of ``reward.timeout_s``; one
 that takes longer is abandoned (the process killed, a new one started on the next call),
-scored 0, said on the console and counted (:attr:`MathReward.abandoned`; the driver's scorer
-logs a step's as ``reward/math/abandoned``), so a huge or adversarial response costs at
+scored 0, said on the console and counted (``abandoned``; the driver's scorer logs a
+step's as ``reward/math/abandoned``), so a huge or adversarial response costs at
 most that and never stops the run on ``reward.timeout_s``.
 """
 
@@ -37,6 +38,7 @@ from typing import Any, TextIO
 
 from verlite.data.answers import GSM8K_MARK, last_boxed
 from verlite.errors import import_extra, shown
+from verlite.rewards.answer_reward import AnswerReward
 
 MAX_ANSWER_CHARS = 1000
 _WORKER = Path(__file__).with_name("math_worker.py")
@@ -71,31 +73,36 @@ def check_installed() -> None:
     import_extra("math_verify", feature="reward.fn=math", extra="math")
 
 
-class MathReward:
+class MathReward(AnswerReward):
     """``fn(response, answer, prompt) -> score`` for ``reward.fn=math``; see the module
     docstring. Calls may come from any thread; they verify one at a time."""
+
+    name = "math"
+    # abandoned: verifications that outlived the budget; no_answer: responses without a
+    # final answer (no \boxed{}, no ####)
+    COUNTS = ("abandoned", "no_answer")
 
     def __init__(
         self, *, format_credit: float = 0.0, timeout_s: float = 30.0, stream: TextIO | None = None
     ) -> None:
+        super().__init__()
         self.format_credit = format_credit
         self.budget_s = timeout_s / 2
-        self.abandoned = 0  # verifications that outlived the budget
-        self.unanswered = 0  # responses without a final answer (no \boxed{}, no ####)
         self._stream = stream
         self._lock = threading.Lock()
         self._process: subprocess.Popen[bytes] | None = None
         self._buffer = b""
 
-    def __repr__(self) -> str:  # how scoring's messages name it
-        return "math (verlite.rewards.math_answer)"
+    @property
+    def abandoned(self) -> int:
+        """The verifications abandoned so far."""
+        return self.counts()["abandoned"]
 
     def __call__(self, response: str, answer: str, prompt: str) -> float:
         gold = reference_answer(answer)
         pred = final_answer(response)
         if pred is None:
-            with self._lock:
-                self.unanswered += 1
+            self.count("no_answer")
             return 0.0
         with self._lock:
             reply = self._verify(gold, pred)
@@ -204,11 +211,11 @@ class MathReward:
         return reply
 
     def _abandon(self, pred: str, what: str) -> None:
-        self.abandoned += 1
+        abandoned = self.count("abandoned")
         print(
             f"reward: math: math-verify {what} within {self.budget_s:g} s (half of "
             f"reward.timeout_s) on the answer {shown(pred, 60)}; scored 0 and its process "
-            f"restarted ({self.abandoned} so far)",
+            f"restarted ({abandoned} so far)",
             file=self._stream or sys.stdout,
             flush=True,
         )

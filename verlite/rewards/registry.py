@@ -11,8 +11,9 @@ from typing import cast
 from verlite.config import Config, ConfigError
 from verlite.data import DataError, PromptDataset
 from verlite.data.tasks import TASKS
+from verlite.rewards.answer_reward import AnswerReward
 from verlite.rewards.math_answer import MathReward, check_installed
-from verlite.rewards.rules import digit_match, exact_match, gsm8k, gsm8k_reference
+from verlite.rewards.rules import Gsm8kReward, digit_match, exact_match, gsm8k
 from verlite.user_code import load_object
 
 # Seconds between the progress lines of a long start-up reading of the answers.
@@ -23,26 +24,31 @@ RewardFn = Callable[[str, str, str], float]
 
 REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
+    # The two that read a final answer (AnswerReward) count their responses without one: a
+    # run builds its own (resolve_reward). math: math-verify's equivalence (the extra
+    # ``math``), with reward.math_format_credit=0 and the default reward.timeout_s.
     "gsm8k": gsm8k,
     "digit_match": digit_match,
-    # math-verify's equivalence (the extra ``math``), with reward.math_format_credit=0 and
-    # the default reward.timeout_s; a run's is built from its config (resolve_reward).
     "math": MathReward(),
 }
 
 
 def resolve_reward(cfg: Config) -> RewardFn:
-    """``reward.fn`` when set; else the task's reward (digit_match) or exact_match for prompt files."""
-    if cfg.reward.fn == "math":
+    """``reward.fn`` when set; else the task's reward (digit_match) or exact_match for prompt
+    files. A reward that counts (``AnswerReward``) is the run's own instance, built from its
+    config, so that its counts are of this run's calls alone."""
+    if cfg.reward.fn is not None:
+        name = cfg.reward.fn
+    else:
+        name = TASKS[cfg.data.task].reward if cfg.data.task is not None else "exact_match"
+    if name == "math":
         check_installed()
         return MathReward(
             format_credit=cfg.reward.math_format_credit, timeout_s=cfg.reward.timeout_s
         )
-    if cfg.reward.fn is not None:
-        return get_reward(cfg.reward.fn)
-    if cfg.data.task is not None:
-        return REWARDS[TASKS[cfg.data.task].reward]
-    return exact_match
+    if name == "gsm8k":
+        return Gsm8kReward()
+    return get_reward(name)
 
 
 def check_answers(fn: RewardFn, datasets: Iterable[PromptDataset]) -> None:
@@ -80,10 +86,8 @@ def check_answers(fn: RewardFn, datasets: Iterable[PromptDataset]) -> None:
 def _reference_check(fn: RewardFn) -> tuple[str, Callable[[str], object]] | None:
     """The name of the built-in reward ``fn`` and how it reads a record's answer, raising
     ValueError where it cannot; None for a reward that takes any answer."""
-    if fn is gsm8k:
-        return "gsm8k", gsm8k_reference
-    if isinstance(fn, MathReward):
-        return "math", fn.check_reference
+    if isinstance(fn, AnswerReward):
+        return fn.name, fn.check_reference
     return None
 
 

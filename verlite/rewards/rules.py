@@ -12,6 +12,7 @@ from decimal import Decimal
 
 from verlite.data.answers import GSM8K_MARK
 from verlite.errors import shown
+from verlite.rewards.answer_reward import AnswerReward
 
 # A number as GSM8K writes final answers: optional $, sign, thousands commas, decimals.
 # The whitespace after a $ belongs to the $: with two optional runs of whitespace side by
@@ -25,17 +26,33 @@ def exact_match(response: str, answer: str, prompt: str) -> float:
     return float(response.strip() == answer.strip())
 
 
-def gsm8k(response: str, answer: str, prompt: str) -> float:
+class Gsm8kReward(AnswerReward):
     """1 when the number after the response's last ``####`` equals the answer's number.
 
     The answer is ``"42"`` or ends in ``"#### 42"``; commas are dropped and values compare
     as decimals, so ``1,234`` matches ``1234`` and ``42.0`` matches ``42``. A response
-    without ``####`` scores 0.
+    without ``####``, or without a number after its last, has no answer: it scores 0 and is
+    counted (``reward/gsm8k/no_answer``, :mod:`verlite.rewards.answer_reward`).
     """
-    expected = gsm8k_reference(answer)
-    if GSM8K_MARK not in response:
-        return 0.0
-    return float(_leading_number(response.rsplit(GSM8K_MARK, 1)[1]) == expected)
+
+    name = "gsm8k"
+
+    def __call__(self, response: str, answer: str, prompt: str) -> float:
+        expected = gsm8k_reference(answer)
+        found = None
+        if GSM8K_MARK in response:
+            found = _leading_number(response.rsplit(GSM8K_MARK, 1)[1])
+        if found is None:
+            self.count("no_answer")
+            return 0.0
+        return float(found == expected)
+
+    def check_reference(self, answer: str) -> None:
+        gsm8k_reference(answer)
+
+
+# The registry's (REWARDS["gsm8k"]); a run builds its own, which counts its responses alone.
+gsm8k = Gsm8kReward()
 
 
 def gsm8k_reference(answer: str) -> Decimal:

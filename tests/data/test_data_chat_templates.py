@@ -241,3 +241,33 @@ def test_the_main_job_draws_the_prompts_it_always_drew() -> None:
         tokenizer.bos_token_id,
         *tokenizer(prompt, add_special_tokens=False)["input_ids"],
     ]
+
+
+@pytest.mark.parametrize("chat_template", [True, False])
+def test_settings_are_refused_only_where_they_leave_no_room_for_a_prompt(
+    tmp_path: Path, chat_template: bool
+) -> None:
+    """The template, system prompt and suffix around an empty prompt, measured as a batch
+    measures a prompt (the BOS a plain prompt gets included): one token short of
+    data.max_prompt_length runs, truncating; all of it is refused."""
+    save_chat_model(tmp_path, BOS_TEMPLATE, bos=True)
+    tokenizer = load_tokenizer(str(tmp_path))
+    if chat_template:
+        settings = ["data.chat_template=true", f"data.system_prompt={SYSTEM}"]
+        system = [{"role": "system", "content": SYSTEM}]
+        fixed = len(template_ids(tokenizer, [*system, {"role": "user", "content": f" {SUFFIX}"}]))
+    else:
+        settings = []
+        fixed = 1 + len(tokenizer.encode(f" {SUFFIX}", add_special_tokens=False))
+    settings += [f"data.prompt_suffix={SUFFIX}", "data.prompt_overflow=truncate"]
+    cfg = gsm8k_config(tmp_path, *settings, f"data.max_prompt_length={fixed + 1}")
+    assert build_datasets(cfg, tokenizer)[0].num_truncated == len(PROBLEMS)
+    cfg = gsm8k_config(tmp_path, *settings, f"data.max_prompt_length={fixed}")
+    with pytest.raises(
+        DataError,
+        match=re.escape(
+            f"{fixed} tokens around an empty prompt, leaving none of "
+            f"data.max_prompt_length={fixed} for a prompt's own"
+        ),
+    ):
+        build_datasets(cfg, tokenizer)

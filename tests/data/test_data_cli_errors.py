@@ -200,3 +200,40 @@ def test_a_suffix_the_tokenizer_cannot_read_is_named(capsys: pytest.CaptureFixtu
         "verlite: error: data.prompt_suffix='Answer:', appended to every prompt after a space, "
         "has characters the tokenizer does not know (' :Aenrsw' become '<unk>')\n"
     )
+
+
+@pytest.mark.parametrize("overflow", ["error", "truncate"])
+def test_settings_that_leave_no_room_for_a_prompt_are_named(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path], overflow: str
+) -> None:
+    """A system prompt longer than data.max_prompt_length: with prompt_overflow=error the
+    first row was blamed ("row 1: prompt is 1365 tokens"), a short question; with truncate
+    every prompt silently lost the beginning of its system turn (counted in a metric only)."""
+    system = "Be careful and precise. " * 60
+    err = run(
+        capsys,
+        *gsm8k_run(files, "model", "data.prompt_key=question", "data.chat_template=true"),
+        f"data.system_prompt={system}",
+        "data.prompt_suffix=Think.",
+        f"data.prompt_overflow={overflow}",
+    )
+    assert err.startswith(
+        f"verlite: error: the chat template of model.path='{files['model']}', "
+        "data.system_prompt='Be careful and p[...]ful and precise.' and "
+        "data.prompt_suffix='Think.' take "
+    ), err
+    assert err.endswith(
+        " tokens around an empty prompt, leaving none of data.max_prompt_length=128 for a "
+        "prompt's own: raise data.max_prompt_length or shorten them\n"
+    ), err
+    # Without a template: the suffix alone.
+    err = run(
+        capsys,
+        *gsm8k_run(files, "model", "data.prompt_key=question"),
+        f"data.prompt_suffix={system}",
+        f"data.prompt_overflow={overflow}",
+    )
+    assert err.startswith(
+        "verlite: error: data.prompt_suffix='Be careful and p[...]ful and precise.' takes "
+    ), err
+    assert err.endswith("data.max_prompt_length or shorten it\n"), err

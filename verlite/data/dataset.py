@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config
 from verlite.data.files import DataError, PromptRecord, read_prompt_file
 from verlite.data.tasks import TASKS
-from verlite.data.templates import format_prompts
+from verlite.data.templates import check_room, format_prompts
 from verlite.data.tokenizer import encode_prompts, special_tokens, unknown_characters
 from verlite.errors import shown
 
@@ -249,6 +249,7 @@ def _dataset(
     if data.chat_template:
         check_special_token_text(records, where, tokenizer)
     records = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
+    check_room(tokenizer, data, model_path=cfg.model.path, bos=cfg.prompt_bos)
     truncated = check_prompts(
         records,
         where,

@@ -25,7 +25,12 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, DataConfig
 from verlite.data.files import DataError, PromptRecord
-from verlite.data.tokenizer import encode_written, special_tokens, unknown_characters
+from verlite.data.tokenizer import (
+    encode_prompts,
+    encode_written,
+    special_tokens,
+    unknown_characters,
+)
 from verlite.errors import shown
 
 
@@ -68,6 +73,50 @@ def format_prompts(
             prompt = _render(location, prompt, tokenizer, data, model_path)
         formatted.append(PromptRecord(prompt=prompt, answer=record["answer"]))
     return formatted
+
+
+def check_room(
+    tokenizer: PreTrainedTokenizerBase,
+    data: DataConfig,
+    *,
+    model_path: str | None,
+    bos: bool,
+) -> None:
+    """Refuse settings that alone fill ``data.max_prompt_length``: the chat template,
+    ``data.system_prompt`` and ``data.prompt_suffix`` around an empty prompt, measured as
+    batches measure a prompt (``bos``: :func:`encode_prompts`). Every prompt would be over
+    it: refused as the first row's length (a short question), or, truncated, each losing the
+    beginning of its system turn. Call it after :func:`format_prompts` rendered the rows,
+    so that a template failing on them names its row."""
+    parts = [
+        *([f"the chat template of model.path={model_path!r}"] if data.chat_template else []),
+        *(
+            f"data.{field}={shown(value, 40)}"
+            for field, value in (
+                ("system_prompt", data.system_prompt),  # set only with the template
+                ("prompt_suffix", data.prompt_suffix),
+            )
+            if value is not None
+        ),
+    ]
+    if not parts:
+        return
+    [record] = format_prompts(
+        [PromptRecord(prompt="", answer="")],
+        ["an empty prompt"],
+        tokenizer,
+        data,
+        model_path=model_path,
+    )
+    [ids] = encode_prompts(tokenizer, [record["prompt"]], bos=bos)
+    if len(ids) >= data.max_prompt_length:
+        one = len(parts) == 1
+        named = parts[0] if one else f"{', '.join(parts[:-1])} and {parts[-1]}"
+        raise DataError(
+            f"{named} {'takes' if one else 'take'} {len(ids)} tokens around an empty prompt, "
+            f"leaving none of data.max_prompt_length={data.max_prompt_length} for a prompt's "
+            f"own: raise data.max_prompt_length or shorten {'it' if one else 'them'}"
+        )
 
 
 def _check_system_turn(

@@ -32,7 +32,9 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
     # U+2028 is valid unescaped inside a JSON string; it must not count as a line break.
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "a\u2028b", "answer": "x"}\n{"prompt": 3, "answer": "y"}\n')
-    with pytest.raises(DataError, match=re.escape(f"{path}:2: field 'prompt' must be a string")):
+    with pytest.raises(
+        DataError, match=re.escape(f"{path}:2: field 'prompt' (data.prompt_key) must be a string")
+    ):
         read_prompt_file(path)
 
 
@@ -45,8 +47,26 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
         (['{"prompt": "a", "answer": "b"}', '["a", "b"]'], r":2: expected an object .* got list"),
         (['{"answer": "b"}'], r":1: missing field 'prompt'"),
         (['{"prompt": "a"}'], r":1: missing field 'answer'"),
-        (['{"prompt": "a", "answer": 42}'], r":1: field 'answer' must be a string, got int 42"),
-        (['{"prompt": null, "answer": "1"}'], r":1: field 'prompt' must be a string, got NoneType"),
+        (
+            ['{"prompt": "a", "answer": 42}'],
+            r":1: field 'answer' \(data.answer_key\) must be a string, got int 42$",
+        ),
+        (
+            ['{"prompt": null, "answer": "1"}'],
+            r":1: field 'prompt' \(data.prompt_key\) must be a string, got null$",
+        ),
+        # verl's format: the prompt as chat messages.
+        (
+            ['{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}'],
+            r":1: field 'prompt' \(data.prompt_key\) must be a string, got a list of chat "
+            r"messages \[\{'role': 'user', 'content': '1\+1='\}\]; store the user turn's text "
+            r"in it \(a system turn in data.system_prompt\) and set data.chat_template=true, "
+            r"which renders it in the model's chat template$",
+        ),
+        (
+            ['{"prompt": "1+1=", "answer": [{"role": "user", "content": "2"}]}'],
+            r":1: field 'answer' \(data.answer_key\) must be a string, got list \[\{'role'",
+        ),
         (
             ['{"prompt": "a", "answer": "b"}', '{"prompt": " ", "answer": "1"}'],
             r":2: the prompt is empty",
@@ -132,7 +152,9 @@ def test_parquet(tmp_path: Path) -> None:
     assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
     assert where == [f"{path} row 1", f"{path} row 2"]
     pq.write_table(pa.table({"prompt": ["1+1="], "answer": [2]}), path)
-    with pytest.raises(DataError, match=r"row 1: field 'answer' must be a string"):
+    with pytest.raises(
+        DataError, match=r"row 1: field 'answer' \(data.answer_key\) must be a string"
+    ):
         read_prompt_file(path)
     path.write_bytes(b"not parquet")
     with pytest.raises(DataError, match=r"p.parquet: cannot read Parquet file"):
@@ -152,7 +174,8 @@ def test_errors_are_one_line_of_bounded_length(tmp_path: Path) -> None:
     assert "\n" not in str(exc.value)
     jsonl = _jsonl(tmp_path / "p.jsonl", json.dumps({"prompt": "1", "answer": list(range(10**5))}))
     with pytest.raises(
-        DataError, match=r":1: field 'answer' must be a string, got list \[0, 1,"
+        DataError,
+        match=r":1: field 'answer' \(data.answer_key\) must be a string, got list \[0, 1,",
     ) as exc:
         read_prompt_file(jsonl)
     assert len(str(exc.value)) < len(str(jsonl)) + 150

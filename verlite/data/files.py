@@ -75,8 +75,8 @@ def _record(
         value = row[key]
         if not isinstance(value, str):
             raise DataError(
-                f"{location}: field {key!r} must be a string, got {type(value).__name__} "
-                f"{shown(value, 80)}"
+                f"{location}: field {key!r} (data.{setting}) must be a string, got "
+                f"{_wrong_type(value, prompt=key == prompt_key)}"
             )
         _check_unicode(location, key, value)
     if not row[prompt_key].strip():
@@ -90,6 +90,26 @@ def _record(
             f"{answer_key!r} (it needs {wanted}): {shown(row[answer_key], 80)}"
         )
     return PromptRecord(prompt=row[prompt_key], answer=answer)
+
+
+def _wrong_type(value: Any, *, prompt: bool) -> str:
+    """What a row field holds instead of a string, as a message says it. A prompt that is a
+    list of chat messages (verl's files store ``[{"role": "user", "content": ...}]``) says
+    how verlite reads one."""
+    if value is None:
+        return "null"
+    if (
+        prompt
+        and isinstance(value, list)
+        and value
+        and all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in value)
+    ):
+        return (
+            f"a list of chat messages {shown(value, 80)}; store the user turn's text in it (a "
+            "system turn in data.system_prompt) and set data.chat_template=true, which renders "
+            "it in the model's chat template"
+        )
+    return f"{type(value).__name__} {shown(value, 80)}"
 
 
 def _check_unicode(location: str, key: str, value: str) -> None:

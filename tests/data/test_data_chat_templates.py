@@ -271,3 +271,16 @@ def test_settings_are_refused_only_where_they_leave_no_room_for_a_prompt(
         ),
     ):
         build_datasets(cfg, tokenizer)
+
+
+def test_a_template_that_refuses_an_empty_prompt_is_not_measured_on_one(tmp_path: Path) -> None:
+    """The room the settings leave is measured around an empty prompt; a template that
+    refuses empty content renders every row of the file, and the run goes on."""
+    refuses_empty = (
+        "{%- if messages[-1].content == '' %}{{ raise_exception('empty content') }}{%- endif %}"
+        + QWEN_TEMPLATE
+    )
+    save_chat_model(tmp_path, refuses_empty)
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true")
+    train, _ = build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert len(train) == len(PROBLEMS)

@@ -101,13 +101,16 @@ def check_room(
     ]
     if not parts:
         return
-    [record] = format_prompts(
-        [PromptRecord(prompt="", answer="")],
-        ["an empty prompt"],
-        tokenizer,
-        data,
-        model_path=model_path,
-    )
+    try:
+        [record] = format_prompts(
+            [PromptRecord(prompt="", answer="")],
+            ["an empty prompt"],
+            tokenizer,
+            data,
+            model_path=model_path,
+        )
+    except DataError:  # a template that refuses empty content: the rows rendered
+        return
     [ids] = encode_prompts(tokenizer, [record["prompt"]], bos=bos)
     if len(ids) >= data.max_prompt_length:
         one = len(parts) == 1

@@ -257,3 +257,50 @@ def test_a_layout_list_says_how_large_its_batch_is_up_front(verlite_main) -> Non
         "checking 8 layouts in 4 rank launches on a batch of 560 sequences (the least multiple "
         "of 16 that every --dp size splits into equal shares) ..."
     )
+
+
+def test_whole_runs_are_checked_before_ray_starts(
+    verlite_main, tmp_path, capsys, monkeypatch
+) -> None:
+    """Each layout's run is checked as ``verlite train`` checks it before Ray starts
+    (``driver.run.prepare_run``): those checks ran in the audit's Ray session, each just
+    before its run, so a stop token outside the vocabulary was refused after Ray started,
+    a later layout's packed run of a sliding-window model after the earlier layouts had
+    trained, and workers the audit's Ray has no room for were not checked at all. Now every
+    one is refused with Ray never started; a later layout's refusal names the layout."""
+    from tests.chat_model_support import chat_tokenizer
+    from tests.model_support import tiny_sliding
+    from verlite.controller import session
+
+    def no_ray(*args: object, **kwargs: object) -> None:
+        raise AssertionError("Ray started")
+
+    monkeypatch.setattr(session, "start_ray", no_ray)
+
+    def audit(name: str, *args: str):  # each in a runs folder of its own
+        runs = ["--runs-dir", str(tmp_path / name)]
+        return verlite_main("check-invariance", "--run", "--config", CONFIG, *runs, *args)
+
+    proc = audit("stops", "rollout.stop_token_ids=[999999]")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("verlite: error: rollout.stop_token_ids=[999999]: [999999] ")
+    # The embedded Ray the audit starts has a CPU per worker of its largest layout (6 here),
+    # whatever this machine has: the room checked is that Ray's.
+    proc = audit("room", "trainer.cpus_per_worker=2")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "verlite: error: --layout 4:ddp:dynamic/1:fsdp:1: the workers ask for 10 CPUs (actor "
+        "4x2 + critic 1x2), the embedded Ray has 6; "
+    ), proc.stderr
+
+    tokenizer = chat_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    tiny_sliding("mistral", 8, vocab_size=len(tokenizer)).save_pretrained(tmp_path / "mistral")
+    capsys.readouterr()  # the save's progress bar
+    layouts = ["--layout", "1:ddp:full", "--layout", "1:ddp:packed"]
+    proc = audit("window", *layouts, f"model.path={tmp_path / 'mistral'}")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
+        "verlite: error: --layout 1:ddp:packed/1:ddp:full: actor.packing=true: 2 of the "
+        "model's 2 layers attend through a sliding window of 8 tokens"
+    ), proc.stderr

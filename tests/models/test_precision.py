@@ -306,7 +306,7 @@ def test_the_default_precision_on_a_gpu_without_bf16_is_refused_naming_auto(
         torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
     )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla T4")
-    monkeypatch.setattr(preflight, "check_fits_machine", lambda cfg: None)
+    monkeypatch.setattr(preflight, "check_fits_machine", lambda cfg, cpus=None: None)
     cfg = config("model.device=cuda")
     assert cfg.model.precision == "auto" and cfg.precision == "bf16-mixed"
     with pytest.raises(ConfigError) as info:

@@ -25,10 +25,12 @@ steps stayed within tolerance.
 from __future__ import annotations
 
 import contextlib
+import io
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verlite.audit.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
 from verlite.config import Config, ConfigError, load_config
@@ -36,6 +38,9 @@ from verlite.errors import UserError
 from verlite.records import metrics_log
 from verlite.records.compare import compared_metrics, first_difference, relative_difference
 from verlite.records.metrics_log import Record
+
+if TYPE_CHECKING:
+    from verlite.driver.preflight import RunInputs
 
 # Some metrics carry rounding noise with no meaningful relative difference: those that are
 # zero in exact arithmetic (the mean of whitened advantages, the PPO KL of a step's first
@@ -252,6 +257,54 @@ def layout_configs(
     return configs
 
 
+@dataclass(frozen=True)
+class PreparedRun:
+    """A layout's run checked and its inputs read (``driver.run.prepare_run``), and what
+    that printed, which goes first into the run's ``console.log``."""
+
+    inputs: RunInputs
+    printed: str
+
+
+def prepare_runs(
+    configs: Sequence[Config],
+    layouts: Sequence[RunLayout],
+    *,
+    in_session: bool,
+    cpus: int | None = None,
+) -> list[PreparedRun]:
+    """Each layout's run checked as ``verlite train`` checks it before its workers start
+    (``driver.run.prepare_run``; ``in_session`` and ``cpus`` as there), its output folder
+    made and held. A refusal of a later layout's run is that layout's (the first passed the
+    checks they share) and names it; the folders held so far are let go."""
+    from verlite.driver.run import prepare_run
+
+    prepared: list[PreparedRun] = []
+    try:
+        for index, (layout, cfg) in enumerate(zip(layouts, configs, strict=True)):
+            printed = io.StringIO()  # the command's own output is the table or the JSON
+            try:
+                with contextlib.redirect_stdout(printed):
+                    inputs = prepare_run(cfg, in_session=in_session, cpus=cpus)
+            except UserError as exc:
+                if index == 0:
+                    raise
+                raise UserError(
+                    f"--layout {layout.actor.spec}/{layout.critic.spec}: {exc}"
+                ) from None
+            prepared.append(PreparedRun(inputs, printed.getvalue()))
+    except BaseException:
+        release(prepared)
+        raise
+    return prepared
+
+
+def release(prepared: Sequence[PreparedRun]) -> None:
+    """Let go of the output folders of ``prepared`` runs (those that ran already have)."""
+    for run in prepared:
+        run.inputs.folder.release()
+
+
 def audit_runs(
     configs: Sequence[Config],
     layouts: Sequence[RunLayout],
@@ -259,10 +312,12 @@ def audit_runs(
     tolerance: float,
     atol: float,
     progress: Callable[[str], None] = lambda line: None,
+    prepared: Sequence[PreparedRun] | None = None,
 ) -> list[RunReport]:
     """Train each config in the open Ray session (its console output into ``console.log``
-    in its folder) and compare each run's metrics with the first's."""
-    from verlite.driver.preflight import RunInputs
+    in its folder) and compare each run's metrics with the first's. ``prepared``: the runs
+    :func:`prepare_runs` checked before the session opened; None: each is checked in it,
+    before it starts."""
     from verlite.driver.run import run
 
     records: list[list[Record]] = []
@@ -271,10 +326,14 @@ def audit_runs(
         name = layout.describe(cfg.use_critic)
         progress(f"run {index + 1}/{len(layouts)}: {name} ...")
         started = time.monotonic()
-        inputs = RunInputs.load(cfg)  # makes the output folder
+        if prepared is None:
+            (this,) = prepare_runs([cfg], [layout], in_session=True)
+        else:
+            this = prepared[index]
         folder = Path(cfg.trainer.output_dir)
         with (folder / "console.log").open("w") as log, contextlib.redirect_stdout(log):
-            run(cfg, inputs)
+            log.write(this.printed)
+            run(cfg, this.inputs)
         records.append(metrics_log.read(folder))
         reports.append(
             compare_runs(
@@ -301,8 +360,9 @@ def check_run_invariance(
     negative_control: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[RunReport]:
-    """:func:`layout_configs`, then :func:`audit_runs` in a Ray session of its own: an
-    embedded one with a CPU per worker of the largest layout, or ``trainer.ray_address``."""
+    """:func:`layout_configs`, every run checked (:func:`prepare_runs`) before Ray starts,
+    then :func:`audit_runs` in a Ray session of its own: an embedded one with a CPU per
+    worker of the largest layout, or ``trainer.ray_address``."""
     from verlite.controller import ray_session
 
     configs = layout_configs(
@@ -315,5 +375,16 @@ def check_run_invariance(
     )
     address = configs[0].trainer.ray_address
     cpus = None if address else max(layout.workers for layout in layouts)
-    with ray_session(address, num_cpus=cpus):
-        return audit_runs(configs, layouts, tolerance=tolerance, atol=atol, progress=progress)
+    prepared = prepare_runs(configs, layouts, in_session=False, cpus=cpus)
+    try:
+        with ray_session(address, num_cpus=cpus):
+            return audit_runs(
+                configs,
+                layouts,
+                tolerance=tolerance,
+                atol=atol,
+                progress=progress,
+                prepared=prepared,
+            )
+    finally:
+        release(prepared)  # the runs a failure left unrun

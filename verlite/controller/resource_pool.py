@@ -294,10 +294,10 @@ class ClusterTooSmall(UserError):
     """The run's workers cannot fit the machine an embedded Ray would run on."""
 
 
-def check_fits_machine(cfg: Config) -> None:
+def check_fits_machine(cfg: Config, *, cpus: int | None = None) -> None:
     """Before an embedded Ray starts on this machine: one node, and room for every pool's
-    bundles at once (the CPUs Ray would see, the GPUs torch sees); names what was asked and
-    what there is."""
+    bundles at once (the CPUs Ray will have: ``cpus``, or the machine's when None; the GPUs
+    torch sees); names what was asked and what there is."""
     if cfg.trainer.nnodes > 1:
         raise ClusterTooSmall(
             f"trainer.nnodes={cfg.trainer.nnodes}, but without trainer.ray_address the run "
@@ -306,7 +306,10 @@ def check_fits_machine(cfg: Config) -> None:
         )
     gpus = torch.cuda.device_count()
     check_device(cfg, gpus=gpus, where="this machine")
-    _check_room(cfg, {"CPU": get_num_cpus(), "GPU": gpus}, "this machine")
+    if cpus is None:
+        _check_room(cfg, {"CPU": get_num_cpus(), "GPU": gpus}, "this machine")
+    else:
+        _check_room(cfg, {"CPU": cpus, "GPU": gpus}, "the embedded Ray")
 
 
 def check_fits_session(cfg: Config) -> None:

@@ -116,14 +116,14 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
         )
 
 
-def check_placement(cfg: Config, *, in_session: bool) -> None:
+def check_placement(cfg: Config, *, in_session: bool, cpus: int | None = None) -> None:
     """The workers fit where they will run: the Ray session this process is already in, this
-    machine for an embedded Ray; on a cluster, whose resources are not known before it is
-    reached, that the device asked for exists here."""
+    machine for an embedded Ray (of ``cpus`` CPUs; None: the machine's); on a cluster, whose
+    resources are not known before it is reached, that the device asked for exists here."""
     if in_session:
         check_fits_session(cfg)
     elif cfg.trainer.ray_address is None:
-        check_fits_machine(cfg)
+        check_fits_machine(cfg, cpus=cpus)
         check_precision_supported(
             cfg.precision, on_gpu=cfg.on_gpu, auto=cfg.model.precision == "auto"
         )

@@ -192,6 +192,21 @@ def _with_contents(state: FolderState) -> FolderState:
     return dataclasses.replace(state, contents=True)
 
 
+def prepare_run(cfg: Config, *, in_session: bool, cpus: int | None = None) -> RunInputs:
+    """What a run checks, says and reads before its workers start: the lines on settings it
+    ignores or that lose updates, the workers' fit where they will run (``in_session``: the
+    Ray session this process has open; else an embedded one of ``cpus`` CPUs, None: the
+    machine's, or ``trainer.ray_address``), and its inputs (:class:`RunInputs`). Called
+    before that session opens, where it is not open yet: bad input fails in one line before
+    Ray starts."""
+    if (inert := inert_settings_line(cfg)) is not None:
+        print(inert, flush=True)
+    if (warning := precision_warning(cfg)) is not None:
+        print(warning, flush=True)
+    check_placement(cfg, in_session=in_session, cpus=cpus)
+    return RunInputs.load(cfg)
+
+
 def run_training(cfg: Config) -> Path:
     """``verlite train`` and ``verlite.train``: the inputs checked before Ray starts, then
     :func:`run` in a Ray session of its own (embedded, or a connection to
@@ -203,12 +218,7 @@ def run_training(cfg: Config) -> Path:
             "connected to a Ray session; leave trainer.ray_address unset to train in it, "
             "or call ray.shutdown() first"
         )
-    if (inert := inert_settings_line(cfg)) is not None:
-        print(inert, flush=True)
-    if (warning := precision_warning(cfg)) is not None:
-        print(warning, flush=True)
-    check_placement(cfg, in_session=joined)
-    inputs = RunInputs.load(cfg)
+    inputs = prepare_run(cfg, in_session=joined)
     if joined:
         return run(cfg, inputs)
     with ray_session(cfg.trainer.ray_address):

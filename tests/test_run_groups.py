@@ -9,11 +9,13 @@ import pytest
 import ray
 from ray.exceptions import RayActorError
 
+from verlite.cli import main
 from verlite.config import load_config
 from verlite.controller import PendingCall, Worker, WorkerGroup, WorkerGroupError
 from verlite.data import load_tokenizer
 from verlite.driver import run as driver_run
 from verlite.driver.trainer import RunGroups
+from verlite.workers.actor import ActorWorker
 
 # Ray workers cannot import this module: its worker class travels by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -163,3 +165,37 @@ def test_a_groups_failed_init_ends_the_start_with_its_error_and_nothing_left_run
     for handle in handles:
         with pytest.raises(RayActorError):
             ray.get(handle.ping.remote())
+
+
+class ActorOnAT4(ActorWorker):
+    """An actor on a GPU without bf16 arithmetic, as a cluster's worker finds it (torch
+    faked in the worker's own process: Ray kills it with its group)."""
+
+    def init_model(self) -> None:
+        import torch
+
+        torch.cuda.is_available = lambda: True
+        torch.cuda.is_bf16_supported = lambda including_emulation=True: including_emulation
+        torch.cuda.get_device_name = lambda device=None: "Tesla T4"
+        super().init_model()
+
+
+def test_bad_input_a_worker_finds_is_one_line_and_exit_2(
+    local_ray, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    """model.precision=bf16-mixed where the actor's GPU has no bf16 arithmetic (on a
+    cluster, only the worker knows its GPU): the worker refuses before it builds its model,
+    and the run ends as any bad input does, the worker's line first, then where; it was a
+    WorkerGroupError, a run failure (exit 1)."""
+    monkeypatch.setattr(driver_run, "ActorWorker", ActorOnAT4)
+    settings = ["model.device=auto", "model.precision=bf16-mixed", "trainer.cpus_per_worker=0.5"]
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    code = main(["train", "--config", "configs/grpo_tiny.yaml", *settings, out])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(
+        "verlite: error: model.precision=bf16-mixed: this machine's GPU (Tesla T4) has no bf16 "
+        "arithmetic; set model.precision=fp32 (worker group 'actor': rank 0 on node "
+    ), err
+    assert "), in init_model())" in err, err

@@ -25,6 +25,7 @@ from verlite.models import (
     build_value_model,
     float32_norms_line,
     set_logits_chunk_tokens,
+    worker_device,
 )
 from verlite.models.precision import (
     autocast,
@@ -320,6 +321,30 @@ def test_the_default_precision_on_a_gpu_without_bf16_is_refused_naming_auto(
         preflight.check_placement(explicit, in_session=False)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     preflight.check_placement(cfg, in_session=False)
+
+
+def test_a_worker_on_a_gpu_without_bf16_refuses_before_it_builds_a_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a cluster the driver does not know the workers' GPUs: each worker checks its own
+    as it picks its device, the first thing its ``init_model`` does (before that, such a
+    worker went on in a bf16 its GPU only emulates)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla T4")
+    cluster = ("trainer.ray_address=10.0.0.1:6379", "trainer.gpus_per_worker=1")
+    with pytest.raises(ConfigError) as info:
+        worker_device(config(*cluster))
+    assert str(info.value) == (
+        "model.precision=auto (which is bf16-mixed on cuda): this machine's GPU (Tesla T4) has "
+        "no bf16 arithmetic; set model.precision=fp32"
+    )
+    assert worker_device(config(*cluster, "model.precision=fp32")) == torch.device("cuda", 0)
+    assert worker_device(config(*cluster, "model.device=cpu")) == CPU  # auto: fp32 on CPU
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert worker_device(config(*cluster)) == torch.device("cuda", 0)
 
 
 def test_a_kept_head_stays_fp32_in_a_copy_stored_for_inference() -> None:

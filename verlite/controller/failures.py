@@ -15,7 +15,7 @@ from ray.exceptions import (
 )
 from torch.distributed import DistBackendError, DistNetworkError
 
-from verlite.errors import RunFailure
+from verlite.errors import RunFailure, UserError
 
 # Where gloo's transport raises: what a live rank sees when a peer's process or node is gone.
 _GLOO_TRANSPORT = "gloo/transport/"
@@ -52,6 +52,18 @@ class WorkerGroupError(RunFailure):
         self.cause = cause
         self.lost = lost
         self.detected_at = time.monotonic()
+
+
+class WorkerInputError(UserError):
+    """Bad input a worker found (a :class:`UserError` it raised: what only it can see, as
+    its GPU's abilities on a cluster): reported as any bad input is, its own message first
+    (the setting), then where, as :class:`WorkerGroupError` names it."""
+
+
+def input_error(err: BaseException) -> UserError | None:
+    """The user error a failed remote call raised in its worker; None for any other failure."""
+    cause = err.cause if isinstance(err, RayTaskError) else None
+    return cause if isinstance(cause, UserError) else None
 
 
 def _last_line(text: str) -> str:

@@ -18,7 +18,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verlite.controller import dispatch as dispatching
 from verlite.controller.dispatch import Collect, Dispatch
-from verlite.controller.failures import WorkerGroupError, describe_failure, is_lost
+from verlite.controller.failures import (
+    WorkerGroupError,
+    WorkerInputError,
+    describe_failure,
+    input_error,
+    is_lost,
+)
 from verlite.controller.resource_pool import ResourcePool
 from verlite.controller.session import worker_runtime_env
 from verlite.controller.transport import install_in_worker, use_tensordict_transport
@@ -242,6 +248,11 @@ class WorkerGroup:
                     self._failed = True
                     rank, err = self._first_cause(rank_of[ref], err, pending, rank_of)
                     slot = self._slots[rank]
+                    if (bad := input_error(err)) is not None:
+                        raise WorkerInputError(
+                            f"{bad} (worker group {self.name!r}: rank {rank} on node "
+                            f"{slot.node_id[:12]} ({slot.node_ip}), in {method}())"
+                        ) from err
                     raise WorkerGroupError(
                         group=self.name,
                         rank=rank,

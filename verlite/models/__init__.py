@@ -27,7 +27,13 @@ from verlite.config import Config, ConfigError, LoraConfig, ModelConfig
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
-from verlite.models.precision import cast_weights, float32_norms, fp64_throughout, param_dtype
+from verlite.models.precision import (
+    cast_weights,
+    check_precision_supported,
+    float32_norms,
+    fp64_throughout,
+    param_dtype,
+)
 from verlite.models.varlen import PackingUnsupported, enable_packing
 
 
@@ -42,6 +48,18 @@ def resolve_device(cfg: ModelConfig) -> torch.device:
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def worker_device(cfg: Config) -> torch.device:
+    """The device a worker runs its models on (:func:`resolve_device`), once it can do the
+    run's precision: a cluster's GPUs are not known before Ray starts, so bf16 on a GPU
+    without bf16 arithmetic is refused here, in one line, before the worker builds a model
+    (the driver reports it as bad input: ``controller.failures.WorkerInputError``)."""
+    device = resolve_device(cfg.model)
+    check_precision_supported(
+        cfg.precision, on_gpu=device.type == "cuda", auto=cfg.model.precision == "auto"
+    )
+    return device
 
 
 def check_tokenizer_fits(path: str | None, tokenizer_size: int, *, field: str) -> None:

@@ -37,7 +37,7 @@ from verlite.generation import (
     split_frozen,
     sync_layout,
 )
-from verlite.models import build_policy, mark_generation_ends, resolve_device
+from verlite.models import build_policy, mark_generation_ends, worker_device
 from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.precision import (
     autocast,
@@ -100,7 +100,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
 
     def init_model(self) -> None:
         cfg = self.cfg
-        device = resolve_device(cfg.model)
+        device = worker_device(cfg)
         policy = self._build_policy()
         # The reference is the initial policy, frozen; a plain copy on every rank needs no
         # collectives, stored as models that are never trained are (``models.precision``).

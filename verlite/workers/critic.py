@@ -12,7 +12,7 @@ from torch import nn
 from verlite.config import Config
 from verlite.core import seeds
 from verlite.core.metrics import MetricDict
-from verlite.models import build_value_model, resolve_device
+from verlite.models import build_value_model, worker_device
 from verlite.workers.forward import response_values
 from verlite.workers.objectives import CriticLossSettings, value_loss
 from verlite.workers.peak_memory import PeakMemory
@@ -35,7 +35,7 @@ class CriticWorker(TrainingWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         max_positions = cfg.max_sequence_length
-        device = resolve_device(cfg.model)
+        device = worker_device(cfg)
         model = build_value_model(
             cfg.model,
             vocab_size=self.vocab_size,

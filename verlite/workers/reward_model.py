@@ -18,7 +18,7 @@ from tensordict import TensorDict
 from verlite.config import Config
 from verlite.controller import Worker
 from verlite.data import continuation_text, load_reward_tokenizer, load_tokenizer
-from verlite.models import model_dtype, resolve_device
+from verlite.models import model_dtype, worker_device
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
     encode_texts,
@@ -43,7 +43,7 @@ class RewardModelWorker(Worker):
         cfg = self.cfg
         rm = cfg.reward.model
         assert rm.path is not None  # the group exists only with a reward model
-        self.device = resolve_device(cfg.model)
+        self.device = worker_device(cfg)
         self.peak_memory = PeakMemory(self.device)
         self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         self.tokenizer = load_reward_tokenizer(rm.path)

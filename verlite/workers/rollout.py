@@ -11,7 +11,7 @@ from tensordict import TensorDict
 from verlite.core import seeds
 from verlite.data import PromptRecord
 from verlite.generation import GenerationEngine, NativeEngine, SamplingParams, WeightBucket
-from verlite.models import build_policy, resolve_device
+from verlite.models import build_policy, worker_device
 from verlite.models.precision import store_for_generation
 from verlite.workers.peak_memory import PeakMemory, with_peak
 from verlite.workers.policy_worker import PolicyWorker
@@ -25,7 +25,7 @@ class RolloutWorker(PolicyWorker):
 
     def init_model(self) -> None:
         cfg = self.cfg
-        self.device = resolve_device(cfg.model)
+        self.device = worker_device(cfg)
         self.peak_memory = PeakMemory(self.device)
         # Its initial weights never generate: the first sync replaces them. A LoRA policy's
         # sync sends the adapters alone: the base is built as the actor builds it (same

@@ -172,6 +172,22 @@ def test_a_gpu_audit_needs_a_gpu_per_rank(verlite_main) -> None:
     )
 
 
+def test_a_gpu_audit_in_bf16_needs_bf16_arithmetic(verlite_main, monkeypatch) -> None:
+    """The audit's ranks run on this machine's GPUs: bf16 on one that only emulates it is
+    refused as ``verlite train`` refuses it (it was not checked: on a T4 the ranks ran)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    proc = verlite_main("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        "verlite: error: model.precision=auto (which is bf16-mixed on cuda): this machine's "
+        "GPU (Tesla T4) has no bf16 arithmetic; set model.precision=fp32"
+    ), proc.stderr
+
+
 def test_packed_layouts_of_a_window_a_sequence_passes_are_one_line(
     verlite_main, tmp_path, capsys
 ) -> None:

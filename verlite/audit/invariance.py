@@ -54,7 +54,7 @@ from verlite.distributed import (
 )
 from verlite.errors import UserError
 from verlite.models import build_policy, build_value_model, model_dtype, probe_config
-from verlite.models.precision import autocast
+from verlite.models.precision import autocast, check_precision_supported
 from verlite.step_batch import row_costs, stamp_counts, take_rows
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import (
@@ -445,7 +445,11 @@ def check_invariance(
     # On a GPU each rank takes one visible GPU and the ranks talk over NCCL (and gloo for
     # the shards FSDP2's CPU offload keeps on the host).
     host_shards = any(getattr(cfg, role).offload == "all" for role in roles)
-    backend = backend_for(audit_device(cfg), host_shards=host_shards)
+    device = audit_device(cfg)
+    check_precision_supported(
+        cfg.precision, on_gpu=device.type == "cuda", auto=cfg.model.precision == "auto"
+    )
+    backend = backend_for(device, host_shards=host_shards)
     try:
         rank_gpus(backend, max(dps))
     except ValueError as exc:

@@ -442,3 +442,58 @@ def test_a_training_group_joins_the_backend_of_the_device_its_model_runs_on(
         worker.role = "actor" if kind is ActorWorker else "critic"
         worker.init_distributed("127.0.0.1", 29500)
     assert joined == (["gloo"] * 2 if device == "cpu" else ["cuda:nccl,cpu:gloo", "nccl"])
+
+
+@pytest.mark.parametrize("placement", ["colocated", "split"])
+def test_a_generating_worker_whose_gpu_cannot_hold_the_generation_refuses_first(
+    monkeypatch: pytest.MonkeyPatch, placement: str
+) -> None:
+    """On a cluster the driver cannot see the GPUs: each worker that generates (the actor
+    colocated, the rollout worker split) checks that its own GPU holds a generation's KV
+    cache and weights before it builds a model (``policy_worker.check_generation_fits``,
+    the check the driver makes before an embedded Ray). It was found at the first
+    generation, the weights loaded (``GenerationTooLarge``, a run failure), or not at all in
+    eager decoding. A 0.5B-shaped policy generating 512 rows of 1088 positions: 6.4 GiB of
+    KV cache on a 1 GiB GPU."""
+    from types import SimpleNamespace
+
+    from verlite.config import ConfigError
+    from verlite.workers import rollout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=2**30)
+    )
+
+    def built(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(ActorWorker, "_build_policy", built)
+    monkeypatch.setattr(rollout, "build_policy", built)
+    shape = [
+        "model.hidden_size=896",
+        "model.num_layers=24",
+        "model.num_heads=14",
+        "model.num_kv_heads=2",
+        "model.intermediate_size=4864",
+        "model.device=cuda",
+        "trainer.gpus_per_worker=1",
+        "trainer.ray_address=10.0.0.1:6379",
+        "data.train_batch_size=64",
+        "rollout.n=8",
+        "algorithm.adv_estimator=grpo",
+        "data.max_prompt_length=64",
+        "rollout.max_response_length=1024",
+        "actor.ppo_mini_batch_size=512",
+        f"rollout.placement={placement}",
+    ]
+    cfg = load_config("configs/ppo_tiny.yaml", shape)
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+    role, worker_class = (
+        ("actor", ActorWorker) if placement == "colocated" else ("rollout", RolloutWorker)
+    )
+    worker = worker_class(**_one_rank(role, cfg, tokenizer))
+    with pytest.raises(ConfigError, match=r"^generation cannot fit Fake GPU \(1.0 GiB\): the KV"):
+        worker.init_model()

@@ -8,12 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import torch
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from verlite import base_weights
 from verlite.config import Config, ConfigError
-from verlite.config.checks import cache_position_fields, longest_sequence_fields
+from verlite.config.checks import longest_sequence_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import (
     DataError,
@@ -26,8 +25,8 @@ from verlite.data import (
 from verlite.data.templates import turn_format
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
-from verlite.generation.decode import MAX_END_TOKENS, auto_mode, check_mode_supported
-from verlite.generation.static_cache import UnsupportedModel, cache_bytes
+from verlite.generation.decode import MAX_END_TOKENS, check_mode_supported
+from verlite.generation.static_cache import UnsupportedModel
 from verlite.models import (
     builtin_vocab_size,
     check_attention_supported,
@@ -40,11 +39,12 @@ from verlite.models import (
     float32_norms_line,
     hf_config,
 )
-from verlite.models.precision import check_precision_supported, param_dtype, store_for_generation
+from verlite.models.precision import check_precision_supported
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, check_answers, resolve_reward
 from verlite.rewards.remote import RemoteScorer
+from verlite.workers.policy_worker import check_generation_fits
 
 
 def check_generation(cfg: Config, tokenizer_size: int) -> None:
@@ -71,49 +71,6 @@ def check_generation(cfg: Config, tokenizer_size: int) -> None:
             check_mode_supported(config, cfg.rollout.decode, longest=cfg.max_sequence_length)
         except UnsupportedModel as exc:
             raise ConfigError(f"rollout.decode={cfg.rollout.decode}: {exc}") from None
-
-
-def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
-    """On this machine's GPU, for an embedded Ray whose workers generate on cuda: one
-    generating worker's KV cache (its rows x the longest sequence) and the policy's weights
-    as it generates with them must fit the GPU's memory. A bound from below: activations,
-    and a colocated actor's gradients and optimizer state, come on top (a generation that
-    does not fit what is free is refused then, before it starts)."""
-    if not cfg.generates_on_gpu or not torch.cuda.is_available():
-        return
-    config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    trained = sum(p.numel() for p in model.parameters()) * param_dtype(cfg.precision).itemsize
-    # What a rollout worker's model, or a colocated actor's generation copy, holds: a tied
-    # head its own bf16 tensor under bf16-mixed (``store_for_generation``; on the meta
-    # device, nothing is allocated).
-    stored = store_for_generation(model, cfg.precision)
-    weights = sum(p.numel() * p.element_size() for p in stored.parameters())
-    if cfg.rollout.placement == "colocated":  # the trained weights, and a copy to generate from
-        mode = cfg.rollout.decode
-        if mode == "auto":
-            mode = auto_mode(
-                config,
-                device=torch.device("cuda"),
-                lockstep=cfg.actor.strategy == "fsdp",
-                per_rank=cfg.rollout.randomness == "per_rank",
-                longest=cfg.max_sequence_length,
-            )
-        copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
-        weights = trained + (weights if copied else 0)
-    rows = cfg.rows_per_generating_worker
-    kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
-    kv = cache_bytes(config, rows, cfg.cache_positions, kv_dtype)
-    total = torch.cuda.get_device_properties(0).total_memory
-    if kv + weights > total:
-        raise ConfigError(
-            f"generation cannot fit {torch.cuda.get_device_name(0)} ({total / 2**30:.1f} GiB): "
-            f"the KV cache of {rows} rows per generating worker (data.train_batch_size x "
-            f"rollout.n / {cfg.generating_workers} workers) x {cfg.cache_positions} "
-            f"positions ({cache_position_fields(cfg)}) is {kv / 2**30:.1f} GiB and the weights "
-            f"{weights / 2**30:.1f} GiB; generate fewer or shorter rows per worker"
-        )
 
 
 def check_placement(cfg: Config, *, in_session: bool, cpus: int | None = None) -> None:

@@ -20,6 +20,7 @@ from transformers import (
     AutoModelForSequenceClassification,
     LlamaConfig,
     PretrainedConfig,
+    PreTrainedModel,
     Qwen2Config,
 )
 
@@ -115,6 +116,13 @@ def hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> Pretrain
     if cfg.path is not None:
         return AutoConfig.from_pretrained(cfg.path)
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
+
+
+def meta_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
+    """The causal LM of ``config`` built on the meta device (no memory): for what its class
+    and shape decide, not its values."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
 
 
 # The built-in model's vocabulary where only its shape matters (models built on the meta device
@@ -357,8 +365,7 @@ def check_attention_supported(cfg: ModelConfig) -> None:
     (Llama, Qwen2) do."""
     if cfg.path is None:
         return
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(probe_config(cfg))
+    model = meta_causal_lm(probe_config(cfg))
     if not model._supports_sdpa:
         raise ConfigError(
             f"model.path={cfg.path!r}: {type(model).__name__} does not support "
@@ -526,8 +533,7 @@ def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: st
         f"past the model's context of {positions} positions (config.json "
         "max_position_embeddings)"
     )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_causal_lm(config)
     if position_tables(model, positions):
         raise ConfigError(
             f"{past}, the rows of its position table; shorten the prompts or responses"
@@ -596,8 +602,7 @@ def check_lora_supported(cfg: ModelConfig, lora: LoraConfig) -> str | None:
     if lora.rank == 0:
         return None
     check_peft_installed(lora)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(probe_config(cfg))
+    model = meta_causal_lm(probe_config(cfg))
     check_targets(model, lora)
     head = model.get_output_embeddings()
     name = next(n for n, m in model.named_modules() if m is head).rsplit(".", 1)[-1]
@@ -634,7 +639,6 @@ def flop_crossover(cfg: ModelConfig) -> int:
     for layers in (1, 2):
         config = copy.deepcopy(config)
         config.num_hidden_layers = layers
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+        model = meta_causal_lm(config)
         counts.append(DecoderShape.of(model).dense_params)
     return max(1, round((counts[1] - counts[0]) / attention_width(config)))

@@ -51,7 +51,7 @@ from verlite.models.varlen import enable_packing
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.peak_memory import PeakMemory
-from verlite.workers.policy_worker import PolicyWorker
+from verlite.workers.policy_worker import PolicyWorker, check_generation_fits
 from verlite.workers.train_engine import TrainEngine, infer
 from verlite.workers.training_worker import TrainingWorker
 
@@ -101,6 +101,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         device = worker_device(cfg)
+        if cfg.rollout.placement == "colocated":  # it generates, on this GPU
+            check_generation_fits(cfg, self.vocab_size)
         policy = self._build_policy()
         # The reference is the initial policy, frozen; a plain copy on every rank needs no
         # collectives, stored as models that are never trained are (``models.precision``).

@@ -13,7 +13,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.config import Config
+from verlite.config import Config, ConfigError
+from verlite.config.checks import cache_position_fields
 from verlite.controller import Worker
 from verlite.core import seeds
 from verlite.data import PromptRecord, row_records
@@ -30,9 +31,56 @@ from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
 from verlite.generation.decode import auto_mode
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
-from verlite.models.precision import autocast
+from verlite.generation.static_cache import cache_bytes
+from verlite.models import hf_config, meta_causal_lm
+from verlite.models.precision import autocast, param_dtype, store_for_generation
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
+
+
+def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
+    """On this process's GPU (cuda:0), for workers that generate on cuda: one generating
+    worker's KV cache (its rows x the longest sequence) and the policy's weights as it
+    generates with them must fit the GPU's memory. A bound from below: activations, and a
+    colocated actor's gradients and optimizer state, come on top (a generation that does not
+    fit what is free is refused then, before it starts). Checked by the driver before Ray
+    starts where this machine's GPU is the workers' (an embedded Ray), and by each
+    generating worker before it builds a model (a cluster's GPUs, which the driver cannot
+    see)."""
+    if not cfg.generates_on_gpu or not torch.cuda.is_available():
+        return
+    config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)
+    model = meta_causal_lm(config)
+    trained = sum(p.numel() for p in model.parameters()) * param_dtype(cfg.precision).itemsize
+    # What a rollout worker's model, or a colocated actor's generation copy, holds: a tied
+    # head its own bf16 tensor under bf16-mixed (``store_for_generation``; on the meta
+    # device, nothing is allocated).
+    stored = store_for_generation(model, cfg.precision)
+    weights = sum(p.numel() * p.element_size() for p in stored.parameters())
+    if cfg.rollout.placement == "colocated":  # the trained weights, and a copy to generate from
+        mode = cfg.rollout.decode
+        if mode == "auto":
+            mode = auto_mode(
+                config,
+                device=torch.device("cuda"),
+                lockstep=cfg.actor.strategy == "fsdp",
+                per_rank=cfg.rollout.randomness == "per_rank",
+                longest=cfg.max_sequence_length,
+            )
+        copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
+        weights = trained + (weights if copied else 0)
+    rows = cfg.rows_per_generating_worker
+    kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
+    kv = cache_bytes(config, rows, cfg.cache_positions, kv_dtype)
+    total = torch.cuda.get_device_properties(0).total_memory
+    if kv + weights > total:
+        raise ConfigError(
+            f"generation cannot fit {torch.cuda.get_device_name(0)} ({total / 2**30:.1f} GiB): "
+            f"the KV cache of {rows} rows per generating worker (data.train_batch_size x "
+            f"rollout.n / {cfg.generating_workers} workers) x {cfg.cache_positions} "
+            f"positions ({cache_position_fields(cfg)}) is {kv / 2**30:.1f} GiB and the weights "
+            f"{weights / 2**30:.1f} GiB; generate fewer or shorter rows per worker"
+        )
 
 
 class PolicyWorker(Worker):

@@ -14,7 +14,7 @@ from verlite.generation import GenerationEngine, NativeEngine, SamplingParams, W
 from verlite.models import build_policy, worker_device
 from verlite.models.precision import store_for_generation
 from verlite.workers.peak_memory import PeakMemory, with_peak
-from verlite.workers.policy_worker import PolicyWorker
+from verlite.workers.policy_worker import PolicyWorker, check_generation_fits
 
 
 class RolloutWorker(PolicyWorker):
@@ -26,6 +26,7 @@ class RolloutWorker(PolicyWorker):
     def init_model(self) -> None:
         cfg = self.cfg
         self.device = worker_device(cfg)
+        check_generation_fits(cfg, self.vocab_size)
         self.peak_memory = PeakMemory(self.device)
         # Its initial weights never generate: the first sync replaces them. A LoRA policy's
         # sync sends the adapters alone: the base is built as the actor builds it (same

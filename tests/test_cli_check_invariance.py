@@ -238,6 +238,49 @@ def test_the_checkpointed_layout_of_a_model_without_checkpointing_is_one_line(
     )
 
 
+def test_the_configs_packing_and_checkpointing_are_checked_before_any_rank_starts(
+    verlite_main, tmp_path, capsys
+) -> None:
+    """The audit's layouts keep the config's ``<role>.packing`` and
+    ``<role>.gradient_checkpointing`` (a micro layout sets only its own fields): where the
+    model does not support them they were refused by no one before the ranks, which stopped
+    with a traceback (PackingUnsupported, Hugging Face's ValueError; exit 1). Now as
+    ``verlite train`` refuses them (``models.check_training_features``)."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    from tests.model_support import tiny_sliding
+
+    tiny_sliding("mistral", 8).save_pretrained(tmp_path / "mistral")
+    jetmoe = JetMoeConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        kv_channels=8,
+        intermediate_size=32,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
+    JetMoeForCausalLM(jetmoe).save_pretrained(tmp_path / "jetmoe")
+    capsys.readouterr()  # the saves' progress bars
+    args = ["check-invariance", "--config", CONFIG, "--dp", "1", "--micro", "1"]
+    for settings, line in (
+        (
+            [f"model.path={tmp_path / 'mistral'}", "actor.packing=true"],
+            "actor.packing=true: 2 of the model's 2 layers attend through a sliding window of 8 "
+            "tokens",
+        ),
+        (
+            [f"model.path={tmp_path / 'jetmoe'}", "critic.gradient_checkpointing=true"],
+            "critic.gradient_checkpointing=true: JetMoeModel does not support activation "
+            "checkpointing; set critic.gradient_checkpointing=false\n",
+        ),
+    ):
+        proc = verlite_main(*args, *settings)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert proc.stderr.startswith(f"verlite: error: {line}"), proc.stderr
+
+
 @pytest.mark.parametrize("model", ["path", "builtin"])
 def test_a_model_whose_vocabulary_is_under_the_audits_is_audited(
     verlite_main, tmp_path, capsys, model: str

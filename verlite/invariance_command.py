@@ -173,7 +173,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         tolerance_for,
     )
     from verlite.config import check_inputs, load_config
-    from verlite.models import check_attention_supported
+    from verlite.models import check_attention_supported, check_training_features
 
     for flag in ("layout", "runs_dir", "atol"):
         if getattr(args, flag) is not None:
@@ -186,6 +186,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for an input that is not there, before any rank starts
     check_attention_supported(cfg.model)
+    check_training_features(cfg)  # the config's packing and checkpointing, every layout's
     _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
     _check_checkpointed_layout(cfg, micros)
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)

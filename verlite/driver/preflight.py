@@ -31,11 +31,10 @@ from verlite.models import (
     builtin_vocab_size,
     check_attention_supported,
     check_context_fits,
-    check_gradient_checkpointing_supported,
     check_lora_supported,
-    check_packing_supported,
     check_rope_supported,
     check_tokenizer_fits,
+    check_training_features,
     float32_norms_line,
     hf_config,
 )
@@ -149,16 +148,7 @@ class RunInputs:
         check_generation(cfg, len(tokenizer))
         if cfg.trainer.ray_address is None and not ray.is_initialized():
             check_generation_fits(cfg, len(tokenizer))
-        for role in ("actor", "critic"):
-            if getattr(cfg, role).packing:
-                check_packing_supported(
-                    cfg.model,
-                    role=role,
-                    max_sequence_length=cfg.max_sequence_length,
-                    fields=longest_sequence_fields(cfg),
-                )
-            if getattr(cfg, role).gradient_checkpointing:
-                check_gradient_checkpointing_supported(cfg.model, role=role)
+        check_training_features(cfg)
         if (frozen_head := check_lora_supported(cfg.model, cfg.actor.lora)) is not None:
             print(frozen_head, flush=True)
         context = check_context_fits(

@@ -25,6 +25,7 @@ from transformers import (
 )
 
 from verlite.config import Config, ConfigError, LoraConfig, ModelConfig
+from verlite.config.checks import longest_sequence_fields
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
@@ -393,6 +394,25 @@ def check_gradient_checkpointing_supported(cfg: ModelConfig, *, role: str) -> No
             f"{role}.gradient_checkpointing=true: {unsupported} does not support "
             f"activation checkpointing; set {role}.gradient_checkpointing=false"
         )
+
+
+def check_training_features(cfg: Config) -> None:
+    """``<role>.packing`` and ``<role>.gradient_checkpointing`` where set, the actor's and
+    the critic's: the model of ``cfg`` supports them (:func:`check_packing_supported` on the
+    run's longest sequence, :func:`check_gradient_checkpointing_supported`); refused at
+    start-up in one line naming the setting, where each worker's first build or packed pass
+    would stop it."""
+    for role in ("actor", "critic"):
+        section = getattr(cfg, role)
+        if section.packing:
+            check_packing_supported(
+                cfg.model,
+                role=role,
+                max_sequence_length=cfg.max_sequence_length,
+                fields=longest_sequence_fields(cfg),
+            )
+        if section.gradient_checkpointing:
+            check_gradient_checkpointing_supported(cfg.model, role=role)
 
 
 def float32_norms_line(cfg: Config) -> str | None:

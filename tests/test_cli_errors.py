@@ -339,6 +339,43 @@ def test_a_model_without_sdpa_attention_is_refused_before_ray(
     assert run(capsys, "check-invariance", "--config", CONFIG, model, "--dp", "1") == expected
 
 
+def test_a_reward_model_without_sdpa_attention_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """The reward workers load reward.model.path with SDPA attention too: a Gemma 2
+    classifier passed the reward model's start-up check, and each reward worker's load
+    raised Hugging Face's ValueError after Ray started (exit 1, 15 s in)."""
+    from transformers import AutoModelForSequenceClassification, Gemma2Config
+
+    from verlite.data.tokenizer import CHARACTERS, build_task_tokenizer
+
+    folder = tmp_path / "gemma2_rm"
+    tokenizer = build_task_tokenizer(CHARACTERS)
+    tokenizer.save_pretrained(folder)
+    config = Gemma2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=64,
+    )
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    capsys.readouterr()  # the save's progress bar
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    err = run(capsys, "train", "--config", CONFIG, f"reward.model.path={folder}", out)
+    assert err == (
+        f"verlite: error: reward.model.path={str(folder)!r}: Gemma2ForSequenceClassification "
+        "does not support scaled-dot-product attention (SDPA), which verlite loads every model "
+        "with; use a model whose class does (Llama, Qwen2, Mistral, ...)\n"
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def _saved_model(folder: Path, **save: Any) -> Path:
     from chat_model_support import chat_tokenizer
     from model_support import tiny_qwen2

@@ -366,12 +366,18 @@ def check_attention_supported(cfg: ModelConfig) -> None:
     (Llama, Qwen2) do."""
     if cfg.path is None:
         return
-    model = meta_causal_lm(probe_config(cfg))
+    check_sdpa(meta_causal_lm(probe_config(cfg)), field="model.path", path=cfg.path)
+
+
+def check_sdpa(model: PreTrainedModel, *, field: str, path: str) -> None:
+    """``model`` (the one in ``path``, the config's ``field``; built on the meta device)
+    runs scaled-dot-product attention, which ``_pretrained`` loads every model with; one
+    line otherwise."""
     if not model._supports_sdpa:
         raise ConfigError(
-            f"model.path={cfg.path!r}: {type(model).__name__} does not support "
-            "scaled-dot-product attention (SDPA), which verlite loads every model with; use a "
-            "model whose class does (Llama, Qwen2, Mistral, ...)"
+            f"{field}={path!r}: {type(model).__name__} does not support scaled-dot-product "
+            "attention (SDPA), which verlite loads every model with; use a model whose class "
+            "does (Llama, Qwen2, Mistral, ...)"
         )
 
 

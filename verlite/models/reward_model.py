@@ -29,7 +29,7 @@ from transformers.modeling_layers import GenericForSequenceClassification
 
 from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
-from verlite.models import _pretrained
+from verlite.models import _pretrained, check_sdpa
 from verlite.models.precision import fp64_throughout
 
 
@@ -69,8 +69,8 @@ def token_limit(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
 
 def check_reward_model(cfg: RewardModelConfig) -> None:
     """At start-up, before Ray: ``reward.model.path`` holds a decoder sequence-classification
-    model with one label, and ``max_length`` fits it; each problem one line (its tokenizer:
-    ``driver.preflight``)."""
+    model with one label whose class runs SDPA attention, and ``max_length`` fits it; each
+    problem one line (its tokenizer: ``driver.preflight``)."""
     assert cfg.path is not None
     path = cfg.path
     config = _config(path)
@@ -92,6 +92,12 @@ def check_reward_model(cfg: RewardModelConfig) -> None:
         raise ConfigError(
             f"reward.model.path={path!r} has num_labels={config.num_labels}; a reward model "
             "has one label, whose sigmoid is the score"
+        )
+    with torch.device("meta"):  # no memory
+        check_sdpa(
+            AutoModelForSequenceClassification.from_config(config),
+            field="reward.model.path",
+            path=path,
         )
     token_limit(cfg, config)
 

@@ -23,6 +23,7 @@ import pytest
 from verlite.audit.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
+from verlite.controller.failures import WorkerInputError
 from verlite.data import PromptLoader, build_datasets, load_tokenizer
 from verlite.driver.preflight import RunInputs
 from verlite.driver.run import run
@@ -118,14 +119,17 @@ def test_an_environment_that_breaks_its_contract_stops_the_run_naming_it(
         "trainer.val_freq=0",
         "trainer.max_restarts=2",  # a raise in a worker would only repeat: no restart
     )
-    with pytest.raises(WorkerGroupError) as raised:
+    # Bad input the worker meets (a UserError there): exit 2, as on the driver; it was a
+    # WorkerGroupError, a run failure (exit 1), its line after 'failed in ...(): EnvironmentBroken:'.
+    with pytest.raises(WorkerInputError) as raised:
         run(cfg, RunInputs.load(cfg))
-    assert not raised.value.lost and "restart 1 of" not in capsys.readouterr().out
+    assert "restart 1 of" not in capsys.readouterr().out
     message = str(raised.value)
-    assert re.search(
-        r"failed in generate_with_log_probs\(\): EnvironmentBroken: environment bad_env:TooGenerous, "
-        r"prompt \d+: step returned reward 1.5; rewards must be in \[0, 1\]; no checkpoint saved "
-        r"\(trainer.save_freq=0 saves none\): a new `verlite train` of \S+ starts from the first step",
+    assert re.match(
+        r"environment bad_env:TooGenerous, prompt \d+: step returned reward 1.5; rewards must be "
+        r"in \[0, 1\] \(worker group 'actor': rank 0 on node \S+ \(\S+\), in "
+        r"generate_with_log_probs\(\)\); no checkpoint saved \(trainer.save_freq=0 saves none\): "
+        r"a new `verlite train` of \S+ starts from the first step",
         message,
     ), message
     assert "\n" not in message

@@ -118,3 +118,26 @@ def test_the_version_is_installed_verlites_or_says_it_runs_from_source(
     with pytest.raises(SystemExit):
         cli.main(["--version"])
     assert capsys.readouterr().out == "verlite (not installed: run from its source folder)\n"
+
+
+def test_check_invariance_help_states_the_defaults_the_audits_compare_with(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Its --atol once said 1e-15 for float64 where --run compared with 1e-13.
+    from verlite.audit.tolerances import CONFIGURED_OPTIMIZER_TOLERANCE, RUN_ATOL, TOLERANCE
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["check-invariance", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+
+    def stated(after: str) -> dict[str, float]:
+        listed = text.split(after, 1)[1].split(";", 1)[0].split(")", 1)[0]
+        return {name: float(value) for name, value in (p.split() for p in listed.split(", "))}
+
+    assert (
+        stated("--tolerance TOLERANCE max relative difference (default by model.precision: ")
+        == TOLERANCE
+    )
+    assert stated("with --optimizer configured: ") == CONFIGURED_OPTIMIZER_TOLERANCE
+    assert stated("exact arithmetic (default by model.precision: ") == RUN_ATOL

@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verlite.arguments import int_list, path, positive_float, positive_int, str_list
+from verlite.audit.tolerances import (
+    CONFIGURED_OPTIMIZER_TOLERANCE,
+    RUN_ATOL,
+    TOLERANCE,
+    by_precision,
+)
 from verlite.errors import UserError
 from verlite.table import format_table
 
@@ -54,8 +60,8 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--tolerance",
         type=positive_float,
         default=None,
-        help="max relative difference (default 1e-5 float32, 1e-9 float64; with --optimizer "
-        "configured 1e-3 float32, 1e-9 float64)",
+        help=f"max relative difference (default by model.precision: {by_precision(TOLERANCE)}; "
+        f"with --optimizer configured: {by_precision(CONFIGURED_OPTIMIZER_TOLERANCE)})",
     )
     check.add_argument(
         "--json", action="store_true", help="print one JSON object instead of a table"
@@ -107,7 +113,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         type=positive_float,
         default=None,
         help="with --run, absolute difference still equal, for metrics that are zero in exact "
-        "arithmetic (default 1e-15 float64, 1e-6 float32)",
+        f"arithmetic (default by model.precision: {by_precision(RUN_ATOL)})",
     )
     check.set_defaults(handler=cmd_check_invariance)
 
@@ -271,30 +277,17 @@ def invariance_rows(reports: Sequence[object], tolerance: float) -> list[tuple[s
 
 def _check_run_invariance(args: argparse.Namespace) -> int:
     """``verlite check-invariance --run``: the table, or one JSON object; exit 1 on a difference."""
-    from verlite.audit.run_invariance import (
-        ATOL,
-        DEFAULT_LAYOUTS,
-        FLOAT32_ATOL,
-        check_run_invariance,
-        parse_layout,
-    )
+    from verlite.audit.run_invariance import DEFAULT_LAYOUTS, check_run_invariance, parse_layout
     from verlite.config import check_inputs, load_config
 
-    tolerances = {
-        "fp64": (1e-9, ATOL),
-        "fp32": (1e-5, FLOAT32_ATOL),
-        "bf16-mixed": (1e-2, 1e-6),
-        "bf16": (1e-2, 1e-6),
-    }
     for flag in ("dp", "micro", "strategy", "optimizer"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
     layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
     base = load_config(args.config, args.overrides)
     check_inputs(base)  # one line for an input that is not there, before Ray starts
-    default_tolerance, default_atol = tolerances[base.precision]
-    tolerance = default_tolerance if args.tolerance is None else args.tolerance
-    atol = default_atol if args.atol is None else args.atol
+    tolerance = TOLERANCE[base.precision] if args.tolerance is None else args.tolerance
+    atol = RUN_ATOL[base.precision] if args.atol is None else args.atol
     steps = args.steps or 10
 
     def progress(line: str) -> None:

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from verlite.audit.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
+from verlite.audit.run_invariance import RoleLayout, RunLayout, audit_runs
+from verlite.audit.tolerances import RUN_ATOL
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
 from verlite.controller.failures import WorkerInputError
@@ -49,7 +50,7 @@ def test_trajectories_do_not_depend_on_who_generates_them(tmp_path: Path, local_
     colocated = config(tmp_path / "colocated")
     split = config(tmp_path / "split", "rollout.placement=split", "rollout.workers_per_node=2")
     one = RunLayout(RoleLayout(1, "ddp", "full"), RoleLayout(1, "ddp", "full"))
-    reports = audit_runs([colocated, split], [one, one], tolerance=1e-9, atol=ATOL)
+    reports = audit_runs([colocated, split], [one, one], tolerance=1e-9, atol=RUN_ATOL["fp64"])
     assert reports[1].ok and reports[1].identical_steps == 3, reports[1].first_difference
     records = read(tmp_path / "colocated")
     for record in records:

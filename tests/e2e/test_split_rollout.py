@@ -23,7 +23,8 @@ import pytest
 import ray
 import torch
 
-from verlite.audit.run_invariance import ATOL, RoleLayout, RunLayout, audit_runs
+from verlite.audit.run_invariance import RoleLayout, RunLayout, audit_runs
+from verlite.audit.tolerances import RUN_ATOL
 from verlite.config import Config, load_config
 from verlite.controller import WorkerGroupError
 from verlite.driver.preflight import RunInputs
@@ -81,7 +82,7 @@ def test_split_on_policy_logs_the_colocated_run_also_across_a_resume(
         "rollout.decode=static",
     )
     one = RunLayout(RoleLayout(1, "ddp", "full"), RoleLayout(1, "ddp", "full"))
-    reports = audit_runs([colocated, resumed], [one, one], tolerance=1e-9, atol=ATOL)
+    reports = audit_runs([colocated, resumed], [one, one], tolerance=1e-9, atol=RUN_ATOL["fp64"])
     assert reports[1].ok and reports[1].identical_steps == 4, reports[1].first_difference
     assert "resumed from" in (tmp_path / "resumed/console.log").read_text()
     # the resumed run trained steps 3 and 4 and is the uninterrupted run

@@ -13,15 +13,17 @@ import pytest
 
 from tests.e2e.test_e2e_train import CRITIC_KEYS, STEP_KEYS
 from verlite.audit.run_invariance import (
-    ATOL,
     RoleLayout,
     RunLayout,
     audit_runs,
     compare_runs,
     layout_configs,
 )
+from verlite.audit.tolerances import RUN_ATOL
+from verlite.audit.tolerances import TOLERANCE as TOLERANCES
 
-TOLERANCE = 1e-9
+# The command's defaults for these float64 runs.
+TOLERANCE, ATOL = TOLERANCES["fp64"], RUN_ATOL["fp64"]
 # Half a CPU a worker: the 8 workers of the largest layout fit the shared Ray's 4 CPUs.
 SMALL = ("model.precision=fp64", "trainer.cpus_per_worker=0.5")
 

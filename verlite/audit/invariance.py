@@ -37,6 +37,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from verlite.audit.tolerances import CONFIGURED_OPTIMIZER_TOLERANCE, TOLERANCE
 from verlite.config import Config, WorkerRoleConfig
 from verlite.core.losses import LOSS_AGG_MODES, GlobalCounts
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
@@ -70,22 +71,6 @@ Role = Literal["actor", "critic"]
 MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic", "checkpointed")
 STRATEGIES = ("ddp", "fsdp")
 Optimizer = Literal["sgd", "configured"]
-# bf16 rounds every matrix product's output to 8 significant bits (unit roundoff
-# u = 2^-9 = 2.0e-3), and each layout rounds other partial sums: a micro-batch's weight
-# gradient is one bf16 product, so a layout of k micro-batches sums k rounded parts where the
-# reference rounds their sum once, and with advantages of both signs the parts cancel. On the
-# audit batch that gives up to 3.6u (6.9e-3) in bf16-mixed, whose fp32 master weights take
-# the update exactly (parameters within 1.4e-5); 5u (1e-2) bounds it. Pure bf16 accumulates
-# and updates in bf16 too: 1.1e-2 to 2.3e-2 on the same batch (docs/invariance-audit.md).
-TOLERANCE = {"fp32": 1e-5, "fp64": 1e-9, "bf16-mixed": 1e-2, "bf16": 1e-2}
-# AdamW divides every gradient entry by its own running magnitude, so float32 rounding of
-# small entries (1e-7 relative) becomes parameter differences of up to ~1e-4 after 3 steps
-# of the main job's model; per-micro-batch normalization differs by 7e-2 or more there.
-# float64 keeps 1e-9.
-# In bf16 (mixed or pure) three AdamW steps turn the gradients' rounding into parameter
-# differences of up to 3e-2 (a step is about lr * sign(g)); per-micro-batch normalization
-# still differs by more than 5e-2.
-CONFIGURED_OPTIMIZER_TOLERANCE = {"fp32": 1e-3, "fp64": 1e-9, "bf16-mixed": 5e-2, "bf16": 5e-2}
 LOSS_METRIC = {"actor": "actor/loss", "critic": "critic/vf_loss"}
 # Small on purpose: 4 ranks share 2 CPU cores in tests; raggedness matters, size does not.
 # The batch's token ids are drawn below it, or below the model's vocabulary when that is

@@ -42,21 +42,6 @@ from verlite.records.metrics_log import Record
 if TYPE_CHECKING:
     from verlite.driver.preflight import RunInputs
 
-# Some metrics carry rounding noise with no meaningful relative difference: those that are
-# zero in exact arithmetic (the mean of whitened advantages, the PPO KL of a step's first
-# mini-batch; float32: 1.8e-8 measured for the former), and those that are a small
-# difference of larger quantities (``rollout/logprob_abs_diff`` and ``_max_diff``: in a
-# float64 run the trainer's log-probs less the sampler's float32 ones, ~1e-7, whose operands
-# are log-probs of magnitude up to ln(vocabulary) and beyond). Their noise is a few units of
-# rounding of the operands, not of the metric: a layout that rounded one log-prob between
-# 8 and 16 one unit (2^-49 = 1.8e-15) otherwise moved ``rollout/logprob_max_diff`` by 7.5e-9
-# relative, REINFORCE++ with the KL in the reward (tests/e2e/test_whole_run_invariance.py).
-# 1e-13 is a few units of rounding of quantities up to 64 (a unit: 1.4e-14) in float64.
-# float32's 1e-6 is a few units of rounding of a quantity of order 1, as measured (not
-# widened: float32 runs drift by more than rounding after 20-25 steps anyway).
-ATOL = 1e-13
-FLOAT32_ATOL = 1e-6
-
 
 @dataclass(frozen=True)
 class RoleLayout:

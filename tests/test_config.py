@@ -502,7 +502,11 @@ ERRORS = [
     ),
     (["trainer.workers_per_node=2", "actor.strategy=none"], "actor.strategy=none runs one worker"),
     (["algorithm.adv_estimator=grpo"], "rollout.n must be >= 2, got 1"),
-    (["data.train_file=prompts.jsonl"], "data.task or data.train_file: set exactly one"),
+    (  # the task came from the file: the line says so, and how to train on the file
+        ["data.train_file=prompts.jsonl"],
+        "data.task='copy' and data.train_file='prompts.jsonl' are both set: set exactly one of "
+        "them (a synthetic task or a prompt file); data.task=null trains on the file",
+    ),
     (["model.hidden_size=30"], "model.hidden_size=30 must be divisible by model.num_heads=4"),
     (  # a head of 3 dimensions: the first forward failed inside a worker (rotary sizes 3 vs 4)
         ["model.hidden_size=12"],

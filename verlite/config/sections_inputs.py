@@ -172,7 +172,13 @@ class DataConfig(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> DataConfig:
-        if (self.task is None) == (self.train_file is None):
+        if self.task is not None and self.train_file is not None:
+            raise ValueError(
+                f"data.task={self.task!r} and data.train_file={self.train_file!r} are both set: set "
+                "exactly one of them (a synthetic task or a prompt file); data.task=null trains on "
+                "the file"
+            )
+        if self.task is None and self.train_file is None:
             raise ValueError(
                 "data.task or data.train_file: set exactly one of them (a synthetic task or a prompt file)"
             )

@@ -10,6 +10,7 @@ moves absolute times; the figures themselves are side-by-side ratios).
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -53,8 +54,26 @@ def run(name: str) -> dict[str, object]:
     }
 
 
-def main() -> None:
-    names = sys.argv[1:] or list(BENCHMARKS)
+def parse_names(argv: list[str]) -> list[str]:
+    """The benchmarks to run, all by default; an unknown name (``--help``'s flags aside) is
+    refused in one line, exit 2, before any runs."""
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.run_all",
+        description="Run the named benchmarks (default: all), each in a fresh process, and write "
+        "their results to benchmarks/results.json (other entries of the file are kept when "
+        "names are given).",
+    )
+    parser.add_argument("names", nargs="*", metavar="NAME", help=", ".join(BENCHMARKS))
+    names = parser.parse_args(argv).names
+    unknown = [name for name in names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmark {unknown[0]!r}; allowed: {', '.join(BENCHMARKS)}")
+    return names
+
+
+def main(argv: list[str] | None = None) -> None:
+    given = parse_names(sys.argv[1:] if argv is None else argv)
+    names = given or list(BENCHMARKS)
     results = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -63,7 +82,7 @@ def main() -> None:
         },
         "benchmarks": {},
     }
-    if sys.argv[1:] and RESULTS.exists():
+    if given and RESULTS.exists():
         results["benchmarks"] = json.loads(RESULTS.read_text())["benchmarks"]
     for name in names:
         print(f"running benchmarks.{name} ...", flush=True)

@@ -46,3 +46,26 @@ def test_no_benchmark_takes_an_unchecked_number() -> None:
         if re.search(r"type=(int|float)\b", path.read_text())
     ]
     assert unchecked == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["nope"], ["lora", "--bogus"]])
+def test_run_all_refuses_what_is_no_benchmark_before_running_any(
+    argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``run_all --help`` once ran a benchmark named --help, and an unknown name failed only
+    # when its turn came, the results of those before it never written.
+    from benchmarks import run_all
+
+    ran: list[str] = []
+    monkeypatch.setattr(run_all, "run", ran.append)
+    with pytest.raises(SystemExit) as exited:
+        run_all.main(argv)
+    assert ran == []
+    out, err = capsys.readouterr()
+    if argv == ["--help"]:
+        assert exited.value.code == 0 and ", ".join(run_all.BENCHMARKS) in " ".join(out.split())
+    else:
+        assert exited.value.code == 2
+        assert err.strip().splitlines()[-1].startswith("python -m benchmarks.run_all: error: ")
+    if argv == ["nope"]:
+        assert "unknown benchmark 'nope'; allowed: orchestration, " in err

@@ -209,6 +209,32 @@ def test_packed_layouts_of_a_window_a_sequence_passes_are_one_line(
     assert proc.stderr.endswith("; leave the packed layouts out\n")
 
 
+def test_packed_layouts_of_a_model_that_mixes_packed_sequences_are_one_line(
+    verlite_main, monkeypatch
+) -> None:
+    """The packed layouts are checked as ``verlite train`` checks ``actor.packing=true``
+    (``models.packing_unsupported``), not only for a sliding window: a model whose attention
+    lets packed sequences attend to each other (here the packed attention replaced by one
+    over the whole row, tests/workers/test_packing.py) was audited by ranks that do not see
+    the replacement; now refused before any rank starts."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from verlite.models.varlen import ATTENTION, KWARG
+
+    def mixing_attention(module, query, key, value, attention_mask, **kwargs):
+        kwargs.pop(KWARG, None)
+        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, ATTENTION, mixing_attention)
+    args = ["check-invariance", "--config", CONFIG, "--dp", "1", "--strategy", "ddp"]
+    proc = verlite_main(*args, "--micro", "1,packed")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith("verlite: error: --micro packed: "), proc.stderr
+    assert "lets packed sequences attend to each other" in proc.stderr
+    assert proc.stderr.endswith("; leave the packed layouts out\n")
+
+
 def test_the_checkpointed_layout_of_a_model_without_checkpointing_is_one_line(
     verlite_main, tmp_path, capsys
 ) -> None:

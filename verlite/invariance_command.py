@@ -133,20 +133,21 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
 
 
 def _check_packed_layouts(cfg: Config, packed: list[str]) -> None:
-    """The packed layouts asked for can run the model: not when a sequence of the audit's
-    batch (as long as ``max_sequence_length``) could pass a sliding window of it, which
-    packed attention does not apply (``models.window_passed``); refused before any rank
-    starts, where the first packed pass would stop it."""
+    """The packed layouts asked for can run the model, as ``verlite train`` checks
+    ``<role>.packing=true`` (``models.packing_unsupported``: no sliding window a sequence of
+    the audit's batch, as long as ``max_sequence_length``, could pass, and packed sequences
+    kept apart); refused before any rank starts, where the first packed pass would stop it
+    or the ranks would compare attention across sequences."""
     if not packed:
         return
     from verlite.config.checks import longest_sequence_fields
-    from verlite.models import probe_config, window_passed
+    from verlite.models import packing_unsupported
 
-    longest = cfg.max_sequence_length
-    config = probe_config(cfg.model, max_positions=longest)
-    passed = window_passed(config, max_sequence_length=longest, fields=longest_sequence_fields(cfg))
-    if passed is not None:
-        raise UserError(f"--micro {','.join(packed)}: {passed}; leave the packed layouts out")
+    why = packing_unsupported(
+        cfg.model, max_sequence_length=cfg.max_sequence_length, fields=longest_sequence_fields(cfg)
+    )
+    if why is not None:
+        raise UserError(f"--micro {','.join(packed)}: {why}; leave the packed layouts out")
 
 
 def _check_checkpointed_layout(cfg: Config, micros: list[str]) -> None:

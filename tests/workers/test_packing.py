@@ -256,8 +256,8 @@ def test_packing_a_sliding_window_model_is_decided_at_start_up(kind: str, tmp_pa
         ConfigError,
         match=rf"^critic\.packing=true: {layers} of the model's 2 layers attend through a "
         rf"sliding window of {longest - 1} tokens \(sliding_window\), and a sequence can be "
-        rf"data\.max_prompt_length \+ rollout\.max_response_length = {longest} tokens; .* set "
-        r"critic\.packing=false or keep every sequence within the window$",
+        rf"data\.max_prompt_length \+ rollout\.max_response_length = {longest} tokens; .* "
+        rf"at most {longest - 1} tokens; set critic\.packing=false$",
     ):
         check_packing_supported(
             ModelConfig(path=str(tmp_path / str(longest - 1))),

@@ -478,20 +478,24 @@ def window_passed(config: PretrainedConfig, *, max_sequence_length: int, fields:
 def check_packing_supported(
     cfg: ModelConfig, *, role: str, max_sequence_length: int, fields: str
 ) -> None:
-    """``<role>.packing=true`` at start-up: no sliding window of the model can bind on a
-    sequence of the run (``fields`` = ``max_sequence_length`` tokens at most: Hugging Face's
-    window lets query i attend key j iff 0 <= i - j < window, full causal attention for a
-    sequence no longer than the window, which is what packed attention computes), and a
-    one-layer-per-kind model of ``cfg``'s architecture, narrowed to a few heads, must keep
-    packed sequences apart (``varlen.enable_packing``); refused in one line otherwise,
-    before any worker trains with attention across sequences or past a window."""
+    """``<role>.packing=true`` at start-up: :func:`packing_unsupported` finds nothing;
+    refused in one line otherwise, before any worker trains with attention across
+    sequences or past a window."""
+    why = packing_unsupported(cfg, max_sequence_length=max_sequence_length, fields=fields)
+    if why is not None:
+        raise ConfigError(f"{role}.packing=true: {why}; set {role}.packing=false")
+
+
+def packing_unsupported(cfg: ModelConfig, *, max_sequence_length: int, fields: str) -> str | None:
+    """Why packed attention cannot run the model of ``cfg`` on sequences of up to ``fields``
+    = ``max_sequence_length`` tokens; None when it can. A sliding window of the model must
+    not bind on such a sequence (:func:`window_passed`), and a one-layer-per-kind model of
+    ``cfg``'s architecture, narrowed to a few heads, must keep packed sequences apart
+    (``varlen.enable_packing``)."""
     config = copy.deepcopy(probe_config(cfg))
     passed = window_passed(config, max_sequence_length=max_sequence_length, fields=fields)
     if passed is not None:
-        raise ConfigError(
-            f"{role}.packing=true: {passed}: set {role}.packing=false or keep every sequence "
-            "within the window"
-        )
+        return passed
     narrow = {
         "vocab_size": 64,
         "num_hidden_layers": 1,
@@ -511,12 +515,13 @@ def check_packing_supported(
     try:
         enable_packing(AutoModelForCausalLM.from_config(config))
     except PackingUnsupported as exc:
-        raise ConfigError(f"{role}.packing=true: {exc}; set {role}.packing=false") from None
+        return str(exc)
     except Exception as exc:  # the probe itself could not be built or run
-        raise ConfigError(
-            f"{role}.packing=true: could not check that {config.model_type} models keep packed "
-            f"sequences apart ({type(exc).__name__}: {exc}); set {role}.packing=false"
-        ) from None
+        return (
+            f"could not check that {config.model_type} models keep packed sequences apart "
+            f"({type(exc).__name__}: {exc})"
+        )
+    return None
 
 
 # Rotary scalings whose frequencies follow the longest position of each forward pass (and,

@@ -329,6 +329,30 @@ def test_a_model_whose_vocabulary_is_under_the_audits_is_audited(
     assert json.loads(proc.stdout)["ok"] is True
 
 
+def test_offload_all_is_audited_in_the_fsdp_layouts_only_and_said_so(verlite_main) -> None:
+    """``<role>.offload=all`` is FSDP2's CPU offload: the audit's ddp layouts and its
+    single-process reference cannot offload, and kept the setting while it did nothing,
+    silently. They now run without it (``TrainEngine`` refuses it under another strategy),
+    and the first line says which layouts exercise it."""
+    proc = verlite_main(
+        "check-invariance",
+        "--config",
+        CONFIG,
+        "critic.strategy=fsdp",
+        "critic.offload=all",
+        "--dp",
+        "1",
+        "--micro",
+        "full",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines()[:2] == [
+        "checking 4 layouts in 2 rank launches on a batch of 16 sequences ...",
+        "critic.offload=all (FSDP2's CPU offload) runs in the fsdp layouts only: the "
+        "reference and the ddp layouts run without it",
+    ], proc.stderr
+
+
 def test_a_layout_list_says_how_large_its_batch_is_up_front(verlite_main) -> None:
     """--dp 5,7 audits a batch of 560 sequences (lcm(16, 5, 7)): said before the ranks start
     (here model.device=cuda stops it right after, without a GPU for every rank)."""

@@ -177,6 +177,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         audit_rows,
         check_invariance,
         check_layouts,
+        offload_note,
         tolerance_for,
     )
     from verlite.config import check_inputs, load_config
@@ -213,6 +214,9 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        note = offload_note(cfg)
+        if note is not None:
+            print(note, file=sys.stderr, flush=True)
     steps = args.steps or (3 if optimizer == "configured" else 1)
     reports = check_invariance(
         cfg,

@@ -185,6 +185,17 @@ def _engine(offload: str, strategy: str = "none", run: Config | None = None) -> 
     return TrainEngine(policy(run), cfg=cfg, total_updates=10, metric_prefix="actor")
 
 
+@pytest.mark.parametrize("strategy", ["none", "ddp"])
+def test_offload_all_without_fsdp_is_refused(strategy: str) -> None:
+    """``offload=all`` is FSDP2's CPU offload: under another strategy it offloaded nothing,
+    silently (the audit's ddp layouts and reference kept it); the config refuses it for a
+    run, and the engine for anyone else."""
+    with pytest.raises(
+        ValueError, match=f"^offload 'all' is FSDP2's CPU offload; strategy '{strategy}'"
+    ):
+        _engine("all", strategy)
+
+
 ADAMW_SETTINGS = ["actor.optim.warmup_steps=3", "actor.optim.schedule=cosine"]
 ADAMW = load_config("configs/ppo_tiny.yaml", ["model.dtype=float64", *ADAMW_SETTINGS])
 # float32, as a run trains: a resume exact in float64 could still round differently there

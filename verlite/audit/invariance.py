@@ -256,7 +256,27 @@ def _role_config(
         audit_optim = base.optim.model_copy(update={"name": "sgd", "grad_clip": None})
         base = base.model_copy(update={"optim": audit_optim})
     micro = micro_settings(case.micro, rows_per_worker=local_rows, longest=cfg.max_sequence_length)
-    return base.model_copy(update={"strategy": strategy, **micro})
+    offload = layout_offload(base.offload, strategy)
+    return base.model_copy(update={"strategy": strategy, "offload": offload, **micro})
+
+
+def layout_offload(offload: str, strategy: str) -> str:
+    """A role's ``offload`` in a layout of ``strategy``: ``all`` is FSDP2's CPU offload,
+    which only the fsdp layouts can run; dropped to ``none`` in the others (the ddp layouts
+    and the reference, strategy ``none``), as :func:`offload_note` says."""
+    return "none" if offload == "all" and strategy != "fsdp" else offload
+
+
+def offload_note(cfg: Config, roles: Sequence[Role] = ("actor", "critic")) -> str | None:
+    """The line that says which layouts exercise the roles' ``offload=all``
+    (:func:`layout_offload`); None when no role offloads all."""
+    offloading = [f"{role}.offload=all" for role in roles if getattr(cfg, role).offload == "all"]
+    if not offloading:
+        return None
+    return (
+        f"{' and '.join(offloading)} (FSDP2's CPU offload) runs in the fsdp layouts only: the "
+        "reference and the ddp layouts run without it"
+    )
 
 
 def _loss_fn(cfg: Config, case: Case, naive: bool) -> Any:

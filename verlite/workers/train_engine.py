@@ -146,6 +146,10 @@ class TrainEngine:
         world = get_world_size()
         if cfg.strategy == "none" and world > 1:
             raise ValueError(f"strategy 'none' cannot train on {world} ranks; use ddp or fsdp")
+        if cfg.offload == "all" and cfg.strategy != "fsdp":
+            raise ValueError(
+                f"offload 'all' is FSDP2's CPU offload; strategy {cfg.strategy!r} has none"
+            )
         model = model.to(self.device)
         if cfg.packing:
             enable_packing(model)

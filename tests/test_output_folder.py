@@ -22,6 +22,7 @@ from verlite.driver import output_folder
 from verlite.driver.checkpoint import CheckpointError
 from verlite.driver.output_folder import LOCK_FILE, FolderLock
 from verlite.driver.output_folder import prepare_output_folder as prepare_and_hold
+from verlite.errors import shown
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
 # The training prompts' fingerprint: fake checkpoints record none, so any passes.
@@ -128,6 +129,31 @@ def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> Non
     shutil.rmtree(out / "hf_actor")
     with pytest.raises(CheckpointError, match=r"already reached trainer\.total_steps=6"):
         prepare_output_folder(config(out, "trainer.export=false"))
+
+
+def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: Path) -> None:
+    """trainer.resume naming another folder's checkpoint at trainer.total_steps, into a
+    folder that holds an export (or with trainer.export=false, into an empty one): the
+    refusal said "the run in <this folder> already reached trainer.total_steps", of a folder
+    no run of that checkpoint trained in. It names the checkpoint and what this folder
+    holds."""
+    earlier = tmp_path / "earlier"
+    earlier_run(earlier, checkpoint_step=6)
+    checkpoint = earlier / "checkpoints" / "step_6"
+    exported = tmp_path / "exported"
+    (exported / "hf_actor").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
+    for out, extra, why in (
+        (exported, [], f"and {shown(str(exported))} already holds a policy export (hf_actor)"),
+        (tmp_path / "empty", ["trainer.export=false"], "and trainer.export=false"),
+    ):
+        with pytest.raises(CheckpointError) as refused:
+            prepare_output_folder(config(out, f"trainer.resume={checkpoint}", *extra))
+        assert str(refused.value) == (
+            f"trainer.resume={shown(str(checkpoint))}: that checkpoint is at trainer.total_steps=6 {why}, "
+            "so this run would train and export nothing; raise trainer.total_steps to train "
+            "further from it, or name another checkpoint in trainer.resume"
+        )
 
 
 @pytest.mark.parametrize("interrupted", [False, True])

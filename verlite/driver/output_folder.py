@@ -275,22 +275,43 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     except UserError as exc:  # no such checkpoint, or its state unreadable
         return NewRun(refused=exc)
     export_only = False
+    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
     if resume_from is not None and trainer is not None and step == trainer.total_steps:
         if not trainer.export or state.exported:
-            reached = CheckpointError(
-                f"the run in {shown(str(out))} already reached trainer.total_steps={step} "
-                f"(checkpoint {resume_from.name}); raise trainer.total_steps to train further, "
-                "or choose another trainer.output_dir for a new run"
-            )
+            reached = _reached(out, trainer, step, resume_from, continuing=continuing)
             return NewRun(resume_from=resume_from, refused=reached, complete=True)
         export_only = True
-    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
     if continuing or not state.contents:
         return NewRun(resume_from, continuing=continuing, export_only=export_only)
     if trainer is None or not trainer.overwrite:
         refused = _not_empty(out, str(out) if trainer is None else trainer.output_dir, resume)
         return NewRun(resume_from, export_only=export_only, refused=refused, needs_overwrite=True)
     return NewRun(resume_from, export_only=export_only, moves_aside=True)
+
+
+def _reached(
+    out: Path, trainer: TrainerConfig, step: int, resume_from: Path, *, continuing: bool
+) -> CheckpointError:
+    """The refusal of a checkpoint at ``trainer.total_steps`` whose policy is exported in
+    ``out`` or not exported at all: the folder's own run is complete, or the checkpoint that
+    ``trainer.resume`` names (another folder's) is, and this folder holds an export."""
+    if continuing:
+        return CheckpointError(
+            f"the run in {shown(str(out))} already reached trainer.total_steps={step} "
+            f"(checkpoint {resume_from.name}); raise trainer.total_steps to train further, "
+            "or choose another trainer.output_dir for a new run"
+        )
+    why = (
+        f"{shown(str(out))} already holds a policy export ({POLICY_FOLDER})"
+        if trainer.export
+        else "trainer.export=false"
+    )
+    return CheckpointError(
+        f"trainer.resume={shown(trainer.resume)}: that checkpoint is at trainer.total_steps="
+        f"{step} and {why}, so this run would train and export nothing; raise "
+        "trainer.total_steps to train further from it, or name another checkpoint in "
+        "trainer.resume"
+    )
 
 
 @dataclass(frozen=True)

@@ -481,6 +481,33 @@ def test_an_incomplete_export_says_what_a_new_run_of_its_folder_does(
     assert new_run_of(out) == last  # to export alone
 
 
+def test_an_incomplete_exports_hint_names_the_checkpoint_a_relative_resume_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run started in tmp_path with trainer.resume=other/checkpoints/step_2 (relative: of
+    # the folder `verlite train` ran in) recorded that value in its config.json as given, and
+    # `verlite export` run elsewhere read it from its own folder: "a new `verlite train` of
+    # the same config is refused: trainer.resume='other/...': not a complete checkpoint".
+    # The run records the checkpoint it resolved (driver.trainer.run_record).
+    from verlite.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    other = checkpoint(Path("other"), 2)
+    out = tmp_path / "run"
+    (out / POLICY_FOLDER).mkdir(parents=True)
+    (out / INCOMPLETE_MARK).touch()
+    cfg = config(out, **{"trainer.resume": str(other)})
+    (out / "config.json").write_text(json.dumps(driver_trainer.run_record(cfg)))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["export", str(out)]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"whole; a new `verlite train` of {out} resumes from {tmp_path / other} again, with "
+        "trainer.overwrite=true to move this run's files aside\n"
+    )
+
+
 def test_a_stop_whose_folder_cannot_be_read_still_stops_as_it_was_told(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

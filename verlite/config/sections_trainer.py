@@ -106,7 +106,10 @@ class TrainerConfig(Section):
         "its contents aside (to <output_dir>.replaced-<UTC time>) and starts a fresh run there.",
     )
     resume: PathStr = Field(
-        "auto", description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path."
+        "auto",
+        description="'auto' (latest complete checkpoint), 'disable', or a checkpoint path (a "
+        "relative one is the current folder's; the run records it absolute, in config.json and "
+        "its checkpoints, so that `verlite export` run elsewhere names the same checkpoint).",
     )
     loggers: Annotated[
         tuple[Literal["console", "jsonl", "logline", "tensorboard", "mlflow", "wandb"], ...],

@@ -89,6 +89,13 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     return path
 
 
+def resolved_resume(resume: str) -> str:
+    """``trainer.resume`` as :func:`resume_checkpoint` reads it here: ``auto`` and
+    ``disable`` as they are, a checkpoint's path made absolute (a relative one is this
+    process's current folder's, which a later reader of the run's record does not share)."""
+    return resume if resume in ("auto", "disable") else str(Path(resume).absolute())
+
+
 # Settings that must be the same to resume: the model's shape (its precision may change: weights
 # convert), and what the data position of the checkpoint counts in (the prompts and their
 # order), and the adapters a LoRA checkpoint holds (its shapes, their scale, the layers they

@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from tensordict import TensorDict
 from torch import Tensor
@@ -38,6 +38,7 @@ from verlite.driver.checkpoint import (
     commit_checkpoint,
     placed_path,
     read_trainer_state,
+    resolved_resume,
     seal_checkpoint,
 )
 from verlite.driver.dynamic_sampling import DynamicSampling
@@ -213,6 +214,16 @@ class RunGroups:
             )
 
 
+def run_record(cfg: Config) -> dict[str, Any]:
+    """The config as the run records it (``config.json``, each checkpoint's state):
+    credentials masked, and ``trainer.resume`` as the run resolved it
+    (:func:`~verlite.driver.checkpoint.resolved_resume`), for a reader in another folder
+    (``verlite export``'s hint of what a new run does)."""
+    record = cfg.model_dump(mode="json")
+    record["trainer"]["resume"] = resolved_resume(cfg.trainer.resume)
+    return redact_config(record)
+
+
 class Trainer:
     """The training loop on the driver over the worker groups it is handed (``groups``,
     checked against ``cfg``); it never starts or stops them."""
@@ -300,7 +311,7 @@ class Trainer:
             wandb=cfg.trainer.wandb,
         ) as tracker:
             tracker.log_run_info(
-                cfg.model_dump(mode="json"), [w for g in self.groups.all for w in g.placement()]
+                run_record(cfg), [w for g in self.groups.all for w in g.placement()]
             )
             print(precision_line(cfg), flush=True)
             print(self.old_log_probs_line, flush=True)
@@ -386,7 +397,7 @@ class Trainer:
             "weight_version": step,
             "kl_coef": self.kl_ctrl.value,
             # What a resume compares its settings with (credentials masked, as in config.json).
-            "config": redact_config(self.cfg.model_dump(mode="json")),
+            "config": run_record(self.cfg),
             # What a resume checks model.path's weights against (None: the built-in model).
             "base_weights": self.base_weights,
         }

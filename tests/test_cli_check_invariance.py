@@ -375,8 +375,7 @@ def test_whole_runs_are_checked_before_ray_starts(
     (``driver.run.prepare_run``): those checks ran in the audit's Ray session, each just
     before its run, so a stop token outside the vocabulary was refused after Ray started,
     a later layout's packed run of a sliding-window model after the earlier layouts had
-    trained, and workers the audit's Ray has no room for were not checked at all. Now every
-    one is refused with Ray never started; a later layout's refusal names the layout."""
+    trained. Now every one is refused with Ray never started; a later layout's refusal names the layout."""
     from tests.chat_model_support import chat_tokenizer
     from tests.model_support import tiny_sliding
     from verlite.controller import session
@@ -393,14 +392,6 @@ def test_whole_runs_are_checked_before_ray_starts(
     proc = audit("stops", "rollout.stop_token_ids=[999999]")
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith("verlite: error: rollout.stop_token_ids=[999999]: [999999] ")
-    # The embedded Ray the audit starts has a CPU per worker of its largest layout (6 here),
-    # whatever this machine has: the room checked is that Ray's.
-    proc = audit("room", "trainer.cpus_per_worker=2")
-    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert proc.stderr.startswith(
-        "verlite: error: --layout 4:ddp:dynamic/1:fsdp:1: the workers ask for 10 CPUs (actor "
-        "4x2 + critic 1x2), the embedded Ray has 6; "
-    ), proc.stderr
 
     tokenizer = chat_tokenizer()
     tokenizer.save_pretrained(tmp_path / "mistral")
@@ -413,3 +404,37 @@ def test_whole_runs_are_checked_before_ray_starts(
         "verlite: error: --layout 1:ddp:packed/1:ddp:full: actor.packing=true: 2 of the "
         "model's 2 layers attend through a sliding window of 8 tokens"
     ), proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("settings", "cpus"),
+    [
+        ([], 6),
+        (["trainer.cpus_per_worker=0.5"], 6),
+        (["trainer.cpus_per_worker=2"], 12),
+        (["rollout.placement=split"], 7),
+    ],
+)
+def test_the_audits_ray_has_room_for_every_layouts_workers(
+    verlite_main, tmp_path, monkeypatch, settings: list[str], cpus: int
+) -> None:
+    """The embedded Ray the audit starts has the CPUs its largest layout's workers ask for,
+    at least one a worker: 6 for ppo_tiny's default layouts (with half a CPU a worker too),
+    12 with two CPUs a worker, 7 with a rollout group beside the actor and critic. It had one
+    a worker (6) whatever they asked for: such a config, which ``verlite train`` runs, was
+    refused before Ray started ('the workers ask for 10 CPUs (actor 4x2 + critic 1x2), the
+    embedded Ray has 6; lower the workers per node or the CPUs/GPUs per worker'), the Ray
+    that was too small being the audit's own choice."""
+    from verlite.controller import session
+
+    started: list[int | None] = []
+
+    def no_ray(address: str | None, *, num_cpus: int | None = None) -> None:
+        started.append(num_cpus)
+        raise KeyboardInterrupt  # the audit stops here, in one line
+
+    monkeypatch.setattr(session, "start_ray", no_ray)
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    proc = verlite_main("check-invariance", "--run", "--config", CONFIG, *runs, *settings)
+    assert proc.returncode == 130, proc.stderr
+    assert started == [cpus]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -333,6 +334,15 @@ def audit_runs(
     return reports
 
 
+def _ray_cpus(cfg: Config, layout: RunLayout) -> int:
+    """The CPUs an embedded Ray needs for ``layout``'s run: one a worker, or what its workers
+    ask for where that is more (``trainer.cpus_per_worker`` above 1, a rollout or reward
+    model group beside the actor and critic)."""
+    from verlite.controller import resources_asked
+
+    return max(layout.workers, math.ceil(round(resources_asked(cfg, "CPU"), 4)))
+
+
 def check_run_invariance(
     config: str | Path | None,
     overrides: Sequence[str],
@@ -346,8 +356,9 @@ def check_run_invariance(
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[RunReport]:
     """:func:`layout_configs`, every run checked (:func:`prepare_runs`) before Ray starts,
-    then :func:`audit_runs` in a Ray session of its own: an embedded one with a CPU per
-    worker of the largest layout, or ``trainer.ray_address``."""
+    then :func:`audit_runs` in a Ray session of its own: an embedded one with the CPUs the
+    largest layout's workers ask for, at least one a worker (:func:`_ray_cpus`), or
+    ``trainer.ray_address``."""
     from verlite.controller import ray_session
 
     configs = layout_configs(
@@ -359,7 +370,7 @@ def check_run_invariance(
         negative_control=negative_control,
     )
     address = configs[0].trainer.ray_address
-    cpus = None if address else max(layout.workers for layout in layouts)
+    cpus = None if address else max(map(_ray_cpus, configs, layouts))
     prepared = prepare_runs(configs, layouts, in_session=False, cpus=cpus)
     try:
         with ray_session(address, num_cpus=cpus):

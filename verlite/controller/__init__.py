@@ -12,6 +12,7 @@ from verlite.controller.resource_pool import (
     check_device,
     check_fits_machine,
     check_fits_session,
+    resources_asked,
     run_pools,
 )
 from verlite.controller.session import (
@@ -42,6 +43,7 @@ __all__ = [
     "check_fits_session",
     "lost_embedded_node",
     "ray_session",
+    "resources_asked",
     "run_pools",
     "say_after_node_loss",
     "start_ray",

@@ -353,10 +353,20 @@ def check_device(cfg: Config, *, gpus: float | None = None, where: str = "") -> 
         )
 
 
+def resources_asked(cfg: Config, key: str) -> float:
+    """How much of ``key`` (CPU, GPU) the run's workers ask for at once: every bundle of
+    every pool (a pool that roles share, once)."""
+    return sum(amount for _, amount in _asked(cfg, key))
+
+
+def _asked(cfg: Config, key: str) -> list[tuple[ResourcePool, float]]:
+    pools = {id(pool): pool for pool, _ in run_pools(cfg).values()}.values()
+    return [(pool, pool.bundle.get(key, 0.0) * pool.world_size) for pool in pools]
+
+
 def _check_room(cfg: Config, have: dict[str, float], where: str) -> None:
-    pools = list({id(pool): pool for pool, _ in run_pools(cfg).values()}.values())
     for key, available in have.items():
-        asked = [(pool, pool.bundle.get(key, 0.0) * pool.world_size) for pool in pools]
+        asked = _asked(cfg, key)
         total = sum(amount for _, amount in asked)
         if total > available + _EPS:
             parts = " + ".join(

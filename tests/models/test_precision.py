@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from tests.model_support import tiny_moe, tiny_qwen2, tiny_sliding
 from verlite.audit.invariance import make_batch
 from verlite.cli import main
-from verlite.config import ConfigError, load_config
+from verlite.config import Config, ConfigError, load_config
 from verlite.config.derived import bf16_lost_update, precision_line, precision_warning
 from verlite.driver import preflight
 from verlite.driver import run as run_module
@@ -577,6 +577,26 @@ def test_other_precisions_keep_hugging_faces_norms() -> None:
     assert torch.equal(norm(hidden), type(norm).forward(norm, hidden))
 
 
+def check_fits_to_the_byte(monkeypatch: pytest.MonkeyPatch, cfg: Config, needed: int) -> None:
+    """The start-up check of a GPU's memory (``check_generation_fits``, a tokenizer of 64)
+    passes on a GPU of ``needed`` bytes and refuses one of a byte less."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    for total, fits in ((needed, True), (needed - 1, False)):
+        monkeypatch.setattr(
+            torch.cuda,
+            "get_device_properties",
+            lambda d=None, t=total: SimpleNamespace(total_memory=t),
+        )
+        if fits:
+            preflight.check_generation_fits(cfg, 64)
+        else:
+            with pytest.raises(ConfigError, match="generation cannot fit Fake GPU"):
+                preflight.check_generation_fits(cfg, 64)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
     tmp_path, monkeypatch: pytest.MonkeyPatch, precision: str
@@ -584,8 +604,6 @@ def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
     """A split rollout worker of a tied Qwen2 holds, under bf16-mixed, its fp32 embedding
     and a bf16 head of its own (``store_for_generation``): the start-up check of a GPU's
     memory counts both, to the byte (in fp32 the tied head is the embedding, counted once)."""
-    from types import SimpleNamespace
-
     from verlite.generation.static_cache import cache_bytes
 
     tiny_qwen2(tied=True, vocab_size=64).save_pretrained(tmp_path)
@@ -609,19 +627,47 @@ def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
     )
     dtype = torch.bfloat16 if half else torch.float32
     kv = cache_bytes(policy.config, cfg.rows_per_generating_worker, cfg.cache_positions, dtype)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
-    for total, fits in ((kv + weights, True), (kv + weights - 1, False)):
-        monkeypatch.setattr(
-            torch.cuda,
-            "get_device_properties",
-            lambda d=None, t=total: SimpleNamespace(total_memory=t),
-        )
-        if fits:
-            preflight.check_generation_fits(cfg, 64)
-        else:
-            with pytest.raises(ConfigError, match="generation cannot fit Fake GPU"):
-                preflight.check_generation_fits(cfg, 64)
+    check_fits_to_the_byte(monkeypatch, cfg, kv + weights)
+
+
+@pytest.mark.parametrize(
+    ("settings", "held"),
+    [
+        (["actor.strategy=ddp"], 1.0),  # every rank the whole model
+        (["actor.strategy=fsdp"], 0.5),  # a shard over the 2 ranks
+        (["actor.strategy=fsdp", "actor.offload=all"], 0.0),  # on the host
+    ],
+)
+def test_the_generation_memory_check_counts_a_colocated_actors_weights_as_a_rank_holds_them(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, settings: list[str], held: float
+) -> None:
+    """A colocated actor of 2 ranks generates from the model it trains: the check of a GPU's
+    memory (made by the driver before an embedded Ray, and by each actor worker) counts the
+    trained weights a rank holds, to the byte: the whole model under DDP, a half under FSDP2
+    (``fully_shard`` over the 2 ranks; a decode step gathers one layer at a time), none with
+    FSDP2's CPU offload. It counted the whole model under each: a run that FSDP shards to fit
+    (a 14B policy in fp32 over 8 GPUs of 80 GB with a 30 GB KV cache: 56 + 30 GB counted, 7 +
+    30 GB held) was refused, on a cluster too, by every actor worker, since the check moved
+    there."""
+    from verlite.generation.static_cache import cache_bytes
+
+    tiny_qwen2(tied=True, vocab_size=64).save_pretrained(tmp_path)
+    cfg = config(
+        f"model.path={tmp_path}",
+        "model.precision=fp32",
+        "model.device=cuda",
+        "rollout.decode=static",
+        "trainer.workers_per_node=2",
+        "actor.micro_batch_size_per_worker=8",
+        "critic.micro_batch_size_per_worker=8",
+        *settings,
+    )
+    policy = tiny_qwen2(tied=True, vocab_size=64)
+    weights = sum(p.numel() * 4 for p in policy.parameters())
+    kv = cache_bytes(
+        policy.config, cfg.rows_per_generating_worker, cfg.cache_positions, torch.float32
+    )
+    check_fits_to_the_byte(monkeypatch, cfg, kv + int(weights * held))
 
 
 def test_a_bf16_cast_keeps_what_hugging_face_loads_in_fp32(tmp_path) -> None:

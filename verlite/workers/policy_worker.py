@@ -57,7 +57,7 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
     # device, nothing is allocated).
     stored = store_for_generation(model, cfg.precision)
     weights = sum(p.numel() * p.element_size() for p in stored.parameters())
-    if cfg.rollout.placement == "colocated":  # the trained weights, and a copy to generate from
+    if cfg.rollout.placement == "colocated":  # its trained weights, and a copy to generate from
         mode = cfg.rollout.decode
         if mode == "auto":
             mode = auto_mode(
@@ -68,7 +68,7 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
                 longest=cfg.max_sequence_length,
             )
         copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
-        weights = trained + (weights if copied else 0)
+        weights = _trained_on_gpu(cfg, trained) + (weights if copied else 0)
     rows = cfg.rows_per_generating_worker
     kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
     kv = cache_bytes(config, rows, cfg.cache_positions, kv_dtype)
@@ -81,6 +81,17 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
             f"positions ({cache_position_fields(cfg)}) is {kv / 2**30:.1f} GiB and the weights "
             f"{weights / 2**30:.1f} GiB; generate fewer or shorter rows per worker"
         )
+
+
+def _trained_on_gpu(cfg: Config, trained: int) -> int:
+    """Of a colocated actor's ``trained`` weight bytes, what one rank holds on its GPU: all
+    under DDP, a shard under FSDP2 (``fully_shard`` over every actor rank; a decode step
+    gathers a layer at a time, on top), none with its CPU offload (``actor.offload=all``)."""
+    if cfg.actor.strategy != "fsdp":
+        return trained
+    if cfg.actor.offload == "all":
+        return 0
+    return -(-trained // cfg.role_sizes("actor").dp_size)
 
 
 class PolicyWorker(Worker):

@@ -1,10 +1,10 @@
 """Tiny causal LMs of real Hugging Face classes built from configs (a Qwen2 with a tied or
-untied LM head; Mixture-of-Experts models; sliding-window models), for tests of what depends on a model class's structure."""
+untied LM head; Mixture-of-Experts models; sliding-window models; a Gemma 2's config), for tests of what depends on a model class's structure, and the overrides of a generation too large for a small GPU."""
 
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, MistralConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, MistralConfig, Qwen2Config
 
 
 def tiny_qwen2(*, tied: bool, vocab_size: int = 100, seed: int = 0) -> torch.nn.Module:
@@ -88,3 +88,37 @@ def tiny_sliding(
             config.sliding_window, config.layer_types = None, ["full_attention"] * 2
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
+
+
+def tiny_gemma2_config(**settings: object) -> Gemma2Config:
+    """A one-layer Gemma 2 (a real class that soft-caps its logits and has no SDPA attention)
+    of hidden size 32, with ``settings`` (its vocabulary size at least)."""
+    return Gemma2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        **settings,
+    )
+
+
+# Overrides of configs/ppo_tiny.yaml for a Qwen2-0.5B-shaped policy generating 512 rows of 1088
+# positions on a GPU a worker: its KV cache alone is 2 x 24 layers x 512 x 2 KV heads x 1088 x
+# 64 x 2 bytes = 6.4 GiB, more than a GPU of 1 GiB holds.
+LARGE_GENERATION = [
+    "model.hidden_size=896",
+    "model.num_layers=24",
+    "model.num_heads=14",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=4864",
+    "model.device=cuda",
+    "trainer.gpus_per_worker=1",
+    "data.train_batch_size=64",
+    "rollout.n=8",
+    "algorithm.adv_estimator=grpo",
+    "data.max_prompt_length=64",
+    "rollout.max_response_length=1024",
+    "actor.ppo_mini_batch_size=512",
+]

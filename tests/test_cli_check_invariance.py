@@ -3,6 +3,7 @@ process: the command's own code without a fresh interpreter's seconds of imports
 and tests/jobs run ``verlite`` as a user does, in a subprocess)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -235,12 +236,9 @@ def test_packed_layouts_of_a_model_that_mixes_packed_sequences_are_one_line(
     assert proc.stderr.endswith("; leave the packed layouts out\n")
 
 
-def test_the_checkpointed_layout_of_a_model_without_checkpointing_is_one_line(
-    verlite_main, tmp_path, capsys
-) -> None:
-    """JetMoe (a real causal LM class) has no activation checkpointing: the checkpointed
-    layout, one of the default --micro, is refused before any rank starts (each rank's
-    build raised Hugging Face's ValueError: a traceback, exit 1)."""
+def save_tiny_jetmoe(path: Path) -> None:
+    """A two-layer JetMoe (a real causal LM class without activation checkpointing, its
+    trunk neither) saved in ``path``."""
     from transformers import JetMoeConfig, JetMoeForCausalLM
 
     config = JetMoeConfig(
@@ -253,7 +251,16 @@ def test_the_checkpointed_layout_of_a_model_without_checkpointing_is_one_line(
         num_local_experts=2,
         num_experts_per_tok=1,
     )
-    JetMoeForCausalLM(config).save_pretrained(tmp_path)
+    JetMoeForCausalLM(config).save_pretrained(path)
+
+
+def test_the_checkpointed_layout_of_a_model_without_checkpointing_is_one_line(
+    verlite_main, tmp_path, capsys
+) -> None:
+    """JetMoe (a real causal LM class) has no activation checkpointing: the checkpointed
+    layout, one of the default --micro, is refused before any rank starts (each rank's
+    build raised Hugging Face's ValueError: a traceback, exit 1)."""
+    save_tiny_jetmoe(tmp_path)
     capsys.readouterr()  # the save's progress bar
     args = ["check-invariance", "--config", CONFIG, f"model.path={tmp_path}", "--dp", "1"]
     proc = verlite_main(*args, "--micro", "1,checkpointed")
@@ -272,22 +279,10 @@ def test_the_configs_packing_and_checkpointing_are_checked_before_any_rank_start
     model does not support them they were refused by no one before the ranks, which stopped
     with a traceback (PackingUnsupported, Hugging Face's ValueError; exit 1). Now as
     ``verlite train`` refuses them (``models.check_training_features``)."""
-    from transformers import JetMoeConfig, JetMoeForCausalLM
-
     from tests.model_support import tiny_sliding
 
     tiny_sliding("mistral", 8).save_pretrained(tmp_path / "mistral")
-    jetmoe = JetMoeConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_key_value_heads=2,
-        kv_channels=8,
-        intermediate_size=32,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-    )
-    JetMoeForCausalLM(jetmoe).save_pretrained(tmp_path / "jetmoe")
+    save_tiny_jetmoe(tmp_path / "jetmoe")
     capsys.readouterr()  # the saves' progress bars
     args = ["check-invariance", "--config", CONFIG, "--dp", "1", "--micro", "1"]
     for settings, line in (

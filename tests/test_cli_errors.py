@@ -13,6 +13,7 @@ import pytest
 import torch
 from checkpoint_support import fake_checkpoint
 
+from tests.model_support import LARGE_GENERATION, tiny_gemma2_config
 from verlite.cli import main
 from verlite.config import load_config
 from verlite.controller import check_device
@@ -312,19 +313,11 @@ def test_a_model_without_sdpa_attention_is_refused_before_ray(
     ValueError after Ray started (exit 1, half a minute in), and check-invariance's ranks
     a traceback."""
     from chat_model_support import chat_tokenizer
-    from transformers import AutoModelForCausalLM, Gemma2Config
+    from transformers import AutoModelForCausalLM
 
     tokenizer = chat_tokenizer()
     tokenizer.save_pretrained(tmp_path / "gemma2")
-    config = Gemma2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-    )
+    config = tiny_gemma2_config(vocab_size=len(tokenizer))
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gemma2")
     capsys.readouterr()  # the save's progress bar
     expected = (
@@ -345,21 +338,15 @@ def test_a_reward_model_without_sdpa_attention_is_refused_before_ray(
     """The reward workers load reward.model.path with SDPA attention too: a Gemma 2
     classifier passed the reward model's start-up check, and each reward worker's load
     raised Hugging Face's ValueError after Ray started (exit 1, 15 s in)."""
-    from transformers import AutoModelForSequenceClassification, Gemma2Config
+    from transformers import AutoModelForSequenceClassification
 
     from verlite.data.tokenizer import CHARACTERS, build_task_tokenizer
 
     folder = tmp_path / "gemma2_rm"
     tokenizer = build_task_tokenizer(CHARACTERS)
     tokenizer.save_pretrained(folder)
-    config = Gemma2Config(
+    config = tiny_gemma2_config(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
         num_labels=1,
         pad_token_id=tokenizer.pad_token_id,
         max_position_embeddings=64,
@@ -1026,8 +1013,8 @@ def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(
 def test_generation_larger_than_this_machines_gpu_is_refused_before_ray(
     monkeypatch: pytest.MonkeyPatch, total_gib: int, refused: bool
 ) -> None:
-    """A 0.5B-shaped policy generating 512 rows of 1088 positions on one GPU: its KV cache
-    alone is 2 x 24 layers x 512 x 2 KV heads x 1088 x 64 x 2 bytes = 6.4 GiB."""
+    """A 0.5B-shaped policy generating 512 rows of 1088 positions on one GPU
+    (``LARGE_GENERATION``: 6.4 GiB of KV cache alone)."""
     from types import SimpleNamespace
 
     from verlite.driver import preflight
@@ -1039,22 +1026,7 @@ def test_generation_larger_than_this_machines_gpu_is_refused_before_ray(
         "get_device_properties",
         lambda device=None: SimpleNamespace(total_memory=total_gib * 2**30),
     )
-    shape = [
-        "model.hidden_size=896",
-        "model.num_layers=24",
-        "model.num_heads=14",
-        "model.num_kv_heads=2",
-        "model.intermediate_size=4864",
-        "model.device=cuda",
-        "trainer.gpus_per_worker=1",
-        "data.train_batch_size=64",
-        "rollout.n=8",
-        "algorithm.adv_estimator=grpo",
-        "data.max_prompt_length=64",
-        "rollout.max_response_length=1024",
-        "actor.ppo_mini_batch_size=512",
-    ]
-    cfg = load_config(CONFIG, shape)
+    cfg = load_config(CONFIG, LARGE_GENERATION)
     if not refused:
         preflight.check_generation_fits(cfg, 32_000)
         return

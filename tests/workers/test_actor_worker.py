@@ -15,6 +15,7 @@ from chat_model_support import save_chat_model
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
+from tests.model_support import LARGE_GENERATION
 from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.data.dataset import PromptDataset
@@ -472,24 +473,8 @@ def test_a_generating_worker_whose_gpu_cannot_hold_the_generation_refuses_first(
 
     monkeypatch.setattr(ActorWorker, "_build_policy", built)
     monkeypatch.setattr(rollout, "build_policy", built)
-    shape = [
-        "model.hidden_size=896",
-        "model.num_layers=24",
-        "model.num_heads=14",
-        "model.num_kv_heads=2",
-        "model.intermediate_size=4864",
-        "model.device=cuda",
-        "trainer.gpus_per_worker=1",
-        "trainer.ray_address=10.0.0.1:6379",
-        "data.train_batch_size=64",
-        "rollout.n=8",
-        "algorithm.adv_estimator=grpo",
-        "data.max_prompt_length=64",
-        "rollout.max_response_length=1024",
-        "actor.ppo_mini_batch_size=512",
-        f"rollout.placement={placement}",
-    ]
-    cfg = load_config("configs/ppo_tiny.yaml", shape)
+    on_a_cluster = ["trainer.ray_address=10.0.0.1:6379", f"rollout.placement={placement}"]
+    cfg = load_config("configs/ppo_tiny.yaml", [*LARGE_GENERATION, *on_a_cluster])
     tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
     role, worker_class = (
         ("actor", ActorWorker) if placement == "colocated" else ("rollout", RolloutWorker)

@@ -13,9 +13,10 @@ import torch
 from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from transformers import AutoModelForCausalLM, Gemma2Config
+from transformers import AutoModelForCausalLM
 
 from benchmarks.common import peak_tensor_bytes
+from tests.model_support import tiny_gemma2_config
 from verlite.audit.invariance import check_invariance, make_batch
 from verlite.config import LoraConfig, load_config
 from verlite.core.losses import entropy_from_logits, log_probs_from_logits
@@ -261,16 +262,7 @@ def test_the_head_is_intercepted_for_one_call_and_state_dicts_do_not_see_it():
 
 def test_a_model_that_changes_its_heads_output_is_refused_in_one_line():
     """Gemma 2 soft-caps its logits after the head: the log-probs would be soft-capped."""
-    config = Gemma2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        final_logit_softcapping=30.0,
-    )
+    config = tiny_gemma2_config(vocab_size=VOCAB, final_logit_softcapping=30.0)
     model = AutoModelForCausalLM.from_config(config)
     set_logits_chunk_tokens(model, 1024)
     with pytest.raises(UserError, match=r"Gemma2ForCausalLM does not return its LM head"):

@@ -3,6 +3,7 @@
 config needs one; ``start_groups`` starts them side by side."""
 
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -167,6 +168,19 @@ def test_a_groups_failed_init_ends_the_start_with_its_error_and_nothing_left_run
             ray.get(handle.ping.remote())
 
 
+def bad_input_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, config: str, *settings: str
+) -> str:
+    """``verlite train`` of ``config`` with ``settings`` in the shared local Ray (half a CPU
+    a worker), which must end as bad input: exit 2, one line, no traceback; that line."""
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    code = main(["train", "--config", config, "trainer.cpus_per_worker=0.5", *settings, out])
+    err: str = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
 class ActorOnAT4(ActorWorker):
     """An actor on a GPU without bf16 arithmetic, as a cluster's worker finds it (torch
     faked in the worker's own process: Ray kills it with its group)."""
@@ -188,14 +202,40 @@ def test_bad_input_a_worker_finds_is_one_line_and_exit_2(
     and the run ends as any bad input does, the worker's line first, then where; it was a
     WorkerGroupError, a run failure (exit 1)."""
     monkeypatch.setattr(driver_run, "ActorWorker", ActorOnAT4)
-    settings = ["model.device=auto", "model.precision=bf16-mixed", "trainer.cpus_per_worker=0.5"]
-    out = f"trainer.output_dir={tmp_path / 'run'}"
-    code = main(["train", "--config", "configs/grpo_tiny.yaml", *settings, out])
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
+    settings = ["model.device=auto", "model.precision=bf16-mixed"]
+    err = bad_input_line(capsys, tmp_path, "configs/grpo_tiny.yaml", *settings)
     assert err.startswith(
         "verlite: error: model.precision=bf16-mixed: this machine's GPU (Tesla T4) has no bf16 "
         "arithmetic; set model.precision=fp32 (worker group 'actor': rank 0 on node "
     ), err
     assert "), in init_model())" in err, err
+
+
+class ActorWithoutTheEnvironment(ActorWorker):
+    """An actor on a node where the environment's module cannot be imported (the driver
+    imported it before Ray started): its lookup faked in the worker's own process, as a
+    missing module fails it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        from verlite.workers import policy_worker
+
+        found = policy_worker.get_environment
+        policy_worker.get_environment = lambda spec: found("no_such_env_module:Lookup")
+        super().__init__(**kwargs)
+
+
+def test_an_environment_only_a_worker_cannot_load_is_bad_input_in_one_line(
+    local_ray, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    """A worker loads rollout.multi_turn.env (its class, tokenizer and turn format) as it
+    starts its model, where a bad input it finds reaches the command line as bad input
+    (exit 2, ``WorkerInputError``). It loaded them in its constructor: Ray reports a
+    constructor's exception as a dead actor, its type lost, and the run failed as a run
+    failure (exit 1, 'worker constructor raised ConfigError: ...')."""
+    monkeypatch.setattr(driver_run, "ActorWorker", ActorWithoutTheEnvironment)
+    err = bad_input_line(capsys, tmp_path, "configs/tool_tiny.yaml")
+    assert err.startswith(
+        "verlite: error: rollout.multi_turn.env='no_such_env_module:Lookup': no module named "
+        "'no_such_env_module' (is it on PYTHONPATH?) (worker group 'actor': rank 0 on node "
+    ), err
+    assert "), in init_model()); " in err, err

@@ -103,6 +103,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         device = worker_device(cfg)
         if cfg.rollout.placement == "colocated":  # it generates, on this GPU
             check_generation_fits(cfg, self.vocab_size)
+        self.load_environment()
         policy = self._build_policy()
         # The reference is the initial policy, frozen; a plain copy on every rank needs no
         # collectives, stored as models that are never trained are (``models.precision``).

@@ -105,17 +105,26 @@ class PolicyWorker(Worker):
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+
+    def load_environment(self) -> None:
+        """A multi-turn run's environment class (``rollout.multi_turn.env``), its session
+        threads, the tokenizer and the turn format; called by ``init_model``, not the
+        constructor: a ``UserError`` a call raises reaches the command line as bad input
+        (``controller.failures.WorkerInputError``, exit 2), where Ray reports a
+        constructor's as a dead actor, its type lost (a run failure, exit 1)."""
+        cfg = self.cfg
         multi_turn = cfg.rollout.multi_turn
-        if multi_turn.env is not None:
-            self.environment = get_environment(multi_turn.env)
-            self.env_threads = SessionThreads(
-                multi_turn.env_threads, AbandonedCalls(multi_turn.max_abandoned_calls)
-            )
-            self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
-            self.stop_token_ids = (
-                () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
-            )
-            self.turns = turn_format(cfg, self.tokenizer)
+        if multi_turn.env is None:
+            return
+        self.environment = get_environment(multi_turn.env)
+        self.env_threads = SessionThreads(
+            multi_turn.env_threads, AbandonedCalls(multi_turn.max_abandoned_calls)
+        )
+        self.tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+        self.stop_token_ids = (
+            () if multi_turn.turn_stop is None else (turn_stop_id(cfg, self.tokenizer),)
+        )
+        self.turns = turn_format(cfg, self.tokenizer)
 
     def decode_settings(
         self, model: nn.Module, device: torch.device, *, lockstep: bool, trains_on: bool

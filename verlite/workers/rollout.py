@@ -27,6 +27,7 @@ class RolloutWorker(PolicyWorker):
         cfg = self.cfg
         self.device = worker_device(cfg)
         check_generation_fits(cfg, self.vocab_size)
+        self.load_environment()
         self.peak_memory = PeakMemory(self.device)
         # Its initial weights never generate: the first sync replaces them. A LoRA policy's
         # sync sends the adapters alone: the base is built as the actor builds it (same

@@ -433,3 +433,30 @@ def test_the_audits_ray_has_room_for_every_layouts_workers(
     proc = verlite_main("check-invariance", "--run", "--config", CONFIG, *runs, *settings)
     assert proc.returncode == 130, proc.stderr
     assert started == [cpus]
+
+
+def test_the_runs_checked_before_the_audit_hold_no_math_verify_process(tmp_path) -> None:
+    """Every layout's run is checked, its inputs read, before the audit's Ray starts, and held
+    until it runs: reading the answers started a math-verify process for each (24 layouts, 24
+    processes of sympy held through the audit). Each is let go; its run starts one again."""
+    from verlite.audit.run_invariance import (
+        DEFAULT_LAYOUTS,
+        layout_configs,
+        prepare_runs,
+        release,
+    )
+
+    layouts = DEFAULT_LAYOUTS[:2]
+    configs = layout_configs(
+        CONFIG, ["reward.fn=math"], layouts, steps=1, runs_dir=tmp_path / "runs"
+    )
+    prepared = prepare_runs(configs, layouts, in_session=False, cpus=8)
+    try:
+        rewards = [run.inputs.reward_fn for run in prepared]
+        assert [type(fn).__name__ for fn in rewards] == ["MathReward", "MathReward"]
+        assert [fn._process for fn in rewards] == [None, None]
+        assert rewards[0](r"\boxed{12}", "12", "") == 1.0  # its run's first call starts one
+    finally:
+        release(prepared)
+        for run in prepared:
+            run.inputs.reward_fn.close()

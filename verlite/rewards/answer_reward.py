@@ -44,6 +44,10 @@ class AnswerReward(ABC):
         """Raise ValueError when ``answer`` holds no reference this reward can score against
         (``registry.check_answers``, before the run starts)."""
 
+    def close(self) -> None:  # noqa: B027 (a no-op where it holds nothing, as gsm8k)
+        """Let go of what it holds between calls (math's verifier process); the next call
+        takes it up again."""
+
     def count(self, what: str) -> int:
         """Count one ``what`` (one of :attr:`COUNTS`); the count so far."""
         with self._counting:

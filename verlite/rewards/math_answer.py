@@ -143,7 +143,7 @@ class MathReward(AnswerReward):
             )
 
     def close(self) -> None:
-        """Stop the verifier process (it is stopped at exit too)."""
+        """Stop the verifier process (it is stopped at exit too); the next call starts one."""
         with self._lock:
             self._stop()
 

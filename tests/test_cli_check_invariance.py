@@ -184,7 +184,7 @@ def test_a_gpu_audit_in_bf16_needs_bf16_arithmetic(verlite_main, monkeypatch) ->
     proc = verlite_main("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.splitlines()[-1] == (
-        "verlite: error: model.precision=auto (which is bf16-mixed on cuda): this machine's "
+        "verlite: error: model.precision=auto (which is bf16-mixed on cuda): the workers' "
         "GPU (Tesla T4) has no bf16 arithmetic; set model.precision=fp32"
     ), proc.stderr
 

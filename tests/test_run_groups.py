@@ -205,7 +205,7 @@ def test_bad_input_a_worker_finds_is_one_line_and_exit_2(
     settings = ["model.device=auto", "model.precision=bf16-mixed"]
     err = bad_input_line(capsys, tmp_path, "configs/grpo_tiny.yaml", *settings)
     assert err.startswith(
-        "verlite: error: model.precision=bf16-mixed: this machine's GPU (Tesla T4) has no bf16 "
+        "verlite: error: model.precision=bf16-mixed: the workers' GPU (Tesla T4) has no bf16 "
         "arithmetic; set model.precision=fp32 (worker group 'actor': rank 0 on node "
     ), err
     assert "), in init_model())" in err, err

@@ -313,11 +313,11 @@ def test_the_default_precision_on_a_gpu_without_bf16_is_refused_naming_auto(
     with pytest.raises(ConfigError) as info:
         preflight.check_placement(cfg, in_session=False)
     assert str(info.value) == (
-        "model.precision=auto (which is bf16-mixed on cuda): this machine's GPU (Tesla T4) has "
+        "model.precision=auto (which is bf16-mixed on cuda): the workers' GPU (Tesla T4) has "
         "no bf16 arithmetic; set model.precision=fp32"
     )
     explicit = config("model.device=cuda", "model.precision=bf16-mixed")
-    with pytest.raises(ConfigError, match=r"^model.precision=bf16-mixed: this"):
+    with pytest.raises(ConfigError, match=r"^model.precision=bf16-mixed: the workers"):
         preflight.check_placement(explicit, in_session=False)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     preflight.check_placement(cfg, in_session=False)
@@ -338,7 +338,7 @@ def test_a_worker_on_a_gpu_without_bf16_refuses_before_it_builds_a_model(
     with pytest.raises(ConfigError) as info:
         worker_device(config(*cluster))
     assert str(info.value) == (
-        "model.precision=auto (which is bf16-mixed on cuda): this machine's GPU (Tesla T4) has "
+        "model.precision=auto (which is bf16-mixed on cuda): the workers' GPU (Tesla T4) has "
         "no bf16 arithmetic; set model.precision=fp32"
     )
     assert worker_device(config(*cluster, "model.precision=fp32")) == torch.device("cuda", 0)

@@ -383,8 +383,9 @@ def _fp64_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 def check_precision_supported(precision: str, *, on_gpu: bool, auto: bool = False) -> None:
     """bf16 (mixed or pure) on a GPU without bf16 arithmetic (before Ampere): refused at
     start-up in one line naming ``model.precision`` as the user set it (``auto``: the default,
-    which ``precision`` resolves it to), where this machine's GPU is the workers' (a cluster's
-    GPUs are not known before it is reached)."""
+    which ``precision`` resolves it to), by the driver where this machine's GPU is the workers'
+    (an embedded Ray), else by each worker (a cluster's GPUs are not known before it is
+    reached)."""
     if not on_gpu or "bf16" not in precision or not torch.cuda.is_available():
         return
     # Without ``including_emulation=False`` torch reports bf16 on any GPU that can hold a bf16
@@ -392,6 +393,6 @@ def check_precision_supported(precision: str, *, on_gpu: bool, auto: bool = Fals
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         setting = f"auto (which is {precision} on cuda)" if auto else precision
         raise ConfigError(
-            f"model.precision={setting}: this machine's GPU ({torch.cuda.get_device_name()}) "
+            f"model.precision={setting}: the workers' GPU ({torch.cuda.get_device_name()}) "
             "has no bf16 arithmetic; set model.precision=fp32"
         )

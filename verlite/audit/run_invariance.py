@@ -264,7 +264,6 @@ def prepare_runs(
     made and held. A refusal of a later layout's run is that layout's (the first passed the
     checks they share) and names it; the folders held so far are let go."""
     from verlite.driver.run import prepare_run
-    from verlite.rewards.answer_reward import AnswerReward
 
     prepared: list[PreparedRun] = []
     try:
@@ -279,9 +278,7 @@ def prepare_runs(
                 raise UserError(
                     f"--layout {layout.actor.spec}/{layout.critic.spec}: {exc}"
                 ) from None
-            if isinstance(inputs.reward_fn, AnswerReward):
-                # Every layout's inputs are held until its run: not a math-verify process each.
-                inputs.reward_fn.close()
+            inputs.set_aside()  # every layout's are held until its run
             prepared.append(PreparedRun(inputs, printed.getvalue()))
     except BaseException:
         release(prepared)

@@ -42,6 +42,7 @@ from verlite.models.precision import check_precision_supported
 from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, check_answers, resolve_reward
+from verlite.rewards.answer_reward import AnswerReward
 from verlite.rewards.remote import RemoteScorer
 from verlite.workers.policy_worker import check_generation_fits
 
@@ -191,3 +192,10 @@ class RunInputs:
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from, folder = prepare_output_folder(cfg, train_set=train_set.fingerprint)
         return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
+
+    def set_aside(self) -> None:
+        """Let go of what the run takes up again at its first use (the answer reward's
+        verifier process, which reading the answers started): for a caller that holds several
+        runs' inputs before any of them runs (``check-invariance --run``)."""
+        if isinstance(self.reward_fn, AnswerReward):
+            self.reward_fn.close()

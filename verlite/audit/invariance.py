@@ -267,10 +267,12 @@ def layout_offload(offload: str, strategy: str) -> str:
     return "none" if offload == "all" and strategy != "fsdp" else offload
 
 
-def offload_note(cfg: Config, roles: Sequence[Role] = ("actor", "critic")) -> str | None:
-    """The line that says which layouts exercise the roles' ``offload=all``
-    (:func:`layout_offload`); None when no role offloads all."""
-    offloading = [f"{role}.offload=all" for role in roles if getattr(cfg, role).offload == "all"]
+def offload_note(cfg: Config) -> str | None:
+    """The line that says which layouts exercise the actor's and the critic's
+    ``offload=all`` (:func:`layout_offload`); None when neither offloads all."""
+    offloading = [
+        f"{role}.offload=all" for role in ("actor", "critic") if getattr(cfg, role).offload == "all"
+    ]
     if not offloading:
         return None
     return (

@@ -306,10 +306,8 @@ def check_fits_machine(cfg: Config, *, cpus: int | None = None) -> None:
         )
     gpus = torch.cuda.device_count()
     check_device(cfg, gpus=gpus, where="this machine")
-    if cpus is None:
-        _check_room(cfg, {"CPU": get_num_cpus(), "GPU": gpus}, "this machine")
-    else:
-        _check_room(cfg, {"CPU": cpus, "GPU": gpus}, "the embedded Ray")
+    where = "this machine" if cpus is None else "the embedded Ray"
+    _check_room(cfg, {"CPU": get_num_cpus() if cpus is None else cpus, "GPU": gpus}, where)
 
 
 def check_fits_session(cfg: Config) -> None:

@@ -75,6 +75,34 @@ def test_resolve_defaults() -> None:
     assert resolve_reward(_config("exact_match", task="copy")) is exact_match
 
 
+@pytest.mark.parametrize("spec", ["gsm8k", "verlite.rewards.rules:gsm8k"])
+def test_two_runs_count_into_their_own_rewards(spec: str) -> None:
+    """A built-in counting reward named by its short name or by the import path of the
+    registry's instance is each run's own: two runs in one process keep separate counts."""
+    first, second = (resolve_reward(_config(spec, train_file="p.jsonl")) for _ in range(2))
+    assert isinstance(first, Gsm8kReward) and isinstance(second, Gsm8kReward)
+    shared_before = gsm8k.counts()
+    first("no answer here", "#### 72", "")
+    first("#### 72", "#### 72", "")
+    second("still none", "#### 72", "")
+    second("nor here", "#### 72", "")
+    assert (first.counts(), second.counts()) == ({"no_answer": 1}, {"no_answer": 2})
+    assert gsm8k.counts() == shared_before
+
+
+def test_math_by_name_is_the_runs_own_with_its_config() -> None:
+    pytest.importorskip("math_verify")
+    cfg = Config.model_validate(
+        {
+            "data": {"train_file": "p.jsonl"},
+            "reward": {"fn": "math", "math_format_credit": 0.1, "timeout_s": 8.0},
+        }
+    )
+    run = resolve_reward(cfg)
+    assert isinstance(run, MathReward) and run is not REWARDS["math"]
+    assert (run.format_credit, run.budget_s) == (0.1, 4.0)
+
+
 def test_user_function(user_module: str) -> None:
     fn = resolve_reward(_config(f"{user_module}.scoring:length_score", task="copy"))
     assert fn("12345", "", "") == 0.5

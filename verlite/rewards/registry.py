@@ -33,22 +33,31 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+def _math_reward(cfg: Config) -> MathReward:
+    check_installed()
+    return MathReward(format_credit=cfg.reward.math_format_credit, timeout_s=cfg.reward.timeout_s)
+
+
+# How a run builds its own instance of each built-in counting reward, by the class of the
+# shared one that reward.fn names (a registered name or an import path alike).
+RUN_INSTANCES: dict[type, Callable[[Config], AnswerReward]] = {
+    Gsm8kReward: lambda cfg: Gsm8kReward(),
+    MathReward: _math_reward,
+}
+
+
 def resolve_reward(cfg: Config) -> RewardFn:
     """``reward.fn`` when set; else the task's reward (digit_match) or exact_match for prompt
-    files. A reward that counts (``AnswerReward``) is the run's own instance, built from its
-    config, so that its counts are of this run's calls alone."""
+    files. A built-in reward that counts (``AnswerReward``), however ``reward.fn`` names it,
+    is the run's own instance, built from its config (:data:`RUN_INSTANCES`), so that its
+    counts are of this run's calls alone."""
     if cfg.reward.fn is not None:
         name = cfg.reward.fn
     else:
         name = TASKS[cfg.data.task].reward if cfg.data.task is not None else "exact_match"
-    if name == "math":
-        check_installed()
-        return MathReward(
-            format_credit=cfg.reward.math_format_credit, timeout_s=cfg.reward.timeout_s
-        )
-    if name == "gsm8k":
-        return Gsm8kReward()
-    return get_reward(name)
+    fn = get_reward(name)
+    build = RUN_INSTANCES.get(type(fn))
+    return fn if build is None else build(cfg)
 
 
 def check_answers(fn: RewardFn, datasets: Iterable[PromptDataset]) -> None:

@@ -700,6 +700,37 @@ def test_a_call_is_charged_the_time_it_would_take_alone() -> None:
         assert stuck.charged == pytest.approx(0.6)
 
 
+@pytest.mark.parametrize("serve_first", [True, False])
+def test_a_call_that_returned_is_judged_by_its_charge_up_to_its_return(serve_first: bool) -> None:
+    """Two calls of 2 s started at 100 s return at 101.9 s and 102.1 s; the pool is charged
+    at 102.5 s, by their threads recording their outcomes or by a waiter before they do.
+    Either way the first returned within its budget ("ok") and the second late, neither
+    left running: charged to 102.5 s before its outcome was recorded, the first was overdue
+    and both counted as left running, their threads retired."""
+    threads = SessionThreads(2, AbandonedCalls(limit=2))
+    a, b = (threads.bind() for _ in range(2))
+    calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b)]
+    with threads.lock:
+        threads.apply(100.0, {a: 0.0, b: 0.0})
+        for call in calls:
+            call.started = True
+            threads.running.add(call)
+        for call, returned_at in zip(calls, (101.9, 102.1), strict=True):
+            call.returned_at = returned_at
+            if serve_first:
+                call.outcome = ("ok", None)
+        threads.apply(102.5, {a: 0.0, b: 0.0})
+        for call in calls:
+            call.outcome = ("ok", None)
+            threads.running.discard(call)
+        threads.apply(102.6, {a: 0.0, b: 0.0})
+    assert [c.charged for c in calls] == pytest.approx([1.9, 2.1])
+    assert [(c.overdue, c.left_running) for c in calls] == [(False, False), (True, False)]
+    assert a.held is None and b.held is None and not a.retired and not b.retired
+    assert threads.wait(calls[0]) == ("ok", None)
+    assert threads.wait(calls[1]) == ("timeout", calls[1])
+
+
 @pytest.mark.parametrize("intervals", [1, 2, 200])
 def test_a_calls_charge_does_not_depend_on_how_often_it_is_charged(intervals: int) -> None:
     """Two calls taking turns on the interpreter lock for 1 s, 0.5 s of CPU each: each is

@@ -90,16 +90,21 @@ class _Call:
         self.cancelled = False  # gave up before it started: never run
         self.overdue = False  # ran past its timeout
         self.left_running = False  # still ran at its timeout: it holds its thread
+        # When ``fn`` returned, recorded by its thread before it takes the pool's lock: a
+        # charge taken before the outcome is recorded ends there (:meth:`SessionThreads.apply`).
+        self.returned_at: float | None = None
         self.outcome: tuple[str, Any] | None = None
         self.done = threading.Event()
 
     def check(self) -> None:
-        """Mark the call overdue if it was charged its timeout: one still running is left
-        running, holding its thread, which is retired."""
+        """Mark the call overdue if it was charged its timeout: one that had not returned is
+        left running, holding its thread, which is retired. A call that returned is judged by
+        its charge up to its return alone, whichever of its thread and another charge takes
+        the pool's lock first."""
         if not self.started or self.overdue or self.charged < self.timeout_s:
             return
         self.overdue = True
-        if self.outcome is None:
+        if self.returned_at is None:
             self.left_running = True
             self.thread.held, self.thread.retired = self, True
 
@@ -135,6 +140,7 @@ class _Thread:
                 outcome: tuple[str, Any] = ("ok", call.fn(*call.args))
             except BaseException as exc:  # reported by the caller, whatever it is
                 outcome = ("raised", exc)
+            call.returned_at = time.monotonic()
             with self._lock:
                 call.outcome = outcome
                 self.pool.charge()  # a call that returns past its timeout is late
@@ -219,16 +225,21 @@ class SessionThreads:
         others run, a stuck call is found within k times its timeout, and at its timeout once
         it runs alone. Each interval adds at most the wall time, so waiting ``timeout_s -
         charged`` never finds a call late; both sums only add up, so how often it is charged
-        changes nothing."""
-        wall, last = now - self._charged_at, self._cpu
+        changes nothing. A call that returned (``returned_at``) is charged the time up to its
+        return alone, even when its outcome is recorded after this charge."""
+        start, last = self._charged_at, self._cpu
+        wall = now - start
         spent = {t: max(0.0, v - last.get(t, 0.0)) for t, v in cpu.items()}
         self._charged_at, self._cpu = now, cpu
         live = [c for c in self.running if not c.overdue]
         total = sum(spent.values())
         for call in live:
             own = spent.get(call.thread, 0.0)
-            call.alone += max(wall - (total - own), own, 0.0)
-            call.share += wall / len(live)
+            ran = (
+                wall if call.returned_at is None else min(max(call.returned_at - start, 0.0), wall)
+            )
+            call.alone += max(ran - (total - own), own, 0.0)
+            call.share += ran / len(live)
             call.charged = max(call.alone, call.share)
         for call in list(self.running):
             call.check()

@@ -289,12 +289,13 @@ def test_bf16_on_a_gpu_without_it_is_refused_in_one_line(monkeypatch: pytest.Mon
     )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla V100-SXM2-32GB")
     for precision in ("bf16-mixed", "bf16"):
+        cfg = config(f"model.precision={precision}")
         with pytest.raises(ConfigError, match=f"model.precision={precision}: .*V100.*fp32"):
-            check_precision_supported(precision, on_gpu=True)
-        check_precision_supported(precision, on_gpu=False)  # the workers run on CPU
-    check_precision_supported("fp32", on_gpu=True)
+            check_precision_supported(cfg, on_gpu=True)
+        check_precision_supported(cfg, on_gpu=False)  # the workers run on CPU
+    check_precision_supported(config("model.precision=fp32"), on_gpu=True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
-    check_precision_supported("bf16-mixed", on_gpu=True)
+    check_precision_supported(config("model.precision=bf16-mixed"), on_gpu=True)
 
 
 def test_the_default_precision_on_a_gpu_without_bf16_is_refused_naming_auto(

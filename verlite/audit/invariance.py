@@ -453,9 +453,7 @@ def check_invariance(
     # the shards FSDP2's CPU offload keeps on the host).
     host_shards = any(getattr(cfg, role).offload == "all" for role in roles)
     device = audit_device(cfg)
-    check_precision_supported(
-        cfg.precision, on_gpu=device.type == "cuda", auto=cfg.model.precision == "auto"
-    )
+    check_precision_supported(cfg, on_gpu=device.type == "cuda")
     backend = backend_for(device, host_shards=host_shards)
     try:
         rank_gpus(backend, max(dps))

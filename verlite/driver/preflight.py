@@ -81,9 +81,7 @@ def check_placement(cfg: Config, *, in_session: bool, cpus: int | None = None) -
         check_fits_session(cfg)
     elif cfg.trainer.ray_address is None:
         check_fits_machine(cfg, cpus=cpus)
-        check_precision_supported(
-            cfg.precision, on_gpu=cfg.on_gpu, auto=cfg.model.precision == "auto"
-        )
+        check_precision_supported(cfg, on_gpu=cfg.on_gpu)
     else:
         check_device(cfg)
 

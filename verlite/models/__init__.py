@@ -58,9 +58,7 @@ def worker_device(cfg: Config) -> torch.device:
     without bf16 arithmetic is refused here, in one line, before the worker builds a model
     (the driver reports it as bad input: ``controller.failures.WorkerInputError``)."""
     device = resolve_device(cfg.model)
-    check_precision_supported(
-        cfg.precision, on_gpu=device.type == "cuda", auto=cfg.model.precision == "auto"
-    )
+    check_precision_supported(cfg, on_gpu=device.type == "cuda")
     return device
 
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from verlite.config import ConfigError
+from verlite.config import Config, ConfigError
 
 PARAM_DTYPES = {
     "fp32": torch.float32,
@@ -380,17 +380,20 @@ def _fp64_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return _normalized(self, hidden, self.verlite_fp64_norm)
 
 
-def check_precision_supported(precision: str, *, on_gpu: bool, auto: bool = False) -> None:
-    """bf16 (mixed or pure) on a GPU without bf16 arithmetic (before Ampere): refused at
-    start-up in one line naming ``model.precision`` as the user set it (``auto``: the default,
-    which ``precision`` resolves it to), by the driver where this machine's GPU is the workers'
-    (an embedded Ray), else by each worker (a cluster's GPUs are not known before it is
-    reached)."""
+def check_precision_supported(cfg: Config, *, on_gpu: bool) -> None:
+    """The run's precision (``cfg.precision``) in bf16 (mixed or pure) on a GPU without bf16
+    arithmetic (before Ampere), ``on_gpu`` telling where the models run: refused at start-up
+    in one line naming ``model.precision`` as the user set it (``auto``: the default, which
+    ``cfg.precision`` resolves), by the driver where this machine's GPU is the workers' (an
+    embedded Ray), else by each worker (a cluster's GPUs are not known before it is reached),
+    and by ``verlite check-invariance``."""
+    precision = cfg.precision
     if not on_gpu or "bf16" not in precision or not torch.cuda.is_available():
         return
     # Without ``including_emulation=False`` torch reports bf16 on any GPU that can hold a bf16
     # tensor (a V100 emulates it, slowly).
     if not torch.cuda.is_bf16_supported(including_emulation=False):
+        auto = cfg.model.precision == "auto"
         setting = f"auto (which is {precision} on cuda)" if auto else precision
         raise ConfigError(
             f"model.precision={setting}: the workers' GPU ({torch.cuda.get_device_name()}) "

@@ -32,6 +32,10 @@ def test_json_report_ok(verlite_main) -> None:
     report = json.loads(proc.stdout)
     assert report["ok"] is True and report["tolerance"] == 1e-3
     assert (report["optimizer"], report["steps"], report["sequences"]) == ("configured", 3, 16)
+    # What the text's first lines say: the layouts' common settings, no offload line.
+    assert (report["precision"], report["rank_launches"]) == ("fp32", 2)
+    assert (report["negative_control"], report["offload_note"]) == (False, None)
+    assert proc.stderr == ""
     assert len(report["layouts"]) == 2 * 2 * 2  # dp x micro x role
     keys = {
         "dp",
@@ -324,11 +328,20 @@ def test_a_model_whose_vocabulary_is_under_the_audits_is_audited(
     assert json.loads(proc.stdout)["ok"] is True
 
 
-def test_offload_all_is_audited_in_the_fsdp_layouts_only_and_said_so(verlite_main) -> None:
+NOTE = (
+    "critic.offload=all (FSDP2's CPU offload) runs in the fsdp layouts only: the "
+    "reference and the ddp layouts run without it"
+)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_offload_all_is_audited_in_the_fsdp_layouts_only_and_said_so(
+    verlite_main, as_json: bool
+) -> None:
     """``<role>.offload=all`` is FSDP2's CPU offload: the audit's ddp layouts and its
     single-process reference cannot offload, and kept the setting while it did nothing,
     silently. They now run without it (``TrainEngine`` refuses it under another strategy),
-    and the first line says which layouts exercise it."""
+    and the first line says which layouts exercise it; ``--json`` says it in a field."""
     proc = verlite_main(
         "check-invariance",
         "--config",
@@ -339,12 +352,17 @@ def test_offload_all_is_audited_in_the_fsdp_layouts_only_and_said_so(verlite_mai
         "1",
         "--micro",
         "full",
+        *(["--json"] if as_json else []),
     )
     assert proc.returncode == 0, proc.stderr
+    if as_json:
+        report = json.loads(proc.stdout)
+        assert (report["offload_note"], report["rank_launches"]) == (NOTE, 2)
+        assert (report["precision"], report["tolerance"]) == ("fp32", 1e-5)
+        return
     assert proc.stderr.splitlines()[:2] == [
         "checking 4 layouts in 2 rank launches on a batch of 16 sequences ...",
-        "critic.offload=all (FSDP2's CPU offload) runs in the fsdp layouts only: the "
-        "reference and the ddp layouts run without it",
+        NOTE,
     ], proc.stderr
 
 

@@ -200,6 +200,8 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     rows = audit_rows(dps)
+    launches = len(dps) * len(strategies)
+    note = offload_note(cfg)
     if not args.json:
         why = (
             f" (the least multiple of {NUM_SEQUENCES} that every --dp size splits into equal "
@@ -209,12 +211,11 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         )
         layouts = len(dps) * len(strategies) * len(micros) * 2  # actor and critic
         print(
-            f"checking {layouts} layouts in {len(dps) * len(strategies)} rank launches on a "
+            f"checking {layouts} layouts in {launches} rank launches on a "
             f"batch of {rows} sequences{why} ...",
             file=sys.stderr,
             flush=True,
         )
-        note = offload_note(cfg)
         if note is not None:
             print(note, file=sys.stderr, flush=True)
     steps = args.steps or (3 if optimizer == "configured" else 1)
@@ -230,7 +231,15 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     ok = all(r.worst() <= tolerance for r in reports)
     if args.json:
         layouts = [asdict(r) for r in reports]
-        setting = {"optimizer": optimizer, "steps": steps, "sequences": rows}
+        setting = {
+            "precision": cfg.precision,
+            "optimizer": optimizer,
+            "steps": steps,
+            "sequences": rows,
+            "rank_launches": launches,
+            "negative_control": args.negative_control,
+            "offload_note": note,
+        }
         print(json.dumps({"ok": ok, "tolerance": tolerance, **setting, "layouts": layouts}))
     else:
         print(format_table(invariance_rows(reports, tolerance)))

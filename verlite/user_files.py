@@ -1,16 +1,45 @@
 """Reading the files users give verlite and runs leave on disk (configs, prompt files,
 metrics logs): the one place their bytes become text and their lines JSON values, so that a
 missing, unreadable, oversized or undecodable file, or a line that is not JSON or sets a key
-twice, is one line naming the file (and line), never a traceback."""
+twice, is one line naming the file (and line), never a traceback. What is the user's to fix is
+a path that names no file it may read (:data:`USER_ERRNOS`); an I/O error of the machine's
+(EIO, a stale network mount) is a :class:`~verlite.errors.RunFailure` naming the file, exit 1."""
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from verlite.errors import UserError
+from verlite.errors import RunFailure, UserError
+
+# Why reading a file failed where the path is the user's to fix: it names nothing, or a
+# folder, or a file this user may not read, or cannot be looked up as written.
+USER_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EACCES,
+        errno.EPERM,
+        errno.ELOOP,
+        errno.ENAMETOOLONG,
+    }
+)
+
+
+def check_readable(exc: OSError, path: str | Path, *, what: str) -> None:
+    """Raise :class:`RunFailure` naming ``path`` (``what``: how messages name it) when ``exc``,
+    raised reading it, is not the user's to fix: an errno not in :data:`USER_ERRNOS` (an
+    OSError without one is a library's word on the content, as Hugging Face's "not a valid
+    JSON file")."""
+    if exc.errno is not None and exc.errno not in USER_ERRNOS:
+        raise RunFailure(
+            f"reading {what} {str(path)!r} failed: {exc.strerror or exc} (an I/O error of "
+            "this machine, not the file's content; try again)"
+        ) from exc
 
 
 def read_text(
@@ -31,6 +60,7 @@ def read_text(
         with Path(path).open("rb") as file:
             raw = file.read(-1 if max_bytes is None else max_bytes + 1)
     except OSError as exc:
+        check_readable(exc, path, what=what)
         raise error(f"cannot read {what} {shown}: {exc.strerror}") from None
     except ValueError as exc:  # a NUL byte in the path
         raise error(f"cannot read {what} {shown}: {exc}") from None

@@ -5,6 +5,10 @@ the weighted sum of ``rewards.combine``."""
 
 from __future__ import annotations
 
+import builtins
+import errno
+import io
+import os
 import shutil
 from pathlib import Path
 
@@ -19,6 +23,8 @@ from transformers import (
 
 from verlite.cli import main
 from verlite.config import ConfigError, load_config
+from verlite.errors import RunFailure
+from verlite.models.reward_model import check_reward_model
 from verlite.rewards.combine import combine_scores
 
 CONFIG = "configs/ppo_tiny.yaml"
@@ -212,6 +218,52 @@ def test_a_reward_model_that_cannot_score_is_one_line_before_ray(
     assert code == 2, err
     assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
     assert expected.format(path=path) in err
+
+
+def _reading_fails(monkeypatch: pytest.MonkeyPatch, target: Path, code: int) -> None:
+    """Opening ``target`` raises OSError ``code`` (as a failing read does: no file name)."""
+    real_open = builtins.open
+
+    def failing_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(file, (str, os.PathLike)) and Path(file) == target:
+            raise OSError(code, os.strerror(code))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", failing_open)  # Hugging Face's loader
+    monkeypatch.setattr(io, "open", failing_open)  # Path.open, the model folder's check
+
+
+@pytest.mark.parametrize(("code", "exit_code"), [(errno.EIO, 1), (errno.EACCES, 2)])
+def test_an_io_error_reading_the_config_json_is_not_the_users(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    folders: dict[str, Path],
+    code: int,
+    exit_code: int,
+) -> None:
+    """An I/O error (EIO) reading reward.model.path's config.json is the machine's: one line
+    naming the file, exit 1; a file this user may not read is the user's, exit 2, at load
+    (the model folder's check) and in the model's config loader alike."""
+    target = folders["good"] / "config.json"
+    args = [f"reward.model.path={folders['good']}", f"trainer.output_dir={tmp_path / 'out'}"]
+    cfg = load_config(CONFIG, args)
+    _reading_fails(monkeypatch, target, code)
+    assert main(["train", "--config", CONFIG, *args]) == exit_code
+    err = capsys.readouterr().err
+    assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
+    if code == errno.EIO:
+        assert err == (
+            f"verlite: error: reading reward.model.path's config.json {str(target)!r} failed: "
+            "Input/output error (an I/O error of this machine, not the file's content; try "
+            "again)\n"
+        )
+    else:
+        assert f"cannot read reward.model.path's config.json {str(target)!r}" in err
+    with pytest.raises(RunFailure if code == errno.EIO else ConfigError) as info:
+        check_reward_model(cfg.reward.model)
+    named = str(target) if code == errno.EIO else f"reward.model.path={str(folders['good'])!r}"
+    assert named in str(info.value)
 
 
 def test_combine_is_the_weighted_sum_with_each_sources_mean() -> None:

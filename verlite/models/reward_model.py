@@ -31,6 +31,7 @@ from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
 from verlite.models import _pretrained, check_sdpa
 from verlite.models.precision import fp64_throughout
+from verlite.user_files import check_readable
 
 
 def _one_line(exc: BaseException, limit: int = 160) -> str:
@@ -38,11 +39,14 @@ def _one_line(exc: BaseException, limit: int = 160) -> str:
 
 
 def _config(path: str) -> PretrainedConfig:
-    if not Path(path).is_dir():
-        raise ConfigError(f"reward.model.path={path!r}: no such directory")
+    """The model's config; a folder it does not load from is the user's to fix, an I/O error
+    reading its config.json the machine's (``user_files.check_readable``, the line the
+    policy's model.path is read by: ``config.loading.check_inputs``)."""
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
+        if isinstance(exc, OSError):
+            check_readable(exc, Path(path) / "config.json", what="reward.model.path's config.json")
         raise ConfigError(
             f"reward.model.path={path!r}: no model config loads from it: {_one_line(exc)}"
         ) from None

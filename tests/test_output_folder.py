@@ -132,28 +132,60 @@ def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> Non
 
 
 def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: Path) -> None:
-    """trainer.resume naming another folder's checkpoint at trainer.total_steps, into a
-    folder that holds an export (or with trainer.export=false, into an empty one): the
-    refusal said "the run in <this folder> already reached trainer.total_steps", of a folder
-    no run of that checkpoint trained in. It names the checkpoint and what this folder
-    holds."""
+    """trainer.resume naming another folder's checkpoint at trainer.total_steps whose own run
+    exported it (or with trainer.export=false): the refusal names the checkpoint and its
+    run's export. The refusal said "the run in <this folder> already reached
+    trainer.total_steps", of a folder no run of that checkpoint trained in."""
     earlier = tmp_path / "earlier"
     earlier_run(earlier, checkpoint_step=6)
     checkpoint = earlier / "checkpoints" / "step_6"
-    exported = tmp_path / "exported"
-    (exported / "hf_actor").mkdir(parents=True)
+    (earlier / "hf_actor").mkdir()  # its run's export, written as it ended
     (tmp_path / "empty").mkdir()
-    for out, extra, why in (
-        (exported, [], f"and {shown(str(exported))} already holds a policy export (hf_actor)"),
-        (tmp_path / "empty", ["trainer.export=false"], "and trainer.export=false"),
+    for extra, why in (
+        ([], f"and its run exported its policy ({shown(str(earlier / 'hf_actor'))})"),
+        (["trainer.export=false"], "and trainer.export=false"),
     ):
         with pytest.raises(CheckpointError) as refused:
-            prepare_output_folder(config(out, f"trainer.resume={checkpoint}", *extra))
+            prepare_output_folder(
+                config(tmp_path / "empty", f"trainer.resume={checkpoint}", *extra)
+            )
         assert str(refused.value) == (
             f"trainer.resume={shown(str(checkpoint))}: that checkpoint is at trainer.total_steps=6 {why}, "
             "so this run would train and export nothing; raise trainer.total_steps to train "
             "further from it, or name another checkpoint in trainer.resume"
         )
+
+
+def test_another_folders_checkpoint_its_run_did_not_export_is_resumed_to_export(
+    tmp_path: Path,
+) -> None:
+    """Whether another folder's checkpoint at trainer.total_steps was exported is its own
+    run's to say, not this folder's: an export here (another run's) refused it as complete;
+    an export in its folder of a later step's policy (the run ended after it, or continued
+    past it) is not its. Each resumes from it to export (this folder's files moved aside)."""
+    exported = tmp_path / "exported"
+    (exported / "hf_actor").mkdir(parents=True)  # another run's export
+    ended_later = tmp_path / "ended_later"  # total_steps=8: its export is step 8's
+    earlier_run(ended_later, checkpoint_step=6, saved=config(ended_later, "trainer.total_steps=8"))
+    (ended_later / "hf_actor").mkdir()
+    continued = tmp_path / "continued"  # a step_8 after it: its export is step 8's
+    earlier_run(continued, checkpoint_step=6)
+    fake_checkpoint(
+        continued, 8, ("actor", "critic"), config=config(continued).model_dump(mode="json")
+    )
+    (continued / "hf_actor").mkdir()
+    plain = tmp_path / "plain"  # exported nothing
+    earlier_run(plain, checkpoint_step=6)
+    for run in (plain, ended_later, continued):
+        checkpoint = run / "checkpoints" / "step_6"
+        resume = f"trainer.resume={checkpoint}"
+        with pytest.raises(ConfigError, match=r"is not empty"):
+            prepare_output_folder(config(exported, resume))
+        out = tmp_path / f"into_{run.name}"
+        out.mkdir()
+        (out / "hf_actor").mkdir()
+        assert prepare_output_folder(config(out, resume, "trainer.overwrite=true")) == checkpoint
+        assert not (out / "hf_actor").exists()  # moved aside, with the rest
 
 
 @pytest.mark.parametrize("interrupted", [False, True])

@@ -289,6 +289,35 @@ def test_a_run_resumed_from_another_folders_checkpoint_says_it_resumes_from_it_a
     assert new_run_of(out, **{"trainer.save_freq": 2}) == step_4
 
 
+def test_another_folders_finished_checkpoint_is_complete_as_its_own_run_exported_it(
+    tmp_path: Path,
+) -> None:
+    """trainer.resume=<another folder's checkpoint at trainer.total_steps>: whether it is
+    complete was judged by this folder's export, which is another run's. An export here with
+    none by the checkpoint's run said "the run is complete ..., its policy exported" (the
+    same config resumes from it to export, this folder's files moved aside); its run's export,
+    with none here, said it resumes to export."""
+    total = config(tmp_path).trainer.total_steps
+    other = checkpoint(tmp_path / "other", total)
+    out = tmp_path / "run"
+    (out / POLICY_FOLDER).mkdir(parents=True)  # another run's export
+    fields = {"trainer.resume": str(other)}
+    trainer = config(out, **fields).trainer
+    assert output_folder.stopped_run_hint(out, trainer) == (
+        f"a new `verlite train` of {out} resumes from {other} again to export its policy, "
+        "with trainer.overwrite=true to move this run's files aside"
+    )
+    assert new_run_of(out, **fields, **{"trainer.overwrite": True}) == other
+    (tmp_path / "other" / POLICY_FOLDER).mkdir()  # the checkpoint's run exported it
+    assert output_folder.stopped_run_hint(out, trainer) == (
+        f"the run is complete ({other} is at trainer.total_steps={total}, its policy exported "
+        f"in {tmp_path / 'other' / POLICY_FOLDER}): a new `verlite train` of the same config is "
+        "refused; a larger trainer.total_steps continues it, trainer.resume=disable with "
+        "trainer.overwrite=true starts it over (its files moved aside)"
+    )
+    assert "its run exported its policy" in str(new_run_of(out, **fields))
+
+
 def test_a_run_resumed_from_an_earlier_checkpoint_of_its_folder_says_it_goes_back_to_it(
     tmp_path: Path,
 ) -> None:

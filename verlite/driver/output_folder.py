@@ -265,21 +265,30 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     ``trainer.resume=auto``, no overwrite, the end not known). Whether the checkpoint fits
     the rest of the config (``check_resumable``) is not judged here: a stopped run's own does."""
     resume = "auto" if trainer is None else trainer.resume
+    saved: dict[str, Any] | None = None  # the trainer state of another folder's checkpoint
     try:
         if resume == "auto":
             resume_from = state.checkpoints[-1] if state.checkpoints else None
             step = None if resume_from is None else checkpoint_step(resume_from)
         else:
             resume_from = resume_checkpoint(out, resume)  # None for disable
-            step = None if resume_from is None else int(read_trainer_state(resume_from)["step"])
+            saved = None if resume_from is None else read_trainer_state(resume_from)
+            step = None if saved is None else int(saved["step"])
     except UserError as exc:  # no such checkpoint, or its state unreadable
         return NewRun(refused=exc)
     export_only = False
     continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
     if resume_from is not None and trainer is not None and step == trainer.total_steps:
-        if not trainer.export or state.exported:
+        # The export of the checkpoint's own run: this folder's, or the one of the folder
+        # that holds another folder's checkpoint (an export in this folder is another run's).
+        if continuing:
+            exported = state.exported
+        else:
+            assert saved is not None  # trainer.resume named it
+            exported = _exported_by_its_run(resume_from, saved)
+        if not trainer.export or exported:
             reached = _reached(out, trainer, step, resume_from, continuing=continuing)
-            return NewRun(resume_from=resume_from, refused=reached, complete=True)
+            return NewRun(resume_from, continuing, refused=reached, complete=True)
         export_only = True
     if continuing or not state.contents:
         return NewRun(resume_from, continuing=continuing, export_only=export_only)
@@ -289,12 +298,39 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     return NewRun(resume_from, export_only=export_only, moves_aside=True)
 
 
+def _its_runs_export(checkpoint: Path) -> Path:
+    """Where the run that saved ``checkpoint`` (``<run>/checkpoints/step_N``) exports."""
+    return checkpoint.resolve().parent.parent / POLICY_FOLDER
+
+
+def _exported_by_its_run(checkpoint: Path, saved: Mapping[str, Any]) -> bool:
+    """Whether the run that saved ``checkpoint`` (another folder's; ``saved``: its trainer
+    state) exported this checkpoint's policy: the run folder holding it has a whole export
+    (``policy_exported``), the checkpoint is that run's latest, and the run ended there (the
+    config it recorded in the checkpoint: its trainer.total_steps is the checkpoint's step,
+    trainer.export on). A run continued past it, or one that ended later without a
+    checkpoint, exported a later step's policy."""
+    run_dir = _its_runs_export(checkpoint).parent
+    if checkpoint.resolve().parent.name != "checkpoints" or not policy_exported(run_dir):
+        return False
+    latest = complete_checkpoints(run_dir)
+    if not latest or latest[-1].resolve() != checkpoint.resolve():
+        return False
+    recorded = saved.get("config")
+    ran = recorded.get("trainer") if isinstance(recorded, dict) else None
+    return (
+        isinstance(ran, dict)
+        and ran.get("total_steps") == saved["step"]
+        and ran.get("export") is True
+    )
+
+
 def _reached(
     out: Path, trainer: TrainerConfig, step: int, resume_from: Path, *, continuing: bool
 ) -> CheckpointError:
-    """The refusal of a checkpoint at ``trainer.total_steps`` whose policy is exported in
-    ``out`` or not exported at all: the folder's own run is complete, or the checkpoint that
-    ``trainer.resume`` names (another folder's) is, and this folder holds an export."""
+    """The refusal of a checkpoint at ``trainer.total_steps`` whose policy is exported by its
+    own run or not exported at all: the folder's own run is complete, or the checkpoint that
+    ``trainer.resume`` names (another folder's) is, its own run having exported it."""
     if continuing:
         return CheckpointError(
             f"the run in {shown(str(out))} already reached trainer.total_steps={step} "
@@ -302,7 +338,7 @@ def _reached(
             "or choose another trainer.output_dir for a new run"
         )
     why = (
-        f"{shown(str(out))} already holds a policy export ({POLICY_FOLDER})"
+        f"its run exported its policy ({shown(str(_its_runs_export(resume_from)))})"
         if trainer.export
         else "trainer.export=false"
     )
@@ -372,6 +408,8 @@ def _what_a_new_run_does(out: Path, trainer: TrainerConfig | None, state: Folder
     if plan.complete:
         assert trainer is not None and plan.resume_from is not None
         exported = ", its policy exported" if trainer.export else ""
+        if trainer.export and not plan.continuing:  # another folder's checkpoint: its run's
+            exported += f" in {_its_runs_export(plan.resume_from)}"
         return (
             f"the run is complete ({plan.resume_from} is at trainer.total_steps="
             f"{trainer.total_steps}{exported}): {new} of the same config is refused; a larger "

@@ -27,6 +27,8 @@ from verlite.controller import (
 )
 from verlite.controller.session import WORKER_ENV
 
+# The simulated cluster takes this process's Ray connection: after the shared Ray's tests.
+pytestmark = pytest.mark.releases_shared_ray
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "ppo_tiny.yaml"
 NODES = 3

@@ -165,16 +165,15 @@ def test_missing_config_file(verlite_main) -> None:
 
 
 def test_a_gpu_audit_needs_a_gpu_per_rank(verlite_main) -> None:
+    """Refused in its line alone: the audit's progress line ("checking 56 layouts ...") came
+    first, as if the audit had started."""
     if torch.cuda.device_count() >= 4:
         pytest.skip("this machine has a GPU for every rank of --dp 4")
     proc = verlite_main("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1,4")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    progress, error = proc.stderr.splitlines()
-    assert progress == (
-        "checking 56 layouts in 4 rank launches on a batch of 16 sequences ..."
-    ) and error.startswith(
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(
         "verlite: error: --dp 4 with model.device=cuda: NCCL needs one GPU per rank: 4 ranks"
-    )
+    ), proc.stderr
 
 
 def test_a_gpu_audit_in_bf16_needs_bf16_arithmetic(verlite_main, monkeypatch) -> None:
@@ -186,10 +185,10 @@ def test_a_gpu_audit_in_bf16_needs_bf16_arithmetic(verlite_main, monkeypatch) ->
     )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     proc = verlite_main("check-invariance", "--config", CONFIG, "model.device=cuda", "--dp", "1")
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert proc.stderr.splitlines()[-1] == (
+    assert proc.returncode == 2
+    assert proc.stderr == (
         "verlite: error: model.precision=auto (which is bf16-mixed on cuda): the workers' "
-        "GPU (Tesla T4) has no bf16 arithmetic; set model.precision=fp32"
+        "GPU (Tesla T4) has no bf16 arithmetic; set model.precision=fp32\n"
     ), proc.stderr
 
 

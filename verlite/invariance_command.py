@@ -175,6 +175,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         NUM_SEQUENCES,
         STRATEGIES,
         audit_rows,
+        check_devices,
         check_invariance,
         check_layouts,
         offload_note,
@@ -197,6 +198,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     check_training_features(cfg)  # the config's packing and checkpointing, every layout's
     _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
     _check_checkpointed_layout(cfg, micros)
+    check_devices(cfg, dps, ("actor", "critic"))
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     rows = audit_rows(dps)

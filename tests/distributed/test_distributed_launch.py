@@ -95,3 +95,10 @@ def test_nccl_ranks_take_one_visible_gpu_each(monkeypatch: pytest.MonkeyPatch) -
     assert vdist.rank_gpus("gloo", 3) == [None, None, None]
     with pytest.raises(ValueError, match="NCCL needs one GPU per rank: 3 ranks, 2 GPUs visible"):
         vdist.rank_gpus("nccl", 3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    with pytest.raises(ValueError, match=r"NCCL needs one GPU per rank: 2 ranks, 1 GPU visible$"):
+        vdist.rank_gpus("nccl", 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(ValueError, match=r"NCCL needs one GPU per rank: 1 rank, 0 GPUs visible$"):
+        vdist.rank_gpus("nccl", 1)

@@ -427,6 +427,23 @@ def _available_memory() -> int | None:
     return None
 
 
+def check_devices(cfg: Config, dps: Sequence[int], roles: Sequence[Role]) -> str:
+    """The ranks' backend, once the devices they need are there: on a GPU each rank takes one
+    visible GPU and the ranks talk over NCCL (and gloo for the shards FSDP2's CPU offload
+    keeps on the host); bf16 there needs bf16 arithmetic. Each refused in one line
+    (``UserError``, ``ConfigError``); ``verlite check-invariance`` calls it before it prints
+    anything, so that the line is all a refused audit prints."""
+    host_shards = any(getattr(cfg, role).offload == "all" for role in roles)
+    device = audit_device(cfg)
+    check_precision_supported(cfg, on_gpu=device.type == "cuda")
+    backend = backend_for(device, host_shards=host_shards)
+    try:
+        rank_gpus(backend, max(dps))
+    except ValueError as exc:
+        raise UserError(f"--dp {max(dps)} with model.device=cuda: {exc}") from None
+    return backend
+
+
 def check_invariance(
     cfg: Config,
     *,
@@ -449,16 +466,7 @@ def check_invariance(
     check_layouts(dps)
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    # On a GPU each rank takes one visible GPU and the ranks talk over NCCL (and gloo for
-    # the shards FSDP2's CPU offload keeps on the host).
-    host_shards = any(getattr(cfg, role).offload == "all" for role in roles)
-    device = audit_device(cfg)
-    check_precision_supported(cfg, on_gpu=device.type == "cuda")
-    backend = backend_for(device, host_shards=host_shards)
-    try:
-        rank_gpus(backend, max(dps))
-    except ValueError as exc:
-        raise UserError(f"--dp {max(dps)} with model.device=cuda: {exc}") from None
+    backend = check_devices(cfg, dps, roles)
     for mode in loss_agg_modes or ():
         if mode not in LOSS_AGG_MODES:
             raise ValueError(

@@ -73,7 +73,8 @@ def rank_gpus(backend: str, world_size: int) -> list[str | None]:
     visible = listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
     if world_size > len(visible):
         raise ValueError(
-            f"NCCL needs one GPU per rank: {world_size} ranks, {len(visible)} GPUs visible"
+            f"NCCL needs one GPU per rank: {world_size} rank{'s' * (world_size != 1)}, "
+            f"{len(visible)} GPU{'s' * (len(visible) != 1)} visible"
         )
     return [visible[rank] for rank in range(world_size)]
 

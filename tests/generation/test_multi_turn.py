@@ -278,13 +278,16 @@ def test_a_trajectory_is_the_same_alone_or_beside_other_rows() -> None:
                 assert torch.equal(alone[key][0], together[key][row]), (row, key)
 
 
-def test_turns_on_the_static_cache_are_the_eager_turns() -> None:
+@pytest.mark.parametrize("rows", [None, [3, 3, 3, 3]], ids=["padded", "unpadded"])
+def test_turns_on_the_static_cache_are_the_eager_turns(rows: list[int] | None) -> None:
     """Each turn a generation of its own width and length on one decoder's static cache (the
-    stop token of a turn among its ends): the trajectories of the eager sampler, exactly."""
-    eager, _, _, _, _ = run([Echo() for _ in range(8)])
-    static, _, _, _, _ = run(
-        [Echo() for _ in range(8)], decode=DecodeSettings("static", batch_buckets=(1, 2))
-    )
+    stop token of a turn among its ends), its prompts padded or (the widest prompt alone, as
+    a step of one prompt's samples has) not: the trajectories of the eager sampler, exactly."""
+    envs = [Echo() for _ in range(8 if rows is None else len(rows))]
+    eager, _, _, _, _ = run(envs, rows=rows)
+    envs = [Echo() for _ in envs]
+    decode = DecodeSettings("static", batch_buckets=(1, 2))
+    static, _, _, _, _ = run(envs, decode=decode, rows=rows)
     for key in eager.keys():  # noqa: SIM118 (a TensorDict iterates over its rows)
         if isinstance(eager[key], torch.Tensor):
             assert torch.equal(static[key], eager[key]), key

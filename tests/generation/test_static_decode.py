@@ -106,6 +106,20 @@ def test_static_matches_eager_bit_for_bit(dtype: str, name: str, buckets) -> Non
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
+def test_prompts_without_padding_decode_statically_as_eagerly(name: str) -> None:
+    """No prompt padded: the eager sampler's Hugging Face attention drops its mask, and SDPA
+    without a mask rounds otherwise than with one; a static step then attends without one
+    too: bit for bit in float32."""
+    model, td, params = llama("fp32"), prompts(batch=8, width=9, seed=3), SETTINGS[name]
+    td["attention_mask"] = torch.ones_like(td["attention_mask"])
+    td["input_ids"] = td["input_ids"].clamp(min=3)
+    td["position_ids"] = torch.arange(9).expand(8, 9).clone()
+    eager = sampler(model, DecodeSettings("eager")).generate(td, params, noise(td, 6, 14))
+    static = sampler(model, DecodeSettings("static")).generate(td, params, noise(td, 6, 14))
+    assert_same(static, eager)
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
 def test_replayed_steps_match_eager(name: str) -> None:
     """cuda_graphs' bookkeeping on CPU (a 'graph' re-runs its first step): one capture per
     (bucket, span, settings), replayed; the span rounded up to kv_block adds masked positions

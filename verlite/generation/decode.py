@@ -28,10 +28,12 @@ writes pads and zero log-probs), within the ``max_new_tokens`` positions. What t
 on a GPU is not measured.
 
 Without graphs (``mode="static"``, what runs on CPU) the same step runs eagerly and attends
-to exactly the filled positions: its tokens and log-probs are those of the eager sampler,
-bit for bit (tests/generation/test_static_decode.py). With a rounded span a step's attention
-also sums the masked positions' exact zeros, in another order: the same tokens, log-probs
-within a float32 rounding.
+to exactly the filled positions, with no mask when no prompt is padded (as the eager
+sampler's Hugging Face attention then drops its mask: SDPA's kernels without a mask and with
+one round differently): its tokens and log-probs are those of the eager sampler, bit for bit
+(tests/generation/test_static_decode.py). With a rounded span a step's attention also sums
+the masked positions' exact zeros, in another order: the same tokens, log-probs within a
+float32 rounding.
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ class StaticDecoder:
         self._graph_pool: tuple[int, int] | None = None
         self._side_stream: torch.cuda.Stream | None = None  # where a capture's warm-up runs
         self._addresses: list[int] = []  # of the model's tensors, which the graphs read
+        self.unmasked = False  # a generation's steps attend without a mask (``_start``)
 
     # ------------------------------------------------------------------ buffers
     def _kv_dtype(self, device: torch.device) -> torch.dtype:
@@ -357,6 +360,9 @@ class StaticDecoder:
         self.row_of[:batch] = torch.arange(batch, device=self.row_of.device)
         self.mask.fill_(False)
         self.mask[:batch, 0, 0, :width] = prompt_mask.bool()
+        # Every position a step attends to is filled when no prompt is padded (one host read
+        # a generation); a captured step also attends past them (``_span``): always masked.
+        self.unmasked = self.settings.mode == "static" and bool(prompt_mask.all())
         if isinstance(noise, KeyedNoise):
             self.keys[:batch] = noise.keys
         self.responses.fill_(self.pad_token_id)
@@ -418,7 +424,7 @@ class StaticDecoder:
         mask.index_fill_(3, cache.state.slot, True)
         out = self.model(
             input_ids=self.ids[:rows],
-            attention_mask=mask[..., :span],
+            attention_mask=None if self.unmasked else mask[..., :span],
             position_ids=self.positions[:rows],
             cache=cache,
             use_cache=True,

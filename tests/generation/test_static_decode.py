@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,10 +15,11 @@ from tensordict import TensorDict
 
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_qwen2, tiny_sliding
-from verlite.config import ModelConfig
+from verlite.config import LoraConfig, ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.decode import StaticDecoder, buckets_for
 from verlite.models import build_policy
+from verlite.models.lora import apply_lora
 
 
 class ClosureGraphs(StaticDecoder):
@@ -105,12 +107,35 @@ def test_static_matches_eager_bit_for_bit(dtype: str, name: str, buckets) -> Non
     assert calls == expected and len(set(calls)) > 1
 
 
+def unpadded_models() -> dict[str, Callable[[], torch.nn.Module]]:
+    from verlite.models.varlen import enable_packing
+
+    def packed() -> torch.nn.Module:
+        model = llama("fp32")
+        enable_packing(model)
+        return model
+
+    return {
+        "llama": lambda: llama("fp32"),
+        "llama_packing": packed,
+        "qwen2_lora": lambda: apply_lora(
+            tiny_qwen2(tied=True, vocab_size=VOCAB), LoraConfig(rank=4), seed=0
+        ),
+        **{kind: partial(tiny_sliding, kind, 9 + 14, vocab_size=VOCAB) for kind in WINDOWED},
+    }
+
+
+WINDOWED = ("mistral", "qwen2", "gemma3")
+
+
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_prompts_without_padding_decode_statically_as_eagerly(name: str) -> None:
+@pytest.mark.parametrize("kind", ["llama", "llama_packing", "qwen2_lora", *WINDOWED])
+def test_prompts_without_padding_decode_statically_as_eagerly(name: str, kind: str) -> None:
     """No prompt padded: the eager sampler's Hugging Face attention drops its mask, and SDPA
     without a mask rounds otherwise than with one; a static step then attends without one
-    too: bit for bit in float32."""
-    model, td, params = llama("fp32"), prompts(batch=8, width=9, seed=3), SETTINGS[name]
+    too: bit for bit in float32, whatever attention the model runs (packing's, a window no
+    sequence passes)."""
+    model, td, params = unpadded_models()[kind](), prompts(batch=8, width=9, seed=3), SETTINGS[name]
     td["attention_mask"] = torch.ones_like(td["attention_mask"])
     td["input_ids"] = td["input_ids"].clamp(min=3)
     td["position_ids"] = torch.arange(9).expand(8, 9).clone()
@@ -169,8 +194,6 @@ def test_buffers_are_reused_across_generations_of_other_shapes() -> None:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_qwen2_and_lora_match_eager(tied: bool) -> None:
-    from verlite.config import LoraConfig
-    from verlite.models.lora import apply_lora
 
     for model in (
         tiny_qwen2(tied=tied, vocab_size=VOCAB).double(),

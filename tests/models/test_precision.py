@@ -90,6 +90,12 @@ def test_pure_bf16_warns_of_a_learning_rate_its_updates_lose() -> None:
     )
     assert "model.precision=bf16-mixed" in line
     assert "critic.optim.lr" not in line  # the critic's 1e-3 moves such weights
+    assert "is at most" in line and "its updates round away" in line
+    both = precision_warning(
+        config("model.precision=bf16", "actor.optim.lr=1e-6", "critic.optim.lr=1e-6")
+    )
+    assert both is not None and "actor.optim.lr=1e-06, critic.optim.lr=1e-06 are at most" in both
+    assert "their updates round away" in both
     assert "\n" not in line
     assert precision_warning(config("model.precision=bf16", "actor.optim.lr=1e-3")) is None
     assert precision_warning(config("model.precision=bf16-mixed", "actor.optim.lr=1e-6")) is None

@@ -291,7 +291,7 @@ def test_without_the_extra_the_run_is_refused_in_one_line(
         (
             ["reward.math_format_credit=0.5"],
             "reward.math_format_credit=0.5 is the math reward's: it needs reward.fn=math "
-            "(reward.fn=None)",
+            "(reward.fn is not set)",
         ),
         (
             ["reward.fn=math", "reward.math_format_credit=1"],

@@ -236,6 +236,7 @@ def precision_warning(cfg: Config) -> str | None:
     return (
         f"warning: model.precision=bf16: {', '.join(rates)} {'is' if len(rates) == 1 else 'are'} "
         f"at most half the bf16 spacing of a weight of magnitude {TYPICAL_WEIGHT:g} "
-        f"({lost:.2g}): its updates round away and such weights never change; use "
+        f"({lost:.2g}): {'its' if len(rates) == 1 else 'their'} updates round away and such "
+        "weights never change; use "
         "model.precision=bf16-mixed (fp32 master weights)"
     )

@@ -232,7 +232,9 @@ class RewardConfig(Section):
         if self.math_format_credit != 0.0 and self.fn != "math":
             raise ValueError(
                 f"reward.math_format_credit={self.math_format_credit:g} is the math reward's: "
-                f"it needs reward.fn=math (reward.fn={self.fn!r}); set it or unset the credit"
+                "it needs reward.fn=math ("
+                + ("reward.fn is not set" if self.fn is None else f"reward.fn={self.fn!r}")
+                + "); set it or unset the credit"
             )
         if self.fn == "math" and self.timeout_s < MATH_MIN_TIMEOUT_S:
             raise ValueError(

@@ -131,6 +131,25 @@ def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> Non
         prepare_output_folder(config(out, "trainer.export=false"))
 
 
+def test_a_checkpoints_folder_linked_elsewhere_is_the_runs_own(tmp_path: Path) -> None:
+    """``checkpoints/`` a link to a scratch disk: the folder's run continues from its latest
+    checkpoint, and once finished is refused in one line as its own."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    scratch = tmp_path / "scratch"
+    (out / "checkpoints").rename(scratch)
+    (out / "checkpoints").symlink_to(scratch)
+    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_3"
+    assert (out / "metrics.jsonl").is_file()  # continued, nothing moved
+    fake_checkpoint(out, 6, ("actor", "critic"), config=config(out).model_dump(mode="json"))
+    (out / "hf_actor").mkdir()
+    with pytest.raises(
+        CheckpointError, match=r"the run in .* already reached trainer\.total_steps=6"
+    ):
+        prepare_output_folder(config(out))
+    assert "the run is complete" in output_folder.stopped_run_hint(out, config(out).trainer)
+
+
 def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: Path) -> None:
     """trainer.resume naming another folder's checkpoint at trainer.total_steps whose own run
     exported it (or with trainer.export=false): the refusal names the checkpoint and its

@@ -277,7 +277,7 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     except UserError as exc:  # no such checkpoint, or its state unreadable
         return NewRun(refused=exc)
     export_only = False
-    continuing = resume_from is not None and resume_from.resolve().is_relative_to(out)
+    continuing = resume_from is not None and _in_folder(resume_from, out)
     if resume_from is not None and trainer is not None and step == trainer.total_steps:
         # The export of the checkpoint's own run: this folder's, or the one of the folder
         # that holds another folder's checkpoint (an export in this folder is another run's).
@@ -296,6 +296,14 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
         refused = _not_empty(out, str(out) if trainer is None else trainer.output_dir, resume)
         return NewRun(resume_from, export_only=export_only, refused=refused, needs_overwrite=True)
     return NewRun(resume_from, export_only=export_only, moves_aside=True)
+
+
+def _in_folder(checkpoint: Path, out: Path) -> bool:
+    """Whether ``checkpoint`` is one of the folder ``out``'s (its resolved path): named under
+    it, or lying in it, through links or not (a ``checkpoints`` folder linked to a scratch
+    disk is the folder's own)."""
+    named = Path(os.path.normpath(checkpoint.absolute()))
+    return named.is_relative_to(out) or checkpoint.resolve().is_relative_to(out)
 
 
 def _its_runs_export(checkpoint: Path) -> Path:

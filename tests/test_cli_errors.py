@@ -5,6 +5,7 @@ import importlib.metadata
 import json
 import pickle
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -515,6 +516,12 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "unknown key 'trainer.nodes'; did you mean 'trainer.nnodes'" in run(
         capsys, "train", "--config", str(tmp_path / "unknown.yaml")
     )
+    # A socket is no file to read (ENXIO): the user's to fix, not an I/O error of the machine.
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(tmp_path / "socket.yaml"))
+        assert "cannot read config file" in run(
+            capsys, "train", "--config", str(tmp_path / "socket.yaml")
+        )
 
 
 def write_jsonl(path: Path, lines: list[str]) -> str:

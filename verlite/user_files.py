@@ -2,8 +2,8 @@
 metrics logs): the one place their bytes become text and their lines JSON values, so that a
 missing, unreadable, oversized or undecodable file, or a line that is not JSON or sets a key
 twice, is one line naming the file (and line), never a traceback. What is the user's to fix is
-a path that names no file it may read (:data:`USER_ERRNOS`); an I/O error of the machine's
-(EIO, a stale network mount) is a :class:`~verlite.errors.RunFailure` naming the file, exit 1."""
+a path that names no file it may read; an I/O error of the machine's (:data:`MACHINE_ERRNOS`:
+EIO, a stale network mount) is a :class:`~verlite.errors.RunFailure` naming the file, exit 1."""
 
 from __future__ import annotations
 
@@ -15,27 +15,40 @@ from typing import Any
 
 from verlite.errors import RunFailure, UserError
 
-# Why reading a file failed where the path is the user's to fix: it names nothing, or a
-# folder, or a file this user may not read, or cannot be looked up as written.
-USER_ERRNOS = frozenset(
-    {
-        errno.ENOENT,
-        errno.ENOTDIR,
-        errno.EISDIR,
-        errno.EACCES,
-        errno.EPERM,
-        errno.ELOOP,
-        errno.ENAMETOOLONG,
-    }
+# Why reading a file fails when the machine, not the path, is at fault: the disk or a
+# network mount failing or gone stale, the process out of memory or of file handles. Any
+# other errno is the path's to fix (none there, a folder, a socket, a device, no permission).
+MACHINE_ERRNOS = frozenset(
+    getattr(errno, name)
+    for name in (
+        "EIO",
+        "ESTALE",
+        "EREMOTEIO",
+        "ETIMEDOUT",
+        "ENOLINK",
+        "ECOMM",
+        "ENETDOWN",
+        "ENETUNREACH",
+        "EHOSTDOWN",
+        "EHOSTUNREACH",
+        "ECONNRESET",
+        "ECONNABORTED",
+        "ENOMEM",
+        "EMFILE",
+        "ENFILE",
+        "EAGAIN",
+        "EINTR",
+    )
+    if hasattr(errno, name)
 )
 
 
 def check_readable(exc: OSError, path: str | Path, *, what: str) -> None:
     """Raise :class:`RunFailure` naming ``path`` (``what``: how messages name it) when ``exc``,
-    raised reading it, is not the user's to fix: an errno not in :data:`USER_ERRNOS` (an
-    OSError without one is a library's word on the content, as Hugging Face's "not a valid
-    JSON file")."""
-    if exc.errno is not None and exc.errno not in USER_ERRNOS:
+    raised reading it, is the machine's (:data:`MACHINE_ERRNOS`), not the user's to fix (an
+    OSError without an errno is a library's word on the content, as Hugging Face's "not a
+    valid JSON file")."""
+    if exc.errno in MACHINE_ERRNOS:
         raise RunFailure(
             f"reading {what} {str(path)!r} failed: {exc.strerror or exc} (an I/O error of "
             "this machine, not the file's content; try again)"

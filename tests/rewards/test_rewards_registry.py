@@ -33,6 +33,10 @@ NOT_CALLABLE = 3
 
 def two_args(response, answer):
     return 0.0
+
+from verlite.rewards.math_answer import MathReward
+
+strict_math = MathReward(format_credit=0.25, timeout_s=60.0)
 """
 
 
@@ -101,6 +105,17 @@ def test_math_by_name_is_the_runs_own_with_its_config() -> None:
     run = resolve_reward(cfg)
     assert isinstance(run, MathReward) and run is not REWARDS["math"]
     assert (run.format_credit, run.budget_s) == (0.1, 4.0)
+
+
+def test_a_users_own_instance_of_a_counting_reward_is_used_as_it_is(user_module: str) -> None:
+    """Only the registry's shared instances are built anew for a run: a user's own instance
+    of the math reward keeps its own settings (the run's reward.timeout_s and
+    math_format_credit are the registry's)."""
+    import userpkg.scoring
+
+    fn = resolve_reward(_config(f"{user_module}.scoring:strict_math", task="copy"))
+    assert fn is userpkg.scoring.strict_math
+    assert (fn.format_credit, fn.budget_s) == (0.25, 30.0)
 
 
 def test_user_function(user_module: str) -> None:

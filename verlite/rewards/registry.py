@@ -22,14 +22,17 @@ PROGRESS_EVERY_S = 10.0
 RewardFn = Callable[[str, str, str], float]
 """``fn(response, answer, prompt) -> score`` in [0, 1], called positionally."""
 
+# The registry's math reward: math-verify's equivalence (the extra ``math``), with
+# reward.math_format_credit=0 and the default reward.timeout_s.
+_MATH = MathReward()
+
 REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     # The two that read a final answer (AnswerReward) count their responses without one: a
-    # run builds its own (resolve_reward). math: math-verify's equivalence (the extra
-    # ``math``), with reward.math_format_credit=0 and the default reward.timeout_s.
+    # run builds its own (resolve_reward).
     "gsm8k": gsm8k,
     "digit_match": digit_match,
-    "math": MathReward(),
+    "math": _MATH,
 }
 
 
@@ -38,12 +41,13 @@ def _math_reward(cfg: Config) -> MathReward:
     return MathReward(format_credit=cfg.reward.math_format_credit, timeout_s=cfg.reward.timeout_s)
 
 
-# How a run builds its own instance of each built-in counting reward, by the class of the
-# shared one that reward.fn names (a registered name or an import path alike).
-RUN_INSTANCES: dict[type, Callable[[Config], AnswerReward]] = {
-    Gsm8kReward: lambda cfg: Gsm8kReward(),
-    MathReward: _math_reward,
-}
+# How a run builds its own instance of each built-in counting reward, from the shared one
+# that reward.fn names (by a registered name or an import path alike: the same object). An
+# instance of the user's own, of these classes or not, is the user's, used as it is.
+RUN_INSTANCES: tuple[tuple[AnswerReward, Callable[[Config], AnswerReward]], ...] = (
+    (gsm8k, lambda cfg: Gsm8kReward()),
+    (_MATH, _math_reward),
+)
 
 
 def resolve_reward(cfg: Config) -> RewardFn:
@@ -56,7 +60,7 @@ def resolve_reward(cfg: Config) -> RewardFn:
     else:
         name = TASKS[cfg.data.task].reward if cfg.data.task is not None else "exact_match"
     fn = get_reward(name)
-    build = RUN_INSTANCES.get(type(fn))
+    build = next((build for shared, build in RUN_INSTANCES if fn is shared), None)
     return fn if build is None else build(cfg)
 
 

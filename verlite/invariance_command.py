@@ -156,9 +156,10 @@ def _check_checkpointed_layout(cfg: Config, micros: list[str]) -> None:
     refused before any rank starts, where every rank's first build would stop it."""
     if "checkpointed" not in micros:
         return
+    from verlite.audit.invariance import ROLES
     from verlite.models import checkpointing_unsupported
 
-    for role in ("actor", "critic"):
+    for role in ROLES:
         unsupported = checkpointing_unsupported(cfg.model, role=role)
         if unsupported is not None:
             raise UserError(
@@ -173,6 +174,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     from verlite.audit.invariance import (
         MICRO_LAYOUTS,
         NUM_SEQUENCES,
+        ROLES,
         STRATEGIES,
         audit_rows,
         check_devices,
@@ -198,7 +200,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     check_training_features(cfg)  # the config's packing and checkpointing, every layout's
     _check_packed_layouts(cfg, [m for m in micros if m.startswith("packed")])
     _check_checkpointed_layout(cfg, micros)
-    check_devices(cfg, dps, ("actor", "critic"))
+    check_devices(cfg, dps, ROLES)
     tolerance = args.tolerance if args.tolerance is not None else tolerance_for(cfg, optimizer)
     started = time.monotonic()
     rows = audit_rows(dps)

@@ -68,6 +68,8 @@ from verlite.workers.objectives import (
 from verlite.workers.train_engine import TrainEngine
 
 Role = Literal["actor", "critic"]
+# The roles an audit checks: the policy and the value model (each by its own loss).
+ROLES: tuple[Role, ...] = ("actor", "critic")
 MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic", "checkpointed")
 STRATEGIES = ("ddp", "fsdp")
 Optimizer = Literal["sgd", "configured"]
@@ -270,9 +272,7 @@ def layout_offload(offload: str, strategy: str) -> str:
 def offload_note(cfg: Config) -> str | None:
     """The line that says which layouts exercise the actor's and the critic's
     ``offload=all`` (:func:`layout_offload`); None when neither offloads all."""
-    offloading = [
-        f"{role}.offload=all" for role in ("actor", "critic") if getattr(cfg, role).offload == "all"
-    ]
+    offloading = [f"{role}.offload=all" for role in ROLES if getattr(cfg, role).offload == "all"]
     if not offloading:
         return None
     return (
@@ -450,7 +450,7 @@ def check_invariance(
     dps: Sequence[int] = (1, 2, 4),
     micros: Sequence[str] = MICRO_LAYOUTS,
     strategies: Sequence[str] = STRATEGIES,
-    roles: Sequence[Role] = ("actor", "critic"),
+    roles: Sequence[Role] = ROLES,
     loss_agg_modes: Sequence[str] | None = None,
     naive: bool = False,
     optimizer: Optimizer = "sgd",

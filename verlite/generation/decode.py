@@ -420,11 +420,14 @@ class StaticDecoder:
         cache = self.cache
         assert cache is not None
         cache.state.span = span
-        mask = self.mask[:rows]
-        mask.index_fill_(3, cache.state.slot, True)
+        mask = None
+        if not self.unmasked:
+            mask = self.mask[:rows]
+            mask.index_fill_(3, cache.state.slot, True)
+            mask = mask[..., :span]
         out = self.model(
             input_ids=self.ids[:rows],
-            attention_mask=None if self.unmasked else mask[..., :span],
+            attention_mask=mask,
             position_ids=self.positions[:rows],
             cache=cache,
             use_cache=True,

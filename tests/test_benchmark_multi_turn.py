@@ -22,5 +22,6 @@ def test_the_benchmark_leaves_one_pool_of_threads_per_thread_count(
     multi_turn.main()
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result["tokens_per_s"]) == {"single_turn", "multi_turn", "multi_turn_one_thread"}
+    assert result["benchmark"] == "multi_turn" and result["trajectory_tokens"] == 2 * 2 + 1
     left = [t for t in set(threading.enumerate()) - before if t.name.startswith("verlite-env-")]
     assert len(left) == 2 + 1  # the pool of 2 threads, the pool of 1

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import multi_turn, rollout
+from benchmarks import rollout
 from verlite.models import build_policy
 from verlite.models.precision import store_for_inference
 
@@ -69,18 +69,3 @@ def test_the_gpu_busy_time_merges_overlapping_events_and_skips_the_cpus() -> Non
         profiler=SimpleNamespace(kineto_results=SimpleNamespace(events=lambda: events))
     )
     assert rollout.gpu_busy_seconds(profile) == pytest.approx(25e-9)  # type: ignore[arg-type]
-
-
-def test_the_multi_turn_benchmark_runs_on_tiny_shapes(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """``benchmarks/multi_turn.py`` (the figures of docs/multi-turn.md) still runs: it built
-    ``TurnLimits`` with an ``eos_token_id`` the class no longer has, and raised TypeError.
-    In this process, as tests/test_benchmark_multi_turn.py runs it: a fresh interpreter's
-    imports were most of its 6 s; its pool of environment threads is kept at 2."""
-    argv = ["--rows", "2", "--turns", "2", "--turn", "4", "--observation", "2", "--repeats", "2"]
-    monkeypatch.setattr(sys, "argv", ["multi_turn.py", *argv, "--env-threads", "2"])
-    multi_turn.main()
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["benchmark"] == "multi_turn" and result["trajectory_tokens"] == 2 * 4 + 2
-    assert set(result["tokens_per_s"]) == {"single_turn", "multi_turn"}

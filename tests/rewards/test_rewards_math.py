@@ -169,14 +169,9 @@ def test_huge_responses_score_in_time(math_reward: MathReward) -> None:
     assert time.monotonic() - started < TIMEOUT_S
 
 
-# Each adversarial answer waits out its whole budget: 1.5 s each here, three times the start of
-# a verifier process (0.5 s on a busy 2-core machine), which the call after a kill counts in.
-ADVERSARIAL_TIMEOUT_S = 3.0
-
-
 def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> None:
     out = io.StringIO()
-    reward = MathReward(format_credit=0.25, timeout_s=ADVERSARIAL_TIMEOUT_S, stream=out)
+    reward = MathReward(format_credit=0.25, timeout_s=TIMEOUT_S, stream=out)
     try:
         reward(r"\boxed{1}", "1", "")  # started: the budget below is the verification's
         started = time.monotonic()
@@ -185,7 +180,7 @@ def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> No
             [*ADVERSARIAL, r"\boxed{2}"],
             ["1"] * 4,
             [""] * 4,
-            timeout_s=ADVERSARIAL_TIMEOUT_S,  # the run's bound, never reached
+            timeout_s=TIMEOUT_S,  # the run's bound, never reached
             stream=out,
         )
         took = time.monotonic() - started
@@ -194,10 +189,10 @@ def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> No
     assert scores == [0.0, 0.0, 0.0, 0.25]  # the last one after a restart, verified
     assert reward.abandoned == 3
     # Four calls, each within its budget (a new process's start included), and three kills.
-    assert took < 4 * (ADVERSARIAL_TIMEOUT_S / 2) + 1
+    assert took < 4 * (TIMEOUT_S / 2) + 1
     lines = out.getvalue().splitlines()
     assert lines[0] == (
-        "reward: math: math-verify did not answer within 1.5 s (half of reward.timeout_s) on the "
+        "reward: math: math-verify did not answer within 3 s (half of reward.timeout_s) on the "
         "answer '9^{9^{9^{9}}}'; scored 0 and its process restarted (1 so far)"
     )
     assert lines[2].endswith("(3 so far)")

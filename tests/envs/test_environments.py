@@ -27,6 +27,7 @@ from verlite.envs.session import (
     SessionThreads,
     ToolsStuck,
     _Call,
+    _Thread,
     open_sessions,
 )
 
@@ -700,6 +701,20 @@ def test_a_call_is_charged_the_time_it_would_take_alone() -> None:
         assert stuck.charged == pytest.approx(0.6)
 
 
+def two_started_calls(*, at: float) -> tuple[SessionThreads, _Thread, _Thread, list[_Call]]:
+    """A pool of two threads, each running a call of 2 s started (and first charged) at ``at``
+    seconds of a fake clock, no CPU used yet."""
+    threads = SessionThreads(2, AbandonedCalls(limit=2))
+    a, b = (threads.bind() for _ in range(2))
+    calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b)]
+    with threads.lock:
+        threads.apply(at, {a: 0.0, b: 0.0})
+        for call in calls:
+            call.started = True
+            threads.running.add(call)
+    return threads, a, b, calls
+
+
 @pytest.mark.parametrize("serve_first", [True, False])
 def test_a_call_that_returned_is_judged_by_its_charge_up_to_its_return(serve_first: bool) -> None:
     """Two calls of 2 s started at 100 s return at 101.9 s and 102.1 s; the pool is charged
@@ -707,14 +722,8 @@ def test_a_call_that_returned_is_judged_by_its_charge_up_to_its_return(serve_fir
     Either way the first returned within its budget ("ok") and the second late, neither
     left running: charged to 102.5 s before its outcome was recorded, the first was overdue
     and both counted as left running, their threads retired."""
-    threads = SessionThreads(2, AbandonedCalls(limit=2))
-    a, b = (threads.bind() for _ in range(2))
-    calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b)]
+    threads, a, b, calls = two_started_calls(at=100.0)
     with threads.lock:
-        threads.apply(100.0, {a: 0.0, b: 0.0})
-        for call in calls:
-            call.started = True
-            threads.running.add(call)
         for call, returned_at in zip(calls, (101.9, 102.1), strict=True):
             call.returned_at = returned_at
             if serve_first:
@@ -736,14 +745,8 @@ def test_a_calls_charge_does_not_depend_on_how_often_it_is_charged(intervals: in
     """Two calls taking turns on the interpreter lock for 1 s, 0.5 s of CPU each: each is
     charged 0.5 s, charged once or at every turn (a share taken per interval charged 0.75 s
     at 5 ms turns: other calls' starts and returns charge the pool)."""
-    threads = SessionThreads(2, AbandonedCalls(limit=2))
-    a, b = (threads.bind() for _ in range(2))
-    calls = [_Call(t, print, (), timeout_s=2.0) for t in (a, b)]
+    threads, a, b, calls = two_started_calls(at=0.0)
     with threads.lock:
-        threads.apply(0.0, {a: 0.0, b: 0.0})
-        for call in calls:
-            call.started = True
-            threads.running.add(call)
         for i in range(1, intervals + 1):  # a runs the odd turns, b the even ones
             if intervals == 1:
                 threads.apply(1.0, {a: 0.5, b: 0.5})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -148,6 +149,13 @@ def test_a_checkpoints_folder_linked_elsewhere_is_the_runs_own(tmp_path: Path) -
     ):
         prepare_output_folder(config(out))
     assert "the run is complete" in output_folder.stopped_run_hint(out, config(out).trainer)
+    # Named from another folder, its checkpoint is complete as its run exported it.
+    step_6 = out / "checkpoints" / "step_6"
+    export = shown(str(out / "hf_actor"))
+    with pytest.raises(
+        CheckpointError, match=rf"its run exported its policy \({re.escape(export)}\)"
+    ):
+        prepare_output_folder(config(tmp_path / "empty", f"trainer.resume={step_6}"))
 
 
 def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: Path) -> None:

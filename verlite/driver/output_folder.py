@@ -298,17 +298,23 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     return NewRun(resume_from, export_only=export_only, moves_aside=True)
 
 
+def _spellings(checkpoint: Path) -> tuple[Path, Path]:
+    """``checkpoint`` as named (absolute, ``..`` folded) and as it lies on disk (links
+    followed): a ``checkpoints`` folder linked to a scratch disk is its run folder's own."""
+    return Path(os.path.normpath(checkpoint.absolute())), checkpoint.resolve()
+
+
 def _in_folder(checkpoint: Path, out: Path) -> bool:
-    """Whether ``checkpoint`` is one of the folder ``out``'s (its resolved path): named under
-    it, or lying in it, through links or not (a ``checkpoints`` folder linked to a scratch
-    disk is the folder's own)."""
-    named = Path(os.path.normpath(checkpoint.absolute()))
-    return named.is_relative_to(out) or checkpoint.resolve().is_relative_to(out)
+    """Whether ``checkpoint`` is one of the folder ``out``'s (its resolved path), named under
+    it or lying in it."""
+    return any(path.is_relative_to(out) for path in _spellings(checkpoint))
 
 
 def _its_runs_export(checkpoint: Path) -> Path:
-    """Where the run that saved ``checkpoint`` (``<run>/checkpoints/step_N``) exports."""
-    return checkpoint.resolve().parent.parent / POLICY_FOLDER
+    """Where the run that saved ``checkpoint`` (``<run>/checkpoints/step_N``, as named or
+    as it lies) exports."""
+    path = next((p for p in _spellings(checkpoint) if p.parent.name == "checkpoints"), None)
+    return (path or checkpoint.resolve()).parent.parent / POLICY_FOLDER
 
 
 def _exported_by_its_run(checkpoint: Path, saved: Mapping[str, Any]) -> bool:
@@ -319,7 +325,7 @@ def _exported_by_its_run(checkpoint: Path, saved: Mapping[str, Any]) -> bool:
     trainer.export on). A run continued past it, or one that ended later without a
     checkpoint, exported a later step's policy."""
     run_dir = _its_runs_export(checkpoint).parent
-    if checkpoint.resolve().parent.name != "checkpoints" or not policy_exported(run_dir):
+    if not policy_exported(run_dir):
         return False
     latest = complete_checkpoints(run_dir)
     if not latest or latest[-1].resolve() != checkpoint.resolve():

@@ -32,9 +32,9 @@ to exactly the filled positions, with no mask when no prompt is padded (as the e
 sampler's Hugging Face attention then drops its mask: SDPA's kernels without a mask and with
 one round differently): its tokens and log-probs are those of the eager sampler, bit for bit
 in float64 (tests/generation/test_static_decode.py); in float32, a compacted bucket's matrix
-products may round a row otherwise than the whole batch's. With a rounded span a step's attention also sums
-the masked positions' exact zeros, in another order: the same tokens, log-probs within a
-float32 rounding.
+products may round a row otherwise than the whole batch's. With a rounded span a step's
+attention also sums the masked positions' exact zeros, in another order: the same tokens,
+log-probs within a float32 rounding.
 """
 
 from __future__ import annotations

@@ -41,6 +41,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# The test being set up, run or torn down: SharedRay.release() checks its marker.
+_running: pytest.Item | None = None
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global _running
+    _running = item
+
+
 # The shared Ray's size: tests/controller expects 4 CPUs in its resource messages.
 SHARED_RAY_CPUS = 4
 
@@ -60,6 +69,16 @@ class SharedRay:
             start_ray(None, num_cpus=SHARED_RAY_CPUS)
 
     def release(self) -> None:
+        """Stop the shared Ray for a Ray of the running test's own; its module must be marked
+        ``releases_shared_ray`` (amid the others, the next test would start this one again)."""
+        if _running is not None and _running.get_closest_marker("releases_shared_ray") is None:
+            raise RuntimeError(
+                f"{_running.nodeid} releases the shared Ray: mark its module "
+                "`pytestmark = pytest.mark.releases_shared_ray`"
+            )
+        self.stop()
+
+    def stop(self) -> None:
         import sys
 
         ray = sys.modules.get("ray")  # never started when ray was never imported
@@ -73,7 +92,7 @@ class SharedRay:
 def shared_ray() -> Iterator[SharedRay]:
     holder = SharedRay()
     yield holder
-    holder.release()
+    holder.stop()
 
 
 @pytest.fixture

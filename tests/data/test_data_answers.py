@@ -114,7 +114,8 @@ def test_a_long_multi_line_answer_is_quoted_on_one_line(tmp_path: Path) -> None:
     path.write_text(json.dumps({"prompt": "q", "answer": "step\n" * 500}) + "\n")
     with pytest.raises(DataError) as exc:
         read_prompt_file(path, answer_rule="gsm8k")
-    assert "\n" not in str(exc.value) and len(str(exc.value)) < 250
+    # Bounded whatever the folder's name (pytest's tmp_path is longer under xdist).
+    assert "\n" not in str(exc.value) and len(str(exc.value)) < len(str(path)) + 200
 
 
 def test_the_datasets_read_the_configured_fields(tmp_path: Path) -> None:

@@ -28,6 +28,19 @@ def test_reads_records_and_locations(tmp_path: Path) -> None:
     assert where == [f"{path}:1", f"{path}:3"]  # blank lines skipped, line numbers kept
 
 
+def test_an_integer_answer_is_read_as_its_digits(tmp_path: Path) -> None:
+    # AIME-style files store the answer as a number; a big one stays exact.
+    path = _jsonl(
+        tmp_path / "p.jsonl",
+        '{"prompt": "q", "answer": 72}',
+        '{"prompt": "r", "answer": -12345678901234567890}',
+    )
+    assert read_prompt_file(path)[0] == [
+        {"prompt": "q", "answer": "72"},
+        {"prompt": "r", "answer": "-12345678901234567890"},
+    ]
+
+
 def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
     # U+2028 is valid unescaped inside a JSON string; it must not count as a line break.
     path = tmp_path / "p.jsonl"
@@ -48,8 +61,17 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
         (['{"answer": "b"}'], r":1: missing field 'prompt'"),
         (['{"prompt": "a"}'], r":1: missing field 'answer'"),
         (
-            ['{"prompt": "a", "answer": 42}'],
-            r":1: field 'answer' \(data.answer_key\) must be a string, got int 42$",
+            ['{"prompt": "a", "answer": 42.0}'],
+            r":1: field 'answer' \(data.answer_key\) must be a string or an integer, got "
+            r"float 42.0; store answers as text or integers$",
+        ),
+        (
+            ['{"prompt": "a", "answer": true}'],
+            r":1: field 'answer' \(data.answer_key\) must be a string or an integer, got bool True$",
+        ),
+        (
+            ['{"prompt": 3, "answer": "3"}'],
+            r":1: field 'prompt' \(data.prompt_key\) must be a string, got int 3$",
         ),
         (
             ['{"prompt": null, "answer": "1"}'],
@@ -65,7 +87,8 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
         ),
         (
             ['{"prompt": "1+1=", "answer": [{"role": "user", "content": "2"}]}'],
-            r":1: field 'answer' \(data.answer_key\) must be a string, got list \[\{'role'",
+            r":1: field 'answer' \(data.answer_key\) must be a string or an integer, got list "
+            r"\[\{'role'",
         ),
         (
             ['{"prompt": "a", "answer": "b"}', '{"prompt": " ", "answer": "1"}'],
@@ -151,9 +174,23 @@ def test_parquet(tmp_path: Path) -> None:
     records, where = read_prompt_file(path)
     assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
     assert where == [f"{path} row 1", f"{path} row 2"]
-    pq.write_table(pa.table({"prompt": ["1+1="], "answer": [2]}), path)
+    # An integer column (AIME's answers) is read as its digits; floats (an int column with a
+    # missing value) are refused: 72.0 is not "72" to exact_match.
+    pq.write_table(pa.table({"prompt": ["1+1=", "9*8="], "answer": [2, 72]}), path)
+    assert read_prompt_file(path)[0] == [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": "9*8=", "answer": "72"},
+    ]
+    pq.write_table(
+        pa.table({"prompt": ["1+1=", "9*8="], "answer": [2, None]}).cast(
+            pa.schema([("prompt", pa.string()), ("answer", pa.float64())])
+        ),
+        path,
+    )
     with pytest.raises(
-        DataError, match=r"row 1: field 'answer' \(data.answer_key\) must be a string"
+        DataError,
+        match=r"row 1: field 'answer' \(data.answer_key\) must be a string or an integer, got "
+        r"float 2.0; store answers as text or integers$",
     ):
         read_prompt_file(path)
     path.write_bytes(b"not parquet")
@@ -175,10 +212,11 @@ def test_errors_are_one_line_of_bounded_length(tmp_path: Path) -> None:
     jsonl = _jsonl(tmp_path / "p.jsonl", json.dumps({"prompt": "1", "answer": list(range(10**5))}))
     with pytest.raises(
         DataError,
-        match=r":1: field 'answer' \(data.answer_key\) must be a string, got list \[0, 1,",
+        match=r":1: field 'answer' \(data.answer_key\) must be a string or an integer, got list "
+        r"\[0, 1,",
     ) as exc:
         read_prompt_file(jsonl)
-    assert len(str(exc.value)) < len(str(jsonl)) + 150
+    assert len(str(exc.value)) < len(str(jsonl)) + 170
 
 
 def test_parquet_reads_only_the_configured_columns(

@@ -151,7 +151,7 @@ class DataConfig(Section):
     )
     answer_key: NonEmptyStr = Field(
         "answer",
-        description="Prompt files: the field of a row that holds the answer, as data.answer_rule reads it (MATH: solution).",
+        description="Prompt files: the field of a row that holds the answer (text, or an integer read as its digits), as data.answer_rule reads it (MATH: solution).",
     )
     answer_rule: Literal["as_is", "gsm8k", "boxed"] = Field(
         "as_is",

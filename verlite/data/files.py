@@ -1,8 +1,8 @@
 """Prompt files: JSONL and Parquet readers whose errors name the file and the line (or row).
 
-Each row needs string prompt and answer fields (``data.prompt_key`` and ``data.answer_key``,
-by default ``prompt`` and ``answer``), the prompt not blank (an empty answer is allowed: a task
-may expect no output); other fields are ignored, and a Parquet file's other columns are not
+Each row needs a string prompt field and a string or integer answer field (``data.prompt_key``
+and ``data.answer_key``, by default ``prompt`` and ``answer``; an integer is read as its
+digits), the prompt not blank (an empty answer is allowed: a task may expect no output); other fields are ignored, and a Parquet file's other columns are not
 read. The answer is taken from its field by ``data.answer_rule``
 (:mod:`verlite.data.answers`). Parquet support imports ``pyarrow`` only when a Parquet file
 is read.
@@ -66,6 +66,7 @@ def _record(
             f"{location}: expected an object with {prompt_key!r} and {answer_key!r} fields, "
             f"got {type(row).__name__}"
         )
+    texts = []
     for key, setting in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
         if key not in row:
             raise DataError(
@@ -73,23 +74,28 @@ def _record(
                 f"{shown(sorted(map(str, row)), 80)}"
             )
         value = row[key]
+        if setting == "answer_key" and type(value) is int:
+            value = str(value)  # an integer answer (AIME's, an int column): its digits
         if not isinstance(value, str):
             raise DataError(
-                f"{location}: field {key!r} (data.{setting}) must be a string, got "
-                f"{_wrong_type(value, prompt=key == prompt_key)}"
+                f"{location}: field {key!r} (data.{setting}) must be a string"
+                f"{'' if setting == 'prompt_key' else ' or an integer'}, got "
+                f"{_wrong_type(value, prompt=setting == 'prompt_key')}"
             )
         _check_unicode(location, key, value)
-    if not row[prompt_key].strip():
+        texts.append(value)
+    prompt, answer_field = texts
+    if not prompt.strip():
         # The policy would answer nothing but the begin-of-sequence token.
         raise DataError(f"{location}: the prompt is empty")
     extract, wanted = ANSWER_RULES[answer_rule]
-    answer = extract(row[answer_key])
+    answer = extract(answer_field)
     if answer is None:
         raise DataError(
             f"{location}: data.answer_rule={answer_rule} finds no answer in field "
-            f"{answer_key!r} (it needs {wanted}): {shown(row[answer_key], 80)}"
+            f"{answer_key!r} (it needs {wanted}): {shown(answer_field, 80)}"
         )
-    return PromptRecord(prompt=row[prompt_key], answer=answer)
+    return PromptRecord(prompt=prompt, answer=answer)
 
 
 def _wrong_type(value: Any, *, prompt: bool) -> str:
@@ -98,6 +104,10 @@ def _wrong_type(value: Any, *, prompt: bool) -> str:
     how verlite reads one."""
     if value is None:
         return "null"
+    if isinstance(value, float) and not prompt:
+        # An int column with a missing value is stored as floats: 72.0, which exact_match
+        # would compare as "72.0".
+        return f"float {value!r}; store answers as text or integers"
     if (
         prompt
         and isinstance(value, list)

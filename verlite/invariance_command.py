@@ -26,6 +26,7 @@ from verlite.errors import UserError
 from verlite.table import format_table
 
 if TYPE_CHECKING:
+    from verlite.audit.invariance import Optimizer
     from verlite.audit.run_invariance import RunReport
     from verlite.config import Config
 
@@ -192,7 +193,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
     micros = _checked_choices("--micro", args.micro, MICRO_LAYOUTS)
     strategies = _checked_choices("--strategy", args.strategy, STRATEGIES)
     dps = args.dp or [1, 2, 4]
-    optimizer = args.optimizer or "sgd"
+    optimizer: Optimizer = args.optimizer or "sgd"  # one of argparse's --optimizer choices
     check_layouts(dps)
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for an input that is not there, before any rank starts
@@ -213,9 +214,9 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
             if rows > NUM_SEQUENCES
             else ""
         )
-        layouts = len(dps) * len(strategies) * len(micros) * 2  # actor and critic
+        layout_count = len(dps) * len(strategies) * len(micros) * 2  # actor and critic
         print(
-            f"checking {layouts} layouts in {launches} rank launches on a "
+            f"checking {layout_count} layouts in {launches} rank launches on a "
             f"batch of {rows} sequences{why} ...",
             file=sys.stderr,
             flush=True,
@@ -256,7 +257,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
 
 def invariance_rows(reports: Sequence[object], tolerance: float) -> list[tuple[str, ...]]:
     """The one-update audit's table: a header, then a row per layout."""
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             "role",
             "loss_agg_mode",
@@ -348,7 +349,9 @@ def _check_run_invariance(args: argparse.Namespace) -> int:
 
 def run_rows(reports: Sequence[RunReport]) -> list[tuple[str, ...]]:
     """The whole-run audit's table: a header, the reference, then a row per other layout."""
-    rows = [("layout", "steps", "equal steps", "worst", "seconds", "first difference")]
+    rows: list[tuple[str, ...]] = [
+        ("layout", "steps", "equal steps", "worst", "seconds", "first difference")
+    ]
     for index, r in enumerate(reports):
         if index == 0:
             rows.append((r.layout, str(r.steps), "reference", "", f"{r.seconds:.0f}", ""))

@@ -183,12 +183,17 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         step's, reported with the update."""
         if in_step:
             self.peak_memory.begin()
-        prompts = prompts.to(self.engine.device)
         if self._generation_copy is not None:
             refresh_inference_copy(self._generation_copy, inference_module(self.engine.model))
         cache_casts = not sharded(self.engine.model)
         return self.sample(
-            self.sampler.generate, prompts, params, seed, records, cache_casts=cache_casts
+            self.sampler.generate,
+            prompts,
+            params,
+            seed,
+            records,
+            device=self.engine.device,
+            cache_casts=cache_casts,
         ).cpu()
 
     def generate_with_log_probs(

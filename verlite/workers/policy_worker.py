@@ -190,16 +190,17 @@ class PolicyWorker(Worker):
         seed: int,
         records: Sequence[PromptRecord] | None,
         *,
+        device: torch.device,
         cache_casts: bool = True,
     ) -> TensorDict:
-        """The step batch of ``prompts`` (on the sampling device): one response each, or with
-        ``rollout.multi_turn.env`` a trajectory with the environment of its record
-        (``records``: the step's prompt records, one per prompt, a row's by its ``uid``).
-        The model runs in the run's precision (``verlite.models.precision.autocast``; with
-        ``cache_casts``, each weight cast to bf16 once for the whole generation, which a
+        """The step batch of ``prompts`` (moved to ``device``, where the model samples): one
+        response each, or with ``rollout.multi_turn.env`` a trajectory with the environment
+        of its record (``records``: the step's prompt records, one per prompt, a row's by its
+        ``uid``). The model runs in the run's precision (``verlite.models.precision.autocast``;
+        with ``cache_casts``, each weight cast to bf16 once for the whole generation, which a
         sharded model's gathered layers are not)."""
-        with autocast(self.cfg.precision, prompts.device, cache=cache_casts):
-            device = prompts.device
+        prompts = prompts.to(device)
+        with autocast(self.cfg.precision, device, cache=cache_casts):
             if self.cfg.rollout.multi_turn.env is None or records is None:
                 return generate(prompts, params, self.noise(prompts, params, seed, device))
             multi_turn = self.cfg.rollout.multi_turn

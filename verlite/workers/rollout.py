@@ -77,6 +77,7 @@ class RolloutWorker(PolicyWorker):
         with this rank's peak memory since its sync or this call began (``PEAK_COLUMN``)."""
         self.generation_engine.require(version)
         self.peak_memory.begin()
-        prompts = prompts.to(self.device)
-        batch = self.sample(self.generation_engine.generate, prompts, params, seed, records)
+        batch = self.sample(
+            self.generation_engine.generate, prompts, params, seed, records, device=self.device
+        )
         return with_peak(batch.cpu(), self.peak_memory)

@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import parse_qsl, quote, urlsplit
 
@@ -274,7 +274,9 @@ class _RedactedStream:
         return getattr(self.stream, name)
 
 
-def _redacted_record_factory(factory: Any) -> Any:
+def _redacted_record_factory(
+    factory: Callable[..., logging.LogRecord],
+) -> Callable[..., logging.LogRecord]:
     def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = factory(*args, **kwargs)
         try:

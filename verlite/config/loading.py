@@ -430,8 +430,9 @@ def check_inputs(cfg: Config) -> dict[str, str | None]:
                 f"{dotted}={shown(value)}: not a regular file; give a JSONL or Parquet file"
             )
     for dotted in ("model.path", "reward.model.path"):
-        if inputs[dotted] is not None:
-            _check_model_dir(inputs[dotted], dotted)
+        model_dir = inputs[dotted]
+        if model_dir is not None:
+            _check_model_dir(model_dir, dotted)
     return inputs
 
 

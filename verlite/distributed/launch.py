@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
+from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -137,7 +138,7 @@ def _reap(procs: list[BaseProcess], grace_s: float) -> None:
             p.join()
 
 
-def _context(backend: str) -> mp.context.BaseContext:
+def _context(backend: str) -> SpawnContext | ForkServerContext:
     """Ranks start as forks of one server process that has imported torch, transformers and
     verlite's training engine once, and nothing else: no threads, process group or CUDA state
     are inherited, as with spawn. A rank imported what the server had not: ``transformers``

@@ -314,7 +314,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     state = _json_file(path / TRAINER_STATE)
     step, kl_coef = state.get("step"), state.get("kl_coef")
     # What a resume reads, each when the checkpoint has it (older ones lack some).
-    mappings = [key for key in ("config", "model") if key in state]
+    mappings: list[str] = [key for key in ("config", "model") if key in state]
     if state.get("base_weights") is not None:  # None: the built-in model's run
         mappings.append("base_weights")
     train_set = state.get("train_set")

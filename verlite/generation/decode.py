@@ -124,7 +124,8 @@ def auto_mode(
     path cannot run on sequences of ``longest`` tokens (:func:`check_mode_supported`)."""
     if device.type != "cuda" or per_rank:
         return "eager"
-    for mode in ("static",) if lockstep else ("cuda_graphs", "static"):
+    modes: tuple[DecodeMode, ...] = ("static",) if lockstep else ("cuda_graphs", "static")
+    for mode in modes:
         try:
             check_mode_supported(config, mode, longest=longest)
         except UnsupportedModel:
@@ -182,7 +183,7 @@ class StaticDecoder:
         self.lockstep = lockstep
         self.settings = settings
         self.cache: StaticCache | None = None
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, int, float, int, float], torch.cuda.CUDAGraph] = {}
         self._graph_pool: tuple[int, int] | None = None
         self._side_stream: torch.cuda.Stream | None = None  # where a capture's warm-up runs
         self._addresses: list[int] = []  # of the model's tensors, which the graphs read

@@ -285,13 +285,14 @@ class WeightReceiver:
             self._next = 0
             self._syncing = bucket.version
             self._started = time.perf_counter() - bucket.seconds
-        if self._next is None:
+        expected = self._next
+        if expected is None:
             raise WeightSyncError(
                 f"{self.who}: bucket {bucket.index + 1} of the sync of version "
                 f"{bucket.version} refused: {self._failure}"
             )
         try:
-            return self._land(bucket)
+            return self._land(bucket, expected)
         except WeightSyncError:
             self._next = None
             failed = f"the sync of version {bucket.version} failed"
@@ -299,11 +300,12 @@ class WeightReceiver:
                 self._failure = f"{failed} at bucket {bucket.index + 1} of {bucket.count}"
             raise
 
-    def _land(self, bucket: WeightBucket) -> float | None:
-        if bucket.index != self._next:
+    def _land(self, bucket: WeightBucket, expected: int) -> float | None:
+        """Land ``bucket``, which must be bucket ``expected`` of the sync under way."""
+        if bucket.index != expected:
             raise WeightSyncError(
                 f"{self.who}: the sync of version {bucket.version} delivered bucket "
-                f"{bucket.index + 1} where bucket {self._next + 1} was due"
+                f"{bucket.index + 1} where bucket {expected + 1} was due"
             )
         if bucket.version != self._syncing:  # a sync's buckets are of one model state
             raise WeightSyncError(
@@ -328,7 +330,7 @@ class WeightReceiver:
             landed.append(flat_bytes(target))
             self._sent.add(spec.name)
         held = checksum(landed)
-        self._next += 1
+        self._next = expected + 1
         if held != bucket.checksum:
             self._failure = f"the sync of version {bucket.version} failed its check"
             raise WeightSyncError(

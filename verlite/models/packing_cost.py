@@ -59,7 +59,8 @@ def trial_lengths(rng: random.Random, *, longest: int, budget: int) -> list[int]
     shortest = min(SHORTEST, longest)
     ceiling = _log_uniform(rng, shortest, longest)
     target = rng.randint(max(longest, budget // 4), budget)
-    lengths, total = [], 0
+    lengths: list[int] = []
+    total = 0
     while True:
         length = _log_uniform(rng, max(shortest, ceiling // 4), ceiling)
         if total + length > target:

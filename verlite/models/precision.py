@@ -264,11 +264,13 @@ def _fp64_norm_form(module: nn.Module) -> tuple[float, bool, str] | None:
     with each form's computed in fp64."""
     if not type(module).__name__.endswith("Norm"):
         return None
-    eps = next(
+    eps: float | None = next(
         (getattr(module, n) for n in _EPS_NAMES if type(getattr(module, n, None)) is float), None
     )
+    if eps is None:
+        return None
     weight = getattr(module, "weight", None)
-    probed = None if eps is None else _probe(module)
+    probed = _probe(module)
     if probed is None:
         return None
     probe, hidden, out = probed

@@ -151,7 +151,8 @@ class MathReward(AnswerReward):
         """math-verify's reply, or None when it did not come within the budget."""
         reply = self._ask({"gold": gold, "pred": pred})
         if isinstance(reply, str):
-            return self._abandon(pred, reply)
+            self._abandon(pred, reply)
+            return None
         return reply
 
     def _ask(self, request: dict[str, str]) -> dict[str, Any] | str:

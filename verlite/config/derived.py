@@ -13,6 +13,7 @@ from verlite.core.advantages import ESTIMATORS_NEEDING_CRITIC
 if TYPE_CHECKING:
     from verlite.config.schema import Config
     from verlite.config.sections_inputs import DataConfig, ModelConfig
+    from verlite.config.sections_reward import RewardConfig
     from verlite.config.sections_rollout import RolloutConfig
     from verlite.config.sections_trainer import TrainerConfig
     from verlite.config.sections_training import (
@@ -44,6 +45,7 @@ class Derived:
         actor: ActorConfig
         critic: CriticConfig
         algorithm: AlgorithmConfig
+        reward: RewardConfig
         trainer: TrainerConfig
 
     @property

@@ -38,7 +38,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.audit.tolerances import CONFIGURED_OPTIMIZER_TOLERANCE, TOLERANCE
-from verlite.config import Config, WorkerRoleConfig
+from verlite.config import Config, TrainedRole, WorkerRoleConfig
 from verlite.core.losses import LOSS_AGG_MODES, GlobalCounts
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
 from verlite.core.partition import dp_shares
@@ -67,9 +67,8 @@ from verlite.workers.objectives import (
 )
 from verlite.workers.train_engine import TrainEngine
 
-Role = Literal["actor", "critic"]
 # The roles an audit checks: the policy and the value model (each by its own loss).
-ROLES: tuple[Role, ...] = ("actor", "critic")
+ROLES: tuple[TrainedRole, ...] = ("actor", "critic")
 MICRO_LAYOUTS = ("1", "2", "full", "dynamic", "packed", "packed-dynamic", "checkpointed")
 STRATEGIES = ("ddp", "fsdp")
 Optimizer = Literal["sgd", "configured"]
@@ -90,7 +89,7 @@ RANK_MEMORY_BYTES = 512 * 2**20
 
 @dataclass(frozen=True)
 class Case:
-    role: Role
+    role: TrainedRole
     loss_agg_mode: str
     micro: str
 
@@ -194,7 +193,7 @@ def audit_vocab_size(cfg: Config) -> int:
     return min(VOCAB_SIZE, vocab) if isinstance(vocab, int) and vocab > 0 else VOCAB_SIZE
 
 
-def _build_model(cfg: Config, role: Role) -> nn.Module:
+def _build_model(cfg: Config, role: TrainedRole) -> nn.Module:
     max_positions = cfg.max_sequence_length
     seed = cfg.trainer.seed
     vocab = audit_vocab_size(cfg)
@@ -427,7 +426,7 @@ def _available_memory() -> int | None:
     return None
 
 
-def check_devices(cfg: Config, dps: Sequence[int], roles: Sequence[Role]) -> str:
+def check_devices(cfg: Config, dps: Sequence[int], roles: Sequence[TrainedRole]) -> str:
     """The ranks' backend, once the devices they need are there: on a GPU each rank takes one
     visible GPU and the ranks talk over NCCL (and gloo for the shards FSDP2's CPU offload
     keeps on the host); bf16 there needs bf16 arithmetic. Each refused in one line
@@ -450,7 +449,7 @@ def check_invariance(
     dps: Sequence[int] = (1, 2, 4),
     micros: Sequence[str] = MICRO_LAYOUTS,
     strategies: Sequence[str] = STRATEGIES,
-    roles: Sequence[Role] = ROLES,
+    roles: Sequence[TrainedRole] = ROLES,
     loss_agg_modes: Sequence[str] | None = None,
     naive: bool = False,
     optimizer: Optimizer = "sgd",

@@ -30,6 +30,7 @@ from verlite.config.sections_training import (
     KLControlConfig,
     LoraConfig,
     OptimConfig,
+    TrainedRole,
     WorkerRoleConfig,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "RewardModelConfig",
     "RoleSizes",
     "RolloutConfig",
+    "TrainedRole",
     "TrainerConfig",
     "WandbConfig",
     "WorkerRoleConfig",

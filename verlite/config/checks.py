@@ -6,7 +6,7 @@ runs them in a fixed order, so a config with several problems always reports the
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from verlite.config.sections_reward import RewardConfig
 from verlite.config.sections_rollout import MultiTurnConfig
@@ -14,7 +14,7 @@ from verlite.core.advantages import GROUP_BASELINES
 
 if TYPE_CHECKING:
     from verlite.config.schema import Config
-    from verlite.config.sections_training import WorkerRoleConfig
+    from verlite.config.sections_training import TrainedRole, WorkerRoleConfig
 
 
 def check_across_fields(cfg: Config) -> None:
@@ -209,7 +209,7 @@ def _check_multi_turn(cfg: Config) -> None:
         )
 
 
-def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
+def _check_role_sizes(cfg: Config, role: TrainedRole) -> None:
     section: WorkerRoleConfig = getattr(cfg, role)
     sizes = cfg.role_sizes(role)
     seqs = cfg.sequences_per_step
@@ -260,7 +260,7 @@ def _check_role_sizes(cfg: Config, role: Literal["actor", "critic"]) -> None:
         )
 
 
-def _check_gpu_per_rank(cfg: Config, role: Literal["actor", "critic"]) -> None:
+def _check_gpu_per_rank(cfg: Config, role: TrainedRole) -> None:
     """A training role on cuda joins NCCL, which runs each rank of a group on a GPU of its
     own (two ranks on one device: "Duplicate GPU detected", ncclInvalidUsage, or a hang):
     several of its workers on a node may not share GPUs (Ray packs fractions of a GPU onto

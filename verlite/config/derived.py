@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         ActorConfig,
         AlgorithmConfig,
         CriticConfig,
+        TrainedRole,
         WorkerRoleConfig,
     )
 
@@ -58,7 +59,7 @@ class Derived:
         return self.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
-    def roles(self) -> list[Literal["actor", "critic"]]:
+    def roles(self) -> list[TrainedRole]:
         """The worker groups a run has."""
         return ["actor", "critic"] if self.use_critic else ["actor"]
 
@@ -144,7 +145,7 @@ class Derived:
             return self.model.precision
         return "bf16-mixed" if self.on_gpu else "fp32"
 
-    def role_sizes(self, role: Literal["actor", "critic"]) -> RoleSizes:
+    def role_sizes(self, role: TrainedRole) -> RoleSizes:
         cfg: WorkerRoleConfig = getattr(self, role)
         dp = self.trainer.nnodes * (cfg.workers_per_node or self.trainer.workers_per_node)
         num_mini_batches = self.sequences_per_step // cfg.ppo_mini_batch_size

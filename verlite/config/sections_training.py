@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from verlite.config.schema import Config
 
 
+# The roles that train a model of their own (the policy, the value model): each has a section
+# of this module, an update and its layouts.
+TrainedRole = Literal["actor", "critic"]
+
+
 def _one_of(allowed: Sequence[str], what: str) -> AfterValidator:
     def check(value: str) -> str:
         if value not in allowed:
@@ -301,7 +306,7 @@ class AlgorithmConfig(Section):
     )
 
 
-def _scales_a_loss(cfg: Config, role: Literal["actor", "critic"]) -> bool:
+def _scales_a_loss(cfg: Config, role: TrainedRole) -> bool:
     """Whether ``role``'s loss_scale_factor scales a loss: its own under
     seq-mean-token-sum-norm, and the actor's the critic's too when the critic takes it
     (config.defaults: a critic that sets none, or null, takes the actor's; one that sets the
@@ -316,7 +321,7 @@ def _scales_a_loss(cfg: Config, role: Literal["actor", "critic"]) -> bool:
     )
 
 
-def _role_needs(role: Literal["actor", "critic"]) -> tuple[Needs, ...]:
+def _role_needs(role: TrainedRole) -> tuple[Needs, ...]:
     """What a role's settings need, the same for the actor and the critic."""
     return (
         Needs(

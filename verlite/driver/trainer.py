@@ -17,13 +17,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from tensordict import TensorDict
 from torch import Tensor
 
 from verlite import base_weights
-from verlite.config import Config
+from verlite.config import Config, TrainedRole
 from verlite.config.derived import old_log_probs_source, precision_line
 from verlite.controller import DpSplit, WorkerGroup
 from verlite.core.advantages import AdvantageInputs, compute_advantages
@@ -81,18 +81,20 @@ def divergence(metrics: dict[str, float], *, limit: int) -> TrainingError | None
 
 
 # The MFU metric of each trained role and the stage that times its update.
-MFU_METRICS = {
+MFU_METRICS: dict[TrainedRole, tuple[str, str]] = {
     "actor": ("perf/mfu/update", "update_actor"),
     "critic": ("perf/mfu/critic_update", "update_critic"),
 }
 
 
-def mfu_peaks(cfg: Config, groups: dict[str, WorkerGroup]) -> dict[str, tuple[DecoderShape, float]]:
+def mfu_peaks(
+    cfg: Config, groups: dict[TrainedRole, WorkerGroup]
+) -> dict[TrainedRole, tuple[DecoderShape, float]]:
     """For each role of ``groups`` on cuda: what its model's FLOPs are counted from, and the
     bf16 peak of the GPUs its ranks hold (``trainer.peak_tflops`` or the table's, times the
     GPUs); asked of each group's rank 0 once. A role on CPU has none; a GPU the table does not
     know without the override has none either, and says so once."""
-    peaks = {}
+    peaks: dict[TrainedRole, tuple[DecoderShape, float]] = {}
     for role, group in groups.items():
         name, shape = group.call("compute_profile", dispatch="broadcast", collect="rank0")
         if name is None:
@@ -114,7 +116,7 @@ def mfu_peaks(cfg: Config, groups: dict[str, WorkerGroup]) -> dict[str, tuple[De
 
 def mfu_metrics(
     cfg: Config,
-    peaks: dict[str, tuple[DecoderShape, float]],
+    peaks: dict[TrainedRole, tuple[DecoderShape, float]],
     attention_mask: Tensor,
     loss_masks: dict[str, Tensor],
     seconds: dict[str, float],
@@ -290,7 +292,10 @@ class Trainer:
             if cfg.algorithm.dynamic_sampling.enable
             else None
         )
-        trained = {"actor": groups.actor, "critic": groups.critic}
+        trained: dict[TrainedRole, WorkerGroup | None] = {
+            "actor": groups.actor,
+            "critic": groups.critic,
+        }
         self.mfu_peaks = mfu_peaks(cfg, {k: g for k, g in trained.items() if g is not None})
 
     # -------------------------------------------------------------------- the loop
@@ -538,9 +543,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------- helpers
 
-    def _update(
-        self, role: Literal["actor", "critic"], group: WorkerGroup, batch: TensorDict
-    ) -> dict[str, float]:
+    def _update(self, role: TrainedRole, group: WorkerGroup, batch: TensorDict) -> dict[str, float]:
         """The updates of one role over the step batch: its global mini-batches (a count the
         config fixes) balanced over its ranks, metrics reduced over them."""
         k = self.cfg.role_sizes(role).num_mini_batches

@@ -214,7 +214,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
             if rows > NUM_SEQUENCES
             else ""
         )
-        layout_count = len(dps) * len(strategies) * len(micros) * 2  # actor and critic
+        layout_count = len(dps) * len(strategies) * len(micros) * len(ROLES)
         print(
             f"checking {layout_count} layouts in {launches} rank launches on a "
             f"batch of {rows} sequences{why} ...",

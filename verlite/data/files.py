@@ -3,9 +3,9 @@
 Each row needs a string prompt field and a string or integer answer field (``data.prompt_key``
 and ``data.answer_key``, by default ``prompt`` and ``answer``; an integer is read as its
 digits), the prompt not blank (an empty answer is allowed: a task may expect no output);
-other fields are ignored, and a Parquet file's other columns are not read. The answer is taken from its field by ``data.answer_rule``
-(:mod:`verlite.data.answers`). Parquet support imports ``pyarrow`` only when a Parquet file
-is read.
+other fields are ignored, and a Parquet file's other columns are not read. The answer is
+taken from its field by ``data.answer_rule`` (:mod:`verlite.data.answers`). Parquet support
+imports ``pyarrow`` only when a Parquet file is read.
 """
 
 from __future__ import annotations

@@ -82,3 +82,28 @@ def write_math_jsonl(path: Path) -> Path:
         "".join(json.dumps({"problem": q, "solution": s}) + "\n" for q, _, s in PROBLEMS)
     )
     return path
+
+
+VERL_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+
+
+def write_verl_gsm8k_parquet(path: Path, *, system: str | None = None) -> Path:
+    """GSM8K as verl's preprocessing writes it: the prompt a conversation (the question and
+    an instruction as the user's turn, after ``system``'s turn when given), the answer in
+    ``reward_model.ground_truth``, and columns verlite does not read."""
+    system_turn = [] if system is None else [{"role": "system", "content": system}]
+    rows = {
+        "data_source": ["openai/gsm8k"] * len(PROBLEMS),
+        "prompt": [
+            [*system_turn, {"role": "user", "content": f"{q} {VERL_INSTRUCTION}"}]
+            for q, _, _ in PROBLEMS
+        ],
+        "ability": ["math"] * len(PROBLEMS),
+        "reward_model": [
+            {"style": "rule", "ground_truth": a.rsplit("#### ", 1)[1].replace(",", "")}
+            for _, a, _ in PROBLEMS
+        ],
+        "extra_info": [{"split": "train", "index": i} for i in range(len(PROBLEMS))],
+    }
+    pyarrow.parquet.write_table(pyarrow.table(rows), path)
+    return path

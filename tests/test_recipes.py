@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from chat_model_support import save_chat_model, write_gsm8k_parquet
+from chat_model_support import save_chat_model, write_gsm8k_parquet, write_verl_gsm8k_parquet
 
 from verlite.config import ConfigError, load_config
 from verlite.data.dataset import build_datasets
@@ -55,3 +55,35 @@ def test_without_the_paths_a_recipe_says_what_to_set(recipe: Path, tmp_path: Pat
     data = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
     with pytest.raises(ConfigError, match=r"^data.chat_template=true .* model.path is unset"):
         load_config(recipe, [f"data.train_file={data}"])
+
+
+# docs/recipes.md: the recipe's data settings for files verl's preprocessing wrote.
+VERL_OVERRIDES = (
+    "data.prompt_key=prompt data.answer_key=reward_model.ground_truth data.answer_rule=as_is "
+    "data.prompt_suffix=null"
+)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_a_verl_format_file_gives_a_recipe_the_prompts_of_gsm8ks_own(
+    recipe: Path, tmp_path: Path
+) -> None:
+    """verl's GSM8K (the question and verl's instruction as a user turn, the answer in
+    reward_model.ground_truth) with the overrides docs/recipes.md gives: the records the
+    recipe draws from GSM8K's own parquet, rendered prompts and answers alike."""
+    assert VERL_OVERRIDES in " ".join((ROOT / "docs" / "recipes.md").read_text().split())
+    save_chat_model(tmp_path / "model")
+    tokenizer = load_tokenizer(str(tmp_path / "model"), task=None)
+    datasets = []
+    for data, overrides in (
+        (write_gsm8k_parquet(tmp_path / "gsm8k.parquet"), []),
+        (write_verl_gsm8k_parquet(tmp_path / "verl.parquet"), VERL_OVERRIDES.split()),
+    ):
+        paths = [
+            f"model.path={tmp_path / 'model'}",
+            f"data.train_file={data}",
+            f"data.val_file={data}",
+        ]
+        datasets.append(build_datasets(load_config(recipe, [*paths, *overrides]), tokenizer))
+    (train, val), (verl_train, verl_val) = datasets
+    assert verl_train.records == train.records and verl_val.records == val.records

@@ -12,8 +12,10 @@ from chat_model_support import (
     BOS_TEMPLATE,
     PROBLEMS,
     QWEN_TEMPLATE,
+    VERL_INSTRUCTION,
     save_chat_model,
     write_gsm8k_parquet,
+    write_verl_gsm8k_parquet,
 )
 from transformers import PreTrainedTokenizerBase
 
@@ -284,3 +286,95 @@ def test_a_template_that_refuses_an_empty_prompt_is_not_measured_on_one(tmp_path
     cfg = gsm8k_config(tmp_path, "data.chat_template=true")
     train, _ = build_datasets(cfg, load_tokenizer(cfg.model.path))
     assert len(train) == len(PROBLEMS)
+
+
+def verl_config(path: Path, folder: Path, *overrides: str) -> Config:
+    """The main job's config over a verl-format parquet (validation: the same file)."""
+    return load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            f"model.path={folder}",
+            "data.task=null",
+            f"data.train_file={path}",
+            f"data.val_file={path}",
+            "data.answer_key=reward_model.ground_truth",
+            "data.max_prompt_length=256",
+            *overrides,
+        ],
+    )
+
+
+@pytest.mark.parametrize("system", [None, SYSTEM], ids=["user turn", "with a system turn"])
+def test_a_verl_conversation_is_rendered_as_its_messages(
+    tmp_path: Path, system: str | None
+) -> None:
+    """verl's files store the prompt as a conversation: it is the template's messages as the
+    file has them, data.prompt_suffix after the last turn's content, the answer read inside
+    reward_model."""
+    save_chat_model(tmp_path)
+    path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system=system)
+    cfg = verl_config(path, tmp_path, "data.chat_template=true", f"data.prompt_suffix={SUFFIX}")
+    tokenizer = load_tokenizer(cfg.model.path)
+    _, val = build_datasets(cfg, tokenizer)
+    system_turn = [] if system is None else [{"role": "system", "content": system}]
+    expected = [
+        template_ids(
+            tokenizer,
+            [*system_turn, {"role": "user", "content": f"{q} {VERL_INSTRUCTION} {SUFFIX}"}],
+        )
+        for q, _, _ in PROBLEMS
+    ]
+    source = StepSource.__new__(StepSource)
+    source.cfg, source.tokenizer = cfg, tokenizer
+    assert real_tokens(source._tensordict(list(val), repeat=1, temperature=0.0)) == expected
+    assert [r["answer"] for r in val] == ["72", "15", "1234", "10", "42", "12", "42", "99"]
+
+
+@pytest.mark.parametrize(
+    ("template", "overrides", "message"),
+    [
+        (
+            QWEN_TEMPLATE,
+            [],
+            "row 1: field 'prompt' (data.prompt_key) is a list of chat messages, which only a "
+            "chat template renders; set data.chat_template=true",
+        ),
+        (
+            QWEN_TEMPLATE,
+            ["data.chat_template=true", "data.system_prompt=Be brief."],
+            "row 1: the prompt's conversation has a system turn of its own, and "
+            "data.system_prompt='Be brief.' is set too; unset data.system_prompt to keep the "
+            "file's, or remove the file's system turns",
+        ),
+        (
+            DROPS_SYSTEM_TEMPLATE,
+            ["data.chat_template=true"],
+            f"row 1: the chat template of model.path='{{model}}' leaves the prompt's system "
+            f"turn {SYSTEM!r} out: it renders ",
+        ),
+    ],
+    ids=["no template", "two system turns", "template drops it"],
+)
+def test_a_conversation_the_settings_cannot_render_is_refused_naming_the_row(
+    tmp_path: Path, template: str, overrides: list[str], message: str
+) -> None:
+    save_chat_model(tmp_path, template)
+    path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system=SYSTEM)
+    cfg = verl_config(path, tmp_path, *overrides)
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert str(exc.value).startswith(f"{path} {message.format(model=tmp_path)}")
+
+
+def test_a_conversation_that_spells_a_special_token_is_refused_naming_its_turn(
+    tmp_path: Path,
+) -> None:
+    save_chat_model(tmp_path)
+    path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system="Stop at <|im_end|>.")
+    cfg = verl_config(path, tmp_path, "data.chat_template=true")
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert str(exc.value).startswith(
+        f"{path} row 1: the prompt holds '<|im_end|>', the text of a special token of the "
+        "tokenizer, which would read it as that token inside the chat template's system turn"
+    )

@@ -8,7 +8,12 @@ from pathlib import Path
 import pyarrow
 import pyarrow.parquet
 import pytest
-from chat_model_support import save_chat_model, write_gsm8k_parquet, write_math_jsonl
+from chat_model_support import (
+    save_chat_model,
+    write_gsm8k_parquet,
+    write_math_jsonl,
+    write_verl_gsm8k_parquet,
+)
 from tool_template_support import NO_TOOL_ROLE_TEMPLATE
 
 from verlite.cli import main
@@ -237,3 +242,18 @@ def test_settings_that_leave_no_room_for_a_prompt_are_named(
         "verlite: error: data.prompt_suffix='Be careful and p[...]ful and precise.' takes "
     ), err
     assert err.endswith("data.max_prompt_length or shorten it\n"), err
+
+
+def test_a_conversation_without_a_chat_template_is_refused(
+    capsys: pytest.CaptureFixture[str], files: dict[str, Path]
+) -> None:
+    path = write_verl_gsm8k_parquet(files["model"].parent / "verl.parquet")
+    err = run(
+        capsys,
+        *gsm8k_run(files, "model", f"data.train_file={path}"),
+        "data.answer_key=reward_model.ground_truth",
+    )
+    assert err == (
+        f"verlite: error: {path} row 1: field 'prompt' (data.prompt_key) is a list of chat "
+        "messages, which only a chat template renders; set data.chat_template=true\n"
+    )

@@ -71,19 +71,50 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
         ),
         (
             ['{"prompt": 3, "answer": "3"}'],
-            r":1: field 'prompt' \(data.prompt_key\) must be a string, got int 3$",
+            r":1: field 'prompt' \(data.prompt_key\) must be a string or a list of chat messages "
+            r"\(\[\{\"role\": \"user\", \"content\": \.\.\.\}\]\), got int 3$",
         ),
         (
             ['{"prompt": null, "answer": "1"}'],
-            r":1: field 'prompt' \(data.prompt_key\) must be a string, got null$",
+            r":1: field 'prompt' \(data.prompt_key\) must be a string or a list .*, got null$",
         ),
-        # verl's format: the prompt as chat messages.
+        (['{"prompt": [], "answer": "1"}'], r":1: field 'prompt' .* got list \[\]$"),
+        # verl's format, its conversations malformed.
         (
-            ['{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}'],
-            r":1: field 'prompt' \(data.prompt_key\) must be a string, got a list of chat "
-            r"messages \[\{'role': 'user', 'content': '1\+1='\}\]; store the user turn's text "
-            r"in it \(a system turn in data.system_prompt\) and set data.chat_template=true, "
-            r"which renders it in the model's chat template$",
+            ['{"prompt": ["1+1="], "answer": "2"}'],
+            r":1: message 1 of field 'prompt' \(data.prompt_key\) must be an object, got str",
+        ),
+        (
+            ['{"prompt": [{"role": "user", "content": "a"}, {"content": "b"}], "answer": "2"}'],
+            r":1: message 2 of field 'prompt' \(data.prompt_key\) needs a non-empty string "
+            r"'role', got null$",
+        ),
+        (
+            ['{"prompt": [{"role": "user", "content": ["a"]}], "answer": "2"}'],
+            r":1: message 1 .* needs a string 'content', got list \['a'\]$",
+        ),
+        (
+            ['{"prompt": [{"role": "user", "content": "a", "tool_calls": [1]}], "answer": "2"}'],
+            r":1: message 1 .* has \['tool_calls'\], which verlite does not render; a message "
+            r"holds a role and its content$",
+        ),
+        (
+            [
+                '{"prompt": [{"role": "user", "content": "1+1="}, '
+                '{"role": "assistant", "content": "2"}], "answer": "2"}'
+            ],
+            r":1: field 'prompt' \(data.prompt_key\) ends with an assistant turn",
+        ),
+        (
+            [
+                '{"prompt": [{"role": "system", "content": ""}, {"role": "user", "content": " "}], '
+                '"answer": "2"}'
+            ],
+            r":1: the prompt is empty \(every message's content is blank\)$",
+        ),
+        (
+            ['{"prompt": [{"role": "user", "content": "a\\ud800"}], "answer": "2"}'],
+            r":1: field 'prompt' holds '\\ud800' at character 1",
         ),
         (
             ['{"prompt": "1+1=", "answer": [{"role": "user", "content": "2"}]}'],
@@ -249,3 +280,87 @@ def test_parquet_reads_only_the_configured_columns(
         f"{path}: missing column 'prompt' (data.prompt_key); the file has "
         "['answer', 'image', 'question']"
     )
+
+
+def test_a_conversation_prompt_is_read_as_its_messages(tmp_path: Path) -> None:
+    # verl's files store the prompt as chat messages; the chat template renders them later.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1="}]
+    path = _jsonl(tmp_path / "p.jsonl", json.dumps({"prompt": messages, "answer": "2"}))
+    assert read_prompt_file(path)[0] == [{"prompt": tuple(messages), "answer": "2"}]
+
+
+def verl_gsm8k_rows(n: int) -> dict[str, list[object]]:
+    """Rows as verl's GSM8K preprocessing writes them: a conversation, and the answer inside
+    ``reward_model``."""
+    return {
+        "data_source": ["openai/gsm8k"] * n,
+        "prompt": [[{"role": "user", "content": f"{i}+{i}="}] for i in range(n)],
+        "ability": ["math"] * n,
+        "reward_model": [{"style": "rule", "ground_truth": str(2 * i)} for i in range(n)],
+        "extra_info": [{"split": "train", "index": i} for i in range(n)],
+    }
+
+
+def test_a_dotted_answer_key_reads_a_field_inside_a_field(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "verl.parquet"
+    pq.write_table(pa.table(verl_gsm8k_rows(3)), path)
+    read: list[list[str]] = []
+    read_table = pq.read_table
+
+    def recording(*args: object, **kwargs: object) -> object:
+        result = read_table(*args, **kwargs)
+        read.append(result.column_names)
+        return result
+
+    monkeypatch.setattr(pq, "read_table", recording)
+    records, _ = read_prompt_file(path, answer_key="reward_model.ground_truth")
+    assert read == [["prompt", "reward_model"]]  # the columns the two keys are in, alone
+    assert records == [
+        {"prompt": ({"role": "user", "content": f"{i}+{i}="},), "answer": str(2 * i)}
+        for i in range(3)
+    ]
+    # The same rows as JSONL; a field whose own name has a dot is read by that name.
+    rows = [
+        dict(zip(verl_gsm8k_rows(3), row, strict=True))
+        for row in zip(*verl_gsm8k_rows(3).values(), strict=True)
+    ]
+    rows[1]["reward_model.ground_truth"] = "99"
+    jsonl = _jsonl(tmp_path / "verl.jsonl", *map(json.dumps, rows))
+    answers = [
+        r["answer"] for r in read_prompt_file(jsonl, answer_key="reward_model.ground_truth")[0]
+    ]
+    assert answers == ["0", "99", "4"]
+
+
+@pytest.mark.parametrize(
+    ("key", "message"),
+    [
+        (
+            "reward_model.answer",
+            "missing field 'reward_model.answer' (data.answer_key); its field 'reward_model' "
+            "has ['ground_truth', 'style']",
+        ),
+        (
+            "reward_model.ground_truth.value",
+            "missing field 'reward_model.ground_truth.value' (data.answer_key); its field "
+            "'reward_model.ground_truth' has no fields (str '0')",
+        ),
+        (
+            "solution.text",
+            "missing field 'solution.text' (data.answer_key); the row has ['ability', "
+            "'data_source', 'extra_info', 'prompt', 'reward_model']",
+        ),
+    ],
+)
+def test_a_dotted_key_that_finds_no_field_says_where_it_stopped(
+    tmp_path: Path, key: str, message: str
+) -> None:
+    rows = verl_gsm8k_rows(1)
+    path = _jsonl(tmp_path / "p.jsonl", json.dumps({k: v[0] for k, v in rows.items()}))
+    with pytest.raises(DataError) as exc:
+        read_prompt_file(path, answer_key=key)
+    assert str(exc.value) == f"{path}:1: {message}"

@@ -4,7 +4,12 @@ the gsm8k reward."""
 
 from pathlib import Path
 
-from chat_model_support import PROBLEMS, save_chat_model, write_gsm8k_parquet
+from chat_model_support import (
+    PROBLEMS,
+    save_chat_model,
+    write_gsm8k_parquet,
+    write_verl_gsm8k_parquet,
+)
 
 
 def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
@@ -42,3 +47,31 @@ def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
     # validation's: a step's own (4 responses), validation's of each held-out prompt once.
     assert all(r["reward/gsm8k/no_answer"] in range(4 + 1) for r in records)
     assert records[-1]["val/reward/gsm8k/no_answer"] in range(len(PROBLEMS) + 1)
+
+
+def test_a_verl_format_parquet_trains_as_verl_wrote_it(tmp_path: Path, train, metrics) -> None:
+    """verl's preprocessed GSM8K as it is: the prompt a conversation (a system turn and the
+    user's), the answer in reward_model.ground_truth."""
+    save_chat_model(tmp_path / "model")
+    path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system="You are a careful tutor.")
+    train(
+        tmp_path / "run",
+        f"model.path={tmp_path / 'model'}",
+        "data.task=null",
+        f"data.train_file={path}",
+        f"data.val_file={path}",
+        "data.answer_key=reward_model.ground_truth",
+        "data.chat_template=true",
+        "data.max_prompt_length=256",
+        "data.train_batch_size=4",
+        "reward.fn=gsm8k",
+        "actor.ppo_mini_batch_size=4",
+        "actor.micro_batch_size_per_worker=4",
+        "critic.ppo_mini_batch_size=4",
+        "critic.micro_batch_size_per_worker=4",
+        "trainer.total_steps=1",
+        "trainer.val_freq=1",
+    )
+    [record] = metrics(tmp_path / "run")
+    assert 0 <= record["critic/score/mean"] <= 1 and "actor/pg_loss" in record
+    assert record["val/reward/gsm8k/no_answer"] in range(len(PROBLEMS) + 1)

@@ -147,11 +147,11 @@ class DataConfig(Section):
     )
     prompt_key: NonEmptyStr = Field(
         "prompt",
-        description="Prompt files: the field of a row that holds the prompt (GSM8K: question, MATH: problem).",
+        description="Prompt files: the field of a row that holds the prompt (GSM8K: question, MATH: problem): text, or a conversation as verl's files store it (a list of {role, content} messages, not ending with the assistant's; needs data.chat_template).",
     )
     answer_key: NonEmptyStr = Field(
         "answer",
-        description="Prompt files: the field of a row that holds the answer (text, or an integer read as its digits), as data.answer_rule reads it (MATH: solution).",
+        description="Prompt files: the field of a row that holds the answer (text, or an integer read as its digits), as data.answer_rule reads it (MATH: solution). A key with dots names a field inside fields when the row has no field of that name (verl's files: reward_model.ground_truth).",
     )
     answer_rule: Literal["as_is", "gsm8k", "boxed"] = Field(
         "as_is",
@@ -159,7 +159,7 @@ class DataConfig(Section):
     )
     chat_template: bool = Field(
         False,
-        description="Render each prompt with the tokenizer's own chat template (model.path's), as one user turn after data.system_prompt, with the assistant's generation prompt; the text is tokenized once, as the template writes it (no BOS added), and reward functions and environments receive it as the prompt. With rollout.multi_turn.env, each observation is written as the template's turn of rollout.multi_turn.observation_role, the sampled tokens kept as they are.",
+        description="Render each prompt with the tokenizer's own chat template (model.path's), a text prompt as one user turn after data.system_prompt, a conversation as its messages, with the assistant's generation prompt; the text is tokenized once, as the template writes it (no BOS added), and reward functions and environments receive it as the prompt. With rollout.multi_turn.env, each observation is written as the template's turn of rollout.multi_turn.observation_role, the sampled tokens kept as they are.",
     )
     system_prompt: str | None = Field(
         None,
@@ -167,7 +167,7 @@ class DataConfig(Section):
     )
     prompt_suffix: NonEmptyStr | None = Field(
         None,
-        description="Text appended to every prompt after a space (the user turn with data.chat_template), e.g. an instruction 'Put the final answer in \\boxed{}.'.",
+        description="Text appended to every prompt after a space (to the user turn with data.chat_template; to a conversation's last turn), e.g. an instruction 'Put the final answer in \\boxed{}.'.",
     )
 
     @model_validator(mode="after")

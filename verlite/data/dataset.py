@@ -17,7 +17,7 @@ from typing import Literal, overload
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
-from verlite.data.files import DataError, PromptRecord, read_prompt_file
+from verlite.data.files import DataError, PromptRecord, SourceRecord, read_prompt_file
 from verlite.data.tasks import TASKS
 from verlite.data.templates import check_room, format_prompts
 from verlite.data.tokenizer import encode_prompts, special_tokens, unknown_characters
@@ -64,6 +64,8 @@ def build_datasets(
 ) -> tuple[PromptDataset, PromptDataset]:
     """The (train, validation) datasets of ``cfg.data``, generated from ``cfg.trainer.seed``."""
     data, seed = cfg.data, cfg.trainer.seed
+    train: Sequence[SourceRecord]
+    val: Sequence[SourceRecord]
     if data.task is not None:
         train, val = task_records(
             data.task,
@@ -192,29 +194,37 @@ def check_prompts(
 
 
 def check_special_token_text(
-    records: Sequence[PromptRecord], where: Sequence[str], tokenizer: PreTrainedTokenizerBase
+    records: Sequence[SourceRecord], where: Sequence[str], tokenizer: PreTrainedTokenizerBase
 ) -> None:
     """Refuse a prompt that spells a special token of ``tokenizer`` (``<|im_end|>``,
-    ``<|im_start|>``, ``<eos>``) where the chat template makes it a user turn's content: the
+    ``<|im_start|>``, ``<eos>``) where the chat template makes it a turn's content: the
     tokenizer reads that text as the token itself, which silently ends the turn or starts
     another (a question that holds ``<|im_end|>`` leaves the user turn there). Tokenizing
     with special tokens split instead would split the template's own tokens too (it is
     rendered into the same text), and the prompt text that rewards, exports and the length
     policy receive would no longer be what the model reads. Checked on the prompt field as
-    the file has it, before the suffix and the template. Without a template the prompt is
-    the model's input as written, markup a user rendered ahead included."""
+    the file has it (each message's content, of a conversation), before the suffix and the
+    template. Without a template the prompt is the model's input as written, markup a user
+    rendered ahead included."""
     pattern = _special_token_pattern(tokenizer)
     if pattern is None:
         return
     for location, record in zip(where, records, strict=True):
-        found = pattern.search(record["prompt"])
-        if found is not None:
-            raise DataError(
-                f"{location}: the prompt holds {found.group()!r}, the text of a special token "
-                "of the tokenizer, which would read it as that token inside the chat "
-                "template's user turn, not as text; with data.chat_template=true prompts may "
-                "not spell special tokens: remove or reword it"
-            )
+        prompt = record["prompt"]
+        turns = (
+            [("user", prompt)]
+            if isinstance(prompt, str)
+            else [(m["role"], m["content"]) for m in prompt]
+        )
+        for role, content in turns:
+            found = pattern.search(content)
+            if found is not None:
+                raise DataError(
+                    f"{location}: the prompt holds {found.group()!r}, the text of a special "
+                    f"token of the tokenizer, which would read it as that token inside the chat "
+                    f"template's {role} turn, not as text; with data.chat_template=true prompts "
+                    "may not spell special tokens: remove or reword it"
+                )
 
 
 def _special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:
@@ -239,7 +249,7 @@ def _pair(prompt: str, answer: str) -> PromptRecord:
 
 
 def _dataset(
-    records: Sequence[PromptRecord],
+    records: Sequence[SourceRecord],
     where: Sequence[str],
     name: str,
     tokenizer: PreTrainedTokenizerBase,
@@ -248,14 +258,14 @@ def _dataset(
     data = cfg.data
     if data.chat_template:
         check_special_token_text(records, where, tokenizer)
-    records = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
+    formatted = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
     check_room(tokenizer, data, model_path=cfg.model.path, bos=cfg.prompt_bos)
     truncated = check_prompts(
-        records,
+        formatted,
         where,
         tokenizer,
         max_prompt_length=data.max_prompt_length,
         overflow=data.prompt_overflow,
         bos=cfg.prompt_bos,
     )
-    return PromptDataset(tuple(records), name=name, num_truncated=truncated, where=tuple(where))
+    return PromptDataset(tuple(formatted), name=name, num_truncated=truncated, where=tuple(where))

@@ -17,14 +17,14 @@ rewrites earlier turns when a later one comes) is refused before the run starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, DataConfig
-from verlite.data.files import DataError, PromptRecord
+from verlite.data.files import Conversation, DataError, Message, PromptRecord, SourceRecord
 from verlite.data.tokenizer import (
     encode_prompts,
     encode_written,
@@ -35,18 +35,17 @@ from verlite.errors import shown
 
 
 def format_prompts(
-    records: Sequence[PromptRecord],
+    records: Sequence[SourceRecord],
     where: Sequence[str],
     tokenizer: PreTrainedTokenizerBase,
     data: DataConfig,
     *,
     model_path: str | None,
 ) -> list[PromptRecord]:
-    """``records`` with each prompt as the policy reads it; unchanged without a suffix or a
-    chat template. A tokenizer without a chat template, a template that fails on a prompt or
-    renders only whitespace: a :class:`DataError` naming the setting (and the prompt)."""
-    if data.prompt_suffix is None and not data.chat_template:
-        return list(records)
+    """``records`` with each prompt as the policy reads it; a text prompt unchanged without a
+    suffix or a chat template. A tokenizer without a chat template, a template that fails on
+    a prompt or renders only whitespace, a conversation without a template: a
+    :class:`DataError` naming the setting (and the prompt)."""
     if data.chat_template and tokenizer.chat_template is None:
         raise DataError(
             f"data.chat_template=true, but the tokenizer of model.path={model_path!r} has no chat "
@@ -67,10 +66,15 @@ def format_prompts(
     formatted = []
     for location, record in zip(where, records, strict=True):
         prompt = record["prompt"]
-        if data.prompt_suffix is not None:
-            prompt = f"{prompt} {data.prompt_suffix}"
         if data.chat_template:
-            prompt = _render(location, prompt, tokenizer, data, model_path)
+            prompt = _render(location, _conversation(location, prompt, data), tokenizer, model_path)
+        elif not isinstance(prompt, str):
+            raise DataError(
+                f"{location}: field {data.prompt_key!r} (data.prompt_key) is a list of chat "
+                "messages, which only a chat template renders; set data.chat_template=true"
+            )
+        elif data.prompt_suffix is not None:
+            prompt = f"{prompt} {data.prompt_suffix}"
         formatted.append(PromptRecord(prompt=prompt, answer=record["answer"]))
     return formatted
 
@@ -103,7 +107,7 @@ def check_room(
         return
     try:
         [record] = format_prompts(
-            [PromptRecord(prompt="", answer="")],
+            [SourceRecord(prompt="", answer="")],
             ["an empty prompt"],
             tokenizer,
             data,
@@ -148,13 +152,36 @@ def _check_system_turn(
         )
 
 
-def _system(data: DataConfig) -> list[dict[str, str]]:
-    return [] if data.system_prompt is None else [{"role": "system", "content": data.system_prompt}]
+def _system(data: DataConfig) -> list[Message]:
+    return (
+        [] if data.system_prompt is None else [Message(role="system", content=data.system_prompt)]
+    )
+
+
+def _conversation(location: str, prompt: str | Conversation, data: DataConfig) -> list[Message]:
+    """The messages the template renders for a prompt: ``data.system_prompt``'s turn, then a
+    text prompt as the user's turn, or the file's conversation; ``data.prompt_suffix`` after
+    the last turn's content and a space. A conversation with its own system turn and
+    ``data.system_prompt`` set too: a :class:`DataError` (which one would be meant?)."""
+    if isinstance(prompt, str):
+        messages = [Message(role="user", content=prompt)]
+    elif data.system_prompt is not None and any(m["role"] == "system" for m in prompt):
+        raise DataError(
+            f"{location}: the prompt's conversation has a system turn of its own, and "
+            f"data.system_prompt={shown(data.system_prompt, 60)} is set too; unset "
+            "data.system_prompt to keep the file's, or remove the file's system turns"
+        )
+    else:
+        messages = list(prompt)
+    if data.prompt_suffix is not None:
+        last = messages[-1]
+        messages[-1] = Message(role=last["role"], content=f"{last['content']} {data.prompt_suffix}")
+    return [*_system(data), *messages]
 
 
 def _apply(
     tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
+    messages: Sequence[Mapping[str, object]],
     *,
     generation_prompt: bool,
     failure: str,
@@ -175,12 +202,13 @@ def _apply(
 
 def _render(
     location: str,
-    prompt: str,
+    messages: list[Message],
     tokenizer: PreTrainedTokenizerBase,
-    data: DataConfig,
     model_path: str | None,
 ) -> str:
-    messages = [*_system(data), {"role": "user", "content": prompt}]
+    """The template's text of a prompt's ``messages``, with the generation prompt; one that
+    is empty, or leaves out a system turn of a file's conversation (a template that writes
+    only the roles it knows), is refused naming the row."""
     text = _apply(
         tokenizer,
         messages,
@@ -194,6 +222,14 @@ def _render(
             f"{shown(text, 60)}, empty or only whitespace (data.chat_template=true); fix the "
             "template or set data.chat_template=false"
         )
+    for message in messages:
+        if message["role"] == "system" and message["content"].strip() not in text:
+            raise DataError(
+                f"{location}: the chat template of model.path={model_path!r} leaves the "
+                f"prompt's system turn {shown(message['content'], 60)} out: it renders "
+                f"{shown(text, 80)}; use a template with a system role, or move the turn's "
+                "text into the user's"
+            )
     return text
 
 
@@ -210,7 +246,7 @@ class TurnFormat:
 
     tokenizer: PreTrainedTokenizerBase
     role: str  # rollout.multi_turn.observation_role
-    head: tuple[dict[str, str], ...]  # the stand-in conversation up to the assistant's turn
+    head: tuple[Message, ...]  # the stand-in conversation up to the assistant's turn
     before: str  # its text up to the end of the assistant's content
     end_ids: tuple[int, ...]  # the template's end of an assistant turn, tokenized once
     end: str  # ... as text
@@ -310,7 +346,7 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
     if not cfg.data.chat_template or cfg.rollout.multi_turn.env is None:
         return None
     where = f"the chat template of model.path={cfg.model.path!r}"
-    head = [*_system(cfg.data), {"role": "user", "content": _QUESTION}]
+    head = [*_system(cfg.data), Message(role="user", content=_QUESTION)]
     prompt = _apply(tokenizer, head, generation_prompt=True, failure=f"{where} fails")
     opening = prompt[
         len(_apply(tokenizer, head, generation_prompt=False, failure=f"{where} fails")) :

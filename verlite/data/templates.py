@@ -17,7 +17,7 @@ rewrites earlier turns when a later one comes) is refused before the run starts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -181,7 +181,7 @@ def _conversation(location: str, prompt: str | Conversation, data: DataConfig) -
 
 def _apply(
     tokenizer: PreTrainedTokenizerBase,
-    messages: Sequence[Mapping[str, object]],
+    messages: Sequence[Message],
     *,
     generation_prompt: bool,
     failure: str,
@@ -190,7 +190,9 @@ def _apply(
     ``failure`` and the template's message."""
     try:
         text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
+            [{"role": m["role"], "content": m["content"]} for m in messages],
+            add_generation_prompt=generation_prompt,
+            tokenize=False,
         )
     # The template is the model author's Jinja code: a syntax error, its own
     # raise_exception (e.g. "system role not supported") or a filter's TypeError.
@@ -274,8 +276,8 @@ class TurnFormat:
         field = f"rollout.multi_turn.observation_role={self.role}"
         messages = [
             *self.head,
-            {"role": "assistant", "content": _CONTENT},
-            {"role": self.role, "content": observation},
+            Message(role="assistant", content=_CONTENT),
+            Message(role=self.role, content=observation),
         ]
         text = _apply(
             self.tokenizer,
@@ -353,7 +355,7 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
     ]
     closed = _apply(
         tokenizer,
-        [*head, {"role": "assistant", "content": _CONTENT}],
+        [*head, Message(role="assistant", content=_CONTENT)],
         generation_prompt=False,
         failure=f"{where} fails on an assistant turn",
     )

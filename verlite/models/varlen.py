@@ -122,18 +122,20 @@ def varlen_attention(
     return torch.cat(outputs)[packed.restore][None], None
 
 
-def _mask(*args: Any, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> Any:
+def _mask(**kwargs: Any) -> Any:
     """SDPA's mask, except none for a pass with neither padding nor a cache: Hugging Face
     would otherwise build a (T, T) mask from a packed row's restarting positions, which
-    packed attention does not read (the padded fallback is then plain causal SDPA)."""
+    packed attention does not read (the padded fallback is then plain causal SDPA).
+    Keyword arguments only, as transformers passes them: a positional one would raise here,
+    where reading the offsets from the keywords would pass it by."""
     fresh = (
         kwargs.get("q_offset", 0) == 0
         and kwargs.get("kv_offset", 0) == 0
         and kwargs.get("kv_length") == kwargs.get("q_length")
     )
-    if attention_mask is None and fresh:
+    if kwargs.get("attention_mask") is None and fresh:
         return None
-    return sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+    return sdpa_mask(**kwargs)
 
 
 AttentionInterface.register(ATTENTION, varlen_attention)

@@ -27,10 +27,9 @@ SYSTEM = "You are a careful tutor."
 SUFFIX = "Put the final answer after ####."
 
 
-def gsm8k_config(folder: Path, *overrides: str) -> Config:
-    """The main job's config over a GSM8K parquet (validation: the same file, in file order)
-    and the chat model saved in ``folder``."""
-    path = write_gsm8k_parquet(folder / "gsm8k.parquet")
+def file_config(folder: Path, path: Path, *overrides: str) -> Config:
+    """The main job's config over the prompt file ``path`` (validation: the same file, in
+    file order) and the chat model saved in ``folder``."""
     return load_config(
         "configs/ppo_tiny.yaml",
         [
@@ -38,9 +37,6 @@ def gsm8k_config(folder: Path, *overrides: str) -> Config:
             "data.task=null",
             f"data.train_file={path}",
             f"data.val_file={path}",
-            "data.prompt_key=question",
-            "data.answer_rule=gsm8k",
-            "data.max_prompt_length=128",
             "data.train_batch_size=4",
             "data.shuffle=false",
             "actor.ppo_mini_batch_size=4",
@@ -49,6 +45,19 @@ def gsm8k_config(folder: Path, *overrides: str) -> Config:
             "critic.micro_batch_size_per_worker=4",
             *overrides,
         ],
+    )
+
+
+def gsm8k_config(folder: Path, *overrides: str) -> Config:
+    """:func:`file_config` over a GSM8K parquet, by its own fields."""
+    path = write_gsm8k_parquet(folder / "gsm8k.parquet")
+    return file_config(
+        folder,
+        path,
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+        "data.max_prompt_length=128",
+        *overrides,
     )
 
 
@@ -289,18 +298,13 @@ def test_a_template_that_refuses_an_empty_prompt_is_not_measured_on_one(tmp_path
 
 
 def verl_config(path: Path, folder: Path, *overrides: str) -> Config:
-    """The main job's config over a verl-format parquet (validation: the same file)."""
-    return load_config(
-        "configs/ppo_tiny.yaml",
-        [
-            f"model.path={folder}",
-            "data.task=null",
-            f"data.train_file={path}",
-            f"data.val_file={path}",
-            "data.answer_key=reward_model.ground_truth",
-            "data.max_prompt_length=256",
-            *overrides,
-        ],
+    """:func:`file_config` over a verl-format parquet, the answer inside reward_model."""
+    return file_config(
+        folder,
+        path,
+        "data.answer_key=reward_model.ground_truth",
+        "data.max_prompt_length=256",
+        *overrides,
     )
 
 

@@ -250,17 +250,10 @@ def test_errors_are_one_line_of_bounded_length(tmp_path: Path) -> None:
     assert len(str(exc.value)) < len(str(jsonl)) + 170
 
 
-def test_parquet_reads_only_the_configured_columns(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A dataset's parquet with a column the run never uses (an image per row, 4 MiB in all):
-    # the table read holds the prompt and answer columns alone, the records unchanged.
-    pa = pytest.importorskip("pyarrow")
+@pytest.fixture
+def columns_read(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The columns of each table ``pyarrow.parquet.read_table`` reads, as it reads them."""
     pq = pytest.importorskip("pyarrow.parquet")
-    path = tmp_path / "p.parquet"
-    images = [bytes([i]) * 2**20 for i in range(4)]
-    table = {"question": ["1+1=", "2+2=", "3+3=", "4+4="], "image": images}
-    pq.write_table(pa.table({**table, "answer": ["2", "4", "6", "8"]}), path)
     read: list[list[str]] = []
     read_table = pq.read_table
 
@@ -270,8 +263,22 @@ def test_parquet_reads_only_the_configured_columns(
         return result
 
     monkeypatch.setattr(pq, "read_table", recording)
+    return read
+
+
+def test_parquet_reads_only_the_configured_columns(
+    tmp_path: Path, columns_read: list[list[str]]
+) -> None:
+    # A dataset's parquet with a column the run never uses (an image per row, 4 MiB in all):
+    # the table read holds the prompt and answer columns alone, the records unchanged.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "p.parquet"
+    images = [bytes([i]) * 2**20 for i in range(4)]
+    table = {"question": ["1+1=", "2+2=", "3+3=", "4+4="], "image": images}
+    pq.write_table(pa.table({**table, "answer": ["2", "4", "6", "8"]}), path)
     records, where = read_prompt_file(path, prompt_key="question")
-    assert read == [["question", "answer"]]
+    assert columns_read == [["question", "answer"]]
     assert records == [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 5)]
     assert where == [f"{path} row {i}" for i in range(1, 5)]
     with pytest.raises(DataError) as exc:
@@ -302,23 +309,14 @@ def verl_gsm8k_rows(n: int) -> dict[str, list[object]]:
 
 
 def test_a_dotted_answer_key_reads_a_field_inside_a_field(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, columns_read: list[list[str]]
 ) -> None:
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "verl.parquet"
     pq.write_table(pa.table(verl_gsm8k_rows(3)), path)
-    read: list[list[str]] = []
-    read_table = pq.read_table
-
-    def recording(*args: object, **kwargs: object) -> object:
-        result = read_table(*args, **kwargs)
-        read.append(result.column_names)
-        return result
-
-    monkeypatch.setattr(pq, "read_table", recording)
     records, _ = read_prompt_file(path, answer_key="reward_model.ground_truth")
-    assert read == [["prompt", "reward_model"]]  # the columns the two keys are in, alone
+    assert columns_read == [["prompt", "reward_model"]]  # the columns the two keys are in, alone
     assert records == [
         {"prompt": ({"role": "user", "content": f"{i}+{i}="},), "answer": str(2 * i)}
         for i in range(3)

@@ -1,6 +1,7 @@
 """A local instruct model and a GSM8K parquet as a practitioner has them: a run through the
 chat template (data.chat_template), the file's own fields and GSM8K's answer rule, scored by
-the gsm8k reward."""
+the gsm8k reward; and the same problems as verl's preprocessing writes them (a conversation, the
+answer in reward_model.ground_truth)."""
 
 from pathlib import Path
 
@@ -11,6 +12,26 @@ from chat_model_support import (
     write_verl_gsm8k_parquet,
 )
 
+# Four prompts a step, in one mini-batch of the actor's and the critic's, scored by gsm8k.
+SMALL_STEP = (
+    "data.train_batch_size=4",
+    "reward.fn=gsm8k",
+    "actor.ppo_mini_batch_size=4",
+    "actor.micro_batch_size_per_worker=4",
+    "critic.ppo_mini_batch_size=4",
+    "critic.micro_batch_size_per_worker=4",
+)
+
+
+def on_file(model: Path, path: Path) -> tuple[str, ...]:
+    """The overrides of a run of ``model`` on the prompt file ``path`` (validation: the same)."""
+    return (
+        f"model.path={model}",
+        "data.task=null",
+        f"data.train_file={path}",
+        f"data.val_file={path}",
+    )
+
 
 def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
     tmp_path: Path, train, metrics
@@ -19,22 +40,14 @@ def test_a_gsm8k_parquet_trains_a_chat_model_through_its_template(
     path = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
     train(
         tmp_path / "run",
-        f"model.path={tmp_path / 'model'}",
-        "data.task=null",
-        f"data.train_file={path}",
-        f"data.val_file={path}",
+        *on_file(tmp_path / "model", path),
         "data.prompt_key=question",
         "data.answer_rule=gsm8k",
         "data.chat_template=true",
         "data.system_prompt=You are a careful tutor.",
         "data.prompt_suffix=Put the final answer after ####.",
         "data.max_prompt_length=128",
-        "data.train_batch_size=4",
-        "reward.fn=gsm8k",
-        "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size_per_worker=4",
-        "critic.ppo_mini_batch_size=4",
-        "critic.micro_batch_size_per_worker=4",
+        *SMALL_STEP,
         "trainer.total_steps=2",
         "trainer.val_freq=2",
     )
@@ -56,19 +69,11 @@ def test_a_verl_format_parquet_trains_as_verl_wrote_it(tmp_path: Path, train, me
     path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system="You are a careful tutor.")
     train(
         tmp_path / "run",
-        f"model.path={tmp_path / 'model'}",
-        "data.task=null",
-        f"data.train_file={path}",
-        f"data.val_file={path}",
+        *on_file(tmp_path / "model", path),
         "data.answer_key=reward_model.ground_truth",
         "data.chat_template=true",
         "data.max_prompt_length=256",
-        "data.train_batch_size=4",
-        "reward.fn=gsm8k",
-        "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size_per_worker=4",
-        "critic.ppo_mini_batch_size=4",
-        "critic.micro_batch_size_per_worker=4",
+        *SMALL_STEP,
         "trainer.total_steps=1",
         "trainer.val_freq=1",
     )

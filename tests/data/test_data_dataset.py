@@ -173,7 +173,7 @@ def test_a_bos_that_is_also_the_unknown_token_is_no_unknown_character() -> None:
     limit = min(lengths)
     assert check_prompts(
         records, ["f:1", "f:2"], tokenizer, max_prompt_length=limit, overflow="truncate"
-    ) == sum(n > limit for n in lengths)
+    ) == [i for i, n in enumerate(lengths) if n > limit]
 
 
 def test_unknown_characters_of_a_long_prompt_are_looked_up_once_each(
@@ -217,3 +217,60 @@ def test_a_prompt_that_spells_a_special_token_is_refused_under_a_chat_template(
         build_datasets(config(path), tokenizer)
     path = _write_jsonl(tmp_path / "q.jsonl", ["Tom has 12 apples!", "Tom has 7 pears!"])
     build_datasets(config(path), tokenizer)
+
+
+def test_drop_leaves_the_prompts_over_the_limit_out_of_their_split(tmp_path: Path) -> None:
+    # verl's filter_overlong_prompts: the rest train, in file order, each still named by
+    # its line; the fingerprint a resume checks is of the prompts kept.
+    tokenizer = build_task_tokenizer()
+    prompts = ["1+1=", "12345678901+1=", "2+2=", "3+3=", "98765432109+1=", "4+4="]
+    path = _write_jsonl(tmp_path / "p.jsonl", prompts)
+    cfg = _config(
+        train_file=str(path), val_file=str(path), prompt_overflow="drop", max_prompt_length=8
+    )
+    train, _ = build_datasets(cfg, tokenizer)
+    assert [r["prompt"] for r in train] == ["1+1=", "2+2=", "3+3=", "4+4="]
+    assert train.where == tuple(f"{path}:{line}" for line in (1, 3, 4, 6))
+    assert (train.num_dropped, train.num_truncated) == (2, 0)
+    assert train.length_metrics("val/") == {
+        "val/data/truncated_prompts": 0.0,
+        "val/data/dropped_prompts": 2.0,
+    }
+    assert train.dropped_line(cfg.data.max_prompt_length) == (
+        "data.prompt_overflow=drop: 2 of 6 train prompts are longer than "
+        "data.max_prompt_length=8 tokens and left out"
+    )
+    kept = _write_jsonl(tmp_path / "kept.jsonl", [p for p in prompts if len(p) < 10])
+    assert (
+        train.fingerprint
+        != build_datasets(
+            _config(train_file=str(kept), val_file=str(kept), max_prompt_length=8), tokenizer
+        )[0].fingerprint
+    )
+    # Other policies log no dropped count and print no line.
+    truncated, _ = build_datasets(
+        _config(
+            train_file=str(path),
+            val_file=str(path),
+            prompt_overflow="truncate",
+            max_prompt_length=8,
+        ),
+        tokenizer,
+    )
+    assert truncated.length_metrics("") == {"data/truncated_prompts": 2.0}
+    assert truncated.dropped_line(8) is None
+
+
+def test_drop_refuses_a_split_it_would_empty(tmp_path: Path) -> None:
+    tokenizer = build_task_tokenizer()
+    path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "2+2="])
+    long = _write_jsonl(tmp_path / "long.jsonl", ["12345678901+1="] * 3)
+    cfg = _config(
+        train_file=str(path), val_file=str(long), prompt_overflow="drop", max_prompt_length=8
+    )
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, tokenizer)
+    assert str(exc.value) == (
+        "every validation prompt (3) is longer than data.max_prompt_length=8 tokens, and "
+        "data.prompt_overflow=drop leaves them all out; raise data.max_prompt_length"
+    )

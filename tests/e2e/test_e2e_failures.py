@@ -161,7 +161,10 @@ def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
     assert SECRET not in resumed.out + resumed.err + stderr
 
 
-def test_truncated_prompts_are_counted(tmp_path: Path, train) -> None:
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_prompts_over_the_limit_are_counted(
+    tmp_path: Path, train, policy: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     prompts = tmp_path / "prompts.jsonl"
     lines = [{"prompt": f"{i:03d}=", "answer": f"{i:03d}"} for i in range(40)]
     lines += [{"prompt": "1234567890123=", "answer": "1"}] * 3
@@ -175,15 +178,29 @@ def test_truncated_prompts_are_counted(tmp_path: Path, train) -> None:
         "data.task=null",
         f"data.train_file={prompts}",
         f"data.val_file={held_out}",
-        "data.prompt_overflow=truncate",
+        f"data.prompt_overflow={policy}",
         "trainer.total_steps=1",
         "trainer.workers_per_node=1",
         "actor.micro_batch_size_per_worker=8",
         "critic.micro_batch_size_per_worker=8",
     )
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert record["data/truncated_prompts"] == 3
-    assert record["val/data/truncated_prompts"] == 3
+    counts = {key: value for key, value in record.items() if key.endswith("_prompts")}
+    if policy == "truncate":
+        assert counts == {"data/truncated_prompts": 3, "val/data/truncated_prompts": 3}
+        return
+    assert counts == {
+        "data/truncated_prompts": 0,
+        "data/dropped_prompts": 3,
+        "val/data/truncated_prompts": 0,
+        "val/data/dropped_prompts": 3,
+    }
+    out = capsys.readouterr().out
+    for split, total in (("train", 43), ("validation", 8)):
+        assert (
+            f"data.prompt_overflow=drop: 3 of {total} {split} prompts are longer than "
+            "data.max_prompt_length=8 tokens and left out\n"
+        ) in out
 
 
 def test_divergence_stops_after_the_configured_streak() -> None:

@@ -137,9 +137,9 @@ class DataConfig(Section):
         5, description="Synthetic task: longest digit string in a prompt."
     )
     max_prompt_length: PositiveInt = Field(32, description="Longest prompt in tokens.")
-    prompt_overflow: Literal["truncate", "error"] = Field(
+    prompt_overflow: Literal["truncate", "error", "drop"] = Field(
         "error",
-        description="What to do with a prompt longer than max_prompt_length (truncated prompts are counted).",
+        description="What to do with a prompt longer than max_prompt_length: error (the run stops before it starts, naming the prompt); truncate (batches keep its last tokens; counted in data/truncated_prompts); drop (left out of its split, as verl's filter_overlong_prompts does; a start-up line and data/dropped_prompts count them).",
     )
     train_batch_size: PositiveInt = Field(16, description="Prompts per training step.")
     shuffle: bool = Field(

@@ -29,18 +29,35 @@ class PromptDataset(Sequence[PromptRecord]):
     """The prompt records of one split.
 
     ``num_truncated`` counts prompts longer than ``data.max_prompt_length`` that batches keep
-    only the last tokens of (``data.prompt_overflow=truncate``), for the trainer to log;
-    ``where`` says where each record comes from (``file:line``, or the task's sample), for
-    the checks that name one.
+    only the last tokens of (``data.prompt_overflow=truncate``), ``num_dropped`` those left
+    out (``drop``; None under another policy), for the trainer to log; ``where`` says where
+    each record comes from (``file:line``, or the task's sample), for the checks that name one.
     """
 
     records: tuple[PromptRecord, ...]
     name: str
     where: tuple[str, ...]
     num_truncated: int = 0
+    num_dropped: int | None = None
 
     def __len__(self) -> int:
         return len(self.records)
+
+    def length_metrics(self, prefix: str) -> dict[str, float]:
+        """The split's prompt-length counts as metrics under ``prefix``: ``data/truncated_prompts``,
+        and ``data/dropped_prompts`` where the policy drops prompts."""
+        counts = {"truncated_prompts": self.num_truncated, "dropped_prompts": self.num_dropped}
+        return {f"{prefix}data/{k}": float(v) for k, v in counts.items() if v is not None}
+
+    def dropped_line(self, max_prompt_length: int) -> str | None:
+        """With ``data.prompt_overflow=drop``, the start-up line that counts the prompts left out."""
+        if self.num_dropped is None:
+            return None
+        total = len(self) + self.num_dropped
+        return (
+            f"data.prompt_overflow=drop: {self.num_dropped:,} of {total:,} {self.name} prompts are "
+            f"longer than data.max_prompt_length={max_prompt_length} tokens and left out"
+        )
 
     @cached_property
     def fingerprint(self) -> dict[str, int | str]:
@@ -148,25 +165,28 @@ def check_prompts(
     tokenizer: PreTrainedTokenizerBase,
     *,
     max_prompt_length: int,
-    overflow: Literal["truncate", "error"],
+    overflow: Literal["truncate", "error", "drop"],
     bos: bool = True,
-) -> int:
-    """Apply the prompt-length policy; return how many prompts batches will truncate.
+) -> list[int]:
+    """Apply the prompt-length policy; return the indices of the prompts longer than
+    ``max_prompt_length``, which batches truncate (``overflow="truncate"``: they keep the last
+    tokens, where the question ends) or the dataset leaves out (``"drop"``).
 
     A prompt is measured as it is batched (BOS included unless ``bos`` is false: see
     :func:`encode_prompts`). ``overflow="error"`` raises on the first one longer than
-    ``max_prompt_length``; ``"truncate"`` counts them (batches keep the last tokens, where the
-    question ends). Prompts with characters the tokenizer maps to its
-    unknown token are errors either way: the model could not read them.
+    ``max_prompt_length``. Prompts with characters the tokenizer maps to its unknown token
+    are errors either way: the model could not read them.
     """
-    truncated = 0
+    over = []
     added = int(bos and tokenizer.bos_token_id is not None)  # the BOS encode_prompts adds
     unk = tokenizer.unk_token_id
-    for location, record, ids in zip(
-        where,
-        records,
-        encode_prompts(tokenizer, [r["prompt"] for r in records], bos=bos),
-        strict=True,
+    for index, (location, record, ids) in enumerate(
+        zip(
+            where,
+            records,
+            encode_prompts(tokenizer, [r["prompt"] for r in records], bos=bos),
+            strict=True,
+        )
     ):
         if not ids:
             raise DataError(f"{location}: prompt is empty (and the tokenizer adds no BOS)")
@@ -187,10 +207,11 @@ def check_prompts(
             with_bos = " (BOS included)" if bos and tokenizer.bos_token_id is not None else ""
             raise DataError(
                 f"{location}: prompt is {len(ids)} tokens{with_bos}, longer than "
-                f"data.max_prompt_length={max_prompt_length}; raise it or set data.prompt_overflow=truncate"
+                f"data.max_prompt_length={max_prompt_length}; raise it or set "
+                "data.prompt_overflow=truncate or drop"
             )
-        truncated += 1
-    return truncated
+        over.append(index)
+    return over
 
 
 def check_special_token_text(
@@ -260,7 +281,7 @@ def _dataset(
         check_special_token_text(records, where, tokenizer)
     formatted = format_prompts(records, where, tokenizer, data, model_path=cfg.model.path)
     check_room(tokenizer, data, model_path=cfg.model.path, bos=cfg.prompt_bos)
-    truncated = check_prompts(
+    over = check_prompts(
         formatted,
         where,
         tokenizer,
@@ -268,4 +289,21 @@ def _dataset(
         overflow=data.prompt_overflow,
         bos=cfg.prompt_bos,
     )
-    return PromptDataset(tuple(formatted), name=name, num_truncated=truncated, where=tuple(where))
+    if data.prompt_overflow != "drop":
+        return PromptDataset(
+            tuple(formatted), name=name, num_truncated=len(over), where=tuple(where)
+        )
+    if len(over) == len(formatted):
+        raise DataError(
+            f"every {name} prompt ({len(over)}) is longer than data.max_prompt_length="
+            f"{data.max_prompt_length} tokens, and data.prompt_overflow=drop leaves them all out; "
+            "raise data.max_prompt_length"
+        )
+    dropped = set(over)
+    kept = [i for i in range(len(formatted)) if i not in dropped]
+    return PromptDataset(
+        tuple(formatted[i] for i in kept),
+        name=name,
+        num_dropped=len(over),
+        where=tuple(where[i] for i in kept),
+    )

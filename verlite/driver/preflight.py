@@ -163,6 +163,9 @@ class RunInputs:
             if cfg.rollout.multi_turn.turn_stop is not None:
                 turn_stop_id(cfg, tokenizer)
         train_set, val_set = build_datasets(cfg, tokenizer)
+        for dataset in (train_set, val_set):
+            if (dropped := dataset.dropped_line(cfg.data.max_prompt_length)) is not None:
+                print(dropped, flush=True)
         check_fills_a_batch(len(train_set), cfg.data.train_batch_size, source=_source(cfg))
         check_validation_shares(cfg, len(val_set))
         turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in

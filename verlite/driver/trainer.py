@@ -523,7 +523,7 @@ class Trainer:
         step_time = time.perf_counter() - step_start
         metrics.update({f"timing_s/{stage}": seconds for stage, seconds in timer.seconds.items()})
         metrics["trainer/restarts"] = float(self.restarts)
-        metrics["data/truncated_prompts"] = float(self.train_set.num_truncated)
+        metrics.update(self.train_set.length_metrics(""))
         # The training's seconds and tokens per second (:meth:`run_step` adds validation and
         # checkpoint to timing_s/step).
         metrics["timing_s/train"] = step_time
@@ -635,13 +635,13 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``, and
-        ``val/data/truncated_prompts`` counts those cut to ``data.max_prompt_length`` (as
-        ``data/truncated_prompts`` the training set's)."""
+        ``val/data/truncated_prompts`` (and ``val/data/dropped_prompts``) count those cut to
+        ``data.max_prompt_length`` (left out), as ``data/...`` the training set's."""
         records = list(self.val_set)
         batch = self.step_source.validation_batch(records)
         scores, reward_metrics = self.scorer.score(batch, records)
         return {
             "val/score/mean": float(scores.mean()),
-            "val/data/truncated_prompts": float(self.val_set.num_truncated),
+            **self.val_set.length_metrics("val/"),
             **{f"val/{name}": value for name, value in reward_metrics.items()},
         }

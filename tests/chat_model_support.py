@@ -20,6 +20,14 @@ QWEN_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Qwen3's way of turning thinking off: the variable enable_thinking (a template keyword,
+# data.chat_template_kwargs) writes an empty thinking block after the generation prompt.
+THINKING_TEMPLATE = QWEN_TEMPLATE.replace(
+    "{{- '<|im_start|>assistant\\n' }}",
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+)
 # Llama-3-style: the template writes the BOS token itself.
 BOS_TEMPLATE = "{{- bos_token }}" + QWEN_TEMPLATE
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -74,7 +74,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         from verlite.config import TrainerConfig
         from verlite.driver.output_folder import stopped_run_hint
 
-        settings = _trainer_settings(Path(args.run_dir))  # as the run's config.json has them
+        settings = _run_settings(Path(args.run_dir), "trainer")  # as its config.json has them
         try:
             trainer = TrainerConfig.model_validate(settings) if settings else None
         except ValidationError:
@@ -91,7 +91,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 "with actor.lora.rank > 0"
             )
         print(f"{policy}: full weights (Hugging Face format)")
-        _say_chat_template(policy)
+        _say_chat_template(policy, Path(args.run_dir))
         return 0
     try:
         config = json.loads(adapter_config.read_text())
@@ -108,7 +108,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{policy}: LoRA adapter (peft, rank {config.get('r')}) over the base "
             f"{config.get('base_model_name_or_path')}; --merge writes merged weights"
         )
-        _say_chat_template(policy)
+        _say_chat_template(policy, Path(args.run_dir))
         return 0
     out = Path(args.out) if args.out else Path(args.run_dir) / MERGED_FOLDER
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -123,7 +123,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     merge_adapter(policy, out)
     AutoTokenizer.from_pretrained(str(policy)).save_pretrained(str(out))
     print(f"{out}: merged weights (Hugging Face format)")
-    _say_chat_template(out)
+    _say_chat_template(out, Path(args.run_dir))
     return 0
 
 
@@ -134,23 +134,25 @@ def _why_no_policy(run_dir: Path) -> str:
     if run_dir.resolve().name in (POLICY_FOLDER, MERGED_FOLDER):
         run = str(run_dir.resolve().parent)
         return f"this is the exported policy itself: give its run folder, {run!r}"
-    if _trainer_settings(run_dir).get("export") is False:
+    if _run_settings(run_dir, "trainer").get("export") is False:
         return "the run has trainer.export=false, which exports none"
     return "a run exports it when it finishes"
 
 
-def _trainer_settings(run_dir: Path) -> dict[str, Any]:
-    """The ``trainer`` section of the run's logged ``config.json``; empty where unreadable."""
+def _run_settings(run_dir: Path, section: str) -> dict[str, Any]:
+    """A section of the run's logged ``config.json``; empty where unreadable."""
     try:
         config = json.loads((run_dir / RUN_CONFIG).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         config = None
-    trainer = config.get("trainer") if isinstance(config, dict) else None
-    return trainer if isinstance(trainer, dict) else {}
+    settings = config.get(section) if isinstance(config, dict) else None
+    return settings if isinstance(settings, dict) else {}
 
 
-def _say_chat_template(folder: Path) -> None:
-    """One line when the tokenizer saved in ``folder`` carries a chat template."""
+def _say_chat_template(folder: Path, run_dir: Path) -> None:
+    """One line when the tokenizer saved in ``folder`` carries a chat template: the call that
+    renders the prompts the run trained on, with the template variables it set
+    (``data.chat_template_kwargs``, from its ``config.json``)."""
     if not (folder / CHAT_TEMPLATE_FILE).is_file():
         try:
             config = json.loads((folder / TOKENIZER_CONFIG).read_text())
@@ -158,8 +160,14 @@ def _say_chat_template(folder: Path) -> None:
             return
         if not (isinstance(config, dict) and config.get("chat_template")):
             return
+    variables = _run_settings(run_dir, "data").get("chat_template_kwargs")
+    arguments = (
+        "".join(f", {name}={value!r}" for name, value in variables.items())
+        if isinstance(variables, dict)
+        else ""
+    )
     print(
         f"{folder}: its tokenizer has a chat template; generate from "
-        "tokenizer.apply_chat_template(messages, add_generation_prompt=True), the prompts a "
-        "run with data.chat_template=true trained on"
+        f"tokenizer.apply_chat_template(messages, add_generation_prompt=True{arguments}), the "
+        "prompts a run with data.chat_template=true trained on"
     )

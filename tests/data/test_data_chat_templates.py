@@ -12,6 +12,7 @@ from chat_model_support import (
     BOS_TEMPLATE,
     PROBLEMS,
     QWEN_TEMPLATE,
+    THINKING_TEMPLATE,
     VERL_INSTRUCTION,
     save_chat_model,
     write_gsm8k_parquet,
@@ -382,3 +383,61 @@ def test_a_conversation_that_spells_a_special_token_is_refused_naming_its_turn(
         f"{path} row 1: the prompt holds '<|im_end|>', the text of a special token of the "
         "tokenizer, which would read it as that token inside the chat template's system turn"
     )
+
+
+def test_template_variables_reach_every_rendering(tmp_path: Path) -> None:
+    """data.chat_template_kwargs are the template's variables (Qwen3's enable_thinking): the
+    prompts are apply_chat_template's tokens with them."""
+    save_chat_model(tmp_path, THINKING_TEMPLATE)
+    tokenizer = load_tokenizer(str(tmp_path))
+    for variables, closing in (({}, ""), ({"enable_thinking": False}, "<think>\n\n</think>\n\n")):
+        cfg = gsm8k_config(
+            tmp_path,
+            "data.chat_template=true",
+            f"data.system_prompt={SYSTEM}",
+            f"data.chat_template_kwargs={variables}",
+        )
+        _, val = build_datasets(cfg, tokenizer)
+        messages = [
+            [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+            for q, _, _ in PROBLEMS
+        ]
+        expected = [
+            tokenizer.apply_chat_template(
+                m, add_generation_prompt=True, return_dict=False, **variables
+            )
+            for m in messages
+        ]
+        source = StepSource.__new__(StepSource)
+        source.cfg, source.tokenizer = cfg, tokenizer
+        assert real_tokens(source._tensordict(list(val), repeat=1, temperature=0.0)) == expected
+        assert all(r["prompt"].endswith(f"<|im_start|>assistant\n{closing}") for r in val)
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        (
+            "{enable_thinkng: false}",
+            "data.chat_template_kwargs: the chat template of model.path='{model}' reads no "
+            "variable ['enable_thinkng']; it reads ['enable_thinking']",
+        ),
+        (
+            "{tokenize: true, bos_token: x}",
+            "data.chat_template_kwargs: ['bos_token', 'tokenize'] are apply_chat_template's own "
+            "parameters or the tokenizer's special tokens, which verlite sets; a template "
+            "variable needs another name",
+        ),
+    ],
+    ids=["misspelt", "reserved"],
+)
+def test_template_variables_the_template_cannot_take_are_refused(
+    tmp_path: Path, variables: str, message: str
+) -> None:
+    save_chat_model(tmp_path, THINKING_TEMPLATE, bos=True)
+    cfg = gsm8k_config(
+        tmp_path, "data.chat_template=true", f"data.chat_template_kwargs={variables}"
+    )
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert str(exc.value) == message.format(model=tmp_path)

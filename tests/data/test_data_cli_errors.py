@@ -121,6 +121,17 @@ def test_settings_that_do_not_go_together(
     assert "data.answer_rule='gsm8k' reads the rows of prompt files, but data.task=copy" in run(
         capsys, "data.answer_rule=gsm8k"
     )
+    assert (
+        "data.chat_template_kwargs={'enable_thinking': False} are variables of the chat "
+        "template, which is off"
+    ) in run(
+        capsys, *gsm8k_run(files, "model", "data.chat_template_kwargs={enable_thinking: false}")
+    )
+    assert "data.chat_template_kwargs: the chat template of model.path=" in run(
+        capsys,
+        *gsm8k_run(files, "model", "data.prompt_key=question", "data.chat_template=true"),
+        "data.chat_template_kwargs={enable_thinking: false}",
+    )
     # Multi-turn turns through a template that has no tool role (observations are tool turns).
     err = run(
         capsys,

@@ -447,3 +447,19 @@ def test_an_observation_role_without_a_chat_template_is_refused() -> None:
         "rollout.multi_turn.observation_role=user is the role of the chat template's observation "
         "turns, but data.chat_template is off; set data.chat_template=true or unset it"
     )
+
+
+# A template whose tool turns are headed by a variable's text when the run sets it.
+HEADED_TOOL_TEMPLATE = QWEN_TOOL_TEMPLATE.replace(
+    "'\\n<tool_response>\\n' + message.content",
+    "'\\n<tool_response>\\n' + (tool_header if tool_header is defined else '') + message.content",
+)
+
+
+def test_the_turn_format_renders_with_the_template_variables() -> None:
+    # data.chat_template_kwargs reach the observation turns as they reach the prompts.
+    assert HEADED_TOOL_TEMPLATE != QWEN_TOOL_TEMPLATE
+    plain, _ = turns_of(HEADED_TOOL_TEMPLATE)
+    headed, _ = turns_of(HEADED_TOOL_TEMPLATE, "data.chat_template_kwargs={tool_header: '#1 '}")
+    assert plain.observation_text("=4") == headed.observation_text("=4").replace("#1 ", "")
+    assert "<tool_response>\n#1 =4" in headed.observation_text("=4")

@@ -106,10 +106,11 @@ def recorded_config(flat: Mapping[str, Any]) -> Config | None:
 def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """A config mapping (a ``model_dump``, a checkpoint's record) by dotted key: each value
     that is no mapping under the keys that lead to it (a tuple as a list, as JSON reads it
-    back); :func:`unflatten` inverts it."""
+    back), and each empty mapping as a value (``data.chat_template_kwargs={}``), which no key
+    would otherwise keep; :func:`unflatten` inverts it."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
-        if isinstance(value, Mapping):
+        if isinstance(value, Mapping) and value:
             flat.update(flatten(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value

@@ -165,6 +165,10 @@ class DataConfig(Section):
         None,
         description="With data.chat_template: the system turn's text before each prompt (an empty string is an empty system turn). None: no system turn (the template may add its own default).",
     )
+    chat_template_kwargs: dict[str, str | int | float | bool | None] = Field(
+        default_factory=dict,
+        description="With data.chat_template: variables the template reads, passed to apply_chat_template with every conversation it renders (prompts, the system turn's check, multi-turn turns), e.g. {enable_thinking: false} for Qwen3's template. A name the template does not read, or one of apply_chat_template's own parameters, is refused before the run starts.",
+    )
     prompt_suffix: NonEmptyStr | None = Field(
         None,
         description="Text appended to every prompt after a space (to the user turn with data.chat_template; to a conversation's last turn), e.g. an instruction 'Put the final answer in \\boxed{}.'.",
@@ -190,6 +194,12 @@ class DataConfig(Section):
                         f"data.{name}={value!r} reads the rows of prompt files, but "
                         f"data.task={self.task} generates its prompts; unset one of them"
                     )
+        if self.chat_template_kwargs and not self.chat_template:
+            raise ValueError(
+                f"data.chat_template_kwargs={self.chat_template_kwargs} are variables of the chat "
+                "template, which is off; set data.chat_template=true or unset "
+                "data.chat_template_kwargs"
+            )
         if self.system_prompt is not None and not self.chat_template:
             raise ValueError(
                 "data.system_prompt is a turn of the chat template, which is off; set "

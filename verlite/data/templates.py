@@ -17,10 +17,17 @@ rewrites earlier turns when a later one comes) is refused before the run starts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
+from typing import Any
 
+import jinja2
+import jinja2.ext
+import jinja2.meta
+import jinja2.nodes
+import jinja2.parser
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, DataConfig
@@ -52,6 +59,8 @@ def format_prompts(
             "template (no chat_template in its tokenizer_config.json, no chat_template.jinja); "
             "save a tokenizer that has one, or set data.chat_template=false"
         )
+    if data.chat_template and data.chat_template_kwargs:
+        _check_variables(tokenizer, data, model_path)
     if data.chat_template and data.system_prompt is not None:
         _check_system_turn(tokenizer, data, model_path)
     if data.prompt_suffix is not None and (
@@ -67,7 +76,9 @@ def format_prompts(
     for location, record in zip(where, records, strict=True):
         prompt = record["prompt"]
         if data.chat_template:
-            prompt = _render(location, _conversation(location, prompt, data), tokenizer, model_path)
+            prompt = _render(
+                location, _conversation(location, prompt, data), tokenizer, data, model_path
+            )
         elif not isinstance(prompt, str):
             raise DataError(
                 f"{location}: field {data.prompt_key!r} (data.prompt_key) is a list of chat "
@@ -126,6 +137,50 @@ def check_room(
         )
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """Transformers' ``{% generation %}...{% endgeneration %}`` block (the assistant-token
+    mask's marker some templates carry), read as its body: what finding the variables a
+    template reads needs of it."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it so)
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _check_variables(
+    tokenizer: PreTrainedTokenizerBase, data: DataConfig, model_path: str | None
+) -> None:
+    """Each name of ``data.chat_template_kwargs`` is a variable the template reads (a
+    misspelt one, ``enable_thinkng``, would change nothing without a word), and none is a
+    parameter of ``apply_chat_template`` or a special token's variable (``bos_token``: a
+    keyword replaces the tokenizer's, which the template writes)."""
+    field = "data.chat_template_kwargs"
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    reserved = own | {"messages", *tokenizer.special_tokens_map}
+    if taken := sorted(set(data.chat_template_kwargs) & reserved):
+        raise DataError(
+            f"{field}: {shown(taken, 80)} {'is' if len(taken) == 1 else 'are'} apply_chat_template's "
+            "own parameters or the tokenizer's special tokens, which verlite sets; a template "
+            "variable needs another name"
+        )
+    source = tokenizer.get_chat_template()
+    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+    try:
+        read = jinja2.meta.find_undeclared_variables(environment.parse(source))
+    except jinja2.TemplateSyntaxError as exc:
+        raise DataError(
+            f"the chat template of model.path={model_path!r} cannot be parsed (line {exc.lineno}: "
+            f"{exc.message}), so the variables of {field} cannot be checked against it"
+        ) from None
+    if unread := sorted(set(data.chat_template_kwargs) - read):
+        raise DataError(
+            f"{field}: the chat template of model.path={model_path!r} reads no variable "
+            f"{shown(unread, 80)}; it reads {shown(sorted(read - reserved), 200)}"
+        )
+
+
 def _check_system_turn(
     tokenizer: PreTrainedTokenizerBase, data: DataConfig, model_path: str | None
 ) -> None:
@@ -144,6 +199,7 @@ def _check_system_turn(
         [*_system(data), {"role": "user", "content": _QUESTION}],
         generation_prompt=True,
         failure=f"{where} fails on the system turn {setting}; {remedy}",
+        variables=data.chat_template_kwargs,
     )
     assert data.system_prompt is not None  # checked only when set
     if data.system_prompt.strip() not in text:
@@ -185,14 +241,17 @@ def _apply(
     *,
     generation_prompt: bool,
     failure: str,
+    variables: Mapping[str, Any],
 ) -> str:
-    """The template's text of ``messages``; when it raises, a :class:`DataError` of
-    ``failure`` and the template's message."""
+    """The template's text of ``messages``, the template reading ``variables`` besides
+    (``data.chat_template_kwargs``); when it raises, a :class:`DataError` of ``failure`` and
+    the template's message."""
     try:
         text = tokenizer.apply_chat_template(
             [{"role": m["role"], "content": m["content"]} for m in messages],
             add_generation_prompt=generation_prompt,
             tokenize=False,
+            **variables,
         )
     # The template is the model author's Jinja code: a syntax error, its own
     # raise_exception (e.g. "system role not supported") or a filter's TypeError.
@@ -206,6 +265,7 @@ def _render(
     location: str,
     messages: list[Message],
     tokenizer: PreTrainedTokenizerBase,
+    data: DataConfig,
     model_path: str | None,
 ) -> str:
     """The template's text of a prompt's ``messages``, with the generation prompt; one that
@@ -217,6 +277,7 @@ def _render(
         generation_prompt=True,
         failure=f"{location}: the chat template of model.path={model_path!r} fails on this "
         "prompt (data.chat_template=true)",
+        variables=data.chat_template_kwargs,
     )
     if not isinstance(text, str) or not text.strip():
         raise DataError(
@@ -253,6 +314,7 @@ class TurnFormat:
     end_ids: tuple[int, ...]  # the template's end of an assistant turn, tokenized once
     end: str  # ... as text
     model_path: str | None
+    variables: Mapping[str, Any]  # data.chat_template_kwargs
 
     def observation_text(self, observation: str) -> str:
         """The template's text after an assistant turn's end: ``observation`` as a turn of
@@ -285,6 +347,7 @@ class TurnFormat:
             generation_prompt=True,
             failure=f"the chat template of model.path={self.model_path!r} fails on an "
             f"observation turn ({field}; a template without a tool role: set it to user)",
+            variables=self.variables,
         )
         if not text.startswith(self.before + self.end):
             raise DataError(
@@ -349,12 +412,11 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
         return None
     where = f"the chat template of model.path={cfg.model.path!r}"
     head = [*_system(cfg.data), Message(role="user", content=_QUESTION)]
-    prompt = _apply(tokenizer, head, generation_prompt=True, failure=f"{where} fails")
-    opening = prompt[
-        len(_apply(tokenizer, head, generation_prompt=False, failure=f"{where} fails")) :
-    ]
-    closed = _apply(
-        tokenizer,
+    variables = cfg.data.chat_template_kwargs
+    apply = partial(_apply, tokenizer, variables=variables)
+    prompt = apply(head, generation_prompt=True, failure=f"{where} fails")
+    opening = prompt[len(apply(head, generation_prompt=False, failure=f"{where} fails")) :]
+    closed = apply(
         [*head, Message(role="assistant", content=_CONTENT)],
         generation_prompt=False,
         failure=f"{where} fails on an assistant turn",
@@ -376,6 +438,7 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
         tuple(tokenizer.encode(end, add_special_tokens=False)),
         end,
         cfg.model.path,
+        variables,
     )
     sample = turns.observation_text(_SAMPLE)
     field = f"rollout.multi_turn.observation_role={turns.role}"

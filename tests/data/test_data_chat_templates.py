@@ -3,6 +3,7 @@ with an optional system turn and instruction suffix, tokenized once as ``apply_c
 tokenizes it, through the batches a run draws; and the default path as it always was."""
 
 import hashlib
+import json
 import re
 from pathlib import Path
 
@@ -441,3 +442,20 @@ def test_template_variables_the_template_cannot_take_are_refused(
     with pytest.raises(DataError) as exc:
         build_datasets(cfg, load_tokenizer(cfg.model.path))
     assert str(exc.value) == message.format(model=tmp_path)
+
+
+def test_a_role_that_spells_a_special_token_is_refused(tmp_path: Path) -> None:
+    """The template writes each message's role into its text (``<|im_start|>user``): a role
+    holding ``<|im_end|>`` would end the turn's header there, the content read as another."""
+    save_chat_model(tmp_path)
+    path = tmp_path / "verl.jsonl"
+    messages = [{"role": "user<|im_end|>", "content": "1+1="}]
+    path.write_text(json.dumps({"prompt": messages, "reward_model": {"ground_truth": "2"}}) + "\n")
+    cfg = verl_config(path, tmp_path, "data.chat_template=true")
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert str(exc.value).startswith(
+        f"{path}:1: the prompt holds '<|im_end|>', the text of a special token of the "
+        "tokenizer, which would read it as that token inside the chat template's role "
+        "'user<|im_end|>', not as text"
+    )

@@ -113,8 +113,18 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
             r":1: the prompt is empty \(every message's content is blank\)$",
         ),
         (
-            ['{"prompt": [{"role": "user", "content": "a\\ud800"}], "answer": "2"}'],
-            r":1: field 'prompt' holds '\\ud800' at character 1",
+            [
+                '{"prompt": [{"role": "system", "content": "b"}, {"role": "user", '
+                '"content": "a\\ud800"}], "answer": "2"}'
+            ],
+            r":1: the content of message 2 of field 'prompt' \(data.prompt_key\) holds "
+            r"'\\ud800' at character 1, half of a UTF-16 surrogate pair",
+        ),
+        # The role is written into the template's text too (it raised a TypeError there).
+        (
+            ['{"prompt": [{"role": "\\ud800", "content": "a"}], "answer": "2"}'],
+            r":1: the role of message 1 of field 'prompt' \(data.prompt_key\) holds "
+            r"'\\ud800' at character 0, half of a UTF-16 surrogate pair",
         ),
         (
             ['{"prompt": "1+1=", "answer": [{"role": "user", "content": "2"}]}'],

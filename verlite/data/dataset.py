@@ -17,7 +17,7 @@ from typing import Literal, overload
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
-from verlite.data.files import DataError, PromptRecord, SourceRecord, read_prompt_file
+from verlite.data.files import DataError, Message, PromptRecord, SourceRecord, read_prompt_file
 from verlite.data.tasks import TASKS
 from verlite.data.templates import check_room, format_prompts
 from verlite.data.tokenizer import encode_prompts, special_tokens, unknown_characters
@@ -224,28 +224,29 @@ def check_special_token_text(
     with special tokens split instead would split the template's own tokens too (it is
     rendered into the same text), and the prompt text that rewards, exports and the length
     policy receive would no longer be what the model reads. Checked on the prompt field as
-    the file has it (each message's content, of a conversation), before the suffix and the
-    template. Without a template the prompt is the model's input as written, markup a user
+    the file has it (each message's role and content, of a conversation), before the suffix
+    and the template. Without a template the prompt is the model's input as written, markup a user
     rendered ahead included."""
     pattern = _special_token_pattern(tokenizer)
     if pattern is None:
         return
     for location, record in zip(where, records, strict=True):
         prompt = record["prompt"]
-        turns = (
-            [("user", prompt)]
-            if isinstance(prompt, str)
-            else [(m["role"], m["content"]) for m in prompt]
-        )
-        for role, content in turns:
-            found = pattern.search(content)
-            if found is not None:
-                raise DataError(
-                    f"{location}: the prompt holds {found.group()!r}, the text of a special "
-                    f"token of the tokenizer, which would read it as that token inside the chat "
-                    f"template's {role} turn, not as text; with data.chat_template=true prompts "
-                    "may not spell special tokens: remove or reword it"
-                )
+        messages = [Message(role="user", content=prompt)] if isinstance(prompt, str) else prompt
+        for message in messages:
+            # The template writes a message's role into its text as well as its content.
+            for text, place in (
+                (message["content"], f"{message['role']} turn"),
+                (message["role"], f"role {shown(message['role'], 40)}"),
+            ):
+                found = pattern.search(text)
+                if found is not None:
+                    raise DataError(
+                        f"{location}: the prompt holds {found.group()!r}, the text of a special "
+                        f"token of the tokenizer, which would read it as that token inside the "
+                        f"chat template's {place}, not as text; with data.chat_template=true "
+                        "prompts may not spell special tokens: remove or reword it"
+                    )
 
 
 def _special_token_pattern(tokenizer: PreTrainedTokenizerBase) -> re.Pattern[str] | None:

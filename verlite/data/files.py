@@ -121,7 +121,7 @@ def _prompt(location: str, key: str, value: Any) -> str | Conversation:
     end with the assistant's turn (the policy writes that one); not blank either way."""
     field = f"field {key!r} (data.prompt_key)"
     if isinstance(value, str):
-        _check_unicode(location, key, value)
+        _check_unicode(f"{location}: field {key!r}", value)
         if not value.strip():
             # The policy would answer nothing but the begin-of-sequence token.
             raise DataError(f"{location}: the prompt is empty")
@@ -136,12 +136,13 @@ def _prompt(location: str, key: str, value: Any) -> str | Conversation:
         where = f"{location}: message {number} of {field}"
         if not isinstance(message, dict):
             raise DataError(f"{where} must be an object, got {_wrong_type(message)}")
-        for name in ("role", "content"):
+        for name in ("role", "content"):  # both are written into the template's text
             if not isinstance(message.get(name), str) or (name == "role" and not message[name]):
                 raise DataError(
                     f"{where} needs a {'non-empty ' if name == 'role' else ''}string {name!r}, "
                     f"got {_wrong_type(message.get(name))}"
                 )
+            _check_unicode(f"{location}: the {name} of message {number} of {field}", message[name])
         # A Parquet column of messages has every field any message has: None where unset.
         if other := sorted(
             k for k, v in message.items() if k not in Message.__annotations__ and v is not None
@@ -150,7 +151,6 @@ def _prompt(location: str, key: str, value: Any) -> str | Conversation:
                 f"{where} has {shown(other, 60)}, which verlite does not render; a message "
                 "holds a role and its content"
             )
-        _check_unicode(location, key, message["content"])
         messages.append(Message(role=message["role"], content=message["content"]))
     if messages[-1]["role"] == "assistant":
         raise DataError(
@@ -173,7 +173,7 @@ def _answer(location: str, key: str, rule: str, value: Any) -> str:
             f"{location}: field {key!r} (data.answer_key) must be a string or an integer, got "
             f"{_wrong_type(value)}{hint}"
         )
-    _check_unicode(location, key, value)
+    _check_unicode(f"{location}: field {key!r}", value)
     extract, wanted = ANSWER_RULES[rule]
     answer = extract(value)
     if answer is None:
@@ -189,14 +189,15 @@ def _wrong_type(value: Any) -> str:
     return "null" if value is None else f"{type(value).__name__} {shown(value, 80)}"
 
 
-def _check_unicode(location: str, key: str, value: str) -> None:
+def _check_unicode(what: str, value: str) -> None:
     """A JSON string may escape half of a UTF-16 surrogate pair (``"\\ud800"``), which is
-    no character: the tokenizer would raise a TypeError on it at the first batch."""
+    no character: the tokenizer would raise a TypeError on it at the first batch. ``what``
+    says where the string is, its file and row first (``file:3: field 'prompt'``)."""
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise DataError(
-            f"{location}: field {key!r} holds {value[exc.start]!r} at character {exc.start}, "
+            f"{what} holds {value[exc.start]!r} at character {exc.start}, "
             "half of a UTF-16 surrogate pair, which is no text; escape whole characters only"
         ) from None
 

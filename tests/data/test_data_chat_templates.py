@@ -5,10 +5,12 @@ tokenizes it, through the batches a run draws; and the default path as it always
 import hashlib
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from chat_model_support import (
     BOS_TEMPLATE,
     PROBLEMS,
@@ -459,3 +461,30 @@ def test_a_role_that_spells_a_special_token_is_refused(tmp_path: Path) -> None:
         "tokenizer, which would read it as that token inside the chat template's role "
         "'user<|im_end|>', not as text"
     )
+
+
+GUIDE = Path(__file__).parents[2] / "docs" / "datasets-and-chat-templates.md"
+
+
+def test_the_guides_settings_for_verls_files_train_on_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The settings the guide's "verl's files as they are" gives, as written (its paths
+    relative to the folder verlite runs in), over the main job's config: verl's GSM8K
+    reads, its answers taken from reward_model.ground_truth."""
+    section = GUIDE.read_text().split("## verl's files as they are", 1)[1]
+    settings = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    monkeypatch.chdir(tmp_path)
+    save_chat_model(tmp_path / "model")
+    verl = write_verl_gsm8k_parquet(tmp_path / "verl.parquet")
+    for key in ("train_file", "val_file"):  # copied: pyarrow would expand a ~ of the path
+        Path(settings["data"][key]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(verl, settings["data"][key])
+    raw = yaml.safe_load((Path(__file__).parents[2] / "configs" / "ppo_tiny.yaml").read_text())
+    for section_name, fields in settings.items():
+        raw[section_name] = {**raw.get(section_name, {}), **fields}
+    raw["model"] = {**raw["model"], "path": str(tmp_path / "model")}
+    cfg = load_config(raw)
+    train, val = build_datasets(cfg, load_tokenizer(cfg.model.path))
+    answers = ["72", "15", "1234", "10", "42", "12", "42", "99"]
+    assert [r["answer"] for r in train] == [r["answer"] for r in val] == answers

@@ -372,3 +372,16 @@ def test_a_dotted_key_that_finds_no_field_says_where_it_stopped(
     with pytest.raises(DataError) as exc:
         read_prompt_file(path, answer_key=key)
     assert str(exc.value) == f"{path}:1: {message}"
+
+
+def test_a_dotted_prompt_key_reads_a_field_inside_a_field(tmp_path: Path) -> None:
+    # Both keys inside one struct column: it is read once, each key's field taken from it.
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "nested.parquet"
+    rows = [{"question": "1+1=", "answer": 2}, {"question": "2+2=", "answer": 4}]
+    pq.write_table(pa.table({"extra_info": rows}), path)
+    records, _ = read_prompt_file(
+        path, prompt_key="extra_info.question", answer_key="extra_info.answer"
+    )
+    assert records == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]

@@ -147,7 +147,7 @@ class DataConfig(Section):
     )
     prompt_key: NonEmptyStr = Field(
         "prompt",
-        description="Prompt files: the field of a row that holds the prompt (GSM8K: question, MATH: problem): text, or a conversation as verl's files store it (a list of {role, content} messages, not ending with the assistant's; needs data.chat_template).",
+        description="Prompt files: the field of a row that holds the prompt (GSM8K: question, MATH: problem): text, or a conversation as verl's files store it (a list of {role, content} messages, not ending with the assistant's; needs data.chat_template). A key with dots names a field inside fields, as data.answer_key's does.",
     )
     answer_key: NonEmptyStr = Field(
         "answer",

@@ -1,6 +1,8 @@
 """A prompt as the policy reads it: ``data.prompt_suffix`` appended to the record's prompt and,
 with ``data.chat_template``, the tokenizer's own chat template rendered around it (an
-optional system turn, the user turn, the assistant's generation prompt).
+optional system turn, the user turn, the assistant's generation prompt). A prompt file's
+conversation (:mod:`verlite.data.files`) is rendered as its own messages, the suffix after
+its last turn's content; only a chat template renders one.
 
 The rendered text becomes the record's prompt: what batches tokenize (once, without a BOS
 of verlite's: the template writes the model's special tokens itself), what the length

@@ -95,24 +95,23 @@ def read_prompt_file(
 def _field(location: str, row: dict[str, Any], key: str, setting: str) -> Any:
     """The row's field ``key``; without one, a dotted key's field inside fields
     (``reward_model.ground_truth``). Missing: a :class:`DataError` naming the key, its setting
-    and what the row (or the field the path stopped at) has."""
+    and what the row (or the field the key's parts stopped at) has."""
     if key in row:
         return row[key]
     value: Any = row
-    path: list[str] = []
-    for part in key.split("."):
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
         if not isinstance(value, dict) or part not in value:
             has = (
                 f"{shown(sorted(map(str, value)), 80)}"
                 if isinstance(value, dict)
                 else f"no fields ({_wrong_type(value)})"
             )
-            inside = f"its field {'.'.join(path)!r}" if path else "the row"
+            inside = f"its field {'.'.join(parts[:depth])!r}" if depth else "the row"
             raise DataError(
                 f"{location}: missing field {key!r} (data.{setting}); {inside} has {has}"
             )
         value = value[part]
-        path.append(part)
     return value
 
 

@@ -198,7 +198,7 @@ def _check_system_turn(
     )
     text = _apply(
         tokenizer,
-        [*_system(data), {"role": "user", "content": _QUESTION}],
+        [*_system(data), Message(role="user", content=_QUESTION)],
         generation_prompt=True,
         failure=f"{where} fails on the system turn {setting}; {remedy}",
         variables=data.chat_template_kwargs,

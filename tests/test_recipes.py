@@ -10,6 +10,7 @@ import torch
 from chat_model_support import save_chat_model, write_gsm8k_parquet, write_verl_gsm8k_parquet
 
 from verlite.config import ConfigError, load_config
+from verlite.data import DataError
 from verlite.data.dataset import build_datasets
 from verlite.data.tokenizer import load_tokenizer
 
@@ -87,3 +88,20 @@ def test_a_verl_format_file_gives_a_recipe_the_prompts_of_gsm8ks_own(
         datasets.append(build_datasets(load_config(recipe, [*paths, *overrides]), tokenizer))
     (train, val), (verl_train, verl_val) = datasets
     assert verl_train.records == train.records and verl_val.records == val.records
+
+
+def test_a_verl_format_file_with_the_recipes_suffix_left_set_is_refused(tmp_path: Path) -> None:
+    """verl's prompts already end with the instruction the recipe appends: without
+    data.prompt_suffix=null each would hold it twice, which is refused naming the row."""
+    save_chat_model(tmp_path / "model")
+    data = write_verl_gsm8k_parquet(tmp_path / "verl.parquet")
+    overrides = [o for o in VERL_OVERRIDES.split() if o != "data.prompt_suffix=null"]
+    paths = [f"model.path={tmp_path / 'model'}", f"data.train_file={data}", f"data.val_file={data}"]
+    cfg = load_config(ROOT / "configs" / "recipes" / "gsm8k_ppo.yaml", [*paths, *overrides])
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(str(tmp_path / "model"), task=None))
+    assert str(exc.value) == (
+        f"{data} row 1: the prompt already ends with data.prompt_suffix='Let\\'s think step by "
+        'step [...]final answer after "####".\', which would be written twice; set '
+        "data.prompt_suffix=null for a file whose prompts hold it"
+    )

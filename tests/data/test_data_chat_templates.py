@@ -488,3 +488,32 @@ def test_the_guides_settings_for_verls_files_train_on_one(
     train, val = build_datasets(cfg, load_tokenizer(cfg.model.path))
     answers = ["72", "15", "1234", "10", "42", "12", "42", "99"]
     assert [r["answer"] for r in train] == [r["answer"] for r in val] == answers
+
+
+@pytest.mark.parametrize("template", [False, True], ids=["as text", "in the template"])
+def test_a_prompt_that_already_ends_with_the_suffix_is_refused(
+    tmp_path: Path, template: bool
+) -> None:
+    """A file whose prompts hold the instruction data.prompt_suffix appends: refused naming
+    the row, with or without the template, rather than the instruction written twice."""
+    save_chat_model(tmp_path)
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": f"2+2= {SUFFIX}\n", "answer": "4"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            f"model.path={tmp_path}",
+            "data.task=null",
+            f"data.train_file={path}",
+            f"data.val_file={path}",
+            f"data.chat_template={str(template).lower()}",
+            f"data.prompt_suffix={SUFFIX}",
+        ],
+    )
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert str(exc.value) == (
+        f"{path}:2: the prompt already ends with data.prompt_suffix={SUFFIX!r}, which would be "
+        "written twice; set data.prompt_suffix=null for a file whose prompts hold it"
+    )

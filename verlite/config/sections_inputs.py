@@ -171,7 +171,7 @@ class DataConfig(Section):
     )
     prompt_suffix: NonEmptyStr | None = Field(
         None,
-        description="Text appended to every prompt after a space (to the user turn with data.chat_template; to a conversation's last turn), e.g. an instruction 'Put the final answer in \\boxed{}.'.",
+        description="Text appended to every prompt after a space (to the user turn with data.chat_template; to a conversation's last turn), e.g. an instruction 'Put the final answer in \\boxed{}.'. A prompt that already ends with it is refused (it would hold it twice).",
     )
 
     @model_validator(mode="after")

@@ -53,8 +53,8 @@ def format_prompts(
 ) -> list[PromptRecord]:
     """``records`` with each prompt as the policy reads it; a text prompt unchanged without a
     suffix or a chat template. A tokenizer without a chat template, a template that fails on
-    a prompt or renders only whitespace, a conversation without a template: a
-    :class:`DataError` naming the setting (and the prompt)."""
+    a prompt or renders only whitespace, a conversation without a template, a prompt that
+    already ends with the suffix: a :class:`DataError` naming the setting (and the prompt)."""
     if data.chat_template and tokenizer.chat_template is None:
         raise DataError(
             f"data.chat_template=true, but the tokenizer of model.path={model_path!r} has no chat "
@@ -86,8 +86,8 @@ def format_prompts(
                 f"{location}: field {data.prompt_key!r} (data.prompt_key) is a list of chat "
                 "messages, which only a chat template renders; set data.chat_template=true"
             )
-        elif data.prompt_suffix is not None:
-            prompt = f"{prompt} {data.prompt_suffix}"
+        else:
+            prompt = _with_suffix(location, prompt, data)
         formatted.append(PromptRecord(prompt=prompt, answer=record["answer"]))
     return formatted
 
@@ -231,10 +231,24 @@ def _conversation(location: str, prompt: str | Conversation, data: DataConfig) -
         )
     else:
         messages = list(prompt)
-    if data.prompt_suffix is not None:
-        last = messages[-1]
-        messages[-1] = Message(role=last["role"], content=f"{last['content']} {data.prompt_suffix}")
+    last = messages[-1]
+    messages[-1] = Message(role=last["role"], content=_with_suffix(location, last["content"], data))
     return [*_system(data), *messages]
+
+
+def _with_suffix(location: str, text: str, data: DataConfig) -> str:
+    """``text`` and ``data.prompt_suffix`` after a space (unchanged without one). A text that
+    already ends with the suffix (a file written with its instruction, as verl's are, run
+    with a recipe's suffix) is refused: the instruction would be written twice."""
+    if data.prompt_suffix is None:
+        return text
+    if (written := data.prompt_suffix.strip()) and text.rstrip().endswith(written):
+        raise DataError(
+            f"{location}: the prompt already ends with data.prompt_suffix="
+            f"{shown(data.prompt_suffix, 60)}, which would be written twice; set "
+            "data.prompt_suffix=null for a file whose prompts hold it"
+        )
+    return f"{text} {data.prompt_suffix}"
 
 
 def _apply(

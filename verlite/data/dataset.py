@@ -225,8 +225,8 @@ def check_special_token_text(
     rendered into the same text), and the prompt text that rewards, exports and the length
     policy receive would no longer be what the model reads. Checked on the prompt field as
     the file has it (each message's role and content, of a conversation), before the suffix
-    and the template. Without a template the prompt is the model's input as written, markup a user
-    rendered ahead included."""
+    and the template. Without a template the prompt is the model's input as written, markup a
+    user rendered ahead included."""
     pattern = _special_token_pattern(tokenizer)
     if pattern is None:
         return

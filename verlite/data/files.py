@@ -144,7 +144,7 @@ def _prompt(location: str, key: str, value: Any) -> str | Conversation:
             _check_unicode(f"{location}: the {name} of message {number} of {field}", message[name])
         # A Parquet column of messages has every field any message has: None where unset.
         if other := sorted(
-            k for k, v in message.items() if k not in Message.__annotations__ and v is not None
+            k for k, v in message.items() if k not in Message.__required_keys__ and v is not None
         ):
             raise DataError(
                 f"{where} has {shown(other, 60)}, which verlite does not render; a message "

@@ -23,7 +23,7 @@ import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, partial
-from typing import Any
+from typing import Any, cast
 
 import jinja2
 import jinja2.ext
@@ -274,7 +274,9 @@ def _apply(
     except Exception as exc:
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())
         raise DataError(f"{failure}: {shown(reason, 160)}") from None
-    return text  # a str with tokenize=False (_render checks it)
+    # transformers annotates apply_chat_template with everything it can return; with
+    # tokenize=False, one conversation renders to a str (_render checks it).
+    return cast(str, text)
 
 
 def _render(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import string
 import weakref
 from collections.abc import Sequence
+from typing import cast
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import WordLevel
@@ -39,7 +40,7 @@ def build_task_tokenizer(characters: str = CHARACTERS) -> PreTrainedTokenizerFas
         single=f"{BOS} $A", special_tokens=[(BOS, vocab[BOS])]
     )
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves its __init__ unannotated
         tokenizer_object=tokenizer,
         pad_token=PAD,
         bos_token=BOS,
@@ -107,7 +108,7 @@ def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str
         ids = ids[:-1]
     size = len(tokenizer)
     if all(i < size for i in ids):
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        return _decoded(tokenizer, ids)
     # A model with more rows than its tokenizer has tokens (model.vocab_size, or a real
     # model's padded vocabulary) may sample ids the tokenizer does not know: decoding skips
     # them silently, which would hide them. Each is shown as the unknown token instead.
@@ -117,12 +118,18 @@ def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str
             known.append(i)
         else:
             pieces += [
-                tokenizer.decode(known, skip_special_tokens=False),
+                _decoded(tokenizer, known),
                 tokenizer.unk_token or UNK,
             ]
             known = []
-    pieces.append(tokenizer.decode(known, skip_special_tokens=False))
+    pieces.append(_decoded(tokenizer, known))
     return "".join(pieces)
+
+
+def _decoded(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """The text of ``ids``, special tokens shown. transformers annotates ``decode`` as
+    ``str | list[str]``: a list of sequences decodes to a list, one sequence to a str."""
+    return cast(str, tokenizer.decode(ids, skip_special_tokens=False))
 
 
 def special_tokens(tokenizer: PreTrainedTokenizerBase) -> dict[str, AddedToken]:
@@ -211,7 +218,7 @@ def continuation_text(
     Mistral's) drops, from a response decoded alone, the space between the prompt and its
     first word: decoded after the prompt, the response keeps it. Decoded alone where the
     prompt's text is not a prefix of the two decoded together (a character cut between them)."""
-    prefix = tokenizer.decode(list(prompt), skip_special_tokens=False)
+    prefix = _decoded(tokenizer, list(prompt))
     whole = response_text(tokenizer, [*prompt, *response])
     if prompt and whole.startswith(prefix):
         return whole[len(prefix) :]

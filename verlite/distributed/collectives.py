@@ -48,7 +48,7 @@ def all_gather_object(obj: T) -> list[T]:
         return [obj]
     out: list[T | None] = [None] * get_world_size()
     dist.all_gather_object(out, obj)
-    return out  # type: ignore[return-value]
+    return out  # type: ignore[return-value]  # every slot now holds a rank's obj
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
@@ -57,4 +57,4 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         return obj
     box: list[T | None] = [obj]
     dist.broadcast_object_list(box, src=src)
-    return box[0]  # type: ignore[return-value]
+    return box[0]  # type: ignore[return-value]  # rank src's obj now

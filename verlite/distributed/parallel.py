@@ -8,7 +8,7 @@ import contextlib
 import math
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -198,7 +198,7 @@ def move_optimizer_state(
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.shape == param.shape:
                 state[key] = value.to(device, non_blocking=not to_host)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         torch.cuda.synchronize()
 
 
@@ -280,7 +280,8 @@ def distinct_entries(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
     is the embedding under a second name): the first name kept, in order. Two entries are
     one tensor when they view the same elements of one storage (a sharded tensor's shard,
     on every rank alike)."""
-    seen: set[tuple[int, int, tuple[int, ...], tuple[int, ...]]] = set()
+    # (storage address, offset, shape, strides); torch types a storage offset int | SymInt
+    seen: set[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]] = set()
     out = {}
     for name, value in state.items():
         local = value.to_local() if isinstance(value, DTensor) else value
@@ -312,7 +313,8 @@ def _whole(value: DTensor) -> torch.Tensor:
     """``value.full_tensor()``, gathered on its mesh's device: a shard that FSDP2's CPU
     offload keeps on the host is copied there first (NCCL gathers device tensors only)."""
     if value.device.type != value.device_mesh.device_type:
-        value = value.to(value.device_mesh.device_type)
+        # A DTensor's ``to`` is a DTensor; torch annotates Tensor.to as returning a Tensor.
+        value = cast(DTensor, value.to(value.device_mesh.device_type))
     return value.full_tensor()
 
 

@@ -23,7 +23,7 @@ import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path, PosixPath
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -191,9 +191,14 @@ def load_train_state(
     except (pickle.UnpicklingError, EOFError, OSError) as exc:
         raise CheckpointLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     placeholders: dict[str, dict[str, Any]] = {}
+    state: dict[str, Any]  # DCP's STATE_DICT_TYPE: its "model" and "optim" are read back below
     if saved:
         create_state()
-        model_state, optim_state = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+        model_state, optim = get_state_dict(model, optimizer, options=_TRAINED_ONLY)
+        # torch's OptimizerStateType types every key's value as a dict or a list; an
+        # optimizer's "state" is {parameter name: {key: value}} ("param_groups" the list),
+        # as _check_held_in_place reads it.
+        optim_state = cast(dict[str, Any], optim)
         _check_held_in_place(optimizer, optim_state)
         placeholders = {n: e for n, e in optim_state["state"].items() if n not in saved}
         optim_state["state"] = {n: e for n, e in optim_state["state"].items() if n in saved}

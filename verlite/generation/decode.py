@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 from tensordict import TensorDict
@@ -155,6 +155,13 @@ class GraphCaptureFailed(RunFailure):
 MAX_END_TOKENS = 8
 
 
+class _Long(TypedDict):
+    """The options of the int64 buffers a generation allocates on its device."""
+
+    dtype: torch.dtype
+    device: torch.device
+
+
 def free_bytes(device: torch.device) -> int | None:
     """Bytes a new allocation can take on ``device``: free on the GPU, plus what torch's
     caching allocator holds unused; None on CPU (not checked)."""
@@ -184,7 +191,7 @@ class StaticDecoder:
         self.settings = settings
         self.cache: StaticCache | None = None
         self.graphs: dict[tuple[int, int, float, int, float], torch.cuda.CUDAGraph] = {}
-        self._graph_pool: tuple[int, int] | None = None
+        self._graph_pool: torch.cuda._POOL_HANDLE | None = None
         self._side_stream: torch.cuda.Stream | None = None  # where a capture's warm-up runs
         self._addresses: list[int] = []  # of the model's tensors, which the graphs read
         self.unmasked = False  # a generation's steps attend without a mask (``_start``)
@@ -220,7 +227,11 @@ class StaticDecoder:
             block = self.settings.kv_block
             capacity = -(-capacity // block) * block
         self._release()  # the old buffers go before the new ones are counted and allocated
-        needed = cache_bytes(self.model.config, rows, capacity, dtype)
+        # The model is a Hugging Face causal LM (FSDP2 keeps its class), or a peft model
+        # around one, whose ``config`` is its base model's.
+        config = self.model.config
+        assert isinstance(config, PretrainedConfig)
+        needed = cache_bytes(config, rows, capacity, dtype)
         free = free_bytes(device)
         fits = free is None or needed <= free
         if self.lockstep:  # every rank refuses, or none: FSDP's ranks all-gather together
@@ -235,10 +246,8 @@ class StaticDecoder:
                 "workers) or shorter sequences (data.max_prompt_length, "
                 "rollout.max_response_length)"
             )
-        self.cache = StaticCache(
-            self.model.config, rows=rows, capacity=capacity, dtype=dtype, device=device
-        )
-        long = {"dtype": torch.int64, "device": device}
+        self.cache = StaticCache(config, rows=rows, capacity=capacity, dtype=dtype, device=device)
+        long = _Long(dtype=torch.int64, device=device)
         self.ids = torch.zeros((rows, 1), **long)  # the token each row's next step reads
         self.positions = torch.zeros((rows, 1), **long)
         self.mask = torch.zeros((rows, 1, 1, capacity), dtype=torch.bool, device=device)
@@ -260,7 +269,7 @@ class StaticDecoder:
         self.flags = torch.zeros(5, **long)
         pinned = device.type == "cuda"
         self.host_flags = [torch.zeros(5, dtype=torch.int64, pin_memory=pinned) for _ in range(2)]
-        self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self.copied = [torch.cuda.Event() if pinned else None for _ in range(2)]  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
 
     def _check_device(self, device: torch.device) -> None:
         if self.settings.mode == "cuda_graphs" and device.type != "cuda":
@@ -414,7 +423,9 @@ class StaticDecoder:
             torch.cat([unfinished, self.diverged, unfinished > 0, self.diverged[:1] >= 0])
         )
         self.ids[:rows, 0] = token
-        self.cache.state.slot += 1  # type: ignore[union-attr]
+        cache = self.cache
+        assert cache is not None  # ``generate`` allocated it before its first step
+        cache.state.slot += 1
         self.position += 1
 
     def _forward(self, rows: int, span: int, params: SamplingParams) -> None:
@@ -512,7 +523,7 @@ class StaticDecoder:
             cache_enabled=False,
         )
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device)
+            self._side_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch leaves Stream.__new__ unannotated
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), autocast:

@@ -18,7 +18,7 @@ without overflow (``_mul32``).
 from __future__ import annotations
 
 import functools
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, overload
 
 import torch
 from tensordict import TensorDict
@@ -49,9 +49,15 @@ def fmix32(x: Int) -> Int:
     return x ^ (x >> 16)
 
 
-def _hash(values: list[Int], salt: int) -> Int:
-    """A 32-bit hash of a sequence of 32-bit values."""
-    h: Int = fmix32(salt)  # type: ignore[assignment]
+@overload
+def _hash(values: list[int], salt: int) -> int: ...  # type: ignore[overload-overlap]  # no caller passes ints alone in a list typed with tensors
+@overload
+def _hash(values: list[int | torch.Tensor], salt: int) -> torch.Tensor: ...
+def _hash(values: list[Any], salt: int) -> Any:
+    """A 32-bit hash of a sequence of 32-bit values: an int for ints, a tensor (of the
+    values' broadcast shape) when any value is one (``int ^ tensor`` is a tensor), which
+    fmix32's constrained type cannot follow through the loop."""
+    h: Any = fmix32(salt)  # an int until the first tensor value
     for value in values:
         h = fmix32(h ^ fmix32((value ^ salt) & MASK32))
     return h
@@ -67,7 +73,13 @@ def sample_keys(
     prompt = torch.arange(first_prompt, first_prompt + num_prompts, dtype=torch.int64)
     prompt = prompt.repeat_interleave(n)
     sample = torch.arange(n, dtype=torch.int64).repeat(num_prompts)
-    values = [seed & MASK32, (seed >> 32) & MASK32, step & MASK32, prompt, sample]
+    values: list[int | torch.Tensor] = [
+        seed & MASK32,
+        (seed >> 32) & MASK32,
+        step & MASK32,
+        prompt,
+        sample,
+    ]
     return torch.stack([_hash(values, salt) for salt in _KEY_LANES], dim=-1)
 
 

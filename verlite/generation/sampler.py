@@ -8,7 +8,7 @@ that grows a position per step, or on the static cache of ``verlite.generation.d
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tensordict import TensorDict
@@ -86,11 +86,10 @@ class Sampler:
         mask = torch.cat([prompt_mask, prompt_mask.new_ones((batch, params.max_new_tokens))], -1)
         positions = prompts["position_ids"]
         next_positions = prompt_mask.sum(-1, keepdim=True)  # first response position per row
-        cache = Cache(
-            layer_class_to_replicate=partial(
-                PreallocatedCacheLayer, input_ids.shape[1] + params.max_new_tokens
-            )
-        )
+        # Cache calls layer_class_to_replicate with no argument, for each new layer: any
+        # factory of layers does, though transformers annotates a layer class.
+        layer = partial(PreallocatedCacheLayer, input_ids.shape[1] + params.max_new_tokens)
+        cache = Cache(layer_class_to_replicate=cast(type[CacheLayerMixin], layer))
         step_ids = input_ids
         for t in range(params.max_new_tokens):
             out = self.model(
@@ -124,7 +123,7 @@ class Sampler:
         return build_step_batch(prompts, responses, real, sampled_log_probs)
 
 
-class PreallocatedCacheLayer(CacheLayerMixin):
+class PreallocatedCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init_subclass__ unannotated
     """One layer's KV cache with room for the whole generation, filled in place.
 
     Hugging Face's ``DynamicLayer`` concatenates at every decode step, copying the layer's
@@ -134,7 +133,7 @@ class PreallocatedCacheLayer(CacheLayerMixin):
     """
 
     def __init__(self, capacity: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init__ unannotated
         self.capacity = capacity
         self.length = 0
 

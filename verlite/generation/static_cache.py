@@ -101,11 +101,11 @@ class StepState:
     prefilling: bool = False
 
 
-class StaticCacheLayer(CacheLayerMixin):
+class StaticCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init_subclass__ unannotated
     """One layer's key and value buffers."""
 
     def __init__(self, state: StepState, key: torch.Tensor, value: torch.Tensor) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init__ unannotated
         self.state = state
         self.key_buffer, self.value_buffer = key, value
         self.is_initialized = True

@@ -5,6 +5,7 @@ refused at start-up, and the driver's scoring of a step with it."""
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from scorer_support import byte_tokenizer, step_batch
 
 from verlite.config import Config
 from verlite.config.fields import MAX_SECONDS
+from verlite.data import answers
 from verlite.driver.scorer import Scorer
 from verlite.rewards import RewardError, math_answer, resolve_reward, score_responses
 from verlite.rewards.math_answer import MathReward, final_answer, reference_answer
@@ -153,7 +155,11 @@ def test_a_reference_is_checked_in_the_verifier_process_within_its_budget() -> N
     assert hurried.abandoned == 0 and out.getvalue() == "" and hurried._process is None
 
 
-def test_huge_responses_score_in_time(math_reward: MathReward) -> None:
+def test_huge_responses_cost_one_pass_and_never_reach_math_verify(
+    math_reward: MathReward, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Counted, not timed: each response's braces are read once, and a megabyte that holds no
+    # answer short enough is no answer, never a verification that could be abandoned.
     megabyte = 2**20
     responses = [
         "x " * (megabyte // 2) + r"\boxed{72}",
@@ -161,12 +167,26 @@ def test_huge_responses_score_in_time(math_reward: MathReward) -> None:
         r"\boxed{" * (megabyte // 7),
         r"\boxed{" + "1+" * (megabyte // 2) + "1}",  # too long to be an answer
     ]
-    started = time.monotonic()
+    braces = answers._BRACES
+    read: list[str] = []
+
+    class Counted:
+        def finditer(self, text: str) -> Iterator[re.Match[str]]:
+            for match in braces.finditer(text):
+                read.append(match.group())
+                yield match
+
+    monkeypatch.setattr(answers, "_BRACES", Counted())
+    before = math_reward.counts()
     scores = score_responses(
         math_reward, responses, ["72"] * 4, [""] * 4, timeout_s=TIMEOUT_S, stream=io.StringIO()
     )
     assert scores == [1.0, 0.0, 0.0, 0.0]
-    assert time.monotonic() - started < TIMEOUT_S
+    assert len(read) == sum(len(braces.findall(text)) for text in responses)
+    assert math_reward.counts() == {
+        "abandoned": before["abandoned"],
+        "no_answer": before["no_answer"] + 3,
+    }
 
 
 def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> None:
@@ -174,7 +194,6 @@ def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> No
     reward = MathReward(format_credit=0.25, timeout_s=TIMEOUT_S, stream=out)
     try:
         reward(r"\boxed{1}", "1", "")  # started: the budget below is the verification's
-        started = time.monotonic()
         scores = score_responses(
             reward,
             [*ADVERSARIAL, r"\boxed{2}"],
@@ -183,13 +202,12 @@ def test_adversarial_answers_are_abandoned_within_the_budget_and_counted() -> No
             timeout_s=TIMEOUT_S,  # the run's bound, never reached
             stream=out,
         )
-        took = time.monotonic() - started
     finally:
         reward.close()
     assert scores == [0.0, 0.0, 0.0, 0.25]  # the last one after a restart, verified
+    # Three verifications abandoned at their budget (none reached the run's bound, which
+    # would have stopped scoring), each process killed and the next started anew.
     assert reward.abandoned == 3
-    # Four calls, each within its budget (a new process's start included), and three kills.
-    assert took < 4 * (TIMEOUT_S / 2) + 1
     lines = out.getvalue().splitlines()
     assert lines[0] == (
         "reward: math: math-verify did not answer within 3 s (half of reward.timeout_s) on the "
@@ -232,7 +250,9 @@ def test_a_verification_orphaned_by_its_killed_driver_ends_within_its_cpu_budget
     )
     assert driver.returncode == -signal.SIGKILL
     worker = int(driver.stdout.split()[0])
-    deadline = time.monotonic() + 20  # 3 s of CPU time (twice the 1 s budget, and one)
+    # Its limit is 3 s of CPU time (twice the 1 s budget, and one); the wait only guards
+    # against a hang, loosely: a loaded machine gives it a share of a core.
+    deadline = time.monotonic() + 60
     while _running(worker) and time.monotonic() < deadline:
         time.sleep(0.2)
     running = _running(worker)

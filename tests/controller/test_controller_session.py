@@ -8,13 +8,14 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from verlite.controller.session import ClusterUnreachable, _check_reachable
+from verlite.controller import session
+from verlite.controller.session import CONNECT_TIMEOUT_S, ClusterUnreachable, _check_reachable
+from verlite.reachable import connection_problem
 
 
 def closed_port() -> int:
@@ -24,15 +25,25 @@ def closed_port() -> int:
 
 
 @pytest.mark.parametrize("scheme", ["", "ray://"])
-def test_a_closed_port_fails_in_seconds_naming_the_address(scheme: str) -> None:
+def test_a_closed_port_fails_in_seconds_naming_the_address(
+    scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     port = closed_port()
-    started = time.monotonic()
+    checks = []
+
+    def counted(host: str, port: int, timeout_s: float) -> str | None:
+        checks.append((host, port, timeout_s))
+        return connection_problem(host, port, timeout_s)
+
+    monkeypatch.setattr(session, "connection_problem", counted)
     with pytest.raises(
         ClusterUnreachable,
-        match=rf"trainer.ray_address='{scheme}127.0.0.1:{port}': nothing accepts",
+        match=rf"trainer.ray_address='{scheme}127.0.0.1:{port}': nothing accepts .* "
+        rf"\(Connection refused within {CONNECT_TIMEOUT_S:g} s\)",
     ):
         _check_reachable(f"{scheme}127.0.0.1:{port}")
-    assert time.monotonic() - started < 30  # a hang guard only
+    # In seconds: one TCP connection tried within CONNECT_TIMEOUT_S, not ray.init's retries.
+    assert checks == [("127.0.0.1", port, CONNECT_TIMEOUT_S)]
 
 
 def test_auto_and_unparsable_addresses_are_left_to_ray() -> None:

@@ -136,12 +136,11 @@ def test_killed_worker_stops_the_run_and_resume_matches_an_uninterrupted_run(
         if w["role"] == "actor" and w["rank"] == 1
     )
     os.kill(actor["pid"], signal.SIGKILL)
-    killed_at = time.monotonic()
-    _, stderr = proc.communicate(timeout=60)
-    assert time.monotonic() - killed_at < 30
+    _, stderr = proc.communicate(timeout=60)  # a hang guard only
     assert proc.returncode == 1
     last = stderr.strip().splitlines()[-1]
-    assert "actor" in last and "rank 1" in last, stderr[-3000:]
+    # Seen as the process's death (the message says so), not as a timeout.
+    assert "actor" in last and "rank 1" in last and "worker process died" in last, stderr[-3000:]
     assert "Traceback" not in stderr
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert "step_2" in checkpoints

@@ -130,7 +130,9 @@ def pair() -> Iterator[WorkerGroup]:
     group.pool.remove()
 
 
-def assert_gone(pids: list[int], names: list[str], within_s: float = 10.0) -> None:
+def assert_gone(pids: list[int], names: list[str], within_s: float = 60.0) -> None:
+    # Killed at shutdown, the processes end by themselves a moment later: the wait is a hang
+    # guard only, loose for a loaded machine.
     deadline = time.monotonic() + within_s
     alive = list(pids)
     while alive and time.monotonic() < deadline:

@@ -811,6 +811,60 @@ def test_a_resume_compares_every_setting_of_a_config_it_cannot_read(tmp_path: Pa
         check_resumable(step_3, config=config, roles=cfg.roles, total_steps=4, train_set={})
 
 
+@pytest.mark.parametrize(
+    ("saved", "here"),
+    [
+        ("{}", "{enable_thinking: false}"),
+        ("{enable_thinking: true}", "{}"),
+        ("{enable_thnking: false}", "{enable_thinking: false}"),
+    ],
+    ids=["added", "removed", "renamed"],
+)
+def test_a_resume_refuses_template_variables_added_or_removed(
+    tmp_path: Path, saved: str, here: str
+) -> None:
+    """data.chat_template_kwargs was compared name by name (a dotted key per variable): only
+    a variable both runs set was compared, so one added, removed or renamed resumed without
+    a word, rendering the prompts (and multi-turn turns) otherwise."""
+    from verlite.driver.checkpoint import CheckpointError
+
+    base = ["model.path=base", "data.chat_template=true"]
+    with pytest.raises(CheckpointError, match=r"data\.chat_template_kwargs=\{.*\} there, \{"):
+        _resume(
+            tmp_path,
+            [*base, f"data.chat_template_kwargs={saved}"],
+            [*base, f"data.chat_template_kwargs={here}"],
+        )
+    assert (
+        _resume(
+            tmp_path,
+            [*base, f"data.chat_template_kwargs={here}"],
+            [*base, f"data.chat_template_kwargs={here}"],
+        )
+        == []
+    )
+
+
+def test_a_checkpoint_recorded_before_template_variables_ran_with_none(tmp_path: Path) -> None:
+    """A record without data.chat_template_kwargs (written before the setting) ran with no
+    variables: resumed with none it passes, with one it is refused."""
+    from verlite.config import load_config
+    from verlite.driver.checkpoint import CheckpointError, check_resumable
+
+    base = ["model.path=base", "data.chat_template=true"]
+    saved = load_config(CONFIG, base).model_dump(mode="json")
+    del saved["data"]["chat_template_kwargs"]
+    step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
+    common = {"roles": ["actor", "critic"], "total_steps": 4, "train_set": {}}
+    assert (
+        check_resumable(step_3, config=load_config(CONFIG, base).model_dump(mode="json"), **common)
+        == []
+    )
+    thinking = load_config(CONFIG, [*base, "data.chat_template_kwargs={enable_thinking: false}"])
+    with pytest.raises(CheckpointError, match=r"data\.chat_template_kwargs=\{\} there"):
+        check_resumable(step_3, config=thinking.model_dump(mode="json"), **common)
+
+
 def _resume(tmp_path: Path, saved: list[str], here: list[str]) -> list[str]:
     """check_resumable of a run with the ``here`` overrides from a checkpoint of ``saved``."""
     from verlite.config import load_config

@@ -828,14 +828,16 @@ def test_each_override_is_read_once_and_sets_the_fields_it_names(monkeypatch) ->
 
 
 def test_a_recorded_config_is_read_back_from_its_dotted_keys() -> None:
-    """A checkpoint records the config by dotted key (config.flatten, a mapping-valued field
-    such as reward.combine flattened too); recorded_config reads it back (config.unflatten)."""
+    """A checkpoint records the config by dotted key (config.flatten: a section's fields each
+    under its own, a mapping-valued field such as reward.combine one value, an empty one
+    too); recorded_config reads it back (config.unflatten)."""
     from verlite.config import flatten, recorded_config, unflatten
 
     cfg = load_config(TINY, ["reward.combine={fn: 1.0}", "actor.lora.target_modules=[q_proj]"])
     dumped = cfg.model_dump(mode="json")
     flat = flatten(dumped)
-    assert flat["reward.combine.fn"] == 1.0 and flat["actor.lora.target_modules"] == ["q_proj"]
+    assert flat["reward.combine"] == {"fn": 1.0} and flat["actor.lora.target_modules"] == ["q_proj"]
+    assert flat["data.chat_template_kwargs"] == {} and flat["actor.optim.lr"] == cfg.actor.optim.lr
     assert unflatten(flat) == dumped
     recorded = recorded_config(flat)
     assert recorded is not None and recorded.model_dump() == cfg.model_dump()

@@ -103,15 +103,22 @@ def recorded_config(flat: Mapping[str, Any]) -> Config | None:
         return None
 
 
-def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A config mapping (a ``model_dump``, a checkpoint's record) by dotted key: each value
-    that is no mapping under the keys that lead to it (a tuple as a list, as JSON reads it
-    back), and each empty mapping as a value (``data.chat_template_kwargs={}``), which no key
-    would otherwise keep; :func:`unflatten` inverts it."""
+def flatten(
+    config: Mapping[str, Any], prefix: str = "", model: type[BaseModel] | None = Config
+) -> dict[str, Any]:
+    """A config mapping (a ``model_dump``, a checkpoint's record) by dotted key: each field of
+    its sections (``model``'s) under the keys that lead to it, a tuple as a list (as JSON reads
+    it back). A field whose value is a mapping (``reward.combine``,
+    ``data.chat_template_kwargs``) is one value, as a section is not: its names come and go
+    with the setting, so a key per name would hide a name added or removed (an empty mapping
+    would have no key at all). A key the schema does not know (a record's setting since moved)
+    is read as a section. :func:`unflatten` inverts it."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten(value, f"{prefix}{key}."))
+        field = model.model_fields.get(key) if model is not None else None
+        section = _section_type(field.annotation) if field is not None else None
+        if isinstance(value, Mapping) and (field is None or section is not None):
+            flat.update(flatten(value, f"{prefix}{key}.", section))
         else:
             flat[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
     return flat

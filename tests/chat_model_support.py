@@ -28,6 +28,35 @@ THINKING_TEMPLATE = QWEN_TEMPLATE.replace(
     "{%- if enable_thinking is defined and enable_thinking is false %}"
     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
 )
+# Modelled on Qwen3's tokenizer_config chat_template: tools as JSON, a namespace, the
+# functions transformers gives templates (raise_exception, strftime_now), an assistant turn
+# in a {% generation %} block (the assistant-token mask's marker) and enable_thinking.
+QWEN3_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}
+    {{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages %}
+    {%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}
+        {{- raise_exception('Unexpected role ' + message.role) }}
+    {%- endif %}
+    {%- if message.role == 'user' %}{%- set ns.last_query_index = loop.index0 %}{%- endif %}
+    {%- if message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' }}
+        {%- generation %}{{- message.content + '<|im_end|>' }}{%- endgeneration %}
+        {{- '\\n' }}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if show_date is defined and show_date %}{{- strftime_now('%Y') + '\\n' }}{%- endif %}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
 # Llama-3-style: the template writes the BOS token itself.
 BOS_TEMPLATE = "{{- bos_token }}" + QWEN_TEMPLATE
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -14,6 +14,7 @@ import yaml
 from chat_model_support import (
     BOS_TEMPLATE,
     PROBLEMS,
+    QWEN3_TEMPLATE,
     QWEN_TEMPLATE,
     THINKING_TEMPLATE,
     VERL_INSTRUCTION,
@@ -428,8 +429,8 @@ def test_template_variables_reach_every_rendering(tmp_path: Path) -> None:
         (
             "{tokenize: true, bos_token: x}",
             "data.chat_template_kwargs: ['bos_token', 'tokenize'] are apply_chat_template's own "
-            "parameters or the tokenizer's special tokens, which verlite sets; a template "
-            "variable needs another name",
+            "parameters, the tokenizer's special tokens or the template's functions, which "
+            "verlite and transformers set; a template variable needs another name",
         ),
     ],
     ids=["misspelt", "reserved"],
@@ -517,3 +518,36 @@ def test_a_prompt_that_already_ends_with_the_suffix_is_refused(
         f"{path}:2: the prompt already ends with data.prompt_suffix={SUFFIX!r}, which would be "
         "written twice; set data.prompt_suffix=null for a file whose prompts hold it"
     )
+
+
+def test_the_variables_of_a_template_written_as_qwen3s_are_read(tmp_path: Path) -> None:
+    """A template as Qwen3's is written ({% generation %} blocks, a namespace, tojson and the
+    functions transformers gives templates) is read in transformers' own environment: its
+    functions were listed among the variables it reads, and a keyword of one's name
+    (raise_exception) passed, replacing the function the template calls."""
+    save_chat_model(tmp_path, QWEN3_TEMPLATE)
+    tokenizer = load_tokenizer(str(tmp_path))
+    thinking_off = "data.chat_template_kwargs={enable_thinking: false, show_date: false}"
+    _, val = build_datasets(
+        gsm8k_config(tmp_path, "data.chat_template=true", thinking_off), tokenizer
+    )
+    assert all(r["prompt"].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") for r in val)
+    for variables, message in (
+        (
+            "{enable_thinkng: false}",
+            f"data.chat_template_kwargs: the chat template of model.path='{tmp_path}' reads no "
+            "variable ['enable_thinkng']; it reads ['enable_thinking', 'show_date']",
+        ),
+        (
+            "{raise_exception: 1}",
+            "data.chat_template_kwargs: ['raise_exception'] is apply_chat_template's own "
+            "parameters, the tokenizer's special tokens or the template's functions, which "
+            "verlite and transformers set; a template variable needs another name",
+        ),
+    ):
+        cfg = gsm8k_config(
+            tmp_path, "data.chat_template=true", f"data.chat_template_kwargs={variables}"
+        )
+        with pytest.raises(DataError) as exc:
+            build_datasets(cfg, tokenizer)
+        assert str(exc.value) == message

@@ -26,11 +26,11 @@ from functools import cached_property, partial
 from typing import Any, cast
 
 import jinja2
-import jinja2.ext
 import jinja2.meta
-import jinja2.nodes
-import jinja2.parser
 from transformers import PreTrainedTokenizerBase
+
+# apply_chat_template's own environment (no public accessor): what the template is read in.
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from verlite.config import Config, DataConfig
 from verlite.data.files import Conversation, DataError, Message, PromptRecord, SourceRecord
@@ -139,43 +139,34 @@ def check_room(
         )
 
 
-class _GenerationBlock(jinja2.ext.Extension):
-    """Transformers' ``{% generation %}...{% endgeneration %}`` block (the assistant-token
-    mask's marker some templates carry), read as its body: what finding the variables a
-    template reads needs of it."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja2.ext.Extension declares it so)
-
-    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
 def _check_variables(
     tokenizer: PreTrainedTokenizerBase, data: DataConfig, model_path: str | None
 ) -> None:
     """Each name of ``data.chat_template_kwargs`` is a variable the template reads (a
     misspelt one, ``enable_thinkng``, would change nothing without a word), and none is a
-    parameter of ``apply_chat_template`` or a special token's variable (``bos_token``: a
-    keyword replaces the tokenizer's, which the template writes)."""
+    parameter of ``apply_chat_template``, a special token's variable (``bos_token``: a
+    keyword replaces the tokenizer's, which the template writes) or a function of the
+    template's environment (``raise_exception``: a keyword replaces it). The template is
+    read in transformers' own environment, the one ``apply_chat_template`` renders it in
+    (its ``{% generation %}`` block, its functions)."""
     field = "data.chat_template_kwargs"
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
-    reserved = own | {"messages", *tokenizer.special_tokens_map}
-    if taken := sorted(set(data.chat_template_kwargs) & reserved):
-        raise DataError(
-            f"{field}: {shown(taken, 80)} {'is' if len(taken) == 1 else 'are'} apply_chat_template's "
-            "own parameters or the tokenizer's special tokens, which verlite sets; a template "
-            "variable needs another name"
-        )
     source = tokenizer.get_chat_template()
-    environment = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
     try:
+        environment = _compile_jinja_template(source).environment
         read = jinja2.meta.find_undeclared_variables(environment.parse(source))
     except jinja2.TemplateSyntaxError as exc:
         raise DataError(
             f"the chat template of model.path={model_path!r} cannot be parsed (line {exc.lineno}: "
             f"{exc.message}), so the variables of {field} cannot be checked against it"
         ) from None
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    reserved = own | {"messages", *tokenizer.special_tokens_map, *environment.globals}
+    if taken := sorted(set(data.chat_template_kwargs) & reserved):
+        raise DataError(
+            f"{field}: {shown(taken, 80)} {'is' if len(taken) == 1 else 'are'} apply_chat_template's "
+            "own parameters, the tokenizer's special tokens or the template's functions, which "
+            "verlite and transformers set; a template variable needs another name"
+        )
     if unread := sorted(set(data.chat_template_kwargs) - read):
         raise DataError(
             f"{field}: the chat template of model.path={model_path!r} reads no variable "

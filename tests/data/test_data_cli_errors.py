@@ -268,3 +268,49 @@ def test_a_conversation_without_a_chat_template_is_refused(
         f"verlite: error: {path} row 1: field 'prompt' (data.prompt_key) is a list of chat "
         "messages, which only a chat template renders; set data.chat_template=true\n"
     )
+
+
+def test_splits_that_drop_leaves_too_small_say_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """data.prompt_overflow=drop: a split too small for a batch or for the validation
+    workers was refused counting only the prompts kept, naming the file (a file of 20
+    prompts called 10 prompts)."""
+
+    def write(name: str, short: int, long: int) -> Path:
+        rows = [{"prompt": "1+1=", "answer": "2"}] * short
+        rows += [{"prompt": "12345678901+1=", "answer": "12345678902"}] * long
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return path
+
+    train, val = write("train.jsonl", 10, 10), write("val.jsonl", 1, 5)
+    common = [
+        "data.task=null",
+        f"data.train_file={train}",
+        f"data.val_file={val}",
+        "data.prompt_overflow=drop",
+        "data.max_prompt_length=8",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    assert run(capsys, *common, "data.train_batch_size=16") == (
+        f"verlite: error: 10 training prompts (data.train_file={train}, less 10 left out by "
+        "data.prompt_overflow=drop) are fewer than one batch of data.train_batch_size=16\n"
+    )
+    two = [
+        f"{role}.{size}={n}"
+        for role in ("actor", "critic")
+        for size, n in zip(SIZES, (8, 4), strict=True)
+    ]
+    err = run(
+        capsys,
+        *common,
+        "data.train_batch_size=8",
+        *two,
+        "actor.workers_per_node=2",
+        "trainer.cpus_per_worker=0.5",
+    )
+    assert err.startswith(
+        f"verlite: error: 1 validation prompts (data.val_file={val}, less 5 left out by "
+        "data.prompt_overflow=drop) are fewer than the 2 actor workers"
+    )

@@ -59,6 +59,14 @@ class PromptDataset(Sequence[PromptRecord]):
             f"longer than data.max_prompt_length={max_prompt_length} tokens and left out"
         )
 
+    def dropped_note(self) -> str:
+        """For a message that counts the split's prompts: those ``drop`` left out, or nothing."""
+        return (
+            f", less {self.num_dropped:,} left out by data.prompt_overflow=drop"
+            if self.num_dropped
+            else ""
+        )
+
     @cached_property
     def fingerprint(self) -> dict[str, int | str]:
         """The record count and a SHA-256 of the records in order: what a checkpoint's data

@@ -86,14 +86,15 @@ def check_placement(cfg: Config, *, in_session: bool, cpus: int | None = None) -
         check_device(cfg)
 
 
-def check_validation_shares(cfg: Config, num_val: int) -> None:
-    """Validation spreads its ``num_val`` prompts over the actor's workers, which answer
+def check_validation_shares(cfg: Config, val_set: PromptDataset) -> None:
+    """Validation spreads the prompts of ``val_set`` over the actor's workers, which answer
     them, and the reward model's, which score them; a data-parallel share is never empty
     (``core.partition.dp_shares``), so every such worker needs one prompt at least. Refused
     before the run starts, not at its first validation."""
     if cfg.trainer.val_freq == 0:
         return
     spread = {"actor": cfg.role_sizes("actor").dp_size, "reward model": cfg.reward_model_workers}
+    num_val = len(val_set)
     for who, workers in spread.items():
         if num_val < workers:
             held = (
@@ -102,23 +103,26 @@ def check_validation_shares(cfg: Config, num_val: int) -> None:
                 else f"data.num_val_samples={cfg.data.num_val_samples}"
             )
             raise DataError(
-                f"{num_val} validation prompts ({held}) are fewer than the {workers} {who} "
+                f"{num_val} validation prompts ({held}{val_set.dropped_note()}) are fewer than the {workers} {who} "
                 "workers validation spreads them over, one at least each; validate on more "
                 "prompts, use fewer workers, or trainer.val_freq=0"
             )
 
 
-def _source(cfg: Config) -> str:
-    """Where a run's training prompts come from, as a message names it."""
+def _source(cfg: Config, train_set: PromptDataset) -> str:
+    """Where a run's training prompts (``train_set``) come from, as a message names it."""
     data = cfg.data
     if data.task is not None:
-        return f" (data.task={data.task}, data.num_train_samples={data.num_train_samples})"
+        return (
+            f" (data.task={data.task}, data.num_train_samples={data.num_train_samples}"
+            f"{train_set.dropped_note()})"
+        )
     held_out = (
         f" less data.num_val_samples={data.num_val_samples} held out"
         if data.val_file is None
         else ""
     )
-    return f" (data.train_file={data.train_file}{held_out})"
+    return f" (data.train_file={data.train_file}{held_out}{train_set.dropped_note()})"
 
 
 @dataclass(frozen=True)
@@ -166,8 +170,10 @@ class RunInputs:
         for dataset in (train_set, val_set):
             if (dropped := dataset.dropped_line(cfg.data.max_prompt_length)) is not None:
                 print(dropped, flush=True)
-        check_fills_a_batch(len(train_set), cfg.data.train_batch_size, source=_source(cfg))
-        check_validation_shares(cfg, len(val_set))
+        check_fills_a_batch(
+            len(train_set), cfg.data.train_batch_size, source=_source(cfg, train_set)
+        )
+        check_validation_shares(cfg, val_set)
         turn_format(cfg, tokenizer)  # refuses a template multi-turn turns cannot be written in
         reward_fn = resolve_reward(cfg)
         combine = cfg.reward.combine

@@ -13,7 +13,7 @@ from wandb_support import wandb_records, wandb_steps
 
 from verlite import redaction
 from verlite.errors import MissingExtraError, UserError
-from verlite.records.tracking import Tracker
+from verlite.records.tracking import Tracker, flatten_config
 
 CONFIG: dict[str, Any] = {
     "algorithm": {"adv_estimator": "gae"},
@@ -455,3 +455,19 @@ def test_a_closed_mlflow_server_fails_in_seconds_without_its_credentials(
     assert checks == [("127.0.0.1", port, 5.0)]
     check_tracking_server(None)
     check_tracking_server("file:///tmp/mlruns")  # a file store needs no server
+
+
+def test_the_logged_params_are_the_configs_dotted_keys_as_a_checkpoint_records_them() -> None:
+    """MLflow's params and the console's run line come from flatten_config, which had its own
+    copy of config.flatten: a mapping-valued field was a param per name (none at all when
+    empty), where the checkpoint records it as one setting."""
+    config = {
+        "actor": {"optim": {"lr": 0.001}},
+        "data": {"chat_template_kwargs": {}},
+        "reward": {"combine": {"fn": 1.0, "model": 0.5}},
+    }
+    assert flatten_config(config) == {
+        "actor.optim.lr": "0.001",
+        "data.chat_template_kwargs": "{}",
+        "reward.combine": '{"fn": 1.0, "model": 0.5}',
+    }

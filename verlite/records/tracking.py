@@ -447,16 +447,16 @@ def _mlflow_key(key: str) -> str:
     return re.sub(r"[^\w\-. /]", "_", key)
 
 
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
-    """Dotted keys to JSON-formatted leaf values (strings as they are)."""
-    flat: dict[str, str] = {}
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten_config(value, dotted + "."))
-        else:
-            flat[dotted] = value if isinstance(value, str) else json.dumps(value, default=str)
-    return flat
+def flatten_config(config: Mapping[str, Any]) -> dict[str, str]:
+    """The config by dotted key, as a checkpoint records it (``config.flatten``: a
+    mapping-valued field such as ``data.chat_template_kwargs`` one value), each value
+    JSON-formatted (strings as they are)."""
+    from verlite.config import flatten
+
+    return {
+        key: value if isinstance(value, str) else json.dumps(value, default=str)
+        for key, value in flatten(config).items()
+    }
 
 
 def check_tracking_server(uri: str | None, *, timeout_s: float = 5.0) -> None:

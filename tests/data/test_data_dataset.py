@@ -240,13 +240,16 @@ def test_drop_leaves_the_prompts_over_the_limit_out_of_their_split(tmp_path: Pat
         "data.prompt_overflow=drop: 2 of 6 train prompts are longer than "
         "data.max_prompt_length=8 tokens and left out"
     )
-    kept = _write_jsonl(tmp_path / "kept.jsonl", [p for p in prompts if len(p) < 10])
-    assert (
-        train.fingerprint
-        != build_datasets(
+    # The fingerprint is of the records kept: those of a file holding only them, in order.
+    kept = tmp_path / "kept.jsonl"
+    kept.write_text("".join(json.dumps(dict(r)) + "\n" for r in train))
+    assert [i for i, p in enumerate(prompts) if len(p) < 10] == [0, 2, 3, 5]
+    assert train.fingerprint == (
+        build_datasets(
             _config(train_file=str(kept), val_file=str(kept), max_prompt_length=8), tokenizer
         )[0].fingerprint
     )
+    assert train.fingerprint["records"] == 4
     # Other policies log no dropped count and print no line.
     truncated, _ = build_datasets(
         _config(

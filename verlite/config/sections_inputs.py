@@ -167,7 +167,7 @@ class DataConfig(Section):
     )
     chat_template_kwargs: dict[str, str | int | float | bool | None] = Field(
         default_factory=dict,
-        description="With data.chat_template: variables the template reads, passed to apply_chat_template with every conversation it renders (prompts, the system turn's check, multi-turn turns), e.g. {enable_thinking: false} for Qwen3's template. A name the template does not read, or one of apply_chat_template's own parameters, is refused before the run starts.",
+        description="With data.chat_template: variables the template reads, passed to apply_chat_template with every conversation it renders (prompts, the system turn's check, multi-turn turns), e.g. {enable_thinking: false} for Qwen3's template. A name the template does not read, or one of apply_chat_template's own parameters, a special token's (bos_token) or a template function's (raise_exception), is refused before the run starts.",
     )
     prompt_suffix: NonEmptyStr | None = Field(
         None,

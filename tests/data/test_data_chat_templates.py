@@ -551,3 +551,34 @@ def test_the_variables_of_a_template_written_as_qwen3s_are_read(tmp_path: Path) 
         with pytest.raises(DataError) as exc:
             build_datasets(cfg, tokenizer)
         assert str(exc.value) == message
+
+
+def test_the_variables_of_named_templates_are_checked_against_the_default(
+    tmp_path: Path,
+) -> None:
+    """A tokenizer may carry named templates (tokenizer.chat_template a dict: "default",
+    "tool_use"); verlite renders without tools, so with the default one, and its variables
+    are checked against that one."""
+    for name, default, other in (
+        ("thinking", THINKING_TEMPLATE, QWEN_TEMPLATE),
+        ("plain", QWEN_TEMPLATE, THINKING_TEMPLATE),
+    ):
+        folder = tmp_path / name
+        tokenizer = save_chat_model(folder, default)
+        tokenizer.chat_template = {"default": default, "tool_use": other}
+        tokenizer.save_pretrained(folder)
+        loaded = load_tokenizer(str(folder))
+        assert isinstance(loaded.chat_template, dict)
+        cfg = gsm8k_config(
+            folder, "data.chat_template=true", "data.chat_template_kwargs={enable_thinking: false}"
+        )
+        if default == THINKING_TEMPLATE:
+            _, val = build_datasets(cfg, loaded)
+            assert all(r["prompt"].endswith("</think>\n\n") for r in val)
+            continue
+        with pytest.raises(DataError) as exc:
+            build_datasets(cfg, loaded)
+        assert str(exc.value) == (
+            f"data.chat_template_kwargs: the chat template of model.path='{folder}' reads no "
+            "variable ['enable_thinking']; it reads []"
+        )

@@ -842,3 +842,33 @@ def test_a_recorded_config_is_read_back_from_its_dotted_keys() -> None:
     recorded = recorded_config(flat)
     assert recorded is not None and recorded.model_dump() == cfg.model_dump()
     assert recorded_config({**flat, "trainer.removed_setting": 1}) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "given"), [("[1]", "=[1]"), ("{b: 1}", "")], ids=["list", "mapping"]
+)
+def test_a_template_variable_that_is_no_scalar_is_one_message(value: str, given: str) -> None:
+    # It was pydantic's four-part union error, one part per scalar type.
+    with pytest.raises(ConfigError) as exc:
+        load_config(
+            TINY,
+            [
+                "model.path=/models/chat",
+                "data.chat_template=true",
+                f"data.chat_template_kwargs={{a: {value}}}",
+            ],
+        )
+    assert str(exc.value) == (
+        f"data.chat_template_kwargs.a{given}: expected a string, a number, true, false or null"
+    )
+    variables = "{a: 1, b: x, c: null, d: 1.5, e: true}"
+    cfg = load_config(
+        TINY,
+        [
+            "model.path=/models/chat",
+            "data.chat_template=true",
+            f"data.chat_template_kwargs={variables}",
+        ],
+    )
+    assert cfg.data.chat_template_kwargs == {"a": 1, "b": "x", "c": None, "d": 1.5, "e": True}
+    assert [type(v) for v in cfg.data.chat_template_kwargs.values()][:2] == [int, str]

@@ -61,6 +61,18 @@ OptionalGpusPerWorker = Annotated[
 ]
 
 
+def _scalar(value: Any) -> Any:
+    """A template variable's value: one message rather than one per member of the union
+    (a list or a mapping is no variable verlite passes)."""
+    if value is not None and not isinstance(value, str | int | float | bool):
+        raise ValueError("expected a string, a number, true, false or null")
+    return value
+
+
+# A chat template variable's value (data.chat_template_kwargs).
+TemplateValue = Annotated[str | int | float | bool | None, BeforeValidator(_scalar)]
+
+
 # A list (what YAML and JSON give) for a tuple field; its items stay strict.
 AsList = Strict(False)
 

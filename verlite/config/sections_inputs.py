@@ -7,7 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from verlite.config.fields import Needs, NonEmptyStr, PathStr, PositiveInt, Section
+from verlite.config.fields import (
+    Needs,
+    NonEmptyStr,
+    PathStr,
+    PositiveInt,
+    Section,
+    TemplateValue,
+)
 
 # What the deprecated ``model.dtype`` values mean as a ``model.precision``.
 DTYPE_PRECISION = {"float32": "fp32", "float64": "fp64", "bfloat16": "bf16"}
@@ -165,7 +172,7 @@ class DataConfig(Section):
         None,
         description="With data.chat_template: the system turn's text before each prompt (an empty string is an empty system turn). None: no system turn (the template may add its own default).",
     )
-    chat_template_kwargs: dict[str, str | int | float | bool | None] = Field(
+    chat_template_kwargs: dict[str, TemplateValue] = Field(
         default_factory=dict,
         description="With data.chat_template: variables the template reads, passed to apply_chat_template with every conversation it renders (prompts, the system turn's check, multi-turn turns), e.g. {enable_thinking: false} for Qwen3's template. A name the template does not read, or one of apply_chat_template's own parameters, a special token's (bos_token) or a template function's (raise_exception), is refused before the run starts.",
     )

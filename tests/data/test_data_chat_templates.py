@@ -66,6 +66,13 @@ def gsm8k_config(folder: Path, *overrides: str) -> Config:
     )
 
 
+def refusal(cfg: Config) -> str:
+    """The one-line error that building ``cfg``'s datasets with its model's tokenizer raises."""
+    with pytest.raises(DataError) as exc:
+        build_datasets(cfg, load_tokenizer(cfg.model.path))
+    return str(exc.value)
+
+
 def drawn_step(cfg: Config, tokenizer: PreTrainedTokenizerBase, train: PromptDataset):
     """The first step's prompts, as the run's step source draws and tokenizes them."""
     source = StepSource(
@@ -370,9 +377,7 @@ def test_a_conversation_the_settings_cannot_render_is_refused_naming_the_row(
     save_chat_model(tmp_path, template)
     path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system=SYSTEM)
     cfg = verl_config(path, tmp_path, *overrides)
-    with pytest.raises(DataError) as exc:
-        build_datasets(cfg, load_tokenizer(cfg.model.path))
-    assert str(exc.value).startswith(f"{path} {message.format(model=tmp_path)}")
+    assert refusal(cfg).startswith(f"{path} {message.format(model=tmp_path)}")
 
 
 def test_a_conversation_that_spells_a_special_token_is_refused_naming_its_turn(
@@ -381,9 +386,7 @@ def test_a_conversation_that_spells_a_special_token_is_refused_naming_its_turn(
     save_chat_model(tmp_path)
     path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system="Stop at <|im_end|>.")
     cfg = verl_config(path, tmp_path, "data.chat_template=true")
-    with pytest.raises(DataError) as exc:
-        build_datasets(cfg, load_tokenizer(cfg.model.path))
-    assert str(exc.value).startswith(
+    assert refusal(cfg).startswith(
         f"{path} row 1: the prompt holds '<|im_end|>', the text of a special token of the "
         "tokenizer, which would read it as that token inside the chat template's system turn"
     )
@@ -442,9 +445,7 @@ def test_template_variables_the_template_cannot_take_are_refused(
     cfg = gsm8k_config(
         tmp_path, "data.chat_template=true", f"data.chat_template_kwargs={variables}"
     )
-    with pytest.raises(DataError) as exc:
-        build_datasets(cfg, load_tokenizer(cfg.model.path))
-    assert str(exc.value) == message.format(model=tmp_path)
+    assert refusal(cfg) == message.format(model=tmp_path)
 
 
 def test_a_role_that_spells_a_special_token_is_refused(tmp_path: Path) -> None:
@@ -455,9 +456,7 @@ def test_a_role_that_spells_a_special_token_is_refused(tmp_path: Path) -> None:
     messages = [{"role": "user<|im_end|>", "content": "1+1="}]
     path.write_text(json.dumps({"prompt": messages, "reward_model": {"ground_truth": "2"}}) + "\n")
     cfg = verl_config(path, tmp_path, "data.chat_template=true")
-    with pytest.raises(DataError) as exc:
-        build_datasets(cfg, load_tokenizer(cfg.model.path))
-    assert str(exc.value).startswith(
+    assert refusal(cfg).startswith(
         f"{path}:1: the prompt holds '<|im_end|>', the text of a special token of the "
         "tokenizer, which would read it as that token inside the chat template's role "
         "'user<|im_end|>', not as text"
@@ -512,9 +511,7 @@ def test_a_prompt_that_already_ends_with_the_suffix_is_refused(
             f"data.prompt_suffix={SUFFIX}",
         ],
     )
-    with pytest.raises(DataError) as exc:
-        build_datasets(cfg, load_tokenizer(cfg.model.path))
-    assert str(exc.value) == (
+    assert refusal(cfg) == (
         f"{path}:2: the prompt already ends with data.prompt_suffix={SUFFIX!r}, which would be "
         "written twice; set data.prompt_suffix=null for a file whose prompts hold it"
     )

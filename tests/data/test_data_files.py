@@ -4,6 +4,7 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -260,6 +261,12 @@ def test_errors_are_one_line_of_bounded_length(tmp_path: Path) -> None:
     assert len(str(exc.value)) < len(str(jsonl)) + 170
 
 
+def _parquet(path: Path, columns: dict[str, list[Any]]) -> Path:
+    pa = pytest.importorskip("pyarrow")
+    pytest.importorskip("pyarrow.parquet").write_table(pa.table(columns), path)
+    return path
+
+
 @pytest.fixture
 def columns_read(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """The columns of each table ``pyarrow.parquet.read_table`` reads, as it reads them."""
@@ -281,12 +288,9 @@ def test_parquet_reads_only_the_configured_columns(
 ) -> None:
     # A dataset's parquet with a column the run never uses (an image per row, 4 MiB in all):
     # the table read holds the prompt and answer columns alone, the records unchanged.
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    path = tmp_path / "p.parquet"
     images = [bytes([i]) * 2**20 for i in range(4)]
     table = {"question": ["1+1=", "2+2=", "3+3=", "4+4="], "image": images}
-    pq.write_table(pa.table({**table, "answer": ["2", "4", "6", "8"]}), path)
+    path = _parquet(tmp_path / "p.parquet", {**table, "answer": ["2", "4", "6", "8"]})
     records, where = read_prompt_file(path, prompt_key="question")
     assert columns_read == [["question", "answer"]]
     assert records == [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(1, 5)]
@@ -321,10 +325,7 @@ def verl_gsm8k_rows(n: int) -> dict[str, list[object]]:
 def test_a_dotted_answer_key_reads_a_field_inside_a_field(
     tmp_path: Path, columns_read: list[list[str]]
 ) -> None:
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    path = tmp_path / "verl.parquet"
-    pq.write_table(pa.table(verl_gsm8k_rows(3)), path)
+    path = _parquet(tmp_path / "verl.parquet", verl_gsm8k_rows(3))
     records, _ = read_prompt_file(path, answer_key="reward_model.ground_truth")
     assert columns_read == [["prompt", "reward_model"]]  # the columns the two keys are in, alone
     assert records == [

@@ -544,6 +544,19 @@ ERRORS = [
         "its value is not valid YAML (a value cannot be built: invalid literal for int()",
     ),
     (["actor.optim.lr.x=1"], "actor.optim.lr is a value, not a section"),
+    (  # verl's (Hydra's) way of setting one template variable
+        ["data.chat_template_kwargs.enable_thinking=false"],
+        "data.chat_template_kwargs is a value, not a section: cannot set "
+        "'data.chat_template_kwargs.enable_thinking'; give the whole mapping: "
+        "data.chat_template_kwargs={enable_thinking: ...}",
+    ),
+    (  # YAML reads {a:b} as the one key 'a:b', without a value
+        ["data.chat_template_kwargs={enable_thinking:false}"],
+        "override 'data.chat_template_kwargs={enable_thinking:false}': its value is not valid "
+        "YAML ('enable_thinking:false' is one key without a value, as YAML reads a colon "
+        "without a space after it; write enable_thinking: false)",
+    ),
+    (["trainer={total_steps:5}"], "'total_steps:5' is one key without a value"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
         ["rollout.max_staleness=-1"],
@@ -664,6 +677,8 @@ def test_file_errors(tmp_path: Path) -> None:
     assert "got a list" in error_of(path=tmp_path / "list.yaml")
     (tmp_path / "bad.yaml").write_text("data:\n  task: [copy\n")
     assert "is not valid YAML at line" in error_of(path=tmp_path / "bad.yaml")
+    (tmp_path / "colon.yaml").write_text("data: {task: copy}\ntrainer: {total_steps:5}\n")
+    assert "'total_steps:5' is one key without a value" in error_of(path=tmp_path / "colon.yaml")
     (tmp_path / "section.yaml").write_text("data: 3\n")
     assert "data=3: expected a section: a mapping of its fields" in error_of(
         path=tmp_path / "section.yaml"

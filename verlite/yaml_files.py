@@ -48,10 +48,31 @@ def load_text(text: str) -> Any:
     """The value of YAML ``text`` read with :class:`SafeLoader` (a config override's value);
     a value that cannot be built (``2020-13-45`` as a date, ``!!int x``) is a YAML error."""
     try:
-        return yaml.load(text, Loader=SafeLoader)
+        value = yaml.load(text, Loader=SafeLoader)
     except (ValueError, TypeError) as exc:  # what a constructor raised
         problem = f"a value cannot be built: {exc}"
         raise yaml.constructor.ConstructorError(None, None, problem) from None
+    _refuse_unspaced_pairs(value, set())
+    return value
+
+
+def _refuse_unspaced_pairs(value: Any, seen: set[int]) -> None:
+    """Refuse a mapping key such as ``enable_thinking:false`` without a value: YAML reads
+    ``{enable_thinking:false}`` as that one key (a colon separates only with a space after
+    it), so the setting meant would be another name, or quietly unset. ``seen``: the
+    containers walked already (an alias shares one)."""
+    if id(value) in seen or not isinstance(value, (dict, list)):
+        return
+    seen.add(id(value))
+    for key, item in value.items() if isinstance(value, dict) else enumerate(value):
+        name, _, rest = key.partition(":") if isinstance(key, str) else ("", "", "")
+        if item is None and name and rest:
+            problem = (
+                f"{key!r} is one key without a value, as YAML reads a colon without a space "
+                f"after it; write {name}: {rest}"
+            )
+            raise yaml.constructor.ConstructorError(None, None, problem)
+        _refuse_unspaced_pairs(item, seen)
 
 
 # Values a file may expand to, aliases counted where they are used: a run config has a few

@@ -232,7 +232,16 @@ def _field_annotation(parts: Sequence[str]) -> Any:
     for i, part in enumerate(parts):
         prefix = ".".join(parts[:i])
         if model is None:
-            raise ConfigError(f"{prefix} is a value, not a section: cannot set {'.'.join(parts)!r}")
+            # A mapping-valued field (data.chat_template_kwargs) is given whole, not by key
+            # as verl's (Hydra's) data.apply_chat_template_kwargs.enable_thinking=false is.
+            whole = (
+                f"; give the whole mapping: {prefix}={{{part}: ...}}"
+                if any(typing.get_origin(arg) is dict for arg in _union_args(annotation))
+                else ""
+            )
+            raise ConfigError(
+                f"{prefix} is a value, not a section: cannot set {'.'.join(parts)!r}{whole}"
+            )
         if part not in model.model_fields:
             raise ConfigError(
                 _unknown_key_message(".".join(parts[: i + 1]), prefix, list(model.model_fields))

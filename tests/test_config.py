@@ -552,9 +552,9 @@ ERRORS = [
     ),
     (  # YAML reads {a:b} as the one key 'a:b', without a value
         ["data.chat_template_kwargs={enable_thinking:false}"],
-        "override 'data.chat_template_kwargs={enable_thinking:false}': its value is not valid "
-        "YAML ('enable_thinking:false' is one key without a value, as YAML reads a colon "
-        "without a space after it; write enable_thinking: false)",
+        "override 'data.chat_template_kwargs={enable_thinking:false}': 'enable_thinking:false' "
+        "is one key without a value, as YAML reads a colon without a space after it; write "
+        "enable_thinking: false",
     ),
     (["trainer={total_steps:5}"], "'total_steps:5' is one key without a value"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),

@@ -56,6 +56,10 @@ def load_text(text: str) -> Any:
     return value
 
 
+class UnspacedKey(yaml.constructor.ConstructorError):
+    """Valid YAML that says something other than what was meant: ``{a:b}`` is the key ``a:b``."""
+
+
 def _refuse_unspaced_pairs(value: Any, seen: set[int]) -> None:
     """Refuse a mapping key such as ``enable_thinking:false`` without a value: YAML reads
     ``{enable_thinking:false}`` as that one key (a colon separates only with a space after
@@ -71,7 +75,7 @@ def _refuse_unspaced_pairs(value: Any, seen: set[int]) -> None:
                 f"{key!r} is one key without a value, as YAML reads a colon without a space "
                 f"after it; write {name}: {rest}"
             )
-            raise yaml.constructor.ConstructorError(None, None, problem)
+            raise UnspacedKey(None, None, problem)
         _refuse_unspaced_pairs(item, seen)
 
 

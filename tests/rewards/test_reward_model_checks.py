@@ -48,7 +48,8 @@ CONFIG_ERRORS = [
     (["reward.combine={}"], "reward.combine={}: no source has a weight > 0"),
     (
         ["reward.combine={fn:0.5,model:0.5}"],
-        "reward.combine={'fn:0.5': None, 'model:0.5': None}: YAML reads 'fn:0.5' as one key",
+        "override 'reward.combine={fn:0.5,model:0.5}': 'fn:0.5' is one key without a value, as "
+        "YAML reads a colon without a space after it; write fn: 0.5",
     ),
     (
         ["reward.model.path=rm", "reward.combine={fn: 1}"],

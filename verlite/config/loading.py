@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
 from verlite.user_files import read_text
-from verlite.yaml_files import load_text, read_mapping
+from verlite.yaml_files import UnspacedKey, load_text, read_mapping
 
 
 class ConfigError(UserError):
@@ -162,6 +162,8 @@ def _apply_override(raw: dict[str, Any], overridden: dict[str, Any], item: str) 
     section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
     try:
         value = _parse_value(text.strip(), annotation)
+    except UnspacedKey as exc:  # valid YAML, not what was meant
+        raise ConfigError(f"override {item!r}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise ConfigError(

@@ -199,13 +199,6 @@ class RewardConfig(Section):
         if not isinstance(data, Mapping):
             return data
         combine = data.get("combine")
-        if isinstance(combine, Mapping) and any(
-            ":" in str(key) and value is None for key, value in combine.items()
-        ):
-            raise ValueError(
-                f"reward.combine={shown(dict(combine))}: YAML reads 'fn:0.5' as one key; write "
-                "each entry with a space after the colon, e.g. '{fn: 0.5, model: 0.5}'"
-            )
         if combine is not None:
             return data
         model, remote = as_dict(data.get("model")), as_dict(data.get("remote"))

@@ -262,6 +262,12 @@ def test_drop_leaves_the_prompts_over_the_limit_out_of_their_split(tmp_path: Pat
     )
     assert truncated.length_metrics("") == {"data/truncated_prompts": 2.0}
     assert truncated.dropped_line(8) is None
+    # A split drop leaves whole prints no line; its count, 0, is logged.
+    whole, _ = build_datasets(
+        _config(train_file=str(path), val_file=str(path), prompt_overflow="drop"), tokenizer
+    )
+    assert (whole.num_dropped, whole.dropped_line(32)) == (0, None)
+    assert whole.length_metrics("")["data/dropped_prompts"] == 0.0
 
 
 def test_drop_refuses_a_split_it_would_empty(tmp_path: Path) -> None:

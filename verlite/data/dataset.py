@@ -50,8 +50,9 @@ class PromptDataset(Sequence[PromptRecord]):
         return {f"{prefix}data/{k}": float(v) for k, v in counts.items() if v is not None}
 
     def dropped_line(self, max_prompt_length: int) -> str | None:
-        """With ``data.prompt_overflow=drop``, the start-up line that counts the prompts left out."""
-        if self.num_dropped is None:
+        """With ``data.prompt_overflow=drop``, the start-up line that counts the prompts left out
+        of this split; None where none were."""
+        if not self.num_dropped:
             return None
         total = len(self) + self.num_dropped
         return (

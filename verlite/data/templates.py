@@ -159,14 +159,22 @@ def _check_variables(
             f"the chat template of model.path={model_path!r} cannot be parsed (line {exc.lineno}: "
             f"{exc.message}), so the variables of {field} cannot be checked against it"
         ) from None
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
-    reserved = own | {"messages", *tokenizer.special_tokens_map, *environment.globals}
-    if taken := sorted(set(data.chat_template_kwargs) & reserved):
-        raise DataError(
-            f"{field}: {shown(taken, 80)} {'is' if len(taken) == 1 else 'are'} apply_chat_template's "
-            "own parameters, the tokenizer's special tokens or the template's functions, which "
-            "verlite and transformers set; a template variable needs another name"
-        )
+    kinds = {
+        "a parameter of apply_chat_template": {
+            "messages",
+            *inspect.signature(tokenizer.apply_chat_template).parameters,
+        }
+        - {"kwargs"},
+        "a special token's variable": set(tokenizer.special_tokens_map),
+        "a function transformers gives templates": set(environment.globals),
+    }
+    reserved = set().union(*kinds.values())
+    for name in sorted(data.chat_template_kwargs):
+        if kind := next((kind for kind, names in kinds.items() if name in names), None):
+            raise DataError(
+                f"{field}: {name!r} is {kind}, which verlite and transformers set; a template "
+                "variable needs another name"
+            )
     if unread := sorted(set(data.chat_template_kwargs) - read):
         raise DataError(
             f"{field}: the chat template of model.path={model_path!r} reads no variable "

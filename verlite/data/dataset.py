@@ -17,7 +17,13 @@ from typing import Literal, overload
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
-from verlite.data.files import DataError, Message, PromptRecord, SourceRecord, read_prompt_file
+from verlite.data.files import (
+    DataError,
+    PromptRecord,
+    SourceRecord,
+    conversation_of,
+    read_prompt_file,
+)
 from verlite.data.tasks import TASKS
 from verlite.data.templates import check_room, format_prompts
 from verlite.data.tokenizer import encode_prompts, special_tokens, unknown_characters
@@ -240,9 +246,7 @@ def check_special_token_text(
     if pattern is None:
         return
     for location, record in zip(where, records, strict=True):
-        prompt = record["prompt"]
-        messages = [Message(role="user", content=prompt)] if isinstance(prompt, str) else prompt
-        for message in messages:
+        for message in conversation_of(record["prompt"]):
             # The template writes a message's role into its text as well as its content.
             for text, place in (
                 (message["content"], f"{message['role']} turn"),

@@ -37,6 +37,11 @@ class Message(TypedDict):
 Conversation = tuple[Message, ...]
 
 
+def conversation_of(prompt: str | Conversation) -> Conversation:
+    """A prompt as the messages a chat template renders: a text prompt is the user's turn."""
+    return (Message(role="user", content=prompt),) if isinstance(prompt, str) else prompt
+
+
 class PromptRecord(TypedDict):
     """A prompt as the policy reads it (rendered, when it was a conversation) and its answer."""
 

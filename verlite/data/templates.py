@@ -33,7 +33,14 @@ from transformers import PreTrainedTokenizerBase
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from verlite.config import Config, DataConfig
-from verlite.data.files import Conversation, DataError, Message, PromptRecord, SourceRecord
+from verlite.data.files import (
+    Conversation,
+    DataError,
+    Message,
+    PromptRecord,
+    SourceRecord,
+    conversation_of,
+)
 from verlite.data.tokenizer import (
     encode_prompts,
     encode_written,
@@ -220,16 +227,13 @@ def _conversation(location: str, prompt: str | Conversation, data: DataConfig) -
     text prompt as the user's turn, or the file's conversation; ``data.prompt_suffix`` after
     the last turn's content and a space. A conversation with its own system turn and
     ``data.system_prompt`` set too: a :class:`DataError` (which one would be meant?)."""
-    if isinstance(prompt, str):
-        messages = [Message(role="user", content=prompt)]
-    elif data.system_prompt is not None and any(m["role"] == "system" for m in prompt):
+    messages = list(conversation_of(prompt))
+    if data.system_prompt is not None and any(m["role"] == "system" for m in messages):
         raise DataError(
             f"{location}: the prompt's conversation has a system turn of its own, and "
             f"data.system_prompt={shown(data.system_prompt, 60)} is set too; unset "
             "data.system_prompt to keep the file's, or remove the file's system turns"
         )
-    else:
-        messages = list(prompt)
     last = messages[-1]
     messages[-1] = Message(role=last["role"], content=_with_suffix(location, last["content"], data))
     return [*_system(data), *messages]

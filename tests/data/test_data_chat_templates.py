@@ -241,6 +241,45 @@ def test_a_template_that_leaves_the_system_turn_out_names_the_system_prompt(
     )
 
 
+@pytest.mark.parametrize(
+    ("system", "where"),
+    [("assistant", "the template's own text"), ("step by step", "the user's turn")],
+)
+def test_a_left_out_system_turn_is_found_when_its_text_is_elsewhere_too(
+    tmp_path: Path, system: str, where: str
+) -> None:
+    # The system text was looked for anywhere in the rendering: a template that drops the
+    # turn passed when its generation prompt ('<|im_start|>assistant') or the user's turn
+    # (verl's 'Let's think step by step ...') held the same text.
+    save_chat_model(tmp_path, DROPS_SYSTEM_TEMPLATE)
+    path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system=system)
+    message = refusal(verl_config(path, tmp_path, "data.chat_template=true"))
+    assert f"leaves the prompt's system turn {system!r} out" in message, where
+    cfg = gsm8k_config(tmp_path, "data.chat_template=true", f"data.system_prompt={system}")
+    assert f"leaves the system turn data.system_prompt={system!r} out" in refusal(cfg), where
+    save_chat_model(tmp_path, QWEN_TEMPLATE)  # a template that writes it: both render
+    _, val = build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert val[0]["prompt"].startswith(f"<|im_start|>system\n{system}<|im_end|>")
+    cfg = verl_config(path, tmp_path, "data.chat_template=true")
+    _, val = build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert val[0]["prompt"].startswith(f"<|im_start|>system\n{system}<|im_end|>")
+
+
+def test_a_blank_system_turn_of_a_file_is_rendered_as_the_template_writes_it(
+    tmp_path: Path,
+) -> None:
+    # Nothing is lost whether a template writes a blank turn or not: no refusal either way.
+    for template, head in [
+        (QWEN_TEMPLATE, "<|im_start|>system\n <|im_end|>"),
+        (DROPS_SYSTEM_TEMPLATE, "<|im_start|>user"),
+    ]:
+        save_chat_model(tmp_path, template)
+        path = write_verl_gsm8k_parquet(tmp_path / "verl.parquet", system=" ")
+        cfg = verl_config(path, tmp_path, "data.chat_template=true")
+        _, val = build_datasets(cfg, load_tokenizer(cfg.model.path))
+        assert val[0]["prompt"].startswith(head)
+
+
 # The main job's prompts as the code before data fields and chat templates drew them.
 MAIN_JOB_TRAIN = "b4ddd1237c831434cabb9cfbed8ab96b80dfd02075e102bf050c911d539f0c36"
 MAIN_JOB_VALIDATION = "d8567c4dfea9311255cf033ef8fec58e4348d45d4d13fa21406fb49228722966"

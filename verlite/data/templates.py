@@ -202,15 +202,16 @@ def _check_system_turn(
         "unset data.system_prompt (or put its text in data.prompt_suffix) for a template "
         "without a system role"
     )
+    messages = [*_system(data), Message(role="user", content=_QUESTION)]
+    failure = f"{where} fails on the system turn {setting}; {remedy}"
     text = _apply(
         tokenizer,
-        [*_system(data), Message(role="user", content=_QUESTION)],
+        messages,
         generation_prompt=True,
-        failure=f"{where} fails on the system turn {setting}; {remedy}",
+        failure=failure,
         variables=data.chat_template_kwargs,
     )
-    assert data.system_prompt is not None  # checked only when set
-    if data.system_prompt.strip() not in text:
+    if _left_out(tokenizer, messages, text, failure=failure, variables=data.chat_template_kwargs):
         raise DataError(
             f"{where} leaves the system turn {setting} out: it renders {shown(text, 80)}; {remedy}"
         )
@@ -292,12 +293,15 @@ def _render(
     """The template's text of a prompt's ``messages``, with the generation prompt; one that
     is empty, or leaves out a system turn of a file's conversation (a template that writes
     only the roles it knows), is refused naming the row."""
+    failure = (
+        f"{location}: the chat template of model.path={model_path!r} fails on this prompt "
+        "(data.chat_template=true)"
+    )
     text = _apply(
         tokenizer,
         messages,
         generation_prompt=True,
-        failure=f"{location}: the chat template of model.path={model_path!r} fails on this "
-        "prompt (data.chat_template=true)",
+        failure=failure,
         variables=data.chat_template_kwargs,
     )
     if not isinstance(text, str) or not text.strip():
@@ -306,15 +310,43 @@ def _render(
             f"{shown(text, 60)}, empty or only whitespace (data.chat_template=true); fix the "
             "template or set data.chat_template=false"
         )
-    for message in messages:
-        if message["role"] == "system" and message["content"].strip() not in text:
-            raise DataError(
-                f"{location}: the chat template of model.path={model_path!r} leaves the "
-                f"prompt's system turn {shown(message['content'], 60)} out: it renders "
-                f"{shown(text, 80)}; use a template with a system role, or move the turn's "
-                "text into the user's"
-            )
+    if left_out := _left_out(
+        tokenizer, messages, text, failure=failure, variables=data.chat_template_kwargs
+    ):
+        raise DataError(
+            f"{location}: the chat template of model.path={model_path!r} leaves the "
+            f"prompt's system turn {shown(left_out['content'], 60)} out: it renders "
+            f"{shown(text, 80)}; use a template with a system role, or move the turn's "
+            "text into the user's"
+        )
     return text
+
+
+def _left_out(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Message],
+    text: str,
+    *,
+    failure: str,
+    variables: Mapping[str, Any],
+) -> Message | None:
+    """The first system turn of ``messages`` that the template's ``text`` of them leaves out
+    (one that writes only the roles it knows), or None. A turn is written when its text occurs
+    more often in ``text`` than in the rendering with that turn's content blank: what the
+    template writes around it and what the other turns hold count in both, so a user turn
+    that repeats the system prompt, or a system prompt the template's own text contains,
+    cannot pass for it. A conversation without a system turn renders once."""
+    for index, message in enumerate(messages):
+        written = message["content"].strip()
+        if message["role"] != "system" or not written:  # a blank turn loses nothing
+            continue
+        blank = [*messages[:index], Message(role="system", content=""), *messages[index + 1 :]]
+        without = _apply(
+            tokenizer, blank, generation_prompt=True, failure=failure, variables=variables
+        )
+        if text.count(written) <= without.count(written):
+            return message
+    return None
 
 
 # The stand-in conversation the turn format is read from (none of it reaches a trajectory).

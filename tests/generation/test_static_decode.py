@@ -3,6 +3,7 @@ tokens, log-probs and masks, bit for bit on CPU, with rows compacted out as they
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -17,7 +18,7 @@ from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_qwen2, tiny_sliding
 from verlite.config import LoraConfig, ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
-from verlite.generation.decode import StaticDecoder, buckets_for
+from verlite.generation.decode import GraphCaptureFailed, StaticDecoder, buckets_for
 from verlite.models import build_policy
 from verlite.models.lora import apply_lora
 
@@ -650,3 +651,57 @@ def test_graphs_replay_only_on_the_tensors_they_were_captured_on() -> None:
     refresh_inference_copy(model, llama("fp64"))  # in place: the graphs stay
     graphs.generate(td, params, noise(td, 5, 14))
     assert all(decoder.graphs[key] is graph for key, graph in kept.items())
+
+
+@pytest.mark.parametrize("failing", ["step", "capture_end"])
+def test_a_failed_capture_names_what_failed_not_the_capture_it_ended(
+    monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """On a GPU an op the capture refuses (a host read, say) raises in the captured step,
+    and leaving ``torch.cuda.graph`` then ends the broken capture, which raises CUDA's own
+    error in the step's place (torch's ``capture_end``, run by the context's ``__exit__``
+    whatever the step raised): the one line of ``GraphCaptureFailed`` names the step's
+    error, what to fix, and a capture that fails only as it ends, that error. Here the
+    streams and graphs are stand-ins whose end of capture fails as CUDA's does."""
+    ended = "CUDA error: operation failed due to a previous error during capture"
+    refused = "CUDA error: operation not permitted when stream is capturing"
+
+    class Capture:
+        def __init__(self, graph: object, pool: object = None) -> None:
+            pass
+
+        def __enter__(self) -> None:
+            pass
+
+        def __exit__(self, *raised: object) -> None:
+            raise RuntimeError(f"{ended}\nCUDA kernel errors might be asynchronously reported")
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda side: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", SimpleNamespace)
+    monkeypatch.setattr(torch.cuda, "graph", Capture)
+    model = llama("fp32")
+    decoder = StaticDecoder(
+        model,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
+        lockstep=False,
+        settings=DecodeSettings("cuda_graphs"),
+    )
+    decoder._ensure_buffers(1, 1, torch.device("cpu"))
+    runs = []
+
+    def step() -> None:
+        runs.append(len(runs))
+        if failing == "step" and len(runs) == 2:  # its capture: its first run is the warm-up
+            raise RuntimeError(f"{refused}\nCompile with `TORCH_USE_CUDA_DSA`")
+
+    with pytest.raises(GraphCaptureFailed) as raised:
+        decoder._capture(step)
+    named = refused if failing == "step" else ended
+    assert str(raised.value) == (
+        f"rollout: a decode step of {type(model).__name__} could not be captured as a CUDA "
+        f"graph ({named}); use rollout.decode=static"
+    )

@@ -530,14 +530,23 @@ class StaticDecoder:
             step()
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        failed: RuntimeError | None = None  # what the step raised while being captured
         try:
             with torch.cuda.graph(graph, pool=self._graph_pool), autocast:
-                step()
+                try:
+                    step()
+                except RuntimeError as exc:
+                    failed = exc
+                    raise
         except RuntimeError as exc:
+            # An op the capture refuses (a host read, say) raises in the step and breaks the
+            # capture; leaving torch.cuda.graph still ends it (capture_end), which then raises
+            # CUDA's "operation failed due to a previous error during capture" in its place.
+            cause = failed or exc
             raise GraphCaptureFailed(
                 f"rollout: a decode step of {type(self.model).__name__} could not be captured "
-                f"as a CUDA graph ({str(exc).splitlines()[0]}); use rollout.decode=static"
-            ) from exc
+                f"as a CUDA graph ({str(cause).splitlines()[0]}); use rollout.decode=static"
+            ) from cause
         if self._graph_pool is None:
             self._graph_pool = graph.pool()
         return graph

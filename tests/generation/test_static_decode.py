@@ -653,55 +653,131 @@ def test_graphs_replay_only_on_the_tensors_they_were_captured_on() -> None:
     assert all(decoder.graphs[key] is graph for key, graph in kept.items())
 
 
-@pytest.mark.parametrize("failing", ["step", "capture_end"])
-def test_a_failed_capture_names_what_failed_not_the_capture_it_ended(
-    monkeypatch: pytest.MonkeyPatch, failing: str
-) -> None:
-    """On a GPU an op the capture refuses (a host read, say) raises in the captured step,
-    and leaving ``torch.cuda.graph`` then ends the broken capture, which raises CUDA's own
-    error in the step's place (torch's ``capture_end``, run by the context's ``__exit__``
-    whatever the step raised): the one line of ``GraphCaptureFailed`` names the step's
-    error, what to fix, and a capture that fails only as it ends, that error. Here the
-    streams and graphs are stand-ins whose end of capture fails as CUDA's does."""
-    ended = "CUDA error: operation failed due to a previous error during capture"
-    refused = "CUDA error: operation not permitted when stream is capturing"
+class StandInCuda:
+    """``torch.cuda``'s streams and graphs as ``StaticDecoder._capture`` uses them, stood in
+    for on CPU: each wait, stream switch and capture goes to ``log``, and ending a capture
+    whose step raised fails as CUDA's does (torch's ``capture_end``, which the context's
+    ``__exit__`` runs whatever the step raised, reports the capture the error broke)."""
 
-    class Capture:
-        def __init__(self, graph: object, pool: object = None) -> None:
-            pass
+    ENDED = "CUDA error: operation failed due to a previous error during capture"
 
-        def __enter__(self) -> None:
-            pass
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, end_fails: bool = False) -> None:
+        self.log: list[str] = []
+        self.streams = 0
+        self.current = self.stream("current")
+        self.capturing = False
+        log = self.log
+        cuda = self
 
-        def __exit__(self, *raised: object) -> None:
-            raise RuntimeError(f"{ended}\nCUDA kernel errors might be asynchronously reported")
+        class Graph:
+            def __init__(self) -> None:
+                self.id = len([entry for entry in log if entry.startswith("capture ")])
 
-    stream = SimpleNamespace(wait_stream=lambda other: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda side: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", SimpleNamespace)
-    monkeypatch.setattr(torch.cuda, "graph", Capture)
-    model = llama("fp32")
+            def pool(self) -> str:
+                return f"pool of graph {self.id}"
+
+        class Capture:
+            def __init__(self, graph: Graph, pool: str | None = None) -> None:
+                log.append(f"capture {graph.id} into {pool}")
+
+            def __enter__(self) -> None:
+                cuda.capturing = True
+
+            def __exit__(self, raised: type[BaseException] | None, *rest: object) -> None:
+                cuda.capturing = False
+                if raised is not None or end_fails:
+                    raise RuntimeError(f"{cuda.ENDED}\nCUDA kernel errors might be reported later")
+
+        @contextlib.contextmanager
+        def on(stream: SimpleNamespace) -> Any:
+            before, self.current = self.current, stream
+            try:
+                yield
+            finally:
+                self.current = before
+
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: self.stream("side"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", on)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", Capture)
+
+    def stream(self, name: str) -> SimpleNamespace:
+        self.streams += 1
+        log = self.log
+        return SimpleNamespace(
+            name=name, wait_stream=lambda other: log.append(f"{name} waits for {other.name}")
+        )
+
+    def step(self, *, raising: str | None = None) -> Callable[[], None]:
+        """A decode step that logs where it runs, and raises ``raising`` when captured."""
+
+        def run() -> None:
+            where = "captured" if self.capturing else f"run on {self.current.name}"
+            cache = "on" if torch.is_autocast_cache_enabled() else "off"
+            self.log.append(f"step {where}, autocast cache {cache}")
+            if raising is not None and self.capturing:
+                raise RuntimeError(f"{raising}\nCompile with `TORCH_USE_CUDA_DSA`")
+
+        return run
+
+
+def cuda_graphs_decoder() -> StaticDecoder:
     decoder = StaticDecoder(
-        model,
+        llama("fp32"),
         eos_token_id=EOS,
         pad_token_id=PAD,
         lockstep=False,
         settings=DecodeSettings("cuda_graphs"),
     )
     decoder._ensure_buffers(1, 1, torch.device("cpu"))
-    runs = []
+    return decoder
 
-    def step() -> None:
-        runs.append(len(runs))
-        if failing == "step" and len(runs) == 2:  # its capture: its first run is the warm-up
-            raise RuntimeError(f"{refused}\nCompile with `TORCH_USE_CUDA_DSA`")
 
+def test_each_step_runs_once_on_a_side_stream_then_is_captured_into_the_shared_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What torch asks of a capture, which only a GPU runs (the CPU tests replay closures):
+    the step first runs for real on a side stream that waited for the current one (the
+    warm-up; the current stream then waits for it), then is captured; autocast's weight
+    cache is off for both (a cast cached in a capture is freed under the graph); the side
+    stream is made once, and every graph after the first is captured into the first's pool."""
+    cuda = StandInCuda(monkeypatch)
+    decoder = cuda_graphs_decoder()
+    decoder._capture(cuda.step())
+    decoder._capture(cuda.step())
+    warm_up = [
+        "side waits for current",
+        "step run on side, autocast cache off",
+        "current waits for side",
+    ]
+    assert cuda.log == [
+        *warm_up,
+        "capture 0 into None",
+        "step captured, autocast cache off",
+        *warm_up,
+        "capture 1 into pool of graph 0",
+        "step captured, autocast cache off",
+    ]
+    assert cuda.streams == 2  # the current one, and one side stream
+    assert torch.is_autocast_cache_enabled()  # as it was
+
+
+@pytest.mark.parametrize("failing", ["step", "capture_end"])
+def test_a_failed_capture_names_what_failed_not_the_capture_it_ended(
+    monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """On a GPU an op the capture refuses (a host read, say) raises in the captured step,
+    and leaving ``torch.cuda.graph`` then ends the broken capture, which raises CUDA's own
+    error in the step's place: the one line of ``GraphCaptureFailed`` names the step's
+    error, what to fix, and a capture that fails only as it ends, that error."""
+    refused = "CUDA error: operation not permitted when stream is capturing"
+    cuda = StandInCuda(monkeypatch, end_fails=failing == "capture_end")
+    decoder = cuda_graphs_decoder()
     with pytest.raises(GraphCaptureFailed) as raised:
-        decoder._capture(step)
-    named = refused if failing == "step" else ended
+        decoder._capture(cuda.step(raising=refused if failing == "step" else None))
+    named = refused if failing == "step" else StandInCuda.ENDED
     assert str(raised.value) == (
-        f"rollout: a decode step of {type(model).__name__} could not be captured as a CUDA "
-        f"graph ({named}); use rollout.decode=static"
+        f"rollout: a decode step of {type(decoder.model).__name__} could not be captured as a "
+        f"CUDA graph ({named}); use rollout.decode=static"
     )

@@ -185,6 +185,7 @@ class Target:
     dps: list[int]
     output_dir: Path
     audit_flags: tuple[str, ...] = ()  # what else ``verlite check-invariance`` is given
+    gpu_memory_gib: float | None = None  # each GPU's, on cuda
 
     @property
     def cpu(self) -> bool:
@@ -318,6 +319,11 @@ def update_benchmark(target: Target, limit: float) -> Part:
     return part
 
 
+# The 7B-shaped run as configured keeps its fp32 weights and gradients on the GPU: by count
+# (docs/gpu.md), 87 GiB before activations, past an H100's 80 GB. On a GPU with less memory
+# than this, it runs with FSDP2's CPU offload of parameters, gradients and optimizer state.
+FIT_7B_GIB = 100
+OFFLOAD_7B = ["actor.strategy=fsdp", "actor.offload=all"]
 # The split of a step a 7B-shaped run reports, from its metrics.jsonl.
 SPLIT = ("timing_s/gen", "timing_s/log_probs", "timing_s/update_actor", "timing_s/step")
 MFU = "perf/mfu/update"  # on cuda only
@@ -325,15 +331,18 @@ MFU = "perf/mfu/update"  # on cuda only
 
 def grpo_7b(target: Target, limit: float) -> Part:
     """Two GRPO steps of ``configs/grpo_7b_shape.yaml``: each step's actor peak memory and
-    the split of its time."""
+    the split of its time; on a GPU under :data:`FIT_7B_GIB`, with :data:`OFFLOAD_7B`."""
     overrides = [f"model.device={target.device}"]
     overrides += CPU_7B if target.cpu else []
+    offload = target.gpu_memory_gib is not None and target.gpu_memory_gib < FIT_7B_GIB
+    overrides += OFFLOAD_7B if offload else []
     code, seconds, records = _train(target, CONFIG_7B, "grpo_7b_shape", overrides, limit)
     steps = [
         {k: r.get(k) for k in ("step", "perf/max_memory_allocated_gb/actor", MFU, *SPLIT)}
         for r in records
     ]
-    part = Part("7B-shaped GRPO", f"{len(records)} of 2 steps", seconds=seconds)
+    shape = f"{len(records)} of 2 steps" + (f", {' '.join(OFFLOAD_7B)}" if offload else "")
+    part = Part("7B-shaped GRPO", shape, seconds=seconds)
     part.verdict, part.details = _exit_verdict(code, limit), {"steps": steps}
     if steps:
         last = steps[-1]
@@ -604,12 +613,26 @@ def main(argv: list[str] | None = None) -> int:
                 "gpu-check: no GPU visible here (torch.cuda.device_count() is 0): nothing to check"
             )
             return 0
-        target = Target("cuda", [dp for dp in (1, 2, 4, 8) if dp <= gpus], output_dir)
-        header = f"gpu-check: {gpus} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+        name, memory_gib = _gpu()
+        target = Target(
+            "cuda", [dp for dp in (1, 2, 4, 8) if dp <= gpus], output_dir, (), memory_gib
+        )
+        header = f"gpu-check: {gpus} x {name} ({memory_gib:.0f} GiB), torch {torch.__version__}"
     print(header, flush=True)
     parts = run_parts(target, groups, header=header, budget_s=args.budget_s or None)
     print(format_table(write_summary(target, parts, header)), flush=True)
     return 0 if all(p.ok for p in parts) else 1
+
+
+def _gpu() -> tuple[str, float]:
+    """The first GPU's name and memory in GiB, read by a child process: reading them here
+    would hold a CUDA context (some 500 MB of GPU 0) through every part."""
+    read = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
+    output = subprocess.run(
+        [sys.executable, "-c", read], capture_output=True, text=True, check=True
+    ).stdout
+    memory, name = output.strip().split(" ", 1)
+    return name, int(memory) / 2**30
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 on CPU with tiny shapes (``--cpu``), issue 35's (`make gpu-check`) and issue 36's
 (`make gpu-bench`: the rollout benchmark and the 0.5B-shaped GRPO step)."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -271,9 +272,13 @@ def test_every_run_a_gpu_part_starts_loads_and_fits_one_gpu(
         return 0, 0.0, []
 
     monkeypatch.setattr(gpu_check, "_subprocess", record)
-    target = gpu_check.Target("cuda", [1], tmp_path)
+    target = gpu_check.Target("cuda", [1], tmp_path, gpu_memory_gib=79.2)  # an H100's
     for part in (gpu_check.main_job, gpu_check.grpo_7b, gpu_check.grpo_step, gpu_check.recipe_step):
         part(target, 60.0)
+    # The 7B-shaped run as configured on an H200 (141 GB); on an H100, with FSDP2's offload.
+    gpu_check.grpo_7b(dataclasses.replace(target, gpu_memory_gib=139.8), 60.0)
+    offloaded = [c[-2:] == gpu_check.OFFLOAD_7B for c in commands]
+    assert offloaded == [False, True, False, False, False, False]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100")
@@ -290,4 +295,4 @@ def test_every_run_a_gpu_part_starts_loads_and_fits_one_gpu(
         preflight.check_generation(cfg, vocab)
         preflight.check_generation_fits(cfg, vocab)
         decodes.append(cfg.rollout.decode)
-    assert decodes == ["auto", "auto", "eager", "cuda_graphs", "auto"]
+    assert decodes == ["auto", "auto", "eager", "cuda_graphs", "auto", "auto"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict
@@ -52,11 +52,20 @@ def _gpus(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class ResolvedAtLoad:
+    """Field metadata: a word a user may write for the field besides a value of its type,
+    which the field's validator turns into one at load. A loaded config holds the type (what
+    its readers see); the reference (``config.reference``) lists the word with it."""
+
+    word: str
+
+
 # The GPUs of one worker: a number, or auto, resolved when the field is validated, so that a
 # loaded config holds the number (and the logged config the number the run used).
-GpusPerWorker = Annotated[Annotated[float, Field(ge=0.0)] | Literal["auto"], BeforeValidator(_gpus)]
+GpusPerWorker = Annotated[float, Field(ge=0.0), ResolvedAtLoad("auto"), BeforeValidator(_gpus)]
 OptionalGpusPerWorker = Annotated[
-    Annotated[float, Field(ge=0.0)] | Literal["auto"] | None,
+    Annotated[float, Field(ge=0.0), ResolvedAtLoad("auto")] | None,
     BeforeValidator(lambda value: None if value is None else _gpus(value)),
 ]
 

@@ -17,6 +17,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from verlite.config import MOVED_KEYS, Config
+from verlite.config.fields import ResolvedAtLoad
 from verlite.config.inert import NEEDS
 
 HEADER = """# Configuration reference
@@ -115,11 +116,15 @@ def _type_name(annotation: Any) -> str:
 
 
 def _bounds(metadata: Any) -> list[str]:
-    """``> 0``, ``<= 1``, ``min length 1`` from pydantic constraint metadata."""
+    """``> 0``, ``<= 1``, ``min length 1`` from pydantic constraint metadata, then ``| "auto"``
+    for a word the field resolves at load (:class:`~verlite.config.fields.ResolvedAtLoad`)."""
     found = []
     for meta in metadata:
         if isinstance(meta, FieldInfo):  # Field(...) inside Annotated keeps its own metadata
             found += _bounds(meta.metadata)
+            continue
+        if isinstance(meta, ResolvedAtLoad):
+            found.append(f"\\| {json.dumps(meta.word)}")
             continue
         for attr, text in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
             if getattr(meta, attr, None) is not None:

@@ -63,19 +63,23 @@ def response_width(td: TensorDict) -> int:
 def response_lengths(td: TensorDict) -> torch.Tensor:
     """(B,) real tokens of each row's response area: its response, or a multi-turn
     trajectory's turns and observations (what ``rollout`` limits to the response width)."""
-    return td["attention_mask"][:, -response_width(td) :].sum(-1)
+    mask: torch.Tensor = td["attention_mask"]
+    return mask[:, -response_width(td) :].sum(-1)
 
 
 def sequence_lengths(td: TensorDict) -> list[int]:
     """Real tokens per row (prompt + response): the cost of a row in a forward pass."""
-    return td["attention_mask"].sum(-1).tolist()
+    mask: torch.Tensor = td["attention_mask"]
+    lengths: list[int] = mask.sum(-1).tolist()
+    return lengths
 
 
 def prompt_lengths(td: TensorDict) -> list[int]:
     """Real prompt tokens per row: with :func:`sequence_lengths`, the width a group of rows
     takes once trimmed (longest prompt + longest response)."""
-    mask = td["attention_mask"]
-    return mask[:, : mask.shape[1] - response_width(td)].sum(-1).tolist()
+    mask: torch.Tensor = td["attention_mask"]
+    lengths: list[int] = mask[:, : mask.shape[1] - response_width(td)].sum(-1).tolist()
+    return lengths
 
 
 def row_costs(td: TensorDict, crossover: int | None = None) -> list[int]:
@@ -101,7 +105,11 @@ def take_rows(td: TensorDict, rows: Sequence[int]) -> TensorDict:
         return td if n == td.batch_size[0] else td[rows[0] : rows[0] + n]
     index = torch.tensor(rows, dtype=torch.long)
     # index_select copies rows ~2.5x faster than advanced indexing (td[index]) on CPU.
-    return td.apply(lambda value: value.index_select(0, index), batch_size=[n, *td.batch_size[1:]])
+    taken = td.apply(lambda value: value.index_select(0, index), batch_size=[n, *td.batch_size[1:]])
+    # apply gives None only where the function returns None for every entry; index_select
+    # returns a tensor for each.
+    assert taken is not None
+    return taken
 
 
 def cut_mini_batches(td: TensorDict, mini_batches: int) -> TensorDict:

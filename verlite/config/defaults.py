@@ -89,7 +89,8 @@ def as_dict(section: Any) -> Any:
 
 def _is_valid(model: type[BaseModel], key: str, value: Any) -> bool:
     field = model.model_fields[key]
-    annotation = (
+    # A type expression built at run time, which mypy cannot type (TypeAdapter takes any).
+    annotation: Any = (
         Annotated[field.annotation, *field.metadata] if field.metadata else field.annotation
     )
     try:

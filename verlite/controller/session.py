@@ -14,13 +14,16 @@ import sys
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray._private import ray_constants
 
 from verlite.errors import UserError
 from verlite.reachable import connection_problem, is_loopback_host
+
+if TYPE_CHECKING:
+    from ray._private.node import Node
 
 LOOPBACK = "127.0.0.1"
 # How long a cluster address may take to accept a connection, and Ray to join the cluster.
@@ -160,8 +163,10 @@ def start_ray(address: str | None, *, num_cpus: int | None = None) -> None:
                 _node_ip_address=LOOPBACK,
                 logging_level=logging.WARNING,
             )
-        _inheriting_session = ray._private.worker._global_node.session_name
-        _watch_embedded_node()
+        node = ray._private.worker._global_node
+        assert node is not None  # the node ray.init(address="local") just started here
+        _inheriting_session = node.session_name
+        _watch_embedded_node(node)
         return
     if num_cpus is not None:
         raise ValueError("num_cpus applies to an embedded Ray only, not to a cluster address")
@@ -229,14 +234,13 @@ def lost_embedded_node() -> str | None:
     return NODE_GONE.format(gone=", ".join(dead)) if dead else None
 
 
-def _watch_embedded_node() -> None:
-    """Start node_watch.py on this process's embedded node: when its raylet or GCS exits, Ray
-    may end this process at once with a bare exit code 1, and the watcher says why."""
+def _watch_embedded_node(node: Node) -> None:
+    """Start node_watch.py on this process's embedded ``node``: when its raylet or GCS exits,
+    Ray may end this process at once with a bare exit code 1, and the watcher says why."""
     global _watcher
     _stop_watching()  # a watcher left from a session ended by a bare ray.shutdown()
     if not hasattr(os, "pidfd_open"):  # not Linux: Ray's exit stays unexplained
         return
-    node = ray._private.worker._global_node
     vital = [f"{kind}={info.process.pid}" for kind in VITAL for info in node.all_processes[kind]]
     message = f"verlite: error: {NODE_GONE} and Ray ended this run's driver with it"
     script = Path(__file__).with_name("node_watch.py")

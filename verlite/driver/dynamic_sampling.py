@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import cast
 
 import torch
 from tensordict import TensorDict
@@ -121,7 +122,13 @@ class DynamicSampling:
         """The rows of the ``chosen`` groups (indices over every draw's groups in order) as
         one step batch, their ``uid`` renumbered in that order, and their records."""
         records = [record for draw in draws for record in draw.records]
-        joined = draws[0].batch if len(draws) == 1 else torch.cat([d.batch for d in draws])
+        # torch.cat's stub returns a Tensor; on TensorDicts, tensordict's __torch_function__
+        # returns a TensorDict.
+        joined = (
+            draws[0].batch
+            if len(draws) == 1
+            else cast(TensorDict, torch.cat([d.batch for d in draws]))
+        )
         rows = [group * self.n + j for group in chosen for j in range(self.n)]
         batch = take_rows(joined, rows)
         # Groups are picked by position: each draw's rows must be in its prompts' order.

@@ -261,7 +261,7 @@ class StepSource:
     def validation_batch(self, records: list[PromptRecord]) -> TensorDict:
         """The actor's greedy answers to ``records`` (the held-out prompts), once each."""
         greedy = replace(self.sampling, temperature=0.0)
-        return self.actor.call(
+        batch: TensorDict = self.actor.call(
             "generate",
             self._tensordict(records, repeat=1, temperature=0.0),
             greedy,
@@ -270,6 +270,7 @@ class StepSource:
             dispatch="dp_split",
             collect="concat",
         )
+        return batch
 
     def _tensordict(
         self, records: list[PromptRecord], *, repeat: int, temperature: float

@@ -562,6 +562,7 @@ class Trainer:
         algorithm = self.cfg.algorithm
         del batch["sample_key"]
         sampled = batch.pop("rollout_log_probs")
+        assert isinstance(sampled, Tensor)  # a column of the rollout's, never a nested TensorDict
         mask = batch["response_mask"]
         if not self.recompute_old:
             batch["old_log_probs"] = sampled
@@ -600,7 +601,8 @@ class Trainer:
         if not self.cfg.algorithm.overlong.filter:
             return None
         if "truncated" in set(batch.keys()):
-            return at_limit | batch["truncated"].bool()
+            truncated: Tensor = batch["truncated"]
+            return at_limit | truncated.bool()
         return at_limit
 
     @staticmethod

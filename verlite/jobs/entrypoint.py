@@ -5,6 +5,7 @@ log Ray's job server can read back."""
 from __future__ import annotations
 
 import codecs
+import io
 import os
 import re
 import shlex
@@ -61,7 +62,9 @@ def run_with_utf8_output(command: Sequence[str]) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     env = {k: v for k, v in os.environ.items() if k != UTF8_OUTPUT_ENV}
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
-    assert child.stdout is not None
+    # Popen's default bufsize (-1) wraps the pipe in a BufferedReader, whose read1 returns
+    # what the pipe holds without waiting for a full chunk.
+    assert isinstance(child.stdout, io.BufferedReader)
     replaced = 0
     # An incremental decoder keeps a character split over two reads until it is complete.
     decoder = codecs.getincrementaldecoder("utf-8")("surrogateescape")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -18,16 +18,19 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    GenerationConfig,
     LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
 )
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from verlite.config import Config, ConfigError, LoraConfig, ModelConfig
 from verlite.config.checks import longest_sequence_fields
 from verlite.errors import UserError
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
+from verlite.models.hf import ModuleT, config_of, input_embeddings, output_embeddings
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
 from verlite.models.precision import (
     cast_weights,
@@ -37,6 +40,10 @@ from verlite.models.precision import (
     param_dtype,
 )
 from verlite.models.varlen import PackingUnsupported, enable_packing
+
+# The Hugging Face auto class a model is built or loaded as (their common base): the policy's
+# causal LM, the critic's trunk, the reward model's classifier.
+AutoClass = type[_BaseAutoModelClass]
 
 
 def model_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -95,7 +102,10 @@ def builtin_vocab_size(cfg: ModelConfig, tokenizer_size: int) -> int:
 def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> PretrainedConfig:
     """A Hugging Face config for the built-in decoder described by ``cfg``, for a tokenizer
     of ``vocab_size`` tokens (:func:`builtin_vocab_size`)."""
-    config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config}[cfg.arch]
+    config_class: type[LlamaConfig] | type[Qwen2Config] = {
+        "llama": LlamaConfig,
+        "qwen2": Qwen2Config,
+    }[cfg.arch]
     return config_class(
         vocab_size=builtin_vocab_size(cfg, vocab_size),
         hidden_size=cfg.hidden_size,
@@ -105,7 +115,10 @@ def tiny_hf_config(cfg: ModelConfig, *, vocab_size: int, max_positions: int) -> 
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=max_positions,
         tie_word_embeddings=False,
-        attn_implementation="sdpa",  # eager attention yields NaN on fully padded query rows
+        # eager attention yields NaN on fully padded query rows. A keyword the config's
+        # __init__ passes on to __post_init__, which the __init__ mypy derives from its
+        # dataclass fields does not list.
+        attn_implementation="sdpa",  # type: ignore[call-arg]
     )
 
 
@@ -113,7 +126,8 @@ def hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> Pretrain
     """The Hugging Face config of the policy: ``model.path``'s, or the built-in decoder's for
     a tokenizer of ``vocab_size`` tokens."""
     if cfg.path is not None:
-        return AutoConfig.from_pretrained(cfg.path)
+        config: PretrainedConfig = AutoConfig.from_pretrained(cfg.path)
+        return config
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
 
 
@@ -121,7 +135,8 @@ def meta_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
     """The causal LM of ``config`` built on the meta device (no memory): for what its class
     and shape decide, not its values."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)
+    return model
 
 
 # The built-in model's vocabulary where only its shape matters (models built on the meta device
@@ -149,7 +164,7 @@ def build_policy(
     with adapters (a peft model, ``models.lora``) when ``lora`` has a rank."""
     if cfg.path is None:
         torch.manual_seed(seed)
-    model = _base_model(AutoModelForCausalLM, cfg, vocab_size, max_positions)
+    model: nn.Module = _base_model(AutoModelForCausalLM, cfg, vocab_size, max_positions)
     if lora is not None and lora.rank > 0:
         model = cast_weights(apply_lora(model, lora, seed=seed), model_dtype(cfg))
     set_logits_chunk_tokens(model, cfg.logits_chunk_tokens)
@@ -164,7 +179,7 @@ _CHUNK_ATTR = "verlite_logits_chunk_tokens"
 def set_logits_chunk_tokens(model: nn.Module, tokens: int) -> None:
     """Have every log-prob pass over the causal LM ``model`` (``workers.forward``) compute
     its LM head's logits ``tokens`` tokens at a time (``model.logits_chunk_tokens``)."""
-    setattr(model.get_output_embeddings(), _CHUNK_ATTR, tokens)
+    setattr(output_embeddings(model), _CHUNK_ATTR, tokens)
 
 
 def logits_chunk_tokens(head: nn.Module) -> int:
@@ -185,6 +200,7 @@ def mark_generation_ends(model: nn.Module, end_token_ids: Sequence[int], pad_tok
     ``rollout.stop_token_ids``) added to its ``eos_token_id`` after the ids it has (a model
     folder's own, e.g. an instruct model's end of turn), and ``pad_token_id`` when it has none."""
     config = model.generation_config  # a peft model's attribute is its base model's
+    assert isinstance(config, GenerationConfig)  # what every causal LM holds
     present = config.eos_token_id
     ids = [] if present is None else [present] if isinstance(present, int) else list(present)
     ids += [i for i in dict.fromkeys(end_token_ids) if i not in ids]
@@ -198,18 +214,23 @@ class ModelWeightsError(UserError):
 
 
 def _pretrained(
-    auto_class: type[AutoModel], path: str, dtype: torch.dtype, *, field: str = "model.path"
-) -> nn.Module:
+    auto_class: AutoClass, path: str, dtype: torch.dtype, *, field: str = "model.path"
+) -> PreTrainedModel:
     """The model in ``path`` (the config's ``field``), every parameter loaded from its
     weights. Hugging Face only warns when a parameter is missing from the files or of another
     shape, and trains it from a random start: a config.json that does not match the weights
     would train a random model."""
-    model, info = auto_class.from_pretrained(
-        path,
-        dtype=dtype,
-        attn_implementation="sdpa",
-        output_loading_info=True,
-        ignore_mismatched_sizes=True,  # reported below, with the names, instead of raised
+    # transformers types from_pretrained's result as the model; with output_loading_info=True
+    # it is the model and its loading info.
+    model, info = cast(
+        tuple[PreTrainedModel, dict[str, Any]],
+        auto_class.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below, with the names, instead of raised
+        ),
     )
     problems = []
     if missing := info["missing_keys"]:
@@ -230,7 +251,7 @@ def _pretrained(
     return model
 
 
-def _without_dropout(model: nn.Module) -> nn.Module:
+def _without_dropout(model: ModuleT) -> ModuleT:
     """``model`` (in place) with the dropout its config.json sets turned off; returned: its
     dropout modules, and the rates its modules keep as numbers (``attention_dropout``, OPT's
     ``dropout``). A training forward would draw dropout masks: the log-probs of the update
@@ -253,7 +274,7 @@ def _is_dropout_rate(name: str, value: object) -> bool:
     )
 
 
-def _check_no_dropout(model: nn.Module, path: str, *, field: str) -> None:
+def _check_no_dropout(model: PreTrainedModel, path: str, *, field: str) -> None:
     """Refuse, in one line, a model whose config sets a dropout rate it applies some other
     way (read from the config at every forward, as Falcon's ``hidden_dropout``): one short
     training forward must equal the evaluation forward. Run only where the config sets a
@@ -283,7 +304,7 @@ def _check_no_dropout(model: nn.Module, path: str, *, field: str) -> None:
 class ValueModel(nn.Module):
     """An LM trunk with a scalar head: one value per position."""
 
-    def __init__(self, trunk: nn.Module, hidden_size: int) -> None:
+    def __init__(self, trunk: PreTrainedModel, hidden_size: int) -> None:
         super().__init__()
         self.trunk = trunk
         self.value_head = nn.Linear(hidden_size, 1)
@@ -321,7 +342,7 @@ def build_value_model(
     """The critic: the policy's trunk (pretrained weights when ``cfg.path`` is set) + a fresh head."""
     torch.manual_seed(seed)
     trunk = _base_model(AutoModel, cfg, vocab_size, max_positions)
-    hidden_size = trunk.config.hidden_size
+    hidden_size: int = trunk.config.hidden_size
     model = ValueModel(trunk, hidden_size)
     nn.init.normal_(model.value_head.weight, std=1.0 / hidden_size)
     nn.init.zeros_(model.value_head.bias)
@@ -330,8 +351,8 @@ def build_value_model(
 
 
 def _base_model(
-    auto_class: type[AutoModel], cfg: ModelConfig, vocab_size: int, max_positions: int
-) -> nn.Module:
+    auto_class: AutoClass, cfg: ModelConfig, vocab_size: int, max_positions: int
+) -> PreTrainedModel:
     """The model of ``cfg`` (an ``auto_class``: the policy's causal LM, the critic's trunk)
     in its precision's parameter dtype, as every role holds it: loaded from ``cfg.path`` as
     Hugging Face loads it in that dtype (what its class keeps in float32, a MoE router,
@@ -341,7 +362,8 @@ def _base_model(
     if cfg.path is not None:
         return _pretrained(auto_class, cfg.path, dtype)
     config = hf_config(cfg, vocab_size, max_positions)
-    return cast_weights(auto_class.from_config(config), dtype)
+    model: PreTrainedModel = auto_class.from_config(config)
+    return cast_weights(model, dtype)
 
 
 def enable_gradient_checkpointing(model: nn.Module) -> None:
@@ -350,10 +372,14 @@ def enable_gradient_checkpointing(model: nn.Module) -> None:
     recompute only in a training forward with gradients on: log-prob and value passes (eval
     mode, no grad) run as before."""
     target = model.trunk if isinstance(model, ValueModel) else model
-    target.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    # A method of every Hugging Face model (a peft model forwards it), not the submodule
+    # nn.Module's __getattr__ types it as.
+    target.activation_checkpointing_enable(  # type: ignore[operator]
+        activation_checkpointing_kwargs={"use_reentrant": False}
+    )
     # A training forward keeps no KV cache anyway; Hugging Face would turn it off there with
     # a warning. Generation asks for its cache explicitly (``use_cache=True``).
-    target.config.use_cache = False
+    config_of(target).use_cache = False
 
 
 def check_attention_supported(cfg: ModelConfig) -> None:
@@ -383,7 +409,7 @@ def checkpointing_unsupported(cfg: ModelConfig, *, role: str) -> str | None:
     """The class name of ``role``'s model of ``cfg`` (the actor's causal LM, the critic's
     trunk) when it does not support activation checkpointing; None when it does. Checked on
     a model built on the meta device: no memory."""
-    auto_class = AutoModelForCausalLM if role == "actor" else AutoModel
+    auto_class: AutoClass = AutoModelForCausalLM if role == "actor" else AutoModel
     with torch.device("meta"):
         model = auto_class.from_config(probe_config(cfg))
     return None if model.supports_gradient_checkpointing else type(model).__name__
@@ -442,7 +468,7 @@ def float32_norms_line(cfg: Config) -> str | None:
     )
 
 
-def _float32_norms(auto_class: type[AutoModel], config: PretrainedConfig) -> list[str]:
+def _float32_norms(auto_class: AutoClass, config: PretrainedConfig) -> list[str]:
     """:func:`precision.float32_norms` of the fp64 model of ``config``, checked on the model
     built on the meta device, each of its norms made real alone (no memory)."""
     with torch.device("meta"):
@@ -587,7 +613,7 @@ def position_tables(model: nn.Module, positions: int) -> list[str]:
     neither says (GPT-2's ``wpe``), that have a row per position of ``positions``
     (``max_position_embeddings``, up to :data:`_POSITION_OFFSET_ROWS` more). Other embeddings
     are not (Gemma 3n's per-layer token embeddings, ``embed_tokens_per_layer``)."""
-    tokens = model.get_input_embeddings()
+    tokens = input_embeddings(model)
     return [
         name
         for name, module in model.named_modules()

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from verlite.models.hf import config_of, input_embeddings, output_embeddings
+
 # Dense bf16 tensor-core peak FLOP/s by the words torch.cuda.get_device_name() holds, the most
 # specific first. From the vendors' datasheets (the sparsity figures halved):
 # - H100 and H200 SXM: 989.4 TFLOPS (NVIDIA H100 datasheet, "BF16 Tensor Core 1,979 teraFLOPS
@@ -102,15 +104,18 @@ class DecoderShape:
     def of(cls, model: nn.Module) -> DecoderShape:
         """The shape of a Hugging Face decoder (or a peft model or value model around one).
         An LM head tied to the input embedding is counted once, as the LM head."""
-        config = next(m.config for m in model.modules() if hasattr(m, "config"))
+        config = next(config_of(m) for m in model.modules() if hasattr(m, "config"))
         inner = next(m for m in model.modules() if hasattr(m, "get_output_embeddings"))
-        head, embedding = inner.get_output_embeddings(), inner.get_input_embeddings()
+        head, embedding = output_embeddings(inner), input_embeddings(inner)
         lookups = {id(p) for p in _embedding_parameters(model, embedding)}
         dense = sum(p.numel() for p in model.parameters() if id(p) not in lookups)
         dense -= _unused_expert_parameters(model, config)
-        if head is not None and id(head.weight) in lookups:
-            dense += head.weight.numel()
-        head_params = 0 if head is None else head.weight.numel()
+        weight = None if head is None else head.weight
+        # an LM head's weight (a peft layer's: its base layer's)
+        assert weight is None or isinstance(weight, torch.Tensor)
+        if weight is not None and id(weight) in lookups:
+            dense += weight.numel()
+        head_params = 0 if weight is None else weight.numel()
         layers = int(config.num_hidden_layers)
         sliding, window = sliding_window_layers(config)
         return cls(dense, attention_width(config), layers, head_params, sliding, window)

@@ -60,7 +60,8 @@ def apply_lora(model: nn.Module, cfg: LoraConfig, *, seed: int) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     with _peft_wrapping():
-        return peft.get_peft_model(model, lora)
+        wrapped: nn.Module = peft.get_peft_model(model, lora)
+    return wrapped
 
 
 @contextlib.contextmanager

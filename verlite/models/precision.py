@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from verlite.config import Config, ConfigError
+from verlite.models.hf import ModuleT, config_of, input_embeddings, output_embeddings
 
 PARAM_DTYPES = {
     "fp32": torch.float32,
@@ -91,8 +92,8 @@ def inference_dtypes(
 
 @torch.no_grad()
 def store_for_inference(
-    model: nn.Module, precision: str, *, keep: Sequence[nn.Module] = ()
-) -> nn.Module:
+    model: ModuleT, precision: str, *, keep: Sequence[nn.Module] = ()
+) -> ModuleT:
     """``model`` (in place) stored in :func:`inference_dtypes` (``keep``: linear layers left
     as they are); returned."""
     dtypes = inference_dtypes(model, precision, keep=keep)
@@ -109,8 +110,8 @@ def untied_head(model: nn.Module, precision: str) -> str | None:
     ``tie_word_embeddings``); None otherwise (an untied head, another precision)."""
     if precision != "bf16-mixed":
         return None
-    head = model.get_output_embeddings()
-    if type(head) is not nn.Linear or head.weight is not model.get_input_embeddings().weight:
+    head = output_embeddings(model)
+    if type(head) is not nn.Linear or head.weight is not input_embeddings(model).weight:
         return None
     return next(f"{name}.weight" for name, module in model.named_modules() if module is head)
 
@@ -128,7 +129,7 @@ def generation_dtypes(model: nn.Module, precision: str) -> dict[str, torch.dtype
 
 
 @torch.no_grad()
-def store_for_generation(model: nn.Module, precision: str) -> nn.Module:
+def store_for_generation(model: ModuleT, precision: str) -> ModuleT:
     """``model`` (in place) stored as a model that only samples (a rollout worker's, a
     colocated actor's generation copy), returned: :func:`store_for_inference`, with an LM
     head tied to the embedding (:func:`untied_head`) made a bf16 parameter of its own. Tied,
@@ -140,11 +141,12 @@ def store_for_generation(model: nn.Module, precision: str) -> nn.Module:
     bit, for 2 bytes a head parameter."""
     head = untied_head(model, precision)
     if head is not None:
-        linear = model.get_output_embeddings()
+        linear = output_embeddings(model)
+        assert isinstance(linear, nn.Linear)  # the linear head untied_head found
         # frozen where the embedding is (a LoRA policy's base: what an adapters-only sync checks)
         tied = linear.weight
         linear.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
-        model.config.tie_word_embeddings = False
+        config_of(model).tie_word_embeddings = False
     return store_for_inference(model, precision)
 
 
@@ -158,7 +160,7 @@ def refresh_inference_copy(copy: nn.Module, source: nn.Module) -> None:
         target.copy_(state[name])
 
 
-def cast_weights(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def cast_weights(model: ModuleT, dtype: torch.dtype) -> ModuleT:
     """``model`` (in place) with its floating parameters and saved buffers in ``dtype``, as
     Hugging Face loads a checkpoint in ``dtype``; returned. A buffer the model computes itself
     and never saves keeps the dtype it was built in: ``Module.to`` would round the rotary
@@ -207,7 +209,7 @@ def _kept_in_fp32(model: nn.Module) -> set[int]:
     return kept
 
 
-def fp64_throughout(model: nn.Module) -> nn.Module:
+def fp64_throughout(model: ModuleT) -> ModuleT:
     """``model`` (in place) computing in fp64 where its weights are fp64; returned.
 
     Hugging Face's normalization layers cast their input to float32 whatever its dtype
@@ -232,7 +234,7 @@ def fp64_throughout(model: nn.Module) -> nn.Module:
     for module in model.modules():
         form = _fp64_norm_form(module)
         if form is not None:
-            module.verlite_fp64_norm = form
+            setattr(module, _FP64_NORM_ATTR, form)
             module.forward = _fp64_norm.__get__(module)
     for hf in [m for m in model.modules() if isinstance(m, PreTrainedModel)]:
         if getattr(hf.config, "_experts_implementation", None) == "grouped_mm":
@@ -250,6 +252,9 @@ _SCALES = ("weight", "one_plus_weight", "none")
 # computes in fp64 already).
 _FORM_RTOL = 1e-5
 _FP64_RTOL = 1e-12
+# Where fp64_throughout keeps a normalization layer's form (_fp64_norm_form) for its fp64
+# forward (_fp64_norm): a plain attribute of the layer, which its class does not declare.
+_FP64_NORM_ATTR = "verlite_fp64_norm"
 
 
 def _fp64_norm_form(module: nn.Module) -> tuple[float, bool, str] | None:
@@ -311,11 +316,9 @@ def _probe(module: nn.Module) -> tuple[nn.Module, torch.Tensor, torch.Tensor] | 
     gen = torch.Generator().manual_seed(0)
     probe = copy.deepcopy(module)
     with torch.no_grad():
-        for tensor in (
-            probe.weight if weight is not None else None,
-            probe.bias if bias is not None else None,
-        ):
-            if tensor is not None:
+        # The copies of weight and bias: tensors or None, as checked above.
+        for tensor in (getattr(probe, "weight", None), getattr(probe, "bias", None)):
+            if isinstance(tensor, torch.Tensor):
                 tensor.copy_(torch.randn(tensor.shape, generator=gen, dtype=torch.float64))
         hidden = torch.randn((4, *shape), generator=gen, dtype=torch.float64).to(device)
         out = _run(probe, hidden)
@@ -365,10 +368,11 @@ def _normalized(
     if centred:
         hidden = hidden - hidden.mean(-1, keepdim=True)
     out = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
-    if scale == "weight":
-        out = module.weight * out
-    elif scale == "one_plus_weight":
-        out = out * (1.0 + module.weight)
+    if scale in ("weight", "one_plus_weight"):
+        weight = module.weight
+        # a form that scales is found on a layer with a weight tensor only (_fp64_norm_form)
+        assert isinstance(weight, torch.Tensor)
+        out = weight * out if scale == "weight" else out * (1.0 + weight)
     bias = getattr(module, "bias", None)
     return out + bias if isinstance(bias, torch.Tensor) else out
 
@@ -378,8 +382,10 @@ def _fp64_norm(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     forward otherwise (a model cast after this was set, to bf16 say, keeps Hugging Face's
     float32 upcast)."""
     if hidden.dtype != torch.float64:
-        return type(self).forward(self, hidden)
-    return _normalized(self, hidden, self.verlite_fp64_norm)
+        out: torch.Tensor = type(self).forward(self, hidden)
+        return out
+    form: tuple[float, bool, str] = getattr(self, _FP64_NORM_ATTR)
+    return _normalized(self, hidden, form)
 
 
 def check_precision_supported(cfg: Config, *, on_gpu: bool) -> None:

@@ -23,6 +23,7 @@ from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
     PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
@@ -43,7 +44,8 @@ def _config(path: str) -> PretrainedConfig:
     reading its config.json the machine's (``user_files.check_readable``, the line the
     policy's model.path is read by: ``config.loading.check_inputs``)."""
     try:
-        return AutoConfig.from_pretrained(path, local_files_only=True)
+        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
+        return config
     except (OSError, ValueError) as exc:
         if isinstance(exc, OSError):
             check_readable(exc, Path(path) / "config.json", what="reward.model.path's config.json")
@@ -106,13 +108,22 @@ def check_reward_model(cfg: RewardModelConfig) -> None:
     token_limit(cfg, config)
 
 
-def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> nn.Module:
+def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> PreTrainedModel:
     """The reward model of ``cfg.path``, every weight loaded, in eval mode."""
     assert cfg.path is not None
     model = _pretrained(
         AutoModelForSequenceClassification, cfg.path, dtype, field="reward.model.path"
     )
-    return fp64_throughout(model).eval()
+    evaluated: PreTrainedModel = fp64_throughout(model).eval()
+    return evaluated
+
+
+def score_head(model: nn.Module) -> nn.Linear:
+    """The reward model's score head: a linear layer in every class :func:`check_reward_model`
+    admits (``GenericForSequenceClassification``'s ``score``)."""
+    head = model.score
+    assert isinstance(head, nn.Linear)
+    return head
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,7 @@ def encode_texts(
 
 @torch.inference_mode()
 def score_texts(
-    model: nn.Module, ids: Sequence[Sequence[int]], device: torch.device
+    model: PreTrainedModel, ids: Sequence[Sequence[int]], device: torch.device
 ) -> torch.Tensor:
     """``sigmoid(logit)`` at each text's last token, float32, for one micro-batch of texts
     (right-padded here: a real token never attends to a pad under causal attention, and the
@@ -155,7 +166,7 @@ def score_texts(
     last = hidden[torch.arange(len(ids), device=device), lengths - 1]
     # The score head in at least fp32 under any precision (its weights are kept so:
     # ``workers.reward_model``): the score is what training reads.
-    head = model.score
+    head = score_head(model)
     dtype = torch.promote_types(head.weight.dtype, torch.float32)
     bias = None if head.bias is None else head.bias.to(dtype)
     with torch.autocast(device.type, enabled=False):

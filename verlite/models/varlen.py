@@ -87,10 +87,12 @@ def varlen_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Hugging Face's attention interface: (1, heads, T, dim) queries of a packed row in,
-    (1, T, heads, dim) out; SDPA's when no :class:`PackedAttention` is passed."""
+    (1, T, heads, dim) out; SDPA's when no :class:`PackedAttention` is passed, with the
+    keyword arguments the model's attention layer gave (``is_causal``, ``sliding_window``,
+    ...: whatever its class passes, of their own types)."""
     packed = kwargs.pop(KWARG, None)
     if not isinstance(packed, PackedAttention):
         return sdpa_attention_forward(
@@ -103,7 +105,7 @@ def varlen_attention(
             "attention does not apply (it would attend without the cap or the sinks)"
         )
     window = kwargs.get("sliding_window")
-    if window is not None and packed.longest > int(window):  # type: ignore[call-overload]
+    if window is not None and packed.longest > int(window):
         raise PackingUnsupported(
             f"{type(module).__name__} attends through a sliding window of {window} tokens and "
             f"a packed sequence has {packed.longest}: packed attention applies no window (it "
@@ -176,7 +178,8 @@ def _check_confined(model: nn.Module, hf: PreTrainedModel) -> None:
             position_ids=positions,
             **{KWARG: packed},
         )
-        return getattr(out, "logits", out)[0, 5:].float()
+        logits: torch.Tensor = getattr(out, "logits", out)
+        return logits[0, 5:].float()
 
     was_training = model.training
     model.eval()

@@ -13,6 +13,7 @@ import ray
 import torch
 from tensordict import TensorDict
 from torch import nn
+from transformers import PreTrainedModel
 
 from verlite.core import seeds
 from verlite.core.metrics import Metric, MetricDict
@@ -237,7 +238,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         ref_fn = partial(_log_probs, "ref_log_prob")
         if self.lora:
             with adapters_disabled(self.engine.model):
-                return self.engine.infer(td, ref_fn, plan)["ref_log_prob"]
+                log_probs: torch.Tensor = self.engine.infer(td, ref_fn, plan)["ref_log_prob"]
+                return log_probs
         assert self.reference is not None
         with (
             on_device(self.reference, self.engine.device, home=self._reference_home),
@@ -251,7 +253,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
                 device=self.engine.device,
                 packing=self.cfg.actor.packing,
             )
-        return ref["ref_log_prob"]
+        ref_log_prob: torch.Tensor = ref["ref_log_prob"]
+        return ref_log_prob
 
     def weight_layout(self) -> SyncLayout:
         """The buckets of a weight sync (``verlite.generation.weights``), the same on every rank."""
@@ -349,6 +352,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             if self.lora:
                 save_adapter(model, Path(path), base_path=self.cfg.model.path)
             else:
+                assert isinstance(model, PreTrainedModel)  # without adapters: the causal LM itself
                 model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:

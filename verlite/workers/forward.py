@@ -26,6 +26,7 @@ from verlite.config import ConfigError
 from verlite.core.logits_chunks import chunked_log_probs
 from verlite.distributed import unwrap
 from verlite.models import logits_chunk_tokens
+from verlite.models.hf import output_embeddings
 from verlite.step_batch import response_width
 from verlite.workers.packing import PackedRows, pack_rows
 
@@ -88,7 +89,8 @@ def _head_log_probs(
     of logits: a fresh (1 or 2, tokens) tensor (FSDP2 warns of a view returned by its root
     module). The chunks call the head module itself, with its own forward restored: a peft
     layer adds its adapters, hooks run; the sampler's calls see the head as it always is."""
-    head = unwrap(model).get_output_embeddings()
+    head = output_embeddings(unwrap(model))
+    assert head is not None  # a causal LM's (or a peft model's over one)
     chunk_tokens = logits_chunk_tokens(head)
     returned: list[torch.Tensor] = []
 

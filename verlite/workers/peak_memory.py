@@ -58,4 +58,7 @@ def with_peak(td: TensorDict, peak: PeakMemory) -> TensorDict:
 
 def pop_peak(td: TensorDict) -> float:
     """The largest peak a rank put in ``td``'s :data:`PEAK_COLUMN`, which leaves ``td``."""
-    return float(td.pop(PEAK_COLUMN).max())
+    peaks = td.pop(PEAK_COLUMN)
+    # with_peak's column: a tensor, never a nested TensorDict
+    assert isinstance(peaks, torch.Tensor)
+    return float(peaks.max())

@@ -33,6 +33,7 @@ from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
 from verlite.generation.static_cache import cache_bytes
 from verlite.models import hf_config, meta_causal_lm
+from verlite.models.hf import config_of
 from verlite.models.precision import autocast, param_dtype, store_for_generation
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
@@ -145,7 +146,7 @@ class PolicyWorker(Worker):
         mode = rollout.decode
         if mode == "auto":
             mode = auto_mode(
-                model.config,
+                config_of(model),
                 device=device,
                 lockstep=lockstep,
                 per_rank=rollout.randomness == "per_rank",

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
+from transformers import PreTrainedModel
 
 from verlite.config import Config
 from verlite.controller import Worker
@@ -23,6 +24,7 @@ from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
     encode_texts,
     load_reward_model,
+    score_head,
     score_texts,
     token_limit,
 )
@@ -49,7 +51,10 @@ class RewardModelWorker(Worker):
         self.tokenizer = load_reward_tokenizer(rm.path)
         model = load_reward_model(rm, model_dtype(cfg.model))
         # The score head stays as loaded: its output is the score (``score_texts``).
-        self.model = store_for_inference(model, cfg.precision, keep=[model.score]).to(self.device)
+        stored = store_for_inference(model, cfg.precision, keep=[score_head(model)])
+        # transformers wraps PreTrainedModel.to with functools.wraps, whose type is no method:
+        # mypy binds no self and reads the device as the module. It returns the model moved.
+        self.model: PreTrainedModel = stored.to(self.device)  # type: ignore[arg-type]
         self.max_length = token_limit(rm, self.model.config)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 from typing import TypeVar
 
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import PretrainedConfig, PreTrainedModel
 
+# A Hugging Face model, named here for the packages that hold one without importing
+# transformers themselves (workers/: the README's layout).
+HFModel = PreTrainedModel
 # A module that a function changes in place and returns: its caller keeps the module's type.
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 

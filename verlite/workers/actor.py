@@ -13,7 +13,6 @@ import ray
 import torch
 from tensordict import TensorDict
 from torch import nn
-from transformers import PreTrainedModel
 
 from verlite.core import seeds
 from verlite.core.metrics import Metric, MetricDict
@@ -39,6 +38,7 @@ from verlite.generation import (
     sync_layout,
 )
 from verlite.models import build_policy, mark_generation_ends, worker_device
+from verlite.models.hf import HFModel
 from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.precision import (
     autocast,
@@ -352,7 +352,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             if self.lora:
                 save_adapter(model, Path(path), base_path=self.cfg.model.path)
             else:
-                assert isinstance(model, PreTrainedModel)  # without adapters: the causal LM itself
+                assert isinstance(model, HFModel)  # without adapters: the causal LM itself
                 model.save_pretrained(path)
 
     def update_actor(self, td: TensorDict) -> MetricDict:

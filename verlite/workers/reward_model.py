@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from transformers import PreTrainedModel
 
 from verlite.config import Config
 from verlite.controller import Worker
 from verlite.data import continuation_text, load_reward_tokenizer, load_tokenizer
 from verlite.models import model_dtype, worker_device
+from verlite.models.hf import HFModel
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
     encode_texts,
@@ -54,7 +54,7 @@ class RewardModelWorker(Worker):
         stored = store_for_inference(model, cfg.precision, keep=[score_head(model)])
         # transformers wraps PreTrainedModel.to with functools.wraps, whose type is no method:
         # mypy binds no self and reads the device as the module. It returns the model moved.
-        self.model: PreTrainedModel = stored.to(self.device)  # type: ignore[arg-type]
+        self.model: HFModel = stored.to(self.device)  # type: ignore[arg-type]
         self.max_length = token_limit(rm, self.model.config)
 
     def init_distributed(self, master_addr: str, master_port: int) -> None:

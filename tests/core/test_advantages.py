@@ -324,6 +324,31 @@ def test_float32_tied_groups_have_exactly_zero_advantage(name: str, norm_by_std:
         assert torch.equal(advantages, torch.zeros_like(advantages)), (score, n)
 
 
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus"])
+def test_float32_tied_batch_whitens_to_exactly_zero(name: str) -> None:
+    # Every response scores the same, at every token (gamma = lam = 1, values 0): the batch
+    # mean (sum / n, rounded) missed the tied value by an ulp, and whitening divided that by
+    # sqrt(1e-8): every token got the same advantage of up to 5e-3 (3.7, n = 3), a push up
+    # of every sampled token the scores never asked for.
+    for score, n in [(3.7, 3), (3.7, 13), (0.7, 7), (0.1, 100), (1.3, 1000)]:
+        rewards = torch.zeros(n, 4)
+        mask = torch.ones(n, 4)
+        mask[0, 1] = 0  # an observation hole, with garbage under it
+        rewards[0, 1] = PAD
+        rewards[:, 3] = score
+        advantages, _ = compute_advantages(
+            name,
+            AdvantageInputs(
+                token_level_rewards=rewards,
+                response_mask=mask,
+                values=torch.zeros(n, 4),
+                gamma=1.0,
+                lam=1.0,
+            ),
+        )
+        assert torch.equal(advantages, torch.zeros_like(advantages)), (score, n)
+
+
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("holes", [False, True])
 def test_rloo_matches_loop_reference(seed: int, holes: bool) -> None:

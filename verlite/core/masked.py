@@ -18,21 +18,33 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / count.clamp(min=1)
 
 
-def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
-    """Variance over the masked entries (Bessel-corrected when ``unbiased`` and count > 1)."""
-    mean = masked_mean(values, mask)
-    count = mask.to(values.dtype).sum()
-    sq = masked_sum((values - mean) ** 2, mask)
+def _deviations(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` less the mean of the masked entries, both taken from the smallest masked
+    entry: entries that tie then deviate by exactly 0. The mean of n equal values, summed
+    and rounded, may miss them by an ulp, which whitening divides by ``sqrt(eps)``
+    (``core.advantages._group_stats`` does the same per group)."""
+    valid = mask.bool()
+    inf = torch.full((), float("inf"), dtype=values.dtype, device=values.device)
+    lowest = torch.where(valid, values, inf).amin()
+    shifted = values - torch.where(valid.any(), lowest, torch.zeros_like(lowest))
+    return shifted - masked_mean(shifted, mask)
+
+
+def _variance(deviations: torch.Tensor, mask: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    count = mask.to(deviations.dtype).sum()
     denom = count - 1 if unbiased else count
-    return sq / denom.clamp(min=1)
+    return masked_sum(deviations**2, mask) / denom.clamp(min=1)
 
 
-def masked_whiten(
-    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
-    """Normalize the masked entries to zero mean and unit variance; masked-out entries become 0."""
-    mean = masked_mean(values, mask)
-    whitened = (values - mean) * torch.rsqrt(masked_var(values, mask) + eps)
-    if not shift_mean:
-        whitened = whitened + mean
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over the masked entries (Bessel-corrected when ``unbiased`` and count > 1);
+    exactly 0 when they all tie."""
+    return _variance(_deviations(values, mask), mask, unbiased)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Normalize the masked entries to zero mean and unit (unbiased) variance; masked-out
+    entries become 0, and so do masked entries that all tie (not an ulp over ``sqrt(eps)``)."""
+    deviations = _deviations(values, mask)
+    whitened = deviations * torch.rsqrt(_variance(deviations, mask, unbiased=True) + eps)
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))

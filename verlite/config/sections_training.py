@@ -171,7 +171,13 @@ class ActorConfig(WorkerRoleConfig):
     """The policy: PPO-family losses, entropy bonus, KL loss to the reference."""
 
     policy_loss: PolicyLossMode = Field(
-        "vanilla", description=f"Policy loss: {', '.join(sorted(POLICY_LOSSES))}."
+        "vanilla",
+        description=f"Policy loss: {', '.join(sorted(POLICY_LOSSES))}. vanilla: PPO's clipped "
+        "token ratio with dual-clip; gspo: GSPO's sequence ratio (the geometric mean of its token "
+        "ratios) clipped, aggregated by actor.loss_agg_mode as every loss is (the paper, and verl, "
+        "which imposes it, use seq-mean-token-mean, and clip ranges near 3e-4 / 4e-4; token-mean "
+        "weighs each response by its length); reinforce: -advantage * log-prob, no ratio (exact "
+        "on-policy only).",
     )
     clip_ratio_low: float = Field(
         0.2, ge=0.0, description="PPO clip below 1 (ratio >= 1 - clip_ratio_low)."

@@ -120,7 +120,7 @@ class WorkerRoleConfig(Section):
     loss_scale_factor: float | None = Field(
         None,
         gt=0.0,
-        description="Constant divisor of seq-mean-token-sum-norm; None uses rollout.max_response_length.",
+        description="Constant divisor of seq-mean-token-sum-norm; None uses rollout.max_response_length, with multi-turn rollouts one turn's limit (verl's default, the response area's width, is rollout.multi_turn.max_total_length - data.max_prompt_length: set that to normalize by the most tokens a trajectory holds).",
     )
     optim: OptimConfig = Field(
         default_factory=OptimConfig, description="Optimizer and LR schedule."

@@ -367,9 +367,11 @@ def test_fsdp_ranks_whose_rows_finish_at_different_steps_decode_statically_as_ea
     assert len(set(short)) >= 4 and len(set(long)) >= 4
 
 
+@pytest.mark.parametrize(("pad", "rows"), [(False, 12), (True, 16)])
 def test_a_cache_that_cannot_fit_is_refused_before_generating(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, pad: bool, rows: int
 ) -> None:
+    """The check counts the rows the first steps run on: the batch, or its padded bucket."""
     from verlite.generation import decode
 
     model, td = llama("fp32"), prompts(batch=12, width=9)
@@ -378,10 +380,12 @@ def test_a_cache_that_cannot_fit_is_refused_before_generating(
     monkeypatch.setattr(decode, "free_bytes", lambda device: 1000)
     with pytest.raises(
         decode.GenerationTooLarge,
-        match=r"rollout: the KV cache of 12 rows x 23 positions \(0\.00 GiB in torch\.float32\) "
-        r"does not fit the memory free on this rank \(0\.00 GiB on cpu\)",
+        match=rf"rollout: the KV cache of {rows} rows x 23 positions \(0\.00 GiB in "
+        r"torch\.float32\) does not fit the memory free on this rank \(0\.00 GiB on cpu\)",
     ):
-        sampler(model, DecodeSettings("static")).generate(td, SamplingParams(14), noise(td, 0, 14))
+        sampler(model, DecodeSettings("static", pad_to_bucket=pad)).generate(
+            td, SamplingParams(14), noise(td, 0, 14)
+        )
     assert not calls
 
 
@@ -781,3 +785,120 @@ def test_a_failed_capture_names_what_failed_not_the_capture_it_ended(
         f"rollout: a decode step of {type(decoder.model).__name__} could not be captured as a "
         f"CUDA graph ({named}); use rollout.decode=static"
     )
+
+
+class Stepped(StaticDecoder):
+    """Records the rows each decode step runs on."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rows: list[int] = []
+
+    def _step(self, rows: int, span: int, params: SamplingParams) -> None:
+        self.rows.append(rows)
+        super()._step(rows, span, params)
+
+
+def stepped(model: torch.nn.Module, decode: DecodeSettings, eos: int = EOS) -> Sampler:
+    out = sampler(model, DecodeSettings("eager"), eos)
+    out.static = Stepped(model, eos_token_id=eos, pad_token_id=PAD, lockstep=False, settings=decode)
+    return out
+
+
+def test_a_padded_generation_starts_on_the_smallest_bucket_that_holds_its_batch() -> None:
+    """The first steps' rows: the batch itself unpadded; padded, the smallest bucket of at
+    least the batch (past the largest configured, the next power of two), or the rows the
+    buffers hold when fewer and enough."""
+    assert buckets_for(5, None) == (1, 2, 4, 5)
+    assert buckets_for(5, None, held=0) == (1, 2, 4, 8)
+    assert buckets_for(8, None, held=0) == (1, 2, 4, 8)
+    assert buckets_for(1, None, held=0) == (1,)
+    assert buckets_for(5, None, held=6) == (1, 2, 4, 6)
+    assert buckets_for(5, None, held=16) == (1, 2, 4, 8)
+    assert buckets_for(4, (3, 6, 9), held=0) == (3, 6)
+    assert buckets_for(10, (3, 6, 9), held=0) == (3, 6, 9, 16)
+    assert buckets_for(10, (3, 6, 9), held=12) == (3, 6, 9, 12)
+    assert DecodeSettings("cuda_graphs").pads_to_bucket
+    assert not DecodeSettings("static").pads_to_bucket
+    assert DecodeSettings("static", pad_to_bucket=True).pads_to_bucket
+
+
+@pytest.mark.parametrize(
+    ("batch", "buckets", "first"),
+    [(3, None, 4), (5, None, 8), (6, None, 8), (7, None, 8), (3, (2, 5), 5), (6, (2, 5), 8)],
+)
+def test_a_batch_padded_to_its_bucket_decodes_as_eagerly(
+    batch: int, buckets: tuple[int, ...] | None, first: int
+) -> None:
+    """Batch sizes that are not buckets, padded with finished rows to the next one: the
+    eager sampler's tokens, log-probs and masks bit for bit in float64, for prompts of
+    different lengths, a stop token, and a row that finishes at once (a budget of one)."""
+    from verlite.generation.sampling import BUDGET_KEY
+
+    model, td = llama("fp64"), prompts(batch=batch, width=9, seed=batch)
+    stop = ragged_eos(model, td, SETTINGS["sampled"], 3)
+    params = replace(SETTINGS["sampled"], stop_token_ids=(stop,))
+    td[BUDGET_KEY] = torch.tensor([1, 14, 5, 14, 9, 14, 3][:batch])
+    eager = sampler(model, DecodeSettings("eager")).generate(td, params, noise(td, 3, 14))
+    decode = DecodeSettings("static", batch_buckets=buckets, pad_to_bucket=True)
+    padded = stepped(model, decode)
+    assert_same(padded.generate(td, params, noise(td, 3, 14)), eager)
+    assert padded.static.rows[0] == first  # type: ignore[union-attr]
+    assert eager["response_mask"][0].sum() == 1 and (eager["responses"] == stop).any()
+
+
+def test_steps_run_on_buckets_whatever_the_batch_sizes() -> None:
+    """Generations of 3, 5, 6 and 7 rows, one decoder (its buffers grown as the batches
+    come): every step runs on a bucket of {1, 2, 4, 8}, statically and replayed (the graphs
+    captured: one per bucket and span, not per batch size)."""
+    model, params = llama("fp64"), SETTINGS["sampled"]
+    static = stepped(model, DecodeSettings("static", pad_to_bucket=True))
+    graphs = sampler(model, DecodeSettings("cuda_graphs", kv_block=4))
+    for batch in (3, 5, 6, 7):
+        td = prompts(batch=batch, width=9, seed=batch)
+        for decoder in (static, graphs):
+            decoder.generate(td, params, noise(td, 1, 14))
+    rows = static.static.rows  # type: ignore[union-attr]
+    assert set(rows) <= {1, 2, 4, 8} and {4, 8} <= set(rows)
+    assert {key[0] for key in graphs.static.graphs} <= {1, 2, 4, 8}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("padded_prompts", [True, False])
+def test_what_padding_rows_hold_cannot_reach_a_real_row(padded_prompts: bool) -> None:
+    """Buffers an earlier generation left garbage in, past the batch: NaN keys and values
+    in every position, token ids outside the vocabulary, far positions, masks open
+    everywhere, rows unfinished and pointing at a real row's response. A batch of 5 padded
+    to 8 rows still decodes as eagerly, and no divergence is flagged (a padding row is
+    finished: its NaN logits are never sampled), with prompts padded (masked steps) or not
+    (steps without a mask, which read a row's whole span)."""
+    model, params = llama("fp64"), SETTINGS["top_k_top_p"]
+    td = prompts(batch=5, width=9, seed=4)
+    if not padded_prompts:
+        td["attention_mask"] = torch.ones_like(td["attention_mask"])
+        td["input_ids"] = td["input_ids"].clamp(min=3)
+        td["position_ids"] = torch.arange(9).expand(5, 9).clone()
+    eos = ragged_eos(model, td, params, 2)
+    eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 2, 14))
+    padded = stepped(model, DecodeSettings("static", pad_to_bucket=True), eos)
+    decoder = padded.static
+    assert isinstance(decoder, Stepped)
+    decoder._ensure_buffers(8, 9 + 14, torch.device("cpu"))
+    assert decoder.cache is not None
+    for layer in decoder.cache.layers:
+        layer.key_buffer[5:] = float("nan")  # type: ignore[attr-defined]
+        layer.value_buffer[5:] = float("nan")  # type: ignore[attr-defined]
+    decoder.ids[5:] = VOCAB + 7
+    decoder.positions[5:] = 10**6
+    decoder.keys[5:] = -1
+    decoder.mask[5:] = True
+    decoder.finished[5:] = False
+    decoder.row_of[5:] = 0
+    positions: list[int] = []  # the largest each step reads (a model with learned positions
+    # indexes a table of max_position_embeddings with them)
+    model.register_forward_pre_hook(
+        lambda module, args, kwargs: positions.append(int(kwargs["position_ids"].max())),
+        with_kwargs=True,
+    )
+    assert_same(padded.generate(td, params, noise(td, 2, 14)), eager)
+    assert decoder.rows[0] == 8
+    assert max(positions) < model.config.max_position_embeddings

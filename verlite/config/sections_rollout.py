@@ -146,8 +146,10 @@ class RolloutConfig(Section):
     ] = Field(
         None,
         description="static and cuda_graphs: the row counts, ascending, that a generation's "
-        "unfinished rows are compacted to as others finish (a graph is captured for each "
-        "used); None: the powers of two below the batch.",
+        "unfinished rows are compacted to as others finish; with cuda_graphs a generation's "
+        "first steps run on one too, the smallest holding its batch (past the largest, the "
+        "next power of two), padded with finished rows, so a graph is captured per bucket "
+        "used, not per batch size. None: the powers of two.",
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",

@@ -12,10 +12,20 @@ writes, the decode position its noise is keyed by) is a device tensor the step a
 The shapes a step may take are few: its rows are a batch-size bucket (``batch_buckets``:
 when the unfinished rows fit a smaller bucket, they are moved to the front and the next
 steps run on that bucket only, so a long tail does not run the whole batch), and it attends
-to the positions filled so far rounded up to a multiple of ``kv_block``. One graph is
-captured per (bucket, span, sampling settings) the first time it is needed, its first run
-being a real step (the warm-up torch asks for before capture), and kept while the model's
-parameters and the buffers stay where they are.
+to the positions filled so far rounded up to a multiple of ``kv_block``. With graphs the
+first steps run on a bucket too (``DecodeSettings.pad_to_bucket``, :func:`buckets_for`):
+the smallest holding the batch (past the largest, the next power of two; or the rows the
+buffers hold, when fewer and enough), the rows past the batch finished from the start:
+they sample pads into a scratch response row, read a pad token at position 0, and what
+they compute from their own cache rows (garbage an earlier generation left, NaN included)
+reaches no real row and no flag. One graph is captured per (bucket, span, sampling
+settings) the first time it is needed, its first run being a real step (the warm-up torch
+asks for before capture), and kept while the model's parameters and the buffers stay where
+they are: a run's validation batches, dynamic sampling's refills and multi-turn turns (the
+rows still active) reuse the buckets' graphs instead of capturing a set per batch size,
+each capture a device synchronization. The padding costs rows in the first steps, until
+the unfinished rows fit a smaller bucket; a memory-bound step on a GPU reads the weights
+once whatever its rows, so they should cost little there (not measured).
 
 The host reads one small tensor a step, the flags the step wrote itself (its unfinished
 rows, the first position a row diverged at), a step behind: step t is launched and the copy
@@ -27,12 +37,13 @@ compaction moves), and one step runs after the last row finished, on finished ro
 writes pads and zero log-probs), within the ``max_new_tokens`` positions. What this saves
 on a GPU is not measured.
 
-Without graphs (``mode="static"``, what runs on CPU) the same step runs eagerly and attends
+Without graphs (``mode="static"``, what runs on CPU) the same step runs eagerly on the batch
+itself (padded only where a test asks: the same tokens and float64 log-probs) and attends
 to exactly the filled positions, with no mask when no prompt is padded (as the eager
 sampler's Hugging Face attention then drops its mask: SDPA's kernels without a mask and with
 one round differently): its tokens and log-probs are those of the eager sampler, bit for bit
-in float64 (tests/generation/test_static_decode.py); in float32, a compacted bucket's matrix
-products may round a row otherwise than the whole batch's. With a rounded span a step's
+in float64 (tests/generation/test_static_decode.py); in float32, a compacted or padded bucket's
+matrix products may round a row otherwise than the whole batch's. With a rounded span a step's
 attention also sums the masked positions' exact zeros, in another order: the same tokens,
 log-probs within a float32 rounding.
 """
@@ -80,18 +91,29 @@ class DecodeSettings:
     (None: the powers of two below the batch); ``kv_block``: a captured step attends to its
     filled positions rounded up to a multiple of this; ``reserve``: (rows, positions) the
     cache holds from its first generation on, the most a run generates at once (a cache
-    grown later drops the graphs captured on it)."""
+    grown later drops the graphs captured on it); ``pad_to_bucket``: whether the first
+    steps run on a bucket, the batch padded with finished rows (:func:`buckets_for`), not
+    on the batch itself (None: with ``cuda_graphs`` only, whose graphs are then captured
+    per bucket, not per batch size; on in ``static`` for tests, its results unchanged)."""
 
     mode: DecodeMode = "eager"
     batch_buckets: tuple[int, ...] | None = None
     kv_block: int = 64
     reserve: tuple[int, int] = (0, 0)
+    pad_to_bucket: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in DECODE_MODES:
             raise ValueError(f"decode mode {self.mode!r}: choose one of {', '.join(DECODE_MODES)}")
         if self.kv_block < 1:
             raise ValueError(f"kv_block {self.kv_block}: must be at least 1")
+
+    @property
+    def pads_to_bucket(self) -> bool:
+        """``pad_to_bucket`` resolved: on for ``cuda_graphs`` unless set."""
+        if self.pad_to_bucket is None:
+            return self.mode == "cuda_graphs"
+        return self.pad_to_bucket
 
 
 EAGER = DecodeSettings()
@@ -134,12 +156,24 @@ def auto_mode(
     return "eager"
 
 
-def buckets_for(batch: int, buckets: tuple[int, ...] | None) -> tuple[int, ...]:
-    """The row counts a generation of ``batch`` rows runs on, ascending: the buckets below
-    it (None: the powers of two), then the batch itself."""
+def buckets_for(
+    batch: int, buckets: tuple[int, ...] | None, *, held: int | None = None
+) -> tuple[int, ...]:
+    """The row counts a generation of ``batch`` rows runs on, ascending, its first steps on
+    the last: the buckets below it (None: the powers of two), then the batch itself; or,
+    padded (``held``: the rows the buffers hold, 0 for none), the smallest bucket of at
+    least ``batch`` rows (past the largest, the next power of two), or ``held`` when fewer
+    and at least ``batch``: a bounded set of row counts whatever the batch sizes, which
+    the buffers, grown to the padded rows and never shrunk, keep holding."""
+    top = batch
+    if held is not None:
+        above = [b for b in buckets or () if b >= batch]
+        top = min(above) if above else 1 << (batch - 1).bit_length()
+        if held >= batch:
+            top = min(top, held)
     if buckets is None:
-        buckets = tuple(2**k for k in range(batch.bit_length()))
-    return (*sorted({b for b in buckets if 0 < b < batch}), batch)
+        buckets = tuple(2**k for k in range(top.bit_length()))
+    return (*sorted({b for b in buckets if 0 < b < top}), top)
 
 
 class GenerationTooLarge(RunFailure):
@@ -313,11 +347,15 @@ class StaticDecoder:
         batch, width = input_ids.shape
         device, new = input_ids.device, params.max_new_tokens
         self._check_device(device)
-        self._ensure_buffers(batch, width + new, device)
+        held = None
+        if self.settings.pads_to_bucket:
+            held = max(self.settings.reserve[0], 0 if self.cache is None else self.cache.rows)
+        buckets = buckets_for(batch, self.settings.batch_buckets, held=held)
+        rows = buckets[-1]  # the first steps' rows: the batch, then finished padding rows
+        self._ensure_buffers(rows, width + new, device)
         cache = self.cache
         assert cache is not None
         self._check_addresses()
-        buckets = buckets_for(batch, self.settings.batch_buckets)
         self._start(prompts, ends, noise, row_budgets(prompts, params))
         # The prompts: one eager forward on the real prompt width, which writes positions
         # 0 .. width of the cache, then the first token.
@@ -335,7 +373,7 @@ class StaticDecoder:
             cache.state.prefilling = False
         self._take(out.logits[:, -1], batch, params)
         self._send(0)
-        rows, t = batch, 0
+        t = 0
         # Step t goes out before the flags of step t - 1 are read (the module's docstring):
         # the next bucket holds the rows unfinished before step t, at least those after it.
         for t in range(1, new):
@@ -365,10 +403,16 @@ class StaticDecoder:
         prompt_mask = prompts["attention_mask"]
         cache = self.cache
         assert cache is not None
-        self.finished.fill_(True)  # rows past the batch carry nothing
+        # Rows past the batch (a padded bucket's among them) carry nothing: finished, their
+        # response the scratch row, a valid token at position 0 attending to nothing but the
+        # position a step writes, whatever an earlier generation left there (what they
+        # compute from their cache rows, NaN included, stays in them and is never sampled).
+        self.finished.fill_(True)
         self.finished[:batch] = False
         self.row_of.fill_(cache.rows)
         self.row_of[:batch] = torch.arange(batch, device=self.row_of.device)
+        self.ids.fill_(self.pad_token_id)
+        self.positions.zero_()
         self.mask.fill_(False)
         self.mask[:batch, 0, 0, :width] = prompt_mask.bool()
         # Every position a step attends to is filled when no prompt is padded (one host read

@@ -367,11 +367,12 @@ def test_fsdp_ranks_whose_rows_finish_at_different_steps_decode_statically_as_ea
     assert len(set(short)) >= 4 and len(set(long)) >= 4
 
 
-@pytest.mark.parametrize(("pad", "rows"), [(False, 12), (True, 16)])
+@pytest.mark.parametrize(("pad", "rows"), [(False, 12), (True, 12)])
 def test_a_cache_that_cannot_fit_is_refused_before_generating(
     monkeypatch: pytest.MonkeyPatch, pad: bool, rows: int
 ) -> None:
-    """The check counts the rows the first steps run on: the batch, or its padded bucket."""
+    """The check counts the batch's rows, padded or not: padding never grows the buffers
+    (a batch past what they hold runs on itself)."""
     from verlite.generation import decode
 
     model, td = llama("fp32"), prompts(batch=12, width=9)
@@ -808,16 +809,19 @@ def stepped(model: torch.nn.Module, decode: DecodeSettings, eos: int = EOS) -> S
 def test_a_padded_generation_starts_on_the_smallest_bucket_that_holds_its_batch() -> None:
     """The first steps' rows: the batch itself unpadded; padded, the smallest bucket of at
     least the batch (past the largest configured, the next power of two), or the rows the
-    buffers hold when fewer and enough."""
+    buffers hold when fewer; a batch past what the buffers hold runs on itself (padding
+    never grows them)."""
     assert buckets_for(5, None) == (1, 2, 4, 5)
-    assert buckets_for(5, None, held=0) == (1, 2, 4, 8)
-    assert buckets_for(8, None, held=0) == (1, 2, 4, 8)
-    assert buckets_for(1, None, held=0) == (1,)
+    assert buckets_for(5, None, held=8) == (1, 2, 4, 8)
+    assert buckets_for(8, None, held=8) == (1, 2, 4, 8)
+    assert buckets_for(1, None, held=8) == (1,)
     assert buckets_for(5, None, held=6) == (1, 2, 4, 6)
     assert buckets_for(5, None, held=16) == (1, 2, 4, 8)
-    assert buckets_for(4, (3, 6, 9), held=0) == (3, 6)
-    assert buckets_for(10, (3, 6, 9), held=0) == (3, 6, 9, 16)
+    assert buckets_for(4, (3, 6, 9), held=9) == (3, 6)
+    assert buckets_for(10, (3, 6, 9), held=16) == (3, 6, 9, 16)
     assert buckets_for(10, (3, 6, 9), held=12) == (3, 6, 9, 12)
+    assert buckets_for(5, None, held=0) == (1, 2, 4, 5)  # the buffers grow to the batch
+    assert buckets_for(10, (3, 6, 9), held=9) == (3, 6, 9, 10)
     assert DecodeSettings("cuda_graphs").pads_to_bucket
     assert not DecodeSettings("static").pads_to_bucket
     assert DecodeSettings("static", pad_to_bucket=True).pads_to_bucket
@@ -840,7 +844,7 @@ def test_a_batch_padded_to_its_bucket_decodes_as_eagerly(
     params = replace(SETTINGS["sampled"], stop_token_ids=(stop,))
     td[BUDGET_KEY] = torch.tensor([1, 14, 5, 14, 9, 14, 3][:batch])
     eager = sampler(model, DecodeSettings("eager")).generate(td, params, noise(td, 3, 14))
-    decode = DecodeSettings("static", batch_buckets=buckets, pad_to_bucket=True)
+    decode = DecodeSettings("static", batch_buckets=buckets, reserve=(8, 0), pad_to_bucket=True)
     padded = stepped(model, decode)
     assert_same(padded.generate(td, params, noise(td, 3, 14)), eager)
     assert padded.static.rows[0] == first  # type: ignore[union-attr]
@@ -848,12 +852,12 @@ def test_a_batch_padded_to_its_bucket_decodes_as_eagerly(
 
 
 def test_steps_run_on_buckets_whatever_the_batch_sizes() -> None:
-    """Generations of 3, 5, 6 and 7 rows, one decoder (its buffers grown as the batches
-    come): every step runs on a bucket of {1, 2, 4, 8}, statically and replayed (the graphs
-    captured: one per bucket and span, not per batch size)."""
+    """Generations of 3, 5, 6 and 7 rows, one decoder whose buffers hold 8 (a run reserves
+    its rows per worker): every step runs on a bucket of {1, 2, 4, 8}, statically and
+    replayed (the graphs captured: one per bucket and span, not per batch size)."""
     model, params = llama("fp64"), SETTINGS["sampled"]
-    static = stepped(model, DecodeSettings("static", pad_to_bucket=True))
-    graphs = sampler(model, DecodeSettings("cuda_graphs", kv_block=4))
+    static = stepped(model, DecodeSettings("static", reserve=(8, 0), pad_to_bucket=True))
+    graphs = sampler(model, DecodeSettings("cuda_graphs", kv_block=4, reserve=(8, 0)))
     for batch in (3, 5, 6, 7):
         td = prompts(batch=batch, width=9, seed=batch)
         for decoder in (static, graphs):

@@ -148,8 +148,9 @@ class RolloutConfig(Section):
         description="static and cuda_graphs: the row counts, ascending, that a generation's "
         "unfinished rows are compacted to as others finish; with cuda_graphs a generation's "
         "first steps run on one too, the smallest holding its batch (past the largest, the "
-        "next power of two), padded with finished rows, so a graph is captured per bucket "
-        "used, not per batch size. None: the powers of two.",
+        "next power of two) within the rows the cache holds, padded with finished rows, so a "
+        "graph is captured per bucket used, not per batch size (a batch past the cache's rows "
+        "runs on itself, the cache grown to it). None: the powers of two.",
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",

@@ -15,7 +15,8 @@ steps run on that bucket only, so a long tail does not run the whole batch), and
 to the positions filled so far rounded up to a multiple of ``kv_block``. With graphs the
 first steps run on a bucket too (``DecodeSettings.pad_to_bucket``, :func:`buckets_for`):
 the smallest holding the batch (past the largest, the next power of two; or the rows the
-buffers hold, when fewer and enough), the rows past the batch finished from the start:
+buffers hold, when fewer; padding never grows them: a batch past them runs on itself), the
+rows past the batch finished from the start:
 they sample pads into a scratch response row, read a pad token at position 0, and what
 they compute from their own cache rows (garbage an earlier generation left, NaN included)
 reaches no real row and no flag. One graph is captured per (bucket, span, sampling
@@ -161,16 +162,16 @@ def buckets_for(
 ) -> tuple[int, ...]:
     """The row counts a generation of ``batch`` rows runs on, ascending, its first steps on
     the last: the buckets below it (None: the powers of two), then the batch itself; or,
-    padded (``held``: the rows the buffers hold, 0 for none), the smallest bucket of at
-    least ``batch`` rows (past the largest, the next power of two), or ``held`` when fewer
-    and at least ``batch``: a bounded set of row counts whatever the batch sizes, which
-    the buffers, grown to the padded rows and never shrunk, keep holding."""
+    padded within buffers that hold ``held`` rows, the smallest bucket of at least ``batch``
+    rows (past the largest, the next power of two) or ``held`` when fewer: a bounded set of
+    row counts whatever the batch sizes. Padding never grows the buffers (the cache is kept
+    between generations, and a padded validation batch of 1,319 rows would hold 2,048): a
+    batch past ``held`` runs on itself, the buffers grown to it (which drops every graph
+    anyway), and later batches pad within it."""
     top = batch
-    if held is not None:
+    if held is not None and held >= batch:
         above = [b for b in buckets or () if b >= batch]
-        top = min(above) if above else 1 << (batch - 1).bit_length()
-        if held >= batch:
-            top = min(top, held)
+        top = min(min(above) if above else 1 << (batch - 1).bit_length(), held)
     if buckets is None:
         buckets = tuple(2**k for k in range(top.bit_length()))
     return (*sorted({b for b in buckets if 0 < b < top}), top)

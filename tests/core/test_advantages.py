@@ -25,6 +25,7 @@ from verlite.core.advantages import (
     compute_advantages,
     register_advantage,
 )
+from verlite.core.masked import masked_var
 
 ALL_NAMES = {"gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"}
 GROUP_NAMES = ["grpo", "rloo", "reinforce_plus_plus_baseline"]
@@ -431,6 +432,16 @@ def test_all_masked_batch_gives_zeros_not_nan(name: str) -> None:
     advantages, returns = compute_advantages(name, AdvantageInputs(**b.kwargs()))
     assert torch.equal(advantages, torch.zeros_like(advantages))
     assert torch.equal(returns, torch.zeros_like(returns))
+
+
+@pytest.mark.parametrize("name", sorted(ALL_NAMES))
+def test_a_batch_of_no_rows_gives_no_advantages(name: str) -> None:
+    # The whitening estimators centre on the smallest masked value, whose amin has no
+    # identity: a batch of no rows raised there, where the group estimators return it empty.
+    b = make_batch(5, group_sizes=())
+    advantages, returns = compute_advantages(name, AdvantageInputs(**b.kwargs()))
+    assert advantages.shape == returns.shape == (0, 9)
+    assert float(masked_var(b.values, b.mask)) == 0.0
 
 
 @pytest.mark.parametrize("name", sorted(ALL_NAMES))

@@ -23,6 +23,8 @@ def _deviations(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     entry: entries that tie then deviate by exactly 0. The mean of n equal values, summed
     and rounded, may miss them by an ulp, which whitening divides by ``sqrt(eps)``
     (``core.advantages._group_stats`` does the same per group)."""
+    if values.numel() == 0:  # no entry to centre on (amin of an empty tensor raises)
+        return values
     valid = mask.bool()
     inf = torch.full((), float("inf"), dtype=values.dtype, device=values.device)
     lowest = torch.where(valid, values, inf).amin()

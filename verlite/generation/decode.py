@@ -24,9 +24,11 @@ settings) the first time it is needed, its first run being a real step (the warm
 asks for before capture), and kept while the model's parameters and the buffers stay where
 they are: a run's validation batches, dynamic sampling's refills and multi-turn turns (the
 rows still active) reuse the buckets' graphs instead of capturing a set per batch size,
-each capture a device synchronization. The padding costs rows in the first steps, until
-the unfinished rows fit a smaller bucket; a memory-bound step on a GPU reads the weights
-once whatever its rows, so they should cost little there (not measured).
+each capture a device synchronization. The padding costs its rows until the unfinished
+rows fit a smaller bucket (the steps the batch would have run on itself): a step reads the
+weights once whatever its rows, but each padding row reads its own cache rows over the
+whole span (attention reads masked positions too), which at long spans may outweigh the
+weights (not measured).
 
 The host reads one small tensor a step, the flags the step wrote itself (its unfinished
 rows, the first position a row diverged at), a step behind: step t is launched and the copy

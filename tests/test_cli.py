@@ -72,6 +72,28 @@ def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_mi
     assert "required: COMMAND" in _refused(capsys)
 
 
+def test_overrides_on_both_sides_of_a_flag_are_all_taken_in_their_order(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # argparse takes the first run of overrides for the positional and left the rest over:
+    # "unrecognized arguments: b=2 c=3", of overrides that are valid
+    parser = cli.build_parser()
+    argv = ["train", "a=1", "--config", "c.yaml", "b=2", "--address", "x", "c=3"]
+    assert cli._parse(parser, argv).overrides == ["a=1", "b=2", "c=3"]
+    for command in (["check-invariance", "--run"], ["submit", "--wait"]):
+        argv = [command[0], "--config", "c.yaml", "a=1", command[1], "b=2"]
+        assert cli._parse(parser, argv).overrides == ["a=1", "b=2"], command
+    # an unknown flag among them is still refused, alone
+    assert _refused(capsys, "train", "--config", "c.yaml", "a=1", "--confg", "b.yaml", "b=2") == (
+        "verlite train: error: unrecognized arguments: --confg (did you mean --config?) "
+        "(see verlite train --help)\n"
+    )
+    # a command without overrides refuses a word it does not take, as before
+    assert "unrecognized arguments: c" in _refused(
+        capsys, "compare", "a", "--tolerance", "0", "b", "c"
+    )
+
+
 def test_a_flag_given_before_the_command_is_named_with_the_commands_that_know_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -162,10 +162,16 @@ def _version() -> str:
 
 def _parse(parser: _OneLineParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """The parsed arguments; arguments the chosen command does not know are refused by that
-    command (``verlite train: error: ...``, its help), not by ``verlite``."""
+    command (``verlite train: error: ...``, its help), not by ``verlite``. A command's
+    overrides may stand on both sides of its flags (``--config C a=1 --wait b=2``): argparse
+    takes the first run of them for the positional and leaves the words after a flag over,
+    which are overrides too, in their order."""
     args, extra = parser.parse_known_args(argv)
+    command = parser.commands[args.command]
+    if command.takes_overrides:
+        args.overrides = [*args.overrides, *(arg for arg in extra if not arg.startswith("-"))]
+        extra = [arg for arg in extra if arg.startswith("-")]
     if extra:
-        command = parser.commands[args.command]
         command.error(command.unrecognized(extra))
     return args
 

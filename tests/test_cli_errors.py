@@ -294,6 +294,29 @@ def test_bad_override(
     assert expected in run(capsys, "train", "--config", CONFIG, *overrides)
 
 
+def test_a_missing_relative_input_names_the_folder_it_was_looked_for_in(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # a config beside its prompt file, run from another folder: the path is the current
+    # folder's, which the message did not say ("no such file or directory" of a file that is
+    # there, beside the config)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "prompts.jsonl").write_text('{"prompt": "1=", "answer": "1"}\n')
+    config = tmp_path / "run" / "job.yaml"
+    config.write_text(Path(CONFIG).read_text() + "\n")
+    monkeypatch.chdir(tmp_path)
+    overrides = ["data.task=null", "data.train_file=prompts.jsonl"]
+    assert run(capsys, "train", "--config", str(config), *overrides) == (
+        "verlite: error: data.train_file='prompts.jsonl': no such file or directory; a relative "
+        f"path is read from the current folder, {str(tmp_path)!r}\n"
+    )
+    # an absolute path needs no folder named
+    overrides = ["data.task=null", f"data.train_file={tmp_path / 'prompts.jsonl'}"]
+    assert run(capsys, "train", "--config", str(config), *overrides).endswith(
+        "prompts.jsonl': no such file or directory\n"
+    )
+
+
 def test_a_model_without_activation_checkpointing_is_refused_before_ray(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -17,6 +17,7 @@ from verlite.driver.checkpoint import (
     resume_checkpoint,
     seal_checkpoint,
 )
+from verlite.errors import UserError
 
 
 def _save(out: Path, step: int, *, keep: int) -> Path:
@@ -49,6 +50,20 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(
     )
     assert complete_checkpoints(tmp_path) == [saved]
     assert resume_checkpoint(tmp_path, "auto") == saved
+
+
+def test_a_resume_path_that_is_not_there_is_said_to_be_missing(tmp_path: Path) -> None:
+    """A path that is no folder at all (a typo) was called 'not a complete checkpoint (no
+    trainer_state.json in it)', as if the folder were there, half written."""
+    with pytest.raises(UserError) as missing:
+        resume_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_99"))
+    assert str(missing.value) == (
+        f"trainer.resume={str(tmp_path / 'checkpoints' / 'step_99')!r}: no such folder; give a "
+        "checkpoint folder (<trainer.output_dir>/checkpoints/step_N), auto or disable"
+    )
+    (tmp_path / "half").mkdir()  # a folder without the driver's state: incomplete
+    with pytest.raises(UserError, match="not a complete checkpoint"):
+        resume_checkpoint(tmp_path, str(tmp_path / "half"))
 
 
 def test_a_checkpoint_is_on_disk_before_it_is_in_place(

@@ -82,6 +82,11 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
         done = complete_checkpoints(output_dir)
         return done[-1] if done else None
     path = Path(resume)
+    if not path.exists():  # a typo, or a checkpoint pruned since (trainer.max_checkpoints)
+        raise CheckpointError(
+            f"trainer.resume={resume!r}: no such folder; give a checkpoint folder "
+            "(<trainer.output_dir>/checkpoints/step_N), auto or disable"
+        )
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(
             f"trainer.resume={resume!r}: not a complete checkpoint (no {TRAINER_STATE} in it)"

@@ -131,6 +131,19 @@ def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
             ["actor.optim.betas=[0.9, {b: true}]"],
             "actor.optim.betas.1={b: true}: Input should be a valid number, got a mapping",
         ),
+        # containers as YAML names them: pydantic said "a valid tuple", "a valid dictionary"
+        (
+            ["trainer.loggers=console"],
+            "trainer.loggers='console': Input should be a list ([a, b, ...]), got a string",
+        ),
+        (
+            ["rollout.stop_token_ids=5"],
+            "rollout.stop_token_ids=5: Input should be a list ([a, b, ...]), got an integer",
+        ),
+        (
+            ["reward.combine=fn"],
+            "reward.combine='fn': Input should be a mapping ({key: value, ...}), got a string",
+        ),
     ],
 )
 def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected: str) -> None:

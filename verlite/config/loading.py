@@ -348,6 +348,8 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "bool_type":
             message += " (true or false)"
+        if err["type"] in _CONTAINERS:  # pydantic's "valid tuple", "valid dictionary"
+            message = f"Input should be {_CONTAINERS[err['type']]}"
         if err["type"] == "model_type":  # a section given as something else
             message = (
                 f"expected a section: a mapping of its fields, as in {dotted}={{field: value, ...}}"
@@ -364,6 +366,14 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
                 message += f", got {_yaml_kind(value)}"
             lines.append(f"{dotted}={shown(value, render=_as_yaml)}: {message}")
     return "; ".join(dict.fromkeys(lines))
+
+
+# The kinds of container a field takes, as YAML names them (a field's tuple is a list there).
+_CONTAINERS = {
+    "tuple_type": "a list ([a, b, ...])",
+    "list_type": "a list ([a, b, ...])",
+    "dict_type": "a mapping ({key: value, ...})",
+}
 
 
 def _a(noun: str) -> str:

@@ -284,9 +284,11 @@ def test_gpt2s_conv1d_projections_take_adapters_and_merge_to_the_same_logits(tmp
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     torch.testing.assert_close(logits(merged, IDS), expected)
     with pytest.raises(
-        ConfigError, match=r"q_proj name no linear .*: c_attn, c_fc, c_proj, lm_head$"
+        ConfigError, match=r": q_proj names no linear .*: c_attn, c_fc, c_proj, lm_head$"
     ):
         check_lora_supported(cfg, LoraConfig(rank=4, target_modules=("c_attn", "q_proj")))
+    with pytest.raises(ConfigError, match=r": q_proj, k_proj name no linear layer of the model"):
+        check_lora_supported(cfg, LoraConfig(rank=4, target_modules=("q_proj", "k_proj")))
 
 
 def test_on_a_random_base_only_an_lm_head_adapter_lifts_the_frozen_heads_bound() -> None:

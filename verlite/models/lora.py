@@ -96,7 +96,8 @@ def check_targets(model: nn.Module, cfg: LoraConfig) -> None:
     missing = [name for name in cfg.target_modules if name not in linear]
     if missing:
         raise ConfigError(
-            f"actor.lora.target_modules: {', '.join(missing)} name no linear layer of the "
+            f"actor.lora.target_modules: {', '.join(missing)} "
+            f"{'names' if len(missing) == 1 else 'name'} no linear layer of the "
             f"model; its linear layers are: {', '.join(sorted(linear))}"
         )
 

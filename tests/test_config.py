@@ -458,6 +458,8 @@ ERRORS = [
     (["actor.lrr=1"], "unknown key 'actor.lrr'; did you mean 'actor.optim.lr'?"),
     (["trainer.totl_steps=3"], "did you mean 'trainer.total_steps'?"),
     (["actr.ppo_epochs=1"], "unknown key 'actr'; did you mean 'actor'?"),
+    (["TRAINER.total_steps=3"], "unknown key 'TRAINER'; did you mean 'trainer'?"),
+    (["actor.optim.LR=1"], "unknown key 'actor.optim.LR'; did you mean 'actor.optim.lr'?"),
     (
         ["actor.loss_agg_mode=mean"],
         "actor.loss_agg_mode='mean': unknown loss aggregation mode; allowed: token-mean, token-sum",

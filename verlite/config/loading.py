@@ -301,7 +301,7 @@ def _unknown_key_message(dotted: str, prefix: str, known: Sequence[str]) -> str:
     leaf = dotted.rsplit(".", 1)[-1]
     section = _model_at(prefix.split(".") if prefix else [])
     candidates = {path.rsplit(".", 1)[-1]: path for path in reversed(_field_paths(section, prefix))}
-    close = difflib.get_close_matches(leaf, list(candidates), n=1)
+    close = difflib.get_close_matches(leaf.lower(), list(candidates), n=1)  # fields: lower case
     hint = f"; did you mean {candidates[close[0]]!r}?" if close else ""
     where = f"in {prefix}" if prefix else "at the top level"
     return f"unknown key {shown(dotted)}{hint} (known keys {where}: {', '.join(known)})"

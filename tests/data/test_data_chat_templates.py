@@ -533,6 +533,31 @@ def test_the_guides_settings_for_verls_files_train_on_one(
     assert [r["answer"] for r in train] == [r["answer"] for r in val] == answers
 
 
+def test_the_guides_math_example_reads_its_file_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The guide's "MATH from a JSONL file" settings, as written but for the model folder:
+    they set a chat template and a system prompt without model.path, under the default
+    data.max_prompt_length of 32, which the template and system turn alone pass."""
+    section = GUIDE.read_text().split("## MATH from a JSONL file", 1)[1]
+    line = section.split("`", 2)[1]  # the guide's example row
+    settings = yaml.safe_load(section.split("```yaml\n", 1)[1].split("```", 1)[0])
+    monkeypatch.chdir(tmp_path)
+    save_chat_model(tmp_path / "model")
+    row = json.loads(line)
+    rows = [{"problem": f"{i}: {row['problem']}", "solution": row["solution"]} for i in range(4)]
+    Path(settings["data"]["train_file"]).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert Path(settings["model"]["path"]).is_absolute()  # a folder the reader has
+    settings["model"]["path"] = str(tmp_path / "model")
+    raw = yaml.safe_load((Path(__file__).parents[2] / "configs" / "ppo_tiny.yaml").read_text())
+    for section_name, fields in settings.items():
+        raw[section_name] = {**raw.get(section_name, {}), **fields}
+    cfg = load_config(raw, ["data.num_val_samples=2"])
+    train, val = build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert [r["answer"] for r in [*train, *val]] == ["\\frac{1}{2}"] * 4
+    assert cfg.reward.fn == "math"
+
+
 @pytest.mark.parametrize("template", [False, True], ids=["as text", "in the template"])
 def test_a_prompt_that_already_ends_with_the_suffix_is_refused(
     tmp_path: Path, template: bool

@@ -382,6 +382,13 @@ def test_a_layout_list_says_how_large_its_batch_is_up_front(verlite_main, monkey
         "of 16 that every --dp size splits into equal shares) ...",
         "verlite: error: stopped before the ranks start",
     ]
+    # one launch is said in the singular ("in 1 rank launches")
+    proc = verlite_main(
+        "check-invariance", "--config", CONFIG, "--dp", "2", "--strategy", "ddp", "--micro", "1"
+    )
+    assert proc.stderr.splitlines()[0] == (
+        "checking 2 layouts in 1 rank launch on a batch of 16 sequences ..."
+    )
 
 
 def test_whole_runs_are_checked_before_ray_starts(

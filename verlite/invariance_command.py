@@ -216,7 +216,8 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         )
         layout_count = len(dps) * len(strategies) * len(micros) * len(ROLES)
         print(
-            f"checking {layout_count} layouts in {launches} rank launches on a "
+            f"checking {layout_count} layouts in {launches} rank "
+            f"launch{'es' if launches > 1 else ''} on a "
             f"batch of {rows} sequences{why} ...",
             file=sys.stderr,
             flush=True,

@@ -66,6 +66,11 @@ def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_mi
     )
     # a flag the command knows by a prefix is no mistake; nothing given is still "required"
     assert "required: --config" in _refused(capsys, "train")
+    # the config file given without its flag (read as an override): the flag to write
+    assert _refused(capsys, "train", "configs/ppo_tiny.yaml", "trainer.seed=1") == (
+        "verlite train: error: the following arguments are required: --config; give the "
+        "config file with the flag: --config configs/ppo_tiny.yaml (see verlite train --help)\n"
+    )
     assert "unrecognized" not in _refused(capsys, "check-invariance", "--micr", "1")
     # after --, words are positional (overrides); verlite itself asks for its command
     assert "required: --config" in _refused(capsys, "train", "--", "--confg")

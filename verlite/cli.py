@@ -73,7 +73,15 @@ class _OneLineParser(argparse.ArgumentParser):
             unknown = self.unknown_flags(self.given)
             if unknown:
                 message = self.unrecognized(unknown)
+            elif "--config" in message:
+                message += self.config_without_its_flag()
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def config_without_its_flag(self) -> str:
+        """What to write when ``--config`` is missing but a YAML file was given without it
+        (``verlite train configs/ppo_tiny.yaml``, read as an override): the flag before it."""
+        files = [arg for arg in self.given if arg.endswith((".yaml", ".yml")) and "=" not in arg]
+        return f"; give the config file with the flag: --config {files[0]}" if files else ""
 
     @property
     def known_flags(self) -> list[str]:

@@ -664,7 +664,12 @@ ERRORS = [
         ["actor.lora.target_modules=[]"],
         "actor.lora.target_modules=[]: Tuple should have at least 1",
     ),
-    (["foo"], "malformed override 'foo'; expected dotted.key=value"),
+    (["foo"], "malformed override 'foo': no '='; write dotted.key=value as one word"),
+    (  # trainer.total_steps = 5, split by the shell
+        ["trainer.total_steps", "=", "5"],
+        "malformed override 'trainer.total_steps': no '='; write dotted.key=value as one word "
+        "(no spaces around '='), e.g. actor.loss_agg_mode=token-sum",
+    ),
     (["=3"], "malformed override '=3'"),
     (["actor..lr=3"], "malformed override 'actor..lr=3'"),
 ]

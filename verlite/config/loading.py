@@ -157,8 +157,11 @@ def _apply_override(raw: dict[str, Any], overridden: dict[str, Any], item: str) 
     to ``overridden`` (:func:`load_config`: the overrides alone)."""
     key, sep, text = item.partition("=")
     malformed = f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
-    if not sep:
-        raise ConfigError(malformed)
+    if not sep:  # a key or a value alone: a shell splits `key = value` into three words
+        raise ConfigError(
+            f"malformed override {item!r}: no '='; write dotted.key=value as one word (no "
+            "spaces around '='), e.g. actor.loss_agg_mode=token-sum"
+        )
     section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
     try:
         value = _parse_value(text.strip(), annotation)

@@ -662,7 +662,11 @@ ERRORS = [
     (["actor.lora.dropout=1"], "actor.lora.dropout=1: Input should be less than 1"),
     (
         ["actor.lora.target_modules=[]"],
-        "actor.lora.target_modules=[]: Tuple should have at least 1",
+        "actor.lora.target_modules=[]: List should have at least 1 item, not 0",
+    ),
+    (
+        ["actor.optim.betas=[0.9, 0.99, 0.999]"],
+        "actor.optim.betas=[0.9, 0.99, 0.999]: List should have at most 2 items, not 3",
     ),
     (["foo"], "malformed override 'foo': no '='; write dotted.key=value as one word"),
     (  # trainer.total_steps = 5, split by the shell

@@ -353,6 +353,10 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             message += " (true or false)"
         if err["type"] in _CONTAINERS:  # pydantic's "valid tuple", "valid dictionary"
             message = f"Input should be {_CONTAINERS[err['type']]}"
+        if err["type"] in ("too_short", "too_long"):  # "Tuple should have at least 1 item ..."
+            message = message.replace(" after validation", "")
+            if err.get("ctx", {}).get("field_type") == "Tuple":
+                message = "List" + message.removeprefix("Tuple")
         if err["type"] == "model_type":  # a section given as something else
             message = (
                 f"expected a section: a mapping of its fields, as in {dotted}={{field: value, ...}}"

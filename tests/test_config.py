@@ -699,6 +699,9 @@ def test_file_errors(tmp_path: Path) -> None:
     (tmp_path / "list.yaml").write_text("- a\n- b\n")
     assert "must hold a mapping of sections" in error_of(path=tmp_path / "list.yaml")
     assert "got a list" in error_of(path=tmp_path / "list.yaml")
+    for text, kind in (("5", "an integer"), ("hello", "a string")):  # said "a int", "a str"
+        (tmp_path / "scalar.yaml").write_text(text + "\n")
+        assert error_of(path=tmp_path / "scalar.yaml").endswith(f"model:, data:, ..., got {kind}")
     (tmp_path / "bad.yaml").write_text("data:\n  task: [copy\n")
     assert "is not valid YAML at line" in error_of(path=tmp_path / "bad.yaml")
     (tmp_path / "colon.yaml").write_text("data: {task: copy}\ntrainer: {total_steps:5}\n")

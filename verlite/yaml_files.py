@@ -12,6 +12,7 @@ once per place it is used but computed once, and a file that expands past
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,24 @@ def read_mapping(
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise error(f"{what} {shown} must hold a mapping {example}, got a {type(data).__name__}")
+        raise error(f"{what} {shown} must hold a mapping {example}, got {yaml_kind(data)}")
     return data
+
+
+# A value's kind as YAML names it: what the user wrote, not Python's type ("a str").
+_KINDS = {bool: "a boolean", str: "a string", int: "an integer", float: "a float"}
+
+
+def yaml_kind(value: object) -> str:
+    """``value``'s kind as YAML names it, with its article: "a mapping", "an integer",
+    "null"."""
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, list | tuple):
+        return "a list"
+    return _KINDS.get(type(value), f"a {type(value).__name__}")
 
 
 def _expanded_size(node: yaml.Node | None, sizes: dict[int, int]) -> int:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
 from verlite.user_files import read_text
-from verlite.yaml_files import UnspacedKey, load_text, read_mapping
+from verlite.yaml_files import UnspacedKey, load_text, read_mapping, yaml_kind
 
 
 class ConfigError(UserError):
@@ -370,7 +370,7 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
         else:
             value = err.get("input")
             if err["type"].endswith("_type"):  # strict: a value of another type, never coerced
-                message += f", got {_yaml_kind(value)}"
+                message += f", got {yaml_kind(value)}"
             lines.append(f"{dotted}={shown(value, render=_as_yaml)}: {message}")
     return "; ".join(dict.fromkeys(lines))
 
@@ -387,18 +387,7 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
-# A config value's kind and spelling as YAML names them: what the user wrote, not Python's.
-_KINDS = {bool: "a boolean", str: "a string", int: "an integer", float: "a float"}
-
-
-def _yaml_kind(value: object) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, Mapping):
-        return "a mapping"
-    if isinstance(value, list | tuple):
-        return "a list"
-    return _KINDS.get(type(value), f"a {type(value).__name__}")
+# A config value's spelling as YAML writes it (its kind: yaml_files.yaml_kind).
 
 
 def _as_yaml(value: object) -> str:

@@ -88,6 +88,10 @@ def test_overrides_on_both_sides_of_a_flag_are_all_taken_in_their_order(
     for command in (["check-invariance", "--run"], ["submit", "--wait"]):
         argv = [command[0], "--config", "c.yaml", "a=1", command[1], "b=2"]
         assert cli._parse(parser, argv).overrides == ["a=1", "b=2"], command
+    # after --, every word is an override, as before the first flag (was "unrecognized
+    # arguments: --" once the positional had taken a=1)
+    argv = ["submit", "--config", "c.yaml", "a=1", "--wait", "--", "b=2", "--c=3"]
+    assert cli._parse(parser, argv).overrides == ["a=1", "b=2", "--c=3"]
     # an unknown flag among them is still refused, alone
     assert _refused(capsys, "train", "--config", "c.yaml", "a=1", "--confg", "b.yaml", "b=2") == (
         "verlite train: error: unrecognized arguments: --confg (did you mean --config?) "

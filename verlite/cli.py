@@ -173,12 +173,15 @@ def _parse(parser: _OneLineParser, argv: Sequence[str] | None) -> argparse.Names
     command (``verlite train: error: ...``, its help), not by ``verlite``. A command's
     overrides may stand on both sides of its flags (``--config C a=1 --wait b=2``): argparse
     takes the first run of them for the positional and leaves the words after a flag over,
-    which are overrides too, in their order."""
+    which are overrides too, in their order, and so is every word after ``--`` (argparse
+    leaves it over with them once the positional is taken: ``a=1 --wait -- b=2``)."""
     args, extra = parser.parse_known_args(argv)
     command = parser.commands[args.command]
     if command.takes_overrides:
-        args.overrides = [*args.overrides, *(arg for arg in extra if not arg.startswith("-"))]
-        extra = [arg for arg in extra if arg.startswith("-")]
+        end = extra.index("--") if "--" in extra else len(extra)
+        words = [arg for arg in extra[:end] if not arg.startswith("-")] + extra[end + 1 :]
+        args.overrides = [*args.overrides, *words]
+        extra = [arg for arg in extra[:end] if arg.startswith("-")]
     if extra:
         command.error(command.unrecognized(extra))
     return args

@@ -71,6 +71,14 @@ def test_a_misspelled_flag_is_named_by_its_command_before_the_flags_it_leaves_mi
         "verlite train: error: the following arguments are required: --config; give the "
         "config file with the flag: --config configs/ppo_tiny.yaml (see verlite train --help)\n"
     )
+    # never another flag's value: submit's --runtime-env FILE is no config file
+    assert _refused(capsys, "submit", "--runtime-env", "env.yaml", "job.yaml") == (
+        "verlite submit: error: the following arguments are required: --config; give the "
+        "config file with the flag: --config job.yaml (see verlite submit --help)\n"
+    )
+    assert _refused(capsys, "submit", "--runtime-env", "env.yaml", "a=1").startswith(
+        "verlite submit: error: the following arguments are required: --config (see"
+    )
     assert "unrecognized" not in _refused(capsys, "check-invariance", "--micr", "1")
     # after --, words are positional (overrides); verlite itself asks for its command
     assert "required: --config" in _refused(capsys, "train", "--", "--confg")

@@ -53,13 +53,15 @@ class _OneLineParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.given: list[str] = []  # what the last parse was given
+        self.parsed = argparse.Namespace()  # what it took from them, as far as it came
         self.commands: dict[str, _OneLineParser] = {}  # verlite's: each command's parser
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         self.given = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        self.parsed = argparse.Namespace() if namespace is None else namespace
+        return super().parse_known_args(args, self.parsed)
 
     def error(self, message: str) -> NoReturn:
         if self.commands and self.unknown_flags(self.given[:1]):
@@ -79,8 +81,11 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def config_without_its_flag(self) -> str:
         """What to write when ``--config`` is missing but a YAML file was given without it
-        (``verlite train configs/ppo_tiny.yaml``, read as an override): the flag before it."""
-        files = [arg for arg in self.given if arg.endswith((".yaml", ".yml")) and "=" not in arg]
+        (``verlite train configs/ppo_tiny.yaml``, read as an override): the flag before it.
+        Only a word argparse took as an override, never another flag's value
+        (``verlite submit --runtime-env env.yaml``)."""
+        words = getattr(self.parsed, "overrides", [])
+        files = [arg for arg in words if arg.endswith((".yaml", ".yml")) and "=" not in arg]
         return f"; give the config file with the flag: --config {files[0]}" if files else ""
 
     @property

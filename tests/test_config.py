@@ -668,6 +668,11 @@ ERRORS = [
         ["actor.optim.betas=[0.9, 0.99, 0.999]"],
         "actor.optim.betas=[0.9, 0.99, 0.999]: List should have at most 2 items, not 3",
     ),
+    (  # a short one was "actor.optim.betas.1: required field is missing", as if a field
+        ["critic.optim.betas=[0.9]"],
+        "critic.optim.betas=[0.9]: List should have 2 items, not 1",
+    ),
+    (["actor.optim.betas=[]"], "actor.optim.betas=[]: List should have 2 items, not 0"),
     (["foo"], "malformed override 'foo': no '='; write dotted.key=value as one word"),
     (  # trainer.total_steps = 5, split by the shell
         ["trainer.total_steps", "=", "5"],

@@ -361,7 +361,10 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             message = (
                 f"expected a section: a mapping of its fields, as in {dotted}={{field: value, ...}}"
             )
-        if err["type"] == "missing":
+        if err["type"] == "missing" and isinstance(err["loc"][-1], int):
+            # a fixed-length list given short: pydantic names each index it lacks a field
+            lines.append(_short_list(loc[:-1], err["input"]))
+        elif err["type"] == "missing":
             lines.append(f"{dotted}: required field is missing")
         elif not loc or message.startswith(dotted):  # a cross-field check names its fields
             lines.append(message)
@@ -381,6 +384,18 @@ _CONTAINERS = {
     "list_type": "a list ([a, b, ...])",
     "dict_type": "a mapping ({key: value, ...})",
 }
+
+
+def _short_list(loc: Sequence[str], value: Sequence[Any]) -> str:
+    """The line for a fixed-length list field (``actor.optim.betas``) given fewer items, in
+    the words of a longer one ("List should have at most 2 items, not 3")."""
+    annotation = _model_at(loc[:-1]).model_fields[loc[-1]].annotation
+    tuples = [t for t in _union_args(annotation) if typing.get_origin(t) is tuple]
+    length = len(typing.get_args(tuples[0]))
+    return (
+        f"{'.'.join(loc)}={shown(value, render=_as_yaml)}: List should have {length} items, "
+        f"not {len(value)}"
+    )
 
 
 def _a(noun: str) -> str:

@@ -52,14 +52,25 @@ def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(
     assert resume_checkpoint(tmp_path, "auto") == saved
 
 
-def test_a_resume_path_that_is_not_there_is_said_to_be_missing(tmp_path: Path) -> None:
+def test_a_resume_path_that_is_not_there_is_said_to_be_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A path that is no folder at all (a typo) was called 'not a complete checkpoint (no
-    trainer_state.json in it)', as if the folder were there, half written."""
+    trainer_state.json in it)', as if the folder were there, half written; a relative one
+    names the folder it was looked for in, as a missing relative input does."""
     with pytest.raises(UserError) as missing:
         resume_checkpoint(tmp_path, str(tmp_path / "checkpoints" / "step_99"))
     assert str(missing.value) == (
         f"trainer.resume={str(tmp_path / 'checkpoints' / 'step_99')!r}: no such folder; give a "
         "checkpoint folder (<trainer.output_dir>/checkpoints/step_N), auto or disable"
+    )
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as missing:
+        resume_checkpoint(tmp_path, "checkpoints/step_99")
+    assert str(missing.value) == (
+        "trainer.resume='checkpoints/step_99': no such folder; a relative path is read from "
+        f"the current folder, {str(tmp_path)!r}; give a checkpoint folder "
+        "(<trainer.output_dir>/checkpoints/step_N), auto or disable"
     )
     (tmp_path / "half").mkdir()  # a folder without the driver's state: incomplete
     with pytest.raises(UserError, match="not a complete checkpoint"):

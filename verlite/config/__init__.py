@@ -16,6 +16,7 @@ from verlite.config.loading import (
     input_paths,
     load_config,
     recorded_config,
+    relative_path_hint,
     unflatten,
 )
 from verlite.config.schema import Config
@@ -62,5 +63,6 @@ __all__ = [
     "input_paths",
     "load_config",
     "recorded_config",
+    "relative_path_hint",
     "unflatten",
 ]

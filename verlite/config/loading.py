@@ -465,7 +465,7 @@ def check_inputs(cfg: Config) -> dict[str, str | None]:
         if value is not None and not _exists(dotted, value):
             raise ConfigError(
                 f"{dotted}={shown(value)}: no such file or directory{_hint(dotted)}"
-                f"{_relative(value)}"
+                f"{relative_path_hint(value)}"
             )
         if dotted.startswith("data.") and value is not None and not Path(value).is_file():
             # a folder cannot be read, a pipe or device may block or never end
@@ -487,9 +487,10 @@ def _hint(dotted: str) -> str:
     return "; give a local folder written by save_pretrained (nothing is downloaded)"
 
 
-def _relative(value: str) -> str:
-    """Where a relative input was looked for: the current folder, which a config file in
-    another folder may not have meant (its paths are not read from the file's folder)."""
+def relative_path_hint(value: str) -> str:
+    """Where a relative input (or ``trainer.resume``) was looked for: the current folder,
+    which a config file in another folder may not have meant (its paths are not read from
+    the file's folder)."""
     if Path(value).is_absolute():
         return ""
     return f"; a relative path is read from the current folder, {shown(str(Path.cwd()))}"

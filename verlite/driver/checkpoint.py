@@ -29,7 +29,7 @@ from typing import Any
 
 from verlite.base_weights import differences
 from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
-from verlite.config import MOVED_KEYS, flatten, recorded_config
+from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_hint
 from verlite.config.inert import without_effect
 from verlite.errors import UserError
 from verlite.redaction import redact_config
@@ -84,8 +84,8 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     path = Path(resume)
     if not path.exists():  # a typo, or a checkpoint pruned since (trainer.max_checkpoints)
         raise CheckpointError(
-            f"trainer.resume={resume!r}: no such folder; give a checkpoint folder "
-            "(<trainer.output_dir>/checkpoints/step_N), auto or disable"
+            f"trainer.resume={resume!r}: no such folder{relative_path_hint(resume)}; give a "
+            "checkpoint folder (<trainer.output_dir>/checkpoints/step_N), auto or disable"
         )
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(

@@ -572,6 +572,10 @@ ERRORS = [
         "enable_thinking: false",
     ),
     (["trainer={total_steps:5}"], "'total_steps:5' is one key without a value"),
+    (  # a credential-named key's value is masked, as in config.json (it was shown)
+        ["data.chat_template_kwargs={api_token: [sk-live-abcdefgh12345678]}"],
+        "data.chat_template_kwargs.api_token=***: expected a string, a number, true, false or null",
+    ),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
         ["rollout.max_staleness=-1"],

@@ -119,13 +119,18 @@ def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
     for key, value in config.items():
         if isinstance(value, Mapping):
             clean[key] = redact_config(value)
-        elif (
-            credential_named(str(key)) and value is not None and not _token_numbers(str(key), value)
-        ):
+        elif holds_credential(str(key), value):
             clean[key] = MASK
         else:
             clean[key] = redact_text(value) if isinstance(value, str) else value
     return clean
+
+
+def holds_credential(key: str, value: Any) -> bool:
+    """Whether a config ``value`` under ``key`` (its last name) is a credential, which no
+    record or message shows: any value but null of a secret-named key, but counts of tokens
+    and token ids."""
+    return credential_named(key) and value is not None and not _token_numbers(key, value)
 
 
 def _token_numbers(key: str, value: Any) -> bool:

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
+from verlite.redaction import MASK, holds_credential
 from verlite.user_files import read_text
 from verlite.yaml_files import UnspacedKey, load_text, read_mapping, yaml_kind
 
@@ -374,7 +375,10 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             value = err.get("input")
             if err["type"].endswith("_type"):  # strict: a value of another type, never coerced
                 message += f", got {yaml_kind(value)}"
-            lines.append(f"{dotted}={shown(value, render=_as_yaml)}: {message}")
+            # A credential-named key's value (a template variable's, data.chat_template_kwargs.
+            # api_token) is masked here as in config.json.
+            text = MASK if holds_credential(str(loc[-1]), value) else shown(value, render=_as_yaml)
+            lines.append(f"{dotted}={text}: {message}")
     return "; ".join(dict.fromkeys(lines))
 
 

@@ -406,9 +406,6 @@ def _a(noun: str) -> str:
     return f"{'an' if noun[0] in 'aeiou' else 'a'} {noun}"
 
 
-# A config value's spelling as YAML writes it (its kind: yaml_files.yaml_kind).
-
-
 def _as_yaml(value: object) -> str:
     """``value`` spelled as in YAML's flow style: ``true``, ``null``, ``[1, 'a']``,
     ``{fn: 0.5}``; a string quoted (``'3'`` is not the number 3)."""

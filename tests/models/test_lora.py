@@ -57,7 +57,7 @@ def test_start_up_errors_are_one_line_naming_the_field_or_the_extra(monkeypatch)
     bad = LoraConfig(rank=4, target_modules=("q_proj", "query_key_value"))
     with pytest.raises(ConfigError) as info:
         check_lora_supported(MODEL, bad)
-    assert str(info.value).startswith("actor.lora.target_modules: query_key_value name no")
+    assert str(info.value).startswith("actor.lora.target_modules: query_key_value names no")
     assert "q_proj" in str(info.value) and "\n" not in str(info.value)
     check_lora_supported(MODEL, LoraConfig(rank=0, target_modules=("nothing",)))  # off
 
@@ -256,7 +256,7 @@ def test_an_adapter_on_a_tied_lm_head_merges_to_the_adapted_models_logits(tmp_pa
 def test_gpt2s_conv1d_projections_take_adapters_and_merge_to_the_same_logits(tmp_path) -> None:
     """GPT-2's projections (``c_attn``, ``c_proj``, ``c_fc``) are ``Conv1D`` layers, linear
     layers with their weight transposed, which peft adapts: they were refused at start-up
-    ('c_attn name no linear layer of the model; its linear layers are: lm_head')."""
+    ('c_attn names no linear layer of the model; its linear layers are: lm_head')."""
     config = GPT2Config(
         vocab_size=40,
         n_embd=32,

@@ -625,8 +625,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _gpu() -> tuple[str, float]:
-    """The first GPU's name and memory in GiB, read by a child process: reading them here
-    would hold a CUDA context (some 500 MB of GPU 0) through every part."""
+    """The first GPU's name and memory in GiB, read by a child process, so that this one,
+    which only starts the parts, never initializes CUDA (what GPU memory that would hold
+    while the parts run is not measured)."""
     read = "import torch; p = torch.cuda.get_device_properties(0); print(p.total_memory, p.name)"
     output = subprocess.run(
         [sys.executable, "-c", read], capture_output=True, text=True, check=True

@@ -150,11 +150,7 @@ def carries_secret(key: str, value: str) -> bool:
     as ``TOKENIZERS_PARALLELISM=false``), a URL with ``user:pass@`` or a credential in its
     query (:func:`secret_query_names`), or a known secret's value."""
     return bool(value) and (
-        bool(
-            credential_named(key)
-            and len(value) >= MIN_SECRET_LENGTH
-            and not _token_numbers(key, value)
-        )
+        (holds_credential(key, value) and len(value) >= MIN_SECRET_LENGTH)
         or bool(_URL_CREDENTIALS.search(value))
         or ("://" in value and bool(secret_query_names(value)))
         or redact_text(value) != value

@@ -15,8 +15,9 @@ Conventions shared by all estimators:
   the policy's tokens only, each one's successor being the next policy token, as if the
   holes were not there. The mask may have any dtype; nonzero means valid.
 - ``index`` is a (B,) integer tensor of group ids: the n samples of one prompt share it.
-- Everything is computed in the dtype of ``token_level_rewards``. Entries outside the mask
-  are ignored, even when they hold NaN or inf.
+- Everything is computed in the dtype of ``token_level_rewards`` (but whitening, which
+  ``core.masked`` does in float32 for float16/bfloat16) and returned in it. Entries outside
+  the mask are ignored, even when they hold NaN or inf.
 - Nothing loops in Python over tokens or groups: discounted sums are one (T, T) matmul over
   each row's policy tokens moved to its front (one stable sort of the mask, a gather, and
   the scatter back), and group statistics use ``torch.unique`` + ``index_add``.

@@ -305,7 +305,9 @@ def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor,
 
     ``A_i = score_i - group_mean`` (a group of one has mean 0), broadcast over the valid
     tokens, then ``masked_whiten`` over the whole batch; ``returns = advantages``.
-    Uses only ``index``.
+    Uses only ``index``. ``score_i`` sums the token rewards, a KL in them included, so each
+    token carries the whole response's KL: verl's form, not OpenRLHF's (docs/design.md,
+    "KL in the reward").
     """
     token_level_rewards, response_mask = _checked(inputs, "reinforce_plus_plus_baseline")
     group = _require_index(inputs, "reinforce_plus_plus_baseline")

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from verlite.driver import output_folder
 from verlite.driver.checkpoint import CheckpointError
 from verlite.driver.output_folder import LOCK_FILE, FolderLock
 from verlite.driver.output_folder import prepare_output_folder as prepare_and_hold
+from verlite.driver.trainer import Trainer
 from verlite.errors import shown
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
@@ -56,6 +58,12 @@ def earlier_run(out: Path, *, checkpoint_step: int | None, saved: Config | None 
     if checkpoint_step is not None:
         saved_config = (saved or config(out)).model_dump(mode="json")
         fake_checkpoint(out, checkpoint_step, ("actor", "critic"), config=saved_config)
+
+
+def write_export(out: Path, step: int) -> None:
+    """A whole export of step ``step``'s policy in ``out``, as its run writes it."""
+    (out / "hf_actor").mkdir()
+    policy_folder.record_exported_step(out, step)
 
 
 def test_a_missing_or_empty_folder_starts_a_fresh_run(tmp_path: Path) -> None:
@@ -143,7 +151,7 @@ def test_a_checkpoints_folder_linked_elsewhere_is_the_runs_own(tmp_path: Path) -
     assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_3"
     assert (out / "metrics.jsonl").is_file()  # continued, nothing moved
     fake_checkpoint(out, 6, ("actor", "critic"), config=config(out).model_dump(mode="json"))
-    (out / "hf_actor").mkdir()
+    write_export(out, 6)
     with pytest.raises(
         CheckpointError, match=r"the run in .* already reached trainer\.total_steps=6"
     ):
@@ -166,7 +174,7 @@ def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: 
     earlier = tmp_path / "earlier"
     earlier_run(earlier, checkpoint_step=6)
     checkpoint = earlier / "checkpoints" / "step_6"
-    (earlier / "hf_actor").mkdir()  # its run's export, written as it ended
+    write_export(earlier, 6)  # its run's export, written as it ended
     (tmp_path / "empty").mkdir()
     for extra, why in (
         ([], f"and its run exported its policy ({shown(str(earlier / 'hf_actor'))})"),
@@ -194,13 +202,13 @@ def test_another_folders_checkpoint_its_run_did_not_export_is_resumed_to_export(
     (exported / "hf_actor").mkdir(parents=True)  # another run's export
     ended_later = tmp_path / "ended_later"  # total_steps=8: its export is step 8's
     earlier_run(ended_later, checkpoint_step=6, saved=config(ended_later, "trainer.total_steps=8"))
-    (ended_later / "hf_actor").mkdir()
+    write_export(ended_later, 8)
     continued = tmp_path / "continued"  # a step_8 after it: its export is step 8's
     earlier_run(continued, checkpoint_step=6)
     fake_checkpoint(
         continued, 8, ("actor", "critic"), config=config(continued).model_dump(mode="json")
     )
-    (continued / "hf_actor").mkdir()
+    write_export(continued, 8)
     plain = tmp_path / "plain"  # exported nothing
     earlier_run(plain, checkpoint_step=6)
     for run in (plain, ended_later, continued):
@@ -213,6 +221,57 @@ def test_another_folders_checkpoint_its_run_did_not_export_is_resumed_to_export(
         (out / "hf_actor").mkdir()
         assert prepare_output_folder(config(out, resume, "trainer.overwrite=true")) == checkpoint
         assert not (out / "hf_actor").exists()  # moved aside, with the rest
+
+
+def export_as_the_trainer_does(out: Path, cfg: Config) -> None:
+    """``Trainer.export_policy`` of a run of ``cfg`` in ``out``, its workers' part faked."""
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        output_dir=out,
+        actor=SimpleNamespace(call=lambda method, folder: Path(folder).mkdir()),
+        tokenizer=SimpleNamespace(save_pretrained=lambda folder: None),
+    )
+    Trainer.export_policy(trainer)  # type: ignore[arg-type]
+
+
+def test_a_checkpoint_whose_run_went_on_without_saving_is_resumed_to_export(
+    tmp_path: Path,
+) -> None:
+    """A run that exported step 6, then continued to step 8 with trainer.save_freq=0: its
+    latest checkpoint is still step_6, and its export step 8's policy. Named from another
+    folder, step_6 was refused as "its run exported its policy (<its hf_actor>)", pointing
+    at step 8's policy; no run could export step 6's. The export now records its step."""
+    first = tmp_path / "first"
+    earlier_run(first, checkpoint_step=6)
+    export_as_the_trainer_does(first, config(first))
+    step_6 = first / "checkpoints" / "step_6"
+    resume = f"trainer.resume={step_6}"
+    with pytest.raises(CheckpointError, match=r"its run exported its policy"):
+        prepare_output_folder(config(tmp_path / "second", resume))
+    continued = config(first, "trainer.total_steps=8", "trainer.save_freq=0")
+    assert prepare_output_folder(continued) == step_6
+    export_as_the_trainer_does(first, continued)  # steps 7 and 8 trained, no checkpoint
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_6"]
+    assert policy_folder.exported_step(first) == 8
+    assert prepare_output_folder(config(tmp_path / "second", resume)) == step_6
+
+
+def test_an_export_that_does_not_say_its_step_is_not_taken_for_a_checkpoints(
+    tmp_path: Path,
+) -> None:
+    # Written before exports recorded their step (or the record damaged): which step it
+    # holds is not known, so another folder's run resumes the checkpoint to export it.
+    first = tmp_path / "first"
+    earlier_run(first, checkpoint_step=6)
+    (first / "hf_actor").mkdir()
+    step_6 = first / "checkpoints" / "step_6"
+    for record in (None, "{", '{"step": "6"}', '{"step": true}'):
+        if record is not None:
+            (first / "hf_actor" / policy_folder.STEP_RECORD).write_text(record)
+        assert policy_folder.exported_step(first) is None
+        assert (
+            prepare_output_folder(config(tmp_path / "second", f"trainer.resume={step_6}")) == step_6
+        )
 
 
 @pytest.mark.parametrize("interrupted", [False, True])

@@ -28,7 +28,7 @@ from verlite.driver.output_folder import prepare_output_folder
 from verlite.driver.trainer import Trainer, divergence
 from verlite.envs.session import EnvironmentBroken
 from verlite.errors import RunFailure, UserError
-from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER
+from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, record_exported_step
 from verlite.rewards.remote import RemoteRewardError
 from verlite.rewards.scoring import RewardError
 
@@ -309,6 +309,7 @@ def test_another_folders_finished_checkpoint_is_complete_as_its_own_run_exported
     )
     assert new_run_of(out, **fields, **{"trainer.overwrite": True}) == other
     (tmp_path / "other" / POLICY_FOLDER).mkdir()  # the checkpoint's run exported it
+    record_exported_step(tmp_path / "other", total)
     assert output_folder.stopped_run_hint(out, trainer) == (
         f"the run is complete ({other} is at trainer.total_steps={total}, its policy exported "
         f"in {tmp_path / 'other' / POLICY_FOLDER}): a new `verlite train` of the same config is "

@@ -54,7 +54,7 @@ from verlite.driver.checkpoint import (
     resume_checkpoint,
 )
 from verlite.errors import UserError, shown
-from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, policy_exported
+from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, exported_step, policy_exported
 from verlite.redaction import redact_text
 
 LOCK_FILE = ".verlite-lock"
@@ -265,15 +265,13 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     ``trainer.resume=auto``, no overwrite, the end not known). Whether the checkpoint fits
     the rest of the config (``check_resumable``) is not judged here: a stopped run's own does."""
     resume = "auto" if trainer is None else trainer.resume
-    saved: dict[str, Any] | None = None  # the trainer state of another folder's checkpoint
     try:
         if resume == "auto":
             resume_from = state.checkpoints[-1] if state.checkpoints else None
             step = None if resume_from is None else checkpoint_step(resume_from)
         else:
             resume_from = resume_checkpoint(out, resume)  # None for disable
-            saved = None if resume_from is None else read_trainer_state(resume_from)
-            step = None if saved is None else int(saved["step"])
+            step = None if resume_from is None else int(read_trainer_state(resume_from)["step"])
     except UserError as exc:  # no such checkpoint, or its state unreadable
         return NewRun(refused=exc)
     export_only = False
@@ -281,11 +279,7 @@ def new_run(out: Path, trainer: TrainerConfig | None, state: FolderState) -> New
     if resume_from is not None and trainer is not None and step == trainer.total_steps:
         # The export of the checkpoint's own run: this folder's, or the one of the folder
         # that holds another folder's checkpoint (an export in this folder is another run's).
-        if continuing:
-            exported = state.exported
-        else:
-            assert saved is not None  # trainer.resume named it
-            exported = _exported_by_its_run(resume_from, saved)
+        exported = state.exported if continuing else _exported_by_its_run(resume_from, step)
         if not trainer.export or exported:
             reached = _reached(out, trainer, step, resume_from, continuing=continuing)
             return NewRun(resume_from, continuing, refused=reached, complete=True)
@@ -317,26 +311,12 @@ def _its_runs_export(checkpoint: Path) -> Path:
     return (path or checkpoint.resolve()).parent.parent / POLICY_FOLDER
 
 
-def _exported_by_its_run(checkpoint: Path, saved: Mapping[str, Any]) -> bool:
-    """Whether the run that saved ``checkpoint`` (another folder's; ``saved``: its trainer
-    state) exported this checkpoint's policy: the run folder holding it has a whole export
-    (``policy_exported``), the checkpoint is that run's latest, and the run ended there (the
-    config it recorded in the checkpoint: its trainer.total_steps is the checkpoint's step,
-    trainer.export on). A run continued past it, or one that ended later without a
-    checkpoint, exported a later step's policy."""
-    run_dir = _its_runs_export(checkpoint).parent
-    if not policy_exported(run_dir):
-        return False
-    latest = complete_checkpoints(run_dir)
-    if not latest or latest[-1].resolve() != checkpoint.resolve():
-        return False
-    recorded = saved.get("config")
-    ran = recorded.get("trainer") if isinstance(recorded, dict) else None
-    return (
-        isinstance(ran, dict)
-        and ran.get("total_steps") == saved["step"]
-        and ran.get("export") is True
-    )
+def _exported_by_its_run(checkpoint: Path, step: int) -> bool:
+    """Whether the run that saved ``checkpoint`` (another folder's, at ``step``) exported
+    this checkpoint's policy: the run folder holding it has a whole export of that step
+    (``exported_step``). A run continued past it exported a later step's policy, also one
+    with trainer.save_freq=0, whose latest checkpoint stays this one."""
+    return exported_step(_its_runs_export(checkpoint).parent) == step
 
 
 def _reached(

@@ -52,7 +52,12 @@ from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover
 from verlite.models.flops import DecoderShape, bf16_peak_flops
 from verlite.models.lora import BASE_FOLDER
-from verlite.policy_folder import INCOMPLETE_MARK, MERGED_FOLDER, POLICY_FOLDER
+from verlite.policy_folder import (
+    INCOMPLETE_MARK,
+    MERGED_FOLDER,
+    POLICY_FOLDER,
+    record_exported_step,
+)
 from verlite.records import metrics_log
 from verlite.records.tracking import Tracker
 from verlite.redaction import redact_config
@@ -351,9 +356,10 @@ class Trainer:
             self.place_checkpoint(sealed, timer.seconds["checkpoint"])
 
     def export_policy(self) -> Path:
-        """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``; a
-        LoRA adapter with the identity of the base it applies to (``verlite export --merge``
-        checks it): ``model.path``'s as this run started, or the ``base/`` it wrote."""
+        """The trained policy and its tokenizer in Hugging Face format, in ``hf_actor/``, with
+        the step it is (``record_exported_step``); a LoRA adapter with the identity of the
+        base it applies to (``verlite export --merge`` checks it): ``model.path``'s as this
+        run started, or the ``base/`` it wrote."""
         path, mark = self.output_dir / POLICY_FOLDER, self.output_dir / INCOMPLETE_MARK
         if path.exists():  # a continued run's earlier export, or a part of an interrupted one
             what = (
@@ -371,6 +377,7 @@ class Trainer:
             base = path / BASE_FOLDER if self.cfg.model.path is None else self.cfg.model.path
             weights = self.base_weights or base_weights.identity(base)
             base_weights.write_record(path, Path(base).resolve(), weights)
+        record_exported_step(self.output_dir, self.cfg.trainer.total_steps)
         # Told before the mark goes: a node lost right after it says the export is whole.
         whole = FolderChange((mark,), False, lambda state: replace(state, exported=True))
         tell_node_watcher(self.output_dir, self.cfg.trainer, whole)

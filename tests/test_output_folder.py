@@ -166,6 +166,28 @@ def test_a_checkpoints_folder_linked_elsewhere_is_the_runs_own(tmp_path: Path) -
         prepare_output_folder(config(tmp_path / "empty", f"trainer.resume={step_6}"))
 
 
+def test_a_linked_folder_with_linked_checkpoints_continues_its_checkpoint_by_any_name(
+    tmp_path: Path,
+) -> None:
+    """``trainer.output_dir`` a link, its ``checkpoints/`` a link to a scratch disk: a
+    checkpoint named through the folder's link (or where it lies) resolved to the scratch
+    disk, neither named under nor lying in the real folder, so it was taken for another
+    folder's: refused as "not empty", and with trainer.overwrite=true the run's own files,
+    the checkpoint among them, were moved aside before it resumed from it."""
+    real, scratch, link = tmp_path / "real", tmp_path / "scratch", tmp_path / "link"
+    earlier_run(real, checkpoint_step=2)
+    (real / "checkpoints").rename(scratch)
+    (real / "checkpoints").symlink_to(scratch)
+    link.symlink_to(real)
+    for name in (link / "checkpoints", real / "checkpoints", scratch):
+        for overwrite in ("false", "true"):
+            resume = f"trainer.resume={name / 'step_2'}"
+            cfg = config(link, resume, f"trainer.overwrite={overwrite}")
+            assert prepare_output_folder(cfg) == name / "step_2"
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "scratch"]
+            assert (name / "step_2" / "trainer_state.json").is_file()
+
+
 def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: Path) -> None:
     """trainer.resume naming another folder's checkpoint at trainer.total_steps whose own run
     exported it (or with trainer.export=false): the refusal names the checkpoint and its

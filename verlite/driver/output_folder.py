@@ -48,6 +48,7 @@ from verlite.config import Config, ConfigError, TrainerConfig
 from verlite.driver.checkpoint import (
     CheckpointError,
     check_resumable,
+    checkpoint_root,
     checkpoint_step,
     complete_checkpoints,
     read_trainer_state,
@@ -299,9 +300,11 @@ def _spellings(checkpoint: Path) -> tuple[Path, Path]:
 
 
 def _in_folder(checkpoint: Path, out: Path) -> bool:
-    """Whether ``checkpoint`` is one of the folder ``out``'s (its resolved path), named under
-    it or lying in it."""
-    return any(path.is_relative_to(out) for path in _spellings(checkpoint))
+    """Whether ``checkpoint`` is one of the folder ``out``'s (its resolved path): named under
+    it, or lying in it or in the folder its ``checkpoints`` links to (also where it is named
+    through a link to ``out``)."""
+    homes = (out, checkpoint_root(out).resolve())
+    return any(path.is_relative_to(home) for path in _spellings(checkpoint) for home in homes)
 
 
 def _its_runs_export(checkpoint: Path) -> Path:

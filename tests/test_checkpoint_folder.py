@@ -33,6 +33,37 @@ def test_saves_keep_the_latest_ones(tmp_path: Path) -> None:
     assert [p.name for p in complete_checkpoints(tmp_path)] == ["step_3", "step_4"]
 
 
+def test_saves_through_links_remove_links_never_what_they_point_to(tmp_path: Path) -> None:
+    """The output folder a link, its ``checkpoints/`` a link to a scratch disk, and in it links
+    to someone's folders by the names a save removes: a checkpoint pruned, a partial save of a
+    crashed run, the save's own ``step_N.tmp`` (and one leading nowhere). Each link goes;
+    what it points to stays whole.
+    A linked checkpoint ended the run at its pruning ("Cannot call rmtree on a symbolic link",
+    after the new checkpoint was in place), as did a linked ``step_N.tmp`` at the save."""
+    real, scratch, out = tmp_path / "real", tmp_path / "scratch", tmp_path / "out"
+    real.mkdir()
+    scratch.mkdir()
+    out.symlink_to(real)
+    (real / "checkpoints").symlink_to(scratch)
+    theirs = {}
+    for name in ("checkpoint", "partial", "tmp"):
+        folder = tmp_path / f"someones_{name}"
+        fake_checkpoint(folder, 1, ["actor"])
+        theirs[folder] = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    (scratch / "step_1").symlink_to(tmp_path / "someones_checkpoint" / "checkpoints" / "step_1")
+    (scratch / "step_0.tmp").symlink_to(tmp_path / "someones_partial")
+    (scratch / "step_2.tmp").symlink_to(tmp_path / "someones_tmp")
+    assert [p.name for p in complete_checkpoints(out)] == ["step_1"]
+    _save(out, 2, keep=1)
+    assert sorted(p.name for p in scratch.iterdir()) == ["step_2"]
+    (scratch / "step_3.tmp").symlink_to(tmp_path / "nowhere")
+    _save(out, 3, keep=1)
+    assert sorted(p.name for p in scratch.iterdir()) == ["step_3"]
+    assert (real / "checkpoints").is_symlink() and out.is_symlink()
+    for folder, files in theirs.items():
+        assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == files
+
+
 def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -256,6 +256,27 @@ def export_as_the_trainer_does(out: Path, cfg: Config) -> None:
     Trainer.export_policy(trainer)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("target", ["someones", "nowhere"])
+def test_an_export_over_a_link_replaces_the_link_not_what_it_points_to(
+    tmp_path: Path, target: str
+) -> None:
+    # hf_actor a link (to someone's folder, or leading nowhere): the export ended the run
+    # after its last step ("Cannot call rmtree on a symbolic link"), and each run resumed to
+    # export again ended there too.
+    out, theirs = tmp_path / "run", tmp_path / target
+    out.mkdir()
+    if target == "someones":
+        theirs.mkdir()
+        (theirs / "model.safetensors").write_text("their weights")
+    (out / "hf_actor").symlink_to(theirs)
+    export_as_the_trainer_does(out, config(out))
+    assert not (out / "hf_actor").is_symlink() and policy_folder.exported_step(out) == 6
+    if target == "someones":
+        assert [p.name for p in theirs.iterdir()] == ["model.safetensors"]
+    else:
+        assert not theirs.exists()
+
+
 def test_a_checkpoint_whose_run_went_on_without_saving_is_resumed_to_export(
     tmp_path: Path,
 ) -> None:

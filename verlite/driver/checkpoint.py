@@ -235,11 +235,25 @@ def check_resumable(
     return [f"{key}: {there[key]!r} -> {here[key]!r}" for key in changed if key not in _FREE]
 
 
+def remove_folder(path: Path, *, ignore_errors: bool = False) -> None:
+    """Remove a folder of the run's (a checkpoint, the policy export), or a link by its name:
+    the link alone, never what it points to, which may be someone's, outside the output
+    folder (``shutil.rmtree`` refuses a link, which ended the run)."""
+    if not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=ignore_errors)
+        return
+    try:
+        path.unlink()
+    except OSError:
+        if not ignore_errors:
+            raise
+
+
 def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
     """A fresh, empty ``step_N.tmp`` folder to write into."""
     tmp = checkpoint_root(output_dir) / f"step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    if tmp.exists() or tmp.is_symlink():
+        remove_folder(tmp)
     tmp.mkdir(parents=True)
     return tmp
 
@@ -270,7 +284,7 @@ def commit_checkpoint(tmp: Path, *, keep: int) -> Path:
     os.replace(tmp, final)
     _sync(final.parent)  # the rename itself
     for stale in tmp.parent.glob("step_*.tmp"):  # partial saves of runs that crashed
-        shutil.rmtree(stale, ignore_errors=True)
+        remove_folder(stale, ignore_errors=True)
     done = complete_checkpoints(tmp.parent.parent)
     mine = done.index(final)
     later = done[mine + 1 :]
@@ -309,9 +323,9 @@ def _discard(checkpoint: Path) -> None:
     no resume takes and the next save removes): a crash while deleting it leaves no partial
     ``step_N`` that its ``trainer_state.json`` would pass for complete."""
     aside = checkpoint.with_name(f"{checkpoint.name}.discarded.tmp")
-    shutil.rmtree(aside, ignore_errors=True)
+    remove_folder(aside, ignore_errors=True)
     os.replace(checkpoint, aside)
-    shutil.rmtree(aside)
+    remove_folder(aside)
 
 
 def read_trainer_state(path: Path) -> dict[str, Any]:

@@ -12,7 +12,6 @@ session.
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -38,6 +37,7 @@ from verlite.driver.checkpoint import (
     commit_checkpoint,
     placed_path,
     read_trainer_state,
+    remove_folder,
     resolved_resume,
     seal_checkpoint,
 )
@@ -369,8 +369,8 @@ class Trainer:
             )
             print(f"replacing {path} ({what}) with this run's policy", flush=True)
         mark.touch()  # until the export is whole: a run stopped before resumes to export
-        if path.exists():
-            shutil.rmtree(path)  # none of its files may outlive it beside the new ones
+        if path.exists() or path.is_symlink():
+            remove_folder(path)  # none of its files may outlive it beside the new ones
         self.actor.call("export_hf", str(path))
         self.tokenizer.save_pretrained(path)
         if self.cfg.actor.lora.rank > 0:

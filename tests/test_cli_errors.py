@@ -32,7 +32,7 @@ BAD_OVERRIDES = [
     (["algorithm.adv_estimator=ppo"], "allowed: gae, grpo"),
     (["actor.kl_loss_type=k9"], "unknown KL kind; allowed: k1"),
     (["actor.policy_loss=trpo"], "unknown policy loss; allowed: gspo, reinforce, vanilla"),
-    (["trainer.loggers=[comet]"], "trainer.loggers.0='comet'"),
+    (["trainer.loggers=[comet]"], "trainer.loggers[0]='comet'"),
     (["data.train_batch_size=0"], "data.train_batch_size=0: Input should be greater than 0"),
     (["rollout.n=-2"], "rollout.n=-2: Input should be greater than 0"),
     (["rollout.max_response_length=0"], "rollout.max_response_length=0"),
@@ -116,7 +116,7 @@ BAD_OVERRIDES = [
     ),
     (
         ["rollout.decode_batch_buckets=[0,4]"],
-        "rollout.decode_batch_buckets.0=0: Input should be greater than 0",
+        "rollout.decode_batch_buckets[0]=0: Input should be greater than 0",
     ),
     (["rollout.decode=fast"], "rollout.decode='fast': Input should be 'auto', 'eager'"),
     (
@@ -136,7 +136,7 @@ BAD_OVERRIDES = [
         ["rollout.stop_token_ids=[3,5000]"],
         "rollout.stop_token_ids=[3, 5000]: [5000] outside the model's vocabulary of",
     ),
-    (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids.0=-1: Input should be greater"),
+    (["rollout.stop_token_ids=[-1]"], "rollout.stop_token_ids[0]=-1: Input should be greater"),
     (
         ["rollout.stop_token_ids=[3,4,5,6,7,8,9]"],
         "rollout.stop_token_ids=[3, 4, 5, 6, 7, 8, 9]: 7 distinct tokens; at most 6",
@@ -151,7 +151,7 @@ BAD_OVERRIDES = [
     (["actor.optim.lr=.inf"], "actor.optim.lr=inf: Input should be a finite number"),
     (["rollout.temperature=.nan"], "rollout.temperature=nan: Input should be a finite number"),
     (["actor.optim.lr=inf"], "actor.optim.lr='inf': Input should be a valid number, got a string"),
-    (["actor.optim.betas=[0.9,1.0]"], "actor.optim.betas.1=1.0: Input should be less than 1"),
+    (["actor.optim.betas=[0.9,1.0]"], "actor.optim.betas[1]=1.0: Input should be less than 1"),
     (
         ["rollout.multi_turn.env=lookup"],
         "rollout.multi_turn.env='lookup' needs rollout.multi_turn.max_total_length (the most "

@@ -112,7 +112,7 @@ def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
         ),
         (
             ["actor.optim.betas=[0.9, true]"],
-            "actor.optim.betas.1=true: Input should be a valid number",
+            "actor.optim.betas[1]=true: Input should be a valid number",
         ),
         (
             ["data.shuffle=1"],
@@ -122,14 +122,14 @@ def test_a_mapping_valued_field_is_replaced_not_merged() -> None:
             ["trainer={total_steps: true}"],
             "trainer.total_steps=true: Input should be a valid integer",
         ),
-        (["trainer.loggers=[console, 1]"], "trainer.loggers.1=1: Input should be 'console'"),
+        (["trainer.loggers=[console, 1]"], "trainer.loggers[1]=1: Input should be 'console'"),
         (
             ["data.max_prompt_length=null"],
             "data.max_prompt_length=null: Input should be a valid integer, got null",
         ),
         (
             ["actor.optim.betas=[0.9, {b: true}]"],
-            "actor.optim.betas.1={b: true}: Input should be a valid number, got a mapping",
+            "actor.optim.betas[1]={b: true}: Input should be a valid number, got a mapping",
         ),
         # containers as YAML names them: pydantic said "a valid tuple", "a valid dictionary"
         (
@@ -488,7 +488,7 @@ ERRORS = [
     (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c=0.5: Input should be greater than 1"),
     (
         ["trainer.loggers=[console, comet]"],
-        "trainer.loggers.1='comet': Input should be 'console', 'jsonl'",
+        "trainer.loggers[1]='comet': Input should be 'console', 'jsonl'",
     ),
     (
         ["trainer.placement=spread"],
@@ -721,6 +721,9 @@ def test_file_errors(tmp_path: Path) -> None:
     )
     (tmp_path / "empty.yaml").write_text("")
     assert "data: required field is missing" in error_of(path=tmp_path / "empty.yaml")
+    # a list's item by its index, as every message names a place in a file
+    (tmp_path / "items.yaml").write_text("data: {task: copy}\nx: [{a: 1}, {b: 1, b: 2}]\n")
+    assert "sets x[1].b twice (line 2)" in error_of(path=tmp_path / "items.yaml")
 
 
 @pytest.mark.parametrize(

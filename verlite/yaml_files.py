@@ -12,7 +12,7 @@ once per place it is used but computed once, and a file that expands past
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,7 @@ def read_mapping(
                 f"{what} {shown} expands to {values:,} values through YAML aliases "
                 f"(at most {MAX_VALUES:,}); write the values out instead of nesting aliases"
             )
-        _refuse_duplicate_keys(root, "", set(), what=f"{what} {shown}", error=error)
+        _refuse_duplicate_keys(root, (), set(), what=f"{what} {shown}", error=error)
         data = load_text(text)
     except RecursionError:
         raise error(f"{what} {shown} nests too deeply to read") from None
@@ -118,6 +118,15 @@ def read_mapping(
     if not isinstance(data, dict):
         raise error(f"{what} {shown} must hold a mapping {example}, got {yaml_kind(data)}")
     return data
+
+
+def field_path(parts: Iterable[str | int]) -> str:
+    """Where a value sits in a user's YAML, as every message names it: mapping keys dotted, a
+    list's items by index, ``trainer.loggers[2]``, ``pip.packages[0].name``."""
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}" if path else str(part)
+    return path
 
 
 # A value's kind as YAML names it: what the user wrote, not Python's type ("a str").
@@ -154,7 +163,12 @@ def _expanded_size(node: yaml.Node | None, sizes: dict[int, int]) -> int:
 
 
 def _refuse_duplicate_keys(
-    node: yaml.Node | None, where: str, checked: set[int], *, what: str, error: type[UserError]
+    node: yaml.Node | None,
+    where: tuple[str | int, ...],
+    checked: set[int],
+    *,
+    what: str,
+    error: type[UserError],
 ) -> None:
     """A key given twice in one mapping is an error: YAML would silently keep the last one.
     A node shared through aliases is checked once."""
@@ -164,13 +178,14 @@ def _refuse_duplicate_keys(
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key, value in node.value:
-            name = f"{where}{key.value}"
+            name = str(key.value)
             if name in seen:
                 raise error(
-                    f"{what} sets {name} twice (line {key.start_mark.line + 1}); remove one"
+                    f"{what} sets {field_path((*where, name))} twice "
+                    f"(line {key.start_mark.line + 1}); remove one"
                 )
             seen.add(name)
-            _refuse_duplicate_keys(value, name + ".", checked, what=what, error=error)
+            _refuse_duplicate_keys(value, (*where, name), checked, what=what, error=error)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _refuse_duplicate_keys(item, f"{where}{i}.", checked, what=what, error=error)
+            _refuse_duplicate_keys(item, (*where, i), checked, what=what, error=error)

@@ -22,7 +22,7 @@ from verlite.config.schema import Config
 from verlite.errors import UserError, shown
 from verlite.redaction import MASK, holds_credential
 from verlite.user_files import read_text
-from verlite.yaml_files import UnspacedKey, load_text, read_mapping, yaml_kind
+from verlite.yaml_files import UnspacedKey, field_path, load_text, read_mapping, yaml_kind
 
 
 class ConfigError(UserError):
@@ -342,9 +342,9 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
     lines = []
     for err in exc.errors(include_url=False):
         loc = [str(p) for p in err["loc"]]
-        dotted = ".".join(loc)
+        dotted = field_path(err["loc"])
         if err["type"] == "extra_forbidden":
-            prefix = ".".join(loc[:-1])
+            prefix = field_path(err["loc"][:-1])
             lines.append(
                 _unknown_key_message(dotted, prefix, list(_model_at(loc[:-1]).model_fields))
             )
@@ -397,7 +397,7 @@ def _short_list(loc: Sequence[str], value: Sequence[Any]) -> str:
     tuples = [t for t in _union_args(annotation) if typing.get_origin(t) is tuple]
     length = len(typing.get_args(tuples[0]))
     return (
-        f"{'.'.join(loc)}={shown(value, render=_as_yaml)}: List should have {length} items, "
+        f"{field_path(loc)}={shown(value, render=_as_yaml)}: List should have {length} items, "
         f"not {len(value)}"
     )
 

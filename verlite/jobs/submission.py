@@ -18,7 +18,7 @@ from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.resubmit import resubmission
 from verlite.jobs.server import JobsError, token_files
 from verlite.redaction import carries_secret
-from verlite.yaml_files import read_mapping
+from verlite.yaml_files import field_path, read_mapping
 
 # Inside the job, Ray's RAY_ADDRESS names the cluster; without an address the trainer would
 # start a private Ray on the head node instead of joining the cluster.
@@ -210,17 +210,19 @@ def _check_no_credentials(path: str, runtime_env: Mapping[str, Any], auth_env: s
             )
 
 
-def _settings(value: object, where: str = "", key: str = "") -> Iterator[tuple[str, str, str]]:
+def _settings(
+    value: object, where: tuple[str | int, ...] = (), key: str = ""
+) -> Iterator[tuple[str, str, str]]:
     """Each text setting of a runtime env: where it is (``pip.packages[1]``), the name of the
     mapping key it is under, and its text."""
     if isinstance(value, Mapping):
         for name, item in value.items():
-            yield from _settings(item, f"{where}.{name}" if where else str(name), str(name))
+            yield from _settings(item, (*where, str(name)), str(name))
     elif isinstance(value, list | tuple):
         for index, item in enumerate(value):
-            yield from _settings(item, f"{where}[{index}]", key)
+            yield from _settings(item, (*where, index), key)
     elif value is not None:
-        yield where, key, str(value)
+        yield field_path(where), key, str(value)
 
 
 def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, Any]:

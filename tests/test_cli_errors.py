@@ -531,6 +531,12 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "is not UTF-8 text (byte 0xe9 at offset 24, line 3)" in run(
         capsys, "train", "--config", str(tmp_path / "latin1.yaml")
     )
+    for text in ("", "# nothing set yet\n\n"):  # was: "data: required field is missing"
+        (tmp_path / "empty.yaml").write_text(text)
+        assert run(capsys, "train", "--config", str(tmp_path / "empty.yaml")) == (
+            f"verlite: error: config file {str(tmp_path / 'empty.yaml')!r} is empty (comments "
+            "and blank lines aside); it must hold a mapping of sections: model:, data:, ...\n"
+        )
     (tmp_path / "twice.yaml").write_text("data:\n  task: copy\n  task: add\n")
     assert "sets data.task twice (line 3)" in run(
         capsys, "train", "--config", str(tmp_path / "twice.yaml")

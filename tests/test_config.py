@@ -719,8 +719,14 @@ def test_file_errors(tmp_path: Path) -> None:
     assert "data=3: expected a section: a mapping of its fields" in error_of(
         path=tmp_path / "section.yaml"
     )
-    (tmp_path / "empty.yaml").write_text("")
-    assert "data: required field is missing" in error_of(path=tmp_path / "empty.yaml")
+    for text in ("", "\n# a comment\n"):  # was: "data: required field is missing"
+        (tmp_path / "empty.yaml").write_text(text)
+        assert error_of(path=tmp_path / "empty.yaml") == (
+            f"config file {str(tmp_path / 'empty.yaml')!r} is empty (comments and blank lines "
+            "aside); it must hold a mapping of sections: model:, data:, ..."
+        )
+    (tmp_path / "null.yaml").write_text("null\n")  # a document: what it holds is named
+    assert error_of(path=tmp_path / "null.yaml").endswith("model:, data:, ..., got null")
     # a list's item by its index, as every message names a place in a file
     (tmp_path / "items.yaml").write_text("data: {task: copy}\nx: [{a: 1}, {b: 1, b: 2}]\n")
     assert "sets x[1].b twice (line 2)" in error_of(path=tmp_path / "items.yaml")

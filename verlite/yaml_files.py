@@ -89,11 +89,18 @@ MAX_BYTES = 1 << 20
 
 
 def read_mapping(
-    path: str | Path, *, what: str, example: str, error: type[UserError] = UserError
+    path: str | Path,
+    *,
+    what: str,
+    example: str,
+    error: type[UserError] = UserError,
+    empty_ok: bool = False,
 ) -> dict[str, Any]:
-    """The mapping in the YAML file ``path`` ({} for an empty file). ``what`` names the file
-    in messages ("config file"), ``example`` says what the mapping holds ("of sections:
-    model:, data:, ..."); problems raise ``error`` with one line."""
+    """The mapping in the YAML file ``path``. ``what`` names the file in messages ("config
+    file"), ``example`` says what the mapping holds ("of sections: model:, data:, ...");
+    problems raise ``error`` with one line. A file without a document (no bytes, or blank
+    lines and comments alone) is one: it is refused as empty unless ``empty_ok``, which
+    reads it, and a null document, as {}."""
     shown = repr(str(path))
     text = read_text(path, what=what, error=error, max_bytes=MAX_BYTES)
     try:
@@ -113,8 +120,13 @@ def read_mapping(
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
         problem = getattr(exc, "problem", None) or "invalid YAML"
         raise error(f"{what} {shown} is not valid YAML{at}: {problem}") from None
-    if data is None:
+    if data is None and empty_ok:
         return {}
+    if root is None:
+        raise error(
+            f"{what} {shown} is empty (comments and blank lines aside); it must hold a "
+            f"mapping {example}"
+        )
     if not isinstance(data, dict):
         raise error(f"{what} {shown} must hold a mapping {example}, got {yaml_kind(data)}")
     return data

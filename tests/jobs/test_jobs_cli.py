@@ -369,6 +369,10 @@ def test_a_runtime_env_file_merges_into_the_shipped_project(tmp_path: Path) -> N
         "working_dir": str(REPO),
         "excludes": [*DEFAULT_EXCLUDES, "data/"],
     }
+    # an empty one adds nothing (an empty config file is refused: it runs nothing)
+    for text in ("", "# none yet\n", "null\n"):
+        path.write_text(text)
+        assert read_runtime_env(str(path)) == {}
 
 
 @pytest.mark.parametrize(

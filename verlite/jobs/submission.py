@@ -183,7 +183,11 @@ def _check_resumable_by_resubmission(output_dir: str, resume: str) -> None:
 def read_runtime_env(path: str) -> dict[str, Any]:
     """A runtime_env mapping from YAML (``yaml.safe_load``); the project is shipped separately."""
     data = read_mapping(
-        path, what="runtime env file", example="(env_vars:, pip:, ...)", error=JobsError
+        path,
+        what="runtime env file",
+        example="(env_vars:, pip:, ...)",
+        error=JobsError,
+        empty_ok=True,
     )
     if "working_dir" in data:
         raise JobsError(

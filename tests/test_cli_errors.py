@@ -515,6 +515,60 @@ def test_no_error_shows_the_value_of_a_credential_in_the_environment(
     assert "actor.loss_agg_mode='***'" in err and "hunter2" not in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (  # was: malformed override '4': no '=' (argparse leaves the 4 to the overrides)
+            ["check-invariance", "--config", CONFIG, "--dp", "2", "4"],
+            "verlite check-invariance: error: --dp takes one value, got '2' and then '4'; a "
+            "config override is one word, dotted.key=value (see verlite check-invariance --help)\n",
+        ),
+        (
+            ["train", "--config", CONFIG, "--address=a", "b", "trainer.seed=1"],
+            "verlite train: error: --address takes one value, got 'a' and then 'b'; a config",
+        ),
+        (  # a flag by a prefix of its name, as argparse takes it
+            ["measure-packing", "--conf", CONFIG, "--tri", "5", "6"],
+            "verlite measure-packing: error: --trials takes one value, got '5' and then '6'",
+        ),
+        (
+            ["measure-packing", "--config", CONFIG, "--json", "200"],
+            "verlite measure-packing: error: --json takes no value, got '200' after it; a config",
+        ),
+        (
+            ["submit", "--config", CONFIG, "--runtime-env", "env.yaml", "more.yaml"],
+            "verlite submit: error: --runtime-env takes one value, got 'env.yaml' and then "
+            "'more.yaml'",
+        ),
+    ],
+)
+def test_a_second_value_of_a_flag_is_named_with_its_flag(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(expected), err
+
+
+def test_an_override_without_its_equals_sign_is_named_as_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # a dotted key after a flag's value is an override that lacks its '=', not a flag's value
+    assert run(capsys, "train", "--config", CONFIG, "trainer.total_steps", "5") == (
+        "verlite: error: malformed override 'trainer.total_steps': no '='; write dotted.key=value "
+        "as one word (no spaces around '='), e.g. actor.loss_agg_mode=token-sum\n"
+    )
+    # after --, every word is an override
+    assert "malformed override '4': no '='" in run(
+        capsys, "check-invariance", "--config", CONFIG, "--dp", "2", "--", "4"
+    )
+    # quoted as every value a message quotes (errors.shown): a pasted page is cut, not repeated
+    err = run(capsys, "train", "x" * 5000, "--config", CONFIG)
+    assert "malformed override 'xxx" in err and "[...]" in err and len(err) < 400
+
+
 def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "cannot read config file" in run(
         capsys, "train", "--config", str(tmp_path / "missing.yaml")

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from verlite import export, invariance_command, measure_packing, report, train_command
-from verlite.errors import RunFailure, UserError
+from verlite.errors import RunFailure, UserError, shown
 from verlite.jobs import commands as job_commands
 from verlite.jobs.entrypoint import UTF8_OUTPUT_ENV, run_with_utf8_output
 from verlite.records import compare
@@ -41,6 +41,7 @@ COMMAND_MODULES = (
 )
 
 EXIT_USER_ERROR = 2
+_OVERRIDE_FORM = "a config override is one word, dotted.key=value"
 HF_PROGRESS_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 
 
@@ -148,10 +149,55 @@ class _OneLineParser(argparse.ArgumentParser):
             named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
         return f"unrecognized arguments: {' '.join(named)}"
 
+    def word_after_a_flag(self, overrides: Sequence[str]) -> str | None:
+        """The message for a word of ``overrides`` without '=' that stands right after a
+        flag and the values it takes (``--dp 2 4``, ``--json 4``): a second value given to
+        the flag, which argparse leaves over for the overrides (where it would be refused
+        as an override without '='). A word that starts with a config section
+        (``trainer.total_steps 5``) is an override that lacks its '=', as the config loader
+        says; words after ``--`` are overrides."""
+        given = self.given[: self.given.index("--")] if "--" in self.given else self.given
+        for i, arg in enumerate(given):
+            name, inline, value = arg.partition("=")
+            action = self.flag_action(name) if arg.startswith("-") else None
+            if action is None or action.nargs not in (None, 0):
+                continue
+            after = i + (2 if action.nargs is None and not inline else 1)
+            word = given[after] if after < len(given) else None
+            if word is None or word.startswith("-") or "=" in word or word not in overrides:
+                continue
+            if word.split(".", 1)[0] in _config_sections():
+                continue
+            flag = action.option_strings[-1]
+            if action.nargs == 0:
+                return f"{flag} takes no value, got {shown(word)} after it; {_OVERRIDE_FORM}"
+            value = value if inline else given[i + 1]
+            return (
+                f"{flag} takes one value, got {shown(value)} and then {shown(word)}; "
+                f"{_OVERRIDE_FORM}"
+            )
+        return None
+
+    def flag_action(self, name: str) -> argparse.Action | None:
+        """The action of flag ``name`` as argparse reads it: by its name, or a prefix of one
+        flag's name."""
+        if name in self._option_string_actions:
+            return self._option_string_actions[name]
+        found = {a for f, a in self._option_string_actions.items() if f.startswith(name)}
+        return found.pop() if len(found) == 1 and name.startswith("--") else None
+
     @property
     def takes_overrides(self) -> bool:
         """Whether this command takes dotted config overrides (its ``overrides`` words)."""
         return any(action.dest == "overrides" for action in self._actions)
+
+
+def _config_sections() -> list[str]:
+    """The config's top-level sections (``trainer``, ...); the schema loads torch, which only
+    a word left over by a mistake costs here."""
+    from verlite.config.schema import Config
+
+    return list(Config.model_fields)
 
 
 def build_parser() -> _OneLineParser:
@@ -187,6 +233,9 @@ def _parse(parser: _OneLineParser, argv: Sequence[str] | None) -> argparse.Names
         words = [arg for arg in extra[:end] if not arg.startswith("-")] + extra[end + 1 :]
         args.overrides = [*args.overrides, *words]
         extra = [arg for arg in extra[:end] if arg.startswith("-")]
+        stray = command.word_after_a_flag(args.overrides)
+        if stray is not None:
+            command.error(stray)
     if extra:
         command.error(command.unrecognized(extra))
     return args

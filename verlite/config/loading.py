@@ -73,7 +73,8 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
     if isinstance(overrides, Mapping):
         for key, value in overrides.items():
             malformed = (
-                f"malformed override key {key!r}; expected a dotted key such as actor.loss_agg_mode"
+                f"malformed override key {shown(key)}; expected a dotted key such as "
+                "actor.loss_agg_mode"
             )
             _place(raw, str(key), copy.deepcopy(value), malformed)
             _place(overridden, str(key), copy.deepcopy(value), malformed)
@@ -157,24 +158,24 @@ def _apply_override(raw: dict[str, Any], overridden: dict[str, Any], item: str) 
     """Apply the ``dotted.key=value`` string ``item``, its value parsed once, to ``raw`` and
     to ``overridden`` (:func:`load_config`: the overrides alone)."""
     key, sep, text = item.partition("=")
-    malformed = f"malformed override {item!r}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
+    malformed = f"malformed override {shown(item)}; expected dotted.key=value, e.g. actor.loss_agg_mode=token-sum"
     if not sep:  # a key or a value alone: a shell splits `key = value` into three words
         raise ConfigError(
-            f"malformed override {item!r}: no '='; write dotted.key=value as one word (no "
+            f"malformed override {shown(item)}: no '='; write dotted.key=value as one word (no "
             "spaces around '='), e.g. actor.loss_agg_mode=token-sum"
         )
     section, leaf, annotation = _slot(raw, key.strip(), malformed, item=item)
     try:
         value = _parse_value(text.strip(), annotation)
     except UnspacedKey as exc:  # valid YAML, not what was meant
-        raise ConfigError(f"override {item!r}: {exc.problem}") from None
+        raise ConfigError(f"override {shown(item)}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise ConfigError(
-            f"override {item!r}: its value is not valid YAML ({problem}); a section is given "
+            f"override {shown(item)}: its value is not valid YAML ({problem}); a section is given "
             f"as {key.strip()}={{field: value, ...}}"
             if _section_type(annotation) is not None
-            else f"override {item!r}: its value is not valid YAML ({problem})"
+            else f"override {shown(item)}: its value is not valid YAML ({problem})"
         ) from None
     _assign(section, leaf, value, annotation)
     _place(overridden, key.strip(), copy.deepcopy(value), malformed)
@@ -224,7 +225,7 @@ def _slot(
         child = section.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(
-                f"override {item or key!r}: {'.'.join(parts[: i + 1])} is not a section here "
+                f"override {shown(item or key)}: {'.'.join(parts[: i + 1])} is not a section here "
                 f"(the file or an earlier override set it to {shown(child)})"
             )
         section = child

@@ -26,13 +26,14 @@ def positive_int(text: str) -> int:
     return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
-def positive_int_at_most(maximum: int) -> Callable[[str], int]:
-    """A positive integer of at most ``maximum`` (a flag whose larger values would run or
-    allocate without bound)."""
+def int_from_to(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An integer from ``minimum`` to ``maximum`` (a flag whose larger values would run or
+    allocate without bound): a flag's whole range in its type, so that every value outside
+    it is refused in the same words."""
 
     def parse(text: str) -> int:
         return _number(
-            text, int, lambda v: 1 <= v <= maximum, f"a positive integer of at most {maximum}"
+            text, int, lambda v: minimum <= v <= maximum, f"an integer from {minimum} to {maximum}"
         )
 
     return parse

@@ -8,7 +8,7 @@ import argparse
 import json
 import sys
 
-from verlite.arguments import positive_int_at_most
+from verlite.arguments import int_from_to
 from verlite.table import format_table
 
 # The most tokens of a measured packed row (2^20): far beyond a worker's micro-batch, and each
@@ -19,6 +19,8 @@ MAX_BUDGET = 2**20
 # after another, so a count without a bound ran on for ever (--trials=1000000000). 1000 trials
 # give the fit a standard error about a fifth of the default 40's.
 MAX_TRIALS = 1000
+# The fewest: a fit of 3 coefficients needs a fourth row to leave a residual.
+MIN_TRIALS = 4
 
 
 def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,16 +40,16 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     measure.add_argument(
         "--budget",
-        type=positive_int_at_most(MAX_BUDGET),
+        type=int_from_to(1, MAX_BUDGET),
         default=None,
         help="most tokens of a packed row, at most 1048576 (default: actor.max_token_len_per_worker, "
         "or actor.micro_batch_size_per_worker x the longest sequence)",
     )
     measure.add_argument(
         "--trials",
-        type=positive_int_at_most(MAX_TRIALS),
+        type=int_from_to(MIN_TRIALS, MAX_TRIALS),
         default=40,
-        help=f"packed rows to time, 4 to {MAX_TRIALS} (default 40)",
+        help=f"packed rows to time, {MIN_TRIALS} to {MAX_TRIALS} (default 40)",
     )
     measure.add_argument("--json", action="store_true", help="print one JSON object instead")
     measure.set_defaults(handler=cmd_measure_packing)
@@ -58,8 +60,6 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for a model folder that is none, not the loader's traceback
-    if args.trials < 4:
-        raise ConfigError(f"--trials={args.trials}: a fit of 3 coefficients needs at least 4")
     longest = cfg.max_sequence_length
     actor = cfg.actor
     budget = args.budget
@@ -75,13 +75,14 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
             )
         if budget > MAX_BUDGET:
             raise ConfigError(
-                f"--budget defaults to {source}, over the {MAX_BUDGET} tokens a measured row "
-                "may hold; give --budget"
+                f"--budget not given: its default, {source}, is over the {MAX_BUDGET} tokens a "
+                f"measured row may hold; give --budget from {longest} to {MAX_BUDGET}"
             )
     if budget < longest:
         raise ConfigError(
-            f"--budget={budget} is below the longest sequence ({longest} tokens: "
-            "data.max_prompt_length + rollout.max_response_length)"
+            f"--budget={budget}: below the longest sequence, {longest} tokens "
+            f"(data.max_prompt_length + rollout.max_response_length); give {longest} to "
+            f"{MAX_BUDGET}"
         )
     from verlite.config.checks import longest_sequence_fields
     from verlite.core import seeds

@@ -100,21 +100,24 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--trials", "3"], "--trials=3: a fit of 3 coefficients needs at least 4"),
-        (["--budget", "5"], "--budget=5 is below the longest sequence (12 tokens"),
+        # the fit's 4 rows at least, refused as every other count outside the range
+        (["--trials", "3"], "argument --trials: expected an integer from 4 to 1000, got '3'"),
+        (["--budget", "5"], "--budget=5: below the longest sequence, 12 tokens (data."),
+        (["--budget", "5"], "; give 12 to 1048576\n"),
         # A row of 2^20 tokens at most (measure_packing.MAX_BUDGET): a budget of 10^12 ran on
         # for ever, building each trial's row one sequence at a time.
-        (["--budget", "1048577"], "argument --budget: expected a positive integer of at most"),
-        (["--budget", "10**12"], "expected a positive integer of at most 1048576, got '10**12'"),
+        (["--budget", "1048577"], "argument --budget: expected an integer from 1 to 1048576"),
+        (["--budget", "10**12"], "expected an integer from 1 to 1048576, got '10**12'"),
         (
             ["actor.use_dynamic_bsz=true", "actor.max_token_len_per_worker=1000000000"],
-            "--budget defaults to actor.max_token_len_per_worker=1000000000, over the 1048576",
+            "--budget not given: its default, actor.max_token_len_per_worker=1000000000, is "
+            "over the 1048576 tokens a measured row may hold; give --budget from 12 to 1048576",
         ),
-        (["--trials", "zero"], "expected a positive integer of at most 1000, got 'zero'"),
+        (["--trials", "zero"], "expected an integer from 4 to 1000, got 'zero'"),
         # 1000 trials at most (measure_packing.MAX_TRIALS): --trials=1000000000 timed rows
         # for ever, one after another (18 in 40 s here, and on).
-        (["--trials", "1001"], "argument --trials: expected a positive integer of at most 1000"),
-        (["--trials", "1000000000"], "at most 1000, got '1000000000'"),
+        (["--trials", "1001"], "argument --trials: expected an integer from 4 to 1000"),
+        (["--trials", "1000000000"], "4 to 1000, got '1000000000'"),
         (["model.path=/nonexistent/model"], "model.path='/nonexistent/model': no such file"),
         (["model.path=/"], "model.path='/' is not a Hugging Face model directory"),
         (["--config", ""], "config file: an empty path names no file"),

@@ -569,6 +569,26 @@ def test_an_override_without_its_equals_sign_is_named_as_one(
     assert "malformed override 'xxx" in err and "[...]" in err and len(err) < 400
 
 
+def test_a_refused_metrics_command_makes_no_folder_for_its_plot(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """`verlite metrics --plot` makes the folders missing from the PNG's path, as a run makes
+    its output folder, and its help says so; only as it writes the plot: a command refused
+    (a run folder that does not exist) left them behind, made before anything was read."""
+    png = tmp_path / "plots" / "deep" / "run.png"
+    no_run = str(tmp_path / "no-run")
+    assert "no such folder" in run(capsys, "metrics", no_run, "--plot", str(png))
+    assert not (tmp_path / "plots").exists()
+    (tmp_path / "file").write_text("")  # still refused before the table: no folder to make
+    assert run(capsys, "metrics", no_run, "--plot", str(tmp_path / "file" / "run.png")) == (
+        f"verlite: error: cannot write {str(tmp_path / 'file' / 'run.png')!r}: "
+        f"{str(tmp_path / 'file')!r} is not a folder\n"
+    )
+    with pytest.raises(SystemExit):
+        main(["metrics", "--help"])
+    assert "folders missing from its path are made" in " ".join(capsys.readouterr().out.split())
+
+
 def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert "cannot read config file" in run(
         capsys, "train", "--config", str(tmp_path / "missing.yaml")

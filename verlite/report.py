@@ -194,6 +194,7 @@ def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = ""
         elif len(drawn) > 1:
             axes.legend(handles=drawn, fontsize="small")
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=110)
     except OSError as exc:
         raise UserError(f"cannot write {str(path)!r}: {exc.strerror}") from None
@@ -201,16 +202,20 @@ def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = ""
 
 def check_plot_target(path: str | Path) -> Path:
     """The PNG path, once it is known to be writable and matplotlib importable: checked
-    before any work, so a bad --plot fails before the table is printed."""
+    before any work, so a bad --plot fails before the table is printed. Its missing folders
+    are made as the plot is written (:func:`plot_metrics`), as a run makes its output folder,
+    not here: a command refused later (a run folder that does not exist) leaves none."""
     path = Path(path)
     if path.suffix.lower() != ".png":
         raise UserError(f"--plot writes a PNG: name the file *.png, not {str(path)!r}")
     import_extra("matplotlib", feature="--plot", extra="plot")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
+    try:  # the folder the missing ones would be made in
+        folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    except OSError as exc:  # a name too long for the file system
         raise UserError(f"cannot write {str(path)!r}: {exc.strerror}") from None
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+    if not folder.is_dir():
+        raise UserError(f"cannot write {str(path)!r}: {str(folder)!r} is not a folder")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise UserError(f"cannot write {str(path)!r}: permission denied")
     return path
 
@@ -276,7 +281,12 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="OUTPUT_DIR",
         help="the run's trainer.output_dir (or its metrics.jsonl)",
     )
-    parser.add_argument("--plot", metavar="FILE.png", help="also write the main curves to a PNG")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="also write the main curves to a PNG; folders missing from its path are made, as "
+        "a run's trainer.output_dir is",
+    )
     parser.add_argument(
         "--keys",
         metavar="k1,k2",

@@ -63,6 +63,12 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
     longest = cfg.max_sequence_length
     actor = cfg.actor
     budget = args.budget
+    if longest > MAX_BUDGET:
+        raise ConfigError(
+            f"the longest sequence, {longest} tokens (data.max_prompt_length + "
+            f"rollout.max_response_length), is over the {MAX_BUDGET} tokens a measured row may "
+            "hold; measure-packing measures sequences of at most that length"
+        )
     if budget is None:
         if actor.use_dynamic_bsz and actor.max_token_len_per_worker:
             budget = actor.max_token_len_per_worker

@@ -113,6 +113,11 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
             "--budget not given: its default, actor.max_token_len_per_worker=1000000000, is "
             "over the 1048576 tokens a measured row may hold; give --budget from 12 to 1048576",
         ),
+        # No budget could hold a row of the longest sequence (the range above would be backwards).
+        (
+            ["data.max_prompt_length=1048570", "rollout.max_response_length=8"],
+            "the longest sequence, 1048578 tokens (data.max_prompt_length + rollout.max_response_",
+        ),
         (["--trials", "zero"], "expected an integer from 4 to 1000, got 'zero'"),
         # 1000 trials at most (measure_packing.MAX_TRIALS): --trials=1000000000 timed rows
         # for ever, one after another (18 in 40 s here, and on).

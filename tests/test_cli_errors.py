@@ -581,7 +581,7 @@ def test_a_refused_metrics_command_makes_no_folder_for_its_plot(
     assert not (tmp_path / "plots").exists()
     (tmp_path / "file").write_text("")  # still refused before the table: no folder to make
     assert run(capsys, "metrics", no_run, "--plot", str(tmp_path / "file" / "run.png")) == (
-        f"verlite: error: cannot write {str(tmp_path / 'file' / 'run.png')!r}: "
+        f"verlite: error: --plot {str(tmp_path / 'file' / 'run.png')!r}: cannot write: "
         f"{str(tmp_path / 'file')!r} is not a folder\n"
     )
     with pytest.raises(SystemExit):

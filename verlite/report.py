@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from verlite.errors import UserError, import_extra
+from verlite.errors import UserError, import_extra, shown
 from verlite.records import metrics_log
 from verlite.records.metrics_log import Record
 from verlite.table import format_duration
@@ -197,7 +197,7 @@ def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = ""
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=110)
     except OSError as exc:
-        raise UserError(f"cannot write {str(path)!r}: {exc.strerror}") from None
+        raise UserError(f"--plot {shown(str(path))}: cannot write: {exc.strerror}") from None
 
 
 def check_plot_target(path: str | Path) -> Path:
@@ -212,11 +212,13 @@ def check_plot_target(path: str | Path) -> Path:
     try:  # the folder the missing ones would be made in
         folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
     except OSError as exc:  # a name too long for the file system
-        raise UserError(f"cannot write {str(path)!r}: {exc.strerror}") from None
+        raise UserError(f"--plot {shown(str(path))}: cannot write: {exc.strerror}") from None
     if not folder.is_dir():
-        raise UserError(f"cannot write {str(path)!r}: {str(folder)!r} is not a folder")
+        raise UserError(
+            f"--plot {shown(str(path))}: cannot write: {shown(str(folder))} is not a folder"
+        )
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"cannot write {str(path)!r}: permission denied")
+        raise UserError(f"--plot {shown(str(path))}: cannot write: permission denied")
     return path
 
 

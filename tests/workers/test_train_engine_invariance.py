@@ -5,7 +5,7 @@ float64, ragged prompts and responses with a fully masked row, truncated importa
 on the policy token losses, all five loss_agg_modes, DDP and FSDP2, dp 1/2/4 (and 3, with a rank without loss tokens), micro-batches
 of 1, 2, all rows, and a token budget, padded or packed (2 rows or the budget per packed
 row), and 2 rows with activation checkpointing: one plain SGD step, and three steps of AdamW with gradient clipping active, as
-training runs.
+training runs. GSPO's sequence ratio with a KL loss, padded and packed.
 """
 
 import dataclasses
@@ -197,6 +197,37 @@ def test_lora_reference_trains_only_the_adapters_and_the_negative_control_fails(
     assert naive is not None
     diffs = compare(naive, reference)
     assert min(diffs["max_rel_grad_diff"], diffs["loss_diff"]) > 1e-3, diffs
+
+
+# GSPO: the one policy loss whose token losses share a per-sequence figure, the geometric mean
+# of the sequence's token ratios (a mean over its own loss tokens, observation holes left out),
+# with the KL loss (k3+: the k2 gradient) beside it. A sequence's ratio must not depend on the
+# micro-batch it sits in, whose width is trimmed to its own longest response, padded or packed.
+GSPO = load_config(
+    "configs/ppo_tiny.yaml",
+    [
+        "model.precision=fp64",
+        "actor.policy_loss=gspo",
+        "actor.use_kl_loss=true",
+        "actor.kl_loss_type=k3+",
+        "actor.kl_loss_coef=0.1",
+    ],
+)
+
+
+def test_gspo_with_a_kl_loss_matches_the_reference() -> None:
+    micros = ["1", "packed-dynamic"]
+    reports = check_invariance(
+        GSPO,
+        dps=[2],
+        strategies=["fsdp"],
+        micros=micros,
+        roles=["actor"],
+        loss_agg_modes=["seq-mean-token-mean"],  # the paper's
+    )
+    assert len(reports) == len(micros)
+    failures = [r for r in reports if r.worst() > TOLERANCE]
+    assert not failures, failures
 
 
 # Three ranks: the loss gradient is scaled by a dp_size that is not a power of two, which

@@ -2,7 +2,9 @@
 float64, under actor and critic worker counts 1, 2 and 4, micro-batches
 of one row, of the worker's share and cut by a token budget, padded or packed, DDP and
 FSDP, log the same
-metrics.jsonl (every non-timing metric) to 1e-9 on the shared embedded Ray. The negative
+metrics.jsonl (every non-timing metric) to 1e-9 on the shared embedded Ray; so do GRPO with
+DAPO's filters, a multi-turn run with the overlong filter and REINFORCE++ with the KL in the
+reward under two layouts. The negative
 control, one sampling stream per actor worker (the old ``seed + rank``), differs at step 1.
 """
 
@@ -132,6 +134,41 @@ def test_a_run_with_dapos_filters_is_the_same_run_under_every_layout(
     assert any(
         r["dynamic_sampling/tied_groups"] > r["dynamic_sampling/filled_groups"] for r in records
     )
+    assert any(r["response_length/overlong_filtered"] > 0 for r in records)
+
+
+MULTI_TURN = [
+    # 4 prompts x 8 trajectories a step, two actor updates of 16 rows
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=16",
+    "actor.micro_batch_size_per_worker=16",
+    "trainer.val_freq=0",
+    "rollout.multi_turn.max_turns=2",
+    # a response area of 6 tokens: a call and its observation fill it
+    "rollout.multi_turn.max_total_length=14",
+    "algorithm.overlong.filter=true",
+]
+
+
+@pytest.mark.cluster  # 20 s of the 2-core machine; CI runs make test-cluster
+def test_a_multi_turn_run_is_the_same_run_under_two_actor_layouts(
+    tmp_path: Path, local_ray
+) -> None:
+    """Multi-turn rows hold observation holes in their loss mask, in a response area wider
+    than one turn, and the overlong filter leaves the trajectories cut short (out of turns or
+    room) out of the policy loss: 2 actor workers, each generating and stepping the
+    environments of its share, updating on packed rows cut by a token budget, log the run of
+    one worker updating on its whole share. A trajectory's outcome must not depend on the
+    rows it is generated beside: a turn as long as the most room a row has, not one token
+    more, left a row's ``truncated`` (so the rows the filter keeps, and every count of the
+    update) to its neighbours, and the runs parted at step 1."""
+    layouts = [layout("1:ddp:full"), layout("2:ddp:packed-dynamic")]
+    reports = audit("configs/tool_tiny.yaml", MULTI_TURN, layouts, tmp_path, steps=2)
+    assert reports[1].ok, f"{reports[1].layout}: {reports[1].first_difference}"
+    assert reports[1].steps == reports[1].identical_steps == 2
+    records = [json.loads(line) for line in (tmp_path / "0" / "metrics.jsonl").open()]
+    # the run did what the test is about: observations in the rows, trajectories filtered out
+    assert sum(r["multiturn/observation_tokens/mean"] for r in records) > 0
     assert any(r["response_length/overlong_filtered"] > 0 for r in records)
 
 

@@ -488,3 +488,19 @@ def test_the_runs_checked_before_the_audit_hold_no_math_verify_process(tmp_path)
         release(prepared)
         for run in prepared:
             run.inputs.reward_fn.close()
+
+
+def test_a_multi_turn_configs_audit_batch_spans_every_turn() -> None:
+    """The update audit's rows reach the whole response area of a multi-turn config
+    (rollout.multi_turn.max_total_length, tool_tiny's 16 tokens), not one turn's
+    rollout.max_response_length (4): the layouts never saw a row as long as a multi-turn
+    run trains on."""
+    from verlite.audit.invariance import make_batch
+    from verlite.config import load_config
+
+    cfg = load_config("configs/tool_tiny.yaml")
+    assert cfg.response_width > cfg.rollout.max_response_length
+    batch = make_batch(cfg, num_sequences=64)
+    assert batch["input_ids"].shape[1] == cfg.max_sequence_length
+    longest = int(batch["attention_mask"][:, cfg.data.max_prompt_length :].sum(1).max())
+    assert longest > cfg.rollout.max_response_length

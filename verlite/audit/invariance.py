@@ -134,7 +134,7 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
     """
     gen = torch.Generator().manual_seed(seed)
     dtype = model_dtype(cfg.model)
-    prompt_width, width = cfg.data.max_prompt_length, cfg.rollout.max_response_length
+    prompt_width, width = cfg.data.max_prompt_length, cfg.response_width  # all turns
     prompt_lens = torch.randint(1, prompt_width + 1, (num_sequences,), generator=gen)
     response_lens = torch.randint(1, width + 1, (num_sequences,), generator=gen)
     cols = torch.arange(prompt_width + width)

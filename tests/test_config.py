@@ -627,7 +627,7 @@ ERRORS = [
     ),
     (
         ["reward.remote.url=https://scorer/score?model=a&api_key=hunter22"],
-        "reward.remote.url='https://scorer/score': must not hold credentials (?api_key=...)",
+        "reward.remote.url='https://scorer/score': must not hold credentials (?api_key=***)",
     ),
     (
         ["reward.remote.url=http://scorer.internal:8000/score", "reward.remote.auth_env=SCORER"],

@@ -116,6 +116,35 @@ def test_url_credentials_are_masked() -> None:
     assert redact_text("at https://me:pw@mlflow.internal/x") == "at https://***@mlflow.internal/x"
 
 
+def test_credentials_in_a_url_s_query_are_masked_by_the_parameter_s_name() -> None:
+    # An MLflow URI with its token in the query, as the config record holds it.
+    uri = "https://mlflow.example/api?author=me&api_key=0123456789abc&x=1#top"
+    assert redact_text(uri) == "https://mlflow.example/api?author=me&api_key=***&x=1#top"
+    assert redact_config({"trainer": {"mlflow_tracking_uri": uri}}) == {
+        "trainer": {"mlflow_tracking_uri": redact_text(uri)}
+    }
+    # A relative URL as an HTTP library's error quotes it; a name percent-encoded; a
+    # signed URL's signature; a query HTML writes; a masked value masked again.
+    for text, masked in [
+        (
+            "Max retries exceeded with url: /score?token=abc123def (Caused by ...)",
+            "Max retries exceeded with url: /score?token=*** (Caused by ...)",
+        ),
+        ("'/b?api%5Fkey=zz9'", "'/b?api%5Fkey=***'"),
+        (
+            "s3://b/o?X-Amz-Signature=ab%2Fcd&X-Amz-Date=1",
+            "s3://b/o?X-Amz-Signature=***&X-Amz-Date=1",
+        ),
+        ('<a href="/x?a=1&amp;sig=abcdef">', '<a href="/x?a=1&amp;sig=***">'),
+        ("(see https://h/?sig=abcdef)", "(see https://h/?sig=***)"),
+        ("/x?token=***", "/x?token=***"),
+    ]:
+        assert redact_text(text) == masked, text
+    # Names that only hold a credential word, and text that is no query, stay.
+    for text in ("/x?author=me&design=2&monkey=3", "pass@k=0.5 where k=4", "a=b&c=d"):
+        assert redact_text(text) == text
+
+
 def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
     register_secret(SECRET)
     config = {

@@ -1,7 +1,7 @@
 """What no log, message, config record, metric or job command line may show: credentials.
-The secret-named config fields, ``user:pass@`` in URLs, authorization headers and bearer
-tokens, the values of credential-named environment variables and the credentials verlite
-reads itself (a remote verifier's token, registered here when it is read); the one owner of
+The secret-named config fields, ``user:pass@`` and credential-named query parameters in
+URLs, authorization headers and bearer tokens, the values of credential-named environment
+variables and the credentials verlite reads itself (a remote verifier's token, registered here when it is read); the one owner of
 those rules (:func:`redact_text`), used by every sink: the process's stdout and stderr and
 log records once :func:`redacted_output` is on (the CLI turns it on for every command), the
 CLI's error line, the metrics and config records, the job commands, :func:`verlite.errors.shown`
@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote_plus, urlsplit
 
 # The words that make a name (a config key, an environment variable, a URL's query parameter,
 # an HTTP header) name a credential, as whole parts of it (see credential_named).
@@ -182,6 +182,16 @@ _AUTH_HEADER = re.compile(
     rf"(?i)((?:x-ray-)?authorization\W{{0,3}}\s*[:=]\s*){_CREDENTIAL}(?:\s+[^\s'\"]+)?"
 )
 _BEARER = re.compile(rf"(?i)(bearer\s+){_CREDENTIAL}")
+# A URL's query parameter (``?name=value``, ``&name=value``; ``&amp;name=`` as HTML writes
+# it), its value up to the next parameter, the fragment, a space, a quote, a tag or a
+# closing parenthesis (a message quotes or encloses the URL): masked when
+# :func:`credential_named` reads the name as a credential's (``?api_key=``, ``&sig=``).
+_QUERY_PARAMETER = re.compile(r"([?&;]([^?&;=#\s'\"`<>()]+)=)(?!\*\*\*)[^&;#\s'\"`<>)]+")
+
+
+def _mask_query(match: re.Match[str]) -> str:
+    named = credential_named(unquote_plus(match[2]), query=True)
+    return match[1] + MASK if named else match[0]
 
 
 def secrets_in_environment() -> list[str]:
@@ -223,9 +233,11 @@ def _spellings(secrets: frozenset[str]) -> re.Pattern[str] | None:
 def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) -> str:
     """``text`` (a server's answer, an error message, a console line) without credentials:
     the registered secrets, those of the environment and the given ``secrets``, each in any
-    of its spellings (:func:`_spellings`); authorization headers, bearer tokens and
-    ``user:pass@`` in URLs. ``cut``: the text was cut off at its end, where the start of a
-    secret is masked too."""
+    of its spellings (:func:`_spellings`); authorization headers, bearer tokens, and in
+    URLs ``user:pass@`` and the values of query parameters named like credentials
+    (``?api_key=``, ``&X-Amz-Signature=``: :func:`secret_query_names`'s rule), a relative
+    URL's too (``/score?token=``, as an HTTP library's error quotes the request). ``cut``:
+    the text was cut off at its end, where the start of a secret is masked too."""
     known = frozenset(s for s in (*_registered, *secrets_in_environment(), *secrets) if s)
     if (spellings := _spellings(known)) is not None:
         text = spellings.sub(MASK, text)
@@ -236,6 +248,7 @@ def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) ->
                     text = text[:-length] + MASK
                     break
     text = _AUTH_HEADER.sub(r"\1" + MASK, text)
+    text = _QUERY_PARAMETER.sub(_mask_query, text)
     return redact_url(_BEARER.sub(r"\1" + MASK, text))
 
 

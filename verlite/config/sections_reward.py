@@ -23,7 +23,7 @@ from verlite.config.fields import (
 )
 from verlite.errors import shown
 from verlite.reachable import is_loopback_host
-from verlite.redaction import redact_url, secret_query_names
+from verlite.redaction import MASK, redact_url, secret_query_names
 
 
 def _service_url(value: str | None) -> str | None:
@@ -37,7 +37,11 @@ def _service_url(value: str | None) -> str | None:
         raise ValueError(f"{where}: must be an http:// or https:// URL with a host")
     secret_names = secret_query_names(value)
     if "@" in parts.netloc or secret_names:
-        held = f"?{'&'.join(secret_names)}=..." if secret_names else "user:password@"
+        held = (
+            f"?{'&'.join(f'{name}={MASK}' for name in secret_names)}"
+            if secret_names
+            else "user:password@"
+        )
         raise ValueError(
             f"{where}: must not hold credentials ({held}); name an environment variable "
             "that holds the token in reward.remote.auth_env instead"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -450,3 +452,46 @@ def test_lines_ray_forwards_from_workers_are_masked(
             seen += out + err
     assert "worker says ***" in seen
     assert "envsecret" not in seen
+
+
+def test_a_worker_masks_what_ray_writes_to_its_log_files(local_ray: object) -> None:
+    import ray
+
+    from verlite.controller import Worker
+
+    class Talker(Worker):
+        def say(self, text: str) -> int:
+            print(text, flush=True)
+            logging.getLogger("verlite.test").warning(text)
+            return os.getpid()
+
+    # A credential-named variable of the worker's environment, as a cluster's nodes give one
+    # (a Kubernetes secret's); the driver does not know it.
+    env = {"env_vars": {"SCORER_API_KEY": "envsecret-42-value"}}
+    talker = (
+        ray.remote(Talker)
+        .options(num_cpus=0, runtime_env=env)
+        .remote(role="talker", rank=0, world_size=1, torch_threads=1)
+    )
+    try:
+        pid = ray.get(talker.say.remote("worker says envsecret-42-value"))
+    finally:
+        ray.kill(talker)
+    # What Ray keeps of the worker's stdout and stderr on its node, beside forwarding it.
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    written = "".join(p.read_text(errors="replace") for p in logs.glob(f"worker-*-{pid}.*"))
+    assert written.count("worker says ***") == 2  # printed, and logged
+    assert "envsecret" not in written
+
+
+def test_a_worker_built_outside_ray_starts_none_and_leaves_the_streams() -> None:
+    # As the tests and the spawned ranks of verlite.distributed build workers.
+    code = (
+        "import sys, ray; from verlite.controller import Worker; "
+        "Worker(role='a', rank=0, world_size=1, torch_threads=1); "
+        "print(ray.is_initialized(), type(sys.stdout).__name__)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert done.stdout == "False TextIOWrapper\n"

@@ -1,11 +1,12 @@
 """What no log, message, config record, metric or job command line may show: credentials.
 The secret-named config fields, ``user:pass@`` and credential-named query parameters in
 URLs, authorization headers and bearer tokens, the values of credential-named environment
-variables and the credentials verlite reads itself (a remote verifier's token, registered here when it is read); the one owner of
-those rules (:func:`redact_text`), used by every sink: the process's stdout and stderr and
-log records once :func:`redacted_output` is on (the CLI turns it on for every command), the
-CLI's error line, the metrics and config records, the job commands, :func:`verlite.errors.shown`
-and the remote verifier's messages."""
+variables and the credentials verlite reads itself (a remote verifier's token, registered
+here when it is read); the one owner of those rules (:func:`redact_text`), used by every
+sink: the process's stdout and stderr and log records once :func:`redacted_output` is on
+(the CLI turns it on for every command, and every Ray worker for its process:
+:func:`redact_process_output`), the CLI's error line, the metrics and config records, the
+job commands, :func:`verlite.errors.shown` and the remote verifier's messages."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ MASK = "***"
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")
 
 _registered: set[str] = set()
+# What :func:`redact_process_output` turned on, kept for the life of the process.
+_process_output: contextlib.ExitStack | None = None
 
 
 def credential_named(name: str, *, query: bool = False) -> bool:
@@ -323,3 +326,15 @@ def redacted_output() -> Iterator[None]:
         for stream in wrapped.values():
             stream.flush()
         sys.stdout, sys.stderr = streams
+
+
+def redact_process_output() -> None:
+    """:func:`redacted_output` on for the rest of this process, once however often it is
+    called: for a Ray worker's process, whose stdout and stderr Ray writes to log files on
+    its node (which a cluster's dashboard shows to whoever reaches it) besides forwarding
+    them to the driver, which masks only its own copy. The worker masks with what it
+    knows: the credential-named variables of its environment, and the patterns."""
+    global _process_output
+    if _process_output is None:
+        _process_output = contextlib.ExitStack()
+        _process_output.enter_context(redacted_output())

@@ -22,6 +22,7 @@ from verlite.distributed import (
     init_process_group,
 )
 from verlite.memory import retain_freed_memory
+from verlite.redaction import redact_process_output
 
 
 class Worker:
@@ -46,6 +47,11 @@ class Worker:
         # would oversubscribe them.
         torch.set_num_threads(torch_threads)
         retain_freed_memory()
+        # Ray writes an actor's stdout and stderr to log files on its node (which a cluster's
+        # dashboard shows) besides forwarding them to the driver, which masks only its copy.
+        # (Asked only where Ray runs: get_runtime_context would start one.)
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            redact_process_output()
         self.role = role
         self.rank = rank
         self.world_size = world_size

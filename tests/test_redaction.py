@@ -139,6 +139,11 @@ def test_credentials_in_a_url_s_query_are_masked_by_the_parameter_s_name() -> No
         ),
         ('<a href="/x?a=1&amp;sig=abcdef">', '<a href="/x?a=1&amp;sig=***">'),
         ("(see https://h/?sig=abcdef)", "(see https://h/?sig=***)"),
+        # In a JSON line (a metrics or config record) the line stays JSON.
+        (
+            json.dumps({"prompt": 'see "https://h/?token=abcdef"'}),
+            json.dumps({"prompt": 'see "https://h/?token=***"'}),
+        ),
         ("/x?token=***", "/x?token=***"),
     ]:
         assert redact_text(text) == masked, text

@@ -186,10 +186,11 @@ _AUTH_HEADER = re.compile(
 )
 _BEARER = re.compile(rf"(?i)(bearer\s+){_CREDENTIAL}")
 # A URL's query parameter (``?name=value``, ``&name=value``; ``&amp;name=`` as HTML writes
-# it), its value up to the next parameter, the fragment, a space, a quote, a tag or a
-# closing parenthesis (a message quotes or encloses the URL): masked when
-# :func:`credential_named` reads the name as a credential's (``?api_key=``, ``&sig=``).
-_QUERY_PARAMETER = re.compile(r"([?&;]([^?&;=#\s'\"`<>()]+)=)(?!\*\*\*)[^&;#\s'\"`<>)]+")
+# it), its value up to the next parameter, the fragment, a space, a quote, a tag, a
+# closing parenthesis (a message quotes or encloses the URL) or a backslash (a JSON line's
+# escaped quote, kept whole): masked when :func:`credential_named` reads the name as a
+# credential's (``?api_key=``, ``&sig=``).
+_QUERY_PARAMETER = re.compile(r"([?&;]([^?&;=#\s'\"`<>()\\]+)=)(?!\*\*\*)[^&;#\s'\"`<>)\\]+")
 
 
 def _mask_query(match: re.Match[str]) -> str:

@@ -110,6 +110,24 @@ def test_an_authorization_header_is_masked() -> None:
     assert redact_text("x-ray-authorization=abcdef123") == "x-ray-authorization=***"
 
 
+def test_an_authorization_header_a_server_echoes_as_json_or_a_dict_is_masked() -> None:
+    # A Basic credential is no value verlite knows (MLflow's client builds it from its own
+    # credentials file): only the header's name marks it.
+    basic = "Basic dXNlcjpwYXNz"
+    assert redact_text(f"headers: {{'authorization': '{basic}'}}") == (
+        "headers: {'authorization': '***'}"
+    )
+    assert redact_text(f'Authorization="{basic}"') == 'Authorization="***"'
+    assert redact_text(json.dumps({"Authorization": basic, "x": 1})) == json.dumps(
+        {"Authorization": "***", "x": 1}
+    )
+    # An echoed body inside a JSON record: masked, and the record stays JSON.
+    record = json.dumps({"error": json.dumps({"Authorization": basic})})
+    assert json.loads(redact_text(record)) == {"error": json.dumps({"Authorization": "***"})}
+    line = json.dumps({"error": 'sent "Bearer abcdef123" twice'})
+    assert json.loads(redact_text(line)) == {"error": 'sent "Bearer ***" twice'}
+
+
 def test_a_bare_bearer_token_is_masked() -> None:
     assert redact_text("sent bearer opaque-token-1234 twice") == "sent bearer *** twice"
 

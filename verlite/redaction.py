@@ -177,12 +177,15 @@ def redact_url(text: str) -> str:
 
 
 # An HTTP authorization header or bearer credential quoted in a message (a server that
-# echoes the request back in its error).
-# A credential ends at a space or a quote (a message quotes the text that holds it); one
-# masked already is left as it is: a message is masked more than once on its way out.
-_CREDENTIAL = r"(?!\*\*\*)[^\s'\"]+"
+# echoes the request back in its error: as a header line, or its headers as a JSON object
+# or a Python dict, whose value opens with a quote, escaped within a JSON string).
+# A credential ends at a space, a quote or a backslash (a message quotes the text that holds
+# it; a JSON string escapes the quote); one masked already is left as it is: a message is
+# masked more than once on its way out.
+_CREDENTIAL = r"(?!\*\*\*)[^\s'\"\\]+"
 _AUTH_HEADER = re.compile(
-    rf"(?i)((?:x-ray-)?authorization\W{{0,3}}\s*[:=]\s*){_CREDENTIAL}(?:\s+[^\s'\"]+)?"
+    rf"(?i)((?:x-ray-)?authorization\W{{0,3}}\s*[:=]\s*(?:\\?[\"'])?)"
+    rf"{_CREDENTIAL}(?:\s+[^\s'\"\\]+)?"
 )
 _BEARER = re.compile(rf"(?i)(bearer\s+){_CREDENTIAL}")
 # A URL's query parameter (``?name=value``, ``&name=value``; ``&amp;name=`` as HTML writes

@@ -20,8 +20,14 @@ from transformers import PreTrainedTokenizerFast
 from verlite.config import load_config
 from verlite.controller import WorkerGroup
 from verlite.controller.resource_pool import build_pools
-from verlite.data import build_task_tokenizer, prompt_tensordict, response_text
+from verlite.data import (
+    build_task_tokenizer,
+    load_reward_tokenizer,
+    prompt_tensordict,
+    response_text,
+)
 from verlite.data.tasks import TASK_ALPHABET
+from verlite.models.reward_model import encode_texts, load_reward_model, score_texts
 from verlite.workers.peak_memory import pop_peak
 from verlite.workers.reward_model import REWARD_INPUT_KEYS, RewardModelWorker, reward_texts
 
@@ -138,3 +144,23 @@ def test_the_response_continues_the_prompts_text_under_a_sentencepiece_decoder()
     # the character tokenizer of the main job reads as before
     batch, texts = _batch()
     assert reward_texts(build_task_tokenizer(TASK_ALPHABET), batch) == texts
+
+
+def test_a_rows_score_does_not_depend_on_how_many_rows_it_is_scored_with(
+    reward_model: Path,
+) -> None:
+    """In float64 (an fp64 run's reward model) each row's float32 score is the same, bit for
+    bit, scored in one forward of 64 rows or one row at a time. A float32 sigmoid differed in
+    the last unit on 4 of these rows (AVX-512): its CPU kernel rounds a tensor of 64
+    (vectorized) otherwise than a tensor of one, which parted fp64 runs under reward layouts
+    (tests/e2e/test_whole_run_invariance.py)."""
+    cfg = load_config(None, ["data.task=copy", f"reward.model.path={reward_model}"])
+    model = load_reward_model(cfg.reward.model, torch.float64)
+    rng = random.Random(0)
+    texts = ["".join(rng.choices("0123456789=", k=rng.randint(2, 12))) for _ in range(64)]
+    ids = encode_texts(load_reward_tokenizer(str(reward_model)), texts, max_length=MAX_LENGTH).ids
+    cpu = torch.device("cpu")
+    whole = score_texts(model, ids, cpu)
+    alone = torch.cat([score_texts(model, [row], cpu) for row in ids])
+    assert whole.dtype == torch.float32 and whole.unique().numel() > 32  # rows tell apart
+    assert torch.equal(whole, alone)

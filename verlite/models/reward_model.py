@@ -171,4 +171,10 @@ def score_texts(
     bias = None if head.bias is None else head.bias.to(dtype)
     with torch.autocast(device.type, enabled=False):
         logit = torch.nn.functional.linear(last.to(dtype), head.weight.to(dtype), bias)
-    return torch.sigmoid(logit.float()).squeeze(-1)
+    # The sigmoid in float64, rounded to float32 once. A row's score must not depend on how
+    # many rows it is scored with: the CPU kernel takes a vectorized path or a scalar one by
+    # the tensor's length, and in float32 the two differ in the last unit (4 rows of 64 scored
+    # at once against one at a time, AVX-512), which parts an fp64 run from the same run under
+    # another reward layout beyond its 1e-9 tolerance; in float64 they differ by 2^-29 of a
+    # float32 unit, which the rounding to float32 absorbs.
+    return torch.sigmoid(logit.double()).float().squeeze(-1)

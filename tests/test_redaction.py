@@ -518,3 +518,28 @@ def test_a_worker_built_outside_ray_starts_none_and_leaves_the_streams() -> None
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300
     )
     assert done.stdout == "False TextIOWrapper\n"
+
+
+def test_a_line_reads_the_environment_s_names_once_not_each_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each line a worker prints or logs is masked with its environment's credentials, whose
+    # names were all parsed again for every line (a millisecond a line in a cluster node's
+    # environment): parsed once, the names are looked up.
+    monkeypatch.setenv("MY_SERVICE_API_KEY", "envsecret-42-value")
+
+    class CountingSplit:
+        calls = 0
+
+        def split(self, name: str) -> list[str]:
+            CountingSplit.calls += 1
+            return parts.split(name)
+
+    parts = redaction._PART_BOUNDARY
+    monkeypatch.setattr(redaction, "_PART_BOUNDARY", CountingSplit())
+    line = "step 3: actor/pg_loss=0.12 envsecret-42-value\n"
+    assert redact_text(line) == "step 3: actor/pg_loss=0.12 ***\n"  # the names once
+    CountingSplit.calls = 0
+    for _ in range(3):
+        assert redact_text(line) == "step 3: actor/pg_loss=0.12 ***\n"
+    assert CountingSplit.calls == 0

@@ -286,6 +286,19 @@ def test_query_parameters_are_credentials_by_their_names_parts() -> None:
     assert not carries_secret("trainer.mlflow_tracking_uri", "https://mlflow.example/?author=me")
 
 
+def test_a_count_of_tokens_in_a_query_is_shown_as_a_config_s_is() -> None:
+    # ?max_tokens= names a count, as the config key max_tokens does (holds_credential): its
+    # number is no credential, in a message, on a job's command line or in a verifier's URL.
+    url = "http://127.0.0.1:8000/score?max_tokens=512&max_new_tokens=64&token=abcdef123"
+    assert redact_text(f"POST {url} failed") == (
+        "POST http://127.0.0.1:8000/score?max_tokens=512&max_new_tokens=64&token=*** failed"
+    )
+    assert secret_query_names(url) == ["token"]
+    assert not carries_secret("reward.remote.url", url.removesuffix("&token=abcdef123"))
+    # Not a number: masked as any value of a credential-named parameter.
+    assert redact_text("/x?max_tokens=sk-abcdef12") == "/x?max_tokens=***"
+
+
 def test_a_variable_naming_a_credentials_file_carries_no_credential(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -133,11 +133,14 @@ def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return clean
 
 
-def holds_credential(key: str, value: Any) -> bool:
-    """Whether a config ``value`` under ``key`` (its last name) is a credential, which no
-    record or message shows: any value but null of a secret-named key, but counts of tokens
-    and token ids."""
-    return credential_named(key) and value is not None and not _token_numbers(key, value)
+def holds_credential(key: str, value: Any, *, query: bool = False) -> bool:
+    """Whether a config ``value`` under ``key`` (its last name), or with ``query`` a URL's
+    query parameter ``key=value``, is a credential, which no record or message shows: any
+    value but null of a secret-named key (:func:`credential_named`), but counts of tokens
+    and token ids (``max_tokens: 512``, ``?max_tokens=512``)."""
+    return (
+        credential_named(key, query=query) and value is not None and not _token_numbers(key, value)
+    )
 
 
 def _token_numbers(key: str, value: Any) -> bool:
@@ -165,13 +168,14 @@ def carries_secret(key: str, value: str) -> bool:
 
 
 def secret_query_names(url: str) -> list[str]:
-    """The names of ``url``'s query parameters named like a credential (:func:`credential_named`:
-    ``?api_key=``, ``?token=``, ``?X-Amz-Signature=``, ``?sig=``; not ``?author=``)."""
+    """The names of ``url``'s query parameters that hold a credential (:func:`holds_credential`:
+    ``?api_key=``, ``?token=``, ``?X-Amz-Signature=``, ``?sig=``; not ``?author=`` nor
+    ``?max_tokens=512``)."""
     query = urlsplit(url).query
     return [
         name
-        for name, _ in parse_qsl(query, keep_blank_values=True)
-        if credential_named(name, query=True)
+        for name, value in parse_qsl(query, keep_blank_values=True)
+        if holds_credential(name, value, query=True)
     ]
 
 
@@ -196,14 +200,14 @@ _BEARER = re.compile(rf"(?i)(bearer\s+){_CREDENTIAL}")
 # A URL's query parameter (``?name=value``, ``&name=value``; ``&amp;name=`` as HTML writes
 # it), its value up to the next parameter, the fragment, a space, a quote, a tag, a
 # closing parenthesis (a message quotes or encloses the URL) or a backslash (a JSON line's
-# escaped quote, kept whole): masked when :func:`credential_named` reads the name as a
-# credential's (``?api_key=``, ``&sig=``).
-_QUERY_PARAMETER = re.compile(r"([?&;]([^?&;=#\s'\"`<>()\\]+)=)(?!\*\*\*)[^&;#\s'\"`<>)\\]+")
+# escaped quote, kept whole): masked when it holds a credential (:func:`secret_query_names`'s
+# rule: ``?api_key=``, ``&sig=``, not ``&max_tokens=512``).
+_QUERY_PARAMETER = re.compile(r"([?&;]([^?&;=#\s'\"`<>()\\]+)=)((?!\*\*\*)[^&;#\s'\"`<>)\\]+)")
 
 
 def _mask_query(match: re.Match[str]) -> str:
-    named = credential_named(unquote_plus(match[2]), query=True)
-    return match[1] + MASK if named else match[0]
+    held = holds_credential(unquote_plus(match[2]), unquote_plus(match[3]), query=True)
+    return match[1] + MASK if held else match[0]
 
 
 def secrets_in_environment() -> list[str]:

@@ -64,6 +64,18 @@ def test_saves_through_links_remove_links_never_what_they_point_to(tmp_path: Pat
         assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == files
 
 
+def test_a_save_replaces_a_link_by_its_name_that_leads_nowhere(tmp_path: Path) -> None:
+    """A ``step_N`` link whose folder is gone (a scratch disk cleaned): no checkpoint, so the
+    run resumes before it and saves step N again. The save's rename over the link failed
+    ("Not a directory") and ended the run; the link goes as a live one does."""
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step_2").symlink_to(tmp_path / "cleaned")
+    assert complete_checkpoints(tmp_path) == []
+    final = _save(tmp_path, 2, keep=2)
+    assert not final.is_symlink() and complete_checkpoints(tmp_path) == [final]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+
+
 def test_a_run_resumed_from_an_earlier_step_keeps_its_own_checkpoints(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

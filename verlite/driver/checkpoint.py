@@ -279,7 +279,9 @@ def commit_checkpoint(tmp: Path, *, keep: int) -> Path:
     ``metrics.jsonl`` and trains those steps again, so they go, and this one is the latest,
     which ``trainer.resume=auto`` continues and ``keep`` never prunes."""
     final = placed_path(tmp)
-    if final.exists():  # the run this one resumed before saved this step (an earlier one stays)
+    # The run this one resumed before saved this step (an earlier one stays), or its name is
+    # a link leading nowhere, which the rename of a folder would not replace.
+    if final.exists() or final.is_symlink():
         _discard(final)
     os.replace(tmp, final)
     _sync(final.parent)  # the rename itself

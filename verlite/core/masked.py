@@ -1,8 +1,9 @@
 """Masked reductions shared by losses, advantages and metrics.
 
-Low-precision floats (float16, bfloat16) are reduced in float32, other tensors in their own
-dtype: in float16 a sum overflows past 65504 and a square past 256, so a mean, variance or
-whitening taken in it came out inf or NaN, or all zeros (a variance of inf whitens by 0).
+Means, variances and whitening reduce low-precision floats (float16, bfloat16) in float32,
+other tensors in their own dtype: in float16 a sum overflows past 65504 and a square past
+256, so a mean, variance or whitening taken in it came out inf or NaN, or all zeros (a
+variance of inf whitens by 0). ``masked_sum`` sums in the values' own dtype.
 Means and whitened values are returned in the input's dtype, whose range holds them; a
 variance stays in the dtype it was reduced in, as the square of a float16 spread need not
 fit in float16.

@@ -727,6 +727,9 @@ def test_file_errors(tmp_path: Path) -> None:
         )
     (tmp_path / "null.yaml").write_text("null\n")  # a document: what it holds is named
     assert error_of(path=tmp_path / "null.yaml").endswith("model:, data:, ..., got null")
+    # With overrides an empty file is the base they fill, as a config of overrides alone is.
+    for name in ("empty.yaml", "null.yaml"):
+        assert load_config(tmp_path / name, BASE) == load_config(None, BASE)
     # a list's item by its index, as every message names a place in a file
     (tmp_path / "items.yaml").write_text("data: {task: copy}\nx: [{a: 1}, {b: 1, b: 2}]\n")
     assert "sets x[1].b twice (line 2)" in error_of(path=tmp_path / "items.yaml")

@@ -49,11 +49,14 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
         if isinstance(source, Mapping):
             raw = copy.deepcopy(dict(source))
         elif source is not None:
+            # An empty file is refused as one where it is all the run is given; with
+            # overrides it is the base they fill, as a config of overrides alone (None) is.
             raw = read_mapping(
                 source,
                 what="config file",
                 example="of sections: model:, data:, ...",
                 error=ConfigError,
+                empty_ok=bool(overrides),
             )
         else:
             raw = {}

@@ -57,17 +57,18 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def cmd_measure_packing(args: argparse.Namespace) -> int:
     from verlite.config import ConfigError, check_inputs, load_config
+    from verlite.config.checks import longest_sequence_fields
 
     cfg = load_config(args.config, args.overrides)
     check_inputs(cfg)  # one line for a model folder that is none, not the loader's traceback
-    longest = cfg.max_sequence_length
+    longest, fields = cfg.max_sequence_length, longest_sequence_fields(cfg)
     actor = cfg.actor
     budget = args.budget
     if longest > MAX_BUDGET:
         raise ConfigError(
-            f"the longest sequence, {longest} tokens (data.max_prompt_length + "
-            f"rollout.max_response_length), is over the {MAX_BUDGET} tokens a measured row may "
-            "hold; measure-packing measures sequences of at most that length"
+            f"the longest sequence, {longest} tokens ({fields}), is over the {MAX_BUDGET} "
+            "tokens a measured row may hold; measure-packing measures sequences of at most "
+            "that length"
         )
     if budget is None:
         if actor.use_dynamic_bsz and actor.max_token_len_per_worker:
@@ -86,11 +87,9 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
             )
     if budget < longest:
         raise ConfigError(
-            f"--budget={budget}: below the longest sequence, {longest} tokens "
-            f"(data.max_prompt_length + rollout.max_response_length); give {longest} to "
-            f"{MAX_BUDGET}"
+            f"--budget={budget}: below the longest sequence, {longest} tokens ({fields}); "
+            f"give {longest} to {MAX_BUDGET}"
         )
-    from verlite.config.checks import longest_sequence_fields
     from verlite.core import seeds
     from verlite.data.tokenizer import load_tokenizer
     from verlite.models import (
@@ -107,7 +106,7 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
     passed = window_passed(
         hf_config(cfg.model, vocab_size, longest),
         max_sequence_length=longest,
-        fields=longest_sequence_fields(cfg),
+        fields=fields,
     )
     if passed is not None:  # before the weights load
         raise ConfigError(f"model: {passed}")

@@ -104,6 +104,11 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
         (["--trials", "3"], "argument --trials: expected an integer from 4 to 1000, got '3'"),
         (["--budget", "5"], "--budget=5: below the longest sequence, 12 tokens (data."),
         (["--budget", "5"], "; give 12 to 1048576\n"),
+        # A multi-turn config's longest row is its whole trajectory, named by its own field.
+        (
+            ["--config", "configs/tool_tiny.yaml", "--budget", "5"],
+            " tokens (rollout.multi_turn.max_total_length); give ",
+        ),
         # A row of 2^20 tokens at most (measure_packing.MAX_BUDGET): a budget of 10^12 ran on
         # for ever, building each trial's row one sequence at a time.
         (["--budget", "1048577"], "argument --budget: expected an integer from 1 to 1048576"),

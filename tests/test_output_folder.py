@@ -188,6 +188,25 @@ def test_a_linked_folder_with_linked_checkpoints_continues_its_checkpoint_by_any
             assert (name / "step_2" / "trainer_state.json").is_file()
 
 
+def test_another_runs_checkpoint_further_down_a_linked_checkpoints_folder_is_not_the_folders(
+    tmp_path: Path,
+) -> None:
+    """``checkpoints/`` linked to a scratch disk's folder that also holds other runs' folders:
+    a checkpoint of one of them lies under the link's target, but is no ``step_N`` of this
+    folder's. It was taken for the folder's own, and resumed there keeping this folder's files
+    (another run's records); now it is another folder's checkpoint: refused in a busy folder."""
+    scratch, real = tmp_path / "scratch", tmp_path / "real"
+    earlier_run(scratch / "other", checkpoint_step=4)
+    earlier_run(real, checkpoint_step=None)
+    (real / "checkpoints").symlink_to(scratch)
+    resume = f"trainer.resume={scratch / 'other' / 'checkpoints' / 'step_4'}"
+    with pytest.raises(
+        ConfigError, match=r"is not empty .* holds no checkpoint this run continues"
+    ):
+        prepare_output_folder(config(real, resume))
+    assert (real / "metrics.jsonl").read_text() == '{"step": 1, "a": 1.0}\n'
+
+
 def test_a_finished_checkpoint_of_another_folder_is_refused_naming_it(tmp_path: Path) -> None:
     """trainer.resume naming another folder's checkpoint at trainer.total_steps whose own run
     exported it (or with trainer.export=false): the refusal names the checkpoint and its

@@ -301,10 +301,11 @@ def _spellings(checkpoint: Path) -> tuple[Path, Path]:
 
 def _in_folder(checkpoint: Path, out: Path) -> bool:
     """Whether ``checkpoint`` is one of the folder ``out``'s (its resolved path): named under
-    it, or lying in it or in the folder its ``checkpoints`` links to (also where it is named
-    through a link to ``out``)."""
-    homes = (out, checkpoint_root(out).resolve())
-    return any(path.is_relative_to(home) for path in _spellings(checkpoint) for home in homes)
+    it, or lying in it, or one of the checkpoints in the folder its ``checkpoints`` links to
+    (also where it is named through a link to ``out``): a ``step_N`` there, not a folder
+    further down (that folder may be a scratch disk's, holding other runs' folders)."""
+    linked = checkpoint_root(out).resolve()
+    return any(path.is_relative_to(out) or path.parent == linked for path in _spellings(checkpoint))
 
 
 def _its_runs_export(checkpoint: Path) -> Path:

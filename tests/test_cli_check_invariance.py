@@ -106,6 +106,18 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
         ),
         (["--run", "--layout", "1:ddp:1/1:ddp:1/1:ddp:1"], "expected WORKERS:STRATEGY:MICRO"),
         (["--run", "--layout", "1:ddp:full"], "give at least 2, got 1"),
+        (["--run", "--layout", "1:ddp:1/1:ddp:1/0:3"], "reward workers '0' must be a positive"),
+        (
+            ["--run", "--layout", "1:ddp:1/1:ddp:1/2:dynamic"],
+            "reward micro 'dynamic' must be a number of rows or full",
+        ),
+        (["--run", "--layout", "1:ddp:1/1:ddp:1/2:3/1:1"], "expected WORKERS:STRATEGY:MICRO"),
+        (
+            # ppo_tiny has no reward model: a reward part is refused, not ignored
+            ["--run", "--layout", "1:ddp:full", "--layout", "2:fsdp:1/1:ddp:full/2:3"],
+            "--layout 2:fsdp:1/1:ddp:full/2:3: the reward part 2:3 is for a reward model's "
+            "group, and the config has none (reward.model.path is unset)",
+        ),
         (
             ["--run", "--layout", "1:ddp:full", "--layout", "3:ddp:full"],
             # the layout named first: the keys in the config's message are the layout's
@@ -504,3 +516,75 @@ def test_a_multi_turn_configs_audit_batch_spans_every_turn() -> None:
     assert batch["input_ids"].shape[1] == cfg.max_sequence_length
     longest = int(batch["attention_mask"][:, cfg.data.max_prompt_length :].sum(1).max())
     assert longest > cfg.rollout.max_response_length
+
+
+def reward_model_overrides(folder: Path) -> list[str]:
+    from tests.reward_model_support import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(folder)
+    return [f"reward.model.path={rm}", "reward.combine={fn: 0.5, model: 0.5}"]
+
+
+def test_whole_runs_vary_a_reward_models_group(tmp_path) -> None:
+    """With a reward model, the default layouts vary its group too (it kept the config's
+    workers and micro-batch in every run): 1 worker scoring a step's rows in one forward,
+    then 2 workers in micro-batches of 1, 3 and 2 rows; a layout's reward part sets the
+    group, one without keeps the config's; the report names the group."""
+    from verlite.audit.run_invariance import layout_configs, parse_layout, run_layouts
+    from verlite.config import load_config
+
+    overrides = reward_model_overrides(tmp_path / "rm")
+    base = load_config(CONFIG, overrides)
+    layouts = run_layouts(base)
+    configs = layout_configs(CONFIG, overrides, layouts, steps=1, runs_dir=tmp_path / "runs")
+    groups = [
+        (c.reward.model.workers_per_node, c.reward.model.micro_batch_size_per_worker)
+        for c in configs
+    ]
+    assert groups == [(1, base.sequences_per_step), (2, 1), (2, 3), (2, 2)]
+    assert [layout.spec for layout in layouts] == [
+        "1:ddp:full/1:ddp:full/1:full",
+        "2:fsdp:1/2:ddp:dynamic/2:1",
+        "4:ddp:dynamic/1:fsdp:1/2:3",
+        "4:fsdp:full/2:fsdp:full/2:2",
+    ]
+    assert layouts[1].describe(use_critic=True) == (
+        "actor 2 fsdp micro 1, critic 2 ddp micro dynamic, reward 2 micro 1"
+    )
+    assert [layout.workers for layout in layouts] == [3, 6, 7, 8]
+
+    given = run_layouts(
+        base, [parse_layout("1:ddp:full"), parse_layout("2:fsdp:1/1:ddp:full/2:full")]
+    )
+    configured = (base.reward.model.workers_per_node, base.reward.model.micro_batch_size_per_worker)
+    assert [layout.spec for layout in given] == [
+        f"1:ddp:full/1:ddp:full/{configured[0]}:{configured[1]}",
+        "2:fsdp:1/1:ddp:full/2:full",
+    ]
+    configs = layout_configs(CONFIG, overrides, given, steps=1, runs_dir=tmp_path / "given")
+    assert [
+        (c.reward.model.workers_per_node, c.reward.model.micro_batch_size_per_worker)
+        for c in configs
+    ] == [configured, (2, base.sequences_per_step)]
+
+
+def test_the_audits_ray_has_room_for_the_reward_models_workers(
+    verlite_main, tmp_path, monkeypatch
+) -> None:
+    """The largest default layout of a reward model's config has 4 actor, 2 critic and 2
+    reward workers: the embedded Ray gets a CPU each, 8, though they ask for half a CPU
+    each."""
+    from verlite.controller import session
+
+    started: list[int | None] = []
+
+    def no_ray(address: str | None, *, num_cpus: int | None = None) -> None:
+        started.append(num_cpus)
+        raise KeyboardInterrupt  # the audit stops here, in one line
+
+    monkeypatch.setattr(session, "start_ray", no_ray)
+    settings = [*reward_model_overrides(tmp_path / "rm"), "trainer.cpus_per_worker=0.5"]
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    proc = verlite_main("check-invariance", "--run", "--config", CONFIG, *runs, *settings)
+    assert proc.returncode == 130, proc.stderr
+    assert started == [8]

@@ -97,11 +97,14 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "--layout",
         action="append",
         default=None,
-        metavar="A[/C]",
+        metavar="A[/C[/R]]",
         help="with --run, a layout to train, repeatable, the first being the reference: the actor's "
         "WORKERS:STRATEGY:MICRO, then optionally /WORKERS:STRATEGY:MICRO for the critic (MICRO: rows, "
-        "full, dynamic, packed or packed-dynamic), e.g. 2:fsdp:1/2:ddp:dynamic (default: 4 layouts covering actor workers "
-        "1/2/4, critic workers 1/2, micro 1/full/dynamic, ddp and fsdp)",
+        "full, dynamic, packed or packed-dynamic), e.g. 2:fsdp:1/2:ddp:dynamic, then with a reward "
+        "model optionally /WORKERS:MICRO for its group (MICRO: rows or full, a step's rows; "
+        "default: the config's), e.g. 2:fsdp:1/1:ddp:full/2:3 (default: 4 layouts covering actor workers "
+        "1/2/4, critic workers 1/2, micro 1/full/dynamic, ddp and fsdp, and with a reward model "
+        "reward workers 1/2, micro full/1/2/3)",
     )
     check.add_argument(
         "--runs-dir",
@@ -297,13 +300,13 @@ def invariance_rows(reports: Sequence[object], tolerance: float) -> list[tuple[s
 
 def _check_run_invariance(args: argparse.Namespace) -> int:
     """``verlite check-invariance --run``: the table, or one JSON object; exit 1 on a difference."""
-    from verlite.audit.run_invariance import DEFAULT_LAYOUTS, check_run_invariance, parse_layout
+    from verlite.audit.run_invariance import check_run_invariance, parse_layout
     from verlite.config import check_inputs, load_config
 
     for flag in ("dp", "micro", "strategy", "optimizer"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag} is for the one-update audit; with --run, give --layout")
-    layouts = [parse_layout(text) for text in args.layout] if args.layout else DEFAULT_LAYOUTS
+    layouts = [parse_layout(text) for text in args.layout] if args.layout else None
     base = load_config(args.config, args.overrides)
     check_inputs(base)  # one line for an input that is not there, before Ray starts
     tolerance = TOLERANCE[base.precision] if args.tolerance is None else args.tolerance

@@ -4,7 +4,7 @@ of one row, of the worker's share and cut by a token budget, padded or packed, D
 FSDP, log the same
 metrics.jsonl (every non-timing metric) to 1e-9 on the shared embedded Ray; so do GRPO with
 DAPO's filters, a multi-turn run with the overlong filter and REINFORCE++ with the KL in the
-reward under two layouts, and a run scored by a reward model under two reward layouts. The negative
+reward under two layouts, and a run scored by a reward model under two layouts of its group. The negative
 control, one sampling stream per actor worker (the old ``seed + rank``), differs at step 1.
 """
 
@@ -21,6 +21,7 @@ from verlite.audit.run_invariance import (
     audit_runs,
     compare_runs,
     layout_configs,
+    parse_layout,
 )
 from verlite.audit.tolerances import RUN_ATOL
 from verlite.audit.tolerances import TOLERANCE as TOLERANCES
@@ -215,41 +216,29 @@ REWARD_MODEL = [
 def test_a_reward_model_run_is_the_same_run_under_one_and_two_reward_workers(
     tmp_path: Path, local_ray
 ) -> None:
-    """The reward group's layout is the config's in every run of ``--run`` (its layouts are
-    the actor's and critic's), so each reward layout's run is made from its own overrides: one
-    worker scoring a step's 32 rows in one forward, and two scoring 16 each in micro-batches
-    of 3, log the same run. A row's score must not depend on how many rows it is scored with:
-    a float32 sigmoid, whose CPU kernel rounds a tensor of 32 otherwise than a tensor of 3 (in
-    the last unit), parted the runs at step 1 by 1e-7."""
+    """The reward group's layouts as ``--run`` spells them: one worker scoring a step's 32
+    rows in one forward (``full``), and two scoring 16 each in micro-batches of 3, log the
+    same run (the audit's default layouts vary the actor with it: twice as long). A row's
+    score must not depend on how many rows it is scored with: a float32 sigmoid, whose CPU
+    kernel rounds a tensor of 32 otherwise than a tensor of 3 (in the last unit), parted the
+    runs at step 1 by 1e-7."""
     rm = save_tiny_reward_model(tmp_path / "rm")
-    actor = layout("1:ddp:full")
-    rewards = [(1, 32), (2, 3)]  # workers, micro-batch size
-    configs = [
-        layout_configs(
-            "configs/grpo_tiny.yaml",
-            [
-                *SMALL,
-                *REWARD_MODEL,
-                f"reward.model.path={rm}",
-                f"reward.model.workers_per_node={workers}",
-                f"reward.model.micro_batch_size_per_worker={micro}",
-            ],
-            [actor, actor],
-            steps=2,
-            runs_dir=tmp_path / f"reward_{workers}",
-        )[index]  # the run's folder: reward_1/0, reward_2/1
-        for index, (workers, micro) in enumerate(rewards)
+    overrides = [*SMALL, *REWARD_MODEL, f"reward.model.path={rm}"]
+    layouts = [
+        parse_layout("1:ddp:full/1:ddp:full/1:full"),
+        parse_layout("1:ddp:full/1:ddp:full/2:3"),
     ]
-    reports = audit_runs(configs, [actor, actor], tolerance=TOLERANCE, atol=ATOL)
-    assert reports[1].ok, f"2 reward workers, micro 3: {reports[1].first_difference}"
+    reports = audit("configs/grpo_tiny.yaml", overrides, layouts, tmp_path / "runs", steps=2)
+    assert reports[1].ok, f"{reports[1].layout}: {reports[1].first_difference}"
     assert reports[1].steps == reports[1].identical_steps == 2
-    records = [json.loads(line) for line in (tmp_path / "reward_1" / "0" / "metrics.jsonl").open()]
+    records = [json.loads(line) for line in (tmp_path / "runs" / "0" / "metrics.jsonl").open()]
     # the run did what the test is about: the reward model scored, texts were cut, validated
     assert all(0 < r["reward/model/mean"] < 1 for r in records)
     assert all(0 < r["reward/model/truncated"] < 32 for r in records)
     assert "val/reward/model/mean" in records[-1]
-    placement = json.loads((tmp_path / "reward_2" / "1" / "workers.json").read_text())
+    placement = json.loads((tmp_path / "runs" / "1" / "workers.json").read_text())
     assert sorted(w["role"] for w in placement) == ["actor", "reward", "reward"]
+    assert reports[1].layout == "actor 1 ddp micro full, reward 2 micro 3"
 
 
 def test_a_unit_of_rounding_of_a_log_prob_is_the_same_run() -> None:

@@ -2,9 +2,10 @@
 
 The configured job trains for a few steps under several layouts: actor and critic worker
 counts, DDP or FSDP, micro-batches of one row, of the worker's whole share, or cut by a
-token budget. Each is a real run on Ray, with its own worker groups and output folder. Every
-run's ``metrics.jsonl`` is compared with the first layout's, step by step, with
-``verlite compare``'s comparison (``verlite.records.compare``).
+token budget, and with a reward model its group's worker count and micro-batch. Each is a
+real run on Ray, with its own worker groups and output folder. Every run's
+``metrics.jsonl`` is compared with the first layout's, step by step, with ``verlite
+compare``'s comparison (``verlite.records.compare``).
 
 A run is the same run under every layout because each stage follows the data order, not
 the layout: sampling draws from keys that name each response (``verlite.generation.noise``),
@@ -29,7 +30,7 @@ import io
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,16 +63,54 @@ class RoleLayout:
 
 
 @dataclass(frozen=True)
+class RewardLayout:
+    """How a reward model's group runs: its worker count and rows per micro-batch, a number
+    or ``full`` (a step's rows, so that each worker scores its share of a step in one
+    forward)."""
+
+    workers: int
+    micro: str
+
+    def __str__(self) -> str:
+        return f"{self.workers} micro {self.micro}"
+
+    @property
+    def spec(self) -> str:
+        """As ``--layout`` spells it: ``WORKERS:MICRO``."""
+        return f"{self.workers}:{self.micro}"
+
+    def overrides(self, cfg: Config) -> list[str]:
+        """The config overrides that run ``cfg``'s reward model's group so."""
+        micro = cfg.sequences_per_step if self.micro == "full" else int(self.micro)
+        return [
+            f"reward.model.workers_per_node={self.workers}",
+            f"reward.model.micro_batch_size_per_worker={micro}",
+        ]
+
+
+@dataclass(frozen=True)
 class RunLayout:
     actor: RoleLayout
     critic: RoleLayout
+    reward: RewardLayout | None = None  # a reward model's group; None: the config's
 
     def describe(self, use_critic: bool) -> str:
-        return f"actor {self.actor}" + (f", critic {self.critic}" if use_critic else "")
+        return (
+            f"actor {self.actor}"
+            + (f", critic {self.critic}" if use_critic else "")
+            + ("" if self.reward is None else f", reward {self.reward}")
+        )
+
+    @property
+    def spec(self) -> str:
+        """As ``--layout`` spells it: ``A/C``, then ``/R`` with a reward part."""
+        reward = "" if self.reward is None else f"/{self.reward.spec}"
+        return f"{self.actor.spec}/{self.critic.spec}{reward}"
 
     @property
     def workers(self) -> int:
-        return self.actor.workers + self.critic.workers
+        reward = 0 if self.reward is None else self.reward.workers
+        return self.actor.workers + self.critic.workers + reward
 
 
 # The first is the reference. Together they cover actor workers 1/2/4, critic workers 1/2,
@@ -82,18 +121,78 @@ DEFAULT_LAYOUTS = (
     RunLayout(RoleLayout(4, "ddp", "dynamic"), RoleLayout(1, "fsdp", "1")),
     RunLayout(RoleLayout(4, "fsdp", "full"), RoleLayout(2, "fsdp", "full")),
 )
+# With a reward model, the reward group's: the reference scores a step in one forward on one
+# worker, the others on 2 workers in micro-batches of 1 to 3 rows.
+DEFAULT_REWARD_LAYOUTS = (
+    RewardLayout(1, "full"),
+    RewardLayout(2, "1"),
+    RewardLayout(2, "3"),
+    RewardLayout(2, "2"),
+)
 LAYOUT_SYNTAX = (
-    "WORKERS:STRATEGY:MICRO for the actor, then optionally /WORKERS:STRATEGY:MICRO for the critic"
+    "WORKERS:STRATEGY:MICRO for the actor, then optionally /WORKERS:STRATEGY:MICRO for the critic "
+    "and /WORKERS:MICRO for a reward model's group"
 )
 
 
 def parse_layout(text: str) -> RunLayout:
-    """``2:fsdp:1/2:ddp:dynamic``: the actor's layout, then the critic's (default 1:ddp:full)."""
+    """``2:fsdp:1/2:ddp:dynamic/2:3``: the actor's layout, then the critic's (default
+    1:ddp:full), then a reward model's group's (default: the config's)."""
     parts = text.split("/")
-    if len(parts) > 2:
+    if len(parts) > 3:
         raise UserError(f"--layout {text!r}: expected {LAYOUT_SYNTAX}")
-    roles = [_parse_role(text, part) for part in parts]
-    return RunLayout(roles[0], roles[1] if len(roles) == 2 else RoleLayout(1, "ddp", "full"))
+    roles = [_parse_role(text, part) for part in parts[:2]]
+    critic = roles[1] if len(roles) == 2 else RoleLayout(1, "ddp", "full")
+    reward = _parse_reward(text, parts[2]) if len(parts) == 3 else None
+    return RunLayout(roles[0], critic, reward)
+
+
+def _parse_reward(text: str, part: str) -> RewardLayout:
+    fields = part.split(":")
+    if len(fields) != 2:
+        raise UserError(
+            f"--layout {text!r}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/1:ddp:full/2:3"
+        )
+    workers, micro = fields
+    if not workers.isdigit() or int(workers) < 1:
+        raise UserError(f"--layout {text!r}: reward workers {workers!r} must be a positive integer")
+    if micro != "full" and not (micro.isdigit() and int(micro) >= 1):
+        raise UserError(
+            f"--layout {text!r}: reward micro {micro!r} must be a number of rows or full"
+        )
+    return RewardLayout(int(workers), micro)
+
+
+def run_layouts(cfg: Config, layouts: Sequence[RunLayout] | None = None) -> list[RunLayout]:
+    """The layouts ``cfg``'s job runs under: ``layouts``, or :data:`DEFAULT_LAYOUTS` (with
+    :data:`DEFAULT_REWARD_LAYOUTS` when ``cfg`` has a reward model). With a reward model, a
+    layout without a reward part is given the config's reward group, so that its report
+    names it; without one, a reward part is refused."""
+    reward_model = cfg.reward.model
+    if layouts is None:
+        if reward_model.path is None:
+            return list(DEFAULT_LAYOUTS)
+        return [
+            replace(layout, reward=reward)
+            for layout, reward in zip(DEFAULT_LAYOUTS, DEFAULT_REWARD_LAYOUTS, strict=True)
+        ]
+    if reward_model.path is None:
+        for layout in layouts:
+            if layout.reward is not None:
+                raise UserError(
+                    f"--layout {layout.spec}: the reward part {layout.reward.spec} is for a "
+                    "reward model's group, and the config has none (reward.model.path is unset); "
+                    "give WORKERS:STRATEGY:MICRO[/WORKERS:STRATEGY:MICRO]"
+                )
+        return list(layouts)
+    assert reward_model.workers_per_node is not None  # validation fills it
+    configured = RewardLayout(
+        reward_model.workers_per_node, str(reward_model.micro_batch_size_per_worker)
+    )
+    return [
+        layout if layout.reward is not None else replace(layout, reward=configured)
+        for layout in layouts
+    ]
 
 
 def _parse_role(text: str, part: str) -> RoleLayout:
@@ -131,6 +230,8 @@ def layout_overrides(cfg: Config, layout: RunLayout) -> list[str]:
             **micro,
         }
         overrides += [f"{role}.{key}={str(value).lower()}" for key, value in settings.items()]
+    if layout.reward is not None:
+        overrides += layout.reward.overrides(cfg)
     return overrides
 
 
@@ -236,10 +337,7 @@ def layout_configs(
                 )
             )
         except ConfigError as exc:  # it names the keys the layout set: say which layout
-            raise ConfigError(
-                f"--layout {layout.actor.spec}/{layout.critic.spec} ({' '.join(layout_keys)}): "
-                f"{exc}"
-            ) from None
+            raise ConfigError(f"--layout {layout.spec} ({' '.join(layout_keys)}): {exc}") from None
     return configs
 
 
@@ -275,9 +373,7 @@ def prepare_runs(
             except UserError as exc:
                 if index == 0:
                     raise
-                raise UserError(
-                    f"--layout {layout.actor.spec}/{layout.critic.spec}: {exc}"
-                ) from None
+                raise UserError(f"--layout {layout.spec}: {exc}") from None
             inputs.set_aside()  # every layout's are held until its run
             prepared.append(PreparedRun(inputs, printed.getvalue()))
     except BaseException:
@@ -347,7 +443,7 @@ def _ray_cpus(cfg: Config, layout: RunLayout) -> int:
 def check_run_invariance(
     config: str | Path | None,
     overrides: Sequence[str],
-    layouts: Sequence[RunLayout] = DEFAULT_LAYOUTS,
+    layouts: Sequence[RunLayout] | None = None,
     *,
     steps: int,
     tolerance: float,
@@ -356,12 +452,14 @@ def check_run_invariance(
     negative_control: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[RunReport]:
-    """:func:`layout_configs`, every run checked (:func:`prepare_runs`) before Ray starts,
-    then :func:`audit_runs` in a Ray session of its own: an embedded one with the CPUs the
+    """:func:`layout_configs` of :func:`run_layouts` (``layouts``, or the defaults when
+    None), every run checked (:func:`prepare_runs`) before Ray starts, then
+    :func:`audit_runs` in a Ray session of its own: an embedded one with the CPUs the
     largest layout's workers ask for, at least one a worker (:func:`_ray_cpus`), or
     ``trainer.ray_address``."""
     from verlite.controller import ray_session
 
+    layouts = run_layouts(load_config(config, overrides), layouts)
     configs = layout_configs(
         config,
         overrides,

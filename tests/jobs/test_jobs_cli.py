@@ -162,6 +162,16 @@ def test_a_job_is_checked_as_the_cluster_will_load_it() -> None:
         )
 
 
+def test_an_empty_config_file_submitted_alone_is_refused_as_empty(tmp_path: Path) -> None:
+    # The cluster's address the check adds is no override of the user's: an empty file with
+    # none was read as the base of overrides ("data: required field is missing").
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"^config file .*empty.yaml' is empty"):
+        prepare_submission(
+            config=str(tmp_path / "empty.yaml"), overrides=[], working_dir=REPO, job_id=JOB
+        )
+
+
 def test_max_restarts_is_set_and_a_resubmission_resumes_in_the_same_absolute_folder(
     tmp_path: Path,
 ) -> None:

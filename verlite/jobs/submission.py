@@ -109,8 +109,10 @@ def prepare_submission(
     needs an absolute output folder, the one place both jobs see.
     """
     check_job_ids(job_id, (max_restarts or 0) if resubmit else 0)
-    # Checked as the job will load it, in the cluster (trainer.gpus_per_worker=auto is refused).
-    cfg = load_config(config, [*overrides, IN_CLUSTER])
+    # Checked as the job will load it, in the cluster (trainer.gpus_per_worker=auto is
+    # refused): the user's config and overrides, then the cluster's address, which is not the
+    # user's override (an empty config file given alone is refused as empty, not filled).
+    cfg = load_config(load_config(config, overrides), [IN_CLUSTER])
     for item in overrides:
         key, _, value = item.partition("=")
         if carries_secret(key.strip(), value.strip()):

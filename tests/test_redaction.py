@@ -297,6 +297,13 @@ def test_a_count_of_tokens_in_a_query_is_shown_as_a_config_s_is() -> None:
     assert not carries_secret("reward.remote.url", url.removesuffix("&token=abcdef123"))
     # Not a number: masked as any value of a credential-named parameter.
     assert redact_text("/x?max_tokens=sk-abcdef12") == "/x?max_tokens=***"
+    # A name is read by its parts, as credential_named reads it: an API's camelCase or
+    # kebab-case count is one too (it was masked, and such a verifier URL refused).
+    counts = "http://127.0.0.1:8000/score?maxTokens=512&max-new-tokens=64&maxOutputTokens=8"
+    assert redact_text(counts) == counts and secret_query_names(counts) == []
+    assert not carries_secret("reward.remote.url", counts)
+    for url in ("/x?tokens=12345678", "/x?token=12345678", "/x?token_count=12345678"):
+        assert redact_text(url) == url.split("=")[0] + "=***"  # a bare or unknown count: masked
 
 
 def test_a_variable_naming_a_credentials_file_carries_no_credential(

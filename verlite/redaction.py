@@ -51,10 +51,11 @@ _REFERENCE_PART = re.compile(r"path|file|filename|dir|env")
 # The parts of a name: split at '_', '-', '.' and the other non-word characters, and where
 # camelCase starts a word (apiKey, XApiKey, AWSAccessKeyId).
 _PART_BOUNDARY = re.compile(r"[\W_]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
-# Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker) and token ids
-# (rollout.stop_token_ids): integers under such keys are shown as they are (a credential-named
-# key's other values are masked like any value).
-_NUMBERS_KEY = re.compile(r"_tokens$|token_len|token_ids?$", re.IGNORECASE)
+# Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker, ?maxTokens=) and
+# token ids (rollout.stop_token_ids), by the name's parts (:data:`_PART_BOUNDARY`) joined
+# by spaces: integers under such names are shown as they are (a credential-named name's
+# other values are masked like any value).
+_NUMBERS_NAME = re.compile(r".+ tokens|(?:.+ )?token (?:len|length)(?: .+)?|(?:.+ )?token ids?")
 # Such numbers as an override writes them: 512, [], [3, 5].
 _NUMBERS_TEXT = re.compile(r"\d+|\[\s*(\d+\s*(,\s*\d+\s*)*)?\]")
 # Shorter values cannot be masked without garbling messages (a 1-character token is in most
@@ -146,7 +147,8 @@ def holds_credential(key: str, value: Any, *, query: bool = False) -> bool:
 def _token_numbers(key: str, value: Any) -> bool:
     """Whether ``value`` (a config value, or an override's text) under ``key`` is a count of
     tokens or a list of token ids: numbers, not a credential."""
-    if not _NUMBERS_KEY.search(key):
+    parts = [part.lower() for part in _PART_BOUNDARY.split(key) if part]
+    if not _NUMBERS_NAME.fullmatch(" ".join(parts)):
         return False
     if isinstance(value, str):
         return bool(_NUMBERS_TEXT.fullmatch(value.strip()))

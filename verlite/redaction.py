@@ -74,6 +74,12 @@ _registered: set[str] = set()
 _process_output: contextlib.ExitStack | None = None
 
 
+def _name_parts(name: str) -> list[str]:
+    """``name``'s parts in lower case (:data:`_PART_BOUNDARY`): ``X-Amz-Signature`` is
+    ``x amz signature``, ``maxTokens`` is ``max tokens``."""
+    return [part.lower() for part in _PART_BOUNDARY.split(name) if part]
+
+
 # Cached: every line a process prints asks it of each name in its environment
 # (:func:`secrets_in_environment`), which parsed them all again for each line (about 1 ms a
 # line in an environment of 135 variables, on a worker's every print and log record).
@@ -94,7 +100,7 @@ def credential_named(name: str, *, query: bool = False) -> bool:
     (a file, an environment variable), not the credential: its value is a path or a name,
     which messages may show and a job may carry; the file or variable it names is never
     read into a message (a token verlite reads from one is registered, :func:`register_secret`)."""
-    parts = [part.lower() for part in _PART_BOUNDARY.split(name) if part]
+    parts = _name_parts(name)
     if not parts or _REFERENCE_PART.fullmatch(parts[-1]):
         return False
     return (
@@ -147,8 +153,7 @@ def holds_credential(key: str, value: Any, *, query: bool = False) -> bool:
 def _token_numbers(key: str, value: Any) -> bool:
     """Whether ``value`` (a config value, or an override's text) under ``key`` is a count of
     tokens or a list of token ids: numbers, not a credential."""
-    parts = [part.lower() for part in _PART_BOUNDARY.split(key) if part]
-    if not _NUMBERS_NAME.fullmatch(" ".join(parts)):
+    if not _NUMBERS_NAME.fullmatch(" ".join(_name_parts(key))):
         return False
     if isinstance(value, str):
         return bool(_NUMBERS_TEXT.fullmatch(value.strip()))

@@ -197,7 +197,7 @@ def plot_metrics(records: Sequence[Record], path: str | Path, *, title: str = ""
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=110)
     except OSError as exc:
-        raise UserError(f"--plot {shown(str(path))}: cannot write: {exc.strerror}") from None
+        raise _unwritable(path, exc.strerror) from None
 
 
 def check_plot_target(path: str | Path) -> Path:
@@ -212,14 +212,17 @@ def check_plot_target(path: str | Path) -> Path:
     try:  # the folder the missing ones would be made in
         folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
     except OSError as exc:  # a name too long for the file system
-        raise UserError(f"--plot {shown(str(path))}: cannot write: {exc.strerror}") from None
+        raise _unwritable(path, exc.strerror) from None
     if not folder.is_dir():
-        raise UserError(
-            f"--plot {shown(str(path))}: cannot write: {shown(str(folder))} is not a folder"
-        )
+        raise _unwritable(path, f"{shown(str(folder))} is not a folder")
     if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"--plot {shown(str(path))}: cannot write: permission denied")
+        raise _unwritable(path, "permission denied")
     return path
+
+
+def _unwritable(path: Path, why: str | None) -> UserError:
+    """The line for a --plot file that cannot be written, and ``why``."""
+    return UserError(f"--plot {shown(str(path))}: cannot write: {why}")
 
 
 def _draw_panel(axes: Any, records: Sequence[Record], keys: Sequence[str]) -> list[Any]:

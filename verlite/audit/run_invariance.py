@@ -147,6 +147,11 @@ def parse_layout(text: str) -> RunLayout:
     return RunLayout(roles[0], critic, reward)
 
 
+def _positive(count: str) -> bool:
+    """Whether a layout's ``count`` of workers or rows is a positive integer."""
+    return count.isdigit() and int(count) >= 1
+
+
 def _parse_reward(text: str, part: str) -> RewardLayout:
     fields = part.split(":")
     if len(fields) != 2:
@@ -154,9 +159,9 @@ def _parse_reward(text: str, part: str) -> RewardLayout:
             f"--layout {text!r}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/1:ddp:full/2:3"
         )
     workers, micro = fields
-    if not workers.isdigit() or int(workers) < 1:
+    if not _positive(workers):
         raise UserError(f"--layout {text!r}: reward workers {workers!r} must be a positive integer")
-    if micro != "full" and not (micro.isdigit() and int(micro) >= 1):
+    if micro != "full" and not _positive(micro):
         raise UserError(
             f"--layout {text!r}: reward micro {micro!r} must be a number of rows or full"
         )
@@ -200,13 +205,13 @@ def _parse_role(text: str, part: str) -> RoleLayout:
     if len(fields) != 3:
         raise UserError(f"--layout {text!r}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/2:ddp:dynamic")
     workers, strategy, micro = fields
-    if not workers.isdigit() or int(workers) < 1:
+    if not _positive(workers):
         raise UserError(f"--layout {text!r}: workers {workers!r} must be a positive integer")
     if strategy not in STRATEGIES:
         raise UserError(
             f"--layout {text!r}: strategy {strategy!r} must be one of {', '.join(STRATEGIES)}"
         )
-    if micro not in MICRO_LAYOUTS and not (micro.isdigit() and int(micro) >= 1):
+    if micro not in MICRO_LAYOUTS and not _positive(micro):
         raise UserError(
             f"--layout {text!r}: micro {micro!r} must be a number of rows, full, dynamic, "
             "packed or packed-dynamic"

@@ -252,7 +252,7 @@ def remove_folder(path: Path, *, ignore_errors: bool = False) -> None:
 def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
     """A fresh, empty ``step_N.tmp`` folder to write into."""
     tmp = checkpoint_root(output_dir) / f"step_{step}.tmp"
-    if tmp.exists() or tmp.is_symlink():
+    if os.path.lexists(tmp):
         remove_folder(tmp)
     tmp.mkdir(parents=True)
     return tmp
@@ -281,7 +281,7 @@ def commit_checkpoint(tmp: Path, *, keep: int) -> Path:
     final = placed_path(tmp)
     # The run this one resumed before saved this step (an earlier one stays), or its name is
     # a link leading nowhere, which the rename of a folder would not replace.
-    if final.exists() or final.is_symlink():
+    if os.path.lexists(final):
         _discard(final)
     os.replace(tmp, final)
     _sync(final.parent)  # the rename itself

@@ -12,6 +12,7 @@ session.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -369,7 +370,7 @@ class Trainer:
             )
             print(f"replacing {path} ({what}) with this run's policy", flush=True)
         mark.touch()  # until the export is whole: a run stopped before resumes to export
-        if path.exists() or path.is_symlink():
+        if os.path.lexists(path):
             remove_folder(path)  # none of its files may outlive it beside the new ones
         self.actor.call("export_hf", str(path))
         self.tokenizer.save_pretrained(path)

@@ -322,8 +322,6 @@ def cmd_metrics(args: argparse.Namespace) -> int:
         from verlite.jobs import read_job_metrics
 
         records = read_job_metrics(args.address, args.job)
-        if not records:
-            raise UserError(f"job {args.job!r} has logged no metrics yet")
         title = f"job {args.job}"
     else:
         if args.output_dir is None:

@@ -390,3 +390,15 @@ def test_a_users_print_of_a_record_does_not_replace_the_jobs_metrics(dashboard: 
     proc = verlite("metrics", "--job", "raysubmit_1", "--address", dashboard)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert "job 'raysubmit_1''s log line 4 logs step 1 after step 1 (" in proc.stderr
+
+
+def test_a_job_without_metrics_is_named_with_its_status(dashboard: str) -> None:
+    # The job's log holds no marked line: it ended before its first step, or is starting.
+    for status in ("FAILED", "RUNNING"):
+        Dashboard.answers["/api/jobs/raysubmit_1"] = (200, json.dumps({**JOB, "status": status}))
+        proc = verlite("metrics", "--job", "raysubmit_1", "--address", dashboard)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+        assert proc.stderr == (
+            f"verlite: error: job 'raysubmit_1' has logged no metrics (status {status}); "
+            "`verlite logs raysubmit_1` shows its output\n"
+        )

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from verlite.jobs.entrypoint import shown_command
 from verlite.jobs.resubmit import driver_died, links, resubmission
-from verlite.jobs.server import RETRY_S, JobServer, connect
+from verlite.jobs.server import RETRY_S, JobServer, connect, printable
 
 if TYPE_CHECKING:
     from verlite.jobs.submission import Submission
@@ -233,13 +233,6 @@ def cmd_stop(args: argparse.Namespace) -> int:
     else:
         print(f"{args.job_id} had already ended: {printable(server.info(args.job_id)['status'])}")
     return 0
-
-
-def printable(value: object) -> str:
-    """A value from the job server as one line of plain text: control characters (line
-    breaks, terminal escape sequences that would clear or retitle the terminal) escaped."""
-    text = str(value)
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _start_ms(job: dict[str, Any]) -> float | None:

@@ -86,8 +86,24 @@ def resolve_address(address: str | None) -> str:
 
 def read_job_metrics(address: str | None, job_id: str) -> list[Record]:
     """The metrics of job ``job_id`` on the cluster whose dashboard is at ``address``
-    (None: ``$RAY_ADDRESS``): what ``verlite metrics --job`` shows."""
-    return connect(address).metrics(job_id)
+    (None: ``$RAY_ADDRESS``): what ``verlite metrics --job`` shows. A job that has logged none
+    is refused in one line with its status: one still starting, or one that ended first."""
+    server = connect(address)
+    records = server.metrics(job_id)
+    if not records:
+        status = printable(server.info(job_id)["status"])
+        raise JobsError(
+            f"job {job_id!r} has logged no metrics (status {status}); "
+            f"`verlite logs {job_id}` shows its output"
+        )
+    return records
+
+
+def printable(value: object) -> str:
+    """A value from the job server as one line of plain text: control characters (line
+    breaks, terminal escape sequences that would clear or retitle the terminal) escaped."""
+    text = str(value)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def connect(address: str | None, *, retry_s: float = RETRY_S) -> JobServer:

@@ -12,6 +12,10 @@ tokens' log-probs (and entropies) computed from its hidden states by
 ``core.logits_chunks.chunked_log_probs``, ``model.logits_chunk_tokens`` tokens at a time
 (:func:`_head_log_probs`). It runs inside the model's own forward, where FSDP2 has
 the head's weight unsharded.
+
+No pass here keeps a KV cache (:func:`_forward`): a Hugging Face model's config asks for one
+by default, and the forward then builds a cache and copies every layer's keys and values
+into it, for nothing to read them again.
 """
 
 from __future__ import annotations
@@ -50,6 +54,12 @@ def _padded_inputs(td: TensorDict) -> dict[str, torch.Tensor]:
     }
 
 
+def _forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
+    """``model(**inputs)`` without a KV cache (``use_cache=False``): the same outputs, bit
+    for bit, without building a cache and copying each layer's keys and values into it."""
+    return model(**inputs, use_cache=False)
+
+
 def response_log_probs(
     model: nn.Module, td: TensorDict, *, temperature: float, with_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -84,7 +94,7 @@ def _head_log_probs(
     temperature: float,
     with_entropy: bool,
 ) -> torch.Tensor:
-    """``model(**inputs)`` with its LM head returning, for this one call, the
+    """``model(**inputs)`` (:func:`_forward`) with its LM head returning, for this one call, the
     ``chunked_log_probs`` of ``labels`` (the positions its input holds, in order) instead
     of logits: a fresh (1 or 2, tokens) tensor (FSDP2 warns of a view returned by its root
     module). The chunks call the head module itself, with its own forward restored: a peft
@@ -110,7 +120,7 @@ def _head_log_probs(
 
     head.forward = forward
     try:
-        stats: torch.Tensor = model(**inputs).logits
+        stats: torch.Tensor = _forward(model, inputs).logits
     finally:
         head.__dict__.pop("forward", None)
     # A model that changes the head's output (Gemma's logit soft-capping, Cohere's and
@@ -139,6 +149,7 @@ def response_values(model: nn.Module, td: TensorDict) -> torch.Tensor:
     """(b, r) values: the critic's estimate at the state before each response token."""
     packed = _packed(td)
     if packed is None:
-        values: torch.Tensor = model(**_padded_inputs(td), logits_to_keep=response_width(td) + 1)
+        inputs = {**_padded_inputs(td), "logits_to_keep": response_width(td) + 1}
+        values: torch.Tensor = _forward(model, inputs)
         return values[:, :-1]
-    return packed.to_rows(model(**packed.model_inputs())[0])
+    return packed.to_rows(_forward(model, packed.model_inputs())[0])

@@ -164,3 +164,18 @@ def test_a_rows_score_does_not_depend_on_how_many_rows_it_is_scored_with(
     alone = torch.cat([score_texts(model, [row], cpu) for row in ids])
     assert whole.dtype == torch.float32 and whole.unique().numel() > 32  # rows tell apart
     assert torch.equal(whole, alone)
+
+
+def test_scoring_keeps_no_kv_cache(reward_model: Path) -> None:
+    """The decoder under the score head is asked for no KV cache: its config asks for one by
+    default, which the scoring pass would build and fill for nothing to read."""
+    cfg = load_config(None, ["data.task=copy", f"reward.model.path={reward_model}"])
+    model = load_reward_model(cfg.reward.model, torch.float32)
+    base = getattr(model, model.base_model_prefix)
+    assert base.config.use_cache  # the default this guards against
+    seen: list[object] = []
+    base.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("use_cache")), with_kwargs=True
+    )
+    score_texts(model, [[1, 2, 3], [4, 5]], torch.device("cpu"))
+    assert seen == [False]

@@ -162,7 +162,8 @@ def score_texts(
     mask = (torch.arange(width) < lengths[:, None]).long()
     input_ids, mask, lengths = input_ids.to(device), mask.to(device), lengths.to(device)
     base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=mask).last_hidden_state
+    # No KV cache: a decoder's config asks for one, which the pass would build for nothing.
+    hidden = base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     last = hidden[torch.arange(len(ids), device=device), lengths - 1]
     # The score head in at least fp32 under any precision (its weights are kept so:
     # ``workers.reward_model``): the score is what training reads.

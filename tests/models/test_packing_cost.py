@@ -41,7 +41,7 @@ class CostLaw(nn.Module):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, **kwargs: object):
         packed = kwargs[KWARG]
         assert isinstance(packed, PackedAttention)
-        lengths = torch.cat([group.real.sum(1) for group in packed.groups]).double()
+        lengths = torch.cat([group.real[0].bincount() for group in packed.groups]).double()
         assert int(lengths.sum()) == input_ids.shape[1]
         cost = 1e-3 + self.per_token * float(lengths.sum())
         cost += self.per_square * float((lengths**2).sum())

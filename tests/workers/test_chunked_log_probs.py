@@ -64,7 +64,7 @@ def unchunked(model, td: TensorDict, *, temperature: float):
     if packed:
         rows = pack_rows(td)
         logits = model(**rows.model_inputs()).logits[0]
-        tokens = td["responses"][rows.real]
+        tokens = rows.from_rows(td["responses"])
     else:
         inputs = {k: td[k] for k in ("input_ids", "attention_mask", "position_ids")}
         logits = model(**inputs, logits_to_keep=response_width(td) + 1).logits[:, :-1]

@@ -115,7 +115,9 @@ def agg_loss(
 
 
 def _at_least_one(count: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(max(count, 1), dtype=like.dtype, device=like.device)
+    """``count`` (at least 1) as a 0-d tensor of ``like``'s dtype on its device, filled there:
+    ``torch.tensor`` would copy it from the host, and a GPU's copy waits for its queue."""
+    return torch.full((), max(count, 1), dtype=like.dtype, device=like.device)
 
 
 # --------------------------------------------------------------------------- policy loss

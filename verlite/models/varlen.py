@@ -12,7 +12,8 @@ no sequence of the row is longer than its window; a row with a longer one is ref
 start-up check, ``models.check_packing_supported``, refuses a run whose sequences could be).
 Lengths within a group differ by at most a factor of ``GROUP_SPREAD``, which bounds the
 attention spent on pads; the grouping is computed once per micro-batch
-(:class:`PackedAttention`), not per layer.
+(:class:`PackedAttention`), not per layer, and every index it needs with it: a layer only
+gathers, so it never waits for the device (a boolean mask as an index would, to count it).
 
 The attention function is registered with Hugging Face as ``verlite_varlen``; without the
 packed structure among a call's keyword arguments it is Hugging Face's SDPA attention,
@@ -24,6 +25,7 @@ other (a model whose attention ignores the structure is refused).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +47,9 @@ GROUP_SPREAD = 2**0.25  # the longest sequence of a group / its shortest, at mos
 @dataclass(frozen=True)
 class _Group:
     index: torch.Tensor  # (sequences, longest): packed positions, pads clamped to a real one
-    real: torch.Tensor  # (sequences, longest): which positions are real tokens
+    # (sequence, offset) of each real token of ``index``, in row-major order: what a
+    # (sequences, longest) mask of the real tokens selects, as the indices it stands for
+    real: tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,10 @@ class PackedAttention:
 
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor) -> PackedAttention:
-        """The structure of a row packing sequences of ``lengths`` (1-D, all > 0) in order."""
+        """The structure of a row packing sequences of ``lengths`` (1-D, all > 0) in order,
+        on the device of ``lengths``: build it from lengths on the CPU and move it
+        (:meth:`apply`), as ``workers.packing`` does, since each step here reads values
+        (``tolist``, ``nonzero``) and would wait for a GPU to finish its queue."""
         device = lengths.device
         starts = torch.cumsum(lengths, 0) - lengths
         # Lengths binned by a factor of GROUP_SPREAD: one group per occupied bin.
@@ -73,10 +80,18 @@ class PackedAttention:
             index = starts[members, None] + torch.minimum(
                 offsets[None, :], lengths[members, None] - 1
             )
-            groups.append(_Group(index, real))
+            rows, columns = real.nonzero().unbind(1)
+            groups.append(_Group(index, (rows, columns)))
         order = torch.cat([group.index[group.real] for group in groups])
         longest = max(int(group.index.shape[1]) for group in groups)
         return cls(tuple(groups), order, torch.argsort(order), longest)
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedAttention:
+        """The same structure with ``fn`` applied to each of its tensors (a copy to a device)."""
+        groups = tuple(
+            _Group(fn(group.index), (fn(group.real[0]), fn(group.real[1]))) for group in self.groups
+        )
+        return PackedAttention(groups, fn(self.order), fn(self.restore), self.longest)
 
 
 def varlen_attention(
@@ -170,7 +185,7 @@ def _check_confined(model: nn.Module, hf: PreTrainedModel) -> None:
     first, later = (torch.randint(vocab, (n,), generator=generator) for n in (5, 3))
     other = (first + 1) % vocab
     positions = torch.cat([torch.arange(n) for n in lengths.tolist()])[None].to(device)
-    packed = PackedAttention.from_lengths(lengths.to(device))
+    packed = PackedAttention.from_lengths(lengths).apply(lambda t: t.to(device))
 
     def run(tokens: torch.Tensor) -> torch.Tensor:
         out = model(

@@ -37,13 +37,18 @@ from verlite.workers.packing import PackedRows, pack_rows
 PACKED_KEY = "packed"
 
 
-def mark_packed(td: TensorDict) -> None:
-    """Have the forward passes over ``td`` run it packed."""
-    td.set_non_tensor(PACKED_KEY, True)
+def mark_packed(td: TensorDict, rows: PackedRows | None = None) -> None:
+    """Have the forward passes over ``td`` run it packed, as ``rows``: its packed row
+    (``pack_rows``), built from ``td`` itself when not given. The engine gives the row it
+    built on the CPU before copying ``td`` to the device (``train_engine.micro_batch``)."""
+    td.set_non_tensor(PACKED_KEY, pack_rows(td) if rows is None else rows)
 
 
 def _packed(td: TensorDict) -> PackedRows | None:
-    return pack_rows(td) if PACKED_KEY in set(td.keys()) else None
+    if PACKED_KEY not in set(td.keys()):
+        return None
+    rows: PackedRows = td.get_non_tensor(PACKED_KEY)
+    return rows
 
 
 def _padded_inputs(td: TensorDict) -> dict[str, torch.Tensor]:
@@ -74,7 +79,7 @@ def response_log_probs(
         labels = td["responses"]
     else:
         inputs = packed.model_inputs()
-        labels = td["responses"][packed.real]
+        labels = packed.from_rows(td["responses"])
     stats = _head_log_probs(
         model, inputs, labels, temperature=temperature, with_entropy=with_entropy
     )

@@ -10,11 +10,17 @@ attention stays within it (``verlite.models.varlen``). Response token ``j`` of r
 predicted at the position before it, as in the padded layout; only those positions go
 through the LM head or value head, and their outputs are scattered back to (b, r), zero
 where a row has no response token.
+
+The layout is computed from the micro-batch on the CPU, before it is copied to the device
+(``train_engine.micro_batch``), and copied with it (:meth:`PackedRows.apply`): computed on
+a GPU, its boolean indexing, ``nonzero`` and ``tolist`` each waited for the device to finish
+its queue. On the device, the forward and backward passes only gather and scatter by index.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -30,7 +36,8 @@ class PackedRows:
     position_ids: torch.Tensor  # (1, T)
     attention: PackedAttention
     predict: torch.Tensor  # (N,) the packed positions that predict a real response token
-    real: torch.Tensor  # (b, r) bool: the response tokens they predict
+    slots: torch.Tensor  # (N,) where the tokens they predict are in the flattened (b, r)
+    shape: torch.Size  # (b, r)
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of a causal LM (or ``ValueModel``) forward over the packed row,
@@ -44,12 +51,28 @@ class PackedRows:
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """(N,) outputs at the ``predict`` positions as (b, r), zero elsewhere."""
-        rows = values.new_zeros(self.real.shape)
-        return rows.masked_scatter(self.real, values)
+        rows = values.new_zeros(self.shape.numel())
+        return rows.index_copy(0, self.slots, values).view(self.shape)
+
+    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The (N,) entries of (b, r) ``rows`` at the tokens the ``predict`` positions predict."""
+        return rows.reshape(-1)[self.slots]
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedRows:
+        """The same packed row with ``fn`` applied to each of its tensors (a copy to a device)."""
+        return replace(
+            self,
+            input_ids=fn(self.input_ids),
+            position_ids=fn(self.position_ids),
+            attention=self.attention.apply(fn),
+            predict=fn(self.predict),
+            slots=fn(self.slots),
+        )
 
 
 def pack_rows(td: TensorDict) -> PackedRows:
-    """The packed row of a (trimmed) micro-batch in the step layout."""
+    """The packed row of a (trimmed) micro-batch in the step layout, on the device of ``td``
+    (the CPU, see the module's doc)."""
     mask = td["attention_mask"].bool()
     b, width = mask.shape
     prompt_width = width - response_width(td)
@@ -62,5 +85,6 @@ def pack_rows(td: TensorDict) -> PackedRows:
         position_ids=td["position_ids"][mask][None],
         attention=PackedAttention.from_lengths(mask.sum(1)),
         predict=predicting[real],
-        real=real,
+        slots=real.reshape(-1).nonzero().flatten(),
+        shape=real.shape,
     )

@@ -20,8 +20,9 @@ import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from tensordict import TensorDict
@@ -65,7 +66,9 @@ from verlite.step_batch import (
     trim_padding,
 )
 from verlite.workers.forward import mark_packed
+from verlite.workers.packing import pack_rows
 
+Copyable = TypeVar("Copyable", torch.Tensor, TensorDict)
 LossFn = Callable[[nn.Module, TensorDict], tuple[torch.Tensor, MetricDict]]
 InferFn = Callable[[nn.Module, TensorDict], dict[str, torch.Tensor]]
 
@@ -365,12 +368,25 @@ class TrainEngine:
 def micro_batch(
     td: TensorDict, rows: list[int], *, device: torch.device, packing: bool
 ) -> TensorDict:
-    """The micro-batch of ``rows``: trimmed to its own longest prompt and response, on
-    ``device``, and marked to run packed when ``packing``."""
-    micro = trim_padding(take_rows(td, rows)).to(device)
-    if packing:
-        mark_packed(micro)
+    """The micro-batch of ``rows`` of ``td`` (on the CPU): trimmed to its own longest prompt
+    and response, on ``device``, and with its packed row when ``packing``. The trimming
+    widths and the packed row are computed from the CPU copy, then copied (:func:`to_device`):
+    computed on a GPU, each would wait for it to finish the micro-batches queued before."""
+    micro = trim_padding(take_rows(td, rows))
+    packed = pack_rows(micro) if packing else None
+    micro = to_device(micro, device)
+    if packed is not None:
+        mark_packed(micro, packed.apply(partial(to_device, device=device)))
     return micro
+
+
+def to_device(value: Copyable, device: torch.device) -> Copyable:
+    """``value`` (a tensor or a TensorDict on the CPU) on ``device``; to a CUDA device it is
+    copied from pinned memory without waiting: the copy is queued on the current stream, so
+    the work queued after it reads it, and the host goes on to the next micro-batch."""
+    if device.type == "cuda":
+        return value.pin_memory().to(device, non_blocking=True)
+    return value.to(device)
 
 
 @torch.no_grad()
@@ -398,11 +414,11 @@ def infer(
             padded = pad_responses(value, micro, width) if value.dim() == 2 else value
             outputs.setdefault(key, []).append(padded)
     order = inverse_permutation(plan.real_parts)
-    restore = None if order == sorted(order) else torch.tensor(order)
+    restore = None if order == sorted(order) else to_device(torch.tensor(order), device)
     merged = {}
     for key, chunks in outputs.items():
         value = torch.cat(chunks)
-        merged[key] = value if restore is None else value[restore.to(value.device)]
+        merged[key] = value if restore is None else value[restore]
     return TensorDict(merged, batch_size=td.batch_size)
 
 

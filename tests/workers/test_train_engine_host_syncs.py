@@ -1,0 +1,181 @@
+"""The micro-batch loops of an update and of an inference pass, padded and packed, make no
+host sync on the device's tensors: no op whose result size or value the host must read
+(``.item()``/``.tolist()``/``bool()``, ``nonzero``, a boolean mask as an index,
+``masked_select``, ``unique``) and no tensor built from host values inside the loop (a
+blocking copy to a GPU). On a GPU each of these waits for the micro-batches queued before.
+
+There is no GPU here, so the test tracks which tensors would be on the device: the model's
+parameters and whatever ``train_engine.to_device`` copies, and every tensor an op computes
+from one of them. A sync op is counted when it reads such a tensor between the start of the
+loop and its end (the gradient clipping of an update, the row order of an inference pass);
+the CPU work of ``micro_batch`` before its copy reads none. Allowed: Hugging Face's own
+checks of a padded attention mask (``_ignore_causal_mask_sdpa``: whether the mask may be
+skipped) and its KV cache's empty start (``torch.tensor([])``: nothing to copy). After the
+loop an update still reads its gradient norm (finite or not) and its metrics, once each.
+"""
+
+import traceback
+from functools import partial
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from verlite.audit.invariance import make_batch
+from verlite.config import load_config
+from verlite.models import build_policy, build_value_model
+from verlite.workers import train_engine
+from verlite.workers.forward import response_log_probs, response_values
+from verlite.workers.objectives import ActorLossSettings, CriticLossSettings, ppo_loss, value_loss
+
+CONFIG = load_config("configs/ppo_tiny.yaml", ["actor.use_kl_loss=true"])
+LAYOUTS = {
+    "padded": {"micro_batch_size_per_worker": 3},
+    "packed": {"packing": True, "use_dynamic_bsz": True, "max_token_len_per_worker": 40},
+}
+aten = torch.ops.aten
+# Ops whose result the host reads, or whose size depends on the values.
+SYNCS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.masked_scatter_backward.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+    aten.equal.default,
+    aten.is_nonzero.default,
+}
+INDEXING = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+}
+ALLOWED = {
+    ("transformers/masking_utils.py", "_ignore_causal_mask_sdpa"),
+    ("transformers/cache_utils.py", "lazy_initialization"),
+}
+
+
+class DeviceSyncs(TorchDispatchMode):
+    """Records the host syncs on (would-be) device tensors inside the micro-batch loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on_device: dict[int, torch.Tensor] = {}  # by id, kept alive: ids stay unique
+        self.in_loop = False
+        self.in_micro_batch = False
+        self.hits: list[tuple[str, list[traceback.FrameSummary]]] = []
+
+    def put(self, value):
+        for leaf in tree_flatten(value)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.on_device[id(leaf)] = leaf
+        return value
+
+    def _reads_device(self, args, kwargs) -> bool:
+        leaves = tree_flatten((args, kwargs))[0]
+        return any(isinstance(x, torch.Tensor) and id(x) in self.on_device for x in leaves)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = self._reads_device(args, kwargs)
+        out = func(*args, **kwargs)
+        if device:
+            self.put(out)
+        if self.in_loop and self._syncs(func, args, device):
+            self.hits.append((str(func), traceback.extract_stack()[:-1]))
+        return out
+
+    def _syncs(self, func, args, device: bool) -> bool:
+        if func is aten.lift_fresh.default:  # torch.tensor(...): a copy from the host
+            return not self.in_micro_batch
+        if func in INDEXING:
+            return device and any(i is not None and i.dtype == torch.bool for i in args[1])
+        return device and func in SYNCS
+
+
+def unexpected(hits) -> list[str]:
+    """The hits outside ``ALLOWED``, each with the last frames of verlite or the test."""
+    found = []
+    for op, stack in hits:
+        if any(
+            f.filename.endswith(path) and f.name == name for f in stack for path, name in ALLOWED
+        ):
+            continue
+        ours = [f for f in stack if "/verlite/" in f.filename or "/tests/" in f.filename]
+        found.append(op + " at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(ours[-4:])))
+    return found
+
+
+@pytest.fixture
+def syncs(monkeypatch):
+    mode = DeviceSyncs()
+
+    def copied(value, device):
+        copy = value.clone()
+        if isinstance(copy, TensorDict):
+            mode.put(list(copy.values(include_nested=True, leaves_only=True)))
+        return mode.put(copy)
+
+    def micro_batch(*args, **kwargs):
+        mode.in_loop = mode.in_micro_batch = True
+        try:
+            return real_micro_batch(*args, **kwargs)
+        finally:
+            mode.in_micro_batch = False
+
+    def loop_ended(real):
+        def call(*args, **kwargs):
+            mode.in_loop = False
+            return real(*args, **kwargs)
+
+        return call
+
+    real_micro_batch = train_engine.micro_batch
+    monkeypatch.setattr(train_engine, "to_device", copied)
+    monkeypatch.setattr(train_engine, "micro_batch", micro_batch)
+    monkeypatch.setattr(train_engine, "clip_grad_norm", loop_ended(train_engine.clip_grad_norm))
+    monkeypatch.setattr(
+        train_engine, "inverse_permutation", loop_ended(train_engine.inverse_permutation)
+    )
+    return mode
+
+
+def engines(layout: str, mode: DeviceSyncs):
+    cfg = CONFIG.actor.model_copy(update=LAYOUTS[layout])
+    kwargs = {"vocab_size": 64, "max_positions": CONFIG.max_sequence_length, "seed": 0}
+    built = []
+    for build, prefix in ((build_policy, "actor"), (build_value_model, "critic")):
+        engine = train_engine.TrainEngine(
+            build(CONFIG.model, **kwargs), cfg=cfg, total_updates=1, metric_prefix=prefix
+        )
+        mode.put([*engine.model.parameters(), *engine.model.buffers()])
+        built.append(engine)
+    return built
+
+
+def log_probs(model, td):
+    return {"log_probs": response_log_probs(model, td, temperature=1.0, with_entropy=False)[0]}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_micro_batch_loops_wait_for_no_device_value(layout: str, syncs) -> None:
+    actor, critic = engines(layout, syncs)
+    batch = make_batch(CONFIG)
+    with syncs:
+        actor.train_mini_batch(
+            batch, partial(ppo_loss, settings=ActorLossSettings.from_config(CONFIG.actor))
+        )
+        critic.train_mini_batch(
+            batch, partial(value_loss, settings=CriticLossSettings.from_config(CONFIG.critic))
+        )
+        actor.infer(batch, log_probs)
+        critic.infer(batch, lambda model, td: {"values": response_values(model, td)})
+    assert unexpected(syncs.hits) == []
+    if layout == "padded":  # the tracking sees syncs on the device: Hugging Face's allowed ones
+        assert syncs.hits

@@ -8,9 +8,11 @@ There is no GPU here, so the test tracks which tensors would be on the device: t
 parameters and whatever ``train_engine.to_device`` copies, and every tensor an op computes
 from one of them. A sync op is counted when it reads such a tensor between the start of the
 loop and its end (the gradient clipping of an update, the row order of an inference pass);
-the CPU work of ``micro_batch`` before its copy reads none. Allowed: Hugging Face's own
-checks of a padded attention mask (``_ignore_causal_mask_sdpa``: whether the mask may be
-skipped) and its KV cache's empty start (``torch.tensor([])``: nothing to copy). After the
+the CPU work of ``micro_batch`` before its copy reads none. Allowed, Hugging Face's own, once
+per forward: its checks of a padded attention mask (``_ignore_causal_mask_sdpa``: whether
+the mask may be skipped), of a packed row's positions when the model keeps no KV cache
+(``find_packed_sequence_indices``, with activation checkpointing, which turns the cache
+off), and its KV cache's empty start (``torch.tensor([])``: nothing to copy). After the
 loop an update still reads its gradient norm (finite or not) and its metrics, once each.
 """
 
@@ -34,6 +36,11 @@ CONFIG = load_config("configs/ppo_tiny.yaml", ["actor.use_kl_loss=true"])
 LAYOUTS = {
     "padded": {"micro_batch_size_per_worker": 3},
     "packed": {"packing": True, "use_dynamic_bsz": True, "max_token_len_per_worker": 40},
+    "packed-checkpointed": {
+        "packing": True,
+        "micro_batch_size_per_worker": 5,
+        "gradient_checkpointing": True,
+    },
 }
 aten = torch.ops.aten
 # Ops whose result the host reads, or whose size depends on the values.
@@ -57,6 +64,7 @@ INDEXING = {
 }
 ALLOWED = {
     ("transformers/masking_utils.py", "_ignore_causal_mask_sdpa"),
+    ("transformers/masking_utils.py", "find_packed_sequence_indices"),
     ("transformers/cache_utils.py", "lazy_initialization"),
 }
 

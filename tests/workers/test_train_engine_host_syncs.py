@@ -10,9 +10,8 @@ from one of them. A sync op is counted when it reads such a tensor between the s
 loop and its end (the gradient clipping of an update, the row order of an inference pass);
 the CPU work of ``micro_batch`` before its copy reads none. Allowed, Hugging Face's own, once
 per forward: its checks of a padded attention mask (``_ignore_causal_mask_sdpa``: whether
-the mask may be skipped), of a packed row's positions when the model keeps no KV cache
-(``find_packed_sequence_indices``, with activation checkpointing, which turns the cache
-off), and its KV cache's empty start (``torch.tensor([])``: nothing to copy). After the
+the mask may be skipped) and of a packed row's positions (``find_packed_sequence_indices``,
+which it runs when the pass keeps no KV cache, as none of verlite's passes does). After the
 loop an update still reads its gradient norm (finite or not) and its metrics, once each.
 """
 
@@ -65,7 +64,6 @@ INDEXING = {
 ALLOWED = {
     ("transformers/masking_utils.py", "_ignore_causal_mask_sdpa"),
     ("transformers/masking_utils.py", "find_packed_sequence_indices"),
-    ("transformers/cache_utils.py", "lazy_initialization"),
 }
 
 

@@ -170,6 +170,27 @@ def test_credentials_in_a_url_s_query_are_masked_by_the_parameter_s_name() -> No
         assert redact_text(text) == text
 
 
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        # A list's repr, quoted and not; a dict's; a URL in brackets, in braces, in prose.
+        ("['http://h/x?token=abc123def', 'y']", "['http://h/x?token=***', 'y']"),
+        ("[http://h/x?token=abc123def, y]", "[http://h/x?token=***, y]"),
+        ("[http://h/x?token=abc123def]", "[http://h/x?token=***]"),
+        ("{url: http://h/?key=v}", "{url: http://h/?key=***}"),
+        ("{'url': http://h/?key=abc123def, 'n': 2}", "{'url': http://h/?key=***, 'n': 2}"),
+        ("see http://h/?sig=abc123def, then retry", "see http://h/?sig=***, then retry"),
+        ("ends with http://h/?sig=abc123def,", "ends with http://h/?sig=***,"),
+        # A comma within the value is the value's, masked with it.
+        ("http://h/?token=abc,def&x=1", "http://h/?token=***&x=1"),
+    ],
+)
+def test_a_masked_query_value_ends_where_enclosing_text_resumes(text: str, masked: str) -> None:
+    # A query value stops at a closing bracket or brace and at a comma that ends it: the
+    # text around a URL keeps its delimiters.
+    assert redact_text(text) == masked
+
+
 def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
     register_secret(SECRET)
     config = {

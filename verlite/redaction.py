@@ -206,10 +206,17 @@ _AUTH_HEADER = re.compile(
 _BEARER = re.compile(rf"(?i)(bearer\s+){_CREDENTIAL}")
 # A URL's query parameter (``?name=value``, ``&name=value``; ``&amp;name=`` as HTML writes
 # it), its value up to the next parameter, the fragment, a space, a quote, a tag, a
-# closing parenthesis (a message quotes or encloses the URL) or a backslash (a JSON line's
-# escaped quote, kept whole): masked when it holds a credential (:func:`secret_query_names`'s
-# rule: ``?api_key=``, ``&sig=``, not ``&max_tokens=512``).
-_QUERY_PARAMETER = re.compile(r"([?&;]([^?&;=#\s'\"`<>()\\]+)=)((?!\*\*\*)[^&;#\s'\"`<>)\\]+)")
+# closing parenthesis, bracket or brace (a message quotes or encloses the URL: a Python
+# list's or dict's repr, unquoted text's ``[url]``, ``{url: ...}``), a comma that no value
+# character follows (one that separates the URL from what comes next: ``[url, x]``; a comma
+# within the value, ``?token=ab,cd``, is the value's) or a backslash (a JSON line's escaped
+# quote, kept whole): masked when it holds a credential (:func:`secret_query_names`'s rule:
+# ``?api_key=``, ``&sig=``, not ``&max_tokens=512``).
+_QUERY_VALUE_CHARACTER = r"[^&;#\s'\"`<>)\]},\\]"
+_QUERY_PARAMETER = re.compile(
+    rf"([?&;]([^?&;=#\s'\"`<>()\\]+)=)"
+    rf"((?!\*\*\*){_QUERY_VALUE_CHARACTER}+(?:,{_QUERY_VALUE_CHARACTER}+)*)"
+)
 
 
 def _mask_query(match: re.Match[str]) -> str:

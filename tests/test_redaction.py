@@ -584,3 +584,26 @@ def test_a_line_reads_the_environment_s_names_once_not_each_time(
     for _ in range(3):
         assert redact_text(line) == "step 3: actor/pg_loss=0.12 ***\n"
     assert CountingSplit.calls == 0
+
+
+def test_the_environment_is_read_again_once_it_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The environment's credentials are kept between lines, read again when a variable is
+    # added, changed or removed after the first line (a Ray worker's runtime env, a test's).
+    names: list[str] = []
+
+    def counting(name: str) -> bool:
+        names.append(name)
+        return credential_named(name)
+
+    monkeypatch.setattr(redaction, "credential_named", counting)
+    monkeypatch.delenv("LATE_SERVICE_TOKEN", raising=False)
+    assert redact_text("late-secret-value") == "late-secret-value"
+    names.clear()
+    assert redact_text("late-secret-value") == "late-secret-value"
+    assert names == []  # unchanged: not walked again
+    monkeypatch.setenv("LATE_SERVICE_TOKEN", "late-secret-value")
+    assert redact_text("late-secret-value") == "***"
+    monkeypatch.setenv("LATE_SERVICE_TOKEN", "other-secret-value")
+    assert redact_text("late-secret-value other-secret-value") == "late-secret-value ***"
+    monkeypatch.delenv("LATE_SERVICE_TOKEN")
+    assert redact_text("other-secret-value") == "other-secret-value"

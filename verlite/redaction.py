@@ -80,9 +80,9 @@ def _name_parts(name: str) -> list[str]:
     return [part.lower() for part in _PART_BOUNDARY.split(name) if part]
 
 
-# Cached: every line a process prints asks it of each name in its environment
-# (:func:`secrets_in_environment`), which parsed them all again for each line (about 1 ms a
-# line in an environment of 135 variables, on a worker's every print and log record).
+# Cached: every read of the environment asks it of each name there
+# (:func:`secrets_in_environment`, again whenever the environment changes), which parsed
+# them all again each time (about 1 ms in an environment of 135 variables).
 @functools.lru_cache(maxsize=4096)
 def credential_named(name: str, *, query: bool = False) -> bool:
     """Whether ``name`` (a config key, an environment variable, a URL's query parameter, an
@@ -224,16 +224,33 @@ def _mask_query(match: re.Match[str]) -> str:
     return match[1] + MASK if held else match[0]
 
 
-def secrets_in_environment() -> list[str]:
+# The environment :func:`secrets_in_environment` last read (a copy of ``os.environ``'s
+# encoded contents, which every change to ``os.environ`` updates) and its credentials: every
+# line a process prints or logs asks for them, and walking the environment (decoding each
+# name and value) took a hundred times as long as comparing it with the copy does.
+_environment: tuple[dict[Any, Any], tuple[str, ...]] = ({}, ())
+
+
+def secrets_in_environment() -> tuple[str, ...]:
     """Values of environment variables named like credentials (``RAY_AUTH_TOKEN``,
     ``MLFLOW_TRACKING_PASSWORD``, ``WANDB_API_KEY``, ...): what no message may show, whoever
     wrote it (a user's reward function may quote one in its exception). Values shorter than
-    :data:`MIN_SECRET_LENGTH` are switches, not credentials."""
-    return [
-        value
-        for name, value in os.environ.items()
-        if credential_named(name) and len(value) >= MIN_SECRET_LENGTH
-    ]
+    :data:`MIN_SECRET_LENGTH` are switches, not credentials. Read again whenever
+    ``os.environ`` differs from the environment they were read from."""
+    global _environment
+    contents = os.environ._data  # type: ignore[attr-defined]
+    read, secrets = _environment
+    if contents != read:
+        # Copied first: a change made while the variables are walked differs from the copy,
+        # and the next call reads them again.
+        read = dict(contents)
+        secrets = tuple(
+            value
+            for name, value in os.environ.items()
+            if credential_named(name) and len(value) >= MIN_SECRET_LENGTH
+        )
+        _environment = read, secrets
+    return secrets
 
 
 def _forms(secret: str) -> set[str]:

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from urllib.parse import quote
 
@@ -607,3 +608,126 @@ def test_the_environment_is_read_again_once_it_changes(monkeypatch: pytest.Monke
     assert redact_text("late-secret-value other-secret-value") == "late-secret-value ***"
     monkeypatch.delenv("LATE_SERVICE_TOKEN")
     assert redact_text("other-secret-value") == "other-secret-value"
+
+
+class _FailingWorker:
+    """A worker's methods as they fail, the credential built at run time (a traceback
+    quotes the source line that raised, which holds none)."""
+
+    @staticmethod
+    def make() -> type:
+        from verlite.controller import Worker
+
+        class Failing(Worker):
+            def __init__(self, *, fail: bool = False, **kwargs: object) -> None:
+                if fail:
+                    raise ValueError("cannot load from " + os.environ["SCORER_API_KEY"])
+                super().__init__(**kwargs)  # type: ignore[arg-type]
+
+            def score(self, url: str) -> None:
+                try:
+                    raise TimeoutError(os.environ["SCORER_API_KEY"])
+                except TimeoutError:  # the context; the cause another
+                    failure = ConnectionError(f"cannot reach {url}")
+                    failure.request = {"url": url}  # type: ignore[attr-defined]
+                    failure.add_note(f"asked {url}")
+                    raise failure from KeyError(os.environ["SCORER_API_KEY"])
+
+            def read(self) -> None:
+                Path("/nonexistent", os.environ["SCORER_API_KEY"]).read_text()
+
+        class Subclass(Failing):
+            pass
+
+        return Subclass
+
+
+def test_what_a_worker_raises_leaves_it_masked_with_its_type_and_chain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ray keeps a failed call's exception and the traceback it formats from it (its text in
+    # the dashboard's task table, the pickled exception carried to the driver) as the worker
+    # raised them: masked there, at the source, whoever prints them.
+    import ray
+    from ray.exceptions import RayTaskError
+
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-" + "42-value")
+    url = "https://h/score?token=" + "abc123" + "def"
+    worker = _FailingWorker.make()(role="r", rank=0, world_size=1, torch_threads=1)
+    with pytest.raises(ConnectionError) as raised:  # its own type, for whoever matches it
+        worker.score(url)
+    error = raised.value
+    assert str(error) == "cannot reach https://h/score?token=***"
+    assert error.request == {"url": "https://h/score?token=***"}  # type: ignore[attr-defined]
+    assert isinstance(error.__cause__, KeyError) and error.__cause__.args == ("***",)
+    assert isinstance(error.__context__, TimeoutError) and error.__context__.args == ("***",)
+    assert error.__suppress_context__  # as raised: the cause shown, not the context
+    # What Ray builds in the worker: the traceback (cause and notes in it), the error whole.
+    text = "".join(traceback.format_exception(error))
+    assert (
+        "in score" in text
+        and "KeyError: '***'" in text
+        and "asked https://h/score?token=***" in text
+    )
+    stored = RayTaskError("score", text, error, proctitle="ray::Failing", pid=1, ip="127.0.0.1")
+    for what in (text, str(stored), ray.cloudpickle.dumps(stored).decode("latin-1")):
+        assert "envsecret" not in what and "abc123def" not in what
+    # A built-in exception's own fields (an OSError's file name), its type kept.
+    with pytest.raises(FileNotFoundError, match=r"'/nonexistent/\*\*\*'"):
+        worker.read()
+    # The constructor's failure, which Ray keeps as the actor's death.
+    with pytest.raises(ValueError, match=r"^cannot load from \*\*\*$"):
+        _FailingWorker.make()(fail=True)
+
+
+def test_masking_what_workers_raise_keeps_their_classes_method_order() -> None:
+    # As ActorWorker(TrainingWorker, PolicyWorker): the constructor of the second base runs,
+    # not one the first base only inherits.
+    from verlite.controller import Worker
+
+    class Trains(Worker):
+        def update(self) -> None: ...
+
+    class Holds(Worker):
+        def __init__(self, *, cfg: str, **kwargs: object) -> None:
+            super().__init__(**kwargs)  # type: ignore[arg-type]
+            self.cfg = cfg
+
+    class Both(Trains, Holds):
+        pass
+
+    assert Both(cfg="c", role="r", rank=0, world_size=1, torch_threads=1).cfg == "c"
+
+
+def test_an_exception_whose_text_masking_cannot_reach_becomes_a_masked_runtime_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-" + "42-value")
+
+    class Reply:
+        text = "denied for " + os.environ["SCORER_API_KEY"]
+
+    class ServiceError(Exception):
+        def __init__(self, reply: Reply) -> None:
+            super().__init__()
+            self.reply = reply
+
+        def __str__(self) -> str:
+            return self.reply.text
+
+    try:
+        raise ServiceError(Reply())
+    except ServiceError as error:
+        masked = redaction.redact_exception(error)
+    assert type(masked) is RuntimeError
+    assert str(masked).endswith("ServiceError: denied for ***")
+    assert masked.__traceback__ is not None and "envsecret" not in "".join(
+        traceback.format_exception(masked)
+    )
+    # As the cause of another, replaced there; a context shown beside the cause stays shown.
+    outer = ValueError("scoring failed")
+    outer.__cause__, outer.__context__ = ServiceError(Reply()), KeyError("k")
+    outer.__suppress_context__ = False
+    assert redaction.redact_exception(outer) is outer
+    assert str(outer.__cause__).endswith("ServiceError: denied for ***")
+    assert outer.__suppress_context__ is False

@@ -9,26 +9,22 @@ import importlib.metadata
 from collections.abc import Callable
 from types import ModuleType
 
-from verlite.redaction import redact_text
-
-
-def _redacted(args: tuple[object, ...]) -> tuple[object, ...]:
-    # A message names what failed, and may quote what a server or a user's code said: the
-    # credentials in it are masked when it is made, wherever it is shown later.
-    return tuple(redact_text(arg) if isinstance(arg, str) else arg for arg in args)
+from verlite.redaction import redact_text, redact_values
 
 
 class _OneLine(Exception):
     """A failure the command line reports as its one-line message, credentials masked."""
 
     def __init__(self, *args: object) -> None:
-        super().__init__(*_redacted(args))
+        # A message names what failed, and may quote what a server or a user's code said:
+        # the credentials in it are masked when it is made, wherever it is shown later.
+        super().__init__(*redact_values(args))
 
     def then(self, next_step: str) -> None:
         """Follow this failure's message with ``next_step``: what a new run of the output
         folder does, which the driver, knowing the folder, adds as the failure leaves the
         run (``driver.run.run``)."""
-        self.args = _redacted((f"{self}; {next_step}",))
+        self.args = (redact_text(f"{self}; {next_step}"),)
 
 
 class UserError(_OneLine, ValueError):

@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import html
+import inspect
 import json
 import logging
 import os
 import re
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import parse_qsl, quote, unquote_plus, urlsplit
@@ -297,6 +299,61 @@ def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) ->
     text = _AUTH_HEADER.sub(r"\1" + MASK, text)
     text = _QUERY_PARAMETER.sub(_mask_query, text)
     return redact_url(_BEARER.sub(r"\1" + MASK, text))
+
+
+def redact_values(value: Any) -> Any:
+    """``value`` with every text in it as :func:`redact_text` leaves it: a string, and the
+    strings in lists, tuples and dicts (an exception's arguments and attributes); anything
+    else as it is."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, list | tuple):
+        return type(value)(redact_values(item) for item in value)
+    if isinstance(value, dict):
+        return {key: redact_values(item) for key, item in value.items()}
+    return value
+
+
+def redact_exception(error: BaseException) -> BaseException:
+    """``error`` as it may leave this process (Ray keeps a failed call's exception in the
+    worker, pickled, with the traceback Ray formats from it, and shows its text in the
+    dashboard): its arguments and attributes (:func:`redact_values`; PEP 678 notes among
+    them; the text fields of built-in exceptions: an ``OSError``'s file names) and those of
+    the exceptions it chains (its cause and context) masked in place, so its type and all it
+    carries stay. One whose text still holds a credential (a ``__str__`` of its own that
+    reads what masking cannot reach) becomes a ``RuntimeError`` of that text masked, its
+    type named first, with its traceback, cause and context."""
+    return _redact_chained(error, set())
+
+
+def _redact_chained(error: BaseException, seen: set[int]) -> BaseException:
+    if id(error) in seen:
+        return error
+    seen.add(id(error))
+    # Setting a cause suppresses the context: the flag is kept as it was.
+    suppress = error.__suppress_context__
+    if error.__cause__ is not None:
+        error.__cause__ = _redact_chained(error.__cause__, seen)
+    if error.__context__ is not None:
+        error.__context__ = _redact_chained(error.__context__, seen)
+    error.__suppress_context__ = suppress
+    error.args = redact_values(error.args)
+    attributes = vars(error)
+    for name, value in attributes.items():
+        attributes[name] = redact_values(value)
+    # The fields of built-in exceptions (an OSError's file names, an ImportError's path),
+    # those a read-only field holds left to the check below.
+    for name, _ in inspect.getmembers(type(error), inspect.ismemberdescriptor):
+        if isinstance(value := getattr(error, name, None), str | list | tuple | dict):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(error, name, redact_values(value))
+    text = "".join(traceback.format_exception_only(error)).strip()
+    if (masked := redact_text(text)) == text:
+        return error
+    replacement = RuntimeError(masked).with_traceback(error.__traceback__)
+    replacement.__cause__, replacement.__context__ = error.__cause__, error.__context__
+    replacement.__suppress_context__ = suppress
+    return replacement
 
 
 class _RedactedStream:

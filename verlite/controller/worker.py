@@ -9,7 +9,10 @@ address and has every rank join the process group concurrently (as Ray Train doe
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -22,11 +25,48 @@ from verlite.distributed import (
     init_process_group,
 )
 from verlite.memory import retain_freed_memory
-from verlite.redaction import redact_process_output
+from verlite.redaction import redact_exception, redact_process_output
 
 
+def _masking_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, raising what it raises with credentials masked (:func:`redact_exception`)."""
+
+    @functools.wraps(method)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except Exception as error:
+            masked = redact_exception(error)
+            if masked is error:
+                raise
+        raise masked
+
+    return call
+
+
+def _masked_raises(cls: type[Worker]) -> type[Worker]:
+    """``cls`` with the constructor and public methods it defines itself wrapped by
+    :func:`_masking_errors` (what it inherits is wrapped where it is defined: a copy here
+    would shadow the classes after it in a subclass's method order)."""
+    for name, method in list(vars(cls).items()):
+        if (name == "__init__" or not name.startswith("_")) and inspect.isfunction(method):
+            setattr(cls, name, _masking_errors(method))
+    return cls
+
+
+@_masked_raises
 class Worker:
-    """One rank of a worker group; subclasses add the role's methods (e.g. ``update_actor``)."""
+    """One rank of a worker group; subclasses add the role's methods (e.g. ``update_actor``).
+
+    What its constructor and public methods (those a group calls) raise leaves them with
+    credentials masked (:func:`verlite.redaction.redact_exception`): Ray keeps a failed
+    call's exception and traceback as the worker raised them, carries them to the driver and
+    shows them in its dashboard, past every stream and log record the worker masks.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _masked_raises(cls)
 
     def __init__(
         self,

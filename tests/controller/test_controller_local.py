@@ -5,6 +5,7 @@ leave nothing behind, resource errors, and the placement report."""
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -155,6 +156,25 @@ def test_embedded_ray_is_loopback_only() -> None:
     nodes = ray.nodes()
     assert [n["NodeManagerAddress"] for n in nodes] == ["127.0.0.1"]
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
+
+
+def test_embedded_ray_refuses_a_client_without_its_token() -> None:
+    # Ray starts the cluster of a ray.init without an address with token authentication
+    # (RAY_AUTH_MODE unset: on, the token in ~/.ray/auth_token, made there when missing), and
+    # verlite keeps it so: another process of this machine reaches the loopback ports, not
+    # the cluster.
+    gcs = ray.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    code = f"from verlite.controller.session import start_ray; start_ray({gcs!r})"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode != 0
+    assert "refused this driver's authentication token" in done.stderr
 
 
 def test_workers_of_the_embedded_ray_inherit_their_environment(pair: WorkerGroup) -> None:

@@ -27,10 +27,12 @@ def test_a_step_keeps_the_first_varied_groups_in_draw_order() -> None:
 
 def test_the_overlong_penalty_falls_linearly_over_the_buffer() -> None:
     lengths = torch.tensor([0, 10, 12, 13, 15, 16])
-    penalty = overlong_penalty(lengths, limit=16, buffer=4, factor=2.0)
+    penalty = overlong_penalty(lengths, limit=16, buffer=4, factor=2.0, dtype=torch.float32)
     # none up to limit - buffer = 12 tokens, then -factor * (length - 12) / 4
     assert penalty.tolist() == [0.0, 0.0, 0.0, -0.5, -1.5, -2.0]
-    assert overlong_penalty(lengths, limit=16, buffer=16, factor=1.0)[-1] == -1.0
+    assert (
+        overlong_penalty(lengths, limit=16, buffer=16, factor=1.0, dtype=torch.float32)[-1] == -1.0
+    )
     for buffer in (0, 17):
         with pytest.raises(ValueError, match=r"overlong buffer must be in \[1, 16\]"):
-            overlong_penalty(lengths, limit=16, buffer=buffer, factor=1.0)
+            overlong_penalty(lengths, limit=16, buffer=buffer, factor=1.0, dtype=torch.float32)

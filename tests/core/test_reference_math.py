@@ -441,10 +441,12 @@ def test_truncated_is_weights_match_the_reference() -> None:
 def test_dapo_overlong_penalty_and_dynamic_sampling_match_the_paper() -> None:
     limit, buffer = 20, 6
     lengths = torch.arange(0, limit + 1)
-    got = overlong_penalty(lengths, limit=limit, buffer=buffer, factor=1.0)
-    for length, value in zip(lengths.tolist(), got.tolist(), strict=True):  # DAPO eq. 13
-        want = 0.0 if length <= limit - buffer else ((limit - buffer) - length) / buffer
-        assert math.isclose(value, want, abs_tol=1e-6)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-15)):  # in the scores' dtype
+        got = overlong_penalty(lengths, limit=limit, buffer=buffer, factor=1.0, dtype=dtype)
+        assert got.dtype == dtype
+        for length, value in zip(lengths.tolist(), got.tolist(), strict=True):  # DAPO eq. 13
+            want = 0.0 if length <= limit - buffer else ((limit - buffer) - length) / buffer
+            assert math.isclose(value, want, abs_tol=tol)
     scores = torch.tensor([1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 1.0])
     assert tied_groups(scores, 3).tolist() == [False, True, False]
     assert chosen_groups(torch.tensor([True, False, True, False]), 3) == ([0, 1, 3], 1)

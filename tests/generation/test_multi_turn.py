@@ -324,6 +324,8 @@ def test_trajectories_end_on_done_failure_turns_and_room() -> None:
     batch, _, tokenizer, _, _ = run(envs, max_turns=3)
     assert batch["turns"].tolist()[:2] == [1.0, 2.0]
     assert batch["env_score"].tolist()[:2] == [0.25, 0.0]  # a failed tool scores 0
+    # whole (the scorer casts it to the run's score dtype); mutation: a float32 column
+    assert batch["env_score"].dtype == torch.float64
     assert batch["tool_error"].tolist() == [0.0, 1.0, 0.0, 0.0]
     # Rows 2 and 3 never hear "done": each ends the sequence itself (not truncated) or runs
     # out of its 3 turns (truncated).

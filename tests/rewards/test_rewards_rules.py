@@ -7,9 +7,10 @@ from re import _parser as sre_parse
 from typing import Any
 
 import pytest
+import torch
 from scorer_support import byte_tokenizer, step_batch
 
-from verlite.config import Config
+from verlite.config import Config, load_config
 from verlite.driver.scorer import Scorer
 from verlite.rewards import REWARDS, digit_match, exact_match, gsm8k, resolve_reward, rules
 from verlite.rewards.rules import Gsm8kReward
@@ -112,6 +113,27 @@ def test_a_step_counts_its_responses_without_a_gsm8k_answer() -> None:
         {"reward/fn/mean": 0.0, "reward/gsm8k/no_answer": 1.0},
     ]
     assert shared.counts() == shared_before
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp64", torch.float64), ("fp32", torch.float32)])
+def test_the_scorer_gives_scores_in_the_runs_dtype(precision: str, dtype: torch.dtype) -> None:
+    """An fp64 run's scores are float64 (a reward function's, and an environment's reward
+    from its float64 column): a score rounded to float32 could round apart under another
+    reward layout. Every other run's are float32, as before. Mutation: float32 scores in
+    every run (``Scorer.score``) fail the fp64 case."""
+    cfg = load_config(None, ["data.task=copy", f"model.precision={precision}"])
+    tokenizer = byte_tokenizer()
+    scorer = Scorer(cfg, tokenizer, reward_fn=lambda *_: 1 / 3, remote=None, reward_model=None)
+    scores, _ = scorer.score(
+        step_batch(tokenizer, ["72", "71"], [0, 0]), [{"prompt": "", "answer": ""}]
+    )
+    batch = step_batch(tokenizer, ["72"], [0])
+    batch["env_score"] = torch.tensor([1 / 3], dtype=torch.float64)  # multi-turn's column
+    env, _ = scorer.score(batch, [])
+    for got in (scores, env):
+        assert got.dtype == dtype and torch.equal(
+            got, torch.tensor(1 / 3, dtype=dtype).expand_as(got)
+        )
 
 
 def test_gsm8k_answer_without_a_number() -> None:

@@ -149,11 +149,13 @@ def test_the_response_continues_the_prompts_text_under_a_sentencepiece_decoder()
 def test_a_rows_score_does_not_depend_on_how_many_rows_it_is_scored_with(
     reward_model: Path,
 ) -> None:
-    """In float64 (an fp64 run's reward model) each row's float32 score is the same, bit for
-    bit, scored in one forward of 64 rows or one row at a time. A float32 sigmoid differed in
-    the last unit on 4 of these rows (AVX-512): its CPU kernel rounds a tensor of 64
+    """In float64 (an fp64 run's reward model) each row's score is float64 (the run's score
+    dtype), and the same to 1e-15 (the logits round by the rows of the pass) scored in one forward of 64 rows or one row
+    at a time: rounded to float32, the same bit for bit. A float32 sigmoid differed in the
+    last float32 unit on 4 of these rows (AVX-512): its CPU kernel rounds a tensor of 64
     (vectorized) otherwise than a tensor of one, which parted fp64 runs under reward layouts
-    (tests/e2e/test_whole_run_invariance.py)."""
+    (tests/e2e/test_whole_run_invariance.py). Mutations: the float32 sigmoid; the score
+    rounded to float32 (``.float()``) in an fp64 run."""
     cfg = load_config(None, ["data.task=copy", f"reward.model.path={reward_model}"])
     model = load_reward_model(cfg.reward.model, torch.float64)
     rng = random.Random(0)
@@ -162,8 +164,9 @@ def test_a_rows_score_does_not_depend_on_how_many_rows_it_is_scored_with(
     cpu = torch.device("cpu")
     whole = score_texts(model, ids, cpu)
     alone = torch.cat([score_texts(model, [row], cpu) for row in ids])
-    assert whole.dtype == torch.float32 and whole.unique().numel() > 32  # rows tell apart
-    assert torch.equal(whole, alone)
+    assert whole.dtype == torch.float64 and whole.unique().numel() > 32  # rows tell apart
+    torch.testing.assert_close(whole, alone, rtol=0, atol=1e-15)
+    assert torch.equal(whole.float(), alone.float())
 
 
 def test_scoring_keeps_no_kv_cache(reward_model: Path) -> None:

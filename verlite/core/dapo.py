@@ -37,12 +37,13 @@ def chosen_groups(tied: torch.Tensor, need: int) -> tuple[list[int], int]:
 
 
 def overlong_penalty(
-    lengths: torch.Tensor, *, limit: int, buffer: int, factor: float
+    lengths: torch.Tensor, *, limit: int, buffer: int, factor: float, dtype: torch.dtype
 ) -> torch.Tensor:
     """DAPO's soft overlong punishment of responses of ``lengths`` tokens, with ``limit`` the
     most a response may have: 0 up to ``limit - buffer`` tokens, then falling linearly to
-    ``-factor`` at the limit (``-factor * (length - (limit - buffer)) / buffer``)."""
+    ``-factor`` at the limit (``-factor * (length - (limit - buffer)) / buffer``), in
+    ``dtype`` (the scores' it is added to)."""
     if not 0 < buffer <= limit:
         raise ValueError(f"the overlong buffer must be in [1, {limit}], got {buffer}")
-    excess = (lengths.to(torch.float32) - (limit - buffer)).clamp(min=0.0)
+    excess = (lengths.to(dtype) - (limit - buffer)).clamp(min=0.0)
     return -factor * excess / buffer

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config
 from verlite.controller import WorkerGroup
 from verlite.data import PromptRecord, response_text, row_records
+from verlite.models.precision import score_dtype
 from verlite.rewards import RewardFn, score_responses
 from verlite.rewards.answer_reward import AnswerReward
 from verlite.rewards.combine import combine_scores
@@ -40,16 +41,17 @@ class Scorer:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.reward_fn, self.remote, self.reward_model = reward_fn, remote, reward_model
+        self.dtype = score_dtype(cfg.precision)
 
     def score(
         self, batch: TensorDict, records: list[PromptRecord]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Each row's score and the reward metrics: its environment's last reward
-        (multi-turn), else the weighted sum of the reward sources ``reward.combine`` names
-        (``rewards.combine``). The reward model scores on its group while the reward
-        function scores here."""
+        """Each row's score, in the run's score dtype (``score_dtype``), and the reward
+        metrics: its environment's last reward (multi-turn), else the weighted sum of the
+        reward sources ``reward.combine`` names (``rewards.combine``). The reward model scores
+        on its group while the reward function scores here."""
         if "env_score" in set(batch.keys()):
-            return batch["env_score"].float(), {}
+            return batch["env_score"].to(self.dtype), {}
         weights = self.cfg.reward.combine
         assert weights is not None  # resolved at load
         pending = None
@@ -77,7 +79,7 @@ class Scorer:
             metrics["perf/max_memory_allocated_gb/reward_model"] = pop_peak(scored)
         combined = combine_scores(sources, weights)
         metrics.update(combined.metrics)
-        return torch.tensor(combined.scores, dtype=torch.float32), metrics
+        return torch.tensor(combined.scores, dtype=self.dtype), metrics
 
     def _score_fn(
         self, texts: list[str], answers: list[str], prompts: list[str], metrics: dict[str, float]

@@ -595,6 +595,7 @@ class Trainer:
                 limit=self.cfg.response_width,
                 buffer=overlong.buffer,
                 factor=overlong.penalty,
+                dtype=scores.dtype,
             )
             scores = scores + penalty
             metrics["reward/overlong_penalty/mean"] = float(penalty.mean())

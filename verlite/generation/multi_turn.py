@@ -234,7 +234,7 @@ def _step_batch(
     td = build_step_batch(
         prompts, responses.to(device), real.to(device), log_probs.to(device), policy.to(device)
     )
-    for name in OUTCOMES:
+    for name in OUTCOMES:  # float64: an environment's reward whole, until the scorer's dtype
         values = [float(getattr(t, name)) for t in trajectories]
-        td[name] = torch.tensor(values, dtype=torch.float32, device=device)
+        td[name] = torch.tensor(values, dtype=torch.float64, device=device)
     return td

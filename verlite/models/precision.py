@@ -41,6 +41,15 @@ def param_dtype(precision: str) -> torch.dtype:
     return PARAM_DTYPES[precision]
 
 
+def score_dtype(precision: str) -> torch.dtype:
+    """The dtype of a step's scores, and so of the token rewards, advantages and returns the
+    driver computes from them: the parameters' but never below float32 (float64 in an fp64
+    run, float32 under every other precision). A score is never rounded to float32 in an
+    fp64 run: a score within ~1e-15 of a float32 rounding boundary would round apart under
+    another layout."""
+    return torch.promote_types(param_dtype(precision), torch.float32)
+
+
 def autocast(
     precision: str, device: torch.device, *, cache: bool = True
 ) -> contextlib.AbstractContextManager[None]:

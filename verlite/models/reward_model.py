@@ -151,7 +151,8 @@ def encode_texts(
 def score_texts(
     model: PreTrainedModel, ids: Sequence[Sequence[int]], device: torch.device
 ) -> torch.Tensor:
-    """``sigmoid(logit)`` at each text's last token, float32, for one micro-batch of texts
+    """``sigmoid(logit)`` at each text's last token, in the score head's dtype but at least
+    float32 (float64 in an fp64 run: ``precision.score_dtype``), for one micro-batch of texts
     (right-padded here: a real token never attends to a pad under causal attention, and the
     score is read at each row's own last token)."""
     lengths = torch.tensor([len(row) for row in ids])
@@ -172,10 +173,10 @@ def score_texts(
     bias = None if head.bias is None else head.bias.to(dtype)
     with torch.autocast(device.type, enabled=False):
         logit = torch.nn.functional.linear(last.to(dtype), head.weight.to(dtype), bias)
-    # The sigmoid in float64, rounded to float32 once. A row's score must not depend on how
-    # many rows it is scored with: the CPU kernel takes a vectorized path or a scalar one by
-    # the tensor's length, and in float32 the two differ in the last unit (4 rows of 64 scored
-    # at once against one at a time, AVX-512), which parts an fp64 run from the same run under
-    # another reward layout beyond its 1e-9 tolerance; in float64 they differ by 2^-29 of a
-    # float32 unit, which the rounding to float32 absorbs.
-    return torch.sigmoid(logit.double()).float().squeeze(-1)
+    # The sigmoid in float64, rounded once to that dtype. A row's score must not depend on
+    # how many rows it is scored with: the CPU kernel takes a vectorized path or a scalar one
+    # by the tensor's length, and in float32 the two differ in the last unit (4 rows of 64
+    # scored at once against one at a time, AVX-512); in float64 they differ by 2^-29 of a
+    # float32 unit, which the rounding to float32 absorbs, and an fp64 run keeps (within
+    # its 1e-9 tolerance, where a float32 unit is not).
+    return torch.sigmoid(logit.double()).to(dtype).squeeze(-1)

@@ -8,6 +8,8 @@
     trainer_state.json     the driver's state: step, data position, KL coefficient, the
                            settings the weights were built with, and the identity of the
                            base model's weight files (``model.path``; ``base_weights``)
+    generated_ahead.pt     with rollout.max_staleness >= 1: the batches generated ahead by
+                           older weights (``StepSource.save_ahead``)
 
 A checkpoint is written into ``step_N.tmp/`` and renamed to ``step_N`` only when complete,
 so a crash while saving leaves the previous checkpoint valid and the partial one ignored

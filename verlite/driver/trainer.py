@@ -401,10 +401,12 @@ class Trainer:
         tmp = begin_checkpoint(self.output_dir, step)
         for group in self.groups.trained:
             group.call("save_checkpoint", str(tmp / group.name))
+        self.step_source.save_ahead(tmp, version=step)
         state = {
             "step": step,
             # The loader as it was once this step's prompts were drawn: batches generated
-            # ahead (rollout.max_staleness) are drawn and generated again on resume.
+            # ahead (rollout.max_staleness) are drawn again on resume (those of older weights
+            # kept, StepSource.save_ahead).
             "loader": self.step_source.loader_state,
             "train_set": self.train_set.fingerprint,  # the prompts that state indexes
             "weight_version": step,
@@ -450,6 +452,7 @@ class Trainer:
         for group in self.groups.trained:
             group.call("load_checkpoint", str(path / group.name))
         self.step_source.load_loader_state(state["loader"])
+        self.step_source.load_ahead(path)
         self.kl_ctrl.resume(float(state["kl_coef"]))
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.

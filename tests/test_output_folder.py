@@ -595,6 +595,36 @@ def test_a_link_loop_or_the_root_is_one_line(tmp_path: Path) -> None:
         prepare_output_folder(config(Path("/")))
 
 
+LOOP = "is a symbolic link loop (a link that leads back to itself); give a path to a real"
+
+
+def test_a_link_loop_of_the_folder_or_its_checkpoints_is_one_line_before_ray(
+    tmp_path: Path,
+) -> None:
+    """Checked as ``verlite train`` checks before Ray starts (:func:`check_paths`) and as the
+    run takes the folder: pathlib's RuntimeError was a traceback."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    with pytest.raises(
+        ConfigError, match=re.escape(f"trainer.output_dir={shown(str(tmp_path / 'a'))} {LOOP}")
+    ):
+        check_paths(config(tmp_path / "a"))
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").symlink_to(out / "elsewhere")
+    (out / "elsewhere").symlink_to(out / "checkpoints")
+    step = out / "checkpoints" / "step_1"
+    with pytest.raises(ConfigError, match=re.escape(f"trainer.resume={shown(str(step))} {LOOP}")):
+        check_paths(config(out, f"trainer.resume={step}"))
+    # another folder's checkpoint, resumed into this folder: its checkpoints are followed
+    other = fake_checkpoint(tmp_path / "other", 1, ["actor"])
+    loop = shown(str(out / "checkpoints"))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{loop} (trainer.output_dir's checkpoints) {LOOP}")
+    ):
+        prepare_output_folder(config(out, f"trainer.resume={other}"))
+
+
 def test_an_aside_folder_by_that_name_is_never_reused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,6 +17,7 @@ from verlite.config.loading import (
     load_config,
     recorded_config,
     relative_path_hint,
+    resolved_path,
     unflatten,
 )
 from verlite.config.schema import Config
@@ -64,5 +65,6 @@ __all__ = [
     "load_config",
     "recorded_config",
     "relative_path_hint",
+    "resolved_path",
     "unflatten",
 ]

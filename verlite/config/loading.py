@@ -435,14 +435,16 @@ def check_paths(cfg: Config) -> None:
     """Fail early, before Ray starts, on the inputs (:func:`check_inputs`) and an output
     folder that overlaps an input (the run would write over what it reads)."""
     inputs = check_inputs(cfg)
-    output = Path(cfg.trainer.output_dir).resolve()
+    output = resolved_path(
+        cfg.trainer.output_dir, f"trainer.output_dir={shown(cfg.trainer.output_dir)}"
+    )
     resume = cfg.trainer.resume
     if resume not in ("auto", "disable"):
         inputs["trainer.resume"] = resume
     for dotted, value in inputs.items():
         if value is None:
             continue
-        path = Path(value).resolve()
+        path = resolved_path(value, f"{dotted}={shown(value)}")
         if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
             continue  # a checkpoint of the run in this folder: resuming it is what it is for
         if path == output or path.is_relative_to(output) or output.is_relative_to(path):
@@ -450,6 +452,23 @@ def check_paths(cfg: Config) -> None:
                 f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
                 "the run would write where it reads; choose an output folder apart from its inputs"
             )
+
+
+def resolved_path(value: str | Path, named: str) -> Path:
+    """``value`` with links, ``.`` and ``..`` resolved (a relative path is the current
+    folder's); a one-line user error, ``named`` as its subject (``trainer.output_dir='x'``),
+    for a link loop or a name the file system refuses."""
+    try:
+        path = Path(value).resolve()
+        path.exists()
+    except RuntimeError:  # pathlib's report of a link loop
+        raise ConfigError(
+            f"{named} is a symbolic link loop (a link that leads back to itself); give a path "
+            "to a real folder or file"
+        ) from None
+    except OSError as exc:  # e.g. a name too long for the file system
+        raise ConfigError(f"{named}: {exc.strerror or exc}") from None
+    return path
 
 
 def input_paths(cfg: Config) -> dict[str, str | None]:

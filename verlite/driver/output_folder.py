@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from verlite.config import Config, ConfigError, TrainerConfig
+from verlite.config import Config, ConfigError, TrainerConfig, resolved_path
 from verlite.driver.checkpoint import (
     CheckpointError,
     check_resumable,
@@ -137,21 +137,16 @@ def _is_lock_file(path: Path) -> bool:
 def resolved_output_dir(cfg: Config) -> Path:
     """``trainer.output_dir`` with links, ``.`` and ``..`` resolved: the one place the run's
     checks, hold and moves name (a relative path is the current folder's). A one-line user
-    error for a link loop, a name the file system refuses, or the file system's root."""
+    error for a link loop (of the folder or of its ``checkpoints``), a name the file system
+    refuses, or the file system's root."""
     raw = cfg.trainer.output_dir
-    try:
-        out = Path(raw).resolve()
-        out.exists()
-    except RuntimeError:  # pathlib's report of a link loop
-        raise ConfigError(
-            f"trainer.output_dir={shown(raw)} is a symbolic link loop; choose a folder"
-        ) from None
-    except OSError as exc:  # e.g. a name too long for the file system
-        raise ConfigError(f"trainer.output_dir={shown(raw)}: {exc.strerror or exc}") from None
+    out = resolved_path(raw, f"trainer.output_dir={shown(raw)}")
     if out.parent == out:
         raise ConfigError(
             f"trainer.output_dir={shown(raw)} is the file system's root; choose a folder in it"
         )
+    checkpoints = checkpoint_root(out)  # linked to a scratch disk, it is followed
+    resolved_path(checkpoints, f"{shown(str(checkpoints))} (trainer.output_dir's checkpoints)")
     return out
 
 

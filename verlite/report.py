@@ -207,10 +207,14 @@ def check_plot_target(path: str | Path) -> Path:
     not here: a command refused later (a run folder that does not exist) leaves none."""
     path = Path(path)
     if path.suffix.lower() != ".png":
-        raise UserError(f"--plot writes a PNG: name the file *.png, not {str(path)!r}")
+        raise UserError(f"--plot writes a PNG: name the file *.png, not {shown(str(path))}")
     import_extra("matplotlib", feature="--plot", extra="plot")
-    try:  # the folder the missing ones would be made in
-        folder = next(p for p in (path.parent, *path.parent.parents) if p.exists())
+    try:  # a relative path is the current folder's, which may have been deleted since
+        where = path.absolute()
+    except FileNotFoundError:
+        raise _unwritable(path, "the current folder no longer exists") from None
+    try:  # the folder the missing ones would be made in: the root at the latest
+        folder = next(p for p in (where.parent, *where.parent.parents) if p.exists())
     except OSError as exc:  # a name too long for the file system
         raise _unwritable(path, exc.strerror) from None
     if not folder.is_dir():

@@ -231,12 +231,34 @@ def test_plot_needs_a_png_name_and_matplotlib(
     code, out, err = _metrics([run, "--plot", str(tmp_path / "run.jpg")], capsys)
     assert code == 2 and "name the file *.png" in err
     assert out == ""  # refused before the table, not after it
+    # quoted as every value a message quotes (errors.shown): a pasted page is cut, not repeated
+    code, _, err = _metrics([run, "--plot", "x" * 5000 + ".bmp"], capsys)
+    assert code == 2 and "not 'xxx" in err and "[...]" in err and len(err) < 400, err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     code, out, err = _metrics([run, "--plot", str(tmp_path / "run.png")], capsys)
     assert (
         code == 2 and "pip install 'matplotlib>=3.7' (verlite's 'plot' extra)" in err and out == ""
     )
     assert not (tmp_path / "run.png").exists()
+
+
+def test_a_plot_named_in_a_deleted_current_folder_is_refused_before_the_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shell left in a folder removed since: a relative --plot path is of no folder (the
+    look for the folder to make it in ran out of folders: StopIteration, or the table printed
+    and then the write failed)."""
+    run = str(_write(tmp_path / "run", RECORDS))
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    for png in ("run.png", "plots/run.png", "../run.png"):
+        code, out, err = _metrics([run, "--plot", png], capsys)
+        assert (code, out) == (2, "")
+        assert err == (
+            f"verlite: error: --plot {png!r}: cannot write: the current folder no longer exists\n"
+        )
 
 
 def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path: Path) -> None:

@@ -52,10 +52,20 @@ class _OneLineParser(argparse.ArgumentParser):
     ``--confg``)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Set before argparse's __init__, which adds -h through add_argument.
+        self.arguments: list[argparse.Action] = []  # what add_argument made, in its order
         super().__init__(*args, **kwargs)
         self.given: list[str] = []  # what the last parse was given
         self.parsed = argparse.Namespace()  # what it took from them, as far as it came
         self.commands: dict[str, _OneLineParser] = {}  # verlite's: each command's parser
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        """argparse's, the action it returns kept (:attr:`arguments`): the flags and values
+        the messages below name, read without argparse's private tables of them. The
+        commands add their arguments to their parser itself (no argument groups)."""
+        action = super().add_argument(*args, **kwargs)
+        self.arguments.append(action)
+        return action
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -91,7 +101,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
     @property
     def known_flags(self) -> list[str]:
-        return [flag for action in self._actions for flag in action.option_strings]
+        return [flag for action in self.arguments for flag in action.option_strings]
 
     def unknown_flags(self, given: list[str]) -> list[str]:
         """The flags in ``given`` before any ``--`` that this command does not know (a known
@@ -181,15 +191,16 @@ class _OneLineParser(argparse.ArgumentParser):
     def flag_action(self, name: str) -> argparse.Action | None:
         """The action of flag ``name`` as argparse reads it: by its name, or a prefix of one
         flag's name."""
-        if name in self._option_string_actions:
-            return self._option_string_actions[name]
-        found = {a for f, a in self._option_string_actions.items() if f.startswith(name)}
+        actions = {flag: action for action in self.arguments for flag in action.option_strings}
+        if name in actions:
+            return actions[name]
+        found = {a for f, a in actions.items() if f.startswith(name)}
         return found.pop() if len(found) == 1 and name.startswith("--") else None
 
     @property
     def takes_overrides(self) -> bool:
         """Whether this command takes dotted config overrides (its ``overrides`` words)."""
-        return any(action.dest == "overrides" for action in self._actions)
+        return any(action.dest == "overrides" for action in self.arguments)
 
 
 def _config_sections() -> list[str]:

@@ -485,11 +485,11 @@ def test_the_runs_checked_before_the_audit_hold_no_math_verify_process(tmp_path)
         prepare_runs,
         release,
     )
+    from verlite.config import load_config
 
     layouts = DEFAULT_LAYOUTS[:2]
-    configs = layout_configs(
-        CONFIG, ["reward.fn=math"], layouts, steps=1, runs_dir=tmp_path / "runs"
-    )
+    base = load_config(CONFIG, ["reward.fn=math"])
+    configs = layout_configs(base, layouts, steps=1, runs_dir=tmp_path / "runs")
     prepared = prepare_runs(configs, layouts, in_session=False, cpus=8)
     try:
         rewards = [run.inputs.reward_fn for run in prepared]
@@ -536,7 +536,7 @@ def test_whole_runs_vary_a_reward_models_group(tmp_path) -> None:
     overrides = reward_model_overrides(tmp_path / "rm")
     base = load_config(CONFIG, overrides)
     layouts = run_layouts(base)
-    configs = layout_configs(CONFIG, overrides, layouts, steps=1, runs_dir=tmp_path / "runs")
+    configs = layout_configs(base, layouts, steps=1, runs_dir=tmp_path / "runs")
     groups = [
         (c.reward.model.workers_per_node, c.reward.model.micro_batch_size_per_worker)
         for c in configs
@@ -561,7 +561,7 @@ def test_whole_runs_vary_a_reward_models_group(tmp_path) -> None:
         f"1:ddp:full/1:ddp:full/{configured[0]}:{configured[1]}",
         "2:fsdp:1/1:ddp:full/2:full",
     ]
-    configs = layout_configs(CONFIG, overrides, given, steps=1, runs_dir=tmp_path / "given")
+    configs = layout_configs(base, given, steps=1, runs_dir=tmp_path / "given")
     assert [
         (c.reward.model.workers_per_node, c.reward.model.micro_batch_size_per_worker)
         for c in configs
@@ -588,3 +588,30 @@ def test_the_audits_ray_has_room_for_the_reward_models_workers(
     proc = verlite_main("check-invariance", "--run", "--config", CONFIG, *runs, *settings)
     assert proc.returncode == 130, proc.stderr
     assert started == [8]
+
+
+def test_the_whole_run_audit_reads_its_config_file_once(
+    verlite_main, tmp_path, monkeypatch
+) -> None:
+    """The command loaded the user's config and overrides three times (itself,
+    check_run_invariance, layout_configs) and each layout's run from the file again: every
+    layout's config is now the one loaded config with the layout's keys."""
+    from verlite.config import loading
+    from verlite.controller import session
+
+    read: list[str] = []
+    read_mapping = loading.read_mapping
+
+    def counted(path: str, **kwargs: object) -> object:
+        read.append(str(path))
+        return read_mapping(path, **kwargs)
+
+    def no_ray(address: str | None, *, num_cpus: int | None = None) -> None:
+        raise KeyboardInterrupt  # every layout's config was made before Ray starts
+
+    monkeypatch.setattr(loading, "read_mapping", counted)
+    monkeypatch.setattr(session, "start_ray", no_ray)
+    runs = ["--runs-dir", str(tmp_path / "runs")]
+    proc = verlite_main("check-invariance", "--run", "--config", CONFIG, *runs)
+    assert proc.returncode == 130, proc.stderr
+    assert read == [CONFIG]

@@ -326,8 +326,7 @@ def _check_run_invariance(args: argparse.Namespace) -> int:
         else:
             runs_dir = Path(args.runs_dir)
         reports = check_run_invariance(
-            args.config,
-            args.overrides,
+            base,
             layouts,
             steps=steps,
             tolerance=tolerance,

@@ -25,6 +25,7 @@ from verlite.audit.run_invariance import (
 )
 from verlite.audit.tolerances import RUN_ATOL
 from verlite.audit.tolerances import TOLERANCE as TOLERANCES
+from verlite.config import load_config
 
 # The command's defaults for these float64 runs.
 TOLERANCE, ATOL = TOLERANCES["fp64"], RUN_ATOL["fp64"]
@@ -41,7 +42,8 @@ def layout(actor: str, critic: str = "1:ddp:full") -> RunLayout:
 
 
 def audit(config: str, overrides: list[str], layouts: list[RunLayout], tmp: Path, **kw):
-    configs = layout_configs(config, [*SMALL, *overrides], layouts, runs_dir=tmp, **kw)
+    base = load_config(config, [*SMALL, *overrides])
+    configs = layout_configs(base, layouts, runs_dir=tmp, **kw)
     return audit_runs(configs, layouts, tolerance=TOLERANCE, atol=ATOL)
 
 

@@ -300,22 +300,21 @@ def _make_runs_dir(runs_dir: Path) -> None:
 
 
 def layout_configs(
-    config: str | Path | None,
-    overrides: Sequence[str],
+    base: Config,
     layouts: Sequence[RunLayout],
     *,
     steps: int,
     runs_dir: Path,
     negative_control: bool = False,
 ) -> list[Config]:
-    """The config of each layout's run of ``config`` (with ``overrides``): ``steps`` steps
-    into ``runs_dir/<index>``, each checked as ``verlite train`` would check it."""
+    """The config of each layout's run of ``base`` (the user's config and overrides, loaded
+    once): ``steps`` steps into ``runs_dir/<index>``, each checked as ``verlite train`` would
+    check it."""
     if len(layouts) < 2:
         raise UserError(
             f"--run compares layouts with the first: give at least 2, got {len(layouts)}"
         )
     _make_runs_dir(runs_dir)
-    base = load_config(config, overrides)
     fixed = [
         f"trainer.total_steps={steps}",
         "trainer.nnodes=1",
@@ -332,13 +331,7 @@ def layout_configs(
         try:
             configs.append(
                 load_config(
-                    config,
-                    [
-                        *overrides,
-                        *fixed,
-                        *layout_keys,
-                        f"trainer.output_dir={runs_dir / str(index)}",
-                    ],
+                    base, [*fixed, *layout_keys, f"trainer.output_dir={runs_dir / str(index)}"]
                 )
             )
         except ConfigError as exc:  # it names the keys the layout set: say which layout
@@ -446,8 +439,7 @@ def _ray_cpus(cfg: Config, layout: RunLayout) -> int:
 
 
 def check_run_invariance(
-    config: str | Path | None,
-    overrides: Sequence[str],
+    base: Config,
     layouts: Sequence[RunLayout] | None = None,
     *,
     steps: int,
@@ -457,17 +449,16 @@ def check_run_invariance(
     negative_control: bool = False,
     progress: Callable[[str], None] = lambda line: None,
 ) -> list[RunReport]:
-    """:func:`layout_configs` of :func:`run_layouts` (``layouts``, or the defaults when
-    None), every run checked (:func:`prepare_runs`) before Ray starts, then
+    """:func:`layout_configs` of ``base`` (the user's config, loaded once) for
+    :func:`run_layouts` (``layouts``, or the defaults when None), every run checked (:func:`prepare_runs`) before Ray starts, then
     :func:`audit_runs` in a Ray session of its own: an embedded one with the CPUs the
     largest layout's workers ask for, at least one a worker (:func:`_ray_cpus`), or
     ``trainer.ray_address``."""
     from verlite.controller import ray_session
 
-    layouts = run_layouts(load_config(config, overrides), layouts)
+    layouts = run_layouts(base, layouts)
     configs = layout_configs(
-        config,
-        overrides,
+        base,
         layouts,
         steps=steps,
         runs_dir=runs_dir,

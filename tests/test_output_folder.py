@@ -269,31 +269,63 @@ def export_as_the_trainer_does(out: Path, cfg: Config) -> None:
     trainer = SimpleNamespace(
         cfg=cfg,
         output_dir=out,
-        actor=SimpleNamespace(call=lambda method, folder: Path(folder).mkdir()),
+        # save_pretrained makes its folder as os.makedirs(exist_ok=True) does
+        actor=SimpleNamespace(call=lambda method, folder: Path(folder).mkdir(exist_ok=True)),
         tokenizer=SimpleNamespace(save_pretrained=lambda folder: None),
     )
     Trainer.export_policy(trainer)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("target", ["someones", "nowhere"])
-def test_an_export_over_a_link_replaces_the_link_not_what_it_points_to(
-    tmp_path: Path, target: str
-) -> None:
-    # hf_actor a link (to someone's folder, or leading nowhere): the export ended the run
-    # after its last step ("Cannot call rmtree on a symbolic link"), and each run resumed to
-    # export again ended there too.
-    out, theirs = tmp_path / "run", tmp_path / target
+@pytest.mark.parametrize("target", ["earlier-export", "nowhere", "empty"])
+def test_an_export_over_a_link_is_written_through_it(tmp_path: Path, target: str) -> None:
+    """``hf_actor`` linked to a larger disk (an earlier export moved there, a folder not made
+    yet, an empty one) is written through, as a linked output folder or ``checkpoints/`` is:
+    the link stays and the policy lies where it leads. It was replaced by a real folder in
+    the output folder, on the disk the link was made to spare."""
+    out, theirs = tmp_path / "run", tmp_path / "disk" / target
     out.mkdir()
-    if target == "someones":
-        theirs.mkdir()
-        (theirs / "model.safetensors").write_text("their weights")
+    if target == "earlier-export":
+        (tmp_path / "earlier").mkdir()
+        export_as_the_trainer_does(tmp_path / "earlier", config(tmp_path / "earlier"))
+        (tmp_path / "earlier" / "hf_actor" / "stale.bin").write_text("an earlier file")
+        theirs.parent.mkdir()
+        (tmp_path / "earlier" / "hf_actor").rename(theirs)
+    elif target == "empty":
+        theirs.mkdir(parents=True)
     (out / "hf_actor").symlink_to(theirs)
     export_as_the_trainer_does(out, config(out))
-    assert not (out / "hf_actor").is_symlink() and policy_folder.exported_step(out) == 6
-    if target == "someones":
-        assert [p.name for p in theirs.iterdir()] == ["model.safetensors"]
-    else:
-        assert not theirs.exists()
+    assert (out / "hf_actor").is_symlink() and (out / "hf_actor").resolve() == theirs
+    assert policy_folder.exported_step(out) == 6
+    assert [p.name for p in theirs.iterdir()] == [policy_folder.STEP_RECORD]
+
+
+def test_a_linked_export_folder_holding_someones_files_is_refused_before_the_run(
+    tmp_path: Path,
+) -> None:
+    """The export empties the folder ``hf_actor`` links to: one holding files that are no
+    policy export (someone's, linked by mistake) is refused as the run takes its folder, and
+    left as it is."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=4)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_text("their weights")
+    (out / "hf_actor").symlink_to(theirs)
+    link, target = shown(str(out / "hf_actor")), shown(str(theirs))
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            f"{link} links to {target}, which holds files that are not a policy export"
+        ),
+    ):
+        prepare_output_folder(config(out))
+    assert [p.name for p in theirs.iterdir()] == ["model.safetensors"]
+    (out / "hf_actor").unlink()
+    (out / "hf_actor").symlink_to(tmp_path / "a-file")
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ConfigError, match="which is not a folder"):
+        prepare_output_folder(config(out))
+    assert prepare_output_folder(config(out, "trainer.export=false")) is not None
 
 
 def test_a_checkpoint_whose_run_went_on_without_saving_is_resumed_to_export(

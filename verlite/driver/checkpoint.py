@@ -251,6 +251,24 @@ def remove_folder(path: Path, *, ignore_errors: bool = False) -> None:
             raise
 
 
+def clear_folder(path: Path) -> None:
+    """Make way at ``path`` for a new folder of the run's (its policy export): a folder
+    removed; a link to one written through, as a linked output folder or ``checkpoints/`` is:
+    the folder it leads to emptied (an entry that is a link removed as a link), or made where
+    the link leads nowhere yet. Before the run, ``output_folder.prepare_output_folder``
+    refused a linked folder that holds files of someone's."""
+    if not path.is_symlink():
+        remove_folder(path)
+        return
+    target = path.resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in target.iterdir():
+        if entry.is_dir():
+            remove_folder(entry)
+        else:
+            entry.unlink()
+
+
 def begin_checkpoint(output_dir: str | Path, step: int) -> Path:
     """A fresh, empty ``step_N.tmp`` folder to write into."""
     tmp = checkpoint_root(output_dir) / f"step_{step}.tmp"

@@ -55,7 +55,13 @@ from verlite.driver.checkpoint import (
     resume_checkpoint,
 )
 from verlite.errors import UserError, shown
-from verlite.policy_folder import INCOMPLETE_MARK, POLICY_FOLDER, exported_step, policy_exported
+from verlite.policy_folder import (
+    INCOMPLETE_MARK,
+    POLICY_FOLDER,
+    STEP_RECORD,
+    exported_step,
+    policy_exported,
+)
 from verlite.redaction import redact_text
 
 LOCK_FILE = ".verlite-lock"
@@ -179,6 +185,8 @@ def prepare_output_folder(
                 raise _not_empty(out, cfg.trainer.output_dir, cfg.trainer.resume)
             moved = _move_contents_aside(out)
             print(f"moved the earlier contents of {out} to {moved}", flush=True)
+        if plan.continuing and cfg.trainer.export:
+            _check_linked_export(out)
         if plan.continuing and cfg.trainer.export and policy_exported(out):
             # A run continued past its end: its export is an earlier step's policy from now
             # on; stopped after its last checkpoint, the run again resumes to export its own.
@@ -192,6 +200,31 @@ def prepare_output_folder(
         hold.release()
         raise
     return plan.resume_from, hold
+
+
+def _check_linked_export(out: Path) -> None:
+    """The run exports its policy through a link ``hf_actor`` (to a larger disk), into the
+    folder it leads to, which it empties first (``checkpoint.clear_folder``): refused where
+    that is not a folder, or holds files but no policy export of a run (its step record, or
+    the mark of an export under way beside the link)."""
+    export = out / POLICY_FOLDER
+    if not export.is_symlink():
+        return
+    target = resolved_path(export, shown(str(export)))
+    if not target.exists():
+        return  # made as the run exports
+    where = f"{shown(str(export))} links to {shown(str(target))}"
+    if not target.is_dir():
+        raise ConfigError(
+            f"{where}, which is not a folder; the run exports its policy there: link a folder "
+            "or remove the link"
+        )
+    ours = (target / STEP_RECORD).exists() or (out / INCOMPLETE_MARK).exists()
+    if not ours and any(target.iterdir()):
+        raise ConfigError(
+            f"{where}, which holds files that are not a policy export; the run's export would "
+            "replace them: link an empty folder or remove the link"
+        )
 
 
 def _not_empty(out: Path, output_dir: str, resume: str) -> ConfigError:

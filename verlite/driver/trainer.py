@@ -35,10 +35,10 @@ from verlite.core.token_rewards import KLController, apply_kl_penalty, place_sco
 from verlite.driver.checkpoint import (
     begin_checkpoint,
     checkpoint_step,
+    clear_folder,
     commit_checkpoint,
     placed_path,
     read_trainer_state,
-    remove_folder,
     resolved_resume,
     seal_checkpoint,
 )
@@ -371,7 +371,7 @@ class Trainer:
             print(f"replacing {path} ({what}) with this run's policy", flush=True)
         mark.touch()  # until the export is whole: a run stopped before resumes to export
         if os.path.lexists(path):
-            remove_folder(path)  # none of its files may outlive it beside the new ones
+            clear_folder(path)  # none of its files may outlive it beside the new ones
         self.actor.call("export_hf", str(path))
         self.tokenizer.save_pretrained(path)
         if self.cfg.actor.lora.rank > 0:

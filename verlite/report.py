@@ -103,7 +103,7 @@ def select_keys(records: Sequence[Record], keys: Sequence[str] | None = None) ->
                 dict.fromkeys(containing + difflib.get_close_matches(key, names, cutoff=0.5))
             )[:4]
             hint = f"did you mean {', '.join(close)}?" if close else "no close match"
-            raise UserError(f"unknown metric {key!r}; {hint} ({len(names)} metrics logged)")
+            raise UserError(f"unknown metric {shown(key)}; {hint} ({len(names)} metrics logged)")
     return list(selected)
 
 
@@ -317,7 +317,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
     if args.keys is not None:
         keys = [k.strip() for k in args.keys.split(",") if k.strip()]
         if not keys:
-            raise UserError(f"--keys {args.keys!r} names no metric; give k1,k2 or a pattern")
+            raise UserError(f"--keys {shown(args.keys)} names no metric; give k1,k2 or a pattern")
     if args.plot:
         check_plot_target(args.plot)
     if args.job is not None:

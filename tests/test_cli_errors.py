@@ -1203,3 +1203,29 @@ def test_generation_larger_than_this_machines_gpu_is_refused_before_ray(
         ),
     ):
         preflight.check_generation_fits(cfg, 32_000)
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["train", "--config", CONFIG, "trainer.output_dir={loop}"], "trainer.output_dir={loop!r}"),
+        (
+            ["train", "--config", CONFIG, "trainer.resume={loop}/step_1"],
+            "trainer.resume='{loop}/step_1'",
+        ),
+        (["check-invariance", "--config", CONFIG, "model.path={loop}"], "model.path={loop!r}"),
+        (["submit", "--config", CONFIG, "--working-dir", "{loop}"], "--working-dir {loop!r}"),
+    ],
+    ids=["output_dir", "resume", "an input", "submit --working-dir"],
+)
+def test_a_link_loop_a_user_names_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], named: str
+) -> None:
+    """Found in the sweep of every command's bad inputs: pathlib's RuntimeError for a path
+    that is a link loop was a traceback (exit 1) where verlite resolved it; an input's loop
+    was "no such file or directory"."""
+    loop = str(tmp_path / "a")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    err = run(capsys, *[arg.format(loop=loop) for arg in argv])
+    assert err.startswith(f"verlite: error: {named.format(loop=loop)} is a symbolic link loop"), err

@@ -172,6 +172,17 @@ def test_an_empty_config_file_submitted_alone_is_refused_as_empty(tmp_path: Path
         )
 
 
+def test_a_working_dir_that_is_a_link_loop_is_one_line(tmp_path: Path) -> None:
+    # pathlib's RuntimeError ("Symlink loop from ...") was a traceback
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    loop = re.escape(f"--working-dir {str(tmp_path / 'a')!r} is a symbolic link loop")
+    with pytest.raises(ConfigError, match=f"^{loop}"):
+        prepare_submission(
+            config=str(REPO / CONFIG), overrides=[], working_dir=tmp_path / "a", job_id=JOB
+        )
+
+
 def test_max_restarts_is_set_and_a_resubmission_resumes_in_the_same_absolute_folder(
     tmp_path: Path,
 ) -> None:

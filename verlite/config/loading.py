@@ -521,10 +521,8 @@ def relative_path_hint(value: str) -> str:
 
 
 def _exists(dotted: str, value: str) -> bool:
-    try:
-        return Path(value).exists()
-    except OSError as exc:  # a name too long for the file system, a path it cannot look at
-        raise ConfigError(f"{dotted}={shown(value)}: {exc.strerror}") from None
+    # a link loop, a name too long for the file system, a path it cannot look at: one line
+    return resolved_path(value, f"{dotted}={shown(value)}").exists()
 
 
 # What Hugging Face's from_pretrained loads weights from, in one file or sharded.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verlite.config import input_paths, load_config
+from verlite.config import input_paths, load_config, resolved_path
 from verlite.errors import shown
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.resubmit import resubmission
@@ -121,7 +121,7 @@ def prepare_submission(
                 "to anyone who can list the cluster's jobs (verlite list, the Ray dashboard); set it "
                 "in the config file, which travels inside the job's working directory"
             )
-    root = working_dir.resolve()
+    root = resolved_path(working_dir, f"--working-dir {shown(str(working_dir))}")
     if not root.is_dir():
         raise JobsError(f"--working-dir {str(working_dir)!r} is not a directory")
     try:

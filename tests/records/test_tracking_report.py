@@ -266,23 +266,14 @@ def test_a_plot_named_in_a_deleted_current_folder_is_refused_before_the_table(
     [
         (["--keys", "," * 5000], "verlite: error: --keys ',,,"),
         (["--keys", "x" * 5000], "verlite: error: unknown metric 'xxx"),
-        (["--job", "x" * 5000], "verlite: error: job 'xxx"),
     ],
 )
 def test_a_pasted_value_is_quoted_cut_in_the_metrics_lines(
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    argv: list[str],
-    start: str,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], start: str
 ) -> None:
-    """--keys, a metric's name and --job are quoted as every value a message quotes
-    (errors.shown): a pasted page is cut, not repeated (they were a bare repr)."""
-    jobs = types.ModuleType("verlite.jobs")
-    jobs.read_job_metrics = lambda address, job_id: []  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "verlite.jobs", jobs)
-    run = [] if argv[0] == "--job" else [str(_write(tmp_path, RECORDS))]
-    code, _, err = _metrics([*run, *argv], capsys)
+    """--keys and a metric's name are quoted as every value a message quotes (errors.shown):
+    a pasted page is cut, not repeated (they were a bare repr)."""
+    code, _, err = _metrics([str(_write(tmp_path, RECORDS)), *argv], capsys)
     assert code == 2 and err.startswith(start) and "[...]" in err and len(err) < 400, err[:200]
 
 

@@ -20,7 +20,7 @@ from urllib.parse import quote, urlsplit
 
 import requests
 
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.reachable import is_loopback_host
 from verlite.records import metrics_log
 from verlite.records.metrics_log import Record
@@ -93,7 +93,7 @@ def read_job_metrics(address: str | None, job_id: str) -> list[Record]:
     if not records:
         status = printable(server.info(job_id)["status"])
         raise JobsError(
-            f"job {job_id!r} has logged no metrics (status {status}); "
+            f"job {shown(job_id)} has logged no metrics (status {status}); "
             f"`verlite logs {job_id}` shows its output"
         )
     return records

@@ -713,3 +713,18 @@ def test_a_move_aside_that_fails_part_way_is_undone_or_says_what_is_where(
         assert f"nothing was moved ('{out}' is as it was)" in said
         assert not list(tmp_path.glob("theirs.replaced-*"))
     assert files_under(out) == files
+
+
+def test_a_link_loop_is_one_line_where_resolve_leaves_it_unresolved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From Python 3.13 ``Path.resolve()`` no longer raises for a loop (it leaves the loop's
+    links in the path, as ``os.path.realpath`` does): the loop is then found by reading
+    through it (ELOOP), not taken for a missing path. Emulated here by a resolve that only
+    makes the path absolute."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    monkeypatch.setattr(Path, "resolve", lambda self, strict=False: self.absolute())
+    with pytest.raises(ConfigError, match=re.escape(LOOP)):
+        check_paths(config(tmp_path / "a" / "run"))
+    assert check_paths(config(tmp_path / "missing" / "run")) is None  # a new folder is made

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import errno
 import json
 import types
 import typing
@@ -460,14 +461,21 @@ def resolved_path(value: str | Path, named: str) -> Path:
     for a link loop or a name the file system refuses."""
     try:
         path = Path(value).resolve()
-        path.exists()
-    except RuntimeError:  # pathlib's report of a link loop
+        path.stat()
+        looped = False
+    except RuntimeError:  # pathlib's report of a link loop (Python 3.11 and 3.12)
+        looped = True
+    except OSError as exc:
+        # From Python 3.13 resolve() leaves a loop unresolved, and reading through it fails.
+        looped = exc.errno == errno.ELOOP
+        if not looped and exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            # e.g. a name too long for the file system (a missing path is the caller's)
+            raise ConfigError(f"{named}: {exc.strerror or exc}") from None
+    if looped:
         raise ConfigError(
             f"{named} is a symbolic link loop (a link that leads back to itself); give a path "
             "to a real folder or file"
-        ) from None
-    except OSError as exc:  # e.g. a name too long for the file system
-        raise ConfigError(f"{named}: {exc.strerror or exc}") from None
+        )
     return path
 
 

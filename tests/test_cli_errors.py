@@ -1229,3 +1229,28 @@ def test_a_link_loop_a_user_names_is_one_line(
     (tmp_path / "b").symlink_to(tmp_path / "a")
     err = run(capsys, *[arg.format(loop=loop) for arg in argv])
     assert err.startswith(f"verlite: error: {named.format(loop=loop)} is a symbolic link loop"), err
+
+
+PASTED = "x" * 5000
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["compare", "a", "b", "--tolerance", PASTED],  # records.compare's number
+        ["check-invariance", "--config", CONFIG, "--dp", PASTED],  # arguments.int_list
+        ["metrics", PASTED[:200]],  # records.metrics_log: no such folder
+        ["export", PASTED[:200]],  # export: no such folder
+    ],
+    ids=["compare-tolerance", "dp", "metrics-folder", "export-folder"],
+)
+def test_a_pasted_value_is_quoted_cut(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    """A value a user pasted is quoted as every message quotes it (errors.shown): cut in the
+    middle, not repeated whole (these were a bare repr)."""
+    try:
+        code = main(argv)
+    except SystemExit as exit:  # argparse's refusal of a flag's value
+        code = exit.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err[:300]
+    assert "[...]" in err and len(err) < 400, err[:300]

@@ -8,6 +8,8 @@ import math
 from collections.abc import Callable
 from typing import TypeVar
 
+from verlite.errors import shown
+
 T = TypeVar("T", int, float)
 
 
@@ -16,9 +18,9 @@ def _number(text: str, parse: Callable[[str], T], ok: Callable[[T], bool], expec
     try:
         value = parse(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text)}") from None
     if not ok(value):
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {shown(text)}")
     return value
 
 
@@ -57,10 +59,10 @@ def int_list(text: str) -> list[int]:
         values = [int(v) for v in text.split(",") if v]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
+            f"expected comma-separated integers, got {shown(text)}"
         ) from None
     if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {shown(text)}")
     return values
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from verlite.arguments import path
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.policy_folder import MERGED_FOLDER, POLICY_FOLDER, policy_exported
 
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
@@ -58,9 +58,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.out is not None and not args.merge:
         raise UserError(f"--out {args.out}: names where --merge writes; add --merge")
     if Path(args.run_dir).is_file():
-        raise UserError(f"{args.run_dir!r} is a file; give a run's folder (trainer.output_dir)")
+        raise UserError(
+            f"{shown(args.run_dir)} is a file; give a run's folder (trainer.output_dir)"
+        )
     if not Path(args.run_dir).is_dir():  # a mistyped folder: not a run still to finish
-        raise UserError(f"no such folder: {args.run_dir!r}")
+        raise UserError(f"no such folder: {shown(args.run_dir)}")
     policy = Path(args.run_dir) / POLICY_FOLDER
     if not policy.is_dir():
         raise UserError(
@@ -133,7 +135,7 @@ def _why_no_policy(run_dir: Path) -> str:
     ``config.json`` says so) never writes one; any other writes it when it finishes."""
     if run_dir.resolve().name in (POLICY_FOLDER, MERGED_FOLDER):
         run = str(run_dir.resolve().parent)
-        return f"this is the exported policy itself: give its run folder, {run!r}"
+        return f"this is the exported policy itself: give its run folder, {shown(run)}"
     if _run_settings(run_dir, "trainer").get("export") is False:
         return "the run has trainer.export=false, which exports none"
     return "a run exports it when it finishes"

@@ -123,12 +123,12 @@ def prepare_submission(
             )
     root = resolved_path(working_dir, f"--working-dir {shown(str(working_dir))}")
     if not root.is_dir():
-        raise JobsError(f"--working-dir {str(working_dir)!r} is not a directory")
+        raise JobsError(f"--working-dir {shown(str(working_dir))} is not a directory")
     try:
         config_in_job = Path(config).resolve().relative_to(root).as_posix()
     except ValueError:
         raise JobsError(
-            f"--config {config!r} is outside the working directory {str(root)!r} that the job "
+            f"--config {shown(config)} is outside the working directory {shown(str(root))} that the job "
             "ships; move it there or pass --working-dir"
         ) from None
     output_dir = Path(cfg.trainer.output_dir)
@@ -170,14 +170,14 @@ def _check_resumable_by_resubmission(output_dir: str, resume: str) -> None:
     if not Path(output_dir).is_absolute():
         raise JobsError(
             f"--max-restarts with --wait resubmits a job whose driver died, and the new job "
-            f"resumes from the checkpoints in trainer.output_dir; {output_dir!r} is relative, "
+            f"resumes from the checkpoints in trainer.output_dir; {shown(output_dir)} is relative, "
             "inside each job's own working directory: give an absolute path the head can "
             "write (shared storage on a cluster of several nodes)"
         )
     if resume not in ("auto", "disable"):
         raise JobsError(
             f"--max-restarts with --wait resubmits with trainer.resume=auto (the output "
-            f"folder's latest checkpoint), not trainer.resume={resume!r}; start from that "
+            f"folder's latest checkpoint), not trainer.resume={shown(resume)}; start from that "
             "checkpoint in a job of its own first"
         )
 
@@ -193,7 +193,7 @@ def read_runtime_env(path: str) -> dict[str, Any]:
     )
     if "working_dir" in data:
         raise JobsError(
-            f"runtime env file {path!r} sets working_dir; verlite ships the project itself "
+            f"runtime env file {shown(path)} sets working_dir; verlite ships the project itself "
             "(choose it with --working-dir)"
         )
     return data
@@ -208,7 +208,7 @@ def _check_no_credentials(path: str, runtime_env: Mapping[str, Any], auth_env: s
     for where, key, value in _settings(runtime_env):
         if (where.startswith("env_vars.") and key == auth_env) or carries_secret(key, value):
             raise JobsError(
-                f"runtime env file {path!r}: {where} carries a credential, and a job's runtime "
+                f"runtime env file {shown(path)}: {where} carries a credential, and a job's runtime "
                 "env is shown to anyone who can list the cluster's jobs (ray job list, the Ray "
                 "dashboard); give it to the cluster's nodes instead (their environment where "
                 "`ray start` runs, e.g. from a Kubernetes secret, which the job inherits; a pip "
@@ -238,7 +238,7 @@ def build_runtime_env(working_dir: Path, extra: Mapping[str, Any]) -> dict[str, 
 
     excludes = extra.get("excludes", [])
     if not isinstance(excludes, list):
-        raise JobsError(f"runtime env excludes must be a list of patterns, got {excludes!r}")
+        raise JobsError(f"runtime env excludes must be a list of patterns, got {shown(excludes)}")
     runtime_env = {
         **extra,
         "working_dir": str(working_dir),
@@ -296,7 +296,7 @@ def shipped_files(working_dir: Path, excludes: list[str]) -> dict[Path, int]:
         # Ray hashes what it ships by reading each file that is not a folder: a named pipe's
         # open() blocks until something writes to it, and the submission with it.
         raise JobsError(
-            f"--working-dir {str(working_dir)!r} holds a named pipe, {pipes[0]}, which Ray "
+            f"--working-dir {shown(str(working_dir))} holds a named pipe, {pipes[0]}, which Ray "
             "would wait on forever while it reads the project to ship it; remove it, or leave "
             "it out with the --runtime-env file's excludes, .gitignore or .rayignore"
         )
@@ -318,7 +318,7 @@ def _check_package_size(working_dir: Path, shipped: dict[Path, int]) -> None:
         largest = sorted(sizes.items(), key=lambda item: -item[1])[:3]
         listed = ", ".join(f"{name} ({_mib(size)})" for name, size in largest)
         raise JobsError(
-            f"--working-dir {str(working_dir)!r} holds {_mib(total)} to ship, at or over Ray's "
+            f"--working-dir {shown(str(working_dir))} holds {_mib(total)} to ship, at or over Ray's "
             f"limit of {_mib(limit)} for a job's working directory; the largest: {listed}. Keep "
             "models and data outside it (an absolute path the nodes see), or leave them out "
             "with the --runtime-env file's excludes, .gitignore or .rayignore"
@@ -339,7 +339,7 @@ def _check_inputs_shipped(
         if any(path == inside or path.is_relative_to(inside) for path in shipped):
             continue
         raise JobsError(
-            f"{dotted}={value!r} is in the working directory but left out of what the job "
+            f"{dotted}={shown(value)} is in the working directory but left out of what the job "
             "ships (by .gitignore, .rayignore, the default excludes or the --runtime-env "
             "file's excludes), so the job would not find it; give it as an absolute path the "
             "nodes see, or stop excluding it"

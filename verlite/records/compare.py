@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from verlite.errors import shown
 from verlite.records import metrics_log
 from verlite.records.metrics_log import Record
 
@@ -123,9 +124,9 @@ def _tolerance(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a number, got {shown(text)}") from None
     if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {shown(text)}")
     return value
 
 

@@ -80,10 +80,12 @@ def _checked(value: Any, where: str) -> Record:
         if metric == "step":
             continue
         if not _is_number(number):
-            raise UserError(f"{where}: metric {metric!r} is {shown(number)}; expected a number")
+            raise UserError(
+                f"{where}: metric {shown(metric)} is {shown(number)}; expected a number"
+            )
         if not _fits_a_float(number):  # every reader computes in floats
             raise UserError(
-                f"{where}: metric {metric!r} is an integer of {len(str(abs(number)))} digits, "
+                f"{where}: metric {shown(metric)} is an integer of {len(str(abs(number)))} digits, "
                 "beyond a float's range"
             )
     return dict(value)
@@ -172,24 +174,24 @@ def read(path: str | Path) -> list[Record]:
     if path.is_dir():
         path = path / FILE_NAME
     elif not path.exists() and path.suffix != ".jsonl":
-        raise UserError(f"no such folder: {str(path)!r}")
+        raise UserError(f"no such folder: {shown(str(path))}")
     if not path.exists():
         raise UserError(
-            f"no metrics file {str(path)!r}: has the run logged a step yet, with 'jsonl' in "
+            f"no metrics file {shown(str(path))}: has the run logged a step yet, with 'jsonl' in "
             "trainer.loggers?"
         )
     if not path.is_file():  # a pipe would block, a device such as /dev/zero never end
         raise UserError(
-            f"{str(path)!r} is not a regular file; give a run folder or its metrics.jsonl"
+            f"{shown(str(path))} is not a regular file; give a run folder or its metrics.jsonl"
         )
     lines = read_text(path, what="metrics file").split("\n")
     records = []
     for number, line in enumerate(lines, 1):
-        place = f"{str(path)!r} line {number}"
+        place = f"{shown(str(path))} line {number}"
         if line and (record := _record_of(line, place, last=number == len(lines))):
             records.append((place, record))
     if not records:
-        raise UserError(f"{str(path)!r} holds no metrics yet")
+        raise UserError(f"{shown(str(path))} holds no metrics yet")
     return _in_order(records)
 
 

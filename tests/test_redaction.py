@@ -731,3 +731,22 @@ def test_an_exception_whose_text_masking_cannot_reach_becomes_a_masked_runtime_e
     assert redaction.redact_exception(outer) is outer
     assert str(outer.__cause__).endswith("ServiceError: denied for ***")
     assert outer.__suppress_context__ is False
+
+
+def test_an_exception_holding_named_tuples_and_dict_subclasses_is_masked_in_them() -> None:
+    # A named tuple is rebuilt from its fields, not from one iterable (its constructor's
+    # arguments are the fields): masking one raised a TypeError in the worker's stead.
+    # What holds no credential stays the very object, of its own type.
+    from collections import OrderedDict, namedtuple
+
+    Request = namedtuple("Request", "url timeout")
+    url = "https://h/score?token=" + "abc123" + "def"
+    error = ConnectionError("cannot reach the scorer", Request(url, 5))
+    error.request = Request(url, 5)  # type: ignore[attr-defined]
+    error.headers = OrderedDict(accept="json")  # type: ignore[attr-defined]
+    headers = error.headers  # type: ignore[attr-defined]
+    assert redaction.redact_exception(error) is error
+    masked = Request("https://h/score?token=***", 5)
+    assert error.args == ("cannot reach the scorer", masked)
+    assert error.request == masked and type(error.request) is Request  # type: ignore[attr-defined]
+    assert error.headers is headers  # type: ignore[attr-defined]

@@ -304,13 +304,18 @@ def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) ->
 def redact_values(value: Any) -> Any:
     """``value`` with every text in it as :func:`redact_text` leaves it: a string, and the
     strings in lists, tuples and dicts (an exception's arguments and attributes); anything
-    else as it is."""
+    else as it is. A container with nothing masked in it is returned itself, of its own
+    type; one rebuilt is of its type (a named tuple from its fields), a dict a plain one."""
     if isinstance(value, str):
         return redact_text(value)
     if isinstance(value, list | tuple):
-        return type(value)(redact_values(item) for item in value)
+        items = [redact_values(item) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return getattr(type(value), "_make", type(value))(items)
     if isinstance(value, dict):
-        return {key: redact_values(item) for key, item in value.items()}
+        masked = {key: redact_values(item) for key, item in value.items()}
+        return value if all(masked[key] is item for key, item in value.items()) else masked
     return value
 
 

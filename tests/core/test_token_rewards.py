@@ -88,3 +88,21 @@ def test_sampler_agreement_is_over_response_tokens_only() -> None:
     assert stats == {"rollout/logprob_abs_diff": 0.25, "rollout/logprob_max_diff": 0.5}
     none = sampler_agreement(old, sampled, torch.zeros_like(mask))
     assert none == {"rollout/logprob_abs_diff": 0.0, "rollout/logprob_max_diff": 0.0}
+
+
+def test_step_statistics_of_float64_scores_are_not_rounded_to_float32() -> None:
+    # An fp64 run's scores are float64 (``precision.score_dtype``): their mean too, as the
+    # rewards', advantages' and returns' means are in their dtype.
+    from verlite.core.step_stats import step_statistics
+
+    mask = torch.ones((2, 1), dtype=torch.float64)
+    third = torch.full((2,), 1 / 3, dtype=torch.float64)
+    stats = step_statistics(
+        scores=third,
+        token_rewards=third[:, None],
+        advantages=third[:, None],
+        returns=third[:, None],
+        response_mask=mask,
+        at_limit=torch.zeros(2, dtype=torch.bool),
+    )
+    assert stats["critic/score/mean"] == 1 / 3 == stats["critic/rewards/mean"]

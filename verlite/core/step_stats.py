@@ -27,7 +27,7 @@ def step_statistics(
     mask = response_mask.to(torch.bool)
     lengths = response_mask.sum(-1).float()
     stats = {
-        "critic/score/mean": scores.float().mean(),
+        "critic/score/mean": scores.mean(),
         "critic/score/max": scores.max(),
         "critic/score/min": scores.min(),
         "critic/rewards/mean": (token_rewards * response_mask).sum(-1).mean(),

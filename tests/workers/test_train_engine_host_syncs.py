@@ -185,3 +185,30 @@ def test_the_micro_batch_loops_wait_for_no_device_value(layout: str, syncs) -> N
     assert unexpected(syncs.hits) == []
     if layout == "padded":  # the tracking sees syncs on the device: Hugging Face's allowed ones
         assert syncs.hits
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_a_micro_batch_goes_to_a_gpu_from_dense_pinned_memory(packing: bool, monkeypatch) -> None:
+    """Pinning keeps a tensor's strides, and CUDA copies a strided host tensor through a
+    contiguous temporary in pageable memory, whose copy waits for the device's queue: every
+    tensor ``to_device`` pins must be dense. A trimmed micro-batch's columns are views of the
+    batch's (``trim_padding``). Without a GPU here the pinning is recorded and the copy to
+    the device left out."""
+    pinned: list[torch.Tensor] = []
+    real_to = torch.Tensor.to
+
+    def pin_memory(self, *args, **kwargs):
+        pinned.append(self)
+        return self
+
+    def to(self, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cuda":
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batch = make_batch(CONFIG)
+    train_engine.micro_batch(batch, [1, 3], device=torch.device("cuda", 0), packing=packing)
+    assert pinned and [tuple(t.shape) for t in pinned if not t.is_contiguous()] == []

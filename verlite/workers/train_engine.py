@@ -383,9 +383,12 @@ def micro_batch(
 def to_device(value: Copyable, device: torch.device) -> Copyable:
     """``value`` (a tensor or a TensorDict on the CPU) on ``device``; to a CUDA device it is
     copied from pinned memory without waiting: the copy is queued on the current stream, so
-    the work queued after it reads it, and the host goes on to the next micro-batch."""
+    the work queued after it reads it, and the host goes on to the next micro-batch. Each
+    tensor is made dense first (a trimmed micro-batch's columns are views): pinning keeps a
+    view's strides, and CUDA copies a strided host tensor through a contiguous temporary in
+    pageable memory, a copy that waits for the device to finish its queue."""
     if device.type == "cuda":
-        return value.pin_memory().to(device, non_blocking=True)
+        return value.contiguous().pin_memory().to(device, non_blocking=True)
     return value.to(device)
 
 

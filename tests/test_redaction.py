@@ -750,3 +750,30 @@ def test_an_exception_holding_named_tuples_and_dict_subclasses_is_masked_in_them
     assert error.args == ("cannot reach the scorer", masked)
     assert error.request == masked and type(error.request) is Request  # type: ignore[attr-defined]
     assert error.headers is headers  # type: ignore[attr-defined]
+
+
+def test_an_exception_masking_cannot_walk_becomes_a_masked_runtime_error_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Masking that fails itself (here on a list that holds itself) must not leave the worker
+    # with its own error in the exception's stead: Ray would show that one, and with it, as
+    # its context, the worker's exception unmasked.
+    from verlite.controller import Worker
+
+    monkeypatch.setenv("SCORER_API_KEY", "envsecret-" + "42-value")
+
+    class Looping(Worker):
+        def score(self) -> None:
+            error = ValueError("cannot reach " + os.environ["SCORER_API_KEY"])
+            error.trail = ["https://h"]  # type: ignore[attr-defined]
+            error.trail.append(error.trail)  # type: ignore[attr-defined]
+            raise error from KeyError(os.environ["SCORER_API_KEY"])
+
+    worker = Looping(role="r", rank=0, world_size=1, torch_threads=1)
+    with pytest.raises(RuntimeError) as raised:
+        worker.score()
+    error = raised.value
+    assert str(error) == "ValueError: cannot reach ***"
+    assert error.__cause__ is None and error.__context__ is None
+    text = "".join(traceback.format_exception(error))
+    assert "in score" in text and "envsecret" not in text

@@ -327,8 +327,14 @@ def redact_exception(error: BaseException) -> BaseException:
     the exceptions it chains (its cause and context) masked in place, so its type and all it
     carries stay. One whose text still holds a credential (a ``__str__`` of its own that
     reads what masking cannot reach) becomes a ``RuntimeError`` of that text masked, its
-    type named first, with its traceback, cause and context."""
-    return _redact_chained(error, set())
+    type named first, with its traceback, cause and context. One that masking fails on (a
+    container that holds itself, one that cannot be rebuilt) becomes such a
+    ``RuntimeError`` alone, without the chain it could not mask: the failure of masking
+    would otherwise leave in its stead, with the error unmasked as its context."""
+    try:
+        return _redact_chained(error, set())
+    except Exception:
+        return _masked_text(error, "".join(traceback.format_exception_only(error)).strip())
 
 
 def _redact_chained(error: BaseException, seen: set[int]) -> BaseException:
@@ -353,12 +359,17 @@ def _redact_chained(error: BaseException, seen: set[int]) -> BaseException:
             with contextlib.suppress(AttributeError, TypeError):
                 setattr(error, name, redact_values(value))
     text = "".join(traceback.format_exception_only(error)).strip()
-    if (masked := redact_text(text)) == text:
+    if redact_text(text) == text:
         return error
-    replacement = RuntimeError(masked).with_traceback(error.__traceback__)
+    replacement = _masked_text(error, text)
     replacement.__cause__, replacement.__context__ = error.__cause__, error.__context__
     replacement.__suppress_context__ = suppress
     return replacement
+
+
+def _masked_text(error: BaseException, text: str) -> RuntimeError:
+    """A ``RuntimeError`` of ``error``'s ``text`` masked, with its traceback, chained to nothing."""
+    return RuntimeError(redact_text(text)).with_traceback(error.__traceback__)
 
 
 class _RedactedStream:

@@ -334,7 +334,7 @@ def redact_exception(error: BaseException) -> BaseException:
     try:
         return _redact_chained(error, set())
     except Exception:
-        return _masked_text(error, "".join(traceback.format_exception_only(error)).strip())
+        return _masked_text(error, redact_text(_exception_text(error)))
 
 
 def _redact_chained(error: BaseException, seen: set[int]) -> BaseException:
@@ -358,18 +358,24 @@ def _redact_chained(error: BaseException, seen: set[int]) -> BaseException:
         if isinstance(value := getattr(error, name, None), str | list | tuple | dict):
             with contextlib.suppress(AttributeError, TypeError):
                 setattr(error, name, redact_values(value))
-    text = "".join(traceback.format_exception_only(error)).strip()
-    if redact_text(text) == text:
+    text = _exception_text(error)
+    masked = redact_text(text)
+    if masked == text:
         return error
-    replacement = _masked_text(error, text)
+    replacement = _masked_text(error, masked)
     replacement.__cause__, replacement.__context__ = error.__cause__, error.__context__
     replacement.__suppress_context__ = suppress
     return replacement
 
 
-def _masked_text(error: BaseException, text: str) -> RuntimeError:
-    """A ``RuntimeError`` of ``error``'s ``text`` masked, with its traceback, chained to nothing."""
-    return RuntimeError(redact_text(text)).with_traceback(error.__traceback__)
+def _exception_text(error: BaseException) -> str:
+    """``error`` as a traceback's last line shows it: its type and its text."""
+    return "".join(traceback.format_exception_only(error)).strip()
+
+
+def _masked_text(error: BaseException, masked: str) -> RuntimeError:
+    """A ``RuntimeError`` of ``error``'s ``masked`` text, with its traceback, chained to nothing."""
+    return RuntimeError(masked).with_traceback(error.__traceback__)
 
 
 class _RedactedStream:

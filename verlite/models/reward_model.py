@@ -176,7 +176,9 @@ def score_texts(
     # The sigmoid in float64, rounded once to that dtype. A row's score must not depend on
     # how many rows it is scored with: the CPU kernel takes a vectorized path or a scalar one
     # by the tensor's length, and in float32 the two differ in the last unit (4 rows of 64
-    # scored at once against one at a time, AVX-512); in float64 they differ by 2^-29 of a
-    # float32 unit, which the rounding to float32 absorbs, and an fp64 run keeps (within
-    # its 1e-9 tolerance, where a float32 unit is not).
+    # scored at once against one at a time, AVX-512). In float64 a row's score still differs
+    # by a few float64 units with the rows beside it (the sigmoid's two paths, and already
+    # the logit: the forward's products are blocked by the row count, 5e-15 apart here),
+    # which the rounding to float32 absorbs and an fp64 run keeps within its 1e-9 tolerance
+    # (where a float32 unit would not be).
     return torch.sigmoid(logit.double()).to(dtype).squeeze(-1)

@@ -4,8 +4,12 @@ more than ``rollout.max_staleness`` updates newer than the ones that generated i
 generation runs on weights synced before it, and the run's last steps submit nothing past
 its end; the loader state a checkpoint of a step saves is the one once that step's prompts
 were drawn, whatever was drawn ahead; the old log-probs come from the actor unless the
-sampler's serve. (Real Ray workers: tests/e2e/test_split_rollout.py.)"""
+sampler's serve. A checkpoint keeps the batches generated ahead whose generation completed
+(a failed one is raised by its step), and a resume trains on those its run would have
+generated (same generation settings, within its staleness bound) and generates the others
+again. (Real Ray workers: tests/e2e/test_split_rollout.py.)"""
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +18,11 @@ from tensordict import TensorDict
 
 from verlite.config import Config, load_config
 from verlite.config.derived import old_log_probs_source
-from verlite.controller import DpSplit
+from verlite.controller import DpSplit, WorkerGroupError
 from verlite.data import PromptLoader, build_datasets, load_tokenizer
-from verlite.driver.step_source import StepSource
+from verlite.driver.checkpoint import setting_changes
+from verlite.driver.step_source import GENERATED_AHEAD, StepSource
+from verlite.driver.trainer import run_record
 from verlite.generation import SamplingParams, SyncLayout, sample_keys
 from verlite.generation.weights import TensorSpec
 from verlite.workers.peak_memory import PEAK_COLUMN
@@ -41,15 +47,39 @@ class Done:
 LAYOUT = SyncLayout(tuple((TensorSpec(name, "float32", (2,), 0, 0, 8),) for name in ("a", "b")))
 
 
+class Failed:
+    """A call whose workers failed: each wait for it raises, as ``PendingCall.result`` does."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def result(self) -> Any:
+        raise self.error
+
+
+def generation_error(step: int) -> WorkerGroupError:
+    return WorkerGroupError(
+        group="rollout",
+        rank=0,
+        node_id="0" * 56,
+        node_ip="127.0.0.1",
+        method="generate",
+        cause=f"RuntimeError: step {step} failed",
+        lost=False,
+    )
+
+
 class Groups:
     """An actor and a rollout group that run each call when it is submitted (the order a
-    Ray actor runs them in), and log them."""
+    Ray actor runs them in), and log them; the rollout group's generations of the steps in
+    ``failing`` fail."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, *, actor_version: int = 0, failing: tuple[int, ...] = ()) -> None:
         self.seed = seed
         self.log: list[tuple[str, ...]] = []
-        self.actor_version = 0
+        self.actor_version = actor_version
         self.held: int | None = None
+        self.failing = failing
 
     def actor_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self.log.append(("actor", method))
@@ -76,7 +106,7 @@ class Groups:
             batch["old_log_probs"] = torch.zeros(len(batch), 1)
         return batch
 
-    def rollout_call_async(self, method: str, *args: Any, **_: Any) -> Done:
+    def rollout_call_async(self, method: str, *args: Any, **_: Any) -> Done | Failed:
         if method == "load_bucket":
             version, index = args[0]  # the publish's result, by reference
             if index < len(LAYOUT.buckets) - 1:
@@ -88,7 +118,10 @@ class Groups:
         prompts, _, _, version, records = args
         assert records is None
         assert self.held == version, "generation runs on the weights it names"
-        self.log.append(("rollout", "generate", str(self.step_of(prompts)), str(version)))
+        step = self.step_of(prompts)
+        self.log.append(("rollout", "generate", str(step), str(version)))
+        if step in self.failing:
+            return Failed(generation_error(step))
         batch = prompts.clone()
         batch["rollout_log_probs"] = torch.zeros(len(batch), 1)
         batch[PEAK_COLUMN] = torch.full((len(batch),), 1.5)  # the rank's peak memory, in GB
@@ -107,7 +140,7 @@ class Group:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         return self.groups.actor_call(method, *args, **kwargs)
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Done:
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> Done | Failed:
         if self.role == "actor":
             return self.groups.actor_call(method, *args, **kwargs)
         return self.groups.rollout_call_async(method, *args, **kwargs)
@@ -184,6 +217,148 @@ def test_no_batch_is_staler_than_the_bound_and_nothing_runs_past_the_end(
     generated = [entry for entry in groups.log if entry[1] == "generate"]
     assert [int(entry[2]) for entry in generated] == list(range(resumed_at + 1, total + 1))
     assert not source._in_flight  # nothing left generating after the last step
+
+
+def run_to_checkpoint(
+    cfg: Config, checkpoint: Path, *, at: int, failing: tuple[int, ...] = ()
+) -> StepSource:
+    """Train steps 1 to ``at`` as a run does (take, update) and save what a checkpoint of step
+    ``at`` keeps ahead into the folder ``checkpoint``; the step source, in flight as left."""
+    groups = Groups(cfg.trainer.seed, failing=failing)
+    source = step_source(groups, cfg)
+    source.start(version=0)
+    for step in range(1, at + 1):
+        source.take(step)
+        groups.actor_version = step
+        source.updated(step)
+    checkpoint.mkdir()
+    source.save_ahead(checkpoint, version=at)
+    return source
+
+
+def resume(cfg: Config, checkpoint: Path, saved: Config, *, at: int) -> tuple[Groups, StepSource]:
+    """A run of ``cfg`` resumed from the checkpoint of step ``at`` that a run of ``saved``
+    wrote into ``checkpoint``, started as ``Trainer.resume`` and ``fit`` start it."""
+    groups = Groups(cfg.trainer.seed, actor_version=at)
+    source = step_source(groups, cfg)
+    source.load_loader_state(loader_state_after(source, at))
+    changes = setting_changes({"config": run_record(saved)}, cfg.model_dump(mode="json"))
+    source.load_ahead(checkpoint, changes)
+    source.start(version=at)
+    return groups, source
+
+
+def generated(groups: Groups) -> list[tuple[int, int]]:
+    """The rollout group's generations: (step, weight version) each."""
+    return [(int(e[2]), int(e[3])) for e in groups.log if e[1] == "generate"]
+
+
+STALE = ("rollout.placement=split", "rollout.max_staleness=1", "trainer.total_steps=4")
+
+
+@pytest.mark.parametrize(
+    ("override", "kept"),
+    [
+        ((), True),
+        # how generations are placed or decoded: the kept batch is the one they generate
+        (("rollout.decode=static", "rollout.workers_per_node=2"), True),
+        # greedy both times: top_k takes no effect in either
+        (("rollout.temperature=0", "rollout.top_k=5"), True),
+        (("rollout.temperature=0.7",), False),
+        (("rollout.top_p=0.9",), False),
+        (("rollout.top_k=5",), False),
+        (("rollout.max_response_length=8",), False),
+        (
+            ("rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.micro_batch_size_per_worker=16"),
+            False,
+        ),
+    ],
+)
+def test_a_kept_batch_is_generated_again_under_other_generation_settings(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: tuple[str, ...], kept: bool
+) -> None:
+    """The checkpoint of step 2 keeps step 3's batch, generated by version 1 (real files). A
+    resume under the same generation settings trains on it; under other sampling settings
+    it generates it again by the checkpoint's weights (version 2), in one line naming the
+    setting. Mutation: settings changes not read (only staleness drops a kept batch): the
+    batches of another temperature, top_p, top_k, length or n are trained on."""
+    greedy = ("rollout.temperature=0",) if "rollout.temperature=0" in override else ()
+    saved = small_config(*STALE, *greedy)
+    checkpoint = tmp_path / "step_2"
+    run_to_checkpoint(saved, checkpoint, at=2)
+    assert (checkpoint / GENERATED_AHEAD).is_file()
+    capsys.readouterr()
+
+    groups, source = resume(small_config(*STALE, *override), checkpoint, saved, at=2)
+    line = capsys.readouterr().out
+    taken = source.take(3)
+    if kept:
+        assert line == ""
+        assert generated(groups) == [(4, 2)]  # step 3's batch is the kept one, of version 1
+        assert taken.metrics["rollout/weight_version"] == 1
+    else:
+        assert generated(groups) == [(3, 2), (4, 2)]
+        assert taken.metrics["rollout/weight_version"] == 2
+        changed = override[0].removeprefix("rollout.").split("=")[0]
+        assert line.count("\n") == 1
+        assert f"{checkpoint}: generating the batches it kept of step(s) 3 again" in line
+        assert f"rollout.{changed}=" in line and "(now " in line, line
+
+
+@pytest.mark.parametrize(
+    "override",
+    [("rollout.max_staleness=0",), ("rollout.placement=colocated", "rollout.max_staleness=0")],
+)
+def test_a_kept_batch_staler_than_the_resumed_run_allows_is_generated_again_in_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: tuple[str, ...]
+) -> None:
+    """A split run's checkpoint resumed with a lower ``rollout.max_staleness``, or by
+    colocated actors (which generate each batch with the weights that train on it): the
+    kept batch of step 3 (version 1, staleness 1) is staler than the run allows, so the
+    checkpoint's weights generate it again, and a line says so (it was dropped without a
+    word: a colocated resume loaded it and never used it). Mutation: the line not printed."""
+    saved = small_config(*STALE)
+    checkpoint = tmp_path / "step_2"
+    run_to_checkpoint(saved, checkpoint, at=2)
+    capsys.readouterr()
+
+    _, source = resume(small_config(*STALE, *override), checkpoint, saved, at=2)
+    line = capsys.readouterr().out
+    assert line == (
+        f"{checkpoint}: generating the batches it kept of step(s) 3 again, by its weights: "
+        "generated by older weights than rollout.max_staleness=0 allows\n"
+    )
+    assert source.take(3).metrics["rollout/weight_version"] == 2
+
+
+def test_a_failed_generation_ahead_leaves_the_checkpoint_with_the_batches_that_completed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``max_staleness=2`` the checkpoint of step 2 keeps steps 3 and 4 (versions 0 and
+    1). Step 3's generation failed: the checkpoint is written all the same, with step 4's
+    batch, in a line; the run's step 3 then raises the generation's error; a resume
+    generates step 3's batch again (version 2) and trains step 4 on the kept one. Mutations:
+    save_ahead not catching the failure (the checkpoint raises); the failure replaced by a
+    batch of its prompts (step 3 trains on it instead of raising)."""
+    saved = small_config(
+        "rollout.placement=split", "rollout.max_staleness=2", "trainer.total_steps=5"
+    )
+    checkpoint = tmp_path / "step_2"
+    source = run_to_checkpoint(saved, checkpoint, at=2, failing=(3,))
+    line = capsys.readouterr().out
+    assert line == (
+        "step_2: not keeping step 3's batch, whose generation by the weights of version 0 "
+        "failed (WorkerGroupError; the step raises it): a resume from it generates that "
+        "batch again\n"
+    )
+    assert sorted(torch.load(checkpoint / GENERATED_AHEAD, weights_only=True)) == [4]
+    with pytest.raises(WorkerGroupError, match="step 3 failed"):
+        source.take(3)
+
+    groups, resumed = resume(saved, checkpoint, saved, at=2)
+    assert capsys.readouterr().out == ""
+    assert generated(groups) == [(3, 2), (5, 2)]
+    assert [resumed.take(step).metrics["rollout/weight_version"] for step in (3, 4)] == [2, 1]
 
 
 def test_colocated_batches_come_from_the_actor_with_their_log_probs() -> None:

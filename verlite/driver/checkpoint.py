@@ -9,7 +9,8 @@
                            settings the weights were built with, and the identity of the
                            base model's weight files (``model.path``; ``base_weights``)
     generated_ahead.pt     with rollout.max_staleness >= 1: the batches generated ahead by
-                           older weights (``StepSource.save_ahead``)
+                           older weights, those whose generation completed
+                           (``StepSource.save_ahead``)
 
 A checkpoint is written into ``step_N.tmp/`` and renamed to ``step_N`` only when complete,
 so a crash while saving leaves the previous checkpoint valid and the partial one ignored
@@ -27,7 +28,7 @@ import re
 import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from verlite.base_weights import differences
 from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
@@ -176,26 +177,14 @@ def check_resumable(
             f"{step}; raise trainer.total_steps, or use trainer.resume=disable or another "
             "trainer.output_dir for a new run"
         )
-    # The checkpoint records the config with its credentials masked: this one is compared so.
-    here = flatten(redact_config(config))
-    # Checkpoints record the whole config (older ones under keys that moved since, read under
-    # their new names); the oldest only the model settings.
-    there = (
-        {**_PREDATED, **{MOVED_KEYS.get(k, k): v for k, v in flatten(state["config"]).items()}}
-        if "config" in state
-        else flatten({"model": state.get("model", {})})
-    )
-    changed = sorted(
-        key for key in there.keys() & here.keys() if not _same(key, there[key], here[key])
-    )
-    configs = [recorded_config(there), recorded_config(here)]
+    changes = setting_changes(state, config)
     blocking = [
-        f"{key}={there[key]!r} there, {here[key]!r} here"
-        for key in changed
-        if key.startswith(_MUST_MATCH)
+        f"{key}={change.there!r} there, {change.here!r} here"
+        for key, change in changes.items()
+        if change.effective
+        and key.startswith(_MUST_MATCH)
         and key not in _MAY_CONVERT
         and key not in _FREE
-        and not all(cfg is not None and without_effect(cfg, key) for cfg in configs)
     ]
     missing = [role for role in roles if not (path / role).is_dir()]
     incomplete = [
@@ -209,7 +198,9 @@ def check_resumable(
         for name in (SCHEDULE, ENGINE_STATE):  # the engine's, read by every rank
             if (path / role / name).is_file():
                 _json_file(path / role / name)
-    base, recorded = here.get("model.path"), state.get("base_weights")
+    # As the checkpoint recorded it: credentials masked.
+    base = flatten(redact_config(config)).get("model.path")
+    recorded = state.get("base_weights")
     if (
         base is not None
         and isinstance(recorded, dict)
@@ -234,7 +225,50 @@ def check_resumable(
             "would continue another order; restore data.train_file, or use "
             "trainer.resume=disable or another trainer.output_dir for a new run"
         )
-    return [f"{key}: {there[key]!r} -> {here[key]!r}" for key in changed if key not in _FREE]
+    return [
+        f"{key}: {change.there!r} -> {change.here!r}"
+        for key, change in changes.items()
+        if key not in _FREE
+    ]
+
+
+class SettingChange(NamedTuple):
+    """A setting's value in a checkpoint's config (``there``) and in the resuming run's
+    (``here``); ``effective``: it takes effect in one of them at least (a setting without
+    effect in both, its feature off, ``verlite.config.inert``, was no part of what the
+    checkpoint holds)."""
+
+    there: Any
+    here: Any
+    effective: bool
+
+
+def setting_changes(
+    state: Mapping[str, Any], config: Mapping[str, Any]
+) -> dict[str, SettingChange]:
+    """The settings of ``config`` (the resuming run's, ``Config.model_dump(mode="json")``)
+    that differ from those the checkpoint's trainer ``state`` recorded, by flat key, in key
+    order. Checkpoints record the whole config with its credentials masked (``config`` is
+    compared so; older ones under keys that moved since, read under their new names); the
+    oldest only the model settings."""
+    here = flatten(redact_config(config))
+    there = (
+        {**_PREDATED, **{MOVED_KEYS.get(k, k): v for k, v in flatten(state["config"]).items()}}
+        if "config" in state
+        else flatten({"model": state.get("model", {})})
+    )
+    changed = sorted(
+        key for key in there.keys() & here.keys() if not _same(key, there[key], here[key])
+    )
+    configs = [recorded_config(there), recorded_config(here)]
+    return {
+        key: SettingChange(
+            there[key],
+            here[key],
+            not all(cfg is not None and without_effect(cfg, key) for cfg in configs),
+        )
+        for key in changed
+    }
 
 
 def remove_folder(path: Path, *, ignore_errors: bool = False) -> None:

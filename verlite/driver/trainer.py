@@ -41,6 +41,7 @@ from verlite.driver.checkpoint import (
     read_trainer_state,
     resolved_resume,
     seal_checkpoint,
+    setting_changes,
 )
 from verlite.driver.dynamic_sampling import DynamicSampling
 from verlite.driver.output_folder import FolderChange, FolderState, tell_node_watcher
@@ -452,7 +453,7 @@ class Trainer:
         for group in self.groups.trained:
             group.call("load_checkpoint", str(path / group.name))
         self.step_source.load_loader_state(state["loader"])
-        self.step_source.load_ahead(path)
+        self.step_source.load_ahead(path, setting_changes(state, self.cfg.model_dump(mode="json")))
         self.kl_ctrl.resume(float(state["kl_coef"]))
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.

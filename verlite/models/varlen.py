@@ -17,16 +17,24 @@ gathers, so it never waits for the device (a boolean mask as an index would, to 
 
 The attention function is registered with Hugging Face as ``verlite_varlen``; without the
 packed structure among a call's keyword arguments it is Hugging Face's SDPA attention,
-unchanged (generation and the padded layout take that path). :func:`enable_packing`
-switches a model to it and proves on the model itself that packed sequences do not see each
+unchanged (generation and the padded layout take that path). Its mask function is SDPA's,
+decided from the padding the host knows where a pass says it (:func:`known_padding`, as
+``workers.forward`` does for the micro-batches the engine built on the CPU): Hugging Face's
+own checks read the device once per forward (whether a 2-D mask is all ones; without a mask
+and a cache, whether the positions restart), which on a GPU waits for its queue. The engine
+switches every model it trains or runs passes with to it (:func:`use_verlite_attention`);
+:func:`enable_packing` also proves on the model itself that packed sequences do not see each
 other (a model whose attention ignores the structure is refused).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -139,19 +147,57 @@ def varlen_attention(
     return torch.cat(outputs)[packed.restore][None], None
 
 
+class Padding(Enum):
+    """What the host knows of a pass's padding before it runs (``known_padding``): built on
+    the CPU, the micro-batch says whether a row is padded without reading the device."""
+
+    NONE = "none"  # every token is real: the 2-D mask is all ones
+    SOME = "some"  # a row is padded
+    PACKED = "packed"  # a packed row: real tokens only, attention confined by PackedAttention
+
+
+_KNOWN: ContextVar[Padding | None] = ContextVar("verlite_known_padding", default=None)
+
+
+@contextlib.contextmanager
+def known_padding(padding: Padding | None) -> Iterator[None]:
+    """Mask creation in the block (:func:`_mask`) decides from ``padding`` instead of reading
+    the 2-D mask on the device; None: it reads it, as Hugging Face's SDPA mask does."""
+    token = _KNOWN.set(padding)
+    try:
+        yield
+    finally:
+        _KNOWN.reset(token)
+
+
 def _mask(**kwargs: Any) -> Any:
-    """SDPA's mask, except none for a pass with neither padding nor a cache: Hugging Face
-    would otherwise build a (T, T) mask from a packed row's restarting positions, which
-    packed attention does not read (the padded fallback is then plain causal SDPA).
-    Keyword arguments only, as transformers passes them: a positional one would raise here,
-    where reading the offsets from the keywords would pass it by."""
-    fresh = (
-        kwargs.get("q_offset", 0) == 0
-        and kwargs.get("kv_offset", 0) == 0
-        and kwargs.get("kv_length") == kwargs.get("q_length")
-    )
-    if kwargs.get("attention_mask") is None and fresh:
+    """SDPA's mask (``sdpa_mask``, once per forward and kind of layer), decided from the
+    padding the host knows (:func:`known_padding`) where it is known: Hugging Face's check
+    reads the 2-D mask (whether every token is real, so the mask may be left to SDPA's
+    ``is_causal``), which on a GPU waits for the device to finish its queue. The masks are
+    the same, bit for bit: no padding builds the mask of an all-ones 2-D mask (none where
+    it may be skipped), padding the one it would build after its check failed. A packed row
+    gets none: packed attention reads no mask. Without the padding known, none for a pass
+    with neither padding nor a cache: Hugging Face would otherwise build a (T, T) mask from a
+    packed row's restarting positions, which packed attention does not read (the padded
+    fallback is then plain causal SDPA). Keyword arguments only, as transformers passes
+    them: a positional one would raise here, where reading the offsets from the keywords
+    would pass it by."""
+    known = _KNOWN.get()
+    if known is Padding.PACKED:
         return None
+    if known is Padding.NONE:
+        kwargs["attention_mask"] = None
+    elif known is Padding.SOME:
+        kwargs["allow_is_causal_skip"] = kwargs["allow_is_bidirectional_skip"] = False
+    else:
+        fresh = (
+            kwargs.get("q_offset", 0) == 0
+            and kwargs.get("kv_offset", 0) == 0
+            and kwargs.get("kv_length") == kwargs.get("q_length")
+        )
+        if kwargs.get("attention_mask") is None and fresh:
+            return None
     return sdpa_mask(**kwargs)
 
 
@@ -169,11 +215,26 @@ def enable_packing(model: nn.Module) -> None:
     another must not change when that other one changes. Raises :class:`PackingUnsupported`
     for a model whose attention ignores the packed structure (it would train on attention
     across sequences)."""
-    hf = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+    hf = _hf_model(model)
     if hf is None:
         raise PackingUnsupported(f"{type(model).__name__} holds no Hugging Face model")
     hf.set_attn_implementation(ATTENTION)
     _check_confined(model, hf)
+
+
+def use_verlite_attention(model: nn.Module, *, packing: bool) -> None:
+    """Switch ``model`` (a Hugging Face model, or one that holds one; nothing to switch in
+    another) to verlite's attention, for the engine's passes: SDPA's, bit for bit, its mask
+    decided from the padding the host knows (:func:`known_padding`); with ``packing``, by
+    :func:`enable_packing`, which also proves the packed sequences stay apart."""
+    if packing:
+        enable_packing(model)
+    elif (hf := _hf_model(model)) is not None:
+        hf.set_attn_implementation(ATTENTION)
+
+
+def _hf_model(model: nn.Module) -> PreTrainedModel | None:
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
 
 
 @torch.no_grad()

@@ -48,7 +48,7 @@ from verlite.models.precision import (
     store_for_inference,
     untied_head,
 )
-from verlite.models.varlen import enable_packing
+from verlite.models.varlen import use_verlite_attention
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.peak_memory import PeakMemory
@@ -118,8 +118,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             if cfg.use_reference and not self.lora
             else None
         )
-        if self.reference is not None and cfg.actor.packing:
-            enable_packing(self.reference)
+        if self.reference is not None:
+            use_verlite_attention(self.reference, packing=cfg.actor.packing)
         self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
         self._base: tuple[int, int] | None = None  # a LoRA base's checksum, at the first sync
         self._rollout_seconds: MetricDict = {}  # generate_with_log_probs's, until the update

@@ -15,7 +15,9 @@ the head's weight unsharded.
 
 No pass here keeps a KV cache (:func:`_forward`): a Hugging Face model's config asks for one
 by default, and the forward then builds a cache and copies every layer's keys and values
-into it, for nothing to read them again.
+into it, for nothing to read them again. A pass over a micro-batch the engine marked with
+its padding (:func:`mark_padding`, read on the CPU) builds its attention mask from that
+(``models.varlen.known_padding``) instead of Hugging Face's checks of the device's mask.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from verlite.core.logits_chunks import chunked_log_probs
 from verlite.distributed import unwrap
 from verlite.models import logits_chunk_tokens
 from verlite.models.hf import output_embeddings
+from verlite.models.varlen import Padding, known_padding
 from verlite.step_batch import response_width
 from verlite.workers.packing import PackedRows, pack_rows
 
 PACKED_KEY = "packed"
+PADDED_KEY = "padded"
 
 
 def mark_packed(td: TensorDict, rows: PackedRows | None = None) -> None:
@@ -51,6 +55,23 @@ def _packed(td: TensorDict) -> PackedRows | None:
     return rows
 
 
+def mark_padding(td: TensorDict, padded: bool) -> None:
+    """Have the forward passes over ``td`` (in the padded layout) build their attention mask
+    knowing whether a row of it is ``padded``: the engine reads it from its CPU copy
+    (``train_engine.micro_batch``)."""
+    td.set_non_tensor(PADDED_KEY, padded)
+
+
+def _padding(td: TensorDict) -> Padding | None:
+    """The padding of ``td`` as marked (packed or :func:`mark_padding`); None when unmarked."""
+    keys = set(td.keys())
+    if PACKED_KEY in keys:
+        return Padding.PACKED
+    if PADDED_KEY in keys:
+        return Padding.SOME if td.get_non_tensor(PADDED_KEY) else Padding.NONE
+    return None
+
+
 def _padded_inputs(td: TensorDict) -> dict[str, torch.Tensor]:
     return {
         "input_ids": td["input_ids"],
@@ -59,10 +80,12 @@ def _padded_inputs(td: TensorDict) -> dict[str, torch.Tensor]:
     }
 
 
-def _forward(model: nn.Module, inputs: dict[str, Any]) -> Any:
+def _forward(model: nn.Module, inputs: dict[str, Any], padding: Padding | None) -> Any:
     """``model(**inputs)`` without a KV cache (``use_cache=False``): the same outputs, bit
-    for bit, without building a cache and copying each layer's keys and values into it."""
-    return model(**inputs, use_cache=False)
+    for bit, without building a cache and copying each layer's keys and values into it; its
+    mask built knowing ``padding`` (:func:`_padding`)."""
+    with known_padding(padding):
+        return model(**inputs, use_cache=False)
 
 
 def response_log_probs(
@@ -81,7 +104,12 @@ def response_log_probs(
         inputs = packed.model_inputs()
         labels = packed.from_rows(td["responses"])
     stats = _head_log_probs(
-        model, inputs, labels, temperature=temperature, with_entropy=with_entropy
+        model,
+        inputs,
+        labels,
+        padding=_padding(td),
+        temperature=temperature,
+        with_entropy=with_entropy,
     )
     # One (b, r) tensor per statistic: the log-probs, then the entropy when asked.
     if packed is None:
@@ -96,6 +124,7 @@ def _head_log_probs(
     inputs: dict[str, Any],
     labels: torch.Tensor,
     *,
+    padding: Padding | None,
     temperature: float,
     with_entropy: bool,
 ) -> torch.Tensor:
@@ -125,7 +154,7 @@ def _head_log_probs(
 
     head.forward = forward
     try:
-        stats: torch.Tensor = _forward(model, inputs).logits
+        stats: torch.Tensor = _forward(model, inputs, padding).logits
     finally:
         head.__dict__.pop("forward", None)
     # A model that changes the head's output (Gemma's logit soft-capping, Cohere's and
@@ -155,6 +184,6 @@ def response_values(model: nn.Module, td: TensorDict) -> torch.Tensor:
     packed = _packed(td)
     if packed is None:
         inputs = {**_padded_inputs(td), "logits_to_keep": response_width(td) + 1}
-        values: torch.Tensor = _forward(model, inputs)
+        values: torch.Tensor = _forward(model, inputs, _padding(td))
         return values[:, :-1]
-    return packed.to_rows(_forward(model, packed.model_inputs())[0])
+    return packed.to_rows(_forward(model, packed.model_inputs(), _padding(td))[0])

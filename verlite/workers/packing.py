@@ -41,9 +41,12 @@ class PackedRows:
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments of a causal LM (or ``ValueModel``) forward over the packed row,
-        with outputs at the ``predict`` positions only."""
+        with outputs at the ``predict`` positions only. Its 2-D mask is all ones, as every
+        token of the row is real: without one, a pass that keeps no KV cache has Hugging Face
+        look for packed sequences in the positions, which reads the device."""
         return {
             "input_ids": self.input_ids,
+            "attention_mask": torch.ones_like(self.input_ids, dtype=torch.bool),
             "position_ids": self.position_ids,
             "logits_to_keep": self.predict,
             KWARG: self.attention,

@@ -55,7 +55,7 @@ from verlite.distributed import (
 from verlite.distributed.sharded_state import load_train_state, save_train_state
 from verlite.models import enable_gradient_checkpointing
 from verlite.models.precision import autocast
-from verlite.models.varlen import enable_packing
+from verlite.models.varlen import use_verlite_attention
 from verlite.step_batch import (
     pad_responses,
     prompt_lengths,
@@ -65,7 +65,7 @@ from verlite.step_batch import (
     take_rows,
     trim_padding,
 )
-from verlite.workers.forward import mark_packed
+from verlite.workers.forward import mark_packed, mark_padding
 from verlite.workers.packing import pack_rows
 
 Copyable = TypeVar("Copyable", torch.Tensor, TensorDict)
@@ -154,8 +154,7 @@ class TrainEngine:
                 f"offload 'all' is FSDP2's CPU offload; strategy {cfg.strategy!r} has none"
             )
         model = model.to(self.device)
-        if cfg.packing:
-            enable_packing(model)
+        use_verlite_attention(model, packing=cfg.packing)
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         if cfg.strategy == "fsdp":
@@ -369,14 +368,19 @@ def micro_batch(
     td: TensorDict, rows: list[int], *, device: torch.device, packing: bool
 ) -> TensorDict:
     """The micro-batch of ``rows`` of ``td`` (on the CPU): trimmed to its own longest prompt
-    and response, on ``device``, and with its packed row when ``packing``. The trimming
-    widths and the packed row are computed from the CPU copy, then copied (:func:`to_device`):
-    computed on a GPU, each would wait for it to finish the micro-batches queued before."""
+    and response, on ``device``, and with its packed row when ``packing``, else marked with
+    whether a row is padded (``forward.mark_padding``: the attention mask is built knowing
+    it). The trimming widths, the packed row and the padding are computed from the CPU copy,
+    then copied (:func:`to_device`): computed on a GPU, each would wait for it to finish the
+    micro-batches queued before."""
     micro = trim_padding(take_rows(td, rows))
     packed = pack_rows(micro) if packing else None
+    padded = packed is None and not bool(micro["attention_mask"].all())
     micro = to_device(micro, device)
     if packed is not None:
         mark_packed(micro, packed.apply(partial(to_device, device=device)))
+    else:
+        mark_padding(micro, padded)
     return micro
 
 

@@ -106,3 +106,16 @@ def test_a_uniform_depends_on_its_position_not_on_the_block_it_was_computed_in()
 def test_keys_of_another_shape_are_refused(shape: tuple[int, ...]) -> None:
     with pytest.raises(ValueError, match=r"sample keys must be \(rows, 2\) int64"):
         KeyedNoise(torch.zeros(shape, dtype=torch.int64), horizon=1)
+
+
+def test_a_steps_keys_are_those_of_its_seed_step_prompts_and_samples() -> None:
+    """Fixed keys, as the lanes hashed one at a time gave them (a changed hash would give
+    another run's samples for the same seed)."""
+    keys = sample_keys(2**40 + 5, 3, 2, 2, first_prompt=7)
+    assert keys.dtype == torch.int64
+    assert keys.tolist() == [
+        [1576399946, 2420079353],
+        [1263757981, 3111045351],
+        [343320301, 1723638152],
+        [3206346025, 3676941871],
+    ]

@@ -52,12 +52,14 @@ def fmix32(x: Int) -> Int:
 @overload
 def _hash(values: list[int], salt: int) -> int: ...  # type: ignore[overload-overlap]  # no caller passes ints alone in a list typed with tensors
 @overload
-def _hash(values: list[int | torch.Tensor], salt: int) -> torch.Tensor: ...
-def _hash(values: list[Any], salt: int) -> Any:
+def _hash(values: list[int | torch.Tensor], salt: int | torch.Tensor) -> torch.Tensor: ...
+def _hash(values: list[Any], salt: Any) -> Any:
     """A 32-bit hash of a sequence of 32-bit values: an int for ints, a tensor (of the
-    values' broadcast shape) when any value is one (``int ^ tensor`` is a tensor), which
-    fmix32's constrained type cannot follow through the loop."""
-    h: Any = fmix32(salt)  # an int until the first tensor value
+    values' and salts' broadcast shape) when any value or the salt is one (``int ^ tensor``
+    is a tensor), which fmix32's constrained type cannot follow through the loop. A tensor
+    of salts hashes under each of them in one pass (the lanes of a key), each element as
+    its own salt would."""
+    h: Any = fmix32(salt)  # an int until the first tensor value, unless the salts are one
     for value in values:
         h = fmix32(h ^ fmix32((value ^ salt) & MASK32))
     return h
@@ -77,10 +79,11 @@ def sample_keys(
         seed & MASK32,
         (seed >> 32) & MASK32,
         step & MASK32,
-        prompt,
-        sample,
+        prompt[:, None],
+        sample[:, None],
     ]
-    return torch.stack([_hash(values, salt) for salt in _KEY_LANES], dim=-1)
+    # Both lanes in one pass: the (rows, 1) values broadcast against the (2,) salts.
+    return _hash(values, torch.tensor(_KEY_LANES, dtype=torch.int64))
 
 
 def turn_keys(keys: torch.Tensor, turn: int) -> torch.Tensor:

@@ -8,8 +8,11 @@ import io
 import json
 import logging
 import os
+import pickle
+import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -755,25 +758,187 @@ def test_an_exception_holding_named_tuples_and_dict_subclasses_is_masked_in_them
 def test_an_exception_masking_cannot_walk_becomes_a_masked_runtime_error_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Masking that fails itself (here on a list that holds itself) must not leave the worker
-    # with its own error in the exception's stead: Ray would show that one, and with it, as
-    # its context, the worker's exception unmasked.
+    # Masking that fails itself (here on an object whose masked copy cannot be rebuilt: its
+    # pickle leaves out what its constructor needs) must not leave the worker with its own
+    # error in the exception's stead: Ray would show that one, and with it, as its context,
+    # the worker's exception unmasked.
     from verlite.controller import Worker
 
     monkeypatch.setenv("SCORER_API_KEY", "envsecret-" + "42-value")
 
-    class Looping(Worker):
+    class Reply:
+        def __init__(self, text: str) -> None:
+            self.text = text
+
+        def __reduce__(self) -> tuple[type, tuple[()]]:
+            return Reply, ()
+
+    class Holding(Worker):
+        def __init__(self, *, nested: bool = False, **kwargs: object) -> None:
+            super().__init__(**kwargs)  # type: ignore[arg-type]
+            self.nested = nested
+
         def score(self) -> None:
             error = ValueError("cannot reach " + os.environ["SCORER_API_KEY"])
-            error.trail = ["https://h"]  # type: ignore[attr-defined]
-            error.trail.append(error.trail)  # type: ignore[attr-defined]
+            failing = error
+            if self.nested:  # the object in an exception held by the one raised, not shown
+                failing = error.reason = KeyError("scorer")  # type: ignore[attr-defined]
+            failing.trail = [Reply("denied"), "https://h?token=" + "abc123def"]  # type: ignore[attr-defined]
             raise error from KeyError(os.environ["SCORER_API_KEY"])
 
-    worker = Looping(role="r", rank=0, world_size=1, torch_threads=1)
-    with pytest.raises(RuntimeError) as raised:
-        worker.score()
+    for nested in (False, True):
+        worker = Holding(nested=nested, role="r", rank=0, world_size=1, torch_threads=1)
+        with pytest.raises(RuntimeError) as raised:
+            worker.score()
+        error = raised.value
+        assert str(error) == "ValueError: cannot reach ***"
+        assert error.__cause__ is None and error.__context__ is None
+        text = "".join(traceback.format_exception(error))
+        assert "in score" in text and "envsecret" not in text
+
+
+def _held(secrets: tuple[str, ...], *values: object) -> bool:
+    """Whether any of ``secrets`` is in what ``values`` show (their reprs, so bytes too):
+    asserted before any comparison, so a failing test's message shows no credential."""
+    shown = " ".join(map(repr, values))
+    return any(secret in shown for secret in secrets)
+
+
+def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An HTTP library's error holds the response and the request (their URLs, headers, body
+    # that a server may echo): Ray pickles all of it to the driver, where `e.response.url`
+    # or `e.request.headers` is one print away. A real requests error from a real server.
+    requests = pytest.importorskip("requests")
+    import http.server
+
+    import ray
+
+    key = "envsecret-" + "42-value"
+    monkeypatch.setenv("SCORER_API_KEY", key)
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # a 403 that echoes the request, as some services do
+            self.send_response(403)
+            self.end_headers()
+            self.wfile.write(f"denied: {self.path} {self.headers['X-Key']}".encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/score?token=abc123def456"
+        reply = requests.get(url, headers={"X-Key": key}, timeout=30)
+        with pytest.raises(requests.HTTPError) as raised:
+            reply.raise_for_status()
+    finally:
+        server.shutdown()
+        server.server_close()
     error = raised.value
-    assert str(error) == "ValueError: cannot reach ***"
-    assert error.__cause__ is None and error.__context__ is None
+    kept = redaction.redact_exception(error) is error
+    assert kept, "the error was replaced"  # its type and all it carries kept
+    secrets = ("abc123def456", key)
+    shipped = ray.cloudpickle.dumps(error)
+    fields = (error.response.url, error.request.url, error.request.headers)
+    leaked = _held(secrets, shipped, *fields, error.response.content)
+    assert not leaked, "a credential is in the pickled exception or its fields"
+    masked_url = f"http://127.0.0.1:{server.server_port}/score?token=***"
+    assert error.response.url == masked_url and error.request.url == masked_url
+    assert error.request.headers["X-Key"] == "***"
+    assert error.response.content == b"denied: /score?token=*** ***"
+    assert error.response.status_code == 403
+    # The worker's own objects are copied, not changed: its session may still use them.
+    unchanged = error.response is not reply and reply.url == url
+    assert unchanged, "the worker's own response was changed"
+    # No connection: urllib3's error in it holds its connection pool (locks, which pickle
+    # cannot carry; its own pickle leaves the pool out); the error stays a ConnectionError.
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    closed_url = f"http://127.0.0.1:{port}/score?token=abc123def456"
+    with pytest.raises(requests.ConnectionError) as refused:  # its line quotes no credential
+        requests.get(closed_url, timeout=30)
+    error = refused.value
+    kept = redaction.redact_exception(error) is error
+    assert kept, "the error was replaced"
     text = "".join(traceback.format_exception(error))
-    assert "in score" in text and "envsecret" not in text
+    leaked = _held(secrets, text, ray.cloudpickle.dumps(error))
+    assert not leaked, "a credential is in the error's text or its pickle"
+    assert "/score?token=***" in text
+
+
+def test_a_failed_command_s_output_and_arguments_are_masked_as_bytes_and_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A CalledProcessError carries the command (text or bytes) and its output as bytes.
+    key = "envsecret-" + "42-value"
+    monkeypatch.setenv("SCORER_API_KEY", key)
+    command = [
+        sys.executable,
+        "-c",
+        "import os, sys; k = os.environ['SCORER_API_KEY']; print('out', k); "
+        "print('err', k, file=sys.stderr); sys.exit(3)",
+        key.encode(),
+    ]
+    with pytest.raises(subprocess.CalledProcessError) as raised:
+        subprocess.run(command, capture_output=True, check=True, timeout=60)
+    error = raised.value
+    kept = redaction.redact_exception(error) is error
+    assert kept, "the error was replaced"
+    text = "".join(traceback.format_exception(error))
+    leaked = _held((key,), text, error.cmd, error.stdout, error.stderr, pickle.dumps(error))
+    assert not leaked, "a credential is in the exception, its text or its pickle"
+    assert error.returncode == 3 and error.cmd[:3] == command[:3] and error.cmd[3] == b"***"
+    assert error.stdout == b"out ***\n" and error.stderr == b"err ***\n"
+
+
+def test_an_exception_group_s_members_are_masked_one_by_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A group's members (a batch's concurrent failures), each with its own chain, are all in
+    # the traceback Ray formats and in what it pickles; one whose own text masking cannot
+    # reach is replaced, in a group made anew with the same message, chain and notes.
+    import ray
+
+    key = "envsecret-" + "42-value"
+    monkeypatch.setenv("SCORER_API_KEY", key)
+
+    class Opaque(Exception):
+        def __str__(self) -> str:
+            return "denied for " + os.environ["SCORER_API_KEY"]
+
+    def failing(error: BaseException, cause: BaseException | None = None) -> BaseException:
+        try:
+            raise error from cause
+        except BaseException as raised:
+            return raised
+
+    members = [
+        failing(ValueError(f"batch 0: {key}"), KeyError(key)),
+        failing(Opaque()),
+        failing(ExceptionGroup("nested", [TimeoutError(key.encode())])),
+    ]
+    try:
+        raise ExceptionGroup("scoring failed", members) from KeyError(key)
+    except ExceptionGroup as raised:
+        raised.add_note(f"asked with {key}")
+        group = raised
+    masked = redaction.redact_exception(group)
+    text = "".join(traceback.format_exception(masked))
+    leaked = _held((key,), text, ray.cloudpickle.dumps(masked), masked.exceptions, members)
+    assert not leaked, "a credential is in the group, its text or its pickle"
+    regrouped = type(masked) is ExceptionGroup and masked is not group
+    assert regrouped, "not a group made anew"  # a member was replaced
+    assert str(masked) == "scoring failed (3 sub-exceptions)"
+    assert masked.__notes__ == ["asked with ***"]
+    assert masked.__cause__ is group.__cause__ and masked.__cause__.args == ("***",)
+    assert masked.__traceback__ is group.__traceback__
+    first, opaque, nested = masked.exceptions
+    assert first is members[0] and first.args == ("batch 0: ***",)
+    assert first.__cause__.args == ("***",)  # type: ignore[union-attr]
+    assert type(opaque) is RuntimeError and str(opaque).endswith("Opaque: denied for ***")
+    assert nested is members[2] and nested.exceptions[0].args == (b"***",)  # type: ignore[attr-defined]
+    assert "batch 0: ***" in text and "Opaque: denied for ***" in text

@@ -14,13 +14,16 @@ import contextlib
 import functools
 import html
 import inspect
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import sys
 import threading
 import traceback
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import parse_qsl, quote, unquote_plus, urlsplit
@@ -230,6 +233,12 @@ def _mask_query(match: re.Match[str]) -> str:
 # encoded contents, which every change to ``os.environ`` updates) and its credentials: every
 # line a process prints or logs asks for them, and walking the environment (decoding each
 # name and value) took a hundred times as long as comparing it with the copy does.
+# The contents are ``os.environ._data``, a private attribute, on purpose: ``os.environ``
+# has no public count of its changes nor a cheap view of them, and every public read of it
+# (``dict(os.environ)``, ``os.environ == copy``, ``os.environ.copy()``, ``os.environb``,
+# which shares the same dict) walks it in Python, a variable at a time: 110 to 140 us for
+# 135 variables, against 3 us for comparing ``_data`` with the copy, where masking a whole
+# line takes 9 us. CPython's ``os._Environ`` has kept its contents there since 3.0.
 _environment: tuple[dict[Any, Any], tuple[str, ...]] = ({}, ())
 
 
@@ -302,70 +311,173 @@ def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) ->
 
 
 def redact_values(value: Any) -> Any:
-    """``value`` with every text in it as :func:`redact_text` leaves it: a string, and the
-    strings in lists, tuples and dicts (an exception's arguments and attributes); anything
-    else as it is. A container with nothing masked in it is returned itself, of its own
-    type; one rebuilt is of its type (a named tuple from its fields), a dict a plain one."""
-    if isinstance(value, str):
-        return redact_text(value)
-    if isinstance(value, list | tuple):
-        items = [redact_values(item) for item in value]
-        if all(new is old for new, old in zip(items, value, strict=True)):
-            return value
-        return getattr(type(value), "_make", type(value))(items)
-    if isinstance(value, dict):
-        masked = {key: redact_values(item) for key, item in value.items()}
-        return value if all(masked[key] is item for key, item in value.items()) else masked
-    return value
+    """``value`` as it may leave this process: what pickling it carries (Ray pickles a failed
+    call's exception to the driver), with every text in it as :func:`redact_text` leaves it:
+    a string, bytes (a process's output, decoded as UTF-8 or byte for byte), and those in
+    lists, tuples, dicts and in the state of any object it holds (an HTTP error's response
+    and request, their URLs, headers and body), the exceptions in it masked in place
+    (:func:`redact_exception`'s rules). One with nothing masked in it is returned itself;
+    else a copy, rebuilt as pickle rebuilds it (of its own types), the objects it shares
+    with others copied, never changed. One pickle cannot carry (a lock, a socket) is
+    returned itself: Ray cannot carry it either. One whose copy fails to be rebuilt raises."""
+    return _redact_value(value, {})
+
+
+# What each exception masked so far became, by its id (kept with it, so that the id is its own).
+_Done = dict[int, tuple[BaseException, BaseException]]
+
+
+def _redact_value(value: Any, done: _Done) -> Any:
+    if isinstance(value, str | bytes | bytearray):
+        return _redact_data(value)
+    buffer = io.BytesIO()
+    pickler = _MaskingPickler(buffer, done)
+    try:
+        pickler.dump(value)
+    except (pickle.PicklingError, TypeError):
+        # What pickle cannot carry (a lock, a socket), Ray cannot either: it carries the
+        # exception's text alone then, which the check of its text covers; or the exception
+        # holding it leaves it out of its own pickle (urllib3's MaxRetryError its pool).
+        return value
+    if not pickler.masked:
+        return value
+    buffer.seek(0)
+    return _HeldUnpickler(buffer, pickler.held).load()
+
+
+def _redact_data(data: str | bytes | bytearray) -> Any:
+    """``data`` as :func:`redact_text` leaves it; bytes read as UTF-8, what is not UTF-8
+    byte for byte (``surrogateescape``), and given back as bytes; itself if nothing changed."""
+    if isinstance(data, str):
+        masked = redact_text(data)
+        return data if masked == data else masked
+    text = bytes(data).decode("utf-8", "surrogateescape")
+    masked = redact_text(text)
+    return data if masked == text else type(data)(masked.encode("utf-8", "surrogateescape"))
+
+
+# What pickle saves by its name, passed as itself: one defined in a function (a reward's own
+# exception class, a lambda in a hook) is no failure, and nothing of it is data to mask.
+_BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
+
+
+class _MaskingPickler(pickle.Pickler):
+    """Pickles a value as it is, but for its texts that hold a credential, which it passes
+    masked (:func:`_redact_data`), and the exceptions in it, masked in place or replaced
+    (:func:`_redact_chained`): those and what pickle saves by name (:data:`_BY_NAME`) are
+    passed to :class:`_HeldUnpickler` as themselves (``held``), not pickled."""
+
+    def __init__(self, file: io.BytesIO, done: _Done) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.done = done
+        self.held: list[Any] = []
+        self.masked = False
+
+    def persistent_id(self, obj: Any) -> int | None:  # every object pickled is asked
+        if isinstance(obj, str | bytes | bytearray):
+            kept = _redact_data(obj)
+            if kept is obj:
+                return None
+        elif isinstance(obj, BaseException):
+            try:
+                kept = _redact_chained(obj, self.done)
+            except Exception as error:  # masking failed, not pickling: no value is left
+                raise _MaskingFailed from error
+        elif isinstance(obj, _BY_NAME):
+            kept = obj
+        else:
+            return None
+        self.masked |= kept is not obj
+        self.held.append(kept)
+        return len(self.held) - 1
+
+
+class _MaskingFailed(Exception):
+    """Masking an exception within a value failed (:func:`redact_exception` replaces it)."""
+
+
+class _HeldUnpickler(pickle.Unpickler):
+    """Rebuilds what :class:`_MaskingPickler` pickled, with what it ``held``."""
+
+    def __init__(self, file: io.BytesIO, held: list[Any]) -> None:
+        super().__init__(file)
+        self.held = held
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self.held[pid]
 
 
 def redact_exception(error: BaseException) -> BaseException:
-    """``error`` as it may leave this process (Ray keeps a failed call's exception in the
-    worker, pickled, with the traceback Ray formats from it, and shows its text in the
-    dashboard): its arguments and attributes (:func:`redact_values`; PEP 678 notes among
-    them; the text fields of built-in exceptions: an ``OSError``'s file names) and those of
-    the exceptions it chains (its cause and context) masked in place, so its type and all it
+    """``error`` as it may leave this process (Ray pickles a failed call's exception, with
+    the traceback text it formats from it, to the driver, which shows them, and keeps them in
+    the worker for the dashboard): its arguments and attributes (:func:`redact_values`: all
+    that pickling them carries, the objects they hold too; PEP 678 notes among them; the
+    text fields of built-in exceptions: an ``OSError``'s file names, a ``UnicodeError``'s bytes)
+    and those of the exceptions it chains (its cause and context) and groups (an
+    ``ExceptionGroup``'s members, and theirs) masked in place, so its type and all it
     carries stay. One whose text still holds a credential (a ``__str__`` of its own that
     reads what masking cannot reach) becomes a ``RuntimeError`` of that text masked, its
-    type named first, with its traceback, cause and context. One that masking fails on (a
-    container that holds itself, one that cannot be rebuilt) becomes such a
-    ``RuntimeError`` alone, without the chain it could not mask: the failure of masking
-    would otherwise leave in its stead, with the error unmasked as its context."""
+    type named first, with its traceback, cause and context (a group holding one, a group
+    of the others and it, as ``derive`` makes one). One that masking fails on (a value whose
+    masked copy cannot be rebuilt, a group that cannot be made anew) becomes such a ``RuntimeError``
+    alone, without the chain it could not mask: the failure of masking would otherwise
+    leave in its stead, with the error unmasked as its context."""
     try:
-        return _redact_chained(error, set())
+        return _redact_chained(error, {})
     except Exception:
         return _masked_text(error, redact_text(_exception_text(error)))
 
 
-def _redact_chained(error: BaseException, seen: set[int]) -> BaseException:
-    if id(error) in seen:
-        return error
-    seen.add(id(error))
+def _redact_chained(error: BaseException, done: _Done) -> BaseException:
+    """``error`` masked (:func:`redact_exception`); one met again is what it became, one met
+    within its own walk (an attribute holding it) itself."""
+    if (met := done.get(id(error))) is not None:
+        return met[1]
+    done[id(error)] = error, error
     # Setting a cause suppresses the context: the flag is kept as it was.
     suppress = error.__suppress_context__
     if error.__cause__ is not None:
-        error.__cause__ = _redact_chained(error.__cause__, seen)
+        error.__cause__ = _redact_chained(error.__cause__, done)
     if error.__context__ is not None:
-        error.__context__ = _redact_chained(error.__context__, seen)
+        error.__context__ = _redact_chained(error.__context__, done)
     error.__suppress_context__ = suppress
-    error.args = redact_values(error.args)
-    attributes = vars(error)
+    group = error
+    if isinstance(error, BaseExceptionGroup):
+        # The members a traceback shows are the group's own (not its arguments): one
+        # replaced is in a group made anew, which carries all the group carried.
+        members = [_redact_chained(member, done) for member in error.exceptions]
+        if any(new is not old for new, old in zip(members, error.exceptions, strict=True)):
+            group = error.derive(members).with_traceback(error.__traceback__)
+            _carry_chain(error, group)
+            vars(group).update(vars(error))
+    group.args = _redact_value(group.args, done)
+    attributes = vars(group)
     for name, value in attributes.items():
-        attributes[name] = redact_values(value)
-    # The fields of built-in exceptions (an OSError's file names, an ImportError's path),
-    # those a read-only field holds left to the check below.
-    for name, _ in inspect.getmembers(type(error), inspect.ismemberdescriptor):
-        if isinstance(value := getattr(error, name, None), str | list | tuple | dict):
+        attributes[name] = _redact_value(value, done)
+    # The text fields of built-in exceptions (an OSError's file names, an ImportError's
+    # path, a UnicodeDecodeError's bytes), those a read-only field holds left to the check
+    # below; not the object an AttributeError names (a worker itself), which no pickle
+    # carries and no text shows.
+    for name, _ in inspect.getmembers(type(group), inspect.ismemberdescriptor):
+        value = getattr(group, name, None)
+        if isinstance(value, str | bytes | bytearray | list | tuple | dict) and (
+            (masked := _redact_value(value, done)) is not value
+        ):
             with contextlib.suppress(AttributeError, TypeError):
-                setattr(error, name, redact_values(value))
-    text = _exception_text(error)
-    masked = redact_text(text)
-    if masked == text:
-        return error
-    replacement = _masked_text(error, masked)
+                setattr(group, name, masked)
+    text = _exception_text(group)
+    masked_text = redact_text(text)
+    if masked_text != text:
+        group = _masked_text(group, masked_text)
+        _carry_chain(error, group)
+    done[id(error)] = error, group
+    return group
+
+
+def _carry_chain(error: BaseException, replacement: BaseException) -> None:
+    """``replacement`` chained as ``error`` is: its cause and context, and which it shows."""
     replacement.__cause__, replacement.__context__ = error.__cause__, error.__context__
-    replacement.__suppress_context__ = suppress
-    return replacement
+    replacement.__suppress_context__ = error.__suppress_context__
 
 
 def _exception_text(error: BaseException) -> str:

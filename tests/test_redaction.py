@@ -23,6 +23,7 @@ from checkpoint_support import fake_checkpoint
 
 from verlite import redaction, report
 from verlite.cli import main
+from verlite.config.loading import load_config
 from verlite.driver.checkpoint import check_resumable
 from verlite.errors import RunFailure, UserError, shown
 from verlite.redaction import (
@@ -942,3 +943,47 @@ def test_an_exception_group_s_members_are_masked_one_by_one(
     assert type(opaque) is RuntimeError and str(opaque).endswith("Opaque: denied for ***")
     assert nested is members[2] and nested.exceptions[0].args == (b"***",)  # type: ignore[attr-defined]
     assert "batch 0: ***" in text and "Opaque: denied for ***" in text
+
+
+def test_a_known_secret_is_masked_whole_whatever_characters_it_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The patterns end an unknown query value at "]", "}" or ", " (a list's or dict's repr
+    # around the URL); a known value (a variable's, a registered one) is masked as a value
+    # first, whole, wherever it appears, so no rest of it is left after the mask.
+    monkeypatch.setenv("SCORER_API_KEY", "env]se, cret}42")
+    register_secret("reg]is, tered}7")
+    for key in ("env]se, cret}42", "reg]is, tered}7"):
+        for text in (f"['https://h/?token={key}', 3]", f"{{url: https://h/?sig={key}}}", key):
+            masked = redact_text(text)
+            leaked = _held(("se, cret", "cret}42", "is, tered", "tered}7"), masked)
+            assert not leaked, "a rest of a known secret is shown"
+            assert masked.count("***") == 1
+
+
+def test_a_config_url_s_credentials_are_masked_whole_in_its_record() -> None:
+    # A config's URL holds its own credentials: the record masks them as values (a query
+    # value with "]", "}" or ", " in it whole, not up to where the patterns stop).
+    uri = "https://alice:pass]word-1@mlflow/?token=ab]cd, ef}gh&x=1&api_key=a+b%2Bcdefgh"
+    record = redact_config({"trainer": {"mlflow_tracking_uri": uri}})
+    shown_uri = record["trainer"]["mlflow_tracking_uri"]
+    leaked = _held(("word-1", "cd, ef", "ef}gh", "cdefgh"), shown_uri)
+    assert not leaked, "a rest of the URL's credentials is in the record"
+    assert shown_uri == "https://***@mlflow/?token=***&x=1&api_key=***"
+
+
+def test_a_loaded_config_s_url_credentials_are_masked_wherever_they_appear() -> None:
+    # Known once the config is loaded (the driver's first step), they are masked in every
+    # message, as a registered secret is: a library's error quoting the URL in a list, or
+    # quoting the value alone.
+    uri = "https://alice:pass]word-1@mlflow/?token=ab]cd, ef}gh&x=1"
+    unknown_before = redact_text("denied ab]cd, ef}gh") == "denied ab]cd, ef}gh"
+    load_config(
+        Path(__file__).parents[1] / "configs" / "ppo_tiny.yaml",
+        {"trainer.mlflow_tracking_uri": uri},
+    )
+    for text in (f"cannot log to {[uri, 5]}", "denied: ab]cd, ef}gh for pass]word-1"):
+        masked = redact_text(text)
+        leaked = _held(("word-1", "ab]cd", "ef}gh"), masked)
+        assert not leaked, "a credential of the config's URL is shown"
+    assert unknown_before  # the test's own premise

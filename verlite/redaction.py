@@ -1,12 +1,13 @@
 """What no log, message, config record, metric or job command line may show: credentials.
 The secret-named config fields, ``user:pass@`` and credential-named query parameters in
 URLs, authorization headers and bearer tokens, the values of credential-named environment
-variables and the credentials verlite reads itself (a remote verifier's token, registered
-here when it is read); the one owner of those rules (:func:`redact_text`), used by every
-sink: the process's stdout and stderr and log records once :func:`redacted_output` is on
-(the CLI turns it on for every command, and every Ray worker for its process:
-:func:`redact_process_output`), the CLI's error line, the metrics and config records, the
-job commands, :func:`verlite.errors.shown` and the remote verifier's messages."""
+variables and the credentials verlite reads itself (a remote verifier's token, those of a
+config's URLs: registered here when they are read); the one owner of those rules
+(:func:`redact_text`), used by every sink: the process's stdout and stderr and log records
+once :func:`redacted_output` is on (the CLI turns it on for every command, and every Ray
+worker for its process: :func:`redact_process_output`), the CLI's error line, the metrics
+and config records, the job commands, :func:`verlite.errors.shown`, the remote verifier's
+messages and what a worker raises (:func:`redact_exception`)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
-from urllib.parse import parse_qsl, quote, unquote_plus, urlsplit
+from urllib.parse import quote, unquote, unquote_plus
 
 # The words that make a name (a config key, an environment variable, a URL's query parameter,
 # an HTTP header) name a credential, as whole parts of it (see credential_named).
@@ -141,7 +142,7 @@ def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
         elif holds_credential(str(key), value):
             clean[key] = MASK
         else:
-            clean[key] = redact_text(value) if isinstance(value, str) else value
+            clean[key] = redact_text(value, url_secrets(value)) if isinstance(value, str) else value
     return clean
 
 
@@ -183,12 +184,34 @@ def secret_query_names(url: str) -> list[str]:
     """The names of ``url``'s query parameters that hold a credential (:func:`holds_credential`:
     ``?api_key=``, ``?token=``, ``?X-Amz-Signature=``, ``?sig=``; not ``?author=`` nor
     ``?max_tokens=512``)."""
-    query = urlsplit(url).query
-    return [
-        name
-        for name, value in parse_qsl(query, keep_blank_values=True)
-        if holds_credential(name, value, query=True)
-    ]
+    return [name for name, _ in _secret_query(url)]
+
+
+def _secret_query(url: str) -> list[tuple[str, str]]:
+    """``url``'s query parameters that hold a credential (:func:`secret_query_names`), as
+    their names decoded and their values as written."""
+    found = []
+    # What follows the first "?" up to a "#", not read by urlsplit, which refuses a URL with
+    # a "]" in its password (a credential there is still one).
+    query = url.partition("?")[2].partition("#")[0]
+    for parameter in query.split("&"):
+        name, _, value = parameter.partition("=")
+        if holds_credential(name := unquote_plus(name), unquote_plus(value), query=True):
+            found.append((name, value))
+    return found
+
+
+def url_secrets(url: str) -> list[str]:
+    """The credentials ``url`` holds, as values, written and decoded: the password of its
+    ``user:password@`` and the values of its query parameters that hold one
+    (:func:`secret_query_names`); those of at least :data:`MIN_SECRET_LENGTH` characters.
+    Known, a value is masked whole wherever it appears (:func:`redact_text`'s ``secrets``,
+    :func:`register_secret`), where the patterns, which cannot know where an unknown one
+    ends, end it at a ``]``, ``}`` or ``, `` (:data:`_QUERY_VALUE_CHARACTER`)."""
+    passwords = [info[:-1].partition(":")[2] for info in _URL_CREDENTIALS.findall(url)]
+    values = [value for _, value in _secret_query(url)]
+    forms = {*passwords, *map(unquote, passwords), *values, *map(unquote_plus, values)}
+    return sorted(form for form in forms if len(form) >= MIN_SECRET_LENGTH)
 
 
 def redact_url(text: str) -> str:

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
-from verlite.redaction import MASK, holds_credential
+from verlite.redaction import MASK, holds_credential, register_secret, url_secrets
 from verlite.user_files import read_text
 from verlite.yaml_files import UnspacedKey, field_path, load_text, read_mapping, yaml_kind
 
@@ -96,6 +96,11 @@ def load_config(source: ConfigSource, overrides: Overrides = ()) -> Config:
         raise ConfigError(format_validation_error(exc, raw)) from None
     cfg._source = raw
     cfg._explicit = explicit | explicit_fields(overridden)
+    # The credentials of the config's URLs (trainer.mlflow_tracking_uri's), known from here on:
+    # masked whole in every message, line and record, wherever they appear.
+    for value in flatten(cfg.model_dump()).values():
+        for secret in url_secrets(value) if isinstance(value, str) else ():
+            register_secret(secret)
     return cfg
 
 

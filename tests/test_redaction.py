@@ -4,6 +4,7 @@ config records and the job command line's check."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -15,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import quote
 
@@ -805,22 +807,14 @@ def _held(secrets: tuple[str, ...], *values: object) -> bool:
     return any(secret in shown for secret in secrets)
 
 
-def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # An HTTP library's error holds the response and the request (their URLs, headers, body
-    # that a server may echo): Ray pickles all of it to the driver, where `e.response.url`
-    # or `e.request.headers` is one print away. A real requests error from a real server.
-    requests = pytest.importorskip("requests")
+@contextlib.contextmanager
+def _echoing_server() -> Iterator[int]:
+    """A real HTTP server on 127.0.0.1 (its port) that answers 403 quoting the request's path
+    and X-Key header, as some services do."""
     import http.server
 
-    import ray
-
-    key = "envsecret-" + "42-value"
-    monkeypatch.setenv("SCORER_API_KEY", key)
-
     class Echo(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # a 403 that echoes the request, as some services do
+        def do_GET(self) -> None:
             self.send_response(403)
             self.end_headers()
             self.wfile.write(f"denied: {self.path} {self.headers['X-Key']}".encode())
@@ -831,13 +825,28 @@ def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
     server = http.server.HTTPServer(("127.0.0.1", 0), Echo)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        url = f"http://127.0.0.1:{server.server_port}/score?token=abc123def456"
-        reply = requests.get(url, headers={"X-Key": key}, timeout=30)
-        with pytest.raises(requests.HTTPError) as raised:
-            reply.raise_for_status()
+        yield server.server_port
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An HTTP library's error holds the response and the request (their URLs, headers, body
+    # that a server may echo): Ray pickles all of it to the driver, where `e.response.url`
+    # or `e.request.headers` is one print away. A real requests error from a real server.
+    requests = pytest.importorskip("requests")
+    import ray
+
+    key = "envsecret-" + "42-value"
+    monkeypatch.setenv("SCORER_API_KEY", key)
+    with _echoing_server() as port:
+        url = f"http://127.0.0.1:{port}/score?token=abc123def456"
+        reply = requests.get(url, headers={"X-Key": key}, timeout=30)
+        with pytest.raises(requests.HTTPError) as raised:
+            reply.raise_for_status()
     error = raised.value
     kept = redaction.redact_exception(error) is error
     assert kept, "the error was replaced"  # its type and all it carries kept
@@ -846,7 +855,7 @@ def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
     fields = (error.response.url, error.request.url, error.request.headers)
     leaked = _held(secrets, shipped, *fields, error.response.content)
     assert not leaked, "a credential is in the pickled exception or its fields"
-    masked_url = f"http://127.0.0.1:{server.server_port}/score?token=***"
+    masked_url = f"http://127.0.0.1:{port}/score?token=***"
     assert error.response.url == masked_url and error.request.url == masked_url
     assert error.request.headers["X-Key"] == "***"
     assert error.response.content == b"denied: /score?token=*** ***"
@@ -987,3 +996,39 @@ def test_a_loaded_config_s_url_credentials_are_masked_wherever_they_appear() -> 
         leaked = _held(("word-1", "ab]cd", "ef}gh"), masked)
         assert not leaked, "a credential of the config's URL is shown"
     assert unknown_before  # the test's own premise
+
+
+def test_an_http_error_a_worker_raises_reaches_the_driver_masked_in_its_objects(
+    local_ray: object,
+) -> None:
+    # Through Ray itself: the credential is in the worker's environment only (the driver
+    # cannot mask it), and the driver gets the error as Ray carries it, its type kept.
+    requests = pytest.importorskip("requests")
+    import ray
+
+    from verlite.controller import Worker
+
+    class Scorer(Worker):
+        def score(self, port: int) -> None:
+            key = os.environ["SCORER_API_KEY"]
+            url = f"http://127.0.0.1:{port}/score?token={key}"
+            requests.get(url, headers={"X-Key": key}, timeout=30).raise_for_status()
+
+    env = {"env_vars": {"SCORER_API_KEY": "envsecret-42-value"}}
+    scorer = (
+        ray.remote(Scorer)
+        .options(num_cpus=0, runtime_env=env)
+        .remote(role="scorer", rank=0, world_size=1, torch_threads=1)
+    )
+    try:
+        with _echoing_server() as port, pytest.raises(requests.HTTPError) as raised:
+            ray.get(scorer.score.remote(port))
+    finally:
+        ray.kill(scorer)
+    error = raised.value
+    cause = error.cause  # type: ignore[attr-defined]
+    text = "".join(traceback.format_exception(error))
+    leaked = _held(("envsecret",), text, ray.cloudpickle.dumps(cause), cause.request.headers)
+    assert not leaked, "a credential reached the driver"
+    assert cause.response.url == f"http://127.0.0.1:{port}/score?token=***"
+    assert cause.response.content == b"denied: /score?token=*** ***"

@@ -742,7 +742,8 @@ def test_an_exception_whose_text_masking_cannot_reach_becomes_a_masked_runtime_e
 def test_an_exception_holding_named_tuples_and_dict_subclasses_is_masked_in_them() -> None:
     # A named tuple is rebuilt from its fields, not from one iterable (its constructor's
     # arguments are the fields): masking one raised a TypeError in the worker's stead.
-    # What holds no credential stays the very object, of its own type.
+    # What holds no credential stays the very object, of its own type. A mapping's text under
+    # a credential's name is masked whatever it is (no one told verlite of it), in a copy.
     from collections import OrderedDict, namedtuple
 
     Request = namedtuple("Request", "url timeout")
@@ -751,7 +752,14 @@ def test_an_exception_holding_named_tuples_and_dict_subclasses_is_masked_in_them
     error.request = Request(url, 5)  # type: ignore[attr-defined]
     error.headers = OrderedDict(accept="json")  # type: ignore[attr-defined]
     headers = error.headers  # type: ignore[attr-defined]
+    login = OrderedDict(user="alice", password="hunter2-" + "unknown")
+    error.login = login  # type: ignore[attr-defined]
     assert redaction.redact_exception(error) is error
+    shown_login = error.login  # type: ignore[attr-defined]
+    masked_login = shown_login == {"user": "alice", "password": "***"}
+    assert masked_login and type(shown_login) is OrderedDict, "a password is shown"
+    unchanged = login["password"] == "hunter2-" + "unknown"
+    assert unchanged, "the caller's own mapping was changed"
     masked = Request("https://h/score?token=***", 5)
     assert error.args == ("cannot reach the scorer", masked)
     assert error.request == masked and type(error.request) is Request  # type: ignore[attr-defined]
@@ -837,31 +845,38 @@ def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
     # An HTTP library's error holds the response and the request (their URLs, headers, body
     # that a server may echo): Ray pickles all of it to the driver, where `e.response.url`
     # or `e.request.headers` is one print away. A real requests error from a real server.
+    # Headers named like credentials are masked whatever their values (a key no one told
+    # verlite of, HTTP basic authentication's encoded password).
     requests = pytest.importorskip("requests")
     import ray
 
     key = "envsecret-" + "42-value"
     monkeypatch.setenv("SCORER_API_KEY", key)
+    headers = {"X-Key": key, "X-Api-Key": "unknown-key-value"}
     with _echoing_server() as port:
         url = f"http://127.0.0.1:{port}/score?token=abc123def456"
-        reply = requests.get(url, headers={"X-Key": key}, timeout=30)
+        reply = requests.get(url, headers=headers, auth=("alice", "basic-pass"), timeout=30)
         with pytest.raises(requests.HTTPError) as raised:
             reply.raise_for_status()
     error = raised.value
     kept = redaction.redact_exception(error) is error
     assert kept, "the error was replaced"  # its type and all it carries kept
-    secrets = ("abc123def456", key)
+    basic = reply.request.headers["Authorization"].split()[1]
+    secrets = ("abc123def456", key, "unknown-key-value", basic)
     shipped = ray.cloudpickle.dumps(error)
     fields = (error.response.url, error.request.url, error.request.headers)
     leaked = _held(secrets, shipped, *fields, error.response.content)
     assert not leaked, "a credential is in the pickled exception or its fields"
     masked_url = f"http://127.0.0.1:{port}/score?token=***"
     assert error.response.url == masked_url and error.request.url == masked_url
-    assert error.request.headers["X-Key"] == "***"
+    sent = error.request.headers
+    assert (sent["X-Key"], sent["X-Api-Key"], sent["Authorization"]) == ("***",) * 3
+    assert error.response.request.headers["Authorization"] == "***"
     assert error.response.content == b"denied: /score?token=*** ***"
     assert error.response.status_code == 403
     # The worker's own objects are copied, not changed: its session may still use them.
     unchanged = error.response is not reply and reply.url == url
+    unchanged &= reply.request.headers["X-Api-Key"] == "unknown-key-value"
     assert unchanged, "the worker's own response was changed"
     # No connection: urllib3's error in it holds its connection pool (locks, which pickle
     # cannot carry; its own pickle leaves the pool out); the error stays a ConnectionError.

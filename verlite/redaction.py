@@ -25,7 +25,7 @@ import sys
 import threading
 import traceback
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from typing import Any, TextIO
 from urllib.parse import quote, unquote, unquote_plus
 
@@ -338,7 +338,9 @@ def redact_values(value: Any) -> Any:
     call's exception to the driver), with every text in it as :func:`redact_text` leaves it:
     a string, bytes (a process's output, decoded as UTF-8 or byte for byte), and those in
     lists, tuples, dicts and in the state of any object it holds (an HTTP error's response
-    and request, their URLs, headers and body), the exceptions in it masked in place
+    and request, their URLs, headers and body); the text under a credential's name in a
+    mapping masked whole (:func:`holds_credential`: a request's ``Authorization`` or
+    ``X-Api-Key`` header, whatever its value); the exceptions in it masked in place
     (:func:`redact_exception`'s rules). One with nothing masked in it is returned itself;
     else a copy, rebuilt as pickle rebuilds it (of its own types), the objects it shares
     with others copied, never changed. One pickle cannot carry (a lock, a socket) is
@@ -350,11 +352,12 @@ def redact_values(value: Any) -> Any:
 _Done = dict[int, tuple[BaseException, BaseException]]
 
 
-def _redact_value(value: Any, done: _Done) -> Any:
+def _redact_value(value: Any, done: _Done, *, copy: bool = False) -> Any:
+    """:func:`redact_values`; ``copy``: a copy even if nothing in it is masked."""
     if isinstance(value, str | bytes | bytearray):
         return _redact_data(value)
     buffer = io.BytesIO()
-    pickler = _MaskingPickler(buffer, done)
+    pickler = _MaskingPickler(buffer, done, copied=value if copy else None)
     try:
         pickler.dump(value)
     except (pickle.PicklingError, TypeError):
@@ -362,7 +365,7 @@ def _redact_value(value: Any, done: _Done) -> Any:
         # exception's text alone then, which the check of its text covers; or the exception
         # holding it leaves it out of its own pickle (urllib3's MaxRetryError its pool).
         return value
-    if not pickler.masked:
+    if not (pickler.masked or copy):
         return value
     buffer.seek(0)
     return _HeldUnpickler(buffer, pickler.held).load()
@@ -379,6 +382,19 @@ def _redact_data(data: str | bytes | bytearray) -> Any:
     return data if masked == text else type(data)(masked.encode("utf-8", "surrogateescape"))
 
 
+def _credential_keys(mapping: MutableMapping[Any, Any]) -> list[str]:
+    """The names in ``mapping`` whose texts are credentials (:func:`holds_credential`), but
+    for those masked already."""
+    return [
+        key
+        for key, value in mapping.items()
+        if isinstance(key, str)
+        and isinstance(value, str | bytes)
+        and value not in (MASK, MASK.encode())
+        and holds_credential(key, value)
+    ]
+
+
 # What pickle saves by its name, passed as itself: one defined in a function (a reward's own
 # exception class, a lambda in a hook) is no failure, and nothing of it is data to mask.
 _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleType)
@@ -386,13 +402,16 @@ _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleTyp
 
 class _MaskingPickler(pickle.Pickler):
     """Pickles a value as it is, but for its texts that hold a credential, which it passes
-    masked (:func:`_redact_data`), and the exceptions in it, masked in place or replaced
-    (:func:`_redact_chained`): those and what pickle saves by name (:data:`_BY_NAME`) are
-    passed to :class:`_HeldUnpickler` as themselves (``held``), not pickled."""
+    masked (:func:`_redact_data`), its mappings that hold one under a credential's name,
+    which it passes as copies with those masked, and the exceptions in it, masked in place
+    or replaced (:func:`_redact_chained`): those and what pickle saves by name
+    (:data:`_BY_NAME`) are passed to :class:`_HeldUnpickler` as themselves (``held``), not
+    pickled. ``copied``: the mapping it copies to mask (pickled as any other)."""
 
-    def __init__(self, file: io.BytesIO, done: _Done) -> None:
+    def __init__(self, file: io.BytesIO, done: _Done, copied: object = None) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.done = done
+        self.copied = copied
         self.held: list[Any] = []
         self.masked = False
 
@@ -408,6 +427,16 @@ class _MaskingPickler(pickle.Pickler):
                 raise _MaskingFailed from error
         elif isinstance(obj, _BY_NAME):
             kept = obj
+        elif (
+            obj is not self.copied
+            and isinstance(obj, MutableMapping)
+            and (names := _credential_keys(obj))
+        ):
+            kept = _redact_value(obj, self.done, copy=True)
+            if kept is obj:  # not to be copied: left to this pickle, which fails on it too
+                return None
+            for name in names:
+                kept[name] = MASK if isinstance(kept[name], str) else MASK.encode()
         else:
             return None
         self.masked |= kept is not obj

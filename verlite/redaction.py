@@ -464,16 +464,16 @@ def redact_exception(error: BaseException) -> BaseException:
     the traceback text it formats from it, to the driver, which shows them, and keeps them in
     the worker for the dashboard): its arguments and attributes (:func:`redact_values`: all
     that pickling them carries, the objects they hold too; PEP 678 notes among them; the
-    text fields of built-in exceptions: an ``OSError``'s file names, a ``UnicodeError``'s bytes)
-    and those of the exceptions it chains (its cause and context) and groups (an
+    text fields of built-in exceptions: an ``OSError``'s file names, a ``UnicodeError``'s
+    bytes) and those of the exceptions it chains (its cause and context) and groups (an
     ``ExceptionGroup``'s members, and theirs) masked in place, so its type and all it
     carries stay. One whose text still holds a credential (a ``__str__`` of its own that
     reads what masking cannot reach) becomes a ``RuntimeError`` of that text masked, its
     type named first, with its traceback, cause and context (a group holding one, a group
-    of the others and it, as ``derive`` makes one). One that masking fails on (a value whose
-    masked copy cannot be rebuilt, a group that cannot be made anew) becomes such a ``RuntimeError``
-    alone, without the chain it could not mask: the failure of masking would otherwise
-    leave in its stead, with the error unmasked as its context."""
+    of the others and it, as ``derive`` makes one). One that masking fails on (a value
+    whose masked copy cannot be rebuilt, a group that cannot be made anew) becomes such a
+    ``RuntimeError`` alone, without the chain it could not mask: the failure of masking
+    would otherwise leave in its stead, with the error unmasked as its context."""
     try:
         return _redact_chained(error, {})
     except Exception:
@@ -493,37 +493,37 @@ def _redact_chained(error: BaseException, done: _Done) -> BaseException:
     if error.__context__ is not None:
         error.__context__ = _redact_chained(error.__context__, done)
     error.__suppress_context__ = suppress
-    group = error
+    kept = error  # what stands for it: itself, a group made anew, or a RuntimeError
     if isinstance(error, BaseExceptionGroup):
         # The members a traceback shows are the group's own (not its arguments): one
         # replaced is in a group made anew, which carries all the group carried.
         members = [_redact_chained(member, done) for member in error.exceptions]
         if any(new is not old for new, old in zip(members, error.exceptions, strict=True)):
-            group = error.derive(members).with_traceback(error.__traceback__)
-            _carry_chain(error, group)
-            vars(group).update(vars(error))
-    group.args = _redact_value(group.args, done)
-    attributes = vars(group)
+            kept = error.derive(members).with_traceback(error.__traceback__)
+            _carry_chain(error, kept)
+            vars(kept).update(vars(error))
+    kept.args = _redact_value(kept.args, done)
+    attributes = vars(kept)
     for name, value in attributes.items():
         attributes[name] = _redact_value(value, done)
     # The text fields of built-in exceptions (an OSError's file names, an ImportError's
     # path, a UnicodeDecodeError's bytes), those a read-only field holds left to the check
     # below; not the object an AttributeError names (a worker itself), which no pickle
     # carries and no text shows.
-    for name, _ in inspect.getmembers(type(group), inspect.ismemberdescriptor):
-        value = getattr(group, name, None)
+    for name, _ in inspect.getmembers(type(kept), inspect.ismemberdescriptor):
+        value = getattr(kept, name, None)
         if isinstance(value, str | bytes | bytearray | list | tuple | dict) and (
             (masked := _redact_value(value, done)) is not value
         ):
             with contextlib.suppress(AttributeError, TypeError):
-                setattr(group, name, masked)
-    text = _exception_text(group)
+                setattr(kept, name, masked)
+    text = _exception_text(kept)
     masked_text = redact_text(text)
     if masked_text != text:
-        group = _masked_text(group, masked_text)
-        _carry_chain(error, group)
-    done[id(error)] = error, group
-    return group
+        kept = _masked_text(kept, masked_text)
+        _carry_chain(error, kept)
+    done[id(error)] = error, kept
+    return kept
 
 
 def _carry_chain(error: BaseException, replacement: BaseException) -> None:

@@ -150,6 +150,55 @@ def test_a_value_of_another_type_is_never_coerced(overrides: list[str], expected
     assert expected in error_of(*overrides)
 
 
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.total_steps=", "trainer.total_steps is empty: Input should be a valid integer"),
+        ("trainer.total_steps= ", "trainer.total_steps is empty: Input should be a valid integer"),
+        ("actor.optim.lr=", "actor.optim.lr is empty: Input should be a valid number"),
+        (
+            "actor.use_kl_loss=",
+            "actor.use_kl_loss is empty: Input should be a valid boolean (true or false)",
+        ),
+        ("trainer.loggers=", "trainer.loggers is empty: Input should be a list ([a, b, ...])"),
+        (
+            "data.chat_template_kwargs=",
+            "data.chat_template_kwargs is empty: Input should be a mapping ({key: value, ...})",
+        ),
+        ("actor.strategy=", "actor.strategy is empty: Input should be 'ddp', 'fsdp' or 'none'"),
+        (
+            "trainer.output_dir=",
+            "trainer.output_dir is empty: String should have at least 1 character",
+        ),
+        # a field that also takes null says so: `key=` is not null, which is written out
+        (
+            "model.vocab_size=",
+            "model.vocab_size is empty: Input should be a valid integer (or null)",
+        ),
+        (
+            "trainer=",
+            "trainer is empty: expected a section: a mapping of its fields, as in "
+            "trainer={field: value, ...}",
+        ),
+    ],
+)
+def test_an_empty_override_value_is_named_empty_with_what_the_field_takes(
+    override: str, expected: str
+) -> None:
+    """``trainer.total_steps=`` was read as YAML's null ("trainer.total_steps=null: ... got
+    null"), and a field that takes null (model.vocab_size, a section) took it silently."""
+    assert error_of(override) == expected
+
+
+def test_an_empty_string_is_a_value_where_the_schema_takes_one(tmp_path: Path) -> None:
+    # an empty system turn is one (data.system_prompt allows it); from a file alike
+    overrides = ["model.path=m", "data.chat_template=true"]
+    assert load_config(TINY, [*overrides, "data.system_prompt="]).data.system_prompt == ""
+    path = tmp_path / "c.yaml"
+    path.write_text("data: {task: copy}\ntrainer: {total_steps: ''}\n")
+    assert error_of(path=path) == "trainer.total_steps is empty: Input should be a valid integer"
+
+
 @pytest.mark.parametrize("word", ["yes", "no", "on", "off", "Yes", "OFF"])
 def test_only_true_and_false_are_booleans_as_in_yaml_1_2(word: str, tmp_path: Path) -> None:
     # YAML 1.1 reads these as booleans: a file or override would be coerced behind the user

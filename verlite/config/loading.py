@@ -295,10 +295,13 @@ def _keeps_text(annotation: Any, text: str) -> bool:
 
 
 def _parse_value(text: str, annotation: Any) -> Any:
-    """Typed by the schema: a string field keeps the text as is (except null); others parse as YAML."""
+    """Typed by the schema: a string field keeps the text as is (except null); others parse as
+    YAML. An empty value (``trainer.total_steps=``) is the empty string for every field, not
+    YAML's null: the schema takes it where a field allows it (``data.system_prompt``) and
+    refuses it in one line elsewhere; null is written out."""
     if text in ("null", "~", "None") and type(None) in _union_args(annotation):
         return None
-    if _keeps_text(annotation, text):
+    if not text or _keeps_text(annotation, text):
         return text
     return load_text(text)
 
@@ -338,12 +341,22 @@ def _section_type(annotation: Any) -> type[BaseModel] | None:
     )
 
 
-def _model_at(loc: Sequence[str]) -> type[BaseModel]:
-    model: type[BaseModel] = Config
+def _annotation_at(loc: Sequence[str]) -> Any:
+    """The schema type of the field at ``loc``; None past a field (an item of a list field)."""
+    model: type[BaseModel] | None = Config
+    annotation: Any = None
     for part in loc:
-        sub = _section_type(model.model_fields[part].annotation)
-        assert sub is not None, f"{part} is not a section"
-        model = sub
+        if model is None or part not in model.model_fields:
+            return None
+        annotation = model.model_fields[part].annotation
+        model = _section_type(annotation)
+    return annotation
+
+
+def _model_at(loc: Sequence[str]) -> type[BaseModel]:
+    """The section model at ``loc`` (the root's at none)."""
+    model = _section_type(_annotation_at(loc)) if loc else Config
+    assert model is not None, f"{'.'.join(loc)} is not a section"
     return model
 
 
@@ -381,6 +394,9 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             lines.append(message)
         elif err["type"] == "value_error" and not _has_field_value(raw, loc):
             lines.append(f"{dotted}: {message}")
+        elif err.get("input") == "":  # `key=`: the value is empty, whatever type it lacks
+            null = " (or null)" if type(None) in _union_args(_annotation_at(loc)) else ""
+            lines.append(f"{dotted} is empty: {message}{null}")
         else:
             value = err.get("input")
             if err["type"].endswith("_type"):  # strict: a value of another type, never coerced

@@ -1219,8 +1219,22 @@ def test_generation_larger_than_this_machines_gpu_is_refused_before_ray(
         ),
         (["check-invariance", "--config", CONFIG, "model.path={loop}"], "model.path={loop!r}"),
         (["submit", "--config", CONFIG, "--working-dir", "{loop}"], "--working-dir {loop!r}"),
+        # a run folder, or its metrics.jsonl, read as "no such folder" (or "no metrics file")
+        (["metrics", "{loop}"], "{loop!r}"),
+        (["metrics", "{loop}/metrics.jsonl"], "'{loop}/metrics.jsonl'"),
+        (["compare", "{loop}", "{loop}"], "{loop!r}"),
+        (["export", "{loop}"], "{loop!r}"),
     ],
-    ids=["output_dir", "resume", "an input", "submit --working-dir"],
+    ids=[
+        "output_dir",
+        "resume",
+        "an input",
+        "submit --working-dir",
+        "metrics",
+        "metrics file",
+        "compare",
+        "export",
+    ],
 )
 def test_a_link_loop_a_user_names_is_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], named: str

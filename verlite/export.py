@@ -20,6 +20,7 @@ from typing import Any
 from verlite.arguments import path
 from verlite.errors import UserError, shown
 from verlite.policy_folder import MERGED_FOLDER, POLICY_FOLDER, policy_exported
+from verlite.user_files import resolved_path
 
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
 # Where a saved tokenizer keeps its chat template: a file of its own (transformers >= 4.47),
@@ -57,17 +58,19 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 def cmd_export(args: argparse.Namespace) -> int:
     if args.out is not None and not args.merge:
         raise UserError(f"--out {args.out}: names where --merge writes; add --merge")
-    if Path(args.run_dir).is_file():
+    # a link loop is one line that says so, not a missing folder
+    resolved = resolved_path(args.run_dir, shown(args.run_dir))
+    if resolved.is_file():
         raise UserError(
             f"{shown(args.run_dir)} is a file; give a run's folder (trainer.output_dir)"
         )
-    if not Path(args.run_dir).is_dir():  # a mistyped folder: not a run still to finish
+    if not resolved.is_dir():  # a mistyped folder: not a run still to finish
         raise UserError(f"no such folder: {shown(args.run_dir)}")
     policy = Path(args.run_dir) / POLICY_FOLDER
     if not policy.is_dir():
         raise UserError(
             f"{args.run_dir}: holds no exported policy ({POLICY_FOLDER}/ is missing; "
-            f"{_why_no_policy(Path(args.run_dir))})"
+            f"{_why_no_policy(resolved)})"
         )
     if not policy_exported(Path(args.run_dir)):
         # Torch loads for this error alone (the checkpoints' folder contract imports it).
@@ -130,12 +133,13 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _why_no_policy(run_dir: Path) -> str:
-    """Why a run folder has no policy: it is the policy folder itself (``hf_actor``, or the
-    merged one), not the run's; a run with ``trainer.export=false`` (its logged
-    ``config.json`` says so) never writes one; any other writes it when it finishes."""
-    if run_dir.resolve().name in (POLICY_FOLDER, MERGED_FOLDER):
-        run = str(run_dir.resolve().parent)
-        return f"this is the exported policy itself: give its run folder, {shown(run)}"
+    """Why a run folder (``run_dir``, resolved) has no policy: it is the policy folder itself
+    (``hf_actor``, or the merged one), not the run's; a run with ``trainer.export=false`` (its
+    logged ``config.json`` says so) never writes one; any other writes it when it finishes."""
+    if run_dir.name in (POLICY_FOLDER, MERGED_FOLDER):
+        return (
+            f"this is the exported policy itself: give its run folder, {shown(str(run_dir.parent))}"
+        )
     if _run_settings(run_dir, "trainer").get("export") is False:
         return "the run has trainer.export=false, which exports none"
     return "a run exports it when it finishes"

@@ -1,7 +1,8 @@
 """Reading the files users give verlite and runs leave on disk (configs, prompt files,
 metrics logs): the one place their bytes become text and their lines JSON values, so that a
 missing, unreadable, oversized or undecodable file, or a line that is not JSON or sets a key
-twice, is one line naming the file (and line), never a traceback. What is the user's to fix is
+twice, is one line naming the file (and line), never a traceback; and the paths they name
+resolved, where a link loop is one line too (:func:`resolved_path`). What is the user's to fix is
 a path that names no file it may read; an I/O error of the machine's (:data:`MACHINE_ERRNOS`:
 EIO, a stale network mount) is a :class:`~verlite.errors.RunFailure` naming the file, exit 1."""
 
@@ -53,6 +54,31 @@ def check_readable(exc: OSError, path: str | Path, *, what: str) -> None:
             f"reading {what} {str(path)!r} failed: {exc.strerror or exc} (an I/O error of "
             "this machine, not the file's content; try again)"
         ) from exc
+
+
+def resolved_path(value: str | Path, named: str, *, error: type[UserError] = UserError) -> Path:
+    """``value`` with links, ``.`` and ``..`` resolved (a relative path is the current
+    folder's); one line, ``error`` with ``named`` as its subject (``trainer.output_dir='x'``,
+    a command's ``'RUN_DIR'``), for a link loop or a name the file system refuses. A missing
+    path is returned: what it means is the caller's to say."""
+    try:
+        path = Path(value).resolve()
+        path.stat()
+        looped = False
+    except RuntimeError:  # pathlib's report of a link loop (Python 3.11 and 3.12)
+        looped = True
+    except OSError as exc:
+        # From Python 3.13 resolve() leaves a loop unresolved, and reading through it fails.
+        looped = exc.errno == errno.ELOOP
+        if not looped and exc.errno not in (errno.ENOENT, errno.ENOTDIR):
+            # e.g. a name too long for the file system (a missing path is the caller's)
+            raise error(f"{named}: {exc.strerror or exc}") from None
+    if looped:
+        raise error(
+            f"{named} is a symbolic link loop (a link that leads back to itself); give a path "
+            "to a real folder or file"
+        )
+    return path
 
 
 def read_text(

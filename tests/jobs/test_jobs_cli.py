@@ -177,7 +177,7 @@ def test_a_working_dir_that_is_a_link_loop_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "a").symlink_to(tmp_path / "b")
     (tmp_path / "b").symlink_to(tmp_path / "a")
     loop = re.escape(f"--working-dir {str(tmp_path / 'a')!r} is a symbolic link loop")
-    with pytest.raises(ConfigError, match=f"^{loop}"):
+    with pytest.raises(JobsError, match=f"^{loop}"):
         prepare_submission(
             config=str(REPO / CONFIG), overrides=[], working_dir=tmp_path / "a", job_id=JOB
         )

@@ -17,7 +17,6 @@ from verlite.config.loading import (
     load_config,
     recorded_config,
     relative_path_hint,
-    resolved_path,
     unflatten,
 )
 from verlite.config.schema import Config
@@ -65,6 +64,5 @@ __all__ = [
     "load_config",
     "recorded_config",
     "relative_path_hint",
-    "resolved_path",
     "unflatten",
 ]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import errno
 import json
 import types
 import typing
@@ -22,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from verlite.config.schema import Config
 from verlite.errors import UserError, shown
 from verlite.redaction import MASK, holds_credential, register_secret, url_secrets
-from verlite.user_files import read_text
+from verlite.user_files import read_text, resolved_path
 from verlite.yaml_files import UnspacedKey, field_path, load_text, read_mapping, yaml_kind
 
 
@@ -458,7 +457,9 @@ def check_paths(cfg: Config) -> None:
     folder that overlaps an input (the run would write over what it reads)."""
     inputs = check_inputs(cfg)
     output = resolved_path(
-        cfg.trainer.output_dir, f"trainer.output_dir={shown(cfg.trainer.output_dir)}"
+        cfg.trainer.output_dir,
+        f"trainer.output_dir={shown(cfg.trainer.output_dir)}",
+        error=ConfigError,
     )
     resume = cfg.trainer.resume
     if resume not in ("auto", "disable"):
@@ -466,7 +467,7 @@ def check_paths(cfg: Config) -> None:
     for dotted, value in inputs.items():
         if value is None:
             continue
-        path = resolved_path(value, f"{dotted}={shown(value)}")
+        path = resolved_path(value, f"{dotted}={shown(value)}", error=ConfigError)
         if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
             continue  # a checkpoint of the run in this folder: resuming it is what it is for
         if path == output or path.is_relative_to(output) or output.is_relative_to(path):
@@ -474,30 +475,6 @@ def check_paths(cfg: Config) -> None:
                 f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
                 "the run would write where it reads; choose an output folder apart from its inputs"
             )
-
-
-def resolved_path(value: str | Path, named: str) -> Path:
-    """``value`` with links, ``.`` and ``..`` resolved (a relative path is the current
-    folder's); a one-line user error, ``named`` as its subject (``trainer.output_dir='x'``),
-    for a link loop or a name the file system refuses."""
-    try:
-        path = Path(value).resolve()
-        path.stat()
-        looped = False
-    except RuntimeError:  # pathlib's report of a link loop (Python 3.11 and 3.12)
-        looped = True
-    except OSError as exc:
-        # From Python 3.13 resolve() leaves a loop unresolved, and reading through it fails.
-        looped = exc.errno == errno.ELOOP
-        if not looped and exc.errno not in (errno.ENOENT, errno.ENOTDIR):
-            # e.g. a name too long for the file system (a missing path is the caller's)
-            raise ConfigError(f"{named}: {exc.strerror or exc}") from None
-    if looped:
-        raise ConfigError(
-            f"{named} is a symbolic link loop (a link that leads back to itself); give a path "
-            "to a real folder or file"
-        )
-    return path
 
 
 def input_paths(cfg: Config) -> dict[str, str | None]:
@@ -551,7 +528,7 @@ def relative_path_hint(value: str) -> str:
 
 def _exists(dotted: str, value: str) -> bool:
     # a link loop, a name too long for the file system, a path it cannot look at: one line
-    return resolved_path(value, f"{dotted}={shown(value)}").exists()
+    return resolved_path(value, f"{dotted}={shown(value)}", error=ConfigError).exists()
 
 
 # What Hugging Face's from_pretrained loads weights from, in one file or sharded.

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from verlite.config import Config, ConfigError, TrainerConfig, resolved_path
+from verlite.config import Config, ConfigError, TrainerConfig
 from verlite.driver.checkpoint import (
     CheckpointError,
     check_resumable,
@@ -63,6 +63,7 @@ from verlite.policy_folder import (
     policy_exported,
 )
 from verlite.redaction import redact_text
+from verlite.user_files import resolved_path
 
 LOCK_FILE = ".verlite-lock"
 
@@ -146,13 +147,17 @@ def resolved_output_dir(cfg: Config) -> Path:
     error for a link loop (of the folder or of its ``checkpoints``), a name the file system
     refuses, or the file system's root."""
     raw = cfg.trainer.output_dir
-    out = resolved_path(raw, f"trainer.output_dir={shown(raw)}")
+    out = resolved_path(raw, f"trainer.output_dir={shown(raw)}", error=ConfigError)
     if out.parent == out:
         raise ConfigError(
             f"trainer.output_dir={shown(raw)} is the file system's root; choose a folder in it"
         )
     checkpoints = checkpoint_root(out)  # linked to a scratch disk, it is followed
-    resolved_path(checkpoints, f"{shown(str(checkpoints))} (trainer.output_dir's checkpoints)")
+    resolved_path(
+        checkpoints,
+        f"{shown(str(checkpoints))} (trainer.output_dir's checkpoints)",
+        error=ConfigError,
+    )
     return out
 
 
@@ -210,7 +215,7 @@ def _check_linked_export(out: Path) -> None:
     export = out / POLICY_FOLDER
     if not export.is_symlink():
         return
-    target = resolved_path(export, shown(str(export)))
+    target = resolved_path(export, shown(str(export)), error=ConfigError)
     if not target.exists():
         return  # made as the run exports
     where = f"{shown(str(export))} links to {shown(str(target))}"

@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verlite.config import input_paths, load_config, resolved_path
+from verlite.config import input_paths, load_config
 from verlite.errors import shown
 from verlite.jobs.entrypoint import job_entrypoint
 from verlite.jobs.resubmit import resubmission
 from verlite.jobs.server import JobsError, token_files
 from verlite.redaction import carries_secret
+from verlite.user_files import resolved_path
 from verlite.yaml_files import field_path, read_mapping
 
 # Inside the job, Ray's RAY_ADDRESS names the cluster; without an address the trainer would
@@ -121,7 +122,7 @@ def prepare_submission(
                 "to anyone who can list the cluster's jobs (verlite list, the Ray dashboard); set it "
                 "in the config file, which travels inside the job's working directory"
             )
-    root = resolved_path(working_dir, f"--working-dir {shown(str(working_dir))}")
+    root = resolved_path(working_dir, f"--working-dir {shown(str(working_dir))}", error=JobsError)
     if not root.is_dir():
         raise JobsError(f"--working-dir {shown(str(working_dir))} is not a directory")
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from verlite.errors import UserError, shown
-from verlite.user_files import parse_json, read_text
+from verlite.user_files import parse_json, read_text, resolved_path
 
 FILE_NAME = "metrics.jsonl"
 # Prefixes of a job's driver log lines the ``logline`` logger writes: a record, and the step
@@ -173,7 +173,9 @@ def read(path: str | Path) -> list[Record]:
     path = Path(path)
     if path.is_dir():
         path = path / FILE_NAME
-    elif not path.exists() and path.suffix != ".jsonl":
+    # a link loop on the way is one line that says so, not a missing folder or file
+    resolved_path(path, shown(str(path)))
+    if not path.exists() and path.suffix != ".jsonl":
         raise UserError(f"no such folder: {shown(str(path))}")
     if not path.exists():
         raise UserError(

@@ -871,6 +871,29 @@ def test_check_paths(tmp_path: Path) -> None:
     check_paths(load_config(None, ["data.train_file=" + str(tmp_path / "p.jsonl")]))
 
 
+def test_check_paths_resolves_each_path_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """check_paths resolved every input twice: to see that it exists (check_inputs), and
+    again to compare it with the output folder; once now, the same overlap refused."""
+    from verlite.config import loading
+
+    resolved: list[str] = []
+    resolve = loading.resolved_path
+    monkeypatch.setattr(
+        loading,
+        "resolved_path",
+        lambda value, named, **kw: resolved.append(str(value)) or resolve(value, named, **kw),
+    )
+    train, out, resume = tmp_path / "p.jsonl", tmp_path / "out", tmp_path / "ckpt"
+    train.write_text("{}\n")
+    paths = [f"data.train_file={train}", f"trainer.output_dir={out}", f"trainer.resume={resume}"]
+    check_paths(load_config(None, paths))
+    assert sorted(resolved) == sorted(map(str, [train, out, resume]))
+    with pytest.raises(ConfigError, match=r"trainer.output_dir=.* overlaps data.train_file="):
+        check_paths(load_config(None, [*paths, f"trainer.output_dir={tmp_path}"]))
+
+
 def test_a_data_file_that_is_a_folder_pipe_or_device_is_refused_before_reading(
     tmp_path: Path,
 ) -> None:

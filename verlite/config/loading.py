@@ -455,6 +455,7 @@ def _has_field_value(raw: Mapping[str, Any], loc: Sequence[str]) -> bool:
 def check_paths(cfg: Config) -> None:
     """Fail early, before Ray starts, on the inputs (:func:`check_inputs`) and an output
     folder that overlaps an input (the run would write over what it reads)."""
+    given = input_paths(cfg)
     inputs = check_inputs(cfg)
     output = resolved_path(
         cfg.trainer.output_dir,
@@ -463,17 +464,18 @@ def check_paths(cfg: Config) -> None:
     )
     resume = cfg.trainer.resume
     if resume not in ("auto", "disable"):
-        inputs["trainer.resume"] = resume
-    for dotted, value in inputs.items():
-        if value is None:
-            continue
-        path = resolved_path(value, f"{dotted}={shown(value)}", error=ConfigError)
+        given["trainer.resume"] = resume
+        inputs["trainer.resume"] = resolved_path(
+            resume, f"trainer.resume={shown(resume)}", error=ConfigError
+        )
+    for dotted, path in inputs.items():
         if dotted == "trainer.resume" and path.is_relative_to(output / "checkpoints"):
             continue  # a checkpoint of the run in this folder: resuming it is what it is for
         if path == output or path.is_relative_to(output) or output.is_relative_to(path):
             raise ConfigError(
-                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps {dotted}={shown(value)}: "
-                "the run would write where it reads; choose an output folder apart from its inputs"
+                f"trainer.output_dir={shown(cfg.trainer.output_dir)} overlaps "
+                f"{dotted}={shown(given[dotted])}: the run would write where it reads; choose "
+                "an output folder apart from its inputs"
             )
 
 
@@ -487,25 +489,28 @@ def input_paths(cfg: Config) -> dict[str, str | None]:
     }
 
 
-def check_inputs(cfg: Config) -> dict[str, str | None]:
+def check_inputs(cfg: Config) -> dict[str, Path]:
     """Fail on input paths that do not exist on this machine and a model folder that cannot
-    be a Hugging Face model; the inputs by field."""
-    inputs = input_paths(cfg)
-    for dotted, value in inputs.items():
-        if value is not None and not _exists(dotted, value):
+    be a Hugging Face model; the inputs set, by field, resolved (:func:`resolved_path`: a
+    link loop, a name too long for the file system, a path it cannot look at is one line)."""
+    given = {dotted: value for dotted, value in input_paths(cfg).items() if value is not None}
+    inputs = {}
+    for dotted, value in given.items():
+        path = resolved_path(value, f"{dotted}={shown(value)}", error=ConfigError)
+        if not path.exists():
             raise ConfigError(
                 f"{dotted}={shown(value)}: no such file or directory{_hint(dotted)}"
                 f"{relative_path_hint(value)}"
             )
-        if dotted.startswith("data.") and value is not None and not Path(value).is_file():
+        if dotted.startswith("data.") and not path.is_file():
             # a folder cannot be read, a pipe or device may block or never end
             raise ConfigError(
                 f"{dotted}={shown(value)}: not a regular file; give a JSONL or Parquet file"
             )
+        inputs[dotted] = path
     for dotted in ("model.path", "reward.model.path"):
-        model_dir = inputs[dotted]
-        if model_dir is not None:
-            _check_model_dir(model_dir, dotted)
+        if dotted in inputs:
+            _check_model_dir(given[dotted], dotted)
     return inputs
 
 
@@ -524,11 +529,6 @@ def relative_path_hint(value: str) -> str:
     if Path(value).is_absolute():
         return ""
     return f"; a relative path is read from the current folder, {shown(str(Path.cwd()))}"
-
-
-def _exists(dotted: str, value: str) -> bool:
-    # a link loop, a name too long for the file system, a path it cannot look at: one line
-    return resolved_path(value, f"{dotted}={shown(value)}", error=ConfigError).exists()
 
 
 # What Hugging Face's from_pretrained loads weights from, in one file or sharded.

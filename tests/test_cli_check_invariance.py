@@ -98,18 +98,35 @@ def test_table_and_failure_exit_code_with_the_negative_control(verlite_main) -> 
         (["--atol", "1e-9"], "--atol needs --run"),
         (["--run", "--dp", "2"], "--dp is for the one-update audit; with --run, give --layout"),
         (["--run", "--layout", "2:ddp"], "--layout '2:ddp': expected WORKERS:STRATEGY:MICRO"),
-        (["--run", "--layout", "0:ddp:1"], "workers '0' must be a positive integer"),
-        (["--run", "--layout", "2:zero:1"], "strategy 'zero' must be one of ddp, fsdp"),
+        (
+            ["--run", "--layout", "0:ddp:1"],
+            "--layout '0:ddp:1': actor workers '0': expected an integer from 1 to 2147483647",
+        ),
+        (  # a digit to str.isdigit that int() refuses: a traceback before
+            ["--run", "--layout", "\u00b2:ddp:1"],
+            "--layout '\u00b2:ddp:1': actor workers '\u00b2': expected an integer from 1 to",
+        ),
+        (  # more digits than int() reads: a traceback before
+            ["--run", "--layout", f"{'1' * 5000}:ddp:1"],
+            "actor workers '1111111111",
+        ),
+        (
+            ["--run", "--layout", "1:ddp:1/3000000000:ddp:1"],
+            "critic workers '3000000000': expected an integer from 1 to 2147483647",
+        ),
+        (["--run", "--layout", "2:zero:1"], "actor strategy 'zero': expected one of ddp, fsdp"),
         (
             ["--run", "--layout", "2:ddp:half"],
-            "micro 'half' must be a number of rows, full, dynamic, packed or",
+            "actor micro 'half': expected a number of rows (an integer from 1 to 2147483647) or "
+            "one of full, dynamic, packed, packed-dynamic, checkpointed",
         ),
         (["--run", "--layout", "1:ddp:1/1:ddp:1/1:ddp:1"], "expected WORKERS:STRATEGY:MICRO"),
         (["--run", "--layout", "1:ddp:full"], "give at least 2, got 1"),
-        (["--run", "--layout", "1:ddp:1/1:ddp:1/0:3"], "reward workers '0' must be a positive"),
+        (["--run", "--layout", "1:ddp:1/1:ddp:1/0:3"], "reward workers '0': expected an integer"),
         (
             ["--run", "--layout", "1:ddp:1/1:ddp:1/2:dynamic"],
-            "reward micro 'dynamic' must be a number of rows or full",
+            "reward micro 'dynamic': expected a number of rows (an integer from 1 to 2147483647) "
+            "or full",
         ),
         (["--run", "--layout", "1:ddp:1/1:ddp:1/2:3/1:1"], "expected WORKERS:STRATEGY:MICRO"),
         (
@@ -149,16 +166,23 @@ def test_whole_runs_need_a_new_or_empty_runs_dir(verlite_main, tmp_path) -> None
         "check-invariance", "--run", "--config", CONFIG, "--runs-dir", str(tmp_path)
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
-    assert f"--runs-dir {tmp_path}: the folder is not empty" in proc.stderr
+    assert f"--runs-dir {str(tmp_path)!r}: the folder is not empty" in proc.stderr
     assert (tmp_path / "earlier.txt").read_text() == "someone's file"
 
 
 def test_a_runs_dir_that_cannot_be_a_new_folder_is_one_line(verlite_main, tmp_path) -> None:
     (file := tmp_path / "file").write_text("x")
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
     for runs_dir, message in (
-        (file, f"--runs-dir {file}: not a folder"),
-        (file / "sub", f"--runs-dir {file / 'sub'}: cannot make the folder: Not a directory"),
+        (file, f"--runs-dir {str(file)!r}: not a folder"),
+        (
+            file / "sub",
+            f"--runs-dir {str(file / 'sub')!r}: cannot make the folder: Not a directory",
+        ),
         ("", "argument --runs-dir: expected a path, got an empty string"),
+        # "cannot make the folder: File exists" before
+        (tmp_path / "a", f"--runs-dir {str(tmp_path / 'a')!r} is a symbolic link loop"),
     ):
         proc = verlite_main(
             "check-invariance", "--run", "--config", CONFIG, "--runs-dir", str(runs_dir)

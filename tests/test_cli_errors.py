@@ -1259,8 +1259,10 @@ PASTED = "x" * 5000
         ["check-invariance", "--config", CONFIG, "--dp", PASTED],  # arguments.int_list
         ["metrics", PASTED[:200]],  # records.metrics_log: no such folder
         ["export", PASTED[:200]],  # export: no such folder
+        ["check-invariance", "--config", CONFIG, "--micro", PASTED],  # a list flag's choices
+        ["check-invariance", "--config", CONFIG, "--run", "--layout", PASTED],  # run_invariance
     ],
-    ids=["compare-tolerance", "dp", "metrics-folder", "export-folder"],
+    ids=["compare-tolerance", "dp", "metrics-folder", "export-folder", "micro", "layout"],
 )
 def test_a_pasted_value_is_quoted_cut(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     """A value a user pasted is quoted as every message quotes it (errors.shown): cut in the

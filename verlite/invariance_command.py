@@ -22,7 +22,7 @@ from verlite.audit.tolerances import (
     TOLERANCE,
     by_precision,
 )
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.table import format_table
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         metavar="A[/C[/R]]",
         help="with --run, a layout to train, repeatable, the first being the reference: the actor's "
         "WORKERS:STRATEGY:MICRO, then optionally /WORKERS:STRATEGY:MICRO for the critic (MICRO: rows, "
-        "full, dynamic, packed or packed-dynamic), e.g. 2:fsdp:1/2:ddp:dynamic, then with a reward "
+        "full, dynamic, packed, packed-dynamic or checkpointed), e.g. 2:fsdp:1/2:ddp:dynamic, then with a reward "
         "model optionally /WORKERS:MICRO for its group (MICRO: rows or full, a step's rows; "
         "default: the config's), e.g. 2:fsdp:1/1:ddp:full/2:3 (default: 4 layouts covering actor workers "
         "1/2/4, critic workers 1/2, micro 1/full/dynamic, ddp and fsdp, and with a reward model "
@@ -131,7 +131,7 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
     bad = [v for v in values if v not in allowed]
     if bad or not values:
         raise UserError(
-            f"{flag}: got {','.join(values)!r}; allowed: {','.join(allowed)} (comma-separated)"
+            f"{flag}: got {shown(','.join(values))}; allowed: {','.join(allowed)} (comma-separated)"
         )
     return list(values)
 

@@ -36,10 +36,12 @@ from typing import TYPE_CHECKING
 
 from verlite.audit.invariance import MICRO_LAYOUTS, STRATEGIES, micro_settings
 from verlite.config import Config, ConfigError, load_config
-from verlite.errors import UserError
+from verlite.config.fields import MAX_INT
+from verlite.errors import UserError, shown
 from verlite.records import metrics_log
 from verlite.records.compare import compared_metrics, first_difference, relative_difference
 from verlite.records.metrics_log import Record
+from verlite.user_files import resolved_path
 
 if TYPE_CHECKING:
     from verlite.driver.preflight import RunInputs
@@ -140,32 +142,47 @@ def parse_layout(text: str) -> RunLayout:
     1:ddp:full), then a reward model's group's (default: the config's)."""
     parts = text.split("/")
     if len(parts) > 3:
-        raise UserError(f"--layout {text!r}: expected {LAYOUT_SYNTAX}")
-    roles = [_parse_role(text, part) for part in parts[:2]]
+        raise UserError(f"--layout {shown(text)}: expected {LAYOUT_SYNTAX}")
+    roles = [
+        _parse_role(text, role, part)
+        for role, part in zip(("actor", "critic"), parts, strict=False)
+    ]
     critic = roles[1] if len(roles) == 2 else RoleLayout(1, "ddp", "full")
     reward = _parse_reward(text, parts[2]) if len(parts) == 3 else None
     return RunLayout(roles[0], critic, reward)
 
 
-def _positive(count: str) -> bool:
-    """Whether a layout's ``count`` of workers or rows is a positive integer."""
-    return count.isdigit() and int(count) >= 1
+# What a layout's count of workers or rows may be: the config's counts are bounded so.
+COUNT = f"an integer from 1 to {MAX_INT}"
+
+
+def _count(text: str) -> int | None:
+    """A layout's count of workers or rows (:data:`COUNT`, in ASCII digits), or None: no
+    count (str.isdigit alone takes '²', which int() refuses, and int() refuses more digits
+    than Python reads)."""
+    if not (text.isascii() and text.isdigit()) or len(text) > len(str(MAX_INT)):
+        return None
+    return int(text) if 1 <= int(text) <= MAX_INT else None
 
 
 def _parse_reward(text: str, part: str) -> RewardLayout:
     fields = part.split(":")
     if len(fields) != 2:
         raise UserError(
-            f"--layout {text!r}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/1:ddp:full/2:3"
+            f"--layout {shown(text)}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/1:ddp:full/2:3"
         )
     workers, micro = fields
-    if not _positive(workers):
-        raise UserError(f"--layout {text!r}: reward workers {workers!r} must be a positive integer")
-    if micro != "full" and not _positive(micro):
+    count = _count(workers)
+    if count is None:
         raise UserError(
-            f"--layout {text!r}: reward micro {micro!r} must be a number of rows or full"
+            f"--layout {shown(text)}: reward workers {shown(workers)}: expected {COUNT}"
         )
-    return RewardLayout(int(workers), micro)
+    if micro != "full" and _count(micro) is None:
+        raise UserError(
+            f"--layout {shown(text)}: reward micro {shown(micro)}: expected a number of rows "
+            f"({COUNT}) or full"
+        )
+    return RewardLayout(count, micro)
 
 
 def run_layouts(cfg: Config, layouts: Sequence[RunLayout] | None = None) -> list[RunLayout]:
@@ -200,23 +217,29 @@ def run_layouts(cfg: Config, layouts: Sequence[RunLayout] | None = None) -> list
     ]
 
 
-def _parse_role(text: str, part: str) -> RoleLayout:
+def _parse_role(text: str, role: str, part: str) -> RoleLayout:
     fields = part.split(":")
     if len(fields) != 3:
-        raise UserError(f"--layout {text!r}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/2:ddp:dynamic")
+        raise UserError(
+            f"--layout {shown(text)}: expected {LAYOUT_SYNTAX}, e.g. 2:fsdp:1/2:ddp:dynamic"
+        )
     workers, strategy, micro = fields
-    if not _positive(workers):
-        raise UserError(f"--layout {text!r}: workers {workers!r} must be a positive integer")
+    count = _count(workers)
+    if count is None:
+        raise UserError(
+            f"--layout {shown(text)}: {role} workers {shown(workers)}: expected {COUNT}"
+        )
     if strategy not in STRATEGIES:
         raise UserError(
-            f"--layout {text!r}: strategy {strategy!r} must be one of {', '.join(STRATEGIES)}"
+            f"--layout {shown(text)}: {role} strategy {shown(strategy)}: expected one of "
+            f"{', '.join(STRATEGIES)}"
         )
-    if micro not in MICRO_LAYOUTS and not _positive(micro):
+    if micro not in MICRO_LAYOUTS and _count(micro) is None:
         raise UserError(
-            f"--layout {text!r}: micro {micro!r} must be a number of rows, full, dynamic, "
-            "packed or packed-dynamic"
+            f"--layout {shown(text)}: {role} micro {shown(micro)}: expected a number of rows "
+            f"({COUNT}) or one of {', '.join(m for m in MICRO_LAYOUTS if not m.isdigit())}"
         )
-    return RoleLayout(int(workers), strategy, micro)
+    return RoleLayout(count, strategy, micro)
 
 
 def layout_overrides(cfg: Config, layout: RunLayout) -> list[str]:
@@ -288,15 +311,17 @@ def compare_runs(
 def _make_runs_dir(runs_dir: Path) -> None:
     """Make ``runs_dir``, a new or empty folder, now: a path that cannot be one fails in one
     line before Ray starts."""
+    named = f"--runs-dir {shown(str(runs_dir))}"
+    resolved_path(runs_dir, named)  # a link loop: one line that says so
     if runs_dir.exists() and not runs_dir.is_dir():
-        raise UserError(f"--runs-dir {runs_dir}: not a folder; give a new or empty one")
+        raise UserError(f"{named}: not a folder; give a new or empty one")
     try:
         runs_dir.mkdir(parents=True, exist_ok=True)
         empty = not any(runs_dir.iterdir())
     except OSError as exc:
-        raise UserError(f"--runs-dir {runs_dir}: cannot make the folder: {exc.strerror}") from None
+        raise UserError(f"{named}: cannot make the folder: {exc.strerror}") from None
     if not empty:
-        raise UserError(f"--runs-dir {runs_dir}: the folder is not empty; give a new or empty one")
+        raise UserError(f"{named}: the folder is not empty; give a new or empty one")
 
 
 def layout_configs(

@@ -1089,7 +1089,9 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
         assert err.count("\n") == 1 and "expected a path, got an empty string" in err, err
     (tmp_path / "weights.bin").unlink()
     err = run(capsys, "export", str(tmp_path))
-    assert "holds no exported policy (hf_actor/ is missing; a run exports it when it fin" in err
+    assert (
+        f"{str(tmp_path)!r}: holds no exported policy (hf_actor/ is missing; a run exports" in err
+    )
     (tmp_path / "config.json").write_text(json.dumps({"trainer": {"export": False}}))
     err = run(capsys, "export", str(tmp_path))
     assert "(hf_actor/ is missing; the run has trainer.export=false, which exports none)" in err
@@ -1098,30 +1100,30 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     err = run(capsys, "export", str(tmp_path / "hf_actor"))  # the policy, not its run
     assert f"this is the exported policy itself: give its run folder, {str(tmp_path)!r})" in err
     err = run(capsys, "export", str(tmp_path), "--merge")
-    assert "holds full weights, not a LoRA adapter; --merge applies to runs with actor.lora" in err
+    assert f"{str(tmp_path / 'hf_actor')!r}: holds full weights, not a LoRA adapter; " in err
     err = run(capsys, "export", str(tmp_path), "--out", str(tmp_path / "merged"))
-    assert "names where --merge writes; add --merge" in err
+    assert f"--out {str(tmp_path / 'merged')!r}: names where --merge writes; add --merge" in err
     (tmp_path / "hf_actor" / "adapter_config.json").write_text("{not json")
     err = run(capsys, "export", str(tmp_path))
-    assert "adapter_config.json: not a readable peft adapter config (" in err
+    assert "adapter_config.json': not a readable peft adapter config (" in err
     for not_an_object in ("[1]", "null", '"r"'):  # JSON, but no adapter config
         (tmp_path / "hf_actor" / "adapter_config.json").write_text(not_an_object)
         for merge in ([], ["--merge"]):
             err = run(capsys, "export", str(tmp_path), *merge)
-            assert "adapter_config.json: not a readable peft adapter config (" in err
+            assert "adapter_config.json': not a readable peft adapter config (" in err
     (tmp_path / "hf_actor" / "adapter_config.json").write_text(
         json.dumps({"peft_type": "LORA", "r": 4, "base_model_name_or_path": str(tmp_path / "gone")})
     )
     (tmp_path / "taken").write_text("a file")
     err = run(capsys, "export", str(tmp_path), "--merge", "--out", str(tmp_path / "taken"))
-    assert "exists and is not an empty folder; name a new folder" in err
+    assert f"--out {str(tmp_path / 'taken')!r}: exists and is not an empty folder; name a" in err
     err = run(capsys, "export", str(tmp_path), "--merge")
     assert f"its base model {str(tmp_path / 'gone')!r} is not a folder here" in err
     # a run stopped while it wrote the export: the folder's files are not said to be a policy
     (tmp_path / "hf_actor.incomplete").write_text("")
     for merge in ([], ["--merge"]):
         err = run(capsys, "export", str(tmp_path), *merge)
-        assert "hf_actor: incomplete: the run stopped (or runs) before it exported its last" in err
+        assert "hf_actor': incomplete: the run stopped (or runs) before it exported its last" in err
 
 
 def test_static_decoding_of_a_sliding_window_model_is_refused_before_ray(
@@ -1260,9 +1262,20 @@ PASTED = "x" * 5000
         ["metrics", PASTED[:200]],  # records.metrics_log: no such folder
         ["export", PASTED[:200]],  # export: no such folder
         ["check-invariance", "--config", CONFIG, "--micro", PASTED],  # a list flag's choices
+        ["train", "--config", PASTED],  # user_files.read_text: cannot read (name too long)
+        ["export", "configs", "--out", PASTED],  # export: --out without --merge
         ["check-invariance", "--config", CONFIG, "--run", "--layout", PASTED],  # run_invariance
     ],
-    ids=["compare-tolerance", "dp", "metrics-folder", "export-folder", "micro", "layout"],
+    ids=[
+        "compare-tolerance",
+        "dp",
+        "metrics-folder",
+        "export-folder",
+        "micro",
+        "config-file",
+        "export-out",
+        "layout",
+    ],
 )
 def test_a_pasted_value_is_quoted_cut(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
     """A value a user pasted is quoted as every message quotes it (errors.shown): cut in the

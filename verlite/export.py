@@ -57,7 +57,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
 
 def cmd_export(args: argparse.Namespace) -> int:
     if args.out is not None and not args.merge:
-        raise UserError(f"--out {args.out}: names where --merge writes; add --merge")
+        raise UserError(f"--out {shown(args.out)}: names where --merge writes; add --merge")
     # a link loop is one line that says so, not a missing folder
     resolved = resolved_path(args.run_dir, shown(args.run_dir))
     if resolved.is_file():
@@ -69,7 +69,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     policy = Path(args.run_dir) / POLICY_FOLDER
     if not policy.is_dir():
         raise UserError(
-            f"{args.run_dir}: holds no exported policy ({POLICY_FOLDER}/ is missing; "
+            f"{shown(args.run_dir)}: holds no exported policy ({POLICY_FOLDER}/ is missing; "
             f"{_why_no_policy(resolved)})"
         )
     if not policy_exported(Path(args.run_dir)):
@@ -85,14 +85,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         except ValidationError:
             trainer = None  # unknown: not guessed
         raise UserError(
-            f"{policy}: incomplete: the run stopped (or runs) before it exported its last policy "
-            f"whole; {stopped_run_hint(args.run_dir, trainer)}"
+            f"{shown(str(policy))}: incomplete: the run stopped (or runs) before it exported its "
+            f"last policy whole; {stopped_run_hint(args.run_dir, trainer)}"
         )
     adapter_config = policy / ADAPTER_CONFIG
     if not adapter_config.is_file():
         if args.merge:
             raise UserError(
-                f"{policy}: holds full weights, not a LoRA adapter; --merge applies to runs "
+                f"{shown(str(policy))}: holds full weights, not a LoRA adapter; --merge applies to runs "
                 "with actor.lora.rank > 0"
             )
         print(f"{policy}: full weights (Hugging Face format)")
@@ -101,12 +101,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         config = json.loads(adapter_config.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UserError(f"{adapter_config}: not a readable peft adapter config ({exc})") from None
+        raise UserError(
+            f"{shown(str(adapter_config))}: not a readable peft adapter config ({exc})"
+        ) from None
     if not isinstance(config, dict):
         kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
         kind = kinds.get(type(config), "a number")
         raise UserError(
-            f"{adapter_config}: not a readable peft adapter config ({kind}, not a JSON object)"
+            f"{shown(str(adapter_config))}: not a readable peft adapter config ({kind}, not a JSON "
+            "object)"
         )
     if not args.merge:
         print(
@@ -117,7 +120,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         return 0
     out = Path(args.out) if args.out else Path(args.run_dir) / MERGED_FOLDER
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out}: exists and is not an empty folder; name a new folder")
+        raise UserError(
+            f"--out {shown(str(out))}: exists and is not an empty folder; name a new folder"
+        )
     from transformers import AutoTokenizer
     from transformers.utils import logging as transformers_logging
 

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from verlite.errors import RunFailure, UserError
+from verlite.errors import RunFailure, UserError, shown
 
 # Why reading a file fails when the machine, not the path, is at fault: the disk or a
 # network mount failing or gone stale, the process out of memory or of file handles. Any
@@ -51,7 +51,7 @@ def check_readable(exc: OSError, path: str | Path, *, what: str) -> None:
     valid JSON file")."""
     if exc.errno in MACHINE_ERRNOS:
         raise RunFailure(
-            f"reading {what} {str(path)!r} failed: {exc.strerror or exc} (an I/O error of "
+            f"reading {what} {shown(str(path))} failed: {exc.strerror or exc} (an I/O error of "
             "this machine, not the file's content; try again)"
         ) from exc
 
@@ -92,7 +92,7 @@ def read_text(
     names the file in messages ("config file"); problems raise ``error`` with one line.
     With ``max_bytes``, reading stops there, so a device such as /dev/zero, or a pipe that
     never ends, is refused instead of filling the memory."""
-    shown = repr(str(path))
+    named = shown(str(path))
     if not str(path):  # Path("") is the current folder
         raise error(f"{what}: an empty path names no file")
     try:
@@ -100,18 +100,18 @@ def read_text(
             raw = file.read(-1 if max_bytes is None else max_bytes + 1)
     except OSError as exc:
         check_readable(exc, path, what=what)
-        raise error(f"cannot read {what} {shown}: {exc.strerror}") from None
+        raise error(f"cannot read {what} {named}: {exc.strerror}") from None
     except ValueError as exc:  # a NUL byte in the path
-        raise error(f"cannot read {what} {shown}: {exc}") from None
+        raise error(f"cannot read {what} {named}: {exc}") from None
     if max_bytes is not None and len(raw) > max_bytes:
-        raise error(f"{what} {shown} is larger than {max_bytes:,} bytes; is it the right file?")
+        raise error(f"{what} {named} is larger than {max_bytes:,} bytes; is it the right file?")
     try:
         # A byte-order mark (what Windows editors and PowerShell write first) is no content.
         return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise error(
-            f"{what} {shown} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "
+            f"{what} {named} is not UTF-8 text (byte {exc.object[exc.start]:#x} at offset "
             f"{exc.start}, line {line})"
         ) from None
 

@@ -1117,6 +1117,9 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     (tmp_path / "taken").write_text("a file")
     err = run(capsys, "export", str(tmp_path), "--merge", "--out", str(tmp_path / "taken"))
     assert f"--out {str(tmp_path / 'taken')!r}: exists and is not an empty folder; name a" in err
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")  # it read as a new folder to merge into
+    err = run(capsys, "export", str(tmp_path), "--merge", "--out", str(tmp_path / "loop"))
+    assert f"--out {str(tmp_path / 'loop')!r} is a symbolic link loop" in err
     err = run(capsys, "export", str(tmp_path), "--merge")
     assert f"its base model {str(tmp_path / 'gone')!r} is not a folder here" in err
     # a run stopped while it wrote the export: the folder's files are not said to be a policy

@@ -119,6 +119,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         _say_chat_template(policy, Path(args.run_dir))
         return 0
     out = Path(args.out) if args.out else Path(args.run_dir) / MERGED_FOLDER
+    resolved_path(out, f"--out {shown(str(out))}")  # a link loop: one line that says so
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(
             f"--out {shown(str(out))}: exists and is not an empty folder; name a new folder"

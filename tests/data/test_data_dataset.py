@@ -1,6 +1,7 @@
 """Datasets from a synthetic task or prompt files: splits, disjointness, the prompt-length policy."""
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from verlite.data import (
     holdout_split,
     task_records,
 )
+from verlite.errors import shown
 
 
 def _config(seed: int = 0, **data: Any) -> Config:
@@ -141,9 +143,19 @@ def test_holdout_split_is_a_seeded_partition() -> None:
 def test_file_too_small_to_hold_out(tmp_path: Path) -> None:
     path = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "2+2="])
     with pytest.raises(
-        DataError, match=r"2 prompts leave none for training .*data.num_val_samples=2"
+        DataError,
+        match=re.escape(f"data.train_file={shown(str(path))}: 2 prompts leave none for training")
+        + ".*data.num_val_samples=2",
     ):
         build_datasets(_config(train_file=str(path), num_val_samples=2), build_task_tokenizer())
+
+
+def test_an_empty_validation_file_is_named_by_its_setting(tmp_path: Path) -> None:
+    train = _write_jsonl(tmp_path / "p.jsonl", ["1+1=", "2+2="])
+    (val := tmp_path / "val.jsonl").write_text("")
+    with pytest.raises(DataError) as exc:
+        build_datasets(_config(train_file=str(train), val_file=str(val)), build_task_tokenizer())
+    assert str(exc.value) == f"data.val_file={shown(str(val))}: no prompts (the file is empty)"
 
 
 def test_unknown_characters_are_an_error(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from verlite.data import DataError, read_prompt_file
-from verlite.errors import MissingExtraError
+from verlite.errors import MissingExtraError, shown
 
 
 def _jsonl(path: Path, *lines: str) -> Path:
@@ -55,8 +55,6 @@ def test_line_numbers_ignore_unicode_line_separators(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("lines", "message"),
     [
-        ([], r"no prompts \(the file is empty\)"),
-        (["", "  "], r"no prompts"),
         (['{"prompt": "a", "answer": "b"}', '{"prompt": "a", '], r":2: malformed JSON"),
         (['{"prompt": "a", "answer": "b"}', '["a", "b"]'], r":2: expected an object .* got list"),
         (['{"answer": "b"}'], r":1: missing field 'prompt'"),
@@ -168,8 +166,20 @@ def test_missing_file_and_unknown_format(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"cannot read prompt file .*nope.jsonl': No such file"):
         read_prompt_file(tmp_path / "nope.jsonl")
     (tmp_path / "p.csv").write_text("prompt,answer\n")
-    with pytest.raises(DataError, match=r"p.csv: unknown prompt file format '.csv'"):
+    with pytest.raises(DataError) as exc:
         read_prompt_file(tmp_path / "p.csv")
+    assert str(exc.value) == (
+        f"data.train_file={shown(str(tmp_path / 'p.csv'))}: unknown prompt file format '.csv'; "
+        "give a .jsonl or .parquet file"
+    )
+
+
+@pytest.mark.parametrize("lines", [[], ["", "  "]])
+def test_a_file_without_prompts_is_named_by_its_setting(tmp_path: Path, lines: list[str]) -> None:
+    path = _jsonl(tmp_path / "empty.jsonl", *lines)
+    with pytest.raises(DataError) as exc:
+        read_prompt_file(path, setting="data.val_file")
+    assert str(exc.value) == f"data.val_file={shown(str(path))}: no prompts (the file is empty)"
 
 
 def test_a_byte_order_mark_and_windows_line_ends_are_no_content(tmp_path: Path) -> None:

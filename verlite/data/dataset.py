@@ -119,12 +119,12 @@ def build_datasets(
         records, where = read_prompt_file(data.train_file, **fields)
         if data.val_file is not None:
             train, train_where = records, where
-            val, val_where = read_prompt_file(data.val_file, **fields)
+            val, val_where = read_prompt_file(data.val_file, setting="data.val_file", **fields)
         else:
             train_idx, val_idx = holdout_split(len(records), data.num_val_samples, seed=seed)
             if not train_idx:
                 raise DataError(
-                    f"{data.train_file}: {len(records)} prompts leave none for training after holding "
+                    f"data.train_file={shown(data.train_file)}: {len(records)} prompts leave none for training after holding "
                     f"out data.num_val_samples={data.num_val_samples}; lower it or set data.val_file"
                 )
             train, train_where = [records[i] for i in train_idx], [where[i] for i in train_idx]

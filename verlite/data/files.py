@@ -60,14 +60,17 @@ class SourceRecord(TypedDict):
 def read_prompt_file(
     path: str | Path,
     *,
+    setting: str = "data.train_file",
     prompt_key: str = "prompt",
     answer_key: str = "answer",
     answer_rule: str = "as_is",
 ) -> tuple[list[SourceRecord], list[str]]:
     """The records of a ``.jsonl`` or ``.parquet`` file and, for each, where it is
     (``file:line``): each row's ``prompt_key`` field, and the answer ``answer_rule`` takes from
-    its ``answer_key`` field."""
+    its ``answer_key`` field. The file's own errors name it as ``setting`` (the config field
+    that gave it); a row's, by its ``file:line``."""
     path = Path(path)
+    named = f"{setting}={shown(str(path))}"
     suffix = path.suffix.lower()
     keys = {"prompt_key": prompt_key, "answer_key": answer_key}
     if suffix == ".jsonl":
@@ -76,7 +79,7 @@ def read_prompt_file(
         rows = _parquet_rows(path, keys)
     else:
         raise DataError(
-            f"{path}: unknown prompt file format {suffix!r}; expected .jsonl or .parquet"
+            f"{named}: unknown prompt file format {shown(suffix)}; give a .jsonl or .parquet file"
         )
     records: list[SourceRecord] = []
     where: list[str] = []
@@ -93,7 +96,7 @@ def read_prompt_file(
         records.append(SourceRecord(prompt=prompt, answer=answer))
         where.append(location)
     if not records:
-        raise DataError(f"{path}: no prompts (the file is empty)")
+        raise DataError(f"{named}: no prompts (the file is empty)")
     return records, where
 
 

@@ -118,6 +118,13 @@ def test_a_resume_path_that_is_not_there_is_said_to_be_missing(
     (tmp_path / "half").mkdir()  # a folder without the driver's state: incomplete
     with pytest.raises(UserError, match="not a complete checkpoint"):
         resume_checkpoint(tmp_path, str(tmp_path / "half"))
+    (tmp_path / "state.json").write_text("{}")  # a file, not a checkpoint folder
+    with pytest.raises(UserError) as file:
+        resume_checkpoint(tmp_path, str(tmp_path / "state.json"))
+    assert str(file.value) == (
+        f"trainer.resume={str(tmp_path / 'state.json')!r}: not a folder; give a checkpoint "
+        "folder (<trainer.output_dir>/checkpoints/step_N), auto or disable"
+    )
 
 
 def test_a_checkpoint_is_on_disk_before_it_is_in_place(

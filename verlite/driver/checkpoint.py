@@ -34,7 +34,7 @@ from verlite.base_weights import differences
 from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
 from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_hint
 from verlite.config.inert import without_effect
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.redaction import redact_config
 from verlite.user_files import parse_json, read_text
 
@@ -87,12 +87,17 @@ def resume_checkpoint(output_dir: str | Path, resume: str) -> Path | None:
     path = Path(resume)
     if not path.exists():  # a typo, or a checkpoint pruned since (trainer.max_checkpoints)
         raise CheckpointError(
-            f"trainer.resume={resume!r}: no such folder{relative_path_hint(resume)}; give a "
+            f"trainer.resume={shown(resume)}: no such folder{relative_path_hint(resume)}; give a "
             "checkpoint folder (<trainer.output_dir>/checkpoints/step_N), auto or disable"
+        )
+    if not path.is_dir():
+        raise CheckpointError(
+            f"trainer.resume={shown(resume)}: not a folder; give a checkpoint folder "
+            "(<trainer.output_dir>/checkpoints/step_N), auto or disable"
         )
     if not (path / TRAINER_STATE).is_file():
         raise CheckpointError(
-            f"trainer.resume={resume!r}: not a complete checkpoint (no {TRAINER_STATE} in it)"
+            f"trainer.resume={shown(resume)}: not a complete checkpoint (no {TRAINER_STATE} in it)"
         )
     return path
 

@@ -29,7 +29,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from verlite.base_weights import check_export_base
 from verlite.config import ConfigError, LoraConfig
-from verlite.errors import UserError, import_extra
+from verlite.errors import UserError, import_extra, shown
 
 # Where the export puts the base model an adapter applies to, when the run built it from a
 # seed (the built-in model; a model.path base is referred to by its path).
@@ -178,11 +178,11 @@ def merge_adapter(adapter: Path, out: Path) -> None:
         try:
             config = peft.PeftConfig.from_pretrained(str(adapter))
         except (TypeError, ValueError) as exc:
-            raise UserError(f"{adapter}: not a peft adapter folder ({exc})") from None
+            raise UserError(f"{shown(str(adapter))}: not a peft adapter folder ({exc})") from None
         base_path = Path(config.base_model_name_or_path)
     if not base_path.is_dir():
         raise UserError(
-            f"{adapter}: its base model {str(base_path)!r} is not a folder here; a LoRA run "
+            f"{shown(str(adapter))}: its base model {shown(str(base_path))} is not a folder here; a LoRA run "
             "over model.path merges onto that folder, which must still exist"
         )
     if not check_export_base(adapter, base_path):

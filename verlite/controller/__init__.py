@@ -23,7 +23,7 @@ from verlite.controller.session import (
     stop_ray,
 )
 from verlite.controller.worker import Worker
-from verlite.controller.worker_group import PendingCall, WorkerGroup
+from verlite.controller.worker_group import PendingCall, WorkerGroup, completed
 
 __all__ = [
     "PLACEMENT_FILES",
@@ -41,6 +41,7 @@ __all__ = [
     "check_device",
     "check_fits_machine",
     "check_fits_session",
+    "completed",
     "lost_embedded_node",
     "ray_session",
     "resources_asked",

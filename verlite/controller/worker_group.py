@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -43,6 +43,8 @@ _SHUTDOWN_GRACE_S = 10.0
 # How long a rank's transport error waits for the death of the peer that caused it.
 _PEER_DEATH_GRACE_S = 2.0
 
+K = TypeVar("K", bound=Hashable)
+
 
 class PendingCall:
     """A call in flight on every rank of a group; :meth:`result` waits and collects."""
@@ -68,8 +70,36 @@ class PendingCall:
 
     def result(self) -> Any:
         """The collected result; raises :class:`WorkerGroupError` at the first failed rank."""
-        results = self._group._wait(self._refs, self._method)
-        return dispatching.collect(self._mode, results, self._restore)
+        ((_, result),) = completed({0: self})
+        return result
+
+
+def completed(calls: Mapping[K, PendingCall]) -> Iterator[tuple[K, Any]]:
+    """Each call's key and collected result as soon as every rank of it has returned, in the
+    order the calls complete: calls in flight side by side (on separate groups) are each seen
+    when they end, not when the slowest does. All their ranks are waited on at once, and the
+    first failure of any rank raises at once, as :meth:`PendingCall.result` raises it
+    (:class:`WorkerGroupError`, or :class:`WorkerInputError`): ranks that are fine may be
+    blocked in a collective with the failed one, so a rank-order ``ray.get`` could hang. The
+    other calls still in flight then run on until their groups are shut down (a run's groups
+    are, without waiting, after any failure: ``driver.run.start_groups``)."""
+    owner = {ref: (key, rank) for key, call in calls.items() for rank, ref in enumerate(call._refs)}
+    results: dict[K, list[Any]] = {key: [None] * len(call._refs) for key, call in calls.items()}
+    left = {key: len(call._refs) for key, call in calls.items()}
+    pending = list(owner)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            key, rank = owner[ref]
+            call = calls[key]
+            try:
+                results[key][rank] = ray.get(ref)
+            except RayError as err:
+                same_call = [other for other in pending if owner[other][0] == key]
+                call._group._fail(call, rank, err, same_call)
+            left[key] -= 1
+            if not left[key]:
+                yield key, dispatching.collect(call._mode, results[key], call._restore)
 
 
 class WorkerGroup:
@@ -179,7 +209,10 @@ class WorkerGroup:
         collect: Collect = "list",
         **kwargs: Any,
     ) -> PendingCall:
-        """Start ``method`` on every rank; groups on separate pools then run side by side."""
+        """Start ``method`` on every rank; groups on separate pools then run side by side.
+        Every rank's arguments are cut and serialized before this returns (Ray serializes a
+        call's arguments as it is submitted): the caller may change them afterwards, in place
+        too, and no rank sees it (``tests/test_concurrent_updates.py``)."""
         if not self._workers:
             raise RuntimeError(f"worker group {self.name!r} is shut down")
         dispatching.check_pairing(dispatch, collect)
@@ -233,36 +266,38 @@ class WorkerGroup:
         for worker in workers:
             ray.kill(worker, no_restart=True)
 
-    def _wait(self, refs: Sequence[ray.ObjectRef[Any]], method: str) -> list[Any]:
-        # Wait on all ranks at once and stop at the first failure: ranks that are fine may
-        # be blocked in a collective with the failed one, so a rank-order ray.get could hang.
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        results: list[Any] = [None] * len(refs)
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                try:
-                    results[rank_of[ref]] = ray.get(ref)
-                except RayError as err:
-                    self._failed = True
-                    rank, err = self._first_cause(rank_of[ref], err, pending, rank_of)
-                    slot = self._slots[rank]
-                    if (bad := input_error(err)) is not None:
-                        raise WorkerInputError(
-                            f"{bad} (worker group {self.name!r}: rank {rank} on node "
-                            f"{slot.node_id[:12]} ({slot.node_ip}), in {method}())"
-                        ) from err
-                    raise WorkerGroupError(
-                        group=self.name,
-                        rank=rank,
-                        node_id=slot.node_id,
-                        node_ip=slot.node_ip,
-                        method=method,
-                        cause=describe_failure(err),
-                        lost=is_lost(err),
-                    ) from err
+    def _wait(self, refs: list[ray.ObjectRef[Any]], method: str) -> Any:
+        """Every rank's result, by rank, of calls submitted to each directly (the start's)."""
+        ((_, results),) = completed({0: PendingCall(self, method, refs, "list", None)})
         return results
+
+    def _fail(
+        self,
+        call: PendingCall,
+        rank: int,
+        err: RayError,
+        pending: Sequence[ray.ObjectRef[Any]],
+    ) -> NoReturn:
+        """Raise the failure of ``call``'s ``rank`` (``pending``: its ranks not yet returned),
+        naming the group, rank, node and cause; the group is marked failed."""
+        self._failed = True
+        rank_of = {ref: i for i, ref in enumerate(call._refs)}
+        rank, err = self._first_cause(rank, err, pending, rank_of)
+        slot = self._slots[rank]
+        if (bad := input_error(err)) is not None:
+            raise WorkerInputError(
+                f"{bad} (worker group {self.name!r}: rank {rank} on node "
+                f"{slot.node_id[:12]} ({slot.node_ip}), in {call._method}())"
+            ) from err
+        raise WorkerGroupError(
+            group=self.name,
+            rank=rank,
+            node_id=slot.node_id,
+            node_ip=slot.node_ip,
+            method=call._method,
+            cause=describe_failure(err),
+            lost=is_lost(err),
+        ) from err
 
     @staticmethod
     def _first_cause(

@@ -25,7 +25,7 @@ from torch import Tensor
 from verlite import base_weights
 from verlite.config import Config, TrainedRole
 from verlite.config.derived import old_log_probs_source, precision_line
-from verlite.controller import DpSplit, WorkerGroup
+from verlite.controller import DpSplit, PendingCall, WorkerGroup, completed
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.dapo import overlong_penalty
 from verlite.core.losses import kl_penalty
@@ -169,16 +169,26 @@ def _every(freq: int, step: int, last: int) -> bool:
 
 
 class Timer:
-    """Wall time of each named stage of one step (``timing_s/<stage>``)."""
+    """Wall time of each named stage of one step (``timing_s/<stage>``): a block's
+    (``with timer(stage)``), or a call's in flight from :meth:`start` to :meth:`stop`, which
+    other stages may overlap."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self._started: dict[str, float] = {}
 
     @contextlib.contextmanager
     def __call__(self, stage: str) -> Iterator[None]:
-        start = time.perf_counter()
+        self.start(stage)
         yield
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+        self.stop(stage)
+
+    def start(self, stage: str) -> None:
+        self._started[stage] = time.perf_counter()
+
+    def stop(self, stage: str) -> None:
+        elapsed = time.perf_counter() - self._started.pop(stage)
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + elapsed
 
 
 @dataclass(frozen=True)
@@ -502,19 +512,28 @@ class Trainer:
                     norm_adv_by_std=cfg.algorithm.norm_adv_by_std,
                 ),
             )
-        metrics: dict[str, float] = {}
-        if self.critic is not None:
-            with timer("update_critic"):  # 5. critic update
-                metrics.update(self._update("critic", self.critic, batch))
+        # 5-6. The updates, in flight side by side: neither reads the other's result. Each
+        # is timed from its submission to its own result.
+        updates: dict[TrainedRole, PendingCall] = {}
+        if self.critic is not None:  # 5. critic update
+            updates["critic"] = self._update("critic", self.critic, batch, timer)
         response_mask = batch["response_mask"]
-        if cut is not None:  # algorithm.overlong.filter
+        filtered: dict[str, float] = {}
+        if (
+            cut is not None
+        ):  # algorithm.overlong.filter, for the actor: the critic's shares are sent
             batch["response_mask"] = response_mask * ~cut.unsqueeze(-1)
-            metrics["response_length/overlong_filtered"] = float(cut.float().mean())
-        if step > cfg.critic.warmup_steps or self.critic is None:
-            with timer("update_actor"):  # 6. actor update
-                metrics.update(self._update("actor", self.actor, batch))
+            filtered["response_length/overlong_filtered"] = float(cut.float().mean())
+        if step > cfg.critic.warmup_steps or self.critic is None:  # 6. actor update
+            updates["actor"] = self._update("actor", self.actor, batch, timer)
+            skipped = {}
         else:  # the critic's warm-up: the actor's peak memory and generation time still count
-            metrics.update(self.actor.call("skip_update", dispatch="broadcast", collect="metrics"))
+            skipped = self.actor.call("skip_update", dispatch="broadcast", collect="metrics")
+        results: dict[TrainedRole, dict[str, float]] = {}
+        for role, result in completed(updates):
+            timer.stop(f"update_{role}")
+            results[role] = result
+        metrics = {**results.get("critic", {}), **filtered, **results.get("actor", skipped)}
         metrics.update(self.step_source.updated(step))  # 7. the new weights to the rollout group
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)
@@ -555,17 +574,22 @@ class Trainer:
 
     # ---------------------------------------------------------------------- helpers
 
-    def _update(self, role: TrainedRole, group: WorkerGroup, batch: TensorDict) -> dict[str, float]:
-        """The updates of one role over the step batch: its global mini-batches (a count the
-        config fixes) balanced over its ranks, metrics reduced over them."""
+    def _update(
+        self, role: TrainedRole, group: WorkerGroup, batch: TensorDict, timer: Timer
+    ) -> PendingCall:
+        """Start the updates of one role over the step batch, timed from here as
+        ``update_<role>`` (``timer``: the caller stops it at the result): its global
+        mini-batches (a count the config fixes) balanced over its ranks, metrics reduced over
+        them. The shares are sent as this returns (``WorkerGroup.call_async``): the caller may
+        then change ``batch`` for the other role's update."""
         k = self.cfg.role_sizes(role).num_mini_batches
-        metrics: dict[str, float] = group.call(
+        timer.start(f"update_{role}")
+        return group.call_async(
             f"update_{role}",
             batch,
             dispatch=replace(self.splits[role], mini_batches=k),
             collect="metrics",
         )
-        return metrics
 
     def _behaviour_policy(self, batch: TensorDict) -> dict[str, float]:
         """Settle the old log-probs against the sampler's (which then leave the batch, with

@@ -519,9 +519,8 @@ class Trainer:
             updates["critic"] = self._update("critic", self.critic, batch, timer)
         response_mask = batch["response_mask"]
         filtered: dict[str, float] = {}
-        if (
-            cut is not None
-        ):  # algorithm.overlong.filter, for the actor: the critic's shares are sent
+        # algorithm.overlong.filter, for the actor alone: the critic's shares are sent.
+        if cut is not None:
             batch["response_mask"] = response_mask * ~cut.unsqueeze(-1)
             filtered["response_length/overlong_filtered"] = float(cut.float().mean())
         if step > cfg.critic.warmup_steps or self.critic is None:  # 6. actor update

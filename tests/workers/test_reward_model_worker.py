@@ -182,3 +182,37 @@ def test_scoring_keeps_no_kv_cache(reward_model: Path) -> None:
     )
     score_texts(model, [[1, 2, 3], [4, 5]], torch.device("cpu"))
     assert seen == [False]
+
+
+@pytest.mark.parametrize("lengths", [(5, 5, 5), (3, 5, 4)], ids=["unpadded", "padded"])
+def test_a_scoring_pass_reads_nothing_on_the_device(reward_model: Path, lengths) -> None:
+    """The pass builds its attention mask from the padding read on the CPU (the texts'
+    lengths; ``varlen.known_padding``, the model loaded with verlite's attention): Hugging
+    Face's check of the 2-D mask would read the device once per scoring forward, waiting for
+    it. Counted on would-be device tensors (``tests/host_sync_support.py``): the model's and
+    whatever the pass computes from them. The scores are Hugging Face's SDPA model's, bit for
+    bit. Mutations: the pass without ``known_padding``; the model loaded on SDPA."""
+    from tests.host_sync_support import DeviceSyncs, described
+
+    cfg = load_config(None, ["data.task=copy", f"reward.model.path={reward_model}"])
+    model = load_reward_model(cfg.reward.model, torch.float32)
+    ids = [list(range(1, n + 1)) for n in lengths]
+    syncs = DeviceSyncs()
+    syncs.put([*model.parameters(), *model.buffers()])
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        # What ``score_texts`` copies to the device is on it, and the pass starts: the CPU
+        # tensors it builds before are not (a copy to a GPU is a wait of its own, before).
+        syncs.in_loop = True
+        return syncs.put(real_to(self, *args, **kwargs).clone())
+
+    with syncs:
+        torch.Tensor.to = to  # type: ignore[method-assign]
+        try:
+            scores = score_texts(model, ids, torch.device("cpu"))
+        finally:
+            torch.Tensor.to = real_to  # type: ignore[method-assign]
+    assert described(syncs.hits) == []
+    model.set_attn_implementation("sdpa")  # Hugging Face's mask, its check on the device
+    assert torch.equal(score_texts(model, ids, torch.device("cpu")), scores)

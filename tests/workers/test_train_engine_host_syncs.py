@@ -16,15 +16,13 @@ padding, which the engine read on the CPU (``models.varlen.known_padding``). Aft
 an update still reads its gradient norm (finite or not) and its metrics, once each.
 """
 
-import traceback
 from functools import partial
 
 import pytest
 import torch
 from tensordict import TensorDict
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from tests.host_sync_support import DeviceSyncs, described
 from verlite.audit.invariance import make_batch
 from verlite.config import load_config
 from verlite.models import build_policy, build_value_model
@@ -43,73 +41,6 @@ LAYOUTS = {
         "gradient_checkpointing": True,
     },
 }
-aten = torch.ops.aten
-# Ops whose result the host reads, or whose size depends on the values.
-SYNCS = {
-    aten._local_scalar_dense.default,
-    aten.nonzero.default,
-    aten.masked_select.default,
-    aten.masked_scatter_backward.default,
-    aten._unique2.default,
-    aten.unique_dim.default,
-    aten.unique_consecutive.default,
-    aten.repeat_interleave.Tensor,
-    aten.equal.default,
-    aten.is_nonzero.default,
-}
-INDEXING = {
-    aten.index.Tensor,
-    aten.index_put.default,
-    aten.index_put_.default,
-    aten._index_put_impl_.default,
-}
-
-
-class DeviceSyncs(TorchDispatchMode):
-    """Records the host syncs on (would-be) device tensors inside the micro-batch loop."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.on_device: dict[int, torch.Tensor] = {}  # by id, kept alive: ids stay unique
-        self.in_loop = False
-        self.in_micro_batch = False
-        self.hits: list[tuple[str, list[traceback.FrameSummary]]] = []
-
-    def put(self, value):
-        for leaf in tree_flatten(value)[0]:
-            if isinstance(leaf, torch.Tensor):
-                self.on_device[id(leaf)] = leaf
-        return value
-
-    def _reads_device(self, args, kwargs) -> bool:
-        leaves = tree_flatten((args, kwargs))[0]
-        return any(isinstance(x, torch.Tensor) and id(x) in self.on_device for x in leaves)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        device = self._reads_device(args, kwargs)
-        out = func(*args, **kwargs)
-        if device:
-            self.put(out)
-        if self.in_loop and self._syncs(func, args, device):
-            self.hits.append((str(func), traceback.extract_stack()[:-1]))
-        return out
-
-    def _syncs(self, func, args, device: bool) -> bool:
-        if func is aten.lift_fresh.default:  # torch.tensor(...): a copy from the host
-            return not self.in_micro_batch
-        if func in INDEXING:
-            return device and any(i is not None and i.dtype == torch.bool for i in args[1])
-        return device and func in SYNCS
-
-
-def described(hits) -> list[str]:
-    """The hits, each with the last frames of verlite or the test."""
-    found = []
-    for op, stack in hits:
-        ours = [f for f in stack if "/verlite/" in f.filename or "/tests/" in f.filename]
-        found.append(op + " at " + " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(ours[-4:])))
-    return found
 
 
 @pytest.fixture

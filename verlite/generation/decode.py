@@ -70,6 +70,8 @@ from verlite.generation.sampling import (
     SamplingParams,
     agree,
     build_step_batch,
+    ended,
+    prompt_padding,
     row_budgets,
     take_token,
 )
@@ -80,6 +82,7 @@ from verlite.generation.static_cache import (
     cache_bytes,
     check_capturable,
 )
+from verlite.models.varlen import Padding, known_padding
 
 DecodeMode = Literal["eager", "static", "cuda_graphs"]
 DECODE_MODES: tuple[DecodeMode, ...] = ("eager", "static", "cuda_graphs")
@@ -359,19 +362,21 @@ class StaticDecoder:
         cache = self.cache
         assert cache is not None
         self._check_addresses()
-        self._start(prompts, ends, noise, row_budgets(prompts, params))
+        padding = prompt_padding(prompts)
+        self._start(prompts, ends, noise, row_budgets(prompts, params), padding)
         # The prompts: one eager forward on the real prompt width, which writes positions
         # 0 .. width of the cache, then the first token.
         cache.state.prefilling = True
         try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=prompt_mask,
-                position_ids=prompts["position_ids"],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            with known_padding(padding):  # Hugging Face's check would read the device
+                out = self.model(
+                    input_ids=input_ids,
+                    attention_mask=prompt_mask,
+                    position_ids=prompts["position_ids"],
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
         finally:
             cache.state.prefilling = False
         self._take(out.logits[:, -1], batch, params)
@@ -399,7 +404,12 @@ class StaticDecoder:
         )
 
     def _start(
-        self, prompts: TensorDict, ends: list[int], noise: Noise | None, budgets: torch.Tensor
+        self,
+        prompts: TensorDict,
+        ends: list[int],
+        noise: Noise | None,
+        budgets: torch.Tensor,
+        padding: Padding,
     ) -> None:
         """The per-row state of a new generation of ``prompts``, in the held buffers."""
         batch, width = prompts["input_ids"].shape
@@ -418,9 +428,10 @@ class StaticDecoder:
         self.positions.zero_()
         self.mask.fill_(False)
         self.mask[:batch, 0, 0, :width] = prompt_mask.bool()
-        # Every position a step attends to is filled when no prompt is padded (one host read
-        # a generation); a captured step also attends past them (``_span``): always masked.
-        self.unmasked = self.settings.mode == "static" and bool(prompt_mask.all())
+        # Every position a step attends to is filled when no prompt is padded (known on the
+        # host: ``prompt_padding``); a captured step also attends past them (``_span``):
+        # always masked.
+        self.unmasked = self.settings.mode == "static" and padding is Padding.NONE
         if isinstance(noise, KeyedNoise):
             self.keys[:batch] = noise.keys
         self.responses.fill_(self.pad_token_id)
@@ -453,9 +464,7 @@ class StaticDecoder:
         self.responses.index_put_((row_of, column), token)
         self.log_probs.index_put_((row_of, column), log_prob)
         self.lengths.index_add_(0, row_of, (~finished).long())
-        # A comparison with each end token (unused ones are -1): no sort, which torch.isin
-        # may take, and which would read sizes on the host.
-        finished |= (token[:, None] == self.ends).any(-1)
+        finished |= ended(token, self.ends)
         finished |= self.lengths[row_of] >= self.budgets[row_of]
         # An unfinished row reads its next position; a finished one stays at the one it
         # read last, as eager's do.

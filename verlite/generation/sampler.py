@@ -22,9 +22,12 @@ from verlite.generation.sampling import (
     SamplingParams,
     agree,
     build_step_batch,
+    ended,
+    prompt_padding,
     row_budgets,
     take_token,
 )
+from verlite.models.varlen import known_padding, use_verlite_attention
 
 
 class Sampler:
@@ -32,6 +35,9 @@ class Sampler:
 
     Under FSDP every forward all-gathers parameters, so all ranks must run the same number
     of decode steps: they agree each step on whether any rank still has an unfinished row.
+    The model is switched to verlite's attention (SDPA's, bit for bit): each pass builds its
+    mask knowing the prompts' padding (``sampling.prompt_padding``), where Hugging Face's
+    check reads the device's mask once per forward, every decode step.
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class Sampler:
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.lockstep = lockstep
+        use_verlite_attention(model, packing=False)
         self.static = (
             None
             if decode.mode == "eager"
@@ -68,6 +75,17 @@ class Sampler:
         self.model.eval()
         if self.static is not None:
             return self.static.generate(prompts, params, noise)
+        with known_padding(prompt_padding(prompts)):
+            return self._generate(prompts, params, noise)
+
+    def _generate(
+        self, prompts: TensorDict, params: SamplingParams, noise: Noise | None
+    ) -> TensorDict:
+        """:meth:`generate` eagerly: the termination read once per step (``agree``, which
+        in lockstep agrees over the ranks and which says whether a row diverged). Reading
+        it every k steps instead would run up to k - 1 steps past the last row's end (pads,
+        the same results) and find a divergence late; the static path reads it a step
+        behind, without waiting for the step it just launched."""
         input_ids = prompts["input_ids"]
         prompt_mask = prompts["attention_mask"]
         batch, device = input_ids.shape[0], input_ids.device
@@ -107,7 +125,7 @@ class Sampler:
             responses[:, t] = token
             sampled_log_probs[:, t] = log_prob
             lengths += (~finished).long()
-            finished |= torch.isin(token, ends) | (lengths >= budgets)
+            finished |= ended(token, ends) | (lengths >= budgets)
             flags = torch.stack([(~finished).any(), nonfinite.any()]).to(torch.int64)
             active, diverged = agree(flags, lockstep=self.lockstep)
             if diverged:

@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from verlite.distributed import all_reduce_max
 from verlite.errors import RunFailure
+from verlite.models.varlen import Padding
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,46 @@ def row_budgets(prompts: TensorDict, params: SamplingParams) -> torch.Tensor:
     if BUDGET_KEY in set(prompts.keys()):
         budgets = torch.minimum(prompts[BUDGET_KEY].to(device=device, dtype=torch.long), budgets)
     return budgets
+
+
+# A prompts entry (non-tensor, bool): whether a prompt is padded, read where the prompts are
+# on the CPU (``mark_padding``), so that a generation on a GPU knows it without reading the
+# device (``prompt_padding``).
+PADDED_KEY = "prompts_padded"
+
+
+def mark_padding(prompts: TensorDict, padded: bool | None = None) -> TensorDict:
+    """``prompts`` (a shallow copy: the caller's are left as they are) marked with whether
+    one of them is ``padded`` (``PADDED_KEY``); None: read from their attention mask, on the
+    CPU."""
+    if padded is None:
+        mask = prompts["attention_mask"]
+        if mask.device.type != "cpu":
+            raise ValueError(f"prompts on {mask.device}: mark their padding on the CPU")
+        padded = not bool(mask.all())
+    marked = prompts.clone(recurse=False)
+    marked.set_non_tensor(PADDED_KEY, padded)
+    return marked
+
+
+def prompt_padding(prompts: TensorDict) -> Padding:
+    """The padding of a generation's passes, the prompts' (their mask only grows by ones): as
+    :func:`mark_padding` marked it, else read from the mask (on a GPU, one wait for the device
+    a generation). The passes then build their attention masks knowing it
+    (``models.varlen.known_padding``), where Hugging Face's check would read the device's
+    mask at every decode step."""
+    if PADDED_KEY in set(prompts.keys()):
+        padded = bool(prompts.get_non_tensor(PADDED_KEY))
+    else:
+        padded = not bool(prompts["attention_mask"].all())
+    return Padding.SOME if padded else Padding.NONE
+
+
+def ended(token: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """(B,) whether each row's ``token`` is one of ``ends`` (1-D; -1 for an unused slot): a
+    comparison with each, where ``torch.isin`` sorts past a few rows, through
+    ``torch.unique``, whose size the host reads (on a GPU, a wait for the device a step)."""
+    return (token[:, None] == ends).any(-1)
 
 
 class GenerationDiverged(RunFailure):
@@ -161,7 +202,7 @@ def build_step_batch(
         batch_size=prompts.batch_size,
     )
     for key, value in prompts.items():  # carry uid, answers' index, non-tensor entries
-        if key in td or key == BUDGET_KEY:
+        if key in td or key in (BUDGET_KEY, PADDED_KEY):
             continue
         if isinstance(value, torch.Tensor):
             td.set(key, value)

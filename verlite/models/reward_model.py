@@ -32,6 +32,7 @@ from verlite.config import ConfigError, RewardModelConfig
 from verlite.errors import shown
 from verlite.models import _pretrained, check_sdpa
 from verlite.models.precision import fp64_throughout
+from verlite.models.varlen import Padding, known_padding, use_verlite_attention
 from verlite.user_files import check_readable
 
 
@@ -115,6 +116,7 @@ def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> PreTrainedM
         AutoModelForSequenceClassification, cfg.path, dtype, field="reward.model.path"
     )
     evaluated: PreTrainedModel = fp64_throughout(model).eval()
+    use_verlite_attention(evaluated, packing=False)  # its mask from the padding (score_texts)
     return evaluated
 
 
@@ -161,10 +163,14 @@ def score_texts(
     for row, values in enumerate(ids):
         input_ids[row, : len(values)] = torch.tensor(values, dtype=torch.long)
     mask = (torch.arange(width) < lengths[:, None]).long()
+    # Read here on the CPU: the pass builds its attention mask knowing it, where Hugging
+    # Face's check would read the device's mask (``varlen.known_padding``).
+    padding = Padding.SOME if bool((lengths < width).any()) else Padding.NONE
     input_ids, mask, lengths = input_ids.to(device), mask.to(device), lengths.to(device)
     base = getattr(model, model.base_model_prefix)
     # No KV cache: a decoder's config asks for one, which the pass would build for nothing.
-    hidden = base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+    with known_padding(padding):
+        hidden = base(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
     last = hidden[torch.arange(len(ids), device=device), lengths - 1]
     # The score head in at least fp32 under any precision (its weights are kept so:
     # ``workers.reward_model``): the score is what training reads.

@@ -19,10 +19,12 @@ The attention function is registered with Hugging Face as ``verlite_varlen``; wi
 packed structure among a call's keyword arguments it is Hugging Face's SDPA attention,
 unchanged (generation and the padded layout take that path). Its mask function is SDPA's,
 decided from the padding the host knows where a pass says it (:func:`known_padding`, as
-``workers.forward`` does for the micro-batches the engine built on the CPU): Hugging Face's
-own checks read the device once per forward (whether a 2-D mask is all ones; without a mask
-and a cache, whether the positions restart), which on a GPU waits for its queue. The engine
-switches every model it trains or runs passes with to it (:func:`use_verlite_attention`);
+``workers.forward`` does for the micro-batches the engine built on the CPU, the sampler for
+the prompts' padding, ``generation.sampling.prompt_padding``, and the reward model's scoring
+for its texts'): Hugging Face's own checks read the device once per forward (whether a 2-D
+mask is all ones; without a mask and a cache, whether the positions restart), which on a
+GPU waits for its queue. The engine, the sampler and the reward model's loading switch the
+models they run passes with to it (:func:`use_verlite_attention`);
 :func:`enable_packing` also proves on the model itself that packed sequences do not see each
 other (a model whose attention ignores the structure is refused).
 """

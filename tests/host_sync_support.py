@@ -47,7 +47,7 @@ INDEXING = {
 }
 # Tensor methods that read the values on the host without dispatching an op on a CPU tensor
 # (on a GPU they copy it to the host, waiting for the device).
-HOST_READS = {"tolist", "numpy", "__array__"}
+HOST_READS = {"tolist", "numpy", "__array__", "cpu"}
 
 
 class DeviceSyncs(TorchDispatchMode):
@@ -61,6 +61,8 @@ class DeviceSyncs(TorchDispatchMode):
         # Whether a tensor an op allocates while ``in_loop`` from no tensor is on the device
         # (``torch.zeros(..., device=...)`` in a loop that allocates only there).
         self.allocates = False
+        # Whether every tensor is on the device (a step captured as a CUDA graph, say).
+        self.everything = False
         self.hits: list[tuple[str, list[traceback.FrameSummary]]] = []
         self._reads = _HostReads(self)
 
@@ -71,6 +73,8 @@ class DeviceSyncs(TorchDispatchMode):
         return value
 
     def reads_device(self, args: Any, kwargs: Any) -> bool:
+        if self.everything:
+            return _any_tensor(args, kwargs)
         leaves = tree_flatten((args, kwargs))[0]
         return any(isinstance(x, torch.Tensor) and id(x) in self.on_device for x in leaves)
 

@@ -543,48 +543,25 @@ def test_a_row_budget_ends_a_row_as_an_end_token_does(mode: str) -> None:
     assert BUDGET_KEY not in set(out.keys())
 
 
-# What a decode step must not do to be captured as a CUDA graph: read a tensor's value on the
-# host (``.item()``, ``int()``, ``.tolist()``, a comparison used as a bool), or run an op whose
-# output's shape depends on the values (``nonzero``, ``masked_select``, ``unique``).
-HOST_READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy"}
-VALUE_SHAPED = {
-    "aten::_local_scalar_dense",
-    "aten::nonzero",
-    "aten::masked_select",
-    "aten::unique_dim",
-    "aten::_unique2",
-    "aten::is_nonzero",
-}
-
-
 class HostReads(ClosureGraphs):
-    """``cuda_graphs`` on CPU, recording each host read or value-shaped op a captured step
-    makes (on a GPU, each would fail the capture or bake one step's value into the graph)."""
+    """``cuda_graphs`` on CPU, recording each host sync a captured step makes
+    (``tests/host_sync_support.py``, every tensor taken as on the device): on a GPU, a host
+    read or an op whose output's shape depends on the values (``nonzero``, ``unique``) fails
+    the capture or bakes one step's value into the graph."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.found: list[str] = []
 
     def _capture(self, step: Callable[[], None]) -> SimpleNamespace:  # type: ignore[override]
-        from torch.overrides import TorchFunctionMode
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from tests.host_sync_support import DeviceSyncs, described
 
-        found = self.found
-
-        class Ops(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if func._schema.name in VALUE_SHAPED:
-                    found.append(func._schema.name)
-                return func(*args, **(kwargs or {}))
-
-        class Reads(TorchFunctionMode):
-            def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                if getattr(func, "__name__", "") in HOST_READS:
-                    found.append(func.__name__)
-                return func(*args, **(kwargs or {}))
-
-        with Ops(), Reads():
-            return super()._capture(step)
+        syncs = DeviceSyncs()
+        syncs.in_loop = syncs.everything = True
+        with syncs:
+            graph = super()._capture(step)
+        self.found += described(syncs.hits)
+        return graph
 
 
 @pytest.mark.parametrize("autocast", [False, True])

@@ -1,7 +1,7 @@
 """A decode loop reads the device once per step, for whether to stop: the eager sampler's
 ``agree`` and the static path's ``_check`` (a step behind, its flags copied while the next
 step runs). Nothing else waits for the device per step, nor per generation when the
-prompts were marked on the CPU (``sampling.mark_padding``, as the workers do): not Hugging
+prompts were marked on the CPU (``sampling.mark_prompt_padding``, as the workers do): not Hugging
 Face's check of a 2-D attention mask (``_ignore_causal_mask_sdpa``, once per forward),
 which the passes leave out knowing the prompts' padding (``varlen.known_padding``), and not
 ``torch.isin`` (on a GPU it sorts through ``torch.unique`` past a few rows).
@@ -23,7 +23,7 @@ from tests.host_sync_support import DeviceSyncs
 from tests.model_support import tiny_qwen2, tiny_sliding
 from verlite.data import position_ids
 from verlite.generation import DecodeSettings, Sampler
-from verlite.generation.sampling import BUDGET_KEY, PADDED_KEY, mark_padding
+from verlite.generation.sampling import BUDGET_KEY, PROMPTS_PADDED_KEY, mark_prompt_padding
 
 BUCKETS = (2, 4, 8)
 
@@ -41,7 +41,7 @@ def generation_syncs(mode: str, padded: bool) -> tuple[collections.Counter[tuple
     if not padded:
         unpadded(td)
     td[BUDGET_KEY] = torch.arange(12) % 9 + 2  # rows end at different steps: compaction
-    td = mark_padding(td)
+    td = mark_prompt_padding(td)
     decode = DecodeSettings(mode, batch_buckets=BUCKETS)
     sampler = Sampler(model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False, decode=decode)
     keyed = noise(td, 4, 14)
@@ -50,7 +50,7 @@ def generation_syncs(mode: str, padded: bool) -> tuple[collections.Counter[tuple
     syncs.in_loop = syncs.allocates = True
     with syncs:
         out = sampler.generate(td, SETTINGS["sampled"], keyed)
-    assert PADDED_KEY not in set(out.keys())
+    assert PROMPTS_PADDED_KEY not in set(out.keys())
     steps = int(out["response_mask"].sum(-1).max())
     return collections.Counter(
         (next(f.name for f in reversed(stack) if "/verlite/" in f.filename), _name(op))
@@ -115,16 +115,16 @@ def test_known_padding_samples_what_hugging_faces_checks_do_bit_for_bit(
     decode = DecodeSettings(mode, batch_buckets=BUCKETS)
     sampler = Sampler(model, eos_token_id=EOS, pad_token_id=PAD, lockstep=False, decode=decode)
     params = SETTINGS["top_k_top_p"]
-    ours = sampler.generate(mark_padding(td), params, noise(td, 4, 14))
+    ours = sampler.generate(mark_prompt_padding(td), params, noise(td, 4, 14))
     model.set_attn_implementation("sdpa")
-    assert_same(sampler.generate(td, params, noise(td, 4, 14)), ours.exclude(PADDED_KEY))
+    assert_same(sampler.generate(td, params, noise(td, 4, 14)), ours.exclude(PROMPTS_PADDED_KEY))
 
 
 @pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 def test_a_worker_marks_its_prompts_padding_before_moving_them(padded: bool) -> None:
     """``PolicyWorker.sample`` reads the padding from the prompts as they arrive, on the CPU,
     and the generation gets it marked (the caller's prompts are left unmarked). Mutation:
-    ``sample`` without ``mark_padding`` (the sampler then reads the device's mask once a
+    ``sample`` without ``mark_prompt_padding`` (the sampler then reads the device's mask once a
     generation)."""
     from types import SimpleNamespace
 
@@ -139,8 +139,8 @@ def test_a_worker_marks_its_prompts_padding_before_moving_them(padded: bool) -> 
     worker = SimpleNamespace(cfg=load_config("configs/ppo_tiny.yaml"), noise=lambda *a: None)
 
     def generate(given, params, noise):  # type: ignore[no-untyped-def]
-        seen.append(given.get_non_tensor(PADDED_KEY))
+        seen.append(given.get_non_tensor(PROMPTS_PADDED_KEY))
         return given
 
     PolicyWorker.sample(worker, generate, td, SETTINGS["greedy"], 0, None, device=td.device)  # type: ignore[arg-type]
-    assert seen == [padded] and PADDED_KEY not in set(td.keys())
+    assert seen == [padded] and PROMPTS_PADDED_KEY not in set(td.keys())

@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.data import position_ids
 from verlite.data.tokenizer import response_text
-from verlite.generation.sampling import BUDGET_KEY, build_step_batch, mark_padding
+from verlite.generation.sampling import BUDGET_KEY, build_step_batch, mark_prompt_padding
 
 
 class TurnResult(Protocol):
@@ -213,7 +213,7 @@ def _left_padded(sequences: list[list[int]], rows: TensorDict, pad_token_id: int
     td["input_ids"] = ids.to(rows.device)
     td["attention_mask"] = mask.to(rows.device)
     td["position_ids"] = position_ids(mask).to(rows.device)
-    return mark_padding(td, padded=min(map(len, sequences)) < width)
+    return mark_prompt_padding(td, padded=min(map(len, sequences)) < width)
 
 
 def _step_batch(

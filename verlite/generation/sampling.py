@@ -45,14 +45,14 @@ def row_budgets(prompts: TensorDict, params: SamplingParams) -> torch.Tensor:
 
 
 # A prompts entry (non-tensor, bool): whether a prompt is padded, read where the prompts are
-# on the CPU (``mark_padding``), so that a generation on a GPU knows it without reading the
+# on the CPU (``mark_prompt_padding``), so that a generation on a GPU knows it without reading the
 # device (``prompt_padding``).
-PADDED_KEY = "prompts_padded"
+PROMPTS_PADDED_KEY = "prompts_padded"
 
 
-def mark_padding(prompts: TensorDict, padded: bool | None = None) -> TensorDict:
+def mark_prompt_padding(prompts: TensorDict, padded: bool | None = None) -> TensorDict:
     """``prompts`` (a shallow copy: the caller's are left as they are) marked with whether
-    one of them is ``padded`` (``PADDED_KEY``); None: read from their attention mask, on the
+    one of them is ``padded`` (``PROMPTS_PADDED_KEY``); None: read from their attention mask, on the
     CPU."""
     if padded is None:
         mask = prompts["attention_mask"]
@@ -60,18 +60,18 @@ def mark_padding(prompts: TensorDict, padded: bool | None = None) -> TensorDict:
             raise ValueError(f"prompts on {mask.device}: mark their padding on the CPU")
         padded = not bool(mask.all())
     marked = prompts.clone(recurse=False)
-    marked.set_non_tensor(PADDED_KEY, padded)
+    marked.set_non_tensor(PROMPTS_PADDED_KEY, padded)
     return marked
 
 
 def prompt_padding(prompts: TensorDict) -> Padding:
     """The padding of a generation's passes, the prompts' (their mask only grows by ones): as
-    :func:`mark_padding` marked it, else read from the mask (on a GPU, one wait for the device
+    :func:`mark_prompt_padding` marked it, else read from the mask (on a GPU, one wait for the device
     a generation). The passes then build their attention masks knowing it
     (``models.varlen.known_padding``), where Hugging Face's check would read the device's
     mask at every decode step."""
-    if PADDED_KEY in set(prompts.keys()):
-        padded = bool(prompts.get_non_tensor(PADDED_KEY))
+    if PROMPTS_PADDED_KEY in set(prompts.keys()):
+        padded = bool(prompts.get_non_tensor(PROMPTS_PADDED_KEY))
     else:
         padded = not bool(prompts["attention_mask"].all())
     return Padding.SOME if padded else Padding.NONE
@@ -202,7 +202,7 @@ def build_step_batch(
         batch_size=prompts.batch_size,
     )
     for key, value in prompts.items():  # carry uid, answers' index, non-tensor entries
-        if key in td or key in (BUDGET_KEY, PADDED_KEY):
+        if key in td or key in (BUDGET_KEY, PROMPTS_PADDED_KEY):
             continue
         if isinstance(value, torch.Tensor):
             td.set(key, value)

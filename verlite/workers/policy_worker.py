@@ -31,7 +31,7 @@ from verlite.generation import DecodeSettings, Noise, SamplingParams, noise_for
 from verlite.generation.decode import auto_mode
 from verlite.generation.multi_turn import TurnLimits, generate_multi_turn
 from verlite.generation.noise import turn_keys
-from verlite.generation.sampling import mark_padding
+from verlite.generation.sampling import mark_prompt_padding
 from verlite.generation.static_cache import cache_bytes
 from verlite.models import hf_config, meta_causal_lm
 from verlite.models.hf import config_of
@@ -201,7 +201,7 @@ class PolicyWorker(Worker):
         ``uid``). The model runs in the run's precision (``verlite.models.precision.autocast``;
         with ``cache_casts``, each weight cast to bf16 once for the whole generation, which a
         sharded model's gathered layers are not)."""
-        prompts = mark_padding(prompts).to(device)
+        prompts = mark_prompt_padding(prompts).to(device)
         with autocast(self.cfg.precision, device, cache=cache_casts):
             if self.cfg.rollout.multi_turn.env is None or records is None:
                 return generate(prompts, params, self.noise(prompts, params, seed, device))

@@ -198,6 +198,119 @@ def test_a_masked_query_value_ends_where_enclosing_text_resumes(text: str, maske
     assert redact_text(text) == masked
 
 
+# A credential no rule knows the value of, written as a setting in plain text: found by
+# its name (credential_named's rule), wherever the text comes from.
+PLAIN = "abcdefgh123"
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        ("X-Api-Key: abcdefgh123", "X-Api-Key: ***"),
+        ("retrying with api_key=abcdefgh123 (2/3)", "retrying with api_key=*** (2/3)"),
+        ("login refused: password: hunter2hunter2", "login refused: password: ***"),
+        ("password:hunter2hunter2", "password:***"),
+        (str({"X-Api-Key": PLAIN, "n": 2}), "{'X-Api-Key': '***', 'n': 2}"),
+        ("Client(api_key='abcdefgh123', timeout=3)", "Client(api_key='***', timeout=3)"),
+        # A quoted value is masked up to its closing quote, spaces and escapes included.
+        (json.dumps({"token": 'abc def "ghi"', "n": 3}), '{"token": "***", "n": 3}'),
+        ("'password' : 'hunter2hunter2'", "'password' : '***'"),
+        ('password = "hunter2hunter2"', 'password = "***"'),
+        ("--api-key abcdefgh123 --verbose", "--api-key *** --verbose"),
+        ("--token=abcdefgh123", "--token=***"),
+        ("HF_TOKEN=hf_abcdefghijklmnop", "HF_TOKEN=***"),
+        ("Cookie: session=abcdefgh1234; theme=dark", "Cookie: ***; theme=dark"),
+        # A setting within another's value (Python logging's record: level:logger:message).
+        ("WARNING:app:api_key=abcdefgh123", "WARNING:app:api_key=***"),
+        # An unquoted value ends at a space, a comma, a semicolon, an ampersand, a closing
+        # parenthesis, bracket or brace; a "=" or ":" within it is its own.
+        ("api_key=abcdefgh123, retrying", "api_key=***, retrying"),
+        ("secret_key=changeme123;other=1", "secret_key=***;other=1"),
+        ("{token: abcdefgh123}", "{token: ***}"),
+        ("(token=abcdefgh123) [token=abcdefgh123]", "(token=***) [token=***]"),
+        ("api_key=abc/def+gh==", "api_key=***"),
+    ],
+    ids=[
+        "header",
+        "log",
+        "message",
+        "no-space",
+        "dict",
+        "call",
+        "json",
+        "repr-spaced",
+        "toml",
+        "flag",
+        "flag-equals",
+        "env",
+        "cookie",
+        "logging-record",
+        "comma",
+        "semicolon",
+        "brace",
+        "brackets",
+        "base64",
+    ],
+)
+def test_a_credential_written_as_a_setting_is_masked_by_its_name(text: str, masked: str) -> None:
+    assert redact_text(text) == masked
+    assert redact_text(masked) == masked  # masking twice is masking once
+
+
+def test_a_setting_in_a_json_body_within_a_json_line_is_masked_and_the_line_stays_json() -> None:
+    line = json.dumps({"error": json.dumps({"token": PLAIN, "x": 1})})
+    assert json.loads(redact_text(line)) == {"error": json.dumps({"token": "***", "x": 1})}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        # Config echoes: counts of tokens, names that only hold a credential word.
+        "rollout.max_tokens=512 data.prompt_key=question author=someone_else",
+        "usage=CompletionUsage(completion_tokens=12, prompt_tokens=30, total_tokens=42)",
+        # A tokenizer's special tokens, in a config echo and in a tokenizer's repr.
+        "tokenizer.pad_token: <|endoftext|>",
+        str({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+        + str({"additional_special_tokens": ["<|im_start|>"]}),
+        # Metrics: a name after a "/" is a metric's, and numbers are shown under any name.
+        json.dumps({"step": 3, "multiturn/observation_tokens/mean": 312.4567891234}),
+        "reward/format_token=unmatched",
+        "tokens_per_second=1234.5678 token_entropy=0.123456789 token_score=-Infinity",
+        # An exception's name and message (a traceback's last line), verlite's --keys.
+        'KeyError: "no field token_budget_x in the record"',
+        "InvalidTokenError: Signature verification failed",
+        "--keys 'val/score/mean,critic/score/mean' names no metric",
+        # Switches and placeholders shorter than a secret, a masked value, a flag's next flag.
+        "use_auth_token=True token=None token: str",
+        "password: ********",
+        "run --token --verbose",
+        # Code in a traceback: spaces around "=" before an unquoted value are an assignment.
+        "    api_key = os.environ['API_KEY']",
+        # Prose and times: no setting.
+        "12:30:05 step 3: the token budget is spent",
+    ],
+    ids=[
+        "config",
+        "usage",
+        "pad-token",
+        "tokenizer",
+        "metrics-json",
+        "metric-name",
+        "numbers",
+        "key-error",
+        "token-error",
+        "keys-flag",
+        "switches",
+        "placeholder",
+        "flag-then-flag",
+        "code",
+        "prose",
+    ],
+)
+def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
+    assert redact_text(text) == text
+
+
 def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
     register_secret(SECRET)
     config = {
@@ -299,6 +412,17 @@ def test_names_holding_a_credential_word_as_a_part_are_credential_named(name: st
         "RAY_AUTH_TOKEN_PATH",
         "POSTGRES_PASSWORD_FILE",
         "reward.remote.auth_env",
+        # A tokenizer's special tokens: tokens of its vocabulary.
+        "pad_token",
+        "tokenizer.pad_token",
+        "eos_token",
+        "additional_special_tokens",
+        "added_tokens_decoder",
+        # Exceptions, whose message follows their name on a traceback's last line.
+        "KeyError",
+        "InvalidTokenError",
+        # A list of keys (verlite metrics --keys); in a URL's query any key is a credential.
+        "keys",
     ],
 )
 def test_names_that_only_contain_a_credential_word_are_not_credential_named(name: str) -> None:

@@ -1,13 +1,14 @@
 """What no log, message, config record, metric or job command line may show: credentials.
 The secret-named config fields, ``user:pass@`` and credential-named query parameters in
-URLs, authorization headers and bearer tokens, the values of credential-named environment
-variables and the credentials verlite reads itself (a remote verifier's token, those of a
-config's URLs: registered here when they are read); the one owner of those rules
-(:func:`redact_text`), used by every sink: the process's stdout and stderr and log records
-once :func:`redacted_output` is on (the CLI turns it on for every command, and every Ray
-worker for its process: :func:`redact_process_output`), the CLI's error line, the metrics
-and config records, the job commands, :func:`verlite.errors.shown`, the remote verifier's
-messages and what a worker raises (:func:`redact_exception`)."""
+URLs, authorization headers and bearer tokens, credentials written as settings in plain text
+(``api_key=...``, ``X-Api-Key: ...``, ``"password": "..."``, ``--token ...``), the values of
+credential-named environment variables and the credentials verlite reads itself (a remote
+verifier's token, those of a config's URLs: registered here when they are read); the one
+owner of those rules (:func:`redact_text`), used by every sink: the process's stdout and
+stderr and log records once :func:`redacted_output` is on (the CLI turns it on for every
+command, and every Ray worker for its process: :func:`redact_process_output`), the CLI's
+error line, the metrics and config records, the job commands, :func:`verlite.errors.shown`,
+the remote verifier's messages and what a worker raises (:func:`redact_exception`)."""
 
 from __future__ import annotations
 
@@ -35,14 +36,19 @@ from urllib.parse import quote, unquote, unquote_plus
 # numbered or both (passwords, DB_PASSWORD2, TOKEN_2 is two parts):
 _CREDENTIAL_WORDS = "token|secret|password|passwd|passphrase|credential|apikey|cookie|bearer|jwt"
 _CREDENTIAL_PART = re.compile(rf"\w*(?:{_CREDENTIAL_WORDS})s?\d*|sig|signature")
-# A key, a credential when it is the whole name (?key=) or a kind of secret key (api_key,
-# AWS_SECRET_ACCESS_KEY, apiKey, X-Api-Key, secretkey), never a mapping's key (data.prompt_key,
-# sort_key); in a URL's query, any key is (?subscription-key=, ?consumer_key=).
+# A tokenizer's special tokens (pad_token, eos_token, additional_special_tokens,
+# added_tokens_decoder): a token of its vocabulary (``<|endoftext|>``), not a credential.
+_VOCABULARY_TOKEN = re.compile(r"(?:bos|eos|unk|sep|pad|cls|mask|special|added) tokens?")
+# A key, a credential when it is the whole name (?key=; not keys, a list of them: verlite
+# metrics --keys) or a kind of secret key (api_key, AWS_SECRET_ACCESS_KEY, apiKey, X-Api-Key,
+# secretkey), never a mapping's key (data.prompt_key, sort_key); in a URL's query, any key
+# is (?subscription-key=, ?consumer_key=, ?keys=).
 _KEY_KINDS = (
     "api|access|secret|private|account|client|auth|signing|subscription|session|consumer"
     "|encryption|master|ssh|hmac|shared|license|service"
 )
 _KEY_PART = re.compile(r"keys?\d*")
+_ONE_KEY_PART = re.compile(r"key\d*")
 _KIND_KEY_PART = re.compile(rf"(?:{_KEY_KINDS})keys?\d*")
 _KIND_PART = re.compile(_KEY_KINDS)
 # MYSQL_PWD's pwd, not as the first part: PWD and OLDPWD are the working folders; DB_PASS's
@@ -54,6 +60,9 @@ _PASS = re.compile(r"pass\d*")
 _AUTH_PART = re.compile(r"auth|authorization")
 # A last part that makes the name one of where a credential is kept, not of the credential.
 _REFERENCE_PART = re.compile(r"path|file|filename|dir|env")
+# A last part that makes the name an exception's (KeyError, InvalidTokenError), whose
+# message follows it on a traceback's last line, not a credential's.
+_EXCEPTION_PART = re.compile(r"error|exception|warning")
 # The parts of a name: split at '_', '-', '.' and the other non-word characters, and where
 # camelCase starts a word (apiKey, XApiKey, AWSAccessKeyId).
 _PART_BOUNDARY = re.compile(r"[\W_]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
@@ -98,24 +107,42 @@ def credential_named(name: str, *, query: bool = False) -> bool:
     has a part that is (or, glued, ends in) a credential word (``token``, ``access_token``,
     ``secret``, ``password``, ``PGPASSWORD``, ``credentials``, ``apikey``), ``sig`` or
     ``signature``; a key of a credential kind (``api_key``, ``X-Api-Key``,
-    ``AWS_SECRET_ACCESS_KEY``; ``key`` alone; any key of a URL's query: ``query``); or
-    ``auth``/``authorization`` as its last part.
+    ``AWS_SECRET_ACCESS_KEY``; ``key`` alone, not ``keys``, a list of them; any key of a
+    URL's query: ``query``); or ``auth``/``authorization`` as its last part. A tokenizer's
+    special token (``pad_token``, ``eos_token``, ``additional_special_tokens``) is a token
+    of its vocabulary (``<|endoftext|>``), which messages and records show.
 
     A name whose last part is ``path``, ``file``, ``dir`` or ``env`` (``HF_TOKEN_PATH``,
     ``POSTGRES_PASSWORD_FILE``, ``reward.remote.auth_env``) names where a credential is kept
     (a file, an environment variable), not the credential: its value is a path or a name,
     which messages may show and a job may carry; the file or variable it names is never
-    read into a message (a token verlite reads from one is registered, :func:`register_secret`)."""
+    read into a message (a token verlite reads from one is registered, :func:`register_secret`).
+    One whose last part is ``error``, ``exception`` or ``warning`` names an exception
+    (``KeyError``, ``InvalidTokenError``), whose message follows it on a traceback's last line."""
     parts = _name_parts(name)
-    if not parts or _REFERENCE_PART.fullmatch(parts[-1]):
+    if not parts or _REFERENCE_PART.fullmatch(parts[-1]) or _EXCEPTION_PART.fullmatch(parts[-1]):
         return False
     return (
-        any(_CREDENTIAL_PART.fullmatch(part) or _KIND_KEY_PART.fullmatch(part) for part in parts)
+        any(
+            (
+                _CREDENTIAL_PART.fullmatch(part)
+                and not (index and _VOCABULARY_TOKEN.fullmatch(f"{parts[index - 1]} {part}"))
+            )
+            or _KIND_KEY_PART.fullmatch(part)
+            for index, part in enumerate(parts)
+        )
         or _PWD in parts[1:]
         or bool(_PASS.fullmatch(parts[-1]))
         or any(
             _KEY_PART.fullmatch(part)
-            and (query or index == 0 or bool(_KIND_PART.fullmatch(parts[index - 1])))
+            and (
+                query
+                or bool(
+                    _KIND_PART.fullmatch(parts[index - 1])
+                    if index
+                    else _ONE_KEY_PART.fullmatch(part)
+                )
+            )
             for index, part in enumerate(parts)
         )
         or bool(_AUTH_PART.fullmatch(parts[-1]))
@@ -173,11 +200,19 @@ def carries_secret(key: str, value: str) -> bool:
     as ``TOKENIZERS_PARALLELISM=false``), a URL with ``user:pass@`` or a credential in its
     query (:func:`secret_query_names`), or a known secret's value."""
     return bool(value) and (
-        (holds_credential(key, value) and len(value) >= MIN_SECRET_LENGTH)
+        _setting_holds_credential(key, value)
         or bool(_URL_CREDENTIALS.search(value))
         or ("://" in value and bool(secret_query_names(value)))
         or redact_text(value) != value
     )
+
+
+def _setting_holds_credential(key: str, value: str) -> bool:
+    """Whether the text ``value`` set under ``key`` (a command line's override, a setting
+    written in a message) is a credential: :func:`holds_credential`'s rule, but for switches
+    (values shorter than :data:`MIN_SECRET_LENGTH`: ``TOKENIZERS_PARALLELISM=false``,
+    ``use_auth_token=True``, ``token: str``)."""
+    return len(value) >= MIN_SECRET_LENGTH and holds_credential(key, value)
 
 
 def secret_query_names(url: str) -> list[str]:
@@ -252,6 +287,77 @@ def _mask_query(match: re.Match[str]) -> str:
     return match[1] + MASK if held else match[0]
 
 
+# A setting written in plain text, outside a URL's query (a header dump, a log line, an
+# exception's message, a printed dict or JSON, a command line): ``name=value``,
+# ``name: value``, its name and value quoted (``"name": "value"``, as JSON writes it, escaped
+# within a JSON string too; ``'name': 'value'`` and ``name='value'``, as Python's repr
+# writes a dict and a call; spaces around ``=`` only before a quoted value, so that code's
+# ``token = get_token()`` in a traceback stays), and a command line's ``--name=value`` and
+# ``--name value`` (a value that starts with no ``-``). A name is letters, digits, ``_``,
+# ``.`` and ``-``, starting with a letter or ``_``, following none of those nor a ``/``
+# (``multiturn/observation_tokens/mean`` names a metric, not a setting).
+# The names are found from their separators, in the text reversed (``_SETTING_NAME`` reads
+# the separator, the spaces before it, the name's closing quote, the name backwards and its
+# opening quote): the engine skips to a ``:`` or ``=`` in its own loop, where a pattern that
+# starts with a name is tried at every character (masking a typical console line took twice
+# as long with one, a metrics line three times). A flag's name (``_FLAG_NAME``) starts with
+# ``--``, which the engine skips to as well.
+_SETTING_NAME = re.compile(
+    r"""(?P<separator>[:=])(?P<gap>[ \t]*+)(?P<quote>["']\\?|)(?P<name>[\w.\-]++)"""
+    r"""(?<=[A-Za-z_])(?P=quote)(?!/)"""
+)
+_FLAG_NAME = re.compile(r"--(?<![\w.\-/]--)(?P<name>[A-Za-z_][\w.\-]*+)(?:=|(?=[ \t]+[^\s-]))")
+# A setting's value: quoted, up to its closing quote (a JSON or repr escape within it is its
+# own), or up to a backslash when its opening quote is escaped (a JSON body within a JSON
+# string); unquoted, up to a space, a quote, a backslash, a ``,``, ``;`` or ``&``, a closing
+# parenthesis, bracket or brace, a ``<`` or ``>`` (``api_key=abc123def, retrying`` keeps
+# its comma; a ``:`` or ``=`` within the value is the value's: ``Cookie: session=...``);
+# one masked already is left as it is.
+_SETTING_VALUE = re.compile(
+    r"""(?P<gap>[ \t]*)(?P<quote>\\?["'])?(?!\*\*\*)(?P<value>(?<=\\["'])[^"'\\\n]+"""
+    r"""|(?<=")(?:[^"\\\n]|\\.)+|(?<=')(?:[^'\\\n]|\\.)+|[^\s'"`\\,;&)\]}<>]+)"""
+)
+# A number, which plain text shows as it is under any name: a measurement or a count
+# (``tokens_per_second=1234.56``, ``"observation_tokens": 312.25``, JSON's ``Infinity``),
+# not a credential.
+_NUMBER = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|Infinity|inf|nan|NaN)")
+
+
+def _mask_settings(text: str) -> str:
+    """``text`` with the values of its settings (:data:`_SETTING_NAME`, :data:`_FLAG_NAME`,
+    :data:`_SETTING_VALUE`) that hold a credential masked: by the setting's name, as a
+    command line's override is read (:func:`_setting_holds_credential`: ``api_key=``,
+    ``X-Api-Key:``, ``"password":``, ``--token``; not ``max_tokens=512``, ``author:``,
+    ``pad_token:``, a value shorter than :data:`MIN_SECRET_LENGTH`), but for numbers
+    (:data:`_NUMBER`). Each setting is read, one within another's value too
+    (``WARNING:app:api_key=...``, as Python's logging writes a record)."""
+    spans = []
+    for found in _SETTING_NAME.finditer(text[::-1]):
+        name = found["name"][::-1]
+        if credential_named(name) and (
+            value := _SETTING_VALUE.match(text, len(text) - found.start())
+        ):
+            # name = value, a space on either side, only before a quoted value.
+            spaced = found["separator"] == "=" and (found["gap"] or value["gap"])
+            if not spaced or value["quote"]:
+                spans.append((name, value))
+    for flag in _FLAG_NAME.finditer(text):
+        if credential_named(flag["name"]) and (value := _SETTING_VALUE.match(text, flag.end())):
+            spans.append((flag["name"], value))
+    pieces: list[str] = []
+    copied = 0
+    for name, value in sorted(spans, key=lambda span: span[1].start("value")):
+        held = value["value"]
+        if (
+            value.start("value") >= copied
+            and not _NUMBER.fullmatch(held)
+            and _setting_holds_credential(name, held)
+        ):
+            pieces += [text[copied : value.start("value")], MASK]
+            copied = value.end("value")
+    return "".join(pieces) + text[copied:] if pieces else text
+
+
 # The environment :func:`secrets_in_environment` last read (a copy of ``os.environ``'s
 # encoded contents, which every change to ``os.environ`` updates) and its credentials: every
 # line a process prints or logs asks for them, and walking the environment (decoding each
@@ -317,7 +423,9 @@ def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) ->
     of its spellings (:func:`_spellings`); authorization headers, bearer tokens, and in
     URLs ``user:pass@`` and the values of query parameters named like credentials
     (``?api_key=``, ``&X-Amz-Signature=``: :func:`secret_query_names`'s rule), a relative
-    URL's too (``/score?token=``, as an HTTP library's error quotes the request). ``cut``:
+    URL's too (``/score?token=``, as an HTTP library's error quotes the request); and the
+    values of settings written in the text under a credential's name (:func:`_mask_settings`:
+    ``api_key=``, ``X-Api-Key:``, ``"password": "..."``, ``--token``). ``cut``:
     the text was cut off at its end, where the start of a secret is masked too."""
     known = frozenset(s for s in (*_registered, *secrets_in_environment(), *secrets) if s)
     if (spellings := _spellings(known)) is not None:
@@ -329,7 +437,7 @@ def redact_text(text: str, secrets: Sequence[str] = (), *, cut: bool = False) ->
                     text = text[:-length] + MASK
                     break
     text = _AUTH_HEADER.sub(r"\1" + MASK, text)
-    text = _QUERY_PARAMETER.sub(_mask_query, text)
+    text = _mask_settings(_QUERY_PARAMETER.sub(_mask_query, text))
     return redact_url(_BEARER.sub(r"\1" + MASK, text))
 
 

@@ -890,6 +890,38 @@ def test_an_exception_holding_named_tuples_and_dict_subclasses_is_masked_in_them
     assert error.headers is headers  # type: ignore[attr-defined]
 
 
+class _Client:
+    """An API client as SDKs hold one: its key, and settings that refer back to it."""
+
+    def __init__(self) -> None:
+        self.api_key = "sk-" + "unknown-client-key"
+        self.settings = {"token": "tok-" + "unknown-setting", "client": self}
+
+
+def test_mappings_with_credentials_that_refer_to_each_other_are_masked_in_one_copy() -> None:
+    # Two mappings holding a credential's name, each reachable from the other (an object's
+    # state and a dict that refers back to the object): each was copied by a pickle of its
+    # own, which met the other and copied it again, without end: a RecursionError after
+    # pickling the whole object graph once per level (minutes for one holding a large
+    # body), the exception replaced by a RuntimeError of its text.
+    error = ConnectionError("cannot reach the scorer")
+    client = _Client()
+    error.client = client  # type: ignore[attr-defined]
+    assert redaction.redact_exception(error) is error, "the error was replaced"
+    shown_client = error.client  # type: ignore[attr-defined]
+    assert type(shown_client) is _Client and shown_client is not client
+    assert shown_client.api_key == "***" and shown_client.settings["token"] == "***"
+    assert shown_client.settings["client"] is shown_client, "the copy lost its cycle"
+    unchanged = client.api_key == "sk-" + "unknown-client-key"
+    unchanged &= client.settings["token"] == "tok-" + "unknown-setting"
+    assert unchanged, "the caller's own objects were changed"
+    login: dict[str, object] = {"password": "hunter2-" + "unknown"}
+    login["self"] = {"api_key": "key-" + "unknown-value", "login": login}
+    masked = redaction.redact_values(login)
+    assert masked["password"] == "***" and masked["self"]["api_key"] == "***"
+    assert masked["self"]["login"] is masked
+
+
 def test_an_exception_masking_cannot_walk_becomes_a_masked_runtime_error_alone(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -460,12 +460,12 @@ def redact_values(value: Any) -> Any:
 _Done = dict[int, tuple[BaseException, BaseException]]
 
 
-def _redact_value(value: Any, done: _Done, *, copy: bool = False) -> Any:
-    """:func:`redact_values`; ``copy``: a copy even if nothing in it is masked."""
+def _redact_value(value: Any, done: _Done) -> Any:
+    """:func:`redact_values`."""
     if isinstance(value, str | bytes | bytearray):
         return _redact_data(value)
     buffer = io.BytesIO()
-    pickler = _MaskingPickler(buffer, done, copied=value if copy else None)
+    pickler = _MaskingPickler(buffer, done)
     try:
         pickler.dump(value)
     except (pickle.PicklingError, TypeError):
@@ -473,7 +473,7 @@ def _redact_value(value: Any, done: _Done, *, copy: bool = False) -> Any:
         # exception's text alone then, which the check of its text covers; or the exception
         # holding it leaves it out of its own pickle (urllib3's MaxRetryError its pool).
         return value
-    if not (pickler.masked or copy):
+    if not pickler.masked:
         return value
     buffer.seek(0)
     return _HeldUnpickler(buffer, pickler.held).load()
@@ -510,20 +510,24 @@ _BY_NAME = (type, types.FunctionType, types.BuiltinFunctionType, types.ModuleTyp
 
 class _MaskingPickler(pickle.Pickler):
     """Pickles a value as it is, but for its texts that hold a credential, which it passes
-    masked (:func:`_redact_data`), its mappings that hold one under a credential's name,
-    which it passes as copies with those masked, and the exceptions in it, masked in place
-    or replaced (:func:`_redact_chained`): those and what pickle saves by name
-    (:data:`_BY_NAME`) are passed to :class:`_HeldUnpickler` as themselves (``held``), not
-    pickled. ``copied``: the mapping it copies to mask (pickled as any other)."""
+    masked (:func:`_redact_data`), and the exceptions in it, masked in place or replaced
+    (:func:`_redact_chained`): those and what pickle saves by name (:data:`_BY_NAME`) are
+    passed to :class:`_HeldUnpickler` as themselves (``held``), not pickled. A mapping
+    that holds a text under a credential's name is pickled within its persistent id, with
+    those names, and its copy masked as it is rebuilt, before anything reads it (an
+    object's state): in this one pickle, which a mapping met again (within itself, or
+    within another that it holds) refers to as to any other object."""
 
-    def __init__(self, file: io.BytesIO, done: _Done, copied: object = None) -> None:
+    def __init__(self, file: io.BytesIO, done: _Done) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.done = done
-        self.copied = copied
         self.held: list[Any] = []
         self.masked = False
+        # Those with credentials met so far, by id (each kept alive by the memo: its own).
+        self.mappings: set[int] = set()
 
-    def persistent_id(self, obj: Any) -> int | None:  # every object pickled is asked
+    def persistent_id(self, obj: Any) -> int | tuple[Any, tuple[str, ...]] | None:
+        # Every object pickled is asked, the objects of a persistent id too.
         if isinstance(obj, str | bytes | bytearray):
             kept = _redact_data(obj)
             if kept is obj:
@@ -536,15 +540,13 @@ class _MaskingPickler(pickle.Pickler):
         elif isinstance(obj, _BY_NAME):
             kept = obj
         elif (
-            obj is not self.copied
+            id(obj) not in self.mappings
             and isinstance(obj, MutableMapping)
             and (names := _credential_keys(obj))
         ):
-            kept = _redact_value(obj, self.done, copy=True)
-            if kept is obj:  # not to be copied: left to this pickle, which fails on it too
-                return None
-            for name in names:
-                kept[name] = MASK if isinstance(kept[name], str) else MASK.encode()
+            self.mappings.add(id(obj))
+            self.masked = True
+            return obj, tuple(names)
         else:
             return None
         self.masked |= kept is not obj
@@ -564,7 +566,12 @@ class _HeldUnpickler(pickle.Unpickler):
         self.held = held
 
     def persistent_load(self, pid: Any) -> Any:
-        return self.held[pid]
+        if isinstance(pid, int):
+            return self.held[pid]
+        mapping, names = pid  # rebuilt; masked before anything reads it
+        for name in names:
+            mapping[name] = MASK if isinstance(mapping[name], str) else MASK.encode()
+        return mapping
 
 
 def redact_exception(error: BaseException) -> BaseException:

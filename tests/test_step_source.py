@@ -272,6 +272,8 @@ STALE = ("rollout.placement=split", "rollout.max_staleness=1", "trainer.total_st
             ("rollout.n=4", "actor.ppo_mini_batch_size=16", "actor.micro_batch_size_per_worker=16"),
             False,
         ),
+        # the precision the rollout samples in (a resume may convert it: model.*, not rollout.*)
+        (("model.precision=fp64",), False),
     ],
 )
 def test_a_kept_batch_is_generated_again_under_other_generation_settings(
@@ -281,7 +283,7 @@ def test_a_kept_batch_is_generated_again_under_other_generation_settings(
     resume under the same generation settings trains on it; under other sampling settings
     it generates it again by the checkpoint's weights (version 2), in one line naming the
     setting. Mutation: settings changes not read (only staleness drops a kept batch): the
-    batches of another temperature, top_p, top_k, length or n are trained on."""
+    batches of another temperature, top_p, top_k, length, n or precision are trained on."""
     greedy = ("rollout.temperature=0",) if "rollout.temperature=0" in override else ()
     saved = small_config(*STALE, *greedy)
     checkpoint = tmp_path / "step_2"
@@ -299,10 +301,10 @@ def test_a_kept_batch_is_generated_again_under_other_generation_settings(
     else:
         assert generated(groups) == [(3, 2), (4, 2)]
         assert taken.metrics["rollout/weight_version"] == 2
-        changed = override[0].removeprefix("rollout.").split("=")[0]
+        changed = override[0].split("=")[0]
         assert line.count("\n") == 1
         assert f"{checkpoint}: generating the batches it kept of step(s) 3 again" in line
-        assert f"rollout.{changed}=" in line and "(now " in line, line
+        assert f"{changed}=" in line and "(now " in line, line
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,9 @@ ROLLOUT_PEAK = "perf/max_memory_allocated_gb/rollout"
 GENERATED_AHEAD = "generated_ahead.pt"
 # The rollout settings that place, pace or decode a generation, not what it produces (design.md,
 # "Decoding": static == eager): a batch kept ahead under other values is the one the resumed
-# run generates. A change of any other rollout setting drops the kept batches (load_ahead).
+# run generates. A change of any other rollout setting, or of GENERATION_ELSEWHERE, drops the
+# kept batches (load_ahead).
+GENERATION_ELSEWHERE = frozenset({"model.precision"})  # the rollout's too; a resume may convert it
 SAME_GENERATION = frozenset(
     f"rollout.{name}"
     for name in (
@@ -219,7 +221,7 @@ class StepSource:
         the settings changed since the checkpoint (``checkpoint.setting_changes``). A kept
         batch is dropped, in one line, where the resumed run would not have generated it:
         under other generation settings (``rollout.*`` but those that place, pace or decode
-        a generation: ``SAME_GENERATION``), or by weights staler than
+        a generation: ``SAME_GENERATION``; ``model.precision``), or by weights staler than
         ``rollout.max_staleness`` now allows (colocated actors: 0); :meth:`start` generates
         its step's batch again, by the checkpoint's weights."""
         path = checkpoint / GENERATED_AHEAD
@@ -235,7 +237,9 @@ class StepSource:
         generation = [
             f"{key}={change.there!r} (now {change.here!r})"
             for key, change in changes.items()
-            if change.effective and key.startswith("rollout.") and key not in SAME_GENERATION
+            if change.effective
+            and (key in GENERATION_ELSEWHERE or key.startswith("rollout."))
+            and key not in SAME_GENERATION
         ]
         if generation:
             dropped, why = sorted(kept), f"generated with {', '.join(generation)}"

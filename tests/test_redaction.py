@@ -5,6 +5,7 @@ config records and the job command line's check."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import io
 import json
 import logging
@@ -1049,6 +1050,24 @@ def test_what_an_exception_s_objects_carry_is_masked_as_ray_pickles_them(
     leaked = _held(secrets, text, ray.cloudpickle.dumps(error))
     assert not leaked, "a credential is in the error's text or its pickle"
     assert "/score?token=***" in text
+
+
+def test_an_object_pickle_refuses_in_any_way_leaves_the_error_masked_in_its_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A ctypes pointer refuses pickling with a ValueError (a lock with a TypeError): masking
+    # leaves such a value as it is, not the whole error replaced by a RuntimeError, nor a
+    # user error failing to be built.
+    key = "envsecret-" + "77-value"
+    monkeypatch.setenv("SCORER_API_KEY", key)
+    error = ValueError(f"bad reply with {key}")
+    error.pointer = ctypes.pointer(ctypes.c_int(1))  # type: ignore[attr-defined]
+    kept = redaction.redact_exception(error)
+    assert kept is error and isinstance(kept, ValueError), "the error was replaced"
+    assert key not in str(kept) and str(kept) == "bad reply with ***"
+    assert redaction.redact_values([ctypes.pointer(ctypes.c_int(1))]) is not None
+    # A user error holding one is still built (masking raised from its constructor).
+    assert UserError("cannot use it", ctypes.pointer(ctypes.c_int(2))).args[0] == "cannot use it"
 
 
 def test_a_failed_command_s_output_and_arguments_are_masked_as_bytes_and_text(

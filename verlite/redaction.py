@@ -468,10 +468,14 @@ def _redact_value(value: Any, done: _Done) -> Any:
     pickler = _MaskingPickler(buffer, done)
     try:
         pickler.dump(value)
-    except (pickle.PicklingError, TypeError):
-        # What pickle cannot carry (a lock, a socket), Ray cannot either: it carries the
-        # exception's text alone then, which the check of its text covers; or the exception
-        # holding it leaves it out of its own pickle (urllib3's MaxRetryError its pool).
+    except _MaskingFailed:
+        raise
+    except Exception:
+        # What pickle cannot carry (a lock, a socket: TypeError; a ctypes pointer:
+        # ValueError; whatever an object's own __reduce__ raises), Ray cannot either: it
+        # carries the exception's text alone then, which the check of its text covers; or
+        # the exception holding it leaves it out of its own pickle (urllib3's MaxRetryError
+        # its pool).
         return value
     if not pickler.masked:
         return value

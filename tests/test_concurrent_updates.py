@@ -1,7 +1,7 @@
 """A step's critic and actor updates are in flight together (``Trainer.train_step``, stages
 5 and 6: neither reads the other's result), each timed to its own result; the critic learns
 from every response token while the overlong filter takes rows out of the actor's loss; in
-the critic's warm-up the actor only reports (``skip_update``); a failure of either update
+the critic's warm-up the actor only reports (``skip_update``), beside the critic's update; a failure of either update
 ends the step as any worker's failure does, and nothing is left running.
 
 Real worker groups on the shared local Ray, colocated (the roles share each bundle, the
@@ -128,7 +128,11 @@ class Actor(StandIn):
         }
 
     def skip_update(self) -> MetricDict:
-        return {"actor/skipped": Metric.max(1.0)}
+        return {
+            "actor/skipped": Metric.max(1.0),
+            # the driver stopped the critic's clock while this call still ran
+            "actor/saw_critic_timed": Metric.max(self.seen("critic_timed")),
+        }
 
 
 class FailingCritic(Critic):
@@ -228,8 +232,8 @@ def test_both_updates_are_in_flight_together_each_timed_to_its_own_result(
 
     def stopped(timer: Timer, stage: str) -> None:
         stop(timer, stage)
-        if stage == "update_actor":  # the actor's result is in: its update's time ends here
-            ray.get(gates.open.remote("actor_timed"))
+        if stage in ("update_actor", "update_critic"):  # a result is in: its time ends here
+            ray.get(gates.open.remote(f"{stage.removeprefix('update_')}_timed"))
 
     monkeypatch.setattr(Timer, "stop", stopped)
     with trainer_of(tmp_path, monkeypatch, overrides=("critic.warmup_steps=1",)) as trainer:
@@ -247,6 +251,8 @@ def test_both_updates_are_in_flight_together_each_timed_to_its_own_result(
         assert pending.result()["critic/tokens"] == sum(LENGTHS)
 
     assert warm_up["actor/skipped"] == 1.0
+    # the actor's report ran beside the critic's update, whose time it is no part of
+    assert warm_up["actor/saw_critic_timed"] == 1.0
     assert "actor/tokens" not in warm_up and "timing_s/update_actor" not in warm_up
     assert warm_up["critic/tokens"] == sum(LENGTHS)
     assert "timing_s/update_critic" in warm_up
@@ -255,7 +261,9 @@ def test_both_updates_are_in_flight_together_each_timed_to_its_own_result(
     assert metrics["critic/saw_actor_update"] == metrics["actor/saw_critic_update"] == 1.0
     # the actor's clock stopped at its own result, while the critic's update still ran
     assert metrics["critic/saw_actor_timed"] == 1.0
-    assert {"timing_s/update_critic", "timing_s/update_actor"} <= metrics.keys()
+    # in the order the updates started, whichever ended first (here the actor's)
+    timings = [key for key in metrics if key.startswith("timing_s/update_")]
+    assert timings == ["timing_s/update_critic", "timing_s/update_actor"]
     # the critic learns from every response token; the actor from the rows the overlong
     # filter left, a mask set after the critic's call was submitted
     assert metrics["critic/tokens"] == sum(LENGTHS)

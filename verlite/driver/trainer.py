@@ -184,11 +184,14 @@ class Timer:
         self.stop(stage)
 
     def start(self, stage: str) -> None:
+        """Start timing ``stage``; its place among the stages is where it started (stages
+        in flight side by side may end in either order)."""
+        self.seconds.setdefault(stage, 0.0)
         self._started[stage] = time.perf_counter()
 
     def stop(self, stage: str) -> None:
         elapsed = time.perf_counter() - self._started.pop(stage)
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + elapsed
+        self.seconds[stage] += elapsed
 
 
 @dataclass(frozen=True)
@@ -523,16 +526,17 @@ class Trainer:
         if cut is not None:
             batch["response_mask"] = response_mask * ~cut.unsqueeze(-1)
             filtered["response_length/overlong_filtered"] = float(cut.float().mean())
+        skipping = None
         if step > cfg.critic.warmup_steps or self.critic is None:  # 6. actor update
             updates["actor"] = self._update("actor", self.actor, batch, timer)
-            skipped = {}
         else:  # the critic's warm-up: the actor's peak memory and generation time still count
-            skipped = self.actor.call("skip_update", dispatch="broadcast", collect="metrics")
+            skipping = self.actor.call_async("skip_update", dispatch="broadcast", collect="metrics")
         results: dict[TrainedRole, dict[str, float]] = {}
         for role, result in completed(updates):
             timer.stop(f"update_{role}")
             results[role] = result
-        metrics = {**results.get("critic", {}), **filtered, **results.get("actor", skipped)}
+        actor = results["actor"] if skipping is None else skipping.result()
+        metrics = {**results.get("critic", {}), **filtered, **actor}
         metrics.update(self.step_source.updated(step))  # 7. the new weights to the rollout group
         metrics.update(kl_metrics)
         metrics.update(sampler_metrics)

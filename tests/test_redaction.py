@@ -19,6 +19,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import pytest
@@ -650,6 +651,20 @@ def test_lines_ray_forwards_from_workers_are_masked(
     assert "envsecret" not in seen
 
 
+def _worker_with_a_key(worker: type, role: str) -> Any:
+    """A Ray actor of ``worker`` (a ``Worker``) whose environment holds a credential-named
+    variable, as a cluster's nodes give one (a Kubernetes secret's); the driver does not
+    know it."""
+    import ray
+
+    env = {"env_vars": {"SCORER_API_KEY": "envsecret-42-value"}}
+    return (
+        ray.remote(worker)
+        .options(num_cpus=0, runtime_env=env)
+        .remote(role=role, rank=0, world_size=1, torch_threads=1)
+    )
+
+
 def test_a_worker_masks_what_ray_writes_to_its_log_files(local_ray: object) -> None:
     import ray
 
@@ -661,14 +676,7 @@ def test_a_worker_masks_what_ray_writes_to_its_log_files(local_ray: object) -> N
             logging.getLogger("verlite.test").warning(text)
             return os.getpid()
 
-    # A credential-named variable of the worker's environment, as a cluster's nodes give one
-    # (a Kubernetes secret's); the driver does not know it.
-    env = {"env_vars": {"SCORER_API_KEY": "envsecret-42-value"}}
-    talker = (
-        ray.remote(Talker)
-        .options(num_cpus=0, runtime_env=env)
-        .remote(role="talker", rank=0, world_size=1, torch_threads=1)
-    )
+    talker = _worker_with_a_key(Talker, "talker")
     try:
         pid = ray.get(talker.say.remote("worker says envsecret-42-value"))
     finally:
@@ -1204,12 +1212,7 @@ def test_an_http_error_a_worker_raises_reaches_the_driver_masked_in_its_objects(
             url = f"http://127.0.0.1:{port}/score?token={key}"
             requests.get(url, headers={"X-Key": key}, timeout=30).raise_for_status()
 
-    env = {"env_vars": {"SCORER_API_KEY": "envsecret-42-value"}}
-    scorer = (
-        ray.remote(Scorer)
-        .options(num_cpus=0, runtime_env=env)
-        .remote(role="scorer", rank=0, world_size=1, torch_threads=1)
-    )
+    scorer = _worker_with_a_key(Scorer, "scorer")
     try:
         with _echoing_server() as port, pytest.raises(requests.HTTPError) as raised:
             ray.get(scorer.score.remote(port))

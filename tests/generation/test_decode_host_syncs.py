@@ -67,8 +67,6 @@ def _name(op: str) -> str:
 @pytest.mark.parametrize("mode", ["eager", "static"])
 def test_a_decode_step_reads_the_device_only_for_whether_to_stop(mode: str, padded: bool) -> None:
     found, steps = generation_syncs(mode, padded)
-    # Keyed noise builds its positions' salts on the host once per 64 positions (cached).
-    assert found.pop(("_position_salts", "lift_fresh"), 0) <= -(-steps // 64)
     if mode == "eager":
         # Each step's termination read; the end tokens copied to the device once.
         assert found == {("agree", "tolist"): steps, ("_generate", "lift_fresh"): 1}

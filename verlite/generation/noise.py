@@ -17,7 +17,6 @@ without overflow (``_mul32``).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Protocol, TypeVar, overload
 
 import torch
@@ -103,12 +102,11 @@ class Noise(Protocol):
         ...
 
 
-@functools.lru_cache(maxsize=64)
-def _position_salts(start: int, count: int) -> torch.Tensor:
-    """(count, 2) int64: the hashes of decode positions ``start ..`` mixed into the keys."""
-    return torch.tensor(
-        [[_hash([p], salt) for salt in _DRAW_LANES] for p in range(start, start + count)]
-    )
+def _position_salts(positions: torch.Tensor) -> torch.Tensor:
+    """(..., 2) int64: the hashes of decode ``positions`` (int64, on the keys' device) mixed
+    into the keys, computed where they are: built on the host, they would be copied to a GPU
+    from pageable memory, which waits for its queue."""
+    return torch.stack([_hash([positions], salt) for salt in _DRAW_LANES], dim=-1)
 
 
 class KeyedNoise:
@@ -136,8 +134,8 @@ class KeyedNoise:
         return self._cached[1][:, position - start]
 
     def _uniform_block(self, start: int) -> torch.Tensor:
-        salts = _position_salts(start, self.block).to(self.keys.device)
-        return _uniform(fmix32(self.keys[:, None, :] ^ salts))  # (rows, block)
+        positions = torch.arange(start, start + self.block, device=self.keys.device)
+        return _uniform(fmix32(self.keys[:, None, :] ^ _position_salts(positions)))  # (rows, block)
 
 
 def _uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -150,8 +148,7 @@ def keyed_uniforms(keys: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     """The (rows,) uniforms of ``keys`` at decode position ``position``, a (1,) int64 tensor
     on their device: :meth:`KeyedNoise.uniforms` computed without a host number, for a
     decode step captured once and replayed at every position."""
-    salts = torch.stack([_hash([position], salt) for salt in _DRAW_LANES], dim=-1)  # (1, 2)
-    return _uniform(fmix32(keys ^ salts))
+    return _uniform(fmix32(keys ^ _position_salts(position)))  # salts (1, 2)
 
 
 class StreamNoise:

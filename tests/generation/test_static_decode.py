@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 from tensordict import TensorDict
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_qwen2, tiny_sliding
@@ -23,10 +25,11 @@ from verlite.models import build_policy
 from verlite.models.lora import apply_lora
 
 
-class ClosureGraphs(StaticDecoder):
-    """``cuda_graphs`` on CPU: a 'captured graph' is the step itself, run again at each
-    replay. What a real graph would get wrong (a value baked in at capture) this gets wrong
-    too, since a replay re-runs the step of its first capture with the same arguments."""
+class RecordedGraphs(StaticDecoder):
+    """``cuda_graphs`` on CPU: a 'captured graph' is the list of tensor ops its first step ran
+    (:class:`RecordedOps`), replayed as a CUDA graph replays its kernels: on the tensors the
+    capture saw, whatever Python has bound since (a buffer rebound rather than written in
+    place is never read again), with every Python number the step computed then."""
 
     captured: int = 0
 
@@ -35,8 +38,42 @@ class ClosureGraphs(StaticDecoder):
 
     def _capture(self, step: Callable[[], None]) -> SimpleNamespace:  # type: ignore[override]
         self.captured += 1
-        step()
-        return SimpleNamespace(replay=step)
+        ops = RecordedOps()
+        with ops:
+            step()
+        return SimpleNamespace(replay=ops.replay)
+
+
+class RecordedOps(TorchDispatchMode):
+    """The aten ops run in the block, each with the tensors it read and wrote. :meth:`replay`
+    runs them again as a CUDA graph would: an in-place op writes the same tensor again, an
+    op that makes a new tensor writes its result into the tensor it made when recorded (the
+    address the graph reads it at), a view still views what it viewed; a host number an op
+    returned must come out the same (a graph cannot return one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[Any, tuple[Any, ...], dict[str, Any], Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+    def replay(self) -> None:
+        for func, args, kwargs, out in self.ops:
+            if func._schema.is_mutable:
+                func(*args, **kwargs)
+                continue
+            if any(result.alias_info is not None for result in func._schema.returns):
+                continue  # a view: of the same memory as when recorded
+            new = func(*args, **kwargs)
+            for held, now in zip(tree_flatten(out)[0], tree_flatten(new)[0], strict=True):
+                if isinstance(held, torch.Tensor):
+                    held.copy_(now)
+                else:
+                    assert held == now, f"{func} returned {now} on the host, {held} at capture"
 
 
 def llama(dtype: str) -> torch.nn.Module:
@@ -46,7 +83,7 @@ def llama(dtype: str) -> torch.nn.Module:
 def sampler(model: torch.nn.Module, decode: DecodeSettings, eos: int = EOS) -> Sampler:
     out = Sampler(model, eos_token_id=eos, pad_token_id=PAD, lockstep=False, decode=decode)
     if decode.mode == "cuda_graphs":
-        out.static = ClosureGraphs(
+        out.static = RecordedGraphs(
             model, eos_token_id=eos, pad_token_id=PAD, lockstep=False, settings=decode
         )
     return out
@@ -147,7 +184,7 @@ def test_prompts_without_padding_decode_statically_as_eagerly(name: str, kind: s
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_replayed_steps_match_eager(name: str) -> None:
-    """cuda_graphs' bookkeeping on CPU (a 'graph' re-runs its first step): one capture per
+    """cuda_graphs' bookkeeping on CPU (a 'graph' replays its first step's ops): one capture per
     (bucket, span, settings), replayed; the span rounded up to kv_block adds masked positions
     to the attention sums: the same tokens, log-probs identical in float64, within a float32
     rounding in float32."""
@@ -160,7 +197,7 @@ def test_replayed_steps_match_eager(name: str) -> None:
         graphs = sampler(model, decode, eos)
         out = graphs.generate(td, params, noise(td, 5, 14))
         decoder = graphs.static
-        assert isinstance(decoder, ClosureGraphs)
+        assert isinstance(decoder, RecordedGraphs)
         steps = int(eager["response_mask"].sum(-1).max()) - 1
         assert 1 < decoder.captured < steps  # shapes repeat: replayed, not captured again
         for key in ("responses", "response_mask", "input_ids", "attention_mask"):
@@ -282,7 +319,7 @@ def test_rows_that_fill_a_bucket_carry_nothing() -> None:
     assert filled > 0
 
 
-class Ordered(ClosureGraphs):
+class Ordered(RecordedGraphs):
     """Records in order each decode step launched, each step's flags sent to the host and
     each step's flags read there (the prefill's, decode position 0, are sent first)."""
 
@@ -543,7 +580,7 @@ def test_a_row_budget_ends_a_row_as_an_end_token_does(mode: str) -> None:
     assert BUDGET_KEY not in set(out.keys())
 
 
-class HostReads(ClosureGraphs):
+class HostReads(RecordedGraphs):
     """``cuda_graphs`` on CPU, recording each host sync a captured step makes
     (``tests/host_sync_support.py``, every tensor taken as on the device): on a GPU, a host
     read or an op whose output's shape depends on the values (``nonzero``, ``unique``) fails
@@ -583,20 +620,19 @@ def test_a_captured_decode_step_reads_nothing_on_the_host(autocast: bool) -> Non
         assert decoder.captured > 2 and decoder.found == []
 
 
-class AddressedGraphs(ClosureGraphs):
+class AddressedGraphs(RecordedGraphs):
     """``cuda_graphs`` on CPU whose 'graph' reads, as a real one, the addresses its model's
     tensors had at its capture: replayed after they moved, it fails."""
 
     def _capture(self, step: Callable[[], None]) -> SimpleNamespace:  # type: ignore[override]
         captured = [t.data_ptr() for t in self.model.parameters()]
+        graph = super()._capture(step)
 
         def replay() -> None:
             now = [t.data_ptr() for t in self.model.parameters()]
             assert now == captured, "a graph replayed on model tensors that moved since its capture"
-            step()
+            graph.replay()
 
-        self.captured += 1
-        step()
         return SimpleNamespace(replay=replay)
 
 
@@ -719,7 +755,7 @@ def cuda_graphs_decoder() -> StaticDecoder:
 def test_each_step_runs_once_on_a_side_stream_then_is_captured_into_the_shared_pool(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """What torch asks of a capture, which only a GPU runs (the CPU tests replay closures):
+    """What torch asks of a capture, which only a GPU runs (the CPU tests replay recorded ops):
     the step first runs for real on a side stream that waited for the current one (the
     warm-up; the current stream then waits for it), then is captured; autocast's weight
     cache is off for both (a cast cached in a capture is freed under the graph); the side

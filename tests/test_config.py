@@ -625,6 +625,10 @@ ERRORS = [
         ["data.chat_template_kwargs={api_token: [sk-live-abcdefgh12345678]}"],
         "data.chat_template_kwargs.api_token=***: expected a string, a number, true, false or null",
     ),
+    (  # a size counted in tokens names no credential: its value is shown (it was masked)
+        ["actor.max_token_len_per_worker=4k"],
+        "actor.max_token_len_per_worker='4k': Input should be a valid integer",
+    ),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
         ["rollout.max_staleness=-1"],

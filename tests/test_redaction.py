@@ -313,6 +313,92 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
     assert redact_text(text) == text
 
 
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        # A word of prose after a credential-named word's colon (a sentence's colon): shown.
+        ("responses hit the most tokens: truncated output", None),
+        ("tokens: truncated output", None),
+        # Next to it, masked: a value with a digit, one that ends the line, one glued to the
+        # colon, one quoted, one after "=".
+        ("password: hunter2hunter2 rejected", "password: *** rejected"),
+        ("login refused, password: correcthorse", "login refused, password: ***"),
+        ("password:correcthorse battery", "password:*** battery"),
+        ("password: 'correcthorse' battery", "password: '***' battery"),
+        ("password=correcthorse battery", "password=*** battery"),
+        # A type annotation (a traceback's source line, a signature): shown.
+        ("    def __init__(self, api_key: Optional[str] = None):", None),
+        ("password: typing.Dict[str, Any], token: list[str]", None),
+        # Next to it, masked: a value with brackets that goes on past them, or after "=".
+        ("api_key: abcdefgh[12]xyz", "api_key: ***]xyz"),
+        ("api_key=abcdefgh[12] (retry)", "api_key=***] (retry)"),
+        # argparse's metavar, the flag's name in capitals (a usage or help line): shown.
+        ("usage: serve [-h] [--auth-token AUTH_TOKEN]", None),
+        ("  --auth-token AUTH_TOKEN  the service's token", None),
+        # Next to it, masked: any other value, capitals or the name in lower case.
+        ("--auth-token SERVICE_TOKEN", "--auth-token ***"),
+        ("--auth-token auth_token", "--auth-token ***"),
+        # A key's identifier (AWS's access key id, a KMS key id): shown; the key, masked.
+        (
+            "aws_access_key_id=AKIAIOSFODNN7EXAMPLE aws_secret_access_key=wJalrXUtnFEMIK7",
+            "aws_access_key_id=AKIAIOSFODNN7EXAMPLE aws_secret_access_key=***",
+        ),
+        ("key_id: 1234abcd-12ab-34cd", None),
+        ("key: 1234abcd-12ab-34cd", "key: ***"),
+    ],
+    ids=[
+        "prose",
+        "prose-first",
+        "prose-digits",
+        "prose-line-end",
+        "prose-glued",
+        "prose-quoted",
+        "prose-equals",
+        "annotation",
+        "annotations",
+        "annotation-goes-on",
+        "annotation-equals",
+        "metavar-usage",
+        "metavar-help",
+        "metavar-other",
+        "metavar-lower",
+        "key-id",
+        "key-id-alone",
+        "key-alone",
+    ],
+)
+def test_text_that_only_looks_like_a_credential_s_value_is_shown(
+    text: str, masked: str | None
+) -> None:
+    # Each rule that shows a value that is no credential, with what it still masks beside it.
+    assert redact_text(text) == (text if masked is None else masked)
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [
+        # A size counted in tokens, a secret's length: a measure, not the credential.
+        ("actor.max_token_len_per_worker", False),
+        ("token_length", False),
+        ("PASSWORD_LEN", False),
+        # A key's identifier, not the key.
+        ("key_id", False),
+        ("AWS_ACCESS_KEY_ID", False),
+        ("AWSAccessKeyId", False),
+        ("client_key_ids", False),
+        # Next to them: a credential word elsewhere in the name still names one.
+        ("secret_key_id", True),
+        ("api_token_len_secret", True),
+        ("access_key", True),
+        ("rollout.stop_token_ids", True),
+    ],
+)
+def test_a_credential_s_measure_or_a_key_s_identifier_is_not_credential_named(
+    name: str, named: bool
+) -> None:
+    assert credential_named(name) is named
+
+
 def test_secret_named_config_fields_and_secrets_in_values_are_masked() -> None:
     register_secret(SECRET)
     config = {

@@ -63,14 +63,23 @@ _REFERENCE_PART = re.compile(r"path|file|filename|dir|env")
 # A last part that makes the name an exception's (KeyError, InvalidTokenError), whose
 # message follows it on a traceback's last line, not a credential's.
 _EXCEPTION_PART = re.compile(r"error|exception|warning")
+# A part that makes the credential word before it name a measure of it, not it: a size
+# counted in tokens (actor.max_token_len_per_worker, whose error line showed a mistyped
+# size masked), a password's length.
+_MEASURE_PART = re.compile(r"len|length")
+# A part that makes the key before it name the key's identifier, which names a key as a
+# user name does an account (AWS_ACCESS_KEY_ID, AWSAccessKeyId, a KMS key_id), not the key.
+# A key's only: a token's ids are its vocabulary's (rollout.stop_token_ids, read as a
+# credential's name for any value but numbers), Vault's secret_id is a credential.
+_IDENTIFIER_PART = re.compile(r"ids?")
 # The parts of a name: split at '_', '-', '.' and the other non-word characters, and where
 # camelCase starts a word (apiKey, XApiKey, AWSAccessKeyId).
 _PART_BOUNDARY = re.compile(r"[\W_]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
-# Counts of tokens (model.logits_chunk_tokens, max_token_len_per_worker, ?maxTokens=) and
-# token ids (rollout.stop_token_ids), by the name's parts (:data:`_PART_BOUNDARY`) joined
-# by spaces: integers under such names are shown as they are (a credential-named name's
-# other values are masked like any value).
-_NUMBERS_NAME = re.compile(r".+ tokens|(?:.+ )?token (?:len|length)(?: .+)?|(?:.+ )?token ids?")
+# Counts of tokens (model.logits_chunk_tokens, ?maxTokens=) and token ids
+# (rollout.stop_token_ids), by the name's parts (:data:`_PART_BOUNDARY`) joined by spaces:
+# integers under such names are shown as they are (a credential-named name's other values
+# are masked like any value: ?api_tokens= holds credentials).
+_NUMBERS_NAME = re.compile(r".+ tokens|(?:.+ )?token ids?")
 # Such numbers as an override writes them: 512, [], [3, 5].
 _NUMBERS_TEXT = re.compile(r"\d+|\[\s*(\d+\s*(,\s*\d+\s*)*)?\]")
 # Shorter values cannot be masked without garbling messages (a 1-character token is in most
@@ -118,35 +127,32 @@ def credential_named(name: str, *, query: bool = False) -> bool:
     which messages may show and a job may carry; the file or variable it names is never
     read into a message (a token verlite reads from one is registered, :func:`register_secret`).
     One whose last part is ``error``, ``exception`` or ``warning`` names an exception
-    (``KeyError``, ``InvalidTokenError``), whose message follows it on a traceback's last line."""
+    (``KeyError``, ``InvalidTokenError``), whose message follows it on a traceback's last line.
+    A credential word followed by ``len`` or ``length`` names a measure of it
+    (``max_token_len_per_worker``, a size counted in tokens; ``PASSWORD_LENGTH``), and a
+    key followed by ``id`` or ``ids`` its identifier (``AWS_ACCESS_KEY_ID``, ``key_id``):
+    not the credential, unless another part names one (``secret_key_id``)."""
     parts = _name_parts(name)
     if not parts or _REFERENCE_PART.fullmatch(parts[-1]) or _EXCEPTION_PART.fullmatch(parts[-1]):
         return False
-    return (
-        any(
-            (
-                _CREDENTIAL_PART.fullmatch(part)
-                and not (index and _VOCABULARY_TOKEN.fullmatch(f"{parts[index - 1]} {part}"))
-            )
-            or _KIND_KEY_PART.fullmatch(part)
-            for index, part in enumerate(parts)
-        )
-        or _PWD in parts[1:]
-        or bool(_PASS.fullmatch(parts[-1]))
-        or any(
+    for index, part in enumerate(parts):
+        before = parts[index - 1] if index else ""
+        after = parts[index + 1] if index + 1 < len(parts) else ""
+        if _MEASURE_PART.fullmatch(after):
+            continue  # a measure of it
+        if _CREDENTIAL_PART.fullmatch(part) and not (
+            before and _VOCABULARY_TOKEN.fullmatch(f"{before} {part}")
+        ):
+            return True
+        key = _KIND_KEY_PART.fullmatch(part) or (
             _KEY_PART.fullmatch(part)
             and (
-                query
-                or bool(
-                    _KIND_PART.fullmatch(parts[index - 1])
-                    if index
-                    else _ONE_KEY_PART.fullmatch(part)
-                )
+                query or (_KIND_PART.fullmatch(before) if index else _ONE_KEY_PART.fullmatch(part))
             )
-            for index, part in enumerate(parts)
         )
-        or bool(_AUTH_PART.fullmatch(parts[-1]))
-    )
+        if key and not _IDENTIFIER_PART.fullmatch(after):
+            return True
+    return _PWD in parts[1:] or bool(_PASS.fullmatch(parts[-1]) or _AUTH_PART.fullmatch(parts[-1]))
 
 
 def register_secret(value: str) -> None:
@@ -321,6 +327,14 @@ _SETTING_VALUE = re.compile(
 # (``tokens_per_second=1234.56``, ``"observation_tokens": 312.25``, JSON's ``Infinity``),
 # not a credential.
 _NUMBER = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|Infinity|inf|nan|NaN)")
+# After a name's ":": a subscripted type, a type annotation (a traceback's source
+# line, a signature: ``api_key: Optional[str] = None``, ``token: dict[str, Any]``), ending
+# at its closing bracket (``abcdefgh[12]xyz`` goes on: a value); and a word of prose after
+# a sentence's colon (``most tokens: truncated output``): lower-case letters, a space after
+# the colon and another word after it (``password: hunter2hunter2 rejected`` has a digit,
+# ``password: correcthorse`` ends its line: values).
+_ANNOTATION = re.compile(r"[A-Za-z_][\w.]*\[[\w.\[\], |]*\](?=[\s,)=]|$)")
+_PROSE_WORD = re.compile(r"[a-z]+(?=[ \t]+[a-z])")
 
 
 def _mask_settings(text: str) -> str:
@@ -328,8 +342,8 @@ def _mask_settings(text: str) -> str:
     :data:`_SETTING_VALUE`) that hold a credential masked: by the setting's name, as a
     command line's override is read (:func:`_setting_holds_credential`: ``api_key=``,
     ``X-Api-Key:``, ``"password":``, ``--token``; not ``max_tokens=512``, ``author:``,
-    ``pad_token:``, a value shorter than :data:`MIN_SECRET_LENGTH`), but for numbers
-    (:data:`_NUMBER`). Each setting is read, one within another's value too
+    ``pad_token:``, a value shorter than :data:`MIN_SECRET_LENGTH`), but for text that is
+    no value (:func:`_no_value`). Each setting is read, one within another's value too
     (``WARNING:app:api_key=...``, as Python's logging writes a record)."""
     spans = []
     for found in _SETTING_NAME.finditer(text[::-1]):
@@ -340,22 +354,39 @@ def _mask_settings(text: str) -> str:
             # name = value, a space on either side, only before a quoted value.
             spaced = found["separator"] == "=" and (found["gap"] or value["gap"])
             if not spaced or value["quote"]:
-                spans.append((name, value))
+                spans.append((name, found["separator"], value))
     for flag in _FLAG_NAME.finditer(text):
         if credential_named(flag["name"]) and (value := _SETTING_VALUE.match(text, flag.end())):
-            spans.append((flag["name"], value))
+            spans.append((flag["name"], "--", value))
     pieces: list[str] = []
     copied = 0
-    for name, value in sorted(spans, key=lambda span: span[1].start("value")):
-        held = value["value"]
+    for name, separator, value in sorted(spans, key=lambda span: span[2].start("value")):
         if (
             value.start("value") >= copied
-            and not _NUMBER.fullmatch(held)
-            and _setting_holds_credential(name, held)
+            and _setting_holds_credential(name, value["value"])
+            and not _no_value(text, name, separator, value)
         ):
             pieces += [text[copied : value.start("value")], MASK]
             copied = value.end("value")
     return "".join(pieces) + text[copied:] if pieces else text
+
+
+def _no_value(text: str, name: str, separator: str, value: re.Match[str]) -> bool:
+    """Whether a credential-named setting's ``value`` in ``text`` (after ``name`` and its
+    ``separator``: ``:``, ``=``, or ``--`` for a flag) is text that is no value of it: a
+    number (:data:`_NUMBER`); after ``:``, a type annotation or a word of prose
+    (:data:`_ANNOTATION`, :data:`_PROSE_WORD`); after a flag, argparse's metavar for it,
+    its name in capitals, as a usage or help line shows it (``--auth-token AUTH_TOKEN``)."""
+    held, start, end = value["value"], value.start("value"), value.end("value")
+    if _NUMBER.fullmatch(held):
+        return True
+    if separator == "--":
+        return held == name.upper().replace("-", "_")
+    if separator != ":":
+        return False
+    annotation = _ANNOTATION.match(text, start)
+    prose = value["gap"] and _PROSE_WORD.match(text, start)
+    return bool((annotation and annotation.end() >= end) or (prose and prose.end() == end))
 
 
 # The environment :func:`secrets_in_environment` last read (a copy of ``os.environ``'s

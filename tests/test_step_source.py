@@ -333,6 +333,51 @@ def test_a_kept_batch_staler_than_the_resumed_run_allows_is_generated_again_in_a
     assert source.take(3).metrics["rollout/weight_version"] == 2
 
 
+def test_a_kept_batch_past_a_lowered_total_steps_is_left_out_in_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``max_staleness=2`` the checkpoint of step 2 keeps steps 3 and 4 (versions 0 and
+    1). Resumed with ``trainer.total_steps=3``, the run trains step 3 on its kept batch and
+    ends there: step 4's batch is left out, in a line (it was ignored without a word), and
+    nothing generates it. Resumed at its last step (``total_steps=2``), both are; under
+    another temperature, only step 3's is generated again. Mutations: the line not printed;
+    the batches past the end kept (the other line names step 4 too)."""
+    saved = small_config(
+        "rollout.placement=split", "rollout.max_staleness=2", "trainer.total_steps=5"
+    )
+    checkpoint = tmp_path / "step_2"
+    run_to_checkpoint(saved, checkpoint, at=2)
+    capsys.readouterr()
+
+    for total, past in ((3, "4"), (2, "3, 4")):
+        cfg = small_config(
+            "rollout.placement=split", "rollout.max_staleness=2", f"trainer.total_steps={total}"
+        )
+        groups, source = resume(cfg, checkpoint, saved, at=2)
+        assert capsys.readouterr().out == (
+            f"{checkpoint}: leaving out the batches it kept of step(s) {past}: past "
+            f"trainer.total_steps={total}, where this run ends\n"
+        )
+        assert generated(groups) == []  # the steps up to the end are kept, none past it
+        if total == 3:
+            assert source.take(3).metrics["rollout/weight_version"] == 0
+    # Under another temperature too: step 3's is generated again, and only it.
+    cfg = small_config(
+        "rollout.placement=split",
+        "rollout.max_staleness=2",
+        "trainer.total_steps=3",
+        "rollout.temperature=0.7",
+    )
+    groups, _ = resume(cfg, checkpoint, saved, at=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].endswith(
+        "leaving out the batches it kept of step(s) 4: past "
+        "trainer.total_steps=3, where this run ends"
+    )
+    assert "generating the batches it kept of step(s) 3 again" in lines[1] and len(lines) == 2
+    assert generated(groups) == [(3, 2)]
+
+
 def test_a_failed_generation_ahead_leaves_the_checkpoint_with_the_batches_that_completed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -27,7 +27,8 @@ trains on them; the rest are generated again by the checkpoint's weights, from t
 prompts and sampling keys: the same batches. So are, in a line, a kept batch the resumed run
 would not have generated (other generation settings; staler than its ``max_staleness``,
 colocated actors' 0 included) and one whose generation failed (not kept; the step that
-takes it raises the failure).
+takes it raises the failure); a kept batch of a step past a lowered ``trainer.total_steps``
+is left out, in a line.
 """
 
 from __future__ import annotations
@@ -223,7 +224,8 @@ class StepSource:
         under other generation settings (``rollout.*`` but those that place, pace or decode
         a generation: ``SAME_GENERATION``; ``model.precision``), or by weights staler than
         ``rollout.max_staleness`` now allows (colocated actors: 0); :meth:`start` generates
-        its step's batch again, by the checkpoint's weights."""
+        its step's batch again, by the checkpoint's weights. One of a step past a lowered
+        ``trainer.total_steps`` is left out, in a line of its own: nothing trains on it."""
         path = checkpoint / GENERATED_AHEAD
         if not path.is_file():
             return
@@ -234,6 +236,14 @@ class StepSource:
             )
             for step, saved in torch.load(path, weights_only=True).items()
         }
+        end = self.cfg.trainer.total_steps
+        if past := sorted(step for step in kept if step > end):
+            print(
+                f"{checkpoint}: leaving out the batches it kept of step(s) "
+                f"{', '.join(map(str, past))}: past trainer.total_steps={end}, where this run ends",
+                flush=True,
+            )
+            kept = {step: batch for step, batch in kept.items() if step <= end}
         generation = [
             f"{key}={change.there!r} (now {change.here!r})"
             for key, change in changes.items()

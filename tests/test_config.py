@@ -629,6 +629,11 @@ ERRORS = [
         ["actor.max_token_len_per_worker=4k"],
         "actor.max_token_len_per_worker='4k': Input should be a valid integer",
     ),
+    (  # a field that takes no text holds no credential, whatever its name (it was masked)
+        ["model.logits_chunk_tokens=4k"],
+        "model.logits_chunk_tokens='4k': Input should be a valid integer",
+    ),
+    (["rollout.stop_token_ids=abc"], "rollout.stop_token_ids='abc': Input should be a list"),
     (["actor.loss_scale_factor=-1"], "actor.loss_scale_factor=-1: Input should be greater than 0"),
     (
         ["rollout.max_staleness=-1"],

@@ -352,6 +352,22 @@ def _annotation_at(loc: Sequence[str]) -> Any:
     return annotation
 
 
+# The types of values that are no text.
+_NOT_TEXT = (int, float, bool, type(None))
+
+
+def _takes_no_text(annotation: Any) -> bool:
+    """Whether a schema field of type ``annotation`` takes no text: numbers, switches, lists
+    of them (``model.logits_chunk_tokens``, ``rollout.stop_token_ids``). None, past a field
+    (a mapping's key: ``data.chat_template_kwargs.api_token``), takes any."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    args = typing.get_args(annotation)
+    if args and typing.get_origin(annotation) is not Literal:
+        return all(_takes_no_text(arg) for arg in args)
+    return annotation in _NOT_TEXT
+
+
 def _model_at(loc: Sequence[str]) -> type[BaseModel]:
     """The section model at ``loc`` (the root's at none)."""
     model = _section_type(_annotation_at(loc)) if loc else Config
@@ -401,8 +417,12 @@ def format_validation_error(exc: ValidationError, raw: Mapping[str, Any]) -> str
             if err["type"].endswith("_type"):  # strict: a value of another type, never coerced
                 message += f", got {yaml_kind(value)}"
             # A credential-named key's value (a template variable's, data.chat_template_kwargs.
-            # api_token) is masked here as in config.json.
-            text = MASK if holds_credential(str(loc[-1]), value) else shown(value, render=_as_yaml)
+            # api_token) is masked here as in config.json; a field that takes no text holds no
+            # credential, whatever its name (model.logits_chunk_tokens=4k: a size mistyped).
+            secret = holds_credential(str(loc[-1]), value) and not _takes_no_text(
+                _annotation_at(loc)
+            )
+            text = MASK if secret else shown(value, render=_as_yaml)
             lines.append(f"{dotted}={text}: {message}")
     return "; ".join(dict.fromkeys(lines))
 

@@ -319,10 +319,12 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
         # A word of prose after a credential-named word's colon (a sentence's colon): shown.
         ("responses hit the most tokens: truncated output", None),
         ("tokens: truncated output", None),
+        ("the api key: truncated output", None),
         # Next to it, masked: a value with a digit, one that ends the line, one glued to the
-        # colon, one quoted, one after "=".
-        ("password: hunter2hunter2 rejected", "password: *** rejected"),
-        ("login refused, password: correcthorse", "login refused, password: ***"),
+        # colon, one quoted, one after "=", one after a password's name (a passphrase).
+        ("tokens: hunter2hunter2 rejected", "tokens: *** rejected"),
+        ("login refused, tokens: correcthorse", "login refused, tokens: ***"),
+        ("password: correcthorse battery staple", "password: *** battery staple"),
         ("password:correcthorse battery", "password:*** battery"),
         ("password: 'correcthorse' battery", "password: '***' battery"),
         ("password=correcthorse battery", "password=*** battery"),
@@ -349,8 +351,10 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
     ids=[
         "prose",
         "prose-first",
+        "prose-key",
         "prose-digits",
         "prose-line-end",
+        "prose-passphrase",
         "prose-glued",
         "prose-quoted",
         "prose-equals",

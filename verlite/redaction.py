@@ -331,10 +331,13 @@ _NUMBER = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|Infinity
 # line, a signature: ``api_key: Optional[str] = None``, ``token: dict[str, Any]``), ending
 # at its closing bracket (``abcdefgh[12]xyz`` goes on: a value); and a word of prose after
 # a sentence's colon (``most tokens: truncated output``): lower-case letters, a space after
-# the colon and another word after it (``password: hunter2hunter2 rejected`` has a digit,
-# ``password: correcthorse`` ends its line: values).
+# the colon and another word after it (``tokens: hunter2hunter2 rejected`` has a digit,
+# ``tokens: correcthorse`` ends its line: values), after a name that is a word of a
+# language model's prose, a token or a key (:data:`_PROSE_NAME`): a password's, a secret's
+# or a cookie's colon is never a sentence's (``password: correcthorse battery``, a passphrase).
 _ANNOTATION = re.compile(r"[A-Za-z_][\w.]*\[[\w.\[\], |]*\](?=[\s,)=]|$)")
 _PROSE_WORD = re.compile(r"[a-z]+(?=[ \t]+[a-z])")
+_PROSE_NAME = re.compile(r"tokens?|keys?")
 
 
 def _mask_settings(text: str) -> str:
@@ -374,8 +377,8 @@ def _mask_settings(text: str) -> str:
 def _no_value(text: str, name: str, separator: str, value: re.Match[str]) -> bool:
     """Whether a credential-named setting's ``value`` in ``text`` (after ``name`` and its
     ``separator``: ``:``, ``=``, or ``--`` for a flag) is text that is no value of it: a
-    number (:data:`_NUMBER`); after ``:``, a type annotation or a word of prose
-    (:data:`_ANNOTATION`, :data:`_PROSE_WORD`); after a flag, argparse's metavar for it,
+    number (:data:`_NUMBER`); after ``:``, a type annotation or, after a token's or a key's
+    name, a word of prose (:data:`_ANNOTATION`, :data:`_PROSE_WORD`, :data:`_PROSE_NAME`); after a flag, argparse's metavar for it,
     its name in capitals, as a usage or help line shows it (``--auth-token AUTH_TOKEN``)."""
     held, start, end = value["value"], value.start("value"), value.end("value")
     if _NUMBER.fullmatch(held):
@@ -385,7 +388,11 @@ def _no_value(text: str, name: str, separator: str, value: re.Match[str]) -> boo
     if separator != ":":
         return False
     annotation = _ANNOTATION.match(text, start)
-    prose = value["gap"] and _PROSE_WORD.match(text, start)
+    prose = (
+        value["gap"]
+        and _PROSE_NAME.fullmatch(_name_parts(name)[-1])
+        and _PROSE_WORD.match(text, start)
+    )
     return bool((annotation and annotation.end() >= end) or (prose and prose.end() == end))
 
 

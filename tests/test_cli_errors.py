@@ -282,9 +282,10 @@ def test_cuda_workers_without_a_gpu_are_refused_whatever_the_cluster(
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     code = main(list(argv))
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert code == 2, err
     assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
+    assert out == "", out  # a refusal is its one line: no notes of a run that does not start
     assert "Traceback" not in err
     return err
 

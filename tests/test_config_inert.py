@@ -12,7 +12,7 @@ from verlite.config.fields import Needs
 from verlite.config.inert import NEEDS, covers, inert_settings, inert_settings_line
 from verlite.config.loading import _section_type
 from verlite.core import advantages
-from verlite.driver.run import run_training
+from verlite.driver.run import prepare_run, run_training
 from verlite.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,13 +191,16 @@ def test_an_estimator_names_only_settings_there_are() -> None:
         advantages.register_advantage("_typo", reads=frozenset({"lamda"}))
 
 
-def test_a_run_prints_the_line_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    # More CPUs than this machine has: refused before Ray starts, after the line.
-    cfg = load_config(
-        None, ["data.task=copy", "algorithm.kl_penalty=abs", "trainer.cpus_per_worker=100000"]
-    )
+def test_a_run_prints_the_line_once_its_checks_pass_before_ray_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    settings = ["data.task=copy", "algorithm.kl_penalty=abs", f"trainer.output_dir={tmp_path}"]
+    # More CPUs than this machine has: refused before Ray starts, in its one line alone.
     with pytest.raises(UserError):
-        run_training(cfg)
+        run_training(load_config(None, [*settings, "trainer.cpus_per_worker=100000"]))
+    assert capsys.readouterr().out == ""
+    # Its checks passed, the run says it first, before its workers start.
+    prepare_run(load_config(None, settings), in_session=False, cpus=8).folder.release()
     assert capsys.readouterr().out.splitlines()[0] == (
         "config: algorithm.kl_penalty has no effect unless algorithm.use_kl_in_reward=true"
     )

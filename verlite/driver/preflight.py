@@ -4,6 +4,7 @@ before any worker is placed."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,7 +144,11 @@ class RunInputs:
     base_weights: dict[str, str] | None = None
 
     @classmethod
-    def load(cls, cfg: Config) -> RunInputs:
+    def load(cls, cfg: Config, notes: Sequence[str] = ()) -> RunInputs:
+        """The run's inputs, every check passed; then the lines a run that starts says of
+        its settings and inputs (``notes``, a caller's, first), printed: a run refused says
+        one line, its refusal."""
+        said = list(notes)
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         builtin_vocab_size(cfg.model, len(tokenizer))
@@ -153,14 +158,14 @@ class RunInputs:
             check_generation_fits(cfg, len(tokenizer))
         check_training_features(cfg)
         if (frozen_head := check_lora_supported(cfg.model, cfg.actor.lora)) is not None:
-            print(frozen_head, flush=True)
+            said.append(frozen_head)
         context = check_context_fits(
             cfg.model,
             max_sequence_length=cfg.max_sequence_length,
             fields=longest_sequence_fields(cfg),
         )
         if context is not None:
-            print(context, flush=True)
+            said.append(context)
         check_rope_supported(cfg.model, max_sequence_length=cfg.max_sequence_length)
         if cfg.rollout.multi_turn.env is not None:
             get_environment(cfg.rollout.multi_turn.env)
@@ -169,7 +174,7 @@ class RunInputs:
         train_set, val_set = build_datasets(cfg, tokenizer)
         for dataset in (train_set, val_set):
             if (dropped := dataset.dropped_line(cfg.data.max_prompt_length)) is not None:
-                print(dropped, flush=True)
+                said.append(dropped)
         check_fills_a_batch(
             len(train_set), cfg.data.train_batch_size, source=_source(cfg, train_set)
         )
@@ -187,7 +192,7 @@ class RunInputs:
                 cfg.reward.model.path, len(rm_tokenizer), field="reward.model.path"
             )
         if (norms := float32_norms_line(cfg)) is not None:
-            print(norms, flush=True)
+            said.append(norms)
         remote = RemoteScorer.from_config(cfg.reward.remote)
         if remote is not None:
             remote.probe(train_set[0]["prompt"], train_set[0]["answer"])
@@ -198,6 +203,8 @@ class RunInputs:
         base = None if cfg.model.path is None else base_weights.identity(cfg.model.path)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
         resume_from, folder = prepare_output_folder(cfg, train_set=train_set.fingerprint)
+        for line in said:
+            print(line, flush=True)
         return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
 
     def set_aside(self) -> None:

@@ -11,11 +11,16 @@ setup: $(STAMP)
 
 # torch first and pinned (docs/design.md, "Running here"): an unpinned torch follows verlite's range
 # to the newest release, a multi-GB CUDA build here; 2.13.0 is the CPU build among this machine's wheels.
-$(STAMP): pyproject.toml
+# The checkout's folder on the path as well (verlite-checkout.pth): the editable install's finder
+# is asked only after every folder on the path, so Python started in the folder that holds the
+# checkout (a notebook in ~ beside ~/verlite) took the checkout for an empty namespace package
+# named verlite (tests/test_layout.py).
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -c "import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'verlite-checkout.pth').write_text(str(pathlib.Path.cwd()) + '\n')"
 	touch $(STAMP)
 
 # The main job: PPO with a critic on the tiny model and synthetic task, embedded local Ray.

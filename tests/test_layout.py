@@ -1,6 +1,6 @@
 """The project's layout holds: every import in the source obeys the README's Layout table
-(lazy and relative imports included), the README lists every module, ruff lints every tracked
-Python file, and nothing refers to a design document outside the repository."""
+(lazy and relative imports included), the README lists every module, the set-up's install
+imports from anywhere, ruff lints every tracked Python file, and nothing refers to a design document outside the repository."""
 
 from __future__ import annotations
 
@@ -151,6 +151,20 @@ def test_no_package_folder_is_named_like_a_build_output() -> None:
     assert not [
         p for p in ROOT.rglob("*") if p.is_dir() and p.name in skipped and ".venv" not in p.parts
     ]
+
+
+def test_python_in_the_folder_that_holds_the_checkout_imports_verlite(tmp_path: Path) -> None:
+    # The checkout named verlite beside where Python starts (a notebook in ~ over ~/verlite):
+    # an empty namespace package by that name, found before the editable install's finder.
+    (tmp_path / "verlite").symlink_to(ROOT, target_is_directory=True)
+    imported = subprocess.run(
+        [sys.executable, "-c", "import verlite; print(verlite.__file__, verlite.load_config)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stdout.startswith(str(ROOT / "verlite" / "__init__.py"))
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

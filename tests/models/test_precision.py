@@ -370,13 +370,24 @@ def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
 
 
+@pytest.mark.parametrize("source", ["built-in", "model.path"])
 @pytest.mark.parametrize("role", ["policy", "critic"])
-def test_fp64_models_normalize_in_fp64(role: str) -> None:
-    # Hugging Face's RMSNorm casts to float32: fp64 activations and gradients came out of it
-    # rounded to float32 (models.precision.fp64_throughout).
-    cfg = config("model.precision=fp64").model
+def test_fp64_models_normalize_in_fp64(role: str, source: str, tmp_path: Path) -> None:
+    """Hugging Face's RMSNorm casts to float32: fp64 activations and gradients came out of it
+    rounded to float32 (models.precision.fp64_throughout). Also in training and again in
+    eval mode, as the engine switches them: a model loaded from ``model.path`` came with
+    transformers' hub kernels on, whose ``train()``/``eval()`` re-kernelized its norms on
+    every switch and dropped their fp64 forward, so its training passes normalized in
+    float32 (the log-probs of an fp64 run's first update were 6e-8 off its old log-probs)."""
+    overrides = ["model.precision=fp64"]
+    if source == "model.path":
+        tiny_qwen2(tied=False, vocab_size=64).save_pretrained(tmp_path)
+        overrides.append(f"model.path={tmp_path}")
+    cfg = config(*overrides).model
     build = build_policy if role == "policy" else build_value_model
     model = build(cfg, vocab_size=64, max_positions=32, seed=0)
+    model.train()
+    model.eval()
     reference = copy.deepcopy(model)
     norms = _norms(model)
     assert norms

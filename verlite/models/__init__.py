@@ -219,7 +219,14 @@ def _pretrained(
     """The model in ``path`` (the config's ``field``), every parameter loaded from its
     weights. Hugging Face only warns when a parameter is missing from the files or of another
     shape, and trains it from a random start: a config.json that does not match the weights
-    would train a random model."""
+    would train a random model.
+
+    Without Hugging Face's hub kernels, as a model built from its config is: with them on
+    (from_pretrained's default where the ``kernels`` package is installed, which
+    transformers installs), every ``train()`` and ``eval()`` switch re-kernelizes the
+    model, replacing its norms' forward, which dropped :func:`precision.fp64_throughout`'s
+    (an fp64 model's training passes normalized in float32), and on a GPU would compute
+    the training passes with other kernels than the log-prob passes."""
     # transformers types from_pretrained's result as the model; with output_loading_info=True
     # it is the model and its loading info.
     model, info = cast(
@@ -230,6 +237,7 @@ def _pretrained(
             attn_implementation="sdpa",
             output_loading_info=True,
             ignore_mismatched_sizes=True,  # reported below, with the names, instead of raised
+            use_kernels=False,
         ),
     )
     problems = []

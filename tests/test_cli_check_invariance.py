@@ -526,6 +526,23 @@ def test_the_runs_checked_before_the_audit_hold_no_math_verify_process(tmp_path)
             run.inputs.reward_fn.close()
 
 
+@pytest.mark.parametrize("config", ["configs/grpo_tiny.yaml", "configs/ppo_tiny.yaml"])
+def test_the_audit_sets_no_setting_a_run_names_as_without_effect(config: str, tmp_path) -> None:
+    """Each run's start-up line names the settings its config sets that have no effect
+    (config.inert): the audit's own critic.warmup_steps=0 is not among them. It was set
+    for every job, so each run of a GRPO job said, in its console.log, that
+    critic.warmup_steps has no effect; with a critic the runs skip the warm-up."""
+    from verlite.audit.run_invariance import DEFAULT_LAYOUTS, layout_configs
+    from verlite.config import load_config
+    from verlite.config.inert import inert_settings_line
+
+    base = load_config(config)
+    configs = layout_configs(base, DEFAULT_LAYOUTS[:2], steps=1, runs_dir=tmp_path / "runs")
+    lines = [inert_settings_line(c) or "" for c in configs]
+    assert not any("critic.warmup_steps" in line for line in lines), lines
+    assert all(c.critic.warmup_steps == 0 for c in configs)
+
+
 def test_a_multi_turn_configs_audit_batch_spans_every_turn() -> None:
     """The update audit's rows reach the whole response area of a multi-turn config
     (rollout.multi_turn.max_total_length, tool_tiny's 16 tokens), not one turn's

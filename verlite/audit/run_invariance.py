@@ -346,10 +346,12 @@ def layout_configs(
         "trainer.save_freq=0",
         "trainer.resume=disable",
         "trainer.loggers=[jsonl]",
-        # the actor trains from the first step, so that a few steps audit its updates too
-        "critic.warmup_steps=0",
         f"rollout.randomness={'per_rank' if negative_control else 'per_sample'}",
     ]
+    if base.use_critic:
+        # the actor trains from the first step, so that a few steps audit its updates too
+        # (set only where a critic warms up: a run names a setting without effect)
+        fixed.append("critic.warmup_steps=0")
     configs = []
     for index, layout in enumerate(layouts):
         layout_keys = layout_overrides(base, layout)

@@ -452,7 +452,7 @@ def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(
     from_file = [out, "data.task=null", f"data.train_file={prompts}"]
     err = run(capsys, "train", "--config", CONFIG, *from_file)
     assert err == (
-        f"verlite: error: 6 training prompts (data.train_file={prompts} less "
+        f"verlite: error: 6 training prompts (data.train_file={str(prompts)!r} less "
         "data.num_val_samples=64 held out) are fewer than one batch of data.train_batch_size=64\n"
     )
     # Nothing was written: the corrected command runs in the same folder.

@@ -311,6 +311,6 @@ def test_splits_that_drop_leaves_too_small_say_so(
         "trainer.cpus_per_worker=0.5",
     )
     assert err.startswith(
-        f"verlite: error: 1 validation prompts (data.val_file={val}, less 5 left out by "
+        f"verlite: error: 1 validation prompts (data.val_file={str(val)!r}, less 5 left out by "
         "data.prompt_overflow=drop) are fewer than the 2 actor workers"
     )

@@ -26,6 +26,7 @@ from verlite.data import (
 from verlite.data.templates import turn_format
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
+from verlite.errors import shown
 from verlite.generation.decode import MAX_END_TOKENS, check_mode_supported
 from verlite.generation.static_cache import UnsupportedModel
 from verlite.models import (
@@ -99,7 +100,7 @@ def check_validation_shares(cfg: Config, val_set: PromptDataset) -> None:
     for who, workers in spread.items():
         if num_val < workers:
             held = (
-                f"data.val_file={cfg.data.val_file}"
+                f"data.val_file={shown(cfg.data.val_file)}"
                 if cfg.data.val_file is not None
                 else f"data.num_val_samples={cfg.data.num_val_samples}"
             )
@@ -123,7 +124,7 @@ def _source(cfg: Config, train_set: PromptDataset) -> str:
         if data.val_file is None
         else ""
     )
-    return f" (data.train_file={data.train_file}{held_out}{train_set.dropped_note()})"
+    return f" (data.train_file={shown(data.train_file)}{held_out}{train_set.dropped_note()})"
 
 
 @dataclass(frozen=True)

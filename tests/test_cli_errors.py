@@ -129,10 +129,6 @@ BAD_OVERRIDES = [
         "on CPU (model.device=auto, no GPUs per worker)",
     ),
     (
-        ["rollout.decode=cuda_graphs", "model.device=cuda", "actor.strategy=fsdp"],
-        "rollout.decode=cuda_graphs cannot capture the parameter all-gathers of an FSDP actor",
-    ),
-    (
         ["rollout.stop_token_ids=[3,5000]"],
         "rollout.stop_token_ids=[3, 5000]: [5000] outside the model's vocabulary of",
     ),
@@ -166,25 +162,17 @@ BAD_OVERRIDES = [
         "rollout.multi_turn.max_total_length=11 cannot hold the prompt and one turn: "
         "data.max_prompt_length + rollout.max_response_length = 12",
     ),
-    (
-        [
-            "rollout.multi_turn.env=lookup",
-            "rollout.multi_turn.max_total_length=24",
-            "actor.strategy=fsdp",
-        ],
-        "rollout.multi_turn with an FSDP actor that generates (rollout.placement=colocated, "
-        "validation: trainer.val_freq=50) is not supported",
-    ),
-    (  # the actor validates a split run: its ranks' turns would not line up either
+    (  # the actor validates a split run through its sharded model: its ranks' turns would not line up
         [
             "rollout.multi_turn.env=lookup",
             "rollout.multi_turn.max_total_length=24",
             "actor.strategy=fsdp",
             "rollout.placement=split",
         ],
-        "rollout.multi_turn with an FSDP actor that generates (validation: trainer.val_freq=50) "
-        "is not supported: its ranks would take different numbers of turns in lockstep "
-        "collectives; use actor.strategy=ddp, or rollout.placement=split with trainer.val_freq=0",
+        "rollout.multi_turn with an FSDP actor that validates a split run (rollout.placement=split, "
+        "trainer.val_freq=50) is not supported: its ranks would take different numbers of turns "
+        "in lockstep collectives; use actor.strategy=ddp, rollout.placement=colocated or "
+        "trainer.val_freq=0",
     ),
     (
         ["rollout.multi_turn.env=lokup", "rollout.multi_turn.max_total_length=24"],

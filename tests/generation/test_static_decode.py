@@ -497,13 +497,18 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
     """Under bf16-mixed with CUDA graphs the actor samples from a bf16 copy of its fp32
     weights (``workers.actor.generation_copy``), refreshed before each generation: after an
     optimizer step, the same tokens and log-probs as the fp32 policy under autocast."""
+    from verlite.config import load_config
     from verlite.models.precision import autocast, refresh_inference_copy
     from verlite.workers.actor import generation_copy
 
+    bf16, fp32 = (
+        load_config("configs/ppo_tiny.yaml", [f"model.precision={p}"])
+        for p in ("bf16-mixed", "fp32")
+    )
     policy = tiny_qwen2(tied=tied, vocab_size=VOCAB)
-    assert generation_copy(policy, "bf16-mixed", DecodeSettings("static")) is None
-    assert generation_copy(policy, "fp32", DecodeSettings("cuda_graphs")) is None
-    copy = generation_copy(policy, "bf16-mixed", DecodeSettings("cuda_graphs"))
+    assert generation_copy(policy, bf16, DecodeSettings("static")) is None
+    assert generation_copy(policy, fp32, DecodeSettings("cuda_graphs")) is None
+    copy = generation_copy(policy, bf16, DecodeSettings("cuda_graphs"))
     assert copy is not None and copy.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
     # Its head is its own, in bf16, even where the policy's is tied to the embedding.
     assert copy.lm_head.weight.dtype == torch.bfloat16
@@ -512,7 +517,7 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
     with torch.no_grad():  # an optimizer step on the fp32 master weights
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    refresh_inference_copy(copy, policy)
+    refresh_inference_copy(copy, policy.state_dict().__getitem__)
     assert [p.data_ptr() for p in copy.parameters()] == addresses
     td, params = prompts(batch=10, width=7, seed=3), SETTINGS["sampled"]
     with autocast("bf16-mixed", torch.device("cpu")):
@@ -666,7 +671,9 @@ def test_graphs_replay_only_on_the_tensors_they_were_captured_on() -> None:
     eager = sampler(trained, DecodeSettings("eager")).generate(td, params, noise(td, 5, 14))
     assert_same(out, eager)
     kept = dict(decoder.graphs)
-    refresh_inference_copy(model, llama("fp64"))  # in place: the graphs stay
+    refresh_inference_copy(
+        model, llama("fp64").state_dict().__getitem__
+    )  # in place: the graphs stay
     graphs.generate(td, params, noise(td, 5, 14))
     assert all(decoder.graphs[key] is graph for key, graph in kept.items())
 

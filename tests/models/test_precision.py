@@ -652,8 +652,8 @@ def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
     ("settings", "held"),
     [
         (["actor.strategy=ddp"], 1.0),  # every rank the whole model
-        (["actor.strategy=fsdp"], 0.5),  # a shard over the 2 ranks
-        (["actor.strategy=fsdp", "actor.offload=all"], 0.0),  # on the host
+        (["actor.strategy=fsdp"], 1.5),  # a shard over the 2 ranks, and the whole copy
+        (["actor.strategy=fsdp", "actor.offload=all"], 1.0),  # on the host; the copy on the GPU
     ],
 )
 def test_the_generation_memory_check_counts_a_colocated_actors_weights_as_a_rank_holds_them(
@@ -662,8 +662,9 @@ def test_the_generation_memory_check_counts_a_colocated_actors_weights_as_a_rank
     """A colocated actor of 2 ranks generates from the model it trains: the check of a GPU's
     memory (made by the driver before an embedded Ray, and by each actor worker) counts the
     trained weights a rank holds, to the byte: the whole model under DDP, a half under FSDP2
-    (``fully_shard`` over the 2 ranks; a decode step gathers one layer at a time), none with
-    FSDP2's CPU offload. It counted the whole model under each: a run that FSDP shards to fit
+    (``fully_shard`` over the 2 ranks), none with FSDP2's CPU offload; and an FSDP2 actor's
+    whole copy it generates from (``workers.actor.generation_copy``), on the GPU with the
+    offload too. It counted the whole model under each: a run that FSDP shards to fit
     (a 14B policy in fp32 over 8 GPUs of 80 GB with a 30 GB KV cache: 56 + 30 GB counted, 7 +
     30 GB held) was refused, on a cluster too, by every actor worker, since the check moved
     there."""

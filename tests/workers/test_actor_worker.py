@@ -238,10 +238,11 @@ def test_a_split_runs_actor_validates_without_graphs_or_a_generation_copy(decode
     )
     validating = settings(lockstep=False, trains_on=False)
     assert validating.mode == "static"
-    assert generation_copy(model, cfg.precision, validating) is None
+    assert generation_copy(model, cfg, validating) is None
     rollout = settings(lockstep=False, trains_on=True)
     assert rollout.mode == "cuda_graphs"
-    assert generation_copy(model, cfg.precision, rollout) is not None
+    colocated = ["model.device=cuda", f"rollout.decode={decode}", "model.precision=bf16-mixed"]
+    assert generation_copy(model, load_config("configs/ppo_tiny.yaml", colocated), rollout)
 
 
 def _rollout(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> RolloutWorker:

@@ -103,7 +103,7 @@ def _check_dapo(cfg: Config) -> None:
 
 def _check_decode(cfg: Config) -> None:
     """The static decode modes draw with per-sample keys; CUDA graphs need the generating
-    workers on cuda, and cannot hold FSDP's all-gathers."""
+    workers on cuda (a colocated FSDP actor captures them from its whole generation copy)."""
     decode = cfg.rollout.decode
     if decode in ("static", "cuda_graphs") and cfg.rollout.randomness == "per_rank":
         raise ValueError(
@@ -111,19 +111,11 @@ def _check_decode(cfg: Config) -> None:
             "per-rank random stream draws for the others; use rollout.randomness=per_sample, "
             "or rollout.decode=eager"
         )
-    if decode != "cuda_graphs":
-        return
-    if not cfg.generates_on_gpu:
+    if decode == "cuda_graphs" and not cfg.generates_on_gpu:
         raise ValueError(
             "rollout.decode=cuda_graphs captures CUDA graphs, but the workers that generate run "
             f"on CPU (model.device={cfg.model.device}, no GPUs per worker); use "
             "rollout.decode=static or eager, or give the workers GPUs"
-        )
-    if cfg.rollout.placement == "colocated" and cfg.actor.strategy == "fsdp":
-        raise ValueError(
-            "rollout.decode=cuda_graphs cannot capture the parameter all-gathers of an FSDP "
-            "actor that generates (rollout.placement=colocated); use rollout.decode=static, "
-            "rollout.placement=split or actor.strategy=ddp"
         )
 
 
@@ -185,20 +177,14 @@ def _check_multi_turn(cfg: Config) -> None:
             f"rollout.multi_turn.env={multi_turn.env!r} needs rollout.multi_turn."
             f"max_total_length (the most tokens of a trajectory, >= {one_turn})"
         )
-    # The actor generates the training batches when colocated, and validates in every run.
-    generates = [
-        what
-        for what, applies in (
-            ("rollout.placement=colocated", cfg.rollout.placement == "colocated"),
-            (f"validation: trainer.val_freq={cfg.trainer.val_freq}", cfg.trainer.val_freq > 0),
-        )
-        if applies
-    ]
-    if cfg.actor.strategy == "fsdp" and generates:
+    # A split run's FSDP actor validates through its sharded model, its ranks in lockstep
+    # (``Config.actor_lockstep``); colocated, it generates from a whole copy, alone.
+    if cfg.actor_lockstep and cfg.trainer.val_freq > 0:
         raise ValueError(
-            f"rollout.multi_turn with an FSDP actor that generates ({', '.join(generates)}) "
-            "is not supported: its ranks would take different numbers of turns in lockstep "
-            "collectives; use actor.strategy=ddp, or rollout.placement=split with "
+            "rollout.multi_turn with an FSDP actor that validates a split run "
+            f"(rollout.placement=split, trainer.val_freq={cfg.trainer.val_freq}) is not "
+            "supported: its ranks would take different numbers of turns in lockstep "
+            "collectives; use actor.strategy=ddp, rollout.placement=colocated or "
             "trainer.val_freq=0"
         )
     if multi_turn.max_total_length < one_turn:

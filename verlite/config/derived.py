@@ -115,6 +115,26 @@ class Derived:
         return self.model.device == "cuda" or (self.model.device == "auto" and gpus > 0)
 
     @property
+    def actor_lockstep(self) -> bool:
+        """Whether the actor generates through its FSDP2 model, each decode step gathering
+        every layer, its ranks in lockstep: a split run's FSDP actor, which generates the
+        validation batches only. A colocated FSDP actor generates from a whole copy of its
+        policy instead (:meth:`generation_copied`), gathered once per generation."""
+        return self.actor.strategy == "fsdp" and self.rollout.placement == "split"
+
+    def generation_copied(self, decode: str) -> bool:
+        """Whether a colocated actor decoding in mode ``decode`` (resolved: not ``auto``)
+        generates from a copy of its policy stored for generation
+        (``workers.actor.generation_copy``; its bytes count in ``check_generation_fits``):
+        an FSDP actor always (its model is sharded, a decode step would gather every
+        layer, from the host with ``actor.offload=all``), and under bf16-mixed with CUDA
+        graphs (a replayed step would cast every fp32 weight again)."""
+        if self.rollout.placement != "colocated":
+            return False
+        graphs = decode == "cuda_graphs" and self.precision == "bf16-mixed"
+        return self.actor.strategy == "fsdp" or graphs
+
+    @property
     def generating_workers(self) -> int:
         """The workers a step's generation is spread over: the actor's data-parallel ranks,
         or the rollout group's workers."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -160,13 +160,14 @@ def store_for_generation(model: ModuleT, precision: str) -> ModuleT:
 
 
 @torch.no_grad()
-def refresh_inference_copy(copy: nn.Module, source: nn.Module) -> None:
-    """Bring ``copy`` (``source`` deep-copied, then :func:`store_for_generation`) up to date
-    with ``source``'s current state, in place and cast to the copy's dtypes: its tensors keep
-    their addresses, which a captured CUDA graph reads."""
-    state = source.state_dict(keep_vars=True)
+def refresh_inference_copy(copy: nn.Module, read: Callable[[str], torch.Tensor]) -> None:
+    """Bring ``copy`` (a model deep-copied, then :func:`store_for_generation`) up to date
+    with that model's current state, in place and cast to the copy's dtypes: its tensors
+    keep their addresses, which a captured CUDA graph reads. ``read(name)``: the model's
+    current tensor of that name, whole (an actor's sharded one gathered: ``ActorWorker``),
+    called in the copy's state order, the same on every rank."""
     for name, target in copy.state_dict(keep_vars=True).items():
-        target.copy_(state[name])
+        target.copy_(read(name))
 
 
 def cast_weights(model: ModuleT, dtype: torch.dtype) -> ModuleT:

@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from verlite.config import Config
 from verlite.core import seeds
 from verlite.core.metrics import Metric, MetricDict
 from verlite.core.partition import MicroBatchPlan
@@ -81,18 +82,22 @@ def on_device(module: nn.Module, device: torch.device, *, home: torch.device) ->
         module.to(home)
 
 
-def generation_copy(trained: nn.Module, precision: str, decode: DecodeSettings) -> nn.Module | None:
-    """What a colocated actor generates from besides its trained model: under bf16-mixed
-    with CUDA graphs, a copy stored for generation as a rollout worker's model is
-    (``models.precision.store_for_generation``: bf16 linear weights, a tied head made its own
-    bf16 one, computing bit for bit what the fp32 model computes under autocast), refreshed
-    in place before each generation (``refresh_inference_copy``). A captured step reads
-    fixed addresses, and from the fp32 model it would cast every weight again at every
-    replayed step (autocast's cache cannot hold casts across captures); None otherwise: the
-    trained model generates, autocast casting its weights once per generation."""
-    if decode.mode != "cuda_graphs" or precision != "bf16-mixed":
+def generation_copy(policy: nn.Module, cfg: Config, decode: DecodeSettings) -> nn.Module | None:
+    """What a colocated actor generates from besides its trained model
+    (``Config.generation_copied``), made from ``policy`` before it is wrapped for training:
+    a copy stored for generation as a rollout worker's model is
+    (``models.precision.store_for_generation``: under bf16-mixed bf16 linear weights and a
+    tied head made its own bf16 one, computing bit for bit what the trained model computes
+    under autocast), refreshed in place before each generation (``refresh_inference_copy``).
+    An FSDP actor's is whole on its device: it gathers the shards once per generation, where
+    generating through the sharded model would gather every layer at every decode step (from
+    the host with ``actor.offload=all``), its ranks in lockstep. A captured step reads fixed
+    addresses, and from the fp32 model it would cast every weight again at every replayed
+    step (autocast's cache cannot hold casts across captures). None otherwise: the trained
+    model generates, autocast casting its weights once per generation."""
+    if not cfg.generation_copied(decode.mode):
         return None
-    return store_for_generation(copy.deepcopy(trained), precision)
+    return store_for_generation(copy.deepcopy(policy), cfg.precision)
 
 
 class ActorWorker(TrainingWorker, PolicyWorker):
@@ -120,6 +125,13 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         )
         if self.reference is not None:
             use_verlite_attention(self.reference, packing=cfg.actor.packing)
+        colocated = cfg.rollout.placement == "colocated"
+        decode = self.decode_settings(
+            policy, device, lockstep=cfg.actor_lockstep, trains_on=colocated
+        )
+        self._generation_copy = generation_copy(policy, cfg, decode)
+        if self._generation_copy is not None:
+            self._generation_copy.to(device)
         self._staging = torch.empty(0, dtype=torch.uint8)  # a weight sync's, grown on first use
         self._base: tuple[int, int] | None = None  # a LoRA base's checksum, at the first sync
         self._rollout_seconds: MetricDict = {}  # generate_with_log_probs's, until the update
@@ -131,17 +143,12 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             device=device,
             precision=cfg.precision,
         )
-        lockstep = cfg.actor.strategy == "fsdp"
         trained = inference_module(self.engine.model)
-        decode = self.decode_settings(
-            trained, device, lockstep=lockstep, trains_on=cfg.rollout.placement == "colocated"
-        )
-        self._generation_copy = generation_copy(trained, cfg.precision, decode)
         self.sampler = Sampler(
             trained if self._generation_copy is None else self._generation_copy,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
-            lockstep=lockstep,
+            lockstep=cfg.actor_lockstep,
             decode=decode,
         )
         self.loss_fn = partial(ppo_loss, settings=ActorLossSettings.from_config(cfg.actor))
@@ -185,8 +192,11 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         if in_step:
             self.peak_memory.begin()
         if self._generation_copy is not None:
-            refresh_inference_copy(self._generation_copy, inference_module(self.engine.model))
-        cache_casts = not sharded(self.engine.model)
+            # Collective under FSDP2: each shard gathered whole once, where it is (a shard
+            # offloaded to the host copied to the device first: ``distributed.full_tensor``).
+            state = model_state(self.engine.model)
+            refresh_inference_copy(self._generation_copy, lambda name: full_tensor(state[name]))
+        cache_casts = not sharded(self.sampler.model)
         return self.sample(
             self.sampler.generate,
             prompts,

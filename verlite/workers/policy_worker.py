@@ -65,11 +65,11 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
             mode = auto_mode(
                 config,
                 device=torch.device("cuda"),
-                lockstep=cfg.actor.strategy == "fsdp",
+                lockstep=cfg.actor_lockstep,
                 per_rank=cfg.rollout.randomness == "per_rank",
                 longest=cfg.max_sequence_length,
             )
-        copied = cfg.precision == "bf16-mixed" and mode == "cuda_graphs"  # generation_copy's rule
+        copied = cfg.generation_copied(mode)
         weights = _trained_on_gpu(cfg, trained) + (weights if copied else 0)
     rows = cfg.rows_per_generating_worker
     kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
@@ -87,8 +87,9 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
 
 def _trained_on_gpu(cfg: Config, trained: int) -> int:
     """Of a colocated actor's ``trained`` weight bytes, what one rank holds on its GPU: all
-    under DDP, a shard under FSDP2 (``fully_shard`` over every actor rank; a decode step
-    gathers a layer at a time, on top), none with its CPU offload (``actor.offload=all``)."""
+    under DDP, a shard under FSDP2 (``fully_shard`` over every actor rank; it generates from
+    a whole copy, counted apart: ``Config.generation_copied``), none with its CPU offload
+    (``actor.offload=all``; the copy stays on the GPU)."""
     if cfg.actor.strategy != "fsdp":
         return trained
     if cfg.actor.offload == "all":
@@ -132,11 +133,12 @@ class PolicyWorker(Worker):
         self, model: nn.Module, device: torch.device, *, lockstep: bool, trains_on: bool
     ) -> DecodeSettings:
         """How ``model`` decodes on ``device``: ``rollout.decode``, ``auto`` resolved
-        (``generation.decode.auto_mode``; an explicit mode the model cannot run was refused
-        at start-up, ``driver.preflight.check_generation``), and ``cuda_graphs`` as static
-        in ``lockstep`` (an FSDP actor's all-gathers cannot be captured) and where this
-        worker does not generate the rows trained on (``trains_on``: a split run's actor,
-        whose generations are the validation batches, every ``trainer.val_freq`` steps).
+        (``generation.decode.auto_mode``: static in ``lockstep``, a split run's FSDP actor,
+        whose all-gathers cannot be captured; an explicit mode the model cannot run was
+        refused at start-up, ``driver.preflight.check_generation``), and ``cuda_graphs`` as
+        static where this worker does not generate the rows trained on (``trains_on``: a
+        split run's actor, whose generations are the validation batches, every
+        ``trainer.val_freq`` steps).
         Its graphs' memory pool, and under bf16-mixed the bf16 copy of the policy they are
         captured from (``workers.actor.generation_copy``: 15 GB for a 7B policy), stayed on
         the device all run for those few generations; decoding statically, the trained
@@ -153,7 +155,7 @@ class PolicyWorker(Worker):
                 per_rank=rollout.randomness == "per_rank",
                 longest=cfg.max_sequence_length,
             )
-        if mode == "cuda_graphs" and (lockstep or not trains_on):
+        if mode == "cuda_graphs" and not trains_on:
             mode = "static"
         rows = cfg.rows_per_generating_worker if trains_on else 0
         return DecodeSettings(

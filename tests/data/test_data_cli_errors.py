@@ -294,7 +294,7 @@ def test_splits_that_drop_leaves_too_small_say_so(
         f"trainer.output_dir={tmp_path / 'run'}",
     ]
     assert run(capsys, *common, "data.train_batch_size=16") == (
-        f"verlite: error: 10 training prompts (data.train_file={train}, less 10 left out by "
+        f"verlite: error: 10 training prompts (data.train_file={str(train)!r}, less 10 left out by "
         "data.prompt_overflow=drop) are fewer than one batch of data.train_batch_size=16\n"
     )
     two = [

@@ -155,9 +155,11 @@ class RolloutConfig(Section):
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",
-        description="colocated: the actor workers generate with the weights they train; split: a "
-        "rollout worker group of its own generates, its weights synced from the actor after "
-        "every update (versioned and digest-checked).",
+        description="Who generates: colocated: the actor workers, with the weights they train; "
+        "split: a rollout worker group of its own, its weights synced from the actor after every "
+        "update (versioned and digest-checked), in a pool of bundles of its own. Unlike "
+        "trainer.placement (colocate|split), which says whether the other groups share Ray "
+        "bundles.",
     )
     max_staleness: NonNegativeInt = Field(
         0,

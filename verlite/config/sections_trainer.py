@@ -53,7 +53,10 @@ class TrainerConfig(Section):
     )
     placement: Literal["colocate", "split"] = Field(
         "colocate",
-        description="colocate: roles share bundles with fractional resources; split: a pool per role.",
+        description="How the actor, critic and reward-model groups take Ray bundles (the CPUs "
+        "and GPUs reserved for one worker): colocate: they share bundles, each group a fraction of "
+        "each; split: a pool of bundles per group. Unlike rollout.placement (colocated|split), "
+        "which says who generates.",
     )
     cpus_per_worker: float = Field(1.0, gt=0.0, description="CPUs of one worker bundle.")
     gpus_per_worker: GpusPerWorker = Field(

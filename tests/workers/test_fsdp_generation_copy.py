@@ -136,3 +136,31 @@ def test_a_colocated_fsdp_actor_captures_graphs_and_takes_turns_a_split_runs_val
     assert split.actor_lockstep and not split.generation_copied("static")
     with pytest.raises(ValueError, match="FSDP actor that validates a split run"):
         _config(tmp_path, "rollout.placement=split", *turns)
+
+
+def test_a_one_rank_fsdp_actor_that_fsdp_leaves_whole_generates_from_its_model(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 leaves one rank's model whole unless it offloads (``distributed.apply_fsdp``):
+    such an actor generates from its trained model, as a DDP one does, with no second copy
+    of its policy (on a GPU in fp32: 4 bytes a parameter, counted by the fit check too);
+    offloaded, its model is sharded over a group of one and it generates from a copy."""
+    whole = _config(tmp_path, "trainer.workers_per_node=1", "rollout.decode=eager")
+    assert not whole.generation_copied("eager") and not whole.generation_copied("static")
+    offloaded = _config(tmp_path, "trainer.workers_per_node=1", "actor.offload=all")
+    assert offloaded.generation_copied("eager")
+    assert _config(tmp_path).generation_copied("eager")  # 2 ranks: sharded
+    tokenizer = load_tokenizer(whole.model.path, task=whole.data.task)
+    actor = ActorWorker(
+        rank=0,
+        world_size=1,
+        torch_threads=1,
+        role="actor",
+        cfg=whole,
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    actor.init_model()
+    assert not sharded(actor.engine.model) and actor._generation_copy is None
+    assert actor.sampler.model is inference_module(actor.engine.model)

@@ -334,6 +334,10 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
         # Next to it, masked: a value with brackets that goes on past them, or after "=".
         ("api_key: abcdefgh[12]xyz", "api_key: ***]xyz"),
         ("api_key=abcdefgh[12] (retry)", "api_key=***] (retry)"),
+        # ... and a generated password or key with brackets in it, which a type's name does
+        # not hold: a digit (a type's name and its arguments are words).
+        ("password: Xk9mQ2[vT7pL] rejected", "password: ***] rejected"),
+        ("api_key: sk_live_4eC39Hq[LyjWDarjtT1zdp7dc]", "api_key: ***]"),
         # argparse's metavar, the flag's name in capitals (a usage or help line): shown.
         ("usage: serve [-h] [--auth-token AUTH_TOKEN]", None),
         ("  --auth-token AUTH_TOKEN  the service's token", None),
@@ -362,6 +366,8 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
         "annotations",
         "annotation-goes-on",
         "annotation-equals",
+        "annotation-password",
+        "annotation-key",
         "metavar-usage",
         "metavar-help",
         "metavar-other",

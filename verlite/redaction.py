@@ -329,13 +329,15 @@ _SETTING_VALUE = re.compile(
 _NUMBER = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|Infinity|inf|nan|NaN)")
 # After a name's ":": a subscripted type, a type annotation (a traceback's source
 # line, a signature: ``api_key: Optional[str] = None``, ``token: dict[str, Any]``), ending
-# at its closing bracket (``abcdefgh[12]xyz`` goes on: a value); and a word of prose after
+# at its closing bracket (``abcdefgh[12]xyz`` goes on: a value), of words without a digit
+# (``Xk9mQ2[vT7pL]``, a generated password, is a value; ``np.float32`` in one is masked,
+# wrongly but safely); and a word of prose after
 # a sentence's colon (``most tokens: truncated output``): lower-case letters, a space after
 # the colon and another word after it (``tokens: hunter2hunter2 rejected`` has a digit,
 # ``tokens: correcthorse`` ends its line: values), after a name that is a word of a
 # language model's prose, a token or a key (:data:`_PROSE_NAME`): a password's, a secret's
 # or a cookie's colon is never a sentence's (``password: correcthorse battery``, a passphrase).
-_ANNOTATION = re.compile(r"[A-Za-z_][\w.]*\[[\w.\[\], |]*\](?=[\s,)=]|$)")
+_ANNOTATION = re.compile(r"[A-Za-z_][A-Za-z_.]*\[[A-Za-z_.\[\], |]*\](?=[\s,)=]|$)")
 _PROSE_WORD = re.compile(r"[a-z]+(?=[ \t]+[a-z])")
 _PROSE_NAME = re.compile(r"tokens?|keys?")
 

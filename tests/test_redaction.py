@@ -319,12 +319,13 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
         # A word of prose after a credential-named word's colon (a sentence's colon): shown.
         ("responses hit the most tokens: truncated output", None),
         ("tokens: truncated output", None),
-        ("the api key: truncated output", None),
+        ("the api keys: truncated output", None),
         # Next to it, masked: a value with a digit, one that ends the line, one glued to the
         # colon, one quoted, one after "=", one after a password's name (a passphrase).
         ("tokens: hunter2hunter2 rejected", "tokens: *** rejected"),
         ("login refused, tokens: correcthorse", "login refused, tokens: ***"),
         ("password: correcthorse battery staple", "password: *** battery staple"),
+        ("api_key: abcdefghijklmnop expired", "api_key: *** expired"),
         ("password:correcthorse battery", "password:*** battery"),
         ("password: 'correcthorse' battery", "password: '***' battery"),
         ("password=correcthorse battery", "password=*** battery"),
@@ -359,6 +360,7 @@ def test_settings_that_hold_no_credential_are_shown(text: str) -> None:
         "prose-digits",
         "prose-line-end",
         "prose-passphrase",
+        "prose-singular",
         "prose-glued",
         "prose-quoted",
         "prose-equals",

@@ -335,11 +335,13 @@ _NUMBER = re.compile(r"[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?|Infinity
 # a sentence's colon (``most tokens: truncated output``): lower-case letters, a space after
 # the colon and another word after it (``tokens: hunter2hunter2 rejected`` has a digit,
 # ``tokens: correcthorse`` ends its line: values), after a name that is a word of a
-# language model's prose, a token or a key (:data:`_PROSE_NAME`): a password's, a secret's
-# or a cookie's colon is never a sentence's (``password: correcthorse battery``, a passphrase).
+# language model's prose, tokens or keys, plural (:data:`_PROSE_NAME`): one credential is
+# named in the singular (``api_key: abcdefghijklmnop expired`` stays masked), and a
+# password's, a secret's or a cookie's colon is never a sentence's (``password:
+# correcthorse battery``, a passphrase).
 _ANNOTATION = re.compile(r"[A-Za-z_][A-Za-z_.]*\[[A-Za-z_.\[\], |]*\](?=[\s,)=]|$)")
 _PROSE_WORD = re.compile(r"[a-z]+(?=[ \t]+[a-z])")
-_PROSE_NAME = re.compile(r"tokens?|keys?")
+_PROSE_NAME = re.compile(r"tokens|keys")
 
 
 def _mask_settings(text: str) -> str:
@@ -379,8 +381,8 @@ def _mask_settings(text: str) -> str:
 def _no_value(text: str, name: str, separator: str, value: re.Match[str]) -> bool:
     """Whether a credential-named setting's ``value`` in ``text`` (after ``name`` and its
     ``separator``: ``:``, ``=``, or ``--`` for a flag) is text that is no value of it: a
-    number (:data:`_NUMBER`); after ``:``, a type annotation or, after a token's or a key's
-    name, a word of prose (:data:`_ANNOTATION`, :data:`_PROSE_WORD`, :data:`_PROSE_NAME`); after a flag, argparse's metavar for it,
+    number (:data:`_NUMBER`); after ``:``, a type annotation or, after ``tokens`` or
+    ``keys``, a word of prose (:data:`_ANNOTATION`, :data:`_PROSE_WORD`, :data:`_PROSE_NAME`); after a flag, argparse's metavar for it,
     its name in capitals, as a usage or help line shows it (``--auth-token AUTH_TOKEN``)."""
     held, start, end = value["value"], value.start("value"), value.end("value")
     if _NUMBER.fullmatch(held):

@@ -382,8 +382,9 @@ def _no_value(text: str, name: str, separator: str, value: re.Match[str]) -> boo
     """Whether a credential-named setting's ``value`` in ``text`` (after ``name`` and its
     ``separator``: ``:``, ``=``, or ``--`` for a flag) is text that is no value of it: a
     number (:data:`_NUMBER`); after ``:``, a type annotation or, after ``tokens`` or
-    ``keys``, a word of prose (:data:`_ANNOTATION`, :data:`_PROSE_WORD`, :data:`_PROSE_NAME`); after a flag, argparse's metavar for it,
-    its name in capitals, as a usage or help line shows it (``--auth-token AUTH_TOKEN``)."""
+    ``keys``, a word of prose (:data:`_ANNOTATION`, :data:`_PROSE_WORD`,
+    :data:`_PROSE_NAME`); after a flag, argparse's metavar for it, its name in capitals, as
+    a usage or help line shows it (``--auth-token AUTH_TOKEN``)."""
     held, start, end = value["value"], value.start("value"), value.end("value")
     if _NUMBER.fullmatch(held):
         return True

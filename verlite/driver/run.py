@@ -194,11 +194,11 @@ def _with_contents(state: FolderState) -> FolderState:
 
 def prepare_run(cfg: Config, *, in_session: bool, cpus: int | None = None) -> RunInputs:
     """What a run checks, says and reads before its workers start: the lines on settings it
-    ignores or that lose updates (said once every check passed), the workers' fit where they will run (``in_session``: the
-    Ray session this process has open; else an embedded one of ``cpus`` CPUs, None: the
-    machine's, or ``trainer.ray_address``), and its inputs (:class:`RunInputs`). Called
-    before that session opens, where it is not open yet: bad input fails in one line before
-    Ray starts."""
+    ignores or that lose updates (said once every check passed), the workers' fit where they
+    will run (``in_session``: the Ray session this process has open; else an embedded one of
+    ``cpus`` CPUs, None: the machine's, or ``trainer.ray_address``), and its inputs
+    (:class:`RunInputs`). Called before that session opens, where it is not open yet: bad
+    input fails in one line before Ray starts."""
     said = (inert_settings_line(cfg), precision_warning(cfg))
     check_placement(cfg, in_session=in_session, cpus=cpus)
     return RunInputs.load(cfg, [line for line in said if line is not None])

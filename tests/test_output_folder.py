@@ -24,6 +24,7 @@ from verlite.driver import output_folder
 from verlite.driver.checkpoint import CheckpointError
 from verlite.driver.output_folder import LOCK_FILE, FolderLock
 from verlite.driver.output_folder import prepare_output_folder as prepare_and_hold
+from verlite.driver.preflight import RunInputs
 from verlite.driver.trainer import Trainer
 from verlite.errors import shown
 
@@ -38,9 +39,15 @@ def config(out: Path, *overrides: str) -> Config:
 
 def prepare_output_folder(cfg: Config) -> Path | None:
     """The checkpoint a run in the folder resumes from, the folder let go of again."""
-    resume_from, hold = prepare_and_hold(cfg, train_set=PROMPTS)
+    return resume_and_notes(cfg)[0]
+
+
+def resume_and_notes(cfg: Config) -> tuple[Path | None, list[str]]:
+    """The checkpoint a run in the folder resumes from and the lines it says of the resume,
+    the folder let go of again."""
+    resume_from, hold, notes = prepare_and_hold(cfg, train_set=PROMPTS)
     hold.release()
-    return resume_from
+    return resume_from, notes
 
 
 def someones_files(out: Path) -> dict[str, str]:
@@ -116,16 +123,47 @@ def test_a_resume_may_change_settings_but_not_the_data_it_counts_in(tmp_path: Pa
             config(out, "data.train_batch_size=32", "actor.ppo_mini_batch_size=16")
         )
     changed = config(out, "actor.optim.lr=0.0005", "algorithm.adv_estimator=grpo", "rollout.n=2")
-    assert prepare_output_folder(changed) == out / "checkpoints" / "step_3"
-    said = capsys.readouterr().out
-    assert (
-        "with changed settings: actor.optim.lr: 0.001 -> 0.0005; algorithm.adv_estimator: 'gae' -> 'grpo'"
-        in said
+    resume_from, (said,) = resume_and_notes(changed)
+    assert resume_from == out / "checkpoints" / "step_3"
+    assert said.startswith(
+        f"resuming {resume_from} with changed settings: actor.optim.lr: 0.001 -> 0.0005; "
+        "algorithm.adv_estimator: 'gae' -> 'grpo'"
     )
     assert "rollout.n: 1 -> 2" in said and "total_steps" not in said
     # a run extended: a cosine schedule decays to the new end, so the change is named too
-    assert prepare_output_folder(config(out, "trainer.total_steps=8"))
-    assert capsys.readouterr().out.endswith("with changed settings: trainer.total_steps: 6 -> 8\n")
+    _, (said,) = resume_and_notes(config(out, "trainer.total_steps=8"))
+    assert said.endswith("with changed settings: trainer.total_steps: 6 -> 8")
+    assert resume_and_notes(config(out)) == (resume_from, [])  # nothing changed: no line
+    assert capsys.readouterr().out == ""  # the run says them once every check passed
+
+
+def test_a_resume_refused_under_the_hold_says_nothing_of_the_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What resuming changes is said by a run that starts: a run refused once it holds the
+    folder (a check made under the hold: here its export linked to a file) says one line,
+    its refusal, not a resume that never happens. Mutation: the resume line printed as
+    the checkpoint is checked, before the hold (as it was)."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    (tmp_path / "a-file").write_text("")
+    (out / "hf_actor").symlink_to(tmp_path / "a-file")
+    for overrides in (("actor.optim.lr=0.0005",), ("trainer.total_steps=3",)):  # export alone
+        with pytest.raises(ConfigError, match="which is not a folder"):
+            prepare_output_folder(config(out, *overrides))
+        assert capsys.readouterr().out == ""
+
+
+def test_a_run_that_starts_says_what_its_resume_changes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``RunInputs.load``, every check passed and the folder held, prints the resume's line
+    with the other start-up lines. Mutation: the folder's lines not printed there."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    RunInputs.load(config(out, "actor.optim.lr=0.0005")).folder.release()
+    said = capsys.readouterr().out.splitlines()
+    assert f"resuming {out / 'checkpoints' / 'step_3'} with changed settings: " in said[-1]
 
 
 def test_a_finished_run_is_not_resumed_into_doing_nothing(tmp_path: Path) -> None:
@@ -370,7 +408,7 @@ def test_an_export_that_does_not_say_its_step_is_not_taken_for_a_checkpoints(
 
 @pytest.mark.parametrize("interrupted", [False, True])
 def test_a_run_that_stopped_before_its_export_was_whole_resumes_to_export(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], interrupted: bool
+    tmp_path: Path, interrupted: bool
 ) -> None:
     """Killed after its last checkpoint, before or while it exported: the trained policy was
     in the checkpoint only, and a resume was refused ("already reached total_steps"), so no
@@ -381,14 +419,12 @@ def test_a_run_that_stopped_before_its_export_was_whole_resumes_to_export(
         (out / "hf_actor").mkdir()
         (out / "hf_actor" / "config.json").write_text("{}")
         (out / policy_folder.INCOMPLETE_MARK).write_text("")
-    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_6"
-    said = capsys.readouterr().out
+    resume_from, (said,) = resume_and_notes(config(out))
+    assert resume_from == out / "checkpoints" / "step_6"
     assert "reached trainer.total_steps=6 but its policy export (hf_actor) is " in said
 
 
-def test_a_continued_run_stopped_before_its_export_resumes_to_export(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_continued_run_stopped_before_its_export_resumes_to_export(tmp_path: Path) -> None:
     """A run continued past its end (trainer.total_steps raised) trains beside its earlier,
     whole export: killed after its new last checkpoint, before it exported, the folder's
     hf_actor was the earlier step's policy, taken for the run's (verlite export showed it) and
@@ -400,10 +436,9 @@ def test_a_continued_run_stopped_before_its_export_resumes_to_export(
     assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_4"
     assert not policy_folder.policy_exported(out)
     fake_checkpoint(out, 6, ("actor", "critic"), config=config(out).model_dump(mode="json"))
-    assert prepare_output_folder(config(out)) == out / "checkpoints" / "step_6"
-    assert "reached trainer.total_steps=6 but its policy export (hf_actor) is " in (
-        capsys.readouterr().out
-    )
+    resume_from, (said,) = resume_and_notes(config(out))
+    assert resume_from == out / "checkpoints" / "step_6"
+    assert "reached trainer.total_steps=6 but its policy export (hf_actor) is " in said
 
 
 def test_resume_disable_over_a_run_is_refused(tmp_path: Path) -> None:
@@ -504,7 +539,7 @@ def test_a_corrupt_or_weightless_model_folder_is_one_line(
 
 def test_a_folder_in_use_is_refused_until_its_run_lets_go(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    _, hold = prepare_and_hold(config(out), train_set=PROMPTS)
+    _, hold, _ = prepare_and_hold(config(out), train_set=PROMPTS)
     for overrides in ((), ("trainer.overwrite=true",)):  # nor moved aside under a running run
         with pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+ on "):
             prepare_output_folder(config(out, *overrides))

@@ -51,7 +51,7 @@ def new_run_of(out: Path, **fields: Any) -> Path | str | None:
     """What a new ``verlite train`` of ``out`` does: the checkpoint it continues from, None
     (the first step), or the one-line refusal."""
     try:
-        resume_from, hold = prepare_output_folder(config(out, **fields), train_set=PROMPTS)
+        resume_from, hold, _ = prepare_output_folder(config(out, **fields), train_set=PROMPTS)
     except UserError as exc:
         return str(exc)
     hold.release()

@@ -163,10 +163,12 @@ def resolved_output_dir(cfg: Config) -> Path:
 
 def prepare_output_folder(
     cfg: Config, *, train_set: Mapping[str, Any]
-) -> tuple[Path | None, FolderLock]:
+) -> tuple[Path | None, FolderLock, list[str]]:
     """Make ``trainer.output_dir`` ready under the contract above and hold it; the checkpoint
     to resume from (None for a fresh run; checked, over the training prompts of fingerprint
-    ``train_set``, before anything moves) and the hold, which the run releases when it ends.
+    ``train_set``, before anything moves), the hold, which the run releases when it ends, and
+    the lines a run that starts says of its resume (what it changes, or that it exports
+    alone): the caller prints them once every check passed, so a refused run says one line.
     Raises a one-line user error otherwise."""
     out = resolved_output_dir(cfg)
     if out.exists() and not out.is_dir():
@@ -178,8 +180,7 @@ def prepare_output_folder(
     plan = new_run(out, cfg.trainer, FolderState.read(out))
     if plan.refused is not None:
         raise plan.refused  # refused before this run writes anything there
-    if plan.resume_from is not None:
-        _check_resume_point(cfg, out, plan, train_set)
+    notes = [] if plan.resume_from is None else _check_resume_point(cfg, out, plan, train_set)
     _make_writable_folder(out)
     hold = FolderLock.take(out)
     try:
@@ -204,7 +205,7 @@ def prepare_output_folder(
     except BaseException:
         hold.release()
         raise
-    return plan.resume_from, hold
+    return plan.resume_from, hold, notes
 
 
 def _check_linked_export(out: Path) -> None:
@@ -240,9 +241,11 @@ def _not_empty(out: Path, output_dir: str, resume: str) -> ConfigError:
     )
 
 
-def _check_resume_point(cfg: Config, out: Path, plan: NewRun, train_set: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint the config cannot resume (``check_resumable``); say what resuming
-    it changes, or that it resumes to export alone."""
+def _check_resume_point(
+    cfg: Config, out: Path, plan: NewRun, train_set: Mapping[str, Any]
+) -> list[str]:
+    """Refuse a checkpoint the config cannot resume (``check_resumable``); the line that says
+    what resuming it changes, or that it resumes to export alone (none where neither)."""
     assert plan.resume_from is not None
     changed = check_resumable(
         plan.resume_from,
@@ -253,16 +256,14 @@ def _check_resume_point(cfg: Config, out: Path, plan: NewRun, train_set: Mapping
     )
     if plan.export_only:
         state = "incomplete" if (out / POLICY_FOLDER).exists() else "missing"
-        print(
+        return [
             f"{shown(str(plan.resume_from))} reached trainer.total_steps="
             f"{cfg.trainer.total_steps} but its policy export ({POLICY_FOLDER}) is {state} in "
-            f"{shown(str(out))}: resuming to export it",
-            flush=True,
-        )
-    elif changed:
-        print(
-            f"resuming {plan.resume_from} with changed settings: {'; '.join(changed)}", flush=True
-        )
+            f"{shown(str(out))}: resuming to export it"
+        ]
+    if changed:
+        return [f"resuming {plan.resume_from} with changed settings: {'; '.join(changed)}"]
+    return []
 
 
 @dataclass(frozen=True)

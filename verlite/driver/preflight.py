@@ -203,8 +203,8 @@ class RunInputs:
             check_wandb(cfg.trainer.wandb)
         base = None if cfg.model.path is None else base_weights.identity(cfg.model.path)
         # Last: it may move an earlier folder aside, which only a run that starts should do.
-        resume_from, folder = prepare_output_folder(cfg, train_set=train_set.fingerprint)
-        for line in said:
+        resume_from, folder, resuming = prepare_output_folder(cfg, train_set=train_set.fingerprint)
+        for line in [*said, *resuming]:
             print(line, flush=True)
         return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
 

@@ -465,12 +465,13 @@ class Trainer:
         state = read_trainer_state(path)
         for group in self.groups.trained:
             group.call("load_checkpoint", str(path / group.name))
-        self.step_source.load_loader_state(state["loader"])
-        self.step_source.load_ahead(path, setting_changes(state, self.cfg.model_dump(mode="json")))
-        self.kl_ctrl.resume(float(state["kl_coef"]))
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
         version = int(state.get("weight_version", step))
+        self.step_source.load_loader_state(state["loader"])
+        changes = setting_changes(state, self.cfg.model_dump(mode="json"))
+        self.step_source.load_ahead(path, changes, version=version)
+        self.kl_ctrl.resume(float(state["kl_coef"]))
         print(f"resumed from {path} at step {step} (weights of version {version})", flush=True)
         return step
 

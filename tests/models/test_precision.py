@@ -2,11 +2,15 @@
 never trained stored in bf16 without changing a result, and the weight sync's casts."""
 
 import copy
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 from tests.model_support import tiny_moe, tiny_qwen2, tiny_sliding
@@ -37,6 +41,7 @@ from verlite.models.precision import (
     inference_dtypes,
     store_for_generation,
     store_for_inference,
+    stored_copy,
 )
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
@@ -258,6 +263,98 @@ def test_other_precisions_store_every_model_as_it_is() -> None:
         stored = store_for_inference(copy.deepcopy(policy), precision)
         pairs = zip(stored.parameters(), policy.parameters(), strict=True)
         assert all(torch.equal(a, b) for a, b in pairs)
+
+
+class _Allocations(TorchDispatchMode):
+    """The storages the operators run under it create: the dtype and shape of the last
+    tensor each storage backed when an operator returned it (a deep-copied buffer's storage
+    is cloned as bytes, then set into a tensor of its dtype), each storage kept alive so that
+    no later one reuses its address."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: dict[int, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._kept: list[torch.UntypedStorage] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.numel():
+                storage = tensor.untyped_storage()
+                self.made[storage.data_ptr()] = (tensor.dtype, tuple(tensor.shape))
+                self._kept.append(storage)
+        return out
+
+
+def _storages(model: nn.Module) -> dict[int, torch.Tensor]:
+    tensors = [*model.parameters(), *model.buffers()]
+    return {tensor.untyped_storage().data_ptr(): tensor for tensor in tensors}
+
+
+def _structure(model: nn.Module) -> dict[str, object]:
+    """What a stored copy is made of besides its values: its modules, each state entry's
+    dtype and shape, each parameter's requires_grad, which names share one tensor (a tied
+    head), and whether its config ties the head."""
+    params = list(model.named_parameters(remove_duplicate=False))
+    first = {}
+    for name, param in params:
+        first.setdefault(id(param), name)
+    return {
+        "modules": [(name, type(module).__name__) for name, module in model.named_modules()],
+        "state": [(n, v.dtype, tuple(v.shape)) for n, v in model.state_dict().items()],
+        "requires_grad": [(name, param.requires_grad) for name, param in params],
+        "tied": [(name, first[id(param)]) for name, param in params],
+        "tie_word_embeddings": model.config.tie_word_embeddings,
+    }
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+@pytest.mark.parametrize("generation", [False, True])
+@pytest.mark.parametrize("kind", ["untied", "tied", "lora"])
+def test_a_stored_copy_is_cast_as_it_is_copied_into_the_copy_a_deep_copy_cast_after_makes(
+    precision: str, generation: bool, kind: str
+) -> None:
+    """``stored_copy`` (an actor's reference; with ``generation``, its generation copy)
+    allocates the tensors the copy holds and nothing else of their shapes: no full-precision
+    duplicate of a parameter stored in bf16 (a deep copy cast afterwards held the whole
+    fp32 model a second time first). The copy is what that made, bit for bit and in
+    structure (modules, dtypes, requires_grad, a LoRA policy's frozen base and trained
+    adapters, a tied head kept tied or made its own), and the policy is left as it was."""
+    cfg = config(f"model.precision={precision}", *(["actor.lora.rank=4"] * (kind == "lora")))
+    if kind == "tied":
+        policy = _tied_qwen2()
+    else:
+        policy = build_policy(
+            cfg.model, vocab_size=64, max_positions=64, seed=0, lora=cfg.actor.lora
+        )
+    store = store_for_generation if generation else store_for_inference
+    before = {name: (param, param.dtype) for name, param in policy.named_parameters()}
+    with _Allocations() as allocations:
+        ours = stored_copy(policy, precision, generation=generation)
+    theirs = store(copy.deepcopy(policy), precision)
+    assert _structure(ours) == _structure(theirs)
+    trained = {param.requires_grad for param in ours.parameters()}
+    assert trained == ({False, True} if kind == "lora" else {True})  # a LoRA base is frozen
+    held = theirs.state_dict()
+    for name, value in ours.state_dict().items():
+        assert torch.equal(value, held[name]), name
+    assert {n: (p, p.dtype) for n, p in policy.named_parameters()} == before
+    # Every new tensor of a parameter's shape is one the copy holds.
+    shapes = {tuple(param.shape) for param in policy.parameters()}
+    source = _storages(policy)
+    made = Counter(
+        made
+        for where, made in allocations.made.items()
+        if where not in source and made[1] in shapes
+    )
+    kept = Counter(
+        (tensor.dtype, tuple(tensor.shape))
+        for tensor in _storages(ours).values()
+        if tuple(tensor.shape) in shapes
+    )
+    assert made == kept
+    if precision == "bf16-mixed":
+        assert torch.bfloat16 in {dtype for dtype, _ in kept}
 
 
 def test_a_bf16_mixed_weight_sync_sends_what_the_rollout_model_holds() -> None:

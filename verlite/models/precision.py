@@ -152,16 +152,40 @@ def store_for_generation(model: ModuleT, precision: str) -> ModuleT:
     if head is not None:
         linear = output_embeddings(model)
         assert isinstance(linear, nn.Linear)  # the linear head untied_head found
-        # frozen where the embedding is (a LoRA policy's base: what an adapters-only sync checks)
+        # cast as it is made (no full-precision head first); frozen where the embedding is (a
+        # LoRA policy's base: what an adapters-only sync checks)
         tied = linear.weight
-        linear.weight = nn.Parameter(tied.detach().clone(), requires_grad=tied.requires_grad)
+        dtype = generation_dtypes(model, precision)[head]
+        linear.weight = nn.Parameter(tied.detach().to(dtype), requires_grad=tied.requires_grad)
         config_of(model).tie_word_embeddings = False
     return store_for_inference(model, precision)
 
 
 @torch.no_grad()
+def stored_copy(model: ModuleT, precision: str, *, generation: bool = False) -> ModuleT:
+    """A copy of ``model`` stored as :func:`store_for_inference` stores a model that is never
+    trained (an actor's reference) or, with ``generation``, as :func:`store_for_generation`
+    stores one that only samples (a colocated actor's generation copy); ``model`` is left as
+    it is. Each parameter is cast as it is copied (a deep copy
+    whose memo already holds it in its stored dtype): making the copy holds ``model`` and
+    the copy in its stored dtypes, where a deep copy cast afterwards held a second
+    full-precision model first (under bf16-mixed, 28 GB for a 7B policy, on every rank).
+    The same copy bit for bit: casting before copying rounds as casting after does."""
+    dtypes = inference_dtypes(model, precision)
+    memo: dict[int, object] = {}
+    for name, param in model.named_parameters():
+        if param.dtype != dtypes[name]:
+            # as ``Parameter.__deepcopy__`` copies it (its class, its requires_grad), cast
+            memo[id(param)] = type(param)(param.detach().to(dtypes[name]), param.requires_grad)
+    copied = copy.deepcopy(model, memo)
+    if generation:
+        return store_for_generation(copied, precision)
+    return store_for_inference(copied, precision)
+
+
+@torch.no_grad()
 def refresh_inference_copy(copy: nn.Module, read: Callable[[str], torch.Tensor]) -> None:
-    """Bring ``copy`` (a model deep-copied, then :func:`store_for_generation`) up to date
+    """Bring ``copy`` (a model's :func:`stored_copy` for generation) up to date
     with that model's current state, in place and cast to the copy's dtypes: its tensors
     keep their addresses, which a captured CUDA graph reads. ``read(name)``: the model's
     current tensor of that name, whole (an actor's sharded one gathered: ``ActorWorker``),

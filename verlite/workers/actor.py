@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
 from collections.abc import Iterator, Sequence
 from functools import partial
@@ -45,8 +44,7 @@ from verlite.models.precision import (
     autocast,
     generation_dtypes,
     refresh_inference_copy,
-    store_for_generation,
-    store_for_inference,
+    stored_copy,
     untied_head,
 )
 from verlite.models.varlen import use_verlite_attention
@@ -86,9 +84,10 @@ def generation_copy(policy: nn.Module, cfg: Config, decode: DecodeSettings) -> n
     """What a colocated actor generates from besides its trained model
     (``Config.generation_copied``), made from ``policy`` before it is wrapped for training:
     a copy stored for generation as a rollout worker's model is
-    (``models.precision.store_for_generation``: under bf16-mixed bf16 linear weights and a
-    tied head made its own bf16 one, computing bit for bit what the trained model computes
-    under autocast), refreshed in place before each generation (``refresh_inference_copy``).
+    (``models.precision.stored_copy``, ``store_for_generation``: under bf16-mixed bf16
+    linear weights and a tied head made its own bf16 one, computing bit for bit what the
+    trained model computes under autocast), refreshed in place before each generation
+    (``refresh_inference_copy``).
     An FSDP actor's is whole on its device: it gathers the shards once per generation, where
     generating through the sharded model would gather every layer at every decode step (from
     the host with ``actor.offload=all``), its ranks in lockstep. A captured step reads fixed
@@ -97,7 +96,7 @@ def generation_copy(policy: nn.Module, cfg: Config, decode: DecodeSettings) -> n
     model generates, autocast casting its weights once per generation."""
     if not cfg.generation_copied(decode.mode):
         return None
-    return store_for_generation(copy.deepcopy(policy), cfg.precision)
+    return stored_copy(policy, cfg.precision, generation=True)
 
 
 class ActorWorker(TrainingWorker, PolicyWorker):
@@ -117,9 +116,7 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         # off (``models.lora``), no copy.
         self._reference_home = reference_home(cfg.actor.offload, device)
         self.reference = (
-            store_for_inference(copy.deepcopy(policy), cfg.precision)
-            .requires_grad_(False)
-            .to(self._reference_home)
+            stored_copy(policy, cfg.precision).requires_grad_(False).to(self._reference_home)
             if cfg.use_reference and not self.lora
             else None
         )

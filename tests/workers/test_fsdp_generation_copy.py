@@ -4,16 +4,21 @@ model in lockstep: on spawned gloo ranks, after a training step, the copy holds 
 actor's gathered weights and samples the tokens and rollout log-probs that today's path,
 the sharded model decoding in lockstep, samples, bit for bit."""
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from chat_model_support import save_chat_model
+from tensordict import TensorDict
+from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.distributed import full_state_dict, inference_module, run_on_ranks, sharded
 from verlite.generation import Sampler, SamplingParams, sample_keys
+from verlite.workers import actor as actor_module
 from verlite.workers.actor import ActorWorker
 
 
@@ -31,10 +36,8 @@ def _config(tmp_path: Path, *overrides: str) -> Config:
     )
 
 
-def _train_then_generate(rank: int, world: int, cfg: Config) -> dict[str, Any]:
-    """On each rank: a colocated FSDP actor of ``cfg`` trains a step on its own rollout, then
-    generates its half of 8 prompts from its copy and, as today's path did, through its
-    sharded model in lockstep; returns both, the copy's state and the gathered policy."""
+def _actor(rank: int, world: int, cfg: Config) -> ActorWorker:
+    """This rank's colocated FSDP actor of ``cfg``, built."""
     tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
     ids = {
         "vocab_size": len(tokenizer),
@@ -46,65 +49,189 @@ def _train_then_generate(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     copy = actor._generation_copy
     assert copy is not None and not sharded(copy) and sharded(actor.engine.model)
     assert actor.sampler.model is copy and not actor.sampler.lockstep
+    return actor
+
+
+def _count_gathers() -> list[int]:
+    """The gathers the actors' generations run from now on: each ``full_tensor`` call of
+    ``workers.actor``, counted in this spawned rank's process (the real gather runs)."""
+    gathers = [0]
+    gather = actor_module.full_tensor
+
+    def counted(value: torch.Tensor) -> torch.Tensor:
+        gathers[0] += 1
+        return gather(value)
+
+    actor_module.full_tensor = counted
+    return gathers
+
+
+def _prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, rank: int, draw: int) -> TensorDict:
+    """This rank's half of a draw's 8 prompts (a dynamic-sampling refill draws others)."""
     train_set, _ = build_datasets(cfg, tokenizer)
+    first = 8 * draw + 4 * rank
     prompts = prompt_tensordict(
-        train_set[4 * rank : 4 * rank + 4],
+        train_set[first : first + 4],
         tokenizer,
         max_prompt_length=cfg.data.max_prompt_length,
         repeat=2,
         temperature=1.0,
     )
-    prompts["sample_key"] = sample_keys(cfg.trainer.seed, 1, 8, 2)[8 * rank : 8 * rank + 8]
-    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
-    before = full_state_dict(actor.engine.model)
-    batch = actor.generate_with_log_probs(prompts, sampling, 7, True)
-    batch["advantages"] = torch.randn(batch["response_mask"].shape) * batch["response_mask"]
-    actor.engine.train_mini_batch(batch, actor.loss_fn)
-    ours = actor.generate(prompts, sampling, 8)
+    prompts["sample_key"] = sample_keys(cfg.trainer.seed, draw, 8, 2)[8 * rank : 8 * rank + 8]
+    return prompts
+
+
+def _in_lockstep(actor: ActorWorker, prompts: TensorDict, seed: int) -> TensorDict:
+    """Today's path: ``prompts`` sampled through the sharded model, its ranks in lockstep."""
+    sampling = SamplingParams(max_new_tokens=actor.cfg.rollout.max_response_length)
     lockstep = Sampler(
         inference_module(actor.engine.model),
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=actor.eos_token_id,
+        pad_token_id=actor.pad_token_id,
         lockstep=True,
-        decode=actor.decode_settings(copy, actor.engine.device, lockstep=True, trains_on=True),
+        decode=actor.decode_settings(
+            actor.sampler.model, actor.engine.device, lockstep=True, trains_on=True
+        ),
     )
-    theirs = actor.sample(
-        lockstep.generate, prompts, sampling, 8, None, device=actor.engine.device, cache_casts=False
+    return actor.sample(
+        lockstep.generate,
+        prompts,
+        sampling,
+        seed,
+        None,
+        device=actor.engine.device,
+        cache_casts=False,
     ).cpu()
-    return {
-        "ours": ours,
-        "theirs": theirs,
-        "copy": {name: value.clone() for name, value in copy.state_dict().items()},
-        "before": before,
-        "after": full_state_dict(actor.engine.model),
-    }
+
+
+def _distinct(model: torch.nn.Module) -> int:
+    return len({id(value) for value in model.state_dict(keep_vars=True).values()})
+
+
+def _train_then_generate(rank: int, world: int, cfg: Config) -> dict[str, Any]:
+    """On each rank: a colocated FSDP actor of ``cfg`` generates three draws of a step (a
+    dynamic-sampling step's first draw and two refills) at each of three weight versions,
+    the initial policy's and those of two training steps, from its copy and, as today's
+    path did, through its sharded model in lockstep; returns both, the gathers each
+    version's draws ran, and the copy's state and the gathered policy after each step."""
+    actor, gathers = _actor(rank, world, cfg), _count_gathers()
+    copy = actor._generation_copy
+    assert copy is not None
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+    out: dict[str, Any] = {"ours": [], "theirs": [], "gathers": [], "copy": [], "after": []}
+    out["distinct"], out["entries"] = _distinct(copy), len(copy.state_dict())
+    trained_on: TensorDict | None = None  # the last step's first draw
+    for version in range(3):
+        if trained_on is not None:
+            advantages = torch.randn(trained_on["response_mask"].shape)
+            trained_on["advantages"] = advantages * trained_on["response_mask"]
+            actor.engine.train_mini_batch(trained_on, actor.loss_fn)
+        counted = gathers[0]
+        for draw in range(3):
+            prompts = _prompts(cfg, tokenizer, rank, 3 * version + draw)
+            seed = 10 * version + draw
+            ours = actor.generate(prompts, sampling, seed, in_step=True)
+            if draw == 0:
+                trained_on = ours.clone()
+                trained_on.update(actor.compute_log_probs(ours, True))
+            out["ours"].append(ours)
+            out["theirs"].append(_in_lockstep(actor, prompts, seed))
+        out["gathers"].append(gathers[0] - counted)
+        out["copy"].append({name: value.clone() for name, value in copy.state_dict().items()})
+        out["after"].append(full_state_dict(actor.engine.model))
+    return out
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "tied"),
     [
-        ("rollout.decode=eager",),
-        ("rollout.decode=static", "actor.offload=all"),
-        ("rollout.decode=static", "actor.lora.rank=4"),
+        (("rollout.decode=eager",), False),
+        (("rollout.decode=static", "actor.offload=all"), False),
+        (("rollout.decode=static", "actor.lora.rank=4"), False),
+        (("rollout.decode=eager",), True),
     ],
 )
 def test_a_colocated_fsdp_actor_generates_from_its_gathered_copy_what_its_shards_would(
-    overrides: tuple[str, ...], tmp_path: Path
+    overrides: tuple[str, ...], tied: bool, tmp_path: Path
 ) -> None:
+    """The copy samples what the shards would at every weight version, refreshed once a
+    version: its first draw after a step gathers each distinct tensor of the copy once (a
+    head the copy keeps tied to the embedding, a ``model.path`` Qwen2's in fp32, once, not
+    under both names), a step's refills (``algorithm.dynamic_sampling``) and the initial
+    policy's draws (the copy is made from it) gather nothing."""
+    if tied:
+        save_chat_model(tmp_path / "model")
+        overrides = (*overrides, f"model.path={tmp_path / 'model'}")
     cfg = _config(tmp_path, *overrides)
     assert cfg.precision == "fp32" and not cfg.actor_lockstep
     ranks = run_on_ranks(_train_then_generate, world_size=2, args=(cfg,), timeout_s=300)
     for out in ranks:
+        for ours, theirs in zip(out["ours"], out["theirs"], strict=True):
+            assert sorted(ours.keys()) == sorted(theirs.keys())
+            assert bool(ours["response_mask"].any())
+            for key in sorted(theirs.keys()):
+                assert torch.equal(torch.as_tensor(ours[key]), torch.as_tensor(theirs[key])), key
+        assert out["gathers"] == [0, out["distinct"], out["distinct"]]
+        assert (out["distinct"] < out["entries"]) is tied
+        # Each step moved the policy, and the copy the rank generated from holds it, whole
+        # (before the first step: the initial policy, which it was copied from).
+        for before, after in itertools.pairwise(out["after"]):
+            assert any(not torch.equal(before[n], v) for n, v in after.items())
+        for copy, after in zip(out["copy"], out["after"], strict=True):
+            assert copy.keys() == after.keys()
+            for name, value in copy.items():
+                assert torch.equal(value, after[name]), name
+
+
+def _trained_then_resumed(rank: int, world: int, cfg: Config, folder: Path) -> dict[str, Any]:
+    """On each rank: a colocated FSDP actor of ``cfg`` trains a step, saves a checkpoint in
+    ``folder`` and generates; a fresh actor then loads it and generates the same prompts.
+    Returns both generations, the resumed copy's state, the resumed policy gathered and the
+    gathers of the resumed actor's generation."""
+    trained = _actor(rank, world, cfg)
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
+    batch = trained.generate_with_log_probs(_prompts(cfg, tokenizer, rank, 0), sampling, 7, True)
+    batch["advantages"] = torch.randn(batch["response_mask"].shape) * batch["response_mask"]
+    trained.engine.train_mini_batch(batch, trained.loss_fn)
+    trained.save_checkpoint(str(folder))
+    prompts = _prompts(cfg, tokenizer, rank, 1)
+    theirs = trained.generate(prompts, sampling, 8)
+    resumed = _actor(rank, world, cfg)
+    resumed.load_checkpoint(str(folder))
+    gathers = _count_gathers()
+    ours = resumed.generate(prompts, sampling, 8)
+    copy = resumed._generation_copy
+    assert copy is not None
+    return {
+        "ours": ours,
+        "theirs": theirs,
+        "gathers": gathers[0],
+        "distinct": _distinct(copy),
+        "copy": {name: value.clone() for name, value in copy.state_dict().items()},
+        "resumed": full_state_dict(resumed.engine.model),
+        "trained": full_state_dict(trained.engine.model),
+    }
+
+
+def test_a_resumed_fsdp_actor_generates_from_the_weights_it_loaded(tmp_path: Path) -> None:
+    """A checkpoint loaded moves the weights on without an update: the resumed actor's copy
+    (made from the initial policy) is refreshed before it generates, and it samples what the
+    actor that saved the checkpoint does, bit for bit."""
+    cfg = _config(tmp_path, "rollout.decode=eager")
+    args = (cfg, tmp_path / "checkpoint")
+    ranks = run_on_ranks(_trained_then_resumed, world_size=2, args=args, timeout_s=300)
+    for out in ranks:
         ours, theirs = out["ours"], out["theirs"]
         assert sorted(ours.keys()) == sorted(theirs.keys())
-        assert bool(ours["response_mask"].any())
         for key in sorted(theirs.keys()):
             assert torch.equal(torch.as_tensor(ours[key]), torch.as_tensor(theirs[key])), key
-        # The step moved the policy, and the copy the rank generated from holds it, whole.
-        assert any(not torch.equal(out["before"][n], v) for n, v in out["after"].items())
-        assert out["copy"].keys() == out["after"].keys()
+        assert out["gathers"] == out["distinct"]
+        assert out["copy"].keys() == out["resumed"].keys() == out["trained"].keys()
         for name, value in out["copy"].items():
-            assert torch.equal(value, out["after"][name]), name
+            assert torch.equal(value, out["resumed"][name]), name
+            assert torch.equal(value, out["trained"][name]), name
 
 
 def test_a_colocated_fsdp_actor_captures_graphs_and_takes_turns_a_split_runs_validates_in_lockstep(

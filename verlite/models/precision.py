@@ -185,13 +185,17 @@ def stored_copy(model: ModuleT, precision: str, *, generation: bool = False) -> 
 
 @torch.no_grad()
 def refresh_inference_copy(copy: nn.Module, read: Callable[[str], torch.Tensor]) -> None:
-    """Bring ``copy`` (a model's :func:`stored_copy` for generation) up to date
-    with that model's current state, in place and cast to the copy's dtypes: its tensors
-    keep their addresses, which a captured CUDA graph reads. ``read(name)``: the model's
-    current tensor of that name, whole (an actor's sharded one gathered: ``ActorWorker``),
-    called in the copy's state order, the same on every rank."""
+    """Bring ``copy`` (a model's :func:`stored_copy` for generation) up to date with that
+    model's current state, in place and cast to the copy's dtypes: its tensors keep their
+    addresses, which a captured CUDA graph reads. ``read(name)``: the model's current tensor
+    of that name, whole (an actor's sharded one gathered: ``ActorWorker``), called once for
+    each distinct tensor of the copy (a head the copy keeps tied is the embedding: read
+    under the embedding's name alone), in the copy's state order, the same on every rank."""
+    seen: set[int] = set()
     for name, target in copy.state_dict(keep_vars=True).items():
-        target.copy_(read(name))
+        if id(target) not in seen:
+            seen.add(id(target))
+            target.copy_(read(name))
 
 
 def cast_weights(model: ModuleT, dtype: torch.dtype) -> ModuleT:

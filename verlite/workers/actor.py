@@ -86,9 +86,9 @@ def generation_copy(policy: nn.Module, cfg: Config, decode: DecodeSettings) -> n
     a copy stored for generation as a rollout worker's model is
     (``models.precision.stored_copy``, ``store_for_generation``: under bf16-mixed bf16
     linear weights and a tied head made its own bf16 one, computing bit for bit what the
-    trained model computes under autocast), refreshed in place before each generation
-    (``refresh_inference_copy``).
-    An FSDP actor's is whole on its device: it gathers the shards once per generation, where
+    trained model computes under autocast), refreshed in place before a generation when the
+    trained weights changed since (``refresh_inference_copy``: ``ActorWorker.generate``).
+    An FSDP actor's is whole on its device: it gathers the shards once per weight version, where
     generating through the sharded model would gather every layer at every decode step (from
     the host with ``actor.offload=all``), its ranks in lockstep. A captured step reads fixed
     addresses, and from the fp32 model it would cast every weight again at every replayed
@@ -140,6 +140,9 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             device=device,
             precision=cfg.precision,
         )
+        # The version of the trained weights the generation copy holds: the initial policy's,
+        # which it was copied from (``TrainEngine.weights_version``).
+        self._copy_version = self.engine.weights_version
         trained = inference_module(self.engine.model)
         self.sampler = Sampler(
             trained if self._generation_copy is None else self._generation_copy,
@@ -188,11 +191,16 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         step's, reported with the update."""
         if in_step:
             self.peak_memory.begin()
-        if self._generation_copy is not None:
+        version = self.engine.weights_version
+        if self._generation_copy is not None and self._copy_version != version:
             # Collective under FSDP2: each shard gathered whole once, where it is (a shard
             # offloaded to the host copied to the device first: ``distributed.full_tensor``).
+            # Only when the weights changed since the copy's last refresh: a step's further
+            # draws (``algorithm.dynamic_sampling``) and a validation reuse it. Every rank
+            # decides alike: the version moves on every rank at once.
             state = model_state(self.engine.model)
             refresh_inference_copy(self._generation_copy, lambda name: full_tensor(state[name]))
+            self._copy_version = version
         cache_casts = not sharded(self.sampler.model)
         return self.sample(
             self.sampler.generate,

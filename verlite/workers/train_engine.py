@@ -162,6 +162,9 @@ class TrainEngine:
         elif cfg.strategy == "ddp":
             model = apply_ddp(model)
         self.model = model
+        # Moves on whenever the model's weights change (an update, a checkpoint loaded), alike
+        # on every rank: what a copy of them (an actor's generation copy) is kept current by.
+        self.weights_version = 0
         optim = cfg.optim
         self.optimizer = build_optimizer(model, optim)
         self.nonfinite_streak = 0
@@ -203,6 +206,7 @@ class TrainEngine:
         if finite:  # a skipped update consumes no step of the LR schedule either
             self._optimizer_step()
             self.scheduler.step()
+            self.weights_version += 1
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
         out = reduce_metrics(micro_metrics, Stage.MICRO_BATCHES)
         out[f"{prefix}/grad_norm"] = Metric.mean(grad_norm)
@@ -300,6 +304,7 @@ class TrainEngine:
         load_train_state(
             self.model, self.optimizer, path / TRAIN_STATE, create_state=self._create_state
         )
+        self.weights_version += 1
         self.scheduler.load_state_dict(json.loads((path / SCHEDULE).read_text()))
         self._apply_settings()
         if self.scheduler.last_epoch == 0:

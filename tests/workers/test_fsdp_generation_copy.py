@@ -1,8 +1,8 @@
 """A colocated FSDP actor generates from a whole copy of its policy on its own device
-(``workers.actor.generation_copy``), gathered once per generation, not through its sharded
-model in lockstep: on spawned gloo ranks, after a training step, the copy holds the
-actor's gathered weights and samples the tokens and rollout log-probs that today's path,
-the sharded model decoding in lockstep, samples, bit for bit."""
+(``workers.actor.generation_copy``), gathered once per weight version (an update, a
+checkpoint loaded), not through its sharded model in lockstep: on spawned gloo ranks, at
+each version the copy holds the actor's gathered weights and samples the tokens and rollout
+log-probs that today's path, the sharded model decoding in lockstep, samples, bit for bit."""
 
 import itertools
 from pathlib import Path

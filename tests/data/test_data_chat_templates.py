@@ -25,7 +25,13 @@ from chat_model_support import (
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, load_config
-from verlite.data import DataError, PromptDataset, build_datasets, load_tokenizer
+from verlite.data import (
+    DataError,
+    PromptDataset,
+    build_datasets,
+    load_tokenizer,
+    record_conversation,
+)
 from verlite.driver.step_source import StepSource
 
 SYSTEM = "You are a careful tutor."
@@ -135,6 +141,40 @@ def test_prompts_are_the_tokens_of_apply_chat_template(
     assert real_tokens(source._tensordict(list(val), repeat=1, temperature=0.0)) == expected
     # Rewards receive the rendered text and the answer the rule took.
     assert val[0]["prompt"] == tokenizer.decode(expected[0]) and val[0]["answer"] == "72"
+
+
+# The training prompts' fingerprint of the settings below, as verlite wrote it before records
+# kept their messages: checkpoints written then resume.
+CHAT_TRAIN_FINGERPRINT = "36acc6bcf9ecf8e72a7857ef826b987e1a8dcbab58a6c87826c7feb307d6289c"
+
+
+def test_a_record_keeps_the_conversation_the_policy_read(tmp_path: Path) -> None:
+    """What a reward model reading its own chat template gets of a prompt: the messages the
+    policy's template rendered (the system turn, the question with the suffix), not the
+    rendered text; without a template, the prompt and suffix as the user's turn. The
+    datasets' fingerprint stays that of the prompts and answers. Mutations: the rendered
+    prompt as the user's turn; the fingerprint over the whole record."""
+    save_chat_model(tmp_path)
+    cfg = gsm8k_config(
+        tmp_path,
+        "data.chat_template=true",
+        f"data.system_prompt={SYSTEM}",
+        f"data.prompt_suffix={SUFFIX}",
+    )
+    train, _ = build_datasets(cfg, load_tokenizer(cfg.model.path))
+    assert [record_conversation(r) for r in train] == [
+        (
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{question} {SUFFIX}"},
+        )
+        for question, _, _ in PROBLEMS
+    ]
+    assert train.fingerprint == {"records": len(PROBLEMS), "sha256": CHAT_TRAIN_FINGERPRINT}
+    plain = gsm8k_config(tmp_path, f"data.prompt_suffix={SUFFIX}")
+    train, _ = build_datasets(plain, load_tokenizer(plain.model.path))
+    assert [record_conversation(r) for r in train] == [
+        ({"role": "user", "content": f"{question} {SUFFIX}"},) for question, _, _ in PROBLEMS
+    ]
 
 
 def test_without_a_system_prompt_the_conversation_is_the_user_turn(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from reward_model_support import save_tiny_reward_model
+from reward_model_support import chat_reward_tokenizer, save_tiny_reward_model
 from transformers import (
     AutoModelForCausalLM,
     BertConfig,
@@ -86,6 +86,10 @@ CONFIG_ERRORS = [
         "reward.model.micro_batch_size_per_worker=0: Input should be greater than 0",
     ),
     (["reward.model.workers_per_node=0"], "reward.model.workers_per_node=0: Input should be"),
+    (
+        ["reward.model.path=rm", "reward.model.chat_template=always"],
+        "reward.model.chat_template='always': allowed: auto, true, false",
+    ),
 ]
 
 
@@ -145,6 +149,14 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             num_labels=1,
         )
     ).save_pretrained(encoder)
+    # A template that takes no conversation without a system turn (the main job has none).
+    system_first = (
+        "{%- if messages[0]['role'] != 'system' %}"
+        "{{- raise_exception('a system turn must come first') }}{%- endif %}"
+    )
+    save_tiny_reward_model(
+        root / "system_first", tokenizer=chat_reward_tokenizer(system_first), max_positions=256
+    )
     no_tokenizer = root / "no_tokenizer"
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -156,6 +168,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "encoder": encoder,
         "no_tokenizer": no_tokenizer,
         "small_vocab": small_vocab,
+        "system_first": root / "system_first",
     }
 
 
@@ -193,6 +206,19 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             ["reward.model.max_length=65"],
             "reward.model.max_length=65 is more than the model's max_position_embeddings=64",
         ),
+        (
+            "good",
+            ["reward.model.chat_template=true"],
+            "reward.model.chat_template=true, but the tokenizer of reward.model.path='{path}' "
+            "has no chat template",
+        ),
+        (
+            "system_first",
+            [],
+            "the chat template of reward.model.path='{path}' fails on a conversation of turns "
+            "['user', 'assistant'] (reward.model.chat_template; false scores the prompt and "
+            "response as plain text): 'TemplateError: a system turn must come first'",
+        ),
     ],
     ids=lambda value: value if isinstance(value, str) and "=" not in value else "",
 )
@@ -219,6 +245,7 @@ def test_a_reward_model_that_cannot_score_is_one_line_before_ray(
     assert code == 2, err
     assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
     assert expected.format(path=path) in err
+    assert "(worker group" not in err  # before Ray: not a worker's refusal
 
 
 def _reading_fails(monkeypatch: pytest.MonkeyPatch, target: Path, code: int) -> None:

@@ -2,7 +2,9 @@
 returned in row order, is what a single-process Hugging Face forward of the same model gives
 the same text alone, on one worker or split over two, in micro-batches that split the rows,
 texts cut to ``reward.model.max_length`` or not; the texts are
-the policy's tokens read as text and tokenized again by the reward model's own tokenizer."""
+the policy's tokens read as text and tokenized again by the reward model's own tokenizer;
+or, for a reward model that reads its chat template, each prompt's conversation and its
+response written by that template."""
 
 from __future__ import annotations
 
@@ -11,25 +13,42 @@ from pathlib import Path
 
 import pytest
 import torch
-from reward_model_support import reference_scores, save_tiny_reward_model
+from chat_model_support import PROBLEMS, save_chat_model, write_gsm8k_parquet
+from reward_model_support import (
+    chat_reward_tokenizer,
+    reference_scores,
+    reference_scores_of_ids,
+    save_tiny_reward_model,
+)
 from tensordict import TensorDict
 from tokenizers import Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from verlite.config import load_config
+from verlite.config import Config, load_config
 from verlite.controller import WorkerGroup
 from verlite.controller.resource_pool import build_pools
 from verlite.data import (
+    PromptRecord,
+    build_datasets,
     build_task_tokenizer,
     load_reward_tokenizer,
+    load_tokenizer,
     prompt_tensordict,
+    record_conversation,
     response_text,
 )
 from verlite.data.tasks import TASK_ALPHABET
+from verlite.driver.scorer import Scorer
 from verlite.models.reward_model import encode_texts, load_reward_model, score_texts
+from verlite.rewards import resolve_reward
 from verlite.workers.peak_memory import pop_peak
-from verlite.workers.reward_model import REWARD_INPUT_KEYS, RewardModelWorker, reward_texts
+from verlite.workers.reward_model import (
+    REWARD_INPUT_KEYS,
+    RewardModelWorker,
+    chat_texts,
+    reward_texts,
+)
 
 ROWS = 10
 PROMPT_WIDTH, RESPONSE_WIDTH = 8, 6
@@ -117,6 +136,165 @@ def test_reward_group_scores_each_response_as_a_single_forward_does(
     assert nothing.batch_size == torch.Size([0])
 
 
+SYSTEM, SUFFIX = "You are a careful tutor.", "Answer with a number."
+CHAT_PROMPTS, CHAT_POSITIONS = 4, 256
+# Each row's response as the policy's tokens would write it; a row of an even index ends
+# with EOS, the others are cut at the width.
+RESPONSES = ["He has 72 apples.", "15", "It is 1,234.", "10 apples", "42", "Twelve", "9", "99."]
+
+
+@pytest.fixture(scope="module")
+def chat_folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A chat policy (Qwen2.5's turns), a GSM8K file, and two reward models of the same
+    weights and tokenizer: one whose tokenizer has a template of its own that writes BOS
+    (``chat_rm``), one without a template (``plain_rm``)."""
+    root = tmp_path_factory.mktemp("chat_rm")
+    save_chat_model(root / "policy")
+    write_gsm8k_parquet(root / "gsm8k.parquet")
+    for name, template in (("chat_rm", "default"), ("plain_rm", None)):
+        tokenizer = chat_reward_tokenizer() if template else chat_reward_tokenizer(None)
+        save_tiny_reward_model(root / name, tokenizer=tokenizer, max_positions=CHAT_POSITIONS)
+    return root
+
+
+def _chat_config(root: Path, rm: str, *overrides: str) -> Config:
+    """A run of the chat policy through its template, with data.system_prompt and
+    data.prompt_suffix, scored by the reward model ``root / rm`` alone."""
+    parquet = root / "gsm8k.parquet"
+    return load_config(
+        None,
+        [
+            f"model.path={root / 'policy'}",
+            "data.task=null",
+            f"data.train_file={parquet}",
+            f"data.val_file={parquet}",
+            "data.prompt_key=question",
+            "data.answer_rule=gsm8k",
+            "data.chat_template=true",
+            f"data.system_prompt={SYSTEM}",
+            f"data.prompt_suffix={SUFFIX}",
+            "data.max_prompt_length=128",
+            f"reward.model.path={root / rm}",
+            "reward.model.micro_batch_size_per_worker=3",
+            "trainer.cpus_per_worker=0.5",
+            *overrides,
+        ],
+    )
+
+
+def _chat_batch(cfg: Config) -> tuple[TensorDict, list[PromptRecord]]:
+    """A step batch of the first prompts, each twice (one uid), and their records: the
+    responses the policy's tokens of :data:`RESPONSES`."""
+    tokenizer = load_tokenizer(cfg.model.path)
+    train, _ = build_datasets(cfg, tokenizer)
+    records = list(train[:CHAT_PROMPTS])
+    td = prompt_tensordict(
+        records, tokenizer, max_prompt_length=128, repeat=2, temperature=1.0, bos=cfg.prompt_bos
+    )
+    encoded = [tokenizer.encode(text, add_special_tokens=False) for text in RESPONSES]
+    width = max(len(ids) for ids in encoded) + 1
+    responses = torch.full((len(RESPONSES), width), tokenizer.pad_token_id)
+    response_mask = torch.zeros(len(RESPONSES), width, dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        ids = [*ids, tokenizer.eos_token_id] if row % 2 == 0 else ids
+        responses[row, : len(ids)] = torch.tensor(ids)
+        response_mask[row, : len(ids)] = 1
+    td["input_ids"] = torch.cat([td["input_ids"], responses], dim=1)
+    td["attention_mask"] = torch.cat([td["attention_mask"], response_mask], dim=1)
+    td["responses"], td["response_mask"] = responses, response_mask
+    return td, records
+
+
+def _scored(cfg: Config, td: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
+    """The step's scores as the driver's scorer gets them from a reward group of ``cfg``'s
+    workers (the conversations sent beside the batch, the rows split over the workers)."""
+    pool, share = build_pools(cfg, ["reward"])["reward"]
+    group = WorkerGroup(
+        "reward",
+        RewardModelWorker,
+        pool,
+        share=share,
+        worker_kwargs={"cfg": cfg},
+        torch_threads=1,
+        run_id="rmchat",
+    )
+    try:
+        group.call("init_model")
+        scorer = Scorer(
+            cfg,
+            load_tokenizer(cfg.model.path),
+            reward_fn=resolve_reward(cfg),
+            remote=None,
+            reward_model=group,
+        )
+        scores, metrics = scorer.score(td, records)
+    finally:
+        group.shutdown()
+        pool.remove()
+    assert metrics["reward/model/truncated"] == 0
+    return scores
+
+
+def test_a_reward_model_reads_each_conversation_in_its_own_chat_template(
+    chat_folders: Path, local_ray
+) -> None:
+    """The reward model reads the system turn, the question as the user wrote it with the
+    suffix (not the policy's template's text) and the response as a reward function reads
+    it, as the assistant's turn, in its own template, tokenized as apply_chat_template
+    tokenizes it: one BOS, the template's. Through the driver's scorer and two workers, the
+    scores are Hugging Face's forward of those ids. Mutations: the policy's rendered prompt
+    as the user's turn (``record['prompt']``); the special tokens added again (two BOS);
+    the scorer sending no conversations (the worker reads the plain text)."""
+    cfg = _chat_config(chat_folders, "chat_rm", "reward.model.workers_per_node=2")
+    td, records = _chat_batch(cfg)
+    rm_tokenizer = load_reward_tokenizer(str(chat_folders / "chat_rm"))
+    conversations = [
+        [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"{PROBLEMS[row // 2][0]} {SUFFIX}"},
+            {"role": "assistant", "content": response},
+        ]
+        for row, response in enumerate(RESPONSES)
+    ]
+    expected = [rm_tokenizer.apply_chat_template(c, tokenize=False) for c in conversations]
+    assert expected[0].startswith(f"<s>### system:\n{SYSTEM}<|im_end|>\n### user:\nTom has")
+    policy_tokenizer = load_tokenizer(cfg.model.path)
+    texts = chat_texts(
+        policy_tokenizer,
+        rm_tokenizer,
+        td,
+        [record_conversation(r) for r in records],
+        path=str(chat_folders / "chat_rm"),
+    )
+    assert texts == expected
+    ids = [rm_tokenizer.apply_chat_template(c, tokenize=True)["input_ids"] for c in conversations]
+    bos = rm_tokenizer.bos_token_id
+    assert all(row[0] == bos and bos not in row[1:] for row in ids)
+    scores = _scored(cfg, td, records)
+    reference = torch.tensor(reference_scores_of_ids(chat_folders / "chat_rm", ids))
+    # The rows tell apart, by 10 times the tolerance: another text's score would show.
+    assert reference.sort().values.diff().min() > 1e-4
+    torch.testing.assert_close(scores, reference, rtol=0, atol=1e-5)
+
+
+def test_chat_template_false_reads_the_plain_text_as_before(chat_folders: Path, local_ray) -> None:
+    """``reward.model.chat_template=false`` with a tokenizer that has a template scores, bit
+    for bit, what a reward model without one scores (today's rule: the policy's prompt
+    decoded without its special tokens, then the response, BOS added by the tokenizer), and
+    that is Hugging Face's forward of that text. Mutation: false read as auto."""
+    cfg = _chat_config(chat_folders, "chat_rm", "reward.model.chat_template=false")
+    td, records = _chat_batch(cfg)
+    plain = _scored(_chat_config(chat_folders, "plain_rm"), td, records)
+    assert torch.equal(_scored(cfg, td, records), plain)
+    texts = [
+        f"system\n{SYSTEM}\nuser\n{PROBLEMS[row // 2][0]} {SUFFIX}\nassistant\n{response}"
+        for row, response in enumerate(RESPONSES)
+    ]
+    assert reward_texts(load_tokenizer(cfg.model.path), td) == texts
+    reference = reference_scores(chat_folders / "plain_rm", texts, max_length=CHAT_POSITIONS)
+    torch.testing.assert_close(plain, torch.tensor(reference), rtol=0, atol=1e-5)
+
+
 def test_the_response_continues_the_prompts_text_under_a_sentencepiece_decoder() -> None:
     """A SentencePiece-style tokenizer (Llama-2's, Mistral's: a ``Metaspace`` decoder) drops
     the leading space of a sequence it decodes. Decoded alone, the response's first word
@@ -160,7 +338,8 @@ def test_a_rows_score_does_not_depend_on_how_many_rows_it_is_scored_with(
     model = load_reward_model(cfg.reward.model, torch.float64)
     rng = random.Random(0)
     texts = ["".join(rng.choices("0123456789=", k=rng.randint(2, 12))) for _ in range(64)]
-    ids = encode_texts(load_reward_tokenizer(str(reward_model)), texts, max_length=MAX_LENGTH).ids
+    tokenizer = load_reward_tokenizer(str(reward_model))
+    ids = encode_texts(tokenizer, texts, max_length=MAX_LENGTH, special=True).ids
     cpu = torch.device("cpu")
     whole = score_texts(model, ids, cpu)
     alone = torch.cat([score_texts(model, [row], cpu) for row in ids])

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from verlite.config.defaults import as_dict
 from verlite.config.fields import (
@@ -66,6 +66,13 @@ def _environment_name(value: str | None) -> str | None:
             "digits, '_'; not a digit first) that holds the token, never the token itself"
         )
     return value
+
+
+def _auto_or_bool(value: Any) -> Any:
+    # One line naming what is allowed, for the union's two lines of pydantic's words.
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError(f"reward.model.chat_template={shown(value)}: allowed: auto, true, false")
 
 
 # The longest wait between two retries of a remote verifier's request (10 minutes): the
@@ -151,6 +158,17 @@ class RewardModelConfig(Section):
         description="Most reward-model tokens of one prompt + response; a longer text keeps its "
         "last tokens (the response's end, which the score is read at; reward/model/truncated "
         "counts them). None: the model's max_position_embeddings.",
+    )
+    chat_template: Annotated[bool | Literal["auto"], BeforeValidator(_auto_or_bool)] = Field(
+        "auto",
+        description="Whether the reward model reads each conversation in its tokenizer's own "
+        "chat template: the prompt's messages as the policy read them (data.system_prompt's "
+        "turn, data.prompt_suffix included; the prompt text as the user's turn without "
+        "data.chat_template), then the response as the assistant's turn, rendered and "
+        "tokenized as written (no special tokens added). false: the prompt as the policy "
+        "read it, decoded without special tokens, then the response, as plain text. auto: "
+        "true when reward.model.path's tokenizer has a chat template; true with one that has "
+        "none is refused.",
     )
 
 

@@ -7,7 +7,7 @@ from verlite.data.dataset import (
     holdout_split,
     task_records,
 )
-from verlite.data.files import DataError, PromptRecord, read_prompt_file
+from verlite.data.files import DataError, PromptRecord, read_prompt_file, record_conversation
 from verlite.data.loader import (
     PromptBatch,
     PromptLoader,
@@ -15,6 +15,7 @@ from verlite.data.loader import (
     collate_prompts,
     position_ids,
     prompt_tensordict,
+    response_texts,
     row_records,
 )
 from verlite.data.tasks import TASKS, Task
@@ -48,7 +49,9 @@ __all__ = [
     "position_ids",
     "prompt_tensordict",
     "read_prompt_file",
+    "record_conversation",
     "response_text",
+    "response_texts",
     "row_records",
     "task_records",
 ]

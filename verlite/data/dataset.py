@@ -80,7 +80,10 @@ class PromptDataset(Sequence[PromptRecord]):
         position indexes (a changed prompt file would silently continue another order)."""
         digest = hashlib.sha256()
         for record in self.records:
-            digest.update(json.dumps(record, sort_keys=True).encode() + b"\n")
+            # The prompt and answer alone: a record's messages are what its prompt was
+            # rendered from, and checkpoints written before records held them still match.
+            pair = {"prompt": record["prompt"], "answer": record["answer"]}
+            digest.update(json.dumps(pair, sort_keys=True).encode() + b"\n")
         return {"records": len(self.records), "sha256": digest.hexdigest()}
 
     @overload

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from typing_extensions import ReadOnly
 
@@ -43,10 +43,19 @@ def conversation_of(prompt: str | Conversation) -> Conversation:
 
 
 class PromptRecord(TypedDict):
-    """A prompt as the policy reads it (rendered, when it was a conversation) and its answer."""
+    """A prompt as the policy reads it (rendered, when it was a conversation) and its answer;
+    with ``data.chat_template``, the ``messages`` the template rendered into the prompt."""
 
     prompt: str
     answer: str
+    messages: NotRequired[Conversation]
+
+
+def record_conversation(record: PromptRecord) -> Conversation:
+    """The conversation a record's prompt holds, as the policy read it: the messages its chat
+    template rendered (``data.system_prompt``'s turn, ``data.prompt_suffix`` included), or
+    without one its prompt text, suffix included, as the user's turn."""
+    return record.get("messages") or conversation_of(record["prompt"])
 
 
 class SourceRecord(TypedDict):

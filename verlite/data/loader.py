@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TypedDict
+from typing import TypedDict, TypeVar
 
 import torch
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
 from verlite.data.files import DataError, PromptRecord
-from verlite.data.tokenizer import encode_prompts
+from verlite.data.tokenizer import encode_prompts, response_text
 
 STATE_KEYS = ("epoch", "position", "seed")
 
@@ -184,9 +184,24 @@ def prompt_tensordict(
     return td
 
 
-def row_records(records: Sequence[PromptRecord], uid: torch.Tensor) -> list[PromptRecord]:
+Record = TypeVar("Record")
+
+
+def row_records(records: Sequence[Record], uid: torch.Tensor) -> list[Record]:
     """The record each row of a step batch answers. ``records`` are the step's prompts as
     :func:`prompt_tensordict` got them (one per prompt, before the ``rollout.n`` repeats),
-    so a row's ``uid`` is its record's index: every consumer of records (the scoring on the
-    driver, the environments in the workers, on any share of the rows) goes through here."""
+    or what a worker needs of each (a reward model's conversations), so a row's ``uid`` is
+    its record's index: every consumer of records (the scoring on the driver, the
+    environments and the reward model in the workers, on any share of the rows) goes
+    through here."""
     return [records[i] for i in uid.tolist()]
+
+
+def response_texts(tokenizer: PreTrainedTokenizerBase, batch: TensorDict) -> list[str]:
+    """What a reward reads of each row of a step batch: its response as
+    :func:`~verlite.data.tokenizer.response_text` of its ``response_mask``'s tokens."""
+    lengths = batch["response_mask"].sum(-1).tolist()
+    return [
+        response_text(tokenizer, row[:n])
+        for row, n in zip(batch["responses"].tolist(), lengths, strict=True)
+    ]

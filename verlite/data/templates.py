@@ -6,7 +6,8 @@ its last turn's content; only a chat template renders one.
 
 The rendered text becomes the record's prompt: what batches tokenize (once, without a BOS
 of verlite's: the template writes the model's special tokens itself), what the length
-policy measures, and what reward functions receive.
+policy measures, and what reward functions receive; the messages it was rendered from stay
+in the record, for a reward model that reads them in its own template.
 
 A multi-turn trajectory (``rollout.multi_turn.env``) continues that prompt with the sampled
 tokens as they are, and writes each observation as the template's next turns
@@ -32,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 # apply_chat_template's own environment (no public accessor): what the template is read in.
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from verlite.config import Config, DataConfig
+from verlite.config import Config, ConfigError, DataConfig, RewardModelConfig
 from verlite.data.files import (
     Conversation,
     DataError,
@@ -85,17 +86,20 @@ def format_prompts(
     for location, record in zip(where, records, strict=True):
         prompt = record["prompt"]
         if data.chat_template:
-            prompt = _render(
-                location, _conversation(location, prompt, data), tokenizer, data, model_path
+            messages = _conversation(location, prompt, data)
+            text = _render(location, messages, tokenizer, data, model_path)
+            formatted.append(
+                PromptRecord(prompt=text, answer=record["answer"], messages=tuple(messages))
             )
-        elif not isinstance(prompt, str):
+            continue
+        if not isinstance(prompt, str):
             raise DataError(
                 f"{location}: field {data.prompt_key!r} (data.prompt_key) is a list of chat "
                 "messages, which only a chat template renders; set data.chat_template=true"
             )
-        else:
-            prompt = _with_suffix(location, prompt, data)
-        formatted.append(PromptRecord(prompt=prompt, answer=record["answer"]))
+        formatted.append(
+            PromptRecord(prompt=_with_suffix(location, prompt, data), answer=record["answer"])
+        )
     return formatted
 
 
@@ -347,6 +351,41 @@ def _left_out(
         if text.count(written) <= without.count(written):
             return message
     return None
+
+
+def reads_chat_template(cfg: RewardModelConfig, tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the reward model reads each conversation in its chat template
+    (``reward.model.chat_template``; ``tokenizer``: its own): ``auto`` when the tokenizer has
+    one. ``true`` with a tokenizer that has none is refused in one line."""
+    has_template = tokenizer.chat_template is not None
+    if cfg.chat_template is True and not has_template:
+        raise ConfigError(
+            f"reward.model.chat_template=true, but the tokenizer of reward.model.path="
+            f"{cfg.path!r} has no chat template (no chat_template in its "
+            "tokenizer_config.json, no chat_template.jinja); save a tokenizer that has one, "
+            "or set reward.model.chat_template=false (or auto)"
+        )
+    return has_template if cfg.chat_template == "auto" else cfg.chat_template is True
+
+
+def reward_chat_text(
+    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, response: str, *, path: str
+) -> str:
+    """The reward model's chat template's text (``tokenizer``'s, of the model in ``path``) of
+    a prompt's ``conversation`` (:func:`~verlite.data.files.record_conversation`) and then
+    ``response`` as the assistant's turn; no generation prompt: the conversation ends with
+    the response. A template that raises (one without a system role given a system turn)
+    is one line naming ``reward.model.chat_template``."""
+    messages = [*conversation, Message(role="assistant", content=response)]
+    return _apply(
+        tokenizer,
+        messages,
+        generation_prompt=False,
+        failure=f"the chat template of reward.model.path={path!r} fails on a conversation of "
+        f"turns {shown([m['role'] for m in messages])} (reward.model.chat_template; false "
+        "scores the prompt and response as plain text)",
+        variables={},
+    )
 
 
 # The stand-in conversation the turn format is read from (none of it reaches a trajectory).

@@ -22,8 +22,9 @@ from verlite.data import (
     check_fills_a_batch,
     load_reward_tokenizer,
     load_tokenizer,
+    record_conversation,
 )
-from verlite.data.templates import turn_format
+from verlite.data.templates import reads_chat_template, reward_chat_text, turn_format
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import shown
@@ -192,6 +193,16 @@ class RunInputs:
             check_tokenizer_fits(
                 cfg.reward.model.path, len(rm_tokenizer), field="reward.model.path"
             )
+            if reads_chat_template(cfg.reward.model, rm_tokenizer):
+                # A template that fails on the prompts' turns (a system turn it has no role
+                # for) fails here, not at the first step's scoring.
+                conversation = record_conversation(train_set[0])
+                reward_chat_text(rm_tokenizer, conversation, "", path=cfg.reward.model.path)
+                if cfg.reward.model.chat_template == "auto":
+                    said.append(
+                        "reward.model.chat_template=auto: the reward model's tokenizer has a "
+                        "chat template; it reads each prompt and response as a conversation in it"
+                    )
         if (norms := float32_norms_line(cfg)) is not None:
             said.append(norms)
         remote = RemoteScorer.from_config(cfg.reward.remote)

@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config
 from verlite.controller import WorkerGroup
-from verlite.data import PromptRecord, response_text, row_records
+from verlite.data import PromptRecord, record_conversation, response_texts, row_records
 from verlite.models.precision import score_dtype
 from verlite.rewards import RewardFn, score_responses
 from verlite.rewards.answer_reward import AnswerReward
@@ -57,9 +57,17 @@ class Scorer:
         pending = None
         if "model" in weights:
             assert self.reward_model is not None
+            # The prompts' conversations, one a prompt, for a reward model that may read them
+            # in its chat template (each rank reads its rows' by uid).
+            conversations = (
+                None
+                if self.cfg.reward.model.chat_template is False
+                else [record_conversation(r) for r in records]
+            )
             pending = self.reward_model.call_async(
                 "score",
                 batch.select(*REWARD_INPUT_KEYS),
+                conversations,
                 dispatch="dp_split",
                 collect="concat",
             )
@@ -104,12 +112,7 @@ class Scorer:
     ) -> tuple[list[str], list[str], list[str]]:
         """What a reward function and a remote verifier score: each decoded response, and
         its record's answer and prompt (``records``: one per prompt, by ``uid``)."""
-        texts = [
-            response_text(self.tokenizer, row[:n].tolist())
-            for row, n in zip(
-                batch["responses"], batch["response_mask"].sum(-1).tolist(), strict=True
-            )
-        ]
+        texts = response_texts(self.tokenizer, batch)
         rows = row_records(records, batch["uid"])
         answers = [r["answer"] for r in rows]
         prompts = [r["prompt"] for r in rows]

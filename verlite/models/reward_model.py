@@ -2,8 +2,9 @@
 response, read as text, with a number in [0, 1].
 
 The rule: the model reads ``prompt + response`` tokenized by its own tokenizer (its special
-tokens added, as its ``__call__`` adds them), and the score is ``sigmoid(logit)`` of its one
-label at the text's last token. Decoder classifiers (Hugging Face's
+tokens added, as its ``__call__`` adds them), or the conversation as its chat template writes
+it (``reward.model.chat_template``: no special tokens added, the template wrote them), and
+the score is ``sigmoid(logit)`` of its one label at the text's last token. Decoder classifiers (Hugging Face's
 ``GenericForSequenceClassification``: Llama, Qwen2, Mistral, ...) are accepted, as their score
 head reads that token; the last token is found from each row's length, not from the pad id
 (which may also be a real token, e.g. a pad that is the EOS). A text longer than the limit
@@ -137,13 +138,14 @@ class RewardInputs:
 
 
 def encode_texts(
-    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int, special: bool
 ) -> RewardInputs:
-    """Each text as the reward model reads it: its own special tokens added, then the last
-    ``max_length`` tokens kept (the end, where the score is read)."""
+    """Each text as the reward model reads it: its own special tokens added when ``special``
+    (a text a chat template wrote holds them already), then the last ``max_length`` tokens
+    kept (the end, where the score is read)."""
     if not texts:
         return RewardInputs([], [])
-    encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    encoded = tokenizer(list(texts), add_special_tokens=special)["input_ids"]
     return RewardInputs(
         [ids[-max_length:] for ids in encoded], [len(ids) > max_length for ids in encoded]
     )

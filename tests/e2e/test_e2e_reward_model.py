@@ -1,6 +1,7 @@
 """A whole run scored by a reward model (``reward.model.path``) and the rule-based reward
 together (``reward.combine``), on the shared Ray: the reward group is placed with the others,
-each step's score, and validation's, is the weighted sum of the sources' scores it logs."""
+each step's score, and validation's, is the weighted sum of the sources' scores it logs. And
+`verlite train` of a chat policy scored by a reward model that reads its own chat template."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from reward_model_support import save_tiny_reward_model
+from chat_model_support import save_chat_model, write_gsm8k_parquet
+from reward_model_support import chat_reward_tokenizer, save_tiny_reward_model
 
 from verlite.config import load_config
 from verlite.driver.preflight import RunInputs
@@ -61,3 +63,55 @@ def test_each_step_and_validation_score_the_weighted_sum_of_the_sources(
     assert record["val/perf/max_memory_allocated_gb/reward_model"] > 0
     placement = json.loads((scored_run / "workers.json").read_text())
     assert sorted(w["role"] for w in placement) == ["actor", "reward"]
+
+
+def test_verlite_train_scores_a_chat_policy_with_a_reward_model_in_its_own_template(
+    tmp_path: Path, cli
+) -> None:
+    """A chat policy trained through its template (a system prompt, a suffix) on a GSM8K
+    file, scored by a reward model whose tokenizer has a chat template of its own (auto: it
+    reads the conversations in it, start-up says so), for two steps and a validation: each
+    step's prompts' conversations reach the reward workers beside the batch. (That the text
+    is the template's: tests/workers/test_reward_model_worker.py.) Mutation: the scorer
+    sending no conversations: the run fails at the first scoring."""
+    save_chat_model(tmp_path / "policy")
+    rm = save_tiny_reward_model(
+        tmp_path / "rm", tokenizer=chat_reward_tokenizer(), max_positions=256
+    )
+    parquet = write_gsm8k_parquet(tmp_path / "gsm8k.parquet")
+    out = tmp_path / "run"
+    proc = cli(
+        "train",
+        "--config",
+        "configs/grpo_tiny.yaml",
+        f"trainer.output_dir={out}",
+        f"model.path={tmp_path / 'policy'}",
+        "data.task=null",
+        f"data.train_file={parquet}",
+        f"data.val_file={parquet}",
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+        "data.chat_template=true",
+        "data.system_prompt=You are a careful tutor.",
+        "data.prompt_suffix=Answer with a number.",
+        "data.max_prompt_length=128",
+        "data.train_batch_size=4",
+        "rollout.max_response_length=8",
+        "rollout.n=2",
+        "actor.ppo_mini_batch_size=8",
+        "actor.micro_batch_size_per_worker=8",
+        "trainer.total_steps=2",
+        "trainer.val_freq=2",
+        "trainer.loggers=[jsonl]",
+        f"reward.model.path={rm}",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "reward.model.chat_template=auto: the reward model's tokenizer has a chat" in proc.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert 0.0 < record["reward/model/mean"] < 1.0
+        # The score is the reward model's alone (combine {model: 1}), a float32 mean.
+        assert record["critic/score/mean"] == pytest.approx(record["reward/model/mean"], abs=1e-6)
+        assert record["reward/model/truncated"] == 0
+    assert 0.0 < records[-1]["val/reward/model/mean"] < 1.0

@@ -580,6 +580,17 @@ def test_counts_of_tokens_and_token_ids_on_a_command_line_carry_no_credential() 
     assert carries_secret("reward.api_token", "12345678")
 
 
+def test_an_error_line_shows_the_token_ids_it_refuses() -> None:
+    # A mistyped id of 8 digits or more (the line read up to its ']', '[99999999') was shown as
+    # 'rollout.stop_token_ids=***]'.
+    for line in [
+        "rollout.stop_token_ids=[99999999]: [99999999] outside the model's vocabulary",
+        "rollout.stop_token_ids=[1516450, 151643]: [1516450] outside the model's vocabulary",
+    ]:
+        assert redact_text(line) == line
+    assert redact_text("rollout.stop_token_ids=[sk-live-123456]") == "rollout.stop_token_ids=***]"
+
+
 def test_a_command_line_setting_that_holds_a_known_secret_carries_one() -> None:
     register_secret(SECRET)
     assert carries_secret("wandb.run_name", f"x{SECRET}")

@@ -80,8 +80,10 @@ _PART_BOUNDARY = re.compile(r"[\W_]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a
 # integers under such names are shown as they are (a credential-named name's other values
 # are masked like any value: ?api_tokens= holds credentials).
 _NUMBERS_NAME = re.compile(r".+ tokens|(?:.+ )?token ids?")
-# Such numbers as an override writes them: 512, [], [3, 5].
-_NUMBERS_TEXT = re.compile(r"\d+|\[\s*(\d+\s*(,\s*\d+\s*)*)?\]")
+# Such numbers as an override writes them: 512, [], [3, 5]; or a list as a message's setting
+# is read (:data:`_SETTING_VALUE`, up to a ``,`` or ``]``): ``[99999999`` of
+# ``rollout.stop_token_ids=[99999999]: ... outside the model's vocabulary``.
+_NUMBERS_TEXT = re.compile(r"\d+|\[\s*(\d+\s*(,\s*\d+\s*)*)?\]?")
 # Shorter values cannot be masked without garbling messages (a 1-character token is in most
 # words): a credential verlite reads is refused below this length (see register_secret), and
 # shorter values of credential-named variables are switches (``HF_HUB_DISABLE_IMPLICIT_TOKEN=1``).

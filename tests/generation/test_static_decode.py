@@ -1,10 +1,12 @@
 """The static decode path (``verlite.generation.decode``) against the eager sampler: the same
-tokens, log-probs and masks, bit for bit on CPU, with rows compacted out as they finish."""
+tokens, log-probs and masks, bit for bit on CPU, with rows compacted out as they finish. Every
+test here multiplies matrices a row at a time (``tests.batch_invariant_support``): the paths
+multiply different numbers of rows, and a BLAS rounds a row by how many it multiplies."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from types import SimpleNamespace
@@ -16,6 +18,7 @@ from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from tests.batch_invariant_support import RowByRowMatmul
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_qwen2, tiny_sliding
 from verlite.config import LoraConfig, ModelConfig
@@ -23,6 +26,12 @@ from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingPara
 from verlite.generation.decode import GraphCaptureFailed, StaticDecoder, buckets_for
 from verlite.models import build_policy
 from verlite.models.lora import apply_lora
+
+
+@pytest.fixture(autouse=True)
+def row_by_row() -> Iterator[None]:
+    with RowByRowMatmul():
+        yield
 
 
 class RecordedGraphs(StaticDecoder):

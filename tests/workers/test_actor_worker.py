@@ -91,6 +91,62 @@ def test_generate_with_log_probs_equals_generate_then_log_probs(
     assert bool(fused["response_mask"].any()) and bool((fused["old_log_probs"] < 0).any())
 
 
+def _reference_and_old_log_probs(
+    rank: int, world: int, cfg: Config, ids: dict[str, int], prompts: TensorDict
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """On each of ``world`` ranks (spawned, or this process alone): an actor of ``cfg`` that
+    has not trained yet, its reference and old log-probs of its share of ``prompts``."""
+    actor = ActorWorker(rank=rank, world_size=world, torch_threads=1, role="actor", cfg=cfg, **ids)
+    actor.init_model()
+    sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
+    batch = actor.generate_with_log_probs(prompts[rank::world], sampling, 7, True)
+    assert bool(batch["response_mask"].any())
+    return batch["ref_log_prob"], batch["old_log_probs"]
+
+
+@pytest.mark.parametrize(
+    ("precision", "strategy", "workers"),
+    [("fp32", "ddp", 1), ("bf16-mixed", "ddp", 1), ("bf16-mixed", "fsdp", 2)],
+)
+def test_a_packing_actors_reference_gives_the_initial_policys_log_probs(
+    precision: str, strategy: str, workers: int, tmp_path: Path
+) -> None:
+    """The reference (a KL term) is the initial policy stored as models that are never
+    trained are: under bf16-mixed, bf16 linear layers, which compute only under autocast.
+    Switched to packed attention after it was stored, the forward that proves packed
+    sequences stay apart ran them without autocast and the actor failed to start ("expected
+    m1 and m2 to have the same dtype"). Before any update its log-probs are the policy's,
+    bit for bit, on one worker and on each of two FSDP ranks."""
+    from verlite.distributed import run_on_ranks
+
+    cfg = load_config(
+        "configs/ppo_tiny.yaml",
+        [
+            f"model.precision={precision}",
+            "actor.packing=true",
+            "actor.use_kl_loss=true",
+            f"actor.strategy={strategy}",
+            f"trainer.workers_per_node={workers}",
+            "actor.micro_batch_size_per_worker=8",
+            "critic.micro_batch_size_per_worker=8",
+            f"trainer.output_dir={tmp_path}",
+        ],
+    )
+    tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+    train_set, _ = build_datasets(cfg, tokenizer)
+    prompts = _sampled_prompts(cfg, tokenizer, train_set)
+    ids = {k: v for k, v in _one_rank("actor", cfg, tokenizer).items() if k.endswith("_id")}
+    ids["vocab_size"] = len(tokenizer)
+    if workers == 1:
+        ranks = [_reference_and_old_log_probs(0, 1, cfg, ids, prompts)]
+    else:
+        ranks = run_on_ranks(
+            _reference_and_old_log_probs, world_size=workers, args=(cfg, ids, prompts)
+        )
+    for reference, old in ranks:
+        assert torch.equal(reference, old)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_rollout_worker_with_the_actors_weights_generates_the_actors_batch(
     tmp_path: Path, tied: bool

@@ -115,13 +115,15 @@ class ActorWorker(TrainingWorker, PolicyWorker):
         # A LoRA policy's initial policy is its base: the policy itself with its adapters
         # off (``models.lora``), no copy.
         self._reference_home = reference_home(cfg.actor.offload, device)
-        self.reference = (
-            stored_copy(policy, cfg.precision).requires_grad_(False).to(self._reference_home)
-            if cfg.use_reference and not self.lora
-            else None
-        )
-        if self.reference is not None:
-            use_verlite_attention(self.reference, packing=cfg.actor.packing)
+        self.reference: nn.Module | None = None
+        if cfg.use_reference and not self.lora:
+            reference = stored_copy(policy, cfg.precision).requires_grad_(False)
+            # Switched under autocast, as its passes run: with packing, a forward proves that
+            # packed sequences stay apart, and bf16 linear layers (bf16-mixed) run only under
+            # autocast (it failed: "expected m1 and m2 to have the same dtype").
+            with autocast(cfg.precision, next(reference.parameters()).device):
+                use_verlite_attention(reference, packing=cfg.actor.packing)
+            self.reference = reference.to(self._reference_home)
         colocated = cfg.rollout.placement == "colocated"
         decode = self.decode_settings(
             policy, device, lockstep=cfg.actor_lockstep, trains_on=colocated

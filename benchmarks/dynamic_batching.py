@@ -194,7 +194,12 @@ def fit_packed_cost(trials: int = 40) -> dict[str, float]:
     policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
     enable_packing(policy)
     cost = measure_packed_cost(
-        policy, vocab_size=VOCAB, longest=LONGEST, budget=4 * LONGEST, trials=trials
+        policy,
+        precision="fp32",
+        vocab_size=VOCAB,
+        longest=LONGEST,
+        budget=4 * LONGEST,
+        trials=trials,
     )
     return {
         "us_per_token": cost.per_token * 1e6,

@@ -30,8 +30,9 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         help="measure a packed row's cost on this machine: the model.attention_crossover to set",
         description="Time forward and backward passes of the configured policy over packed rows "
         "(sequences of 8 up to data.max_prompt_length + rollout.max_response_length tokens, up to "
-        "the token budget a row) on the device the workers would use, fit seconds ~ a x tokens + "
-        "b x sum of squared lengths + c, and print a / b: the model.attention_crossover that "
+        "the token budget a row) on the device the workers would use, in model.precision as "
+        "training computes them, fit seconds ~ a x tokens + b x sum of squared lengths + c, "
+        "and print a / b: the model.attention_crossover that "
         "balances the DP shares of packing roles by this measurement instead of the FLOP count.",
     )
     measure.add_argument("--config", required=True, help="run config YAML")
@@ -100,6 +101,7 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
         window_passed,
     )
     from verlite.models.packing_cost import measure_packed_cost
+    from verlite.models.precision import check_precision_supported
     from verlite.models.varlen import PackingUnsupported, enable_packing
 
     vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))
@@ -111,6 +113,7 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
     if passed is not None:  # before the weights load
         raise ConfigError(f"model: {passed}")
     device = resolve_device(cfg.model)
+    check_precision_supported(cfg, on_gpu=device.type == "cuda")
     policy = build_policy(
         cfg.model,
         vocab_size=vocab_size,
@@ -132,6 +135,7 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
 
     cost = measure_packed_cost(
         policy,
+        precision=cfg.precision,
         vocab_size=vocab_size,
         longest=longest,
         budget=budget,

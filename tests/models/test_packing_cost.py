@@ -51,7 +51,7 @@ class CostLaw(nn.Module):
 
 def measure(model: CostLaw, **kwargs: int):
     settings = {"vocab_size": 50, "longest": 512, "budget": 2048, "trials": 12} | kwargs
-    return measure_packed_cost(model, clock=model.clock, **settings)
+    return measure_packed_cost(model, precision="fp32", clock=model.clock, **settings)
 
 
 def test_the_fit_recovers_the_crossover_of_a_known_cost_law() -> None:
@@ -95,6 +95,58 @@ def test_measure_packing_prints_the_crossover_to_configure(capsys) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["trials"] == 6 and out["flop_crossover"] == 578
     assert out["crossover"] is None or out["crossover"] > 0
+
+
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("fp32", torch.float32), ("bf16-mixed", torch.bfloat16), ("bf16", torch.bfloat16)],
+)
+def test_measure_packing_times_the_products_in_the_runs_precision(
+    precision: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """Training runs a bf16-mixed forward under bf16 autocast, its matrix products in bf16
+    (``TrainEngine.train_mini_batch``): the passes measure-packing times must too. It timed
+    fp32 products under bf16-mixed, on a GPU a cost law of other kernels than the run's.
+    Every linear layer of the measured policy (the real one, built as the command builds
+    it) is watched in the timed passes, which run backward (the check that packed sequences
+    stay apart, before them, runs without gradients)."""
+    import verlite.models
+
+    seen: set[torch.dtype] = set()
+    build = verlite.models.build_policy
+
+    def watched(*args, **kwargs) -> nn.Module:
+        policy = build(*args, **kwargs)
+        for module in policy.modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(
+                    lambda _m, _i, out: seen.add(out.dtype) if torch.is_grad_enabled() else None
+                )
+        return policy
+
+    monkeypatch.setattr(verlite.models, "build_policy", watched)
+    args = ["measure-packing", "--config", CONFIG, f"model.precision={precision}"]
+    assert main([*args, "--trials", "4", "--budget", "24", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trials"] == 4
+    assert seen == {dtype}
+
+
+def test_measure_packing_on_a_gpu_without_bf16_is_refused_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """On cuda ``model.precision=auto`` is bf16-mixed, which such a GPU only emulates (CUDA
+    autocast would turn itself off there and time fp32): refused before a model is built,
+    in the line ``verlite train`` gives."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(
+        torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "Tesla T4")
+    assert main(["measure-packing", "--config", CONFIG, "model.device=cuda"]) == 2
+    assert capsys.readouterr().err == (
+        "verlite: error: model.precision=auto (which is bf16-mixed on cuda): the workers' GPU "
+        "(Tesla T4) has no bf16 arithmetic; set model.precision=fp32\n"
+    )
 
 
 @pytest.mark.parametrize(

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from verlite.models.precision import autocast
 from verlite.models.varlen import KWARG, PackedAttention
 
 SHORTEST = 8  # tokens of the shortest sequence a trial packs
@@ -76,6 +77,7 @@ def _log_uniform(rng: random.Random, low: int, high: int) -> int:
 def measure_packed_cost(
     model: nn.Module,
     *,
+    precision: str,
     vocab_size: int,
     longest: int,
     budget: int,
@@ -86,7 +88,9 @@ def measure_packed_cost(
 ) -> PackedCost:
     """Fit a packed row's cost on ``model`` (switched to packed attention, on its device):
     ``trials`` rows of sequences up to ``longest`` tokens, at most ``budget`` tokens a row,
-    each timed through a forward and backward pass (the fastest of ``REPEATS``).
+    each timed through a forward and backward pass (the fastest of ``REPEATS``) computed as
+    training computes them in ``precision`` (``model.precision`` resolved: under bf16-mixed
+    the forward under bf16 autocast).
     ``progress`` is called with the number of trials done."""
     device = next(model.parameters()).device
     rng = random.Random(seed)
@@ -101,11 +105,11 @@ def measure_packed_cost(
             "position_ids": positions,
             KWARG: PackedAttention.from_lengths(torch.tensor(lengths, device=device)),
         }
-        _forward_backward(model, inputs)  # warm-up
+        _forward_backward(model, inputs, precision)  # warm-up
         best = math.inf
         for _ in range(REPEATS):
             start = clock()
-            _forward_backward(model, inputs)
+            _forward_backward(model, inputs, precision)
             best = min(best, clock() - start)
         seconds.append(best)
         features.append([float(sum(lengths)), float(sum(n * n for n in lengths)), 1.0])
@@ -126,11 +130,12 @@ def measure_packed_cost(
     )
 
 
-def _forward_backward(model: nn.Module, inputs: dict[str, Any]) -> None:
-    out = model(**inputs)
+def _forward_backward(model: nn.Module, inputs: dict[str, Any], precision: str) -> None:
+    device = inputs["input_ids"].device
+    with autocast(precision, device):  # as TrainEngine.train_mini_batch runs a forward
+        out = model(**inputs)
     getattr(out, "logits", out).float().mean().backward()
     model.zero_grad(set_to_none=True)
-    device = inputs["input_ids"].device
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

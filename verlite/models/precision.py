@@ -432,7 +432,7 @@ def check_precision_supported(cfg: Config, *, on_gpu: bool) -> None:
     in one line naming ``model.precision`` as the user set it (``auto``: the default, which
     ``cfg.precision`` resolves), by the driver where this machine's GPU is the workers' (an
     embedded Ray), else by each worker (a cluster's GPUs are not known before it is reached),
-    and by ``verlite check-invariance``."""
+    and by ``verlite check-invariance`` and ``verlite measure-packing``."""
     precision = cfg.precision
     if not on_gpu or "bf16" not in precision or not torch.cuda.is_available():
         return

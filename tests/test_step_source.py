@@ -384,6 +384,9 @@ def test_a_kept_batch_past_a_lowered_total_steps_is_left_out_in_a_line(
         (4, 4, 1, [5], [3]),  # its last checkpoint: nothing was in flight
         (4, 4, 2, [5, 6], [2, 3]),
         (3, 2, 2, [4], [1]),  # before its end: step 3's batch kept (version 0), 4's never made
+        # a run shorter than its staleness: the uninterrupted run's first batches are all the
+        # initial weights' (version 0), none of a version below it
+        (1, 1, 2, [2, 3], [0, 0]),
     ],
 )
 def test_a_raised_total_steps_generates_the_steps_past_the_old_end_in_a_line(

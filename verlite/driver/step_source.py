@@ -278,7 +278,8 @@ class StepSource:
     ) -> None:
         """The line a resume with a raised ``trainer.total_steps`` says where it is not the
         longer run never stopped: that run generates step ``s``'s batch by the weights of
-        version ``s - 1 - max_staleness``, ahead; the checkpoint's run generated none past its
+        version ``s - 1 - max_staleness``, ahead (the initial weights, version 0, its first
+        ``max_staleness + 1`` steps'); the checkpoint's run generated none past its
         own end, and the checkpoint holds no weights older than its own, so :meth:`start`
         generates the steps past the old end that are due before ``version`` by those of
         ``version``, less stale."""
@@ -290,10 +291,11 @@ class StepSource:
         late = list(range(max(ended, version) + 1, due + 1))
         if not late:
             return
+        older = [max(0, step - 1 - self.max_staleness) for step in late]
         print(
             f"{checkpoint}: the batches of step(s) {', '.join(map(str, late))} are generated "
             f"by its weights (version {version}), not by version(s) "
-            f"{', '.join(str(step - 1 - self.max_staleness) for step in late)} as in a run of "
+            f"{', '.join(map(str, older))} as in a run of "
             f"trainer.total_steps={self.cfg.trainer.total_steps} never stopped "
             f"(rollout.max_staleness={self.max_staleness}): the run that saved it ended at "
             f"trainer.total_steps={ended} and generated nothing past it, and a checkpoint "

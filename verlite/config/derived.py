@@ -119,7 +119,7 @@ class Derived:
         """Whether the actor generates through its FSDP2 model, each decode step gathering
         every layer, its ranks in lockstep: a split run's FSDP actor, which generates the
         validation batches only. A colocated FSDP actor generates from a whole copy of its
-        policy instead (:meth:`generation_copied`), gathered once per generation."""
+        policy instead (:meth:`generation_copied`), gathered once per weight version."""
         return self.actor.strategy == "fsdp" and self.rollout.placement == "split"
 
     def generation_copied(self, decode: str) -> bool:

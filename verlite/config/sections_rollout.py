@@ -135,7 +135,7 @@ class RolloutConfig(Section):
         "each decode step captured once as a CUDA graph and replayed (cuda only; a split "
         "run's actor, which generates the validation batches only, decodes static instead; a "
         "colocated FSDP actor captures them from a whole copy of its policy, gathered once "
-        "per generation). auto: cuda_graphs on cuda (static for a split run's actor), eager "
+        "per weight version). auto: cuda_graphs on cuda (static for a split run's actor), eager "
         "on CPU. static "
         "and cuda_graphs need rollout.randomness=per_sample and a model with full attention "
         "in every layer, or sliding-window layers whose window is at least the longest "

@@ -36,19 +36,21 @@ one device command of its own):
    recipe's (a trained model stops earlier); with it the peak memory of the actor and the
    critic, and the step's split.
 
-Each part is a process of its own with its own time limit (a part past it is stopped,
-reported as such, and the rest still run), its whole output in a log under ``--output-dir``
-(default ``outputs/gpu_check``); ``summary.json`` and ``summary.md`` are written there as
-each part starts (its row RUNNING) and ends, so a device command cut at its limit keeps
-what its finished parts measured; a part whose results cannot be read leaves its traceback
-in ``<part's name>.error.log``. ``--budget-s``: the seconds the command may take in all (a device
-command's limit, less what ran before it): each part gets its own limit or what the budget
-has left, and one that would get less than ``MIN_PART_S`` is not run. ``--parts`` runs
-some of them (default: 1-4, ``make gpu-check``; a session can split the check over two
-commands, each with its own ``--output-dir``). On a machine without a GPU it says so and
-exits 0; ``--cpu`` runs every part there on tiny shapes (what CI runs, so that a typo cannot
-first show on the GPU; there the ``grpo_step`` and ``rollout`` parts' fast decode is
-``static``, as CUDA graphs need a GPU). CI does not run it otherwise. Parts 5 to 7 have not been measured on a GPU yet.
+Each part is a process of its own with its own time limit (a part past it is stopped, reported
+as such, and the rest still run), its whole output in a log under ``--output-dir`` (default
+``outputs/gpu_check``); ``summary.json`` and ``summary.md`` are written there as each part
+starts (its row RUNNING) and ends, so a device command cut at its limit keeps what its finished
+parts measured; a part whose results cannot be read leaves its traceback in
+``<row>.error.log``, its table row's name with spaces as ``_`` (``7B-shaped_GRPO.error.log``),
+not its ``--parts`` name. ``--budget-s``: the seconds the command may take in all (a device
+command's limit, less what ran before it): each part gets its own limit or what the budget has
+left, and one that would get less than ``MIN_PART_S`` is not run. ``--parts`` runs some of them
+(default: 1-4, ``make gpu-check``; a session can split the check over two commands, each with
+its own ``--output-dir``). On a machine without a GPU it says so and exits 0; ``--cpu`` runs
+the parts ``--parts`` names there on tiny shapes (what CI runs, each part, so that a typo
+cannot first show on the GPU; there the ``grpo_step`` and ``rollout`` parts' fast decode is
+``static``, as CUDA graphs need a GPU). CI does not run it otherwise. Parts 5 to 7 have not
+been measured on a GPU yet.
 """
 
 from __future__ import annotations
@@ -575,7 +577,7 @@ def _report(target: Target, done: list[Part], header: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--output-dir", default=OUTPUT_DIR)
-    parser.add_argument("--cpu", action="store_true", help="every part on CPU, tiny shapes")
+    parser.add_argument("--cpu", action="store_true", help="the --parts on CPU, tiny shapes")
     parser.add_argument(
         "--parts",
         default=",".join(CHECK),

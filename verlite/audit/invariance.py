@@ -37,7 +37,12 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from verlite.audit.tolerances import CONFIGURED_OPTIMIZER_TOLERANCE, TOLERANCE
+from verlite.audit.tolerances import (
+    CONFIGURED_OPTIMIZER_TOLERANCE,
+    TOLERANCE,
+    calibrated_tolerance,
+    noise_refusal,
+)
 from verlite.config import Config, TrainedRole, WorkerRoleConfig
 from verlite.core.losses import LOSS_AGG_MODES, GlobalCounts
 from verlite.core.metrics import MetricDict, Stage, reduce_metrics, to_floats
@@ -113,11 +118,25 @@ class LayoutReport:
     max_rel_param_diff: float
     loss_diff: float
     grad_norm_diff: float
+    tolerance: float  # what this layout is held to
+    noise: float | None  # its case's bf16 rounding noise (bf16-mixed), None when not calibrated
 
     def worst(self) -> float:
         return max(
             self.max_rel_grad_diff, self.max_rel_param_diff, self.loss_diff, self.grad_norm_diff
         )
+
+    def refusal(self) -> str | None:
+        """Why this layout gets no verdict (its case's noise is too large), None when it does."""
+        if self.noise is None:
+            return None
+        return noise_refusal(self.role, self.loss_agg_mode, self.noise)
+
+    def verdict(self) -> str:
+        """``ok``, ``FAIL`` (over its tolerance) or ``REFUSED`` (:meth:`refusal`)."""
+        if self.refusal() is not None:
+            return "REFUSED"
+        return "ok" if self.worst() <= self.tolerance else "FAIL"
 
 
 # ---------------------------------------------------------------------------- the batch
@@ -454,13 +473,16 @@ def check_invariance(
     naive: bool = False,
     optimizer: Optimizer = "sgd",
     steps: int = 1,
+    tolerance: float | None = None,
     timeout_s: float = 900,
 ) -> list[LayoutReport]:
     """Run every layout and compare it with the single-process full-batch reference.
 
     ``loss_agg_modes`` defaults to each role's configured mode. ``naive`` swaps in
     per-micro-batch normalization, the negative control that shows the audit can fail.
-    ``optimizer`` and ``steps``: see the module docstring.
+    ``optimizer`` and ``steps``: see the module docstring. ``tolerance``: what every layout
+    is held to; by default :func:`tolerance_for`, calibrated per case in bf16-mixed with the
+    SGD step (:func:`reference_noise`, ``verlite.audit.tolerances``).
     """
     check_layouts(dps)
     if steps < 1:
@@ -483,6 +505,13 @@ def check_invariance(
         outcome = run_case(cfg, case, batch, strategy="none", optimizer=optimizer, steps=steps)
         assert outcome is not None
         references[(case.role, case.loss_agg_mode)] = outcome
+    calibrate = tolerance is None and optimizer == "sgd" and cfg.precision == "bf16-mixed"
+    noises = (
+        {key: reference_noise(cfg, key, batch, outcome) for key, outcome in references.items()}
+        if calibrate
+        else {}
+    )
+    fixed = tolerance_for(cfg, optimizer) if tolerance is None else tolerance
     reports = []
     for dp in dps:
         for strategy in strategies:
@@ -494,11 +523,36 @@ def check_invariance(
                 timeout_s=timeout_s,
             )
             for case, outcome in zip(cases, per_rank[0], strict=True):
-                diffs = compare(outcome, references[(case.role, case.loss_agg_mode)])
+                key = (case.role, case.loss_agg_mode)
+                diffs = compare(outcome, references[key])
+                noise = noises.get(key)
                 reports.append(
-                    LayoutReport(dp, case.micro, strategy, case.role, case.loss_agg_mode, **diffs)
+                    LayoutReport(
+                        dp,
+                        case.micro,
+                        strategy,
+                        case.role,
+                        case.loss_agg_mode,
+                        **diffs,
+                        tolerance=calibrated_tolerance(fixed, noise),
+                        noise=noise,
+                    )
                 )
     return reports
+
+
+def reference_noise(
+    cfg: Config, key: tuple[TrainedRole, str], batch: TensorDict, reference: Outcome
+) -> float:
+    """The bf16 rounding noise of a case: how far its bf16-mixed single-process reference's
+    gradient (``reference``) is from the same update in fp32, on the same batch from the same
+    initial weights (bf16-mixed's master weights are fp32 already)."""
+    model = cfg.model.model_copy(update={"precision": "fp32"})
+    fp32 = run_case(
+        cfg.model_copy(update={"model": model}), Case(*key, "full"), batch, strategy="none"
+    )
+    assert fp32 is not None
+    return compare(reference, fp32)["max_rel_grad_diff"]
 
 
 def tolerance_for(cfg: Config, optimizer: Optimizer = "sgd") -> float:

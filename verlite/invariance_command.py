@@ -42,7 +42,7 @@ def add_commands(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]
         "every layout (real spawned ranks, gloo) and compare gradients, updated parameters, reported loss "
         "and grad_norm with the single-process full-batch reference. With --run, train the configured "
         "job for a few steps under several worker/micro-batch layouts on Ray instead and compare every "
-        "run's metrics with the first's. Exit 1 if any exceeds the tolerance.",
+        "run's metrics with the first's. Exit 1 if any exceeds the tolerance or gets no verdict.",
     )
     check.add_argument("--config", required=True, help="run config YAML")
     check.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides")

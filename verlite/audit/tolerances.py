@@ -60,7 +60,7 @@ def calibrated_tolerance(fixed: float, noise: float | None) -> float:
 def calibration_rule() -> str:
     """The rule as the help and the report state it."""
     return (
-        f"bf16-mixed: per role and loss_agg_mode, max({_short(TOLERANCE['bf16-mixed'])}, "
+        f"bf16-mixed's SGD step: per role and loss_agg_mode, max({_short(TOLERANCE['bf16-mixed'])}, "
         f"{NOISE_FACTOR:g} x its noise), the noise being its bf16-mixed reference's gradient "
         f"difference from an fp32 one; no verdict above {NOISE_CAP:g}"
     )
@@ -82,14 +82,14 @@ def noise_refusal(role: str, loss_agg_mode: str, noise: float) -> str | None:
 def run_precision_note(precision: str) -> str | None:
     """The line ``check-invariance --run`` prints before running in bf16 (mixed or pure), None
     in fp32 and fp64: whole runs are not calibrated, since an fp32 reference run would part
-    from the bf16 ones at its first sample anyway."""
+    from the bf16 ones within a step or two anyway (docs/invariance-audit.md)."""
     if not precision.startswith("bf16"):
         return None
     return (
-        f"model.precision={precision}: whole runs are held to the fixed {_short(TOLERANCE[precision])} "
-        "but their layouts round differently from the first step (loss ~1e-2 apart) and then "
-        "sample different tokens, so a difference here need not be a normalization error; "
-        "audit whole runs in model.precision=fp32 or fp64, and bf16's update without --run"
+        f"model.precision={precision}: whole runs are held to the fixed "
+        f"{_short(TOLERANCE[precision])}, but bf16 layouts round apart from the first update "
+        "and then clip and sample differently, so a difference need not be a normalization "
+        "error; audit whole runs in model.precision=fp32 or fp64, and bf16's update without --run"
     )
 
 

@@ -113,6 +113,24 @@ def write_gsm8k_parquet(path: Path) -> Path:
     return path
 
 
+def chat_gsm8k_overrides(policy: Path, parquet: Path, *, system: str, suffix: str) -> list[str]:
+    """The settings of a chat policy (``policy``, :func:`save_chat_model`'s folder) trained
+    through its template, with a system prompt and a suffix, on the GSM8K file ``parquet``
+    (:func:`write_gsm8k_parquet`), its training and validation set."""
+    return [
+        f"model.path={policy}",
+        "data.task=null",
+        f"data.train_file={parquet}",
+        f"data.val_file={parquet}",
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+        "data.chat_template=true",
+        f"data.system_prompt={system}",
+        f"data.prompt_suffix={suffix}",
+        "data.max_prompt_length=128",
+    ]
+
+
 def write_math_jsonl(path: Path) -> Path:
     """MATH's format: ``problem``, and ``solution`` with the answer in ``\\boxed{}``."""
     path.write_text(

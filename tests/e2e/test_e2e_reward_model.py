@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from chat_model_support import save_chat_model, write_gsm8k_parquet
+from chat_model_support import chat_gsm8k_overrides, save_chat_model, write_gsm8k_parquet
 from reward_model_support import chat_reward_tokenizer, save_tiny_reward_model
 
 from verlite.config import load_config
@@ -85,16 +85,12 @@ def test_verlite_train_scores_a_chat_policy_with_a_reward_model_in_its_own_templ
         "--config",
         "configs/grpo_tiny.yaml",
         f"trainer.output_dir={out}",
-        f"model.path={tmp_path / 'policy'}",
-        "data.task=null",
-        f"data.train_file={parquet}",
-        f"data.val_file={parquet}",
-        "data.prompt_key=question",
-        "data.answer_rule=gsm8k",
-        "data.chat_template=true",
-        "data.system_prompt=You are a careful tutor.",
-        "data.prompt_suffix=Answer with a number.",
-        "data.max_prompt_length=128",
+        *chat_gsm8k_overrides(
+            tmp_path / "policy",
+            parquet,
+            system="You are a careful tutor.",
+            suffix="Answer with a number.",
+        ),
         "data.train_batch_size=4",
         "rollout.max_response_length=8",
         "rollout.n=2",

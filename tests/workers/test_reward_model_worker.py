@@ -8,12 +8,19 @@ response written by that template."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from chat_model_support import PROBLEMS, save_chat_model, write_gsm8k_parquet
+from chat_model_support import (
+    PROBLEMS,
+    chat_gsm8k_overrides,
+    save_chat_model,
+    write_gsm8k_parquet,
+)
 from reward_model_support import (
     chat_reward_tokenizer,
     reference_scores,
@@ -90,6 +97,27 @@ def reward_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 MAX_LENGTH = 9  # some texts are longer: they keep their last 9 tokens
 
 
+@contextlib.contextmanager
+def reward_group(cfg: Config, *, run_id: str) -> Iterator[WorkerGroup]:
+    """The reward group of ``cfg`` (its models built), shut down and its pool removed after."""
+    pool, share = build_pools(cfg, ["reward"])["reward"]
+    group = WorkerGroup(
+        "reward",
+        RewardModelWorker,
+        pool,
+        share=share,
+        worker_kwargs={"cfg": cfg},
+        torch_threads=1,
+        run_id=run_id,
+    )
+    try:
+        group.call("init_model")
+        yield group
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
 def test_reward_group_scores_each_response_as_a_single_forward_does(
     reward_model: Path, local_ray
 ) -> None:
@@ -106,24 +134,10 @@ def test_reward_group_scores_each_response_as_a_single_forward_does(
             "trainer.cpus_per_worker=0.5",
         ],
     )
-    pool, share = build_pools(cfg, ["reward"])["reward"]
-    group = WorkerGroup(
-        "reward",
-        RewardModelWorker,
-        pool,
-        share=share,
-        worker_kwargs={"cfg": cfg},
-        torch_threads=1,
-        run_id="rmtest",
-    )
     batch, texts = _batch()
-    try:
-        group.call("init_model")
+    with reward_group(cfg, run_id="rmtest") as group:
         split = group.call("score", batch, dispatch="dp_split", collect="concat")
         whole, nothing = group.call("score", [batch, batch[:0]], dispatch="all", collect="list")
-    finally:
-        group.shutdown()
-        pool.remove()
     expected = torch.tensor(reference_scores(reward_model, texts, max_length=MAX_LENGTH))
     assert expected.std() > 0.05  # rows tell apart: a reordering would show
     truncated = [len(text) + 1 > MAX_LENGTH for text in texts]  # a token a character, and BOS
@@ -164,16 +178,7 @@ def _chat_config(root: Path, rm: str, *overrides: str) -> Config:
     return load_config(
         None,
         [
-            f"model.path={root / 'policy'}",
-            "data.task=null",
-            f"data.train_file={parquet}",
-            f"data.val_file={parquet}",
-            "data.prompt_key=question",
-            "data.answer_rule=gsm8k",
-            "data.chat_template=true",
-            f"data.system_prompt={SYSTEM}",
-            f"data.prompt_suffix={SUFFIX}",
-            "data.max_prompt_length=128",
+            *chat_gsm8k_overrides(root / "policy", parquet, system=SYSTEM, suffix=SUFFIX),
             f"reward.model.path={root / rm}",
             "reward.model.micro_batch_size_per_worker=3",
             "trainer.cpus_per_worker=0.5",
@@ -208,18 +213,7 @@ def _chat_batch(cfg: Config) -> tuple[TensorDict, list[PromptRecord]]:
 def _scored(cfg: Config, td: TensorDict, records: list[PromptRecord]) -> torch.Tensor:
     """The step's scores as the driver's scorer gets them from a reward group of ``cfg``'s
     workers (the conversations sent beside the batch, the rows split over the workers)."""
-    pool, share = build_pools(cfg, ["reward"])["reward"]
-    group = WorkerGroup(
-        "reward",
-        RewardModelWorker,
-        pool,
-        share=share,
-        worker_kwargs={"cfg": cfg},
-        torch_threads=1,
-        run_id="rmchat",
-    )
-    try:
-        group.call("init_model")
+    with reward_group(cfg, run_id="rmchat") as group:
         scorer = Scorer(
             cfg,
             load_tokenizer(cfg.model.path),
@@ -228,9 +222,6 @@ def _scored(cfg: Config, td: TensorDict, records: list[PromptRecord]) -> torch.T
             reward_model=group,
         )
         scores, metrics = scorer.score(td, records)
-    finally:
-        group.shutdown()
-        pool.remove()
     assert metrics["reward/model/truncated"] == 0
     return scores
 

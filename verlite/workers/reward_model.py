@@ -83,16 +83,13 @@ class RewardModelWorker(Worker):
             path = self.cfg.reward.model.path
             assert conversations is not None and path is not None
             texts = chat_texts(self.policy_tokenizer, self.tokenizer, td, conversations, path=path)
-            # The template writes the model's special tokens itself (apply_chat_template's
-            # own tokenization adds none either): a BOS added again would be read twice.
-            inputs = encode_texts(self.tokenizer, texts, max_length=self.max_length, special=False)
         else:
-            inputs = encode_texts(
-                self.tokenizer,
-                reward_texts(self.policy_tokenizer, td),
-                max_length=self.max_length,
-                special=True,
-            )
+            texts = reward_texts(self.policy_tokenizer, td)
+        # A template writes the model's special tokens itself (apply_chat_template's own
+        # tokenization adds none either): a BOS added again would be read twice.
+        inputs = encode_texts(
+            self.tokenizer, texts, max_length=self.max_length, special=not self.reads_chat_template
+        )
         micro = self.cfg.reward.model.micro_batch_size_per_worker
         with autocast(self.cfg.precision, self.device):
             parts = [

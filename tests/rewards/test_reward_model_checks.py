@@ -23,6 +23,7 @@ from transformers import (
 
 from verlite.cli import main
 from verlite.config import ConfigError, load_config
+from verlite.driver.preflight import RunInputs
 from verlite.errors import RunFailure
 from verlite.models.reward_model import check_reward_model
 from verlite.rewards.combine import combine_scores
@@ -157,6 +158,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     save_tiny_reward_model(
         root / "system_first", tokenizer=chat_reward_tokenizer(system_first), max_positions=256
     )
+    save_tiny_reward_model(root / "chat", tokenizer=chat_reward_tokenizer(), max_positions=256)
     no_tokenizer = root / "no_tokenizer"
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -169,6 +171,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "no_tokenizer": no_tokenizer,
         "small_vocab": small_vocab,
         "system_first": root / "system_first",
+        "chat": root / "chat",
     }
 
 
@@ -246,6 +249,36 @@ def test_a_reward_model_that_cannot_score_is_one_line_before_ray(
     assert err.startswith("verlite: error: ") and err.count("\n") == 1, err
     assert expected.format(path=path) in err
     assert "(worker group" not in err  # before Ray: not a worker's refusal
+
+
+@pytest.mark.parametrize(
+    ("folder", "setting", "reads"),
+    [
+        ("chat", "auto", True),
+        ("chat", "true", True),
+        ("chat", "false", False),
+        ("good", "auto", False),
+    ],
+)
+def test_the_run_knows_whether_its_reward_model_reads_conversations(
+    tmp_path: Path, folders: dict[str, Path], folder: str, setting: str, reads: bool
+) -> None:
+    """Start-up's answer, which decides whether the driver's scorer sends the prompts'
+    conversations to the reward workers (``Scorer``): only a reward model that reads them
+    in its chat template gets them (``auto`` without a template does not). Mutation: the
+    answer left False (the e2e chat run fails: its workers get no conversations) or
+    ``auto`` taken as reading (the template-less case fails)."""
+    cfg = load_config(
+        CONFIG,
+        [
+            f"reward.model.path={folders[folder]}",
+            f"reward.model.chat_template={setting}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ],
+    )
+    inputs = RunInputs.load(cfg)
+    inputs.folder.release()
+    assert inputs.reward_model_reads_chat is reads
 
 
 def _reading_fails(monkeypatch: pytest.MonkeyPatch, target: Path, code: int) -> None:

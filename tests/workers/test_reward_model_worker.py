@@ -46,6 +46,7 @@ from verlite.data import (
     response_text,
 )
 from verlite.data.tasks import TASK_ALPHABET
+from verlite.data.templates import reads_chat_template
 from verlite.driver.scorer import Scorer
 from verlite.models.reward_model import encode_texts, load_reward_model, score_texts
 from verlite.rewards import resolve_reward
@@ -220,6 +221,9 @@ def _scored(cfg: Config, td: TensorDict, records: list[PromptRecord]) -> torch.T
             reward_fn=resolve_reward(cfg),
             remote=None,
             reward_model=group,
+            reward_model_reads_chat=reads_chat_template(
+                cfg.reward.model, load_reward_tokenizer(cfg.reward.model.path)
+            ),
         )
         scores, metrics = scorer.score(td, records)
     assert metrics["reward/model/truncated"] == 0

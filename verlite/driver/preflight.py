@@ -144,6 +144,9 @@ class RunInputs:
     remote: RemoteScorer | None = None
     # The identity of model.path's weight files, taken once here (``verlite.base_weights``).
     base_weights: dict[str, str] | None = None
+    # Whether the reward model reads each conversation in its chat template
+    # (``reads_chat_template`` of reward.model and its tokenizer).
+    reward_model_reads_chat: bool = False
 
     @classmethod
     def load(cls, cfg: Config, notes: Sequence[str] = ()) -> RunInputs:
@@ -151,6 +154,7 @@ class RunInputs:
         its settings and inputs (``notes``, a caller's, first), printed: a run refused says
         one line, its refusal."""
         said = list(notes)
+        reward_model_reads_chat = False
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         builtin_vocab_size(cfg.model, len(tokenizer))
@@ -193,7 +197,8 @@ class RunInputs:
             check_tokenizer_fits(
                 cfg.reward.model.path, len(rm_tokenizer), field="reward.model.path"
             )
-            if reads_chat_template(cfg.reward.model, rm_tokenizer):
+            reward_model_reads_chat = reads_chat_template(cfg.reward.model, rm_tokenizer)
+            if reward_model_reads_chat:
                 # A template that fails on the prompts' turns (a system turn it has no role
                 # for) fails here, not at the first step's scoring.
                 conversation = record_conversation(train_set[0])
@@ -217,7 +222,17 @@ class RunInputs:
         resume_from, folder, resuming = prepare_output_folder(cfg, train_set=train_set.fingerprint)
         for line in [*said, *resuming]:
             print(line, flush=True)
-        return cls(tokenizer, train_set, val_set, reward_fn, resume_from, folder, remote, base)
+        return cls(
+            tokenizer,
+            train_set,
+            val_set,
+            reward_fn,
+            resume_from,
+            folder,
+            remote,
+            base,
+            reward_model_reads_chat,
+        )
 
     def set_aside(self) -> None:
         """Let go of what the run takes up again at its first use (the answer reward's

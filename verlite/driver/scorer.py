@@ -37,8 +37,13 @@ class Scorer:
         reward_fn: RewardFn,
         remote: RemoteScorer | None,
         reward_model: WorkerGroup | None,
+        reward_model_reads_chat: bool = False,
     ) -> None:
+        """``reward_model_reads_chat``: whether the reward model reads each conversation in
+        its chat template (``RunInputs.reward_model_reads_chat``); the prompts' conversations
+        are sent to it only then."""
         self.cfg = cfg
+        self.reward_model_reads_chat = reward_model_reads_chat
         self.tokenizer = tokenizer
         self.reward_fn, self.remote, self.reward_model = reward_fn, remote, reward_model
         self.dtype = score_dtype(cfg.precision)
@@ -57,12 +62,10 @@ class Scorer:
         pending = None
         if "model" in weights:
             assert self.reward_model is not None
-            # The prompts' conversations, one a prompt, for a reward model that may read them
-            # in its chat template (each rank reads its rows' by uid).
+            # The prompts' conversations, one a prompt, for a reward model that reads them in
+            # its chat template (each rank reads its rows' by uid).
             conversations = (
-                None
-                if self.cfg.reward.model.chat_template is False
-                else [record_conversation(r) for r in records]
+                [record_conversation(r) for r in records] if self.reward_model_reads_chat else None
             )
             pending = self.reward_model.call_async(
                 "score",

@@ -276,6 +276,7 @@ class Trainer:
             reward_fn=inputs.reward_fn,
             remote=inputs.remote,
             reward_model=groups.reward_model,
+            reward_model_reads_chat=inputs.reward_model_reads_chat,
         )
         kl = cfg.algorithm.kl_ctrl
         self.kl_ctrl = KLController(

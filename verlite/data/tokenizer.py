@@ -177,6 +177,21 @@ def encode_written(
     return [int(i) for piece in pieces for i in piece]
 
 
+def holds_special_text(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[bool]:
+    """Whether each of ``texts`` holds the text of one of ``tokenizer``'s special tokens."""
+    specials = special_tokens(tokenizer)
+    return [any(s in text for s in specials) for text in texts]
+
+
+def with_special_tokens(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[int]:
+    """``ids`` framed by the special tokens ``tokenizer`` adds around a text it encodes (its
+    post-processor's: a BOS, an EOS), as they frame one character's tokens."""
+    bare = tokenizer.encode("a", add_special_tokens=False)
+    framed = tokenizer.encode("a", add_special_tokens=True)
+    at = next(i for i in range(len(framed) - len(bare) + 1) if framed[i : i + len(bare)] == bare)
+    return [*framed[:at], *ids, *framed[at + len(bare) :]]
+
+
 # Marks the start of a text that follows a special token in :func:`_as_text`; a non-special
 # added token of a copy of the tokenizer, so that it stays a token of its own.
 _AFTER_SPECIAL = "\U0010fffd<verlite: after a special token>\U0010fffd"

@@ -14,7 +14,6 @@ text longer than the limit keeps its last tokens, where the score is read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +24,6 @@ from transformers import (
     AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
-    PreTrainedTokenizerBase,
 )
 from transformers.modeling_layers import GenericForSequenceClassification
 
@@ -127,28 +125,6 @@ def score_head(model: nn.Module) -> nn.Linear:
     head = model.score
     assert isinstance(head, nn.Linear)
     return head
-
-
-@dataclass(frozen=True)
-class RewardInputs:
-    """Texts as the reward model's token ids, and which were cut to the limit."""
-
-    ids: list[list[int]]
-    truncated: list[bool]
-
-
-def encode_texts(
-    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], *, max_length: int, special: bool
-) -> RewardInputs:
-    """Each text as the reward model reads it: its own special tokens added when ``special``
-    (a text a chat template wrote holds them already), then the last ``max_length`` tokens
-    kept (the end, where the score is read)."""
-    if not texts:
-        return RewardInputs([], [])
-    encoded = tokenizer(list(texts), add_special_tokens=special)["input_ids"]
-    return RewardInputs(
-        [ids[-max_length:] for ids in encoded], [len(ids) > max_length for ids in encoded]
-    )
 
 
 @torch.inference_mode()

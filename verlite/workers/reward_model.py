@@ -9,11 +9,16 @@ that text again with the reward model's own tokenizer, whose vocabulary may diff
 reward model that reads its chat template (``reward.model.chat_template``) reads instead the
 conversation of the row's prompt, which comes beside the batch, one per prompt, and the
 response as the assistant's turn, as its template writes them (:func:`chat_texts`).
+Either way the response is the policy's writing: a special token's text in it is read as its
+characters (:func:`encode_texts`), so that it cannot end the assistant's turn and write
+another one for the reward model to read.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 from tensordict import TensorDict
@@ -29,11 +34,11 @@ from verlite.data import (
 )
 from verlite.data.files import Conversation
 from verlite.data.templates import reads_chat_template, reward_chat_text
+from verlite.data.tokenizer import encode_written, holds_special_text, with_special_tokens
 from verlite.models import model_dtype, worker_device
 from verlite.models.hf import HFModel
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
-    encode_texts,
     load_reward_model,
     score_head,
     score_texts,
@@ -77,14 +82,15 @@ class RewardModelWorker(Worker):
         """Each row's score in [0, 1] (``rm_score``) and whether its text was cut to
         ``reward.model.max_length`` (``rm_truncated``), in the order of the rows, and this
         rank's peak memory over the call (``PEAK_COLUMN``). ``conversations``: the step's
-        prompts' (a row's by its uid), sent unless ``reward.model.chat_template=false``."""
+        prompts' (a row's by its uid), sent to a reward model that reads them in its chat
+        template."""
         self.peak_memory.begin()
         if self.reads_chat_template:
             path = self.cfg.reward.model.path
             assert conversations is not None and path is not None
             texts = chat_texts(self.policy_tokenizer, self.tokenizer, td, conversations, path=path)
         else:
-            texts = reward_texts(self.policy_tokenizer, td)
+            texts = reward_texts(self.policy_tokenizer, self.tokenizer, td)
         # A template writes the model's special tokens itself (apply_chat_template's own
         # tokenization adds none either): a BOS added again would be read twice.
         inputs = encode_texts(
@@ -107,26 +113,46 @@ class RewardModelWorker(Worker):
         return with_peak(scored, self.peak_memory)
 
 
-def reward_texts(tokenizer: Any, td: TensorDict) -> list[str]:
-    """Each row's prompt and response as text, read with the policy's ``tokenizer`` (a
-    Hugging Face tokenizer, ``data.load_tokenizer``'s): the prompt without its special
-    tokens, then the response as it continues the prompt's text (``data.continuation_text``:
-    the space before its first word kept)."""
+class RewardText(NamedTuple):
+    """A row as the reward model reads it: its ``text``, and where the policy's response is
+    in it (start, stop) when the response holds a special token's text of the reward
+    model's tokenizer (None when it holds none)."""
+
+    text: str
+    response: tuple[int, int] | None
+
+
+def reward_texts(policy_tokenizer: Any, tokenizer: Any, td: TensorDict) -> list[RewardText]:
+    """Each row's prompt and response as text, read with the ``policy_tokenizer`` (a Hugging
+    Face tokenizer, ``data.load_tokenizer``'s): the prompt without its special tokens, then
+    the response as it continues the prompt's text (``data.continuation_text``: the space
+    before its first word kept); ``tokenizer``: the reward model's."""
     width = td["responses"].shape[1]
     # Each batch read on the host once, not a row at a time (on a GPU every read waits).
     prompts = td["input_ids"][:, :-width].tolist()
     real = td["attention_mask"][:, :-width].tolist()
     lengths = td["response_mask"].sum(-1).tolist()
-    texts = []
+    parts = []
     for prompt, keep, response, n in zip(
         prompts, real, td["responses"].tolist(), lengths, strict=True
     ):
         ids = [token for token, kept in zip(prompt, keep, strict=True) if kept]
-        texts.append(
-            tokenizer.decode(ids, skip_special_tokens=True)
-            + continuation_text(tokenizer, ids, response[:n])
+        parts.append(
+            (
+                policy_tokenizer.decode(ids, skip_special_tokens=True),
+                continuation_text(policy_tokenizer, ids, response[:n]),
+            )
         )
-    return texts
+    written = holds_special_text(tokenizer, [response for _, response in parts])
+    return [
+        RewardText(prompt + response, (len(prompt), len(prompt + response)) if held else None)
+        for (prompt, response), held in zip(parts, written, strict=True)
+    ]
+
+
+# The response a conversation is rendered with to find where a row's response is in its
+# rendering (:func:`chat_texts`): a character no template writes or trims.
+_STAND_IN = "\x00"
 
 
 def chat_texts(
@@ -136,17 +162,66 @@ def chat_texts(
     conversations: list[Conversation],
     *,
     path: str,
-) -> list[str]:
+) -> list[RewardText]:
     """Each row as the reward model's chat template writes it (``tokenizer``'s): its prompt's
     conversation (``conversations``, one per prompt, a row's by its uid:
     ``data.row_records``), then its response as a reward function reads it
     (``data.response_texts``, read with the policy's ``policy_tokenizer``) as the
-    assistant's turn."""
-    return [
-        reward_chat_text(tokenizer, conversation, response, path=path)
-        for conversation, response in zip(
-            row_records(conversations, td["uid"]),
-            response_texts(policy_tokenizer, td),
-            strict=True,
-        )
-    ]
+    assistant's turn. Where a response holds a special token's text, its place is where
+    the rendering differs from the conversation's rendered with a stand-in response."""
+    rows = row_records(conversations, td["uid"])
+    responses = response_texts(policy_tokenizer, td)
+    texts = []
+    for conversation, response, held in zip(
+        rows, responses, holds_special_text(tokenizer, responses), strict=True
+    ):
+        text = reward_chat_text(tokenizer, conversation, response, path=path)
+        stand_in = reward_chat_text(tokenizer, conversation, _STAND_IN, path=path) if held else None
+        texts.append(RewardText(text, None if stand_in is None else _differing(text, stand_in)))
+    return texts
+
+
+def _differing(text: str, other: str) -> tuple[int, int]:
+    """Where ``text`` differs from ``other``: from the end of their common start to the
+    start of their common end (within the rest)."""
+    start = _common_start(text, other)
+    return start, len(text) - _common_start(text[start:][::-1], other[start:][::-1])
+
+
+def _common_start(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` start with alike."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
+@dataclass(frozen=True)
+class RewardInputs:
+    """Texts as the reward model's token ids, and which were cut to the limit."""
+
+    ids: list[list[int]]
+    truncated: list[bool]
+
+
+def encode_texts(
+    tokenizer: Any, texts: Sequence[RewardText], *, max_length: int, special: bool
+) -> RewardInputs:
+    """Each text as the reward model reads it (``tokenizer``: its own): its special tokens
+    added when ``special`` (a text a chat template wrote holds them already), then the last
+    ``max_length`` tokens kept (the end, where the score is read). A response's special
+    token's text is its characters (``data.encode_written``); the rest of its text, the
+    template's turns included, is encoded as the tokenizer encodes any text, and the texts
+    whose response holds none are encoded together."""
+    encoded: list[list[int]] = [[] for _ in texts]
+    whole = [row for row, text in enumerate(texts) if text.response is None]
+    if whole:
+        batch = tokenizer([texts[row].text for row in whole], add_special_tokens=special)
+        for row, ids in zip(whole, batch["input_ids"], strict=True):
+            encoded[row] = list(ids)
+    for row, (text, response) in enumerate(texts):
+        if response is not None:
+            ids = encode_written(tokenizer, text, *response)
+            encoded[row] = with_special_tokens(tokenizer, ids) if special else ids
+    return RewardInputs(
+        [ids[-max_length:] for ids in encoded], [len(ids) > max_length for ids in encoded]
+    )

@@ -150,21 +150,25 @@ def _train_then_generate(rank: int, world: int, cfg: Config) -> dict[str, Any]:
         (("rollout.decode=static", "actor.offload=all"), False),
         (("rollout.decode=static", "actor.lora.rank=4"), False),
         (("rollout.decode=eager",), True),
+        (("rollout.decode=eager", "model.precision=bf16-mixed"), True),
     ],
 )
 def test_a_colocated_fsdp_actor_generates_from_its_gathered_copy_what_its_shards_would(
     overrides: tuple[str, ...], tied: bool, tmp_path: Path
 ) -> None:
     """The copy samples what the shards would at every weight version, refreshed once a
-    version: its first draw after a step gathers each distinct tensor of the copy once (a
-    head the copy keeps tied to the embedding, a ``model.path`` Qwen2's in fp32, once, not
-    under both names), a step's refills (``algorithm.dynamic_sampling``) and the initial
-    policy's draws (the copy is made from it) gather nothing."""
+    version: its first draw after a step gathers each distinct tensor of the policy once (a
+    ``model.path`` Qwen2's head tied to the embedding once, not under both names: in fp32
+    the copy keeps it tied; in bf16-mixed the copy holds its own bf16 head, filled from the
+    embedding's one gather), a step's refills (``algorithm.dynamic_sampling``) and the
+    initial policy's draws (the copy is made from it) gather nothing. Mutation: the tied
+    head read under its own name (``sources`` not passed): the bf16-mixed case gathers
+    once more a version."""
     if tied:
         save_chat_model(tmp_path / "model")
         overrides = (*overrides, f"model.path={tmp_path / 'model'}")
     cfg = _config(tmp_path, *overrides)
-    assert cfg.precision == "fp32" and not cfg.actor_lockstep
+    assert cfg.precision in ("fp32", "bf16-mixed") and not cfg.actor_lockstep
     ranks = run_on_ranks(_train_then_generate, world_size=2, args=(cfg,), timeout_s=300)
     for out in ranks:
         for ours, theirs in zip(out["ours"], out["theirs"], strict=True):
@@ -172,16 +176,17 @@ def test_a_colocated_fsdp_actor_generates_from_its_gathered_copy_what_its_shards
             assert bool(ours["response_mask"].any())
             for key in sorted(theirs.keys()):
                 assert torch.equal(torch.as_tensor(ours[key]), torch.as_tensor(theirs[key])), key
-        assert out["gathers"] == [0, out["distinct"], out["distinct"]]
-        assert (out["distinct"] < out["entries"]) is tied
+        sources = out["entries"] - tied  # the policy's distinct tensors
+        assert out["gathers"] == [0, sources, sources]
+        assert (out["distinct"] < out["entries"]) is (tied and cfg.precision == "fp32")
         # Each step moved the policy, and the copy the rank generated from holds it, whole
         # (before the first step: the initial policy, which it was copied from).
         for before, after in itertools.pairwise(out["after"]):
             assert any(not torch.equal(before[n], v) for n, v in after.items())
         for copy, after in zip(out["copy"], out["after"], strict=True):
             assert copy.keys() == after.keys()
-            for name, value in copy.items():
-                assert torch.equal(value, after[name]), name
+            for name, value in copy.items():  # in the copy's dtype (bf16-mixed: bf16 linears)
+                assert torch.equal(value, after[name].to(value.dtype)), name
 
 
 def _trained_then_resumed(rank: int, world: int, cfg: Config, folder: Path) -> dict[str, Any]:

@@ -277,12 +277,20 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def distinct_entries(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` without the entries that hold an earlier entry's tensor again (a tied head
-    is the embedding under a second name): the first name kept, in order. Two entries are
-    one tensor when they view the same elements of one storage (a sharded tensor's shard,
-    on every rank alike)."""
+    is the embedding under a second name): the first name kept, in order
+    (:func:`first_names`)."""
+    first = first_names(state)
+    return {name: value for name, value in state.items() if first[name] == name}
+
+
+def first_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """Each entry's name, and the first name under which ``state`` holds its tensor: its own
+    but for an entry that holds an earlier one's tensor again (a tied head: the
+    embedding's). Two entries are one tensor when they view the same elements of one
+    storage (a sharded tensor's shard, on every rank alike)."""
     # (storage address, offset, shape, strides); torch types a storage offset int | SymInt
-    seen: set[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]]] = set()
-    out = {}
+    first: dict[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]], str] = {}
+    names = {}
     for name, value in state.items():
         local = value.to_local() if isinstance(value, DTensor) else value
         where = (
@@ -291,11 +299,8 @@ def distinct_entries(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
             tuple(local.shape),
             local.stride(),
         )
-        if local.numel() and where in seen:
-            continue
-        seen.add(where)
-        out[name] = value
-    return out
+        names[name] = first.setdefault(where, name) if local.numel() else name
+    return names
 
 
 def full_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -184,18 +184,31 @@ def stored_copy(model: ModuleT, precision: str, *, generation: bool = False) -> 
 
 
 @torch.no_grad()
-def refresh_inference_copy(copy: nn.Module, read: Callable[[str], torch.Tensor]) -> None:
+def refresh_inference_copy(
+    copy: nn.Module,
+    read: Callable[[str], torch.Tensor],
+    sources: Mapping[str, str] | None = None,
+) -> None:
     """Bring ``copy`` (a model's :func:`stored_copy` for generation) up to date with that
     model's current state, in place and cast to the copy's dtypes: its tensors keep their
     addresses, which a captured CUDA graph reads. ``read(name)``: the model's current tensor
     of that name, whole (an actor's sharded one gathered: ``ActorWorker``), called once for
-    each distinct tensor of the copy (a head the copy keeps tied is the embedding: read
-    under the embedding's name alone), in the copy's state order, the same on every rank."""
+    each tensor of the model the copy holds, in the copy's state order, the same on every
+    rank. ``sources``: each entry's name and the model's first name of its tensor
+    (``distributed.first_names``): a head the model ties to the embedding is read under the
+    embedding's name alone, and copied into the copy's own bf16 head if the copy holds one
+    (:func:`store_for_generation`); None: each entry read under its own name but a tensor
+    the copy ties (once)."""
     seen: set[int] = set()
+    targets: dict[str, list[torch.Tensor]] = {}
     for name, target in copy.state_dict(keep_vars=True).items():
         if id(target) not in seen:
             seen.add(id(target))
-            target.copy_(read(name))
+            targets.setdefault(name if sources is None else sources[name], []).append(target)
+    for name, group in targets.items():
+        value = read(name)
+        for target in group:
+            target.copy_(value)
 
 
 def cast_weights(model: ModuleT, dtype: torch.dtype) -> ModuleT:

@@ -20,6 +20,7 @@ from verlite.core.partition import MicroBatchPlan
 from verlite.data import PromptRecord
 from verlite.distributed import (
     distinct_entries,
+    first_names,
     full_state_dict,
     full_tensor,
     inference_module,
@@ -201,7 +202,9 @@ class ActorWorker(TrainingWorker, PolicyWorker):
             # draws (``algorithm.dynamic_sampling``) and a validation reuse it. Every rank
             # decides alike: the version moves on every rank at once.
             state = model_state(self.engine.model)
-            refresh_inference_copy(self._generation_copy, lambda name: full_tensor(state[name]))
+            refresh_inference_copy(
+                self._generation_copy, lambda name: full_tensor(state[name]), first_names(state)
+            )
             self._copy_version = version
         cache_casts = not sharded(self.sampler.model)
         return self.sample(

@@ -19,11 +19,13 @@ from test_actor_worker import _actor, _sampled_prompts
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import LlamaPreTrainedModel
 
 from benchmarks.common import peak_tensor_bytes
 from verlite.audit.invariance import check_invariance, make_batch
 from verlite.config import Config, ConfigError, load_config
+from verlite.core.losses import GlobalCounts
 from verlite.core.metrics import Stage, reduce_metrics
 from verlite.distributed import (
     apply_fsdp,
@@ -41,8 +43,9 @@ from verlite.models import (
     check_gradient_checkpointing_supported,
     enable_gradient_checkpointing,
 )
+from verlite.step_batch import stamp_counts
 from verlite.workers import actor as actor_module
-from verlite.workers import train_engine
+from verlite.workers import objectives, train_engine
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import (
     ActorLossSettings,
@@ -144,6 +147,56 @@ def test_checkpointing_gives_the_same_gradients(role: str, lora: int, precision:
         assert torch.equal(checkpointed[name], grad), name
     if lora:
         assert all(".lora_" in name for name in plain)
+
+
+class OpNames(TorchDispatchMode):
+    """The names of the aten ops run in the block (``aten._log_softmax_backward_data``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **kwargs or {})
+
+
+def _entropy_update(coeff: float) -> tuple[list[str], dict[str, torch.Tensor], float]:
+    """A fresh actor's ``ppo_loss`` backward at ``actor.entropy_coeff=coeff``: the ops it ran,
+    the gradients, and the entropy metric."""
+    cfg = load_config("configs/ppo_tiny.yaml", [f"actor.entropy_coeff={coeff}"])
+    model, batch = policy(cfg), make_batch(cfg)
+    stamp_counts(batch, GlobalCounts.of(batch["response_mask"]))
+    loss, metrics = ppo_loss(model, batch, ActorLossSettings.from_config(cfg.actor))
+    ops = OpNames()
+    with ops:
+        loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return ops.names, grads, float(metrics["actor/entropy"].value)
+
+
+def test_the_entropy_backward_runs_only_when_the_loss_weighs_it(monkeypatch) -> None:
+    """The actor's entropy is a metric at every update, over the vocabulary at every response
+    token; its backward (a log-softmax's, an exponential's, a product's: vocabulary-wide
+    passes) runs only when ``actor.entropy_coeff`` weighs it into the loss. At 0 the gradients
+    are those of the entropy differentiated, bit for bit (0 times its gradient), and the
+    metric is the same. Mutation: ``entropy_grad`` always true -> the 0 case runs the
+    log-softmax's backward."""
+    names, grads, entropy = _entropy_update(0.0)
+    assert "_log_softmax_backward_data" not in names  # the log-probs take no log-softmax
+    weighed, _, _ = _entropy_update(0.1)
+    assert "_log_softmax_backward_data" in weighed
+    real = objectives.response_log_probs
+    monkeypatch.setattr(
+        objectives,
+        "response_log_probs",
+        lambda *args, **kwargs: real(*args, **{**kwargs, "entropy_grad": True}),
+    )
+    _, differentiated, same_entropy = _entropy_update(0.0)
+    assert grads.keys() == differentiated.keys() and grads
+    for name, grad in grads.items():
+        assert torch.equal(differentiated[name], grad), name
+    assert same_entropy == entropy
 
 
 def test_a_model_without_checkpointing_is_refused_at_start_up(monkeypatch) -> None:

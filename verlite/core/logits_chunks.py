@@ -31,12 +31,14 @@ def chunked_log_probs(
     temperature: float,
     chunk_tokens: int,
     with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> torch.Tensor:
     """Per token of ``labels`` (tokens,), whose final hidden states ``hidden`` are (tokens,
     hidden_size): the log-prob of the label under ``head(hidden) / temperature`` (no
     division for a temperature of 0, greedy), and with ``with_entropy`` the entropy of that
     distribution, as a fresh (1 or 2, tokens) tensor of at least fp32, whatever the head's
-    dtype and autocast."""
+    dtype and autocast. Without ``entropy_grad`` the entropy is a value alone (a metric:
+    no gradient flows back through it, nor is its backward run)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if hidden.dim() != 2 or hidden.shape[0] != labels.numel() or labels.dim() != 1:
@@ -44,7 +46,7 @@ def chunked_log_probs(
             f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)}: "
             "expected (tokens, hidden_size) and (tokens,)"
         )
-    stats = partial(_chunk_stats, head, temperature, with_entropy)
+    stats = partial(_chunk_stats, head, temperature, with_entropy, entropy_grad)
     if labels.numel() <= chunk_tokens:
         return stats(hidden, labels)
     chunks = [
@@ -60,7 +62,12 @@ def chunked_log_probs(
 
 
 def _chunk_stats(
-    head: Head, temperature: float, with_entropy: bool, hidden: torch.Tensor, labels: torch.Tensor
+    head: Head,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
 ) -> torch.Tensor:
     logits = head(hidden)
     with torch.autocast(logits.device.type, enabled=False):
@@ -69,5 +76,5 @@ def _chunk_stats(
             logits = logits / temperature
         stats = [log_probs_from_logits(logits, labels)]
         if with_entropy:
-            stats.append(entropy_from_logits(logits))
+            stats.append(entropy_from_logits(logits if entropy_grad else logits.detach()))
         return torch.stack(stats)

@@ -89,10 +89,16 @@ def _forward(model: nn.Module, inputs: dict[str, Any], padding: Padding | None) 
 
 
 def response_log_probs(
-    model: nn.Module, td: TensorDict, *, temperature: float, with_entropy: bool
+    model: nn.Module,
+    td: TensorDict,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(b, r) log-probs of the response tokens under logits / the sampling temperature (the
-    policy that sampled them used those), and the entropy of that distribution if asked."""
+    policy that sampled them used those), and the entropy of that distribution if asked
+    (without ``entropy_grad``, a value no gradient flows through: a metric)."""
     packed = _packed(td)
     if packed is None:
         width = td["input_ids"].shape[1]
@@ -110,6 +116,7 @@ def response_log_probs(
         padding=_padding(td),
         temperature=temperature,
         with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
     )
     # One (b, r) tensor per statistic: the log-probs, then the entropy when asked.
     if packed is None:
@@ -127,6 +134,7 @@ def _head_log_probs(
     padding: Padding | None,
     temperature: float,
     with_entropy: bool,
+    entropy_grad: bool,
 ) -> torch.Tensor:
     """``model(**inputs)`` (:func:`_forward`) with its LM head returning, for this one call, the
     ``chunked_log_probs`` of ``labels`` (the positions its input holds, in order) instead
@@ -148,6 +156,7 @@ def _head_log_probs(
                 temperature=temperature,
                 chunk_tokens=chunk_tokens,
                 with_entropy=with_entropy,
+                entropy_grad=entropy_grad,
             )
         )
         return returned[0]

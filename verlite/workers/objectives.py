@@ -91,8 +91,14 @@ def ppo_loss(
 ) -> tuple[torch.Tensor, MetricDict]:
     """Policy loss - entropy bonus + KL loss to the reference, each term globally normalized."""
     mask, counts, agg = td["response_mask"], read_counts(td), settings.agg
+    # The entropy is always a metric; its backward runs only when the loss weighs it in (over
+    # the vocabulary at every response token: the gradients are the same bit for bit).
     log_probs, entropy = response_log_probs(
-        model, td, temperature=float(td.get_non_tensor("temperature")), with_entropy=True
+        model,
+        td,
+        temperature=float(td.get_non_tensor("temperature")),
+        with_entropy=True,
+        entropy_grad=settings.entropy_coeff != 0,
     )
     assert entropy is not None
     pg_loss, pg_metrics = compute_policy_loss(

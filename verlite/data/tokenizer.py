@@ -183,11 +183,13 @@ def holds_special_text(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str])
     return [any(s in text for s in specials) for text in texts]
 
 
-def with_special_tokens(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[int]:
-    """``ids`` framed by the special tokens ``tokenizer`` adds around a text it encodes (its
-    post-processor's: a BOS, an EOS), as they frame one character's tokens."""
-    bare = tokenizer.encode("a", add_special_tokens=False)
-    framed = tokenizer.encode("a", add_special_tokens=True)
+def with_special_tokens(
+    tokenizer: PreTrainedTokenizerBase, text: str, ids: Sequence[int]
+) -> list[int]:
+    """``ids`` (tokens of ``text``) framed by the special tokens ``tokenizer`` adds around
+    ``text`` when it encodes it (its post-processor's: a BOS, an EOS)."""
+    bare = tokenizer.encode(text, add_special_tokens=False)
+    framed = tokenizer.encode(text, add_special_tokens=True)
     at = next(i for i in range(len(framed) - len(bare) + 1) if framed[i : i + len(bare)] == bare)
     return [*framed[:at], *ids, *framed[at + len(bare) :]]
 

@@ -221,7 +221,7 @@ def encode_texts(
     for row, (text, response) in enumerate(texts):
         if response is not None:
             ids = encode_written(tokenizer, text, *response)
-            encoded[row] = with_special_tokens(tokenizer, ids) if special else ids
+            encoded[row] = with_special_tokens(tokenizer, text, ids) if special else ids
     return RewardInputs(
         [ids[-max_length:] for ids in encoded], [len(ids) > max_length for ids in encoded]
     )

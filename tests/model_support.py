@@ -1,5 +1,5 @@
 """Tiny causal LMs of real Hugging Face classes built from configs (a Qwen2 with a tied or
-untied LM head; Mixture-of-Experts models; sliding-window models; a Gemma 2's config), for tests of what depends on a model class's structure, and the overrides of a generation too large for a small GPU."""
+untied LM head; Mixture-of-Experts models; a DeepSeek-V3 with latent attention; sliding-window models; a Gemma 2's config), for tests of what depends on a model class's structure, and the overrides of a generation too large for a small GPU."""
 
 from __future__ import annotations
 
@@ -46,6 +46,31 @@ def tiny_moe(kind: str = "qwen2_moe", *, seed: int = 0, **overrides: object) -> 
         settings["shared_expert_intermediate_size"] = 16
     settings.update(overrides)
     config = AutoConfig.for_model(kind, **settings)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def tiny_mla(*, vocab_size: int = 64, seed: int = 0) -> torch.nn.Module:
+    """A two-layer DeepSeek-V3 (multi-head latent attention), float32: each layer caches a
+    one-head latent of width 16 (``kv_lora_rank``) and a one-head rotary key of width 4
+    (``qk_rope_head_dim``), not its config's 4 KV heads x head dim 4; its MLPs dense (no
+    experts, which have no fp64 kernel)."""
+    config = AutoConfig.for_model(
+        "deepseek_v3",
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        first_k_dense_replace=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 

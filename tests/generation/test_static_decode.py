@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from tests.batch_invariant_support import RowByRowMatmul
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
-from tests.model_support import tiny_qwen2, tiny_sliding
+from tests.model_support import tiny_mla, tiny_qwen2, tiny_sliding
 from verlite.config import LoraConfig, ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation.decode import GraphCaptureFailed, StaticDecoder, buckets_for
@@ -253,6 +253,23 @@ def test_qwen2_and_lora_match_eager(tied: bool) -> None:
             td, params, noise(td, 6, 14)
         )
         assert_same(static, eager)
+
+
+def test_a_layer_caching_tensors_of_its_own_shapes_decodes_statically_as_eagerly() -> None:
+    """DeepSeek-V3's latent attention caches a one-head latent and a one-head rotary key of
+    other widths than its config's KV heads x head dim (which the eager cache never reads):
+    each layer's static buffers take the shapes of what the layer writes. Static and
+    replayed decoding give eager decoding's tokens and float64 log-probs, compacted."""
+    model = tiny_mla(vocab_size=VOCAB).double()
+    td, params = prompts(batch=10, width=7, seed=3), SETTINGS["top_k_top_p"]
+    eos = ragged_eos(model, td, params, 6)
+    eager = sampler(model, DecodeSettings("eager"), eos).generate(td, params, noise(td, 6, 14))
+    assert len(set(eager["response_mask"].sum(-1).tolist())) > 2  # rows end apart: compacted
+    for decode in (
+        DecodeSettings("static", batch_buckets=(2, 4, 8)),
+        DecodeSettings("cuda_graphs", batch_buckets=(2, 4, 8), kv_block=4),
+    ):
+        assert_same(sampler(model, decode, eos).generate(td, params, noise(td, 6, 14)), eager)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
@@ -916,6 +933,8 @@ def test_what_padding_rows_hold_cannot_reach_a_real_row(padded_prompts: bool) ->
     decoder = padded.static
     assert isinstance(decoder, Stepped)
     decoder._ensure_buffers(8, 9 + 14, torch.device("cpu"))
+    padded.generate(td, params, noise(td, 2, 14))  # the earlier one: its writes allocate them
+    decoder.rows.clear()
     assert decoder.cache is not None
     for layer in decoder.cache.layers:
         layer.key_buffer[5:] = float("nan")  # type: ignore[attr-defined]

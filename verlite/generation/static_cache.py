@@ -1,8 +1,9 @@
 """A KV cache of fixed shape for the static decode path (``verlite.generation.decode``).
 
-Every layer holds one key and one value buffer of ``(rows, kv_heads, capacity, head_dim)``,
-allocated once for the largest batch and the longest sequence a generation needs, and kept
-between generations. Left-padded prompts fill positions ``0 .. width`` of every row; decode
+Every layer holds one key and one value buffer of ``(rows, heads, capacity, width)``, the
+heads and width of what the layer caches (its config's KV heads x head dim for most models;
+DeepSeek-V3's latent attention caches other tensors), allocated at its first write for the
+largest batch and the longest sequence a generation needs, and kept between generations. Left-padded prompts fill positions ``0 .. width`` of every row; decode
 step ``t`` writes position ``width + t`` of every row, at an index held in a device tensor
 (``slot``) that the step advances itself: nothing in a decode step depends on a Python
 number that changes from step to step, so the step can be captured once as a CUDA graph and
@@ -83,7 +84,9 @@ def check_capturable(config: PretrainedConfig, *, longest: int) -> None:
 
 def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of a KV cache of ``rows`` x ``capacity`` positions for a model of ``config``
-    (the static cache's, and what the eager sampler's grows to)."""
+    that caches its KV heads x head dim in every layer (the static cache's, and what the
+    eager sampler's grows to; a model that caches other tensors, DeepSeek-V3's latents,
+    holds what its layers write)."""
     layers, kv_heads, head_dim = _cache_dimensions(config)
     return 2 * layers * rows * kv_heads * capacity * head_dim * dtype.itemsize
 
@@ -102,27 +105,44 @@ class StepState:
 
 
 class StaticCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init_subclass__ unannotated
-    """One layer's key and value buffers."""
+    """One layer's key and value buffers, ``(rows, heads, capacity, width)`` each in ``dtype``,
+    of the heads and width of what the layer writes (its keys', and its values' own),
+    allocated at its first write (a prefill), as Hugging Face's static layers are: a model's
+    cached tensors need not be its config's KV heads x head dim (DeepSeek-V3's latent
+    attention caches a one-head latent and a one-head rotary key, of two other widths)."""
 
-    def __init__(self, state: StepState, key: torch.Tensor, value: torch.Tensor) -> None:
+    def __init__(self, state: StepState, *, rows: int, capacity: int, dtype: torch.dtype) -> None:
         super().__init__()  # type: ignore[no-untyped-call]  # transformers leaves CacheLayerMixin.__init__ unannotated
         self.state = state
-        self.key_buffer, self.value_buffer = key, value
-        self.is_initialized = True
+        self.rows, self.capacity, self.dtype = rows, capacity, dtype
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocated up front: nothing to do."""
+        # Zeroed, not empty: rows a bucket carries past the unfinished ones read them, and
+        # garbage there could hold NaN (harmless to the other rows, but never sampled from).
+        self.key_buffer, self.value_buffer = (
+            states.new_zeros(
+                (self.rows, states.shape[1], self.capacity, states.shape[-1]), dtype=self.dtype
+            )
+            for states in (key_states, value_states)
+        )
+        self.is_initialized = True
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        key_buffer, value_buffer = self.key_buffer, self.value_buffer
+        assert key_buffer is not None and value_buffer is not None
         state = self.state
         rows, length = key_states.shape[0], key_states.shape[-2]
         if state.prefilling:  # the prompts, positions 0 .. width
-            self.key_buffer[:rows, :, :length] = key_states
-            self.value_buffer[:rows, :, :length] = value_states
-            return self.key_buffer[:rows, :, :length], self.value_buffer[:rows, :, :length]
-        keys, values = self.key_buffer[:rows], self.value_buffer[:rows]
+            key_buffer[:rows, :, :length] = key_states
+            value_buffer[:rows, :, :length] = value_states
+            return key_buffer[:rows, :, :length], value_buffer[:rows, :, :length]
+        keys, values = key_buffer[:rows], value_buffer[:rows]
         keys.index_copy_(2, state.slot, key_states.to(keys.dtype))
         values.index_copy_(2, state.slot, value_states.to(values.dtype))
         return keys[:, :, : state.span], values[:, :, : state.span]
@@ -135,7 +155,7 @@ class StaticCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call]  # tra
         return 0  # nothing precedes the prompts: the prefill's mask starts at position 0
 
     def get_max_length(self) -> int:
-        return self.key_buffer.shape[2]
+        return self.capacity
 
 
 class StaticCache(Cache):
@@ -154,19 +174,11 @@ class StaticCache(Cache):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        layers, kv_heads, head_dim = _cache_dimensions(config)
-        shape = (rows, kv_heads, capacity, head_dim)
         self.state = StepState(torch.zeros(1, dtype=torch.int64, device=device), capacity)
-        # Zeroed, not empty: rows a bucket carries past the unfinished ones read them, and
-        # garbage there could hold NaN (harmless to the other rows, but never sampled from).
         super().__init__(
             layers=[
-                StaticCacheLayer(
-                    self.state,
-                    torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, device=device),
-                )
-                for _ in range(layers)
+                StaticCacheLayer(self.state, rows=rows, capacity=capacity, dtype=dtype)
+                for _ in range(config.num_hidden_layers)
             ]
         )
         self.rows, self.capacity, self.dtype = rows, capacity, dtype
@@ -176,5 +188,6 @@ class StaticCache(Cache):
         count = len(index)
         for layer in self.layers:
             assert isinstance(layer, StaticCacheLayer)
-            layer.key_buffer[:count] = layer.key_buffer[index]
-            layer.value_buffer[:count] = layer.value_buffer[index]
+            for buffer in (layer.key_buffer, layer.value_buffer):
+                if buffer is not None:  # a layer that has written nothing holds none
+                    buffer[:count] = buffer[index]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pyarrow
 import pyarrow.parquet
+import torch
 from model_support import tiny_qwen2
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 # Qwen2.5-Instruct's turn format (its default system turn left out).
 QWEN_TEMPLATE = (
@@ -57,6 +58,20 @@ QWEN3_TEMPLATE = """{%- if tools %}
         {{- '<think>\\n\\n</think>\\n\\n' }}
     {%- endif %}
 {%- endif %}"""
+# Gemma-2-it's: no system role, an assistant turn is the model's, ended by <end_of_turn>.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
 # Llama-3-style: the template writes the BOS token itself.
 BOS_TEMPLATE = "{{- bos_token }}" + QWEN_TEMPLATE
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -104,6 +119,34 @@ def save_chat_model(
     tiny_qwen2(tied=True, vocab_size=len(tokenizer)).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return tokenizer
+
+
+def save_end_of_turn_model(folder: Path) -> str:
+    """A Gemma-2-it-like folder: :data:`GEMMA_TEMPLATE`, whose turns end with <end_of_turn>, a
+    tokenizer whose EOS is another token (<|endoftext|>), and a generation_config.json that
+    ends generation at both, as Gemma-2-it's does; a tiny Qwen2 whose weights make
+    <end_of_turn> every step's token by a logit margin of hundreds. The end-of-turn text."""
+    end = "<end_of_turn>"
+    tokenizer = chat_tokenizer(GEMMA_TEMPLATE, bos=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", end]})
+    tokenizer.eos_token = "<|endoftext|>"
+    ends = tokenizer.convert_tokens_to_ids(["<|endoftext|>", end])
+    model = tiny_qwen2(tied=False, vocab_size=len(tokenizer))
+    with torch.no_grad():
+        # The residual stream's first coordinate is 10 at every position (no layer writes
+        # it), the final norm keeps only it, and the head reads it into <end_of_turn> alone.
+        model.model.embed_tokens.weight[:, 0] = 10.0
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        model.model.norm.weight.zero_()
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[ends[1], 0] = 100.0
+    model.generation_config = GenerationConfig(eos_token_id=ends)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return end
 
 
 def write_gsm8k_parquet(path: Path) -> Path:

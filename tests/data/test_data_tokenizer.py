@@ -136,6 +136,17 @@ def test_response_text_shows_ids_past_the_tokenizer_as_unk() -> None:
     assert response_text(tokenizer, [one, two, tokenizer.eos_token_id]) == "12"
 
 
+def test_response_text_ends_at_the_token_that_ended_it() -> None:
+    """A response that stopped on one of the run's other end tokens (an instruct model's end
+    of turn, ``models.response_stop_ids``) reads without it, as one ended by EOS does; one
+    in the middle, which did not end it, is shown. Mutation: only EOS dropped."""
+    tokenizer = load_tokenizer(None, task="copy")
+    one, two, stop = tokenizer.convert_tokens_to_ids(["1", "2", "+"])
+    assert response_text(tokenizer, [one, two, stop], stops=(stop,)) == "12"
+    assert response_text(tokenizer, [one, stop, two], stops=(stop,)) == "1+2"
+    assert response_text(tokenizer, [one, two, stop]) == "12+"
+
+
 def test_a_qwen2_folder_without_tokenizer_files_is_one_line(tmp_path: Path) -> None:
     # transformers builds an empty Qwen2Tokenizer (one special token) from a Qwen2 folder with
     # no tokenizer files, where it refuses a Llama one: the user who saved the model but not its

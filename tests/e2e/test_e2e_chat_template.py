@@ -5,9 +5,11 @@ answer in reward_model.ground_truth)."""
 
 from pathlib import Path
 
+import pytest
 from chat_model_support import (
     PROBLEMS,
     save_chat_model,
+    save_end_of_turn_model,
     write_gsm8k_parquet,
     write_verl_gsm8k_parquet,
 )
@@ -80,3 +82,36 @@ def test_a_verl_format_parquet_trains_as_verl_wrote_it(tmp_path: Path, train, me
     [record] = metrics(tmp_path / "run")
     assert 0 <= record["critic/score/mean"] <= 1 and "actor/pg_loss" in record
     assert record["val/reward/gsm8k/no_answer"] in range(len(PROBLEMS) + 1)
+
+
+def test_a_models_own_end_of_turn_ends_its_responses(
+    tmp_path: Path, train, metrics, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gemma-2-it's tokenizer's EOS is <eos>, and its turns end with <end_of_turn>, which its
+    generation_config.json names as an end of generation too (Phi-3's <|end|> likewise):
+    a response ends there, as Hugging Face generate and vLLM end it, and a reward reads its
+    text without it, as without EOS. The model here writes <end_of_turn> first: every
+    response is that one token, the empty text. Mutations: the sampler's stop tokens
+    rollout.stop_token_ids alone (each response ran to rollout.max_response_length);
+    the scorer's response text ended by EOS alone (the reward read '<end_of_turn>')."""
+    save_end_of_turn_model(tmp_path / "model")
+    (tmp_path / "emptyreward.py").write_text(
+        "def score(response, answer, prompt):\n    return float(response == '')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train(
+        tmp_path / "run",
+        *on_file(tmp_path / "model", write_gsm8k_parquet(tmp_path / "gsm8k.parquet")),
+        "data.prompt_key=question",
+        "data.answer_rule=gsm8k",
+        "data.chat_template=true",
+        "data.max_prompt_length=128",
+        *SMALL_STEP,
+        "reward.fn=emptyreward:score",
+        "rollout.max_response_length=8",
+        "trainer.total_steps=1",
+        "trainer.val_freq=1",
+    )
+    [record] = metrics(tmp_path / "run")
+    assert record["response_length/max"] == 1
+    assert record["critic/score/mean"] == 1 and record["val/score/mean"] == 1

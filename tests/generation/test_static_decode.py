@@ -23,7 +23,12 @@ from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_mla, tiny_qwen2, tiny_sliding
 from verlite.config import LoraConfig, ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
-from verlite.generation.decode import GraphCaptureFailed, StaticDecoder, buckets_for
+from verlite.generation.decode import (
+    MAX_END_TOKENS,
+    GraphCaptureFailed,
+    StaticDecoder,
+    buckets_for,
+)
 from verlite.models import build_policy
 from verlite.models.lora import apply_lora
 
@@ -475,8 +480,9 @@ def test_what_the_static_path_does_not_run_is_refused_in_one_line() -> None:
         match=r"rollout\.decode=cuda_graphs captures CUDA graphs; this model generates on cpu",
     ):
         graphs.generate(td, SamplingParams(4), noise(td, 0, 4))
-    with pytest.raises(ValueError, match="at most 8"):
-        static.generate(td, SamplingParams(4, stop_token_ids=tuple(range(3, 11))), noise(td, 0, 4))
+    with pytest.raises(ValueError, match=f"at most {MAX_END_TOKENS}"):
+        stops = tuple(range(3, 4 + MAX_END_TOKENS))
+        static.generate(td, SamplingParams(4, stop_token_ids=stops), noise(td, 0, 4))
     with pytest.raises(
         UnsupportedModel,
         match=r"^this mistral model attends through a sliding window of 16 tokens "

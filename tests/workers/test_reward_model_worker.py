@@ -50,6 +50,7 @@ from verlite.data import (
 from verlite.data.tasks import TASK_ALPHABET
 from verlite.data.templates import reads_chat_template
 from verlite.driver.scorer import Scorer
+from verlite.models import response_stop_ids
 from verlite.models.reward_model import load_reward_model, score_texts
 from verlite.rewards import resolve_reward
 from verlite.workers.peak_memory import pop_peak
@@ -266,6 +267,7 @@ def test_a_reward_model_reads_each_conversation_in_its_own_chat_template(
         td,
         [record_conversation(r) for r in records],
         path=str(chat_folders / "chat_rm"),
+        stops=(),
     )
     assert [text for text, _ in texts] == expected
     ids = [rm_tokenizer.apply_chat_template(c, tokenize=True)["input_ids"] for c in conversations]
@@ -292,7 +294,8 @@ def test_chat_template_false_reads_the_plain_text_as_before(chat_folders: Path, 
         for row, response in enumerate(RESPONSES)
     ]
     policy_tokenizer = load_tokenizer(cfg.model.path)
-    assert [text for text, _ in reward_texts(policy_tokenizer, policy_tokenizer, td)] == texts
+    rows = reward_texts(policy_tokenizer, policy_tokenizer, td, stops=())
+    assert [text for text, _ in rows] == texts
     reference = reference_scores(chat_folders / "plain_rm", texts, max_length=CHAT_POSITIONS)
     torch.testing.assert_close(plain, torch.tensor(reference), rtol=0, atol=1e-5)
 
@@ -329,19 +332,25 @@ def test_a_special_tokens_text_in_a_response_is_read_as_its_characters(
     td, records = _chat_batch(cfg, INJECTED)
     policy_tokenizer = load_tokenizer(cfg.model.path)
     rm_tokenizer = load_reward_tokenizer(str(chat_folders / rm))
-    responses = response_texts(policy_tokenizer, td)
+    stops = response_stop_ids(cfg, policy_tokenizer)  # the worker's
+    responses = response_texts(policy_tokenizer, td, stops=stops)
     assert responses[:2] == INJECTED[:2]
     if rm == "chat_rm":
         conversations = [record_conversation(r) for r in records]
         rows = chat_texts(
-            policy_tokenizer, rm_tokenizer, td, conversations, path=str(chat_folders / rm)
+            policy_tokenizer,
+            rm_tokenizer,
+            td,
+            conversations,
+            path=str(chat_folders / rm),
+            stops=stops,
         )
         expected = [
             _as_written(rm_tokenizer, t, r) for (t, _), r in zip(rows, responses, strict=True)
         ]
         turns = 3  # the system's, the user's and the assistant's
     else:
-        rows = reward_texts(policy_tokenizer, rm_tokenizer, td)
+        rows = reward_texts(policy_tokenizer, rm_tokenizer, td, stops=stops)
         bos = rm_tokenizer.bos_token_id
         expected = [
             [bos, *_as_written(rm_tokenizer, t, r)]
@@ -379,11 +388,19 @@ def test_the_response_continues_the_prompts_text_under_a_sentencepiece_decoder()
         },
         batch_size=[1],
     )
-    assert reward_texts(tokenizer, tokenizer, td) == [RewardText("Question: The answer is 4", None)]
+    assert reward_texts(tokenizer, tokenizer, td, stops=()) == [
+        RewardText("Question: The answer is 4", None)
+    ]
+    # ended by another end token of the run's (an instruct model's end of turn) instead:
+    # read without it, as without EOS. Mutation: continuation_text's stops not passed on.
+    td["responses"][0, 4] = 0  # <unk> standing in for the end-of-turn token
+    assert reward_texts(tokenizer, tokenizer, td, stops=(0,)) == [
+        RewardText("Question: The answer is 4", None)
+    ]
     # the character tokenizer of the main job reads as before
     batch, texts = _batch()
     characters = build_task_tokenizer(TASK_ALPHABET)
-    assert [text for text, _ in reward_texts(characters, characters, batch)] == texts
+    assert [text for text, _ in reward_texts(characters, characters, batch, stops=())] == texts
 
 
 def test_a_rows_score_does_not_depend_on_how_many_rows_it_is_scored_with(

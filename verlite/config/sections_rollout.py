@@ -59,8 +59,9 @@ class MultiTurnConfig(Section):
     turn_stop: NonEmptyStr | None = Field(
         None,
         description="The text that ends a policy turn and hands it to the environment (one token "
-        "of the tokenizer, not the end-of-sequence token nor one of rollout.stop_token_ids); "
-        "the end-of-sequence token always ends the trajectory.",
+        "of the tokenizer, not the end-of-sequence token nor one of rollout.stop_token_ids; one "
+        "of model.path's own end tokens then ends a turn only); the end-of-sequence token "
+        "always ends the trajectory.",
     )
     observation_role: Literal["tool", "user"] = Field(
         "tool",
@@ -118,13 +119,16 @@ class RolloutConfig(Section):
     )
     stop_token_ids: list[NonNegativeInt] = Field(
         default_factory=list,
-        description="Token ids that end a response as the end-of-sequence token does (an "
-        "instruct model's end of turn); each must be inside the model's vocabulary.",
+        description="Token ids that end a response as the end-of-sequence token does, besides "
+        "model.path's own end tokens (its generation_config.json's eos_token_id, which end one "
+        "already: an instruct model's end of turn); each must be inside the model's "
+        "vocabulary.",
     )
     ignore_eos: bool = Field(
         False,
         description="Benchmarks only: generate every response to rollout.max_response_length, "
-        "the end-of-sequence token included (stop_token_ids still end a response), so that "
+        "the end-of-sequence token and model.path's own end tokens included (stop_token_ids "
+        "still end a response), so that "
         "a random model's responses are full length.",
     )
     decode: Literal["auto", "eager", "static", "cuda_graphs"] = Field(

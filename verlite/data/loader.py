@@ -7,7 +7,7 @@ same column in every row (the layout of ``verlite.step_batch``).
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TypedDict, TypeVar
 
 import torch
@@ -197,11 +197,14 @@ def row_records(records: Sequence[Record], uid: torch.Tensor) -> list[Record]:
     return [records[i] for i in uid.tolist()]
 
 
-def response_texts(tokenizer: PreTrainedTokenizerBase, batch: TensorDict) -> list[str]:
+def response_texts(
+    tokenizer: PreTrainedTokenizerBase, batch: TensorDict, *, stops: Collection[int]
+) -> list[str]:
     """What a reward reads of each row of a step batch: its response as
-    :func:`~verlite.data.tokenizer.response_text` of its ``response_mask``'s tokens."""
+    :func:`~verlite.data.tokenizer.response_text` of its ``response_mask``'s tokens (ended by
+    EOS or one of ``stops``, ``models.response_stop_ids``)."""
     lengths = batch["response_mask"].sum(-1).tolist()
     return [
-        response_text(tokenizer, row[:n])
+        response_text(tokenizer, row[:n], stops)
         for row, n in zip(batch["responses"].tolist(), lengths, strict=True)
     ]

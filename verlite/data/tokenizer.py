@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import string
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import cast
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
@@ -100,12 +100,16 @@ def _read_tokenizer(path: str, *, field: str, whose: str) -> PreTrainedTokenizer
     return tokenizer
 
 
-def response_text(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> str:
+def response_text(
+    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], stops: Collection[int] = ()
+) -> str:
     """What a reward function or an environment reads of sampled tokens: the text up to the
-    end-of-sequence token, other special tokens shown (as ``<pad>`` and the like), so that a
-    policy can neither end a response by emitting them instead of EOS nor hide tokens."""
+    token that ended them, the end-of-sequence token or one of ``stops`` (the other tokens
+    that end a response: ``models.response_stop_ids``, an instruct model's end of turn),
+    other special tokens shown (as ``<pad>`` and the like), so that a policy can neither end
+    a response by emitting them instead nor hide tokens."""
     ids = list(ids)
-    if ids and ids[-1] == tokenizer.eos_token_id:
+    if ids and (ids[-1] == tokenizer.eos_token_id or ids[-1] in stops):
         ids = ids[:-1]
     size = len(tokenizer)
     if all(i < size for i in ids):
@@ -230,18 +234,22 @@ def _as_text(tokenizer: PreTrainedTokenizerBase, text: str, *, first: bool) -> l
 
 
 def continuation_text(
-    tokenizer: PreTrainedTokenizerBase, prompt: Sequence[int], response: Sequence[int]
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Sequence[int],
+    response: Sequence[int],
+    stops: Collection[int] = (),
 ) -> str:
-    """:func:`response_text` of ``response`` as it continues ``prompt``'s text. A tokenizer
+    """:func:`response_text` of ``response`` (ended by EOS or one of ``stops``) as it
+    continues ``prompt``'s text. A tokenizer
     whose decoder drops a sequence's leading space (SentencePiece's ``Metaspace``: Llama-2's,
     Mistral's) drops, from a response decoded alone, the space between the prompt and its
     first word: decoded after the prompt, the response keeps it. Decoded alone where the
     prompt's text is not a prefix of the two decoded together (a character cut between them)."""
     prefix = _decoded(tokenizer, list(prompt))
-    whole = response_text(tokenizer, [*prompt, *response])
+    whole = response_text(tokenizer, [*prompt, *response], stops)
     if prompt and whole.startswith(prefix):
         return whole[len(prefix) :]
-    return response_text(tokenizer, response)
+    return response_text(tokenizer, response, stops)
 
 
 def unknown_characters(tokenizer: PreTrainedTokenizerBase, text: str) -> str:

@@ -28,7 +28,7 @@ from verlite.data.templates import reads_chat_template, reward_chat_text, turn_f
 from verlite.driver.output_folder import FolderLock, prepare_output_folder
 from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import shown
-from verlite.generation.decode import MAX_END_TOKENS, check_mode_supported
+from verlite.generation.decode import MAX_END_TOKENS, MAX_STOP_TOKENS, check_mode_supported
 from verlite.generation.static_cache import UnsupportedModel
 from verlite.models import (
     builtin_vocab_size,
@@ -39,6 +39,7 @@ from verlite.models import (
     check_tokenizer_fits,
     check_training_features,
     float32_norms_line,
+    generation_end_ids,
     hf_config,
 )
 from verlite.models.precision import check_precision_supported
@@ -52,6 +53,7 @@ from verlite.workers.policy_worker import check_generation_fits
 
 def check_generation(cfg: Config, tokenizer_size: int) -> None:
     """What generation asks of the policy: ``rollout.stop_token_ids`` inside its vocabulary,
+    and, with ``model.path``'s own end tokens, no more than the static path checks,
     and for the static decode modes every layer attending as full causal attention on the
     run's sequences (full attention, or a sliding window ``max_sequence_length`` never
     passes)."""
@@ -63,11 +65,18 @@ def check_generation(cfg: Config, tokenizer_size: int) -> None:
             f"rollout.stop_token_ids={stops}: {outside} outside the model's vocabulary of "
             f"{config.vocab_size} tokens (ids 0 to {config.vocab_size - 1})"
         )
-    # EOS and a multi-turn run's turn stop end a response too.
-    most = MAX_END_TOKENS - 2
-    if len(set(stops)) > most:
+    if len(set(stops)) > MAX_STOP_TOKENS:
         raise ConfigError(
-            f"rollout.stop_token_ids={stops}: {len(set(stops))} distinct tokens; at most {most}"
+            f"rollout.stop_token_ids={stops}: {len(set(stops))} distinct tokens; at most "
+            f"{MAX_STOP_TOKENS}"
+        )
+    # EOS and a multi-turn run's turn stop end a response too.
+    ends = set(generation_end_ids(cfg.model.path)) | set(stops)
+    if len(ends) > (most := MAX_END_TOKENS - 2):
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} ends generation at {len(ends) - len(set(stops))} "
+            f"tokens of its own (its generation config's eos_token_id) besides "
+            f"rollout.stop_token_ids={stops}: {len(ends)} end tokens in all; at most {most}"
         )
     if cfg.rollout.decode != "auto":
         try:

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config
 from verlite.controller import WorkerGroup
 from verlite.data import PromptRecord, record_conversation, response_texts, row_records
+from verlite.models import response_stop_ids
 from verlite.models.precision import score_dtype
 from verlite.rewards import RewardFn, score_responses
 from verlite.rewards.answer_reward import AnswerReward
@@ -45,6 +46,7 @@ class Scorer:
         self.cfg = cfg
         self.reward_model_reads_chat = reward_model_reads_chat
         self.tokenizer = tokenizer
+        self.stops = response_stop_ids(cfg, tokenizer)
         self.reward_fn, self.remote, self.reward_model = reward_fn, remote, reward_model
         self.dtype = score_dtype(cfg.precision)
 
@@ -115,7 +117,7 @@ class Scorer:
     ) -> tuple[list[str], list[str], list[str]]:
         """What a reward function and a remote verifier score: each decoded response, and
         its record's answer and prompt (``records``: one per prompt, by ``uid``)."""
-        texts = response_texts(self.tokenizer, batch)
+        texts = response_texts(self.tokenizer, batch, stops=self.stops)
         rows = row_records(records, batch["uid"])
         answers = [r["answer"] for r in rows]
         prompts = [r["prompt"] for r in rows]

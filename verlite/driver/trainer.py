@@ -51,7 +51,7 @@ from verlite.driver.step_source import GeneratedStep, StepSource
 from verlite.errors import RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
-from verlite.models import attention_crossover
+from verlite.models import attention_crossover, response_stop_ids
 from verlite.models.flops import DecoderShape, bf16_peak_flops
 from verlite.models.lora import BASE_FOLDER
 from verlite.policy_folder import (
@@ -301,7 +301,7 @@ class Trainer:
                 temperature=cfg.rollout.temperature,
                 top_p=cfg.rollout.top_p,
                 top_k=cfg.rollout.top_k,
-                stop_token_ids=tuple(cfg.rollout.stop_token_ids),
+                stop_token_ids=response_stop_ids(cfg, inputs.tokenizer),
                 ignore_eos=cfg.rollout.ignore_eos,
             ),
             actor_split=self.splits["actor"],

@@ -190,9 +190,10 @@ class GraphCaptureFailed(RunFailure):
     """A decode step could not be captured as a CUDA graph."""
 
 
-# Most distinct end tokens a static generation checks: EOS, a turn's stop token and
-# rollout.stop_token_ids (its length is checked at start-up).
-MAX_END_TOKENS = 8
+# Most distinct end tokens a static generation checks: EOS, a turn's stop token, model.path's
+# own end tokens and rollout.stop_token_ids (at most MAX_STOP_TOKENS; checked at start-up).
+MAX_END_TOKENS = 12
+MAX_STOP_TOKENS = 6
 
 
 class _Long(TypedDict):

@@ -163,7 +163,7 @@ def generate_multi_turn(
         # Every row's step is started before any is waited for, so that the environment
         # calls of the worker's threads run side by side; the answers are taken in row order.
         answers = [
-            sessions[i].start_step(response_text(tokenizer, tokens))
+            sessions[i].start_step(response_text(tokenizer, tokens, limits.end_token_ids))
             for i, tokens in zip(rows, turns, strict=True)
         ]
         for i, tokens, answer in zip(rows, turns, answers, strict=True):

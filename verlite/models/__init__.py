@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -22,6 +23,7 @@ from transformers import (
     LlamaConfig,
     PretrainedConfig,
     PreTrainedModel,
+    PreTrainedTokenizerBase,
     Qwen2Config,
 )
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -207,6 +209,34 @@ def mark_generation_ends(model: nn.Module, end_token_ids: Sequence[int], pad_tok
     config.eos_token_id = ids[0] if len(ids) == 1 else ids
     if config.pad_token_id is None:
         config.pad_token_id = pad_token_id
+
+
+def generation_end_ids(path: str | None) -> tuple[int, ...]:
+    """The tokens that end generation in the model folder ``path`` (none for the built-in
+    model): its ``generation_config.json``'s ``eos_token_id``, or ``config.json``'s without
+    one, as Hugging Face ``generate`` and vLLM read them. An instruct model names its end of
+    turn there when its tokenizer's EOS is another token (Gemma 2's ``<end_of_turn>`` beside
+    ``<eos>``, Phi-3's ``<|end|>`` beside ``<|endoftext|>``)."""
+    if path is None:
+        return ()
+    if Path(path, "generation_config.json").is_file():
+        config = GenerationConfig.from_pretrained(path)
+    else:
+        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+    ids = config.eos_token_id
+    return () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
+
+
+def response_stop_ids(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The tokens besides ``tokenizer``'s EOS that end a response: ``model.path``'s own end
+    tokens (:func:`generation_end_ids`; with ``rollout.ignore_eos`` none, as the EOS they
+    are), less ``rollout.multi_turn.turn_stop``'s token, which ends a turn only (Gemma-2-it's
+    <end_of_turn> handing a turn to the environment), then ``rollout.stop_token_ids``."""
+    own = () if cfg.rollout.ignore_eos else generation_end_ids(cfg.model.path)
+    turn_stop = cfg.rollout.multi_turn.turn_stop
+    turn = [] if turn_stop is None else tokenizer.encode(turn_stop, add_special_tokens=False)
+    kept = [i for i in own if i != tokenizer.eos_token_id and [i] != turn]
+    return tuple(dict.fromkeys([*kept, *cfg.rollout.stop_token_ids]))
 
 
 class ModelWeightsError(UserError):

@@ -16,7 +16,7 @@ another one for the reward model to read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -35,7 +35,7 @@ from verlite.data import (
 from verlite.data.files import Conversation
 from verlite.data.templates import reads_chat_template, reward_chat_text
 from verlite.data.tokenizer import encode_written, holds_special_text, with_special_tokens
-from verlite.models import model_dtype, worker_device
+from verlite.models import model_dtype, response_stop_ids, worker_device
 from verlite.models.hf import HFModel
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
@@ -65,6 +65,7 @@ class RewardModelWorker(Worker):
         self.device = worker_device(cfg)
         self.peak_memory = PeakMemory(self.device)
         self.policy_tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
+        self.stops = response_stop_ids(cfg, self.policy_tokenizer)
         self.tokenizer = load_reward_tokenizer(rm.path)
         model = load_reward_model(rm, model_dtype(cfg.model))
         # The score head stays as loaded: its output is the score (``score_texts``).
@@ -88,9 +89,16 @@ class RewardModelWorker(Worker):
         if self.reads_chat_template:
             path = self.cfg.reward.model.path
             assert conversations is not None and path is not None
-            texts = chat_texts(self.policy_tokenizer, self.tokenizer, td, conversations, path=path)
+            texts = chat_texts(
+                self.policy_tokenizer,
+                self.tokenizer,
+                td,
+                conversations,
+                path=path,
+                stops=self.stops,
+            )
         else:
-            texts = reward_texts(self.policy_tokenizer, self.tokenizer, td)
+            texts = reward_texts(self.policy_tokenizer, self.tokenizer, td, stops=self.stops)
         # A template writes the model's special tokens itself (apply_chat_template's own
         # tokenization adds none either): a BOS added again would be read twice.
         inputs = encode_texts(
@@ -122,11 +130,14 @@ class RewardText(NamedTuple):
     response: tuple[int, int] | None
 
 
-def reward_texts(policy_tokenizer: Any, tokenizer: Any, td: TensorDict) -> list[RewardText]:
+def reward_texts(
+    policy_tokenizer: Any, tokenizer: Any, td: TensorDict, *, stops: Collection[int]
+) -> list[RewardText]:
     """Each row's prompt and response as text, read with the ``policy_tokenizer`` (a Hugging
     Face tokenizer, ``data.load_tokenizer``'s): the prompt without its special tokens, then
     the response as it continues the prompt's text (``data.continuation_text``: the space
-    before its first word kept); ``tokenizer``: the reward model's."""
+    before its first word kept; ended by EOS or one of ``stops``,
+    ``models.response_stop_ids``); ``tokenizer``: the reward model's."""
     width = td["responses"].shape[1]
     # Each batch read on the host once, not a row at a time (on a GPU every read waits).
     prompts = td["input_ids"][:, :-width].tolist()
@@ -140,7 +151,7 @@ def reward_texts(policy_tokenizer: Any, tokenizer: Any, td: TensorDict) -> list[
         parts.append(
             (
                 policy_tokenizer.decode(ids, skip_special_tokens=True),
-                continuation_text(policy_tokenizer, ids, response[:n]),
+                continuation_text(policy_tokenizer, ids, response[:n], stops),
             )
         )
     written = holds_special_text(tokenizer, [response for _, response in parts])
@@ -162,15 +173,16 @@ def chat_texts(
     conversations: list[Conversation],
     *,
     path: str,
+    stops: Collection[int],
 ) -> list[RewardText]:
     """Each row as the reward model's chat template writes it (``tokenizer``'s): its prompt's
     conversation (``conversations``, one per prompt, a row's by its uid:
     ``data.row_records``), then its response as a reward function reads it
-    (``data.response_texts``, read with the policy's ``policy_tokenizer``) as the
-    assistant's turn. Where a response holds a special token's text, its place is where
+    (``data.response_texts``, read with the policy's ``policy_tokenizer``, ended by EOS or
+    one of ``stops``) as the assistant's turn. Where a response holds a special token's text, its place is where
     the rendering differs from the conversation's rendered with a stand-in response."""
     rows = row_records(conversations, td["uid"])
-    responses = response_texts(policy_tokenizer, td)
+    responses = response_texts(policy_tokenizer, td, stops=stops)
     texts = []
     for conversation, response, held in zip(
         rows, responses, holds_special_text(tokenizer, responses), strict=True

@@ -384,6 +384,62 @@ def test_a_template_without_a_tool_role_writes_observations_as_user_turns() -> N
     assert turns.observation_text("=4") == "<|im_start|>user\n=4<|im_end|>\n<|im_start|>assistant\n"
 
 
+# Phi-3's way of ending a conversation: its EOS after the last turn when no generation prompt
+# follows ("{% else %}{{ eos_token }}"); an observation's turn is a user turn.
+EOS_AT_END_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- else %}{{- eos_token }}{%- endif %}"
+)
+
+
+def eos_at_end_tokenizer(template: str = EOS_AT_END_TEMPLATE) -> PreTrainedTokenizerFast:
+    """:func:`chat_tokenizer` with ``template`` and Phi-3's EOS, another token than the end
+    of its turns."""
+    tokenizer = chat_tokenizer(template)
+    tokenizer.eos_token = "<|endoftext|>"
+    return tokenizer
+
+
+def test_a_template_that_ends_a_conversation_with_its_eos_writes_turns_one_after_another() -> None:
+    """The end of an assistant's turn is what the template writes after it both where the
+    conversation ends and where a turn follows: the end token and newline, not the EOS
+    written only at the conversation's end (read off the ended conversation alone, the
+    template was refused as one that rewrites the turns before an observation). Mutations:
+    the end read off the ended conversation alone; the shared text cut inside the special
+    tokens' texts ('<|im_end|>\\n<|' of '<|endoftext|>' and '<|im_start|>')."""
+    tokenizer = eos_at_end_tokenizer()
+    turns = turns_for(tokenizer, "rollout.multi_turn.observation_role=user")
+    assert turns.end == "<|im_end|>\n"
+    assert turns.observation_text("=4") == "<|im_start|>user\n=4<|im_end|>\n<|im_start|>assistant\n"
+    conversation = [
+        {"role": "user", "content": "Question?"},
+        {"role": "assistant", "content": "Answer."},
+        {"role": "user", "content": "=4"},
+    ]
+    written = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False
+    )
+    assert written.endswith("Answer." + turns.end + turns.observation_text("=4"))
+
+
+def test_the_generation_prompt_of_a_template_that_ends_a_conversation_with_its_eos() -> None:
+    """What the generation prompt adds is read against the conversation without it, the EOS
+    it ends with aside: a refusal names it whole. Mutation: the prompt's text past the
+    length of the conversation without it (named 'ssistant\\n')."""
+    no_prompt_after_tool = EOS_AT_END_TEMPLATE.replace(
+        "if add_generation_prompt %}", "if add_generation_prompt and messages[-1].role != 'tool' %}"
+    ).replace("{%- else %}", "{%- elif not add_generation_prompt %}")
+    with pytest.raises(DataError) as caught:
+        turns_for(eos_at_end_tokenizer(no_prompt_after_tool))
+    assert (
+        "does not end an observation turn (rollout.multi_turn.observation_role=tool) with the "
+        "assistant's generation prompt '<|im_start|>assistant\\n'"
+    ) in str(caught.value)
+
+
 # Mistral-Instruct v0.1's turn format: [INST] is text, not a special token.
 MISTRAL_TEMPLATE = (
     "{{- bos_token }}{%- for message in messages %}{%- if message.role == 'user' %}"

@@ -428,17 +428,12 @@ class TurnFormat:
 
     def _rendered(self, observation: str) -> str:
         field = f"rollout.multi_turn.observation_role={self.role}"
-        messages = [
-            *self.head,
-            Message(role="assistant", content=_CONTENT),
-            Message(role=self.role, content=observation),
-        ]
-        text = _apply(
+        text = _observation_turn(
             self.tokenizer,
-            messages,
-            generation_prompt=True,
-            failure=f"the chat template of model.path={self.model_path!r} fails on an "
-            f"observation turn ({field}; a template without a tool role: set it to user)",
+            self.head,
+            self.role,
+            observation,
+            model_path=self.model_path,
             variables=self.variables,
         )
         if not text.startswith(self.before + self.end):
@@ -494,6 +489,47 @@ class TurnFormat:
         return list(self.end_ids)
 
 
+def _observation_turn(
+    tokenizer: PreTrainedTokenizerBase,
+    head: Sequence[Message],
+    role: str,
+    observation: str,
+    *,
+    model_path: str | None,
+    variables: Mapping[str, Any],
+) -> str:
+    """The template's text of the stand-in conversation ``head``, an assistant's turn and
+    ``observation`` as a turn of ``role``, with the next generation prompt."""
+    messages = [
+        *head,
+        Message(role="assistant", content=_CONTENT),
+        Message(role=role, content=observation),
+    ]
+    return _apply(
+        tokenizer,
+        messages,
+        generation_prompt=True,
+        failure=f"the chat template of model.path={model_path!r} fails on an observation turn "
+        f"(rollout.multi_turn.observation_role={role}; a template without a tool role: set it "
+        "to user)",
+        variables=variables,
+    )
+
+
+def _shared_start(tokenizer: PreTrainedTokenizerBase, a: str, b: str) -> str:
+    """The longest text ``a`` and ``b`` both begin with, not cut inside a special token's
+    text: ``'<|end|>\\n<|endoftext|>'`` and ``'<|end|>\\n<|user|>'`` share ``'<|end|>\\n'``."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    while cut := [
+        at
+        for text in special_tokens(tokenizer)
+        for s in (a, b)
+        if 0 <= (at := s.find(text, max(0, n - len(text) + 1))) < n
+    ]:
+        n = min(cut)
+    return a[:n]
+
+
 def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat | None:
     """The turn format of a multi-turn run through a chat template (``rollout.multi_turn.env``
     with ``data.chat_template``), None otherwise. A template that does not write an
@@ -507,7 +543,10 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
     variables = cfg.data.chat_template_kwargs
     apply = partial(_apply, tokenizer, variables=variables)
     prompt = apply(head, generation_prompt=True, failure=f"{where} fails")
-    opening = prompt[len(apply(head, generation_prompt=False, failure=f"{where} fails")) :]
+    # What the generation prompt adds: a template may end a conversation without one
+    # otherwise (Phi-3's writes its EOS after the last turn).
+    unprompted = apply(head, generation_prompt=False, failure=f"{where} fails")
+    opening = prompt[len(_shared_start(tokenizer, prompt, unprompted)) :]
     closed = apply(
         [*head, Message(role="assistant", content=_CONTENT)],
         generation_prompt=False,
@@ -521,7 +560,21 @@ def turn_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> TurnFormat |
             "multi-turn trajectory continues the generation prompt with the sampled tokens "
             "(data.chat_template=true with rollout.multi_turn.env); use a template that does"
         )
+    # The end of an assistant's turn: what the template writes after the content both where
+    # the conversation ends and where an observation's turn follows (Phi-3's ends the
+    # conversation with its EOS after <|end|>). One that rewrites the assistant's turn when
+    # an observation follows is refused below (TurnFormat._rendered).
+    followed = _observation_turn(
+        tokenizer,
+        head,
+        cfg.rollout.multi_turn.observation_role,
+        _SAMPLE,
+        model_path=cfg.model.path,
+        variables=variables,
+    )
     end = closed[len(before) :]
+    if followed.startswith(before):
+        end = _shared_start(tokenizer, end, followed[len(before) :])
     turns = TurnFormat(
         tokenizer,
         cfg.rollout.multi_turn.observation_role,

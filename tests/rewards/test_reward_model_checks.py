@@ -219,7 +219,14 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "system_first",
             [],
             "the chat template of reward.model.path='{path}' fails on a conversation of turns "
-            "['user', 'assistant'] (reward.model.chat_template; false scores the prompt and "
+            "['user', 'assistant'] (reward.model.chat_template=auto; false scores the prompt and "
+            "response as plain text): 'TemplateError: a system turn must come first'",
+        ),
+        (
+            "system_first",
+            ["reward.model.chat_template=true"],
+            "the chat template of reward.model.path='{path}' fails on a conversation of turns "
+            "['user', 'assistant'] (reward.model.chat_template=true; false scores the prompt and "
             "response as plain text): 'TemplateError: a system turn must come first'",
         ),
     ],

@@ -266,7 +266,7 @@ def test_a_reward_model_reads_each_conversation_in_its_own_chat_template(
         rm_tokenizer,
         td,
         [record_conversation(r) for r in records],
-        path=str(chat_folders / "chat_rm"),
+        rm=cfg.reward.model,
         stops=(),
     )
     assert [text for text, _ in texts] == expected
@@ -342,7 +342,7 @@ def test_a_special_tokens_text_in_a_response_is_read_as_its_characters(
             rm_tokenizer,
             td,
             conversations,
-            path=str(chat_folders / rm),
+            rm=cfg.reward.model,
             stops=stops,
         )
         expected = [

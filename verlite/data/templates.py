@@ -369,21 +369,26 @@ def reads_chat_template(cfg: RewardModelConfig, tokenizer: PreTrainedTokenizerBa
 
 
 def reward_chat_text(
-    tokenizer: PreTrainedTokenizerBase, conversation: Conversation, response: str, *, path: str
+    tokenizer: PreTrainedTokenizerBase,
+    conversation: Conversation,
+    response: str,
+    *,
+    rm: RewardModelConfig,
 ) -> str:
-    """The reward model's chat template's text (``tokenizer``'s, of the model in ``path``) of
-    a prompt's ``conversation`` (:func:`~verlite.data.files.record_conversation`) and then
+    """The reward model's chat template's text (``tokenizer``'s, of ``rm``'s model) of a
+    prompt's ``conversation`` (:func:`~verlite.data.files.record_conversation`) and then
     ``response`` as the assistant's turn; no generation prompt: the conversation ends with
     the response. A template that raises (one without a system role given a system turn)
-    is one line naming ``reward.model.chat_template``."""
+    is one line naming ``reward.model.chat_template`` and its value."""
     messages = [*conversation, Message(role="assistant", content=response)]
     return _apply(
         tokenizer,
         messages,
         generation_prompt=False,
-        failure=f"the chat template of reward.model.path={path!r} fails on a conversation of "
-        f"turns {shown([m['role'] for m in messages])} (reward.model.chat_template; false "
-        "scores the prompt and response as plain text)",
+        failure=f"the chat template of reward.model.path={rm.path!r} fails on a conversation "
+        f"of turns {shown([m['role'] for m in messages])} (reward.model.chat_template="
+        f"{str(rm.chat_template).lower()}; false scores the prompt and response as plain "
+        "text)",
         variables={},
     )
 

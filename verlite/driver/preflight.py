@@ -211,7 +211,7 @@ class RunInputs:
                 # A template that fails on the prompts' turns (a system turn it has no role
                 # for) fails here, not at the first step's scoring.
                 conversation = record_conversation(train_set[0])
-                reward_chat_text(rm_tokenizer, conversation, "", path=cfg.reward.model.path)
+                reward_chat_text(rm_tokenizer, conversation, "", rm=cfg.reward.model)
                 if cfg.reward.model.chat_template == "auto":
                     said.append(
                         "reward.model.chat_template=auto: the reward model's tokenizer has a "

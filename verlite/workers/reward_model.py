@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from tensordict import TensorDict
 
-from verlite.config import Config
+from verlite.config import Config, RewardModelConfig
 from verlite.controller import Worker
 from verlite.data import (
     continuation_text,
@@ -87,14 +87,13 @@ class RewardModelWorker(Worker):
         template."""
         self.peak_memory.begin()
         if self.reads_chat_template:
-            path = self.cfg.reward.model.path
-            assert conversations is not None and path is not None
+            assert conversations is not None
             texts = chat_texts(
                 self.policy_tokenizer,
                 self.tokenizer,
                 td,
                 conversations,
-                path=path,
+                rm=self.cfg.reward.model,
                 stops=self.stops,
             )
         else:
@@ -172,10 +171,11 @@ def chat_texts(
     td: TensorDict,
     conversations: list[Conversation],
     *,
-    path: str,
+    rm: RewardModelConfig,
     stops: Collection[int],
 ) -> list[RewardText]:
-    """Each row as the reward model's chat template writes it (``tokenizer``'s): its prompt's
+    """Each row as the reward model's chat template writes it (``tokenizer``'s, ``rm``'s
+    model's): its prompt's
     conversation (``conversations``, one per prompt, a row's by its uid:
     ``data.row_records``), then its response as a reward function reads it
     (``data.response_texts``, read with the policy's ``policy_tokenizer``, ended by EOS or
@@ -187,8 +187,8 @@ def chat_texts(
     for conversation, response, held in zip(
         rows, responses, holds_special_text(tokenizer, responses), strict=True
     ):
-        text = reward_chat_text(tokenizer, conversation, response, path=path)
-        stand_in = reward_chat_text(tokenizer, conversation, _STAND_IN, path=path) if held else None
+        text = reward_chat_text(tokenizer, conversation, response, rm=rm)
+        stand_in = reward_chat_text(tokenizer, conversation, _STAND_IN, rm=rm) if held else None
         texts.append(RewardText(text, None if stand_in is None else _differing(text, stand_in)))
     return texts
 

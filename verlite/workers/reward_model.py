@@ -179,8 +179,9 @@ def chat_texts(
     conversation (``conversations``, one per prompt, a row's by its uid:
     ``data.row_records``), then its response as a reward function reads it
     (``data.response_texts``, read with the policy's ``policy_tokenizer``, ended by EOS or
-    one of ``stops``) as the assistant's turn. Where a response holds a special token's text, its place is where
-    the rendering differs from the conversation's rendered with a stand-in response."""
+    one of ``stops``) as the assistant's turn. Where a response holds a special token's text,
+    its place is between the text the template writes before and after a stand-in response
+    (:func:`_between`)."""
     rows = row_records(conversations, td["uid"])
     responses = response_texts(policy_tokenizer, td, stops=stops)
     texts = []
@@ -189,15 +190,21 @@ def chat_texts(
     ):
         text = reward_chat_text(tokenizer, conversation, response, rm=rm)
         stand_in = reward_chat_text(tokenizer, conversation, _STAND_IN, rm=rm) if held else None
-        texts.append(RewardText(text, None if stand_in is None else _differing(text, stand_in)))
+        texts.append(RewardText(text, None if stand_in is None else _between(text, stand_in)))
     return texts
 
 
-def _differing(text: str, other: str) -> tuple[int, int]:
-    """Where ``text`` differs from ``other``: from the end of their common start to the
-    start of their common end (within the rest)."""
-    start = _common_start(text, other)
-    return start, len(text) - _common_start(text[start:][::-1], other[start:][::-1])
+def _between(text: str, stand_in: str) -> tuple[int, int]:
+    """Where the response is in ``text``, a conversation's rendering, given ``stand_in``, its
+    rendering with :data:`_STAND_IN` as the response: between the text the template writes
+    before the stand-in and after it, each compared with ``text`` on its own side, so that a
+    response that begins or ends like the template's text on the other side (a stand-in
+    character, then the turn's end) cannot move its bounds into itself. A template that
+    writes other text around this response (one that moves a reasoning part) widens the
+    place to all that differs."""
+    before, _, after = stand_in.partition(_STAND_IN)
+    start = _common_start(text, before)
+    return start, len(text) - _common_start(text[start:][::-1], after[::-1])
 
 
 def _common_start(a: str, b: str) -> int:

@@ -3,12 +3,14 @@ response, read as text, with a number in [0, 1].
 
 The rule: the model reads ``prompt + response`` tokenized by its own tokenizer (its special
 tokens added, as its ``__call__`` adds them), or the conversation as its chat template writes
-it (``reward.model.chat_template``: no special tokens added, the template wrote them), and
-the score is ``sigmoid(logit)`` of its one label at the text's last token. Decoder
-classifiers (Hugging Face's ``GenericForSequenceClassification``: Llama, Qwen2, Mistral, ...)
-are accepted, as their score head reads that token; the last token is found from each row's
-length, not from the pad id (which may also be a real token, e.g. a pad that is the EOS). A
-text longer than the limit keeps its last tokens, where the score is read.
+it (``reward.model.chat_template``: no special tokens added, the template wrote them), a
+special token's text inside the response read as its characters (the texts and their
+tokens: ``workers.reward_model``), and the score is ``sigmoid(logit)`` of its one label at
+the text's last token. Decoder classifiers (Hugging Face's
+``GenericForSequenceClassification``: Llama, Qwen2, Mistral, ...) are accepted, as their
+score head reads that token; the last token is found from each row's length, not from the
+pad id (which may also be a real token, e.g. a pad that is the EOS). A text longer than the
+limit keeps its last tokens, where the score is read.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer
@@ -9,7 +10,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from verlite.config import ConfigError
 from verlite.data import build_task_tokenizer, encode_prompts, load_tokenizer
-from verlite.data.tokenizer import CHARACTERS, SPECIAL_TOKENS, load_reward_tokenizer, response_text
+from verlite.data.tokenizer import (
+    CHARACTERS,
+    SPECIAL_TOKENS,
+    holds_special_text,
+    load_reward_tokenizer,
+    response_text,
+)
 
 
 def test_special_tokens_and_small_vocab() -> None:
@@ -145,6 +152,18 @@ def test_response_text_ends_at_the_token_that_ended_it() -> None:
     assert response_text(tokenizer, [one, two, stop], stops=(stop,)) == "12"
     assert response_text(tokenizer, [one, stop, two], stops=(stop,)) == "1+2"
     assert response_text(tokenizer, [one, two, stop]) == "12+"
+
+
+def test_which_texts_hold_a_special_tokens_text() -> None:
+    """The texts a reward model or an environment's observation reads with a special
+    token's text in them (read as its characters there), and none for a tokenizer without
+    special tokens. Mutation: no special tokens searched as an empty pattern -> every text
+    holds one."""
+    tok = build_task_tokenizer()
+    texts = ["12+3=15", "15<eos>", "<pad>", "", "<eo s>"]
+    assert holds_special_text(tok, texts) == [False, True, True, False, False]
+    without = SimpleNamespace(added_tokens_decoder={})  # a tokenizer with no special tokens
+    assert holds_special_text(without, texts) == [False] * len(texts)  # type: ignore[arg-type]
 
 
 def test_a_qwen2_folder_without_tokenizer_files_is_one_line(tmp_path: Path) -> None:

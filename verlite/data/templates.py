@@ -45,6 +45,7 @@ from verlite.data.files import (
 from verlite.data.tokenizer import (
     encode_prompts,
     encode_written,
+    holds_special_text,
     special_tokens,
     unknown_characters,
 )
@@ -419,9 +420,7 @@ class TurnFormat:
         that holds a special token's text must be written between the text the template
         writes around any observation, where :meth:`observation_ids` finds it."""
         text = self._rendered(observation)
-        if self._span(text) is None and any(
-            special in observation for special in special_tokens(self.tokenizer)
-        ):
+        if self._span(text) is None and holds_special_text(self.tokenizer, [observation])[0]:
             raise DataError(
                 f"the chat template of model.path={self.model_path!r} writes other text around "
                 f"the observation {shown(observation, 40)} than around others "

@@ -161,9 +161,9 @@ def encode_written(
     ``split_special_tokens``, as it follows that special token (:func:`_as_text`). A text
     whose span holds no special token's text encodes as it always did."""
     stop = len(text) if stop is None else stop
-    specials = special_tokens(tokenizer)
-    if not any(s in text[start:stop] for s in specials):
+    if not holds_special_text(tokenizer, [text[start:stop]])[0]:
         return list(tokenizer.encode(text, add_special_tokens=False))
+    specials = special_tokens(tokenizer)
     lo, hi = 0, len(text)
     for content, token in specials.items():
         if (at := text.rfind(content, 0, start)) >= 0:
@@ -185,7 +185,10 @@ def encode_written(
 def holds_special_text(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[bool]:
     """Whether each of ``texts`` holds the text of one of ``tokenizer``'s special tokens
     (found in one pass a text: Llama-3's tokenizer has 256 of them)."""
-    found = re.compile("|".join(map(re.escape, special_tokens(tokenizer))))
+    specials = special_tokens(tokenizer)
+    if not specials:  # (an empty pattern would match every text)
+        return [False] * len(texts)
+    found = re.compile("|".join(map(re.escape, specials)))
     return [found.search(text) is not None for text in texts]
 
 

@@ -1,5 +1,7 @@
 """Tiny causal LMs of real Hugging Face classes built from configs (a Qwen2 with a tied or
-untied LM head; Mixture-of-Experts models; a DeepSeek-V3 with latent attention; sliding-window models; a Gemma 2's config), for tests of what depends on a model class's structure, and the overrides of a generation too large for a small GPU."""
+untied LM head; Mixture-of-Experts models; a DeepSeek-V3 with latent attention;
+sliding-window models; a Gemma 2's config), for tests of what depends on a model class's
+structure, and the overrides of a generation too large for a small GPU."""
 
 from __future__ import annotations
 

@@ -3,8 +3,9 @@
 Every layer holds one key and one value buffer of ``(rows, heads, capacity, width)``, the
 heads and width of what the layer caches (its config's KV heads x head dim for most models;
 DeepSeek-V3's latent attention caches other tensors), allocated at its first write for the
-largest batch and the longest sequence a generation needs, and kept between generations. Left-padded prompts fill positions ``0 .. width`` of every row; decode
-step ``t`` writes position ``width + t`` of every row, at an index held in a device tensor
+largest batch and the longest sequence a generation needs, and kept between generations.
+Left-padded prompts fill positions ``0 .. width`` of every row; decode step ``t`` writes
+position ``width + t`` of every row, at an index held in a device tensor
 (``slot``) that the step advances itself: nothing in a decode step depends on a Python
 number that changes from step to step, so the step can be captured once as a CUDA graph and
 replayed.

@@ -228,9 +228,9 @@ def encode_texts(
     """Each text as the reward model reads it (``tokenizer``: its own): its special tokens
     added when ``special`` (a text a chat template wrote holds them already), then the last
     ``max_length`` tokens kept (the end, where the score is read). A response's special
-    token's text is its characters (``data.encode_written``); the rest of its text, the
-    template's turns included, is encoded as the tokenizer encodes any text, and the texts
-    whose response holds none are encoded together."""
+    token's text is its characters (``data.tokenizer.encode_written``); the rest of its
+    text, the template's turns included, is encoded as the tokenizer encodes any text, and
+    the texts whose response holds none are encoded together."""
     encoded: list[list[int]] = [[] for _ in texts]
     whole = [row for row, text in enumerate(texts) if text.response is None]
     if whole:

@@ -520,10 +520,17 @@ def _observation_turn(
     )
 
 
+def common_start(a: str, b: str) -> int:
+    """How many characters ``a`` and ``b`` begin with alike."""
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
+
+
 def _shared_start(tokenizer: PreTrainedTokenizerBase, a: str, b: str) -> str:
     """The longest text ``a`` and ``b`` both begin with, not cut inside a special token's
     text: ``'<|end|>\\n<|endoftext|>'`` and ``'<|end|>\\n<|user|>'`` share ``'<|end|>\\n'``."""
-    n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    n = common_start(a, b)
     while cut := [
         at
         for text in special_tokens(tokenizer)

@@ -33,7 +33,7 @@ from verlite.data import (
     row_records,
 )
 from verlite.data.files import Conversation
-from verlite.data.templates import reads_chat_template, reward_chat_text
+from verlite.data.templates import common_start, reads_chat_template, reward_chat_text
 from verlite.data.tokenizer import encode_written, holds_special_text, with_special_tokens
 from verlite.models import model_dtype, response_stop_ids, worker_device
 from verlite.models.hf import HFModel
@@ -203,15 +203,8 @@ def _between(text: str, stand_in: str) -> tuple[int, int]:
     writes other text around this response (one that moves a reasoning part) widens the
     place to all that differs."""
     before, _, after = stand_in.partition(_STAND_IN)
-    start = _common_start(text, before)
-    return start, len(text) - _common_start(text[start:][::-1], after[::-1])
-
-
-def _common_start(a: str, b: str) -> int:
-    """How many characters ``a`` and ``b`` start with alike."""
-    return next(
-        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
-    )
+    start = common_start(text, before)
+    return start, len(text) - common_start(text[start:][::-1], after[::-1])
 
 
 @dataclass(frozen=True)

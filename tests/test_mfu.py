@@ -98,10 +98,19 @@ def test_the_peak_override_and_what_logs_no_mfu(capsys: pytest.CaptureFixture[st
     assert mfu_peaks(plain, {"actor": _Group(None, [[]])}) == {}  # CPU: nothing said
     assert capsys.readouterr().out == ""
     assert mfu_peaks(plain, {"actor": _Group("Some GPU", [["0"]])}) == {}
-    assert capsys.readouterr().out == (
+    said = (
         "perf/mfu: no bf16 peak known for 'Some GPU' (verlite.models.flops); set "
         "trainer.peak_tflops to log MFU\n"
     )
+    assert capsys.readouterr().out == said
+    # A role on a GPU the table lacks loses its figure, not the others theirs; said once.
+    ppo = load_config("configs/ppo_tiny.yaml")
+    mixed = {"actor": _Group("Some GPU", [["0"]]), "critic": _Group("NVIDIA H200", [["1"]])}
+    assert mfu_peaks(ppo, mixed) == {"critic": (SHAPE, 989.4e12)}
+    assert capsys.readouterr().out == said
+    both = {"actor": _Group("Some GPU", [["0"]]), "critic": _Group("Some GPU", [["1"]])}
+    assert mfu_peaks(ppo, both) == {}
+    assert capsys.readouterr().out == said
 
 
 def test_the_progress_line_shows_the_updates_mfu_when_there_is_one() -> None:

@@ -99,9 +99,11 @@ def mfu_peaks(
 ) -> dict[TrainedRole, tuple[DecoderShape, float]]:
     """For each role of ``groups`` on cuda: what its model's FLOPs are counted from, and the
     bf16 peak of the GPUs its ranks hold (``trainer.peak_tflops`` or the table's, times the
-    GPUs); asked of each group's rank 0 once. A role on CPU has none; a GPU the table does not
-    know without the override has none either, and says so once."""
+    GPUs); asked of each group's rank 0 once. A role on CPU has none; a role on a GPU the
+    table does not know without the override has none either (the other roles keep theirs),
+    said once a GPU name."""
     peaks: dict[TrainedRole, tuple[DecoderShape, float]] = {}
+    unknown = set()
     for role, group in groups.items():
         name, shape = group.call("compute_profile", dispatch="broadcast", collect="rank0")
         if name is None:
@@ -109,12 +111,14 @@ def mfu_peaks(
         override = cfg.trainer.peak_tflops
         peak = bf16_peak_flops(name) if override is None else override * 1e12
         if peak is None:
-            print(
-                f"perf/mfu: no bf16 peak known for {name!r} (verlite.models.flops); set "
-                "trainer.peak_tflops to log MFU",
-                flush=True,
-            )
-            return {}
+            if name not in unknown:
+                print(
+                    f"perf/mfu: no bf16 peak known for {name!r} (verlite.models.flops); set "
+                    "trainer.peak_tflops to log MFU",
+                    flush=True,
+                )
+            unknown.add(name)
+            continue
         placement = group.placement()
         gpus = {(w["node_id"], gpu) for w in placement for gpu in w["gpu_ids"]}
         peaks[role] = (shape, peak * max(len(gpus), 1))

@@ -417,7 +417,7 @@ def sampler_agreement(
     out = sampler.generate(td, params, KeyedNoise(keys, horizon=params.max_new_tokens))
     with torch.no_grad():
         recomputed, _ = response_log_probs(
-            model, out, temperature=params.temperature, with_entropy=False
+            model, out, temperature=params.temperature, entropy="none"
         )
     mask = out["response_mask"].bool()
     diff = (recomputed.double() - out["rollout_log_probs"].double()).abs()[mask]

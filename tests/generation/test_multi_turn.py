@@ -195,7 +195,7 @@ def test_the_model_over_the_batch_gives_the_log_probs_the_tokens_were_sampled_wi
     envs = [Echo() for _ in range(8)]
     batch, _, _, model, _ = run(envs)
     with torch.no_grad():
-        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, entropy="none")
     policy = batch["response_mask"].bool()
     assert policy.sum() > 30
     torch.testing.assert_close(
@@ -246,7 +246,7 @@ def test_no_row_runs_past_its_room_whatever_the_rows_beside_it(mode: str) -> Non
     assert batch["truncated"].sum() > 0
     reached.clear()
     with torch.no_grad():
-        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, entropy="none")
     assert max(reached) < longest
     policy = batch["response_mask"].bool()
     torch.testing.assert_close(

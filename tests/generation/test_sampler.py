@@ -129,7 +129,7 @@ def test_sampled_tokens_have_the_probabilities_the_trainer_computes(
         td, SamplingParams(6, temperature=temperature), keyed(td, 1)
     )
     with torch.no_grad():
-        log_probs, _ = response_log_probs(m, out, temperature=temperature, with_entropy=False)
+        log_probs, _ = response_log_probs(m, out, temperature=temperature, entropy="none")
     sampler = torch.stack(drawn, dim=1)[:, : log_probs.shape[1]]
     mask = out["response_mask"].bool()
     assert mask.sum() > 30 and sampler.shape == log_probs.shape

@@ -173,7 +173,7 @@ def test_bf16_mixed_keeps_fp32_parameters_gradients_and_optimizer_state() -> Non
 
     def recording(model, td):
         logits = model(input_ids=td["input_ids"]).logits
-        log_probs, _ = response_log_probs(model, td, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(model, td, temperature=1.0, entropy="none")
         loss, metrics = loss_fn(model, td)
         seen.append((logits.dtype, log_probs.dtype, loss.dtype))
         return loss, metrics
@@ -224,8 +224,8 @@ def test_a_copy_stored_for_inference_computes_bit_for_bit_what_the_policy_does(
     assert ("lm_head.weight" not in dtypes) if tied else dtypes["lm_head.weight"] == torch.bfloat16
     batch = make_batch(cfg)
     with torch.no_grad(), autocast("bf16-mixed", CPU):
-        ours, _ = response_log_probs(policy, batch, temperature=1.0, with_entropy=False)
-        theirs, _ = response_log_probs(reference, batch, temperature=1.0, with_entropy=False)
+        ours, _ = response_log_probs(policy, batch, temperature=1.0, entropy="none")
+        theirs, _ = response_log_probs(reference, batch, temperature=1.0, entropy="none")
     assert torch.equal(ours, theirs)
 
 
@@ -249,8 +249,8 @@ def test_a_copy_stored_for_generation_holds_a_bf16_head_of_its_own(tied: bool) -
     assert held.keys() == policy.state_dict().keys()
     batch = make_batch(cfg)
     with torch.no_grad(), autocast("bf16-mixed", CPU):
-        ours, _ = response_log_probs(policy, batch, temperature=1.0, with_entropy=False)
-        theirs, _ = response_log_probs(generating, batch, temperature=1.0, with_entropy=False)
+        ours, _ = response_log_probs(policy, batch, temperature=1.0, entropy="none")
+        theirs, _ = response_log_probs(generating, batch, temperature=1.0, entropy="none")
     assert torch.equal(ours, theirs)
     # In other precisions nothing is cast: a tied head stays tied.
     kept = store_for_generation(copy.deepcopy(policy), "fp32")
@@ -379,8 +379,8 @@ def test_a_bf16_mixed_weight_sync_sends_what_the_rollout_model_holds() -> None:
     receiver.require(1)
     batch = make_batch(cfg)
     with torch.no_grad(), autocast("bf16-mixed", CPU):
-        ours, _ = response_log_probs(actor, batch, temperature=1.0, with_entropy=False)
-        theirs, _ = response_log_probs(rollout, batch, temperature=1.0, with_entropy=False)
+        ours, _ = response_log_probs(actor, batch, temperature=1.0, entropy="none")
+        theirs, _ = response_log_probs(rollout, batch, temperature=1.0, entropy="none")
     assert torch.equal(ours, theirs)
 
 

@@ -229,7 +229,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     set_logits_chunk_tokens(exported, cfg.model.logits_chunk_tokens)
     with torch.no_grad():
-        reloaded, _ = response_log_probs(exported, batch, temperature=1.0, with_entropy=False)
+        reloaded, _ = response_log_probs(exported, batch, temperature=1.0, entropy="none")
     mask = batch["response_mask"].bool()
     if precision == "fp32":  # the worker's own forward (chunks, micro-batches) rounds apart
         torch.testing.assert_close(reloaded[mask], trained[mask], rtol=0, atol=1e-6)

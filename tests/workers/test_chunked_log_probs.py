@@ -101,7 +101,7 @@ def test_the_main_jobs_micro_batches_are_the_unchunked_pass_bit_for_bit(rows, pa
     want, want_grads = with_grads(model, lambda: unchunked(model, td, temperature=temperature))
     got, got_grads = with_grads(
         model,
-        lambda: response_log_probs(model, td, temperature=temperature, with_entropy=True),
+        lambda: response_log_probs(model, td, temperature=temperature, entropy="loss"),
     )
     for w, g in zip((*want, *want_grads), (*got, *got_grads), strict=True):
         assert g.dtype == w.dtype and torch.equal(g, w)
@@ -135,7 +135,7 @@ def test_chunks_give_the_unchunked_log_probs_entropy_and_gradients(case, chunk):
     want, want_grads = with_grads(model, lambda: unchunked(model, td, temperature=TEMPERATURE))
     got, got_grads = with_grads(
         model,
-        lambda: response_log_probs(model, td, temperature=TEMPERATURE, with_entropy=True),
+        lambda: response_log_probs(model, td, temperature=TEMPERATURE, entropy="loss"),
     )
     # fp32 rounding: a weight's gradient is summed over up to 100 chunks instead of one matmul
     for w, g in zip((*want, *want_grads), (*got, *got_grads), strict=True):
@@ -153,9 +153,7 @@ def test_bf16_compute_gives_fp32_log_probs_chunk_for_chunk(mode):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast-bf16"):
             (log_probs, entropy), grads = with_grads(
                 model,
-                lambda m=model: response_log_probs(
-                    m, td, temperature=TEMPERATURE, with_entropy=True
-                ),
+                lambda m=model: response_log_probs(m, td, temperature=TEMPERATURE, entropy="loss"),
             )
         assert log_probs.dtype == entropy.dtype == torch.float32
         results.append((log_probs, entropy, *grads))
@@ -210,9 +208,7 @@ def test_no_more_than_a_chunk_of_logits_exists_forward_or_backward(chunk):
     assert tokens > 16 * 8
 
     def forward_backward():
-        log_probs, entropy = response_log_probs(
-            model, td, temperature=TEMPERATURE, with_entropy=True
-        )
+        log_probs, entropy = response_log_probs(model, td, temperature=TEMPERATURE, entropy="loss")
         (log_probs.sum() + entropy.sum()).backward()
 
     with LargestLogits(WIDE_VOCAB) as seen:
@@ -235,7 +231,7 @@ def test_inference_passes_chunk_too():
         for chunk in (3, 4096):
             model = policy(chunk=chunk)
             enable_packing(model)
-            results.append(response_log_probs(model, td, temperature=1.0, with_entropy=False))
+            results.append(response_log_probs(model, td, temperature=1.0, entropy="none"))
     assert results[0][1] is None
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
 
@@ -249,11 +245,11 @@ def test_the_head_is_intercepted_for_one_call_and_state_dicts_do_not_see_it():
     assert list(model.state_dict()) == list(plain.state_dict())
     reference = copy.deepcopy(model)
     td = batch()
-    before, _ = response_log_probs(reference, td, temperature=1.0, with_entropy=False)
+    before, _ = response_log_probs(reference, td, temperature=1.0, entropy="none")
     assert "forward" not in vars(model.lm_head) and "forward" not in vars(reference.lm_head)
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)  # the copy's head is its own
-    after, _ = response_log_probs(reference, td, temperature=1.0, with_entropy=False)
+    after, _ = response_log_probs(reference, td, temperature=1.0, entropy="none")
     assert torch.equal(before, after)
     # a plain call (the sampler's) gets the logits
     logits = model(input_ids=td["input_ids"][:, :4]).logits
@@ -266,14 +262,14 @@ def test_a_model_that_changes_its_heads_output_is_refused_in_one_line():
     model = AutoModelForCausalLM.from_config(config)
     set_logits_chunk_tokens(model, 1024)
     with pytest.raises(UserError, match=r"Gemma2ForCausalLM does not return its LM head"):
-        response_log_probs(model, batch(), temperature=1.0, with_entropy=False)
+        response_log_probs(model, batch(), temperature=1.0, entropy="none")
     assert "forward" not in vars(model.lm_head)
 
 
 def test_a_model_without_a_chunk_size_is_refused():
     model = AutoModelForCausalLM.from_config(policy(chunk=3).config)
     with pytest.raises(ValueError, match="no logits chunk size"):
-        response_log_probs(model, batch(), temperature=1.0, with_entropy=False)
+        response_log_probs(model, batch(), temperature=1.0, entropy="none")
 
 
 # ------------------------------------------------------- across ranks: the audit

@@ -44,6 +44,6 @@ def test_log_prob_and_value_passes_keep_no_cache(packed: bool, training: bool) -
     with torch.set_grad_enabled(training):
         policy.train(training)
         critic.train(training)
-        response_log_probs(policy, td, temperature=1.0, with_entropy=True)
+        response_log_probs(policy, td, temperature=1.0, entropy="loss")
         response_values(critic, td)
     assert seen == {"policy": [False], "critic": [False]}

@@ -65,7 +65,7 @@ def _run(model: nn.Module, td, precision: str) -> list[torch.Tensor]:
         if isinstance(model, type(_critic())):
             outputs = [response_values(model, td)]
         else:
-            outputs = list(response_log_probs(model, td, temperature=0.7, with_entropy=True))
+            outputs = list(response_log_probs(model, td, temperature=0.7, entropy="loss"))
     sum(out.float().sum() for out in outputs).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     return [out.detach() for out in outputs] + grads

@@ -70,7 +70,7 @@ def test_a_packed_row_gives_the_padded_outputs_and_gradients() -> None:
     policy, critic = models()
     padded, packed = batches()
     real = padded["attention_mask"][:, -padded["responses"].shape[1] :].bool()
-    expected = response_log_probs(policy, padded, temperature=0.7, with_entropy=True)
+    expected = response_log_probs(policy, padded, temperature=0.7, entropy="loss")
     values = response_values(critic, padded)
     expected_grads = torch.autograd.grad(
         (expected[0] * real).sum() + (values * real).sum(),
@@ -78,7 +78,7 @@ def test_a_packed_row_gives_the_padded_outputs_and_gradients() -> None:
     )
     enable_packing(policy)
     enable_packing(critic)
-    got = response_log_probs(policy, packed, temperature=0.7, with_entropy=True)
+    got = response_log_probs(policy, packed, temperature=0.7, entropy="loss")
     got_values = response_values(critic, packed)
     for want, have in zip((*expected, values), (*got, got_values), strict=True):
         assert have.shape == want.shape
@@ -181,7 +181,7 @@ def sliding_model(kind: str, window: int | None) -> torch.nn.Module:
 def log_probs_and_grads(
     model: torch.nn.Module, batch, real: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
-    log_probs, entropy = response_log_probs(model, batch, temperature=0.7, with_entropy=True)
+    log_probs, entropy = response_log_probs(model, batch, temperature=0.7, entropy="loss")
     grads = torch.autograd.grad((log_probs * real).sum(), list(model.parameters()))
     return (log_probs[real], entropy[real], *grads)
 
@@ -239,7 +239,7 @@ def test_a_window_one_token_short_binds_and_a_packed_pass_refuses_it(kind: str) 
         PackingUnsupported,
         match=rf"sliding window of {longest - 1} tokens and a packed sequence has {longest}",
     ):
-        response_log_probs(short, packed, temperature=0.7, with_entropy=False)
+        response_log_probs(short, packed, temperature=0.7, entropy="none")
 
 
 @pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
@@ -282,9 +282,9 @@ def test_a_packed_pass_builds_no_attention_mask(monkeypatch) -> None:
     enable_packing(policy)
     padded, packed = batches()
     with torch.no_grad():
-        response_log_probs(policy, packed, temperature=1.0, with_entropy=False)
+        response_log_probs(policy, packed, temperature=1.0, entropy="none")
         assert not built
-        response_log_probs(policy, padded, temperature=1.0, with_entropy=False)
+        response_log_probs(policy, padded, temperature=1.0, entropy="none")
         assert built  # a padded pass still gets its mask
 
 

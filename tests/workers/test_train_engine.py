@@ -21,7 +21,7 @@ def policy() -> torch.nn.Module:
 
 
 def log_probs_fn(model, td):
-    log_probs, entropy = response_log_probs(model, td, temperature=1.0, with_entropy=True)
+    log_probs, entropy = response_log_probs(model, td, temperature=1.0, entropy="loss")
     return {"log_probs": log_probs, "entropy": entropy, "row_id": td["uid"]}
 
 
@@ -110,7 +110,7 @@ def test_non_finite_gradient_skips_the_update() -> None:
     before = [p.detach().clone() for p in eng.model.parameters()]
 
     def nan_loss(model, td):
-        log_probs, _ = response_log_probs(model, td, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(model, td, temperature=1.0, entropy="none")
         return log_probs.sum() * float("nan"), {}
 
     metrics = eng.train_mini_batch(make_batch(CONFIG), nan_loss)
@@ -161,7 +161,7 @@ def test_nonfinite_streak_counts_consecutive_skips_and_resets() -> None:
 
     def loss(scale):
         def fn(model, td):
-            log_probs, _ = response_log_probs(model, td, temperature=1.0, with_entropy=False)
+            log_probs, _ = response_log_probs(model, td, temperature=1.0, entropy="none")
             return log_probs.mean() * scale, {}
 
         return fn

@@ -91,7 +91,7 @@ def engines(layout: str, mode: DeviceSyncs):
 
 
 def log_probs(model, td):
-    return {"log_probs": response_log_probs(model, td, temperature=1.0, with_entropy=False)[0]}
+    return {"log_probs": response_log_probs(model, td, temperature=1.0, entropy="none")[0]}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

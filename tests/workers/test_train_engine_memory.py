@@ -91,7 +91,7 @@ def test_checkpointing_recomputes_in_backward_only() -> None:
             enable_gradient_checkpointing(model)
         calls = mlp_calls(model)
         model.train()
-        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, entropy="none")
         log_probs.sum().backward()
         assert calls[0] == layers * (2 if checkpointed else 1)
         # The log-prob passes (eval and no_grad, as ``train_engine.infer``; and no_grad in
@@ -100,7 +100,7 @@ def test_checkpointing_recomputes_in_backward_only() -> None:
             calls[0] = 0
             model.train(train_mode)
             with torch.no_grad():
-                response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+                response_log_probs(model, batch, temperature=1.0, entropy="none")
             assert calls[0] == layers
 
 
@@ -180,7 +180,7 @@ def test_the_entropy_backward_runs_only_when_the_loss_weighs_it(monkeypatch) -> 
     token; its backward (a log-softmax's, an exponential's, a product's: vocabulary-wide
     passes) runs only when ``actor.entropy_coeff`` weighs it into the loss. At 0 the gradients
     are those of the entropy differentiated, bit for bit (0 times its gradient), and the
-    metric is the same. Mutation: ``entropy_grad`` always true -> the 0 case runs the
+    metric is the same. Mutation: ``entropy`` always ``"loss"`` -> the 0 case runs the
     log-softmax's backward."""
     names, grads, entropy = _entropy_update(0.0)
     assert "_log_softmax_backward_data" not in names  # the log-probs take no log-softmax
@@ -190,7 +190,7 @@ def test_the_entropy_backward_runs_only_when_the_loss_weighs_it(monkeypatch) -> 
     monkeypatch.setattr(
         objectives,
         "response_log_probs",
-        lambda *args, **kwargs: real(*args, **{**kwargs, "entropy_grad": True}),
+        lambda *args, **kwargs: real(*args, **{**kwargs, "entropy": "loss"}),
     )
     _, differentiated, same_entropy = _entropy_update(0.0)
     assert grads.keys() == differentiated.keys() and grads
@@ -489,7 +489,7 @@ def test_fsdp_cpu_offload_shards_over_one_rank_without_a_process_group() -> None
         params = list(model.parameters())
         assert all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params)
         batch = make_batch(CONFIG)
-        log_probs, _ = response_log_probs(model, batch, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(model, batch, temperature=1.0, entropy="none")
         log_probs.sum().backward()
         assert all(p.grad is not None and p.grad.device.type == "cpu" for p in params)
     finally:
@@ -551,7 +551,7 @@ def _log_probs_pass(layers: int, world: int = 1) -> tuple[int, torch.Tensor]:
     batch = make_batch(cfg)
 
     def fn(m: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
-        return {"lp": response_log_probs(m, td, temperature=1.0, with_entropy=False)[0]}
+        return {"lp": response_log_probs(m, td, temperature=1.0, entropy="none")[0]}
 
     engine.infer(batch, fn)  # FSDP2's lazy set-up, outside the measure
     return peak_tensor_bytes(lambda: engine.infer(batch, fn)), engine.infer(batch, fn)["lp"]

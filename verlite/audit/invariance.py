@@ -191,7 +191,7 @@ def make_batch(cfg: Config, *, seed: int = 0, num_sequences: int = NUM_SEQUENCES
     td.set_non_tensor("temperature", 1.0)
     policy = _build_model(cfg, "actor")
     with torch.no_grad(), autocast(cfg.precision, torch.device("cpu")):
-        log_probs, _ = response_log_probs(policy, td, temperature=1.0, with_entropy=False)
+        log_probs, _ = response_log_probs(policy, td, temperature=1.0, entropy="none")
     noise = torch.randn(2, num_sequences, width, generator=gen, dtype=dtype)
     td["old_log_probs"] = (log_probs + 0.3 * noise[0]) * response_mask
     td["ref_log_prob"] = (log_probs + 0.3 * noise[1]) * response_mask

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -21,6 +22,10 @@ from torch.utils.checkpoint import checkpoint
 from verlite.core.losses import entropy_from_logits, log_probs_from_logits
 
 Head = Callable[[torch.Tensor], torch.Tensor]
+# Whether a log-prob pass returns the entropy too, and how: "none"; "metric", a value no
+# gradient flows back through (nor is its backward run: vocabulary-wide at every token);
+# "loss", a term the loss weighs (differentiable).
+Entropy = Literal["none", "metric", "loss"]
 
 
 def chunked_log_probs(
@@ -30,15 +35,13 @@ def chunked_log_probs(
     *,
     temperature: float,
     chunk_tokens: int,
-    with_entropy: bool,
-    entropy_grad: bool = True,
+    entropy: Entropy,
 ) -> torch.Tensor:
     """Per token of ``labels`` (tokens,), whose final hidden states ``hidden`` are (tokens,
     hidden_size): the log-prob of the label under ``head(hidden) / temperature`` (no
-    division for a temperature of 0, greedy), and with ``with_entropy`` the entropy of that
-    distribution, as a fresh (1 or 2, tokens) tensor of at least fp32, whatever the head's
-    dtype and autocast. Without ``entropy_grad`` the entropy is a value alone (a metric:
-    no gradient flows back through it, nor is its backward run)."""
+    division for a temperature of 0, greedy), and unless ``entropy`` is ``"none"`` the
+    entropy of that distribution, as a fresh (1 or 2, tokens) tensor of at least fp32,
+    whatever the head's dtype and autocast (:data:`Entropy`)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     if hidden.dim() != 2 or hidden.shape[0] != labels.numel() or labels.dim() != 1:
@@ -46,7 +49,7 @@ def chunked_log_probs(
             f"hidden states {tuple(hidden.shape)} and labels {tuple(labels.shape)}: "
             "expected (tokens, hidden_size) and (tokens,)"
         )
-    stats = partial(_chunk_stats, head, temperature, with_entropy, entropy_grad)
+    stats = partial(_chunk_stats, head, temperature, entropy)
     if labels.numel() <= chunk_tokens:
         return stats(hidden, labels)
     chunks = [
@@ -64,8 +67,7 @@ def chunked_log_probs(
 def _chunk_stats(
     head: Head,
     temperature: float,
-    with_entropy: bool,
-    entropy_grad: bool,
+    entropy: Entropy,
     hidden: torch.Tensor,
     labels: torch.Tensor,
 ) -> torch.Tensor:
@@ -75,6 +77,6 @@ def _chunk_stats(
         if temperature > 0:
             logits = logits / temperature
         stats = [log_probs_from_logits(logits, labels)]
-        if with_entropy:
-            stats.append(entropy_from_logits(logits if entropy_grad else logits.detach()))
+        if entropy != "none":
+            stats.append(entropy_from_logits(logits if entropy == "loss" else logits.detach()))
         return torch.stack(stats)

@@ -59,7 +59,7 @@ from verlite.workers.training_worker import TrainingWorker
 
 def _log_probs(key: str, model: nn.Module, td: TensorDict) -> dict[str, torch.Tensor]:
     temperature = float(td.get_non_tensor("temperature"))
-    log_probs, _ = response_log_probs(model, td, temperature=temperature, with_entropy=False)
+    log_probs, _ = response_log_probs(model, td, temperature=temperature, entropy="none")
     return {key: log_probs}
 
 

@@ -29,7 +29,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from verlite.config import ConfigError
-from verlite.core.logits_chunks import chunked_log_probs
+from verlite.core.logits_chunks import Entropy, chunked_log_probs
 from verlite.distributed import unwrap
 from verlite.models import logits_chunk_tokens
 from verlite.models.hf import output_embeddings
@@ -93,12 +93,11 @@ def response_log_probs(
     td: TensorDict,
     *,
     temperature: float,
-    with_entropy: bool,
-    entropy_grad: bool = True,
+    entropy: Entropy,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(b, r) log-probs of the response tokens under logits / the sampling temperature (the
-    policy that sampled them used those), and the entropy of that distribution if asked
-    (without ``entropy_grad``, a value no gradient flows through: a metric)."""
+    policy that sampled them used those), and the entropy of that distribution unless
+    ``entropy`` is ``"none"`` (:data:`~verlite.core.logits_chunks.Entropy`)."""
     packed = _packed(td)
     if packed is None:
         width = td["input_ids"].shape[1]
@@ -115,15 +114,14 @@ def response_log_probs(
         labels,
         padding=_padding(td),
         temperature=temperature,
-        with_entropy=with_entropy,
-        entropy_grad=entropy_grad,
+        entropy=entropy,
     )
     # One (b, r) tensor per statistic: the log-probs, then the entropy when asked.
     if packed is None:
         rows = [stat.reshape(labels.shape) for stat in stats]
     else:
         rows = [packed.to_rows(stat) for stat in stats]
-    return rows[0], rows[1] if with_entropy else None
+    return rows[0], None if entropy == "none" else rows[1]
 
 
 def _head_log_probs(
@@ -133,8 +131,7 @@ def _head_log_probs(
     *,
     padding: Padding | None,
     temperature: float,
-    with_entropy: bool,
-    entropy_grad: bool,
+    entropy: Entropy,
 ) -> torch.Tensor:
     """``model(**inputs)`` (:func:`_forward`) with its LM head returning, for this one call, the
     ``chunked_log_probs`` of ``labels`` (the positions its input holds, in order) instead
@@ -155,8 +152,7 @@ def _head_log_probs(
                 labels.reshape(-1),
                 temperature=temperature,
                 chunk_tokens=chunk_tokens,
-                with_entropy=with_entropy,
-                entropy_grad=entropy_grad,
+                entropy=entropy,
             )
         )
         return returned[0]

@@ -97,8 +97,7 @@ def ppo_loss(
         model,
         td,
         temperature=float(td.get_non_tensor("temperature")),
-        with_entropy=True,
-        entropy_grad=settings.entropy_coeff != 0,
+        entropy="loss" if settings.entropy_coeff != 0 else "metric",
     )
     assert entropy is not None
     pg_loss, pg_metrics = compute_policy_loss(

@@ -8,11 +8,13 @@ from __future__ import annotations
 import builtins
 import errno
 import io
+import json
 import os
 import shutil
 from pathlib import Path
 
 import pytest
+from chat_model_support import save_chat_model
 from reward_model_support import chat_reward_tokenizer, save_tiny_reward_model
 from transformers import (
     AutoModelForCausalLM,
@@ -344,3 +346,54 @@ def test_combine_is_the_weighted_sum_with_each_sources_mean() -> None:
         combine_scores({"fn": [1.0]}, {"fn": 1.0, "model": 1.0})
     with pytest.raises(ValueError, match="different numbers of responses: fn 2, model 1"):
         combine_scores({"fn": [1.0, 0.0], "model": [0.5]}, {"fn": 1.0, "model": 1.0})
+
+
+def test_a_later_prompts_turns_the_reward_template_refuses_stop_the_run_before_ray(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, folders: dict[str, Path]
+) -> None:
+    """A prompt file of conversations, verl's format: the first rows have no system turn,
+    the last one has; a reward model whose template has no system role fails on that row's
+    conversation at start-up, in one line naming its turns, not at the step that scores it.
+    Mutation: the first prompt's conversation alone rendered -> the run starts (and stops at
+    its first step's scoring)."""
+    save_chat_model(tmp_path / "policy")
+    question = [{"role": "user", "content": "What is 6 x 7?"}]
+    rows = [question] * 15 + [[{"role": "system", "content": "Be brief."}, *question]]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": row, "answer": "42"}) + "\n" for row in rows))
+    save_tiny_reward_model(
+        tmp_path / "no_system",
+        tokenizer=chat_reward_tokenizer(
+            "{%- for m in messages %}{%- if m['role'] == 'system' %}"
+            "{{- raise_exception('System role not supported') }}{%- endif %}"
+            "{{- m['role'] + ': ' + m['content'] + '\\n' }}{%- endfor %}"
+        ),
+        max_positions=256,
+    )
+    capsys.readouterr()  # the folders' saving progress
+    code = main(
+        [
+            "train",
+            "--config",
+            CONFIG,
+            f"model.path={tmp_path / 'policy'}",
+            "data.task=null",
+            f"data.train_file={prompts}",
+            f"data.val_file={prompts}",
+            "data.chat_template=true",
+            "data.max_prompt_length=64",
+            "data.train_batch_size=16",
+            f"reward.model.path={tmp_path / 'no_system'}",
+            f"trainer.output_dir={tmp_path / 'out'}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    assert (
+        f"the chat template of reward.model.path='{tmp_path / 'no_system'}' fails on a "
+        "conversation of turns ['system', 'user', 'assistant'] (reward.model.chat_template=auto; "
+        "false scores the prompt and response as plain text): 'TemplateError: System role not "
+        "supported'"
+    ) in err
+    assert not (tmp_path / "out").exists()  # refused before the run's folder, and Ray

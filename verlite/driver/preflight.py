@@ -12,7 +12,7 @@ import ray
 from transformers import PreTrainedTokenizerBase
 
 from verlite import base_weights
-from verlite.config import Config, ConfigError
+from verlite.config import Config, ConfigError, RewardModelConfig
 from verlite.config.checks import longest_sequence_fields
 from verlite.controller import check_device, check_fits_machine, check_fits_session
 from verlite.data import (
@@ -121,6 +121,27 @@ def check_validation_shares(cfg: Config, val_set: PromptDataset) -> None:
             )
 
 
+def _check_reward_template(
+    tokenizer: PreTrainedTokenizerBase,
+    datasets: Sequence[PromptDataset],
+    *,
+    rm: RewardModelConfig,
+) -> None:
+    """The reward model's chat template renders every prompt's conversation (with an empty
+    response), or start-up stops in one line (:func:`reward_chat_text`), not a later step's
+    scoring: a template refuses by the turns' roles (a system turn it has no role for, turns
+    that do not alternate), so one conversation of each sequence of roles the prompts hold is
+    rendered."""
+    rendered = set()
+    for dataset in datasets:
+        for record in dataset:
+            conversation = record_conversation(record)
+            roles = tuple(message["role"] for message in conversation)
+            if roles not in rendered:
+                reward_chat_text(tokenizer, conversation, "", rm=rm)
+                rendered.add(roles)
+
+
 def _source(cfg: Config, train_set: PromptDataset) -> str:
     """Where a run's training prompts (``train_set``) come from, as a message names it."""
     data = cfg.data
@@ -208,10 +229,7 @@ class RunInputs:
             )
             reward_model_reads_chat = reads_chat_template(cfg.reward.model, rm_tokenizer)
             if reward_model_reads_chat:
-                # A template that fails on the prompts' turns (a system turn it has no role
-                # for) fails here, not at the first step's scoring.
-                conversation = record_conversation(train_set[0])
-                reward_chat_text(rm_tokenizer, conversation, "", rm=cfg.reward.model)
+                _check_reward_template(rm_tokenizer, (train_set, val_set), rm=cfg.reward.model)
                 if cfg.reward.model.chat_template == "auto":
                     said.append(
                         "reward.model.chat_template=auto: the reward model's tokenizer has a "

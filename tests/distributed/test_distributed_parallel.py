@@ -205,6 +205,34 @@ def test_find_decoder_layers() -> None:
     assert vdist.find_decoder_layers(nn.Linear(2, 2)) == []
 
 
+def test_first_names_pairs_the_entries_of_one_storage_object_empty_ones_too() -> None:
+    """A tensor under a second name is the first name's, whether or not it holds elements
+    (an FSDP2 rank's empty shard of a tied head: tests/workers/test_fsdp_empty_shards.py);
+    two empty tensors are not one, though their storages' addresses are all 0, nor are two
+    views of one storage that hold other elements. Mutations: an empty entry left its own
+    name (the guard ``first_names`` had) -> ``head`` is its own; the storage's address as
+    the key, unguarded -> ``bias`` is ``embed``."""
+    empty, other, whole = torch.empty(0, 4), torch.empty(0, 4), torch.zeros(2, 4)
+    assert empty.untyped_storage().data_ptr() == other.untyped_storage().data_ptr() == 0
+    state = {
+        "embed": empty,
+        "head": empty.detach(),
+        "bias": other,
+        "norm": whole,
+        "norm_again": whole.detach(),
+        "row": whole[1:],
+    }
+    assert vdist.first_names(state) == {
+        "embed": "embed",
+        "head": "embed",
+        "bias": "bias",
+        "norm": "norm",
+        "norm_again": "norm",
+        "row": "row",
+    }
+    assert list(vdist.distinct_entries(state)) == ["embed", "bias", "norm", "row"]
+
+
 def test_world_one_is_plain_training(reference: dict[str, Any]) -> None:
     model = _model()
     assert vdist.apply_ddp(model) is model

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parallel import DistributedDataParallel
 
 from verlite.distributed.process_group import backend_for, get_world_size, is_initialized
@@ -198,7 +199,7 @@ def move_optimizer_state(
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.shape == param.shape:
                 state[key] = value.to(device, non_blocking=not to_host)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
 
 
@@ -286,20 +287,27 @@ def distinct_entries(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
 def first_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Each entry's name, and the first name under which ``state`` holds its tensor: its own
     but for an entry that holds an earlier one's tensor again (a tied head: the
-    embedding's). Two entries are one tensor when they view the same elements of one
-    storage (a sharded tensor's shard, on every rank alike)."""
-    # (storage address, offset, shape, strides); torch types a storage offset int | SymInt
-    first: dict[tuple[int, int | torch.SymInt, tuple[int, ...], tuple[int, ...]], str] = {}
+    embedding's). Two entries are one tensor when they view the same elements of one storage
+    object (a sharded tensor: its shard's). The names of a tied tensor are one parameter on
+    every rank, so they share their shard's storage on every rank, an empty shard's too
+    (FSDP2 shards dim 0: a tensor of fewer rows than ranks leaves some ranks none), and
+    every rank pairs, and so gathers, alike. The storage object, not its address: every
+    storage of no bytes is at address 0, and two empty tensors of two storages are not one."""
+    # (storage, offset, shape, strides); torch types a storage offset int | SymInt, and
+    # leaves StorageWeakRef (its own key for a storage) unannotated
+    first: dict[
+        tuple[StorageWeakRef, int | torch.SymInt, tuple[int, ...], tuple[int, ...]], str
+    ] = {}
     names = {}
     for name, value in state.items():
         local = value.to_local() if isinstance(value, DTensor) else value
         where = (
-            local.untyped_storage().data_ptr(),
+            StorageWeakRef(local.untyped_storage()),  # type: ignore[no-untyped-call]
             local.storage_offset(),
             tuple(local.shape),
             local.stride(),
         )
-        names[name] = first.setdefault(where, name) if local.numel() else name
+        names[name] = first.setdefault(where, name)
     return names
 
 

@@ -52,27 +52,33 @@ def tiny_moe(kind: str = "qwen2_moe", *, seed: int = 0, **overrides: object) -> 
     return AutoModelForCausalLM.from_config(config)
 
 
-def tiny_mla(*, vocab_size: int = 64, seed: int = 0) -> torch.nn.Module:
+def tiny_mla(*, vocab_size: int = 64, seed: int = 0, **overrides: object) -> torch.nn.Module:
     """A two-layer DeepSeek-V3 (multi-head latent attention), float32: each layer caches a
     one-head latent of width 16 (``kv_lora_rank``) and a one-head rotary key of width 4
     (``qk_rope_head_dim``), not its config's 4 KV heads x head dim 4; its MLPs dense (no
-    experts, which have no fp64 kernel)."""
-    config = AutoConfig.for_model(
-        "deepseek_v3",
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        first_k_dense_replace=2,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        attn_implementation="sdpa",
-    )
+    experts, which have no fp64 kernel) unless ``overrides`` say otherwise
+    (``first_k_dense_replace=1``: the second layer routes to 2 of 4 experts)."""
+    settings: dict[str, object] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "first_k_dense_replace": 2,
+        "kv_lora_rank": 16,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 8,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_group": 1,
+        "topk_group": 1,
+        "attn_implementation": "sdpa",
+    }
+    config = AutoConfig.for_model("deepseek_v3", **{**settings, **overrides})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config)
 

@@ -23,12 +23,14 @@ from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
 from tests.model_support import tiny_mla, tiny_qwen2, tiny_sliding
 from verlite.config import LoraConfig, ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
+from verlite.generation import decode as decode_module
 from verlite.generation.decode import (
     MAX_END_TOKENS,
     GraphCaptureFailed,
     StaticDecoder,
     buckets_for,
 )
+from verlite.generation.static_cache import StaticCache, StaticCacheLayer, cache_bytes
 from verlite.models import build_policy
 from verlite.models.lora import apply_lora
 
@@ -456,6 +458,113 @@ def test_a_cache_that_cannot_fit_is_refused_before_generating(
             td, SamplingParams(14), noise(td, 0, 14)
         )
     assert not calls
+
+
+def tiny_causal_lm(kind: str, **settings: object) -> torch.nn.Module:
+    """A ``kind`` causal LM of two layers of hidden size 32, 4 heads / 2 KV heads (unless
+    ``settings`` say otherwise), float32."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common: dict[str, object] = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "attn_implementation": "sdpa",
+    }
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**common, **settings}))
+
+
+CACHED_MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "llama": partial(llama, "fp32"),
+    "qwen2-grouped-query": partial(tiny_qwen2, tied=False, vocab_size=VOCAB),
+    "qwen3-head-dim-16-of-hidden-32-over-4-heads": partial(tiny_causal_lm, "qwen3", head_dim=16),
+    "deepseek_v3-latent-attention-and-experts": partial(
+        tiny_mla, vocab_size=VOCAB, first_k_dense_replace=1
+    ),
+    # Its last 2 of 4 layers read the keys and values of earlier layers, writing none.
+    "gemma3n-kv-shared-layers": partial(
+        tiny_causal_lm,
+        "gemma3n_text",
+        num_hidden_layers=4,
+        num_kv_shared_layers=2,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        head_dim=8,
+        intermediate_size=[64] * 4,
+        activation_sparsity_pattern=[0.0] * 4,
+        laurel_rank=4,
+        altup_num_inputs=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+    ),
+    # Its rotary scaling reads the largest position on the host: not run on the meta device,
+    # counted by the config's rule (exact for its layers).
+    "llama-dynamic-rope": partial(
+        tiny_causal_lm, "llama", rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    ),
+}
+
+
+def static_cache_of(model: torch.nn.Module, free: int | None = None) -> StaticCache:
+    """The static cache a generation of 10 prompts of up to 7 tokens and 14 new ones leaves
+    (10 rows x 21 positions), with ``free`` bytes of memory free (None: unbounded)."""
+    td = prompts(batch=10, width=7, seed=3)
+    static = sampler(model, DecodeSettings("static"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode_module, "free_bytes", lambda device: free)
+        static.generate(td, SamplingParams(14), noise(td, 0, 14))
+    assert static.static is not None and static.static.cache is not None
+    return static.static.cache
+
+
+def allocated_bytes(cache: StaticCache) -> int:
+    """Of every layer's key and value buffers (each layer of these models writes)."""
+    layers = [layer for layer in cache.layers if isinstance(layer, StaticCacheLayer)]
+    assert len(layers) == len(cache.layers)
+    return sum(
+        buffer.nbytes
+        for layer in layers
+        for buffer in (layer.key_buffer, layer.value_buffer)
+        if buffer is not None
+    )
+
+
+@pytest.mark.parametrize("build", CACHED_MODELS.values(), ids=CACHED_MODELS.keys())
+def test_the_memory_checks_count_what_the_static_cache_allocates(
+    build: Callable[[], torch.nn.Module],
+) -> None:
+    """``cache_bytes``, which the start-up check of a GPU's memory and the static path's
+    check before it allocates both count, is what a generation's static cache allocates, to
+    the byte, for grouped-query heads, heads wider than hidden size / heads, DeepSeek-V3's
+    latent attention (through its experts too, on the meta device), Gemma-3n's layers that
+    share earlier layers' keys and values, and a model the probe cannot run on the meta
+    device (the config's rule). The config's KV heads x head dim in every layer counted this
+    DeepSeek-V3's cache 1.6 times over (the real model's 28 times), this Gemma-3n's twice."""
+    model = build()
+    config = dict(vars(model.config))
+    counted = cache_bytes(model.config, 10, 21, torch.float32)
+    assert vars(model.config) == config  # the probe's attention and experts not the model's
+    cache = static_cache_of(model)
+    assert (cache.rows, cache.capacity, cache.dtype) == (10, 21, torch.float32)
+    assert allocated_bytes(cache) == counted
+
+
+def test_a_latent_attention_cache_that_fits_the_free_memory_to_the_byte_is_allocated() -> None:
+    """The static path's check before it allocates counts what DeepSeek-V3's layers write, a
+    one-head latent of width 16 and a one-head rotary key of width 4 in each of its 2 layers:
+    10 rows x 21 positions x 2 x (16 + 4) x 4 bytes fit memory of as many bytes free, and
+    are refused one byte less (its config's 4 KV heads x head dim 4 in every layer, 32 wide
+    keys and values, not 20, refused the first)."""
+    model, needed = tiny_mla(vocab_size=VOCAB, first_k_dense_replace=1), 10 * 21 * 2 * 20 * 4
+    assert allocated_bytes(static_cache_of(model, free=needed)) == needed
+    with pytest.raises(
+        decode_module.GenerationTooLarge,
+        match=r"rollout: the KV cache of 10 rows x 21 positions \(0\.00 GiB in torch\.float32\)",
+    ):
+        static_cache_of(model, free=needed - 1)
 
 
 def test_what_the_static_path_does_not_run_is_refused_in_one_line() -> None:

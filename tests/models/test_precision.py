@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
-from tests.model_support import tiny_moe, tiny_qwen2, tiny_sliding
+from tests.model_support import tiny_mla, tiny_moe, tiny_qwen2, tiny_sliding
 from verlite.audit.invariance import make_batch
 from verlite.cli import main
 from verlite.config import Config, ConfigError, load_config
@@ -742,6 +742,26 @@ def test_the_generation_memory_check_counts_the_head_a_rollout_model_holds(
     )
     dtype = torch.bfloat16 if half else torch.float32
     kv = cache_bytes(policy.config, cfg.rows_per_generating_worker, cfg.cache_positions, dtype)
+    check_fits_to_the_byte(monkeypatch, cfg, kv + weights)
+
+
+def test_the_generation_memory_check_counts_what_latent_attention_caches(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeepSeek-V3 policy's KV cache is counted at start-up as its layers write it: per
+    position of a row, 2 layers x (a one-head latent of width 16 + a one-head rotary key of
+    width 4) x 4 bytes in fp32, with its fp32 weights, to the byte. Its config's 4 KV heads x
+    head dim 4 in every layer counted 32 wide keys and values, not 20: a generation that fit
+    was refused (the real DeepSeek-V3's 28 times over)."""
+    tiny_mla(vocab_size=64).save_pretrained(tmp_path)
+    cfg = config(
+        f"model.path={tmp_path}",
+        "model.precision=fp32",
+        "model.device=cuda",
+        "rollout.placement=split",
+    )
+    weights = sum(p.numel() * 4 for p in tiny_mla(vocab_size=64).parameters())
+    kv = cfg.rows_per_generating_worker * cfg.cache_positions * 2 * (16 + 4) * 4
     check_fits_to_the_byte(monkeypatch, cfg, kv + weights)
 
 

@@ -3,7 +3,8 @@
 Every layer holds one key and one value buffer of ``(rows, heads, capacity, width)``, the
 heads and width of what the layer caches (its config's KV heads x head dim for most models;
 DeepSeek-V3's latent attention caches other tensors), allocated at its first write for the
-largest batch and the longest sequence a generation needs, and kept between generations.
+largest batch and the longest sequence a generation needs, and kept between generations;
+:func:`cache_bytes` counts it before it is allocated, from what the model's layers write.
 Left-padded prompts fill positions ``0 .. width`` of every row; decode step ``t`` writes
 position ``width + t`` of every row, at an index held in a device tensor
 (``slot``) that the step advances itself: nothing in a decode step depends on a Python
@@ -19,12 +20,15 @@ addresses, so one allocation serves every bucket.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from verlite.models import meta_causal_lm
 
 
 class UnsupportedModel(ValueError):
@@ -84,12 +88,52 @@ def check_capturable(config: PretrainedConfig, *, longest: int) -> None:
 
 
 def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch.dtype) -> int:
-    """Bytes of a KV cache of ``rows`` x ``capacity`` positions for a model of ``config``
-    that caches its KV heads x head dim in every layer (the static cache's, and what the
-    eager sampler's grows to; a model that caches other tensors, DeepSeek-V3's latents,
-    holds what its layers write)."""
-    layers, kv_heads, head_dim = _cache_dimensions(config)
-    return 2 * layers * rows * kv_heads * capacity * head_dim * dtype.itemsize
+    """Bytes of a KV cache of ``rows`` x ``capacity`` positions in ``dtype`` for a model of
+    ``config``: what the static cache allocates (:class:`StaticCacheLayer`, the heads and
+    width of what each layer writes), and what the eager sampler's grows to;
+    :func:`position_elements` counts a position."""
+    return rows * capacity * position_elements(config) * dtype.itemsize
+
+
+def position_elements(config: PretrainedConfig) -> int:
+    """The elements a model of ``config`` caches per position of a row, keys and values of
+    every layer: heads x width of what each layer writes, found by running the model. It is
+    built on the meta device (no memory) with eager attention and batched experts (what
+    runs there: the default grouped experts' kernel refuses a meta model's float32) and
+    prefills one token into a :class:`StaticCache` of one row and one position there:
+    about 0.35 s of one CPU core for a Qwen2.5-7B-shaped config (28 layers), 1.1 s for
+    DeepSeek-V3's 61 layers of 256 experts. Not the config's KV heads x head dim in every
+    layer: DeepSeek-V2/V3's and LongCat-Flash's latent attention write a one-head latent
+    and a one-head rotary key (DeepSeek-V3: 1/28 of that count, V2-Lite 1/3.6), Gemma-3n's
+    later layers reuse earlier layers' keys and values and write none.
+
+    A model whose forward cannot run on the meta device is counted by its config's KV
+    heads x head dim in every layer (exact for such layers): one that reads a value on the
+    host (dynamic rotary scaling compares the largest position with a cached length, an
+    ``.item()``), and one whose layers need a cache class of their own (Qwen3-Next's and
+    Falcon-H1's linear attention, MiniMax's), which the static cache does not run. Any
+    exception there is taken as that: a model class's forward fails on the meta device in
+    as many ways as it reads values or checks its cache, and the count is wanted either
+    way (the model itself then raises where it runs, with its own message)."""
+    try:
+        model = meta_causal_lm(
+            config, attn_implementation="eager", experts_implementation="batched_mm"
+        )
+        cache = StaticCache(
+            config, rows=1, capacity=1, dtype=model.dtype, device=torch.device("meta")
+        )
+        cache.state.prefilling = True
+        with torch.no_grad():
+            model(
+                input_ids=torch.zeros((1, 1), dtype=torch.int64, device="meta"),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+    except Exception:  # the config's rule (above)
+        layers, kv_heads, head_dim = _cache_dimensions(config)
+        return 2 * layers * kv_heads * head_dim
+    return sum(buffer.numel() for buffer in cache.buffers())
 
 
 @dataclass
@@ -184,11 +228,14 @@ class StaticCache(Cache):
         )
         self.rows, self.capacity, self.dtype = rows, capacity, dtype
 
+    def buffers(self) -> Iterator[torch.Tensor]:
+        """Every layer's key and value buffers (a layer that has written nothing holds none)."""
+        for layer in self.layers:
+            assert isinstance(layer, StaticCacheLayer)
+            yield from (b for b in (layer.key_buffer, layer.value_buffer) if b is not None)
+
     def gather_rows(self, index: torch.Tensor) -> None:
         """Move rows ``index`` of every layer to the front (row ``i`` becomes ``index[i]``)."""
         count = len(index)
-        for layer in self.layers:
-            assert isinstance(layer, StaticCacheLayer)
-            for buffer in (layer.key_buffer, layer.value_buffer):
-                if buffer is not None:  # a layer that has written nothing holds none
-                    buffer[:count] = buffer[index]
+        for buffer in self.buffers():
+            buffer[:count] = buffer[index]

@@ -133,11 +133,16 @@ def hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> Pretrain
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
 
 
-def meta_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
+def meta_causal_lm(config: PretrainedConfig, **implementations: str) -> PreTrainedModel:
     """The causal LM of ``config`` built on the meta device (no memory): for what its class
-    and shape decide, not its values."""
+    and shape decide, not its values. ``implementations``: Hugging Face's
+    ``attn_implementation`` and ``experts_implementation``, for a probe that runs it. Built
+    from a copy: Hugging Face sets them on the config it builds from, and a model built from
+    ``config`` (a probe of a running model's own) would then run them too."""
     with torch.device("meta"):
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), **implementations
+        )
     return model
 
 

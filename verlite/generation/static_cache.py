@@ -90,8 +90,9 @@ def check_capturable(config: PretrainedConfig, *, longest: int) -> None:
 def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of a KV cache of ``rows`` x ``capacity`` positions in ``dtype`` for a model of
     ``config``: what the static cache allocates (:class:`StaticCacheLayer`, the heads and
-    width of what each layer writes), and what the eager sampler's grows to;
-    :func:`position_elements` counts a position."""
+    width of what each layer writes), and what the eager sampler's grows to where its keys
+    and values are all in ``dtype`` (under autocast it keeps a rotated key as the model
+    computes it, in float32: more); :func:`position_elements` counts a position."""
     return rows * capacity * position_elements(config) * dtype.itemsize
 
 

@@ -44,12 +44,12 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
     """On this process's GPU (cuda:0), for workers that generate on cuda: one generating
     worker's KV cache (its rows x the longest sequence x what the model's layers cache per
     position, ``static_cache.cache_bytes``, from the config alone) and the policy's weights
-    as it generates with them must fit the GPU's memory. A bound from below: activations, and a
-    colocated actor's gradients and optimizer state, come on top (a generation that does not
-    fit what is free is refused then, before it starts). Checked by the driver before Ray
-    starts where this machine's GPU is the workers' (an embedded Ray), and by each
-    generating worker before it builds a model (a cluster's GPUs, which the driver cannot
-    see)."""
+    as it generates with them must fit the GPU's memory. A bound from below: activations,
+    and a colocated actor's gradients and optimizer state, come on top (a generation that
+    does not fit what is free is refused then, before it starts). Checked by the driver
+    before Ray starts where this machine's GPU is the workers' (an embedded Ray), and by
+    each generating worker before it builds a model (a cluster's GPUs, which the driver
+    cannot see)."""
     if not cfg.generates_on_gpu or not torch.cuda.is_available():
         return
     config = hf_config(cfg.model, tokenizer_size, cfg.max_sequence_length)

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 from verlite.audit.invariance import make_batch
 from verlite.config import load_config
@@ -233,3 +234,54 @@ def test_a_gpu_ranks_rng_state_is_saved_and_restored(
     worker(gpu).load_checkpoint(str(tmp_path / "cpu"))
     worker(torch.device("cpu")).load_checkpoint(str(tmp_path / "gpu"))
     assert len(restored) == 1
+
+
+MIXED = load_config("configs/ppo_tiny.yaml", ["model.precision=bf16-mixed"])
+
+
+def _mixed_state(rank: int, world: int, path: str, strategy: str, save: bool, batch) -> tuple:
+    """A bf16-mixed engine on ``world`` ranks that trains once and saves to ``path``, or
+    loads it; its full fp32 weights and AdamW state (step and moments), by name."""
+    model = build_policy(MIXED.model, vocab_size=64, max_positions=64, seed=0)
+    cfg = MIXED.actor.model_copy(update={"strategy": strategy})
+    eng = TrainEngine(
+        model, cfg=cfg, total_updates=10, metric_prefix="actor", precision="bf16-mixed"
+    )
+    if save:
+        eng.train_mini_batch(
+            batch[rank::world],
+            partial(ppo_loss, settings=ActorLossSettings.from_config(MIXED.actor)),
+        )
+        eng.save(Path(path))
+    else:
+        eng.load(Path(path))
+    optim = get_optimizer_state_dict(
+        eng.model, eng.optimizer, options=StateDictOptions(full_state_dict=True)
+    )["state"]
+    moments = {
+        f"{name}.{key}": value.detach().cpu().clone()
+        for name, entry in optim.items()
+        for key, value in entry.items()
+    }
+    return full_state_dict(eng.model), moments
+
+
+@pytest.mark.parametrize(("saved_on", "loaded_on"), [(2, 1), (1, 2)])
+def test_bf16_mixed_fp32_weights_and_moments_reshard_bit_for_bit(
+    tmp_path: Path, saved_on: int, loaded_on: int
+) -> None:
+    """bf16-mixed's fp32 master weights and AdamW state, saved by FSDP on N ranks and loaded
+    on M, come back in fp32 bit for bit (not rounded through the bf16 compute dtype)."""
+    batch = make_batch(MIXED)
+
+    def on_ranks(world: int, save: bool) -> tuple:
+        strategy = "fsdp" if world > 1 else "none"
+        args = (str(tmp_path), strategy, save, batch)
+        return run_on_ranks(_mixed_state, world_size=world, args=args)[0]
+
+    saved, loaded = on_ranks(saved_on, save=True), on_ranks(loaded_on, save=False)
+    for expected, got in zip(saved, loaded, strict=True):
+        assert got.keys() == expected.keys() and len(got) > 0
+        for name, value in expected.items():
+            assert value.dtype == got[name].dtype == torch.float32, name
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0)

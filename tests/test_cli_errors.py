@@ -5,8 +5,10 @@ import importlib.metadata
 import json
 import pickle
 import re
+import shutil
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -424,6 +426,111 @@ def test_damaged_weight_files_are_refused_before_ray(
         f"{shards[-1].name}, which is not in the folder; copy or save the model again\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny saved model for the tests that copy it and damage the copy."""
+    return _saved_model(tmp_path_factory.mktemp("saved") / "model")
+
+
+def _edit_json(path: Path, **fields: object) -> str:
+    return json.dumps({**json.loads(path.read_text()), **fields})
+
+
+# (file, its new text from the saved one's, the error after "model.path=FOLDER: ")
+MODEL_FILE_PROBLEMS = [
+    (
+        "generation_config.json",
+        lambda _: "{not json",
+        "its generation_config.json is not valid JSON (Expecting property name enclosed in "
+        "double quotes: line 1 column 2 (char 1))",
+    ),
+    ("generation_config.json", lambda _: "", "its generation_config.json is not valid JSON"),
+    (
+        "generation_config.json",
+        lambda _: "[2]",
+        "its generation_config.json holds list, not a JSON object",
+    ),
+    (
+        "generation_config.json",
+        lambda path: _edit_json(path, eos_token_id="<|im_end|>"),
+        "its generation_config.json has eos_token_id='<|im_end|>'; expected a token id (an "
+        "integer >= 0) or a list of them",
+    ),
+    (
+        "config.json",
+        lambda path: _edit_json(path, model_type="qwen9"),
+        "no model config loads from it: model_type='qwen9' is no model type of the installed "
+        "transformers",
+    ),
+    (
+        "config.json",
+        lambda path: _edit_json(path, hidden_size="big"),
+        # was "no tokenizer loads from it", the tokenizer's load reading config.json first
+        "no model config loads from it: \"Validation error for field 'hidden_size'",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "edit", "expected"),
+    MODEL_FILE_PROBLEMS,
+    ids=[
+        "generation not JSON",
+        "generation empty",
+        "generation list",
+        "eos a string",
+        "unknown model_type",
+        "field of another type",
+    ],
+)
+def test_a_model_folder_whose_configs_do_not_load_is_refused_before_ray(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    saved_model: Path,
+    name: str,
+    edit: Callable[[Path], str],
+    expected: str,
+) -> None:
+    """A hand-edited generation_config.json or config.json: a traceback (Hugging Face's
+    OSError or TypeError for the generation config, its ValueError for a model type it does
+    not know), or a config.json field of the wrong type named as a tokenizer problem; now one
+    line naming the field, the folder and the file, before Ray."""
+    model = shutil.copytree(saved_model, tmp_path / "model")
+    (model / name).write_text(edit(model / name))
+    out = f"trainer.output_dir={tmp_path / 'run'}"
+    err = run(capsys, "train", "--config", CONFIG, f"model.path={model}", out)
+    assert err.startswith(f"verlite: error: model.path={str(model)!r}: {expected}"), err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "field"),
+    [
+        (["check-invariance", "--dp", "1"], "model.path"),
+        (["measure-packing"], "model.path"),
+        (["train"], "reward.model.path"),
+    ],
+    ids=["check-invariance", "measure-packing", "reward model"],
+)
+def test_a_model_type_transformers_does_not_know_is_one_line_in_every_command(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    saved_model: Path,
+    command: list[str],
+    field: str,
+) -> None:
+    """The commands that read model.path besides `verlite train` (a traceback before), and
+    the reward model's folder (Hugging Face's message of several sentences before)."""
+    model = shutil.copytree(saved_model, tmp_path / "model")
+    (model / "config.json").write_text(_edit_json(model / "config.json", model_type="qwen9"))
+    err = run(capsys, *command, "--config", CONFIG, f"{field}={model}")
+    assert err == (
+        f"verlite: error: {field}={str(model)!r}: no model config loads from it: "
+        f"model_type='qwen9' is no model type of the installed transformers "
+        f"{importlib.metadata.version('transformers')}\n"
+    )
 
 
 def test_training_prompts_fewer_than_a_batch_are_refused_before_ray(

@@ -41,6 +41,7 @@ from verlite.models import (
     float32_norms_line,
     generation_end_ids,
     hf_config,
+    model_config,
 )
 from verlite.models.precision import check_precision_supported
 from verlite.models.reward_model import check_reward_model
@@ -185,6 +186,8 @@ class RunInputs:
         one line, its refusal."""
         said = list(notes)
         reward_model_reads_chat = False
+        if cfg.model.path is not None:  # its tokenizer's load reads config.json too
+            model_config(cfg.model.path)  # a config.json that does not load, named as one
         tokenizer = load_tokenizer(cfg.model.path, task=cfg.data.task)
         check_tokenizer_fits(cfg.model.path, len(tokenizer), field="model.path")
         builtin_vocab_size(cfg.model, len(tokenizer))

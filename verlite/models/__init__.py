@@ -7,12 +7,14 @@ code path that runs here also runs on a real checkpoint loaded from ``model.path
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import torch
+import transformers
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -27,10 +29,11 @@ from transformers import (
     Qwen2Config,
 )
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from verlite.config import Config, ConfigError, LoraConfig, ModelConfig
 from verlite.config.checks import longest_sequence_fields
-from verlite.errors import UserError
+from verlite.errors import UserError, shown
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.hf import ModuleT, config_of, input_embeddings, output_embeddings
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
@@ -42,6 +45,7 @@ from verlite.models.precision import (
     param_dtype,
 )
 from verlite.models.varlen import PackingUnsupported, enable_packing
+from verlite.user_files import check_readable, read_text
 
 # The Hugging Face auto class a model is built or loaded as (their common base): the policy's
 # causal LM, the critic's trunk, the reward model's classifier.
@@ -78,13 +82,50 @@ def check_tokenizer_fits(path: str | None, tokenizer_size: int, *, field: str) -
     reward model's). None: the built-in model, built for its tokenizer's size."""
     if path is None:
         return
-    vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+    vocab = getattr(model_config(path, field=field), "vocab_size", None)
     if isinstance(vocab, int) and tokenizer_size > vocab:
         raise ConfigError(
             f"{field}={path!r}: its tokenizer has {tokenizer_size} tokens but the model's "
             f"vocabulary holds {vocab} (config.json vocab_size); use the tokenizer the model was "
             "trained with"
         )
+
+
+def model_config(path: str, *, field: str = "model.path") -> PretrainedConfig:
+    """The Hugging Face config of the model folder ``path``, the config field ``field``
+    (``model.path``, ``reward.model.path``; local files only). A config.json that does not
+    load is one line naming the field and the reason, before Ray: a ``model_type`` this
+    transformers does not know, a field of the wrong type or out of range (Hugging Face's
+    strict checks); an I/O error reading it is the machine's (``user_files.check_readable``)."""
+    try:
+        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
+        return config
+    except OSError as exc:
+        check_readable(exc, Path(path) / "config.json", what=f"{field}'s config.json")
+        reason = _one_line(exc)
+    except Exception as exc:  # ValueError, TypeError, huggingface_hub's validation errors
+        reason = _one_line(exc)
+    model_type = _json_field(Path(path) / "config.json", "model_type")
+    if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
+        reason = (
+            f"model_type={model_type!r} is no model type of the installed transformers "
+            f"{transformers.__version__}"
+        )
+    raise ConfigError(f"{field}={path!r}: no model config loads from it: {reason}")
+
+
+def _one_line(exc: BaseException, limit: int = 160) -> str:
+    """An exception's message on one line, cut to ``limit`` characters."""
+    return shown(" ".join(str(exc).split()), limit)
+
+
+def _json_field(path: Path, key: str) -> object:
+    """``key``'s value in the JSON object of the file ``path``; None where it has none."""
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return fields.get(key) if isinstance(fields, dict) else None
 
 
 def builtin_vocab_size(cfg: ModelConfig, tokenizer_size: int) -> int:
@@ -128,8 +169,7 @@ def hf_config(cfg: ModelConfig, vocab_size: int, max_positions: int) -> Pretrain
     """The Hugging Face config of the policy: ``model.path``'s, or the built-in decoder's for
     a tokenizer of ``vocab_size`` tokens."""
     if cfg.path is not None:
-        config: PretrainedConfig = AutoConfig.from_pretrained(cfg.path)
-        return config
+        return model_config(cfg.path)
     return tiny_hf_config(cfg, vocab_size=vocab_size, max_positions=max_positions)
 
 
@@ -221,15 +261,44 @@ def generation_end_ids(path: str | None) -> tuple[int, ...]:
     model): its ``generation_config.json``'s ``eos_token_id``, or ``config.json``'s without
     one, as Hugging Face ``generate`` and vLLM read them. An instruct model names its end of
     turn there when its tokenizer's EOS is another token (Gemma 2's ``<end_of_turn>`` beside
-    ``<eos>``, Phi-3's ``<|end|>`` beside ``<|endoftext|>``)."""
+    ``<eos>``, Phi-3's ``<|end|>`` beside ``<|endoftext|>``). A generation_config.json that
+    does not load, or an ``eos_token_id`` that is no token id nor a list of them, is one
+    line naming the file (checked at start-up, before Ray: ``driver.preflight``)."""
     if path is None:
         return ()
-    if Path(path, "generation_config.json").is_file():
-        config = GenerationConfig.from_pretrained(path)
+    file = Path(path, "generation_config.json")
+    if file.is_file():
+        config = _generation_config(path, file)
     else:
-        config = GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+        config = GenerationConfig.from_model_config(model_config(path))
+        file = Path(path, "config.json")
     ids = config.eos_token_id
-    return () if ids is None else (ids,) if isinstance(ids, int) else tuple(ids)
+    listed = [ids] if isinstance(ids, int) else ids
+    if ids is not None and not (
+        isinstance(listed, list) and all(type(i) is int and i >= 0 for i in listed)
+    ):
+        raise ConfigError(
+            f"model.path={path!r}: its {file.name} has eos_token_id={ids!r}; expected a token "
+            "id (an integer >= 0) or a list of them"
+        )
+    return () if ids is None else tuple(listed)
+
+
+def _generation_config(path: str, file: Path) -> GenerationConfig:
+    """The generation config in ``file``, model.path's generation_config.json: one line where
+    it is no JSON object or Hugging Face does not load it."""
+    text = read_text(file, what="model.path's generation_config.json", error=ConfigError)
+    named = f"model.path={path!r}: its generation_config.json"
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{named} is not valid JSON ({exc})") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{named} holds {type(fields).__name__}, not a JSON object")
+    try:
+        return GenerationConfig.from_dict(fields)
+    except Exception as exc:  # its checks raise ValueError or TypeError
+        raise ConfigError(f"{named} does not load: {_one_line(exc)}") from None
 
 
 def response_stop_ids(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
@@ -498,7 +567,7 @@ def float32_norms_line(cfg: Config) -> str | None:
         return None
     found = [("policy and critic", _float32_norms(AutoModelForCausalLM, probe_config(cfg.model)))]
     if cfg.reward.model.path is not None:
-        config = AutoConfig.from_pretrained(cfg.reward.model.path)
+        config = model_config(cfg.reward.model.path, field="reward.model.path")
         found.append(("reward model", _float32_norms(AutoModelForSequenceClassification, config)))
     parts = [f"{', '.join(names)} ({models})" for models, names in found if names]
     if not parts:
@@ -621,7 +690,7 @@ def check_context_fits(cfg: ModelConfig, *, max_sequence_length: int, fields: st
     extends the context on purpose and is left to :func:`check_rope_supported`."""
     if cfg.path is None:
         return None
-    config = AutoConfig.from_pretrained(cfg.path)
+    config = model_config(cfg.path)
     positions = getattr(config, "max_position_embeddings", None)
     scaled = any(_rope_kind(params) not in (None, "default") for params in _rope_sets(config))
     if not isinstance(positions, int) or max_sequence_length <= positions or scaled:
@@ -677,7 +746,7 @@ def check_rope_supported(cfg: ModelConfig, *, max_sequence_length: int) -> None:
     one), and a sampler's cache on its own length: not the same policy in every layout."""
     if cfg.path is None:
         return
-    config = AutoConfig.from_pretrained(cfg.path)
+    config = model_config(cfg.path)
     for params in _rope_sets(config):
         kind = _rope_kind(params)
         original = params.get("original_max_position_embeddings") or config.max_position_embeddings

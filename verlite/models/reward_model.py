@@ -16,13 +16,11 @@ limit keeps its last tokens, where the score is read.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import transformers
 from torch import nn
 from transformers import (
-    AutoConfig,
     AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
@@ -30,30 +28,9 @@ from transformers import (
 from transformers.modeling_layers import GenericForSequenceClassification
 
 from verlite.config import ConfigError, RewardModelConfig
-from verlite.errors import shown
-from verlite.models import _pretrained, check_sdpa
+from verlite.models import _pretrained, check_sdpa, model_config
 from verlite.models.precision import fp64_throughout
 from verlite.models.varlen import Padding, known_padding, use_verlite_attention
-from verlite.user_files import check_readable
-
-
-def _one_line(exc: BaseException, limit: int = 160) -> str:
-    return shown(" ".join(str(exc).split()), limit)
-
-
-def _config(path: str) -> PretrainedConfig:
-    """The model's config; a folder it does not load from is the user's to fix, an I/O error
-    reading its config.json the machine's (``user_files.check_readable``, the line the
-    policy's model.path is read by: ``config.loading.check_inputs``)."""
-    try:
-        config: PretrainedConfig = AutoConfig.from_pretrained(path, local_files_only=True)
-        return config
-    except (OSError, ValueError) as exc:
-        if isinstance(exc, OSError):
-            check_readable(exc, Path(path) / "config.json", what="reward.model.path's config.json")
-        raise ConfigError(
-            f"reward.model.path={path!r}: no model config loads from it: {_one_line(exc)}"
-        ) from None
 
 
 def token_limit(cfg: RewardModelConfig, config: PretrainedConfig) -> int:
@@ -81,7 +58,7 @@ def check_reward_model(cfg: RewardModelConfig) -> None:
     problem one line (its tokenizer: ``driver.preflight``)."""
     assert cfg.path is not None
     path = cfg.path
-    config = _config(path)
+    config = model_config(path, field="reward.model.path")
     names = list(getattr(config, "architectures", None) or [])
     classes = [getattr(transformers, name, None) for name in names]
     if not any(name.endswith("ForSequenceClassification") for name in names):

@@ -93,6 +93,14 @@ BAD_OVERRIDES = [
         ],
         "trainer.nnodes=2, but ",  # an embedded Ray of one node, or the suite's open one
     ),
+    *(  # Ray refused these once the run connected, after the inputs were read: a traceback
+        (
+            [f"trainer.ray_address={address}"],
+            f"trainer.ray_address={address!r}: expected host:port (the head's GCS port, 6379 "
+            "unless set), ray://host:port (Ray Client) or auto; leave it unset for an embedded Ray",
+        )
+        for address in ("not a url", "http://head:8265", "head", "head:99999")
+    ),
     # no GPU here (or in the suite's open Ray), or, with one, workers given none
     (["model.device=cuda"], "model.device=cuda, but "),
     (

@@ -3,9 +3,10 @@ metric sinks (W&B's settings among them)."""
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 from verlite.config.fields import (
     AsList,
@@ -19,6 +20,27 @@ from verlite.config.fields import (
     Seconds,
     Section,
 )
+
+# What ray.init connects to: host:port (the head's GCS), Ray Client's ray://host[:port].
+_RAY_ADDRESS = re.compile(
+    r"(?P<client>ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:(?P<port>\d+))?"
+)
+
+
+def _ray_address(value: str | None) -> str | None:
+    """``auto``, ``host:port`` or ``ray://host[:port]``: anything else Ray refuses only when
+    the run connects, after the inputs were read, in a traceback ("Invalid address
+    format")."""
+    if value is None or value == "auto":
+        return value
+    form = _RAY_ADDRESS.fullmatch(value)
+    port = None if form is None or form["port"] is None else int(form["port"])
+    if form is None or (port is None and not form["client"]) or port == 0 or (port or 0) > 65535:
+        raise ValueError(
+            "expected host:port (the head's GCS port, 6379 unless set), ray://host:port (Ray "
+            "Client) or auto; leave it unset for an embedded Ray"
+        )
+    return value
 
 
 class WandbConfig(Section):
@@ -67,8 +89,10 @@ class TrainerConfig(Section):
         "Below 1 on cuda only with one actor and one critic worker per node: NCCL needs a GPU "
         "per rank of a group.",
     )
-    ray_address: NonEmptyStr | None = Field(
-        None, description="Ray cluster to connect to; None starts an embedded local Ray."
+    ray_address: Annotated[NonEmptyStr | None, AfterValidator(_ray_address)] = Field(
+        None,
+        description="Ray cluster to connect to: host:port (its head's GCS port), "
+        "ray://host:port (Ray Client) or auto; None starts an embedded local Ray.",
     )
     resource_timeout_s: Seconds = Field(
         60.0,

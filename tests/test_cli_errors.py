@@ -713,6 +713,11 @@ def test_bad_config_files(capsys: pytest.CaptureFixture[str], tmp_path: Path) ->
     assert "is not UTF-8 text (byte 0xe9 at offset 24, line 3)" in run(
         capsys, "train", "--config", str(tmp_path / "latin1.yaml")
     )
+    (tmp_path / "binary.yaml").write_bytes(b"data:\n  task: copy\x00\x01\n")  # was: "invalid YAML"
+    assert run(capsys, "train", "--config", str(tmp_path / "binary.yaml")) == (
+        f"verlite: error: config file {str(tmp_path / 'binary.yaml')!r} is not valid YAML at line "
+        "2: special characters are not allowed (U+0000); is it a text file?\n"
+    )
     for text in ("", "# nothing set yet\n\n"):  # was: "data: required field is missing"
         (tmp_path / "empty.yaml").write_text(text)
         assert run(capsys, "train", "--config", str(tmp_path / "empty.yaml")) == (

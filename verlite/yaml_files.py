@@ -115,6 +115,12 @@ def read_mapping(
         data = load_text(text)
     except RecursionError:
         raise error(f"{what} {shown} nests too deeply to read") from None
+    except yaml.reader.ReaderError as exc:  # a character YAML does not allow: no mark
+        line = text.count("\n", 0, exc.position) + 1
+        raise error(
+            f"{what} {shown} is not valid YAML at line {line}: {exc.reason} "
+            f"(U+{exc.character:04X}); is it a text file?"
+        ) from None
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""

@@ -1205,6 +1205,13 @@ def test_export_errors_are_one_line(capsys: pytest.CaptureFixture[str], tmp_path
     err = run(capsys, "export", str(tmp_path))
     assert "(hf_actor/ is missing; the run has trainer.export=false, which exports none)" in err
     (tmp_path / "hf_actor").mkdir()
+    for merge in ([], ["--merge"]):  # an emptied folder was said to hold full weights (exit 0)
+        err = run(capsys, "export", str(tmp_path), *merge)
+        assert err == (
+            f"verlite: error: {str(tmp_path / 'hf_actor')!r}: holds neither full weights "
+            "(config.json) nor a LoRA adapter (adapter_config.json); it is no policy a run "
+            "exported\n"
+        )
     (tmp_path / "hf_actor" / "config.json").write_text("{}")
     err = run(capsys, "export", str(tmp_path / "hf_actor"))  # the policy, not its run
     assert f"this is the exported policy itself: give its run folder, {str(tmp_path)!r})" in err

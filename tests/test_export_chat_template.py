@@ -27,6 +27,7 @@ def test_the_export_line_names_the_template_variables_of_the_run(
 ) -> None:
     policy = tmp_path / "hf_actor"
     chat_tokenizer(THINKING_TEMPLATE).save_pretrained(policy)
+    (policy / "config.json").write_text("{}")  # the model's, in a real export
     (tmp_path / "config.json").write_text(json.dumps({"data": data}))
     assert main(["export", str(tmp_path)]) == 0
     assert capsys.readouterr().out.splitlines() == [

@@ -23,6 +23,7 @@ from verlite.policy_folder import MERGED_FOLDER, POLICY_FOLDER, policy_exported
 from verlite.user_files import resolved_path
 
 ADAPTER_CONFIG = "adapter_config.json"  # what marks a peft adapter folder
+MODEL_CONFIG = "config.json"  # and a folder of full weights
 # Where a saved tokenizer keeps its chat template: a file of its own (transformers >= 4.47),
 # or a key of its tokenizer_config.json (earlier ones).
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -89,6 +90,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"last policy whole; {stopped_run_hint(args.run_dir, trainer)}"
         )
     adapter_config = policy / ADAPTER_CONFIG
+    if not adapter_config.is_file() and not (policy / MODEL_CONFIG).is_file():
+        # said to be full weights before: an emptied or hand-made folder
+        raise UserError(
+            f"{shown(str(policy))}: holds neither full weights ({MODEL_CONFIG}) nor a LoRA "
+            f"adapter ({ADAPTER_CONFIG}); it is no policy a run exported"
+        )
     if not adapter_config.is_file():
         if args.merge:
             raise UserError(

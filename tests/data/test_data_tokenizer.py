@@ -114,6 +114,28 @@ def test_a_tokenizer_file_the_library_cannot_read_is_one_line(tmp_path: Path) ->
         load_reward_tokenizer(str(tmp_path))
 
 
+@pytest.mark.parametrize("template", [5, {"default": None}])
+def test_a_chat_template_that_is_no_text_is_one_line(tmp_path: Path, template: object) -> None:
+    """A hand-edited tokenizer_config.json: with data.chat_template=true it failed at the
+    first prompt as that prompt's fault ("prompts.jsonl:1: ... Can't compile non template
+    nodes"); read by the reward model, at its first scoring."""
+    build_task_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": template})
+    )
+    for load, field in (
+        (load_tokenizer, "model.path"),
+        (load_reward_tokenizer, "reward.model.path"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            load(str(tmp_path))
+        assert str(caught.value).startswith(
+            f"{field}={str(tmp_path)!r}: its tokenizer's chat_template is {template!r}, not a "
+            "template's text (nor named texts); save"
+        )
+
+
 def test_encode_prompts_prepends_bos_only() -> None:
     tok = build_task_tokenizer()
     [ids] = encode_prompts(tok, ["7+8="])

@@ -97,6 +97,13 @@ def _read_tokenizer(path: str, *, field: str, whose: str) -> PreTrainedTokenizer
             f"has only its {len(tokenizer)} special token(s), no vocabulary (no tokenizer "
             f"files); {save}"
         )
+    template = tokenizer.chat_template  # text, or named texts ({"default": ..., "tool_use": ...})
+    named = template.values() if isinstance(template, dict) else [template]
+    if template is not None and not all(isinstance(text, str) for text in named):
+        raise ConfigError(
+            f"{field}={path!r}: its tokenizer's chat_template is {shown(template, 60)}, not a "
+            f"template's text (nor named texts); {save}"
+        )
     return tokenizer
 
 

@@ -481,6 +481,13 @@ def test_a_file_or_an_unwritable_place_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file, not a folder"):
         prepare_output_folder(config(tmp_path / "file"))
+    # a folder inside the file: NotADirectoryError from the lock's check, a traceback
+    with pytest.raises(ConfigError) as caught:
+        prepare_output_folder(config(tmp_path / "file" / "run" / "one"))
+    assert str(caught.value) == (
+        f"trainer.output_dir={str(tmp_path / 'file' / 'run' / 'one')!r} lies inside "
+        f"{str(tmp_path / 'file')!r}, which is a file, not a folder"
+    )
     with pytest.raises(ConfigError, match="cannot be written"):
         prepare_output_folder(config(Path("/proc/verlite-run")))
     with pytest.raises(ConfigError, match=r"\[\.\.\.\].*: File name too long"):

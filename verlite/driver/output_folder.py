@@ -171,9 +171,12 @@ def prepare_output_folder(
     alone): the caller prints them once every check passed, so a refused run says one line.
     Raises a one-line user error otherwise."""
     out = resolved_output_dir(cfg)
-    if out.exists() and not out.is_dir():
+    # the folder, or the first of its parents that exists: a file inside which no folder is
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        where = "is" if existing == out else f"lies inside {shown(str(existing))}, which is"
         raise ConfigError(
-            f"trainer.output_dir={shown(cfg.trainer.output_dir)} is a file, not a folder"
+            f"trainer.output_dir={shown(cfg.trainer.output_dir)} {where} a file, not a folder"
         )
     if _is_lock_file(out / LOCK_FILE):  # a run was here: it may still be running
         FolderLock.take(out).release()

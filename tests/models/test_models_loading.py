@@ -60,6 +60,29 @@ def test_weights_of_another_architecture_are_refused(tmp_path: Path, builder: Bu
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
+def test_weights_with_tensors_the_config_leaves_out_are_refused(
+    tmp_path: Path, builder: Builder
+) -> None:
+    """Qwen2's weights under a config.json that says llama (no qkv biases): Hugging Face
+    dropped the biases with a warning and the run trained another function (exit 0)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(None, ["data.task=copy", "model.arch=qwen2"]).model
+    folder = tmp_path / "model"
+    AutoModelForCausalLM.from_config(
+        tiny_hf_config(cfg, vocab_size=17, max_positions=16)
+    ).save_pretrained(folder)
+    _edit_config(folder, model_type="llama", architectures=["LlamaForCausalLM"])
+    with pytest.raises(ModelWeightsError) as caught:
+        _build(builder, folder)
+    assert str(caught.value) == (
+        f"model.path={str(folder)!r}: its weights do not fit its config.json: 6 stored that its "
+        "modules do not take (e.g. 'model.layers.0.self_attn.k_proj.bias'), which loading "
+        "would drop: weights of another architecture"
+    )
+
+
+@pytest.mark.parametrize("builder", BUILDERS)
 def test_weights_of_another_shape_are_refused(tmp_path: Path, builder: Builder) -> None:
     folder = _saved_model(tmp_path)
     _edit_config(folder, hidden_size=32, head_dim=8)

@@ -323,7 +323,8 @@ def _pretrained(
     """The model in ``path`` (the config's ``field``), every parameter loaded from its
     weights. Hugging Face only warns when a parameter is missing from the files or of another
     shape, and trains it from a random start: a config.json that does not match the weights
-    would train a random model.
+    would train a random model; and when the files hold a tensor the model does not take
+    (:func:`_unused_by_its_modules`), which it drops: another architecture's weights.
 
     Without Hugging Face's hub kernels, as a model built from its config is: with them on
     (from_pretrained's default where the ``kernels`` package is installed, which
@@ -344,23 +345,46 @@ def _pretrained(
             use_kernels=False,
         ),
     )
+    random = "which training would start from random values"
     problems = []
     if missing := info["missing_keys"]:
-        problems.append(f"{len(missing)} parameters missing (e.g. {sorted(missing)[0]!r})")
+        problems.append(
+            f"{len(missing)} parameters missing (e.g. {sorted(missing)[0]!r}), {random}"
+        )
     if mismatched := info["mismatched_keys"]:
         name, stored, wanted = sorted(mismatched)[0]
         problems.append(
             f"{len(mismatched)} of another shape (e.g. {name!r}: {tuple(stored)} stored, "
-            f"{tuple(wanted)} in the config)"
+            f"{tuple(wanted)} in the config), {random}"
+        )
+    if unused := _unused_by_its_modules(model, info["unexpected_keys"]):
+        problems.append(
+            f"{len(unused)} stored that its modules do not take (e.g. {unused[0]!r}), which "
+            "loading would drop: weights of another architecture"
         )
     if problems:
         raise ModelWeightsError(
-            f"{field}={path!r}: its weights do not fit its config.json: "
-            f"{'; '.join(problems)}; training would start them from random values"
+            f"{field}={path!r}: its weights do not fit its config.json: {'; '.join(problems)}"
         )
     model = _without_dropout(model)
     _check_no_dropout(model, path, field=field)
     return model
+
+
+def _unused_by_its_modules(model: PreTrainedModel, unexpected: Sequence[str]) -> list[str]:
+    """The stored tensors among ``unexpected`` (Hugging Face's loading info) that belong to a
+    module ``model`` has but which takes no such tensor: a qkv bias of Qwen2's weights under a
+    Llama config.json, a model that computes another function. Tensors of modules it lacks
+    are left to Hugging Face (a causal LM's head under the critic's trunk, a checkpoint's
+    extra prediction layers or vision tower); a name is tried with and without the model's
+    base prefix (the trunk's modules are named without it), sorted."""
+    modules = {name for name, _ in model.named_modules() if name}
+    prefix = f"{model.base_model_prefix}."
+    return sorted(
+        key
+        for key in unexpected
+        if (owner := key.rpartition(".")[0]) in modules or owner.removeprefix(prefix) in modules
+    )
 
 
 def _without_dropout(model: ModuleT) -> ModuleT:

@@ -868,6 +868,12 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
         ("trainer_state.json", "[3]", r"trainer_state\.json is damaged: a list, not a JSON"),
         ("critic/schedule.json", '{"last_epoch":', r"critic/schedule\.json is damaged"),
         ("actor/engine_state.json", "[0]", r"actor/engine_state\.json is damaged: a list"),
+        (  # torch.load raised in the worker: exit 1, the file not named
+            "critic/rng_rank1.pt",
+            "PK\x03\x04 a copy cut short",
+            r"cannot resume from .*step_3: critic/rng_rank1\.pt is cut short or damaged \(no "
+            r"torch\.save archive\)\. Use trainer\.resume=disable",
+        ),
         (  # each field a resume reads, of another shape: no traceback
             "trainer_state.json",
             '{"step": 3, "kl_coef": 0, "loader": {}, "config": [1], "model": "m"}',

@@ -26,12 +26,13 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from verlite.base_weights import differences
-from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, SCHEDULE
+from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, RNG_FILE, SCHEDULE
 from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_hint
 from verlite.config.inert import without_effect
 from verlite.errors import UserError, shown
@@ -203,6 +204,14 @@ def check_resumable(
         for name in (SCHEDULE, ENGINE_STATE):  # the engine's, read by every rank
             if (path / role / name).is_file():
                 _json_file(path / role / name)
+    # A copy cut short: torch.load's "failed finding central directory" in a worker, exit 1.
+    damaged = [
+        f"{role}/{rng.name} is cut short or damaged (no torch.save archive)"
+        for role in roles
+        if role not in missing
+        for rng in sorted((path / role).glob(RNG_FILE.format(rank="*")))
+        if not zipfile.is_zipfile(rng)
+    ]
     # As the checkpoint recorded it: credentials masked.
     base = flatten(redact_config(config)).get("model.path")
     recorded = state.get("base_weights")
@@ -215,8 +224,8 @@ def check_resumable(
             f"model.path={base!r} no longer holds the base weights it was trained over "
             f"({', '.join(changed_base)})"
         )
-    if blocking or missing or incomplete:
-        problems = blocking + [f"no {role} weights" for role in missing] + incomplete
+    if blocking or missing or incomplete or damaged:
+        problems = blocking + [f"no {role} weights" for role in missing] + incomplete + damaged
         raise CheckpointError(
             f"cannot resume from {path}: {'; '.join(problems)}. Use trainer.resume=disable or "
             "another trainer.output_dir for a new run"

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from tensordict import TensorDict
 
+from verlite.checkpoint_files import RNG_FILE
 from verlite.controller import Worker
 from verlite.core.metrics import MetricDict
 from verlite.distributed import backend_for
@@ -72,7 +73,7 @@ class TrainingWorker(Worker):
         device = self.engine.device
         if device.type == "cuda":
             states["cuda"] = torch.cuda.get_rng_state(device)
-        torch.save(states, folder / f"rng_rank{self.rank}.pt")
+        torch.save(states, folder / RNG_FILE.format(rank=self.rank))
 
     def load_checkpoint(self, path: str) -> None:
         """Collective: restore what ``save_checkpoint`` wrote, with any number of ranks then.
@@ -82,7 +83,7 @@ class TrainingWorker(Worker):
         """
         folder = Path(path)
         self.engine.load(folder)
-        rng_file = folder / f"rng_rank{self.rank}.pt"
+        rng_file = folder / RNG_FILE.format(rank=self.rank)
         if rng_file.is_file():
             states = torch.load(rng_file, weights_only=True)
             torch.set_rng_state(states["cpu"])

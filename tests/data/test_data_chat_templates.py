@@ -226,15 +226,21 @@ def test_truncation_and_the_overflow_policy_count_the_rendered_tokens(
             "{{ raise_exception('System role not supported') }}",
             "row 1: the chat template of model.path=",
         ),
+        # No prompt's fault (it blamed row 1): the template's line and the error.
+        (
+            "{% for m in messages %}\n{{ m['content'] }",
+            "the chat template of model.path={path!r} cannot be parsed (line 2: unexpected '}}'); "
+            "fix it in the folder's tokenizer, or set data.chat_template=false",
+        ),
     ],
-    ids=["no template", "whitespace only", "template raises"],
+    ids=["no template", "whitespace only", "template raises", "syntax error"],
 )
 def test_a_template_that_cannot_render_prompts_is_one_line(
     tmp_path: Path, template: str | None, message: str
 ) -> None:
     save_chat_model(tmp_path, template)
     cfg = gsm8k_config(tmp_path, "data.chat_template=true")
-    with pytest.raises(DataError, match=re.escape(message)) as exc:
+    with pytest.raises(DataError, match=re.escape(message.format(path=str(tmp_path)))) as exc:
         build_datasets(cfg, load_tokenizer(cfg.model.path))
     assert "\n" not in str(exc.value)
 

@@ -161,6 +161,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         root / "system_first", tokenizer=chat_reward_tokenizer(system_first), max_positions=256
     )
     save_tiny_reward_model(root / "chat", tokenizer=chat_reward_tokenizer(), max_positions=256)
+    broken = chat_reward_tokenizer("{% for m in messages %}{{ m['content'] }")
+    save_tiny_reward_model(root / "broken_template", tokenizer=broken, max_positions=256)
     no_tokenizer = root / "no_tokenizer"
     no_tokenizer.mkdir()
     for name in ("config.json", "model.safetensors"):
@@ -174,6 +176,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "small_vocab": small_vocab,
         "system_first": root / "system_first",
         "chat": root / "chat",
+        "broken_template": root / "broken_template",
     }
 
 
@@ -231,6 +234,13 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "['user', 'assistant'] (reward.model.chat_template=true; false scores the prompt and "
             "response as plain text): 'TemplateError: a system turn must come first'",
         ),
+        (
+            "broken_template",
+            [],
+            "the chat template of reward.model.path='{path}' cannot be parsed (line 1: "
+            "unexpected '}}'); fix it in the folder's tokenizer, or set "
+            "reward.model.chat_template=false",
+        ),
     ],
     ids=lambda value: value if isinstance(value, str) and "=" not in value else "",
 )
@@ -267,6 +277,7 @@ def test_a_reward_model_that_cannot_score_is_one_line_before_ray(
         ("chat", "true", True),
         ("chat", "false", False),
         ("good", "auto", False),
+        ("broken_template", "false", False),  # a template it does not read: not parsed
     ],
 )
 def test_the_run_knows_whether_its_reward_model_reads_conversations(

@@ -70,6 +70,8 @@ def format_prompts(
             "template (no chat_template in its tokenizer_config.json, no chat_template.jinja); "
             "save a tokenizer that has one, or set data.chat_template=false"
         )
+    if data.chat_template:
+        check_parses(tokenizer, field="model.path", path=model_path, use="data.chat_template")
     if data.chat_template and data.chat_template_kwargs:
         _check_variables(tokenizer, data, model_path)
     if data.chat_template and data.system_prompt is not None:
@@ -151,6 +153,23 @@ def check_room(
         )
 
 
+def check_parses(
+    tokenizer: PreTrainedTokenizerBase, *, field: str, path: str | None, use: str
+) -> None:
+    """The chat template of ``tokenizer`` (``field``'s folder ``path``; the one
+    ``apply_chat_template`` renders) parses in transformers' own environment, or a
+    :class:`DataError` naming the folder, the line and the error: a template's syntax error
+    is no prompt's fault, which its first rendering would blame. ``use``: the setting that
+    has it read."""
+    try:
+        _compile_jinja_template(tokenizer.get_chat_template())
+    except jinja2.TemplateSyntaxError as exc:
+        raise DataError(
+            f"the chat template of {field}={path!r} cannot be parsed (line {exc.lineno}: "
+            f"{exc.message}); fix it in the folder's tokenizer, or set {use}=false"
+        ) from None
+
+
 def _check_variables(
     tokenizer: PreTrainedTokenizerBase, data: DataConfig, model_path: str | None
 ) -> None:
@@ -163,14 +182,8 @@ def _check_variables(
     (its ``{% generation %}`` block, its functions)."""
     field = "data.chat_template_kwargs"
     source = tokenizer.get_chat_template()
-    try:
-        environment = _compile_jinja_template(source).environment
-        read = jinja2.meta.find_undeclared_variables(environment.parse(source))
-    except jinja2.TemplateSyntaxError as exc:
-        raise DataError(
-            f"the chat template of model.path={model_path!r} cannot be parsed (line {exc.lineno}: "
-            f"{exc.message}), so the variables of {field} cannot be checked against it"
-        ) from None
+    environment = _compile_jinja_template(source).environment  # it parses: check_parses
+    read = jinja2.meta.find_undeclared_variables(environment.parse(source))
     kinds = {
         "a parameter of apply_chat_template": {
             "messages",
@@ -357,7 +370,8 @@ def _left_out(
 def reads_chat_template(cfg: RewardModelConfig, tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the reward model reads each conversation in its chat template
     (``reward.model.chat_template``; ``tokenizer``: its own): ``auto`` when the tokenizer has
-    one. ``true`` with a tokenizer that has none is refused in one line."""
+    one. ``true`` with a tokenizer that has none, and a template that does not parse, are
+    refused in one line."""
     has_template = tokenizer.chat_template is not None
     if cfg.chat_template is True and not has_template:
         raise ConfigError(
@@ -366,7 +380,12 @@ def reads_chat_template(cfg: RewardModelConfig, tokenizer: PreTrainedTokenizerBa
             "tokenizer_config.json, no chat_template.jinja); save a tokenizer that has one, "
             "or set reward.model.chat_template=false (or auto)"
         )
-    return has_template if cfg.chat_template == "auto" else cfg.chat_template is True
+    reads = has_template if cfg.chat_template == "auto" else cfg.chat_template is True
+    if reads:
+        check_parses(
+            tokenizer, field="reward.model.path", path=cfg.path, use="reward.model.chat_template"
+        )
+    return reads
 
 
 def reward_chat_text(

@@ -21,9 +21,11 @@ from verlite.config.fields import (
     Section,
 )
 
-# What ray.init connects to: host:port (the head's GCS), Ray Client's ray://host[:port].
+# What ray.init connects to: host:port (the head's GCS), Ray Client's ray://host[:port]; an
+# IPv6 host in brackets, a link-local one with its zone (``[fe80::1%eth0]``), as Ray parses it.
 _RAY_ADDRESS = re.compile(
-    r"(?P<client>ray://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+)(:(?P<port>\d+))?"
+    r"(?P<client>ray://)?(\[[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?\]|[A-Za-z0-9._-]+)"
+    r"(:(?P<port>\d+))?"
 )
 
 

@@ -1,14 +1,18 @@
-"""A checkpoint folder as verlite writes it, with empty weight files: enough for every check
-made before Ray starts (which reads the JSON files and sees that the others exist)."""
+"""A checkpoint folder as verlite writes it, with no weights: enough for every check made
+before Ray starts (which reads the JSON files and the DCP index, an index of no values here,
+and sees that the other files exist)."""
 
 from __future__ import annotations
 
 import json
+import pickle
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verlite.checkpoint_files import ENGINE_FILES
+from torch.distributed.checkpoint.metadata import Metadata
+
+from verlite.checkpoint_files import SCHEDULE, TRAIN_STATE
 
 
 def fake_checkpoint(output_dir: Path, step: int, roles: Sequence[str], **saved: Any) -> Path:
@@ -16,9 +20,10 @@ def fake_checkpoint(output_dir: Path, step: int, roles: Sequence[str], **saved: 
     or the ``model=`` settings older checkpoints recorded)."""
     folder = output_dir / "checkpoints" / f"step_{step}"
     for role in roles:
-        for name in ENGINE_FILES:
-            (folder / role / name).parent.mkdir(parents=True, exist_ok=True)
-            (folder / role / name).write_text("{}" if name.endswith(".json") else "")
+        (folder / role / TRAIN_STATE).mkdir(parents=True, exist_ok=True)
+        index = pickle.dumps(Metadata(state_dict_metadata={}, storage_data={}))
+        (folder / role / TRAIN_STATE / ".metadata").write_bytes(index)
+        (folder / role / SCHEDULE).write_text("{}")
     state = {"step": step, "loader": {}, "kl_coef": 0.0, **saved}
     (folder / "trainer_state.json").write_text(json.dumps(state))
     return folder

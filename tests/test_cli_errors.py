@@ -872,7 +872,7 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
             "critic/rng_rank1.pt",
             "PK\x03\x04 a copy cut short",
             r"cannot resume from .*step_3: critic/rng_rank1\.pt is cut short or damaged \(no "
-            r"torch\.save archive\)\. Use trainer\.resume=disable",
+            r"torch\.save archive\)\. No earlier checkpoint of its run is whole: start afresh",
         ),
         (  # each field a resume reads, of another shape: no traceback
             "trainer_state.json",

@@ -52,6 +52,10 @@ _METADATA_GLOBALS = {
 }
 
 
+# DCP's index of a checkpoint's values: where in which file each is.
+_METADATA = ".metadata"
+
+
 class CheckpointLoadError(RuntimeError):
     """A training-state checkpoint could not be loaded; names the folder and each cause."""
 
@@ -163,6 +167,39 @@ def _check_held_in_place(optimizer: torch.optim.Optimizer, optim_state: dict[str
                 )
 
 
+def shard_problems(path: Path) -> list[str]:
+    """What the checkpoint at ``path`` (a DCP folder holding its ``.metadata`` index) shows
+    to be damaged before any worker loads it, each naming its file relative to ``path``: the
+    index unreadable (cut short, or not DCP's records), or a file it names missing or shorter
+    than the bytes the index reads from it (each value's offset and length). Read from the
+    index and the files' sizes alone; what only loading finds (a shard's bytes altered in
+    place) is :func:`load_train_state`'s ``CheckpointLoadError``."""
+    try:
+        metadata = _SafeReader(str(path)).read_metadata()
+    except Exception as exc:  # damaged bytes unpickle into nearly any exception
+        return [f"{_METADATA} is cut short or damaged ({type(exc).__name__}: {exc})"]
+    entries = metadata.storage_data
+    if not isinstance(entries, dict) or not all(
+        isinstance(entry, _StorageInfo)
+        and isinstance(entry.relative_path, str)
+        and isinstance(entry.offset, int)
+        and isinstance(entry.length, int)
+        for entry in entries.values()
+    ):
+        return [f"{_METADATA} is damaged (its storage entries are not DCP's)"]
+    needed: dict[str, int] = {}
+    for entry in entries.values():
+        end = entry.offset + entry.length
+        needed[entry.relative_path] = max(needed.get(entry.relative_path, 0), end)
+    problems = []
+    for name, end in sorted(needed.items()):
+        if not (path / name).is_file():
+            problems.append(f"{name} is missing")
+        elif (size := (path / name).stat().st_size) < end:
+            problems.append(f"{name} is cut short ({size} bytes; its index needs {end})")
+    return problems
+
+
 def load_train_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -213,7 +250,7 @@ def load_train_state(
     except CheckpointException as exc:
         # DCP gathers each rank's exception with its traceback into one BaseException;
         # the causes alone say what is wrong (a refused pickle, a shape that differs).
-        causes = sorted({f"{type(e).__name__}: {e}" for e, _ in exc.failures.values()})
+        causes = sorted({_one_line(e) for e, _ in exc.failures.values()})
         raise CheckpointLoadError(f"cannot load {path}: {'; '.join(causes)}") from None
     set_model_state_dict(
         model,
@@ -227,6 +264,17 @@ def load_train_state(
         loaded_groups = state["optim"]["param_groups"]
         for group, loaded in zip(optimizer.param_groups, loaded_groups, strict=True):
             group.update((key, value) for key, value in loaded.items() if key != "params")
+
+
+def _one_line(exc: BaseException) -> str:
+    """A load's exception in one line; ``torch.load(weights_only=True)``'s refusal by the
+    error of its unpickler, which the refusal wraps in paragraphs of advice (to load the file
+    without ``weights_only``, which verlite never does)."""
+    text = f"{type(exc).__name__}: {exc}"
+    inner = exc.__context__
+    if text.startswith("UnpicklingError: Weights only load failed") and inner is not None:
+        text = f"UnpicklingError: Weights only load failed: {type(inner).__name__}: {inner}"
+    return " ".join(text.split())
 
 
 def _drop_placeholders(

@@ -32,7 +32,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from verlite.base_weights import differences
-from verlite.checkpoint_files import ENGINE_FILES, ENGINE_STATE, RNG_FILE, SCHEDULE
+from verlite.checkpoint_files import (
+    ENGINE_FILES,
+    ENGINE_STATE,
+    RNG_FILE,
+    SCHEDULE,
+    TRAIN_STATE,
+)
 from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_hint
 from verlite.config.inert import without_effect
 from verlite.errors import UserError, shown
@@ -45,6 +51,11 @@ TRAINER_STATE = "trainer_state.json"
 
 class CheckpointError(UserError):
     """A checkpoint named for resuming is missing or incomplete."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint whose files are damaged: its message names them and says what to resume
+    instead (:func:`resume_instead`), where a new run of its folder would resume it again."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -193,25 +204,11 @@ def check_resumable(
         and key not in _FREE
     ]
     missing = [role for role in roles if not (path / role).is_dir()]
-    incomplete = [
-        f"{role}/{name} is missing"
-        for role in roles
-        if role not in missing
-        for name in ENGINE_FILES
-        if not (path / role / name).is_file()
-    ]
     for role in roles:
         for name in (SCHEDULE, ENGINE_STATE):  # the engine's, read by every rank
             if (path / role / name).is_file():
                 _json_file(path / role / name)
-    # A copy cut short: torch.load's "failed finding central directory" in a worker, exit 1.
-    damaged = [
-        f"{role}/{rng.name} is cut short or damaged (no torch.save archive)"
-        for role in roles
-        if role not in missing
-        for rng in sorted((path / role).glob(RNG_FILE.format(rank="*")))
-        if not zipfile.is_zipfile(rng)
-    ]
+    damaged = damage(path, [role for role in roles if role not in missing])
     # As the checkpoint recorded it: credentials masked.
     base = flatten(redact_config(config)).get("model.path")
     recorded = state.get("base_weights")
@@ -224,11 +221,15 @@ def check_resumable(
             f"model.path={base!r} no longer holds the base weights it was trained over "
             f"({', '.join(changed_base)})"
         )
-    if blocking or missing or incomplete or damaged:
-        problems = blocking + [f"no {role} weights" for role in missing] + incomplete + damaged
+    if blocking or missing:
+        problems = blocking + [f"no {role} weights" for role in missing] + damaged
         raise CheckpointError(
             f"cannot resume from {path}: {'; '.join(problems)}. Use trainer.resume=disable or "
             "another trainer.output_dir for a new run"
+        )
+    if damaged:
+        raise DamagedCheckpointError(
+            f"cannot resume from {path}: {'; '.join(damaged)}. {resume_instead(path, roles)}"
         )
     saved_set = state.get("train_set")
     if saved_set is not None and saved_set != train_set:
@@ -244,6 +245,51 @@ def check_resumable(
         for key, change in changes.items()
         if key not in _FREE
     ]
+
+
+def damage(path: Path, roles: Sequence[str]) -> list[str]:
+    """What the files of the checkpoint at ``path`` show to be damaged for its ``roles``
+    (folders it holds), before any worker reads them, each naming the file: an engine file
+    missing, a shard the DCP index names missing or shorter than the index reads
+    (``sharded_state.shard_problems``), a rank's random state cut short (``torch.load``'s
+    "failed finding central directory" in a worker)."""
+    # Here, not at the top: DCP's imports, which `verlite export`'s use of this module (the
+    # hint of a stopped run, output_folder) does not need.
+    from verlite.distributed.sharded_state import shard_problems
+
+    found = []
+    for role in roles:
+        absent = [name for name in ENGINE_FILES if not (path / role / name).is_file()]
+        found += [f"{role}/{name} is missing" for name in absent]
+        if not absent:
+            found += [
+                f"{role}/{TRAIN_STATE}/{p}" for p in shard_problems(path / role / TRAIN_STATE)
+            ]
+        found += [
+            f"{role}/{rng.name} is cut short or damaged (no torch.save archive)"
+            for rng in sorted((path / role).glob(RNG_FILE.format(rank="*")))
+            if not zipfile.is_zipfile(rng)
+        ]
+    return found
+
+
+def resume_instead(path: Path, roles: Sequence[str]) -> str:
+    """What a run does instead of resuming the damaged checkpoint at ``path``: resume the
+    latest earlier checkpoint of its run's folder that shows no damage, or start afresh."""
+    found = STEP_DIR.match(path.name)
+    earlier = (
+        [p for p in complete_checkpoints(path.parent.parent) if checkpoint_step(p) < int(found[1])]
+        if found is not None and path.parent.name == "checkpoints"
+        else []
+    )
+    whole = next((p for p in reversed(earlier) if not damage(p, roles)), None)
+    afresh = (
+        "start afresh with trainer.resume=disable and trainer.overwrite=true (which moves the "
+        "output folder's files aside)"
+    )
+    if whole is None:
+        return f"No earlier checkpoint of its run is whole: {afresh}"
+    return f"Resume from an earlier one with trainer.resume={whole.absolute()}, or {afresh}"
 
 
 class SettingChange(NamedTuple):

@@ -33,7 +33,7 @@ from verlite.controller import (
     run_pools,
     write_placement_report,
 )
-from verlite.driver.checkpoint import complete_checkpoints
+from verlite.driver.checkpoint import DamagedCheckpointError, complete_checkpoints
 from verlite.driver.output_folder import (
     FolderChange,
     FolderState,
@@ -147,6 +147,8 @@ def run(cfg: Config, inputs: RunInputs) -> Path:
                     f"resuming from {resume_from or 'the first step (no checkpoint yet)'}",
                     flush=True,
                 )
+    except DamagedCheckpointError:  # says what to resume instead: a new run resumes it again
+        raise
     # A worker died, the run diverged, a service stays down, ...; or bad input found as the
     # run meets it (a reward function's value, an environment that breaks its contract).
     except (RunFailure, UserError) as err:

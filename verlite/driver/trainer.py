@@ -26,6 +26,7 @@ from verlite import base_weights
 from verlite.config import Config, TrainedRole
 from verlite.config.derived import old_log_probs_source, precision_line
 from verlite.controller import DpSplit, PendingCall, WorkerGroup, completed
+from verlite.controller.failures import WorkerInputError
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.dapo import overlong_penalty
 from verlite.core.losses import kl_penalty
@@ -33,6 +34,7 @@ from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.driver.checkpoint import (
+    DamagedCheckpointError,
     begin_checkpoint,
     checkpoint_step,
     clear_folder,
@@ -40,6 +42,7 @@ from verlite.driver.checkpoint import (
     placed_path,
     read_trainer_state,
     resolved_resume,
+    resume_instead,
     seal_checkpoint,
     setting_changes,
 )
@@ -468,8 +471,11 @@ class Trainer:
     def resume(self, path: Path) -> int:
         """Load the checkpoint at ``path`` into the workers and the driver; its step."""
         state = read_trainer_state(path)
-        for group in self.groups.trained:
-            group.call("load_checkpoint", str(path / group.name))
+        try:
+            for group in self.groups.trained:
+                group.call("load_checkpoint", str(path / group.name))
+        except WorkerInputError as err:  # damage only a load finds (CheckpointLoadError)
+            raise DamagedCheckpointError(f"{err}. {resume_instead(path, self.cfg.roles)}") from err
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
         version = int(state.get("weight_version", step))

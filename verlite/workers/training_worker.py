@@ -13,6 +13,8 @@ from verlite.checkpoint_files import RNG_FILE
 from verlite.controller import Worker
 from verlite.core.metrics import MetricDict
 from verlite.distributed import backend_for
+from verlite.distributed.sharded_state import CheckpointLoadError
+from verlite.errors import UserError
 from verlite.models import resolve_device
 from verlite.models.flops import DecoderShape
 from verlite.workers.peak_memory import PeakMemory
@@ -82,7 +84,10 @@ class TrainingWorker(Worker):
         sampling seeds come from the step number, so a different count still resumes cleanly.
         """
         folder = Path(path)
-        self.engine.load(folder)
+        try:
+            self.engine.load(folder)
+        except CheckpointLoadError as exc:  # the user's files: bad input, as any
+            raise UserError(str(exc)) from None
         rng_file = folder / RNG_FILE.format(rank=self.rank)
         if rng_file.is_file():
             states = torch.load(rng_file, weights_only=True)

@@ -1,0 +1,123 @@
+"""A damaged checkpoint is bad input (exit 2), in one line naming the checkpoint and its
+damaged file and saying what to resume instead: refused before Ray where its DCP index and
+the files' sizes show the damage, at the workers' load where only loading finds it. One run's
+checkpoints (steps 1 and 2) are written once, and copied for each case."""
+
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from verlite.config import load_config
+from verlite.driver.preflight import RunInputs
+
+CONFIG = "configs/ppo_tiny.yaml"
+RUN = ("trainer.save_freq=1", "trainer.val_freq=0", "trainer.export=false")
+
+
+@pytest.fixture(scope="module")
+def written(train_for_module, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("damaged") / "run"
+    train_for_module(out, *RUN, "trainer.total_steps=2")
+    return out
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _shard(step: Path, role: str) -> Path:
+    return step / role / "train_state" / "__0_0.distcp"
+
+
+DAMAGE: dict[str, tuple[Callable[[Path], None], str]] = {
+    ".metadata cut short": (
+        lambda step: _cut(step / "critic" / "train_state" / ".metadata"),
+        r"critic/train_state/\.metadata is cut short or damaged \(UnpicklingError: pickle data "
+        r"was truncated\)",
+    ),
+    "shard cut short": (
+        lambda step: _cut(_shard(step, "critic")),
+        r"critic/train_state/__0_0\.distcp is cut short \(\d+ bytes; its index needs \d+\)",
+    ),
+    "shard missing": (
+        lambda step: _shard(step, "actor").unlink(),
+        r"actor/train_state/__0_0\.distcp is missing",
+    ),
+}
+
+
+def _damaged(written: Path, tmp_path: Path, damage: Callable[[Path], None], *steps: int) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(written, out)
+    for step in steps:
+        damage(out / "checkpoints" / f"step_{step}")
+    return out
+
+
+def _train(verlite_main, out: Path) -> subprocess.CompletedProcess[str]:
+    overrides = [f"trainer.output_dir={out}", "critic.warmup_steps=0", *RUN]
+    return verlite_main("train", "--config", CONFIG, *overrides, "trainer.total_steps=3")
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("verlite: error: ") and done.stderr.count("\n") == 1
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_a_damaged_checkpoint_is_refused_before_ray_naming_an_earlier_one(
+    written: Path, tmp_path: Path, verlite_main, kind: str
+) -> None:
+    damage, named = DAMAGE[kind]
+    out = _damaged(written, tmp_path, damage, 2)
+    done = _train(verlite_main, out)
+    err = _one_line(done)
+    assert done.stdout == "", done.stdout  # refused before any worker started
+    assert f"cannot resume from {out / 'checkpoints' / 'step_2'}: " in err
+    assert re.search(named, err), err
+    step_1 = out / "checkpoints" / "step_1"
+    assert f". Resume from an earlier one with trainer.resume={step_1}, or start afresh " in err
+    # What it says works: the earlier checkpoint passes every check made before Ray.
+    cfg = load_config(CONFIG, [f"trainer.output_dir={out}", f"trainer.resume={step_1}"])
+    inputs = RunInputs.load(cfg)
+    inputs.folder.release()
+    assert inputs.resume_from == step_1
+
+
+def test_a_run_whose_checkpoints_are_all_damaged_is_told_to_start_afresh(
+    written: Path, tmp_path: Path, verlite_main
+) -> None:
+    damage, named = DAMAGE["shard missing"]
+    out = _damaged(written, tmp_path, damage, 1, 2)
+    err = _one_line(_train(verlite_main, out))
+    assert re.search(named, err), err
+    assert err.endswith(
+        ". No earlier checkpoint of its run is whole: start afresh with trainer.resume=disable "
+        "and trainer.overwrite=true (which moves the output folder's files aside)\n"
+    ), err
+
+
+def test_a_shard_damaged_in_place_is_refused_at_its_load(
+    written: Path, tmp_path: Path, verlite_main
+) -> None:
+    """Its size whole, the damage shows only as the worker reads it: the run stops there, bad
+    input all the same, and says to resume the earlier checkpoint, not this one again."""
+
+    def overwrite_start(step: Path) -> None:
+        with _shard(step, "critic").open("r+b") as shard:
+            shard.write(bytes(64))
+
+    out = _damaged(written, tmp_path, overwrite_start, 2)
+    err = _one_line(_train(verlite_main, out))
+    folder = out / "checkpoints" / "step_2" / "critic" / "train_state"
+    assert f"cannot load {folder}: UnpicklingError: Weights only load failed: " in err, err
+    assert "(worker group 'critic': rank 0 on node " in err
+    step_1 = out / "checkpoints" / "step_1"
+    assert f". Resume from an earlier one with trainer.resume={step_1}, or start afresh " in err
+    assert "again" not in err and "continues from" not in err

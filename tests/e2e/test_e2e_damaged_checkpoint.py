@@ -14,6 +14,9 @@ import pytest
 from verlite.config import load_config
 from verlite.driver.preflight import RunInputs
 
+# A whole run and runs started over its copies (one starts Ray): make test-cluster, which CI runs.
+pytestmark = pytest.mark.cluster
+
 CONFIG = "configs/ppo_tiny.yaml"
 RUN = ("trainer.save_freq=1", "trainer.val_freq=0", "trainer.export=false")
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gather_support import count_gathers
 from tensordict import TensorDict
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
@@ -22,7 +23,6 @@ from verlite.distributed import distinct_entries, run_on_ranks
 from verlite.generation import SamplingParams, WeightBucket, sample_keys
 from verlite.generation.weights import WeightReceiver
 from verlite.models import build_policy
-from verlite.workers import actor as actor_module
 from verlite.workers.actor import ActorWorker
 
 VOCAB, WORLD = 3, 4  # rank 3 holds no row of the embedding
@@ -60,19 +60,6 @@ def _actor(rank: int, world: int, cfg: Config) -> ActorWorker:
     return actor
 
 
-def _gathers() -> list[int]:
-    """The gathers ``workers.actor`` runs from now on, counted (the real gather runs)."""
-    count = [0]
-    gather = actor_module.full_tensor
-
-    def counted(value: torch.Tensor) -> torch.Tensor:
-        count[0] += 1
-        return gather(value)
-
-    actor_module.full_tensor = counted
-    return count
-
-
 def _sync_resume_export(rank: int, world: int, cfg: Config, folder: Path) -> dict[str, Any]:
     """On each rank: an actor whose weights moved publishes the sync of version 1, saves a
     checkpoint and exports the policy; a fresh actor resumes the checkpoint and generates,
@@ -80,7 +67,7 @@ def _sync_resume_export(rank: int, world: int, cfg: Config, folder: Path) -> dic
     copy's state, and on rank 0 the sync's buckets."""
     trained = _actor(rank, world, cfg)
     _moved(trained.engine.model)
-    gathers = _gathers()
+    gathers = count_gathers()
     buckets = []
     for index in range(len(trained.weight_layout().buckets)):
         bucket = trained.publish_bucket(1, index)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from chat_model_support import save_chat_model
+from gather_support import count_gathers
 from tensordict import TensorDict
 from transformers import PreTrainedTokenizerBase
 
@@ -18,7 +19,6 @@ from verlite.config import Config, load_config
 from verlite.data import build_datasets, load_tokenizer, prompt_tensordict
 from verlite.distributed import full_state_dict, inference_module, run_on_ranks, sharded
 from verlite.generation import Sampler, SamplingParams, sample_keys
-from verlite.workers import actor as actor_module
 from verlite.workers.actor import ActorWorker
 
 
@@ -50,20 +50,6 @@ def _actor(rank: int, world: int, cfg: Config) -> ActorWorker:
     assert copy is not None and not sharded(copy) and sharded(actor.engine.model)
     assert actor.sampler.model is copy and not actor.sampler.lockstep
     return actor
-
-
-def _count_gathers() -> list[int]:
-    """The gathers the actors' generations run from now on: each ``full_tensor`` call of
-    ``workers.actor``, counted in this spawned rank's process (the real gather runs)."""
-    gathers = [0]
-    gather = actor_module.full_tensor
-
-    def counted(value: torch.Tensor) -> torch.Tensor:
-        gathers[0] += 1
-        return gather(value)
-
-    actor_module.full_tensor = counted
-    return gathers
 
 
 def _prompts(cfg: Config, tokenizer: PreTrainedTokenizerBase, rank: int, draw: int) -> TensorDict:
@@ -114,7 +100,7 @@ def _train_then_generate(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     the initial policy's and those of two training steps, from its copy and, as today's
     path did, through its sharded model in lockstep; returns both, the gathers each
     version's draws ran, and the copy's state and the gathered policy after each step."""
-    actor, gathers = _actor(rank, world, cfg), _count_gathers()
+    actor, gathers = _actor(rank, world, cfg), count_gathers()
     copy = actor._generation_copy
     assert copy is not None
     sampling = SamplingParams(max_new_tokens=cfg.rollout.max_response_length)
@@ -205,7 +191,7 @@ def _trained_then_resumed(rank: int, world: int, cfg: Config, folder: Path) -> d
     theirs = trained.generate(prompts, sampling, 8)
     resumed = _actor(rank, world, cfg)
     resumed.load_checkpoint(str(folder))
-    gathers = _count_gathers()
+    gathers = count_gathers()
     ours = resumed.generate(prompts, sampling, 8)
     copy = resumed._generation_copy
     assert copy is not None

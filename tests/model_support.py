@@ -8,6 +8,16 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, MistralConfig, Qwen2Config
 
+# Two layers of hidden size 32, 4 heads / 2 KV heads, SDPA: the tiny decoders' sizes.
+TINY_DECODER: dict[str, object] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "attn_implementation": "sdpa",
+}
+
 
 def tiny_qwen2(*, tied: bool, vocab_size: int = 100, seed: int = 0) -> torch.nn.Module:
     """Two layers of hidden size 32, grouped-query attention 4 / 2; ``tied``: the LM head is
@@ -91,15 +101,7 @@ def tiny_sliding(
     ``qwen2`` (``use_sliding_window`` from ``max_window_layers=1`` on) only its second, as
     Hugging Face's ``layer_types`` rule puts it, ``gemma3`` (text) only its first: mixes of
     sliding and full layers."""
-    common: dict[str, object] = {
-        "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "attn_implementation": "sdpa",
-    }
+    common: dict[str, object] = {"vocab_size": vocab_size, **TINY_DECODER}
     if kind == "mistral":
         config = MistralConfig(sliding_window=window, **common)
     elif kind == "gemma3":

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from tests.batch_invariant_support import RowByRowMatmul
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
-from tests.model_support import tiny_mla, tiny_qwen2, tiny_sliding
+from tests.model_support import TINY_DECODER, tiny_mla, tiny_qwen2, tiny_sliding
 from verlite.config import LoraConfig, ModelConfig
 from verlite.generation import DecodeSettings, KeyedNoise, Sampler, SamplingParams, sample_keys
 from verlite.generation import decode as decode_module
@@ -465,15 +465,7 @@ def tiny_causal_lm(kind: str, **settings: object) -> torch.nn.Module:
     ``settings`` say otherwise), float32."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    common: dict[str, object] = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "attn_implementation": "sdpa",
-    }
+    common: dict[str, object] = {"vocab_size": VOCAB, **TINY_DECODER}
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **{**common, **settings}))
 

@@ -20,7 +20,7 @@ from tests.model_support import LARGE_GENERATION, tiny_gemma2_config
 from verlite.cli import main
 from verlite.config import load_config
 from verlite.controller import check_device
-from verlite.errors import MissingExtraError, UserError, import_extra
+from verlite.errors import DamagedFileError, MissingExtraError, UserError, import_extra
 
 CONFIG = "configs/ppo_tiny.yaml"
 
@@ -791,7 +791,7 @@ def test_checkpoint_rng_files_are_loaded_without_running_code(tmp_path: Path) ->
     worker.engine = type(
         "NoEngine", (), {"load": lambda self, path: None, "device": torch.device("cpu")}
     )()
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(DamagedFileError, match=r"rng_rank0\.pt is cut short or damaged \(Unp"):
         worker.load_checkpoint(str(tmp_path))
     assert not marker.exists()
     torch.save({"cpu": torch.get_rng_state()}, tmp_path / "rng_rank0.pt")
@@ -868,11 +868,12 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
         ("trainer_state.json", "[3]", r"trainer_state\.json is damaged: a list, not a JSON"),
         ("critic/schedule.json", '{"last_epoch":', r"critic/schedule\.json is damaged"),
         ("actor/engine_state.json", "[0]", r"actor/engine_state\.json is damaged: a list"),
-        (  # torch.load raised in the worker: exit 1, the file not named
-            "critic/rng_rank1.pt",
+        (  # a rank's random state cut short: refused before Ray, not by torch.load in a worker
+            "critic/rng_rank0.pt",
             "PK\x03\x04 a copy cut short",
-            r"cannot resume from .*step_3: critic/rng_rank1\.pt is cut short or damaged \(no "
-            r"torch\.save archive\)\. No earlier checkpoint of its run is whole: start afresh",
+            r"cannot resume from .*step_3: critic/rng_rank0\.pt is cut short or damaged \("
+            r"RuntimeError: PytorchStreamReader failed reading zip archive: not a ZIP archive\)"
+            r"\. No earlier checkpoint of its run is whole: start afresh",
         ),
         (  # each field a resume reads, of another shape: no traceback
             "trainer_state.json",
@@ -900,6 +901,88 @@ def test_a_damaged_checkpoint_file_is_one_line_before_ray(
     assert re.search(expected, err), err
 
 
+def _rng_file(content: object) -> Callable[[Path], None]:
+    return lambda step: torch.save(content, step / "critic" / "rng_rank0.pt")
+
+
+def _text(name: str, text: str) -> Callable[[Path], None]:
+    return lambda step: (step / name).write_text(text)
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (_text("critic/schedule.json", '{"last_epoch": 3,'), r"critic/schedule\.json is damaged"),
+        (_text("critic/schedule.json", "not json"), r"critic/schedule\.json is damaged: malf"),
+        (
+            _text("critic/schedule.json", '{"last_epoch": "3", "_step_count": 1}'),
+            r"critic/schedule\.json is damaged: 'last_epoch' is not a whole number >= 0; "
+            r"'lr_lambdas' is not a list of nulls",
+        ),
+        (
+            _text("actor/engine_state.json", '{"nonfinite_streak": [1]}'),
+            r"actor/engine_state\.json is damaged: 'nonfinite_streak' is not a whole number",
+        ),
+        (_text("trainer_state.json", '{"step": 3'), r"step_3/trainer_state\.json is damaged"),
+        (  # valid archives whose content is no random state: refused before the worker's load
+            _rng_file({"cpu": torch.get_rng_state().double()}),
+            r"critic/rng_rank0\.pt is damaged: its 'cpu' is not a CPU random state",
+        ),
+        (
+            _rng_file({"cuda": torch.get_rng_state()}),
+            r"critic/rng_rank0\.pt is damaged: holds a mapping of \['cuda'\], not a mapping",
+        ),
+    ],
+    ids=[
+        "schedule cut short",
+        "schedule not JSON",
+        "schedule of wrong types",
+        "engine state of wrong types",
+        "trainer state cut short",
+        "random state of wrong dtype",
+        "random state without the CPU's",
+    ],
+)
+def test_a_damaged_checkpoint_file_names_the_earlier_checkpoint_to_resume(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    damage: Callable[[Path], None],
+    named: str,
+) -> None:
+    """Each damaged file of a checkpoint is one line (exit 2, before Ray) that says to resume
+    the run's earlier checkpoint, which passes; one damaged alike is passed over."""
+    model = _model_settings()
+    whole = [fake_checkpoint(tmp_path, step, ["actor", "critic"], model=model) for step in (1, 2)]
+    damage(fake_checkpoint(tmp_path, 3, ["actor", "critic"], model=model))
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert re.search(f"cannot resume from .*step_3: .*{named}", err), err
+    assert f". Resume from an earlier one with trainer.resume={whole[1]}, or start afresh " in err
+    damage(whole[1])
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}")
+    assert f". Resume from an earlier one with trainer.resume={whole[0]}, or start afresh " in err
+
+
+@pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs /proc/self/mem (Linux)")
+@pytest.mark.parametrize(
+    "name", ["critic/rng_rank0.pt", "critic/schedule.json", "actor/train_state/.metadata"]
+)
+def test_an_io_error_reading_a_checkpoint_is_no_damage(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    """A read that fails with EIO (a real one: /proc/self/mem's offset 0 is no address of the
+    reader's) is the machine's: one line naming the file, exit 1, not called damage."""
+    step = fake_checkpoint(tmp_path, 3, ["actor", "critic"], model=_model_settings())
+    (step / name).unlink(missing_ok=True)
+    (step / name).symlink_to("/proc/self/mem")
+    assert main(["train", "--config", CONFIG, f"trainer.output_dir={tmp_path}"]) == 1
+    out, err = capsys.readouterr()
+    assert err == (
+        f"verlite: error: reading checkpoint file {str(step / name)!r} failed: Input/output "
+        "error (an I/O error of this machine, not the file's content; try again)\n"
+    )
+    assert out == ""
+
+
 def test_a_checkpoint_in_another_precision_is_resumable(tmp_path: Path) -> None:
     from verlite.driver.checkpoint import check_resumable
 
@@ -907,7 +990,7 @@ def test_a_checkpoint_in_another_precision_is_resumable(tmp_path: Path) -> None:
     check_resumable(
         tmp_path / "checkpoints" / "step_3",
         config={"model": _model_settings()},
-        roles=["actor"],
+        workers={"actor": 1},
         total_steps=3,
         train_set={"records": 8, "sha256": "0" * 64},  # the checkpoint records none: any pass
     )
@@ -936,7 +1019,7 @@ def test_a_checkpoint_resumes_on_another_machine_or_validation_set(
     changed = check_resumable(
         tmp_path / "checkpoints" / "step_3",
         config=load_config(CONFIG, [here]).model_dump(mode="json"),
-        roles=["actor"],
+        workers={"actor": 1},
         total_steps=4,
         train_set={"records": 8, "sha256": "0" * 64},  # the checkpoint records none: any pass
     )
@@ -969,7 +1052,7 @@ def test_a_lora_checkpoint_resumes_with_its_target_modules_in_another_order(
         return load_config(CONFIG, overrides).model_dump(mode="json")
 
     step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=lora("[q_proj,v_proj]"))
-    common = {"roles": ["actor", "critic"], "total_steps": 4, "train_set": "none recorded"}
+    common = {"workers": {"actor": 1, "critic": 1}, "total_steps": 4, "train_set": "none recorded"}
     assert check_resumable(step_3, config=lora("[v_proj,q_proj]"), **common) == []
     with pytest.raises(CheckpointError, match=r"actor\.lora\.target_modules="):
         check_resumable(step_3, config=lora("[q_proj,k_proj]"), **common)
@@ -1030,7 +1113,9 @@ def test_a_resume_compares_every_setting_of_a_config_it_cannot_read(tmp_path: Pa
     cfg = load_config(CONFIG, ["model.path=base", "model.hidden_size=128"])
     with pytest.raises(CheckpointError, match=r"model\.hidden_size=64 there, 128 here"):
         config = cfg.model_dump(mode="json")
-        check_resumable(step_3, config=config, roles=cfg.roles, total_steps=4, train_set={})
+        check_resumable(
+            step_3, config=config, workers=cfg.trained_workers, total_steps=4, train_set={}
+        )
 
 
 @pytest.mark.parametrize(
@@ -1077,7 +1162,7 @@ def test_a_checkpoint_recorded_before_template_variables_ran_with_none(tmp_path:
     saved = load_config(CONFIG, base).model_dump(mode="json")
     del saved["data"]["chat_template_kwargs"]
     step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
-    common = {"roles": ["actor", "critic"], "total_steps": 4, "train_set": {}}
+    common = {"workers": {"actor": 1, "critic": 1}, "total_steps": 4, "train_set": {}}
     assert (
         check_resumable(step_3, config=load_config(CONFIG, base).model_dump(mode="json"), **common)
         == []
@@ -1096,7 +1181,9 @@ def _resume(tmp_path: Path, saved: list[str], here: list[str]) -> list[str]:
     step_3 = fake_checkpoint(tmp_path, 3, there.roles, config=there.model_dump(mode="json"))
     cfg = load_config(CONFIG, here)
     config = cfg.model_dump(mode="json")  # the checkpoint records no training prompts: any pass
-    return check_resumable(step_3, config=config, roles=cfg.roles, total_steps=4, train_set={})
+    return check_resumable(
+        step_3, config=config, workers=cfg.trained_workers, total_steps=4, train_set={}
+    )
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_before_ray(
@@ -1145,7 +1232,7 @@ def test_a_checkpoint_from_before_a_key_moved_is_compared_under_its_new_name(
             check_resumable(
                 step_3,
                 config=here.model_dump(mode="json"),
-                roles=here.roles,
+                workers=here.trained_workers,
                 total_steps=5,
                 train_set="a fake checkpoint records none",
             )
@@ -1172,7 +1259,9 @@ def test_a_checkpoint_of_other_training_prompts_is_refused_before_ray(
 
     def check_resume() -> None:
         config = cfg.model_dump(mode="json")
-        check_resumable(step_3, config=config, roles=cfg.roles, total_steps=3, train_set=here)
+        check_resumable(
+            step_3, config=config, workers=cfg.trained_workers, total_steps=3, train_set=here
+        )
 
     check_resume()  # a checkpoint from before the record passes
     state = json.loads((step_3 / "trainer_state.json").read_text())

@@ -678,7 +678,7 @@ def test_a_secret_in_the_config_is_no_change_to_a_resumed_run(tmp_path: Path) ->
     checkpoint = fake_checkpoint(tmp_path, 1, ["actor"], config=redact_config(config))
     prompts = {"records": 8, "sha256": "0" * 64}  # the checkpoint records none: any pass
     changed = check_resumable(
-        checkpoint, config=config, roles=["actor"], total_steps=2, train_set=prompts
+        checkpoint, config=config, workers={"actor": 1}, total_steps=2, train_set=prompts
     )
     assert changed == []
 

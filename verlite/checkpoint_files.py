@@ -11,8 +11,8 @@ TRAIN_STATE = "train_state"
 SCHEDULE = "schedule.json"
 # The engine's own numbers besides the LR schedule: the streak of skipped updates.
 ENGINE_STATE = "engine_state.json"
-# Each rank's random state (``torch.save``'s zip archive), by rank: restored where the rank
-# count is the save's.
+# Each rank's random state (``torch.save``'s zip archive), by rank: each rank of a resume
+# restores its own, where the checkpoint has one.
 RNG_FILE = "rng_rank{rank}.pt"
 # What every role's folder must hold: the DCP index of its shards, and the LR schedule.
 ENGINE_FILES = (f"{TRAIN_STATE}/.metadata", SCHEDULE)

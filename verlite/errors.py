@@ -31,6 +31,11 @@ class UserError(_OneLine, ValueError):
     """Bad input: a config value, a data file, a reward function, a command-line flag."""
 
 
+class DamagedFileError(UserError):
+    """A file a run wrote and reads back (a checkpoint's) whose bytes are damaged: cut short,
+    altered, not what verlite writes. Its message names the file."""
+
+
 class RunFailure(_OneLine, RuntimeError):
     """A run stopped for a reason its message names (a worker died, training diverged):
     the CLI prints it in one line and exits 1; checkpoints written so far stay valid."""

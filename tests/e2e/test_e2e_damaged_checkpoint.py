@@ -3,6 +3,7 @@ damaged file and saying what to resume instead: refused before Ray where its DCP
 the files' sizes show the damage, at the workers' load where only loading finds it. One run's
 checkpoints (steps 1 and 2) are written once, and copied for each case."""
 
+import json
 import re
 import shutil
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from verlite.config import load_config
+from verlite.driver.checkpoint import DamagedCheckpointError, check_resumable
 from verlite.driver.preflight import RunInputs
 
 # A whole run and runs started over its copies (one starts Ray): make test-cluster, which CI runs.
@@ -61,8 +63,8 @@ def _damaged(written: Path, tmp_path: Path, damage: Callable[[Path], None], *ste
     return out
 
 
-def _train(verlite_main, out: Path) -> subprocess.CompletedProcess[str]:
-    overrides = [f"trainer.output_dir={out}", "critic.warmup_steps=0", *RUN]
+def _train(verlite_main, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    overrides = [f"trainer.output_dir={out}", "critic.warmup_steps=0", *RUN, *extra]
     return verlite_main("train", "--config", CONFIG, *overrides, "trainer.total_steps=3")
 
 
@@ -124,3 +126,50 @@ def test_a_shard_damaged_in_place_is_refused_at_its_load(
     step_1 = out / "checkpoints" / "step_1"
     assert f". Resume from an earlier one with trainer.resume={step_1}, or start afresh " in err
     assert "again" not in err and "continues from" not in err
+
+
+def test_a_random_state_a_resume_never_reads_does_not_block_it(
+    written: Path, tmp_path: Path
+) -> None:
+    """Each rank restores its own random state (TrainingWorker.load_checkpoint): a resume by
+    fewer workers than the save's never reads the other ranks' files, so their damage is no
+    reason to refuse it; a resume by as many workers is refused, naming the file."""
+
+    def second_rank_cut(step: Path) -> None:  # as a save by two critic workers left it
+        shutil.copy(step / "critic" / "rng_rank0.pt", step / "critic" / "rng_rank1.pt")
+        _cut(step / "critic" / "rng_rank1.pt")
+
+    out = _damaged(written, tmp_path, second_rank_cut, 2)
+    step_2 = out / "checkpoints" / "step_2"
+    cfg = load_config(CONFIG, [f"trainer.output_dir={out}", "trainer.total_steps=3", *RUN])
+    inputs = RunInputs.load(cfg)  # every check before Ray: one critic worker resumes it
+    inputs.folder.release()
+    assert inputs.resume_from == step_2
+    with pytest.raises(DamagedCheckpointError, match=r"critic/rng_rank1\.pt is cut short or"):
+        check_resumable(
+            step_2,
+            config=cfg.model_dump(mode="json"),
+            workers={"actor": 1, "critic": 2},
+            total_steps=3,
+            train_set=inputs.train_set.fingerprint,
+        )
+
+
+def test_a_checkpoint_of_another_model_than_the_configs_is_not_called_damaged(
+    written: Path, tmp_path: Path, verlite_main
+) -> None:
+    """Bad input a worker finds at the load that is not damage keeps its own message: a
+    checkpoint recording only its model settings (as older versions wrote them) resumed with
+    adapters it never had loads none of their values; no earlier checkpoint would mend it."""
+
+    def model_settings_only(step: Path) -> None:
+        state = json.loads((step / "trainer_state.json").read_text())
+        state["model"] = state.pop("config")["model"]
+        (step / "trainer_state.json").write_text(json.dumps(state))
+
+    out = _damaged(written, tmp_path, model_settings_only, 2)
+    err = _one_line(_train(verlite_main, out, "actor.lora.rank=4"))
+    folder = out / "checkpoints" / "step_2" / "actor" / "train_state"
+    assert f"cannot load {folder}: its values are another model's (RuntimeError: Missing " in err
+    assert "resume it with the model, adapter and role settings it was trained with" in err
+    assert "damaged" not in err and "Resume from an earlier one" not in err, err

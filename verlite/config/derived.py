@@ -64,6 +64,11 @@ class Derived:
         return ["actor", "critic"] if self.use_critic else ["actor"]
 
     @property
+    def trained_workers(self) -> dict[str, int]:
+        """Each worker group a run trains, and its workers (ranks)."""
+        return {role: self.role_sizes(role).dp_size for role in self.roles}
+
+    @property
     def sequences_per_step(self) -> int:
         return self.data.train_batch_size * self.rollout.n
 

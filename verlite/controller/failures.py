@@ -60,7 +60,7 @@ class WorkerInputError(UserError):
     (the setting), then where, as :class:`WorkerGroupError` names it."""
 
 
-def input_error(err: BaseException) -> UserError | None:
+def input_error(err: BaseException | None) -> UserError | None:
     """The user error a failed remote call raised in its worker; None for any other failure."""
     cause = err.cause if isinstance(err, RayTaskError) else None
     return cause if isinstance(cause, UserError) else None

@@ -57,7 +57,15 @@ _METADATA = ".metadata"
 
 
 class CheckpointLoadError(RuntimeError):
-    """A training-state checkpoint could not be loaded; names the folder and each cause."""
+    """A checkpoint's file could not be loaded: its bytes are damaged (cut short, altered,
+    not what verlite writes); names the folder and each cause. An ``OSError`` reading a file
+    is no such fault and is raised as it is."""
+
+
+class CheckpointMismatchError(RuntimeError):
+    """A checkpoint's values, whole, do not fit the model and optimizer they are loaded into:
+    another model's names or shapes (a config that builds another model than the one the
+    checkpoint was trained as)."""
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -173,9 +181,12 @@ def shard_problems(path: Path) -> list[str]:
     index unreadable (cut short, or not DCP's records), or a file it names missing or shorter
     than the bytes the index reads from it (each value's offset and length). Read from the
     index and the files' sizes alone; what only loading finds (a shard's bytes altered in
-    place) is :func:`load_train_state`'s ``CheckpointLoadError``."""
+    place) is :func:`load_train_state`'s ``CheckpointLoadError``. An ``OSError`` reading the
+    index is raised as it is."""
     try:
         metadata = _SafeReader(str(path)).read_metadata()
+    except OSError:  # reading failed (the disk's fault, or a file it may not read)
+        raise
     except Exception as exc:  # damaged bytes unpickle into nearly any exception
         return [f"{_METADATA} is cut short or damaged ({type(exc).__name__}: {exc})"]
     entries = metadata.storage_data
@@ -225,7 +236,7 @@ def load_train_state(
         # Read and checked before DCP reads it again: DCP's loader (torch 2.11) swallows a
         # reader's refusal and reports only "metadata is None".
         saved = _names_with_optimizer_state(reader.read_metadata())
-    except (pickle.UnpicklingError, EOFError, OSError) as exc:
+    except (pickle.UnpicklingError, EOFError) as exc:
         raise CheckpointLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     placeholders: dict[str, dict[str, Any]] = {}
     state: dict[str, Any]  # DCP's STATE_DICT_TYPE: its "model" and "optim" are read back below
@@ -245,12 +256,20 @@ def load_train_state(
     try:
         with _single_process_intended():
             dcp.load(state, storage_reader=reader, planner=_SafeLoadPlanner())
-    except (pickle.UnpicklingError, EOFError, OSError) as exc:
+    except (pickle.UnpicklingError, EOFError) as exc:
         raise CheckpointLoadError(f"cannot load {path}: {type(exc).__name__}: {exc}") from None
     except CheckpointException as exc:
         # DCP gathers each rank's exception with its traceback into one BaseException;
         # the causes alone say what is wrong (a refused pickle, a shape that differs).
-        causes = sorted({_one_line(e) for e, _ in exc.failures.values()})
+        failures = [e for e, _ in exc.failures.values()]
+        unread = next((e for e in failures if isinstance(e, OSError)), None)
+        if unread is not None:  # reading failed: no fault of the bytes
+            raise unread from None
+        causes = sorted({one_line(e) for e in failures})
+        if all(one_line(e).startswith(_MISMATCH) for e in failures):
+            raise CheckpointMismatchError(
+                f"cannot load {path}: its values are another model's ({'; '.join(causes)})"
+            ) from None
         raise CheckpointLoadError(f"cannot load {path}: {'; '.join(causes)}") from None
     set_model_state_dict(
         model,
@@ -266,7 +285,12 @@ def load_train_state(
             group.update((key, value) for key, value in loaded.items() if key != "params")
 
 
-def _one_line(exc: BaseException) -> str:
+# How DCP's load planner (torch 2.13) says the values asked for are not those saved: another
+# model's shapes or names (tests/distributed/test_checkpoint_load_errors.py).
+_MISMATCH = ("ValueError: Size mismatch between saved", "RuntimeError: Missing key in checkpoint")
+
+
+def one_line(exc: BaseException) -> str:
     """A load's exception in one line; ``torch.load(weights_only=True)``'s refusal by the
     error of its unpickler, which the refusal wraps in paragraphs of advice (to load the file
     without ``weights_only``, which verlite never does)."""

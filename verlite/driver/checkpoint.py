@@ -26,8 +26,7 @@ import json
 import os
 import re
 import shutil
-import zipfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,7 +42,7 @@ from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_h
 from verlite.config.inert import without_effect
 from verlite.errors import UserError, shown
 from verlite.redaction import redact_config
-from verlite.user_files import parse_json, read_text
+from verlite.user_files import check_readable, parse_json, read_text
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 TRAINER_STATE = "trainer_state.json"
@@ -175,18 +174,25 @@ def check_resumable(
     path: Path,
     *,
     config: Mapping[str, Any],
-    roles: Sequence[str],
+    workers: Mapping[str, int],
     total_steps: int,
     train_set: Mapping[str, Any],
 ) -> list[str]:
-    """Before any worker starts: the checkpoint holds complete weights for every role, a step
-    the run has not passed, and was written under settings this run may continue, over the
-    base weights ``model.path`` still holds (the reference policy and a LoRA policy's base
-    are loaded from there, not from the checkpoint), and over the training prompts whose
-    ``PromptDataset.fingerprint`` is ``train_set`` (its data position counts in their order;
-    checkpoints from before this was recorded pass). Returns the settings that changed but
-    may ("actor.optim.lr: 0.001 -> 0.0005")."""
-    state = read_trainer_state(path)
+    """Before any worker starts: the checkpoint holds complete weights for every role
+    (``workers``: each trained role's workers, ``Config.trained_workers``) and files that
+    show no damage (:func:`damage`), a step the run has not passed, and was written under
+    settings this run may continue, over the base weights ``model.path`` still holds (the
+    reference policy and a LoRA policy's base are loaded from there, not from the
+    checkpoint), and over the training prompts whose ``PromptDataset.fingerprint`` is
+    ``train_set`` (its data position counts in their order; checkpoints from before this was
+    recorded pass). Returns the settings that changed but may ("actor.optim.lr: 0.001 ->
+    0.0005")."""
+    try:
+        state = read_trainer_state(path)
+    except CheckpointError as err:
+        raise DamagedCheckpointError(
+            f"cannot resume from {path}: {err}. {resume_instead(path, workers)}"
+        ) from None
     step = int(state["step"])
     if step > total_steps:
         raise CheckpointError(
@@ -203,12 +209,8 @@ def check_resumable(
         and key not in _MAY_CONVERT
         and key not in _FREE
     ]
-    missing = [role for role in roles if not (path / role).is_dir()]
-    for role in roles:
-        for name in (SCHEDULE, ENGINE_STATE):  # the engine's, read by every rank
-            if (path / role / name).is_file():
-                _json_file(path / role / name)
-    damaged = damage(path, [role for role in roles if role not in missing])
+    missing = [role for role in workers if not (path / role).is_dir()]
+    damaged = damage(path, {role: n for role, n in workers.items() if role not in missing})
     # As the checkpoint recorded it: credentials masked.
     base = flatten(redact_config(config)).get("model.path")
     recorded = state.get("base_weights")
@@ -229,7 +231,7 @@ def check_resumable(
         )
     if damaged:
         raise DamagedCheckpointError(
-            f"cannot resume from {path}: {'; '.join(damaged)}. {resume_instead(path, roles)}"
+            f"cannot resume from {path}: {'; '.join(damaged)}. {resume_instead(path, workers)}"
         )
     saved_set = state.get("train_set")
     if saved_set is not None and saved_set != train_set:
@@ -247,33 +249,94 @@ def check_resumable(
     ]
 
 
-def damage(path: Path, roles: Sequence[str]) -> list[str]:
-    """What the files of the checkpoint at ``path`` show to be damaged for its ``roles``
-    (folders it holds), before any worker reads them, each naming the file: an engine file
-    missing, a shard the DCP index names missing or shorter than the index reads
-    (``sharded_state.shard_problems``), a rank's random state cut short (``torch.load``'s
-    "failed finding central directory" in a worker)."""
+def damage(path: Path, workers: Mapping[str, int]) -> list[str]:
+    """What the files of the checkpoint at ``path`` show to be damaged, or unreadable, for a
+    resume by ``workers`` (each role's workers; folders it holds), before any worker reads
+    them, each naming the file: the driver's state (:func:`read_trainer_state`), an engine
+    file missing, its LR schedule or skip streak not what the engine reads, a shard the DCP
+    index names missing or shorter than the index reads (``sharded_state.shard_problems``),
+    the random state of a rank the resume has not what a worker restores
+    (``rng_state.read_rng_states``; a rank past the resume's workers is never read). An I/O
+    error of the machine's reading one (``user_files.check_readable``) raises ``RunFailure``."""
     # Here, not at the top: DCP's imports, which `verlite export`'s use of this module (the
     # hint of a stopped run, output_folder) does not need.
-    from verlite.distributed.sharded_state import shard_problems
+    from verlite.distributed.rng_state import read_rng_states
+    from verlite.distributed.sharded_state import CheckpointLoadError, shard_problems
 
     found = []
-    for role in roles:
-        absent = [name for name in ENGINE_FILES if not (path / role / name).is_file()]
+    try:
+        read_trainer_state(path)
+    except CheckpointError as err:
+        found.append(str(err))
+    for role, ranks in workers.items():
+        folder = path / role
+        absent = [name for name in ENGINE_FILES if not (folder / name).is_file()]
         found += [f"{role}/{name} is missing" for name in absent]
+        for name, problems in _ENGINE_JSON.items():
+            if (folder / name).is_file():
+                try:
+                    value = _json_file(folder / name, named=f"{role}/{name}")
+                except CheckpointError as err:
+                    found.append(str(err))
+                    continue
+                if wrong := problems(value):
+                    found.append(f"{role}/{name} is damaged: {'; '.join(wrong)}")
         if not absent:
-            found += [
-                f"{role}/{TRAIN_STATE}/{p}" for p in shard_problems(path / role / TRAIN_STATE)
-            ]
-        found += [
-            f"{role}/{rng.name} is cut short or damaged (no torch.save archive)"
-            for rng in sorted((path / role).glob(RNG_FILE.format(rank="*")))
-            if not zipfile.is_zipfile(rng)
-        ]
+            index = folder / TRAIN_STATE
+            try:
+                found += [f"{role}/{TRAIN_STATE}/{p}" for p in shard_problems(index)]
+            except OSError as exc:
+                found.append(
+                    _unreadable(exc, index / ".metadata", f"{role}/{TRAIN_STATE}/.metadata")
+                )
+        # Each rank restores its own file, where there is one (``TrainingWorker``).
+        for rng in [folder / RNG_FILE.format(rank=rank) for rank in range(ranks)]:
+            try:
+                if rng.is_file():
+                    read_rng_states(rng)
+            except CheckpointLoadError as exc:
+                found.append(f"{role}/{rng.name} {exc}")
+            except OSError as exc:
+                found.append(_unreadable(exc, rng, f"{role}/{rng.name}"))
     return found
 
 
-def resume_instead(path: Path, roles: Sequence[str]) -> str:
+def _unreadable(exc: OSError, file: Path, named: str) -> str:
+    """A checkpoint file that reading failed: raises ``RunFailure`` where the machine is at
+    fault (an I/O error: no damage, try again), else says so (a file this user may not read)."""
+    check_readable(exc, file, what="checkpoint file")
+    return f"{named} cannot be read ({exc.strerror or exc})"
+
+
+def _schedule_problems(state: dict[str, Any]) -> list[str]:
+    """What LambdaLR's ``load_state_dict`` and the steps after it need of its saved state
+    that ``state`` lacks (its other fields the engine sets from the config on load)."""
+    lambdas = state.get("lr_lambdas")
+    return [
+        *(
+            f"{key!r} is not a whole number >= 0"
+            for key in ("last_epoch", "_step_count")
+            if not _is_count(state.get(key))
+        ),
+        *(
+            ["'lr_lambdas' is not a list of nulls"]
+            if not (isinstance(lambdas, list) and all(fn is None for fn in lambdas))
+            else []
+        ),
+    ]
+
+
+def _engine_state_problems(state: dict[str, Any]) -> list[str]:
+    if _is_count(state.get("nonfinite_streak")):
+        return []
+    return ["'nonfinite_streak' is not a whole number >= 0"]
+
+
+# A role's JSON files and what each must hold for the engine's load to read it.
+_ENGINE_JSON = {SCHEDULE: _schedule_problems, ENGINE_STATE: _engine_state_problems}
+
+
+def resume_instead(path: Path, workers: Mapping[str, int]) -> str:
     """What a run does instead of resuming the damaged checkpoint at ``path``: resume the
     latest earlier checkpoint of its run's folder that shows no damage, or start afresh."""
     found = STEP_DIR.match(path.name)
@@ -282,7 +345,7 @@ def resume_instead(path: Path, roles: Sequence[str]) -> str:
         if found is not None and path.parent.name == "checkpoints"
         else []
     )
-    whole = next((p for p in reversed(earlier) if not damage(p, roles)), None)
+    whole = next((p for p in reversed(earlier) if not damage(p, workers)), None)
     afresh = (
         "start afresh with trainer.resume=disable and trainer.overwrite=true (which moves the "
         "output folder's files aside)"
@@ -474,12 +537,14 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def _json_file(path: Path) -> dict[str, Any]:
-    """A JSON object the checkpoint holds; a missing or damaged file is one line naming it."""
+def _json_file(path: Path, *, named: str | None = None) -> dict[str, Any]:
+    """A JSON object the checkpoint holds; a missing or damaged file is one line naming it
+    (as ``named``, or by its path)."""
     text = read_text(path, what="checkpoint file", error=CheckpointError)
-    value = parse_json(text, f"{path} is damaged", error=CheckpointError)
+    named = str(path) if named is None else named
+    value = parse_json(text, f"{named} is damaged", error=CheckpointError)
     if not isinstance(value, dict):
-        raise CheckpointError(f"{path} is damaged: a {type(value).__name__}, not a JSON object")
+        raise CheckpointError(f"{named} is damaged: a {type(value).__name__}, not a JSON object")
     return value
 
 

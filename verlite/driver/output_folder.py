@@ -253,7 +253,7 @@ def _check_resume_point(
     changed = check_resumable(
         plan.resume_from,
         config=cfg.model_dump(mode="json"),
-        roles=cfg.roles,
+        workers=cfg.trained_workers,
         total_steps=cfg.trainer.total_steps,
         train_set=train_set,
     )

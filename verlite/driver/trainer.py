@@ -26,7 +26,7 @@ from verlite import base_weights
 from verlite.config import Config, TrainedRole
 from verlite.config.derived import old_log_probs_source, precision_line
 from verlite.controller import DpSplit, PendingCall, WorkerGroup, completed
-from verlite.controller.failures import WorkerInputError
+from verlite.controller.failures import WorkerInputError, input_error
 from verlite.core.advantages import AdvantageInputs, compute_advantages
 from verlite.core.dapo import overlong_penalty
 from verlite.core.losses import kl_penalty
@@ -51,7 +51,7 @@ from verlite.driver.output_folder import FolderChange, FolderState, tell_node_wa
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
 from verlite.driver.step_source import GeneratedStep, StepSource
-from verlite.errors import RunFailure
+from verlite.errors import DamagedFileError, RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover, response_stop_ids
@@ -474,8 +474,13 @@ class Trainer:
         try:
             for group in self.groups.trained:
                 group.call("load_checkpoint", str(path / group.name))
-        except WorkerInputError as err:  # damage only a load finds (CheckpointLoadError)
-            raise DamagedCheckpointError(f"{err}. {resume_instead(path, self.cfg.roles)}") from err
+        except WorkerInputError as err:
+            # Damage only a load finds; any other bad input (another model's checkpoint) is
+            # as it says, and resuming an earlier checkpoint would not mend it.
+            if not isinstance(input_error(err.__cause__), DamagedFileError):
+                raise
+            hint = resume_instead(path, self.cfg.trained_workers)
+            raise DamagedCheckpointError(f"{err}. {hint}") from err
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
         version = int(state.get("weight_version", step))

@@ -13,8 +13,9 @@ from verlite.checkpoint_files import RNG_FILE
 from verlite.controller import Worker
 from verlite.core.metrics import MetricDict
 from verlite.distributed import backend_for
-from verlite.distributed.sharded_state import CheckpointLoadError
-from verlite.errors import UserError
+from verlite.distributed.rng_state import read_rng_states
+from verlite.distributed.sharded_state import CheckpointLoadError, CheckpointMismatchError
+from verlite.errors import DamagedFileError, UserError
 from verlite.models import resolve_device
 from verlite.models.flops import DecoderShape
 from verlite.workers.peak_memory import PeakMemory
@@ -80,17 +81,30 @@ class TrainingWorker(Worker):
     def load_checkpoint(self, path: str) -> None:
         """Collective: restore what ``save_checkpoint`` wrote, with any number of ranks then.
 
-        The RNG file of this rank is restored when it exists (same worker count as the save);
-        sampling seeds come from the step number, so a different count still resumes cleanly.
-        """
+        The RNG file of this rank is restored when it exists: each rank of a resume by as many
+        workers as the save's restores its own; by fewer, the ranks it has restore theirs and
+        the others' are never read; by more, the ranks past the save's keep their seeded
+        state. Sampling seeds come from the step number, so a different count still resumes
+        cleanly. Damaged bytes are bad input that names what to resume instead
+        (:class:`DamagedFileError`); a checkpoint of another model than the config's is bad
+        input of the config's; an ``OSError`` reading a file is raised as it is (the disk's,
+        not the user's input)."""
         folder = Path(path)
         try:
             self.engine.load(folder)
-        except CheckpointLoadError as exc:  # the user's files: bad input, as any
-            raise UserError(str(exc)) from None
+        except CheckpointLoadError as exc:
+            raise DamagedFileError(str(exc)) from None
+        except CheckpointMismatchError as exc:
+            raise UserError(
+                f"{exc}: this config builds another model; resume it with the model, adapter "
+                "and role settings it was trained with"
+            ) from None
         rng_file = folder / RNG_FILE.format(rank=self.rank)
         if rng_file.is_file():
-            states = torch.load(rng_file, weights_only=True)
+            try:
+                states = read_rng_states(rng_file)
+            except CheckpointLoadError as exc:
+                raise DamagedFileError(f"{rng_file} {exc}") from None
             torch.set_rng_state(states["cpu"])
             device = self.engine.device
             # a checkpoint of CPU workers resumed on a GPU (model.device may change) has none

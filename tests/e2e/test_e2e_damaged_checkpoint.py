@@ -1,7 +1,9 @@
 """A damaged checkpoint is bad input (exit 2), in one line naming the checkpoint and its
 damaged file and saying what to resume instead: refused before Ray where its DCP index and
-the files' sizes show the damage, at the workers' load where only loading finds it. One run's
-checkpoints (steps 1 and 2) are written once, and copied for each case."""
+the files' sizes show the damage, at the workers' load where only loading finds it; what is
+not damage (a random state no rank of the resume reads, a checkpoint of another model than
+the config's) is not called so. One run's checkpoints (steps 1 and 2) are written once, and
+copied for each case."""
 
 import json
 import re

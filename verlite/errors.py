@@ -53,6 +53,13 @@ def shown(value: object, limit: int = 120, render: Callable[[object], str] = rep
     return f"{text[:half]}[...]{text[-half:]}"
 
 
+def one_line(message: object, limit: int | None = None) -> str:
+    """``str(message)`` (an exception's message, a value's ``repr``) as a one-line message
+    quotes it: each run of white space one space, then its first ``limit`` characters (all
+    of them without one)."""
+    return " ".join(str(message).split())[:limit]
+
+
 class MissingExtraError(UserError):
     """An optional feature is configured but its package is not installed."""
 

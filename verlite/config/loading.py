@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from verlite.config.schema import Config
-from verlite.errors import UserError, shown
+from verlite.errors import UserError, one_line, shown
 from verlite.redaction import MASK, holds_credential, register_secret, url_secrets
 from verlite.user_files import read_text, resolved_path
 from verlite.yaml_files import UnspacedKey, field_path, load_text, read_mapping, yaml_kind
@@ -573,7 +573,7 @@ def _check_model_dir(path: str, field: str) -> None:
         fields = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(
-            f"{field}={path!r}: its config.json cannot be read as JSON ({_one_line(exc)})"
+            f"{field}={path!r}: its config.json cannot be read as JSON ({one_line(exc, 200)})"
         ) from None
     if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
         raise ConfigError(
@@ -610,7 +610,7 @@ def _safetensors_files(folder: Path, field: str) -> list[str]:
     except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise ConfigError(
             f"{field}={str(folder)!r}: {index.name} cannot be read as a safetensors index "
-            f"({_one_line(exc)}); copy or save the model again"
+            f"({one_line(exc, 200)}); copy or save the model again"
         ) from None
     for shard in shards:
         if not isinstance(shard, str) or not (folder / shard).is_file():
@@ -640,7 +640,3 @@ def _safetensors_problem(file: Path) -> str | None:
     if size != expected:
         return f"is cut short or damaged: {size} bytes where its header describes {expected}"
     return None
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:200]

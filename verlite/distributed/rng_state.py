@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from verlite.distributed.sharded_state import CheckpointLoadError, one_line
+from verlite.distributed.sharded_state import CheckpointLoadError, load_error_line
 
 
 def read_rng_states(path: Path) -> dict[str, torch.Tensor]:
@@ -25,7 +25,7 @@ def read_rng_states(path: Path) -> dict[str, torch.Tensor]:
         raise
     except Exception as exc:  # damaged bytes fail the archive's reader or its unpickler
         # Its first sentence: the archive reader's follows it with advice on corrupted files.
-        cause = one_line(exc).split(". ", 1)[0]
+        cause = load_error_line(exc).split(". ", 1)[0]
         raise CheckpointLoadError(f"is cut short or damaged ({cause})") from None
     if not isinstance(states, dict) or not isinstance(states.get("cpu"), torch.Tensor):
         raise CheckpointLoadError(

@@ -265,8 +265,8 @@ def load_train_state(
         unread = next((e for e in failures if isinstance(e, OSError)), None)
         if unread is not None:  # reading failed: no fault of the bytes
             raise unread from None
-        causes = sorted({one_line(e) for e in failures})
-        if all(one_line(e).startswith(_MISMATCH) for e in failures):
+        causes = sorted({load_error_line(e) for e in failures})
+        if all(load_error_line(e).startswith(_MISMATCH) for e in failures):
             raise CheckpointMismatchError(
                 f"cannot load {path}: its values are another model's ({'; '.join(causes)})"
             ) from None
@@ -290,10 +290,10 @@ def load_train_state(
 _MISMATCH = ("ValueError: Size mismatch between saved", "RuntimeError: Missing key in checkpoint")
 
 
-def one_line(exc: BaseException) -> str:
-    """A load's exception in one line; ``torch.load(weights_only=True)``'s refusal by the
-    error of its unpickler, which the refusal wraps in paragraphs of advice (to load the file
-    without ``weights_only``, which verlite never does)."""
+def load_error_line(exc: BaseException) -> str:
+    """A load's exception in one line, ``torch.load(weights_only=True)``'s refusal unwrapped:
+    said by the error of its unpickler, which the refusal wraps in paragraphs of advice (to
+    load the file without ``weights_only``, which verlite never does)."""
     text = f"{type(exc).__name__}: {exc}"
     inner = exc.__context__
     if text.startswith("UnpicklingError: Weights only load failed") and inner is not None:

@@ -48,7 +48,7 @@ from verlite.data.templates import TurnFormat
 from verlite.data.tokenizer import encode_written
 from verlite.envs.base import Turn
 from verlite.envs.registry import environment_name
-from verlite.errors import RunFailure, UserError, shown
+from verlite.errors import RunFailure, UserError, one_line, shown
 from verlite.rewards.scoring import as_real
 
 
@@ -352,7 +352,7 @@ class Session:
             self._abandoned(value)
             self._refuse(f"{what} did not return within {self.timeout_s:g} s")
         if outcome == "raised":
-            self._refuse(f"{what} raised {type(value).__name__}: {_one_line(value)}")
+            self._refuse(f"{what} raised {type(value).__name__}: {one_line(value, 300)}")
         return value
 
     def start_step(self, action: str) -> Callable[[], Turn | None]:
@@ -374,7 +374,7 @@ class Session:
                 self._check_abandoned(running)
             return None
         if outcome == "raised":
-            self.error = f"step raised {type(value).__name__}: {_one_line(value)}"
+            self.error = f"step raised {type(value).__name__}: {one_line(value, 300)}"
             return None
         return self._checked(value)
 
@@ -397,7 +397,8 @@ class Session:
                 ids = self.turns.observation_ids(text)
         except Exception as exc:  # whatever a tokenizer raises, the observation is the cause
             self._refuse(
-                f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: {_one_line(exc)}"
+                f"{what}, which the tokenizer cannot encode: {type(exc).__name__}: "
+                f"{one_line(exc, 300)}"
             )
         # The observation's text is never a special token (its "<unk>" included), so an
         # unknown token stands for characters the vocabulary lacks.
@@ -483,7 +484,3 @@ def _cpu_clock(thread: threading.Thread) -> int | None:
         return time.pthread_getcpuclockid(thread.ident)  # type: ignore[arg-type]
     except (AttributeError, OSError):
         return None
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300]

@@ -33,7 +33,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from verlite.config import Config, ConfigError, LoraConfig, ModelConfig
 from verlite.config.checks import longest_sequence_fields
-from verlite.errors import UserError, shown
+from verlite.errors import UserError, one_line, shown
 from verlite.models.flops import DecoderShape, attention_width, sliding_window_layers
 from verlite.models.hf import ModuleT, config_of, input_embeddings, output_embeddings
 from verlite.models.lora import apply_lora, check_peft_installed, check_targets
@@ -102,9 +102,9 @@ def model_config(path: str, *, field: str = "model.path") -> PretrainedConfig:
         return config
     except OSError as exc:
         check_readable(exc, Path(path) / "config.json", what=f"{field}'s config.json")
-        reason = _one_line(exc)
+        reason = shown(one_line(exc), 160)
     except Exception as exc:  # ValueError, TypeError, huggingface_hub's validation errors
-        reason = _one_line(exc)
+        reason = shown(one_line(exc), 160)
     model_type = _json_field(Path(path) / "config.json", "model_type")
     if isinstance(model_type, str) and model_type not in CONFIG_MAPPING:
         reason = (
@@ -112,11 +112,6 @@ def model_config(path: str, *, field: str = "model.path") -> PretrainedConfig:
             f"{transformers.__version__}"
         )
     raise ConfigError(f"{field}={path!r}: no model config loads from it: {reason}")
-
-
-def _one_line(exc: BaseException, limit: int = 160) -> str:
-    """An exception's message on one line, cut to ``limit`` characters."""
-    return shown(" ".join(str(exc).split()), limit)
 
 
 def _json_field(path: Path, key: str) -> object:
@@ -298,7 +293,7 @@ def _generation_config(path: str, file: Path) -> GenerationConfig:
     try:
         return GenerationConfig.from_dict(fields)
     except Exception as exc:  # its checks raise ValueError or TypeError
-        raise ConfigError(f"{named} does not load: {_one_line(exc)}") from None
+        raise ConfigError(f"{named} does not load: {shown(one_line(exc), 160)}") from None
 
 
 def response_stop_ids(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:

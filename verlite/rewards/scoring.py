@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from verlite.errors import UserError, shown
+from verlite.errors import UserError, one_line, shown
 from verlite.rewards.registry import RewardFn, reward_name
 
 # How often a slow scoring stage says how far it is.
@@ -98,7 +98,7 @@ def _score_all(
             results.put(("raised", f"it called sys.exit({exc.code!r})"))
             return
         except BaseException as exc:
-            results.put(("raised", f"{type(exc).__name__}: {_one_line(str(exc))}"))
+            results.put(("raised", f"{type(exc).__name__}: {one_line(exc, 300)}"))
             return
 
 
@@ -111,8 +111,10 @@ def _checked(
 ) -> float:
     value = as_real(score)
     if value is None or not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        # A tensor's or array's repr spans lines.
+        said = shown(score, 80, lambda v: one_line(repr(v)))
         raise RewardError(
-            f"reward function {reward_name(fn)} returned {shown(score, 80, _one_line_repr)} "
+            f"reward function {reward_name(fn)} returned {said} "
             f"for response {index} ({_short(response)}); scores must be finite numbers in [0, 1]"
         )
     if type(score) is not float and type(score) not in _CONVERTED:
@@ -140,12 +142,3 @@ def as_real(score: Any) -> float | None:
 def _short(text: str, limit: int = 80) -> str:
     shown = repr(text)
     return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
-
-
-def _one_line_repr(value: object) -> str:
-    # A tensor's or array's repr spans lines.
-    return " ".join(repr(value).split())
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:300]

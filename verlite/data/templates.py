@@ -479,7 +479,15 @@ class TurnFormat:
     def _span(self, text: str) -> tuple[int, int] | None:
         """Where the observation is in :meth:`observation_text`'s ``text``: between the text
         the template writes around any observation; None if the template wrote other text
-        around this one."""
+        around this one. A chat reward model finds a response's place the same way
+        (``workers.reward_model._between``) where the template writes the same text around
+        it, and otherwise widens it to all that differs: a response is the policy's own
+        sample, which a run cannot refuse, and a wider place there only reads the template's
+        moved text as characters in the reward model's input. Here an observation holding a
+        special token's text is refused instead (:meth:`observation_text`): its tokens join
+        the trajectory the policy samples and trains on, where the template's turn markers
+        must stay its special tokens, and an environment is user code whose contract a run
+        checks."""
         before, after = self._around
         if text.startswith(before) and text.endswith(after) and len(text) >= len(before + after):
             return len(before), len(text) - len(after)

@@ -201,7 +201,14 @@ def _between(text: str, stand_in: str) -> tuple[int, int]:
     response that begins or ends like the template's text on the other side (a stand-in
     character, then the turn's end) cannot move its bounds into itself. A template that
     writes other text around this response (one that moves a reasoning part) widens the
-    place to all that differs."""
+    place to all that differs. ``data.templates.TurnFormat._span`` finds an observation's
+    place the same way where the template writes the same text around it, and is None
+    otherwise (an observation holding a special token's text is then refused): an
+    observation's tokens join the trajectory the policy samples and trains on, where the
+    template's turn markers must stay its special tokens, and an environment is user code
+    whose contract a run checks. A response is the policy's own sample, which a run cannot
+    refuse, and a wider place here only reads the template's moved text as characters in
+    the reward model's input."""
     before, _, after = stand_in.partition(_STAND_IN)
     start = common_start(text, before)
     return start, len(text) - common_start(text[start:][::-1], after[::-1])

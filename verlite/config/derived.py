@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from verlite.core.advantages import ESTIMATORS_NEEDING_CRITIC
+from verlite.core.sharding import fsdp_shards
 
 if TYPE_CHECKING:
     from verlite.config.schema import Config
@@ -131,16 +132,15 @@ class Derived:
         """Whether a colocated actor decoding in mode ``decode`` (resolved: not ``auto``)
         generates from a copy of its policy stored for generation
         (``workers.actor.generation_copy``; its bytes count in ``check_generation_fits``):
-        an FSDP actor whose model FSDP2 shards, over more than one rank or offloaded
-        (``distributed.apply_fsdp`` leaves one rank's model whole otherwise; through its
-        shards a decode step would gather every layer, from the host with
-        ``actor.offload=all``), and under bf16-mixed with CUDA graphs (a replayed step
-        would cast every fp32 weight again)."""
+        an FSDP actor whose model FSDP2 shards (``core.sharding.fsdp_shards``: over more
+        than one rank or offloaded; through its shards a decode step would gather every
+        layer, from the host with ``actor.offload=all``), and under bf16-mixed with CUDA
+        graphs (a replayed step would cast every fp32 weight again)."""
         if self.rollout.placement != "colocated":
             return False
         graphs = decode == "cuda_graphs" and self.precision == "bf16-mixed"
-        sharded = self.actor.strategy == "fsdp" and (
-            self.role_sizes("actor").dp_size > 1 or self.actor.offload == "all"
+        sharded = self.actor.strategy == "fsdp" and fsdp_shards(
+            self.role_sizes("actor").dp_size, offload=self.actor.offload == "all"
         )
         return sharded or graphs
 

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.parallel import DistributedDataParallel
 
+from verlite.core.sharding import fsdp_shards
 from verlite.distributed.process_group import backend_for, get_world_size, is_initialized
 
 # Attribute names Hugging Face models use for their stack of decoder blocks:
@@ -98,7 +99,7 @@ def apply_fsdp(
     here when the worker has none.
     """
     world = get_world_size()
-    if world == 1 and not offload:
+    if not fsdp_shards(world, offload=offload):
         return model
     device_type = _device_type(model)
     if not is_initialized():

@@ -1,4 +1,5 @@
-"""A step's responses as the driver's scorer (``driver/scorer.py``) reads them, from texts."""
+"""A step's responses as the driver's scorer (``driver/scorer.py``) reads them, from texts;
+that scorer for a run whose one reward source is a function."""
 
 from typing import Any
 
@@ -6,6 +7,10 @@ import torch
 from tensordict import TensorDict
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from verlite.config import Config
+from verlite.driver.scorer import Scorer
+from verlite.rewards import RewardFn
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -33,4 +38,16 @@ def step_batch(tokenizer: PreTrainedTokenizerFast, texts: list[str], uids: list[
             "uid": torch.tensor(uids),
         },
         batch_size=[len(ids)],
+    )
+
+
+def fn_scorer(cfg: Config, tokenizer: PreTrainedTokenizerFast, reward_fn: RewardFn) -> Scorer:
+    """The driver's scorer of a run whose one reward source is the function ``reward_fn``."""
+    return Scorer(
+        cfg,
+        tokenizer,
+        reward_fn=reward_fn,
+        remote=None,
+        reward_model=None,
+        reward_model_reads_chat=False,
     )

@@ -631,6 +631,7 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
     weights (``workers.actor.generation_copy``), refreshed before each generation: after an
     optimizer step, the same tokens and log-probs as the fp32 policy under autocast."""
     from verlite.config import load_config
+    from verlite.distributed import first_names
     from verlite.models.precision import autocast, refresh_inference_copy
     from verlite.workers.actor import generation_copy
 
@@ -650,7 +651,8 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
     with torch.no_grad():  # an optimizer step on the fp32 master weights
         for p in policy.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    refresh_inference_copy(copy, policy.state_dict().__getitem__)
+    state = policy.state_dict()
+    refresh_inference_copy(copy, state.__getitem__, first_names(state))
     assert [p.data_ptr() for p in copy.parameters()] == addresses
     td, params = prompts(batch=10, width=7, seed=3), SETTINGS["sampled"]
     with autocast("bf16-mixed", torch.device("cpu")):
@@ -781,6 +783,7 @@ def test_graphs_replay_only_on_the_tensors_they_were_captured_on() -> None:
     in-place refresh (a colocated actor's generation copy; a sync on a GPU) keeps the
     addresses, and the graphs."""
     from tests.generation.test_weight_sync import deliver, sync
+    from verlite.distributed import first_names
     from verlite.generation.weights import WeightReceiver
     from verlite.models.precision import refresh_inference_copy
 
@@ -804,9 +807,8 @@ def test_graphs_replay_only_on_the_tensors_they_were_captured_on() -> None:
     eager = sampler(trained, DecodeSettings("eager")).generate(td, params, noise(td, 5, 14))
     assert_same(out, eager)
     kept = dict(decoder.graphs)
-    refresh_inference_copy(
-        model, llama("fp64").state_dict().__getitem__
-    )  # in place: the graphs stay
+    fresh = llama("fp64").state_dict()
+    refresh_inference_copy(model, fresh.__getitem__, first_names(fresh))  # in place: graphs stay
     graphs.generate(td, params, noise(td, 5, 14))
     assert all(decoder.graphs[key] is graph for key, graph in kept.items())
 

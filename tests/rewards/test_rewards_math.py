@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from scorer_support import byte_tokenizer, step_batch
+from scorer_support import byte_tokenizer, fn_scorer, step_batch
 
 from verlite.config import Config
 from verlite.config.fields import MAX_SECONDS
 from verlite.data import answers
-from verlite.driver.scorer import Scorer
 from verlite.rewards import RewardError, math_answer, resolve_reward, score_responses
 from verlite.rewards.math_answer import MathReward, final_answer, reference_answer
 
@@ -337,7 +336,7 @@ def test_the_driver_scores_a_step_with_it() -> None:
         {"prompt": "Clips?", "answer": "48 + 24 = 72\n#### 72"},
     ]
     reward_fn = resolve_reward(cfg)
-    scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
+    scorer = fn_scorer(cfg, tokenizer, reward_fn)
     try:
         scores, metrics = scorer.score(batch, records)
     finally:
@@ -359,7 +358,7 @@ def test_a_step_counts_its_responses_without_a_final_answer() -> None:
     tokenizer = byte_tokenizer()
     records = [{"prompt": "One?", "answer": "#### 1"}]
     reward_fn = resolve_reward(cfg)
-    scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
+    scorer = fn_scorer(cfg, tokenizer, reward_fn)
     try:
         steps = [
             scorer.score(step_batch(tokenizer, texts, [0] * len(texts)), records)
@@ -377,7 +376,7 @@ def test_a_step_counts_its_abandoned_verifications() -> None:
     tokenizer = byte_tokenizer()
     records = [{"prompt": "One?", "answer": "1"}]
     reward_fn = resolve_reward(cfg)
-    scorer = Scorer(cfg, tokenizer, reward_fn=reward_fn, remote=None, reward_model=None)
+    scorer = fn_scorer(cfg, tokenizer, reward_fn)
     try:
         steps = [
             scorer.score(step_batch(tokenizer, texts, [0] * len(texts)), records)

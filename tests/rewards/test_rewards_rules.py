@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from scorer_support import byte_tokenizer, step_batch
+from scorer_support import byte_tokenizer, fn_scorer, step_batch
 
 from verlite.config import Config, load_config
-from verlite.driver.scorer import Scorer
 from verlite.rewards import REWARDS, digit_match, exact_match, gsm8k, resolve_reward, rules
 from verlite.rewards.rules import Gsm8kReward
 
@@ -97,7 +96,7 @@ def test_a_step_counts_its_responses_without_a_gsm8k_answer() -> None:
     shared = REWARDS["gsm8k"]
     assert isinstance(shared, Gsm8kReward)
     shared_before = shared.counts()
-    scorer = Scorer(cfg, tokenizer, reward_fn=resolve_reward(cfg), remote=None, reward_model=None)
+    scorer = fn_scorer(cfg, tokenizer, resolve_reward(cfg))
     steps = [
         scorer.score(step_batch(tokenizer, texts, [0] * len(texts)), records)
         for texts in (
@@ -123,7 +122,7 @@ def test_the_scorer_gives_scores_in_the_runs_dtype(precision: str, dtype: torch.
     every run (``Scorer.score``) fail the fp64 case."""
     cfg = load_config(None, ["data.task=copy", f"model.precision={precision}"])
     tokenizer = byte_tokenizer()
-    scorer = Scorer(cfg, tokenizer, reward_fn=lambda *_: 1 / 3, remote=None, reward_model=None)
+    scorer = fn_scorer(cfg, tokenizer, lambda *_: 1 / 3)
     scores, _ = scorer.score(
         step_batch(tokenizer, ["72", "71"], [0, 0]), [{"prompt": "", "answer": ""}]
     )

@@ -148,7 +148,7 @@ def test_a_colocated_fsdp_actor_generates_from_its_gathered_copy_what_its_shards
     the copy keeps it tied; in bf16-mixed the copy holds its own bf16 head, filled from the
     embedding's one gather), a step's refills (``algorithm.dynamic_sampling``) and the
     initial policy's draws (the copy is made from it) gather nothing. Mutation: the tied
-    head read under its own name (``sources`` not passed): the bf16-mixed case gathers
+    head read under its own name (``name`` for ``sources[name]``): the bf16-mixed case gathers
     once more a version."""
     if tied:
         save_chat_model(tmp_path / "model")

@@ -38,7 +38,7 @@ class Scorer:
         reward_fn: RewardFn,
         remote: RemoteScorer | None,
         reward_model: WorkerGroup | None,
-        reward_model_reads_chat: bool = False,
+        reward_model_reads_chat: bool,
     ) -> None:
         """``reward_model_reads_chat``: whether the reward model reads each conversation in
         its chat template (``RunInputs.reward_model_reads_chat``); the prompts' conversations

@@ -187,7 +187,7 @@ def stored_copy(model: ModuleT, precision: str, *, generation: bool = False) -> 
 def refresh_inference_copy(
     copy: nn.Module,
     read: Callable[[str], torch.Tensor],
-    sources: Mapping[str, str] | None = None,
+    sources: Mapping[str, str],
 ) -> None:
     """Bring ``copy`` (a model's :func:`stored_copy` for generation) up to date with that
     model's current state, in place and cast to the copy's dtypes: its tensors keep their
@@ -197,14 +197,13 @@ def refresh_inference_copy(
     rank. ``sources``: each entry's name and the model's first name of its tensor
     (``distributed.first_names``): a head the model ties to the embedding is read under the
     embedding's name alone, and copied into the copy's own bf16 head if the copy holds one
-    (:func:`store_for_generation`); None: each entry read under its own name but a tensor
-    the copy ties (once)."""
+    (:func:`store_for_generation`); a tensor the copy holds under two names copied once."""
     seen: set[int] = set()
     targets: dict[str, list[torch.Tensor]] = {}
     for name, target in copy.state_dict(keep_vars=True).items():
         if id(target) not in seen:
             seen.add(id(target))
-            targets.setdefault(name if sources is None else sources[name], []).append(target)
+            targets.setdefault(sources[name], []).append(target)
     for name, group in targets.items():
         value = read(name)
         for target in group:

@@ -178,7 +178,7 @@ def _apply_override(raw: dict[str, Any], overridden: dict[str, Any], item: str) 
     except UnspacedKey as exc:  # valid YAML, not what was meant
         raise ConfigError(f"override {shown(item)}: {exc.problem}") from None
     except yaml.YAMLError as exc:
-        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        problem = one_line(getattr(exc, "problem", None) or exc)
         raise ConfigError(
             f"override {shown(item)}: its value is not valid YAML ({problem}); a section is given "
             f"as {key.strip()}={{field: value, ...}}"

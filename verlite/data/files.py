@@ -21,7 +21,7 @@ from typing import Any, NotRequired, TypedDict
 from typing_extensions import ReadOnly
 
 from verlite.data.answers import ANSWER_RULES
-from verlite.errors import UserError, import_extra, shown
+from verlite.errors import UserError, import_extra, one_line, shown
 from verlite.user_files import parse_json, read_text
 
 
@@ -255,7 +255,7 @@ def _parquet_rows(path: Path, keys: dict[str, str]) -> Iterable[tuple[str, Any]]
         table = pyarrow.parquet.read_table(path, columns=list(dict.fromkeys(columns)))
     except (OSError, pyarrow.ArrowException) as exc:
         # Arrow's message may span lines (a schema that names a column twice lists it).
-        reason = " ".join(str(exc).split())
-        raise DataError(f"{path}: cannot read Parquet file: {shown(reason, 200, str)}") from None
+        reason = shown(one_line(exc), 200, str)
+        raise DataError(f"{path}: cannot read Parquet file: {reason}") from None
     for number, row in enumerate(table.to_pylist(), start=1):
         yield f"{path} row {number}", row

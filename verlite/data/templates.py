@@ -49,7 +49,7 @@ from verlite.data.tokenizer import (
     special_tokens,
     unknown_characters,
 )
-from verlite.errors import shown
+from verlite.errors import one_line, shown
 
 
 def format_prompts(
@@ -294,7 +294,7 @@ def _apply(
     # The template is the model author's Jinja code: a syntax error, its own
     # raise_exception (e.g. "system role not supported") or a filter's TypeError.
     except Exception as exc:
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+        reason = one_line(f"{type(exc).__name__}: {exc}")
         raise DataError(f"{failure}: {shown(reason, 160)}") from None
     # transformers annotates apply_chat_template with everything it can return; with
     # tokenize=False, one conversation renders to a str (_render checks it).

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from verlite.config import ConfigError
 from verlite.data.tasks import TASK_ALPHABET
-from verlite.errors import shown
+from verlite.errors import one_line, shown
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK)  # ids 0..3, in this order
@@ -87,9 +87,8 @@ def _read_tokenizer(path: str, *, field: str, whose: str) -> PreTrainedTokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        reason = " ".join(str(exc).split())
         raise ConfigError(
-            f"{field}={path!r}: no tokenizer loads from it: {shown(reason, 160)}; {save}"
+            f"{field}={path!r}: no tokenizer loads from it: {shown(one_line(exc), 160)}; {save}"
         ) from None
     if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
         raise ConfigError(

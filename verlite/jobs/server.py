@@ -20,7 +20,7 @@ from urllib.parse import quote, urlsplit
 
 import requests
 
-from verlite.errors import UserError, shown
+from verlite.errors import UserError, one_line, shown
 from verlite.reachable import is_loopback_host
 from verlite.records import metrics_log
 from verlite.records.metrics_log import Record
@@ -274,7 +274,7 @@ class JobServer:
             raise JobsError(_auth_problem(self.url, rejected=code == 403))
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {self.url} (`verlite list` shows its jobs)")
-        body = redact_text(" ".join(answer.decode("utf-8", "replace").split()), [token or ""])
+        body = redact_text(one_line(answer.decode("utf-8", "replace")), [token or ""])
         if not 200 <= code < 400:
             raise _http_error(self.url, code, body)
         try:
@@ -403,10 +403,10 @@ def _errors(url: str, job_id: str | None = None) -> Iterator[None]:
     except RuntimeError as exc:
         match = _HTTP_ERROR.search(str(exc))
         if match is None:  # e.g. the log stream closing abnormally
-            message = redact_text(" ".join(str(exc).split()), [_token() or ""])
+            message = redact_text(one_line(exc), [_token() or ""])
             raise JobsError(f"{url}: {message[:300]}") from None
         code = int(match[1])
-        body = redact_text(" ".join(match[2].split()).rstrip("."), [_token() or ""])
+        body = redact_text(one_line(match[2]).rstrip("."), [_token() or ""])
         if code == 404 and job_id is not None:
             raise JobsError(f"no job {job_id!r} on {url} (`verlite list` shows its jobs)") from None
         raise _http_error(url, code, body) from None

@@ -25,7 +25,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
-from verlite.errors import UserError, import_extra
+from verlite.errors import UserError, import_extra, one_line
 from verlite.reachable import connection_problem
 from verlite.records import metrics_log
 from verlite.redaction import redact_config, redact_text, redact_url
@@ -359,7 +359,7 @@ class WandbLogger:
                 ),
             )
         except Exception as exc:  # wandb raises its own errors, and plain ones, on a bad login
-            reason = redact_text(" ".join(str(exc).split()))[:300]  # masked, then cut
+            reason = redact_text(one_line(exc))[:300]  # masked, then cut
             raise UserError(
                 f"wandb logger: cannot open run {run_id} in project {cfg.project!r} "
                 f"(mode {cfg.mode}): {reason}"

@@ -57,7 +57,7 @@ from urllib.parse import urlsplit
 
 from verlite.config import RemoteRewardConfig
 from verlite.config.sections_reward import MAX_RETRY_WAIT_S
-from verlite.errors import RunFailure, UserError, shown
+from verlite.errors import RunFailure, UserError, one_line, shown
 from verlite.reachable import is_loopback_host
 from verlite.redaction import MIN_SECRET_LENGTH, redact_text, register_secret
 from verlite.rewards.scoring import PROGRESS_EVERY_S
@@ -423,7 +423,7 @@ def _excerpt(raw: bytes, *, cut: bool = False) -> str:
     """The start of a reply, for a message: one line, credentials masked, the start of one
     too where the reply is cut (an error's body is read up to ``_EXCERPT_BYTES``; ``cut``:
     its reading was cut off before)."""
-    text = " ".join(raw[:_EXCERPT_BYTES].decode("utf-8", "replace").split())
+    text = one_line(raw[:_EXCERPT_BYTES].decode("utf-8", "replace"))
     text = redact_text(text, cut=cut or len(raw) >= _EXCERPT_BYTES)
     return f": {shown(text, 160)}" if text else ""
 
@@ -529,4 +529,4 @@ def _body_of(error: urllib.error.HTTPError) -> bytes:
 def _reason(reason: object) -> str:
     if isinstance(reason, OSError) and reason.strerror:
         return reason.strerror
-    return " ".join(str(reason).split()) or type(reason).__name__
+    return one_line(reason) or type(reason).__name__

@@ -6,6 +6,7 @@ multiply different numbers of rows, and a BLAS rounds a row by how many it multi
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
@@ -17,6 +18,7 @@ import torch
 from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from transformers.cache_utils import Cache
 
 from tests.batch_invariant_support import RowByRowMatmul
 from tests.generation.test_sampler import EOS, PAD, VOCAB, prompts
@@ -30,9 +32,16 @@ from verlite.generation.decode import (
     StaticDecoder,
     buckets_for,
 )
-from verlite.generation.static_cache import StaticCache, StaticCacheLayer, cache_bytes
+from verlite.generation.sampler import PreallocatedCacheLayer
+from verlite.generation.static_cache import (
+    StaticCache,
+    StaticCacheLayer,
+    cache_bytes,
+    position_elements,
+)
 from verlite.models import build_policy
 from verlite.models.lora import apply_lora
+from verlite.models.precision import autocast, cache_dtype
 
 
 @pytest.fixture(autouse=True)
@@ -524,24 +533,141 @@ def allocated_bytes(cache: StaticCache) -> int:
     )
 
 
-@pytest.mark.parametrize("build", CACHED_MODELS.values(), ids=CACHED_MODELS.keys())
+# What the count says of a model it counts by its config's rule (None: nothing).
+FALLBACK_LINE = (
+    "the KV cache of this {} model is counted by its config (KV heads x head dim in every "
+    "layer): its forward does not run on the meta device with a static cache ({})"
+)
+SAID = {
+    "llama-dynamic-rope": FALLBACK_LINE.format(
+        "llama", "RuntimeError: Tensor.item() cannot be called on meta tensors"
+    )
+}
+
+
+@pytest.mark.parametrize("name", CACHED_MODELS)
 def test_the_memory_checks_count_what_the_static_cache_allocates(
-    build: Callable[[], torch.nn.Module],
+    name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """``cache_bytes``, which the start-up check of a GPU's memory and the static path's
     check before it allocates both count, is what a generation's static cache allocates, to
     the byte, for grouped-query heads, heads wider than hidden size / heads, DeepSeek-V3's
     latent attention (through its experts too, on the meta device), Gemma-3n's layers that
     share earlier layers' keys and values, and a model the probe cannot run on the meta
-    device (the config's rule). The config's KV heads x head dim in every layer counted this
+    device (the config's rule, which a warning then says, in one line: nothing is said of a
+    model the probe runs). The config's KV heads x head dim in every layer counted this
     DeepSeek-V3's cache 1.6 times over (the real model's 28 times), this Gemma-3n's twice."""
-    model = build()
+    model = CACHED_MODELS[name]()
     config = dict(vars(model.config))
+    caplog.set_level(logging.WARNING)
     counted = cache_bytes(model.config, 10, 21, torch.float32)
+    said = [record.getMessage() for record in caplog.records]
+    assert said == ([SAID[name]] if name in SAID else [])
     assert vars(model.config) == config  # the probe's attention and experts not the model's
     cache = static_cache_of(model)
     assert (cache.rows, cache.capacity, cache.dtype) == (10, 21, torch.float32)
     assert allocated_bytes(cache) == counted
+
+
+# Models whose layers need a cache class of their own (Hugging Face's ValueError on the
+# static cache): two layers of 4 heads / 2 KV heads of width 8, their linear-attention or
+# Mamba layers' sizes beside.
+OWN_CACHE: dict[str, tuple[str, dict[str, object], str]] = {
+    "qwen3_next": (
+        "qwen3_next",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+        },
+        "Cannot get recurrent state for non linear attention layer 0 of type StaticCacheLayer.",
+    ),
+    "falcon_h1": (
+        "falcon_h1",
+        {"mamba_d_ssm": 32, "mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 8},
+        "Cannot get conv state for non linear attention layer 0 of type StaticCacheLayer.",
+    ),
+    "minimax": (
+        "minimax",
+        {
+            "layer_types": ["linear_attention", "full_attention"],
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
+        "MiniMax uses cache of its own and is not compatible with `cache` of type "
+        "<class 'verlite.generation.static_cache.StaticCache'>.",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", OWN_CACHE)
+def test_a_model_whose_layers_need_a_cache_of_their_own_is_counted_by_its_config(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Qwen3-Next, Falcon-H1 and MiniMax refuse the static cache on the meta device (a
+    ``ValueError``): counted by the config's rule, 2 x 2 layers x 2 KV heads x 8 elements a
+    position, and said in one line naming the model type and the refusal. Mutation: only a
+    ``RuntimeError`` taken as the model's (the dynamic rotary scaling's) raises here."""
+    from transformers import AutoConfig
+
+    kind, settings, refusal = OWN_CACHE[name]
+    config = AutoConfig.for_model(kind, vocab_size=VOCAB, head_dim=8, **TINY_DECODER, **settings)
+    caplog.set_level(logging.WARNING)
+    assert position_elements(config) == 2 * 2 * 2 * 8
+    assert [record.getMessage() for record in caplog.records] == [
+        FALLBACK_LINE.format(kind, f"ValueError: {refusal}")
+    ]
+
+
+def test_a_bug_in_the_cache_the_count_runs_is_raised_not_taken_for_the_models(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error of another kind than a model's on the meta device (an ``AttributeError``
+    of the static cache's own layer, as a bug there raises) is raised, not counted by the
+    config's rule. Mutation: every ``Exception`` taken as the model's: the count returns."""
+    from transformers import LlamaConfig
+
+    def broken(self: StaticCacheLayer, *args: object) -> None:
+        raise AttributeError("no attribute 'buffer'")
+
+    monkeypatch.setattr(StaticCacheLayer, "lazy_initialization", broken)
+    with pytest.raises(AttributeError, match="no attribute 'buffer'"):
+        position_elements(LlamaConfig(**TINY_DECODER))
+
+
+@pytest.mark.parametrize("build", CACHED_MODELS.values(), ids=CACHED_MODELS.keys())
+def test_the_memory_checks_count_what_the_eager_cache_holds_under_autocast(
+    build: Callable[[], torch.nn.Module],
+) -> None:
+    """The eager sampler (what runs on CPU, with per-rank noise, and for a model the static
+    path refuses) holds, after a generation of 10 prompts of up to 7 tokens and 14 new ones
+    under bf16 autocast, the bytes the start-up check counts for 10 rows x 21 positions under
+    bf16-mixed (``cache_bytes`` in ``cache_dtype``). It held a rotated key as the model
+    computes it, in float32: 1.5 times that count (DeepSeek-V3, whose latent and values come
+    out in float32 too, twice)."""
+    model = build()
+    caches: list[Cache] = []
+    hook = model.register_forward_pre_hook(
+        lambda _module, _args, kwargs: caches.append(kwargs["cache"]), with_kwargs=True
+    )
+    td = prompts(batch=10, width=7, seed=3)
+    with autocast("bf16-mixed", torch.device("cpu")):
+        sampler(model, DecodeSettings("eager")).generate(td, SamplingParams(14), noise(td, 0, 14))
+    hook.remove()
+    (cache,) = {id(cache): cache for cache in caches}.values()  # one cache, every step's
+    held = sum(
+        buffer.nbytes
+        for layer in cache.layers
+        if isinstance(layer, PreallocatedCacheLayer) and layer.is_initialized
+        for buffer in (layer.key_buffer, layer.value_buffer)
+    )
+    assert held == cache_bytes(model.config, 10, 21, cache_dtype("bf16-mixed"))
 
 
 def test_a_latent_attention_cache_that_fits_the_free_memory_to_the_byte_is_allocated() -> None:
@@ -632,7 +758,7 @@ def test_a_colocated_actor_generates_from_its_refreshed_bf16_copy_what_it_would_
     optimizer step, the same tokens and log-probs as the fp32 policy under autocast."""
     from verlite.config import load_config
     from verlite.distributed import first_names
-    from verlite.models.precision import autocast, refresh_inference_copy
+    from verlite.models.precision import refresh_inference_copy
     from verlite.workers.actor import generation_copy
 
     bf16, fp32 = (

@@ -79,6 +79,7 @@ from verlite.generation.static_cache import (
     StaticCache,
     UnsupportedModel,
     attention_shape,
+    autocast_dtype,
     cache_bytes,
     check_capturable,
 )
@@ -240,8 +241,9 @@ class StaticDecoder:
     # ------------------------------------------------------------------ buffers
     def _kv_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype attention reads keys and values in: autocast's, else the model's."""
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
+        dtype = autocast_dtype(device)
+        if dtype is not None:
+            return dtype
         return next(p.dtype for p in self.model.parameters() if p.is_floating_point())
 
     def _ensure_buffers(self, rows: int, capacity: int, device: torch.device) -> None:

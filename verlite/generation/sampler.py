@@ -27,6 +27,7 @@ from verlite.generation.sampling import (
     row_budgets,
     take_token,
 )
+from verlite.generation.static_cache import autocast_dtype
 from verlite.models.varlen import known_padding, use_verlite_attention
 
 
@@ -158,9 +159,12 @@ class PreallocatedCacheLayer(CacheLayerMixin):  # type: ignore[no-untyped-call] 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, dim = key_states.shape
         self.device = key_states.device
-        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim))
+        # Under autocast in its dtype (a rotated key comes out in float32), as the static
+        # cache stores them; without, each in its own (None: the states' dtype).
+        dtype = autocast_dtype(self.device)
+        self.key_buffer = key_states.new_empty((batch, heads, self.capacity, dim), dtype=dtype)
         self.value_buffer = value_states.new_empty(
-            (batch, value_states.shape[1], self.capacity, value_states.shape[-1])
+            (batch, value_states.shape[1], self.capacity, value_states.shape[-1]), dtype=dtype
         )
         self.is_initialized = True
 

@@ -20,6 +20,7 @@ addresses, so one allocation serves every bucket.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +29,10 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from verlite.errors import shown
 from verlite.models import meta_causal_lm
+
+_log = logging.getLogger(__name__)
 
 
 class UnsupportedModel(ValueError):
@@ -90,10 +94,23 @@ def check_capturable(config: PretrainedConfig, *, longest: int) -> None:
 def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch.dtype) -> int:
     """Bytes of a KV cache of ``rows`` x ``capacity`` positions in ``dtype`` for a model of
     ``config``: what the static cache allocates (:class:`StaticCacheLayer`, the heads and
-    width of what each layer writes), and what the eager sampler's grows to where its keys
-    and values are all in ``dtype`` (under autocast it keeps a rotated key as the model
-    computes it, in float32: more); :func:`position_elements` counts a position."""
+    width of what each layer writes), and what the eager sampler's preallocates for a
+    generation of ``rows`` prompts of ``capacity`` tokens with their responses (both store
+    keys and values in ``dtype``: :func:`autocast_dtype`, else the model's);
+    :func:`position_elements` counts a position."""
     return rows * capacity * position_elements(config) * dtype.itemsize
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype a KV cache stores keys and values in on ``device`` under autocast (None
+    without): autocast's, which attention reads them in. Under bf16 autocast a rotated key
+    comes out of the model in float32 (its rotary cosines are float32; DeepSeek-V3's latent
+    and rotary key, and so its values, too) and attention casts it to bf16: stored cast, the
+    cache holds the bits attention reads (the same tokens and log-probs, bit for bit) at half
+    a float32 key's memory, the static cache and the eager sampler's alike."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 def position_elements(config: PretrainedConfig) -> int:
@@ -109,21 +126,20 @@ def position_elements(config: PretrainedConfig) -> int:
     later layers reuse earlier layers' keys and values and write none.
 
     A model whose forward cannot run on the meta device is counted by its config's KV
-    heads x head dim in every layer (exact for such layers): one that reads a value on the
-    host (dynamic rotary scaling compares the largest position with a cached length, an
-    ``.item()``), and one whose layers need a cache class of their own (Qwen3-Next's and
-    Falcon-H1's linear attention, MiniMax's), which the static cache does not run. Any
-    exception there is taken as that: a model class's forward fails on the meta device in
-    as many ways as it reads values or checks its cache, and the count is wanted either
-    way (the model itself then raises where it runs, with its own message)."""
+    heads x head dim in every layer (exact for such layers), and a warning says so in one
+    line, naming its model type and why: one that reads a value on the host (dynamic rotary
+    scaling compares the largest position with a cached length, an ``.item()``: torch's
+    ``RuntimeError``, as for any op the meta device has no kernel for), and one whose layers
+    need a cache class of their own (Qwen3-Next's and Falcon-H1's linear attention,
+    MiniMax's: Hugging Face's ``ValueError``), which the static cache does not run (the model
+    itself then raises where it runs, with its own message). Only those two kinds of error
+    are taken as that: building the model and the cache is outside, and any other error of
+    the forward (``TypeError``, ``AttributeError``, ...: a bug in the cache's own code)
+    propagates."""
+    model = meta_causal_lm(config, attn_implementation="eager", experts_implementation="batched_mm")
+    cache = StaticCache(config, rows=1, capacity=1, dtype=model.dtype, device=torch.device("meta"))
+    cache.state.prefilling = True
     try:
-        model = meta_causal_lm(
-            config, attn_implementation="eager", experts_implementation="batched_mm"
-        )
-        cache = StaticCache(
-            config, rows=1, capacity=1, dtype=model.dtype, device=torch.device("meta")
-        )
-        cache.state.prefilling = True
         with torch.no_grad():
             model(
                 input_ids=torch.zeros((1, 1), dtype=torch.int64, device="meta"),
@@ -131,8 +147,15 @@ def position_elements(config: PretrainedConfig) -> int:
                 use_cache=True,
                 logits_to_keep=1,
             )
-    except Exception:  # the config's rule (above)
+    except (RuntimeError, ValueError) as exc:  # the config's rule (above)
         layers, kv_heads, head_dim = _cache_dimensions(config)
+        reason = shown(f"{type(exc).__name__}: {' '.join(str(exc).split())}", 200, str)
+        _log.warning(
+            "the KV cache of this %s model is counted by its config (KV heads x head dim in "
+            "every layer): its forward does not run on the meta device with a static cache (%s)",
+            config.model_type,
+            reason,
+        )
         return 2 * layers * kv_heads * head_dim
     return sum(buffer.numel() for buffer in cache.buffers())
 

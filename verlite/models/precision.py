@@ -41,6 +41,13 @@ def param_dtype(precision: str) -> torch.dtype:
     return PARAM_DTYPES[precision]
 
 
+def cache_dtype(precision: str) -> torch.dtype:
+    """The dtype a generation's KV cache stores keys and values in: bf16 under
+    ``bf16-mixed`` (autocast's, which attention reads them in:
+    ``generation.static_cache.autocast_dtype``), else the parameters'."""
+    return torch.bfloat16 if precision == "bf16-mixed" else param_dtype(precision)
+
+
 def score_dtype(precision: str) -> torch.dtype:
     """The dtype of a step's scores, and so of the token rewards, advantages and returns the
     driver computes from them: the parameters' but never below float32 (float64 in an fp64

@@ -35,7 +35,7 @@ from verlite.generation.sampling import mark_prompt_padding
 from verlite.generation.static_cache import cache_bytes
 from verlite.models import hf_config, meta_causal_lm
 from verlite.models.hf import config_of
-from verlite.models.precision import autocast, param_dtype, store_for_generation
+from verlite.models.precision import autocast, cache_dtype, param_dtype, store_for_generation
 
 Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
 
@@ -43,7 +43,8 @@ Generate = Callable[[TensorDict, SamplingParams, Noise | None], TensorDict]
 def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
     """On this process's GPU (cuda:0), for workers that generate on cuda: one generating
     worker's KV cache (its rows x the longest sequence x what the model's layers cache per
-    position, ``static_cache.cache_bytes``, from the config alone) and the policy's weights
+    position, ``static_cache.cache_bytes``, from the config alone, in the dtype every decode
+    path stores it in, ``precision.cache_dtype``) and the policy's weights
     as it generates with them must fit the GPU's memory. A bound from below: activations,
     and a colocated actor's gradients and optimizer state, come on top (a generation that
     does not fit what is free is refused then, before it starts). Checked by the driver
@@ -73,8 +74,7 @@ def check_generation_fits(cfg: Config, tokenizer_size: int) -> None:
         copied = cfg.generation_copied(mode)
         weights = _trained_on_gpu(cfg, trained) + (weights if copied else 0)
     rows = cfg.rows_per_generating_worker
-    kv_dtype = torch.bfloat16 if cfg.precision.startswith("bf16") else param_dtype(cfg.precision)
-    kv = cache_bytes(config, rows, cfg.cache_positions, kv_dtype)
+    kv = cache_bytes(config, rows, cfg.cache_positions, cache_dtype(cfg.precision))
     total = torch.cuda.get_device_properties(0).total_memory
     if kv + weights > total:
         raise ConfigError(

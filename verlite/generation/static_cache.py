@@ -95,8 +95,8 @@ def cache_bytes(config: PretrainedConfig, rows: int, capacity: int, dtype: torch
     """Bytes of a KV cache of ``rows`` x ``capacity`` positions in ``dtype`` for a model of
     ``config``: what the static cache allocates (:class:`StaticCacheLayer`, the heads and
     width of what each layer writes), and what the eager sampler's preallocates for a
-    generation of ``rows`` prompts of ``capacity`` tokens with their responses (both store
-    keys and values in ``dtype``: :func:`autocast_dtype`, else the model's);
+    generation of ``rows`` rows of ``capacity`` positions (prompt width + new tokens): both
+    store keys and values in ``dtype`` (:func:`autocast_dtype`, else the model's);
     :func:`position_elements` counts a position."""
     return rows * capacity * position_elements(config) * dtype.itemsize
 
@@ -134,8 +134,9 @@ def position_elements(config: PretrainedConfig) -> int:
     MiniMax's: Hugging Face's ``ValueError``), which the static cache does not run (the model
     itself then raises where it runs, with its own message). Only those two kinds of error
     are taken as that: building the model and the cache is outside, and any other error of
-    the forward (``TypeError``, ``AttributeError``, ...: a bug in the cache's own code)
-    propagates."""
+    the forward (``TypeError``, ``AttributeError``, ...: what a bug in the cache's own code
+    raises) propagates; a ``RuntimeError`` of the cache's code (a shape it does not hold)
+    is still taken as the model's, and said."""
     model = meta_causal_lm(config, attn_implementation="eager", experts_implementation="batched_mm")
     cache = StaticCache(config, rows=1, capacity=1, dtype=model.dtype, device=torch.device("meta"))
     cache.state.prefilling = True

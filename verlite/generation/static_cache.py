@@ -29,7 +29,7 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from verlite.errors import shown
+from verlite.errors import one_line, shown
 from verlite.models import meta_causal_lm
 
 _log = logging.getLogger(__name__)
@@ -132,11 +132,11 @@ def position_elements(config: PretrainedConfig) -> int:
     ``RuntimeError``, as for any op the meta device has no kernel for), and one whose layers
     need a cache class of their own (Qwen3-Next's and Falcon-H1's linear attention,
     MiniMax's: Hugging Face's ``ValueError``), which the static cache does not run (the model
-    itself then raises where it runs, with its own message). Only those two kinds of error
-    are taken as that: building the model and the cache is outside, and any other error of
-    the forward (``TypeError``, ``AttributeError``, ...: what a bug in the cache's own code
-    raises) propagates; a ``RuntimeError`` of the cache's code (a shape it does not hold)
-    is still taken as the model's, and said."""
+    itself then raises where it runs, with its own message). Any error of the forward is
+    taken as that (a model class fails on the meta device in as many ways as it reads
+    values or checks its cache), and said: the count is wanted either way, and the config's
+    rule counted no fewer bytes than the layers write for every model tried. Building the
+    model and the cache is outside: an error there is raised."""
     model = meta_causal_lm(config, attn_implementation="eager", experts_implementation="batched_mm")
     cache = StaticCache(config, rows=1, capacity=1, dtype=model.dtype, device=torch.device("meta"))
     cache.state.prefilling = True
@@ -148,9 +148,9 @@ def position_elements(config: PretrainedConfig) -> int:
                 use_cache=True,
                 logits_to_keep=1,
             )
-    except (RuntimeError, ValueError) as exc:  # the config's rule (above)
+    except Exception as exc:  # the config's rule (above), said
         layers, kv_heads, head_dim = _cache_dimensions(config)
-        reason = shown(f"{type(exc).__name__}: {' '.join(str(exc).split())}", 200, str)
+        reason = shown(one_line(f"{type(exc).__name__}: {exc}"), 200, str)
         _log.warning(
             "the KV cache of this %s model is counted by its config (KV heads x head dim in "
             "every layer): its forward does not run on the meta device with a static cache (%s)",

@@ -6,10 +6,12 @@ machine (the ``OSError`` itself: neither). Over files the real save code writes.
 from __future__ import annotations
 
 import errno
+import pickle
 from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from verlite.distributed.rng_state import read_rng_states
 from verlite.distributed.sharded_state import (
@@ -103,3 +105,17 @@ def test_an_io_error_reading_a_random_state_is_raised_as_it_is(tmp_path: Path) -
     with pytest.raises(OSError) as info:
         read_rng_states(tmp_path / "rng_rank0.pt")
     assert info.value.errno == errno.EIO
+
+
+@pytest.mark.parametrize("lost", ["length", "relative_path", "state_dict_metadata"])
+def test_an_index_whose_records_lost_a_field_is_damage(tmp_path: Path, lost: str) -> None:
+    """A byte flipped in a field's name unpickles into a record without that field: the check
+    before Ray names the index as damaged instead of failing on the missing attribute."""
+    path = _saved(tmp_path)
+    metadata = FileSystemReader(str(path)).read_metadata()
+    record = (
+        metadata if lost == "state_dict_metadata" else next(iter(metadata.storage_data.values()))
+    )
+    delattr(record, lost)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    assert shard_problems(path) == [".metadata is damaged (its records are not DCP's)"]

@@ -190,14 +190,12 @@ def shard_problems(path: Path) -> list[str]:
     except Exception as exc:  # damaged bytes unpickle into nearly any exception
         return [f"{_METADATA} is cut short or damaged ({type(exc).__name__}: {exc})"]
     entries = metadata.storage_data
-    if not isinstance(entries, dict) or not all(
-        isinstance(entry, _StorageInfo)
-        and isinstance(entry.relative_path, str)
-        and isinstance(entry.offset, int)
-        and isinstance(entry.length, int)
+    # getattr: a byte flipped in a field's name unpickles into a record without that field.
+    if not _has(metadata, state_dict_metadata=dict, storage_data=dict) or not all(
+        isinstance(entry, _StorageInfo) and _has(entry, relative_path=str, offset=int, length=int)
         for entry in entries.values()
     ):
-        return [f"{_METADATA} is damaged (its storage entries are not DCP's)"]
+        return [f"{_METADATA} is damaged (its records are not DCP's)"]
     needed: dict[str, int] = {}
     for entry in entries.values():
         end = entry.offset + entry.length
@@ -209,6 +207,11 @@ def shard_problems(path: Path) -> list[str]:
         elif (size := (path / name).stat().st_size) < end:
             problems.append(f"{name} is cut short ({size} bytes; its index needs {end})")
     return problems
+
+
+def _has(record: object, **kinds: type) -> bool:
+    """Whether ``record`` holds each field named, of its type."""
+    return all(isinstance(getattr(record, name, None), kind) for name, kind in kinds.items())
 
 
 def load_train_state(

@@ -83,6 +83,11 @@ def test_a_random_state_file_is_checked_whole(tmp_path: Path) -> None:
     saved = {"cpu": torch.get_rng_state()}  # as TrainingWorker.save_checkpoint writes it
     torch.save(saved, tmp_path / "rng_rank0.pt")
     assert torch.equal(read_rng_states(tmp_path / "rng_rank0.pt")["cpu"], saved["cpu"])
+    # A GPU rank's file holds its GPU's state too: torch.cuda.get_rng_state's bytes (a CPU
+    # tensor: the seed and the offset), read by the driver without a GPU.
+    gpu = torch.cuda.get_rng_state() if torch.cuda.is_available() else torch.zeros(16).byte()
+    torch.save({**saved, "cuda": gpu}, tmp_path / "rng_rank0.pt")
+    assert torch.equal(read_rng_states(tmp_path / "rng_rank0.pt")["cuda"], gpu)
     for content, named in [
         ({"cpu": saved["cpu"].float()}, r"its 'cpu' is not a CPU random state \(RNG state must"),
         ({"cpu": saved["cpu"][:7]}, r"Expected a CPUGeneratorImplState of size \d+ but found"),

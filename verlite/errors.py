@@ -36,6 +36,12 @@ class DamagedFileError(UserError):
     altered, not what verlite writes. Its message names the file."""
 
 
+class MismatchedFileError(UserError):
+    """A file a run wrote and reads back (a checkpoint's) whose values, whole, are another
+    model's than the config builds (other names or shapes): written under other settings,
+    or damaged so that it reads so. Its message names the file."""
+
+
 class RunFailure(_OneLine, RuntimeError):
     """A run stopped for a reason its message names (a worker died, training diverged):
     the CLI prints it in one line and exits 1; checkpoints written so far stay valid."""

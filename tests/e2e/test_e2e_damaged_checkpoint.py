@@ -6,6 +6,7 @@ the config's) is not called so. One run's checkpoints (steps 1 and 2) are writte
 copied for each case."""
 
 import json
+import pickle
 import re
 import shutil
 import subprocess
@@ -175,3 +176,29 @@ def test_a_checkpoint_of_another_model_than_the_configs_is_not_called_damaged(
     assert f"cannot load {folder}: its values are another model's (RuntimeError: Missing " in err
     assert "resume it with the model, adapter and role settings it was trained with" in err
     assert "damaged" not in err and "Resume from an earlier one" not in err, err
+
+
+def test_a_checkpoint_of_this_configs_model_that_reads_as_anothers_is_damaged(
+    written: Path, tmp_path: Path, verlite_main
+) -> None:
+    """A checkpoint that recorded its whole config, every setting that shapes the model as
+    the resuming run's (start-up compares them), whose index names a value the model lacks
+    (a key's bytes altered: 35 of 400 random single-byte changes of an index read so) is damaged,
+    with the earlier checkpoint to resume: not "another model", whose settings advice would
+    send the user to look for settings that never changed. Mutation: a mismatch taken as
+    another model's whatever the checkpoint recorded -> no hint, this fails."""
+
+    def key_renamed(step: Path) -> None:
+        index = step / "actor" / "train_state" / ".metadata"
+        metadata = pickle.loads(index.read_bytes())  # the run's own file, written above
+        name = next(key for key in metadata.state_dict_metadata if key.startswith("model."))
+        metadata.state_dict_metadata[name + "_"] = metadata.state_dict_metadata.pop(name)
+        index.write_bytes(pickle.dumps(metadata))
+
+    out = _damaged(written, tmp_path, key_renamed, 2)
+    err = _one_line(_train(verlite_main, out))
+    folder = out / "checkpoints" / "step_2" / "actor" / "train_state"
+    assert f"cannot load {folder}: its values are another model's (RuntimeError: Missing " in err
+    assert "it was written under this config's model settings, so its files are damaged" in err
+    step_1 = out / "checkpoints" / "step_1"
+    assert f". Resume from an earlier one with trainer.resume={step_1}, or start afresh " in err

@@ -34,6 +34,7 @@ from verlite.core.rollout_correction import truncated_is_weights
 from verlite.core.step_stats import multi_turn_statistics, sampler_agreement, step_statistics
 from verlite.core.token_rewards import KLController, apply_kl_penalty, place_scores
 from verlite.driver.checkpoint import (
+    CheckpointError,
     DamagedCheckpointError,
     begin_checkpoint,
     checkpoint_step,
@@ -51,7 +52,7 @@ from verlite.driver.output_folder import FolderChange, FolderState, tell_node_wa
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
 from verlite.driver.step_source import GeneratedStep, StepSource
-from verlite.errors import DamagedFileError, RunFailure
+from verlite.errors import DamagedFileError, MismatchedFileError, RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover, response_stop_ids
@@ -475,11 +476,24 @@ class Trainer:
             for group in self.groups.trained:
                 group.call("load_checkpoint", str(path / group.name))
         except WorkerInputError as err:
-            # Damage only a load finds; any other bad input (another model's checkpoint) is
-            # as it says, and resuming an earlier checkpoint would not mend it.
-            if not isinstance(input_error(err.__cause__), DamagedFileError):
-                raise
+            cause = input_error(err.__cause__)
+            if isinstance(cause, MismatchedFileError) and "config" not in state:
+                # The oldest checkpoints record the model settings alone: an adapter's or a
+                # role's that changed builds another model, and an earlier one would not do.
+                raise CheckpointError(
+                    f"{err}: this config builds another model; resume it with the model, "
+                    "adapter and role settings it was trained with"
+                ) from err
+            if not isinstance(cause, DamagedFileError | MismatchedFileError):
+                raise  # any other bad input is as it says
             hint = resume_instead(path, self.cfg.trained_workers)
+            if isinstance(cause, MismatchedFileError):
+                # Start-up found every setting that shapes the model as the checkpoint
+                # recorded it (check_resumable), so its files read as another model's: damage.
+                raise DamagedCheckpointError(
+                    f"{err}; it was written under this config's model settings, so its files "
+                    f"are damaged. {hint}"
+                ) from err
             raise DamagedCheckpointError(f"{err}. {hint}") from err
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.

@@ -15,7 +15,7 @@ from verlite.core.metrics import MetricDict
 from verlite.distributed import backend_for
 from verlite.distributed.rng_state import read_rng_states
 from verlite.distributed.sharded_state import CheckpointLoadError, CheckpointMismatchError
-from verlite.errors import DamagedFileError, UserError
+from verlite.errors import DamagedFileError, MismatchedFileError
 from verlite.models import resolve_device
 from verlite.models.flops import DecoderShape
 from verlite.workers.peak_memory import PeakMemory
@@ -86,8 +86,9 @@ class TrainingWorker(Worker):
         the others' are never read; by more, the ranks past the save's keep their seeded
         state. Sampling seeds come from the step number, so a different count still resumes
         cleanly. Damaged bytes are bad input that names what to resume instead
-        (:class:`DamagedFileError`); a checkpoint of another model than the config's is bad
-        input of the config's; an ``OSError`` reading a file is raised as it is (the disk's,
+        (:class:`DamagedFileError`); values of another model than the config's are
+        :class:`MismatchedFileError` (the driver knows whether its settings or damage is
+        why); an ``OSError`` reading a file is raised as it is (the disk's,
         not the user's input)."""
         folder = Path(path)
         try:
@@ -95,10 +96,7 @@ class TrainingWorker(Worker):
         except CheckpointLoadError as exc:
             raise DamagedFileError(str(exc)) from None
         except CheckpointMismatchError as exc:
-            raise UserError(
-                f"{exc}: this config builds another model; resume it with the model, adapter "
-                "and role settings it was trained with"
-            ) from None
+            raise MismatchedFileError(str(exc)) from None
         rng_file = folder / RNG_FILE.format(rank=self.rank)
         if rng_file.is_file():
             try:

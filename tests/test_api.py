@@ -134,7 +134,10 @@ def test_a_cluster_address_in_a_process_with_ray_open_is_refused(local_ray) -> N
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"trainer.cpus_per_worker": 5}, "the workers ask for 5 CPUs (actor+critic 1x5), the open"),
+        (
+            {"trainer.cpus_per_worker": 5},
+            "the workers ask for 5 CPUs (actor+critic 1x5: trainer.cpus_per_worker=5), the open",
+        ),
         (
             {"trainer.nnodes": 2},
             "trainer.nnodes=2, but the Ray session this process has open has 1",

@@ -83,7 +83,8 @@ BAD_OVERRIDES = [
     (
         ["rollout.placement=split", "rollout.cpus_per_worker=4096"],
         # "this machine has N", or "the open Ray session has 4" when the suite's Ray is up
-        "the workers ask for 4097 CPUs (actor+critic 1x1 + rollout 1x4096), ",
+        "the workers ask for 4097 CPUs (actor+critic 1x1 + rollout 1x4096: "
+        "trainer.cpus_per_worker=1, rollout.cpus_per_worker=4096), ",
     ),
     (
         [
@@ -276,6 +277,17 @@ def test_cuda_workers_without_a_gpu_are_refused_whatever_the_cluster(
     ):
         check_device(cfg)
     check_device(load_config(CONFIG, ["model.device=cuda", "trainer.gpus_per_worker=1"]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here holds the worker's GPU")
+def test_gpu_workers_on_a_machine_without_one_name_the_setting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """trainer.gpus_per_worker=1 (the recipes' cluster setting) on a machine, or in the
+    suite's open Ray, without a GPU: the line names the setting and its value."""
+    err = run(capsys, "train", "--config", CONFIG, "trainer.gpus_per_worker=1")
+    assert "the workers ask for 1 GPU (actor+critic 1x1: trainer.gpus_per_worker=1), " in err
+    assert " has 0; " in err
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:

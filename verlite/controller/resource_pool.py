@@ -373,12 +373,23 @@ def _check_room(cfg: Config, have: dict[str, float], where: str) -> None:
                 if amount
             )
             raise ClusterTooSmall(
-                f"the workers ask for {total:g} {key}{'s' * (total != 1)} ({parts}), "
-                f"{where} has {available:g}; "
+                f"the workers ask for {total:g} {key}{'s' * (total != 1)} ({parts}: "
+                f"{_per_worker_settings(cfg, key)}), {where} has {available:g}; "
                 "lower the workers per node or the CPUs/GPUs per worker "
                 "(trainer., actor., critic., reward.model., rollout.workers_per_node and "
                 "*_per_worker)"
             )
+
+
+def _per_worker_settings(cfg: Config, key: str) -> str:
+    """The settings that size a worker's bundle in ``key`` (CPU, GPU), with their values:
+    the trainer's, and a split rollout's own when set (None takes the trainer's)."""
+    name = f"{key.lower()}s_per_worker"
+    settings = [f"trainer.{name}={getattr(cfg.trainer, name):g}"]
+    rollout = getattr(cfg.rollout, name)
+    if cfg.rollout.placement == "split" and rollout is not None:
+        settings.append(f"rollout.{name}={rollout:g}")
+    return ", ".join(settings)
 
 
 def _workers_per_node(cfg: Config, role: str) -> int:

@@ -92,7 +92,7 @@ OUTPUT_DIR = "outputs/gpu_check"
 # (Ray and the model's set-up, two steps of ~13 s with eager). Not yet measured on a GPU.
 LIMITS = {
     "audit": 90,
-    "main_job": 60,
+    "main_job": 90,
     "update": 120,
     "grpo_7b": 240,
     "rollout": 210,

@@ -148,7 +148,7 @@ _MUST_MATCH = (
 # model's order): the same names in another order are the same setting.
 _UNORDERED = {"actor.lora.target_modules"}
 # Settings added after checkpoints were first written, as those older checkpoints ran them.
-_PREDATED = {"actor.lora.rank": 0, "data.chat_template_kwargs": {}}
+_PREDATED = {"actor.lora.rank": 0, "data.chat_template_kwargs": {}, "model.vocab_size": None}
 _FREE = {
     "model.logits_chunk_tokens",  # how log-probs are computed, not what: a memory setting
     "model.attention_crossover",  # how packed rows are balanced: this machine's measurement

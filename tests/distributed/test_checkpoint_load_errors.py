@@ -124,3 +124,15 @@ def test_an_index_whose_records_lost_a_field_is_damage(tmp_path: Path, lost: str
     delattr(record, lost)
     (path / ".metadata").write_bytes(pickle.dumps(metadata))
     assert shard_problems(path) == [".metadata is damaged (its records are not DCP's)"]
+
+
+def test_an_index_naming_a_value_by_bytes_is_damage(tmp_path: Path) -> None:
+    """One byte (a name's SHORT_BINUNICODE opcode made SHORT_BINBYTES) unpickles a value's name
+    into bytes: the check before Ray names the index as damaged, where the workers' load failed
+    on it with a TypeError (reading which values hold optimizer state)."""
+    path = _saved(tmp_path)
+    raw = (path / ".metadata").read_bytes()
+    name = b"optim.state.0.weight.exp_avg"
+    at = raw.index(b"\x8c" + bytes([len(name)]) + name)
+    (path / ".metadata").write_bytes(raw[:at] + b"C" + raw[at + 1 :])
+    assert shard_problems(path) == [".metadata is damaged (its records are not DCP's)"]

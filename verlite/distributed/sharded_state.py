@@ -191,9 +191,16 @@ def shard_problems(path: Path) -> list[str]:
         return [f"{_METADATA} is cut short or damaged ({type(exc).__name__}: {exc})"]
     entries = metadata.storage_data
     # getattr: a byte flipped in a field's name unpickles into a record without that field.
-    if not _has(metadata, state_dict_metadata=dict, storage_data=dict) or not all(
-        isinstance(entry, _StorageInfo) and _has(entry, relative_path=str, offset=int, length=int)
-        for entry in entries.values()
+    # The values' names are read before DCP reads the index (``_names_with_optimizer_state``):
+    # a byte that makes a name's opcode SHORT_BINBYTES unpickles that name into bytes.
+    if (
+        not _has(metadata, state_dict_metadata=dict, storage_data=dict)
+        or not all(
+            isinstance(entry, _StorageInfo)
+            and _has(entry, relative_path=str, offset=int, length=int)
+            for entry in entries.values()
+        )
+        or not all(isinstance(name, str) for name in metadata.state_dict_metadata)
     ):
         return [f"{_METADATA} is damaged (its records are not DCP's)"]
     needed: dict[str, int] = {}

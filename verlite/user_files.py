@@ -44,6 +44,10 @@ MACHINE_ERRNOS = frozenset(
 )
 
 
+# A path is named whole (Linux's longest): cut, it would not say which file.
+PATH_MAX = 4096
+
+
 def check_readable(exc: OSError, path: str | Path, *, what: str) -> None:
     """Raise :class:`RunFailure` naming ``path`` (``what``: how messages name it) when ``exc``,
     raised reading it, is the machine's (:data:`MACHINE_ERRNOS`), not the user's to fix (an
@@ -51,8 +55,8 @@ def check_readable(exc: OSError, path: str | Path, *, what: str) -> None:
     valid JSON file")."""
     if exc.errno in MACHINE_ERRNOS:
         raise RunFailure(
-            f"reading {what} {shown(str(path))} failed: {exc.strerror or exc} (an I/O error of "
-            "this machine, not the file's content; try again)"
+            f"reading {what} {shown(str(path), PATH_MAX)} failed: {exc.strerror or exc} (an I/O "
+            "error of this machine, not the file's content; try again)"
         ) from exc
 
 

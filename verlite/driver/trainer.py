@@ -488,11 +488,13 @@ class Trainer:
                 raise  # any other bad input is as it says
             hint = resume_instead(path, self.cfg.trained_workers)
             if isinstance(cause, MismatchedFileError):
-                # Start-up found every setting that shapes the model as the checkpoint
-                # recorded it (check_resumable), so its files read as another model's: damage.
+                # Start-up found every setting of the config that shapes the model as the
+                # checkpoint recorded it (check_resumable): damage, unless what no setting
+                # records changed (the packages' versions, model.path's config.json).
                 raise DamagedCheckpointError(
                     f"{err}; it was written under this config's model settings, so its files "
-                    f"are damaged. {hint}"
+                    "are damaged (or verlite, transformers or model.path's config.json changed "
+                    f"since it was written). {hint}"
                 ) from err
             raise DamagedCheckpointError(f"{err}. {hint}") from err
         step = int(state["step"])

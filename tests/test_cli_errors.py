@@ -1213,33 +1213,29 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_ray(
     ), err
 
 
-def test_a_checkpoint_from_before_lora_is_full_training(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+# A record of the whole config from before a setting existed: its absence meant the
+# setting's old behaviour (full training; the built-in model with the tokenizer's rows).
+# Another value is refused before Ray; the shards, read as another model's at the load,
+# would be called damaged (its model settings found unchanged).
+BEFORE_A_SETTING = {
+    "actor.lora": ("actor.lora.rank=4", "actor.lora.rank=0 there, 4 here"),
+    "model.vocab_size": ("model.vocab_size=1000", "model.vocab_size=None there, 1000 here"),
+}
+
+
+@pytest.mark.parametrize("setting", BEFORE_A_SETTING)
+def test_a_checkpoint_from_before_a_setting_existed_had_its_old_behaviour(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, setting: str
 ) -> None:
     from verlite.config import load_config
 
+    override, change = BEFORE_A_SETTING[setting]
     saved = load_config(CONFIG).model_dump(mode="json")
-    del saved["actor"]["lora"]  # written before actor.lora existed
+    section, key = setting.split(".")
+    del saved[section][key]  # written before the setting existed
     fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
-    overrides = [f"trainer.output_dir={tmp_path}", "actor.lora.rank=4"]
-    err = run(capsys, "train", "--config", CONFIG, *overrides)
-    assert re.search(r"cannot resume from .*step_3: actor.lora.rank=0 there, 4 here", err), err
-
-
-def test_a_checkpoint_from_before_model_vocab_size_had_the_tokenizers_rows(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
-) -> None:
-    """A record of the whole config from before model.vocab_size: its built-in model had the
-    tokenizer's rows. Another size is refused before Ray; its shards, read as another model's
-    at the load, would be called damaged (its model settings found unchanged)."""
-    from verlite.config import load_config
-
-    saved = load_config(CONFIG).model_dump(mode="json")
-    del saved["model"]["vocab_size"]  # written before model.vocab_size existed
-    fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
-    overrides = [f"trainer.output_dir={tmp_path}", "model.vocab_size=1000"]
-    err = run(capsys, "train", "--config", CONFIG, *overrides)
-    assert re.search(r"resume from .*step_3: model.vocab_size=None there, 1000 here", err), err
+    err = run(capsys, "train", "--config", CONFIG, f"trainer.output_dir={tmp_path}", override)
+    assert re.search(rf"cannot resume from .*step_3: {re.escape(change)}", err), err
 
 
 def test_a_checkpoint_from_before_a_key_moved_is_compared_under_its_new_name(

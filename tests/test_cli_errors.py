@@ -902,6 +902,17 @@ def test_a_checkpoint_missing_its_shard_index_fails_before_ray(
             '{"step": 3, "kl_coef": 0, "loader": {}, "train_set": [8], "base_weights": 1}',
             r"'base_weights' is not a mapping; 'train_set' is not a mapping of 'records'",
         ),
+        (  # the packages' versions: a mapping of names to text
+            "trainer_state.json",
+            '{"step": 3, "kl_coef": 0, "loader": {}, "versions": {"torch": 2.11}}',
+            r"trainer_state\.json is damaged: 'versions' is not a mapping of package names to "
+            r"versions \(text\)\. No earlier checkpoint",
+        ),
+        (
+            "trainer_state.json",
+            '{"step": 3, "kl_coef": 0, "loader": {}, "versions": ["torch"]}',
+            r"trainer_state\.json is damaged: 'versions' is not a mapping of package names",
+        ),
     ],
 )
 def test_a_damaged_checkpoint_file_is_one_line_before_ray(
@@ -1037,7 +1048,7 @@ def test_a_checkpoint_resumes_on_another_machine_or_validation_set(
     )
     # another device is named: model.precision=auto resolves by it (fp32 or bf16-mixed)
     key = here.partition("=")[0]
-    assert changed == ([f"{key}: 'cpu' -> 'cuda'"] if key == "model.device" else [])
+    assert changed.settings == ([f"{key}: 'cpu' -> 'cuda'"] if key == "model.device" else [])
 
 
 def test_a_lora_checkpoint_resumes_only_with_the_same_adapters(
@@ -1065,7 +1076,7 @@ def test_a_lora_checkpoint_resumes_with_its_target_modules_in_another_order(
 
     step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=lora("[q_proj,v_proj]"))
     common = {"workers": {"actor": 1, "critic": 1}, "total_steps": 4, "train_set": "none recorded"}
-    assert check_resumable(step_3, config=lora("[v_proj,q_proj]"), **common) == []
+    assert check_resumable(step_3, config=lora("[v_proj,q_proj]"), **common).settings == []
     with pytest.raises(CheckpointError, match=r"actor\.lora\.target_modules="):
         check_resumable(step_3, config=lora("[q_proj,k_proj]"), **common)
 
@@ -1176,7 +1187,9 @@ def test_a_checkpoint_recorded_before_template_variables_ran_with_none(tmp_path:
     step_3 = fake_checkpoint(tmp_path, 3, ["actor", "critic"], config=saved)
     common = {"workers": {"actor": 1, "critic": 1}, "total_steps": 4, "train_set": {}}
     assert (
-        check_resumable(step_3, config=load_config(CONFIG, base).model_dump(mode="json"), **common)
+        check_resumable(
+            step_3, config=load_config(CONFIG, base).model_dump(mode="json"), **common
+        ).settings
         == []
     )
     thinking = load_config(CONFIG, [*base, "data.chat_template_kwargs={enable_thinking: false}"])
@@ -1185,7 +1198,8 @@ def test_a_checkpoint_recorded_before_template_variables_ran_with_none(tmp_path:
 
 
 def _resume(tmp_path: Path, saved: list[str], here: list[str]) -> list[str]:
-    """check_resumable of a run with the ``here`` overrides from a checkpoint of ``saved``."""
+    """The settings check_resumable reports of a run with the ``here`` overrides from a
+    checkpoint of ``saved``."""
     from verlite.config import load_config
     from verlite.driver.checkpoint import check_resumable
 
@@ -1195,7 +1209,7 @@ def _resume(tmp_path: Path, saved: list[str], here: list[str]) -> list[str]:
     config = cfg.model_dump(mode="json")  # the checkpoint records no training prompts: any pass
     return check_resumable(
         step_3, config=config, workers=cfg.trained_workers, total_steps=4, train_set={}
-    )
+    ).settings
 
 
 def test_a_checkpoint_of_another_optimizer_is_refused_before_ray(
@@ -1259,7 +1273,7 @@ def test_a_checkpoint_from_before_a_key_moved_is_compared_under_its_new_name(
                 workers=here.trained_workers,
                 total_steps=5,
                 train_set="a fake checkpoint records none",
-            )
+            ).settings
             == changed
         )
 

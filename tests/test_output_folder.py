@@ -27,6 +27,7 @@ from verlite.driver.output_folder import prepare_output_folder as prepare_and_ho
 from verlite.driver.preflight import RunInputs
 from verlite.driver.trainer import Trainer
 from verlite.errors import shown
+from verlite.package_versions import package_versions
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "ppo_tiny.yaml"
 # The training prompts' fingerprint: fake checkpoints record none, so any passes.
@@ -135,6 +136,36 @@ def test_a_resume_may_change_settings_but_not_the_data_it_counts_in(tmp_path: Pa
     assert said.endswith("with changed settings: trainer.total_steps: 6 -> 8")
     assert resume_and_notes(config(out)) == (resume_from, [])  # nothing changed: no line
     assert capsys.readouterr().out == ""  # the run says them once every check passed
+
+
+def test_a_resume_under_other_package_versions_says_so_in_a_line_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A checkpoint records the versions of the packages that shape the numbers: a resume
+    under others names each changed one and that its metrics may differ from an
+    uninterrupted run's, beside the line of its changed settings; it is no refusal. A
+    checkpoint from before they were recorded resumes saying nothing of them. Mutations: no
+    versions returned by check_resumable -> no line; the versions read as
+    ``state["versions"]`` -> the older checkpoint fails."""
+    out = tmp_path / "run"
+    earlier_run(out, checkpoint_step=3)
+    resume_from = out / "checkpoints" / "step_3"
+    assert resume_and_notes(config(out)) == (resume_from, [])  # recorded none: nothing said
+    here = package_versions(lora=False)
+    assert {"verlite", "torch", "transformers"} <= here.keys()
+    state_file = resume_from / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**state, "versions": here}))
+    assert resume_and_notes(config(out)) == (resume_from, [])  # the same versions
+    older = {**here, "torch": "2.11.0", "transformers": "5.24.0"}
+    state_file.write_text(json.dumps({**state, "versions": older}))
+    _, notes = resume_and_notes(config(out, "actor.optim.lr=0.0005"))
+    assert notes == [
+        f"resuming {resume_from} with changed settings: actor.optim.lr: 0.001 -> 0.0005",
+        f"resuming {resume_from} under other package versions than it was written with: "
+        f"torch 2.11.0 -> {here['torch']}, transformers 5.24.0 -> {here['transformers']}; its "
+        "metrics may then differ from an uninterrupted run's",
+    ]
 
 
 def test_a_resume_refused_under_the_hold_says_nothing_of_the_resume(

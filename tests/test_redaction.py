@@ -680,7 +680,7 @@ def test_a_secret_in_the_config_is_no_change_to_a_resumed_run(tmp_path: Path) ->
     changed = check_resumable(
         checkpoint, config=config, workers={"actor": 1}, total_steps=2, train_set=prompts
     )
-    assert changed == []
+    assert changed.settings == []
 
 
 def test_masking_twice_is_masking_once() -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib.metadata
 import os
 import shlex
 import signal
@@ -26,6 +25,7 @@ from verlite import export, invariance_command, measure_packing, report, train_c
 from verlite.errors import RunFailure, UserError, shown
 from verlite.jobs import commands as job_commands
 from verlite.jobs.entrypoint import UTF8_OUTPUT_ENV, run_with_utf8_output
+from verlite.package_versions import installed_version
 from verlite.records import compare
 from verlite.redaction import redact_text, redacted_output
 
@@ -224,10 +224,7 @@ def build_parser() -> _OneLineParser:
 def _version() -> str:
     """verlite's version as installed; a source folder on the path (an offline GPU machine's
     ``PYTHONPATH``) has no installed version."""
-    try:
-        return importlib.metadata.version("verlite")
-    except importlib.metadata.PackageNotFoundError:
-        return "(not installed: run from its source folder)"
+    return installed_version("verlite") or "(not installed: run from its source folder)"
 
 
 def _parse(parser: _OneLineParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -18,6 +18,7 @@ import pytest
 from verlite.config import load_config
 from verlite.driver.checkpoint import DamagedCheckpointError, check_resumable
 from verlite.driver.preflight import RunInputs
+from verlite.package_versions import package_versions
 
 # A whole run and runs started over its copies (one starts Ray): make test-cluster, which CI runs.
 pytestmark = pytest.mark.cluster
@@ -178,15 +179,23 @@ def test_a_checkpoint_of_another_model_than_the_configs_is_not_called_damaged(
     assert "damaged" not in err and "Resume from an earlier one" not in err, err
 
 
+@pytest.mark.parametrize("versions", ["as written", "another transformers"])
 def test_a_checkpoint_of_this_configs_model_that_reads_as_anothers_is_damaged(
-    written: Path, tmp_path: Path, verlite_main
+    written: Path, tmp_path: Path, verlite_main, versions: str
 ) -> None:
     """A checkpoint that recorded its whole config, every setting that shapes the model as
-    the resuming run's (start-up compares them), whose index names a value the model lacks
-    (a key's bytes altered: 35 of 400 random single-byte changes of an index read so) is damaged,
-    with the earlier checkpoint to resume: not "another model", whose settings advice would
-    send the user to look for settings that never changed. Mutation: a mismatch taken as
-    another model's whatever the checkpoint recorded -> no hint, this fails."""
+    the resuming run's (start-up compares them), and the packages' versions as this process
+    has them, whose index names a value the model lacks (a key's bytes altered: 35 of 400
+    random single-byte changes of an index read so) is damaged, with the earlier checkpoint to
+    resume: not "another model", whose settings advice would send the user to look for
+    settings that never changed. Under another transformers than it recorded, that version is
+    named instead: its model classes may name their values otherwise. Mutations: a mismatch
+    taken as another model's whatever the checkpoint recorded -> no hint, this fails; no
+    versions written -> the first assertion fails; the versions not compared at the load ->
+    the damage line under another transformers, this fails."""
+    here = package_versions(lora=False)
+    step_2 = written / "checkpoints" / "step_2"
+    assert json.loads((step_2 / "trainer_state.json").read_text())["versions"] == here
 
     def key_renamed(step: Path) -> None:
         index = step / "actor" / "train_state" / ".metadata"
@@ -194,14 +203,28 @@ def test_a_checkpoint_of_this_configs_model_that_reads_as_anothers_is_damaged(
         name = next(key for key in metadata.state_dict_metadata if key.startswith("model."))
         metadata.state_dict_metadata[name + "_"] = metadata.state_dict_metadata.pop(name)
         index.write_bytes(pickle.dumps(metadata))
+        if versions == "another transformers":
+            state = json.loads((step / "trainer_state.json").read_text())
+            state["versions"]["transformers"] = "5.24.0"
+            (step / "trainer_state.json").write_text(json.dumps(state))
 
     out = _damaged(written, tmp_path, key_renamed, 2)
-    err = _one_line(_train(verlite_main, out))
+    done = _train(verlite_main, out)
+    err = _one_line(done)
     folder = out / "checkpoints" / "step_2" / "actor" / "train_state"
     assert f"cannot load {folder}: its values are another model's (RuntimeError: Missing " in err
+    if versions == "another transformers":
+        assert (
+            f"; it was written under other package versions (transformers 5.24.0 -> "
+            f"{here['transformers']}): resume it under the versions it was written with"
+        ) in err
+        assert "damaged" not in err and "Resume from an earlier one" not in err, err
+        # said at start-up too, before the load
+        assert "under other package versions than it was written with: transformers" in done.stdout
+        return
     assert (
-        "it was written under this config's model settings, so its files are damaged (or "
-        "verlite, transformers or model.path's config.json changed since it was written). "
+        "it was written under this config's model settings and these package versions, so its "
+        "files are damaged. "
     ) in err
     step_1 = out / "checkpoints" / "step_1"
     assert f". Resume from an earlier one with trainer.resume={step_1}, or start afresh " in err

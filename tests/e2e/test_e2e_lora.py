@@ -17,6 +17,7 @@ from verlite.distributed.sharded_state import _SafeReader
 from verlite.driver.preflight import RunInputs
 from verlite.driver.run import run
 from verlite.models import build_policy
+from verlite.package_versions import package_versions
 
 OVERRIDES = (
     "model.precision=fp64",
@@ -68,6 +69,15 @@ def test_the_checkpoint_holds_the_adapters_and_their_optimizer_state_only(lora_r
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
     assert all(".lora_" in k for k in keys if k.startswith("optim.state."))
+
+
+def test_the_checkpoint_records_the_version_of_peft_too(lora_run) -> None:
+    """The adapters' numbers are peft's. Mutation: write_checkpoint's versions without peft
+    whatever actor.lora -> fails."""
+    _, out, _ = lora_run
+    state = json.loads((out / "checkpoints/step_2/trainer_state.json").read_text())
+    assert state["versions"] == package_versions(lora=True)
+    assert "peft" in state["versions"]
 
 
 def test_the_export_loads_with_peft_and_merges_to_the_same_logits(lora_run, verlite_main) -> None:

@@ -6,8 +6,10 @@
                            LR schedule, the streak of skipped updates (``engine_state.json``),
                            and one RNG file per rank
     trainer_state.json     the driver's state: step, data position, KL coefficient, the
-                           settings the weights were built with, and the identity of the
-                           base model's weight files (``model.path``; ``base_weights``)
+                           settings the weights were built with, the identity of the
+                           base model's weight files (``model.path``; ``base_weights``),
+                           and the versions of the packages that shape the numbers
+                           (``versions``: ``verlite.package_versions``)
     generated_ahead.pt     with rollout.max_staleness >= 1: the batches generated ahead by
                            older weights, those whose generation completed
                            (``StepSource.save_ahead``)
@@ -41,6 +43,7 @@ from verlite.checkpoint_files import (
 from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_hint
 from verlite.config.inert import without_effect
 from verlite.errors import UserError, shown
+from verlite.package_versions import version_changes
 from verlite.redaction import redact_config
 from verlite.user_files import check_readable, parse_json, read_text
 
@@ -170,6 +173,16 @@ def _same(key: str, there: Any, here: Any) -> bool:
     return bool(there == here)
 
 
+class ResumeChanges(NamedTuple):
+    """What resuming a checkpoint changes that it may: settings (``"actor.optim.lr: 0.001 ->
+    0.0005"``), and the versions of the packages that shape the numbers
+    (``"torch 2.11.0 -> 2.13.0"``: the resumed run's metrics may then differ from an
+    uninterrupted run's)."""
+
+    settings: list[str]
+    versions: list[str]
+
+
 def check_resumable(
     path: Path,
     *,
@@ -177,7 +190,7 @@ def check_resumable(
     workers: Mapping[str, int],
     total_steps: int,
     train_set: Mapping[str, Any],
-) -> list[str]:
+) -> ResumeChanges:
     """Before any worker starts: the checkpoint holds complete weights for every role
     (``workers``: each trained role's workers, ``Config.trained_workers``) and files that
     show no damage (:func:`damage`), a step the run has not passed, and was written under
@@ -185,8 +198,8 @@ def check_resumable(
     reference policy and a LoRA policy's base are loaded from there, not from the
     checkpoint), and over the training prompts whose ``PromptDataset.fingerprint`` is
     ``train_set`` (its data position counts in their order; checkpoints from before this was
-    recorded pass). Returns the settings that changed but may ("actor.optim.lr: 0.001 ->
-    0.0005")."""
+    recorded pass). Returns the settings that changed but may, and the packages' versions
+    that changed since it was written, where it recorded them (:class:`ResumeChanges`)."""
     try:
         state = read_trainer_state(path)
     except CheckpointError as err:
@@ -242,11 +255,48 @@ def check_resumable(
             "would continue another order; restore data.train_file, or use "
             "trainer.resume=disable or another trainer.output_dir for a new run"
         )
-    return [
-        f"{key}: {change.there!r} -> {change.here!r}"
-        for key, change in changes.items()
-        if key not in _FREE
-    ]
+    return ResumeChanges(
+        settings=[
+            f"{key}: {change.there!r} -> {change.here!r}"
+            for key, change in changes.items()
+            if key not in _FREE
+        ],
+        versions=version_changes(state.get("versions", {})),
+    )
+
+
+def mismatch_error(
+    message: str,
+    path: Path,
+    state: Mapping[str, Any],
+    *,
+    model_path: str | None,
+    workers: Mapping[str, int],
+) -> CheckpointError:
+    """The error that stops a resume whose workers' load (``message``) read the checkpoint at
+    ``path``, of trainer ``state`` recording its whole config, as another model's
+    (``MismatchedFileError``), though start-up found every setting that shapes the model as it
+    recorded them: the packages' versions it was written under, where they changed since;
+    else damage (:func:`resume_instead`), or what no record of it covers: ``model.path``'s
+    ``config.json`` where the model is read from there, and verlite's and transformers'
+    versions where it recorded none (checkpoints from before they were)."""
+    if changed := version_changes(state.get("versions", {})):
+        return CheckpointError(
+            f"{message}; it was written under other package versions ({', '.join(changed)}): "
+            "resume it under the versions it was written with"
+        )
+    recorded = "versions" in state
+    unrecorded = [] if recorded else ["verlite", "transformers"]
+    if model_path is not None:
+        unrecorded.append("model.path's config.json")
+    other_causes = (
+        f" (or {' or '.join(unrecorded)} changed since it was written)" if unrecorded else ""
+    )
+    return DamagedCheckpointError(
+        f"{message}; it was written under this config's model settings"
+        f"{' and these package versions' if recorded else ''}, so its files are damaged"
+        f"{other_causes}. {resume_instead(path, workers)}"
+    )
 
 
 def damage(path: Path, workers: Mapping[str, int]) -> list[str]:
@@ -513,6 +563,7 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
     step, kl_coef = state.get("step"), state.get("kl_coef")
     # What a resume reads, each when the checkpoint has it (older ones lack some).
     mappings: list[str] = [key for key in ("config", "model") if key in state]
+    versions = state.get("versions", {})
     if state.get("base_weights") is not None:  # None: the built-in model's run
         mappings.append("base_weights")
     train_set = state.get("train_set")
@@ -528,6 +579,13 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
                 isinstance(train_set, dict)
                 and _is_count(train_set.get("records"))
                 and isinstance(train_set.get("sha256"), str)
+            )
+            else []
+        ),
+        *(
+            ["'versions' is not a mapping of package names to versions (text)"]
+            if not (
+                isinstance(versions, dict) and all(isinstance(v, str) for v in versions.values())
             )
             else []
         ),

@@ -247,8 +247,9 @@ def _not_empty(out: Path, output_dir: str, resume: str) -> ConfigError:
 def _check_resume_point(
     cfg: Config, out: Path, plan: NewRun, train_set: Mapping[str, Any]
 ) -> list[str]:
-    """Refuse a checkpoint the config cannot resume (``check_resumable``); the line that says
-    what resuming it changes, or that it resumes to export alone (none where neither)."""
+    """Refuse a checkpoint the config cannot resume (``check_resumable``); the lines that say
+    what resuming it changes (its settings, the packages' versions), or that it resumes to
+    export alone (none where neither)."""
     assert plan.resume_from is not None
     changed = check_resumable(
         plan.resume_from,
@@ -264,9 +265,18 @@ def _check_resume_point(
             f"{cfg.trainer.total_steps} but its policy export ({POLICY_FOLDER}) is {state} in "
             f"{shown(str(out))}: resuming to export it"
         ]
-    if changed:
-        return [f"resuming {plan.resume_from} with changed settings: {'; '.join(changed)}"]
-    return []
+    notes = []
+    if changed.settings:
+        notes.append(
+            f"resuming {plan.resume_from} with changed settings: {'; '.join(changed.settings)}"
+        )
+    if changed.versions:
+        notes.append(
+            f"resuming {plan.resume_from} under other package versions than it was written "
+            f"with: {', '.join(changed.versions)}; its metrics may then differ from an "
+            "uninterrupted run's"
+        )
+    return notes
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from verlite.driver.checkpoint import (
     checkpoint_step,
     clear_folder,
     commit_checkpoint,
+    mismatch_error,
     placed_path,
     read_trainer_state,
     resolved_resume,
@@ -58,6 +59,7 @@ from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
 from verlite.models import attention_crossover, response_stop_ids
 from verlite.models.flops import DecoderShape, bf16_peak_flops
 from verlite.models.lora import BASE_FOLDER
+from verlite.package_versions import package_versions
 from verlite.policy_folder import (
     INCOMPLETE_MARK,
     MERGED_FOLDER,
@@ -438,6 +440,8 @@ class Trainer:
             "config": run_record(self.cfg),
             # What a resume checks model.path's weights against (None: the built-in model).
             "base_weights": self.base_weights,
+            # What a resume compares its own with: other versions may compute other numbers.
+            "versions": package_versions(lora=self.cfg.actor.lora.rank > 0),
         }
         seal_checkpoint(tmp, state)
         return tmp
@@ -486,17 +490,19 @@ class Trainer:
                 ) from err
             if not isinstance(cause, DamagedFileError | MismatchedFileError):
                 raise  # any other bad input is as it says
-            hint = resume_instead(path, self.cfg.trained_workers)
             if isinstance(cause, MismatchedFileError):
                 # Start-up found every setting of the config that shapes the model as the
-                # checkpoint recorded it (check_resumable): damage, unless what no setting
-                # records changed (the packages' versions, model.path's config.json).
-                raise DamagedCheckpointError(
-                    f"{err}; it was written under this config's model settings, so its files "
-                    "are damaged (or verlite, transformers or model.path's config.json changed "
-                    f"since it was written). {hint}"
+                # checkpoint recorded it (check_resumable).
+                raise mismatch_error(
+                    str(err),
+                    path,
+                    state,
+                    model_path=self.cfg.model.path,
+                    workers=self.cfg.trained_workers,
                 ) from err
-            raise DamagedCheckpointError(f"{err}. {hint}") from err
+            raise DamagedCheckpointError(
+                f"{err}. {resume_instead(path, self.cfg.trained_workers)}"
+            ) from err
         step = int(state["step"])
         # Older checkpoints do not record it; their weights are of their step all the same.
         version = int(state.get("weight_version", step))

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from checkpoint_support import fake_checkpoint
 
+import verlite
 from verlite.driver.checkpoint import (
     CheckpointError,
     DamagedCheckpointError,
     mismatch_error,
     read_trainer_state,
 )
-from verlite.package_versions import package_versions, version_changes
+from verlite.package_versions import package_versions, unversioned, version_changes
 
 LOAD = "cannot load .../actor/train_state: its values are another model's (RuntimeError: ...)"
 WORKERS = {"actor": 1}
@@ -35,9 +36,23 @@ def test_a_version_change_is_named_package_by_package() -> None:
     here = package_versions(lora=False)
     assert version_changes(here) == []
     assert version_changes({}) == []  # a checkpoint that recorded none
+    # one not installed here (verlite run from its source folder) has no version to compare
     assert version_changes({**here, "torch": "2.11.0", "verlite-no-such-package": "1.0"}) == [
-        f"torch 2.11.0 -> {here['torch']}",
-        "verlite-no-such-package 1.0 -> (not installed)",
+        f"torch 2.11.0 -> {here['torch']}"
+    ]
+
+
+def test_a_version_tells_code_apart_where_recorded_installed_and_not_a_source_folder() -> None:
+    """Mutation: a source folder's version taken as telling its code apart -> fails."""
+    if not (Path(verlite.__file__).parents[1] / "pyproject.toml").is_file():
+        pytest.skip("verlite installed from a wheel: no source folder's install to check")
+    here = package_versions(lora=False)
+    # torch is installed from a wheel; verlite here from its source folder (make setup's
+    # `pip install -e`, or the folder on the path): its version names no commit
+    assert unversioned(here, ("torch", "transformers", "verlite")) == ["verlite"]
+    assert unversioned({}, ("torch",)) == ["torch"]  # a checkpoint that recorded none
+    assert unversioned({"verlite-no-such-package": "1.0"}, ("verlite-no-such-package",)) == [
+        "verlite-no-such-package"
     ]
 
 
@@ -54,24 +69,40 @@ def _mismatch(tmp_path: Path, model_path: str | None, **saved: object) -> Checkp
     )
 
 
-def test_a_load_of_another_models_values_under_other_versions_names_them(tmp_path: Path) -> None:
-    """Not damage: the files may be whole, written by another transformers' model classes.
-    Mutation: the versions not compared -> the damage line, this fails."""
-    older = {**package_versions(lora=False), "transformers": "5.24.0"}
+@pytest.mark.parametrize("package", ["transformers", "verlite"])
+def test_a_load_of_another_models_values_under_other_versions_names_them(
+    tmp_path: Path, package: str
+) -> None:
+    """Not damage alone: the files may be whole, written by another transformers' model
+    classes (or verlite's). Mutation: the versions not compared -> the damage line, this
+    fails."""
+    older = {**package_versions(lora=False), package: "0.0.1"}
     err = _mismatch(tmp_path, "base", versions=older)
     assert not isinstance(err, DamagedCheckpointError)
-    assert str(err) == (
-        f"{LOAD}; it was written under other package versions (transformers 5.24.0 -> "
-        f"{importlib.metadata.version('transformers')}): resume it under the versions it was "
-        "written with"
-    )
+    assert str(err).startswith(
+        f"{LOAD}; it was written under other package versions ({package} 0.0.1 -> "
+        f"{importlib.metadata.version(package)}), whose model classes may name its values "
+        "otherwise: resume it under those versions; if it reads so there too, its files are "
+        "damaged. No earlier checkpoint"
+    ), err
+
+
+def test_a_load_of_another_models_values_under_another_torch_is_damage(tmp_path: Path) -> None:
+    """torch and tokenizers name no model's values: their change is said at start-up, not
+    here. Mutation: every package compared at the load -> this fails."""
+    older = {**package_versions(lora=False), "torch": "2.0.0", "tokenizers": "0.1.0"}
+    assert isinstance(_mismatch(tmp_path, None, versions=older), DamagedCheckpointError)
 
 
 @pytest.mark.parametrize(
     ("model_path", "saved", "cause"),
     [
-        ("base", {"versions": package_versions(lora=False)}, " (or model.path's config.json"),
-        (None, {"versions": package_versions(lora=False)}, ". No earlier"),
+        (
+            "base",
+            {"versions": package_versions(lora=False)},
+            " (or verlite or model.path's config.json changed since",
+        ),
+        (None, {"versions": package_versions(lora=False)}, " (or verlite changed since it"),
         ("base", {}, " (or verlite or transformers or model.path's config.json changed since"),
         (None, {}, " (or verlite or transformers changed since it was written). No earlier"),
     ],
@@ -81,9 +112,12 @@ def test_a_load_of_another_models_values_under_the_same_versions_is_damage(
     tmp_path: Path, model_path: str | None, saved: dict[str, object], cause: str
 ) -> None:
     """The same versions are no cause: the line names what no record of the checkpoint
-    covers beside damage (model.path's config.json where the model is read from there; the
-    versions where it recorded none). Mutation: the versions named as a cause whatever the
-    checkpoint recorded -> the recorded cases fail."""
+    covers beside damage (model.path's config.json where the model is read from there;
+    transformers where it recorded no versions; verlite, here a source folder's, whose version
+    names no commit). Mutation: the versions named as a cause whatever the checkpoint
+    recorded -> the recorded cases fail."""
+    if not (Path(verlite.__file__).parents[1] / "pyproject.toml").is_file():
+        pytest.skip("verlite installed from a wheel: its version tells its code apart")
     err = _mismatch(tmp_path, model_path, **saved)
     assert isinstance(err, DamagedCheckpointError)
     recorded = " and these package versions" if saved else ""

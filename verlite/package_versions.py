@@ -1,21 +1,26 @@
 """The versions of the installed packages that shape a run's numbers, as a checkpoint records
 them (``trainer_state.json``'s ``versions``): a resume under other versions is told that its
 metrics may differ from an uninterrupted run's, and a load that reads a checkpoint as another
-model's names the version that changed rather than calling its files damaged.
+model's names a version that changed rather than calling its files damaged.
 
 Those packages: verlite (its own math), torch (the kernels), transformers (the models) and
 tokenizers (the token ids), and peft where the policy has LoRA adapters. Each as installed,
 by its metadata, as ``verlite --version`` reads verlite's: an editable install's is
-pyproject.toml's whatever its commit, and a package not installed (verlite run from its source
-folder on the path) is not recorded.
+pyproject.toml's whatever its commit (so a load's mismatch still names verlite as a possible
+cause: ``unversioned``), and a package not installed (verlite run from its source folder on
+the path) is neither recorded nor compared.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 from collections.abc import Mapping
+from pathlib import Path
 
 NUMERIC_PACKAGES = ("verlite", "torch", "transformers", "tokenizers")
+# Those whose change may name or shape a model's values otherwise (its classes, its adapters).
+MODEL_PACKAGES = ("verlite", "transformers", "peft")
 
 
 def installed_version(package: str) -> str | None:
@@ -35,11 +40,30 @@ def package_versions(*, lora: bool) -> dict[str, str]:
 
 def version_changes(recorded: Mapping[str, str]) -> list[str]:
     """Each package of ``recorded`` (:func:`package_versions` of the process that wrote a
-    checkpoint) installed here at another version, or not at all, in its order:
-    ``torch 2.11.0 -> 2.13.0``."""
+    checkpoint) installed here at another version, in its order: ``torch 2.11.0 -> 2.13.0``.
+    One not installed here (verlite run from its source folder) has no version to compare."""
     here = {name: installed_version(name) for name in recorded}
     return [
-        f"{name} {there} -> {here[name] or '(not installed)'}"
+        f"{name} {there} -> {here[name]}"
         for name, there in recorded.items()
-        if here[name] != there
+        if here[name] is not None and here[name] != there
     ]
+
+
+def unversioned(recorded: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` whose version does not tell their code here from the code that
+    wrote ``recorded``: not recorded there, not installed here, or imported from a source
+    folder (an editable install, or the folder on the path: its version is pyproject.toml's,
+    whatever the commit)."""
+    return [
+        name
+        for name in names
+        if name not in recorded or installed_version(name) is None or _from_source(name)
+    ]
+
+
+def _from_source(package: str) -> bool:
+    """Whether ``package`` is imported from outside the interpreter's installed packages."""
+    spec = importlib.util.find_spec(package)
+    origin = None if spec is None else spec.origin
+    return origin is None or not {"site-packages", "dist-packages"} & set(Path(origin).parts)

@@ -43,7 +43,7 @@ from verlite.checkpoint_files import (
 from verlite.config import MOVED_KEYS, flatten, recorded_config, relative_path_hint
 from verlite.config.inert import without_effect
 from verlite.errors import UserError, shown
-from verlite.package_versions import version_changes
+from verlite.package_versions import MODEL_PACKAGES, unversioned, version_changes
 from verlite.redaction import redact_config
 from verlite.user_files import check_readable, parse_json, read_text
 
@@ -276,26 +276,28 @@ def mismatch_error(
     """The error that stops a resume whose workers' load (``message``) read the checkpoint at
     ``path``, of trainer ``state`` recording its whole config, as another model's
     (``MismatchedFileError``), though start-up found every setting that shapes the model as it
-    recorded them: the packages' versions it was written under, where they changed since;
-    else damage (:func:`resume_instead`), or what no record of it covers: ``model.path``'s
-    ``config.json`` where the model is read from there, and verlite's and transformers'
-    versions where it recorded none (checkpoints from before they were)."""
-    if changed := version_changes(state.get("versions", {})):
+    recorded them. Where a package that may name or shape a model's values otherwise
+    (``MODEL_PACKAGES``) is at another version than it recorded: that, the files possibly
+    whole. Else damage (:func:`resume_instead`), beside what no record of it covers:
+    ``model.path``'s ``config.json`` where the model is read from there, and verlite or
+    transformers where their versions do not tell their code apart (``unversioned``)."""
+    recorded = state.get("versions", {})
+    hint = resume_instead(path, workers)
+    changed = version_changes({k: v for k, v in recorded.items() if k in MODEL_PACKAGES})
+    if changed:
         return CheckpointError(
-            f"{message}; it was written under other package versions ({', '.join(changed)}): "
-            "resume it under the versions it was written with"
+            f"{message}; it was written under other package versions ({', '.join(changed)}), "
+            "whose model classes may name its values otherwise: resume it under those "
+            f"versions; if it reads so there too, its files are damaged. {hint}"
         )
-    recorded = "versions" in state
-    unrecorded = [] if recorded else ["verlite", "transformers"]
+    unseen = unversioned(recorded, ("verlite", "transformers"))
     if model_path is not None:
-        unrecorded.append("model.path's config.json")
-    other_causes = (
-        f" (or {' or '.join(unrecorded)} changed since it was written)" if unrecorded else ""
-    )
+        unseen.append("model.path's config.json")
+    other_causes = f" (or {' or '.join(unseen)} changed since it was written)" if unseen else ""
     return DamagedCheckpointError(
         f"{message}; it was written under this config's model settings"
         f"{' and these package versions' if recorded else ''}, so its files are damaged"
-        f"{other_causes}. {resume_instead(path, workers)}"
+        f"{other_causes}. {hint}"
     )
 
 

@@ -26,12 +26,14 @@ from verlite.controller import (
     Worker,
     WorkerGroup,
     WorkerGroupError,
+    other_versions,
     write_placement_report,
 )
 from verlite.controller.failures import is_lost
 from verlite.controller.session import WORKER_ENV
 from verlite.core.metrics import Metric, MetricDict
 from verlite.distributed import all_reduce_sum, get_rank, get_world_size
+from verlite.package_versions import package_versions
 
 # Ray workers cannot import this module (pytest puts tests/controller on the driver's
 # sys.path only), so the test workers travel by value.
@@ -335,3 +337,30 @@ def test_placement_report(pair: WorkerGroup, tmp_path: Path) -> None:
     records = json.loads((tmp_path / "workers.json").read_text())
     assert records == pair.placement()
     assert {"role", "rank", "node_id", "node_ip", "pid", "resources"} <= set(records[0])
+    # each worker's own packages, here the driver's: no line says otherwise. Mutation: the
+    # workers' versions not reported -> this fails
+    assert [r["versions"] for r in records] == [package_versions(lora=True)] * 2
+    assert other_versions(records) is None
+
+
+def test_workers_of_other_package_versions_than_the_drivers_are_named_by_node() -> None:
+    """Mutation: no version compared -> None, this fails."""
+    here = package_versions(lora=True)
+    older = {**here, "torch": "2.0.0"}
+
+    def worker(role: str, rank: int, node: str, versions: dict[str, str]) -> dict[str, Any]:
+        return {"role": role, "rank": rank, "node_ip": node, "versions": versions}
+
+    records = [
+        worker("actor", 0, "10.0.0.1", here),
+        worker("actor", 1, "10.0.0.2", older),
+        worker("critic", 1, "10.0.0.2", older),
+        worker("critic", 2, "10.0.0.3", {**older, "transformers": "4.0.0"}),
+    ]
+    assert other_versions(records) == (
+        "workers run other package versions than the driver (the worker's -> the driver's): "
+        f"actor 1, critic 1 on 10.0.0.2: torch 2.0.0 -> {here['torch']}; critic 2 on 10.0.0.3: "
+        f"torch 2.0.0 -> {here['torch']}, transformers 4.0.0 -> {here['transformers']}; they may "
+        "compute other numbers than the driver's packages would, and a checkpoint records the "
+        "driver's"
+    )

@@ -3,7 +3,7 @@ worker groups, explicit dispatch/collect, failures, and the placement report."""
 
 from verlite.controller.dispatch import Collect, Dispatch, DpSplit
 from verlite.controller.failures import WorkerGroupError
-from verlite.controller.placement import PLACEMENT_FILES, write_placement_report
+from verlite.controller.placement import PLACEMENT_FILES, other_versions, write_placement_report
 from verlite.controller.resource_pool import (
     ClusterTooSmall,
     PlacementError,
@@ -43,6 +43,7 @@ __all__ = [
     "check_fits_session",
     "completed",
     "lost_embedded_node",
+    "other_versions",
     "ray_session",
     "resources_asked",
     "run_pools",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from verlite.controller.worker_group import WorkerGroup
+from verlite.package_versions import version_changes
 
 # The placement report (workers.json): the file a run writes first in its output folder, as
 # it is being written and once whole.
@@ -52,4 +54,27 @@ def write_placement_report(groups: Sequence[WorkerGroup], out_dir: str | Path) -
         f"placed {_count(len(records), 'worker')} in {_count(bundles, 'bundle')} "
         f"on {_count(len(nodes), 'node')}: "
         f"{roles}{_layout(groups)}"
+    )
+
+
+def other_versions(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """One line naming the workers of placement ``records`` (``WorkerGroup.placement``) whose
+    packages that shape the numbers are at other versions than the driver's, by node, or
+    None: ranks of other versions may compute other numbers, and a checkpoint records the
+    driver's versions (``package_versions``)."""
+    by_node: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for record in records:
+        if changes := version_changes(record["versions"]):
+            key = (record["node_ip"], tuple(changes))
+            by_node.setdefault(key, []).append(f"{record['role']} {record['rank']}")
+    if not by_node:
+        return None
+    found = "; ".join(
+        f"{', '.join(workers)} on {node}: {', '.join(changes)}"
+        for (node, changes), workers in by_node.items()
+    )
+    return (
+        f"workers run other package versions than the driver (the worker's -> the driver's): "
+        f"{found}; they may compute other numbers than the driver's packages would, and a "
+        "checkpoint records the driver's"
     )

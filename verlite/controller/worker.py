@@ -25,6 +25,7 @@ from verlite.distributed import (
     init_process_group,
 )
 from verlite.memory import retain_freed_memory
+from verlite.package_versions import package_versions
 from verlite.redaction import redact_exception, redact_process_output
 
 
@@ -97,13 +98,15 @@ class Worker:
         self.world_size = world_size
 
     def node_info(self) -> dict[str, Any]:
-        """Where this worker runs: node id and IP, process id, and the GPUs Ray gave it."""
+        """Where this worker runs: node id and IP, process id, the GPUs Ray gave it, and the
+        versions of its packages that shape the numbers (peft's where installed)."""
         context = ray.get_runtime_context()
         return {
             "node_id": context.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
+            "versions": package_versions(lora=True),
         }
 
     def master_address(self) -> tuple[str, int]:

@@ -236,7 +236,8 @@ class WorkerGroup:
         return PendingCall(self, method, refs, collect, plan.restore)
 
     def placement(self) -> list[dict[str, Any]]:
-        """Where every rank runs: role, rank, pool, node, process, GPUs and resources."""
+        """Where every rank runs: role, rank, pool, node, process, GPUs and resources, and the
+        versions of its packages that shape the numbers."""
         return [
             {
                 "role": self.name,
@@ -247,6 +248,7 @@ class WorkerGroup:
                 "pid": info["pid"],
                 "gpu_ids": info["gpu_ids"],
                 "resources": dict(self.resources),
+                "versions": info["versions"],
             }
             for rank, info in enumerate(self._infos)
         ]

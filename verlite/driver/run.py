@@ -29,6 +29,7 @@ from verlite.controller import (
     WorkerGroup,
     WorkerGroupError,
     lost_embedded_node,
+    other_versions,
     ray_session,
     run_pools,
     write_placement_report,
@@ -175,6 +176,8 @@ def _attempt(
         files = tuple(out / name for name in PLACEMENT_FILES)
         tell_node_watcher(out, cfg.trainer, FolderChange(files, True, _with_contents))
         print(write_placement_report(groups.all, out), flush=True)
+        if (foreign := other_versions([w for g in groups.all for w in g.placement()])) is not None:
+            print(foreign, flush=True)
         tell_node_watcher(out, cfg.trainer)
         trainer = Trainer(cfg, inputs, groups=groups, restarts=restarts, saved=saved)
         start = trainer.resume(resume_from) if resume_from else 0

@@ -91,7 +91,11 @@ def test_a_load_of_another_models_values_under_another_torch_is_damage(tmp_path:
     """torch and tokenizers name no model's values: their change is said at start-up, not
     here. Mutation: every package compared at the load -> this fails."""
     older = {**package_versions(lora=False), "torch": "2.0.0", "tokenizers": "0.1.0"}
-    assert isinstance(_mismatch(tmp_path, None, versions=older), DamagedCheckpointError)
+    err = _mismatch(tmp_path, None, versions=older)
+    assert isinstance(err, DamagedCheckpointError)
+    # not "these package versions": two of them changed (review). Mutation: said whenever
+    # versions were recorded -> this fails
+    assert f"{LOAD}; it was written under this config's model settings, so its files" in str(err)
 
 
 @pytest.mark.parametrize(

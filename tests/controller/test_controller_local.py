@@ -340,10 +340,10 @@ def test_placement_report(pair: WorkerGroup, tmp_path: Path) -> None:
     # each worker's own packages, here the driver's: no line says otherwise. Mutation: the
     # workers' versions not reported -> this fails
     assert [r["versions"] for r in records] == [package_versions(lora=True)] * 2
-    assert other_versions(records) is None
+    assert other_versions(records, lora=True) is None
 
 
-def test_workers_of_other_package_versions_than_the_drivers_are_named_by_node() -> None:
+def test_workers_of_other_package_versions_than_the_drivers_are_named_by_node_ip() -> None:
     """Mutation: no version compared -> None, this fails."""
     here = package_versions(lora=True)
     older = {**here, "torch": "2.0.0"}
@@ -357,7 +357,11 @@ def test_workers_of_other_package_versions_than_the_drivers_are_named_by_node() 
         worker("critic", 1, "10.0.0.2", older),
         worker("critic", 2, "10.0.0.3", {**older, "transformers": "4.0.0"}),
     ]
-    assert other_versions(records) == (
+    # peft shapes no numbers without adapters. Mutation: peft compared whatever lora -> fails
+    no_adapters = [{**records[0], "versions": {**here, "peft": "0.1.0"}}]
+    assert other_versions(no_adapters, lora=False) is None
+    assert other_versions(no_adapters, lora=True) is not None
+    assert other_versions(records, lora=False) == (
         "workers run other package versions than the driver (the worker's -> the driver's): "
         f"actor 1, critic 1 on 10.0.0.2: torch 2.0.0 -> {here['torch']}; critic 2 on 10.0.0.3: "
         f"torch 2.0.0 -> {here['torch']}, transformers 4.0.0 -> {here['transformers']}; they may "

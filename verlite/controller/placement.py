@@ -57,14 +57,15 @@ def write_placement_report(groups: Sequence[WorkerGroup], out_dir: str | Path) -
     )
 
 
-def other_versions(records: Sequence[Mapping[str, Any]]) -> str | None:
+def other_versions(records: Sequence[Mapping[str, Any]], *, lora: bool) -> str | None:
     """One line naming the workers of placement ``records`` (``WorkerGroup.placement``) whose
-    packages that shape the numbers are at other versions than the driver's, by node, or
-    None: ranks of other versions may compute other numbers, and a checkpoint records the
-    driver's versions (``package_versions``)."""
+    packages that shape the numbers (peft's with ``lora``: the policy has adapters) are at
+    other versions than the driver's, by node IP, or None: ranks of other versions may compute
+    other numbers, and a checkpoint records the driver's versions (``package_versions``)."""
     by_node: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for record in records:
-        if changes := version_changes(record["versions"]):
+        versions = {k: v for k, v in record["versions"].items() if lora or k != "peft"}
+        if changes := version_changes(versions):
             key = (record["node_ip"], tuple(changes))
             by_node.setdefault(key, []).append(f"{record['role']} {record['rank']}")
     if not by_node:

@@ -294,10 +294,12 @@ def mismatch_error(
     if model_path is not None:
         unseen.append("model.path's config.json")
     other_causes = f" (or {' or '.join(unseen)} changed since it was written)" if unseen else ""
+    # The same versions, where it recorded them and none changed (another torch or
+    # tokenizers, said at start-up, names no model's values but is not "these" versions).
+    same = " and these package versions" if recorded and not version_changes(recorded) else ""
     return DamagedCheckpointError(
-        f"{message}; it was written under this config's model settings"
-        f"{' and these package versions' if recorded else ''}, so its files are damaged"
-        f"{other_causes}. {hint}"
+        f"{message}; it was written under this config's model settings{same}, so its files "
+        f"are damaged{other_causes}. {hint}"
     )
 
 

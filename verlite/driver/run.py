@@ -176,7 +176,8 @@ def _attempt(
         files = tuple(out / name for name in PLACEMENT_FILES)
         tell_node_watcher(out, cfg.trainer, FolderChange(files, True, _with_contents))
         print(write_placement_report(groups.all, out), flush=True)
-        if (foreign := other_versions([w for g in groups.all for w in g.placement()])) is not None:
+        placed_workers = [w for g in groups.all for w in g.placement()]
+        if (foreign := other_versions(placed_workers, lora=cfg.actor.lora.rank > 0)) is not None:
             print(foreign, flush=True)
         tell_node_watcher(out, cfg.trainer)
         trainer = Trainer(cfg, inputs, groups=groups, restarts=restarts, saved=saved)

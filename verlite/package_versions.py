@@ -38,15 +38,18 @@ def package_versions(*, lora: bool) -> dict[str, str]:
     return {name: found for name in names if (found := installed_version(name)) is not None}
 
 
-def version_changes(recorded: Mapping[str, str]) -> list[str]:
+def version_changes(
+    recorded: Mapping[str, str], here: Mapping[str, str] | None = None
+) -> list[str]:
     """Each package of ``recorded`` (:func:`package_versions` of the process that wrote a
-    checkpoint) installed here at another version, in its order: ``torch 2.11.0 -> 2.13.0``.
-    One not installed here (verlite run from its source folder) has no version to compare."""
-    here = {name: installed_version(name) for name in recorded}
+    checkpoint, or of a worker) at another version ``here`` (this process's installed ones
+    when None), in its order: ``torch 2.11.0 -> 2.13.0``. One that ``here`` lacks (verlite run
+    from its source folder, not installed) has no version to compare."""
+    found = {name: installed_version(name) for name in recorded} if here is None else here
     return [
-        f"{name} {there} -> {here[name]}"
+        f"{name} {there} -> {found.get(name)}"
         for name, there in recorded.items()
-        if here[name] is not None and here[name] != there
+        if found.get(name) is not None and found.get(name) != there
     ]
 
 

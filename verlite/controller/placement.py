@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from verlite.controller.worker_group import WorkerGroup
-from verlite.package_versions import version_changes
+from verlite.package_versions import package_versions, version_changes
 
 # The placement report (workers.json): the file a run writes first in its output folder, as
 # it is being written and once whole.
@@ -62,10 +62,10 @@ def other_versions(records: Sequence[Mapping[str, Any]], *, lora: bool) -> str |
     packages that shape the numbers (peft's with ``lora``: the policy has adapters) are at
     other versions than the driver's, by node IP, or None: ranks of other versions may compute
     other numbers, and a checkpoint records the driver's versions (``package_versions``)."""
+    here = package_versions(lora=lora)  # without peft's: a worker's is then not compared
     by_node: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for record in records:
-        versions = {k: v for k, v in record["versions"].items() if lora or k != "peft"}
-        if changes := version_changes(versions):
+        if changes := version_changes(record["versions"], here):
             key = (record["node_ip"], tuple(changes))
             by_node.setdefault(key, []).append(f"{record['role']} {record['rank']}")
     if not by_node:

@@ -49,11 +49,12 @@ def test_a_version_tells_code_apart_where_recorded_installed_and_not_a_source_fo
     here = package_versions(lora=False)
     # torch is installed from a wheel; verlite here from its source folder (make setup's
     # `pip install -e`, or the folder on the path): its version names no commit
-    assert unversioned(here, ("torch", "transformers", "verlite")) == ["verlite"]
-    assert unversioned({}, ("torch",)) == ["torch"]  # a checkpoint that recorded none
-    assert unversioned({"verlite-no-such-package": "1.0"}, ("verlite-no-such-package",)) == [
-        "verlite-no-such-package"
-    ]
+    assert unversioned(here, ("torch", "transformers", "verlite"), [here]) == ["verlite"]
+    assert unversioned({}, ("torch",), [here]) == ["torch"]  # a checkpoint that recorded none
+    # a reader without it (not installed on that worker's node): mutation: the readers'
+    # versions not consulted -> fails
+    without = {k: v for k, v in here.items() if k != "transformers"}
+    assert unversioned(here, ("torch", "transformers"), [here, without]) == ["transformers"]
 
 
 def test_the_versions_written_are_read_back(tmp_path: Path) -> None:
@@ -62,10 +63,21 @@ def test_the_versions_written_are_read_back(tmp_path: Path) -> None:
     assert read_trainer_state(step)["versions"] == versions
 
 
-def _mismatch(tmp_path: Path, model_path: str | None, **saved: object) -> CheckpointError:
+def _mismatch(
+    tmp_path: Path,
+    model_path: str | None,
+    readers: list[dict[str, str]] | None = None,
+    **saved: object,
+) -> CheckpointError:
+    """The load's error, read by workers of this process's versions unless ``readers``."""
     step = fake_checkpoint(tmp_path, 3, ["actor"], config={}, **saved)
     return mismatch_error(
-        LOAD, step, read_trainer_state(step), model_path=model_path, workers=WORKERS
+        LOAD,
+        step,
+        read_trainer_state(step),
+        model_path=model_path,
+        workers=WORKERS,
+        readers=[package_versions(lora=True)] if readers is None else readers,
     )
 
 
@@ -84,6 +96,23 @@ def test_a_load_of_another_models_values_under_other_versions_names_them(
         f"{importlib.metadata.version(package)}), whose model classes may name its values "
         "otherwise: resume it under those versions; if it reads so there too, its files are "
         "damaged. No earlier checkpoint"
+    ), err
+
+
+def test_a_load_by_workers_of_other_versions_than_the_drivers_names_theirs(
+    tmp_path: Path,
+) -> None:
+    """The workers read the checkpoint, not the driver: one whose transformers is not the one
+    recorded (the driver's is) names it, each change once, however many workers have it.
+    Mutation: the driver's versions compared instead of the readers' -> the damage line, this
+    fails."""
+    here = package_versions(lora=False)
+    other = {**here, "transformers": "0.0.2"}
+    err = _mismatch(tmp_path, None, [here, other, other], versions=here)
+    assert not isinstance(err, DamagedCheckpointError)
+    assert str(err).startswith(
+        f"{LOAD}; it was written under other package versions (transformers "
+        f"{here['transformers']} -> 0.0.2), whose model classes"
     ), err
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 NUMERIC_PACKAGES = ("verlite", "torch", "transformers", "tokenizers")
@@ -53,15 +53,20 @@ def version_changes(
     ]
 
 
-def unversioned(recorded: Mapping[str, str], names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` whose version does not tell their code here from the code that
-    wrote ``recorded``: not recorded there, not installed here, or imported from a source
-    folder (an editable install, or the folder on the path: its version is pyproject.toml's,
-    whatever the commit)."""
+def unversioned(
+    recorded: Mapping[str, str], names: tuple[str, ...], readers: Sequence[Mapping[str, str]]
+) -> list[str]:
+    """Those of ``names`` whose version does not tell the code of ``readers`` (the package
+    versions of the processes that read what ``recorded``'s wrote) from the code that wrote
+    it: not recorded there, not installed in a reader, or imported here from a source folder
+    (an editable install, or the folder on the path: its version is pyproject.toml's, whatever
+    the commit; a reader is taken to import it as this process does)."""
     return [
         name
         for name in names
-        if name not in recorded or installed_version(name) is None or _from_source(name)
+        if name not in recorded
+        or any(name not in versions for versions in readers)
+        or _from_source(name)
     ]
 
 

@@ -28,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -272,35 +272,51 @@ def mismatch_error(
     *,
     model_path: str | None,
     workers: Mapping[str, int],
+    readers: Sequence[Mapping[str, str]],
 ) -> CheckpointError:
     """The error that stops a resume whose workers' load (``message``) read the checkpoint at
     ``path``, of trainer ``state`` recording its whole config, as another model's
     (``MismatchedFileError``), though start-up found every setting that shapes the model as it
-    recorded them. Where a package that may name or shape a model's values otherwise
-    (``MODEL_PACKAGES``) is at another version than it recorded: that, the files possibly
-    whole. Else damage (:func:`resume_instead`), beside what no record of it covers:
-    ``model.path``'s ``config.json`` where the model is read from there, and verlite or
-    transformers where their versions do not tell their code apart (``unversioned``)."""
+    recorded them. ``readers``: the package versions of the workers that read it (each one's
+    placement ``versions``; a worker may run other packages than the driver). Where a package
+    that may name or shape a model's values otherwise (``MODEL_PACKAGES``) is at another
+    version there than it recorded: that, the files possibly whole. Else damage
+    (:func:`resume_instead`), beside what no record of it covers: ``model.path``'s
+    ``config.json`` where the model is read from there, and verlite or transformers where
+    their versions do not tell their code apart (``unversioned``)."""
     recorded = state.get("versions", {})
     hint = resume_instead(path, workers)
-    changed = version_changes({k: v for k, v in recorded.items() if k in MODEL_PACKAGES})
+    model_recorded = {k: v for k, v in recorded.items() if k in MODEL_PACKAGES}
+    changed = _readers_changes(model_recorded, readers)
     if changed:
         return CheckpointError(
             f"{message}; it was written under other package versions ({', '.join(changed)}), "
             "whose model classes may name its values otherwise: resume it under those "
             f"versions; if it reads so there too, its files are damaged. {hint}"
         )
-    unseen = unversioned(recorded, ("verlite", "transformers"))
+    unseen = unversioned(recorded, ("verlite", "transformers"), readers)
     if model_path is not None:
         unseen.append("model.path's config.json")
     other_causes = f" (or {' or '.join(unseen)} changed since it was written)" if unseen else ""
     # The same versions, where it recorded them and none changed (another torch or
     # tokenizers, said at start-up, names no model's values but is not "these" versions).
-    same = " and these package versions" if recorded and not version_changes(recorded) else ""
+    same = (
+        " and these package versions"
+        if recorded and not _readers_changes(recorded, readers)
+        else ""
+    )
     return DamagedCheckpointError(
         f"{message}; it was written under this config's model settings{same}, so its files "
         f"are damaged{other_causes}. {hint}"
     )
+
+
+def _readers_changes(
+    recorded: Mapping[str, str], readers: Sequence[Mapping[str, str]]
+) -> list[str]:
+    """The packages of ``recorded`` at another version in any of ``readers``, each change
+    once, in the order first found (``version_changes``)."""
+    return list(dict.fromkeys(c for here in readers for c in version_changes(recorded, here)))
 
 
 def damage(path: Path, workers: Mapping[str, int]) -> list[str]:

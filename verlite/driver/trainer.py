@@ -499,6 +499,7 @@ class Trainer:
                     state,
                     model_path=self.cfg.model.path,
                     workers=self.cfg.trained_workers,
+                    readers=[record["versions"] for record in group.placement()],
                 ) from err
             raise DamagedCheckpointError(
                 f"{err}. {resume_instead(path, self.cfg.trained_workers)}"

@@ -151,7 +151,7 @@ def test_a_resume_under_other_package_versions_says_so_in_a_line_of_its_own(
     earlier_run(out, checkpoint_step=3)
     resume_from = out / "checkpoints" / "step_3"
     assert resume_and_notes(config(out)) == (resume_from, [])  # recorded none: nothing said
-    here = package_versions(lora=False)
+    here = package_versions(peft=False)
     assert {"verlite", "torch", "transformers"} <= here.keys()
     state_file = resume_from / "trainer_state.json"
     state = json.loads(state_file.read_text())

@@ -26,14 +26,14 @@ WORKERS = {"actor": 1}
 def test_the_versions_are_this_process_packages_peft_with_lora() -> None:
     """Mutation: peft recorded whatever ``lora`` -> fails."""
     pytest.importorskip("peft")
-    versions = package_versions(lora=False)
+    versions = package_versions(peft=False)
     assert list(versions) == ["verlite", "torch", "transformers", "tokenizers"]
     assert all(importlib.metadata.version(name) == v for name, v in versions.items())
-    assert package_versions(lora=True) == {**versions, "peft": importlib.metadata.version("peft")}
+    assert package_versions(peft=True) == {**versions, "peft": importlib.metadata.version("peft")}
 
 
 def test_a_version_change_is_named_package_by_package() -> None:
-    here = package_versions(lora=False)
+    here = package_versions(peft=False)
     assert version_changes(here) == []
     assert version_changes({}) == []  # a checkpoint that recorded none
     # one not installed here (verlite run from its source folder) has no version to compare
@@ -46,7 +46,7 @@ def test_a_version_tells_code_apart_where_recorded_installed_and_not_a_source_fo
     """Mutation: a source folder's version taken as telling its code apart -> fails."""
     if not (Path(verlite.__file__).parents[1] / "pyproject.toml").is_file():
         pytest.skip("verlite installed from a wheel: no source folder's install to check")
-    here = package_versions(lora=False)
+    here = package_versions(peft=False)
     # torch is installed from a wheel; verlite here from its source folder (make setup's
     # `pip install -e`, or the folder on the path): its version names no commit
     assert unversioned(here, ("torch", "transformers", "verlite"), [here]) == ["verlite"]
@@ -58,7 +58,7 @@ def test_a_version_tells_code_apart_where_recorded_installed_and_not_a_source_fo
 
 
 def test_the_versions_written_are_read_back(tmp_path: Path) -> None:
-    versions = package_versions(lora=True)
+    versions = package_versions(peft=True)
     step = fake_checkpoint(tmp_path, 3, ["actor"], config={}, versions=versions)
     assert read_trainer_state(step)["versions"] == versions
 
@@ -77,7 +77,7 @@ def _mismatch(
         read_trainer_state(step),
         model_path=model_path,
         workers=WORKERS,
-        readers=[package_versions(lora=True)] if readers is None else readers,
+        readers=[package_versions(peft=True)] if readers is None else readers,
     )
 
 
@@ -88,7 +88,7 @@ def test_a_load_of_another_models_values_under_other_versions_names_them(
     """Not damage alone: the files may be whole, written by another transformers' model
     classes (or verlite's). Mutation: the versions not compared -> the damage line, this
     fails."""
-    older = {**package_versions(lora=False), package: "0.0.1"}
+    older = {**package_versions(peft=False), package: "0.0.1"}
     err = _mismatch(tmp_path, "base", versions=older)
     assert not isinstance(err, DamagedCheckpointError)
     assert str(err).startswith(
@@ -106,7 +106,7 @@ def test_a_load_by_workers_of_other_versions_than_the_drivers_names_theirs(
     recorded (the driver's is) names it, each change once, however many workers have it.
     Mutation: the driver's versions compared instead of the readers' -> the damage line, this
     fails."""
-    here = package_versions(lora=False)
+    here = package_versions(peft=False)
     other = {**here, "transformers": "0.0.2"}
     err = _mismatch(tmp_path, None, [here, other, other], versions=here)
     assert not isinstance(err, DamagedCheckpointError)
@@ -119,7 +119,7 @@ def test_a_load_by_workers_of_other_versions_than_the_drivers_names_theirs(
 def test_a_load_of_another_models_values_under_another_torch_is_damage(tmp_path: Path) -> None:
     """torch and tokenizers name no model's values: their change is said at start-up, not
     here. Mutation: every package compared at the load -> this fails."""
-    older = {**package_versions(lora=False), "torch": "2.0.0", "tokenizers": "0.1.0"}
+    older = {**package_versions(peft=False), "torch": "2.0.0", "tokenizers": "0.1.0"}
     err = _mismatch(tmp_path, None, versions=older)
     assert isinstance(err, DamagedCheckpointError)
     # not "these package versions": two of them changed (review). Mutation: said whenever
@@ -132,10 +132,10 @@ def test_a_load_of_another_models_values_under_another_torch_is_damage(tmp_path:
     [
         (
             "base",
-            {"versions": package_versions(lora=False)},
+            {"versions": package_versions(peft=False)},
             " (or verlite or model.path's config.json changed since",
         ),
-        (None, {"versions": package_versions(lora=False)}, " (or verlite changed since it"),
+        (None, {"versions": package_versions(peft=False)}, " (or verlite changed since it"),
         ("base", {}, " (or verlite or transformers or model.path's config.json changed since"),
         (None, {}, " (or verlite or transformers changed since it was written). No earlier"),
     ],

@@ -31,10 +31,11 @@ def installed_version(package: str) -> str | None:
         return None
 
 
-def package_versions(*, lora: bool) -> dict[str, str]:
-    """The versions of this process's packages that shape a run's numbers, by name (peft's
-    with ``lora``: the policy has adapters)."""
-    names = (*NUMERIC_PACKAGES, "peft") if lora else NUMERIC_PACKAGES
+def package_versions(*, peft: bool) -> dict[str, str]:
+    """The versions of this process's packages that shape a run's numbers, by name, with
+    peft's where ``peft`` (a run records it where the policy has LoRA adapters; a worker
+    reports it always, compared only where they have)."""
+    names = (*NUMERIC_PACKAGES, "peft") if peft else NUMERIC_PACKAGES
     return {name: found for name in names if (found := installed_version(name)) is not None}
 
 

@@ -339,13 +339,13 @@ def test_placement_report(pair: WorkerGroup, tmp_path: Path) -> None:
     assert {"role", "rank", "node_id", "node_ip", "pid", "resources"} <= set(records[0])
     # each worker's own packages, here the driver's: no line says otherwise. Mutation: the
     # workers' versions not reported -> this fails
-    assert [r["versions"] for r in records] == [package_versions(lora=True)] * 2
+    assert [r["versions"] for r in records] == [package_versions(peft=True)] * 2
     assert other_versions(records, lora=True) is None
 
 
 def test_workers_of_other_package_versions_than_the_drivers_are_named_by_node_ip() -> None:
     """Mutation: no version compared -> None, this fails."""
-    here = package_versions(lora=True)
+    here = package_versions(peft=True)
     older = {**here, "torch": "2.0.0"}
 
     def worker(role: str, rank: int, node: str, versions: dict[str, str]) -> dict[str, Any]:

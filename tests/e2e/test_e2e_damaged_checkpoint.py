@@ -194,7 +194,7 @@ def test_a_checkpoint_of_this_configs_model_that_reads_as_anothers_is_damaged(
     taken as another model's whatever the checkpoint recorded -> no hint, this fails; no
     versions written -> the first assertion fails; the versions not compared at the load ->
     the damage line under another transformers, this fails."""
-    here = package_versions(lora=False)
+    here = package_versions(peft=False)
     step_2 = written / "checkpoints" / "step_2"
     assert json.loads((step_2 / "trainer_state.json").read_text())["versions"] == here
 

@@ -76,7 +76,7 @@ def test_the_checkpoint_records_the_version_of_peft_too(lora_run) -> None:
     whatever actor.lora -> fails."""
     _, out, _ = lora_run
     state = json.loads((out / "checkpoints/step_2/trainer_state.json").read_text())
-    assert state["versions"] == package_versions(lora=True)
+    assert state["versions"] == package_versions(peft=True)
     assert "peft" in state["versions"]
 
 

@@ -62,7 +62,7 @@ def other_versions(records: Sequence[Mapping[str, Any]], *, lora: bool) -> str |
     packages that shape the numbers (peft's with ``lora``: the policy has adapters) are at
     other versions than the driver's, by node IP, or None: ranks of other versions may compute
     other numbers, and a checkpoint records the driver's versions (``package_versions``)."""
-    here = package_versions(lora=lora)  # without peft's: a worker's is then not compared
+    here = package_versions(peft=lora)  # without peft's: a worker's is then not compared
     by_node: dict[tuple[str, tuple[str, ...]], list[str]] = {}
     for record in records:
         if changes := version_changes(record["versions"], here):

@@ -106,7 +106,7 @@ class Worker:
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "gpu_ids": [str(i) for i in context.get_accelerator_ids().get("GPU", [])],
-            "versions": package_versions(lora=True),
+            "versions": package_versions(peft=True),
         }
 
     def master_address(self) -> tuple[str, int]:

@@ -441,7 +441,7 @@ class Trainer:
             # What a resume checks model.path's weights against (None: the built-in model).
             "base_weights": self.base_weights,
             # What a resume compares its own with: other versions may compute other numbers.
-            "versions": package_versions(lora=self.cfg.actor.lora.rank > 0),
+            "versions": package_versions(peft=self.cfg.actor.lora.rank > 0),
         }
         seal_checkpoint(tmp, state)
         return tmp

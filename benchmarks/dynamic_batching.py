@@ -56,9 +56,9 @@ from benchmarks.common import (
 from verlite.arguments import positive_int
 from verlite.config import ActorConfig, ModelConfig
 from verlite.memory import retain_freed_memory
-from verlite.models import build_policy, flop_crossover
+from verlite.models import build_policy
 from verlite.models.flops import decoder_flops
-from verlite.models.packing_cost import measure_packed_cost
+from verlite.models.packing_cost import flop_crossover, measure_packed_cost
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import trim_padding
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
@@ -189,8 +189,8 @@ def fit_packed_cost(trials: int = 40) -> dict[str, float]:
     """What a packed row's forward and backward cost on this machine
     (``models.packing_cost``, as ``verlite measure-packing`` measures it): rows of up to the
     budget's 4,096 tokens, fitted as a x tokens + b x sum of squared lengths + c. Its
-    crossover a / b against the FLOP count's (``models.flop_crossover``), which the DP shares
-    of packed roles use unless ``model.attention_crossover`` is set."""
+    crossover a / b against the FLOP count's (``models.packing_cost.flop_crossover``), which
+    the DP shares of packed roles use unless ``model.attention_crossover`` is set."""
     policy = build_policy(MODEL, vocab_size=VOCAB, max_positions=2 * LONGEST, seed=0)
     enable_packing(policy)
     cost = measure_packed_cost(

@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 from benchmarks.common import add_repeats, emit, interleaved, median, quartiles, update_batch
 from verlite.arguments import positive_int
 from verlite.config import ActorConfig, ModelConfig
-from verlite.models import set_logits_chunk_tokens
 from verlite.models.flops import bf16_peak_flops, causal_pairs, decoder_flops
+from verlite.models.logits_chunk import set_logits_chunk_tokens
 from verlite.models.precision import param_dtype
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.train_engine import TrainEngine

@@ -253,7 +253,7 @@ def test_packed_layouts_of_a_model_that_mixes_packed_sequences_are_one_line(
     verlite_main, monkeypatch
 ) -> None:
     """The packed layouts are checked as ``verlite train`` checks ``actor.packing=true``
-    (``models.packing_unsupported``), not only for a sliding window: a model whose attention
+    (``models.support.packing_unsupported``), not only for a sliding window: a model whose attention
     lets packed sequences attend to each other (here the packed attention replaced by one
     over the whole row, tests/workers/test_packing.py) was audited by ranks that do not see
     the replacement; now refused before any rank starts."""
@@ -317,7 +317,7 @@ def test_the_configs_packing_and_checkpointing_are_checked_before_any_rank_start
     ``<role>.gradient_checkpointing`` (a micro layout sets only its own fields): where the
     model does not support them they were refused by no one before the ranks, which stopped
     with a traceback (PackingUnsupported, Hugging Face's ValueError; exit 1). Now as
-    ``verlite train`` refuses them (``models.check_training_features``)."""
+    ``verlite train`` refuses them (``models.support.check_training_features``)."""
     from tests.model_support import tiny_sliding
 
     tiny_sliding("mistral", 8).save_pretrained(tmp_path / "mistral")

@@ -142,14 +142,14 @@ def _checked_choices(flag: str, values: Sequence[str] | None, allowed: Sequence[
 
 def _check_packed_layouts(cfg: Config, packed: list[str]) -> None:
     """The packed layouts asked for can run the model, as ``verlite train`` checks
-    ``<role>.packing=true`` (``models.packing_unsupported``: no sliding window a sequence of
+    ``<role>.packing=true`` (``models.support.packing_unsupported``: no sliding window a sequence of
     the audit's batch, as long as ``max_sequence_length``, could pass, and packed sequences
     kept apart); refused before any rank starts, where the first packed pass would stop it
     or the ranks would compare attention across sequences."""
     if not packed:
         return
     from verlite.config.checks import longest_sequence_fields
-    from verlite.models import packing_unsupported
+    from verlite.models.support import packing_unsupported
 
     why = packing_unsupported(
         cfg.model, max_sequence_length=cfg.max_sequence_length, fields=longest_sequence_fields(cfg)
@@ -165,7 +165,7 @@ def _check_checkpointed_layout(cfg: Config, micros: list[str]) -> None:
     if "checkpointed" not in micros:
         return
     from verlite.audit.invariance import ROLES
-    from verlite.models import checkpointing_unsupported
+    from verlite.models.support import checkpointing_unsupported
 
     for role in ROLES:
         unsupported = checkpointing_unsupported(cfg.model, role=role)
@@ -192,7 +192,7 @@ def cmd_check_invariance(args: argparse.Namespace) -> int:
         tolerance_for,
     )
     from verlite.config import check_inputs, load_config
-    from verlite.models import check_attention_supported, check_training_features
+    from verlite.models.support import check_attention_supported, check_training_features
 
     for flag in ("layout", "runs_dir", "atol"):
         if getattr(args, flag) is not None:

@@ -93,15 +93,10 @@ def cmd_measure_packing(args: argparse.Namespace) -> int:
         )
     from verlite.core import seeds
     from verlite.data.tokenizer import load_tokenizer
-    from verlite.models import (
-        build_policy,
-        flop_crossover,
-        hf_config,
-        resolve_device,
-        window_passed,
-    )
-    from verlite.models.packing_cost import measure_packed_cost
+    from verlite.models import build_policy, hf_config, resolve_device
+    from verlite.models.packing_cost import flop_crossover, measure_packed_cost
     from verlite.models.precision import check_precision_supported
+    from verlite.models.support import window_passed
     from verlite.models.varlen import PackingUnsupported, enable_packing
 
     vocab_size = len(load_tokenizer(cfg.model.path, task=cfg.data.task))

@@ -85,8 +85,8 @@ def prompt_lengths(td: TensorDict) -> list[int]:
 def row_costs(td: TensorDict, crossover: int | None = None) -> list[int]:
     """What DP shares are balanced by: each row's real tokens, or 1 per row for a batch
     without an attention mask. With ``crossover`` (rows run packed, see
-    ``models.attention_crossover``) a row of L tokens costs L + L^2 / crossover: a packed
-    row has no padding, and its attention grows with the square of each sequence."""
+    ``models.packing_cost.attention_crossover``) a row of L tokens costs L + L^2 / crossover:
+    a packed row has no padding, and its attention grows with the square of each sequence."""
     if "attention_mask" not in td:
         return [1] * int(td.batch_size[0])
     lengths = sequence_lengths(td)

@@ -167,8 +167,8 @@ def test_response_text_shows_ids_past_the_tokenizer_as_unk() -> None:
 
 def test_response_text_ends_at_the_token_that_ended_it() -> None:
     """A response that stopped on one of the run's other end tokens (an instruct model's end
-    of turn, ``models.response_stop_ids``) reads without it, as one ended by EOS does; one
-    in the middle, which did not end it, is shown. Mutation: only EOS dropped."""
+    of turn, ``models.generation_ends.response_stop_ids``) reads without it, as one ended by
+    EOS does; one in the middle, which did not end it, is shown. Mutation: only EOS dropped."""
     tokenizer = load_tokenizer(None, task="copy")
     one, two, stop = tokenizer.convert_tokens_to_ids(["1", "2", "+"])
     assert response_text(tokenizer, [one, two, stop], stops=(stop,)) == "12"

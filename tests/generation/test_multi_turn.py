@@ -215,7 +215,7 @@ def test_no_row_runs_past_its_room_whatever_the_rows_beside_it(mode: str) -> Non
     trainer's (1.4e-4 apart in float64; positions up to 51 of 43)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from verlite.models import set_logits_chunk_tokens
+    from verlite.models.logits_chunk import set_logits_chunk_tokens
 
     tokenizer, width = bpe_tokenizer(), 40
     longest = prompts(tokenizer, 8)["input_ids"].shape[1] + width  # prompt and trajectory

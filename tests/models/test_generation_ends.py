@@ -3,11 +3,11 @@
 A response ends at the tokenizer's EOS, ``model.path``'s own end tokens (its
 generation_config.json's ``eos_token_id``, an instruct model's end of turn: Gemma-2-it's
 <end_of_turn> beside its tokenizer's <eos>) and ``rollout.stop_token_ids``
-(``models.response_stop_ids``; the run's sampling with them is
+(``models.generation_ends.response_stop_ids``; the run's sampling with them is
 ``tests/e2e/test_e2e_chat_template.py``'s). An export's generation config ends a response
-where the rollouts did (``models.mark_generation_ends``): the model folder's own end tokens
-kept, the tokenizer's EOS and ``rollout.stop_token_ids`` added, a pad token only where it has
-none."""
+where the rollouts did (``models.generation_ends.mark_generation_ends``): the model folder's
+own end tokens kept, the tokenizer's EOS and ``rollout.stop_token_ids`` added, a pad token only
+where it has none."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ from verlite.config import Config, ConfigError, load_config
 from verlite.data import load_tokenizer
 from verlite.driver.preflight import check_generation
 from verlite.envs import turn_stop_id
-from verlite.models import generation_end_ids, mark_generation_ends, response_stop_ids
+from verlite.models.generation_ends import (
+    generation_end_ids,
+    mark_generation_ends,
+    response_stop_ids,
+)
 
 
 @pytest.mark.parametrize(

@@ -24,8 +24,9 @@ from verlite.generation import (
     sync_layout,
 )
 from verlite.generation.weights import WeightReceiver
-from verlite.models import build_policy, check_lora_supported
+from verlite.models import build_policy
 from verlite.models.lora import adapters_disabled, merge_adapter, save_adapter
+from verlite.models.support import check_lora_supported
 
 MODEL = ModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, dtype="float64")
 LORA = LoraConfig(rank=4, target_modules=("q_proj", "v_proj", "down_proj"))

@@ -13,13 +13,8 @@ import pytest
 import torch
 
 from verlite.config import ConfigError, load_config
-from verlite.models import (
-    ModelWeightsError,
-    build_policy,
-    build_value_model,
-    check_rope_supported,
-    tiny_hf_config,
-)
+from verlite.models import ModelWeightsError, build_policy, build_value_model, tiny_hf_config
+from verlite.models.support import check_rope_supported
 
 Builder = Callable[..., Any]
 BUILDERS: list[Builder] = [build_policy, build_value_model]
@@ -262,7 +257,7 @@ def test_only_a_position_table_refuses_a_sequence_past_the_context(
     warned of."""
     from transformers import AutoConfig
 
-    from verlite.models import check_context_fits
+    from verlite.models.support import check_context_fits
 
     AutoConfig.for_model(kind, **_CONTEXT_MODELS[kind]).save_pretrained(tmp_path)
     cfg = load_config(None, ["data.task=copy", f"model.path={tmp_path}"]).model
@@ -282,7 +277,7 @@ def test_a_rotary_model_past_its_context_is_warned_of_and_a_scaling_extends_it(
     not trained at, which a long-response run of a short-context checkpoint may mean. It was
     refused, with no way out; now it is one warning line. A static rope scaling (linear,
     yarn) runs past max_position_embeddings on purpose: nothing to say."""
-    from verlite.models import check_context_fits
+    from verlite.models.support import check_context_fits
 
     folder = _saved_model(tmp_path)  # max_position_embeddings 16
     cfg = load_config(None, ["data.task=copy", f"model.path={folder}"]).model

@@ -14,8 +14,12 @@ from torch import nn
 
 from verlite.cli import main
 from verlite.config import load_config
-from verlite.models import attention_crossover, flop_crossover
-from verlite.models.packing_cost import measure_packed_cost, trial_lengths
+from verlite.models.packing_cost import (
+    attention_crossover,
+    flop_crossover,
+    measure_packed_cost,
+    trial_lengths,
+)
 from verlite.models.varlen import KWARG, PackedAttention
 
 CONFIG = "configs/grpo_tiny.yaml"

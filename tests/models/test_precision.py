@@ -23,14 +23,8 @@ from verlite.driver import run as run_module
 from verlite.errors import UserError
 from verlite.generation import make_bucket, sync_layout
 from verlite.generation.weights import WeightReceiver
-from verlite.models import (
-    ValueModel,
-    build_policy,
-    build_value_model,
-    float32_norms_line,
-    set_logits_chunk_tokens,
-    worker_device,
-)
+from verlite.models import ValueModel, build_policy, build_value_model, worker_device
+from verlite.models.logits_chunk import set_logits_chunk_tokens
 from verlite.models.precision import (
     autocast,
     cast_weights,
@@ -43,6 +37,7 @@ from verlite.models.precision import (
     store_for_inference,
     stored_copy,
 )
+from verlite.models.support import float32_norms_line
 from verlite.workers.forward import response_log_probs
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.train_engine import TrainEngine

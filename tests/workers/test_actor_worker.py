@@ -210,7 +210,7 @@ def test_the_exported_model_computes_the_trained_policys_log_probs(
     log-probs were up to 0.008 from the trained policy's."""
     from transformers import AutoModelForCausalLM
 
-    from verlite.models import set_logits_chunk_tokens
+    from verlite.models.logits_chunk import set_logits_chunk_tokens
     from verlite.workers.forward import response_log_probs
 
     cfg = load_config(

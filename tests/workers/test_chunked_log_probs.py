@@ -21,7 +21,8 @@ from verlite.audit.invariance import check_invariance, make_batch
 from verlite.config import LoraConfig, load_config
 from verlite.core.losses import entropy_from_logits, log_probs_from_logits
 from verlite.errors import UserError
-from verlite.models import build_policy, set_logits_chunk_tokens, tiny_hf_config
+from verlite.models import build_policy, tiny_hf_config
+from verlite.models.logits_chunk import set_logits_chunk_tokens
 from verlite.models.varlen import enable_packing
 from verlite.step_batch import response_width, trim_padding
 from verlite.workers.forward import mark_packed, response_log_probs

@@ -16,7 +16,8 @@ from torch import nn
 from tests.model_support import tiny_moe, tiny_sliding
 from verlite.audit.invariance import make_batch
 from verlite.config import LoraConfig, load_config
-from verlite.models import build_policy, build_value_model, set_logits_chunk_tokens
+from verlite.models import build_policy, build_value_model
+from verlite.models.logits_chunk import set_logits_chunk_tokens
 from verlite.models.precision import autocast
 from verlite.models.varlen import use_verlite_attention
 from verlite.step_batch import take_rows, trim_padding

@@ -27,7 +27,8 @@ from verlite.audit.invariance import check_invariance, make_batch, tolerance_for
 from verlite.config import load_config
 from verlite.distributed import full_state_dict, run_on_ranks, unwrap
 from verlite.generation import DecodeSettings
-from verlite.models import build_policy, build_value_model, set_logits_chunk_tokens
+from verlite.models import build_policy, build_value_model
+from verlite.models.logits_chunk import set_logits_chunk_tokens
 from verlite.step_batch import stamp_counts
 from verlite.workers.objectives import ActorLossSettings, ppo_loss
 from verlite.workers.train_engine import TrainEngine, global_counts

@@ -15,13 +15,10 @@ from tests.model_support import tiny_sliding
 from verlite.audit.invariance import make_batch
 from verlite.config import ConfigError, ModelConfig, load_config
 from verlite.core.partition import PackedTokenPartition
-from verlite.models import (
-    build_policy,
-    build_value_model,
-    check_packing_supported,
-    flop_crossover,
-    set_logits_chunk_tokens,
-)
+from verlite.models import build_policy, build_value_model
+from verlite.models.logits_chunk import set_logits_chunk_tokens
+from verlite.models.packing_cost import flop_crossover
+from verlite.models.support import check_packing_supported
 from verlite.models.varlen import (
     ATTENTION,
     GROUP_SPREAD,

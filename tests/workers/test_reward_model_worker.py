@@ -50,7 +50,7 @@ from verlite.data import (
 from verlite.data.tasks import TASK_ALPHABET
 from verlite.data.templates import reads_chat_template
 from verlite.driver.scorer import Scorer
-from verlite.models import response_stop_ids
+from verlite.models.generation_ends import response_stop_ids
 from verlite.models.reward_model import load_reward_model, score_texts
 from verlite.rewards import resolve_reward
 from verlite.workers.peak_memory import pop_peak

@@ -37,12 +37,8 @@ from verlite.distributed import (
     run_on_ranks,
 )
 from verlite.generation import SamplingParams
-from verlite.models import (
-    build_policy,
-    build_value_model,
-    check_gradient_checkpointing_supported,
-    enable_gradient_checkpointing,
-)
+from verlite.models import build_policy, build_value_model, enable_gradient_checkpointing
+from verlite.models.support import check_gradient_checkpointing_supported
 from verlite.step_batch import stamp_counts
 from verlite.workers import actor as actor_module
 from verlite.workers import objectives, train_engine
@@ -633,7 +629,8 @@ def test_the_reference_moves_for_its_pass_only(offload: str, tmp_path: Path, mon
 def test_the_start_up_probes_build_the_builtin_model_with_its_own_vocabulary() -> None:
     """model.vocab_size=32 holds the copy task's tokenizer; the probes built the model for a
     stand-in tokenizer of 64 tokens and refused it as 'below the tokenizer's 64 tokens'."""
-    from verlite.models import check_packing_supported, flop_crossover
+    from verlite.models.packing_cost import flop_crossover
+    from verlite.models.support import check_packing_supported
 
     small = load_config("configs/ppo_tiny.yaml", ["model.vocab_size=32"]).model
     check_gradient_checkpointing_supported(small, role="actor")

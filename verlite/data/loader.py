@@ -202,7 +202,7 @@ def response_texts(
 ) -> list[str]:
     """What a reward reads of each row of a step batch: its response as
     :func:`~verlite.data.tokenizer.response_text` of its ``response_mask``'s tokens (ended by
-    EOS or one of ``stops``, ``models.response_stop_ids``)."""
+    EOS or one of ``stops``, ``models.generation_ends.response_stop_ids``)."""
     lengths = batch["response_mask"].sum(-1).tolist()
     return [
         response_text(tokenizer, row[:n], stops)

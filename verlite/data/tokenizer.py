@@ -111,9 +111,9 @@ def response_text(
 ) -> str:
     """What a reward function or an environment reads of sampled tokens: the text up to the
     token that ended them, the end-of-sequence token or one of ``stops`` (the other tokens
-    that end a response: ``models.response_stop_ids``, an instruct model's end of turn),
-    other special tokens shown (as ``<pad>`` and the like), so that a policy can neither end
-    a response by emitting them instead nor hide tokens."""
+    that end a response: ``models.generation_ends.response_stop_ids``, an instruct model's end
+    of turn), other special tokens shown (as ``<pad>`` and the like), so that a policy can
+    neither end a response by emitting them instead nor hide tokens."""
     ids = list(ids)
     if ids and (ids[-1] == tokenizer.eos_token_id or ids[-1] in stops):
         ids = ids[:-1]

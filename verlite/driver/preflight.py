@@ -30,8 +30,11 @@ from verlite.envs import get_environment, turn_stop_id
 from verlite.errors import shown
 from verlite.generation.decode import MAX_END_TOKENS, MAX_STOP_TOKENS, check_mode_supported
 from verlite.generation.static_cache import UnsupportedModel
-from verlite.models import (
-    builtin_vocab_size,
+from verlite.models import builtin_vocab_size, hf_config, model_config
+from verlite.models.generation_ends import generation_end_ids
+from verlite.models.precision import check_precision_supported
+from verlite.models.reward_model import check_reward_model
+from verlite.models.support import (
     check_attention_supported,
     check_context_fits,
     check_lora_supported,
@@ -39,12 +42,7 @@ from verlite.models import (
     check_tokenizer_fits,
     check_training_features,
     float32_norms_line,
-    generation_end_ids,
-    hf_config,
-    model_config,
 )
-from verlite.models.precision import check_precision_supported
-from verlite.models.reward_model import check_reward_model
 from verlite.records.tracking import check_tracking_server, check_wandb
 from verlite.rewards import RewardFn, check_answers, resolve_reward
 from verlite.rewards.answer_reward import AnswerReward

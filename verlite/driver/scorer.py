@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from verlite.config import Config
 from verlite.controller import WorkerGroup
 from verlite.data import PromptRecord, record_conversation, response_texts, row_records
-from verlite.models import response_stop_ids
+from verlite.models.generation_ends import response_stop_ids
 from verlite.models.precision import score_dtype
 from verlite.rewards import RewardFn, score_responses
 from verlite.rewards.answer_reward import AnswerReward

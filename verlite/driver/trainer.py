@@ -56,9 +56,10 @@ from verlite.driver.step_source import GeneratedStep, StepSource
 from verlite.errors import DamagedFileError, MismatchedFileError, RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
-from verlite.models import attention_crossover, response_stop_ids
 from verlite.models.flops import DecoderShape, bf16_peak_flops
+from verlite.models.generation_ends import response_stop_ids
 from verlite.models.lora import BASE_FOLDER
+from verlite.models.packing_cost import attention_crossover
 from verlite.package_versions import package_versions
 from verlite.policy_folder import (
     INCOMPLETE_MARK,

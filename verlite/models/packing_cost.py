@@ -1,10 +1,12 @@
-"""What a packed row costs on this machine, measured (``verlite measure-packing``).
+"""What a packed row costs: the attention crossover the DP shares of a packing role use
+(:func:`attention_crossover`), set, counted from FLOPs or measured on this machine
+(``verlite measure-packing``).
 
 A packed row of sequences of lengths L_i costs its weights, linear in its tokens, plus its
 attention, in the sum of the squared lengths: about ``a x sum(L_i) + b x sum(L_i^2)``. The
 DP shares of a packing role balance ``L + L^2 / crossover`` per row
 (``step_batch.row_costs``), so ``crossover = a / b`` is all they need. Counted from FLOPs
-(``models.attention_crossover``) it misses how fast the attention kernels run against the
+(:func:`flop_crossover`) it misses how fast the attention kernels run against the
 matrix multiplies on the hardware at hand; this module times forward and backward passes
 of packed rows over the model itself and fits ``a``, ``b`` and a constant by least squares.
 
@@ -15,6 +17,7 @@ from the shortest to the longest sequence, up to a token total drawn below the b
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 import time
@@ -25,6 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from verlite.config import ModelConfig
+from verlite.models import meta_causal_lm, probe_config
+from verlite.models.flops import DecoderShape, attention_width
 from verlite.models.precision import autocast
 from verlite.models.varlen import KWARG, PackedAttention
 
@@ -149,3 +155,31 @@ def _least_squares(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, floa
     variance = residual / max(1, x.shape[0] - x.shape[1])
     errors = (variance * torch.linalg.pinv(x.T @ x).diagonal()).clamp(min=0).sqrt()
     return coef[:, 0], 1.0 - residual / total if total > 0 else 1.0, errors
+
+
+def attention_crossover(cfg: ModelConfig) -> int:
+    """The sequence length at which a token's causal attention costs what its weights do in
+    a packed row, so that a packed row of sequences L_i costs about sum(L_i + L_i^2 /
+    crossover) token-equivalents (``step_batch.row_costs``): ``model.attention_crossover``
+    when set (measured by ``verlite measure-packing``, :func:`measure_packed_cost`), else
+    :func:`flop_crossover`."""
+    if cfg.attention_crossover is not None:
+        return cfg.attention_crossover
+    return flop_crossover(cfg)
+
+
+def flop_crossover(cfg: ModelConfig) -> int:
+    """The attention crossover counted from FLOPs: one decoder layer's parameters over its
+    attention width, heads x head dim (a token's weight FLOPs are 6 x parameters; its share
+    of causal attention over a sequence of length L, 6 x heads x head dim x L per layer:
+    ``flops.DecoderShape``'s count, of a Mixture-of-Experts layer the experts a token is
+    sent to). Counted on models of 1 and 2 layers built on the meta device: no memory, any
+    architecture."""
+    config = probe_config(cfg)
+    counts = []
+    for layers in (1, 2):
+        config = copy.deepcopy(config)
+        config.num_hidden_layers = layers
+        model = meta_causal_lm(config)
+        counts.append(DecoderShape.of(model).dense_params)
+    return max(1, round((counts[1] - counts[0]) / attention_width(config)))

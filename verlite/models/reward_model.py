@@ -28,8 +28,9 @@ from transformers import (
 from transformers.modeling_layers import GenericForSequenceClassification
 
 from verlite.config import ConfigError, RewardModelConfig
-from verlite.models import _pretrained, check_sdpa, model_config
+from verlite.models import _pretrained, model_config
 from verlite.models.precision import fp64_throughout
+from verlite.models.support import check_sdpa
 from verlite.models.varlen import Padding, known_padding, use_verlite_attention
 
 

@@ -9,7 +9,7 @@ sequences regrouped by length, each group a (sequences, heads, longest, dim) bat
 keeps them out), and the outputs go back to the packed order. A sliding-window layer (Hugging
 Face's window: query i attends key j iff 0 <= i - j < window) attends exactly this way when
 no sequence of the row is longer than its window; a row with a longer one is refused (the
-start-up check, ``models.check_packing_supported``, refuses a run whose sequences could be).
+start-up check, ``models.support.check_packing_supported``, refuses a run whose sequences could be).
 Lengths within a group differ by at most a factor of ``GROUP_SPREAD``, which bounds the
 attention spent on pads; the grouping is computed once per micro-batch
 (:class:`PackedAttention`), not per layer, and every index it needs with it: a layer only

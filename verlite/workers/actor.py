@@ -38,7 +38,8 @@ from verlite.generation import (
     split_frozen,
     sync_layout,
 )
-from verlite.models import build_policy, mark_generation_ends, worker_device
+from verlite.models import build_policy, worker_device
+from verlite.models.generation_ends import mark_generation_ends
 from verlite.models.hf import HFModel
 from verlite.models.lora import adapters_disabled, save_adapter
 from verlite.models.precision import (
@@ -359,8 +360,8 @@ class ActorWorker(TrainingWorker, PolicyWorker):
     def export_hf(self, path: str) -> None:
         """Collective: the trained policy in Hugging Face format, gathered on and written by
         rank 0 only, its generation config ending a response at the tokens the rollouts ended
-        at (``models.mark_generation_ends``). A LoRA policy is written as a peft adapter
-        folder, with the base it applies to in ``base/`` unless ``model.path`` names it
+        at (``models.generation_ends.mark_generation_ends``). A LoRA policy is written as a peft
+        adapter folder, with the base it applies to in ``base/`` unless ``model.path`` names it
         (``models.lora.save_adapter``)."""
         state = full_state_dict(self.engine.model, rank0_only=True)
         if self.rank == 0:

@@ -31,8 +31,8 @@ from torch import nn
 from verlite.config import ConfigError
 from verlite.core.logits_chunks import Entropy, chunked_log_probs
 from verlite.distributed import unwrap
-from verlite.models import logits_chunk_tokens
 from verlite.models.hf import output_embeddings
+from verlite.models.logits_chunk import logits_chunk_tokens
 from verlite.models.varlen import Padding, known_padding
 from verlite.step_batch import response_width
 from verlite.workers.packing import PackedRows, pack_rows

@@ -35,7 +35,8 @@ from verlite.data import (
 from verlite.data.files import Conversation
 from verlite.data.templates import common_start, reads_chat_template, reward_chat_text
 from verlite.data.tokenizer import encode_written, holds_special_text, with_special_tokens
-from verlite.models import model_dtype, response_stop_ids, worker_device
+from verlite.models import model_dtype, worker_device
+from verlite.models.generation_ends import response_stop_ids
 from verlite.models.hf import HFModel
 from verlite.models.precision import autocast, store_for_inference
 from verlite.models.reward_model import (
@@ -136,7 +137,7 @@ def reward_texts(
     Face tokenizer, ``data.load_tokenizer``'s): the prompt without its special tokens, then
     the response as it continues the prompt's text (``data.continuation_text``: the space
     before its first word kept; ended by EOS or one of ``stops``,
-    ``models.response_stop_ids``); ``tokenizer``: the reward model's."""
+    ``models.generation_ends.response_stop_ids``); ``tokenizer``: the reward model's."""
     width = td["responses"].shape[1]
     # Each batch read on the host once, not a row at a time (on a GPU every read waits).
     prompts = td["input_ids"][:, :-width].tolist()

@@ -141,7 +141,7 @@ def test_dropout_kept_as_numbers_is_off_and_dropout_read_from_the_config_is_refu
     would differ from the evaluation forward, so such a checkpoint is refused in one line."""
     from transformers import AutoModelForCausalLM, FalconConfig, OPTConfig
 
-    from verlite.models import _pretrained
+    from verlite.models import load_pretrained
 
     shape = {"vocab_size": 32, "hidden_size": 16, "num_hidden_layers": 1}
     opt = OPTConfig(**shape, ffn_dim=32, num_attention_heads=2, word_embed_proj_dim=16)
@@ -150,13 +150,13 @@ def test_dropout_kept_as_numbers_is_off_and_dropout_read_from_the_config_is_refu
     for name, config in (("opt", opt), ("falcon", falcon)):
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / name)
-    model = _pretrained(AutoModelForCausalLM, str(tmp_path / "opt"), torch.float32)
+    model = load_pretrained(AutoModelForCausalLM, str(tmp_path / "opt"), torch.float32)
     ids = torch.arange(1, 9).unsqueeze(0)
     with torch.no_grad():
         evaluated = model.eval()(input_ids=ids).logits
         assert torch.equal(model.train()(input_ids=ids).logits, evaluated)
     with pytest.raises(ModelWeightsError) as caught:
-        _pretrained(AutoModelForCausalLM, str(tmp_path / "falcon"), torch.float32)
+        load_pretrained(AutoModelForCausalLM, str(tmp_path / "falcon"), torch.float32)
     message = str(caught.value)
     assert "\n" not in message and "hidden_dropout=0.3" in message
     assert message.endswith("set these to 0.0 in its config.json")

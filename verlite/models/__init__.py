@@ -194,7 +194,7 @@ class ModelWeightsError(UserError):
     """The weights in ``model.path`` do not fill the model its config.json describes."""
 
 
-def _pretrained(
+def load_pretrained(
     auto_class: AutoClass, path: str, dtype: torch.dtype, *, field: str = "model.path"
 ) -> PreTrainedModel:
     """The model in ``path`` (the config's ``field``), every parameter loaded from its
@@ -352,7 +352,8 @@ class ValueModel(nn.Module):
 def build_value_model(
     cfg: ModelConfig, *, vocab_size: int, max_positions: int, seed: int
 ) -> ValueModel:
-    """The critic: the policy's trunk (pretrained weights when ``cfg.path`` is set) + a fresh head."""
+    """The critic: the policy's trunk (pretrained weights when ``cfg.path`` is set) and a
+    fresh head."""
     torch.manual_seed(seed)
     trunk = _base_model(AutoModel, cfg, vocab_size, max_positions)
     hidden_size: int = trunk.config.hidden_size
@@ -373,7 +374,7 @@ def _base_model(
     current seed) and cast (``precision.cast_weights``)."""
     dtype = model_dtype(cfg)
     if cfg.path is not None:
-        return _pretrained(auto_class, cfg.path, dtype)
+        return load_pretrained(auto_class, cfg.path, dtype)
     config = hf_config(cfg, vocab_size, max_positions)
     model: PreTrainedModel = auto_class.from_config(config)
     return cast_weights(model, dtype)

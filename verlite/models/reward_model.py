@@ -28,7 +28,7 @@ from transformers import (
 from transformers.modeling_layers import GenericForSequenceClassification
 
 from verlite.config import ConfigError, RewardModelConfig
-from verlite.models import _pretrained, model_config
+from verlite.models import load_pretrained, model_config
 from verlite.models.precision import fp64_throughout
 from verlite.models.support import check_sdpa
 from verlite.models.varlen import Padding, known_padding, use_verlite_attention
@@ -91,7 +91,7 @@ def check_reward_model(cfg: RewardModelConfig) -> None:
 def load_reward_model(cfg: RewardModelConfig, dtype: torch.dtype) -> PreTrainedModel:
     """The reward model of ``cfg.path``, every weight loaded, in eval mode."""
     assert cfg.path is not None
-    model = _pretrained(
+    model = load_pretrained(
         AutoModelForSequenceClassification, cfg.path, dtype, field="reward.model.path"
     )
     evaluated: PreTrainedModel = fp64_throughout(model).eval()

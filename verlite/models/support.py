@@ -49,7 +49,7 @@ def check_tokenizer_fits(path: str | None, tokenizer_size: int, *, field: str) -
 
 def check_attention_supported(cfg: ModelConfig) -> None:
     """``model.path`` at start-up: its class runs scaled-dot-product attention, which every
-    model is loaded with (``_pretrained``; eager attention yields NaN on fully padded query
+    model is loaded with (``load_pretrained``; eager attention yields NaN on fully padded query
     rows); refused in one line otherwise (checked on a model built on the meta device: no
     memory), where each worker's load would raise once Ray started. The built-in decoders
     (Llama, Qwen2) do."""
@@ -60,7 +60,7 @@ def check_attention_supported(cfg: ModelConfig) -> None:
 
 def check_sdpa(model: PreTrainedModel, *, field: str, path: str) -> None:
     """``model`` (the one in ``path``, the config's ``field``; built on the meta device)
-    runs scaled-dot-product attention, which ``_pretrained`` loads every model with; one
+    runs scaled-dot-product attention, which ``load_pretrained`` loads every model with; one
     line otherwise."""
     if not model._supports_sdpa:
         raise ConfigError(

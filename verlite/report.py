@@ -76,8 +76,11 @@ def metric_names(records: Sequence[Record]) -> list[str]:
 
 
 def _direction(key: str) -> Literal["max", "min"] | None:
-    """Which way is better, where one is: none for entropy, lengths, norms, ratios."""
-    if key.startswith("timing_s/") or "loss" in key:
+    """Which way is better, where one is: none for entropy, lengths, norms, ratios, and the
+    policy's losses (``actor/*``: each is its batch's objective against that batch's own
+    advantages or reference, no measure of how good the policy is); lower for a value
+    model's loss and for seconds."""
+    if key.startswith("timing_s/") or ("loss" in key and not key.startswith("actor/")):
         return "min"
     if any(word in key for word in ("score", "accuracy", "throughput", "explained_var")):
         return "max"

@@ -82,8 +82,9 @@ def test_table_has_first_last_best_mean_steps_and_wall_time(
         "0.325",
     ]
     assert _row(out, "val/score/mean") == ["val/score/mean", "2", "0.2", "0.6", "0.6", "@4", "0.4"]
-    assert _row(out, "actor/pg_loss") == ["actor/pg_loss", "4", "1", "0.25", "-2", "@2", "-0.0625"]
-    # No direction is better for entropy: no best.
+    # No direction is better for the policy's loss (its batch's objective) or entropy: no
+    # best. Mutation: every loss taken lower-is-better -> fails
+    assert _row(out, "actor/pg_loss") == ["actor/pg_loss", "4", "1", "0.25", "-", "-0.0625"]
     assert _row(out, "actor/entropy") == ["actor/entropy", "4", "2", "0.5", "-", "1.25"]
     keys = [line.split()[0] for line in out.splitlines()[2:]]
     assert keys == [
@@ -159,8 +160,15 @@ def test_unknown_key_exits_2_naming_close_matches(
 
 
 def test_nan_values_are_left_out_of_best_and_mean(tmp_path: Path) -> None:
-    records = [{**r, "actor/pg_loss": float("nan")} if r["step"] == 2 else r for r in RECORDS]
-    (row,) = summary_rows(load_metrics(_write(tmp_path, records)), ["actor/pg_loss"])
+    """A value model's loss is better lower (the policy's has no best: the table test)."""
+    records = [
+        {
+            "step": r["step"],
+            "critic/vf_loss": float("nan") if r["step"] == 2 else r["actor/pg_loss"],
+        }
+        for r in RECORDS
+    ]
+    (row,) = summary_rows(load_metrics(_write(tmp_path, records)), ["critic/vf_loss"])
     assert (row.count, row.best, row.best_step) == (4, 0.25, 4)
     assert row.mean == pytest.approx((1.0 + 0.5 + 0.25) / 3)
 

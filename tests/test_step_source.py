@@ -525,6 +525,24 @@ def test_with_the_samplers_log_probs_serving_no_actor_pass_runs() -> None:
             False,
             "so algorithm.rollout_correction=tis has nothing to correct",
         ),
+        # tis with a truncated sampler weighs each token by the mass kept: said, whichever
+        # source. Mutation: the tail left out -> both fail
+        (
+            [
+                "algorithm.recompute_old_log_probs=auto",
+                "algorithm.rollout_correction=tis",
+                "rollout.top_k=5",
+            ],
+            True,
+            "rollout.top_k=5); with rollout.top_k=5 the sampler draws from the truncated "
+            "distribution, so algorithm.rollout_correction=tis weighs each token by the "
+            "probability mass the truncation kept (at most 1",
+        ),
+        (
+            ["algorithm.rollout_correction=tis", "rollout.top_k=5", "rollout.top_p=0.9"],
+            True,
+            "=always); with rollout.top_k=5 and rollout.top_p=0.9 the sampler draws",
+        ),
     ],
 )
 def test_the_old_log_probs_are_recomputed_unless_they_can_only_repeat_the_samplers(

@@ -197,7 +197,8 @@ def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
     if cfg.algorithm.recompute_old_log_probs == "always":
         return (
             True,
-            "old log-probs: recomputed by the actor (algorithm.recompute_old_log_probs=always)",
+            "old log-probs: recomputed by the actor (algorithm.recompute_old_log_probs=always)"
+            + _truncated_tis(cfg),
         )
     rollout = cfg.rollout
     reasons = [
@@ -206,15 +207,13 @@ def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
             (f"rollout.max_staleness={rollout.max_staleness}", rollout.max_staleness > 0),
             (f"model.precision={cfg.precision}", cfg.precision != "fp32"),
             ("rollout.temperature=0 (greedy)", rollout.temperature == 0),
-            (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0),
-            (f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1.0),
         )
         if applies
-    ]
+    ] + _truncation(cfg)
     if reasons:
         return True, (
             "old log-probs: recomputed by the actor, as the sampler's may differ "
-            f"(algorithm.recompute_old_log_probs=auto; {', '.join(reasons)})"
+            f"(algorithm.recompute_old_log_probs=auto; {', '.join(reasons)})" + _truncated_tis(cfg)
         )
     inert = (
         "; so algorithm.rollout_correction=tis has nothing to correct (weights 1)"
@@ -224,6 +223,34 @@ def old_log_probs_source(cfg: Config) -> tuple[bool, str]:
     return False, (
         "old log-probs: the sampler's own, which a recompute would repeat to float rounding "
         f"(algorithm.recompute_old_log_probs=auto): one forward pass a step saved{inert}"
+    )
+
+
+def _truncation(cfg: Config) -> list[str]:
+    """The settings that make the sampler draw from a truncated distribution."""
+    rollout = cfg.rollout
+    return [
+        setting
+        for setting, applies in (
+            (f"rollout.top_k={rollout.top_k}", rollout.top_k > 0),
+            (f"rollout.top_p={rollout.top_p:g}", rollout.top_p < 1.0),
+        )
+        if applies
+    ]
+
+
+def _truncated_tis(cfg: Config) -> str:
+    """What ``algorithm.rollout_correction=tis`` weighs with top-k or top-p sampling (the
+    start-up line's tail; empty otherwise): the sampler's log-probs are of the truncated,
+    renormalized distribution, so on-policy each weight is the probability mass the
+    truncation kept, at most 1, and scales that token's policy gradient down."""
+    truncation = _truncation(cfg)
+    if cfg.algorithm.rollout_correction != "tis" or not truncation:
+        return ""
+    return (
+        f"; with {' and '.join(truncation)} the sampler draws from the truncated distribution, "
+        "so algorithm.rollout_correction=tis weighs each token by the probability mass the "
+        "truncation kept (at most 1: on-policy it scales the policy gradient down)"
     )
 
 

@@ -519,25 +519,26 @@ class Trainer:
         """One step: the numbered stages, each one worker-group call or driver math."""
         cfg, timer = self.cfg, Timer()
         step_start = time.perf_counter()
+        values: PendingCall | None = None  # 3. the critic's values, once submitted
         if self.dynamic_sampling is None:
             with timer("rollout"):  # 1. the step's batch (generated now or ahead), log-probs
-                generated = self.step_source.take(step)
+                # With a critic, its value pass runs beside the actor's log-prob pass: neither
+                # reads the other's result.
+                generated = self.step_source.take(step, log_probs=self.critic is None)
+                if self.critic is not None:
+                    values = self._values(generated.batch, timer)
+                    generated.metrics.update(self.step_source.add_log_probs(generated.batch))
             with timer("reward"):  # 2. scores (a multi-turn environment's, or reward.combine's)
                 scores, reward_metrics = self._score(generated)
         else:  # 1-2. more draws until enough groups' scores vary (DAPO's dynamic sampling)
             generated, scores, reward_metrics = self.dynamic_sampling.take(step, timer)
         batch = generated.batch
         sampler_metrics = self._behaviour_policy(batch)
-        if self.critic is not None:
-            with timer("values"):  # 3. values
-                batch.update(
-                    self.critic.call(
-                        "compute_values",
-                        batch,
-                        dispatch=self.splits["critic"],
-                        collect="concat",
-                    )
-                )
+        if self.critic is not None:  # 3. values (in flight since the batch was generated)
+            if values is None:  # dynamic sampling's batch: its log-probs are in
+                values = self._values(batch, timer)
+            batch.update(values.result())
+            timer.stop("values")
         with timer("adv"):  # 4. token rewards and advantages
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
             at_limit = response_lengths(batch) >= cfg.response_width
@@ -633,6 +634,19 @@ class Trainer:
             batch,
             dispatch=replace(self.splits[role], mini_batches=k),
             collect="metrics",
+        )
+
+    def _values(self, batch: TensorDict, timer: Timer) -> PendingCall:
+        """Start the critic's value pass over the step batch's rows, timed from here as
+        ``values`` (the caller stops it at the result); the sampling keys and the sampler's
+        log-probs, which no forward pass reads, stay on the driver."""
+        assert self.critic is not None
+        timer.start("values")
+        return self.critic.call_async(
+            "compute_values",
+            batch.exclude("sample_key", "rollout_log_probs"),
+            dispatch=self.splits["critic"],
+            collect="concat",
         )
 
     def _behaviour_policy(self, batch: TensorDict) -> dict[str, float]:

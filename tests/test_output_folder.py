@@ -157,13 +157,13 @@ def test_a_resume_under_other_package_versions_says_so_in_a_line_of_its_own(
     state = json.loads(state_file.read_text())
     state_file.write_text(json.dumps({**state, "versions": here}))
     assert resume_and_notes(config(out)) == (resume_from, [])  # the same versions
-    older = {**here, "torch": "2.11.0", "transformers": "5.24.0"}
+    older = {**here, "torch": "0.0.1", "transformers": "0.0.2"}
     state_file.write_text(json.dumps({**state, "versions": older}))
     _, notes = resume_and_notes(config(out, "actor.optim.lr=0.0005"))
     assert notes == [
         f"resuming {resume_from} with changed settings: actor.optim.lr: 0.001 -> 0.0005",
         f"resuming {resume_from} under other package versions than it was written with: "
-        f"torch 2.11.0 -> {here['torch']}, transformers 5.24.0 -> {here['transformers']}; its "
+        f"torch 0.0.1 -> {here['torch']}, transformers 0.0.2 -> {here['transformers']}; its "
         "metrics may then differ from an uninterrupted run's",
     ]
 

@@ -206,7 +206,7 @@ def test_a_checkpoint_of_this_configs_model_that_reads_as_anothers_is_damaged(
         index.write_bytes(pickle.dumps(metadata))
         if versions == "another transformers":
             state = json.loads((step / "trainer_state.json").read_text())
-            state["versions"]["transformers"] = "5.24.0"
+            state["versions"]["transformers"] = "0.0.2"
             (step / "trainer_state.json").write_text(json.dumps(state))
 
     out = _damaged(written, tmp_path, key_renamed, 2)
@@ -216,7 +216,7 @@ def test_a_checkpoint_of_this_configs_model_that_reads_as_anothers_is_damaged(
     assert f"cannot load {folder}: its values are another model's (RuntimeError: Missing " in err
     if versions == "another transformers":
         assert (
-            f"; it was written under other package versions (transformers 5.24.0 -> "
+            f"; it was written under other package versions (transformers 0.0.2 -> "
             f"{here['transformers']}), whose model classes may name its values otherwise: "
             "resume it under those versions; if it reads so there too, its files are damaged. "
             "Resume from an earlier one"

@@ -13,8 +13,10 @@ import time
 from typing import ClassVar
 
 import pytest
+from chat_model_support import chat_tokenizer
 
-from verlite.config import ConfigError
+from verlite.config import ConfigError, load_config
+from verlite.data.dataset import build_datasets
 from verlite.data.tasks import TASKS
 from verlite.data.tokenizer import build_task_tokenizer
 from verlite.envs.base import Turn
@@ -56,6 +58,37 @@ def test_the_lookup_tool_answers_its_key_and_scores_the_final_answer() -> None:
     assert called.start_step("4800")() == Turn("", pytest.approx(0.2 + 0.8 * 0.5), True)
     assert session(Lookup).start_step("4821")() == Turn("", 0.8, True)  # a lucky guess, no lookup
     assert digits_in_place("48210", "4821") == 0.8  # no credit for a wrong length
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [
+            "data.chat_template=true",
+            "model.path=/models/chat",
+            "data.system_prompt=look it up.",
+            "data.max_prompt_length=64",
+            "rollout.multi_turn.max_total_length=128",
+        ],
+        [
+            "data.prompt_suffix=look it up.",
+            "data.max_prompt_length=32",
+            "rollout.multi_turn.max_total_length=64",
+        ],
+    ],
+    ids=["chat_template", "prompt_suffix"],
+)
+def test_the_lookup_tool_answers_the_key_of_a_prompt_rendered_or_with_a_suffix(
+    overrides: list[str],
+) -> None:
+    """An environment is reset with the record of the prompt as the policy reads it: rendered
+    in the chat template, or with the suffix after it; the tool still holds the task's key."""
+    cfg = load_config("configs/tool_tiny.yaml", overrides)
+    tokenizer = chat_tokenizer() if cfg.data.chat_template else build_task_tokenizer()
+    record = build_datasets(cfg, tokenizer)[0][0]
+    assert record["prompt"] != "821>"  # the task's prompt, as the policy reads it
+    s = session(Lookup, record=dict(record))
+    assert s.start_step("821+")() == Turn("=6", 0.2, False)
 
 
 def test_without_the_tool_no_call_reveals_the_value() -> None:

@@ -5,16 +5,19 @@ nothing in the prompt determines. The policy may call the lookup tool by writing
 key (or nothing: the prompt's key) and the turn's stop text, ``375+`` or ``+``: the tool
 answers ``=4`` (the value of that key, or ``=`` alone for a key it does not hold). A
 turn that does not end with the stop text is the policy's answer, and ends the
-trajectory. The score: ``LOOKUP_CREDIT`` for having found the value with the tool, plus the
-rest times :func:`digits_in_place` of the answer against the value (partial credit per
-position, none for the length alone); 1 only for looking the value up and answering it.
+trajectory. The tool reads the key off the prompt as the task wrote it (the conversation's
+last turn, up to its ``>``), not off the record's prompt as the policy reads it, which the
+chat template renders (``data.chat_template``) or ``data.prompt_suffix`` ends. The score:
+``LOOKUP_CREDIT`` for having found the value with the tool, plus the rest times
+:func:`digits_in_place` of the answer against the value (partial credit per position, none
+for the length alone); 1 only for looking the value up and answering it.
 Without the tool (``lookup_without_tool``, whose tool knows no key) the policy can only
 guess: a tenth of the digits, 0.08 of the score, on average.
 """
 
 from __future__ import annotations
 
-from verlite.data.files import PromptRecord
+from verlite.data.files import PromptRecord, record_conversation
 from verlite.envs.base import Turn
 
 CALL = "+"  # the text that ends a tool call: rollout.multi_turn.turn_stop
@@ -36,7 +39,8 @@ class Lookup:
     knows_keys = True
 
     def reset(self, record: PromptRecord) -> None:
-        self.key = record["prompt"].rstrip(">")
+        # The task's prompt is the conversation's last turn, ahead of any suffix.
+        self.key = record_conversation(record)[-1]["content"].partition(">")[0]
         self.value = record["answer"]
         self.looked_up = False
 

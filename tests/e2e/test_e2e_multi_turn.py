@@ -85,20 +85,22 @@ def test_a_tool_that_times_out_ends_its_trajectory_not_the_run(tmp_path: Path, l
         tmp_path,
         "rollout.multi_turn.env=slow_tool:SlowLookup",  # tests/user_code/slow_tool.py
         "rollout.multi_turn.tool_timeout_s=0.05",
-        "rollout.multi_turn.max_abandoned_calls=32",  # all 32 calls of the step may still run
-        "trainer.val_freq=0",
+        # all 32 calls of the step may still run, beside the validation's 4
+        "rollout.multi_turn.max_abandoned_calls=36",
+        "data.num_val_samples=4",
+        "trainer.val_freq=1",
         "trainer.total_steps=1",
     )
     run(cfg, RunInputs.load(cfg))
     records = read(tmp_path)
     assert len(records) == 1
-    rows = cfg.data.train_batch_size * cfg.rollout.n
     # every first turn's call timed out, its thread left running: every trajectory ended
-    # there, scored 0
-    assert all(r["multiturn/tool_errors"] == rows for r in records)
-    assert all(r["multiturn/abandoned_calls"] == rows for r in records)
-    assert all(r["multiturn/turns/mean"] == 1 for r in records)
-    assert all(r["critic/score/mean"] == 0 for r in records)
+    # there, scored 0; so did the validation's, which counts them too
+    for prefix, rows in (("", cfg.data.train_batch_size * cfg.rollout.n), ("val/", 4)):
+        assert all(r[f"{prefix}multiturn/tool_errors"] == rows for r in records)
+        assert all(r[f"{prefix}multiturn/abandoned_calls"] == rows for r in records)
+        assert all(r[f"{prefix}multiturn/turns/mean"] == 1 for r in records)
+    assert all(r["critic/score/mean"] == 0 and r["val/score/mean"] == 0 for r in records)
 
 
 def test_a_tool_stuck_in_a_loop_stops_the_run_once_its_worker_holds_too_many(

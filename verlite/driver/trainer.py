@@ -733,10 +733,13 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Greedy decoding of the held-out prompts; the mean score is ``val/score/mean``, and
         ``val/data/truncated_prompts`` (and ``val/data/dropped_prompts``) count those cut to
-        ``data.max_prompt_length`` (left out), as ``data/...`` the training set's."""
+        ``data.max_prompt_length`` (left out), as ``data/...`` the training set's; a
+        multi-turn run's trajectories' outcomes as ``val/multiturn/...`` (its tool errors and
+        truncations, which score 0 or a cut trajectory's last reward)."""
         records = list(self.val_set)
         batch = self.step_source.validation_batch(records)
         scores, reward_metrics = self.scorer.score(batch, records)
+        reward_metrics.update(self._multi_turn(batch))
         return {
             "val/score/mean": float(scores.mean()),
             **self.val_set.length_metrics("val/"),

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from chat_model_support import save_end_of_turn_model
 from model_support import tiny_qwen2
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from verlite.config import Config, ConfigError, load_config
 from verlite.data import load_tokenizer
@@ -93,6 +95,43 @@ def test_a_turn_stop_among_them_ends_a_turn_only(gemma_like: Path) -> None:
     end = turn_stop_id(cfg, tokenizer)
     assert end == tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert end not in response_stop_ids(cfg, tokenizer)
+
+
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama's and Mistral's: Metaspace, a text's first word
+    marked with ``▁``) whose vocabulary holds both ``?`` and ``▁?`` (a question mark after a
+    space)."""
+    words = ["cat", "dog", "key", "val", "bar", "foo", "baz", "qux", "one", "two", "six", "ten"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<pad>", "<eos>", "<unk>"])
+    tokenizer.train_from_iterator([" ".join(w + "?" for w in words) + " ? ? ? ?"] * 50, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def test_a_turn_stop_is_the_token_a_turn_ends_with_after_its_text() -> None:
+    """A turn written ``cat?`` ends with the ``?`` token, not with ``▁?``, which a SentencePiece
+    tokenizer makes of ``?`` alone (the start of a text, read as after a space). Mutation:
+    turn_stop tokenized alone -> ``▁?``, and a turn ``cat?`` goes on."""
+    tokenizer = metaspace_tokenizer()
+    cfg = load_config(
+        None,
+        [
+            "data.task=lookup",
+            "rollout.multi_turn.env=lookup",
+            "rollout.multi_turn.max_total_length=64",
+            "rollout.multi_turn.turn_stop=?",
+        ],
+    )
+    turn = tokenizer.encode("cat?", add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(turn) == ["▁cat", "?"]
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("?", add_special_tokens=False)) == [
+        "▁?"
+    ]
+    assert turn_stop_id(cfg, tokenizer) == turn[-1]
 
 
 def test_without_a_generation_config_the_models_config_names_them(

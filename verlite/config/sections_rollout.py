@@ -59,7 +59,9 @@ class MultiTurnConfig(Section):
     turn_stop: NonEmptyStr | None = Field(
         None,
         description="The text that ends a policy turn and hands it to the environment (one token "
-        "of the tokenizer, not the end-of-sequence token nor one of rollout.stop_token_ids; one "
+        "of the tokenizer as it follows other text: a SentencePiece tokenizer's '?' after a word, "
+        "not the '▁?' it makes of '?' alone; not the end-of-sequence token nor one of "
+        "rollout.stop_token_ids; one "
         "of model.path's own end tokens then ends a turn only); the end-of-sequence token "
         "always ends the trajectory.",
     )

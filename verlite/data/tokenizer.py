@@ -242,6 +242,25 @@ def _as_text(tokenizer: PreTrainedTokenizerBase, text: str, *, first: bool) -> l
     return list(ids[1:])
 
 
+# The text :func:`tokens_after_text` tokenizes a text after: a digit, which tokenizers keep
+# apart from punctuation (their pre-tokenizers split digits off) and special tokens.
+_TEXT_BEFORE = "0"
+
+
+def tokens_after_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The token ids of ``text`` as it follows other text, as a policy's turn ends with it
+    (``rollout.multi_turn.turn_stop``): a tokenizer that marks a text's first word
+    (SentencePiece's: Llama-2's, Mistral's) makes ``▁?`` of ``?`` alone, the question mark
+    after a space, where a turn written ``cat?`` ends with ``?``. Alone where the text
+    before it would not keep its tokens."""
+    before = tokenizer.encode(_TEXT_BEFORE, add_special_tokens=False)
+    ids = tokenizer.encode(_TEXT_BEFORE + text, add_special_tokens=False)
+    if ids[: len(before)] != before:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        before = []
+    return [int(i) for i in ids[len(before) :]]
+
+
 def continuation_text(
     tokenizer: PreTrainedTokenizerBase,
     prompt: Sequence[int],

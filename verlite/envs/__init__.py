@@ -7,6 +7,7 @@ from __future__ import annotations
 from transformers import PreTrainedTokenizerBase
 
 from verlite.config import Config, ConfigError
+from verlite.data.tokenizer import tokens_after_text
 from verlite.envs.base import Environment, Turn
 from verlite.envs.registry import ENVIRONMENTS, get_environment
 from verlite.envs.session import (
@@ -22,9 +23,11 @@ from verlite.envs.session import (
 def turn_stop_id(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> int:
     """The token of ``rollout.multi_turn.turn_stop``, which must be exactly one, and not one
     that ends the whole trajectory (the end-of-sequence token or a ``rollout.stop_token_ids``
-    one): a turn that stops on it would never be followed by an observation."""
+    one): a turn that stops on it would never be followed by an observation. Its token as
+    it ends a turn's text (:func:`~verlite.data.tokenizer.tokens_after_text`)."""
     stop = cfg.rollout.multi_turn.turn_stop
-    ids = tokenizer.encode(stop, add_special_tokens=False)
+    assert stop is not None  # its callers have one
+    ids = tokens_after_text(tokenizer, stop)
     if len(ids) != 1:
         raise ConfigError(
             f"rollout.multi_turn.turn_stop={stop!r} is {len(ids)} tokens of the model's "

@@ -100,7 +100,16 @@ def scripted(script: list[list[list[int]]]):
     return generate, calls
 
 
-def run(turns: TurnFormat, tokenizer, script, *, end_token_ids, turn_tokens=8, env=Tool):
+def run(
+    turns: TurnFormat,
+    tokenizer,
+    script,
+    *,
+    end_token_ids,
+    turn_tokens=8,
+    env=Tool,
+    turn_stop_ids=(),
+):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "375>"}], add_generation_prompt=True, tokenize=False
     )
@@ -133,6 +142,7 @@ def run(turns: TurnFormat, tokenizer, script, *, end_token_ids, turn_tokens=8, e
         turn_tokens=turn_tokens,
         end_token_ids=end_token_ids,
         pad_token_id=tokenizer.pad_token_id,
+        turn_stop_ids=turn_stop_ids,
         unwritten_end=turns.unwritten_end,
     )
     generate, calls = scripted(script)
@@ -204,6 +214,24 @@ def test_turns_are_the_sampled_tokens_and_the_trajectory_reads_as_the_template_w
         assert so_far[-len(tokenizer.encode("<|im_start|>assistant\n")) :] == tokenizer.encode(
             "<|im_start|>assistant\n"
         )
+
+
+def test_turns_cut_by_the_turn_limit_are_counted() -> None:
+    """A turn of the turn's limit (``rollout.max_response_length``) that neither the turn stop
+    nor an end token ended counts in ``cut_turns`` (``multiturn/turn_clip_ratio``): the
+    environment reads it as a turn all the same. One that ended on either at that length
+    does not."""
+    turns, tokenizer = turns_of(QWEN_TOOL_TEMPLATE)
+    eos, plus, one = (tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "+", "1"))
+    script = [
+        [[one] * 4, [one] * 3 + [plus], [one] * 3 + [eos]],  # cut, then ended at the limit
+        [[one, plus], [one] * 4, [one] * 4],  # a call, then cut twice
+    ]
+    batch, *_ = run(
+        turns, tokenizer, script, end_token_ids=(eos,), turn_tokens=4, turn_stop_ids=(plus,)
+    )
+    assert batch["turns"].tolist() == [3, 3]
+    assert batch["cut_turns"].tolist() == [1, 2]
 
 
 def test_a_turn_that_ends_with_the_templates_end_token_keeps_it_and_it_is_not_written_twice() -> (

@@ -69,6 +69,7 @@ def sampler_agreement(
 
 def multi_turn_statistics(
     turns: torch.Tensor,
+    cut_turns: torch.Tensor,
     tool_calls: torch.Tensor,
     observation_tokens: torch.Tensor,
     truncated: torch.Tensor,
@@ -76,11 +77,13 @@ def multi_turn_statistics(
     abandoned_call: torch.Tensor,
 ) -> dict[str, float]:
     """The ``multiturn/`` metrics of a step's trajectories, from (B,) per-row outcomes: means
-    per trajectory, the share cut short by ``max_turns`` or ``max_total_length``, the
+    per trajectory, the share of policy turns cut by a turn's limit, the share of
+    trajectories cut short by ``max_turns`` or ``max_total_length``, the
     number of tool calls that raised or timed out, and of those that timed out (whose
     threads were left running)."""
     return {
         "multiturn/turns/mean": float(turns.float().mean()),
+        "multiturn/turn_clip_ratio": float(cut_turns.sum() / turns.sum()),
         "multiturn/tool_calls/mean": float(tool_calls.float().mean()),
         "multiturn/observation_tokens/mean": float(observation_tokens.float().mean()),
         "multiturn/truncated": float(truncated.float().mean()),

@@ -74,6 +74,7 @@ class TurnLimits:
     turn_tokens: int  # most tokens of one policy turn
     end_token_ids: tuple[int, ...]  # tokens that end a trajectory (EOS, rollout.stop_token_ids)
     pad_token_id: int
+    turn_stop_ids: tuple[int, ...] = ()  # the token that ends a turn (rollout.multi_turn.turn_stop)
     # With a chat template (``data.chat_template``), the policy turn's end the template writes
     # before an observation, less what the turn wrote itself: ``TurnFormat.unwritten_end``.
     unwritten_end: Callable[[list[int]], list[int]] | None = None
@@ -88,6 +89,7 @@ noise keyed by the turn so that turns do not reuse each other's draws."""
 OUTCOMES = (
     "env_score",
     "turns",
+    "cut_turns",
     "tool_calls",
     "observation_tokens",
     "truncated",
@@ -105,6 +107,7 @@ class _Trajectory:
     active: bool = True
     env_score: float = 0.0
     turns: int = 0
+    cut_turns: int = 0  # turns rollout.max_response_length cut (no stop token ended them)
     tool_calls: int = 0
     observation_tokens: int = 0
     truncated: bool = False
@@ -154,12 +157,17 @@ def generate_multi_turn(
         lengths = out["response_mask"].sum(-1).tolist()
         responses, log_probs = out["responses"].tolist(), out["rollout_log_probs"].tolist()
         turns = []
+        stops = {*limits.end_token_ids, *limits.turn_stop_ids}
         for j, i in enumerate(rows):
             kept = min(lengths[j], room[j])
-            trajectories[i].add(responses[j][:kept], log_probs[j][:kept], policy=True)
+            tokens = responses[j][:kept]
+            trajectories[i].add(tokens, log_probs[j][:kept], policy=True)
             trajectories[i].turns += 1
             trajectories[i].truncated |= kept < lengths[j]
-            turns.append(responses[j][:kept])
+            # A whole turn of the turn's limit that no stop token ended: the environment
+            # reads it as the policy's turn all the same (room cuts count as ``truncated``).
+            trajectories[i].cut_turns += kept == limits.turn_tokens and tokens[-1] not in stops
+            turns.append(tokens)
         # Every row's step is started before any is waited for, so that the environment
         # calls of the worker's threads run side by side; the answers are taken in row order.
         answers = [

@@ -233,6 +233,7 @@ class PolicyWorker(Worker):
                 turn_tokens=params.max_new_tokens,
                 end_token_ids=tuple(params.end_tokens(self.eos_token_id)),
                 pad_token_id=self.pad_token_id,
+                turn_stop_ids=self.stop_token_ids,
                 unwritten_end=None if self.turns is None else self.turns.unwritten_end,
             )
             try:

@@ -111,6 +111,21 @@ def chat_tokenizer(
     return fast
 
 
+def metaspace_tokenizer() -> PreTrainedTokenizerFast:
+    """A SentencePiece-style tokenizer (Llama's and Mistral's: Metaspace, a text's first word
+    marked with ``▁``) whose vocabulary holds both ``?`` and ``▁?`` (a question mark after a
+    space)."""
+    words = ["cat", "dog", "key", "val", "bar", "foo", "baz", "qux", "one", "two", "six", "ten"]
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<pad>", "<eos>", "<unk>"])
+    tokenizer.train_from_iterator([" ".join(w + "?" for w in words) + " ? ? ? ?"] * 50, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
 def save_chat_model(
     folder: Path, template: str | None = QWEN_TEMPLATE, *, bos: bool = False
 ) -> PreTrainedTokenizerFast:

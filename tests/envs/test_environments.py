@@ -13,7 +13,7 @@ import time
 from typing import ClassVar
 
 import pytest
-from chat_model_support import chat_tokenizer
+from chat_model_support import chat_tokenizer, metaspace_tokenizer
 
 from verlite.config import ConfigError, load_config
 from verlite.data.dataset import build_datasets
@@ -448,6 +448,31 @@ def test_an_observation_the_tokenizer_cannot_encode_is_named(observation, messag
     with pytest.raises(EnvironmentBroken) as caught:
         s.observation_ids(observation, tokenizer)
     assert str(caught.value) == f"environment lookup, prompt 7: {message}"
+
+
+class Echoes:
+    """Answers each turn with ``observation`` (the turn's own text when unset)."""
+
+    observation: ClassVar[str | None] = None
+
+    def reset(self, record: dict) -> None:
+        pass
+
+    def step(self, action: str) -> Turn:
+        return Turn(self.observation or action, 0.0, done=False)
+
+
+def test_an_observation_is_tokenized_as_it_follows_the_turn() -> None:
+    """Without a chat template an observation is appended to the turn's text: a tokenizer
+    that marks a text's first word (SentencePiece's) made ``▁cat`` of ``cat`` alone, which
+    reads back with a space the environment did not write (a special token's text in it
+    stays characters: test_multi_turn_chat_template.py's forged observations). Mutation: the
+    observation tokenized alone -> ``cat? cat``."""
+    tokenizer = metaspace_tokenizer()
+    s = session(Echoes)
+    turn = tokenizer.encode("cat?", add_special_tokens=False)
+    observation = s.observation_ids(s.start_step("cat")().observation, tokenizer)
+    assert tokenizer.decode(turn + observation) == "cat?cat"
 
 
 class Refuses:

@@ -16,10 +16,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from chat_model_support import save_end_of_turn_model
+from chat_model_support import metaspace_tokenizer, save_end_of_turn_model
 from model_support import tiny_qwen2
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from verlite.config import Config, ConfigError, load_config
 from verlite.data import load_tokenizer
@@ -95,21 +93,6 @@ def test_a_turn_stop_among_them_ends_a_turn_only(gemma_like: Path) -> None:
     end = turn_stop_id(cfg, tokenizer)
     assert end == tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert end not in response_stop_ids(cfg, tokenizer)
-
-
-def metaspace_tokenizer() -> PreTrainedTokenizerFast:
-    """A SentencePiece-style tokenizer (Llama's and Mistral's: Metaspace, a text's first word
-    marked with ``▁``) whose vocabulary holds both ``?`` and ``▁?`` (a question mark after a
-    space)."""
-    words = ["cat", "dog", "key", "val", "bar", "foo", "baz", "qux", "one", "two", "six", "ten"]
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<pad>", "<eos>", "<unk>"])
-    tokenizer.train_from_iterator([" ".join(w + "?" for w in words) + " ? ? ? ?"] * 50, trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
 
 
 def test_a_turn_stop_is_the_token_a_turn_ends_with_after_its_text() -> None:

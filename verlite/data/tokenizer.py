@@ -247,16 +247,21 @@ def _as_text(tokenizer: PreTrainedTokenizerBase, text: str, *, first: bool) -> l
 _TEXT_BEFORE = "0"
 
 
-def tokens_after_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def tokens_after_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, *, written: bool = False
+) -> list[int]:
     """The token ids of ``text`` as it follows other text, as a policy's turn ends with it
-    (``rollout.multi_turn.turn_stop``): a tokenizer that marks a text's first word
-    (SentencePiece's: Llama-2's, Mistral's) makes ``▁?`` of ``?`` alone, the question mark
-    after a space, where a turn written ``cat?`` ends with ``?``. Alone where the text
-    before it would not keep its tokens."""
+    (``rollout.multi_turn.turn_stop``) or an observation follows the turn: a tokenizer that
+    marks a text's first word (SentencePiece's: Llama-2's, Mistral's) makes ``▁?`` of ``?``
+    alone, the question mark after a space, where a turn written ``cat?`` ends with ``?``.
+    Alone where the text before it would not keep its tokens. ``written``: ``text`` is
+    someone else's writing, its special tokens' texts encoded as characters
+    (:func:`encode_written`)."""
     before = tokenizer.encode(_TEXT_BEFORE, add_special_tokens=False)
-    ids = tokenizer.encode(_TEXT_BEFORE + text, add_special_tokens=False)
+    at = len(_TEXT_BEFORE)  # where ``text`` starts; its span is empty unless it is written
+    ids = encode_written(tokenizer, _TEXT_BEFORE + text, at, None if written else at)
     if ids[: len(before)] != before:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = encode_written(tokenizer, text, 0, None if written else 0)
         before = []
     return [int(i) for i in ids[len(before) :]]
 

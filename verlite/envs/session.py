@@ -45,7 +45,7 @@ from transformers import PreTrainedTokenizerBase
 
 from verlite.data.files import PromptRecord
 from verlite.data.templates import TurnFormat
-from verlite.data.tokenizer import encode_written
+from verlite.data.tokenizer import tokens_after_text
 from verlite.envs.base import Turn
 from verlite.envs.registry import environment_name
 from verlite.errors import RunFailure, UserError, one_line, shown
@@ -391,8 +391,8 @@ class Session:
             self._refuse(f"{what}, not valid text ({exc.reason} at character {exc.start})")
         text = observation if self.turns is None else self.turns.observation_text(observation)
         try:
-            if self.turns is None:
-                ids: list[int] = encode_written(tokenizer, text)
+            if self.turns is None:  # appended to the turn's text as it follows it
+                ids: list[int] = tokens_after_text(tokenizer, text, written=True)
             else:
                 ids = self.turns.observation_ids(text)
         except Exception as exc:  # whatever a tokenizer raises, the observation is the cause

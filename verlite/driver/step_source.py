@@ -1,7 +1,9 @@
 """Where each step's batch comes from (docs/design.md, "Rollout placement and staleness").
 
 ``rollout.placement=colocated``: the actor workers generate the step's batch with the
-weights they train, and compute its old and reference log-probs in the same call.
+weights they train, and compute its old and reference log-probs in the same call; with a
+critic, in a call of their own beside the critic's value pass (``take(log_probs=False)``,
+then :meth:`StepSource.add_log_probs`).
 
 ``split``: the rollout group generates, with the actor's weights synced into it after every
 update (``verlite.generation.weights``: versioned, checked where they land). Weight version
@@ -56,6 +58,9 @@ from verlite.workers.peak_memory import pop_peak
 
 # The generating workers' peak memory of a step (rollout.placement=split).
 ROLLOUT_PEAK = "perf/max_memory_allocated_gb/rollout"
+# Columns of a generated batch that no forward pass reads: the sampling keys and the sampler's
+# log-probs stay on the driver when the batch goes to the actor or the critic.
+DRIVER_ONLY_COLUMNS = ("sample_key", "rollout_log_probs")
 # A checkpoint's batches generated ahead by older weights than its own (``StepSource.save_ahead``).
 GENERATED_AHEAD = "generated_ahead.pt"
 # The rollout settings that place, pace or decode a generation, not what it produces (design.md,
@@ -352,10 +357,11 @@ class StepSource:
 
     def draw_more(self, step: int, draw: int) -> GeneratedStep:
         """Draw ``draw`` of ``step`` (``algorithm.dynamic_sampling``; 0 is the step's first
-        with colocated actors): the next prompts of the data order, numbered after the
-        step's earlier draws (their sampling keys), generated now by the weights that train
-        on them (staleness 0), without log-probs. A checkpoint after the step saves the
-        loader past them."""
+        with colocated actors, and a colocated step's only one with a critic: :meth:`take`
+        without log-probs): the next prompts of the data order, numbered after the step's
+        earlier draws (their sampling keys), generated now by the weights that train on them
+        (staleness 0), without log-probs. A checkpoint after the step saves the loader past
+        them."""
         prompts = self._draw(step, first_prompt=draw * self.cfg.data.train_batch_size)
         start = time.perf_counter()
         if self.rollout is None:
@@ -385,8 +391,7 @@ class StepSource:
         if not self.with_old and not self.with_reference:
             return {}
         start = time.perf_counter()
-        # The sampling keys and the sampler's log-probs stay on the driver.
-        needed = batch.exclude("sample_key", "rollout_log_probs")
+        needed = batch.exclude(*DRIVER_ONLY_COLUMNS)
         batch.update(
             self.actor.call(
                 "compute_log_probs",

@@ -52,7 +52,7 @@ from verlite.driver.dynamic_sampling import DynamicSampling
 from verlite.driver.output_folder import FolderChange, FolderState, tell_node_watcher
 from verlite.driver.preflight import RunInputs
 from verlite.driver.scorer import Scorer
-from verlite.driver.step_source import GeneratedStep, StepSource
+from verlite.driver.step_source import DRIVER_ONLY_COLUMNS, GeneratedStep, StepSource
 from verlite.errors import DamagedFileError, MismatchedFileError, RunFailure
 from verlite.generation import SamplingParams
 from verlite.generation.multi_turn import OUTCOMES as MULTI_TURN_OUTCOMES
@@ -526,7 +526,7 @@ class Trainer:
                 # reads the other's result.
                 generated = self.step_source.take(step, log_probs=self.critic is None)
                 if self.critic is not None:
-                    values = self._values(generated.batch, timer)
+                    values = self._values(generated.batch)
                     generated.metrics.update(self.step_source.add_log_probs(generated.batch))
             with timer("reward"):  # 2. scores (a multi-turn environment's, or reward.combine's)
                 scores, reward_metrics = self._score(generated)
@@ -535,10 +535,9 @@ class Trainer:
         batch = generated.batch
         sampler_metrics = self._behaviour_policy(batch)
         if self.critic is not None:  # 3. values (in flight since the batch was generated)
-            if values is None:  # dynamic sampling's batch: its log-probs are in
-                values = self._values(batch, timer)
+            # Dynamic sampling refuses GAE, the one estimator with a critic (config.checks).
+            assert values is not None
             batch.update(values.result())
-            timer.stop("values")
         with timer("adv"):  # 4. token rewards and advantages
             batch["token_level_scores"] = place_scores(scores, batch["response_mask"])
             at_limit = response_lengths(batch) >= cfg.response_width
@@ -636,15 +635,14 @@ class Trainer:
             collect="metrics",
         )
 
-    def _values(self, batch: TensorDict, timer: Timer) -> PendingCall:
-        """Start the critic's value pass over the step batch's rows, timed from here as
-        ``values`` (the caller stops it at the result); the sampling keys and the sampler's
-        log-probs, which no forward pass reads, stay on the driver."""
+    def _values(self, batch: TensorDict) -> PendingCall:
+        """Start the critic's value pass over the step batch's rows (it times the pass
+        itself: ``timing_s/values`` comes with its update's metrics); the columns that stay on
+        the driver do not travel."""
         assert self.critic is not None
-        timer.start("values")
         return self.critic.call_async(
             "compute_values",
-            batch.exclude("sample_key", "rollout_log_probs"),
+            batch.exclude(*DRIVER_ONLY_COLUMNS),
             dispatch=self.splits["critic"],
             collect="concat",
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -11,7 +12,7 @@ from torch import nn
 
 from verlite.config import Config
 from verlite.core import seeds
-from verlite.core.metrics import MetricDict
+from verlite.core.metrics import Metric, MetricDict
 from verlite.models import build_value_model, worker_device
 from verlite.workers.forward import response_values
 from verlite.workers.objectives import CriticLossSettings, value_loss
@@ -52,12 +53,20 @@ class CriticWorker(TrainingWorker):
         )
         self.loss_fn = partial(value_loss, settings=CriticLossSettings.from_config(cfg.critic))
         self.peak_memory = PeakMemory(device)
+        self._values_seconds: MetricDict = {}  # compute_values's, until the update
 
     def compute_values(self, td: TensorDict) -> TensorDict:
+        """The values of this rank's share of the step batch; its seconds are reported with
+        the update's metrics (they end on the host: on cuda the GPU's work is done)."""
         self.peak_memory.begin()
-        return self.engine.infer(td, _values).cpu()
+        started = time.perf_counter()
+        values = self.engine.infer(td, _values).cpu()
+        self._values_seconds = {"timing_s/values": Metric.max(time.perf_counter() - started)}
+        return values
 
     def update_critic(self, td: TensorDict) -> MetricDict:
         """The value updates of one step over this rank's share, ``(mini_batches, rows)``,
-        and the peak memory of the critic's work in the step."""
-        return self._update(td)
+        the peak memory of the critic's work in the step and the seconds of its value pass
+        (the slowest rank's)."""
+        seconds, self._values_seconds = self._values_seconds, {}
+        return {**self._update(td), **seconds}

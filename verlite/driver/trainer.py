@@ -737,9 +737,9 @@ class Trainer:
         records = list(self.val_set)
         batch = self.step_source.validation_batch(records)
         scores, reward_metrics = self.scorer.score(batch, records)
-        reward_metrics.update(self._multi_turn(batch))
+        outcomes = {**reward_metrics, **self._multi_turn(batch)}
         return {
             "val/score/mean": float(scores.mean()),
             **self.val_set.length_metrics("val/"),
-            **{f"val/{name}": value for name, value in reward_metrics.items()},
+            **{f"val/{name}": value for name, value in outcomes.items()},
         }
